@@ -1,0 +1,475 @@
+//! The `keyshift` command line. Rendering is kept in pure functions so tests can check the
+//! machine-readable contract without spawning the binary.
+
+use crate::keygroup::{
+    self, Assignment, BoundsError, Key, KeyType, RescalePlan, Skew, key_group_for_key,
+};
+use crate::telemetry::{self, LogFormat};
+use clap::{Parser, Subcommand, ValueEnum};
+use serde::Serialize;
+use serde_json::json;
+use std::fmt::Write as _;
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "keyshift",
+    version,
+    about = "Run stateful keyed stream jobs on Kubernetes and rescale them by moving key groups",
+    long_about = "keyshift runs stateful keyed stream jobs and rescales them by moving key groups \
+                  through an object store instead of replaying history. Key-group math is \
+                  bit-for-bit Apache Flink's."
+)]
+pub struct Cli {
+    /// Log line format (logs go to stderr).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "KEYSHIFT_LOG_FORMAT")]
+    pub log_format: LogFormat,
+
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Show the key-group assignment and skew for a parallelism, and what a rescale moves.
+    Plan(PlanArgs),
+    /// Show which key group (and subtask) keys land in.
+    Keygroup(KeygroupArgs),
+    /// Print the StreamJob CustomResourceDefinition as YAML.
+    Crd,
+}
+
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// A table for people.
+    #[default]
+    Table,
+    /// One JSON object (per key for `keygroup`), for programs.
+    Json,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// Parallelism (number of subtasks) to plan for.
+    #[arg(long, short = 'p', allow_negative_numbers = true)]
+    pub parallelism: i64,
+    /// Key-group count (max parallelism). Default: Flink's rule applied to the parallelism the
+    /// job started at (--from-parallelism if given, else --parallelism).
+    #[arg(long, short = 'g', allow_negative_numbers = true)]
+    pub max_parallelism: Option<i64>,
+    /// Current parallelism: also show which key groups move in a rescale from it.
+    #[arg(long, allow_negative_numbers = true)]
+    pub from_parallelism: Option<i64>,
+    /// Output format.
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct KeygroupArgs {
+    /// Key-group count (max parallelism).
+    #[arg(long, short = 'g', allow_negative_numbers = true)]
+    pub max_parallelism: i64,
+    /// Parallelism: also show the subtask owning each key.
+    #[arg(long, short = 'p', allow_negative_numbers = true)]
+    pub parallelism: Option<i64>,
+    /// How keys are hashed (Java String, Long or Integer hashCode).
+    #[arg(long, value_enum, default_value_t = KeyType::String)]
+    pub key_type: KeyType,
+    /// Output format.
+    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
+    pub output: Output,
+    /// Keys. Without any, keys are read from stdin, one per line (an empty line is the empty
+    /// string key).
+    pub keys: Vec<String>,
+}
+
+/// Errors the CLI reports (one line, non-zero exit).
+#[derive(Debug, thiserror::Error)]
+pub enum CliError {
+    #[error("{0}")]
+    Bounds(#[from] BoundsError),
+    #[error(
+        "{bounds} (the ceiling was derived by Flink's default rule from parallelism {base}; pass --max-parallelism if the job's ceiling differs)"
+    )]
+    DefaultCeiling { bounds: BoundsError, base: i64 },
+    #[error("{0}")]
+    Plan(#[from] keygroup::PlanError),
+    #[error("line {line}: {source}")]
+    KeyOnLine {
+        line: usize,
+        source: keygroup::KeyParseError,
+    },
+    #[error("{0}")]
+    Key(#[from] keygroup::KeyParseError),
+    #[error("reading keys from stdin: {0}")]
+    Stdin(std::io::Error),
+    #[error("writing output: {0}")]
+    Stdout(std::io::Error),
+    #[error("rendering the CRD: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+}
+
+/// Entry point of the binary.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    telemetry::init(cli.log_format);
+    match run(cli.command) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(command: Command) -> Result<(), CliError> {
+    let stdout = std::io::stdout();
+    let mut out = stdout.lock();
+    match command {
+        Command::Plan(args) => {
+            let text = plan(&args)?;
+            out.write_all(text.as_bytes()).map_err(CliError::Stdout)
+        }
+        Command::Keygroup(args) => keygroup_cmd(&args, &mut out),
+        Command::Crd => {
+            let yaml = crate::crd::crd_yaml()?;
+            out.write_all(yaml.as_bytes()).map_err(CliError::Stdout)
+        }
+    }
+}
+
+/// The key-group count for a plan and whether it was derived by default.
+fn resolve_ceiling(args: &PlanArgs) -> Result<(i64, bool), CliError> {
+    match args.max_parallelism {
+        Some(g) => Ok((g, false)),
+        None => {
+            let base = args.from_parallelism.unwrap_or(args.parallelism);
+            if base < 1 {
+                return Err(BoundsError::ParallelismTooSmall(base).into());
+            }
+            let base = u32::try_from(base).unwrap_or(u32::MAX);
+            Ok((i64::from(keygroup::default_max_parallelism(base)), true))
+        }
+    }
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct SubtaskRow {
+    index: u32,
+    key_groups: [u32; 2],
+    count: u32,
+}
+
+/// Renders `keyshift plan` (table or JSON) or explains which bound is violated.
+pub fn plan(args: &PlanArgs) -> Result<String, CliError> {
+    let (g, defaulted) = resolve_ceiling(args)?;
+    let default_base = args.from_parallelism.unwrap_or(args.parallelism);
+    let to = Assignment::new(args.parallelism, g).map_err(|e| match e {
+        BoundsError::ParallelismAboveCeiling { .. } if defaulted => CliError::DefaultCeiling {
+            bounds: e,
+            base: default_base,
+        },
+        e => e.into(),
+    })?;
+    let from = args
+        .from_parallelism
+        .map(|q| Assignment::new(q, g))
+        .transpose()?;
+    let rescale = from.map(|f| keygroup::rescale_plan(f, to)).transpose()?;
+    let skew = to.skew();
+    match args.output {
+        Output::Json => Ok(plan_json(&to, defaulted, &skew, rescale.as_ref()).to_string() + "\n"),
+        Output::Table => Ok(plan_table(
+            &to,
+            defaulted,
+            default_base,
+            &skew,
+            rescale.as_ref(),
+        )),
+    }
+}
+
+fn plan_json(
+    to: &Assignment,
+    defaulted: bool,
+    skew: &Skew,
+    rescale: Option<&RescalePlan>,
+) -> serde_json::Value {
+    let subtasks: Vec<SubtaskRow> = to
+        .ranges()
+        .iter()
+        .enumerate()
+        .map(|(i, r)| SubtaskRow {
+            index: i as u32,
+            key_groups: [r.start, r.end],
+            count: r.len(),
+        })
+        .collect();
+    let mut v = json!({
+        "maxParallelism": to.max_parallelism(),
+        "maxParallelismDefaulted": defaulted,
+        "parallelism": to.parallelism(),
+        "subtasks": subtasks,
+        "divides": skew.divides,
+        "skew": skew.ratio,
+        "minGroups": skew.min_groups,
+        "maxGroups": skew.max_groups,
+        "busiestSubtasks": skew.busiest_subtasks,
+        "lightestSubtasks": skew.lightest_subtasks,
+        "nearestDivisors": [skew.divisor_below, skew.divisor_above],
+        "summary": skew.summary(),
+    });
+    if let Some(plan) = rescale {
+        let moves: Vec<_> = plan
+            .subtasks
+            .iter()
+            .map(|s| {
+                json!({
+                    "index": s.index,
+                    "keyGroups": [s.key_groups.start, s.key_groups.end],
+                    "pairedWith": s.paired_with,
+                    "movedGroups": s.moved_groups,
+                    "reads": s.reads.iter().map(|r| json!({
+                        "from": r.from,
+                        "keyGroups": [r.key_groups.start, r.key_groups.end],
+                        "count": r.count,
+                    })).collect::<Vec<_>>(),
+                })
+            })
+            .collect();
+        v["rescale"] = json!({
+            "fromParallelism": plan.from_parallelism,
+            "toParallelism": plan.to_parallelism,
+            "movedGroups": plan.moved_groups,
+            "movedFraction": plan.moved_fraction,
+            "subtasks": moves,
+        });
+    }
+    v
+}
+
+fn plan_table(
+    to: &Assignment,
+    defaulted: bool,
+    default_base: i64,
+    skew: &Skew,
+    rescale: Option<&RescalePlan>,
+) -> String {
+    let mut s = String::new();
+    let g = to.max_parallelism();
+    if defaulted {
+        let _ = writeln!(
+            s,
+            "max parallelism: {g} (defaulted by Flink's rule for parallelism {default_base}: \
+             min(max(nextPowerOfTwo(p + p/2), 128), 32768); pass --max-parallelism to choose)"
+        );
+    } else {
+        let _ = writeln!(s, "max parallelism: {g}");
+    }
+    let _ = writeln!(s, "parallelism:     {}", to.parallelism());
+    let _ = writeln!(s);
+    match rescale {
+        None => {
+            let _ = writeln!(s, "{:>7}  {:>11}  {:>5}", "SUBTASK", "KEY GROUPS", "COUNT");
+            for (i, r) in to.ranges().iter().enumerate() {
+                let _ = writeln!(s, "{i:>7}  {:>11}  {:>5}", r.to_string(), r.len());
+            }
+        }
+        Some(plan) => {
+            let _ = writeln!(
+                s,
+                "{:>7}  {:>11}  {:>5}  {:>6}  {:>5}  READS FROM (old subtask: groups)",
+                "SUBTASK", "KEY GROUPS", "COUNT", "PAIRED", "MOVED"
+            );
+            for st in &plan.subtasks {
+                let reads: Vec<String> = st
+                    .reads
+                    .iter()
+                    .map(|r| format!("{}: {}", r.from, r.key_groups))
+                    .collect();
+                let paired = st
+                    .paired_with
+                    .map_or_else(|| "-".to_owned(), |p| p.to_string());
+                let _ = writeln!(
+                    s,
+                    "{:>7}  {:>11}  {:>5}  {:>6}  {:>5}  {}",
+                    st.index,
+                    st.key_groups.to_string(),
+                    st.key_groups.len(),
+                    paired,
+                    st.moved_groups,
+                    reads.join(", ")
+                );
+            }
+            let _ = writeln!(s);
+            let _ = writeln!(
+                s,
+                "rescale {} -> {}: {} of {} key groups ({:.1}%) change owner when each new subtask \
+                 replaces the old subtask it overlaps most",
+                plan.from_parallelism,
+                plan.to_parallelism,
+                plan.moved_groups,
+                g,
+                plan.moved_fraction * 100.0
+            );
+        }
+    }
+    let _ = writeln!(s);
+    let _ = writeln!(s, "skew: {}", skew.summary());
+    s
+}
+
+/// Runs `keyshift keygroup`, writing one line per key as soon as it is computed.
+fn keygroup_cmd(args: &KeygroupArgs, out: &mut impl Write) -> Result<(), CliError> {
+    // Validate the pair up front so a bad bound is reported before reading any key.
+    let assignment = match args.parallelism {
+        Some(p) => Some(Assignment::new(p, args.max_parallelism)?),
+        None => {
+            Assignment::new(1, args.max_parallelism)?;
+            None
+        }
+    };
+    let g = args.max_parallelism as u32;
+    let mut emit = |key: Key| -> Result<(), CliError> {
+        let line = keygroup_line(&key, g, assignment.as_ref(), args.output);
+        out.write_all(line.as_bytes()).map_err(CliError::Stdout)
+    };
+    if args.keys.is_empty() {
+        let stdin = std::io::stdin();
+        for (n, line) in stdin.lock().lines().enumerate() {
+            let line = line.map_err(CliError::Stdin)?;
+            let text = line.strip_suffix('\r').unwrap_or(&line);
+            let key = Key::parse(text, args.key_type).map_err(|source| CliError::KeyOnLine {
+                line: n + 1,
+                source,
+            })?;
+            emit(key)?;
+        }
+    } else {
+        for text in &args.keys {
+            emit(Key::parse(text, args.key_type)?)?;
+        }
+    }
+    Ok(())
+}
+
+/// One output line of `keyshift keygroup` (with its newline).
+pub fn keygroup_line(
+    key: &Key,
+    max_parallelism: u32,
+    assignment: Option<&Assignment>,
+    output: Output,
+) -> String {
+    let group = key_group_for_key(key, max_parallelism);
+    let subtask = assignment.map(|a| a.owner(group));
+    match output {
+        Output::Json => {
+            let mut v = json!({ "key": key, "keyGroup": group });
+            if let Some(s) = subtask {
+                v["subtask"] = json!(s);
+            }
+            v.to_string() + "\n"
+        }
+        Output::Table => match subtask {
+            Some(s) => format!("{key}\t{group}\t{s}\n"),
+            None => format!("{key}\t{group}\n"),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(p: i64, g: Option<i64>, from: Option<i64>, output: Output) -> PlanArgs {
+        PlanArgs {
+            parallelism: p,
+            max_parallelism: g,
+            from_parallelism: from,
+            output,
+        }
+    }
+
+    #[test]
+    fn plan_json_contract() {
+        let text = plan(&args(100, Some(128), None, Output::Json)).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        assert_eq!(v["maxParallelism"], 128);
+        assert_eq!(v["maxParallelismDefaulted"], false);
+        assert_eq!(v["parallelism"], 100);
+        assert_eq!(v["divides"], false);
+        assert_eq!(v["skew"], 2.0);
+        assert_eq!(v["nearestDivisors"], json!([64, 128]));
+        let subtasks = v["subtasks"].as_array().unwrap();
+        assert_eq!(subtasks.len(), 100);
+        assert_eq!(subtasks[0]["index"], 0);
+        let total: u64 = subtasks.iter().map(|s| s["count"].as_u64().unwrap()).sum();
+        assert_eq!(total, 128);
+        assert_eq!(subtasks[99]["keyGroups"][1], 127);
+        assert!(v.get("rescale").is_none());
+    }
+
+    #[test]
+    fn plan_defaults_from_the_starting_parallelism() {
+        let v: serde_json::Value =
+            serde_json::from_str(&plan(&args(8, None, Some(4), Output::Json)).unwrap()).unwrap();
+        assert_eq!(v["maxParallelism"], 128);
+        assert_eq!(v["maxParallelismDefaulted"], true);
+        assert_eq!(v["rescale"]["movedGroups"], 64);
+        assert_eq!(v["rescale"]["subtasks"].as_array().unwrap().len(), 8);
+        let table = plan(&args(8, None, Some(4), Output::Table)).unwrap();
+        assert!(
+            table.contains("defaulted by Flink's rule for parallelism 4"),
+            "{table}"
+        );
+        assert!(table.contains("64 of 128 key groups (50.0%)"), "{table}");
+    }
+
+    #[test]
+    fn plan_table_explains_skew() {
+        let table = plan(&args(100, Some(128), None, Output::Table)).unwrap();
+        assert!(table.contains(
+            "28 subtasks own 2 groups and 72 own 1: the busiest carries 2.00x the lightest; \
+             divisors of 128 near 100: 64, 128"
+        ));
+        assert!(table.contains("0-1"));
+    }
+
+    #[test]
+    fn plan_refuses_bounds_with_the_fix() {
+        let e = plan(&args(0, Some(128), None, Output::Table)).unwrap_err();
+        assert!(e.to_string().contains("at least 1"), "{e}");
+        let e = plan(&args(200, Some(128), None, Output::Table)).unwrap_err();
+        assert!(
+            e.to_string().contains("exceeds the key-group ceiling"),
+            "{e}"
+        );
+        let e = plan(&args(4, Some(40000), None, Output::Table)).unwrap_err();
+        assert!(e.to_string().contains("upper bound 32768"), "{e}");
+        // A job started at 24 has the default ceiling 128, so 200 is refused.
+        let e = plan(&args(200, None, Some(24), Output::Table)).unwrap_err();
+        assert!(
+            e.to_string().contains("ceiling (max parallelism) 128"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn keygroup_json_line() {
+        let a = Assignment::new(4, 128).unwrap();
+        let key = Key::String("hello".into());
+        let line = keygroup_line(&key, 128, Some(&a), Output::Json);
+        let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+        let group = key_group_for_key(&key, 128);
+        assert_eq!(v["key"], "hello");
+        assert_eq!(v["keyGroup"], group);
+        assert_eq!(v["subtask"], a.owner(group));
+        let v: serde_json::Value =
+            serde_json::from_str(&keygroup_line(&Key::Long(-5), 128, None, Output::Json)).unwrap();
+        assert_eq!(v["key"], -5);
+        assert!(v.get("subtask").is_none());
+    }
+}

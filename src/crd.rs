@@ -1,0 +1,496 @@
+//! The `StreamJob` custom resource (`keyshift.dev/v1alpha1`).
+//!
+//! The Rust types are the source of the CRD schema: every doc comment below becomes a field
+//! description (`kubectl explain`). CEL rules the API server enforces are attached in [`crd`] from
+//! the table in [`crate::validation`], which also mirrors them in pure Rust.
+
+use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, CustomResourceExt};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+pub use crate::keygroup::KeyType;
+
+/// The desired state of a keyed stream job: what it computes, at which parallelism, and where its
+/// state lives.
+#[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[kube(
+    group = "keyshift.dev",
+    version = "v1alpha1",
+    kind = "StreamJob",
+    plural = "streamjobs",
+    shortname = "sj",
+    category = "keyshift",
+    namespaced,
+    status = "StreamJobStatus",
+    doc = "A stateful keyed stream job run by keyshift. Change spec.replicas (or `kubectl scale`) to rescale it: keyshift stops it with a savepoint, moves key groups through the object store and restarts it at the new parallelism without losing state.",
+    scale(
+        spec_replicas_path = ".spec.replicas",
+        status_replicas_path = ".status.replicas",
+        label_selector_path = ".status.selector"
+    ),
+    printcolumn = r#"{"name":"Desired","type":"integer","description":"Requested parallelism (spec.replicas)","jsonPath":".spec.replicas"}"#,
+    printcolumn = r#"{"name":"Running","type":"integer","description":"Parallelism the job is running at","jsonPath":".status.replicas"}"#,
+    printcolumn = r#"{"name":"MaxP","type":"integer","description":"Key-group count (max parallelism), pinned at the first snapshot","jsonPath":".status.maxParallelism"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","description":"Lifecycle phase","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Ready","type":"string","description":"Whether the job runs at the requested spec","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
+    printcolumn = r#"{"name":"Balanced","type":"string","priority":1,"description":"Whether key groups spread evenly over subtasks","jsonPath":".status.conditions[?(@.type==\"KeyGroupsBalanced\")].status"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamJobSpec {
+    /// Parallelism: the number of worker subtasks (one pod each). Must be between 1 and the
+    /// key-group count (maxParallelism). Ideally a divisor of it, so every subtask owns the same
+    /// number of key groups. Changing it rescales the running job (also through `kubectl scale`).
+    pub replicas: i32,
+
+    /// Key-group count (Flink's max parallelism): the ceiling for replicas, between 1 and 32768.
+    /// A key's group is `murmur(hash(key)) % maxParallelism`, so it is fixed for the life of the
+    /// job's state: when unset it defaults to Flink's rule `min(max(nextPowerOfTwo(1.5 *
+    /// replicas), 128), 32768)` and is pinned in status.maxParallelism at the first snapshot.
+    /// Choose it explicitly (a power of two, 4-8x the largest parallelism you foresee). It cannot
+    /// be changed afterwards except by restoring from a savepoint rewritten with `keyshift
+    /// savepoint rewrite`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_parallelism: Option<i32>,
+
+    /// What to do when replicas does not divide the key-group count: `Warn` (default) runs with
+    /// the skew and reports it in the KeyGroupsBalanced condition; `Strict` refuses such a value.
+    #[serde(default)]
+    pub key_group_policy: KeyGroupPolicy,
+
+    /// Container image of the workers. Defaults to the operator's own image (the keyshift
+    /// binary runs both).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub image: Option<String>,
+
+    /// The dataflow: source, key, aggregation, optional window and sink.
+    pub job: JobSpec,
+
+    /// Where and how often state is snapshotted.
+    #[serde(default)]
+    pub state: StateSpec,
+
+    /// How a change of image or job is rolled out: `savepoint` (default: stop with a savepoint
+    /// and restore from it), `last-state` (restore from the latest checkpoint, no new savepoint)
+    /// or `stateless` (start empty; existing state is not used).
+    #[serde(default)]
+    pub upgrade_mode: UpgradeMode,
+
+    /// Stop the job with a savepoint and remove its pods while true; resume from that savepoint
+    /// when set back to false.
+    #[serde(default)]
+    pub suspend: bool,
+
+    /// Change this to any new value to take a savepoint of the running job without stopping it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub savepoint_trigger_nonce: Option<i64>,
+
+    /// Start (or restart) the job from this snapshot instead of its own latest state: the URL of
+    /// a savepoint or checkpoint directory, e.g. `s3://bucket/prefix/ns/job/savepoints/sp-7`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_from: Option<String>,
+
+    /// Allow restoring from a snapshot that holds state this job does not declare (it is
+    /// dropped). Off by default, so a mistaken job change does not silently lose state.
+    #[serde(default)]
+    pub allow_non_restored_state: bool,
+
+    /// Compute resources of each worker container.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRequirements>,
+
+    /// Extra metadata and placement for the worker pods.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pod_template: Option<PodTemplateOverrides>,
+}
+
+/// Whether a parallelism that does not divide the key-group count is allowed.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum KeyGroupPolicy {
+    /// Run with uneven key groups and report the skew in the KeyGroupsBalanced condition.
+    #[default]
+    Warn,
+    /// Refuse a replicas value that does not divide the key-group count.
+    Strict,
+}
+
+/// How changes of image or job are rolled out.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum UpgradeMode {
+    /// Stop with a savepoint and restore from it.
+    #[default]
+    #[serde(rename = "savepoint")]
+    Savepoint,
+    /// Restore from the latest completed checkpoint without taking a savepoint.
+    #[serde(rename = "last-state")]
+    LastState,
+    /// Start without state.
+    #[serde(rename = "stateless")]
+    Stateless,
+}
+
+/// The dataflow a StreamJob runs: records from a partitioned source are keyed, aggregated per key
+/// (optionally per tumbling event-time window) and written to a sink.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct JobSpec {
+    /// The partitioned, replayable source. Set exactly one of `generator` or `file`.
+    pub source: SourceSpec,
+    /// The record field to key by, and how it is hashed.
+    pub key: KeySpec,
+    /// The per-key aggregation.
+    pub aggregation: AggregationSpec,
+    /// Optional tumbling event-time window; without it the aggregation runs over all time.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window: Option<WindowSpec>,
+    /// Where results go.
+    #[serde(default)]
+    pub sink: SinkSpec,
+}
+
+/// A partitioned, replayable source. Exactly one kind must be set.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceSpec {
+    /// A deterministic generator: the same seed and positions always give the same records, so
+    /// exact expected results can be computed independently.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generator: Option<GeneratorSource>,
+    /// A directory of JSON-lines files, one partition per file (sorted by name); the position is
+    /// a byte offset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub file: Option<FileSource>,
+}
+
+/// A deterministic record generator. Each record has the fields `key`, `value` (an integer) and
+/// `ts` (event time in milliseconds, derived from the sequence number).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct GeneratorSource {
+    /// Number of source partitions (each is read by exactly one subtask). Default 4.
+    #[serde(default = "default_partitions")]
+    pub partitions: i32,
+    /// Number of distinct keys. Default 1000.
+    #[serde(default = "default_keys")]
+    pub keys: i64,
+    /// Seed of the generator. Default 0.
+    #[serde(default)]
+    pub seed: i64,
+    /// How keys are drawn: `uniform` (default) or `zipf` (a few hot keys; see zipfExponent).
+    #[serde(default)]
+    pub distribution: KeyDistribution,
+    /// Exponent of the Zipf distribution (used when distribution is `zipf`); larger is more
+    /// skewed. Default 1.0.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub zipf_exponent: Option<f64>,
+    /// Records per second per partition; unset means as fast as possible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub records_per_second: Option<i64>,
+    /// Records per partition after which the partition ends; unset means unbounded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub records_per_partition: Option<i64>,
+}
+
+fn default_partitions() -> i32 {
+    4
+}
+
+fn default_keys() -> i64 {
+    1000
+}
+
+/// How the generator draws keys.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum KeyDistribution {
+    /// Every key equally likely.
+    #[default]
+    Uniform,
+    /// Key of rank k drawn with probability proportional to 1/k^exponent.
+    Zipf,
+}
+
+/// A directory of JSON-lines files.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct FileSource {
+    /// Directory (or object store URL) holding the partition files.
+    pub path: String,
+    /// Record field holding the event time (milliseconds since the epoch); needed only with a
+    /// window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timestamp_field: Option<String>,
+}
+
+/// The key a record is grouped by.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KeySpec {
+    /// Name of the record field holding the key.
+    pub field: String,
+    /// How the key is hashed into a key group, exactly as Apache Flink hashes `String`, `Long`
+    /// or `Integer` keys: `string` (default), `long` or `int`.
+    #[serde(default, rename = "type")]
+    pub key_type: KeyType,
+}
+
+/// The per-key aggregation.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AggregationSpec {
+    /// `count`, `sum`, `min` or `max`.
+    pub function: AggregateFunction,
+    /// The numeric record field that sum, min and max read. Not used by count.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
+}
+
+/// An aggregate function.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AggregateFunction {
+    /// Number of records per key.
+    Count,
+    /// Sum of the field per key.
+    Sum,
+    /// Smallest value of the field per key.
+    Min,
+    /// Largest value of the field per key.
+    Max,
+}
+
+/// A tumbling event-time window.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct WindowSpec {
+    /// Window length as a duration, e.g. `10s`, `1m`, `1h30m`.
+    pub size: String,
+    /// How late (in event time) a record may arrive before the watermark passes it, e.g. `2s`.
+    /// Later records are counted in metrics as late, not silently dropped. Default `0s`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_out_of_orderness: Option<String>,
+}
+
+/// Where results go.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SinkSpec {
+    /// `log` (default: results printed to the worker's log) or `objectStore` (files under `url`,
+    /// visible only once the checkpoint covering them completes: exactly once).
+    #[serde(default, rename = "type")]
+    pub sink_type: SinkType,
+    /// Object store URL results are written under (for `objectStore`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+}
+
+/// A kind of sink.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum SinkType {
+    /// Print results to the log.
+    #[default]
+    Log,
+    /// Write results to an object store, committed with checkpoints.
+    ObjectStore,
+}
+
+/// Where and how often state is snapshotted.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StateSpec {
+    /// Object store URL under which checkpoints and savepoints are written, as
+    /// `<storage>/<namespace>/<job>/...`: `file:///path`, `s3://bucket/prefix`, `gs://bucket/prefix`
+    /// or `az://container/prefix` (also `abfs(s)://`, `memory://` for tests, `http(s)://`).
+    /// Defaults to the operator's `--default-storage`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub storage: Option<String>,
+    /// Time between periodic checkpoints, as a duration such as `30s` or `5m`. Default `30s`.
+    #[serde(default = "default_checkpoint_interval")]
+    pub checkpoint_interval: String,
+    /// How many completed checkpoints to keep (older ones are deleted after a newer one
+    /// commits). Savepoints are never deleted automatically. Default 3.
+    #[serde(default = "default_retained_checkpoints")]
+    pub retained_checkpoints: i32,
+    /// Name of a Secret in the job's namespace whose keys are passed to the workers as
+    /// environment variables (e.g. `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+    /// `AWS_ENDPOINT`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_KEY`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials_secret: Option<String>,
+}
+
+impl Default for StateSpec {
+    fn default() -> Self {
+        StateSpec {
+            storage: None,
+            checkpoint_interval: default_checkpoint_interval(),
+            retained_checkpoints: default_retained_checkpoints(),
+            credentials_secret: None,
+        }
+    }
+}
+
+fn default_checkpoint_interval() -> String {
+    "30s".to_owned()
+}
+
+fn default_retained_checkpoints() -> i32 {
+    3
+}
+
+/// Extra metadata and placement for worker pods.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PodTemplateOverrides {
+    /// Labels added to every worker pod.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub labels: BTreeMap<String, String>,
+    /// Annotations added to every worker pod.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub annotations: BTreeMap<String, String>,
+    /// Node selector of every worker pod.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub node_selector: BTreeMap<String, String>,
+    /// ServiceAccount the worker pods run as (they need no Kubernetes API access). Default:
+    /// the namespace's default ServiceAccount.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service_account_name: Option<String>,
+}
+
+/// The observed state of a StreamJob.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StreamJobStatus {
+    /// The metadata.generation this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+    /// Lifecycle phase: Pending, Running, Rescaling, Upgrading, Suspended or Failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<Phase>,
+    /// The parallelism the job is running at (the scale subresource's status replicas).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i32>,
+    /// Label selector of the job's worker pods (the scale subresource's selector).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<String>,
+    /// The key-group count, pinned before the first snapshot. Fixed for the life of the job's
+    /// state; replicas may not exceed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_parallelism: Option<i32>,
+    /// How key groups are spread over the running subtasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_groups: Option<KeyGroupsStatus>,
+    /// The latest completed checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_checkpoint: Option<SnapshotRef>,
+    /// The latest completed savepoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_savepoint: Option<SnapshotRef>,
+    /// The rescale or upgrade in progress (or the last one), step by step.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rescale: Option<RescaleStatus>,
+    /// Conditions in the kstatus convention: Ready, Reconciling, Stalled, plus KeyGroupsBalanced.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+}
+
+/// Lifecycle phase of a StreamJob.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum Phase {
+    /// Accepted, workers not yet running.
+    Pending,
+    /// Workers run at the requested parallelism.
+    Running,
+    /// Moving to a new parallelism (see status.rescale).
+    Rescaling,
+    /// Rolling out a new image or job (see status.rescale).
+    Upgrading,
+    /// Stopped with a savepoint (spec.suspend).
+    Suspended,
+    /// Cannot run until the spec or environment is fixed (see the Stalled condition).
+    Failed,
+}
+
+/// Key-group spread over the running subtasks.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyGroupsStatus {
+    /// The spread in words.
+    pub summary: String,
+    /// Inclusive key-group range of each subtask, in subtask order, e.g. `0-31`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub ranges: Vec<String>,
+    /// Groups of the lightest subtask.
+    pub min_groups: i32,
+    /// Groups of the busiest subtask.
+    pub max_groups: i32,
+    /// Busiest subtask's groups divided by the lightest's, as a decimal string (e.g. `2.00`).
+    pub skew: String,
+}
+
+/// A completed snapshot.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotRef {
+    /// Snapshot id (increasing per job).
+    pub id: i64,
+    /// URL of the snapshot directory (holds `_manifest.json`).
+    pub path: String,
+    /// When it completed (RFC 3339).
+    pub time: String,
+    /// The parallelism it was taken at.
+    pub parallelism: i32,
+    /// Total bytes of state.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<i64>,
+}
+
+/// Progress of a rescale or stateful upgrade.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RescaleStatus {
+    /// Parallelism before.
+    pub from: i32,
+    /// Parallelism after.
+    pub to: i32,
+    /// Current step: Savepointing, Verifying, Stopping, Restoring, Done or Abandoned.
+    pub step: String,
+    /// When the rescale started (RFC 3339).
+    pub started: String,
+    /// Key groups that change owner.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub groups_moved: Option<i32>,
+    /// Bytes the new subtasks read from the savepoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_to_read: Option<i64>,
+    /// The savepoint the rescale restores from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub savepoint: Option<String>,
+    /// Seconds spent in each completed step.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub step_seconds: BTreeMap<String, f64>,
+}
+
+/// The StreamJob CRD, with the CEL validation rules attached.
+pub fn crd() -> CustomResourceDefinition {
+    let mut crd = StreamJob::crd();
+    for version in &mut crd.spec.versions {
+        if let Some(schema) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        {
+            crate::validation::attach_cel_rules(schema);
+        }
+    }
+    crd
+}
+
+/// The CRD as YAML, as `keyshift crd` prints it and `crds/` holds it.
+pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
+    serde_yaml::to_string(&crd())
+}

@@ -1,0 +1,11 @@
+//! keyshift: a Kubernetes operator and runtime for stateful keyed stream jobs that rescales them
+//! by moving key groups through an object store.
+//!
+//! The pure core (key-group math, validation, planning) has no I/O; the CLI, operator and worker
+//! sit around it.
+
+pub mod cli;
+pub mod crd;
+pub mod keygroup;
+pub mod telemetry;
+pub mod validation;

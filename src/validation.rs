@@ -1,0 +1,490 @@
+//! StreamJob validation, in two places with one set of messages:
+//!
+//! * CEL rules (`x-kubernetes-validations`) attached to the CRD, so the API server refuses a bad
+//!   `kubectl apply` or `kubectl scale` before anything stops;
+//! * [`validate`], the same rules in pure Rust for places without an API server (`keyshift local`,
+//!   tests) and as a second line of defence in the operator.
+//!
+//! [`analyse`] goes further than the API server can (the derived default key-group count, skew,
+//! idle subtasks) and reports what the operator turns into conditions.
+
+use crate::crd::{AggregateFunction, KeyGroupPolicy, StreamJobSpec, StreamJobStatus};
+use crate::keygroup::{self, Assignment, BoundsError, Skew};
+use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
+    JSONSchemaProps, ValidationRule,
+};
+use std::fmt;
+use std::time::Duration;
+
+pub const MSG_REPLICAS_MIN: &str = "spec.replicas must be at least 1: set it to the number of parallel subtasks (to stop the job, set spec.suspend: true instead)";
+pub const MSG_MAXP_RANGE: &str = "spec.maxParallelism must be between 1 and 32768: choose a key-group count in that range, ideally a power of two 4-8x the largest parallelism you foresee";
+pub const MSG_REPLICAS_LE_MAXP: &str = "spec.replicas must not exceed spec.maxParallelism (the key-group ceiling): lower replicas, or raise maxParallelism before the job's first snapshot";
+pub const MSG_MAXP_IMMUTABLE: &str = "spec.maxParallelism cannot change once set, because it fixes the key group of every key in the job's state: to change it, rewrite a savepoint with `keyshift savepoint rewrite --max-parallelism N` and set spec.restoreFrom to the rewritten savepoint in the same change";
+pub const MSG_MAXP_PINNED: &str = "spec.maxParallelism must equal status.maxParallelism, the key-group count pinned at the job's first snapshot: remove the field or set it to the pinned value (to change it, rewrite a savepoint with `keyshift savepoint rewrite --max-parallelism N` and set spec.restoreFrom to it)";
+pub const MSG_REPLICAS_LE_PINNED: &str = "spec.replicas must not exceed status.maxParallelism, the key-group ceiling pinned at the job's first snapshot: lower replicas, or raise the ceiling offline with `keyshift savepoint rewrite --max-parallelism N` and restore from the rewritten savepoint (spec.restoreFrom together with the new spec.maxParallelism)";
+pub const MSG_STRICT_DIVISOR: &str = "spec.replicas must divide the key-group count (maxParallelism) evenly because spec.keyGroupPolicy is Strict: choose a divisor (`keyshift plan` lists the nearest ones) or set keyGroupPolicy: Warn to accept the skew";
+pub const MSG_STORAGE_URL: &str = "spec.state.storage must be an object store URL: file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix (also abfs://, abfss://, memory://, http(s)://)";
+pub const MSG_RESTORE_URL: &str = "spec.restoreFrom must be the object store URL of a snapshot directory, e.g. s3://bucket/prefix/ns/job/savepoints/sp-7 or file:///path/savepoints/sp-7";
+pub const MSG_CHECKPOINT_INTERVAL: &str = "spec.state.checkpointInterval must be a duration such as 30s, 5m or 1h30m (units: ms, s, m, h)";
+pub const MSG_WINDOW_SIZE: &str =
+    "spec.job.window.size must be a duration such as 10s, 1m or 1h (units: ms, s, m, h)";
+pub const MSG_OUT_OF_ORDERNESS: &str = "spec.job.window.maxOutOfOrderness must be a duration such as 0s, 500ms or 2s (units: ms, s, m, h)";
+pub const MSG_RETAINED: &str = "spec.state.retainedCheckpoints must be at least 1: the newest completed checkpoint is always kept";
+pub const MSG_SOURCE_ONE_OF: &str = "spec.job.source must set exactly one of generator or file";
+pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum, min and max: name the numeric record field to aggregate";
+pub const MSG_PARTITIONS: &str = "spec.job.source.generator.partitions must be at least 1";
+pub const MSG_KEYS: &str = "spec.job.source.generator.keys must be at least 1";
+pub const MSG_SINK_URL: &str = "spec.job.sink.url is required when spec.job.sink.type is objectStore: give an object store URL such as s3://bucket/results";
+
+/// Object store URL schemes `object_store` understands.
+pub const STORAGE_SCHEMES: &[&str] = &[
+    "file", "memory", "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https",
+];
+
+const DURATION_RE: &str = "^([0-9]+(ms|s|m|h))+$";
+
+fn url_rule() -> String {
+    format!("^({})://.+$", STORAGE_SCHEMES.join("|"))
+}
+
+/// One CEL rule: where in the schema it sits, the expression, and the message.
+struct CelRule {
+    /// Property path from the root schema; empty is the root.
+    path: &'static [&'static str],
+    rule: String,
+    message: &'static str,
+    /// A field the failure is reported against (relative to `path`).
+    field_path: Option<&'static str>,
+}
+
+fn rules() -> Vec<CelRule> {
+    let r = |path, rule: &str, message, field_path| CelRule {
+        path,
+        rule: rule.to_owned(),
+        message,
+        field_path,
+    };
+    vec![
+        r(&["spec", "replicas"], "self >= 1", MSG_REPLICAS_MIN, None),
+        r(
+            &["spec", "maxParallelism"],
+            "self >= 1 && self <= 32768",
+            MSG_MAXP_RANGE,
+            None,
+        ),
+        r(
+            &["spec"],
+            "!has(self.maxParallelism) || self.replicas <= self.maxParallelism",
+            MSG_REPLICAS_LE_MAXP,
+            Some(".replicas"),
+        ),
+        r(
+            &["spec"],
+            "!has(oldSelf.maxParallelism) || (has(self.maxParallelism) && self.maxParallelism == oldSelf.maxParallelism) || (has(self.restoreFrom) && (!has(oldSelf.restoreFrom) || self.restoreFrom != oldSelf.restoreFrom))",
+            MSG_MAXP_IMMUTABLE,
+            Some(".maxParallelism"),
+        ),
+        r(
+            &["spec"],
+            "!has(self.keyGroupPolicy) || self.keyGroupPolicy != 'Strict' || !has(self.maxParallelism) || self.replicas < 1 || self.maxParallelism % self.replicas == 0",
+            MSG_STRICT_DIVISOR,
+            Some(".replicas"),
+        ),
+        r(
+            &[],
+            "!has(self.status) || !has(self.status.maxParallelism) || self.spec.replicas <= self.status.maxParallelism || (has(self.spec.restoreFrom) && has(self.spec.maxParallelism) && self.spec.maxParallelism > self.status.maxParallelism)",
+            MSG_REPLICAS_LE_PINNED,
+            Some(".spec.replicas"),
+        ),
+        r(
+            &[],
+            "!has(self.status) || !has(self.status.maxParallelism) || !has(self.spec.maxParallelism) || self.spec.maxParallelism == self.status.maxParallelism || has(self.spec.restoreFrom)",
+            MSG_MAXP_PINNED,
+            Some(".spec.maxParallelism"),
+        ),
+        r(
+            &[],
+            "!has(self.status) || !has(self.status.maxParallelism) || !has(self.spec.keyGroupPolicy) || self.spec.keyGroupPolicy != 'Strict' || self.spec.replicas < 1 || (has(self.spec.restoreFrom) && has(self.spec.maxParallelism)) || self.status.maxParallelism % self.spec.replicas == 0",
+            MSG_STRICT_DIVISOR,
+            Some(".spec.replicas"),
+        ),
+        r(
+            &["spec", "state", "storage"],
+            &format!("self.matches('{}')", url_rule()),
+            MSG_STORAGE_URL,
+            None,
+        ),
+        r(
+            &["spec", "restoreFrom"],
+            &format!("self.matches('{}')", url_rule()),
+            MSG_RESTORE_URL,
+            None,
+        ),
+        r(
+            &["spec", "state", "checkpointInterval"],
+            &format!("self.matches('{DURATION_RE}')"),
+            MSG_CHECKPOINT_INTERVAL,
+            None,
+        ),
+        r(
+            &["spec", "state", "retainedCheckpoints"],
+            "self >= 1",
+            MSG_RETAINED,
+            None,
+        ),
+        r(
+            &["spec", "job", "window", "size"],
+            &format!("self.matches('{DURATION_RE}')"),
+            MSG_WINDOW_SIZE,
+            None,
+        ),
+        r(
+            &["spec", "job", "window", "maxOutOfOrderness"],
+            &format!("self.matches('{DURATION_RE}')"),
+            MSG_OUT_OF_ORDERNESS,
+            None,
+        ),
+        r(
+            &["spec", "job", "source"],
+            "has(self.generator) != has(self.file)",
+            MSG_SOURCE_ONE_OF,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "generator", "partitions"],
+            "self >= 1",
+            MSG_PARTITIONS,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "generator", "keys"],
+            "self >= 1",
+            MSG_KEYS,
+            None,
+        ),
+        r(
+            &["spec", "job", "aggregation"],
+            "self.function == 'count' || has(self.field)",
+            MSG_AGG_FIELD,
+            Some(".field"),
+        ),
+        r(
+            &["spec", "job", "sink"],
+            "!has(self.type) || self.type != 'objectStore' || has(self.url)",
+            MSG_SINK_URL,
+            Some(".url"),
+        ),
+    ]
+}
+
+/// String fields that CEL rules read get a length bound, so the API server's cost estimate of a
+/// regex match stays within budget.
+const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
+    (&["spec", "state", "storage"], 2048),
+    (&["spec", "restoreFrom"], 2048),
+    (&["spec", "state", "checkpointInterval"], 64),
+    (&["spec", "job", "window", "size"], 64),
+    (&["spec", "job", "window", "maxOutOfOrderness"], 64),
+];
+
+fn schema_at<'a>(root: &'a mut JSONSchemaProps, path: &[&str]) -> Option<&'a mut JSONSchemaProps> {
+    path.iter()
+        .try_fold(root, |node, name| node.properties.as_mut()?.get_mut(*name))
+}
+
+/// Attaches the CEL rules and string bounds to a StreamJob root schema. Panics in tests (not at
+/// run time) if a path is missing: the rule table and the Rust types must agree.
+pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
+    for rule in rules() {
+        let node = schema_at(root, rule.path);
+        debug_assert!(node.is_some(), "no schema at {:?}", rule.path);
+        if let Some(node) = node {
+            node.x_kubernetes_validations
+                .get_or_insert_with(Vec::new)
+                .push(ValidationRule {
+                    rule: rule.rule,
+                    message: Some(rule.message.to_owned()),
+                    field_path: rule.field_path.map(str::to_owned),
+                    ..Default::default()
+                });
+        }
+    }
+    for (path, max) in BOUNDED_STRINGS {
+        if let Some(node) = schema_at(root, path) {
+            node.max_length = Some(*max);
+        }
+    }
+}
+
+/// Validation failures, each a message naming the field and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub struct ValidationErrors(pub Vec<String>);
+
+impl fmt::Display for ValidationErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0.join("\n"))
+    }
+}
+
+impl ValidationErrors {
+    pub fn contains(&self, message: &str) -> bool {
+        self.0.iter().any(|m| m == message)
+    }
+}
+
+/// A duration in the CRD's syntax: one or more `<digits><unit>` with unit `ms`, `s`, `m` or `h`
+/// (the same language as the CEL rule's regex).
+pub fn parse_duration(text: &str) -> Option<Duration> {
+    let bytes = text.as_bytes();
+    let mut i = 0;
+    let mut total = Duration::ZERO;
+    if bytes.is_empty() {
+        return None;
+    }
+    while i < bytes.len() {
+        let start = i;
+        while i < bytes.len() && bytes[i].is_ascii_digit() {
+            i += 1;
+        }
+        if i == start {
+            return None;
+        }
+        let n: u64 = text[start..i].parse().ok()?;
+        let (unit_ms, len) = match (bytes.get(i), bytes.get(i + 1)) {
+            (Some(b'm'), Some(b's')) => (1u64, 2),
+            (Some(b's'), _) => (1_000, 1),
+            (Some(b'm'), _) => (60_000, 1),
+            (Some(b'h'), _) => (3_600_000, 1),
+            _ => return None,
+        };
+        i += len;
+        total = total.checked_add(Duration::from_millis(n.checked_mul(unit_ms)?))?;
+    }
+    Some(total)
+}
+
+fn valid_url(url: &str) -> bool {
+    url.split_once("://")
+        .is_some_and(|(scheme, rest)| STORAGE_SCHEMES.contains(&scheme) && !rest.is_empty())
+        && url.len() <= 2048
+}
+
+/// The CEL rules in pure Rust, with the same messages. `old` is the previous spec on an update;
+/// `status` the object's current status.
+pub fn validate(
+    spec: &StreamJobSpec,
+    old: Option<&StreamJobSpec>,
+    status: Option<&StreamJobStatus>,
+) -> Result<(), ValidationErrors> {
+    let mut errors = Vec::new();
+    // The API server reports a message once per failing rule; the Rust mirror reports each
+    // message once.
+    let mut fail = |m: &str| {
+        if !errors.iter().any(|e: &String| e == m) {
+            errors.push(m.to_owned());
+        }
+    };
+
+    if spec.replicas < 1 {
+        fail(MSG_REPLICAS_MIN);
+    }
+    if let Some(g) = spec.max_parallelism {
+        if !(1..=32768).contains(&g) {
+            fail(MSG_MAXP_RANGE);
+        }
+        if spec.replicas > g {
+            fail(MSG_REPLICAS_LE_MAXP);
+        }
+        if spec.key_group_policy == KeyGroupPolicy::Strict
+            && spec.replicas >= 1
+            && g % spec.replicas != 0
+        {
+            fail(MSG_STRICT_DIVISOR);
+        }
+    }
+    if let Some(old) = old {
+        let restore_changed = spec.restore_from.is_some() && spec.restore_from != old.restore_from;
+        if old.max_parallelism.is_some()
+            && spec.max_parallelism != old.max_parallelism
+            && !restore_changed
+        {
+            fail(MSG_MAXP_IMMUTABLE);
+        }
+    }
+    if let Some(pinned) = status.and_then(|s| s.max_parallelism) {
+        let rewriting =
+            spec.restore_from.is_some() && spec.max_parallelism.is_some_and(|g| g > pinned);
+        if spec.replicas > pinned && !rewriting {
+            fail(MSG_REPLICAS_LE_PINNED);
+        }
+        if spec.max_parallelism.is_some_and(|g| g != pinned) && spec.restore_from.is_none() {
+            fail(MSG_MAXP_PINNED);
+        }
+        let rewritten = spec.restore_from.is_some() && spec.max_parallelism.is_some();
+        if spec.key_group_policy == KeyGroupPolicy::Strict
+            && spec.replicas >= 1
+            && !rewritten
+            && pinned % spec.replicas != 0
+        {
+            fail(MSG_STRICT_DIVISOR);
+        }
+    }
+    if let Some(storage) = &spec.state.storage
+        && !valid_url(storage)
+    {
+        fail(MSG_STORAGE_URL);
+    }
+    if let Some(restore) = &spec.restore_from
+        && !valid_url(restore)
+    {
+        fail(MSG_RESTORE_URL);
+    }
+    if spec.state.checkpoint_interval.len() > 64
+        || parse_duration(&spec.state.checkpoint_interval).is_none()
+    {
+        fail(MSG_CHECKPOINT_INTERVAL);
+    }
+    if spec.state.retained_checkpoints < 1 {
+        fail(MSG_RETAINED);
+    }
+    if let Some(window) = &spec.job.window {
+        if window.size.len() > 64 || parse_duration(&window.size).is_none() {
+            fail(MSG_WINDOW_SIZE);
+        }
+        if let Some(ooo) = &window.max_out_of_orderness
+            && (ooo.len() > 64 || parse_duration(ooo).is_none())
+        {
+            fail(MSG_OUT_OF_ORDERNESS);
+        }
+    }
+    let source = &spec.job.source;
+    if source.generator.is_some() == source.file.is_some() {
+        fail(MSG_SOURCE_ONE_OF);
+    }
+    if let Some(g) = &source.generator {
+        if g.partitions < 1 {
+            fail(MSG_PARTITIONS);
+        }
+        if g.keys < 1 {
+            fail(MSG_KEYS);
+        }
+    }
+    if spec.job.aggregation.function != AggregateFunction::Count
+        && spec.job.aggregation.field.is_none()
+    {
+        fail(MSG_AGG_FIELD);
+    }
+    if spec.job.sink.sink_type == crate::crd::SinkType::ObjectStore && spec.job.sink.url.is_none() {
+        fail(MSG_SINK_URL);
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ValidationErrors(errors))
+    }
+}
+
+/// Where the key-group count of a job comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CeilingSource {
+    /// Pinned in status at the job's first snapshot.
+    Pinned,
+    /// Set in spec.maxParallelism.
+    Spec,
+    /// Derived from spec.replicas by Flink's default rule (not yet pinned).
+    Default,
+}
+
+/// What the operator (or `keyshift local`) concludes about a valid spec.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Analysis {
+    pub assignment: Assignment,
+    pub ceiling_source: CeilingSource,
+    pub skew: Skew,
+    /// Subtasks that will read no source partition (they still own key groups).
+    pub idle_subtasks: u32,
+}
+
+/// Problems only visible with the derived key-group count; each becomes a Stalled condition.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AnalysisError {
+    #[error(
+        "spec.replicas {replicas} exceeds the key-group ceiling {ceiling} ({source_text}): lower replicas to at most {ceiling}, or raise the ceiling offline with `keyshift savepoint rewrite <savepoint> --max-parallelism <G> --to <url>` and restore from the rewritten savepoint"
+    )]
+    AboveCeiling {
+        replicas: i32,
+        ceiling: u32,
+        source_text: &'static str,
+    },
+    #[error(
+        "spec.replicas {replicas} does not divide the key-group count {ceiling} and spec.keyGroupPolicy is Strict: {summary}; choose one of those divisors or set keyGroupPolicy: Warn"
+    )]
+    StrictNonDivisor {
+        replicas: i32,
+        ceiling: u32,
+        summary: String,
+    },
+    #[error("{0}")]
+    Bounds(#[from] BoundsError),
+}
+
+/// Resolves the key-group count and checks what CEL cannot: the derived default ceiling, Strict
+/// against it, skew and idle subtasks.
+pub fn analyse(
+    spec: &StreamJobSpec,
+    status: Option<&StreamJobStatus>,
+) -> Result<Analysis, AnalysisError> {
+    let pinned = status.and_then(|s| s.max_parallelism);
+    let rewriting = spec.restore_from.is_some() && spec.max_parallelism.is_some();
+    let (ceiling, ceiling_source) = match (pinned, spec.max_parallelism) {
+        (Some(_), Some(g)) if rewriting => (i64::from(g), CeilingSource::Spec),
+        (Some(p), _) => (i64::from(p), CeilingSource::Pinned),
+        (None, Some(g)) => (i64::from(g), CeilingSource::Spec),
+        (None, None) => (
+            i64::from(keygroup::default_max_parallelism(
+                spec.replicas.max(1) as u32
+            )),
+            CeilingSource::Default,
+        ),
+    };
+    let assignment = match Assignment::new(i64::from(spec.replicas), ceiling) {
+        Ok(a) => a,
+        Err(BoundsError::ParallelismAboveCeiling {
+            max_parallelism, ..
+        }) => {
+            return Err(AnalysisError::AboveCeiling {
+                replicas: spec.replicas,
+                ceiling: max_parallelism,
+                source_text: match ceiling_source {
+                    CeilingSource::Pinned => {
+                        "pinned in status.maxParallelism at the job's first snapshot"
+                    }
+                    CeilingSource::Spec => "set in spec.maxParallelism",
+                    CeilingSource::Default => "derived by default from spec.replicas",
+                },
+            });
+        }
+        Err(e) => return Err(e.into()),
+    };
+    let skew = assignment.skew();
+    if spec.key_group_policy == KeyGroupPolicy::Strict && !skew.divides {
+        return Err(AnalysisError::StrictNonDivisor {
+            replicas: spec.replicas,
+            ceiling: assignment.max_parallelism(),
+            summary: skew.summary(),
+        });
+    }
+    let partitions = spec
+        .job
+        .source
+        .generator
+        .as_ref()
+        .map(|g| g.partitions.max(0) as u32);
+    let idle_subtasks = partitions.map_or(0, |n| assignment.parallelism().saturating_sub(n));
+    Ok(Analysis {
+        assignment,
+        ceiling_source,
+        skew,
+        idle_subtasks,
+    })
+}

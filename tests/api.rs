@@ -1,0 +1,248 @@
+//! The StreamJob API: the committed CRD, the samples, and the Rust mirror of the CEL rules.
+
+use keyshift::crd::{StreamJob, StreamJobSpec, StreamJobStatus, crd, crd_yaml};
+use keyshift::validation::{self, *};
+use std::path::Path;
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+#[test]
+fn committed_crd_matches_the_generated_one() {
+    let committed = std::fs::read_to_string(root().join("crds/streamjob.yaml"))
+        .expect("crds/streamjob.yaml exists");
+    let generated = crd_yaml().unwrap();
+    assert!(
+        committed == generated,
+        "crds/streamjob.yaml is stale: run `cargo run -- crd > crds/streamjob.yaml`"
+    );
+}
+
+#[test]
+fn crd_has_scale_status_and_every_rule() {
+    let crd = crd();
+    assert_eq!(crd.spec.group, "keyshift.dev");
+    assert_eq!(crd.spec.names.short_names, Some(vec!["sj".to_owned()]));
+    let v = &crd.spec.versions[0];
+    let sub = v.subresources.as_ref().unwrap();
+    assert!(sub.status.is_some());
+    let scale = sub.scale.as_ref().unwrap();
+    assert_eq!(scale.spec_replicas_path, ".spec.replicas");
+    assert_eq!(scale.status_replicas_path, ".status.replicas");
+    assert_eq!(
+        scale.label_selector_path.as_deref(),
+        Some(".status.selector")
+    );
+    let json = serde_json::to_string(&crd).unwrap();
+    for message in [
+        MSG_REPLICAS_MIN,
+        MSG_MAXP_RANGE,
+        MSG_REPLICAS_LE_MAXP,
+        MSG_MAXP_IMMUTABLE,
+        MSG_MAXP_PINNED,
+        MSG_REPLICAS_LE_PINNED,
+        MSG_STRICT_DIVISOR,
+        MSG_STORAGE_URL,
+        MSG_RESTORE_URL,
+        MSG_CHECKPOINT_INTERVAL,
+        MSG_WINDOW_SIZE,
+        MSG_OUT_OF_ORDERNESS,
+        MSG_RETAINED,
+        MSG_SOURCE_ONE_OF,
+        MSG_AGG_FIELD,
+        MSG_PARTITIONS,
+        MSG_KEYS,
+        MSG_SINK_URL,
+    ] {
+        let quoted = serde_json::to_string(message).unwrap();
+        assert!(json.contains(&quoted), "CRD lacks rule message {message:?}");
+    }
+    // Every spec field is documented (it becomes `kubectl explain`).
+    let schema = v
+        .schema
+        .as_ref()
+        .unwrap()
+        .open_api_v3_schema
+        .as_ref()
+        .unwrap();
+    let spec = &schema.properties.as_ref().unwrap()["spec"];
+    for (name, prop) in spec.properties.as_ref().unwrap() {
+        assert!(
+            prop.description.as_deref().is_some_and(|d| d.len() > 10),
+            "spec.{name} has no description"
+        );
+    }
+}
+
+fn samples() -> Vec<(String, StreamJob)> {
+    let dir = root().join("config/samples");
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "yaml") {
+            let text = std::fs::read_to_string(&path).unwrap();
+            let job: StreamJob = serde_yaml::from_str(&text)
+                .unwrap_or_else(|e| panic!("{} does not parse: {e}", path.display()));
+            out.push((path.display().to_string(), job));
+        }
+    }
+    out
+}
+
+#[test]
+fn samples_parse_and_validate() {
+    let samples = samples();
+    assert!(samples.len() >= 2, "expected at least two samples");
+    let mut sources = (false, false);
+    for (path, job) in samples {
+        validate(&job.spec, None, None).unwrap_or_else(|e| panic!("{path}: {e}"));
+        analyse(&job.spec, None).unwrap_or_else(|e| panic!("{path}: {e}"));
+        sources.0 |= job.spec.job.source.generator.is_some();
+        sources.1 |= job.spec.job.source.file.is_some();
+    }
+    assert!(
+        sources.0 && sources.1,
+        "samples cover generator and file sources"
+    );
+}
+
+fn base() -> StreamJobSpec {
+    samples()
+        .into_iter()
+        .find(|(p, _)| p.ends_with("generator-count.yaml"))
+        .unwrap()
+        .1
+        .spec
+}
+
+fn fails_with(
+    spec: &StreamJobSpec,
+    old: Option<&StreamJobSpec>,
+    status: Option<&StreamJobStatus>,
+    msg: &str,
+) {
+    match validate(spec, old, status) {
+        Ok(()) => panic!("expected {msg:?}, got no error"),
+        Err(e) => assert!(e.contains(msg), "expected {msg:?}, got {e}"),
+    }
+}
+
+#[test]
+fn each_rule_refuses_with_its_message() {
+    let mut s = base();
+    s.replicas = 0;
+    fails_with(&s, None, None, MSG_REPLICAS_MIN);
+
+    let mut s = base();
+    s.max_parallelism = Some(40000);
+    fails_with(&s, None, None, MSG_MAXP_RANGE);
+
+    let mut s = base();
+    s.replicas = 200;
+    fails_with(&s, None, None, MSG_REPLICAS_LE_MAXP);
+
+    let mut s = base();
+    s.key_group_policy = keyshift::crd::KeyGroupPolicy::Strict;
+    s.replicas = 3;
+    fails_with(&s, None, None, MSG_STRICT_DIVISOR);
+
+    let old = base();
+    let mut s = base();
+    s.max_parallelism = Some(256);
+    fails_with(&s, Some(&old), None, MSG_MAXP_IMMUTABLE);
+    // ... unless a (rewritten) savepoint is restored in the same change.
+    s.restore_from = Some("file:///sp/sp-9".into());
+    validate(&s, Some(&old), None).unwrap();
+
+    let pinned = StreamJobStatus {
+        max_parallelism: Some(128),
+        ..Default::default()
+    };
+    let mut s = base();
+    s.max_parallelism = None;
+    s.replicas = 200;
+    fails_with(&s, None, Some(&pinned), MSG_REPLICAS_LE_PINNED);
+    s.replicas = 3;
+    s.key_group_policy = keyshift::crd::KeyGroupPolicy::Strict;
+    fails_with(&s, None, Some(&pinned), MSG_STRICT_DIVISOR);
+    let mut s = base();
+    s.max_parallelism = Some(64);
+    fails_with(&s, None, Some(&pinned), MSG_MAXP_PINNED);
+
+    for bad in ["bucket/prefix", "ftp://x/y", "s3://", "/var/lib/keyshift"] {
+        let mut s = base();
+        s.state.storage = Some(bad.into());
+        fails_with(&s, None, None, MSG_STORAGE_URL);
+    }
+    let mut s = base();
+    s.restore_from = Some("savepoints/sp-1".into());
+    fails_with(&s, None, None, MSG_RESTORE_URL);
+
+    for bad in ["", "10", "5 s", "1d", "s", "-5s", "1.5s"] {
+        let mut s = base();
+        s.state.checkpoint_interval = bad.into();
+        fails_with(&s, None, None, MSG_CHECKPOINT_INTERVAL);
+    }
+    let mut s = base();
+    s.state.retained_checkpoints = 0;
+    fails_with(&s, None, None, MSG_RETAINED);
+
+    let mut s = base();
+    s.job.source.file = Some(keyshift::crd::FileSource {
+        path: "file:///in".into(),
+        timestamp_field: None,
+    });
+    fails_with(&s, None, None, MSG_SOURCE_ONE_OF);
+
+    let mut s = base();
+    s.job.aggregation.function = keyshift::crd::AggregateFunction::Sum;
+    fails_with(&s, None, None, MSG_AGG_FIELD);
+}
+
+#[test]
+fn durations_follow_the_cel_regex() {
+    assert_eq!(parse_duration("30s").unwrap().as_secs(), 30);
+    assert_eq!(parse_duration("1h30m").unwrap().as_secs(), 5400);
+    assert_eq!(parse_duration("500ms").unwrap().as_millis(), 500);
+    assert_eq!(parse_duration("1m5s").unwrap().as_secs(), 65);
+    assert!(parse_duration("1mss").is_none());
+    assert!(parse_duration("99999999999999999999h").is_none());
+}
+
+#[test]
+fn analysis_reports_what_cel_cannot() {
+    // Strict with the derived default ceiling (128 for 3 replicas): 3 does not divide it.
+    let mut s = base();
+    s.max_parallelism = None;
+    s.replicas = 3;
+    s.key_group_policy = keyshift::crd::KeyGroupPolicy::Strict;
+    validate(&s, None, None).unwrap();
+    let e = analyse(&s, None).unwrap_err();
+    assert!(
+        e.to_string().contains("divisors of 128 near 3: 2, 4"),
+        "{e}"
+    );
+
+    // 24 -> 200 with the default ceiling pinned: refused with the rewrite guidance.
+    let pinned = StreamJobStatus {
+        max_parallelism: Some(128),
+        ..Default::default()
+    };
+    let mut s = base();
+    s.max_parallelism = None;
+    s.replicas = 200;
+    let e = analyse(&s, Some(&pinned)).unwrap_err();
+    let text = e.to_string();
+    assert!(text.contains("ceiling 128"), "{text}");
+    assert!(text.contains("pinned in status.maxParallelism"), "{text}");
+    assert!(text.contains("keyshift savepoint rewrite"), "{text}");
+
+    // More subtasks than partitions: idle subtasks are counted.
+    let mut s = base();
+    s.replicas = 8;
+    let a = analyse(&s, None).unwrap();
+    assert_eq!(a.idle_subtasks, 4);
+    assert_eq!(a.ceiling_source, validation::CeilingSource::Spec);
+    assert!(a.skew.divides);
+}

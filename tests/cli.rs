@@ -1,0 +1,128 @@
+//! The `keyshift` binary as a user runs it: exit codes, stdin handling, machine-readable output.
+
+use std::io::Write;
+use std::process::{Command, Output, Stdio};
+
+fn keyshift(args: &[&str], stdin: Option<&str>) -> Output {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = child.stdin.take().unwrap();
+    if let Some(text) = stdin {
+        input.write_all(text.as_bytes()).unwrap();
+    }
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[test]
+fn version_and_help() {
+    let out = keyshift(&["--version"], None);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).contains(env!("CARGO_PKG_VERSION")));
+    for sub in ["plan", "keygroup", "crd"] {
+        let out = keyshift(&[sub, "--help"], None);
+        assert!(out.status.success(), "{sub} --help");
+        assert!(text(&out.stdout).contains("Usage:"), "{sub} --help");
+    }
+}
+
+#[test]
+fn plan_bounds_exit_non_zero_with_the_fix() {
+    for (args, needle) in [
+        (vec!["plan", "-p", "0", "-g", "128"], "at least 1"),
+        (vec!["plan", "-p", "-3", "-g", "128"], "at least 1"),
+        (vec!["plan", "-p", "200", "-g", "128"], "at most 128"),
+        (vec!["plan", "-p", "4", "-g", "40000"], "upper bound 32768"),
+        (
+            vec!["plan", "-p", "200", "--from-parallelism", "24"],
+            "derived by Flink's default rule from parallelism 24",
+        ),
+    ] {
+        let out = keyshift(&args, None);
+        assert!(!out.status.success(), "{args:?} should fail");
+        assert!(
+            text(&out.stderr).contains(needle),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+        assert!(out.stdout.is_empty());
+    }
+}
+
+#[test]
+fn plan_json_is_one_object() {
+    let out = keyshift(
+        &[
+            "plan",
+            "-p",
+            "16",
+            "--from-parallelism",
+            "8",
+            "-g",
+            "128",
+            "-o",
+            "json",
+        ],
+        None,
+    );
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["rescale"]["movedGroups"], 64);
+    assert_eq!(v["rescale"]["movedFraction"], 0.5);
+    assert_eq!(v["divides"], true);
+}
+
+#[test]
+fn keygroup_reads_stdin_in_order() {
+    let out = keyshift(
+        &["keygroup", "-g", "128", "-p", "4", "-o", "json"],
+        Some("hello\n\nuser-1\n"),
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let lines: Vec<serde_json::Value> = text(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 3);
+    assert_eq!(lines[0]["key"], "hello");
+    assert_eq!(lines[1]["key"], "");
+    assert_eq!(lines[2]["key"], "user-1");
+    for l in &lines {
+        let g = l["keyGroup"].as_u64().unwrap();
+        assert!(g < 128);
+        // Subtask 0 owns 0-31, 1 owns 32-63 ...
+        assert_eq!(l["subtask"].as_u64().unwrap(), g / 32);
+    }
+}
+
+#[test]
+fn keygroup_refuses_bad_keys_with_the_line() {
+    let out = keyshift(
+        &["keygroup", "-g", "128", "--key-type", "long"],
+        Some("1\n2\nthree\n"),
+    );
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("line 3"),
+        "{}",
+        text(&out.stderr)
+    );
+    // Earlier keys were already printed.
+    assert_eq!(text(&out.stdout).lines().count(), 2);
+}
+
+#[test]
+fn crd_prints_yaml() {
+    let out = keyshift(&["crd"], None);
+    assert!(out.status.success());
+    assert!(text(&out.stdout).starts_with("apiVersion: apiextensions.k8s.io/v1"));
+}
