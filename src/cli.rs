@@ -38,6 +38,26 @@ pub enum Command {
     Keygroup(KeygroupArgs),
     /// Print the StreamJob CustomResourceDefinition as YAML.
     Crd,
+    /// Campaign for the operator's leader-election Lease and report leadership (for tests).
+    #[command(hide = true)]
+    LeaderDemo(LeaderDemoArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct LeaderDemoArgs {
+    /// Name of the Lease.
+    #[arg(long, default_value = "keyshift-operator")]
+    pub lease_name: String,
+    /// Namespace of the Lease.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub lease_namespace: String,
+    /// Lease duration in seconds.
+    #[arg(long, default_value_t = 15)]
+    pub lease_duration_seconds: u64,
+    /// Identity to hold the Lease as. Default: pod name (POD_NAME or HOSTNAME) and a random
+    /// suffix.
+    #[arg(long)]
+    pub identity: Option<String>,
 }
 
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -109,6 +129,10 @@ pub enum CliError {
     Stdout(std::io::Error),
     #[error("rendering the CRD: {0}")]
     Yaml(#[from] serde_yaml::Error),
+    #[error("{0}")]
+    Leader(#[from] crate::leader::LeaderError),
+    #[error("starting the async runtime: {0}")]
+    Runtime(std::io::Error),
 }
 
 /// Entry point of the binary.
@@ -136,6 +160,19 @@ fn run(command: Command) -> Result<(), CliError> {
         Command::Crd => {
             let yaml = crate::crd::crd_yaml()?;
             out.write_all(yaml.as_bytes()).map_err(CliError::Stdout)
+        }
+        Command::LeaderDemo(args) => {
+            let config = crate::leader::LeaderConfig::new(
+                args.lease_namespace,
+                args.lease_name,
+                args.identity
+                    .unwrap_or_else(crate::leader::LeaderConfig::default_identity),
+            )
+            .with_lease_duration(std::time::Duration::from_secs(args.lease_duration_seconds));
+            tokio::runtime::Runtime::new()
+                .map_err(CliError::Runtime)?
+                .block_on(crate::leader::run_demo(config))?;
+            Ok(())
         }
     }
 }

@@ -703,6 +703,41 @@ impl Candidate {
     }
 }
 
+/// `keyshift leader-demo` (hidden): campaigns for the Lease with the ambient credentials (in a
+/// pod: its ServiceAccount), logs when it leads, steps down on SIGTERM or Ctrl-C, and fails with
+/// [`LeaderError::Lost`] if leadership is lost, as the operator will. Lets tests check an
+/// installation's Lease RBAC and takeover with real processes before the operator exists.
+pub async fn run_demo(config: LeaderConfig) -> Result<(), LeaderError> {
+    config.validate()?;
+    let api_error = |source| LeaderError::Api {
+        namespace: config.namespace.clone(),
+        name: config.lease_name.clone(),
+        source,
+    };
+    let client = Client::try_default().await.map_err(api_error)?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .map_err(|e| LeaderError::Task(format!("installing the SIGTERM handler: {e}")))?;
+    let mut leader = LeaderHandle::spawn(client, config)?;
+    let stop = async {
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+    };
+    tokio::pin!(stop);
+    tokio::select! {
+        r = leader.wait_for_leadership() => r?,
+        _ = &mut stop => return leader.step_down().await,
+    }
+    tracing::info!(identity = %leader.identity(), "leading");
+    let lost = leader.lost();
+    tokio::select! {
+        _ = lost => {}
+        _ = &mut stop => {}
+    }
+    leader.step_down().await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
