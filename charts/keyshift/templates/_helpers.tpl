@@ -1,0 +1,91 @@
+{{/* Name of the chart (or nameOverride). */}}
+{{- define "keyshift.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/*
+Full name of the release's objects: the release name if it contains the chart name, else
+"<release>-<chart>"; at most 63 characters.
+*/}}
+{{- define "keyshift.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "keyshift.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "keyshift.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "keyshift.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "keyshift.labels" -}}
+helm.sh/chart: {{ include "keyshift.chart" . }}
+{{ include "keyshift.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: keyshift
+{{- end }}
+
+{{- define "keyshift.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "keyshift.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The operator image: repository@digest, or repository:tag (tag defaults to appVersion). */}}
+{{- define "keyshift.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+What the operator may do with the StreamJobs, pods, secrets and events of a watched namespace
+(or of all namespaces): exactly the operator's documented API use, no wildcards.
+*/}}
+{{- define "keyshift.workloadRules" -}}
+- apiGroups: ["keyshift.dev"]
+  resources: ["streamjobs"]
+  verbs: ["get", "list", "watch", "patch", "update"]
+- apiGroups: ["keyshift.dev"]
+  resources: ["streamjobs/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["keyshift.dev"]
+  resources: ["streamjobs/finalizers"]
+  verbs: ["update"]
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch", "create", "delete", "patch"]
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+- apiGroups: ["events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end }}
+
+{{/* Fails rendering on value combinations the schema cannot express. */}}
+{{- define "keyshift.validate" -}}
+{{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
+{{- fail "replicas > 1 needs leaderElection.enabled: true (only one operator may reconcile at a time)" }}
+{{- end }}
+{{- if and .Values.serviceMonitor.enabled (not (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor")) }}
+{{- fail "serviceMonitor.enabled is true but the cluster does not serve monitoring.coreos.com/v1 ServiceMonitor: install the Prometheus Operator CRDs first (with `helm template`, pass --api-versions monitoring.coreos.com/v1/ServiceMonitor)" }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,585 @@
+//! The Helm chart (`charts/keyshift`), rendered with a real `helm template`: RBAC is exactly the
+//! operator's documented API use with no wildcards, namespaced mode grants nothing cluster-wide,
+//! the pod is restricted, and the chart's CRD is the generated one.
+//!
+//! Helm comes from `KEYSHIFT_HELM` (`hack/test.sh` sets it from `hack/get-helm.sh`), else from
+//! the cache `hack/get-helm.sh` fills. Without either, the tests that need helm say so and pass;
+//! `hack/test.sh` always provides it.
+
+mod support;
+
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::process::Command;
+use support::root;
+
+const RELEASE: &str = "ks";
+const NAMESPACE: &str = "keyshift-system";
+const NAMESPACED_VALUES: &str = "charts/keyshift/ci/namespaced-values.yaml";
+const SERVICE_MONITOR_API: &str = "monitoring.coreos.com/v1/ServiceMonitor";
+
+fn helm() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("KEYSHIFT_HELM").filter(|p| !p.is_empty()) {
+        let p = PathBuf::from(p);
+        assert!(p.exists(), "KEYSHIFT_HELM={} does not exist", p.display());
+        return Some(p);
+    }
+    let cache = std::env::var_os("KEYSHIFT_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/keyshift")))?;
+    let p = cache.join("bin/helm-v4.1.4/helm");
+    p.exists().then_some(p)
+}
+
+/// Runs `f` with helm, or explains why the test is skipped.
+fn with_helm(f: impl FnOnce(&PathBuf)) {
+    match helm() {
+        Some(h) => f(&h),
+        None => eprintln!(
+            "skipped: no helm (run hack/get-helm.sh or set KEYSHIFT_HELM; hack/test.sh does)"
+        ),
+    }
+}
+
+/// `helm template` of the chart with extra arguments: the rendered objects, or helm's error.
+fn render(helm: &PathBuf, args: &[&str]) -> Result<Vec<Value>, String> {
+    let out = Command::new(helm)
+        .current_dir(root())
+        .args(["template", RELEASE, "charts/keyshift", "-n", NAMESPACE])
+        .args(args)
+        .output()
+        .expect("helm runs");
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    let mut docs = Vec::new();
+    for doc in serde_yaml::Deserializer::from_str(&text) {
+        let v = Value::deserialize(doc).expect("helm renders YAML");
+        if !v.is_null() {
+            docs.push(v);
+        }
+    }
+    Ok(docs)
+}
+
+fn render_ok(helm: &PathBuf, args: &[&str]) -> Vec<Value> {
+    render(helm, args).unwrap_or_else(|e| panic!("helm template {args:?} failed: {e}"))
+}
+
+fn defaults(helm: &PathBuf) -> Vec<Value> {
+    render_ok(helm, &[])
+}
+
+fn namespaced(helm: &PathBuf) -> Vec<Value> {
+    render_ok(
+        helm,
+        &[
+            "-f",
+            NAMESPACED_VALUES,
+            "--api-versions",
+            SERVICE_MONITOR_API,
+        ],
+    )
+}
+
+fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
+    let found = of_kind(docs, kind);
+    assert_eq!(found.len(), 1, "expected one {kind}, found {}", found.len());
+    found[0]
+}
+
+type Rules = BTreeMap<(String, String), BTreeSet<String>>;
+
+/// (apiGroup, resource) -> verbs, over all rules of a (Cluster)Role.
+fn rules(role: &Value) -> Rules {
+    let mut out = Rules::new();
+    for rule in role["rules"].as_array().expect("rules") {
+        for group in rule["apiGroups"].as_array().expect("apiGroups") {
+            for resource in rule["resources"].as_array().expect("resources") {
+                let verbs = out
+                    .entry((
+                        group.as_str().unwrap().to_owned(),
+                        resource.as_str().unwrap().to_owned(),
+                    ))
+                    .or_default();
+                for verb in rule["verbs"].as_array().expect("verbs") {
+                    verbs.insert(verb.as_str().unwrap().to_owned());
+                }
+            }
+        }
+    }
+    out
+}
+
+fn expect_rules(entries: &[(&str, &str, &[&str])]) -> Rules {
+    entries
+        .iter()
+        .map(|(g, r, verbs)| {
+            (
+                ((*g).to_owned(), (*r).to_owned()),
+                verbs.iter().map(|v| (*v).to_owned()).collect(),
+            )
+        })
+        .collect()
+}
+
+/// The operator's contract: what it does with StreamJobs, pods, secrets and events.
+fn workload_rules() -> Rules {
+    expect_rules(&[
+        (
+            "keyshift.dev",
+            "streamjobs",
+            &["get", "list", "watch", "patch", "update"],
+        ),
+        (
+            "keyshift.dev",
+            "streamjobs/status",
+            &["get", "patch", "update"],
+        ),
+        ("keyshift.dev", "streamjobs/finalizers", &["update"]),
+        (
+            "",
+            "pods",
+            &["get", "list", "watch", "create", "delete", "patch"],
+        ),
+        (
+            "",
+            "secrets",
+            &["get", "list", "watch", "create", "patch", "delete"],
+        ),
+        ("events.k8s.io", "events", &["create", "patch"]),
+    ])
+}
+
+fn lease_rules() -> Rules {
+    expect_rules(&[(
+        "coordination.k8s.io",
+        "leases",
+        &["get", "create", "update", "patch"],
+    )])
+}
+
+fn name(doc: &Value) -> &str {
+    doc["metadata"]["name"].as_str().unwrap_or_default()
+}
+
+fn namespace(doc: &Value) -> &str {
+    doc["metadata"]["namespace"].as_str().unwrap_or_default()
+}
+
+fn container(docs: &[Value]) -> &Value {
+    &one(docs, "Deployment")["spec"]["template"]["spec"]["containers"][0]
+}
+
+fn args(docs: &[Value]) -> Vec<String> {
+    container(docs)["args"]
+        .as_array()
+        .expect("args")
+        .iter()
+        .map(|a| a.as_str().unwrap().to_owned())
+        .collect()
+}
+
+fn env<'a>(docs: &'a [Value], var: &str) -> &'a Value {
+    container(docs)["env"]
+        .as_array()
+        .expect("env")
+        .iter()
+        .find(|e| e["name"] == var)
+        .unwrap_or_else(|| panic!("env {var} missing"))
+}
+
+#[test]
+fn chart_crd_is_the_committed_crd_and_versions_match() {
+    let committed = std::fs::read_to_string(root().join("crds/streamjob.yaml")).expect("crd");
+    let in_chart =
+        std::fs::read_to_string(root().join("charts/keyshift/crds/streamjob.yaml")).expect("crd");
+    assert!(
+        committed == in_chart,
+        "charts/keyshift/crds/streamjob.yaml differs from crds/streamjob.yaml: \
+         run `cp crds/streamjob.yaml charts/keyshift/crds/` (and read the CRD upgrade notes in charts/keyshift/README.md)"
+    );
+    let chart: Value = serde_yaml::from_str(
+        &std::fs::read_to_string(root().join("charts/keyshift/Chart.yaml")).expect("Chart.yaml"),
+    )
+    .expect("Chart.yaml parses");
+    assert_eq!(
+        chart["appVersion"],
+        env!("CARGO_PKG_VERSION"),
+        "Chart.yaml appVersion follows the crate version"
+    );
+    assert_eq!(chart["kubeVersion"], ">= 1.30.0-0");
+    assert_eq!(chart["apiVersion"], "v2");
+}
+
+#[test]
+fn values_schema_accepts_the_storage_schemes_the_crd_does() {
+    let schema: Value = serde_json::from_str(
+        &std::fs::read_to_string(root().join("charts/keyshift/values.schema.json"))
+            .expect("schema"),
+    )
+    .expect("schema is JSON");
+    assert_eq!(
+        schema["properties"]["defaultStorage"]["pattern"],
+        format!(
+            "^$|^({})://.+$",
+            keyshift::validation::STORAGE_SCHEMES.join("|")
+        )
+    );
+}
+
+#[test]
+fn rendered_crd_equals_the_committed_crd() {
+    with_helm(|helm| {
+        let docs = render_ok(helm, &["--include-crds"]);
+        let crd = one(&docs, "CustomResourceDefinition");
+        let committed: Value = serde_yaml::from_str(
+            &std::fs::read_to_string(root().join("crds/streamjob.yaml")).expect("crd"),
+        )
+        .expect("crd parses");
+        assert!(*crd == committed, "helm renders the committed CRD");
+        // Without --include-crds the CRD is not a template: Helm never upgrades or deletes it.
+        assert!(of_kind(&defaults(helm), "CustomResourceDefinition").is_empty());
+    });
+}
+
+#[test]
+fn default_values_grant_the_contract_cluster_wide() {
+    with_helm(|helm| {
+        let docs = defaults(helm);
+        let kinds: BTreeSet<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+        assert_eq!(
+            kinds,
+            BTreeSet::from([
+                "ServiceAccount",
+                "ClusterRole",
+                "ClusterRoleBinding",
+                "Role",
+                "RoleBinding",
+                "Service",
+                "Deployment"
+            ]),
+            "no ServiceMonitor by default"
+        );
+        let sa = one(&docs, "ServiceAccount");
+        assert_eq!(namespace(sa), NAMESPACE);
+
+        let cluster_role = one(&docs, "ClusterRole");
+        assert_eq!(rules(cluster_role), workload_rules());
+        let binding = one(&docs, "ClusterRoleBinding");
+        assert_eq!(binding["roleRef"]["name"], name(cluster_role));
+        assert_eq!(
+            binding["subjects"],
+            json!([{"kind": "ServiceAccount", "name": name(sa), "namespace": NAMESPACE}])
+        );
+
+        // The only Role: the Lease, in the release namespace.
+        let lease_role = one(&docs, "Role");
+        assert_eq!(namespace(lease_role), NAMESPACE);
+        assert_eq!(rules(lease_role), lease_rules());
+        for rule in lease_role["rules"].as_array().unwrap() {
+            let verbs = rule["verbs"].as_array().unwrap();
+            if verbs.iter().any(|v| v != "create") {
+                assert_eq!(
+                    rule["resourceNames"],
+                    json!(["keyshift-operator"]),
+                    "get/update/patch only on the operator's Lease"
+                );
+            }
+        }
+        let lease_binding = one(&docs, "RoleBinding");
+        assert_eq!(namespace(lease_binding), NAMESPACE);
+        assert_eq!(lease_binding["roleRef"]["name"], name(lease_role));
+        assert_eq!(lease_binding["subjects"][0]["name"], name(sa));
+
+        // The Deployment, per the operator's command-line contract.
+        let deploy = one(&docs, "Deployment");
+        assert_eq!(deploy["spec"]["replicas"], 1);
+        let pod = &deploy["spec"]["template"]["spec"];
+        assert_eq!(pod["serviceAccountName"], name(sa));
+        let c = container(&docs);
+        assert_eq!(
+            c["image"],
+            format!("ghcr.io/keyshift/keyshift:{}", env!("CARGO_PKG_VERSION"))
+        );
+        assert!(c.get("command").is_none(), "the image's entrypoint runs");
+        assert_eq!(
+            args(&docs),
+            [
+                "operator",
+                "--metrics-addr=0.0.0.0:8080",
+                "--log-format=json",
+                "--lease-name=keyshift-operator",
+                &format!("--lease-namespace={NAMESPACE}"),
+            ]
+        );
+        assert_eq!(
+            env(&docs, "POD_NAMESPACE")["valueFrom"]["fieldRef"]["fieldPath"],
+            "metadata.namespace"
+        );
+        assert_eq!(env(&docs, "KEYSHIFT_IMAGE")["value"], c["image"]);
+        assert_eq!(c["livenessProbe"]["httpGet"]["path"], "/healthz");
+        assert_eq!(c["livenessProbe"]["httpGet"]["port"], 8080);
+        assert_eq!(c["readinessProbe"]["httpGet"]["path"], "/readyz");
+        assert_eq!(c["readinessProbe"]["httpGet"]["port"], 8080);
+        assert_eq!(c["ports"][0]["containerPort"], 8080);
+        assert_eq!(c["resources"]["requests"]["memory"], "128Mi");
+        assert_eq!(c["resources"]["limits"]["memory"], "256Mi");
+
+        let svc = one(&docs, "Service");
+        assert_eq!(svc["spec"]["ports"][0]["targetPort"], "metrics");
+        assert_eq!(
+            svc["spec"]["selector"],
+            deploy["spec"]["selector"]["matchLabels"]
+        );
+    });
+}
+
+#[test]
+fn namespaced_values_grant_nothing_cluster_wide() {
+    with_helm(|helm| {
+        let docs = namespaced(helm);
+        assert!(of_kind(&docs, "ClusterRole").is_empty());
+        assert!(of_kind(&docs, "ClusterRoleBinding").is_empty());
+        let sa = one(&docs, "ServiceAccount");
+
+        // One Role + RoleBinding per watched namespace, with the contract's rules; the Lease
+        // Role in the release namespace.
+        let roles = of_kind(&docs, "Role");
+        let by_ns: BTreeMap<&str, &Value> = roles.iter().map(|r| (namespace(r), *r)).collect();
+        assert_eq!(
+            by_ns.keys().copied().collect::<Vec<_>>(),
+            ["keyshift-system", "team-a", "team-b"]
+        );
+        for ns in ["team-a", "team-b"] {
+            assert_eq!(rules(by_ns[ns]), workload_rules(), "Role in {ns}");
+        }
+        assert_eq!(rules(by_ns[NAMESPACE]), lease_rules());
+        let bindings = of_kind(&docs, "RoleBinding");
+        assert_eq!(bindings.len(), 3);
+        for b in bindings {
+            let role = by_ns[namespace(b)];
+            assert_eq!(b["roleRef"]["kind"], "Role");
+            assert_eq!(b["roleRef"]["name"], name(role));
+            assert_eq!(
+                b["subjects"],
+                json!([{"kind": "ServiceAccount", "name": name(sa), "namespace": NAMESPACE}])
+            );
+        }
+
+        let deploy = one(&docs, "Deployment");
+        assert_eq!(deploy["spec"]["replicas"], 2);
+        let a = args(&docs);
+        assert!(
+            a.contains(&"--namespaces=team-a,team-b".to_owned()),
+            "{a:?}"
+        );
+        assert!(
+            a.contains(&"--default-storage=s3://keyshift-state/prod".to_owned()),
+            "{a:?}"
+        );
+        assert!(a.contains(&"--log-format=text".to_owned()), "{a:?}");
+        let c = container(&docs);
+        assert_eq!(c["image"], "ghcr.io/keyshift/keyshift:0.1.0-rc.1");
+        assert_eq!(
+            c["resources"],
+            json!({"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}})
+        );
+        assert_eq!(env(&docs, "RUST_LOG")["value"], "info,keyshift=debug");
+
+        let sm = one(&docs, "ServiceMonitor");
+        assert_eq!(sm["apiVersion"], "monitoring.coreos.com/v1");
+        assert_eq!(namespace(sm), NAMESPACE);
+        assert_eq!(sm["metadata"]["labels"]["release"], "prometheus");
+        assert_eq!(sm["spec"]["endpoints"][0]["port"], "metrics");
+        assert_eq!(sm["spec"]["endpoints"][0]["path"], "/metrics");
+        assert_eq!(sm["spec"]["endpoints"][0]["interval"], "15s");
+        let svc = one(&docs, "Service");
+        for (k, v) in sm["spec"]["selector"]["matchLabels"].as_object().unwrap() {
+            assert_eq!(
+                &svc["metadata"]["labels"][k], v,
+                "ServiceMonitor selects the Service"
+            );
+        }
+    });
+}
+
+/// Every string in an RBAC rule's lists, for every (Cluster)Role in `docs`.
+fn rbac_strings(docs: &[Value]) -> Vec<String> {
+    let mut out = Vec::new();
+    for doc in docs {
+        if doc["kind"] != "Role" && doc["kind"] != "ClusterRole" {
+            continue;
+        }
+        for rule in doc["rules"].as_array().expect("rules") {
+            for field in [
+                "apiGroups",
+                "resources",
+                "verbs",
+                "resourceNames",
+                "nonResourceURLs",
+            ] {
+                for v in rule[field].as_array().into_iter().flatten() {
+                    out.push(v.as_str().expect("strings").to_owned());
+                }
+            }
+        }
+        assert!(
+            doc.get("aggregationRule").is_none(),
+            "no aggregated roles: {}",
+            name(doc)
+        );
+    }
+    out
+}
+
+#[test]
+fn no_rbac_rule_has_a_wildcard() {
+    with_helm(|helm| {
+        for docs in [
+            defaults(helm),
+            namespaced(helm),
+            render_ok(helm, &["--set", "leaderElection.enabled=false"]),
+        ] {
+            let strings = rbac_strings(&docs);
+            assert!(!strings.is_empty());
+            for s in strings {
+                assert!(!s.contains('*'), "wildcard in an RBAC rule: {s:?}");
+            }
+        }
+    });
+}
+
+#[test]
+fn the_pod_is_restricted_by_default() {
+    with_helm(|helm| {
+        for docs in [defaults(helm), namespaced(helm)] {
+            let pod = &one(&docs, "Deployment")["spec"]["template"]["spec"];
+            let psc = &pod["securityContext"];
+            assert_eq!(psc["runAsNonRoot"], true);
+            assert_eq!(psc["runAsUser"], 65532);
+            assert_eq!(psc["seccompProfile"]["type"], "RuntimeDefault");
+            for c in pod["containers"].as_array().unwrap() {
+                let sc = &c["securityContext"];
+                assert_eq!(sc["runAsNonRoot"], true, "{}", c["name"]);
+                assert_eq!(sc["readOnlyRootFilesystem"], true);
+                assert_eq!(sc["allowPrivilegeEscalation"], false);
+                assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+                assert!(sc["capabilities"].get("add").is_none());
+                assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+                assert!(sc.get("privileged").is_none_or(|p| p == false));
+            }
+            assert!(pod.get("hostNetwork").is_none() && pod.get("hostPID").is_none());
+        }
+    });
+}
+
+#[test]
+fn other_values_render_as_documented() {
+    with_helm(|helm| {
+        // No leader election: no Lease Role, and the operator is told.
+        let docs = render_ok(helm, &["--set", "leaderElection.enabled=false"]);
+        assert!(of_kind(&docs, "Role").is_empty());
+        let a = args(&docs);
+        assert!(a.contains(&"--leader-elect=false".to_owned()), "{a:?}");
+        assert!(!a.iter().any(|x| x.starts_with("--lease-")), "{a:?}");
+
+        // A digest wins over the tag; a worker image of its own.
+        let docs = render_ok(
+            helm,
+            &[
+                "--set",
+                &format!("image.digest=sha256:{}", "a".repeat(64)),
+                "--set",
+                "workerImage=registry.example/acme/keyshift-worker:1",
+                "--set",
+                "metrics.bindAddress=$(POD_IP)",
+            ],
+        );
+        let c = container(&docs);
+        assert_eq!(
+            c["image"],
+            format!("ghcr.io/keyshift/keyshift@sha256:{}", "a".repeat(64))
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_IMAGE")["value"],
+            "registry.example/acme/keyshift-worker:1"
+        );
+        assert!(args(&docs).contains(&"--metrics-addr=$(POD_IP):8080".to_owned()));
+        assert_eq!(
+            env(&docs, "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"],
+            "status.podIP"
+        );
+
+        // No RBAC, an existing ServiceAccount.
+        let docs = render_ok(
+            helm,
+            &[
+                "--set",
+                "rbac.create=false",
+                "--set",
+                "serviceAccount.create=false",
+                "--set",
+                "serviceAccount.name=mine",
+            ],
+        );
+        assert!(rbac_strings(&docs).is_empty());
+        assert!(of_kind(&docs, "ServiceAccount").is_empty());
+        assert_eq!(
+            one(&docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"],
+            "mine"
+        );
+    });
+}
+
+#[test]
+fn bad_values_are_refused_with_a_reason() {
+    with_helm(|helm| {
+        let cases: &[(&[&str], &str)] = &[
+            (&["--set", "replicas=-1"], "/replicas"),
+            (&["--set", "bogus=1"], "bogus"),
+            (
+                &["--set", "defaultStorage=bucket/prefix"],
+                "/defaultStorage",
+            ),
+            (
+                &["--set-json", r#"watchNamespaces=["a","a"]"#],
+                "/watchNamespaces",
+            ),
+            (&["--set", "watchNamespaces=Team_A"], "/watchNamespaces"),
+            (&["--set", "logFormat=xml"], "/logFormat"),
+            (
+                &[
+                    "--set",
+                    "replicas=2",
+                    "--set",
+                    "leaderElection.enabled=false",
+                ],
+                "replicas > 1 needs leaderElection.enabled",
+            ),
+            (
+                &["--set", "serviceMonitor.enabled=true"],
+                "does not serve monitoring.coreos.com/v1 ServiceMonitor",
+            ),
+            (
+                &["--kube-version", "1.29.0"],
+                "chart requires kubeVersion: >= 1.30.0-0",
+            ),
+        ];
+        for (args, message) in cases {
+            match render(helm, args) {
+                Ok(_) => panic!("helm template {args:?} should fail"),
+                Err(e) => assert!(e.contains(message), "{args:?}: expected {message:?} in {e}"),
+            }
+        }
+        // The oldest supported Kubernetes renders.
+        render_ok(helm, &["--kube-version", "1.30.0"]);
+    });
+}
