@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+#
+# The keyshift image: the single static `keyshift` binary (operator, worker and CLI) on an empty
+# base, running as UID/GID 65532. The Helm chart runs it as `keyshift operator ...`; the operator
+# starts worker pods from the same image as `keyshift worker ...`.
+#
+#   docker build -t ghcr.io/keyshift/keyshift:0.1.0 .
+#
+# The build stage uses the official Rust image on Alpine, whose native target is musl, so the
+# release binary is statically linked with no further flags (TLS is rustls; nothing links
+# OpenSSL). It builds for the platform it runs on; build on (or emulate) the target platform for
+# other architectures.
+
+ARG RUST_VERSION=1.95
+
+FROM rust:${RUST_VERSION}-alpine AS build
+RUN apk add --no-cache musl-dev ca-certificates
+WORKDIR /src
+COPY Cargo.toml Cargo.lock ./
+COPY src ./src
+RUN --mount=type=cache,target=/usr/local/cargo/registry \
+    --mount=type=cache,target=/src/target \
+    cargo build --release --locked --bin keyshift \
+    && install -D -m 0755 target/release/keyshift /out/keyshift \
+    && install -d -m 1777 /out/tmp \
+    && install -D -m 0644 /etc/ssl/certs/ca-certificates.crt /out/etc/ssl/certs/ca-certificates.crt
+
+FROM scratch
+COPY --from=build /out/ /
+ENV SSL_CERT_FILE=/etc/ssl/certs/ca-certificates.crt
+USER 65532:65532
+# Proves at build time that the binary runs with no libc or shell in the image.
+RUN ["/keyshift", "--version"]
+ENTRYPOINT ["/keyshift"]
