@@ -339,8 +339,8 @@ pub fn renewal_overdue(last_renewal_sent: Instant, now: Instant, config: &Leader
 // -------------------------------------------------------------------------------------------
 
 /// A running leader election candidate (a background task). Dropping the handle stops the
-/// candidate and releases the Lease if held, in the background; prefer
-/// [`step_down`](Self::step_down), which waits for the release.
+/// candidate and releases the Lease if held, in the background (if the runtime keeps running);
+/// prefer [`step_down`](Self::step_down), which waits for the release.
 pub struct LeaderHandle {
     leader: watch::Receiver<bool>,
     shutdown: Option<oneshot::Sender<()>>,
@@ -451,10 +451,12 @@ impl LeaderHandle {
     /// Stops the candidate at once *without* releasing the Lease, as a crash would: the others
     /// take over once it expires. For tests and for emergencies.
     pub fn abandon(mut self) {
-        self.shutdown.take();
         if let Some(task) = self.task.take() {
             task.abort();
         }
+        // Dropped unsent: the task (should it run again before the abort lands) stops without
+        // releasing.
+        self.shutdown.take();
     }
 }
 
@@ -595,7 +597,11 @@ impl Candidate {
             };
             let outcome = tokio::select! {
                 r = timeout_at(round_deadline, self.round()) => r,
-                _ = &mut shutdown => break,
+                stop = &mut shutdown => match stop {
+                    Ok(()) => break,
+                    // Abandoned: stop without releasing.
+                    Err(_) => return Ok(()),
+                },
             };
             let next = match outcome {
                 Ok(Ok(Round::Leading)) => {
@@ -626,7 +632,11 @@ impl Candidate {
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "leader election round failed; retrying");
-                    Instant::now() + interval.min(Duration::from_secs(1))
+                    // A leader retries soon (its deadline runs); a candidate at its pace.
+                    match leading_since {
+                        Some(_) => Instant::now() + interval.min(Duration::from_secs(1)),
+                        None => Instant::now() + interval,
+                    }
                 }
                 Err(_) => {
                     tracing::warn!("leader election round timed out; retrying");
@@ -648,7 +658,10 @@ impl Candidate {
             };
             tokio::select! {
                 _ = sleep_until(next) => {}
-                _ = &mut shutdown => break,
+                stop = &mut shutdown => match stop {
+                    Ok(()) => break,
+                    Err(_) => return Ok(()),
+                },
             }
         }
         // Shutdown requested (or the handle dropped).
