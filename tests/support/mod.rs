@@ -150,3 +150,48 @@ pub fn ensure_crd() {
             == "True"
     });
 }
+
+/// The helm binary: `KEYSHIFT_HELM` (set by `hack/test.sh`), else the one `hack/get-helm.sh`
+/// caches. Panics with the fix when there is none.
+pub fn helm_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("KEYSHIFT_HELM").filter(|p| !p.is_empty()) {
+        return PathBuf::from(p);
+    }
+    let cache = std::env::var_os("KEYSHIFT_CACHE")
+        .map(PathBuf::from)
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache/keyshift")))
+        .expect("HOME or KEYSHIFT_CACHE is set");
+    let p = cache.join("bin/helm-v4.1.4/helm");
+    assert!(
+        p.exists(),
+        "no helm: run hack/get-helm.sh or set KEYSHIFT_HELM"
+    );
+    p
+}
+
+/// Runs `helm ARGS` against the test control plane, from the repository root, with helm's
+/// own cache, config and data kept in the test environment's directory.
+pub fn helm(args: &[&str]) -> Kubectl {
+    let mut cmd = Command::new(helm_bin());
+    if let Some(dir) = std::env::var_os("KEYSHIFT_TESTENV_DIR") {
+        let dir = Path::new(&dir);
+        cmd.env("HELM_CACHE_HOME", dir.join("helm/cache"))
+            .env("HELM_CONFIG_HOME", dir.join("helm/config"))
+            .env("HELM_DATA_HOME", dir.join("helm/data"))
+            .env("KUBECACHEDIR", dir.join("kubectl-cache"));
+    }
+    let out = cmd
+        .current_dir(root())
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .output()
+        .expect("helm runs");
+    finish(out)
+}
+
+/// Runs helm and panics with its output unless it succeeds.
+pub fn helm_ok(args: &[&str]) -> String {
+    let r = helm(args);
+    assert!(r.ok, "helm {args:?} failed: {}{}", r.stdout, r.stderr);
+    r.stdout
+}

@@ -1,0 +1,442 @@
+//! The Helm chart against the real control plane (`hack/testenv.sh`): `helm install` creates
+//! the CRD and the operator's objects, the kubelet runs the operator pod under the chart's
+//! ServiceAccount, RBAC allows exactly what the operator needs (checked with `kubectl auth
+//! can-i` as that ServiceAccount), `helm upgrade` applies changed values, and `helm uninstall`
+//! leaves nothing of the release behind but the CRD. A second test runs real processes
+//! (`keyshift leader-demo`) under the chart's ServiceAccount to show its Lease RBAC suffices for
+//! leader election and takeover.
+//!
+//! The operator itself (`keyshift operator`) may not exist yet: its pod is only required to be
+//! bound and started, whether it then runs or exits.
+//!
+//! Run by `hack/test.sh`; by hand: `eval "$(hack/testenv.sh up)"` with `KEYSHIFT_KUBELET` set,
+//! then `cargo test --test e2e_helm -- --ignored`.
+
+mod support;
+
+use std::time::Duration;
+use support::*;
+
+const CHART: &str = "charts/keyshift";
+/// The process kubelet runs images whose repository ends in `keyshift` as the local binary.
+const IMAGE: [&str; 4] = [
+    "--set",
+    "image.repository=localhost/keyshift",
+    "--set",
+    "image.tag=dev",
+];
+
+/// `kubectl auth can-i VERB RESOURCE [flags]` as `sa`: true for "yes".
+fn can(sa: &str, args: &[&str]) -> bool {
+    let mut all = vec!["auth", "can-i"];
+    all.extend_from_slice(args);
+    let r = kubectl(&[&all[..], &["--as", sa]].concat());
+    match r.stdout.trim() {
+        "yes" => true,
+        "no" => false,
+        _ => panic!("kubectl auth can-i {args:?}: {}{}", r.stdout, r.stderr),
+    }
+}
+
+fn assert_can(sa: &str, args: &[&str]) {
+    assert!(can(sa, args), "{sa} should be allowed: {args:?}");
+}
+
+fn assert_cannot(sa: &str, args: &[&str]) {
+    assert!(!can(sa, args), "{sa} should be denied: {args:?}");
+}
+
+/// Names (kind/name) of objects of `kinds` labelled with the release, in `ns` (or cluster-wide
+/// when `ns` is None).
+fn release_objects(release: &str, kinds: &str, ns: Option<&str>) -> Vec<String> {
+    let selector = format!("app.kubernetes.io/instance={release}");
+    let mut args = vec!["get", kinds, "-l", &selector, "-o", "name"];
+    if let Some(ns) = ns {
+        args.extend_from_slice(&["-n", ns]);
+    }
+    kubectl_ok(&args)
+        .lines()
+        .map(str::to_owned)
+        .filter(|l| !l.is_empty())
+        .collect()
+}
+
+const NAMESPACED_KINDS: &str =
+    "deployments,replicasets,pods,serviceaccounts,services,roles,rolebindings,configmaps,secrets";
+
+fn pods(ns: &str, release: &str) -> Vec<String> {
+    release_objects(release, "pods", Some(ns))
+}
+
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn install_upgrade_uninstall() {
+    let release = "ks";
+    let system = Namespace::new("e2e-helm-system");
+    let a = Namespace::new("e2e-helm-a");
+    let b = Namespace::new("e2e-helm-b");
+    let (system, a, b) = (system.0.as_str(), a.0.as_str(), b.0.as_str());
+    let sa = format!("system:serviceaccount:{system}:ks-keyshift");
+    let sa = sa.as_str();
+    let crd = "crd/streamjobs.keyshift.dev";
+    let crd_existed = kubectl(&["get", crd]).ok;
+
+    // ---- install, namespaced mode
+    let watch = format!(r#"watchNamespaces=["{a}","{b}"]"#);
+    let mut args = vec!["install", release, CHART, "-n", system];
+    args.extend_from_slice(&IMAGE);
+    args.extend_from_slice(&["--set-json", &watch]);
+    // Pods of the process kubelet share one network namespace: bind the pod address only.
+    args.extend_from_slice(&["--set", "metrics.bindAddress=$(POD_IP)"]);
+    let out = helm_ok(&args);
+    assert!(
+        out.contains("kubectl -n e2e-helm-a wait --for=condition=Ready streamjob/clicks"),
+        "NOTES: {out}"
+    );
+
+    // The CRD: created by the install unless it was there already; established either way.
+    kubectl_ok(&["wait", "--for=condition=Established", crd, "--timeout=60s"]);
+    if !crd_existed {
+        let managers = kubectl_ok(&[
+            "get",
+            crd,
+            "-o",
+            "jsonpath={.metadata.managedFields[*].manager}",
+        ]);
+        assert!(
+            managers.contains("helm"),
+            "helm created the CRD: {managers}"
+        );
+    }
+
+    let objects = release_objects(release, NAMESPACED_KINDS, Some(system));
+    for want in [
+        "deployment.apps/ks-keyshift",
+        "serviceaccount/ks-keyshift",
+        "service/ks-keyshift-metrics",
+        "role.rbac.authorization.k8s.io/ks-keyshift-leader-election",
+        "rolebinding.rbac.authorization.k8s.io/ks-keyshift-leader-election",
+    ] {
+        assert!(
+            objects.contains(&want.to_owned()),
+            "{want} missing: {objects:?}"
+        );
+    }
+    for ns in [a, b] {
+        let objects = release_objects(release, "roles,rolebindings", Some(ns));
+        assert_eq!(
+            objects,
+            [
+                "role.rbac.authorization.k8s.io/ks-keyshift",
+                "rolebinding.rbac.authorization.k8s.io/ks-keyshift"
+            ],
+            "in {ns}"
+        );
+    }
+    assert!(
+        release_objects(release, "clusterroles,clusterrolebindings", None).is_empty(),
+        "namespaced mode has nothing cluster-wide"
+    );
+
+    // The Deployment's pod (made by kube-controller-manager) is bound and started by the
+    // kubelet, as the chart's ServiceAccount, with the chart's security context.
+    let mut pod = String::new();
+    wait_for(Duration::from_secs(90), || {
+        let Some(p) = pods(system, release).into_iter().next() else {
+            return false;
+        };
+        pod = p;
+        let started = jsonpath(
+            system,
+            &pod,
+            "{.status.containerStatuses[0].state.running.startedAt}{.status.containerStatuses[0].state.terminated.exitCode}{.status.containerStatuses[0].lastState.terminated.exitCode}",
+        );
+        !started.is_empty()
+    });
+    assert_eq!(jsonpath(system, &pod, "{.spec.nodeName}"), "keyshift-node");
+    assert_eq!(
+        jsonpath(system, &pod, "{.spec.serviceAccountName}"),
+        "ks-keyshift"
+    );
+    assert_eq!(
+        jsonpath(
+            system,
+            &pod,
+            "{.spec.containers[0].securityContext.readOnlyRootFilesystem}"
+        ),
+        "true"
+    );
+    assert_eq!(
+        jsonpath(system, &pod, "{.spec.containers[0].args[0]}"),
+        "operator"
+    );
+
+    // RBAC, as the ServiceAccount.
+    for ns in [a, b] {
+        assert_can(sa, &["list", "streamjobs.keyshift.dev", "-n", ns]);
+        assert_can(sa, &["watch", "streamjobs.keyshift.dev", "-n", ns]);
+        assert_can(
+            sa,
+            &[
+                "patch",
+                "streamjobs.keyshift.dev",
+                "--subresource=status",
+                "-n",
+                ns,
+            ],
+        );
+        assert_can(
+            sa,
+            &[
+                "update",
+                "streamjobs.keyshift.dev",
+                "--subresource=finalizers",
+                "-n",
+                ns,
+            ],
+        );
+        assert_can(sa, &["create", "pods", "-n", ns]);
+        assert_can(sa, &["delete", "pods", "-n", ns]);
+        assert_can(sa, &["list", "secrets", "-n", ns]);
+        assert_can(sa, &["create", "events.events.k8s.io", "-n", ns]);
+        assert_cannot(sa, &["create", "streamjobs.keyshift.dev", "-n", ns]);
+        assert_cannot(sa, &["delete", "streamjobs.keyshift.dev", "-n", ns]);
+        assert_cannot(sa, &["update", "pods", "-n", ns]);
+        assert_cannot(sa, &["get", "configmaps", "-n", ns]);
+        assert_cannot(sa, &["create", "pods", "--subresource=exec", "-n", ns]);
+    }
+    assert_cannot(sa, &["list", "secrets", "--all-namespaces"]);
+    assert_cannot(sa, &["list", "streamjobs.keyshift.dev", "--all-namespaces"]);
+    assert_cannot(sa, &["list", "pods", "-n", "default"]);
+    assert_cannot(sa, &["list", "secrets", "-n", system]);
+    assert_cannot(sa, &["delete", "nodes"]);
+    assert_cannot(sa, &["list", "nodes"]);
+    // The Lease: in the release namespace only, and only the operator's.
+    assert_can(sa, &["create", "leases.coordination.k8s.io", "-n", system]);
+    for verb in ["get", "update", "patch"] {
+        assert_can(
+            sa,
+            &[
+                verb,
+                "leases.coordination.k8s.io/keyshift-operator",
+                "-n",
+                system,
+            ],
+        );
+        assert_cannot(
+            sa,
+            &[verb, "leases.coordination.k8s.io/other", "-n", system],
+        );
+    }
+    assert_cannot(
+        sa,
+        &[
+            "delete",
+            "leases.coordination.k8s.io/keyshift-operator",
+            "-n",
+            system,
+        ],
+    );
+    assert_cannot(sa, &["create", "leases.coordination.k8s.io", "-n", a]);
+
+    // The documented CRD upgrade step works on a Helm-installed CRD.
+    kubectl_ok(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        "charts/keyshift/crds/",
+    ]);
+
+    // ---- upgrade: all namespaces, two replicas, a default storage
+    let mut args = vec!["upgrade", release, CHART, "-n", system, "--reuse-values"];
+    args.extend_from_slice(&[
+        "--set-json",
+        "watchNamespaces=[]",
+        "--set",
+        "replicas=2",
+        "--set",
+        "defaultStorage=file:///tmp/keyshift-state",
+    ]);
+    helm_ok(&args);
+    assert_eq!(
+        jsonpath(system, "deployment/ks-keyshift", "{.spec.replicas}"),
+        "2"
+    );
+    let deploy_args = jsonpath(
+        system,
+        "deployment/ks-keyshift",
+        "{.spec.template.spec.containers[0].args}",
+    );
+    assert!(
+        deploy_args.contains("--default-storage=file:///tmp/keyshift-state")
+            && !deploy_args.contains("--namespaces"),
+        "{deploy_args}"
+    );
+    assert_eq!(
+        jsonpath(
+            system,
+            "deployment/ks-keyshift",
+            "{.spec.template.spec.containers[0].image}"
+        ),
+        "localhost/keyshift:dev",
+        "--reuse-values kept the image"
+    );
+    assert_eq!(
+        release_objects(release, "clusterroles,clusterrolebindings", None),
+        [
+            "clusterrole.rbac.authorization.k8s.io/ks-keyshift",
+            "clusterrolebinding.rbac.authorization.k8s.io/ks-keyshift"
+        ]
+    );
+    for ns in [a, b] {
+        assert!(
+            release_objects(release, "roles,rolebindings", Some(ns)).is_empty(),
+            "the upgrade removed the Role in {ns}"
+        );
+    }
+    assert_can(sa, &["list", "secrets", "--all-namespaces"]);
+    assert_can(sa, &["list", "streamjobs.keyshift.dev", "--all-namespaces"]);
+    assert_can(sa, &["create", "pods", "-n", "default"]);
+    assert_cannot(sa, &["delete", "nodes"]);
+    assert_cannot(sa, &["get", "configmaps", "-n", "default"]);
+    wait_for(Duration::from_secs(90), || pods(system, release).len() >= 2);
+
+    // ---- uninstall: nothing of the release is left, the CRD stays
+    helm_ok(&[
+        "uninstall",
+        release,
+        "-n",
+        system,
+        "--wait",
+        "--timeout=120s",
+    ]);
+    wait_for(Duration::from_secs(90), || {
+        release_objects(release, NAMESPACED_KINDS, Some(system)).is_empty()
+    });
+    for ns in [a, b] {
+        assert!(release_objects(release, NAMESPACED_KINDS, Some(ns)).is_empty());
+    }
+    assert!(release_objects(release, "clusterroles,clusterrolebindings", None).is_empty());
+    assert!(
+        kubectl_ok(&[
+            "get",
+            "secrets",
+            "-n",
+            system,
+            "-l",
+            "owner=helm",
+            "-o",
+            "name"
+        ])
+        .is_empty(),
+        "no release records left"
+    );
+    assert!(kubectl(&["get", crd]).ok, "the CRD is kept");
+}
+
+fn demo_deployment(sa: &str) -> String {
+    format!(
+        "apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: lease-demo
+spec:
+  replicas: 2
+  selector:
+    matchLabels: {{app: lease-demo}}
+  template:
+    metadata:
+      labels: {{app: lease-demo}}
+    spec:
+      serviceAccountName: {sa}
+      terminationGracePeriodSeconds: 10
+      containers:
+      - name: demo
+        image: localhost/keyshift:dev
+        args: [leader-demo, --lease-duration-seconds=6]
+        env:
+        - name: POD_NAMESPACE
+          valueFrom: {{fieldRef: {{fieldPath: metadata.namespace}}}}
+        - name: POD_NAME
+          valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
+"
+    )
+}
+
+/// The Lease holder's pod name (identities are `<pod>_<random>`).
+fn holder_pod(ns: &str) -> String {
+    let holder = jsonpath(ns, "lease/keyshift-operator", "{.spec.holderIdentity}");
+    holder
+        .rsplit_once('_')
+        .map(|(pod, _)| pod.to_owned())
+        .unwrap_or(holder)
+}
+
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn chart_rbac_suffices_for_leader_election_with_real_processes() {
+    let release = "ks-lease";
+    let ns = Namespace::new("e2e-helm-lease");
+    let ns = ns.0.as_str();
+    // The chart's ServiceAccount and RBAC only; no operator pod.
+    let watch = format!(r#"watchNamespaces=["{ns}"]"#);
+    let mut args = vec!["install", release, CHART, "-n", ns, "--set", "replicas=0"];
+    args.extend_from_slice(&IMAGE);
+    args.extend_from_slice(&["--set-json", &watch]);
+    helm_ok(&args);
+
+    // Two candidates as pods with the chart's ServiceAccount: one holds the Lease.
+    let r = apply(ns, &demo_deployment("ks-lease-keyshift"));
+    assert!(r.ok, "{}", r.stderr);
+    let running = || {
+        kubectl_ok(&[
+            "get",
+            "pods",
+            "-n",
+            ns,
+            "-l",
+            "app=lease-demo",
+            "--field-selector=status.phase=Running",
+            "-o",
+            "jsonpath={.items[*].metadata.name}",
+        ])
+        .split_whitespace()
+        .map(str::to_owned)
+        .collect::<Vec<_>>()
+    };
+    let mut leader = String::new();
+    wait_for(Duration::from_secs(90), || {
+        leader = holder_pod(ns);
+        running().len() == 2 && running().contains(&leader)
+    });
+    let renewed = jsonpath(ns, "lease/keyshift-operator", "{.spec.renewTime}");
+    std::thread::sleep(Duration::from_secs(5));
+    assert_eq!(holder_pod(ns), leader, "the leader keeps the Lease");
+    assert_ne!(
+        jsonpath(ns, "lease/keyshift-operator", "{.spec.renewTime}"),
+        renewed,
+        "and renews it"
+    );
+
+    // Delete the leader's pod: it steps down on SIGTERM and another pod takes over well
+    // within the lease duration.
+    kubectl_ok(&["delete", "pod", "-n", ns, &leader, "--wait=false"]);
+    let mut next = String::new();
+    wait_for(Duration::from_secs(8), || {
+        next = holder_pod(ns);
+        !next.is_empty() && next != leader
+    });
+    // The new holder is one of the running pods (the survivor or the replacement).
+    wait_for(Duration::from_secs(10), || running().contains(&next));
+
+    kubectl_ok(&[
+        "delete",
+        "deployment",
+        "-n",
+        ns,
+        "lease-demo",
+        "--wait=true",
+    ]);
+    helm_ok(&["uninstall", release, "-n", ns, "--wait", "--timeout=120s"]);
+}
