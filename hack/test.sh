@@ -6,12 +6,25 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 
+# Helm for the chart checks (tests/chart.rs) and the e2e suite; cached after the first run.
+KEYSHIFT_HELM="$(hack/get-helm.sh)"
+export KEYSHIFT_HELM="${KEYSHIFT_HELM#HELM=}"
+
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
 
+step "helm lint --strict (default values and each charts/keyshift/ci/*.yaml)"
+"$KEYSHIFT_HELM" lint --strict charts/keyshift
+for values in charts/keyshift/ci/*.yaml; do
+  "$KEYSHIFT_HELM" lint --strict charts/keyshift -f "$values"
+done
+
+# Includes tests/chart.rs: `helm template` with default and CI values, checked for the RBAC
+# contract (no wildcards, Roles only in namespaced mode), restricted pod security, refused values
+# and the chart's CRD being crds/streamjob.yaml.
 step "cargo test"
 cargo test --locked
 
@@ -42,4 +55,4 @@ step "testenv up"
 eval "$(hack/testenv.sh up)"
 
 step "e2e tests"
-cargo test --locked --test e2e_cluster -- --ignored --test-threads=4
+cargo test --locked --test e2e_cluster --test e2e_helm --test e2e_leader -- --ignored --test-threads=4

@@ -15,7 +15,7 @@ fn committed_crd_matches_the_generated_one() {
     let generated = crd_yaml().unwrap();
     assert!(
         committed == generated,
-        "crds/streamjob.yaml is stale: run `cargo run -- crd > crds/streamjob.yaml`"
+        "crds/streamjob.yaml is stale: run `cargo run -- crd > crds/streamjob.yaml && cp crds/streamjob.yaml charts/keyshift/crds/`"
     );
 }
 
