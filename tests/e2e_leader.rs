@@ -135,9 +135,12 @@ async fn two_candidates_one_leader_and_takeover_after_a_crash() {
     })
     .await
     .expect("the standby takes over within the lease duration (plus one renew interval)");
+    // Not before the lease could have expired: the last renewal was at most about one renew
+    // interval before the crash (half the lease leaves room for a slow, shared machine; taking
+    // an unreleased lease any sooner would be a bug).
     let took = killed.elapsed();
     assert!(
-        took >= LEASE - LEASE / 3 - Duration::from_millis(500),
+        took >= LEASE / 2,
         "took over after {took:?}: before the crashed leader's lease could have expired"
     );
     assert_eq!(
