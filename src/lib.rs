@@ -7,5 +7,6 @@
 pub mod cli;
 pub mod crd;
 pub mod keygroup;
+pub mod snapshot;
 pub mod telemetry;
 pub mod validation;
