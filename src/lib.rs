@@ -6,6 +6,7 @@
 
 pub mod cli;
 pub mod crd;
+pub mod job;
 pub mod keygroup;
 pub mod snapshot;
 pub mod telemetry;
