@@ -137,10 +137,10 @@ pub fn merge(f: AggregateFunction, a: i64, b: i64) -> i64 {
 }
 
 /// The start of the tumbling window of `size` ms holding `ts` (aligned to the epoch; correct for
-/// negative timestamps).
+/// negative timestamps; a start below `i64::MIN` is clamped to it). `size` must be positive.
 #[inline]
 pub fn window_start(ts: i64, size: i64) -> i64 {
-    ts - ts.rem_euclid(size)
+    ts.checked_sub(ts.rem_euclid(size)).unwrap_or(i64::MIN)
 }
 
 /// Deterministic ballast for a key (so it does not compress to nothing).

@@ -11,6 +11,17 @@
 //! ```
 //!
 //! [`compile`] turns a [`JobSpec`] into the pieces; see the submodules for the contracts.
+//!
+//! # What a snapshot of a subtask must hold (for the runtime)
+//!
+//! * per owned key group: [`KeyedAggregator::encode_group`]'s block (opaque; self-describing);
+//! * per source partition: the position (sequence number or byte offset) and
+//!   [`PartitionWatermark::max_ts`], restored with [`PartitionWatermark::set_max_ts`];
+//! * the operator watermark ([`KeyedAggregator::watermark`]). After a rescale, restore every new
+//!   subtask with the minimum over the old subtasks ([`KeyedAggregator::restore_watermark`]):
+//!   windows an old subtask already fired are no longer in its blocks, and windows still in the
+//!   blocks end after that subtask's watermark, so nothing fires twice or is lost;
+//! * the sink's pending output ([`StagingSink::snapshot`]), per writer, not per key group.
 
 pub mod aggregate;
 pub mod file_source;

@@ -82,7 +82,7 @@ impl Expected {
 fn fold(f: AggregateFunction, acc: Option<i64>, v: i64) -> i64 {
     match (f, acc) {
         (AggregateFunction::Count, None) => 1,
-        (AggregateFunction::Count, Some(c)) => c + 1,
+        (AggregateFunction::Count, Some(c)) => c.wrapping_add(1),
         (AggregateFunction::Sum, None) => v,
         (AggregateFunction::Sum, Some(s)) => s.wrapping_add(v),
         (AggregateFunction::Min, None) => v,
@@ -110,7 +110,7 @@ pub fn expected_results(
             global.insert(key, fold(f, e, value));
         }
         Some(size) => {
-            let start = ts.div_euclid(size) * size;
+            let start = ts.div_euclid(size).checked_mul(size).unwrap_or(i64::MIN);
             let w = windowed.entry(key).or_default();
             let e = w.get(&start).copied();
             w.insert(start, fold(f, e, value));

@@ -191,17 +191,13 @@ impl StagingSink {
     /// Hands out every pending output of checkpoints `<= checkpoint_id`, oldest first, for the
     /// runtime to write; they leave the sink's state.
     pub fn on_checkpoint_complete(&mut self, checkpoint_id: u64) -> Vec<Output> {
-        let later = self.pending.split_off(&(checkpoint_id.saturating_add(1)));
-        let done = std::mem::replace(&mut self.pending, later);
-        if checkpoint_id == u64::MAX {
-            // split_off(MAX) kept MAX itself in `later`: everything is done.
-            let rest = std::mem::take(&mut self.pending);
-            return done
-                .into_values()
-                .chain(rest.into_values())
-                .flatten()
-                .collect();
-        }
+        let done = match checkpoint_id.checked_add(1) {
+            Some(next) => {
+                let later = self.pending.split_off(&next);
+                std::mem::replace(&mut self.pending, later)
+            }
+            None => std::mem::take(&mut self.pending),
+        };
         done.into_values().flatten().collect()
     }
 

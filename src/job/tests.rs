@@ -253,6 +253,12 @@ fn windows_fire_at_their_end_and_late_records_are_counted() {
     op.process(&rec(k(), 7, 9_999)).unwrap();
     op.process(&rec(k(), 100, 10_000)).unwrap(); // next window
     op.process(&rec(RecordKey::long(1), 1, -1)).unwrap(); // window [-10000, 0)
+    assert_eq!(aggregate::window_start(-1, 10_000), -10_000);
+    assert_eq!(
+        aggregate::window_start(i64::MIN, 10_000),
+        i64::MIN,
+        "clamped, no overflow"
+    );
     assert!(op.advance_watermark(-1).is_empty());
     let fired = op.advance_watermark(0);
     assert_eq!(fired.len(), 1);
