@@ -5,9 +5,11 @@
 //! sit around it.
 
 pub mod cli;
+pub mod coordinator;
 pub mod crd;
 pub mod job;
 pub mod keygroup;
+pub mod runtime;
 pub mod snapshot;
 pub mod telemetry;
 pub mod validation;

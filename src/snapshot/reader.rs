@@ -133,15 +133,16 @@ pub async fn read_groups(
 ) -> Result<Restore> {
     let plan = manifest.plan_reads(range)?;
     let requests = plan.len();
-    let mut by_file: BTreeMap<&str, Vec<&super::manifest::ReadRequest>> = BTreeMap::new();
+    // Owned keys and requests keep the fetch futures `Send` for any caller (an HTTP handler).
+    let mut by_file: BTreeMap<String, Vec<super::manifest::ReadRequest>> = BTreeMap::new();
     for req in &plan {
-        by_file.entry(req.file.as_str()).or_default().push(req);
+        by_file.entry(req.file.clone()).or_default().push(req.clone());
     }
 
     // Fetch and check each file's requests; nothing is handed out until all succeed.
     let fetched: Vec<Vec<(u32, Bytes)>> = futures::stream::iter(by_file)
         .map(|(file, reqs)| async move {
-            let path = dir.clone().join(file);
+            let path = dir.clone().join(file.as_str());
             let ranges: Vec<_> = reqs.iter().map(|r| r.range.clone()).collect();
             let data = store
                 .get_ranges(&path, &ranges)
