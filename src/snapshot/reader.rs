@@ -139,7 +139,7 @@ pub async fn read_groups(
     }
 
     // Fetch and check each file's requests; nothing is handed out until all succeed.
-    let fetched: Vec<Vec<(u32, Bytes)>> = futures::stream::iter(by_file)
+    let fetched: Vec<(u64, Vec<(u32, Bytes)>)> = futures::stream::iter(by_file)
         .map(|(file, reqs)| async move {
             let path = dir.clone().join(file);
             let ranges: Vec<_> = reqs.iter().map(|r| r.range.clone()).collect();
@@ -147,19 +147,20 @@ pub async fn read_groups(
                 .get_ranges(&path, &ranges)
                 .await
                 .map_err(|e| SnapshotError::store("range read", &path, e))?;
+            let received: u64 = data.iter().map(|b| b.len() as u64).sum();
             let mut blocks = Vec::new();
             for (req, buf) in reqs.iter().zip(data) {
                 let groups = &manifest.key_groups[req.groups.clone()];
                 blocks.extend(split_blocks(&path, req.range.start, groups, buf)?);
             }
-            Ok::<_, SnapshotError>(blocks)
+            Ok::<_, SnapshotError>((received, blocks))
         })
         .buffer_unordered(FILES_AT_ONCE)
         .try_collect()
         .await?;
 
-    let mut blocks: BTreeMap<u32, Bytes> = fetched.into_iter().flatten().collect();
-    let bytes_read = blocks.values().map(|b| b.len() as u64).sum();
+    let bytes_read = fetched.iter().map(|(received, _)| received).sum();
+    let mut blocks: BTreeMap<u32, Bytes> = fetched.into_iter().flat_map(|(_, b)| b).collect();
     let groups = range
         .iter()
         .filter_map(|g| manifest.group(g))
