@@ -396,6 +396,27 @@ async fn corruption(b: &Backend) {
         "{err:?}"
     );
     assert!(err.to_string().contains("_manifest.json"), "{err}");
+
+    // A manifest copied into another snapshot's directory is refused by verify.
+    let (dir, m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 6, 2).await;
+    let elsewhere = snapshot_dir(&job, SnapshotKind::Savepoint, 6);
+    for f in &m.files {
+        let data = b
+            .store
+            .get(&dir.clone().join(f.name.as_str()))
+            .await
+            .unwrap();
+        let data = data.bytes().await.unwrap();
+        b.store
+            .put(&elsewhere.clone().join(f.name.as_str()), data.into())
+            .await
+            .unwrap();
+    }
+    commit_manifest(b.store.as_ref(), &elsewhere, &m)
+        .await
+        .unwrap();
+    let err = verify(b.store.as_ref(), &elsewhere).await.unwrap_err();
+    assert!(err.to_string().contains("lies in directory sp-6"), "{err}");
 }
 
 async fn retention(b: &Backend) {

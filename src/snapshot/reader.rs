@@ -66,12 +66,18 @@ pub async fn commit_manifest(
         .buffer_unordered(FILES_AT_ONCE)
         .try_collect::<Vec<()>>()
         .await?;
+    let json = manifest
+        .to_json()
+        .map_err(|source| SnapshotError::ManifestCorrupt {
+            path: path.to_string(),
+            source,
+        })?;
     let opts = PutOptions {
         mode: PutMode::Create,
         ..Default::default()
     };
     store
-        .put_opts(&path, manifest.to_json().into(), opts)
+        .put_opts(&path, json.into(), opts)
         .await
         .map_err(|e| match e {
             object_store::Error::AlreadyExists { .. }
@@ -240,17 +246,20 @@ pub struct VerifyReport {
 /// problem found is returned as an error naming the file (and group).
 pub async fn verify(store: &dyn ObjectStore, dir: &Path) -> Result<VerifyReport> {
     let manifest = read_manifest(store, dir).await?;
-    if let Some(name) = dir.filename()
-        && let Some(id) = parse_snapshot_dir_name(manifest.kind, name)
-        && id != manifest.snapshot_id
-    {
-        return Err(SnapshotError::ManifestInconsistent {
-            path: manifest_path(dir).to_string(),
-            reason: format!(
-                "it describes {} {} but lies in directory {name}",
-                manifest.kind, manifest.snapshot_id
-            ),
-        });
+    // A directory named like a snapshot (chk-<id>, sp-<id>) must hold that snapshot.
+    let name = dir.filename().unwrap_or_default();
+    for kind in [SnapshotKind::Checkpoint, SnapshotKind::Savepoint] {
+        if let Some(id) = parse_snapshot_dir_name(kind, name)
+            && (kind != manifest.kind || id != manifest.snapshot_id)
+        {
+            return Err(SnapshotError::ManifestInconsistent {
+                path: manifest_path(dir).to_string(),
+                reason: format!(
+                    "it describes {} {} but lies in directory {name}",
+                    manifest.kind, manifest.snapshot_id
+                ),
+            });
+        }
     }
     let checked: Vec<u64> = futures::stream::iter(&manifest.files)
         .map(|f| verify_file(store, dir, &manifest, f))
