@@ -778,3 +778,181 @@ async fn bench_file(mib: usize, max_p: u32) {
         mbps(ks_verify),
     );
 }
+
+/// A store whose multipart part uploads fail after `ok_parts` parts, to check the writer's failure
+/// handling; records whether the upload was aborted.
+#[derive(Debug)]
+struct FailingParts {
+    inner: object_store::memory::InMemory,
+    ok_parts: usize,
+    aborted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl std::fmt::Display for FailingParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FailingParts")
+    }
+}
+
+#[derive(Debug)]
+struct FailingUpload {
+    inner: Box<dyn object_store::MultipartUpload>,
+    left: usize,
+    aborted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl object_store::MultipartUpload for FailingUpload {
+    fn put_part(&mut self, data: PutPayload) -> object_store::UploadPart {
+        if self.left == 0 {
+            return Box::pin(async {
+                Err(object_store::Error::Generic {
+                    store: "FailingParts",
+                    source: "injected part failure".into(),
+                })
+            });
+        }
+        self.left -= 1;
+        self.inner.put_part(data)
+    }
+    async fn complete(&mut self) -> object_store::Result<object_store::PutResult> {
+        self.inner.complete().await
+    }
+    async fn abort(&mut self) -> object_store::Result<()> {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.inner.abort().await
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for FailingParts {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        let inner = self.inner.put_multipart_opts(location, opts).await?;
+        Ok(Box::new(FailingUpload {
+            inner,
+            left: self.ok_parts,
+            aborted: self.aborted.clone(),
+        }))
+    }
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<'static, object_store::Result<Path>>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+    fn list(
+        &self,
+        prefix: Option<&Path>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&Path>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_upload_is_typed_aborted_and_poisons_the_writer() {
+    let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store: Arc<dyn ObjectStore> = Arc::new(FailingParts {
+        inner: object_store::memory::InMemory::new(),
+        ok_parts: 1,
+        aborted: aborted.clone(),
+    });
+    let dir = Path::from("ns/j/checkpoints/chk-1");
+    let a = Assignment::new(1, 8).unwrap();
+    let mut w = SnapshotWriter::new(store.clone(), &dir, a, 0)
+        .unwrap()
+        .with_parts(64 * 1024, 1);
+    let big = Bytes::from(vec![1u8; 256 * 1024]);
+    let mut failure = None;
+    for g in 0..8 {
+        if let Err(e) = w.write_group(g, big.clone(), 1).await {
+            failure = Some(e);
+            break;
+        }
+    }
+    // The failure surfaces at a later write (parts upload in the background) or at finish.
+    let err = match failure {
+        Some(e) => e,
+        None => w.finish().await.unwrap_err(),
+    };
+    assert!(
+        matches!(err, SnapshotError::Store { .. }),
+        "{err:?} should be a store error"
+    );
+    assert!(err.to_string().contains("state-0-of-1.bin"), "{err}");
+    assert!(aborted.load(Ordering::SeqCst), "the upload was not aborted");
+    // Nothing was published.
+    assert!(
+        store
+            .head(&dir.clone().join("state-0-of-1.bin"))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_refuses_use_after_failure() {
+    let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store: Arc<dyn ObjectStore> = Arc::new(FailingParts {
+        inner: object_store::memory::InMemory::new(),
+        ok_parts: 0,
+        aborted,
+    });
+    let a = Assignment::new(1, 8).unwrap();
+    let mut w = SnapshotWriter::new(store, &Path::from("d"), a, 0)
+        .unwrap()
+        .with_parts(1024, 1);
+    let block = Bytes::from(vec![1u8; 100 * 1024]);
+    let mut errors = Vec::new();
+    for g in 0..4 {
+        if let Err(e) = w.write_group(g, block.clone(), 1).await {
+            errors.push(e);
+        }
+    }
+    assert!(
+        matches!(errors.first(), Some(SnapshotError::Store { .. })),
+        "{errors:?}"
+    );
+    assert!(
+        errors[1..]
+            .iter()
+            .all(|e| matches!(e, SnapshotError::WriterFailed { .. })),
+        "{errors:?}"
+    );
+    assert!(matches!(
+        w.finish().await,
+        Err(SnapshotError::WriterFailed { .. })
+    ));
+}
