@@ -1,0 +1,563 @@
+#!/usr/bin/env bash
+# A real, throwaway Kubernetes control plane for keyshift's tests:
+# etcd + kube-apiserver + kube-controller-manager (built from upstream by
+# hack/build-control-plane.sh), running inside a network namespace of its own.
+#
+#   eval "$(hack/testenv.sh up)"   # start (idempotent); stdout is `export KUBECONFIG=...`
+#   hack/testenv.sh status         # what runs; exit 0 only if /readyz answers "ok"
+#   hack/testenv.sh down           # stop everything, remove netns and state (idempotent)
+#
+# Must run as root (network namespaces). Everything it prints besides the
+# export line goes to stderr.
+#
+# Network layout (all addresses stay on the project's own veth pair):
+#
+#   host  ── $VETH_HOST 10.213.0.1/16 ══ veth ══ $NETNS_IF 10.213.0.2/16 ── netns $NETNS
+#                                                      default via 10.213.0.1
+#   inside the netns: etcd on 127.0.0.1:2379/2380, kube-apiserver on :6443
+#   (advertised as 10.213.0.2), kube-controller-manager on 127.0.0.1:10257.
+#   Service ClusterIPs: 10.213.255.0/24 (not routed anywhere; see SERVICE_CIDR).
+#
+# The host reaches the apiserver at https://10.213.0.2:6443 through the veth.
+# The host side address is a /16, so the host routes all of 10.213.0.0/16
+# into the netns: a test kubelet can add pod IPs (e.g. 10.213.1.N/32) to
+# $NETNS_IF inside the netns and host processes reach them. IP forwarding on
+# the host is not touched, so nothing in the netns can reach beyond the host.
+#
+# State dir ($KEYSHIFT_TESTENV_DIR, default /tmp/keyshift-testenv):
+#   certs/  pki: CA, apiserver serving cert, admin and controller-manager client
+#           certs, front-proxy CA + client, service-account key pair (sa.key/sa.pub)
+#   pids/   <component>.pid of every process started (each is a process-group leader)
+#   logs/   <component>.log
+#   etcd/   etcd data
+#   kubelet/  state dir handed to $KEYSHIFT_KUBELET, if set
+#   flexvolume/  kube-controller-manager's flex-volume dir (kept out of /usr)
+#   kubeconfig                       admin (CN=admin, O=system:masters)
+#   kube-controller-manager.kubeconfig
+#   env     shell-sourceable description (KUBECONFIG, netns, interface, IPs, binaries)
+#
+# Environment:
+#   KEYSHIFT_TESTENV_DIR   state dir (default /tmp/keyshift-testenv)
+#   KEYSHIFT_NETNS         netns name (default keyshift-test)
+#   KEYSHIFT_VETH_HOST     host side veth name (default keyshift0)
+#   KEYSHIFT_NETNS_IF      netns side interface name (default eth0)
+#   KEYSHIFT_KUBELET       optional executable started inside the netns as
+#                          `$KEYSHIFT_KUBELET --kubeconfig <admin> --state-dir <dir>/kubelet`
+#   KEYSHIFT_KUBELET_ARGS  extra arguments for it (word-split)
+#   KEYSHIFT_SERVICE_CIDR  service ClusterIP range (default 10.213.255.0/24)
+#   KEYSHIFT_CACHE, KEYSHIFT_K8S_VERSION, KEYSHIFT_ETCD_VERSION: see build-control-plane.sh
+set -euo pipefail
+
+# stdout is reserved for the final `export` line; everything else -> stderr.
+exec 3>&1 1>&2
+
+HACK_DIR="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+DIR="${KEYSHIFT_TESTENV_DIR:-/tmp/keyshift-testenv}"
+NETNS="${KEYSHIFT_NETNS:-keyshift-test}"
+VETH_HOST="${KEYSHIFT_VETH_HOST:-keyshift0}"
+NETNS_IF="${KEYSHIFT_NETNS_IF:-eth0}"
+HOST_IP=10.213.0.1
+NS_IP=10.213.0.2
+PREFIX=16
+# ClusterIPs come from the netns's own /16 as well: nothing implements them
+# (no kube-proxy), but should anything dial one (e.g. a process using
+# in-cluster config dials the "kubernetes" Service IP), the packet is routed
+# into our veth and dropped there instead of leaving through the host's
+# default route.
+SERVICE_CIDR="${KEYSHIFT_SERVICE_CIDR:-10.213.255.0/24}"
+# First address of an IPv4 CIDR (network address + 1): the "kubernetes" Service IP.
+first_ip() {
+  local ip="${1%/*}" bits="${1#*/}" a b c d n
+  IFS=. read -r a b c d <<<"$ip"
+  n=$(( ((a << 24) | (b << 16) | (c << 8) | d) & (0xFFFFFFFF << (32 - bits)) & 0xFFFFFFFF ))
+  n=$((n + 1))
+  echo "$((n >> 24 & 255)).$((n >> 16 & 255)).$((n >> 8 & 255)).$((n & 255))"
+}
+FIRST_SERVICE_IP="$(first_ip "$SERVICE_CIDR")"
+APISERVER_PORT=6443
+APISERVER_URL="https://$NS_IP:$APISERVER_PORT"
+ETCD_URL=http://127.0.0.1:2379
+ETCD_PEER_URL=http://127.0.0.1:2380
+KCM_PORT=10257
+STOP_TIMEOUT="${KEYSHIFT_STOP_TIMEOUT:-20}"   # seconds between TERM and KILL
+READY_TIMEOUT="${KEYSHIFT_READY_TIMEOUT:-90}" # seconds to wait for kube-apiserver /readyz
+MARKER="$DIR/.keyshift-testenv"               # proves $DIR is ours before rm -rf
+# Start order; `down` stops in reverse.
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kubelet)
+
+log() { printf '[testenv] %s\n' "$*" >&2; }
+die() { log "ERROR: $*"; exit 1; }
+
+[[ "$(id -u)" == 0 ]] || die "must run as root (network namespaces)"
+[[ -n "$DIR" && "$DIR" != / ]] || die "refusing state dir '$DIR'"
+
+# One testenv.sh at a time (per checkout): lock this script file itself, so
+# no lock file is left behind. Children never see the descriptor (start()
+# closes it).
+exec 8<"${BASH_SOURCE[0]}"
+flock 8
+
+# ---------------------------------------------------------------------------------
+# process bookkeeping
+# ---------------------------------------------------------------------------------
+
+pidfile() { echo "$DIR/pids/$1.pid"; }
+
+# Prints the recorded pid of component $1 if that process still runs and is
+# still the one we started (its start time matches what we recorded).
+live_pid() {
+  local f pid start
+  f="$(pidfile "$1")"
+  [[ -f "$f" ]] || return 1
+  read -r pid start <"$f" || true
+  [[ "$pid" =~ ^[0-9]+$ ]] || return 1
+  [[ -e "/proc/$pid" ]] || return 1
+  [[ -z "${start:-}" || "$(proc_start "$pid")" == "$start" ]] || return 1
+  # A zombie no longer runs.
+  [[ "$(proc_stat_field "$pid" 3)" != Z ]] || return 1
+  echo "$pid"
+}
+
+# proc_stat_field PID N : field N (N >= 3) of /proc/PID/stat.
+proc_stat_field() {
+  local stat
+  stat="$(cat "/proc/$1/stat" 2>/dev/null)" || return 0
+  stat="${stat##*) }"                    # drop "pid (comm) "; comm may contain spaces
+  awk -v n="$(($2 - 2))" '{print $n}' <<<"$stat"
+}
+
+# Start time of PID in clock ticks since boot (field 22 of /proc/PID/stat).
+proc_start() { proc_stat_field "$1" 22; }
+
+# start NAME CMD... : run CMD inside the netns as a new session (so it is the
+# leader of its own process group and survives this script), log to
+# logs/NAME.log, record "pid starttime" in pids/NAME.pid.
+start() {
+  local name="$1"; shift
+  local logf="$DIR/logs/$name.log"
+  log "starting $name (log: $logf)"
+  # No job control here, so the background child is not a group leader and
+  # setsid execs in place: $! is the pid of the final program (ip netns exec
+  # execs too), which leads its own session and process group.
+  # Inherited descriptors above 2 are closed first: e.g. fd 3 (our real
+  # stdout) would otherwise keep the caller's `$(testenv.sh up)` waiting forever.
+  (
+    for fd in /proc/"$BASHPID"/fd/*; do
+      fd="${fd##*/}"
+      if ((fd > 2)); then eval "exec $fd>&-" 2>/dev/null || true; fi
+    done
+    exec setsid ip netns exec "$NETNS" "$@"
+  ) >>"$logf" 2>&1 </dev/null &
+  local pid=$!
+  sleep 0.2
+  echo "$pid $(proc_start "$pid")" >"$(pidfile "$name")"
+}
+
+# Stop component $1: TERM its process group, KILL after $STOP_TIMEOUT s.
+stop() {
+  local name="$1" pid
+  pid="$(live_pid "$name")" || { rm -f "$(pidfile "$name")"; return 0; }
+  log "stopping $name (pid $pid)"
+  kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true
+  local deadline=$((SECONDS + STOP_TIMEOUT))
+  while [[ -e "/proc/$pid" ]] && live_pid "$name" >/dev/null && ((SECONDS < deadline)); do
+    sleep 0.2
+  done
+  if live_pid "$name" >/dev/null; then
+    log "  $name did not exit after ${STOP_TIMEOUT}s, sending KILL"
+    kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+    sleep 0.5
+  fi
+  # Children that left the group but are still in the netns are handled by
+  # kill_netns_leftovers.
+  rm -f "$(pidfile "$name")"
+}
+
+# Any process still inside our netns was started by us (e.g. by the kubelet).
+kill_netns_leftovers() {
+  netns_exists || return 0
+  local pids
+  pids="$(ip netns pids "$NETNS" 2>/dev/null | tr '\n' ' ')"
+  [[ -n "${pids// /}" ]] || return 0
+  log "killing leftover processes in netns $NETNS: $pids"
+  # shellcheck disable=SC2086
+  kill -TERM $pids 2>/dev/null || true
+  local deadline=$((SECONDS + 5))
+  while [[ -n "$(ip netns pids "$NETNS" 2>/dev/null)" ]] && ((SECONDS < deadline)); do sleep 0.2; done
+  pids="$(ip netns pids "$NETNS" 2>/dev/null | tr '\n' ' ')"
+  # shellcheck disable=SC2086
+  [[ -z "${pids// /}" ]] || kill -KILL $pids 2>/dev/null || true
+}
+
+# ---------------------------------------------------------------------------------
+# network namespace
+# ---------------------------------------------------------------------------------
+
+# (Output is captured before matching: `cmd | grep -q` can fail under pipefail.)
+netns_exists() {
+  local list
+  list="$(ip netns list 2>/dev/null)" || return 1
+  awk -v ns="$NETNS" '$1 == ns { found = 1 } END { exit !found }' <<<"$list"
+}
+
+netns_up() {
+  if ! netns_exists; then
+    log "creating netns $NETNS"
+    ip netns add "$NETNS"
+  fi
+  ip -n "$NETNS" link set lo up
+  if ! ip link show "$VETH_HOST" >/dev/null 2>&1; then
+    log "creating veth $VETH_HOST <-> $NETNS/$NETNS_IF"
+    # Create the peer under a temporary name and rename it inside the netns,
+    # so a host interface called $NETNS_IF (e.g. eth0) does not clash.
+    ip link add "$VETH_HOST" type veth peer name "ksns$$" netns "$NETNS"
+    ip -n "$NETNS" link set "ksns$$" name "$NETNS_IF"
+  fi
+  ip addr replace "$HOST_IP/$PREFIX" dev "$VETH_HOST"
+  ip link set "$VETH_HOST" up
+  ip -n "$NETNS" addr replace "$NS_IP/$PREFIX" dev "$NETNS_IF"
+  ip -n "$NETNS" link set "$NETNS_IF" up
+  # kube-apiserver picks its advertise address from the default route's
+  # interface and refuses to start without one.
+  ip -n "$NETNS" route replace default via "$HOST_IP" dev "$NETNS_IF"
+}
+
+netns_down() {
+  kill_netns_leftovers
+  if netns_exists; then
+    log "deleting netns $NETNS"
+    ip netns del "$NETNS" || true
+  fi
+  # Deleting the netns destroys the veth pair; clean up in case it did not.
+  if ip link show "$VETH_HOST" >/dev/null 2>&1; then
+    ip link del "$VETH_HOST" 2>/dev/null || true
+  fi
+}
+
+# ---------------------------------------------------------------------------------
+# certificates and kubeconfigs
+# ---------------------------------------------------------------------------------
+
+# sign NAME SUBJECT EXTENSIONS : key + cert signed by our CA ($CA, default "ca")
+sign() {
+  local name="$1" subj="$2" ext="$3" c="$DIR/certs" ca="${CA:-ca}"
+  openssl req -new -newkey rsa:2048 -nodes -keyout "$c/$name.key" -subj "$subj" \
+    -out "$c/$name.csr" 2>/dev/null
+  printf '%s\n' "$ext" >"$c/$name.ext"
+  openssl x509 -req -in "$c/$name.csr" -CA "$c/$ca.crt" -CAkey "$c/$ca.key" -CAcreateserial \
+    -days 365 -sha256 -extfile "$c/$name.ext" -out "$c/$name.crt" 2>/dev/null
+  rm -f "$c/$name.csr" "$c/$name.ext"
+}
+
+gen_certs() {
+  local c="$DIR/certs"
+  [[ -f "$c/.done" ]] && return 0
+  log "generating certificates in $c"
+  mkdir -p "$c"
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout "$c/ca.key" -out "$c/ca.crt" -days 3650 \
+    -sha256 -subj "/CN=keyshift-testenv-ca" \
+    -addext "basicConstraints=critical,CA:TRUE" \
+    -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" 2>/dev/null
+  local client="basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=clientAuth"
+  sign apiserver "/CN=kube-apiserver" "basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+subjectAltName=IP:$NS_IP,IP:127.0.0.1,IP:$FIRST_SERVICE_IP,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local"
+  sign admin "/O=system:masters/CN=admin" "$client"
+  # Front-proxy (request-header) CA and client: without them kube-apiserver
+  # publishes no requestheader CA in kube-system/extension-apiserver-authentication
+  # and every delegating component (kube-controller-manager, aggregated API
+  # servers) logs errors; with them the aggregation layer works too.
+  openssl req -x509 -newkey rsa:2048 -nodes -keyout "$c/front-proxy-ca.key" -out "$c/front-proxy-ca.crt" \
+    -days 3650 -sha256 -subj "/CN=keyshift-testenv-front-proxy-ca" \
+    -addext "basicConstraints=critical,CA:TRUE" \
+    -addext "keyUsage=critical,keyCertSign,cRLSign,digitalSignature" 2>/dev/null
+  CA=front-proxy-ca sign front-proxy-client "/CN=front-proxy-client" "$client"
+  sign kube-controller-manager "/CN=system:kube-controller-manager" "$client"
+  # Service-account token signing key pair.
+  openssl genrsa -out "$c/sa.key" 2048 2>/dev/null
+  openssl rsa -in "$c/sa.key" -pubout -out "$c/sa.pub" 2>/dev/null
+  chmod 600 "$c"/*.key
+  touch "$c/.done"
+}
+
+# write_kubeconfig FILE USER CERTNAME : a kubeconfig with embedded CA + client cert
+write_kubeconfig() {
+  local file="$1" user="$2" cert="$3" c="$DIR/certs"
+  cat >"$file" <<EOF
+apiVersion: v1
+kind: Config
+clusters:
+- name: keyshift-testenv
+  cluster:
+    server: $APISERVER_URL
+    certificate-authority-data: $(base64 -w0 "$c/ca.crt")
+users:
+- name: $user
+  user:
+    client-certificate-data: $(base64 -w0 "$c/$cert.crt")
+    client-key-data: $(base64 -w0 "$c/$cert.key")
+contexts:
+- name: keyshift-testenv
+  context:
+    cluster: keyshift-testenv
+    user: $user
+current-context: keyshift-testenv
+EOF
+  chmod 600 "$file"
+}
+
+# ---------------------------------------------------------------------------------
+# health checks
+# ---------------------------------------------------------------------------------
+
+# GET PATH on the apiserver as admin; prints the body.
+api_get() {
+  local c="$DIR/certs"
+  curl -sS --max-time 5 --cacert "$c/ca.crt" --cert "$c/admin.crt" --key "$c/admin.key" \
+    "$APISERVER_URL$1" 2>/dev/null
+}
+
+# Succeeds if GET PATH answers 2xx.
+api_ok() {
+  local c="$DIR/certs"
+  curl -sSf -o /dev/null --max-time 5 --cacert "$c/ca.crt" --cert "$c/admin.crt" --key "$c/admin.key" \
+    "$APISERVER_URL$1" 2>/dev/null
+}
+
+apiserver_ready() { [[ -f "$DIR/certs/admin.key" && "$(api_get /readyz)" == ok ]]; }
+
+etcd_healthy() {
+  local out
+  out="$(ip netns exec "$NETNS" curl -sS --max-time 3 "$ETCD_URL/health" 2>/dev/null)" || return 1
+  [[ "$out" == *'"health":"true"'* ]]
+}
+
+kcm_healthy() {
+  [[ "$(ip netns exec "$NETNS" curl -sk --max-time 3 "https://127.0.0.1:$KCM_PORT/healthz" 2>/dev/null)" == ok ]]
+}
+
+# wait_for WHAT TIMEOUT COMPONENT CMD... : poll CMD, fail early if COMPONENT dies.
+wait_for() {
+  local what="$1" timeout="$2" comp="$3"; shift 3
+  local t0=$SECONDS
+  until "$@"; do
+    if ! live_pid "$comp" >/dev/null; then
+      tail -n 30 "$DIR/logs/$comp.log" >&2 || true
+      die "$comp exited while waiting for $what (log: $DIR/logs/$comp.log)"
+    fi
+    if ((SECONDS - t0 >= timeout)); then
+      tail -n 30 "$DIR/logs/$comp.log" >&2 || true
+      die "timed out after ${timeout}s waiting for $what (log: $DIR/logs/$comp.log)"
+    fi
+    sleep 0.5
+  done
+  log "$what after $((SECONDS - t0)) s"
+}
+
+# Everything that `up` starts (the kubelet only if asked for) runs and the
+# apiserver answers /readyz.
+all_up() {
+  netns_exists || return 1
+  local comp
+  for comp in etcd kube-apiserver kube-controller-manager; do
+    live_pid "$comp" >/dev/null || return 1
+  done
+  apiserver_ready
+}
+
+# ---------------------------------------------------------------------------------
+# commands
+# ---------------------------------------------------------------------------------
+
+emit_export() { printf 'export KUBECONFIG=%q\n' "$DIR/kubeconfig" >&3; }
+
+start_kubelet() {
+  [[ -n "${KEYSHIFT_KUBELET:-}" ]] || return 0
+  live_pid kubelet >/dev/null && return 0
+  [[ -x "$KEYSHIFT_KUBELET" ]] || die "KEYSHIFT_KUBELET=$KEYSHIFT_KUBELET is not an executable"
+  mkdir -p "$DIR/kubelet"
+  # shellcheck disable=SC2086
+  start kubelet env \
+    KEYSHIFT_NETNS="$NETNS" KEYSHIFT_NETNS_IF="$NETNS_IF" KEYSHIFT_NODE_IP="$NS_IP" \
+    "$KEYSHIFT_KUBELET" --kubeconfig "$DIR/kubeconfig" --state-dir "$DIR/kubelet" \
+    ${KEYSHIFT_KUBELET_ARGS:-}
+  sleep 1
+  live_pid kubelet >/dev/null || { tail -n 30 "$DIR/logs/kubelet.log" >&2 || true; die "kubelet exited at once"; }
+}
+
+cmd_up() {
+  local t0=$SECONDS
+  if all_up; then
+    log "already up ($APISERVER_URL)"
+    start_kubelet
+    emit_export
+    return 0
+  fi
+  if [[ -e "$DIR" ]] || netns_exists || ip link show "$VETH_HOST" >/dev/null 2>&1; then
+    log "found a partial or dead environment; tearing it down first"
+    cmd_down
+  fi
+
+  # Binaries (cache hits take well under a second).
+  local out k8s_bin etcd_bin helm=""
+  out="$("$HACK_DIR/build-control-plane.sh")" || die "hack/build-control-plane.sh failed"
+  k8s_bin="$(sed -n 's/^K8S_BIN=//p' <<<"$out")"
+  etcd_bin="$(sed -n 's/^ETCD_BIN=//p' <<<"$out")"
+  [[ -x "$k8s_bin/kube-apiserver" && -x "$etcd_bin/etcd" ]] || die "build-control-plane.sh gave no binaries"
+  # Helm is not needed by the control plane, only by tests; fetch it here so
+  # it is cached, but do not fail the environment over it.
+  if out="$("$HACK_DIR/get-helm.sh")"; then helm="${out#HELM=}"; else log "warning: get-helm.sh failed; continuing without helm"; fi
+
+  mkdir -p "$DIR"/{pids,logs,etcd}
+  touch "$MARKER"
+  chmod 700 "$DIR/etcd"
+  netns_up
+  gen_certs
+  write_kubeconfig "$DIR/kubeconfig" admin admin
+  write_kubeconfig "$DIR/kube-controller-manager.kubeconfig" system:kube-controller-manager kube-controller-manager
+  local c="$DIR/certs"
+
+  local etcd_args=(
+    --name=keyshift-testenv
+    --data-dir="$DIR/etcd"
+    --listen-client-urls="$ETCD_URL" --advertise-client-urls="$ETCD_URL"
+    --listen-peer-urls="$ETCD_PEER_URL" --initial-advertise-peer-urls="$ETCD_PEER_URL"
+    --initial-cluster="keyshift-testenv=$ETCD_PEER_URL"
+    --unsafe-no-fsync=true   # throwaway data: trade durability for test speed
+    --log-level=warn
+  )
+  start etcd "$etcd_bin/etcd" "${etcd_args[@]}"
+  wait_for "etcd healthy" 30 etcd etcd_healthy
+
+  local apiserver_args=(
+    # What controller-runtime's envtest passes ...
+    --etcd-servers="$ETCD_URL"
+    --cert-dir="$c"
+    --tls-cert-file="$c/apiserver.crt" --tls-private-key-file="$c/apiserver.key"
+    --client-ca-file="$c/ca.crt"
+    --secure-port="$APISERVER_PORT"
+    --service-cluster-ip-range="$SERVICE_CIDR"
+    --authorization-mode=RBAC
+    --allow-privileged=true
+    --service-account-issuer=https://kubernetes.default.svc.cluster.local
+    --service-account-key-file="$c/sa.pub"
+    --service-account-signing-key-file="$c/sa.key"
+    # ... but served on the netns address (a loopback advertise address is
+    # refused), without maintaining Endpoints for the "kubernetes" Service.
+    --bind-address=0.0.0.0
+    --advertise-address="$NS_IP"
+    --endpoint-reconciler-type=none
+    # Webhooks and aggregated APIs are dialled at their pod IPs (inside the
+    # netns), not at ClusterIPs, which nothing implements here.
+    --enable-aggregator-routing=true
+    # Front-proxy / request-header authentication (see gen_certs).
+    --requestheader-client-ca-file="$c/front-proxy-ca.crt"
+    --requestheader-allowed-names=front-proxy-client
+    --requestheader-username-headers=X-Remote-User
+    --requestheader-group-headers=X-Remote-Group
+    --requestheader-extra-headers-prefix=X-Remote-Extra-
+    --proxy-client-cert-file="$c/front-proxy-client.crt"
+    --proxy-client-key-file="$c/front-proxy-client.key"
+    --profiling=false
+  )
+  start kube-apiserver "$k8s_bin/kube-apiserver" "${apiserver_args[@]}"
+  wait_for "kube-apiserver /readyz" "$READY_TIMEOUT" kube-apiserver apiserver_ready
+
+  local kcm_kubeconfig="$DIR/kube-controller-manager.kubeconfig"
+  local kcm_args=(
+    --kubeconfig="$kcm_kubeconfig"
+    --authentication-kubeconfig="$kcm_kubeconfig"
+    --authorization-kubeconfig="$kcm_kubeconfig"
+    --bind-address=127.0.0.1 --secure-port="$KCM_PORT"
+    --leader-elect=false
+    # Each controller runs as its own ServiceAccount, with tokens signed by
+    # the key the apiserver verifies with.
+    --use-service-account-credentials=true
+    --service-account-private-key-file="$c/sa.key"
+    --root-ca-file="$c/ca.crt"   # published as kube-root-ca.crt in every namespace
+    --cluster-signing-cert-file="$c/ca.crt" --cluster-signing-key-file="$c/ca.key"
+    --service-cluster-ip-range="$SERVICE_CIDR"
+    --cluster-name=keyshift-testenv
+    # All default controllers (service accounts and tokens, garbage
+    # collector, namespace, workload controllers, node lifecycle, ...). The
+    # cloud and node-IPAM controllers are off by default and need nothing.
+    --controllers='*'
+    # The default (/usr/libexec/kubernetes/...) would be created on the host.
+    --flex-volume-plugin-dir="$DIR/flexvolume"
+    --profiling=false
+  )
+  start kube-controller-manager "$k8s_bin/kube-controller-manager" "${kcm_args[@]}"
+  wait_for "kube-controller-manager /healthz" 60 kube-controller-manager kcm_healthy
+  # The service-account controller creating "default" in "default" shows the
+  # controllers actually run.
+  wait_for "default ServiceAccount" 60 kube-controller-manager \
+    api_ok /api/v1/namespaces/default/serviceaccounts/default
+
+  start_kubelet
+
+  cat >"$DIR/env" <<EOF
+# Written by hack/testenv.sh up
+export KUBECONFIG=$DIR/kubeconfig
+export KEYSHIFT_TESTENV_DIR=$DIR
+export KEYSHIFT_NETNS=$NETNS
+export KEYSHIFT_NETNS_IF=$NETNS_IF
+export KEYSHIFT_VETH_HOST=$VETH_HOST
+export KEYSHIFT_HOST_IP=$HOST_IP
+export KEYSHIFT_NODE_IP=$NS_IP
+export KEYSHIFT_APISERVER=$APISERVER_URL
+export KEYSHIFT_SERVICE_CIDR=$SERVICE_CIDR
+export KEYSHIFT_K8S_BIN=$k8s_bin
+export KEYSHIFT_ETCD_BIN=$etcd_bin
+export KEYSHIFT_HELM=$helm
+EOF
+  log "up in $((SECONDS - t0)) s: $APISERVER_URL (state: $DIR)"
+  emit_export
+}
+
+cmd_down() {
+  local i
+  for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
+    stop "${COMPONENTS[i]}"
+  done
+  netns_down
+  if [[ -d "$DIR" ]]; then
+    if [[ -f "$MARKER" ]] || [[ -z "$(ls -A "$DIR")" ]]; then
+      log "removing $DIR"
+      rm -rf -- "$DIR"
+    else
+      log "warning: $DIR has no $(basename "$MARKER") marker; not removing it"
+    fi
+  fi
+  log "down"
+}
+
+cmd_status() {
+  local comp pid rc=0
+  if netns_exists; then log "netns $NETNS: present"; else log "netns $NETNS: absent"; rc=1; fi
+  for comp in "${COMPONENTS[@]}"; do
+    if pid="$(live_pid "$comp")"; then
+      log "$comp: running (pid $pid)"
+    elif [[ "$comp" == kubelet && ! -f "$(pidfile kubelet)" ]]; then
+      log "$comp: not started"
+    else
+      log "$comp: NOT running"; rc=1
+    fi
+  done
+  if apiserver_ready; then
+    log "$APISERVER_URL/readyz: ok"
+  else
+    log "$APISERVER_URL/readyz: not ready"; rc=1
+  fi
+  if ((rc == 0)); then log "up; KUBECONFIG=$DIR/kubeconfig"; else log "not up"; fi
+  return "$rc"
+}
+
+case "${1:-}" in
+  up) cmd_up ;;
+  down) cmd_down ;;
+  status) cmd_status ;;
+  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+esac

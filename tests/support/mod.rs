@@ -1,0 +1,152 @@
+//! Helpers for end-to-end tests against the test control plane (`hack/testenv.sh`), driven with
+//! `kubectl` as a user would.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// The repository root.
+pub fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The kubeconfig of the running test control plane; panics with the fix when there is none.
+pub fn kubeconfig() -> PathBuf {
+    match std::env::var_os("KUBECONFIG") {
+        Some(p) if Path::new(&p).exists() => PathBuf::from(p),
+        _ => panic!(
+            "no test control plane: run `hack/test.sh`, or `eval \"$(hack/testenv.sh up)\"` before `cargo test -- --ignored`"
+        ),
+    }
+}
+
+/// The result of one kubectl call.
+pub struct Kubectl {
+    pub ok: bool,
+    pub code: Option<i32>,
+    pub stdout: String,
+    pub stderr: String,
+}
+
+fn finish(out: Output) -> Kubectl {
+    Kubectl {
+        ok: out.status.success(),
+        code: out.status.code(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+/// Runs `kubectl ARGS`, optionally feeding `stdin`.
+pub fn kubectl_in(args: &[&str], stdin: Option<&str>) -> Kubectl {
+    let mut cmd = Command::new("kubectl");
+    // A discovery cache of this control plane only, so a stale one from an earlier run (same
+    // address) cannot hide the CRD.
+    if let Some(dir) = std::env::var_os("KEYSHIFT_TESTENV_DIR") {
+        cmd.env("KUBECACHEDIR", Path::new(&dir).join("kubectl-cache"));
+    }
+    let mut child = cmd
+        .args(args)
+        .env("KUBECONFIG", kubeconfig())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kubectl is installed");
+    let mut input = child.stdin.take().expect("stdin is piped");
+    if let Some(text) = stdin {
+        input
+            .write_all(text.as_bytes())
+            .expect("writing kubectl stdin");
+    }
+    drop(input);
+    finish(child.wait_with_output().expect("kubectl runs"))
+}
+
+pub fn kubectl(args: &[&str]) -> Kubectl {
+    kubectl_in(args, None)
+}
+
+/// Runs kubectl and panics with its output unless it succeeds.
+pub fn kubectl_ok(args: &[&str]) -> String {
+    let r = kubectl(args);
+    assert!(r.ok, "kubectl {args:?} failed: {}{}", r.stdout, r.stderr);
+    r.stdout
+}
+
+/// Applies YAML from a string.
+pub fn apply(ns: &str, yaml: &str) -> Kubectl {
+    kubectl_in(&["apply", "-n", ns, "-f", "-"], Some(yaml))
+}
+
+/// A namespace for one test, deleted (in the background) when dropped.
+pub struct Namespace(pub String);
+
+impl Namespace {
+    pub fn new(name: &str) -> Namespace {
+        let _ = kubectl(&[
+            "delete",
+            "namespace",
+            name,
+            "--wait=true",
+            "--ignore-not-found",
+        ]);
+        kubectl_ok(&["create", "namespace", name]);
+        // The ServiceAccount controller creates `default`; pods need it.
+        wait_for(Duration::from_secs(60), || {
+            kubectl(&["get", "serviceaccount", "default", "-n", name]).ok
+        });
+        Namespace(name.to_owned())
+    }
+}
+
+impl Drop for Namespace {
+    fn drop(&mut self) {
+        let _ = kubectl(&["delete", "namespace", &self.0, "--wait=false"]);
+    }
+}
+
+/// Polls `f` until it is true or panics after `timeout`.
+pub fn wait_for(timeout: Duration, mut f: impl FnMut() -> bool) {
+    let start = Instant::now();
+    while !f() {
+        assert!(
+            start.elapsed() < timeout,
+            "condition not met within {timeout:?}"
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+/// `kubectl get` of one JSONPath.
+pub fn jsonpath(ns: &str, what: &str, path: &str) -> String {
+    kubectl(&["get", "-n", ns, what, "-o", &format!("jsonpath={path}")]).stdout
+}
+
+/// Installs the CRD from `crds/` (once per test process) and waits until it is Established.
+pub fn ensure_crd() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let crds = root().join("crds");
+        kubectl_ok(&[
+            "apply",
+            "--server-side",
+            "--force-conflicts",
+            "-f",
+            crds.to_str().unwrap_or("crds"),
+        ]);
+    });
+    // `kubectl wait` fails outright while the CRD has no conditions yet, so poll.
+    wait_for(Duration::from_secs(60), || {
+        kubectl(&[
+            "get",
+            "crd/streamjobs.keyshift.dev",
+            "-o",
+            "jsonpath={.status.conditions[?(@.type==\"Established\")].status}",
+        ])
+        .stdout
+            == "True"
+    });
+}
