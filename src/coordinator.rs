@@ -5,9 +5,7 @@
 
 use crate::keygroup::Assignment;
 use crate::runtime::protocol::*;
-use crate::snapshot::{
-    self, JobIdentity, Manifest, ObjectStore, Path, SnapshotKind, SnapshotMeta,
-};
+use crate::snapshot::{self, JobIdentity, Manifest, ObjectStore, Path, SnapshotKind, SnapshotMeta};
 use chrono::Utc;
 use futures::future::try_join_all;
 use std::collections::BTreeMap;
@@ -24,9 +22,17 @@ pub enum CoordinatorError {
         reason: String,
     },
     #[error("snapshot {id} failed on subtask {subtask}: {error}")]
-    SnapshotFailed { id: u64, subtask: usize, error: String },
+    SnapshotFailed {
+        id: u64,
+        subtask: usize,
+        error: String,
+    },
     #[error("snapshot {id} timed out after {secs}s waiting for subtasks {missing:?}")]
-    SnapshotTimeout { id: u64, secs: u64, missing: Vec<usize> },
+    SnapshotTimeout {
+        id: u64,
+        secs: u64,
+        missing: Vec<usize>,
+    },
     #[error("workers not ready after {0}s: {1}")]
     NotReady(u64, String),
     #[error(transparent)]
@@ -55,7 +61,13 @@ pub struct Completed {
 }
 
 /// The URL of a snapshot directory under a storage root.
-pub fn snapshot_url(storage: &str, namespace: &str, job: &str, kind: SnapshotKind, id: u64) -> String {
+pub fn snapshot_url(
+    storage: &str,
+    namespace: &str,
+    job: &str,
+    kind: SnapshotKind,
+    id: u64,
+) -> String {
     format!(
         "{}/{namespace}/{job}/{}/{}{id}",
         storage.trim_end_matches('/'),
@@ -288,22 +300,29 @@ impl Coordinator {
         timeout: Duration,
     ) -> Result<Manifest, CoordinatorError> {
         let req = &CheckpointRequest { id, kind, stop };
-        try_join_all(
-            (0..self.workers.len())
-                .map(|i| async move { self.post::<_, serde_json::Value>(i, "/v1/checkpoints", req).await }),
-        )
+        try_join_all((0..self.workers.len()).map(|i| async move {
+            self.post::<_, serde_json::Value>(i, "/v1/checkpoints", req)
+                .await
+        }))
         .await?;
         let deadline = Instant::now() + timeout;
         let mut acks: Vec<Option<SubtaskAck>> = vec![None; self.workers.len()];
         loop {
-            for i in 0..self.workers.len() {
-                if acks[i].is_some() {
+            for (i, slot) in acks.iter_mut().enumerate() {
+                if slot.is_some() {
                     continue;
                 }
-                match self.get::<CheckpointStatus>(i, &format!("/v1/checkpoints/{id}")).await? {
-                    CheckpointStatus::Completed(ack) => acks[i] = Some(*ack),
+                match self
+                    .get::<CheckpointStatus>(i, &format!("/v1/checkpoints/{id}"))
+                    .await?
+                {
+                    CheckpointStatus::Completed(ack) => *slot = Some(*ack),
                     CheckpointStatus::Failed { error } => {
-                        return Err(CoordinatorError::SnapshotFailed { id, subtask: i, error });
+                        return Err(CoordinatorError::SnapshotFailed {
+                            id,
+                            subtask: i,
+                            error,
+                        });
                     }
                     CheckpointStatus::Unknown => {
                         return Err(CoordinatorError::SnapshotFailed {
@@ -338,7 +357,11 @@ impl Coordinator {
         for a in &acks {
             positions.extend(a.source_positions.iter().map(|(k, v)| (*k, *v)));
         }
-        let watermark = acks.iter().map(|a| a.watermark).min().filter(|w| *w > i64::MIN);
+        let watermark = acks
+            .iter()
+            .map(|a| a.watermark)
+            .min()
+            .filter(|w| *w > i64::MIN);
         let meta = SnapshotMeta {
             job: self.identity.clone(),
             snapshot_id: id,
@@ -362,7 +385,10 @@ impl Coordinator {
     /// be restarted from the last checkpoint by its platform).
     pub async fn resume(&self) {
         for i in 0..self.workers.len() {
-            if let Err(e) = self.post::<_, serde_json::Value>(i, "/v1/resume", &()).await {
+            if let Err(e) = self
+                .post::<_, serde_json::Value>(i, "/v1/resume", &())
+                .await
+            {
                 tracing::warn!(subtask = i, error = %e, "resume failed");
             }
         }
@@ -370,13 +396,17 @@ impl Coordinator {
 
     /// Every worker's status, in subtask order.
     pub async fn status(&self) -> Result<Vec<WorkerStatus>, CoordinatorError> {
-        try_join_all((0..self.workers.len()).map(|i| self.get::<WorkerStatus>(i, "/v1/status"))).await
+        try_join_all((0..self.workers.len()).map(|i| self.get::<WorkerStatus>(i, "/v1/status")))
+            .await
     }
 }
 
 /// One more than the largest snapshot id in the job's storage (checkpoints and savepoints,
 /// committed or not, so an id is never reused).
-pub async fn next_snapshot_id(store: &dyn ObjectStore, job_dir: &Path) -> Result<u64, CoordinatorError> {
+pub async fn next_snapshot_id(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+) -> Result<u64, CoordinatorError> {
     let mut max = 0;
     for kind in [SnapshotKind::Checkpoint, SnapshotKind::Savepoint] {
         let prefix = job_dir.clone().join(kind.folder());

@@ -9,6 +9,7 @@ pub mod coordinator;
 pub mod crd;
 pub mod job;
 pub mod keygroup;
+pub mod local;
 pub mod runtime;
 pub mod snapshot;
 pub mod telemetry;

@@ -97,7 +97,12 @@ impl LocalWorkers {
     }
 
     /// Starts `n` workers on loopback and returns where they listen.
-    pub async fn spawn(&mut self, n: u32, token: &str, run: u64) -> Result<Vec<WorkerEndpoint>, LocalError> {
+    pub async fn spawn(
+        &mut self,
+        n: u32,
+        token: &str,
+        run: u64,
+    ) -> Result<Vec<WorkerEndpoint>, LocalError> {
         tokio::fs::create_dir_all(&self.log_dir)
             .await
             .map_err(|e| LocalError::Spawn {
@@ -111,11 +116,20 @@ impl LocalWorkers {
             let log = std::fs::File::create(&log_path)
                 .map_err(|e| spawn_err(format!("creating {}: {e}", log_path.display())))?;
             let mut child = Command::new(&self.bin)
-                .args(["worker", "--control-addr", "127.0.0.1:0", "--data-addr", "127.0.0.1:0"])
+                .args([
+                    "worker",
+                    "--control-addr",
+                    "127.0.0.1:0",
+                    "--data-addr",
+                    "127.0.0.1:0",
+                ])
                 .env("KEYSHIFT_TOKEN", token)
                 .stdin(Stdio::null())
                 .stdout(Stdio::piped())
                 .stderr(log)
+                // Own process group: a Ctrl-C at the terminal reaches only `keyshift local`,
+                // which then stops the workers with a savepoint.
+                .process_group(0)
                 .kill_on_drop(true)
                 .spawn()
                 .map_err(|e| spawn_err(format!("{}: {e}", self.bin.display())))?;
@@ -180,7 +194,10 @@ impl LocalWorkers {
             }
         }
         for mut c in self.children.drain(..) {
-            if tokio::time::timeout(Duration::from_secs(5), c.wait()).await.is_err() {
+            if tokio::time::timeout(Duration::from_secs(5), c.wait())
+                .await
+                .is_err()
+            {
                 let _ = c.kill().await;
             }
         }
@@ -273,21 +290,32 @@ impl LocalJob {
 
     /// The newest committed snapshot (URL), if any.
     pub async fn latest_snapshot(&self) -> Result<Option<String>, LocalError> {
-        Ok(coordinator::latest_snapshot(&self.storage, &self.namespace, &self.name)
-            .await?
-            .map(|(url, _)| url))
+        Ok(
+            coordinator::latest_snapshot(&self.storage, &self.namespace, &self.name)
+                .await?
+                .map(|(url, _)| url),
+        )
     }
 
     pub fn parallelism(&self) -> Option<u32> {
-        self.coordinator.as_ref().map(|c| c.assignment().parallelism())
+        self.coordinator
+            .as_ref()
+            .map(|c| c.assignment().parallelism())
     }
 
     /// Starts workers at `parallelism`, restoring from `restore` if given.
-    pub async fn launch(&mut self, parallelism: u32, restore: Option<String>) -> Result<LaunchReport, LocalError> {
+    pub async fn launch(
+        &mut self,
+        parallelism: u32,
+        restore: Option<String>,
+    ) -> Result<LaunchReport, LocalError> {
         let started = Instant::now();
         let assignment = Assignment::new(i64::from(parallelism), i64::from(self.max_parallelism))?;
         self.runs += 1;
-        let endpoints = self.workers.spawn(parallelism, &self.token, self.runs).await?;
+        let endpoints = self
+            .workers
+            .spawn(parallelism, &self.token, self.runs)
+            .await?;
         let identity = JobIdentity {
             namespace: self.namespace.clone(),
             name: self.name.clone(),
@@ -334,7 +362,10 @@ impl LocalJob {
 
     fn coordinator(&mut self) -> Result<&mut Coordinator, LocalError> {
         self.coordinator.as_mut().ok_or_else(|| {
-            LocalError::Coordinator(CoordinatorError::NotReady(0, "the job is not running".into()))
+            LocalError::Coordinator(CoordinatorError::NotReady(
+                0,
+                "the job is not running".into(),
+            ))
         })
     }
 
@@ -397,12 +428,14 @@ impl LocalJob {
         let from = self.parallelism().unwrap_or(to);
         let new_assignment = Assignment::new(i64::from(to), i64::from(self.max_parallelism))?;
         let old_assignment = Assignment::new(i64::from(from), i64::from(self.max_parallelism))?;
-        let plan = keygroup::rescale_plan(old_assignment, new_assignment).map_err(|e| LocalError::Rescale {
-            from,
-            to,
-            step: "planning",
-            reason: e.to_string(),
-            outcome: "nothing was stopped".into(),
+        let plan = keygroup::rescale_plan(old_assignment, new_assignment).map_err(|e| {
+            LocalError::Rescale {
+                from,
+                to,
+                step: "planning",
+                reason: e.to_string(),
+                outcome: "nothing was stopped".into(),
+            }
         })?;
         let t0 = Instant::now();
         let mut steps = Vec::new();
@@ -416,7 +449,11 @@ impl LocalJob {
 
         // 1. Savepoint, stopping the sources at the barrier.
         let sp = self.savepoint(true).await.map_err(|e| {
-            fail("Savepointing", e.to_string(), "the job keeps running at the old parallelism")
+            fail(
+                "Savepointing",
+                e.to_string(),
+                "the job keeps running at the old parallelism",
+            )
         })?;
         steps.push(("Savepointing", t0.elapsed()));
 
@@ -451,7 +488,10 @@ impl LocalJob {
                     e.to_string(),
                     &match back {
                         Ok(_) => format!("restored at the old parallelism {from} from {}", sp.url),
-                        Err(e2) => format!("restoring the old parallelism failed too ({e2}); the savepoint {} is intact", sp.url),
+                        Err(e2) => format!(
+                            "restoring the old parallelism failed too ({e2}); the savepoint {} is intact",
+                            sp.url
+                        ),
                     },
                 ));
             }
@@ -473,9 +513,9 @@ impl LocalJob {
 /// Identity of a job's dataflow, recorded in snapshots.
 pub fn fingerprint(spec: &StreamJobSpec) -> String {
     let text = serde_json::to_string(&spec.job).unwrap_or_default();
-    let h = text
-        .bytes()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
     format!("{h:016x}")
 }
 
@@ -493,4 +533,157 @@ pub fn storage_url(spec: &StreamJobSpec, state_dir: &Path) -> Result<String, Loc
         source,
     })?;
     Ok(format!("file://{}", abs.display()))
+}
+
+/// Options of `keyshift local`.
+#[derive(Debug, Clone)]
+pub struct LocalOptions {
+    pub manifest: PathBuf,
+    pub state_dir: PathBuf,
+    /// The `keyshift` binary the workers run (default: this executable).
+    pub bin: PathBuf,
+    /// Seconds between progress lines.
+    pub progress_every: Duration,
+}
+
+fn say(line: impl std::fmt::Display) {
+    println!("[keyshift local] {line}");
+}
+
+fn rate(n: u64, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64().max(1e-9)
+}
+
+/// `keyshift local MANIFEST`: runs the job, checkpoints it, applies `replicas` edits of the file
+/// as rescales, recovers from worker failures, and stops with a savepoint on Ctrl-C.
+pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
+    let job = load_manifest(&opts.manifest)?;
+    let storage = storage_url(&job.spec, &opts.state_dir)?;
+    let log_dir = opts.state_dir.join("logs");
+    let mut local = LocalJob::new(&job, storage.clone(), opts.bin.clone(), log_dir.clone()).await?;
+    let restore = local.latest_snapshot().await?;
+    say(format_args!(
+        "job {}/{}: {} subtasks, {} key groups, state in {storage}, worker logs in {}",
+        local.namespace,
+        local.name,
+        job.spec.replicas,
+        local.max_parallelism,
+        log_dir.display()
+    ));
+    match &restore {
+        Some(url) => say(format_args!("resuming from {url}")),
+        None => say("no snapshot yet: starting empty"),
+    }
+    let mut parallelism = job.spec.replicas as u32;
+    let report = local.launch(parallelism, restore).await?;
+    say(format_args!(
+        "running at parallelism {parallelism} ({} ms to start, {} bytes of state read)",
+        report.duration.as_millis(),
+        report.bytes_read()
+    ));
+    print_groups(&local, parallelism);
+
+    let interval = validation::parse_duration(&job.spec.state.checkpoint_interval)
+        .filter(|d| !d.is_zero())
+        .unwrap_or(Duration::from_secs(30));
+    let mut checkpoint_tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
+    let mut progress_tick = tokio::time::interval(opts.progress_every);
+    let mut manifest_tick = tokio::time::interval(Duration::from_millis(500));
+    let mut mtime = std::fs::metadata(&opts.manifest)
+        .and_then(|m| m.modified())
+        .ok();
+    let mut last = (Instant::now(), 0u64);
+    let mut failures = 0u32;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            _ = &mut ctrl_c => {
+                say("stopping with a savepoint (Ctrl-C) ...");
+                let sp = local.shutdown().await?;
+                say(format_args!("stopped with savepoint {} ({} bytes); run the same command again to resume", sp.url, sp.manifest.stats.total_bytes));
+                return Ok(());
+            }
+            _ = checkpoint_tick.tick() => {
+                match local.checkpoint().await {
+                    Ok(c) => say(format_args!("checkpoint {} committed in {} ms ({} bytes, {} keys)", c.id, c.duration.as_millis(), c.manifest.stats.total_bytes, c.manifest.stats.total_keys)),
+                    Err(e) => say(format_args!("checkpoint failed: {e}; the previous checkpoint stays usable")),
+                }
+            }
+            _ = progress_tick.tick() => {
+                if let Some((i, status)) = local.failed_worker() {
+                    failures += 1;
+                    let backoff = Duration::from_secs(1u64 << failures.min(5));
+                    say(format_args!("worker {i} exited ({status}); restarting from the last checkpoint in {}s", backoff.as_secs()));
+                    tokio::time::sleep(backoff).await;
+                    let r = local.recover(parallelism).await?;
+                    last = (Instant::now(), 0);
+                    say(format_args!("recovered from {} at parallelism {parallelism}", r.restored_from.unwrap_or_else(|| "nothing (no checkpoint yet)".into())));
+                    continue;
+                }
+                if let Ok(st) = local.status().await {
+                    let total: u64 = st.iter().map(|s| s.records_processed).sum();
+                    let keys: u64 = st.iter().map(|s| s.keys).sum();
+                    let now = Instant::now();
+                    let rps = rate(total.saturating_sub(last.1), now - last.0);
+                    last = (now, total);
+                    let bp: u64 = st.iter().map(|s| s.backpressure_ms).sum();
+                    say(format_args!("p={parallelism} records={total} ({rps:.0}/s) keys={keys} backpressure={bp}ms last checkpoint={:?}", st.iter().filter_map(|s| s.last_checkpoint).min()));
+                }
+            }
+            _ = manifest_tick.tick() => {
+                let now = std::fs::metadata(&opts.manifest).and_then(|m| m.modified()).ok();
+                if now == mtime {
+                    continue;
+                }
+                mtime = now;
+                let job = match load_manifest(&opts.manifest) {
+                    Ok(j) => j,
+                    Err(e) => { say(format_args!("ignoring the edit: {e}")); continue; }
+                };
+                let status = StreamJobStatus { max_parallelism: Some(local.max_parallelism as i32), ..Default::default() };
+                if let Err(e) = validation::analyse(&job.spec, Some(&status)) {
+                    say(format_args!("ignoring the edit: {e}"));
+                    continue;
+                }
+                if job.spec.job != local.spec.job {
+                    say("only replicas changes are applied to a running local job; stop it (Ctrl-C) and start again to change the dataflow");
+                }
+                let to = job.spec.replicas as u32;
+                if to == parallelism {
+                    continue;
+                }
+                say(format_args!("rescaling {parallelism} -> {to} ..."));
+                match local.rescale(to).await {
+                    Ok(r) => {
+                        parallelism = to;
+                        last = (Instant::now(), 0);
+                        say(format_args!(
+                            "rescaled {} -> {} in {} ms: {} key groups moved, {} of {} state bytes read ({}); savepoint {}",
+                            r.from, r.to, r.pause.as_millis(), r.groups_moved, r.bytes_read, r.state_bytes,
+                            r.steps.iter().map(|(s, d)| format!("{s} {} ms", d.as_millis())).collect::<Vec<_>>().join(", "),
+                            r.savepoint
+                        ));
+                        print_groups(&local, parallelism);
+                    }
+                    Err(e) => {
+                        say(format_args!("{e}"));
+                        if let Some(p) = local.parallelism() { parallelism = p; }
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn print_groups(local: &LocalJob, parallelism: u32) {
+    if let Ok(a) = Assignment::new(i64::from(parallelism), i64::from(local.max_parallelism)) {
+        let ranges: Vec<String> = a.ranges().iter().map(|r| r.to_string()).collect();
+        say(format_args!(
+            "key groups per subtask: {} ({})",
+            ranges.join(" "),
+            a.skew().summary()
+        ));
+    }
 }

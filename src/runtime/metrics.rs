@@ -41,13 +41,21 @@ impl WorkerMetrics {
             checkpoint_bytes: Gauge::default(),
             registry: Registry::default(),
         };
-        registry.register("records_in", "Records read by this subtask's sources", m.records_in.clone());
+        registry.register(
+            "records_in",
+            "Records read by this subtask's sources",
+            m.records_in.clone(),
+        );
         registry.register(
             "records_processed",
             "Records applied to keyed state by this subtask",
             m.records_processed.clone(),
         );
-        registry.register("records_out", "Results emitted to the sink", m.records_out.clone());
+        registry.register(
+            "records_out",
+            "Results emitted to the sink",
+            m.records_out.clone(),
+        );
         registry.register(
             "backpressure_milliseconds",
             "Time the sources waited on full downstream buffers",
@@ -64,7 +72,11 @@ impl WorkerMetrics {
             m.late_records.clone(),
         );
         registry.register("keys", "Keys held in keyed state", m.keys.clone());
-        registry.register("watermark_milliseconds", "The keyed operator's event-time watermark", m.watermark.clone());
+        registry.register(
+            "watermark_milliseconds",
+            "The keyed operator's event-time watermark",
+            m.watermark.clone(),
+        );
         registry.register(
             "last_checkpoint_duration_milliseconds",
             "Barrier-to-durable time of the last snapshot",

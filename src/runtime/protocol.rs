@@ -80,7 +80,9 @@ pub struct CheckpointRequest {
 
 /// Progress of one snapshot on one subtask.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(rename_all = "camelCase", tag = "state")]
+// Externally tagged: an internally tagged enum would buffer the acknowledgement and lose its
+// integer map keys.
+#[serde(rename_all = "camelCase")]
 pub enum CheckpointStatus {
     /// Barriers are on their way or state is being written.
     Pending,
@@ -136,4 +138,35 @@ pub struct WorkerStatus {
     pub last_checkpoint: Option<u64>,
     /// Source positions now.
     pub source_positions: BTreeMap<u32, u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_status_round_trips() {
+        let ack = SubtaskAck {
+            snapshot: serde_json::from_value(serde_json::json!({
+                "subtask": 0, "parallelism": 1, "maxParallelism": 1,
+                "file": {"name": "state-0-of-1.bin", "size": 0, "checksum": "00000000"},
+                "groups": [{"group": 0, "file": "state-0-of-1.bin", "offset": 0, "length": 0, "checksum": "00000000", "entries": 0}]
+            }))
+            .unwrap(),
+            source_positions: BTreeMap::from([(0, 5)]),
+            watermark: i64::MIN,
+            duration_ms: 3,
+        };
+        for st in [
+            CheckpointStatus::Pending,
+            CheckpointStatus::Completed(Box::new(ack)),
+            CheckpointStatus::Failed { error: "x".into() },
+            CheckpointStatus::Unknown,
+        ] {
+            let text = serde_json::to_string(&st).unwrap();
+            let back: CheckpointStatus =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(back, st);
+        }
+    }
 }

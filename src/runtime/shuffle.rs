@@ -134,7 +134,7 @@ pub async fn connect(
 /// Reads the hello frame of an accepted connection: the sender's subtask index.
 pub async fn accept_hello(s: &mut TcpStream, run_id: &str) -> Result<u32, ShuffleError> {
     let len = s.read_u32_le().await? as usize;
-    if len < 5 || len > 4096 {
+    if !(5..=4096).contains(&len) {
         return Err(ShuffleError::Malformed {
             from: u32::MAX,
             reason: format!("hello of {len} bytes"),
@@ -176,7 +176,11 @@ pub async fn send_loop(stream: TcpStream, mut rx: mpsc::Receiver<Msg>) -> Result
 }
 
 /// Reads frames from a peer's socket into the operator's input channel for that peer.
-pub async fn recv_loop(from: u32, stream: TcpStream, tx: mpsc::Sender<Msg>) -> Result<(), ShuffleError> {
+pub async fn recv_loop(
+    from: u32,
+    stream: TcpStream,
+    tx: mpsc::Sender<Msg>,
+) -> Result<(), ShuffleError> {
     let mut r = BufReader::with_capacity(256 << 10, stream);
     let mut buf = Vec::new();
     loop {

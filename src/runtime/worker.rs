@@ -72,11 +72,15 @@ struct Shared {
     run: Mutex<Option<RunHandle>>,
     checkpoints: Mutex<BTreeMap<u64, CheckpointStatus>>,
     /// Positions captured by the source at each barrier, picked up by the operator.
-    barrier_positions: Mutex<BTreeMap<u64, (SnapshotKind, BTreeMap<u32, u64>, Instant)>>,
+    barrier_positions: Mutex<BTreeMap<u64, BarrierCut>>,
     status: Mutex<WorkerStatus>,
     metrics: WorkerMetrics,
     fatal: watch::Sender<Option<String>>,
 }
+
+/// What the source recorded when it injected a barrier: the snapshot kind, its partitions'
+/// positions, and when.
+type BarrierCut = (SnapshotKind, BTreeMap<u32, u64>, Instant);
 
 struct RunHandle {
     source_cmd: mpsc::Sender<SourceCmd>,
@@ -103,8 +107,12 @@ pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
             addr: config.data_addr,
             source,
         })?;
-    let control_addr = control.local_addr().map_err(|e| WorkerError::Fatal(e.to_string()))?;
-    let data_addr = data.local_addr().map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let control_addr = control
+        .local_addr()
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let data_addr = data
+        .local_addr()
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
     // One line on stdout tells a local launcher where to reach us.
     println!(
         "{}",
@@ -147,7 +155,7 @@ pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
     }
 }
 
-fn authorized(shared: &Shared, headers: &HeaderMap) -> Result<(), Response> {
+fn authorized(shared: &Shared, headers: &HeaderMap) -> Result<(), Box<Response>> {
     let ok = headers
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -156,11 +164,13 @@ fn authorized(shared: &Shared, headers: &HeaderMap) -> Result<(), Response> {
     if ok {
         Ok(())
     } else {
-        Err((
-            StatusCode::UNAUTHORIZED,
-            "missing or wrong bearer token: send Authorization: Bearer <the job's control token>",
-        )
-            .into_response())
+        Err(Box::new(
+            (
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong bearer token: send Authorization: Bearer <the job's control token>",
+            )
+                .into_response(),
+        ))
     }
 }
 
@@ -169,14 +179,22 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 }
 
 fn err(code: StatusCode, message: impl std::fmt::Display) -> Response {
-    (code, Json(serde_json::json!({ "error": message.to_string() }))).into_response()
+    (
+        code,
+        Json(serde_json::json!({ "error": message.to_string() })),
+    )
+        .into_response()
 }
 
 async fn readyz(State(s): State<Arc<Shared>>) -> Response {
     if s.ready.load(Ordering::Acquire) {
         (StatusCode::OK, "ready").into_response()
     } else {
-        (StatusCode::SERVICE_UNAVAILABLE, "not started or not connected").into_response()
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not started or not connected",
+        )
+            .into_response()
     }
 }
 
@@ -196,7 +214,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
 
 async fn status(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(r) = authorized(&s, &headers) {
-        return r;
+        return *r;
     }
     let mut st = s.status.lock().await.clone();
     let m = &s.metrics;
@@ -219,7 +237,7 @@ async fn checkpoint_status(
     Path(id): Path<u64>,
 ) -> Response {
     if let Err(r) = authorized(&s, &headers) {
-        return r;
+        return *r;
     }
     let st = s
         .checkpoints
@@ -237,7 +255,7 @@ async fn trigger(
     Json(req): Json<CheckpointRequest>,
 ) -> Response {
     if let Err(r) = authorized(&s, &headers) {
-        return r;
+        return *r;
     }
     let run = s.run.lock().await;
     let Some(run) = run.as_ref() else {
@@ -259,7 +277,7 @@ async fn trigger(
 
 async fn resume(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     if let Err(r) = authorized(&s, &headers) {
-        return r;
+        return *r;
     }
     let run = s.run.lock().await;
     match run.as_ref() {
@@ -278,7 +296,7 @@ async fn start(
     Json(req): Json<StartRequest>,
 ) -> Response {
     if let Err(r) = authorized(&s, &headers) {
-        return r;
+        return *r;
     }
     if s.started.swap(true, Ordering::AcqRel) {
         return err(StatusCode::CONFLICT, "the worker was already started");
@@ -366,6 +384,7 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
         s.metrics.restore_bytes.inc_by(resp.bytes_read);
     }
     resp.restore_ms = started.elapsed().as_millis() as u64;
+    s.metrics.keys.set(agg.key_count() as i64);
     tracing::info!(
         subtask = req.subtask,
         parallelism = req.parallelism,
@@ -431,9 +450,7 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
         let result: Result<(), WorkerError> = async {
             let mut senders = Vec::new();
             for c in connects {
-                let (stream, rx) = c
-                    .await
-                    .map_err(|e| WorkerError::Fatal(e.to_string()))??;
+                let (stream, rx) = c.await.map_err(|e| WorkerError::Fatal(e.to_string()))??;
                 senders.push(tokio::spawn(shuffle::send_loop(stream, rx)));
             }
             let mut accepted = 0;
@@ -445,13 +462,17 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
                 stream.set_nodelay(true).ok();
                 let from = shuffle::accept_hello(&mut stream, &run_id).await?;
                 let Some(tx) = accept_inputs.get(from as usize).cloned() else {
-                    return Err(WorkerError::Fatal(format!("hello from unknown subtask {from}")));
+                    return Err(WorkerError::Fatal(format!(
+                        "hello from unknown subtask {from}"
+                    )));
                 };
                 accepted += 1;
                 let s3 = s2.clone();
                 tokio::spawn(async move {
                     if let Err(e) = shuffle::recv_loop(from, stream, tx).await {
-                        let _ = s3.fatal.send(Some(format!("receiving from subtask {from}: {e}")));
+                        let _ = s3
+                            .fatal
+                            .send(Some(format!("receiving from subtask {from}: {e}")));
                     }
                 });
             }
@@ -475,7 +496,9 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
         }
         .await;
         if let Err(e) = result {
-            let _ = s2.fatal.send(Some(format!("connecting the data plane: {e}")));
+            let _ = s2
+                .fatal
+                .send(Some(format!("connecting the data plane: {e}")));
         }
     });
     drop(input_tx);
@@ -527,14 +550,21 @@ struct Outputs {
 }
 
 impl Outputs {
-    async fn send(&mut self, i: usize, msg: Msg, metrics: &WorkerMetrics) -> Result<(), WorkerError> {
+    async fn send(
+        &mut self,
+        i: usize,
+        msg: Msg,
+        metrics: &WorkerMetrics,
+    ) -> Result<(), WorkerError> {
         let tx = &self.outputs[i];
         match tx.try_send(msg) {
             Ok(()) => Ok(()),
             Err(mpsc::error::TrySendError::Full(msg)) => {
                 let t = Instant::now();
                 let r = tx.send(msg).await;
-                metrics.backpressure_ms.inc_by(t.elapsed().as_millis() as u64);
+                metrics
+                    .backpressure_ms
+                    .inc_by(t.elapsed().as_millis() as u64);
                 r.map_err(|_| WorkerError::Fatal("an output channel closed".into()))
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -603,7 +633,9 @@ async fn source_loop(
     let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
     if partitions.is_empty() {
         // Nothing to read: never hold back the watermark downstream.
-        router.broadcast(Msg::Watermark(i64::MAX), &s.metrics).await?;
+        router
+            .broadcast(Msg::Watermark(i64::MAX), &s.metrics)
+            .await?;
         last_wm = i64::MAX;
     }
     loop {
@@ -790,7 +822,7 @@ async fn operator_loop(
                 sub.agg.process_batch(&records)?;
                 s.metrics.records_processed.inc_by(records.len() as u64);
                 batches += 1;
-                if batches % 64 == 0 {
+                if batches.is_multiple_of(64) {
                     s.metrics.keys.set(sub.agg.key_count() as i64);
                     s.metrics.late_records.set(sub.agg.late_records() as i64);
                 }
@@ -817,7 +849,12 @@ async fn operator_loop(
                     let result = snapshot(&s, &mut sub, id, tracker.current()).await;
                     let status = match result {
                         Ok(ack) => {
-                            tracing::info!(id, bytes = ack.snapshot.file.size, ms = ack.duration_ms, "snapshot written");
+                            tracing::info!(
+                                id,
+                                bytes = ack.snapshot.file.size,
+                                ms = ack.duration_ms,
+                                "snapshot written"
+                            );
                             s.status.lock().await.last_checkpoint = Some(id);
                             CheckpointStatus::Completed(Box::new(ack))
                         }
@@ -874,7 +911,10 @@ async fn snapshot(
     for g in sub.range.iter() {
         let (bytes, entries) = sub.agg.encode_group(g)?;
         keys_per_group.push(entries);
-        if let Err(e) = writer.write_group(g, bytes::Bytes::from(bytes), entries).await {
+        if let Err(e) = writer
+            .write_group(g, bytes::Bytes::from(bytes), entries)
+            .await
+        {
             let _ = writer.abort().await;
             return Err(e.into());
         }

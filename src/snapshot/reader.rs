@@ -142,7 +142,10 @@ pub async fn read_groups(
     // Owned keys and requests keep the fetch futures `Send` for any caller (an HTTP handler).
     let mut by_file: BTreeMap<String, Vec<super::manifest::ReadRequest>> = BTreeMap::new();
     for req in &plan {
-        by_file.entry(req.file.clone()).or_default().push(req.clone());
+        by_file
+            .entry(req.file.clone())
+            .or_default()
+            .push(req.clone());
     }
 
     // Fetch and check each file's requests; nothing is handed out until all succeed.
