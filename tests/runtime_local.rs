@@ -312,3 +312,103 @@ async fn corrupt_or_foreign_snapshots_are_refused() {
         .expect_err("verify fails");
     assert!(e.to_string().contains("state-1-of-2.bin"), "{e}");
 }
+
+/// Fired windows from the log sink of every worker run, keyed by key and window start; a window
+/// that fired twice fails the test.
+fn fired_windows(logs: &std::path::Path) -> BTreeMap<Key, BTreeMap<i64, i64>> {
+    let mut out: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();
+    for entry in std::fs::read_dir(logs).expect("log dir") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "out") {
+            continue;
+        }
+        for line in std::fs::read_to_string(&path).expect("read").lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("sink line is JSON");
+            let key = Key::String(v["key"].as_str().expect("string key").to_owned());
+            let start = v["window"]["start"].as_i64().expect("window start");
+            let value = v["value"].as_i64().expect("value");
+            let prev = out.entry(key.clone()).or_default().insert(start, value);
+            assert!(prev.is_none(), "window {start} of {key:?} fired twice");
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_open_across_a_rescale_closes_with_the_right_result() {
+    let env = env(None);
+    let spec = job(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {name: windows, namespace: test}
+spec:
+  replicas: 2
+  maxParallelism: 128
+  job:
+    source:
+      generator: {partitions: 4, keys: 200, seed: 3, recordsPerSecond: 20000}
+    key: {field: key}
+    aggregation: {function: sum, field: value}
+    window: {size: 1s, maxOutOfOrderness: 100ms}
+    sink: {type: log}
+  state:
+    checkpointInterval: 1h
+",
+    );
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    // Rescale in the middle of a window (event time runs at wall-clock speed here).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let r = local.rescale(3).await.expect("rescale 2 -> 3");
+    let (_, _, m) = snapshot_state_windows(&r.savepoint).await;
+    assert!(m.watermark.is_some(), "the watermark is part of the savepoint");
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let sp = local.shutdown().await.expect("stop");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let (open, positions, manifest) = snapshot_state_windows(&sp.url).await;
+    let mut seen = fired_windows(&env.logs);
+    let fired: usize = seen.values().map(BTreeMap::len).sum();
+    assert!(fired > 0, "some windows fired");
+    // Windows still open at the end are in the savepoint; none of them fired already.
+    let wm = manifest.watermark.expect("watermark");
+    for (key, windows) in open {
+        for (start, acc) in windows {
+            assert!(start + 1000 > wm, "an open window lies after the watermark");
+            let prev = seen.entry(key.clone()).or_default().insert(start, acc);
+            assert!(prev.is_none(), "window {start} of {key:?} both fired and open");
+        }
+    }
+    let Expected::Windowed(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("expected windows");
+    };
+    assert!(seen == expected, "fired + open windows differ from the exact expected windows");
+}
+
+async fn snapshot_state_windows(
+    url: &str,
+) -> (BTreeMap<Key, Vec<(i64, i64)>>, BTreeMap<u32, u64>, snapshot::Manifest) {
+    let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
+    let all = manifest.assignment().expect("assignment");
+    let mut state = BTreeMap::new();
+    for i in 0..all.parallelism() {
+        let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
+            .await
+            .expect("groups read");
+        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
+            for (key, value) in job::decode_group(&g.bytes).expect("decodes").entries {
+                match value.acc {
+                    AccValue::Windows(w) => {
+                        state.insert(key, w);
+                    }
+                    AccValue::Scalar(_) => panic!("unexpected scalar state"),
+                }
+            }
+        }
+    }
+    (state, manifest.source_positions.clone(), manifest)
+}
