@@ -37,6 +37,8 @@ pub enum CoordinatorError {
     NotReady(u64, String),
     #[error(transparent)]
     Snapshot(#[from] snapshot::SnapshotError),
+    #[error("publishing sink output: {0}")]
+    Sink(String),
 }
 
 /// Where a worker listens.
@@ -88,6 +90,9 @@ pub struct Coordinator {
     assignment: Assignment,
     next_id: u64,
     retained: usize,
+    /// The object-store sink (store and base path), whose staged output is published after
+    /// each commit.
+    sink: Option<(Arc<dyn ObjectStore>, Path)>,
 }
 
 impl Coordinator {
@@ -123,7 +128,25 @@ impl Coordinator {
             assignment,
             next_id,
             retained,
+            sink: None,
         })
+    }
+
+    /// Publishes the staged output of the object-store sink at `url` after every commit.
+    pub fn with_sink(mut self, url: Option<&str>) -> Result<Self, CoordinatorError> {
+        self.sink = url.map(snapshot::open_store).transpose()?;
+        Ok(self)
+    }
+
+    /// Makes the sink output of committed snapshot `id` visible (idempotent; also run after a
+    /// restore from `id`, in case the crash came between commit and publish).
+    pub async fn publish(&self, id: u64) -> Result<(), CoordinatorError> {
+        if let Some((store, base)) = &self.sink {
+            crate::sink::publish(store.as_ref(), base, id)
+                .await
+                .map_err(|e| CoordinatorError::Sink(e.to_string()))?;
+        }
+        Ok(())
     }
 
     pub fn assignment(&self) -> Assignment {
@@ -378,6 +401,11 @@ impl Coordinator {
         )?;
         let dir = snapshot::snapshot_dir(&self.job_dir, kind, id);
         snapshot::commit_manifest(self.store.as_ref(), &dir, &manifest).await?;
+        // Committed: the sink output of this snapshot may become visible. A failure here is
+        // repaired by publishing again after a restore from this snapshot.
+        if let Err(e) = self.publish(id).await {
+            tracing::warn!(id, error = %e, "sink publish failed; it is retried on restore");
+        }
         Ok(manifest)
     }
 

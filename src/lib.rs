@@ -11,6 +11,7 @@ pub mod job;
 pub mod keygroup;
 pub mod local;
 pub mod runtime;
+pub mod sink;
 pub mod snapshot;
 pub mod telemetry;
 pub mod validation;

@@ -329,7 +329,11 @@ impl LocalJob {
             self.token.clone(),
             self.spec.state.retained_checkpoints.max(1) as usize,
         )
-        .await?;
+        .await?
+        .with_sink(match self.spec.job.sink.sink_type {
+            crate::crd::SinkType::ObjectStore => self.spec.job.sink.url.as_deref(),
+            crate::crd::SinkType::Log => None,
+        })?;
         let template = StartRequest {
             namespace: self.namespace.clone(),
             name: self.name.clone(),
@@ -351,6 +355,12 @@ impl LocalJob {
                 return Err(e.into());
             }
         };
+        if let Some(url) = &restore {
+            // The restored snapshot's sink output must be visible (crash between commit and
+            // publish); publishing is idempotent.
+            let (_, _, manifest) = snapshot::open_snapshot(url).await?;
+            coordinator.publish(manifest.snapshot_id).await?;
+        }
         self.coordinator = Some(coordinator);
         Ok(LaunchReport {
             parallelism,

@@ -337,8 +337,7 @@ fn fired_windows(logs: &std::path::Path) -> BTreeMap<Key, BTreeMap<i64, i64>> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_open_across_a_rescale_closes_with_the_right_result() {
     let env = env(None);
-    let spec = job(
-        "apiVersion: keyshift.dev/v1alpha1
+    let spec = job("apiVersion: keyshift.dev/v1alpha1
 kind: StreamJob
 metadata: {name: windows, namespace: test}
 spec:
@@ -353,8 +352,7 @@ spec:
     sink: {type: log}
   state:
     checkpointInterval: 1h
-",
-    );
+");
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
         .expect("job prepares");
@@ -363,7 +361,10 @@ spec:
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let r = local.rescale(3).await.expect("rescale 2 -> 3");
     let (_, _, m) = snapshot_state_windows(&r.savepoint).await;
-    assert!(m.watermark.is_some(), "the watermark is part of the savepoint");
+    assert!(
+        m.watermark.is_some(),
+        "the watermark is part of the savepoint"
+    );
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let sp = local.shutdown().await.expect("stop");
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -378,7 +379,10 @@ spec:
         for (start, acc) in windows {
             assert!(start + 1000 > wm, "an open window lies after the watermark");
             let prev = seen.entry(key.clone()).or_default().insert(start, acc);
-            assert!(prev.is_none(), "window {start} of {key:?} both fired and open");
+            assert!(
+                prev.is_none(),
+                "window {start} of {key:?} both fired and open"
+            );
         }
     }
     let Expected::Windowed(expected) =
@@ -386,12 +390,19 @@ spec:
     else {
         panic!("expected windows");
     };
-    assert!(seen == expected, "fired + open windows differ from the exact expected windows");
+    assert!(
+        seen == expected,
+        "fired + open windows differ from the exact expected windows"
+    );
 }
 
 async fn snapshot_state_windows(
     url: &str,
-) -> (BTreeMap<Key, Vec<(i64, i64)>>, BTreeMap<u32, u64>, snapshot::Manifest) {
+) -> (
+    BTreeMap<Key, Vec<(i64, i64)>>,
+    BTreeMap<u32, u64>,
+    snapshot::Manifest,
+) {
     let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
     let all = manifest.assignment().expect("assignment");
     let mut state = BTreeMap::new();
@@ -411,4 +422,116 @@ async fn snapshot_state_windows(
         }
     }
     (state, manifest.source_positions.clone(), manifest)
+}
+
+/// Published (committed) sink output under `out`: per key and window start, failing on a window
+/// published twice.
+fn published_windows(out: &std::path::Path) -> (BTreeMap<Key, BTreeMap<i64, i64>>, Vec<u64>) {
+    let mut rows: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(out).expect("sink dir") {
+        let dir = entry.expect("entry").path();
+        let Some(id) = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("snap-"))
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        ids.push(id);
+        for part in std::fs::read_dir(&dir).expect("parts") {
+            let text = std::fs::read_to_string(part.expect("part").path()).expect("read part");
+            for line in text.lines() {
+                let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
+                let key = Key::String(v["key"].as_str().expect("key").to_owned());
+                let start = v["window"]["start"].as_i64().expect("window");
+                let prev = rows
+                    .entry(key.clone())
+                    .or_default()
+                    .insert(start, v["value"].as_i64().expect("value"));
+                assert!(prev.is_none(), "window {start} of {key:?} published twice");
+            }
+        }
+    }
+    ids.sort_unstable();
+    (rows, ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale() {
+    let env = env(None);
+    let out = env._dir.path().join("out");
+    let spec = job(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: sink, namespace: test}}
+spec:
+  replicas: 3
+  maxParallelism: 128
+  job:
+    source:
+      generator: {{partitions: 4, keys: 100, seed: 11, recordsPerSecond: 20000}}
+    key: {{field: key}}
+    aggregation: {{function: sum, field: value}}
+    window: {{size: 500ms}}
+    sink: {{type: objectStore, url: 'file://{}'}}
+  state:
+    checkpointInterval: 1h
+",
+        out.display()
+    ));
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(3, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let good = local.checkpoint().await.expect("checkpoint");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    local.kill_worker(1).await;
+    let failed = local.checkpoint().await;
+    assert!(failed.is_err());
+    let r = local.recover(3).await.expect("recover");
+    assert_eq!(r.restored_from.as_deref(), Some(good.url.as_str()));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    local.rescale(2).await.expect("rescale");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let sp = local.shutdown().await.expect("stop");
+
+    let (mut seen, ids) = published_windows(&out);
+    assert!(!seen.is_empty(), "output was published");
+    // Only committed snapshots published output.
+    let (store, base) = snapshot::open_store(&env.storage).expect("store");
+    let job_dir = snapshot::job_dir(&base, "test", "sink");
+    let committed: Vec<u64> = snapshot::list_snapshots(store.as_ref(), &job_dir)
+        .await
+        .expect("list")
+        .iter()
+        .map(|s| s.id)
+        .collect();
+    for id in &ids {
+        assert!(
+            committed.contains(id) || *id < *committed.iter().min().unwrap_or(&0),
+            "output of uncommitted snapshot {id} is visible (committed: {committed:?})"
+        );
+    }
+    let (open, positions, _) = snapshot_state_windows(&sp.url).await;
+    for (key, windows) in open {
+        for (start, acc) in windows {
+            let prev = seen.entry(key.clone()).or_default().insert(start, acc);
+            assert!(
+                prev.is_none(),
+                "window {start} of {key:?} both published and open"
+            );
+        }
+    }
+    let Expected::Windowed(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("expected windows");
+    };
+    assert!(
+        seen == expected,
+        "published + open windows differ from the exact expected windows"
+    );
 }

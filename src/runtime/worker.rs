@@ -21,6 +21,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
+use object_store::ObjectStoreExt;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -320,6 +321,9 @@ struct Subtask {
     store: Arc<dyn ObjectStore>,
     job_dir: StorePath,
     sink_log: bool,
+    /// The object-store sink: results since the last barrier, staged at the next one.
+    sink_store: Option<(Arc<dyn ObjectStore>, StorePath)>,
+    sink_buf: Vec<u8>,
 }
 
 async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartResponse, WorkerError> {
@@ -503,6 +507,10 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     });
     drop(input_tx);
 
+    let sink_store = match (&req.job.sink.sink_type, &req.job.sink.url) {
+        (crate::crd::SinkType::ObjectStore, Some(url)) => Some(snapshot::open_store(url)?),
+        _ => None,
+    };
     let my_partitions: Vec<u32> = (0..compiled.partitions())
         .filter(|p| p % req.parallelism == req.subtask)
         .collect();
@@ -514,6 +522,8 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
         store,
         job_dir,
         sink_log: matches!(req.job.sink.sink_type, crate::crd::SinkType::Log),
+        sink_store,
+        sink_buf: Vec::new(),
     };
     let compiled = Arc::new(compiled);
     let s_src = s.clone();
@@ -831,7 +841,7 @@ async fn operator_loop(
                 if let Some(new) = tracker.update(i, wm) {
                     let rows = sub.agg.advance_watermark(new);
                     s.metrics.watermark.set(new);
-                    emit(&s, &sub, &rows);
+                    emit(&s, &mut sub, &rows);
                 }
             }
             Msg::Barrier(id) => {
@@ -874,11 +884,16 @@ async fn operator_loop(
     }
 }
 
-fn emit(s: &Shared, sub: &Subtask, rows: &[job::ResultRow]) {
+fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
     if rows.is_empty() {
         return;
     }
     s.metrics.records_out.inc_by(rows.len() as u64);
+    if sub.sink_store.is_some() {
+        for r in rows {
+            job::sink::format_json_line(r, &mut sub.sink_buf);
+        }
+    }
     if sub.sink_log {
         use std::io::Write;
         let mut out = std::io::stdout().lock();
@@ -904,6 +919,16 @@ async fn snapshot(
     if sub.agg.config().window_size_ms.is_none() {
         let rows = sub.agg.drain_updates();
         emit(s, sub, &rows);
+    }
+    // Results since the previous barrier belong to this snapshot: stage them; the coordinator
+    // publishes them once the snapshot is committed (exactly once).
+    if let Some((store, base)) = &sub.sink_store {
+        let path = crate::sink::staged_part(base, id, sub.subtask, sub.assignment.parallelism());
+        let body = std::mem::take(&mut sub.sink_buf);
+        store
+            .put(&path, body.into())
+            .await
+            .map_err(|e| WorkerError::Fatal(format!("staging sink output {path}: {e}")))?;
     }
     let dir = snapshot::snapshot_dir(&sub.job_dir, kind, id);
     let mut writer = SnapshotWriter::new(sub.store.clone(), &dir, sub.assignment, sub.subtask)?;
