@@ -598,7 +598,10 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
         .unwrap_or(Duration::from_secs(30));
     let mut checkpoint_tick =
         tokio::time::interval_at(tokio::time::Instant::now() + interval, interval);
-    let mut progress_tick = tokio::time::interval(opts.progress_every);
+    let mut progress_tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + opts.progress_every,
+        opts.progress_every,
+    );
     let mut manifest_tick = tokio::time::interval(Duration::from_millis(500));
     let mut mtime = std::fs::metadata(&opts.manifest)
         .and_then(|m| m.modified())
