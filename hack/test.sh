@@ -22,6 +22,22 @@ for values in charts/keyshift/ci/*.yaml; do
   "$KEYSHIFT_HELM" lint --strict charts/keyshift -f "$values"
 done
 
+step "S3 test server (moto) for the snapshot tests"
+# A state dir of this run's own (unless given), so concurrent runs from other checkouts neither
+# reuse nor stop each other's server.
+S3_STATE_OWNED=""
+if [[ -z "${KEYSHIFT_S3_STATE:-}" ]]; then
+  KEYSHIFT_S3_STATE="$(mktemp -d /tmp/keyshift-s3.XXXXXX)"
+  S3_STATE_OWNED=1
+fi
+export KEYSHIFT_S3_STATE
+s3_stop() {
+  hack/s3-server.sh stop || return 1
+  if [[ -n "$S3_STATE_OWNED" ]]; then rm -rf -- "$KEYSHIFT_S3_STATE"; fi
+}
+trap 's3_stop || true' EXIT
+eval "$(hack/s3-server.sh start)"
+
 # Includes tests/chart.rs: `helm template` with default and CI values, checked for the RBAC
 # contract (no wildcards, Roles only in namespaced mode), restricted pod security, refused values
 # and the chart's CRD being crds/streamjob.yaml.
@@ -38,6 +54,7 @@ export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e
 
 cleanup() {
   local rc=$?
+  s3_stop || rc=1
   step "testenv down"
   hack/testenv.sh down || rc=1
   # Nothing may outlive the suite.

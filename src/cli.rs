@@ -38,6 +38,13 @@ pub enum Command {
     Keygroup(KeygroupArgs),
     /// Print the StreamJob CustomResourceDefinition as YAML.
     Crd,
+    /// Run a StreamJob manifest on this machine, no cluster: workers as local processes, state
+    /// in a local directory. Edit `replicas` in the file to rescale; Ctrl-C stops with a
+    /// savepoint and running again resumes from it.
+    Local(LocalArgs),
+    /// Run one subtask of a job (started and driven by the operator or `keyshift local` through
+    /// its control API).
+    Worker(WorkerArgs),
     /// Campaign for the operator's leader-election Lease and report leadership (for tests).
     #[command(hide = true)]
     LeaderDemo(LeaderDemoArgs),
@@ -58,6 +65,31 @@ pub struct LeaderDemoArgs {
     /// suffix.
     #[arg(long)]
     pub identity: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct LocalArgs {
+    /// The StreamJob manifest (YAML).
+    pub manifest: std::path::PathBuf,
+    /// Where snapshots and worker logs go (used when the manifest sets no spec.state.storage).
+    #[arg(long, default_value = "keyshift-state")]
+    pub state_dir: std::path::PathBuf,
+    /// Seconds between progress lines.
+    #[arg(long, default_value_t = 2)]
+    pub progress_every: u64,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct WorkerArgs {
+    /// Address of the control API.
+    #[arg(long, default_value = "0.0.0.0:9090")]
+    pub control_addr: std::net::SocketAddr,
+    /// Address of the data plane (records between subtasks).
+    #[arg(long, default_value = "0.0.0.0:9091")]
+    pub data_addr: std::net::SocketAddr,
+    /// Bearer token the control API requires.
+    #[arg(long, env = "KEYSHIFT_TOKEN", hide_env_values = true)]
+    pub token: String,
 }
 
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -130,6 +162,10 @@ pub enum CliError {
     #[error("rendering the CRD: {0}")]
     Yaml(#[from] serde_yaml::Error),
     #[error("{0}")]
+    Local(#[from] Box<crate::local::LocalError>),
+    #[error("{0}")]
+    Worker(#[from] Box<crate::runtime::worker::WorkerError>),
+    #[error("{0}")]
     Leader(#[from] crate::leader::LeaderError),
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
@@ -161,6 +197,39 @@ fn run(command: Command) -> Result<(), CliError> {
             let yaml = crate::crd::crd_yaml()?;
             out.write_all(yaml.as_bytes()).map_err(CliError::Stdout)
         }
+        Command::Local(args) => {
+            drop(out);
+            let bin = std::env::current_exe().map_err(CliError::Runtime)?;
+            let opts = crate::local::LocalOptions {
+                manifest: args.manifest,
+                state_dir: args.state_dir,
+                bin,
+                progress_every: std::time::Duration::from_secs(args.progress_every.max(1)),
+            };
+            tokio_runtime()?
+                .block_on(crate::local::run_cli(opts))
+                .map_err(Box::new)?;
+            Ok(())
+        }
+        Command::Worker(args) => {
+            drop(out);
+            if args.token.len() < 16 {
+                return Err(CliError::Worker(Box::new(
+                    crate::runtime::worker::WorkerError::BadStart(
+                        "KEYSHIFT_TOKEN must hold at least 16 characters".into(),
+                    ),
+                )));
+            }
+            let config = crate::runtime::worker::WorkerConfig {
+                control_addr: args.control_addr,
+                data_addr: args.data_addr,
+                token: args.token,
+            };
+            tokio_runtime()?
+                .block_on(crate::runtime::worker::run(config))
+                .map_err(Box::new)?;
+            Ok(())
+        }
         Command::LeaderDemo(args) => {
             let config = crate::leader::LeaderConfig::new(
                 args.lease_namespace,
@@ -169,12 +238,17 @@ fn run(command: Command) -> Result<(), CliError> {
                     .unwrap_or_else(crate::leader::LeaderConfig::default_identity),
             )
             .with_lease_duration(std::time::Duration::from_secs(args.lease_duration_seconds));
-            tokio::runtime::Runtime::new()
-                .map_err(CliError::Runtime)?
-                .block_on(crate::leader::run_demo(config))?;
+            tokio_runtime()?.block_on(crate::leader::run_demo(config))?;
             Ok(())
         }
     }
+}
+
+fn tokio_runtime() -> Result<tokio::runtime::Runtime, CliError> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .map_err(CliError::Runtime)
 }
 
 /// The key-group count for a plan and whether it was derived by default.

@@ -5,8 +5,14 @@
 //! sit around it.
 
 pub mod cli;
+pub mod coordinator;
 pub mod crd;
+pub mod job;
 pub mod keygroup;
 pub mod leader;
+pub mod local;
+pub mod runtime;
+pub mod sink;
+pub mod snapshot;
 pub mod telemetry;
 pub mod validation;

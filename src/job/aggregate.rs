@@ -1,0 +1,550 @@
+//! The keyed aggregation operator.
+//!
+//! One [`KeyedAggregator`] runs per subtask and keeps state only for the key groups of its
+//! [`KeyGroupRange`], organised per group (one hash map per group), so a group's state can be
+//! snapshotted ([`KeyedAggregator::encode_group`]) and restored
+//! ([`KeyedAggregator::restore_group`]) on its own — the unit a rescale moves.
+//!
+//! * Without a window, every key has one accumulator; [`KeyedAggregator::results`] gives all
+//!   current values and [`KeyedAggregator::drain_updates`] those changed since the last call.
+//! * With a tumbling event-time window, every key has one accumulator per open window; a window
+//!   `[start, start + size)` fires when the watermark reaches its end
+//!   ([`KeyedAggregator::advance_watermark`]) and its state is dropped. A record whose window
+//!   has fired is late: it is counted ([`KeyedAggregator::late_records`]) and not applied.
+//!
+//! `sum` wraps on overflow (two's complement), which keeps it independent of record order.
+
+use super::record::{KeyMap, Record, RecordKey};
+use super::state_codec::{self, AccValue, BlockInfo, BlockWriter, CodecError, StateValue};
+use super::watermark::MIN_WATERMARK;
+use crate::crd::AggregateFunction;
+use crate::keygroup::KeyGroupRange;
+use std::collections::BTreeMap;
+
+/// What the operator computes and how it lays out state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AggConfig {
+    /// The aggregate function.
+    pub function: AggregateFunction,
+    /// Tumbling window size in ms (`None`: aggregate over all time).
+    pub window_size_ms: Option<i64>,
+    /// The key-group count.
+    pub max_parallelism: u32,
+    /// Opaque bytes kept with every key's state (benchmark ballast; 0 normally).
+    pub state_payload_bytes: usize,
+}
+
+/// A tumbling window `[start, end)` in event-time ms.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Window {
+    /// Inclusive start.
+    pub start: i64,
+    /// Exclusive end.
+    pub end: i64,
+}
+
+/// One result: a key's value, over all time or for one window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ResultRow {
+    /// The key.
+    pub key: RecordKey,
+    /// The window, if the job is windowed.
+    pub window: Option<Window>,
+    /// The aggregate.
+    pub value: i64,
+}
+
+/// Errors of the operator.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AggregateError {
+    #[error(
+        "key group {group} is not owned by this subtask (groups {range}): the record or block was routed to the wrong subtask"
+    )]
+    NotOwned { group: u32, range: KeyGroupRange },
+    #[error("key group {group} block is unreadable: {source}")]
+    Codec {
+        group: u32,
+        #[source]
+        source: CodecError,
+    },
+    #[error(
+        "key group {group} block does not fit this job: {what} is {block} in the block but {job} in the job"
+    )]
+    Incompatible {
+        group: u32,
+        what: &'static str,
+        block: String,
+        job: String,
+    },
+    #[error(
+        "key {key} in the block of group {group} belongs to group {actual}: the block was written under another key-group count or is corrupt"
+    )]
+    KeyInWrongGroup {
+        key: String,
+        group: u32,
+        actual: u32,
+    },
+    #[error("invalid window size {0} ms: must be at least 1")]
+    WindowSize(i64),
+}
+
+#[derive(Debug, Clone)]
+struct Slot {
+    acc: AccValue,
+    payload: Vec<u8>,
+    dirty: bool,
+}
+
+/// The keyed aggregation operator of one subtask.
+#[derive(Debug)]
+pub struct KeyedAggregator {
+    config: AggConfig,
+    range: KeyGroupRange,
+    groups: Vec<KeyMap<Slot>>,
+    watermark: i64,
+    /// Window start -> number of keys with that window open (to skip scans when nothing fires).
+    open_windows: BTreeMap<i64, u64>,
+    late_records: u64,
+    records: u64,
+}
+
+#[inline(always)]
+fn combine(f: AggregateFunction, acc: i64, value: i64) -> i64 {
+    match f {
+        AggregateFunction::Count => acc.wrapping_add(1),
+        AggregateFunction::Sum => acc.wrapping_add(value),
+        AggregateFunction::Min => acc.min(value),
+        AggregateFunction::Max => acc.max(value),
+    }
+}
+
+#[inline(always)]
+fn initial(f: AggregateFunction, value: i64) -> i64 {
+    match f {
+        AggregateFunction::Count => 1,
+        _ => value,
+    }
+}
+
+/// Merges two partial accumulators of the same function (used by tests and tools that combine
+/// partial results).
+pub fn merge(f: AggregateFunction, a: i64, b: i64) -> i64 {
+    match f {
+        AggregateFunction::Count | AggregateFunction::Sum => a.wrapping_add(b),
+        AggregateFunction::Min => a.min(b),
+        AggregateFunction::Max => a.max(b),
+    }
+}
+
+/// The start of the tumbling window of `size` ms holding `ts` (aligned to the epoch; correct for
+/// negative timestamps; a start below `i64::MIN` is clamped to it). `size` must be positive.
+#[inline]
+pub fn window_start(ts: i64, size: i64) -> i64 {
+    ts.checked_sub(ts.rem_euclid(size)).unwrap_or(i64::MIN)
+}
+
+/// Deterministic ballast for a key (so it does not compress to nothing).
+fn payload_for(key: &RecordKey, n: usize) -> Vec<u8> {
+    let mut out = Vec::with_capacity(n);
+    let mut s = key.java_hash() as u32 as u64;
+    while out.len() < n {
+        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let word = super::generator::splitmix64(s).to_le_bytes();
+        let take = (n - out.len()).min(8);
+        out.extend_from_slice(&word[..take]);
+    }
+    out
+}
+
+impl KeyedAggregator {
+    /// An empty operator for the groups in `range`.
+    pub fn new(config: AggConfig, range: KeyGroupRange) -> Result<Self, AggregateError> {
+        if let Some(size) = config.window_size_ms
+            && size < 1
+        {
+            return Err(AggregateError::WindowSize(size));
+        }
+        Ok(KeyedAggregator {
+            config,
+            range,
+            groups: (0..range.len()).map(|_| KeyMap::default()).collect(),
+            watermark: MIN_WATERMARK,
+            open_windows: BTreeMap::new(),
+            late_records: 0,
+            records: 0,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &AggConfig {
+        &self.config
+    }
+
+    /// The key groups this operator owns.
+    pub fn range(&self) -> KeyGroupRange {
+        self.range
+    }
+
+    /// The current watermark ([`MIN_WATERMARK`] until the first advance).
+    pub fn watermark(&self) -> i64 {
+        self.watermark
+    }
+
+    /// Records dropped because their window had already fired.
+    pub fn late_records(&self) -> u64 {
+        self.late_records
+    }
+
+    /// Records applied (late ones excluded).
+    pub fn records_processed(&self) -> u64 {
+        self.records
+    }
+
+    /// Number of keys in state.
+    pub fn key_count(&self) -> usize {
+        self.groups.iter().map(|g| g.len()).sum()
+    }
+
+    /// Number of keys in one owned group (0 for groups not owned).
+    pub fn group_key_count(&self, group: u32) -> usize {
+        self.group_index(group).map_or(0, |i| self.groups[i].len())
+    }
+
+    #[inline]
+    fn group_index(&self, group: u32) -> Option<usize> {
+        self.range
+            .contains(group)
+            .then(|| (group - self.range.start) as usize)
+    }
+
+    /// Applies one record. A record whose key group this subtask does not own is an error (a
+    /// routing bug); a record whose window has fired is counted as late and skipped.
+    #[inline]
+    pub fn process(&mut self, record: &Record) -> Result<(), AggregateError> {
+        let group = record.key.key_group(self.config.max_parallelism);
+        let Some(index) = self.group_index(group) else {
+            return Err(AggregateError::NotOwned {
+                group,
+                range: self.range,
+            });
+        };
+        let f = self.config.function;
+        let map = &mut self.groups[index];
+        match self.config.window_size_ms {
+            None => {
+                if let Some(slot) = map.get_mut(&record.key) {
+                    if let AccValue::Scalar(acc) = &mut slot.acc {
+                        *acc = combine(f, *acc, record.value);
+                    }
+                    slot.dirty = true;
+                } else {
+                    let payload = payload_for(&record.key, self.config.state_payload_bytes);
+                    map.insert(
+                        record.key.clone(),
+                        Slot {
+                            acc: AccValue::Scalar(initial(f, record.value)),
+                            payload,
+                            dirty: true,
+                        },
+                    );
+                }
+            }
+            Some(size) => {
+                let start = window_start(record.ts, size);
+                if start.saturating_add(size) <= self.watermark {
+                    self.late_records += 1;
+                    return Ok(());
+                }
+                let slot = match map.get_mut(&record.key) {
+                    Some(slot) => slot,
+                    None => {
+                        let payload = payload_for(&record.key, self.config.state_payload_bytes);
+                        map.entry(record.key.clone()).or_insert(Slot {
+                            acc: AccValue::Windows(Vec::new()),
+                            payload,
+                            dirty: true,
+                        })
+                    }
+                };
+                slot.dirty = true;
+                if let AccValue::Windows(ws) = &mut slot.acc {
+                    // Few windows are open per key, and the newest is the likeliest: search
+                    // from the back.
+                    match ws.iter().rposition(|(s, _)| *s <= start) {
+                        Some(i) if ws[i].0 == start => ws[i].1 = combine(f, ws[i].1, record.value),
+                        pos => {
+                            let at = pos.map_or(0, |i| i + 1);
+                            ws.insert(at, (start, initial(f, record.value)));
+                            *self.open_windows.entry(start).or_insert(0) += 1;
+                        }
+                    }
+                }
+            }
+        }
+        self.records += 1;
+        Ok(())
+    }
+
+    /// Applies a batch of records; stops at the first error.
+    pub fn process_batch(&mut self, records: &[Record]) -> Result<(), AggregateError> {
+        records.iter().try_for_each(|r| self.process(r))
+    }
+
+    /// Advances the watermark (never backwards) and returns the windows that fire (end <=
+    /// watermark), sorted by window then key; their state is dropped, and keys without open
+    /// windows leave the state. Without a window it only records the watermark.
+    pub fn advance_watermark(&mut self, watermark: i64) -> Vec<ResultRow> {
+        if watermark <= self.watermark {
+            return Vec::new();
+        }
+        self.watermark = watermark;
+        let Some(size) = self.config.window_size_ms else {
+            return Vec::new();
+        };
+        let fires = |start: i64| start.saturating_add(size) <= watermark;
+        match self.open_windows.first_key_value() {
+            Some((start, _)) if fires(*start) => {}
+            _ => return Vec::new(),
+        }
+        let mut out = Vec::new();
+        for map in &mut self.groups {
+            map.retain(|key, slot| {
+                if let AccValue::Windows(ws) = &mut slot.acc {
+                    let n = ws.partition_point(|(s, _)| fires(*s));
+                    for (start, v) in ws.drain(..n) {
+                        out.push(ResultRow {
+                            key: key.clone(),
+                            window: Some(Window {
+                                start,
+                                end: start.saturating_add(size),
+                            }),
+                            value: v,
+                        });
+                    }
+                    !ws.is_empty()
+                } else {
+                    true
+                }
+            });
+        }
+        self.open_windows.retain(|start, _| !fires(*start));
+        out.sort_by(|a, b| a.window.cmp(&b.window).then_with(|| a.key.cmp(&b.key)));
+        out
+    }
+
+    /// Sets the watermark without firing anything (for restore: the snapshot's watermark).
+    /// Windows that already end at or before it fire on the next advance.
+    pub fn restore_watermark(&mut self, watermark: i64) {
+        self.watermark = watermark;
+    }
+
+    /// Every key's current value (all-time), or every open window's partial value (windowed),
+    /// sorted by window then key.
+    pub fn results(&self) -> Vec<ResultRow> {
+        let mut out = Vec::with_capacity(self.key_count());
+        for map in &self.groups {
+            for (key, slot) in map {
+                push_rows(&mut out, key, &slot.acc, self.config.window_size_ms);
+            }
+        }
+        out.sort_by(|a, b| a.window.cmp(&b.window).then_with(|| a.key.cmp(&b.key)));
+        out
+    }
+
+    /// Current values of the keys changed since the last call (all-time aggregation), or of
+    /// their open windows (windowed); clears the change marks. Scans the whole state.
+    pub fn drain_updates(&mut self) -> Vec<ResultRow> {
+        let mut out = Vec::new();
+        let size = self.config.window_size_ms;
+        for map in &mut self.groups {
+            for (key, slot) in map.iter_mut() {
+                if slot.dirty {
+                    slot.dirty = false;
+                    push_rows(&mut out, key, &slot.acc, size);
+                }
+            }
+        }
+        out.sort_by(|a, b| a.window.cmp(&b.window).then_with(|| a.key.cmp(&b.key)));
+        out
+    }
+
+    fn block_info(&self, group: u32) -> BlockInfo {
+        BlockInfo {
+            function: self.config.function,
+            window_size_ms: self.config.window_size_ms,
+            max_parallelism: self.config.max_parallelism,
+            key_group: group,
+        }
+    }
+
+    /// Encodes one owned group's state as a self-describing block (see
+    /// [`super::state_codec`]); returns the bytes and the number of entries.
+    pub fn encode_group(&self, group: u32) -> Result<(Vec<u8>, u64), AggregateError> {
+        let index = self.group_index(group).ok_or(AggregateError::NotOwned {
+            group,
+            range: self.range,
+        })?;
+        let map = &self.groups[index];
+        let per_entry = 40 + self.config.state_payload_bytes;
+        let mut w = BlockWriter::new(&self.block_info(group), 64 + map.len() * per_entry);
+        for (key, slot) in map {
+            w.push(key, &slot.acc, &slot.payload);
+        }
+        Ok(w.finish())
+    }
+
+    /// Replaces one owned group's state with a block's. The block must have this job's schema,
+    /// function, window size and key-group count, be for `group`, and hold only keys of that
+    /// group. Restored keys are not marked changed.
+    pub fn restore_group(&mut self, group: u32, block: &[u8]) -> Result<(), AggregateError> {
+        let index = self.group_index(group).ok_or(AggregateError::NotOwned {
+            group,
+            range: self.range,
+        })?;
+        let header = state_codec::decode_header(block)
+            .map_err(|source| AggregateError::Codec { group, source })?;
+        let info = header.info;
+        let incompatible = |what, block: String, job: String| AggregateError::Incompatible {
+            group,
+            what,
+            block,
+            job,
+        };
+        if info.key_group != group {
+            return Err(incompatible(
+                "key group",
+                info.key_group.to_string(),
+                group.to_string(),
+            ));
+        }
+        if info.max_parallelism != self.config.max_parallelism {
+            return Err(incompatible(
+                "max parallelism",
+                info.max_parallelism.to_string(),
+                self.config.max_parallelism.to_string(),
+            ));
+        }
+        if info.function != self.config.function {
+            return Err(incompatible(
+                "aggregate function",
+                format!("{:?}", info.function),
+                format!("{:?}", self.config.function),
+            ));
+        }
+        if info.window_size_ms != self.config.window_size_ms {
+            return Err(incompatible(
+                "window size (ms)",
+                format!("{:?}", info.window_size_ms),
+                format!("{:?}", self.config.window_size_ms),
+            ));
+        }
+        // Decode into a fresh map so a failure leaves the current state untouched.
+        let maxp = self.config.max_parallelism;
+        let mut map = KeyMap::default();
+        map.reserve(header.entries.min(block.len() as u64 / 10) as usize);
+        let mut wrong: Option<AggregateError> = None;
+        let mut opened: Vec<i64> = Vec::new();
+        state_codec::for_each_entry(block, |key, value| {
+            let actual = key.key_group(maxp);
+            if actual != group && wrong.is_none() {
+                wrong = Some(AggregateError::KeyInWrongGroup {
+                    key: key.to_string(),
+                    group,
+                    actual,
+                });
+            }
+            if let AccValue::Windows(ws) = &value.acc {
+                if ws.is_empty() {
+                    return Ok(());
+                }
+                opened.extend(ws.iter().map(|(s, _)| *s));
+            }
+            map.insert(
+                key,
+                Slot {
+                    acc: value.acc,
+                    payload: value.payload,
+                    dirty: false,
+                },
+            );
+            Ok(())
+        })
+        .map_err(|source| AggregateError::Codec { group, source })?;
+        if let Some(e) = wrong {
+            return Err(e);
+        }
+        self.forget_windows(index);
+        for start in opened {
+            *self.open_windows.entry(start).or_insert(0) += 1;
+        }
+        self.groups[index] = map;
+        Ok(())
+    }
+
+    /// Drops one owned group's state (e.g. before handing it to another subtask).
+    pub fn clear_group(&mut self, group: u32) -> Result<(), AggregateError> {
+        let index = self.group_index(group).ok_or(AggregateError::NotOwned {
+            group,
+            range: self.range,
+        })?;
+        self.forget_windows(index);
+        self.groups[index].clear();
+        Ok(())
+    }
+
+    fn forget_windows(&mut self, index: usize) {
+        for slot in self.groups[index].values() {
+            if let AccValue::Windows(ws) = &slot.acc {
+                for (s, _) in ws {
+                    if let Some(n) = self.open_windows.get_mut(s) {
+                        *n -= 1;
+                        if *n == 0 {
+                            self.open_windows.remove(s);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// One group's entries as plain values (for tests and tools).
+    pub fn group_entries(&self, group: u32) -> Vec<(RecordKey, StateValue)> {
+        self.group_index(group).map_or_else(Vec::new, |i| {
+            self.groups[i]
+                .iter()
+                .map(|(k, s)| {
+                    (
+                        k.clone(),
+                        StateValue {
+                            acc: s.acc.clone(),
+                            payload: s.payload.clone(),
+                        },
+                    )
+                })
+                .collect()
+        })
+    }
+}
+
+fn push_rows(out: &mut Vec<ResultRow>, key: &RecordKey, acc: &AccValue, size: Option<i64>) {
+    match acc {
+        AccValue::Scalar(v) => out.push(ResultRow {
+            key: key.clone(),
+            window: None,
+            value: *v,
+        }),
+        AccValue::Windows(ws) => {
+            let size = size.unwrap_or(0);
+            for (start, v) in ws {
+                out.push(ResultRow {
+                    key: key.clone(),
+                    window: Some(Window {
+                        start: *start,
+                        end: start.saturating_add(size),
+                    }),
+                    value: *v,
+                });
+            }
+        }
+    }
+}

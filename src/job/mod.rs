@@ -1,0 +1,246 @@
+//! The dataflow of a keyed job, pure and deterministic: records, sources, the keyed aggregation
+//! operator with its per-key-group state encoding, watermarks, sink logic and an oracle.
+//!
+//! Nothing here touches the network or the object store (the file source reads local files).
+//! The worker runtime drives it:
+//!
+//! ```text
+//! source (per partition, position u64) --fill/read_batch--> Record --key_group--> shuffle
+//!   --> KeyedAggregator (per key group state) --advance_watermark/results--> sink
+//!                         \--encode_group/restore_group--> snapshot layer (opaque blocks)
+//! ```
+//!
+//! [`compile`] turns a [`JobSpec`] into the pieces; see the submodules for the contracts.
+//!
+//! # What a snapshot of a subtask must hold (for the runtime)
+//!
+//! * per owned key group: [`KeyedAggregator::encode_group`]'s block (opaque; self-describing);
+//! * per source partition: the position (sequence number or byte offset) and
+//!   [`PartitionWatermark::max_ts`], restored with [`PartitionWatermark::set_max_ts`];
+//! * the operator watermark ([`KeyedAggregator::watermark`]). After a rescale, restore every new
+//!   subtask with the minimum over the old subtasks ([`KeyedAggregator::restore_watermark`]):
+//!   windows an old subtask already fired are no longer in its blocks, and windows still in the
+//!   blocks end after that subtask's watermark, so nothing fires twice or is lost;
+//! * the sink's pending output ([`StagingSink::snapshot`]), per writer, not per key group.
+
+pub mod aggregate;
+pub mod file_source;
+pub mod generator;
+pub mod oracle;
+pub mod record;
+pub mod sink;
+pub mod state_codec;
+pub mod watermark;
+
+pub use aggregate::{AggConfig, AggregateError, KeyedAggregator, ResultRow, Window};
+pub use file_source::{FieldMapping, FileBatch, FileSourceError, FileSourceReader};
+pub use generator::{Generator, GeneratorError};
+pub use oracle::{Expected, expected_results};
+pub use record::{KeyRef, Record, RecordKey};
+pub use sink::{LogSink, Output, SinkError, StagingSink, WriterId};
+pub use state_codec::{
+    AGG_SCHEMA, AccValue, BlockHeader, BlockInfo, CodecError, DecodedGroup, StateValue,
+    decode_group, decode_header, encode_entries,
+};
+pub use watermark::{PartitionWatermark, WatermarkTracker};
+
+use crate::crd::{AggregateFunction, JobSpec, SinkSpec};
+use crate::keygroup::{KeyGroupRange, KeyType, UPPER_BOUND_MAX_PARALLELISM};
+use crate::validation::parse_duration;
+
+/// Runtime options that are not part of the StreamJob spec (set by the runtime or a benchmark).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobOptions {
+    /// Opaque bytes kept with every key's state and carried through snapshots, to make state
+    /// large for benchmarks. 0 (default) for none.
+    pub state_payload_bytes: usize,
+}
+
+/// A job spec that cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("spec.job.source must set exactly one of generator or file")]
+    SourceOneOf,
+    #[error("spec.job.window.size {0:?} is not a positive duration such as 10s, 1m or 1h")]
+    WindowSize(String),
+    #[error("spec.job.window.maxOutOfOrderness {0:?} is not a duration such as 0s, 500ms or 2s")]
+    OutOfOrderness(String),
+    #[error(
+        "spec.job.aggregation.field is required for sum, min and max with a file source: name the numeric record field"
+    )]
+    AggregationField,
+    #[error(
+        "spec.job.source.file.timestampField is required with a window: name the record field holding the event time in ms"
+    )]
+    TimestampField,
+    #[error("max parallelism {0} is outside 1..={UPPER_BOUND_MAX_PARALLELISM}")]
+    MaxParallelism(u32),
+    #[error(transparent)]
+    Generator(#[from] GeneratorError),
+    #[error(transparent)]
+    File(#[from] FileSourceError),
+    #[error(transparent)]
+    Aggregate(#[from] AggregateError),
+}
+
+/// The source of a compiled job.
+#[derive(Debug, Clone)]
+pub enum SourceKind {
+    /// The deterministic generator (position = sequence number).
+    Generator(Generator),
+    /// JSON-lines files (position = byte offset).
+    File(FileSourceReader),
+}
+
+/// What one source read returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceBatch {
+    /// Records appended.
+    pub records: usize,
+    /// The partition's position after them.
+    pub next_position: u64,
+    /// No more records are available now.
+    pub at_end: bool,
+    /// No more records will ever come (a bounded generator partition at its end). A file
+    /// partition is never finished: it may grow.
+    pub finished: bool,
+}
+
+/// A job spec turned into runnable pieces.
+#[derive(Debug, Clone)]
+pub struct CompiledJob {
+    /// The source.
+    pub source: SourceKind,
+    /// The key type.
+    pub key_type: KeyType,
+    /// The aggregation operator's configuration.
+    pub agg: AggConfig,
+    /// Tumbling window size, if any.
+    pub window_size_ms: Option<i64>,
+    /// Bounded out-of-orderness of the per-partition watermarks.
+    pub max_out_of_orderness_ms: i64,
+    /// The sink.
+    pub sink: SinkSpec,
+}
+
+fn duration_ms(text: &str) -> Option<i64> {
+    parse_duration(text).and_then(|d| i64::try_from(d.as_millis()).ok())
+}
+
+/// Checks a job spec and builds its source and operator configuration for `max_parallelism`
+/// key groups.
+pub fn compile(
+    spec: &JobSpec,
+    max_parallelism: u32,
+    options: &JobOptions,
+) -> Result<CompiledJob, JobError> {
+    if !(1..=UPPER_BOUND_MAX_PARALLELISM).contains(&max_parallelism) {
+        return Err(JobError::MaxParallelism(max_parallelism));
+    }
+    let (window_size_ms, max_out_of_orderness_ms) = match &spec.window {
+        None => (None, 0),
+        Some(w) => {
+            let size = duration_ms(&w.size)
+                .filter(|s| *s > 0)
+                .ok_or_else(|| JobError::WindowSize(w.size.clone()))?;
+            let ooo = match &w.max_out_of_orderness {
+                None => 0,
+                Some(t) => duration_ms(t).ok_or_else(|| JobError::OutOfOrderness(t.clone()))?,
+            };
+            (Some(size), ooo)
+        }
+    };
+    let key_type = spec.key.key_type;
+    let source = match (&spec.source.generator, &spec.source.file) {
+        (Some(g), None) => SourceKind::Generator(Generator::new(g, key_type)?),
+        (None, Some(f)) => {
+            let needs_value = spec.aggregation.function != AggregateFunction::Count;
+            if needs_value && spec.aggregation.field.is_none() {
+                return Err(JobError::AggregationField);
+            }
+            if window_size_ms.is_some() && f.timestamp_field.is_none() {
+                return Err(JobError::TimestampField);
+            }
+            let fields = FieldMapping {
+                key_field: spec.key.field.clone(),
+                key_type,
+                value_field: if needs_value {
+                    spec.aggregation.field.clone()
+                } else {
+                    None
+                },
+                timestamp_field: f.timestamp_field.clone(),
+            };
+            SourceKind::File(FileSourceReader::open(&f.path, fields)?)
+        }
+        _ => return Err(JobError::SourceOneOf),
+    };
+    Ok(CompiledJob {
+        source,
+        key_type,
+        agg: AggConfig {
+            function: spec.aggregation.function,
+            window_size_ms,
+            max_parallelism,
+            state_payload_bytes: options.state_payload_bytes,
+        },
+        window_size_ms,
+        max_out_of_orderness_ms,
+        sink: spec.sink.clone(),
+    })
+}
+
+impl CompiledJob {
+    /// Number of source partitions.
+    pub fn partitions(&self) -> u32 {
+        match &self.source {
+            SourceKind::Generator(g) => g.partitions(),
+            SourceKind::File(f) => f.partitions(),
+        }
+    }
+
+    /// Reads up to `max` records of `partition` from `position` into `out`.
+    pub fn read(
+        &self,
+        partition: u32,
+        position: u64,
+        out: &mut Vec<Record>,
+        max: usize,
+    ) -> Result<SourceBatch, JobError> {
+        match &self.source {
+            SourceKind::Generator(g) => {
+                let n = g.fill(partition, position, out, max);
+                let next = position + n as u64;
+                let finished = partition >= g.partitions() || g.end().is_some_and(|e| next >= e);
+                Ok(SourceBatch {
+                    records: n,
+                    next_position: next,
+                    at_end: finished,
+                    finished,
+                })
+            }
+            SourceKind::File(f) => {
+                let b = f.read_batch(partition, position, out, max)?;
+                Ok(SourceBatch {
+                    records: b.records,
+                    next_position: b.next_offset,
+                    at_end: b.at_end,
+                    finished: false,
+                })
+            }
+        }
+    }
+
+    /// A keyed aggregation operator for the groups in `range`.
+    pub fn new_aggregator(&self, range: KeyGroupRange) -> Result<KeyedAggregator, JobError> {
+        Ok(KeyedAggregator::new(self.agg, range)?)
+    }
+
+    /// A fresh watermark generator for one source partition.
+    pub fn partition_watermark(&self) -> PartitionWatermark {
+        PartitionWatermark::new(self.max_out_of_orderness_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests;

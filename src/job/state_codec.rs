@@ -1,0 +1,572 @@
+//! The per-key-group state block: the contract between the keyed operator and the snapshot layer.
+//!
+//! A block holds the state of one key group and describes itself, so an offline tool can decode
+//! any block without the job spec, and can re-hash every key into a different number of groups
+//! (keys are stored with their type tag and original bytes).
+//!
+//! ```text
+//! offset  size  field
+//! 0       4     magic "KSKG"
+//! 4       2     format version, u16 LE (= 1)
+//! 6       1     schema id length n
+//! 7       n     schema id, ASCII ("keyshift.agg.v1")
+//! +0      1     aggregate function: 0 count, 1 sum, 2 min, 3 max
+//! +1      1     flags: bit 0 = windowed; other bits 0
+//! +2      8     window size in ms, i64 LE (0 when not windowed)
+//! +10     4     max parallelism the block was written under, u32 LE
+//! +14     4     key group, u32 LE
+//! +18     8     entry count, u64 LE
+//! then `entry count` entries:
+//!         key     tag u8 (0 string, 1 long, 2 int), then string: LEB128 length + UTF-8 bytes,
+//!                 long: i64 LE, int: i32 LE
+//!         value   not windowed: accumulator i64 LE
+//!                 windowed: LEB128 window count w, then w x (window start i64 LE, accumulator
+//!                 i64 LE), starts strictly increasing
+//!         payload LEB128 length + opaque bytes (benchmark ballast, usually empty)
+//! last 4        CRC-32 (IEEE) of every byte before it, u32 LE
+//! ```
+//!
+//! The accumulator is the count (`count`), the wrapping sum (`sum`), or the smallest / largest
+//! value seen (`min` / `max`). Entry order is unspecified. Every decoding path returns a typed
+//! [`CodecError`] on corrupt input; none panics.
+
+use super::record::{self, Reader, RecordKey, WireError};
+use crate::crd::AggregateFunction;
+use crate::keygroup::Key;
+
+/// The magic bytes a block starts with.
+pub const BLOCK_MAGIC: [u8; 4] = *b"KSKG";
+/// The block format version this code writes (and the only one it reads).
+pub const FORMAT_VERSION: u16 = 1;
+/// The state schema of the keyed aggregation operator.
+pub const AGG_SCHEMA: &str = "keyshift.agg.v1";
+
+const FLAG_WINDOWED: u8 = 1;
+
+/// An aggregate's accumulator: one value, or one per open window.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AccValue {
+    /// Aggregation over all time.
+    Scalar(i64),
+    /// Open tumbling windows as `(window start ms, accumulator)`, starts strictly increasing.
+    Windows(Vec<(i64, i64)>),
+}
+
+/// The state of one key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StateValue {
+    /// The accumulator(s).
+    pub acc: AccValue,
+    /// Opaque per-key bytes carried along (see `JobOptions::state_payload_bytes`).
+    pub payload: Vec<u8>,
+}
+
+/// What a block's writer declares about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockInfo {
+    /// The aggregate function of the accumulators.
+    pub function: AggregateFunction,
+    /// Tumbling window size in ms, if windowed.
+    pub window_size_ms: Option<i64>,
+    /// The key-group count the block was written under.
+    pub max_parallelism: u32,
+    /// The key group the block holds.
+    pub key_group: u32,
+}
+
+/// A decoded block header.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlockHeader {
+    /// Block format version.
+    pub format_version: u16,
+    /// State schema id, e.g. [`AGG_SCHEMA`].
+    pub schema: String,
+    /// The writer's declarations.
+    pub info: BlockInfo,
+    /// Number of entries.
+    pub entries: u64,
+}
+
+/// A fully decoded block, for tools (dump, inspect, rewrite).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DecodedGroup {
+    /// The header.
+    pub header: BlockHeader,
+    /// Every entry, in block order.
+    pub entries: Vec<(Key, StateValue)>,
+}
+
+/// A block that cannot be decoded.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CodecError {
+    #[error("state block too short ({len} bytes): not a keyshift key-group block")]
+    TooShort { len: usize },
+    #[error("bad magic {found:02x?}: not a keyshift key-group block")]
+    BadMagic { found: [u8; 4] },
+    #[error(
+        "checksum mismatch (stored {stored:08x}, computed {computed:08x}): the block is corrupt"
+    )]
+    Checksum { stored: u32, computed: u32 },
+    #[error("unsupported block format version {0} (this build reads version {FORMAT_VERSION})")]
+    UnsupportedVersion(u16),
+    #[error("unknown state schema {0:?} (this build reads {AGG_SCHEMA:?})")]
+    UnknownSchema(String),
+    #[error("unknown aggregate function code {0}")]
+    BadFunction(u8),
+    #[error("unknown block flags {0:#04x}")]
+    BadFlags(u8),
+    #[error("invalid window size {0} ms in header")]
+    BadWindowSize(i64),
+    #[error("malformed header: {0}")]
+    Header(WireError),
+    #[error("entry {entry}: {source}")]
+    Entry {
+        entry: u64,
+        #[source]
+        source: WireError,
+    },
+    #[error("entry {entry}: window starts are not strictly increasing")]
+    WindowsNotIncreasing { entry: u64 },
+    #[error("{extra} unexpected bytes after the last entry")]
+    TrailingBytes { extra: usize },
+}
+
+fn function_code(f: AggregateFunction) -> u8 {
+    match f {
+        AggregateFunction::Count => 0,
+        AggregateFunction::Sum => 1,
+        AggregateFunction::Min => 2,
+        AggregateFunction::Max => 3,
+    }
+}
+
+fn function_of(code: u8) -> Result<AggregateFunction, CodecError> {
+    Ok(match code {
+        0 => AggregateFunction::Count,
+        1 => AggregateFunction::Sum,
+        2 => AggregateFunction::Min,
+        3 => AggregateFunction::Max,
+        c => return Err(CodecError::BadFunction(c)),
+    })
+}
+
+/// Writes a block incrementally: header, then entries, then [`BlockWriter::finish`].
+pub struct BlockWriter {
+    buf: Vec<u8>,
+    count_at: usize,
+    entries: u64,
+    windowed: bool,
+}
+
+impl BlockWriter {
+    /// Starts a block; `capacity_hint` pre-sizes the buffer.
+    pub fn new(info: &BlockInfo, capacity_hint: usize) -> Self {
+        let mut buf = Vec::with_capacity(capacity_hint.max(64));
+        buf.extend_from_slice(&BLOCK_MAGIC);
+        buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        buf.push(AGG_SCHEMA.len() as u8);
+        buf.extend_from_slice(AGG_SCHEMA.as_bytes());
+        buf.push(function_code(info.function));
+        buf.push(if info.window_size_ms.is_some() {
+            FLAG_WINDOWED
+        } else {
+            0
+        });
+        buf.extend_from_slice(&info.window_size_ms.unwrap_or(0).to_le_bytes());
+        buf.extend_from_slice(&info.max_parallelism.to_le_bytes());
+        buf.extend_from_slice(&info.key_group.to_le_bytes());
+        let count_at = buf.len();
+        buf.extend_from_slice(&0u64.to_le_bytes());
+        BlockWriter {
+            buf,
+            count_at,
+            entries: 0,
+            windowed: info.window_size_ms.is_some(),
+        }
+    }
+
+    #[inline]
+    fn value(&mut self, acc: &AccValue, payload: &[u8]) {
+        let buf = &mut self.buf;
+        match acc {
+            AccValue::Scalar(v) if !self.windowed => buf.extend_from_slice(&v.to_le_bytes()),
+            AccValue::Windows(ws) if self.windowed => {
+                record::put_varint(buf, ws.len() as u64);
+                for (start, v) in ws {
+                    buf.extend_from_slice(&start.to_le_bytes());
+                    buf.extend_from_slice(&v.to_le_bytes());
+                }
+            }
+            // A value of the other shape: written as the block's shape so the block stays
+            // decodable (a scalar becomes no windows, windows fold to nothing). Callers in this
+            // crate never mix shapes.
+            AccValue::Scalar(_) => record::put_varint(buf, 0),
+            AccValue::Windows(_) => buf.extend_from_slice(&0i64.to_le_bytes()),
+        }
+        record::put_varint(buf, payload.len() as u64);
+        buf.extend_from_slice(payload);
+        self.entries += 1;
+    }
+
+    /// Appends an entry with a record key.
+    #[inline]
+    pub fn push(&mut self, key: &RecordKey, acc: &AccValue, payload: &[u8]) {
+        record::encode_key(key, &mut self.buf);
+        self.value(acc, payload);
+    }
+
+    /// Appends an entry with a crate-wide key.
+    pub fn push_plain(&mut self, key: &Key, value: &StateValue) {
+        record::encode_plain_key(key, &mut self.buf);
+        self.value(&value.acc, &value.payload);
+    }
+
+    /// Patches the entry count, appends the checksum and returns `(block, entries)`.
+    pub fn finish(mut self) -> (Vec<u8>, u64) {
+        self.buf[self.count_at..self.count_at + 8].copy_from_slice(&self.entries.to_le_bytes());
+        let crc = crc32fast::hash(&self.buf);
+        self.buf.extend_from_slice(&crc.to_le_bytes());
+        (self.buf, self.entries)
+    }
+}
+
+/// Encodes arbitrary entries as one block (for tools that re-bucket keys). Keys are not checked
+/// against `info.key_group`.
+pub fn encode_entries<'a>(
+    info: &BlockInfo,
+    entries: impl IntoIterator<Item = (&'a Key, &'a StateValue)>,
+) -> (Vec<u8>, u64) {
+    let mut w = BlockWriter::new(info, 4096);
+    for (k, v) in entries {
+        w.push_plain(k, v);
+    }
+    w.finish()
+}
+
+/// Verifies the checksum and reads the header; returns it and a reader positioned at the first
+/// entry (over the block without its checksum).
+fn open(block: &[u8]) -> Result<(BlockHeader, Reader<'_>), CodecError> {
+    if block.len() < 8 {
+        return Err(CodecError::TooShort { len: block.len() });
+    }
+    let mut found = [0u8; 4];
+    found.copy_from_slice(&block[..4]);
+    if found != BLOCK_MAGIC {
+        return Err(CodecError::BadMagic { found });
+    }
+    let (body, crc) = block.split_at(block.len() - 4);
+    let mut stored = [0u8; 4];
+    stored.copy_from_slice(crc);
+    let stored = u32::from_le_bytes(stored);
+    let computed = crc32fast::hash(body);
+    if stored != computed {
+        return Err(CodecError::Checksum { stored, computed });
+    }
+    let mut r = Reader::new(body);
+    r.pos = 4;
+    let version = r.u16().map_err(CodecError::Header)?;
+    if version != FORMAT_VERSION {
+        return Err(CodecError::UnsupportedVersion(version));
+    }
+    let n = r.u8().map_err(CodecError::Header)? as usize;
+    let schema_bytes = r.bytes(n).map_err(CodecError::Header)?;
+    let schema = String::from_utf8_lossy(schema_bytes).into_owned();
+    if schema != AGG_SCHEMA {
+        return Err(CodecError::UnknownSchema(schema));
+    }
+    let function = function_of(r.u8().map_err(CodecError::Header)?)?;
+    let flags = r.u8().map_err(CodecError::Header)?;
+    if flags & !FLAG_WINDOWED != 0 {
+        return Err(CodecError::BadFlags(flags));
+    }
+    let size = r.i64().map_err(CodecError::Header)?;
+    let window_size_ms = if flags & FLAG_WINDOWED != 0 {
+        if size <= 0 {
+            return Err(CodecError::BadWindowSize(size));
+        }
+        Some(size)
+    } else {
+        None
+    };
+    let max_parallelism = r.u32().map_err(CodecError::Header)?;
+    let key_group = r.u32().map_err(CodecError::Header)?;
+    let entries = r.u64().map_err(CodecError::Header)?;
+    Ok((
+        BlockHeader {
+            format_version: version,
+            schema,
+            info: BlockInfo {
+                function,
+                window_size_ms,
+                max_parallelism,
+                key_group,
+            },
+            entries,
+        },
+        r,
+    ))
+}
+
+/// Reads only the header (after verifying the checksum).
+pub fn decode_header(block: &[u8]) -> Result<BlockHeader, CodecError> {
+    open(block).map(|(h, _)| h)
+}
+
+fn read_value(r: &mut Reader<'_>, windowed: bool, entry: u64) -> Result<StateValue, CodecError> {
+    let e = |source| CodecError::Entry { entry, source };
+    let acc = if windowed {
+        let n = r.varint().map_err(e)?;
+        // Each window takes 16 bytes: bound the allocation by what the input can hold.
+        if n > (r.remaining() / 16) as u64 {
+            return Err(e(WireError::BadLength { offset: r.pos }));
+        }
+        let mut ws = Vec::with_capacity(n as usize);
+        for _ in 0..n {
+            let start = r.i64().map_err(e)?;
+            let v = r.i64().map_err(e)?;
+            if ws.last().is_some_and(|(s, _)| *s >= start) {
+                return Err(CodecError::WindowsNotIncreasing { entry });
+            }
+            ws.push((start, v));
+        }
+        AccValue::Windows(ws)
+    } else {
+        AccValue::Scalar(r.i64().map_err(e)?)
+    };
+    let n = r.len().map_err(e)?;
+    let payload = r.bytes(n).map_err(e)?.to_vec();
+    Ok(StateValue { acc, payload })
+}
+
+/// Decodes every entry of a block, calling `f` with each key (as a [`RecordKey`]) and value.
+pub fn for_each_entry(
+    block: &[u8],
+    mut f: impl FnMut(RecordKey, StateValue) -> Result<(), CodecError>,
+) -> Result<BlockHeader, CodecError> {
+    let (header, mut r) = open(block)?;
+    let windowed = header.info.window_size_ms.is_some();
+    for entry in 0..header.entries {
+        let key = record::read_key(&mut r).map_err(|source| CodecError::Entry { entry, source })?;
+        let value = read_value(&mut r, windowed, entry)?;
+        f(key, value)?;
+    }
+    if r.remaining() != 0 {
+        return Err(CodecError::TrailingBytes {
+            extra: r.remaining(),
+        });
+    }
+    Ok(header)
+}
+
+/// Decodes a whole block without any job spec.
+pub fn decode_group(block: &[u8]) -> Result<DecodedGroup, CodecError> {
+    let (header, mut r) = open(block)?;
+    let windowed = header.info.window_size_ms.is_some();
+    // Each entry takes at least 10 bytes: bound the pre-allocation by the input size.
+    let cap = header.entries.min((r.remaining() / 10) as u64) as usize;
+    let mut entries = Vec::with_capacity(cap);
+    for entry in 0..header.entries {
+        let key =
+            record::read_plain_key(&mut r).map_err(|source| CodecError::Entry { entry, source })?;
+        let value = read_value(&mut r, windowed, entry)?;
+        entries.push((key, value));
+    }
+    if r.remaining() != 0 {
+        return Err(CodecError::TrailingBytes {
+            extra: r.remaining(),
+        });
+    }
+    Ok(DecodedGroup { header, entries })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn info(windowed: bool) -> BlockInfo {
+        BlockInfo {
+            function: AggregateFunction::Sum,
+            window_size_ms: windowed.then_some(10_000),
+            max_parallelism: 128,
+            key_group: 17,
+        }
+    }
+
+    fn arb_key() -> impl Strategy<Value = Key> {
+        prop_oneof![
+            any::<i64>().prop_map(Key::Long),
+            any::<i32>().prop_map(Key::Int),
+            Just(Key::String(String::new())),
+            "\\PC{0,24}".prop_map(Key::String),
+            "[a-z0-9ßéü€😀中文-]{0,12}".prop_map(Key::String),
+        ]
+    }
+
+    fn arb_value(windowed: bool) -> BoxedStrategy<StateValue> {
+        let payload = proptest::collection::vec(any::<u8>(), 0..40);
+        if windowed {
+            (
+                proptest::collection::btree_map(any::<i64>(), any::<i64>(), 0..5),
+                payload,
+            )
+                .prop_map(|(ws, payload)| StateValue {
+                    acc: AccValue::Windows(ws.into_iter().collect()),
+                    payload,
+                })
+                .boxed()
+        } else {
+            (any::<i64>(), payload)
+                .prop_map(|(v, payload)| StateValue {
+                    acc: AccValue::Scalar(v),
+                    payload,
+                })
+                .boxed()
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip_scalar(entries in proptest::collection::vec((arb_key(), arb_value(false)), 0..40)) {
+            let (block, n) = encode_entries(&info(false), entries.iter().map(|(k, v)| (k, v)));
+            prop_assert_eq!(n, entries.len() as u64);
+            let d = decode_group(&block).unwrap();
+            prop_assert_eq!(d.header.info, info(false));
+            prop_assert_eq!(&d.header.schema, AGG_SCHEMA);
+            prop_assert_eq!(d.entries, entries);
+        }
+
+        #[test]
+        fn round_trip_windowed(entries in proptest::collection::vec((arb_key(), arb_value(true)), 0..40)) {
+            let (block, _) = encode_entries(&info(true), entries.iter().map(|(k, v)| (k, v)));
+            let d = decode_group(&block).unwrap();
+            prop_assert_eq!(d.header.info, info(true));
+            prop_assert_eq!(&d.entries, &entries);
+            // The record-key path sees the same entries.
+            let mut seen = Vec::new();
+            for_each_entry(&block, |k, v| { seen.push((k.to_key(), v)); Ok(()) }).unwrap();
+            prop_assert_eq!(seen, entries);
+        }
+
+        #[test]
+        fn corrupt_blocks_never_panic(entries in proptest::collection::vec((arb_key(), arb_value(true)), 1..8),
+                                      flip in any::<usize>(), cut in any::<usize>()) {
+            let (block, _) = encode_entries(&info(true), entries.iter().map(|(k, v)| (k, v)));
+            let mut bad = block.clone();
+            let i = flip % bad.len();
+            bad[i] ^= 0x5a;
+            prop_assert!(decode_group(&bad).is_err());
+            let short = &block[..cut % block.len()];
+            prop_assert!(decode_group(short).is_err());
+        }
+    }
+
+    /// Re-signs a tampered block so the checks behind the checksum are exercised.
+    fn resign(mut body: Vec<u8>) -> Vec<u8> {
+        let crc = crc32fast::hash(&body);
+        body.extend_from_slice(&crc.to_le_bytes());
+        body
+    }
+
+    #[test]
+    fn typed_errors_for_corrupt_blocks() {
+        let entries = [(
+            Key::String("k".into()),
+            StateValue {
+                acc: AccValue::Windows(vec![(0, 1), (10_000, 2)]),
+                payload: vec![1, 2, 3],
+            },
+        )];
+        let (block, _) = encode_entries(&info(true), entries.iter().map(|(k, v)| (k, v)));
+        let body = block[..block.len() - 4].to_vec();
+        assert!(matches!(
+            decode_group(&[1, 2]),
+            Err(CodecError::TooShort { len: 2 })
+        ));
+        let mut b = block.clone();
+        b[0] = b'X';
+        assert!(matches!(decode_group(&b), Err(CodecError::BadMagic { .. })));
+        let mut b = block.clone();
+        let last = b.len() - 6;
+        b[last] ^= 1;
+        assert!(matches!(decode_group(&b), Err(CodecError::Checksum { .. })));
+        // Version 2.
+        let mut b = body.clone();
+        b[4] = 2;
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::UnsupportedVersion(2))
+        ));
+        // Another schema of the same length.
+        let mut b = body.clone();
+        b[7] = b'X';
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::UnknownSchema(_))
+        ));
+        let fn_at = 7 + AGG_SCHEMA.len();
+        let mut b = body.clone();
+        b[fn_at] = 9;
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::BadFunction(9))
+        ));
+        let mut b = body.clone();
+        b[fn_at + 1] = 0x80;
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::BadFlags(0x80))
+        ));
+        // An entry count larger than the entries present.
+        let count_at = fn_at + 2 + 8 + 4 + 4;
+        let mut b = body.clone();
+        b[count_at] = 2;
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::Entry { entry: 1, .. })
+        ));
+        // A bad key tag.
+        let mut b = body.clone();
+        b[count_at + 8] = 7;
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::Entry {
+                entry: 0,
+                source: WireError::BadKeyTag { tag: 7, .. }
+            })
+        ));
+        // Invalid UTF-8 in the key.
+        let mut b = body.clone();
+        b[count_at + 10] = 0xff;
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::Entry {
+                source: WireError::BadUtf8 { .. },
+                ..
+            })
+        ));
+        // Window starts out of order: swap the two starts.
+        let mut b = body.clone();
+        let w0 = count_at + 8 + 3 + 1;
+        let w1 = w0 + 16;
+        let (s0, s1) = (b[w0..w0 + 8].to_vec(), b[w1..w1 + 8].to_vec());
+        b[w0..w0 + 8].copy_from_slice(&s1);
+        b[w1..w1 + 8].copy_from_slice(&s0);
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::WindowsNotIncreasing { entry: 0 })
+        ));
+        // Trailing garbage.
+        let mut b = body.clone();
+        b.push(0);
+        assert!(matches!(
+            decode_group(&resign(b)),
+            Err(CodecError::TrailingBytes { extra: 1 })
+        ));
+        // A huge window count does not allocate or panic.
+        let mut b = body.clone();
+        b[w0 - 1] = 0xff;
+        b.splice(w0..w0, [0xff, 0xff, 0xff, 0x0f]);
+        assert!(decode_group(&resign(b)).is_err());
+    }
+}

@@ -1,0 +1,473 @@
+//! Cross-module tests: the operator, split over subtasks and rescaled through encoded blocks,
+//! against the oracle.
+
+use super::*;
+use crate::crd::{
+    AggregationSpec, GeneratorSource, KeyDistribution, KeySpec, SourceSpec, WindowSpec,
+};
+use crate::keygroup::{Assignment, Key};
+use std::collections::BTreeMap;
+
+const MAXP: u32 = 128;
+
+fn spec(
+    function: AggregateFunction,
+    window: Option<&str>,
+    key_type: KeyType,
+    distribution: KeyDistribution,
+) -> JobSpec {
+    JobSpec {
+        source: SourceSpec {
+            generator: Some(GeneratorSource {
+                partitions: 3,
+                keys: 500,
+                seed: 7,
+                distribution,
+                zipf_exponent: Some(1.1),
+                records_per_second: Some(400),
+                records_per_partition: Some(6_000),
+            }),
+            file: None,
+        },
+        key: KeySpec {
+            field: "key".into(),
+            key_type,
+        },
+        aggregation: AggregationSpec {
+            function,
+            field: Some("value".into()),
+        },
+        window: window.map(|size| WindowSpec {
+            size: size.into(),
+            max_out_of_orderness: Some("1s".into()),
+        }),
+        sink: Default::default(),
+    }
+}
+
+/// A miniature runtime: subtasks with their operators, partitions read round-robin in batches,
+/// records routed to the owner of their key group, the watermark as the min over partitions.
+struct MiniJob {
+    job: CompiledJob,
+    assignment: Assignment,
+    ops: Vec<KeyedAggregator>,
+    positions: BTreeMap<u32, u64>,
+    partition_wms: Vec<PartitionWatermark>,
+    fired: Vec<ResultRow>,
+}
+
+impl MiniJob {
+    fn new(spec: &JobSpec, parallelism: u32, options: JobOptions) -> MiniJob {
+        let job = compile(spec, MAXP, &options).unwrap();
+        let assignment = Assignment::new(parallelism.into(), MAXP.into()).unwrap();
+        let ops = assignment
+            .ranges()
+            .into_iter()
+            .map(|r| job.new_aggregator(r).unwrap())
+            .collect();
+        let partitions = job.partitions();
+        MiniJob {
+            positions: (0..partitions).map(|p| (p, 0)).collect(),
+            partition_wms: (0..partitions).map(|_| job.partition_watermark()).collect(),
+            job,
+            assignment,
+            ops,
+            fired: Vec::new(),
+        }
+    }
+
+    /// Reads until every partition reaches `until` (or its end), `batch` records at a time.
+    fn run_until(&mut self, until: u64, batch: usize) {
+        let mut buf = Vec::new();
+        loop {
+            let mut progressed = false;
+            for p in 0..self.job.partitions() {
+                let pos = self.positions[&p];
+                if pos >= until {
+                    continue;
+                }
+                buf.clear();
+                let want = batch.min((until - pos) as usize);
+                let b = self.job.read(p, pos, &mut buf, want).unwrap();
+                for r in &buf {
+                    let owner = self.assignment.owner(r.key.key_group(MAXP));
+                    self.ops[owner as usize].process(r).unwrap();
+                    self.partition_wms[p as usize].observe(r.ts);
+                }
+                self.positions.insert(p, b.next_position);
+                progressed |= b.records > 0;
+                let wm = self.partition_wms.iter().map(|w| w.watermark()).min();
+                if let Some(wm) = wm {
+                    for op in &mut self.ops {
+                        self.fired.extend(op.advance_watermark(wm));
+                    }
+                }
+            }
+            if !progressed {
+                break;
+            }
+        }
+    }
+
+    /// Fired windows plus everything still in state.
+    fn all_rows(&self) -> Vec<ResultRow> {
+        let mut rows = self.fired.clone();
+        for op in &self.ops {
+            rows.extend(op.results());
+        }
+        rows
+    }
+
+    /// Snapshots every group and restores them into a job at another parallelism, as a rescale
+    /// through the object store would (blocks only, no shared memory).
+    fn rescale(self, spec: &JobSpec, parallelism: u32, options: JobOptions) -> MiniJob {
+        let mut blocks: BTreeMap<u32, Vec<u8>> = BTreeMap::new();
+        for op in &self.ops {
+            for g in op.range().iter() {
+                let (block, entries) = op.encode_group(g).unwrap();
+                assert_eq!(entries as usize, op.group_key_count(g));
+                blocks.insert(g, block);
+            }
+        }
+        assert_eq!(blocks.len(), MAXP as usize, "every group snapshotted once");
+        let watermark = self.ops.iter().map(|o| o.watermark()).min().unwrap();
+        let mut next = MiniJob::new(spec, parallelism, options);
+        for op in &mut next.ops {
+            op.restore_watermark(watermark);
+            for g in op.range().iter() {
+                op.restore_group(g, &blocks[&g]).unwrap();
+            }
+        }
+        next.positions = self.positions;
+        next.partition_wms = self.partition_wms;
+        next.fired = self.fired;
+        next
+    }
+}
+
+const FUNCTIONS: [AggregateFunction; 4] = [
+    AggregateFunction::Count,
+    AggregateFunction::Sum,
+    AggregateFunction::Min,
+    AggregateFunction::Max,
+];
+
+fn check(spec: &JobSpec, parallelism: u32) {
+    let mut job = MiniJob::new(spec, parallelism, JobOptions::default());
+    job.run_until(4_500, 97);
+    let windowed = spec.window.is_some();
+    let got = Expected::from_rows(windowed, job.all_rows()).unwrap();
+    let want = expected_results(spec, &job.positions).unwrap();
+    assert!(want.keys() > 100, "the test covers many keys");
+    assert_eq!(got, want, "{:?} p={parallelism}", spec.aggregation.function);
+    assert!(job.ops.iter().all(|o| o.late_records() == 0));
+    if windowed {
+        assert!(!job.fired.is_empty(), "some windows fired on the way");
+    }
+}
+
+#[test]
+fn operator_split_over_subtasks_equals_the_oracle() {
+    for f in FUNCTIONS {
+        for (kt, dist) in [
+            (KeyType::Long, KeyDistribution::Uniform),
+            (KeyType::String, KeyDistribution::Zipf),
+            (KeyType::Int, KeyDistribution::Uniform),
+        ] {
+            for window in [None, Some("2s")] {
+                for p in [1, 3, 8] {
+                    check(&spec(f, window, kt, dist), p);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn rescale_through_blocks_keeps_exact_results() {
+    let options = JobOptions {
+        state_payload_bytes: 24,
+    };
+    for f in FUNCTIONS {
+        for window in [None, Some("3s")] {
+            let s = spec(f, window, KeyType::String, KeyDistribution::Zipf);
+            let mut job = MiniJob::new(&s, 3, options);
+            job.run_until(2_000, 101);
+            let mut job = job.rescale(&s, 8, options);
+            job.run_until(3_500, 53);
+            let mut job = job.rescale(&s, 5, options);
+            // Run to the end of the bounded partitions, then finish all windows.
+            job.run_until(u64::MAX, 211);
+            assert!(job.positions.values().all(|p| *p == 6_000));
+            for op in &mut job.ops {
+                let rows = op.advance_watermark(watermark::MAX_WATERMARK);
+                job.fired.extend(rows);
+            }
+            let got = Expected::from_rows(window.is_some(), job.all_rows()).unwrap();
+            let want = expected_results(&s, &job.positions).unwrap();
+            assert_eq!(got, want, "{f:?} window {window:?}");
+            // Payloads travelled with the keys.
+            for op in &job.ops {
+                for g in op.range().iter() {
+                    for (_, v) in op.group_entries(g) {
+                        assert_eq!(v.payload.len(), 24);
+                    }
+                }
+            }
+            if window.is_some() {
+                assert_eq!(job.ops.iter().map(|o| o.key_count()).sum::<usize>(), 0);
+            }
+        }
+    }
+}
+
+fn rec(key: RecordKey, value: i64, ts: i64) -> Record {
+    Record { key, value, ts }
+}
+
+fn all_groups(config: AggConfig) -> KeyedAggregator {
+    KeyedAggregator::new(
+        config,
+        KeyGroupRange {
+            start: 0,
+            end: config.max_parallelism - 1,
+        },
+    )
+    .unwrap()
+}
+
+fn windowed_sum() -> AggConfig {
+    AggConfig {
+        function: AggregateFunction::Sum,
+        window_size_ms: Some(10_000),
+        max_parallelism: MAXP,
+        state_payload_bytes: 0,
+    }
+}
+
+#[test]
+fn windows_fire_at_their_end_and_late_records_are_counted() {
+    let mut op = all_groups(windowed_sum());
+    let k = || RecordKey::string("k");
+    op.process(&rec(k(), 5, 1_000)).unwrap();
+    op.process(&rec(k(), 7, 9_999)).unwrap();
+    op.process(&rec(k(), 100, 10_000)).unwrap(); // next window
+    op.process(&rec(RecordKey::long(1), 1, -1)).unwrap(); // window [-10000, 0)
+    assert_eq!(aggregate::window_start(-1, 10_000), -10_000);
+    assert_eq!(
+        aggregate::window_start(i64::MIN, 10_000),
+        i64::MIN,
+        "clamped, no overflow"
+    );
+    assert!(op.advance_watermark(-1).is_empty());
+    let fired = op.advance_watermark(0);
+    assert_eq!(fired.len(), 1);
+    assert_eq!(
+        fired[0].window,
+        Some(Window {
+            start: -10_000,
+            end: 0
+        })
+    );
+    assert!(
+        op.advance_watermark(9_999).is_empty(),
+        "end 10000 not reached"
+    );
+    let fired = op.advance_watermark(10_000);
+    assert_eq!(fired.len(), 1);
+    assert_eq!((fired[0].key.clone(), fired[0].value), (k(), 12));
+    // A record for the fired window is late: counted, not applied.
+    op.process(&rec(k(), 1_000, 9_000)).unwrap();
+    assert_eq!(op.late_records(), 1);
+    // A record behind the watermark whose window is still open is applied.
+    op.process(&rec(k(), 1, 10_001)).unwrap();
+    assert_eq!(op.late_records(), 1);
+    let fired = op.advance_watermark(25_000);
+    assert_eq!(fired.len(), 1);
+    assert_eq!(fired[0].value, 101);
+    assert_eq!(
+        op.key_count(),
+        0,
+        "keys without open windows leave the state"
+    );
+    assert!(
+        op.advance_watermark(24_000).is_empty(),
+        "the watermark never goes back"
+    );
+    assert_eq!(op.watermark(), 25_000);
+}
+
+#[test]
+fn global_results_and_updates() {
+    let config = AggConfig {
+        function: AggregateFunction::Max,
+        window_size_ms: None,
+        max_parallelism: MAXP,
+        state_payload_bytes: 0,
+    };
+    let mut op = all_groups(config);
+    op.process_batch(&[
+        rec(RecordKey::int(1), 5, 0),
+        rec(RecordKey::int(2), -5, 0),
+        rec(RecordKey::int(1), 3, 0),
+    ])
+    .unwrap();
+    let rows = op.drain_updates();
+    assert_eq!(rows.len(), 2);
+    assert!(op.drain_updates().is_empty());
+    op.process(&rec(RecordKey::int(2), 9, 0)).unwrap();
+    let rows = op.drain_updates();
+    assert_eq!(rows.len(), 1);
+    assert_eq!((rows[0].key.clone(), rows[0].value), (RecordKey::int(2), 9));
+    assert_eq!(op.results().len(), 2);
+    assert!(op.advance_watermark(100).is_empty());
+}
+
+#[test]
+fn routing_and_restore_mistakes_are_typed_errors() {
+    let config = windowed_sum();
+    let key = RecordKey::string("someone");
+    let group = key.key_group(MAXP);
+    let other = (group + 1) % MAXP;
+    let mut op = KeyedAggregator::new(
+        config,
+        KeyGroupRange {
+            start: other,
+            end: other,
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        op.process(&rec(key.clone(), 1, 0)),
+        Err(AggregateError::NotOwned { .. })
+    ));
+    assert!(op.encode_group(group).is_err());
+    // A block for another group.
+    let mut full = all_groups(config);
+    full.process(&rec(key.clone(), 1, 0)).unwrap();
+    let (block, n) = full.encode_group(group).unwrap();
+    assert_eq!(n, 1);
+    assert!(matches!(
+        op.restore_group(other, &block),
+        Err(AggregateError::Incompatible {
+            what: "key group",
+            ..
+        })
+    ));
+    // A block claiming this group but holding a key of another (a botched rewrite).
+    let info = BlockInfo {
+        function: AggregateFunction::Sum,
+        window_size_ms: Some(10_000),
+        max_parallelism: MAXP,
+        key_group: other,
+    };
+    let value = StateValue {
+        acc: AccValue::Windows(vec![(0, 1)]),
+        payload: vec![],
+    };
+    let plain = key.to_key();
+    let (bad, _) = encode_entries(&info, [(&plain, &value)]);
+    assert!(matches!(
+        op.restore_group(other, &bad),
+        Err(AggregateError::KeyInWrongGroup { .. })
+    ));
+    // Another function or window size.
+    let mut count = config;
+    count.function = AggregateFunction::Count;
+    let mut op2 = all_groups(count);
+    assert!(matches!(
+        op2.restore_group(group, &block),
+        Err(AggregateError::Incompatible {
+            what: "aggregate function",
+            ..
+        })
+    ));
+    // Corrupt bytes.
+    let mut corrupt = block.clone();
+    let i = corrupt.len() / 2;
+    corrupt[i] ^= 0xff;
+    assert!(matches!(
+        full.restore_group(group, &corrupt),
+        Err(AggregateError::Codec { .. })
+    ));
+    // The failed restore left the state untouched.
+    assert_eq!(full.group_key_count(group), 1);
+}
+
+#[test]
+fn blocks_decode_without_the_spec_and_rebucket_to_another_key_group_count() {
+    let mut op = all_groups(AggConfig {
+        function: AggregateFunction::Count,
+        window_size_ms: None,
+        max_parallelism: MAXP,
+        state_payload_bytes: 3,
+    });
+    let keys: Vec<RecordKey> = (0..300)
+        .map(|i| match i % 3 {
+            0 => RecordKey::string(format!("ключ-{i}")),
+            1 => RecordKey::long(i * 1_000_003),
+            _ => RecordKey::int(-i as i32),
+        })
+        .collect();
+    for k in &keys {
+        op.process(&rec(k.clone(), 0, 0)).unwrap();
+    }
+    // An offline rewrite 128 -> 256 groups: decode every block, re-hash, re-encode.
+    let mut rebucketed: BTreeMap<u32, Vec<(Key, StateValue)>> = BTreeMap::new();
+    for g in 0..MAXP {
+        let (block, _) = op.encode_group(g).unwrap();
+        let d = decode_group(&block).unwrap();
+        assert_eq!(d.header.info.key_group, g);
+        assert_eq!(d.header.info.function, AggregateFunction::Count);
+        for (k, v) in d.entries {
+            assert_eq!(v.payload.len(), 3);
+            let ng = crate::keygroup::key_group_for_key(&k, 256);
+            rebucketed.entry(ng).or_default().push((k, v));
+        }
+    }
+    let mut op256 = all_groups(AggConfig {
+        function: AggregateFunction::Count,
+        window_size_ms: None,
+        max_parallelism: 256,
+        state_payload_bytes: 3,
+    });
+    for (g, entries) in &rebucketed {
+        let info = BlockInfo {
+            function: AggregateFunction::Count,
+            window_size_ms: None,
+            max_parallelism: 256,
+            key_group: *g,
+        };
+        let (block, _) = encode_entries(&info, entries.iter().map(|(k, v)| (k, v)));
+        op256.restore_group(*g, &block).unwrap();
+    }
+    assert_eq!(op256.key_count(), keys.len());
+    assert_eq!(op256.results(), op.results());
+}
+
+#[test]
+fn compile_rejects_bad_specs() {
+    let mut s = spec(
+        AggregateFunction::Sum,
+        Some("0s"),
+        KeyType::Long,
+        KeyDistribution::Uniform,
+    );
+    assert!(matches!(
+        compile(&s, MAXP, &JobOptions::default()),
+        Err(JobError::WindowSize(_))
+    ));
+    s.window = None;
+    assert!(matches!(
+        compile(&s, 0, &JobOptions::default()),
+        Err(JobError::MaxParallelism(0))
+    ));
+    s.source.file = Some(crate::crd::FileSource {
+        path: "/nonexistent".into(),
+        timestamp_field: None,
+    });
+    assert!(matches!(
+        compile(&s, MAXP, &JobOptions::default()),
+        Err(JobError::SourceOneOf)
+    ));
+}

@@ -1,0 +1,8 @@
+//! The worker runtime: the control API contract, the data plane between subtasks, and the worker
+//! process. The coordinator ([`crate::coordinator`]) drives workers through [`protocol`] only, so
+//! it does not care whether they are local processes or pods.
+
+pub mod metrics;
+pub mod protocol;
+pub mod shuffle;
+pub mod worker;

@@ -1,0 +1,172 @@
+//! The worker control API (HTTP/JSON, versioned paths under `/v1`, bearer token).
+//!
+//! | method and path | body | answer |
+//! | --- | --- | --- |
+//! | `GET /v1/healthz` | - | `ok` while the process serves (no token) |
+//! | `GET /v1/readyz` | - | 200 once started and connected to every peer (no token) |
+//! | `GET /metrics` | - | Prometheus text (no token) |
+//! | `POST /v1/start` | [`StartRequest`] | [`StartResponse`] once state is restored |
+//! | `POST /v1/checkpoints` | [`CheckpointRequest`] | 202; the barrier is injected at the sources |
+//! | `GET /v1/checkpoints/{id}` | - | [`CheckpointStatus`]: the subtask's acknowledgement |
+//! | `POST /v1/resume` | - | 200; sources stopped by a savepoint read again |
+//! | `GET /v1/status` | - | [`WorkerStatus`] |
+//!
+//! Every `/v1` call but health and readiness needs `Authorization: Bearer <token>`.
+
+use crate::crd::JobSpec;
+use crate::snapshot::{SnapshotKind, SubtaskSnapshot};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Everything a worker needs to run its subtask.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartRequest {
+    /// Namespace of the job (snapshot layout and logs).
+    pub namespace: String,
+    /// Name of the job.
+    pub name: String,
+    /// The dataflow.
+    pub job: JobSpec,
+    /// This subtask's index.
+    pub subtask: u32,
+    /// The parallelism.
+    pub parallelism: u32,
+    /// The key-group count.
+    pub max_parallelism: u32,
+    /// Data-plane address (`host:port`) of every subtask, in subtask order (own included).
+    pub peers: Vec<String>,
+    /// Snapshot storage root URL (`<storage>/<namespace>/<job>/...` lies below it).
+    pub storage: String,
+    /// URL of the snapshot directory to restore from, if any.
+    #[serde(default)]
+    pub restore_from: Option<String>,
+    /// Accept a snapshot whose state schema differs (its state is dropped).
+    #[serde(default)]
+    pub allow_non_restored_state: bool,
+    /// Opaque bytes kept with each key's state (benchmarks).
+    #[serde(default)]
+    pub state_payload_bytes: usize,
+    /// Run identity: workers of one run only talk to each other.
+    pub run_id: String,
+}
+
+/// What a worker reports once its state is restored.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartResponse {
+    /// Key groups restored from the snapshot (its own range).
+    pub groups_restored: u32,
+    /// Keys restored.
+    pub keys_restored: u64,
+    /// Bytes read from the snapshot's state files.
+    pub bytes_read: u64,
+    /// Milliseconds spent restoring.
+    pub restore_ms: u64,
+}
+
+/// A checkpoint or savepoint trigger.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointRequest {
+    /// The snapshot id (never reused for a job).
+    pub id: u64,
+    /// Checkpoint or savepoint.
+    pub kind: SnapshotKind,
+    /// Stop the sources at the barrier (stop-with-savepoint).
+    #[serde(default)]
+    pub stop: bool,
+}
+
+/// Progress of one snapshot on one subtask.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+// Externally tagged: an internally tagged enum would buffer the acknowledgement and lose its
+// integer map keys.
+#[serde(rename_all = "camelCase")]
+pub enum CheckpointStatus {
+    /// Barriers are on their way or state is being written.
+    Pending,
+    /// The state file is durable.
+    Completed(Box<SubtaskAck>),
+    /// The subtask could not take the snapshot.
+    Failed { error: String },
+    /// The worker has never seen this id.
+    Unknown,
+}
+
+/// A subtask's acknowledgement of a snapshot.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SubtaskAck {
+    /// The state file and its groups.
+    pub snapshot: SubtaskSnapshot,
+    /// Positions of the source partitions this subtask reads, at the barrier.
+    pub source_positions: BTreeMap<u32, u64>,
+    /// The operator's watermark at the barrier.
+    pub watermark: i64,
+    /// Milliseconds from trigger to durable state.
+    pub duration_ms: u64,
+}
+
+/// A worker's view of itself.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkerStatus {
+    /// `idle` (waiting for start), `restoring`, `running`, `stopped` (after stop-with-savepoint).
+    pub state: String,
+    pub subtask: u32,
+    pub parallelism: u32,
+    /// Inclusive key-group range owned.
+    pub key_groups: Option<[u32; 2]>,
+    /// Records read by this subtask's sources.
+    pub records_in: u64,
+    /// Records processed by this subtask's keyed operator.
+    pub records_processed: u64,
+    /// Results emitted to the sink.
+    pub records_out: u64,
+    /// Records that arrived after their window had fired.
+    pub late_records: u64,
+    /// Keys held.
+    pub keys: u64,
+    /// Keys per owned key group, in group order.
+    pub keys_per_group: Vec<u64>,
+    /// Milliseconds the sources spent blocked on full downstream buffers.
+    pub backpressure_ms: u64,
+    /// The operator watermark.
+    pub watermark: i64,
+    /// The last completed snapshot id.
+    pub last_checkpoint: Option<u64>,
+    /// Source positions now.
+    pub source_positions: BTreeMap<u32, u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoint_status_round_trips() {
+        let ack = SubtaskAck {
+            snapshot: serde_json::from_value(serde_json::json!({
+                "subtask": 0, "parallelism": 1, "maxParallelism": 1,
+                "file": {"name": "state-0-of-1.bin", "size": 0, "checksum": "00000000"},
+                "groups": [{"group": 0, "file": "state-0-of-1.bin", "offset": 0, "length": 0, "checksum": "00000000", "entries": 0}]
+            }))
+            .unwrap(),
+            source_positions: BTreeMap::from([(0, 5)]),
+            watermark: i64::MIN,
+            duration_ms: 3,
+        };
+        for st in [
+            CheckpointStatus::Pending,
+            CheckpointStatus::Completed(Box::new(ack)),
+            CheckpointStatus::Failed { error: "x".into() },
+            CheckpointStatus::Unknown,
+        ] {
+            let text = serde_json::to_string(&st).unwrap();
+            let back: CheckpointStatus =
+                serde_json::from_str(&text).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(back, st);
+        }
+    }
+}

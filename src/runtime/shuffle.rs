@@ -1,0 +1,242 @@
+//! The data plane between subtasks: messages, their wire form, and TCP connections.
+//!
+//! Every subtask's sources send each record to the subtask owning its key group. Locally that is a
+//! bounded channel; between workers it is one TCP connection per (sender, receiver) pair carrying
+//! length-prefixed frames. Channels and sockets are bounded, so a slow or aligning receiver pushes
+//! back on the senders instead of growing memory.
+//!
+//! Frame: `u32 length (LE)` then `u8 tag` then the payload:
+//! * `0` records: `u32 count`, then each record in [`crate::job::record::encode_record`] form;
+//! * `1` barrier: `u64 id`;
+//! * `2` watermark: `i64`;
+//! * `3` hello: `u32 sender subtask`, then the run id as UTF-8 (first frame of a connection).
+
+use crate::job::Record;
+use crate::job::record::{decode_record, encode_record};
+use std::io;
+use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
+use tokio::net::TcpStream;
+use tokio::sync::mpsc;
+
+/// Records per batch before a sender flushes it downstream.
+pub const BATCH: usize = 2048;
+/// Batches buffered per channel.
+pub const CHANNEL_BATCHES: usize = 16;
+/// The largest frame accepted (a corrupt length must not allocate gigabytes).
+const MAX_FRAME: usize = 256 << 20;
+
+/// A message from an upstream subtask to a keyed operator.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Msg {
+    Records(Vec<Record>),
+    /// Checkpoint barrier `id`: everything before it belongs to the snapshot.
+    Barrier(u64),
+    /// The sender's watermark advanced.
+    Watermark(i64),
+}
+
+/// Data-plane failures.
+#[derive(Debug, thiserror::Error)]
+pub enum ShuffleError {
+    #[error("data connection: {0}")]
+    Io(#[from] io::Error),
+    #[error("data connection from subtask {from}: malformed frame: {reason}")]
+    Malformed { from: u32, reason: String },
+    #[error("data connection: unexpected hello (run {got:?}, expected {expected:?})")]
+    WrongRun { got: String, expected: String },
+}
+
+fn encode(msg: &Msg, out: &mut Vec<u8>) {
+    out.clear();
+    out.extend_from_slice(&[0u8; 4]);
+    match msg {
+        Msg::Records(records) => {
+            out.push(0);
+            out.extend_from_slice(&(records.len() as u32).to_le_bytes());
+            for r in records {
+                encode_record(r, out);
+            }
+        }
+        Msg::Barrier(id) => {
+            out.push(1);
+            out.extend_from_slice(&id.to_le_bytes());
+        }
+        Msg::Watermark(wm) => {
+            out.push(2);
+            out.extend_from_slice(&wm.to_le_bytes());
+        }
+    }
+    let len = (out.len() - 4) as u32;
+    out[..4].copy_from_slice(&len.to_le_bytes());
+}
+
+fn decode(from: u32, frame: &[u8]) -> Result<Msg, ShuffleError> {
+    let bad = |reason: &str| ShuffleError::Malformed {
+        from,
+        reason: reason.to_owned(),
+    };
+    let (&tag, body) = frame.split_first().ok_or_else(|| bad("empty frame"))?;
+    let fixed8 = |b: &[u8]| -> Result<[u8; 8], ShuffleError> {
+        b.get(..8)
+            .and_then(|s| s.try_into().ok())
+            .ok_or_else(|| bad("short frame"))
+    };
+    match tag {
+        0 => {
+            let count = body
+                .get(..4)
+                .and_then(|s| s.try_into().ok())
+                .map(u32::from_le_bytes)
+                .ok_or_else(|| bad("short records frame"))? as usize;
+            let mut records = Vec::with_capacity(count.min(1 << 20));
+            let mut at = 4;
+            for _ in 0..count {
+                let (r, n) = decode_record(&body[at..]).map_err(|e| bad(&e.to_string()))?;
+                records.push(r);
+                at += n;
+            }
+            Ok(Msg::Records(records))
+        }
+        1 => Ok(Msg::Barrier(u64::from_le_bytes(fixed8(body)?))),
+        2 => Ok(Msg::Watermark(i64::from_le_bytes(fixed8(body)?))),
+        t => Err(bad(&format!("unknown tag {t}"))),
+    }
+}
+
+/// Opens the connection to a peer and announces this subtask; retries while the peer starts.
+pub async fn connect(
+    addr: &str,
+    from: u32,
+    run_id: &str,
+    deadline: tokio::time::Instant,
+) -> Result<TcpStream, ShuffleError> {
+    loop {
+        match TcpStream::connect(addr).await {
+            Ok(mut s) => {
+                s.set_nodelay(true)?;
+                let mut hello = Vec::with_capacity(16 + run_id.len());
+                hello.extend_from_slice(&((5 + run_id.len()) as u32).to_le_bytes());
+                hello.push(3);
+                hello.extend_from_slice(&from.to_le_bytes());
+                hello.extend_from_slice(run_id.as_bytes());
+                s.write_all(&hello).await?;
+                return Ok(s);
+            }
+            Err(e) if tokio::time::Instant::now() < deadline => {
+                tracing::debug!(%addr, error = %e, "peer not reachable yet");
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// Reads the hello frame of an accepted connection: the sender's subtask index.
+pub async fn accept_hello(s: &mut TcpStream, run_id: &str) -> Result<u32, ShuffleError> {
+    let len = s.read_u32_le().await? as usize;
+    if !(5..=4096).contains(&len) {
+        return Err(ShuffleError::Malformed {
+            from: u32::MAX,
+            reason: format!("hello of {len} bytes"),
+        });
+    }
+    let mut buf = vec![0u8; len];
+    s.read_exact(&mut buf).await?;
+    if buf[0] != 3 {
+        return Err(ShuffleError::Malformed {
+            from: u32::MAX,
+            reason: "first frame is not a hello".into(),
+        });
+    }
+    let from = u32::from_le_bytes([buf[1], buf[2], buf[3], buf[4]]);
+    let got = String::from_utf8_lossy(&buf[5..]).into_owned();
+    if got != run_id {
+        return Err(ShuffleError::WrongRun {
+            got,
+            expected: run_id.to_owned(),
+        });
+    }
+    Ok(from)
+}
+
+/// Forwards messages from a channel to a peer's socket until the channel closes.
+pub async fn send_loop(stream: TcpStream, mut rx: mpsc::Receiver<Msg>) -> Result<(), ShuffleError> {
+    let mut w = BufWriter::with_capacity(256 << 10, stream);
+    let mut buf = Vec::with_capacity(64 << 10);
+    while let Some(msg) = rx.recv().await {
+        encode(&msg, &mut buf);
+        w.write_all(&buf).await?;
+        // Flush when nothing else is queued, so barriers and small batches do not wait.
+        if rx.is_empty() {
+            w.flush().await?;
+        }
+    }
+    w.flush().await?;
+    Ok(())
+}
+
+/// Reads frames from a peer's socket into the operator's input channel for that peer.
+pub async fn recv_loop(
+    from: u32,
+    stream: TcpStream,
+    tx: mpsc::Sender<Msg>,
+) -> Result<(), ShuffleError> {
+    let mut r = BufReader::with_capacity(256 << 10, stream);
+    let mut buf = Vec::new();
+    loop {
+        let len = match r.read_u32_le().await {
+            Ok(n) => n as usize,
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e.into()),
+        };
+        if len == 0 || len > MAX_FRAME {
+            return Err(ShuffleError::Malformed {
+                from,
+                reason: format!("frame of {len} bytes"),
+            });
+        }
+        buf.resize(len, 0);
+        r.read_exact(&mut buf).await?;
+        let msg = decode(from, &buf)?;
+        if tx.send(msg).await.is_err() {
+            return Ok(());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::RecordKey;
+
+    #[test]
+    fn frames_round_trip() {
+        let msgs = [
+            Msg::Records(vec![
+                Record {
+                    key: RecordKey::string("key-1"),
+                    value: 7,
+                    ts: 1000,
+                },
+                Record {
+                    key: RecordKey::long(-3),
+                    value: -1,
+                    ts: 2,
+                },
+            ]),
+            Msg::Barrier(42),
+            Msg::Watermark(-17),
+            Msg::Records(vec![]),
+        ];
+        let mut buf = Vec::new();
+        for m in msgs {
+            encode(&m, &mut buf);
+            let len = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]) as usize;
+            assert_eq!(len, buf.len() - 4);
+            assert_eq!(decode(0, &buf[4..]).unwrap(), m);
+        }
+        assert!(decode(0, &[9]).is_err());
+        assert!(decode(0, &[1, 0, 0]).is_err());
+        assert!(decode(0, &[0, 5, 0, 0, 0]).is_err());
+    }
+}

@@ -1,0 +1,959 @@
+//! `keyshift worker`: one process per subtask.
+//!
+//! It serves the control API ([`super::protocol`]), and once started runs three kinds of tasks:
+//! * the **source** reads this subtask's partitions (partition `p` belongs to subtask
+//!   `p % parallelism`), routes every record to the subtask owning its key group, emits
+//!   watermarks, and injects checkpoint barriers into every output when told to;
+//! * **senders/receivers** move messages to and from peers over TCP ([`super::shuffle`]);
+//! * the **keyed operator** reads one input per upstream subtask, aligns barriers (an input that
+//!   delivered barrier `n` is not read again until every input has), then writes its key groups
+//!   to the object store and acknowledges the snapshot.
+
+use super::metrics::WorkerMetrics;
+use super::protocol::*;
+use super::shuffle::{self, BATCH, CHANNEL_BATCHES, Msg};
+use crate::job::{self, CompiledJob, JobOptions, KeyedAggregator, PartitionWatermark, Record};
+use crate::job::{LogSink, WatermarkTracker};
+use crate::keygroup::{Assignment, KeyGroupRange};
+use crate::snapshot::{self, ObjectStore, Path as StorePath, SnapshotKind, SnapshotWriter};
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use object_store::ObjectStoreExt;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+use tokio::net::TcpListener;
+use tokio::sync::{Mutex, mpsc, watch};
+
+/// Worker failures.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("binding {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("invalid start request: {0}")]
+    BadStart(String),
+    #[error(transparent)]
+    Job(#[from] job::JobError),
+    #[error(transparent)]
+    Aggregate(#[from] job::AggregateError),
+    #[error(transparent)]
+    Snapshot(#[from] snapshot::SnapshotError),
+    #[error(transparent)]
+    Shuffle(#[from] shuffle::ShuffleError),
+    #[error("{0}")]
+    Fatal(String),
+}
+
+/// How a worker listens.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    /// Control API address.
+    pub control_addr: SocketAddr,
+    /// Data-plane address.
+    pub data_addr: SocketAddr,
+    /// Bearer token of the control API.
+    pub token: String,
+}
+
+struct Shared {
+    token: String,
+    data_listener: Mutex<Option<TcpListener>>,
+    started: AtomicBool,
+    ready: AtomicBool,
+    stopped: AtomicBool,
+    run: Mutex<Option<RunHandle>>,
+    checkpoints: Mutex<BTreeMap<u64, CheckpointStatus>>,
+    /// Positions captured by the source at each barrier, picked up by the operator.
+    barrier_positions: Mutex<BTreeMap<u64, BarrierCut>>,
+    status: Mutex<WorkerStatus>,
+    metrics: WorkerMetrics,
+    fatal: watch::Sender<Option<String>>,
+}
+
+/// What the source recorded when it injected a barrier: the snapshot kind, its partitions'
+/// positions, and when.
+type BarrierCut = (SnapshotKind, BTreeMap<u32, u64>, Instant);
+
+struct RunHandle {
+    source_cmd: mpsc::Sender<SourceCmd>,
+}
+
+enum SourceCmd {
+    Barrier(CheckpointRequest),
+    Resume,
+}
+
+/// Runs a worker until it fails (a fatal data-plane or operator error) or is killed.
+pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
+    let control = TcpListener::bind(config.control_addr)
+        .await
+        .map_err(|source| WorkerError::Bind {
+            what: "the control API",
+            addr: config.control_addr,
+            source,
+        })?;
+    let data = TcpListener::bind(config.data_addr)
+        .await
+        .map_err(|source| WorkerError::Bind {
+            what: "the data plane",
+            addr: config.data_addr,
+            source,
+        })?;
+    let control_addr = control
+        .local_addr()
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    let data_addr = data
+        .local_addr()
+        .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    // One line on stdout tells a local launcher where to reach us.
+    println!(
+        "{}",
+        serde_json::json!({"control": control_addr.to_string(), "data": data_addr.to_string()})
+    );
+    tracing::info!(%control_addr, %data_addr, "worker listening");
+    let (fatal, mut fatal_rx) = watch::channel(None);
+    let shared = Arc::new(Shared {
+        token: config.token,
+        data_listener: Mutex::new(Some(data)),
+        started: AtomicBool::new(false),
+        ready: AtomicBool::new(false),
+        stopped: AtomicBool::new(false),
+        run: Mutex::new(None),
+        checkpoints: Mutex::new(BTreeMap::new()),
+        barrier_positions: Mutex::new(BTreeMap::new()),
+        status: Mutex::new(WorkerStatus {
+            state: "idle".into(),
+            ..Default::default()
+        }),
+        metrics: WorkerMetrics::new(),
+        fatal,
+    });
+    let app = Router::new()
+        .route("/v1/healthz", get(|| async { "ok" }))
+        .route("/v1/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/v1/start", post(start))
+        .route("/v1/checkpoints", post(trigger))
+        .route("/v1/checkpoints/{id}", get(checkpoint_status))
+        .route("/v1/resume", post(resume))
+        .route("/v1/status", get(status))
+        .with_state(shared.clone());
+    let server = axum::serve(control, app);
+    tokio::select! {
+        r = server => r.map_err(|e| WorkerError::Fatal(format!("control API: {e}"))),
+        reason = async { fatal_rx.wait_for(|f| f.is_some()).await.map(|f| f.clone().unwrap_or_default()) } => {
+            Err(WorkerError::Fatal(reason.unwrap_or_else(|_| "worker state dropped".into())))
+        }
+    }
+}
+
+fn authorized(shared: &Shared, headers: &HeaderMap) -> Result<(), Box<Response>> {
+    let ok = headers
+        .get(axum::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .is_some_and(|t| constant_time_eq(t.as_bytes(), shared.token.as_bytes()));
+    if ok {
+        Ok(())
+    } else {
+        Err(Box::new(
+            (
+                StatusCode::UNAUTHORIZED,
+                "missing or wrong bearer token: send Authorization: Bearer <the job's control token>",
+            )
+                .into_response(),
+        ))
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn err(code: StatusCode, message: impl std::fmt::Display) -> Response {
+    (
+        code,
+        Json(serde_json::json!({ "error": message.to_string() })),
+    )
+        .into_response()
+}
+
+async fn readyz(State(s): State<Arc<Shared>>) -> Response {
+    if s.ready.load(Ordering::Acquire) {
+        (StatusCode::OK, "ready").into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not started or not connected",
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(s): State<Arc<Shared>>) -> Response {
+    match s.metrics.encode() {
+        Ok(text) => (
+            [(
+                axum::http::header::CONTENT_TYPE,
+                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            )],
+            text,
+        )
+            .into_response(),
+        Err(e) => err(StatusCode::INTERNAL_SERVER_ERROR, e),
+    }
+}
+
+async fn status(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorized(&s, &headers) {
+        return *r;
+    }
+    let mut st = s.status.lock().await.clone();
+    let m = &s.metrics;
+    st.records_in = m.records_in.get();
+    st.records_processed = m.records_processed.get();
+    st.records_out = m.records_out.get();
+    st.late_records = m.late_records.get() as u64;
+    st.keys = m.keys.get() as u64;
+    st.watermark = m.watermark.get();
+    st.backpressure_ms = m.backpressure_ms.get();
+    if s.stopped.load(Ordering::Acquire) {
+        st.state = "stopped".into();
+    }
+    Json(st).into_response()
+}
+
+async fn checkpoint_status(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Path(id): Path<u64>,
+) -> Response {
+    if let Err(r) = authorized(&s, &headers) {
+        return *r;
+    }
+    let st = s
+        .checkpoints
+        .lock()
+        .await
+        .get(&id)
+        .cloned()
+        .unwrap_or(CheckpointStatus::Unknown);
+    Json(st).into_response()
+}
+
+async fn trigger(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Json(req): Json<CheckpointRequest>,
+) -> Response {
+    if let Err(r) = authorized(&s, &headers) {
+        return *r;
+    }
+    let run = s.run.lock().await;
+    let Some(run) = run.as_ref() else {
+        return err(StatusCode::CONFLICT, "the worker has not been started");
+    };
+    {
+        let mut cps = s.checkpoints.lock().await;
+        if cps.contains_key(&req.id) {
+            // Idempotent: a retried trigger changes nothing.
+            return StatusCode::ACCEPTED.into_response();
+        }
+        cps.insert(req.id, CheckpointStatus::Pending);
+    }
+    if run.source_cmd.send(SourceCmd::Barrier(req)).await.is_err() {
+        return err(StatusCode::INTERNAL_SERVER_ERROR, "the source has stopped");
+    }
+    StatusCode::ACCEPTED.into_response()
+}
+
+async fn resume(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
+    if let Err(r) = authorized(&s, &headers) {
+        return *r;
+    }
+    let run = s.run.lock().await;
+    match run.as_ref() {
+        Some(run) => {
+            let _ = run.source_cmd.send(SourceCmd::Resume).await;
+            s.stopped.store(false, Ordering::Release);
+            StatusCode::OK.into_response()
+        }
+        None => err(StatusCode::CONFLICT, "the worker has not been started"),
+    }
+}
+
+async fn start(
+    State(s): State<Arc<Shared>>,
+    headers: HeaderMap,
+    Json(req): Json<StartRequest>,
+) -> Response {
+    if let Err(r) = authorized(&s, &headers) {
+        return *r;
+    }
+    if s.started.swap(true, Ordering::AcqRel) {
+        return err(StatusCode::CONFLICT, "the worker was already started");
+    }
+    match start_subtask(s.clone(), req).await {
+        Ok(resp) => Json(resp).into_response(),
+        Err(e) => {
+            tracing::error!(error = %e, "start failed");
+            s.started.store(false, Ordering::Release);
+            err(StatusCode::UNPROCESSABLE_ENTITY, e)
+        }
+    }
+}
+
+/// Everything the operator task of a running subtask owns.
+struct Subtask {
+    subtask: u32,
+    assignment: Assignment,
+    range: KeyGroupRange,
+    agg: KeyedAggregator,
+    store: Arc<dyn ObjectStore>,
+    job_dir: StorePath,
+    sink_log: bool,
+    /// The object-store sink: results since the last barrier, staged at the next one.
+    sink_store: Option<(Arc<dyn ObjectStore>, StorePath)>,
+    sink_buf: Vec<u8>,
+}
+
+async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartResponse, WorkerError> {
+    let assignment = Assignment::new(i64::from(req.parallelism), i64::from(req.max_parallelism))
+        .map_err(|e| WorkerError::BadStart(e.to_string()))?;
+    if req.subtask >= req.parallelism || req.peers.len() != req.parallelism as usize {
+        return Err(WorkerError::BadStart(format!(
+            "subtask {} of {} with {} peer addresses",
+            req.subtask,
+            req.parallelism,
+            req.peers.len()
+        )));
+    }
+    let options = JobOptions {
+        state_payload_bytes: req.state_payload_bytes,
+    };
+    let compiled = job::compile(&req.job, req.max_parallelism, &options)?;
+    let range = assignment.range(req.subtask);
+    let mut agg = compiled.new_aggregator(range)?;
+    let (store, base) = snapshot::open_store(&req.storage)?;
+    let job_dir = snapshot::job_dir(&base, &req.namespace, &req.name);
+
+    // Restore: exactly this subtask's key groups, checksummed before anything is applied.
+    let started = Instant::now();
+    let mut resp = StartResponse::default();
+    let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut watermark = i64::MIN;
+    if let Some(url) = &req.restore_from {
+        let (rstore, dir, manifest) = snapshot::open_snapshot(url).await?;
+        if manifest.max_parallelism != req.max_parallelism {
+            return Err(WorkerError::BadStart(format!(
+                "snapshot {url} has {} key groups but the job runs with {}: restore it with maxParallelism {}, or rewrite it with `keyshift savepoint rewrite {url} --max-parallelism {} --to <url>`",
+                manifest.max_parallelism,
+                req.max_parallelism,
+                manifest.max_parallelism,
+                req.max_parallelism
+            )));
+        }
+        if manifest.state_schema != job::AGG_SCHEMA && !req.allow_non_restored_state {
+            return Err(WorkerError::BadStart(format!(
+                "snapshot {url} holds state of schema {:?}, this job keeps {:?}: set allowNonRestoredState to start without it",
+                manifest.state_schema,
+                job::AGG_SCHEMA
+            )));
+        }
+        if manifest.state_schema == job::AGG_SCHEMA {
+            let restored = snapshot::read_groups(rstore.as_ref(), &dir, &manifest, range).await?;
+            for g in &restored.groups {
+                if !g.bytes.is_empty() {
+                    agg.restore_group(g.group, &g.bytes)?;
+                    resp.keys_restored += g.entries;
+                }
+            }
+            resp.groups_restored = restored.groups.len() as u32;
+            resp.bytes_read = restored.bytes_read;
+        }
+        positions = manifest.source_positions.clone();
+        if let Some(wm) = manifest.watermark {
+            watermark = wm;
+            agg.restore_watermark(wm);
+        }
+        s.metrics.restore_bytes.inc_by(resp.bytes_read);
+    }
+    resp.restore_ms = started.elapsed().as_millis() as u64;
+    s.metrics.keys.set(agg.key_count() as i64);
+    tracing::info!(
+        subtask = req.subtask,
+        parallelism = req.parallelism,
+        key_groups = %range,
+        keys = resp.keys_restored,
+        bytes = resp.bytes_read,
+        ms = resp.restore_ms,
+        "restored"
+    );
+
+    {
+        let mut st = s.status.lock().await;
+        st.state = "running".into();
+        st.subtask = req.subtask;
+        st.parallelism = req.parallelism;
+        st.key_groups = Some([range.start, range.end]);
+    }
+    let listener = s
+        .data_listener
+        .lock()
+        .await
+        .take()
+        .ok_or_else(|| WorkerError::BadStart("the data listener is gone".into()))?;
+
+    let n = req.parallelism as usize;
+    let me = req.subtask as usize;
+    let (cmd_tx, cmd_rx) = mpsc::channel(16);
+    *s.run.lock().await = Some(RunHandle { source_cmd: cmd_tx });
+
+    // Operator inputs: one channel per upstream subtask.
+    let mut input_tx = Vec::with_capacity(n);
+    let mut input_rx = Vec::with_capacity(n);
+    for _ in 0..n {
+        let (tx, rx) = mpsc::channel::<Msg>(CHANNEL_BATCHES);
+        input_tx.push(tx);
+        input_rx.push(rx);
+    }
+    // Source outputs: the local input for ourselves, a sender per peer.
+    let mut outputs: Vec<mpsc::Sender<Msg>> = Vec::with_capacity(n);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let mut connects = Vec::new();
+    for (j, addr) in req.peers.iter().enumerate() {
+        if j == me {
+            outputs.push(input_tx[me].clone());
+        } else {
+            let (tx, rx) = mpsc::channel::<Msg>(CHANNEL_BATCHES);
+            outputs.push(tx);
+            let addr = addr.clone();
+            let run_id = req.run_id.clone();
+            let from = req.subtask;
+            connects.push(tokio::spawn(async move {
+                let stream = shuffle::connect(&addr, from, &run_id, deadline).await?;
+                Ok::<_, shuffle::ShuffleError>((stream, rx))
+            }));
+        }
+    }
+    // Accept one connection from every peer.
+    let peers_expected = n - 1;
+    let accept_inputs: Vec<mpsc::Sender<Msg>> = input_tx.clone();
+    let run_id = req.run_id.clone();
+    let s2 = s.clone();
+    tokio::spawn(async move {
+        let result: Result<(), WorkerError> = async {
+            let mut senders = Vec::new();
+            for c in connects {
+                let (stream, rx) = c.await.map_err(|e| WorkerError::Fatal(e.to_string()))??;
+                senders.push(tokio::spawn(shuffle::send_loop(stream, rx)));
+            }
+            let mut accepted = 0;
+            while accepted < peers_expected {
+                let (mut stream, _) = listener
+                    .accept()
+                    .await
+                    .map_err(|e| WorkerError::Fatal(format!("accepting a peer: {e}")))?;
+                stream.set_nodelay(true).ok();
+                let from = shuffle::accept_hello(&mut stream, &run_id).await?;
+                let Some(tx) = accept_inputs.get(from as usize).cloned() else {
+                    return Err(WorkerError::Fatal(format!(
+                        "hello from unknown subtask {from}"
+                    )));
+                };
+                accepted += 1;
+                let s3 = s2.clone();
+                tokio::spawn(async move {
+                    if let Err(e) = shuffle::recv_loop(from, stream, tx).await {
+                        let _ = s3
+                            .fatal
+                            .send(Some(format!("receiving from subtask {from}: {e}")));
+                    }
+                });
+            }
+            s2.ready.store(true, Ordering::Release);
+            tracing::info!("connected to every peer");
+            for h in senders {
+                let s3 = s2.clone();
+                tokio::spawn(async move {
+                    match h.await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => {
+                            let _ = s3.fatal.send(Some(format!("sending to a peer: {e}")));
+                        }
+                        Err(e) => {
+                            let _ = s3.fatal.send(Some(format!("sender task: {e}")));
+                        }
+                    }
+                });
+            }
+            Ok(())
+        }
+        .await;
+        if let Err(e) = result {
+            let _ = s2
+                .fatal
+                .send(Some(format!("connecting the data plane: {e}")));
+        }
+    });
+    drop(input_tx);
+
+    let sink_store = match (&req.job.sink.sink_type, &req.job.sink.url) {
+        (crate::crd::SinkType::ObjectStore, Some(url)) => Some(snapshot::open_store(url)?),
+        _ => None,
+    };
+    let my_partitions: Vec<u32> = (0..compiled.partitions())
+        .filter(|p| p % req.parallelism == req.subtask)
+        .collect();
+    let sub = Subtask {
+        subtask: req.subtask,
+        assignment,
+        range,
+        agg,
+        store,
+        job_dir,
+        sink_log: matches!(req.job.sink.sink_type, crate::crd::SinkType::Log),
+        sink_store,
+        sink_buf: Vec::new(),
+    };
+    let compiled = Arc::new(compiled);
+    let s_src = s.clone();
+    let src_compiled = compiled.clone();
+    tokio::spawn(async move {
+        let r = source_loop(
+            s_src.clone(),
+            src_compiled,
+            my_partitions,
+            positions,
+            assignment,
+            outputs,
+            cmd_rx,
+        )
+        .await;
+        if let Err(e) = r {
+            let _ = s_src.fatal.send(Some(format!("source: {e}")));
+        }
+    });
+    let s_op = s.clone();
+    tokio::spawn(async move {
+        if let Err(e) = operator_loop(s_op.clone(), sub, input_rx, watermark).await {
+            let _ = s_op.fatal.send(Some(format!("keyed operator: {e}")));
+        }
+    });
+    Ok(resp)
+}
+
+/// Per-output buffers of the source.
+struct Outputs {
+    outputs: Vec<mpsc::Sender<Msg>>,
+    buffers: Vec<Vec<Record>>,
+    assignment: Assignment,
+}
+
+impl Outputs {
+    async fn send(
+        &mut self,
+        i: usize,
+        msg: Msg,
+        metrics: &WorkerMetrics,
+    ) -> Result<(), WorkerError> {
+        let tx = &self.outputs[i];
+        match tx.try_send(msg) {
+            Ok(()) => Ok(()),
+            Err(mpsc::error::TrySendError::Full(msg)) => {
+                let t = Instant::now();
+                let r = tx.send(msg).await;
+                metrics
+                    .backpressure_ms
+                    .inc_by(t.elapsed().as_millis() as u64);
+                r.map_err(|_| WorkerError::Fatal("an output channel closed".into()))
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                Err(WorkerError::Fatal("an output channel closed".into()))
+            }
+        }
+    }
+
+    async fn flush(&mut self, i: usize, metrics: &WorkerMetrics) -> Result<(), WorkerError> {
+        if self.buffers[i].is_empty() {
+            return Ok(());
+        }
+        let batch = std::mem::replace(&mut self.buffers[i], Vec::with_capacity(BATCH));
+        self.send(i, Msg::Records(batch), metrics).await
+    }
+
+    async fn flush_all(&mut self, metrics: &WorkerMetrics) -> Result<(), WorkerError> {
+        for i in 0..self.outputs.len() {
+            self.flush(i, metrics).await?;
+        }
+        Ok(())
+    }
+
+    async fn broadcast(&mut self, msg: Msg, metrics: &WorkerMetrics) -> Result<(), WorkerError> {
+        self.flush_all(metrics).await?;
+        for i in 0..self.outputs.len() {
+            self.send(i, msg.clone(), metrics).await?;
+        }
+        Ok(())
+    }
+}
+
+async fn source_loop(
+    s: Arc<Shared>,
+    compiled: Arc<CompiledJob>,
+    partitions: Vec<u32>,
+    restored: BTreeMap<u32, u64>,
+    assignment: Assignment,
+    outputs: Vec<mpsc::Sender<Msg>>,
+    mut cmds: mpsc::Receiver<SourceCmd>,
+) -> Result<(), WorkerError> {
+    let n = outputs.len();
+    let mut router = Outputs {
+        outputs,
+        buffers: (0..n).map(|_| Vec::with_capacity(BATCH)).collect(),
+        assignment,
+    };
+    let maxp = assignment.max_parallelism();
+    let mut pos: BTreeMap<u32, u64> = partitions
+        .iter()
+        .map(|p| (*p, restored.get(p).copied().unwrap_or(0)))
+        .collect();
+    let mut wms: BTreeMap<u32, PartitionWatermark> = partitions
+        .iter()
+        .map(|p| (*p, compiled.partition_watermark()))
+        .collect();
+    let mut finished: BTreeMap<u32, bool> = partitions.iter().map(|p| (*p, false)).collect();
+    let rate = match &compiled.source {
+        job::SourceKind::Generator(g) => g.records_per_second(),
+        job::SourceKind::File(_) => None,
+    };
+    let paced_from: BTreeMap<u32, u64> = pos.clone();
+    let t0 = Instant::now();
+    let mut stopped = false;
+    let mut last_wm = i64::MIN;
+    let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
+    if partitions.is_empty() {
+        // Nothing to read: never hold back the watermark downstream.
+        router
+            .broadcast(Msg::Watermark(i64::MAX), &s.metrics)
+            .await?;
+        last_wm = i64::MAX;
+    }
+    loop {
+        // Control first: barriers go out between batches, never inside one.
+        loop {
+            let cmd = if stopped {
+                match cmds.recv().await {
+                    Some(c) => c,
+                    None => return Ok(()),
+                }
+            } else {
+                match cmds.try_recv() {
+                    Ok(c) => c,
+                    Err(mpsc::error::TryRecvError::Empty) => break,
+                    Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
+                }
+            };
+            match cmd {
+                SourceCmd::Barrier(req) => {
+                    s.barrier_positions
+                        .lock()
+                        .await
+                        .insert(req.id, (req.kind, pos.clone(), Instant::now()));
+                    router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
+                    tracing::debug!(id = req.id, "barrier injected");
+                    if req.stop {
+                        stopped = true;
+                        s.stopped.store(true, Ordering::Release);
+                        tracing::info!(id = req.id, "sources stopped at the savepoint barrier");
+                    }
+                }
+                SourceCmd::Resume => {
+                    if stopped {
+                        tracing::info!("sources resumed");
+                    }
+                    stopped = false;
+                }
+            }
+        }
+        if stopped {
+            continue;
+        }
+
+        let mut read_any = false;
+        let elapsed_ms = t0.elapsed().as_millis() as u64;
+        for p in &partitions {
+            if finished[p] {
+                continue;
+            }
+            let at = pos[p];
+            let mut max = BATCH;
+            if let Some(r) = rate {
+                let due = paced_from[p] + elapsed_ms.saturating_mul(r) / 1000;
+                max = max.min(due.saturating_sub(at) as usize);
+                if max == 0 {
+                    continue;
+                }
+            }
+            batch.clear();
+            let b = compiled.read(*p, at, &mut batch, max)?;
+            if b.finished {
+                finished.insert(*p, true);
+            }
+            if b.records == 0 {
+                continue;
+            }
+            read_any = true;
+            pos.insert(*p, b.next_position);
+            s.metrics.records_in.inc_by(b.records as u64);
+            let mut wm = wms.get_mut(p);
+            for r in batch.drain(..) {
+                if let Some(w) = wm.as_mut() {
+                    w.observe(r.ts);
+                }
+                let owner = router.assignment.owner(r.key.key_group(maxp)) as usize;
+                router.buffers[owner].push(r);
+                if router.buffers[owner].len() >= BATCH {
+                    router.flush(owner, &s.metrics).await?;
+                }
+            }
+        }
+        router.flush_all(&s.metrics).await?;
+
+        // Source watermark: the slowest of our partitions (finished ones do not hold back).
+        let wm = partitions
+            .iter()
+            .map(|p| {
+                if finished[p] {
+                    i64::MAX
+                } else {
+                    wms[p].watermark()
+                }
+            })
+            .min()
+            .unwrap_or(i64::MAX);
+        if wm > last_wm {
+            last_wm = wm;
+            router.broadcast(Msg::Watermark(wm), &s.metrics).await?;
+        }
+        {
+            let mut st = s.status.lock().await;
+            st.source_positions = pos.clone();
+        }
+        if !read_any {
+            // Idle (paced, or at the end of input): wait a little or for a command.
+            tokio::select! {
+                c = cmds.recv() => match c {
+                    Some(SourceCmd::Barrier(req)) => {
+                        s.barrier_positions
+                            .lock()
+                            .await
+                            .insert(req.id, (req.kind, pos.clone(), Instant::now()));
+                        router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
+                        if req.stop {
+                            stopped = true;
+                            s.stopped.store(true, Ordering::Release);
+                            tracing::info!(id = req.id, "sources stopped at the savepoint barrier");
+                        }
+                    }
+                    Some(SourceCmd::Resume) => stopped = false,
+                    None => return Ok(()),
+                },
+                _ = tokio::time::sleep(Duration::from_millis(if rate.is_some() { 5 } else { 50 })) => {}
+            }
+        } else {
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// Polls the inputs that are not blocked by barrier alignment, fairly.
+async fn next_input(
+    inputs: &mut [mpsc::Receiver<Msg>],
+    blocked: &[bool],
+    start: &mut usize,
+) -> Option<(usize, Option<Msg>)> {
+    let n = inputs.len();
+    if blocked.iter().all(|b| *b) {
+        return None;
+    }
+    std::future::poll_fn(|cx| {
+        for k in 0..n {
+            let i = (*start + k) % n;
+            if blocked[i] {
+                continue;
+            }
+            if let std::task::Poll::Ready(m) = inputs[i].poll_recv(cx) {
+                *start = (i + 1) % n;
+                return std::task::Poll::Ready(Some((i, m)));
+            }
+        }
+        std::task::Poll::Pending
+    })
+    .await
+}
+
+async fn operator_loop(
+    s: Arc<Shared>,
+    mut sub: Subtask,
+    mut inputs: Vec<mpsc::Receiver<Msg>>,
+    restored_watermark: i64,
+) -> Result<(), WorkerError> {
+    let n = inputs.len();
+    let mut tracker = if restored_watermark > i64::MIN {
+        WatermarkTracker::restored(n, restored_watermark)
+    } else {
+        WatermarkTracker::new(n)
+    };
+    let mut blocked = vec![false; n];
+    let mut aligning: Option<u64> = None;
+    let mut start = 0usize;
+    let mut batches = 0u64;
+    loop {
+        let Some((i, msg)) = next_input(&mut inputs, &blocked, &mut start).await else {
+            return Err(WorkerError::Fatal("every input is blocked".into()));
+        };
+        let Some(msg) = msg else {
+            return Err(WorkerError::Fatal(format!(
+                "input from subtask {i} closed: a peer stopped or lost its connection"
+            )));
+        };
+        match msg {
+            Msg::Records(records) => {
+                sub.agg.process_batch(&records)?;
+                s.metrics.records_processed.inc_by(records.len() as u64);
+                batches += 1;
+                if batches.is_multiple_of(64) {
+                    s.metrics.keys.set(sub.agg.key_count() as i64);
+                    s.metrics.late_records.set(sub.agg.late_records() as i64);
+                }
+            }
+            Msg::Watermark(wm) => {
+                if let Some(new) = tracker.update(i, wm) {
+                    let rows = sub.agg.advance_watermark(new);
+                    s.metrics.watermark.set(new);
+                    emit(&s, &mut sub, &rows);
+                }
+            }
+            Msg::Barrier(id) => {
+                match aligning {
+                    None => aligning = Some(id),
+                    Some(a) if a == id => {}
+                    Some(a) => {
+                        return Err(WorkerError::Fatal(format!(
+                            "barrier {id} arrived while aligning barrier {a}"
+                        )));
+                    }
+                }
+                blocked[i] = true;
+                if blocked.iter().all(|b| *b) {
+                    let result = snapshot(&s, &mut sub, id, tracker.current()).await;
+                    let status = match result {
+                        Ok(ack) => {
+                            tracing::info!(
+                                id,
+                                bytes = ack.snapshot.file.size,
+                                ms = ack.duration_ms,
+                                "snapshot written"
+                            );
+                            s.status.lock().await.last_checkpoint = Some(id);
+                            CheckpointStatus::Completed(Box::new(ack))
+                        }
+                        Err(e) => {
+                            tracing::error!(id, error = %e, "snapshot failed");
+                            CheckpointStatus::Failed {
+                                error: e.to_string(),
+                            }
+                        }
+                    };
+                    s.checkpoints.lock().await.insert(id, status);
+                    blocked.iter_mut().for_each(|b| *b = false);
+                    aligning = None;
+                }
+            }
+        }
+    }
+}
+
+fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
+    if rows.is_empty() {
+        return;
+    }
+    s.metrics.records_out.inc_by(rows.len() as u64);
+    if sub.sink_store.is_some() {
+        for r in rows {
+            job::sink::format_json_line(r, &mut sub.sink_buf);
+        }
+    }
+    if sub.sink_log {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        for r in rows {
+            let _ = writeln!(out, "{}", LogSink::format(r));
+        }
+    }
+}
+
+async fn snapshot(
+    s: &Shared,
+    sub: &mut Subtask,
+    id: u64,
+    watermark: i64,
+) -> Result<SubtaskAck, WorkerError> {
+    let (kind, positions, started) = s
+        .barrier_positions
+        .lock()
+        .await
+        .remove(&id)
+        .ok_or_else(|| WorkerError::Fatal(format!("barrier {id} was not injected here")))?;
+    // Non-windowed results go out with each checkpoint (windowed ones when windows fire).
+    if sub.agg.config().window_size_ms.is_none() {
+        let rows = sub.agg.drain_updates();
+        emit(s, sub, &rows);
+    }
+    // Results since the previous barrier belong to this snapshot: stage them; the coordinator
+    // publishes them once the snapshot is committed (exactly once).
+    if let Some((store, base)) = &sub.sink_store {
+        let path = crate::sink::staged_part(base, id, sub.subtask, sub.assignment.parallelism());
+        let body = std::mem::take(&mut sub.sink_buf);
+        store
+            .put(&path, body.into())
+            .await
+            .map_err(|e| WorkerError::Fatal(format!("staging sink output {path}: {e}")))?;
+    }
+    let dir = snapshot::snapshot_dir(&sub.job_dir, kind, id);
+    let mut writer = SnapshotWriter::new(sub.store.clone(), &dir, sub.assignment, sub.subtask)?;
+    let mut keys_per_group = Vec::with_capacity(sub.range.len() as usize);
+    for g in sub.range.iter() {
+        let (bytes, entries) = sub.agg.encode_group(g)?;
+        keys_per_group.push(entries);
+        if let Err(e) = writer
+            .write_group(g, bytes::Bytes::from(bytes), entries)
+            .await
+        {
+            let _ = writer.abort().await;
+            return Err(e.into());
+        }
+    }
+    let snapshot = writer.finish().await?;
+    let duration_ms = started.elapsed().as_millis() as u64;
+    s.metrics.checkpoint_ms.set(duration_ms as i64);
+    s.metrics.checkpoint_bytes.set(snapshot.file.size as i64);
+    s.metrics.keys.set(sub.agg.key_count() as i64);
+    s.status.lock().await.keys_per_group = keys_per_group;
+    Ok(SubtaskAck {
+        snapshot,
+        source_positions: positions,
+        watermark,
+        duration_ms,
+    })
+}

@@ -1,0 +1,209 @@
+//! Listing a job's snapshots and deleting old checkpoints.
+
+use super::error::{Result, SnapshotError};
+use super::layout::{SnapshotKind, manifest_path, parse_snapshot_dir_name};
+use super::manifest::Manifest;
+use super::reader::read_manifest;
+use chrono::{DateTime, Utc};
+use futures::{StreamExt, TryStreamExt};
+use object_store::path::Path;
+use object_store::{ObjectStore, ObjectStoreExt};
+
+/// Manifests read at once while listing.
+const MANIFESTS_AT_ONCE: usize = 8;
+
+/// A committed snapshot, as listed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// Checkpoint or savepoint.
+    pub kind: SnapshotKind,
+    /// The snapshot id.
+    pub id: u64,
+    /// Its directory in the store.
+    pub dir: Path,
+    /// When it was completed.
+    pub completed_at: DateTime<Utc>,
+    /// The parallelism it was taken at.
+    pub parallelism: u32,
+    /// The key-group count.
+    pub max_parallelism: u32,
+    /// Bytes of state (sum of the state files).
+    pub total_bytes: u64,
+    /// Keyed entries.
+    pub total_keys: u64,
+}
+
+impl SnapshotInfo {
+    /// The summary of a manifest stored in `dir`.
+    pub fn from_manifest(dir: Path, m: &Manifest) -> Self {
+        SnapshotInfo {
+            kind: m.kind,
+            id: m.snapshot_id,
+            dir,
+            completed_at: m.completed_at,
+            parallelism: m.parallelism,
+            max_parallelism: m.max_parallelism,
+            total_bytes: m.stats.total_bytes,
+            total_keys: m.stats.total_keys,
+        }
+    }
+}
+
+/// The snapshot directories of one kind under `job_dir`, committed or not, by increasing id.
+async fn snapshot_dirs(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+    kind: SnapshotKind,
+) -> Result<Vec<(u64, Path)>> {
+    let folder = job_dir.clone().join(kind.folder());
+    let listing = match store.list_with_delimiter(Some(&folder)).await {
+        Ok(l) => l,
+        Err(object_store::Error::NotFound { .. }) => return Ok(Vec::new()),
+        Err(e) => return Err(SnapshotError::store("list", &folder, e)),
+    };
+    let mut dirs: Vec<(u64, Path)> = listing
+        .common_prefixes
+        .into_iter()
+        .filter_map(|p| {
+            let id = parse_snapshot_dir_name(kind, p.filename()?)?;
+            Some((id, p))
+        })
+        .collect();
+    dirs.sort_by_key(|(id, _)| *id);
+    Ok(dirs)
+}
+
+/// The committed snapshots (those with a manifest) of the job stored under `job_dir`:
+/// checkpoints by increasing id, then savepoints by increasing id. Directories without a manifest
+/// (aborted or in-progress snapshots) are left out; a manifest that cannot be read is an error.
+pub async fn list_snapshots(store: &dyn ObjectStore, job_dir: &Path) -> Result<Vec<SnapshotInfo>> {
+    let mut out = Vec::new();
+    for kind in [SnapshotKind::Checkpoint, SnapshotKind::Savepoint] {
+        let dirs = snapshot_dirs(store, job_dir, kind).await?;
+        let infos: Vec<Option<SnapshotInfo>> = futures::stream::iter(dirs)
+            .map(|(_, dir)| async move {
+                match read_manifest(store, &dir).await {
+                    Ok(m) => Ok(Some(SnapshotInfo::from_manifest(dir, &m))),
+                    Err(SnapshotError::ManifestMissing { .. }) => Ok(None),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffered(MANIFESTS_AT_ONCE)
+            .try_collect()
+            .await?;
+        out.extend(infos.into_iter().flatten());
+    }
+    Ok(out)
+}
+
+/// The newest committed checkpoint of the job under `job_dir`, if any (reads manifests from the
+/// highest id down until one exists).
+pub async fn latest_checkpoint(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+) -> Result<Option<SnapshotInfo>> {
+    let dirs = snapshot_dirs(store, job_dir, SnapshotKind::Checkpoint).await?;
+    for (_, dir) in dirs.into_iter().rev() {
+        match read_manifest(store, &dir).await {
+            Ok(m) => return Ok(Some(SnapshotInfo::from_manifest(dir, &m))),
+            Err(SnapshotError::ManifestMissing { .. }) => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(None)
+}
+
+/// What [`retain`] did.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RetentionReport {
+    /// Ids of the committed checkpoints kept, newest first.
+    pub kept: Vec<u64>,
+    /// Ids of the committed checkpoints deleted.
+    pub deleted: Vec<u64>,
+    /// Ids of checkpoint directories without a manifest (aborted checkpoints) that were deleted.
+    pub orphans_deleted: Vec<u64>,
+    /// Objects deleted in all.
+    pub objects_deleted: usize,
+}
+
+/// Deletes the committed checkpoints of the job under `job_dir` beyond the newest `keep_newest`
+/// (at least 1 is always kept), and the checkpoint directories without a manifest whose id is below
+/// the newest committed checkpoint (aborted checkpoints). Savepoints are never touched, and neither
+/// are uncommitted directories newer than the newest checkpoint (they may be in progress).
+///
+/// A checkpoint's manifest is deleted first, then its files, so an interrupted deletion leaves an
+/// orphan (cleaned up next time), never a snapshot that looks valid but lacks files.
+pub async fn retain(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+    keep_newest: usize,
+) -> Result<RetentionReport> {
+    let keep_newest = keep_newest.max(1);
+    let dirs = snapshot_dirs(store, job_dir, SnapshotKind::Checkpoint).await?;
+    // Committed = the manifest exists (readable or not: existence is what makes a snapshot).
+    let committed: Vec<bool> = futures::stream::iter(&dirs)
+        .map(|(_, dir)| async move {
+            let path = manifest_path(dir);
+            match store.head(&path).await {
+                Ok(_) => Ok(true),
+                Err(object_store::Error::NotFound { .. }) => Ok(false),
+                Err(e) => Err(SnapshotError::store("head", &path, e)),
+            }
+        })
+        .buffered(MANIFESTS_AT_ONCE)
+        .try_collect()
+        .await?;
+
+    let mut report = RetentionReport::default();
+    let newest_committed = dirs
+        .iter()
+        .zip(&committed)
+        .rev()
+        .find(|(_, c)| **c)
+        .map(|((id, _), _)| *id);
+    let Some(newest_committed) = newest_committed else {
+        return Ok(report);
+    };
+    let mut committed_seen = 0usize;
+    for ((id, dir), is_committed) in dirs.iter().zip(&committed).rev() {
+        if *is_committed {
+            committed_seen += 1;
+            if committed_seen <= keep_newest {
+                report.kept.push(*id);
+                continue;
+            }
+            // Manifest first: from here on the snapshot no longer exists.
+            delete_object(store, &manifest_path(dir)).await?;
+            report.objects_deleted += 1 + delete_prefix(store, dir).await?;
+            report.deleted.push(*id);
+        } else if *id < newest_committed {
+            report.objects_deleted += delete_prefix(store, dir).await?;
+            report.orphans_deleted.push(*id);
+        }
+    }
+    report.deleted.reverse();
+    report.orphans_deleted.reverse();
+    Ok(report)
+}
+
+async fn delete_object(store: &dyn ObjectStore, path: &Path) -> Result<()> {
+    match store.delete(path).await {
+        Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(SnapshotError::store("delete", path, e)),
+    }
+}
+
+/// Deletes every object under `dir`; returns how many.
+async fn delete_prefix(store: &dyn ObjectStore, dir: &Path) -> Result<usize> {
+    let locations = store.list(Some(dir)).map_ok(|m| m.location).boxed();
+    let results: Vec<_> = store.delete_stream(locations).collect().await;
+    let mut deleted = 0;
+    for r in results {
+        match r {
+            Ok(_) => deleted += 1,
+            Err(object_store::Error::NotFound { .. }) => {}
+            Err(e) => return Err(SnapshotError::store("delete", dir, e)),
+        }
+    }
+    Ok(deleted)
+}

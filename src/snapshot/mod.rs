@@ -1,0 +1,94 @@
+//! Snapshot storage: key-group state files and manifests in an object store (DESIGN §4, §5).
+//!
+//! I/O sits at the edge ([`open_store`], [`SnapshotWriter`], [`commit_manifest`],
+//! [`read_groups`], [`verify`], [`list_snapshots`], [`retain`]); the format logic — block layout,
+//! manifest assembly and consistency checks, range-read planning — is pure ([`Manifest`]).
+//!
+//! # Layout
+//!
+//! ```text
+//! <storage>/<namespace>/<job>/checkpoints/chk-<id>/_manifest.json
+//!                                                  state-<subtask>-of-<parallelism>.bin
+//! <storage>/<namespace>/<job>/savepoints/sp-<id>/...
+//! ```
+//!
+//! A state file holds one subtask's key groups as contiguous blocks in group order, no header, no
+//! padding: a block is exactly the bytes the worker handed over for that group (its own encoding).
+//! The manifest (JSON, `formatVersion: 1`) says for every group `0..maxParallelism` which file,
+//! offset, length, CRC-32C and entry count; for every file its size and CRC-32C; plus job
+//! identity, id, kind, completion time, parallelism, source positions, watermark, state schema and
+//! totals. **A snapshot exists iff its manifest exists**: the manifest is written last,
+//! create-only.
+//!
+//! # Use
+//!
+//! ```no_run
+//! # async fn demo() -> keyshift::snapshot::Result<()> {
+//! use keyshift::keygroup::Assignment;
+//! use keyshift::snapshot::*;
+//! let (store, base) = open_store("file:///var/lib/keyshift")?;
+//! let job = job_dir(&base, "default", "clicks");
+//! let dir = snapshot_dir(&job, SnapshotKind::Checkpoint, 7);
+//! let old = Assignment::new(4, 128)?;
+//!
+//! // Each subtask, at the barrier: its groups' blocks in order -> one durable state file.
+//! let mut w = SnapshotWriter::new(store.clone(), &dir, old, 0)?;
+//! w.write_group(0, bytes::Bytes::from_static(b"..."), 1).await?;
+//! let ack: SubtaskSnapshot = w.finish().await?; // send to the coordinator
+//! # let acks = vec![ack];
+//! # let meta: SnapshotMeta = todo!();
+//!
+//! // The coordinator, once every subtask acked: assemble and commit (create-only).
+//! let manifest = Manifest::assemble(meta, old, acks)?;
+//! commit_manifest(store.as_ref(), &dir, &manifest).await?;
+//!
+//! // Restore at a new parallelism: each new subtask reads exactly its own groups.
+//! let new = Assignment::new(3, 128)?;
+//! let restored = read_groups(store.as_ref(), &dir, &manifest, new.range(1)).await?;
+//! for g in restored.groups { /* decode g.bytes for g.group */ }
+//! # Ok(()) }
+//! ```
+//!
+//! # API
+//!
+//! - Stores: [`open_store`]`(url) -> (Arc<dyn ObjectStore>, Path)`; paths: [`job_dir`],
+//!   [`snapshot_dir`], [`manifest_path`], [`state_file_name`].
+//! - Write: [`SnapshotWriter`] (`new`, `write_group`, `finish`, `abort`), [`write_subtask_state`];
+//!   each yields a [`SubtaskSnapshot`].
+//! - Commit: [`Manifest::assemble`]`(`[`SnapshotMeta`]`, Assignment, Vec<SubtaskSnapshot>)`, then
+//!   [`commit_manifest`] (create-only; [`SnapshotError::AlreadyExists`] the second time).
+//! - Read: [`read_manifest`], [`open_snapshot`]`(url)`, [`read_groups`] -> [`Restore`]
+//!   (groups + `bytes_read`).
+//! - Check: [`verify`] -> [`VerifyReport`].
+//! - Catalog: [`list_snapshots`], [`latest_checkpoint`], [`retain`] -> [`RetentionReport`].
+//!
+//! Errors are [`SnapshotError`]; each names the URL, file or group concerned.
+
+mod catalog;
+mod checksum;
+mod error;
+mod layout;
+mod manifest;
+mod reader;
+mod store;
+mod writer;
+
+pub use catalog::{RetentionReport, SnapshotInfo, latest_checkpoint, list_snapshots, retain};
+pub use checksum::Crc32c;
+pub use error::{Result, SnapshotError};
+pub use layout::{
+    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, job_dir, manifest_path,
+    parse_snapshot_dir_name, snapshot_dir, state_file_name,
+};
+pub use manifest::{
+    CHECKSUM_ALGORITHM, FORMAT_VERSION, FileEntry, GroupEntry, JobIdentity, Manifest, ReadRequest,
+    SnapshotMeta, Stats, SubtaskSnapshot,
+};
+pub use object_store::ObjectStore;
+pub use object_store::path::Path;
+pub use reader::{
+    Restore, RestoredGroup, VerifyReport, commit_manifest, open_snapshot, read_groups,
+    read_manifest, verify,
+};
+pub use store::open_store;
+pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

@@ -1,0 +1,537 @@
+//! The runtime end to end on one machine: real `keyshift worker` processes, the real
+//! coordinator, real snapshots on `file://` (and on S3 when `KEYSHIFT_TEST_S3_URL` is set).
+//! Every check compares the state of a committed snapshot with the exact result computed
+//! independently from the generator's definition (`job::expected_results`) at the snapshot's
+//! source positions.
+
+use keyshift::crd::StreamJob;
+use keyshift::job::{self, AccValue, Expected};
+use keyshift::keygroup::Key;
+use keyshift::local::LocalJob;
+use keyshift::snapshot;
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_keyshift"))
+}
+
+fn job(yaml: &str) -> StreamJob {
+    serde_yaml::from_str(yaml).expect("test manifest parses")
+}
+
+fn generator_job(
+    name: &str,
+    extra_source: &str,
+    replicas: u32,
+    max_p: u32,
+    agg: &str,
+) -> StreamJob {
+    job(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: {name}, namespace: test}}
+spec:
+  replicas: {replicas}
+  maxParallelism: {max_p}
+  job:
+    source:
+      generator: {{partitions: 6, keys: 3000, seed: 7, recordsPerSecond: 30000{extra_source}}}
+    key: {{field: key, type: string}}
+    aggregation: {agg}
+  state:
+    checkpointInterval: 1h
+    retainedCheckpoints: 2
+"
+    ))
+}
+
+struct Env {
+    _dir: tempfile::TempDir,
+    storage: String,
+    logs: PathBuf,
+}
+
+fn env(storage_override: Option<String>) -> Env {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = storage_override
+        .unwrap_or_else(|| format!("file://{}", dir.path().join("state").display()));
+    let logs = dir.path().join("logs");
+    Env {
+        _dir: dir,
+        storage,
+        logs,
+    }
+}
+
+/// Every key's scalar value in a committed snapshot, and its source positions.
+async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, snapshot::Manifest) {
+    let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
+    let all = manifest.assignment().expect("manifest assignment");
+    let mut state = BTreeMap::new();
+    for i in 0..all.parallelism() {
+        let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
+            .await
+            .expect("groups read");
+        for g in restored.groups {
+            if g.bytes.is_empty() {
+                continue;
+            }
+            let decoded = job::decode_group(&g.bytes).expect("block decodes");
+            for (key, value) in decoded.entries {
+                match value.acc {
+                    AccValue::Scalar(v) => {
+                        assert!(state.insert(key, v).is_none(), "a key in two groups");
+                    }
+                    AccValue::Windows(_) => panic!("unexpected windowed state"),
+                }
+            }
+        }
+    }
+    (state, manifest.source_positions.clone(), manifest)
+}
+
+async fn assert_exact(spec: &StreamJob, url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
+    let (state, positions, manifest) = snapshot_state(url).await;
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle runs")
+    else {
+        panic!("expected a global aggregate");
+    };
+    assert_eq!(
+        positions.len(),
+        6,
+        "every partition has a position in {url}"
+    );
+    assert!(
+        positions.values().all(|p| *p > 0),
+        "every partition advanced: {positions:?}"
+    );
+    assert_eq!(state.len(), expected.len(), "key count in {url}");
+    assert!(
+        state == expected,
+        "state in {url} differs from the exact expected result"
+    );
+    assert_eq!(manifest.stats.total_keys as usize, state.len());
+    (state, positions)
+}
+
+async fn rescale_chain(storage: Option<String>) {
+    let env = env(storage);
+    let spec = generator_job("chain", "", 4, 128, "{function: count}");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(4, None).await.expect("launch at 4");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let c = local.checkpoint().await.expect("checkpoint");
+    assert_exact(&spec, &c.url).await;
+    // Up and down, divisors and non-divisors of 128.
+    for to in [8, 3, 1, 7] {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let r = local
+            .rescale(to)
+            .await
+            .unwrap_or_else(|e| panic!("rescale to {to}: {e}"));
+        assert_eq!(r.to, to);
+        // Each new subtask read exactly its own groups: together, every byte once.
+        assert_eq!(
+            r.bytes_read, r.state_bytes,
+            "rescale to {to} reads the state exactly once"
+        );
+        assert_exact(&spec, &r.savepoint).await;
+        assert_eq!(local.parallelism(), Some(to));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sp = local.shutdown().await.expect("stop with savepoint");
+    let (state, positions) = assert_exact(&spec, &sp.url).await;
+    // A count job: the total equals the records read, so no record was lost or applied twice.
+    assert_eq!(
+        state.values().sum::<i64>() as u64,
+        positions.values().sum::<u64>()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rescale_4_8_3_1_7_keeps_every_key_exact() {
+    rescale_chain(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rescale_on_s3() {
+    match std::env::var("KEYSHIFT_TEST_S3_URL") {
+        Ok(url) => {
+            let unique = format!(
+                "{}/runtime-{}",
+                url.trim_end_matches('/'),
+                std::process::id()
+            );
+            rescale_chain(Some(unique)).await;
+        }
+        Err(_) => eprintln!(
+            "SKIPPED rescale_on_s3: set KEYSHIFT_TEST_S3_URL (hack/test.sh starts an S3 server)"
+        ),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hot_key_and_refused_parallelism() {
+    let env = env(None);
+    // Zipf with exponent 2 over 3000 keys: the hottest key carries about 61% of the records.
+    let spec = generator_job(
+        "hot",
+        ", distribution: zipf, zipfExponent: 2.0",
+        3,
+        128,
+        "{function: count}",
+    );
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(3, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let r = local.rescale(2).await.expect("rescale 3 -> 2");
+    let (state, _) = assert_exact(&spec, &r.savepoint).await;
+    let total: i64 = state.values().sum();
+    let (hot, max) = state.iter().max_by_key(|(_, v)| **v).expect("some key");
+    assert_eq!(
+        hot,
+        &Key::String("key-0".into()),
+        "rank 0 is the hottest key"
+    );
+    assert!(
+        *max * 2 >= total,
+        "the hot key carries at least half: {max} of {total}"
+    );
+
+    // A parallelism above the key-group ceiling is refused before anything stops.
+    let e = local.rescale(200).await.expect_err("200 > 128 is refused");
+    assert!(e.to_string().contains("128"), "{e}");
+    assert_eq!(local.parallelism(), Some(2), "the job still runs at 2");
+    let sp = local.shutdown().await.expect("stop");
+    assert_exact(&spec, &sp.url).await;
+
+    // 10 key groups at 16 subtasks is refused with the reason.
+    let small = generator_job("small", "", 16, 10, "{function: count}");
+    let e = keyshift::validation::validate(&small.spec, None, None).expect_err("refused");
+    assert!(
+        e.contains(keyshift::validation::MSG_REPLICAS_LE_MAXP),
+        "{e}"
+    );
+    let e = LocalJob::new(&small, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .err()
+        .expect("refused");
+    assert!(e.to_string().contains("ceiling 10"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_restarts_from_the_last_checkpoint() {
+    let env = env(None);
+    let spec = generator_job("crash", "", 3, 128, "{function: sum, field: value}");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(3, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let good = local.checkpoint().await.expect("checkpoint");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    local.kill_worker(1).await;
+    // A checkpoint with a dead worker fails and leaves the previous one usable.
+    let failed = local.checkpoint().await;
+    assert!(failed.is_err(), "a checkpoint without worker 1 must fail");
+    assert_eq!(
+        local.latest_snapshot().await.expect("listing"),
+        Some(good.url.clone())
+    );
+    let (store, dir) = snapshot::open_store(&good.url).expect("store");
+    snapshot::verify(store.as_ref(), &dir)
+        .await
+        .expect("the last good checkpoint verifies");
+    assert!(
+        local.failed_worker().is_some(),
+        "the dead worker is noticed"
+    );
+
+    let r = local.recover(3).await.expect("recover");
+    assert_eq!(r.restored_from.as_deref(), Some(good.url.as_str()));
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let sp = local.shutdown().await.expect("stop");
+    assert_exact(&spec, &sp.url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn corrupt_or_foreign_snapshots_are_refused() {
+    let env = env(None);
+    let spec = generator_job("corrupt", "", 2, 128, "{function: count}");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sp = local.shutdown().await.expect("stop");
+
+    // Another key-group count: refused with the rewrite hint.
+    let other = generator_job("corrupt", "", 2, 256, "{function: count}");
+    let mut wrong = LocalJob::new(
+        &other,
+        format!("{}-other", env.storage),
+        bin(),
+        env.logs.clone(),
+    )
+    .await
+    .expect("prepares");
+    let e = wrong
+        .launch(2, Some(sp.url.clone()))
+        .await
+        .expect_err("refused");
+    assert!(
+        e.to_string()
+            .contains("has 128 key groups but the job runs with 256"),
+        "{e}"
+    );
+
+    // A flipped byte in a state file: detected, named, nothing restored.
+    let path = PathBuf::from(sp.url.trim_start_matches("file://")).join("state-1-of-2.bin");
+    let mut bytes = std::fs::read(&path).expect("state file");
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x40;
+    std::fs::write(&path, &bytes).expect("write");
+    let e = local
+        .launch(2, Some(sp.url.clone()))
+        .await
+        .expect_err("corrupt state is refused");
+    assert!(
+        e.to_string().contains("state-1-of-2.bin"),
+        "the error names the file: {e}"
+    );
+    let (store, dir) = snapshot::open_store(&sp.url).expect("store");
+    let e = snapshot::verify(store.as_ref(), &dir)
+        .await
+        .expect_err("verify fails");
+    assert!(e.to_string().contains("state-1-of-2.bin"), "{e}");
+}
+
+/// Fired windows from the log sink of every worker run, keyed by key and window start; a window
+/// that fired twice fails the test.
+fn fired_windows(logs: &std::path::Path) -> BTreeMap<Key, BTreeMap<i64, i64>> {
+    let mut out: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();
+    for entry in std::fs::read_dir(logs).expect("log dir") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_none_or(|e| e != "out") {
+            continue;
+        }
+        for line in std::fs::read_to_string(&path).expect("read").lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("sink line is JSON");
+            let key = Key::String(v["key"].as_str().expect("string key").to_owned());
+            let start = v["window"]["start"].as_i64().expect("window start");
+            let value = v["value"].as_i64().expect("value");
+            let prev = out.entry(key.clone()).or_default().insert(start, value);
+            assert!(prev.is_none(), "window {start} of {key:?} fired twice");
+        }
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_open_across_a_rescale_closes_with_the_right_result() {
+    let env = env(None);
+    let spec = job("apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {name: windows, namespace: test}
+spec:
+  replicas: 2
+  maxParallelism: 128
+  job:
+    source:
+      generator: {partitions: 4, keys: 200, seed: 3, recordsPerSecond: 20000}
+    key: {field: key}
+    aggregation: {function: sum, field: value}
+    window: {size: 1s, maxOutOfOrderness: 100ms}
+    sink: {type: log}
+  state:
+    checkpointInterval: 1h
+");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    // Rescale in the middle of a window (event time runs at wall-clock speed here).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let r = local.rescale(3).await.expect("rescale 2 -> 3");
+    let (_, _, m) = snapshot_state_windows(&r.savepoint).await;
+    assert!(
+        m.watermark.is_some(),
+        "the watermark is part of the savepoint"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let sp = local.shutdown().await.expect("stop");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    let (open, positions, manifest) = snapshot_state_windows(&sp.url).await;
+    let mut seen = fired_windows(&env.logs);
+    let fired: usize = seen.values().map(BTreeMap::len).sum();
+    assert!(fired > 0, "some windows fired");
+    // Windows still open at the end are in the savepoint; none of them fired already.
+    let wm = manifest.watermark.expect("watermark");
+    for (key, windows) in open {
+        for (start, acc) in windows {
+            assert!(start + 1000 > wm, "an open window lies after the watermark");
+            let prev = seen.entry(key.clone()).or_default().insert(start, acc);
+            assert!(
+                prev.is_none(),
+                "window {start} of {key:?} both fired and open"
+            );
+        }
+    }
+    let Expected::Windowed(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("expected windows");
+    };
+    assert!(
+        seen == expected,
+        "fired + open windows differ from the exact expected windows"
+    );
+}
+
+async fn snapshot_state_windows(
+    url: &str,
+) -> (
+    BTreeMap<Key, Vec<(i64, i64)>>,
+    BTreeMap<u32, u64>,
+    snapshot::Manifest,
+) {
+    let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
+    let all = manifest.assignment().expect("assignment");
+    let mut state = BTreeMap::new();
+    for i in 0..all.parallelism() {
+        let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
+            .await
+            .expect("groups read");
+        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
+            for (key, value) in job::decode_group(&g.bytes).expect("decodes").entries {
+                match value.acc {
+                    AccValue::Windows(w) => {
+                        state.insert(key, w);
+                    }
+                    AccValue::Scalar(_) => panic!("unexpected scalar state"),
+                }
+            }
+        }
+    }
+    (state, manifest.source_positions.clone(), manifest)
+}
+
+/// Published (committed) sink output under `out`: per key and window start, failing on a window
+/// published twice.
+fn published_windows(out: &std::path::Path) -> (BTreeMap<Key, BTreeMap<i64, i64>>, Vec<u64>) {
+    let mut rows: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();
+    let mut ids = Vec::new();
+    for entry in std::fs::read_dir(out).expect("sink dir") {
+        let dir = entry.expect("entry").path();
+        let Some(id) = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("snap-"))
+            .and_then(|n| n.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        ids.push(id);
+        for part in std::fs::read_dir(&dir).expect("parts") {
+            let text = std::fs::read_to_string(part.expect("part").path()).expect("read part");
+            for line in text.lines() {
+                let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
+                let key = Key::String(v["key"].as_str().expect("key").to_owned());
+                let start = v["window"]["start"].as_i64().expect("window");
+                let prev = rows
+                    .entry(key.clone())
+                    .or_default()
+                    .insert(start, v["value"].as_i64().expect("value"));
+                assert!(prev.is_none(), "window {start} of {key:?} published twice");
+            }
+        }
+    }
+    ids.sort_unstable();
+    (rows, ids)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale() {
+    let env = env(None);
+    let out = env._dir.path().join("out");
+    let spec = job(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: sink, namespace: test}}
+spec:
+  replicas: 3
+  maxParallelism: 128
+  job:
+    source:
+      generator: {{partitions: 4, keys: 100, seed: 11, recordsPerSecond: 20000}}
+    key: {{field: key}}
+    aggregation: {{function: sum, field: value}}
+    window: {{size: 500ms}}
+    sink: {{type: objectStore, url: 'file://{}'}}
+  state:
+    checkpointInterval: 1h
+",
+        out.display()
+    ));
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(3, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let good = local.checkpoint().await.expect("checkpoint");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    local.kill_worker(1).await;
+    let failed = local.checkpoint().await;
+    assert!(failed.is_err());
+    let r = local.recover(3).await.expect("recover");
+    assert_eq!(r.restored_from.as_deref(), Some(good.url.as_str()));
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    local.rescale(2).await.expect("rescale");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let sp = local.shutdown().await.expect("stop");
+
+    let (mut seen, ids) = published_windows(&out);
+    assert!(!seen.is_empty(), "output was published");
+    // Only committed snapshots published output.
+    let (store, base) = snapshot::open_store(&env.storage).expect("store");
+    let job_dir = snapshot::job_dir(&base, "test", "sink");
+    let committed: Vec<u64> = snapshot::list_snapshots(store.as_ref(), &job_dir)
+        .await
+        .expect("list")
+        .iter()
+        .map(|s| s.id)
+        .collect();
+    for id in &ids {
+        assert!(
+            committed.contains(id) || *id < *committed.iter().min().unwrap_or(&0),
+            "output of uncommitted snapshot {id} is visible (committed: {committed:?})"
+        );
+    }
+    let (open, positions, _) = snapshot_state_windows(&sp.url).await;
+    for (key, windows) in open {
+        for (start, acc) in windows {
+            let prev = seen.entry(key.clone()).or_default().insert(start, acc);
+            assert!(
+                prev.is_none(),
+                "window {start} of {key:?} both published and open"
+            );
+        }
+    }
+    let Expected::Windowed(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("expected windows");
+    };
+    assert!(
+        seen == expected,
+        "published + open windows differ from the exact expected windows"
+    );
+}
