@@ -153,6 +153,7 @@ pub enum CliError {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
+    telemetry::install_crypto_provider();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

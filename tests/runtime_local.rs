@@ -37,7 +37,7 @@ spec:
   maxParallelism: {max_p}
   job:
     source:
-      generator: {{partitions: 6, keys: 3000, seed: 7, recordsPerSecond: 30000{extra_source}}}
+      generator: {{partitions: 6, keys: 3000, seed: 7, recordsPerSecond: 5000{extra_source}}}
     key: {{field: key, type: string}}
     aggregation: {agg}
   state:
@@ -226,9 +226,37 @@ async fn hot_key_and_refused_parallelism() {
     assert!(e.to_string().contains("ceiling 10"), "{e}");
 }
 
+/// The S3 server's URL (hack/test.sh starts one), unique per test, or `None` (with a message).
+fn s3_url(test: &str) -> Option<String> {
+    match std::env::var("KEYSHIFT_TEST_S3_URL") {
+        Ok(url) => Some(format!(
+            "{}/{test}-{}",
+            url.trim_end_matches('/'),
+            std::process::id()
+        )),
+        Err(_) => {
+            eprintln!(
+                "SKIPPED {test} on S3: set KEYSHIFT_TEST_S3_URL (hack/test.sh starts an S3 server)"
+            );
+            None
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_restarts_from_the_last_checkpoint() {
-    let env = env(None);
+    crash_and_recover(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_restarts_from_the_last_checkpoint_on_s3() {
+    if let Some(url) = s3_url("crash") {
+        crash_and_recover(Some(url)).await;
+    }
+}
+
+async fn crash_and_recover(storage: Option<String>) {
+    let env = env(storage);
     let spec = generator_job("crash", "", 3, 128, "{function: sum, field: value}");
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
@@ -292,6 +320,35 @@ async fn corrupt_or_foreign_snapshots_are_refused() {
         "{e}"
     );
 
+    // State this job does not declare (another schema) is refused unless explicitly allowed.
+    let manifest_path = PathBuf::from(sp.url.trim_start_matches("file://")).join("_manifest.json");
+    let original = std::fs::read_to_string(&manifest_path).expect("manifest");
+    let foreign = original.replace("\"keyshift.agg.v1\"", "\"acme.sessions.v3\"");
+    assert_ne!(foreign, original, "the manifest names its state schema");
+    std::fs::write(&manifest_path, &foreign).expect("write");
+    let e = local
+        .launch(2, Some(sp.url.clone()))
+        .await
+        .expect_err("unknown state refused");
+    assert!(e.to_string().contains("allowNonRestoredState"), "{e}");
+    let mut allowed = spec.clone();
+    allowed.spec.allow_non_restored_state = true;
+    let mut lenient = LocalJob::new(
+        &allowed,
+        format!("{}-lenient", env.storage),
+        bin(),
+        env.logs.clone(),
+    )
+    .await
+    .expect("prepares");
+    let r = lenient
+        .launch(2, Some(sp.url.clone()))
+        .await
+        .expect("allowed: starts without that state");
+    assert_eq!(r.bytes_read(), 0, "nothing of the foreign state is read");
+    lenient.stop().await;
+    std::fs::write(&manifest_path, &original).expect("restore manifest");
+
     // A flipped byte in a state file: detected, named, nothing restored.
     let path = PathBuf::from(sp.url.trim_start_matches("file://")).join("state-1-of-2.bin");
     let mut bytes = std::fs::read(&path).expect("state file");
@@ -345,7 +402,7 @@ spec:
   maxParallelism: 128
   job:
     source:
-      generator: {partitions: 4, keys: 200, seed: 3, recordsPerSecond: 20000}
+      generator: {partitions: 4, keys: 200, seed: 3, recordsPerSecond: 4000}
     key: {field: key}
     aggregation: {function: sum, field: value}
     window: {size: 1s, maxOutOfOrderness: 100ms}
@@ -471,7 +528,7 @@ spec:
   maxParallelism: 128
   job:
     source:
-      generator: {{partitions: 4, keys: 100, seed: 11, recordsPerSecond: 20000}}
+      generator: {{partitions: 4, keys: 100, seed: 11, recordsPerSecond: 4000}}
     key: {{field: key}}
     aggregation: {{function: sum, field: value}}
     window: {{size: 500ms}}
