@@ -65,8 +65,15 @@ fn env(storage_override: Option<String>) -> Env {
     }
 }
 
-/// Every key's scalar value in a committed snapshot, and its source positions.
-async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, snapshot::Manifest) {
+/// Every key's state in a committed snapshot (read through the real restore path), its source
+/// positions and its manifest.
+async fn read_state(
+    url: &str,
+) -> (
+    BTreeMap<Key, AccValue>,
+    BTreeMap<u32, u64>,
+    snapshot::Manifest,
+) {
     let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
     let all = manifest.assignment().expect("manifest assignment");
     let mut state = BTreeMap::new();
@@ -74,22 +81,29 @@ async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, s
         let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
             .await
             .expect("groups read");
-        for g in restored.groups {
-            if g.bytes.is_empty() {
-                continue;
-            }
-            let decoded = job::decode_group(&g.bytes).expect("block decodes");
-            for (key, value) in decoded.entries {
-                match value.acc {
-                    AccValue::Scalar(v) => {
-                        assert!(state.insert(key, v).is_none(), "a key in two groups");
-                    }
-                    AccValue::Windows(_) => panic!("unexpected windowed state"),
-                }
+        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
+            for (key, value) in job::decode_group(&g.bytes).expect("block decodes").entries {
+                assert!(
+                    state.insert(key, value.acc).is_none(),
+                    "a key in two groups"
+                );
             }
         }
     }
     (state, manifest.source_positions.clone(), manifest)
+}
+
+/// Every key's scalar value in a committed snapshot, and its source positions.
+async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, snapshot::Manifest) {
+    let (state, positions, manifest) = read_state(url).await;
+    let scalars = state
+        .into_iter()
+        .map(|(k, acc)| match acc {
+            AccValue::Scalar(v) => (k, v),
+            AccValue::Windows(_) => panic!("unexpected windowed state"),
+        })
+        .collect();
+    (scalars, positions, manifest)
 }
 
 async fn assert_exact(spec: &StreamJob, url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
@@ -370,6 +384,18 @@ async fn corrupt_or_foreign_snapshots_are_refused() {
     assert!(e.to_string().contains("state-1-of-2.bin"), "{e}");
 }
 
+/// Adds the window rows of sink output (JSON lines) to `out`; a window seen twice fails the test.
+fn add_window_rows(text: &str, out: &mut BTreeMap<Key, BTreeMap<i64, i64>>) {
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("sink line is JSON");
+        let key = Key::String(v["key"].as_str().expect("string key").to_owned());
+        let start = v["window"]["start"].as_i64().expect("window start");
+        let value = v["value"].as_i64().expect("value");
+        let prev = out.entry(key.clone()).or_default().insert(start, value);
+        assert!(prev.is_none(), "window {start} of {key:?} emitted twice");
+    }
+}
+
 /// Fired windows from the log sink of every worker run, keyed by key and window start; a window
 /// that fired twice fails the test.
 fn fired_windows(logs: &std::path::Path) -> BTreeMap<Key, BTreeMap<i64, i64>> {
@@ -379,14 +405,7 @@ fn fired_windows(logs: &std::path::Path) -> BTreeMap<Key, BTreeMap<i64, i64>> {
         if path.extension().is_none_or(|e| e != "out") {
             continue;
         }
-        for line in std::fs::read_to_string(&path).expect("read").lines() {
-            let v: serde_json::Value = serde_json::from_str(line).expect("sink line is JSON");
-            let key = Key::String(v["key"].as_str().expect("string key").to_owned());
-            let start = v["window"]["start"].as_i64().expect("window start");
-            let value = v["value"].as_i64().expect("value");
-            let prev = out.entry(key.clone()).or_default().insert(start, value);
-            assert!(prev.is_none(), "window {start} of {key:?} fired twice");
-        }
+        add_window_rows(&std::fs::read_to_string(&path).expect("read"), &mut out);
     }
     out
 }
@@ -460,25 +479,15 @@ async fn snapshot_state_windows(
     BTreeMap<u32, u64>,
     snapshot::Manifest,
 ) {
-    let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
-    let all = manifest.assignment().expect("assignment");
-    let mut state = BTreeMap::new();
-    for i in 0..all.parallelism() {
-        let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
-            .await
-            .expect("groups read");
-        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
-            for (key, value) in job::decode_group(&g.bytes).expect("decodes").entries {
-                match value.acc {
-                    AccValue::Windows(w) => {
-                        state.insert(key, w);
-                    }
-                    AccValue::Scalar(_) => panic!("unexpected scalar state"),
-                }
-            }
-        }
-    }
-    (state, manifest.source_positions.clone(), manifest)
+    let (state, positions, manifest) = read_state(url).await;
+    let windows = state
+        .into_iter()
+        .map(|(k, acc)| match acc {
+            AccValue::Windows(w) => (k, w),
+            AccValue::Scalar(_) => panic!("unexpected scalar state"),
+        })
+        .collect();
+    (windows, positions, manifest)
 }
 
 /// Published (committed) sink output under `out`: per key and window start, failing on a window
