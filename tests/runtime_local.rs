@@ -601,3 +601,85 @@ spec:
         "published + open windows differ from the exact expected windows"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_source_resumes_at_exact_byte_offsets_across_a_rescale() {
+    let env = env(None);
+    let input = env._dir.path().join("input");
+    std::fs::create_dir_all(&input).expect("input dir");
+    // Three partitions of JSON lines; long keys, values to sum.
+    let write = |from: i64, to: i64| {
+        for p in 0..3i64 {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(input.join(format!("part-{p}.jsonl")))
+                .expect("open");
+            for i in from..to {
+                writeln!(
+                    f,
+                    "{{\"account\":{},\"amount\":{},\"ts\":{}}}",
+                    (i * 7 + p) % 50,
+                    i % 13,
+                    i
+                )
+                .expect("write");
+            }
+        }
+    };
+    write(0, 2000);
+    let spec = job(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: files, namespace: test}}
+spec:
+  replicas: 2
+  maxParallelism: 64
+  job:
+    source:
+      file: {{path: 'file://{}'}}
+    key: {{field: account, type: long}}
+    aggregation: {{function: sum, field: amount}}
+  state:
+    checkpointInterval: 1h
+",
+        input.display()
+    ));
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let r = local.rescale(3).await.expect("rescale 2 -> 3");
+    let (state, positions, _) = snapshot_state(&r.savepoint).await;
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("global");
+    };
+    assert_eq!(state, expected);
+    // The files grow while the job runs: the new lines are read exactly once.
+    write(2000, 3000);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let sp = local.shutdown().await.expect("stop");
+    let (state, positions, _) = snapshot_state(&sp.url).await;
+    for p in 0..3u32 {
+        let len = std::fs::metadata(input.join(format!("part-{p}.jsonl")))
+            .expect("file")
+            .len();
+        assert_eq!(
+            positions.get(&p),
+            Some(&len),
+            "partition {p} was read to its end"
+        );
+    }
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("global");
+    };
+    assert_eq!(state, expected);
+    let total: i64 = state.values().sum();
+    assert_eq!(total, 3 * (0..3000i64).map(|i| i % 13).sum::<i64>());
+}
