@@ -111,6 +111,17 @@ pub fn pod(
         annotations.insert(ANNOTATION_KEY_GROUPS.to_owned(), range.to_string());
     }
     let mut env = vec![EnvVar {
+        name: "POD_IP".into(),
+        value_from: Some(EnvVarSource {
+            field_ref: Some(k8s_openapi::api::core::v1::ObjectFieldSelector {
+                field_path: "status.podIP".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }];
+    env.push(EnvVar {
         name: "KEYSHIFT_TOKEN".into(),
         value_from: Some(EnvVarSource {
             secret_key_ref: Some(SecretKeySelector {
@@ -121,7 +132,7 @@ pub fn pod(
             ..Default::default()
         }),
         ..Default::default()
-    }];
+    });
     env.push(EnvVar {
         name: "KEYSHIFT_SUBTASK".into(),
         value: Some(subtask.to_string()),
@@ -143,9 +154,11 @@ pub fn pod(
         args: Some(vec![
             "worker".into(),
             "--control-addr".into(),
-            format!("0.0.0.0:{CONTROL_PORT}"),
+            // The pod's own address: pods that share a network namespace (the test kubelet)
+            // must not collide on the ports.
+            format!("$(POD_IP):{CONTROL_PORT}"),
             "--data-addr".into(),
-            format!("0.0.0.0:{DATA_PORT}"),
+            format!("$(POD_IP):{DATA_PORT}"),
         ]),
         env: Some(env),
         env_from,

@@ -20,3 +20,10 @@ pub mod reconcile;
 pub mod status;
 
 pub use reconcile::{Context, OperatorConfig, OperatorError, run};
+
+/// Selects rustls' `ring` provider for the process. Both `ring` (kube) and `aws-lc-rs`
+/// (object_store) are compiled in, so rustls cannot pick one itself and a Kubernetes client would
+/// panic on its first TLS connection. Idempotent.
+pub fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

@@ -146,6 +146,7 @@ impl Context {
 
 /// Runs the operator until SIGTERM/Ctrl-C.
 pub async fn run(config: OperatorConfig) -> Result<(), OperatorError> {
+    super::install_crypto_provider();
     let client = Client::try_default().await?;
     let metrics = Arc::new(OperatorMetrics::new());
     let addr = config.metrics_addr;
