@@ -81,6 +81,8 @@ struct JobMemory {
     step_started: Option<(String, Instant)>,
 }
 
+type SharedMemory = Arc<tokio::sync::Mutex<JobMemory>>;
+
 /// Shared state of the controller.
 pub struct Context {
     client: Client,
@@ -88,7 +90,7 @@ pub struct Context {
     metrics: Arc<OperatorMetrics>,
     http: reqwest::Client,
     recorder: Recorder,
-    jobs: std::sync::Mutex<HashMap<(String, String), Arc<tokio::sync::Mutex<JobMemory>>>>,
+    jobs: std::sync::Mutex<HashMap<(String, String), SharedMemory>>,
 }
 
 impl Context {
@@ -572,9 +574,10 @@ impl Pass<'_> {
         let labels_base = (self.ns.clone(), self.name.clone());
         let mem_step = self.mem.step_started.take();
         if let Some(r) = self.status.rescale.as_mut() {
+            // Unknown after an operator restart: the step's time is then not reported.
             let secs = match &mem_step {
                 Some((s, t)) if *s == r.step => now.duration_since(*t).as_secs_f64(),
-                _ => parse_time(&r.started).map(|_| 0.0).unwrap_or_default(),
+                _ => 0.0,
             };
             if step::active(&r.step) {
                 r.step_seconds

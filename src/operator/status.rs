@@ -102,15 +102,8 @@ pub fn finish(
 ) {
     status.observed_generation = generation;
     let rescale = status.rescale.as_ref().filter(|r| step::active(&r.step));
-    if let Some(r) = rescale {
-        status.phase = Some(if r.to == 0 {
-            Phase::Suspended
-        } else {
-            Phase::Rescaling
-        });
-        if r.to == 0 && r.step != step::DONE {
-            status.phase = Some(Phase::Rescaling);
-        }
+    if rescale.is_some() {
+        status.phase = Some(Phase::Rescaling);
     } else if progress.stalled.is_some() && status.replicas.is_none() {
         status.phase = Some(Phase::Failed);
     } else if status.phase.is_none() {
