@@ -47,4 +47,4 @@ step "testenv up"
 eval "$(hack/testenv.sh up)"
 
 step "e2e tests"
-cargo test --locked --test e2e_cluster -- --ignored --test-threads=4
+cargo test --locked --test e2e_cluster --test e2e_operator -- --ignored --test-threads=4

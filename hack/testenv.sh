@@ -10,19 +10,28 @@
 # Must run as root (network namespaces). Everything it prints besides the
 # export line goes to stderr.
 #
-# Network layout (all addresses stay on the project's own veth pair):
+# Network layout (all addresses stay on the project's own veth pair; S is
+# $KEYSHIFT_SUBNET, default 213):
 #
-#   host  ── $VETH_HOST 10.213.0.1/16 ══ veth ══ $NETNS_IF 10.213.0.2/16 ── netns $NETNS
-#                                                      default via 10.213.0.1
+#   host  ── $VETH_HOST 10.S.0.1/16 ══ veth ══ $NETNS_IF 10.S.0.2/16 ── netns $NETNS
+#                                                      default via 10.S.0.1
 #   inside the netns: etcd on 127.0.0.1:2379/2380, kube-apiserver on :6443
-#   (advertised as 10.213.0.2), kube-controller-manager on 127.0.0.1:10257.
-#   Service ClusterIPs: 10.213.255.0/24 (not routed anywhere; see SERVICE_CIDR).
+#   (advertised as 10.S.0.2), kube-controller-manager on 127.0.0.1:10257.
+#   Service ClusterIPs: 10.S.255.0/24 (not routed anywhere; see SERVICE_CIDR).
 #
-# The host reaches the apiserver at https://10.213.0.2:6443 through the veth.
-# The host side address is a /16, so the host routes all of 10.213.0.0/16
-# into the netns: a test kubelet can add pod IPs (e.g. 10.213.1.N/32) to
+# The host reaches the apiserver at https://10.S.0.2:6443 through the veth.
+# The host side address is a /16, so the host routes all of 10.S.0.0/16
+# into the netns: a test kubelet can add pod IPs (e.g. 10.S.1.N/32) to
 # $NETNS_IF inside the netns and host processes reach them. IP forwarding on
 # the host is not touched, so nothing in the netns can reach beyond the host.
+#
+# Several environments can run side by side (e.g. two checkouts running
+# hack/test.sh at once) when each has its own KEYSHIFT_SUBNET, KEYSHIFT_NETNS,
+# KEYSHIFT_VETH_HOST and KEYSHIFT_TESTENV_DIR, e.g.
+#   KEYSHIFT_SUBNET=214 KEYSHIFT_NETNS=keyshift-helm KEYSHIFT_VETH_HOST=kshelm0 \
+#     KEYSHIFT_TESTENV_DIR=/tmp/keyshift-helm-env hack/test.sh
+# `up` refuses to start when the netns is in use by another environment or
+# another host interface already holds an address in 10.S.0.0/16.
 #
 # State dir ($KEYSHIFT_TESTENV_DIR, default /tmp/keyshift-testenv):
 #   certs/  pki: CA, apiserver serving cert, admin and controller-manager client
@@ -37,6 +46,8 @@
 #   env     shell-sourceable description (KUBECONFIG, netns, interface, IPs, binaries)
 #
 # Environment:
+#   KEYSHIFT_SUBNET        second octet of the environment's 10.S.0.0/16 (default 213);
+#                          every address below derives from it
 #   KEYSHIFT_TESTENV_DIR   state dir (default /tmp/keyshift-testenv)
 #   KEYSHIFT_NETNS         netns name (default keyshift-test)
 #   KEYSHIFT_VETH_HOST     host side veth name (default keyshift0)
@@ -44,7 +55,9 @@
 #   KEYSHIFT_KUBELET       optional executable started inside the netns as
 #                          `$KEYSHIFT_KUBELET --kubeconfig <admin> --state-dir <dir>/kubelet`
 #   KEYSHIFT_KUBELET_ARGS  extra arguments for it (word-split)
-#   KEYSHIFT_SERVICE_CIDR  service ClusterIP range (default 10.213.255.0/24)
+#   KEYSHIFT_SERVICE_CIDR  service ClusterIP range (default 10.S.255.0/24)
+#   KEYSHIFT_TESTENV_TAKEOVER=1  let `up` tear down a netns of the same name whose
+#                          processes belong to another state dir (a killed run's leftovers)
 #   KEYSHIFT_CACHE, KEYSHIFT_K8S_VERSION, KEYSHIFT_ETCD_VERSION: see build-control-plane.sh
 set -euo pipefail
 
@@ -56,15 +69,16 @@ DIR="${KEYSHIFT_TESTENV_DIR:-/tmp/keyshift-testenv}"
 NETNS="${KEYSHIFT_NETNS:-keyshift-test}"
 VETH_HOST="${KEYSHIFT_VETH_HOST:-keyshift0}"
 NETNS_IF="${KEYSHIFT_NETNS_IF:-eth0}"
-HOST_IP=10.213.0.1
-NS_IP=10.213.0.2
+SUBNET="${KEYSHIFT_SUBNET:-213}"
+HOST_IP="10.$SUBNET.0.1"
+NS_IP="10.$SUBNET.0.2"
 PREFIX=16
 # ClusterIPs come from the netns's own /16 as well: nothing implements them
 # (no kube-proxy), but should anything dial one (e.g. a process using
 # in-cluster config dials the "kubernetes" Service IP), the packet is routed
 # into our veth and dropped there instead of leaving through the host's
 # default route.
-SERVICE_CIDR="${KEYSHIFT_SERVICE_CIDR:-10.213.255.0/24}"
+SERVICE_CIDR="${KEYSHIFT_SERVICE_CIDR:-10.$SUBNET.255.0/24}"
 # First address of an IPv4 CIDR (network address + 1): the "kubernetes" Service IP.
 first_ip() {
   local ip="${1%/*}" bits="${1#*/}" a b c d n
@@ -90,11 +104,16 @@ die() { log "ERROR: $*"; exit 1; }
 
 [[ "$(id -u)" == 0 ]] || die "must run as root (network namespaces)"
 [[ -n "$DIR" && "$DIR" != / ]] || die "refusing state dir '$DIR'"
+[[ "$SUBNET" =~ ^(0|[1-9][0-9]{0,2})$ ]] && ((SUBNET <= 255)) || die "KEYSHIFT_SUBNET must be 0..255, got '$SUBNET'"
+[[ "$NETNS" =~ ^[A-Za-z0-9_.-]+$ ]] || die "KEYSHIFT_NETNS must be a plain name, got '$NETNS'"
 
-# One testenv.sh at a time (per checkout): lock this script file itself, so
-# no lock file is left behind. Children never see the descriptor (start()
-# closes it).
-exec 8<"${BASH_SOURCE[0]}"
+# One testenv.sh at a time per network namespace, whichever checkout it runs
+# from: the netns, its veth and its subnet are what environments share on a
+# host. The lock file lives in /run/lock (tmpfs); children never see the
+# descriptor (start() closes it).
+LOCK_DIR=/run/lock
+[[ -d "$LOCK_DIR" && -w "$LOCK_DIR" ]] || LOCK_DIR=/tmp
+exec 8>"$LOCK_DIR/keyshift-testenv.$NETNS.lock"
 flock 8
 
 # ---------------------------------------------------------------------------------
@@ -220,6 +239,24 @@ netns_up() {
   # kube-apiserver picks its advertise address from the default route's
   # interface and refuses to start without one.
   ip -n "$NETNS" route replace default via "$HOST_IP" dev "$NETNS_IF"
+}
+
+# Refuse to touch an environment that is not ours: processes live in $NETNS
+# but $DIR holds no state of ours (another checkout or state dir uses the same
+# names), or another host interface already has an address in our /16.
+check_not_shared() {
+  if netns_exists && [[ ! -f "$MARKER" && -n "$(ip netns pids "$NETNS" 2>/dev/null)" ]] &&
+    [[ "${KEYSHIFT_TESTENV_TAKEOVER:-}" != 1 ]]; then
+    die "netns $NETNS has running processes but $DIR is not their state dir: another environment uses it.
+  Pick other names (KEYSHIFT_SUBNET, KEYSHIFT_NETNS, KEYSHIFT_VETH_HOST, KEYSHIFT_TESTENV_DIR),
+  stop that one ('hack/testenv.sh down' with its KEYSHIFT_TESTENV_DIR), or, if it is a leftover
+  of a killed run, set KEYSHIFT_TESTENV_TAKEOVER=1 to tear it down."
+  fi
+  local other
+  other="$(ip -4 -o addr show to "10.$SUBNET.0.0/$PREFIX" 2>/dev/null | awk -v mine="$VETH_HOST" '$2 != mine { print $2 " " $4 }')"
+  if [[ -n "$other" ]]; then
+    die "10.$SUBNET.0.0/$PREFIX is already in use on this host ($other); set KEYSHIFT_SUBNET to a free one"
+  fi
 }
 
 netns_down() {
@@ -396,6 +433,7 @@ cmd_up() {
     emit_export
     return 0
   fi
+  check_not_shared
   if [[ -e "$DIR" ]] || netns_exists || ip link show "$VETH_HOST" >/dev/null 2>&1; then
     log "found a partial or dead environment; tearing it down first"
     cmd_down
@@ -505,6 +543,7 @@ export KEYSHIFT_TESTENV_DIR=$DIR
 export KEYSHIFT_NETNS=$NETNS
 export KEYSHIFT_NETNS_IF=$NETNS_IF
 export KEYSHIFT_VETH_HOST=$VETH_HOST
+export KEYSHIFT_SUBNET=$SUBNET
 export KEYSHIFT_HOST_IP=$HOST_IP
 export KEYSHIFT_NODE_IP=$NS_IP
 export KEYSHIFT_APISERVER=$APISERVER_URL

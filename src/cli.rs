@@ -45,6 +45,25 @@ pub enum Command {
     /// Run one subtask of a job (started and driven by the operator or `keyshift local` through
     /// its control API).
     Worker(WorkerArgs),
+    /// Run the Kubernetes operator: reconcile StreamJobs into worker pods, checkpoint them and
+    /// rescale them through savepoints.
+    Operator(OperatorArgs),
+}
+
+#[derive(clap::Args, Debug)]
+pub struct OperatorArgs {
+    /// Namespaces to watch, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',', env = "KEYSHIFT_NAMESPACES")]
+    pub namespaces: Vec<String>,
+    /// Snapshot storage URL for jobs that set no spec.state.storage.
+    #[arg(long, env = "KEYSHIFT_DEFAULT_STORAGE")]
+    pub default_storage: Option<String>,
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub metrics_addr: std::net::SocketAddr,
+    /// Worker image for jobs that set no spec.image.
+    #[arg(long, env = "KEYSHIFT_IMAGE", default_value = "keyshift:dev")]
+    pub worker_image: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -145,6 +164,8 @@ pub enum CliError {
     Local(#[from] Box<crate::local::LocalError>),
     #[error("{0}")]
     Worker(#[from] Box<crate::runtime::worker::WorkerError>),
+    #[error("{0}")]
+    Operator(#[from] Box<crate::operator::OperatorError>),
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
 }
@@ -206,6 +227,23 @@ fn run(command: Command) -> Result<(), CliError> {
             };
             tokio_runtime()?
                 .block_on(crate::runtime::worker::run(config))
+                .map_err(Box::new)?;
+            Ok(())
+        }
+        Command::Operator(args) => {
+            drop(out);
+            let config = crate::operator::OperatorConfig {
+                namespaces: args
+                    .namespaces
+                    .into_iter()
+                    .filter(|n| !n.is_empty())
+                    .collect(),
+                default_storage: args.default_storage,
+                metrics_addr: args.metrics_addr,
+                worker_image: args.worker_image,
+            };
+            tokio_runtime()?
+                .block_on(crate::operator::run(config))
                 .map_err(Box::new)?;
             Ok(())
         }

@@ -10,6 +10,7 @@ pub mod crd;
 pub mod job;
 pub mod keygroup;
 pub mod local;
+pub mod operator;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;

@@ -64,9 +64,11 @@ struct Args {
     /// Empty: pods share the node address.
     #[arg(long, env = "KEYSHIFT_NETNS_IF", default_value = "")]
     interface: String,
-    /// First pod address; later pods get the following addresses.
-    #[arg(long, default_value = "10.213.1.1")]
-    pod_ip_start: Ipv4Addr,
+    /// First pod address; later pods get the following addresses. Default: x.y.1.1 in the
+    /// node address's /16 (10.213.0.2 -> 10.213.1.1), so a relocated test environment
+    /// (`KEYSHIFT_SUBNET`) needs no second setting.
+    #[arg(long)]
+    pod_ip_start: Option<Ipv4Addr>,
     /// The binary that images whose repository ends in `keyshift` run. Default: `keyshift`
     /// beside this executable.
     #[arg(long, env = "KEYSHIFT_BIN")]
@@ -155,7 +157,10 @@ async fn main() -> Result<()> {
         api_server,
         ca_pem,
         ips: Mutex::new(IpPool {
-            start: u32::from(args.pod_ip_start),
+            start: u32::from(
+                args.pod_ip_start
+                    .unwrap_or_else(|| default_pod_ip_start(args.node_ip)),
+            ),
             used: BTreeMap::new(),
         }),
     });
@@ -673,6 +678,12 @@ fn expand_vars(text: &str, env: &[(String, String)]) -> String {
     out
 }
 
+/// The first pod address when none is given: x.y.1.1 in the node address's /16.
+fn default_pod_ip_start(node_ip: Ipv4Addr) -> Ipv4Addr {
+    let [a, b, _, _] = node_ip.octets();
+    Ipv4Addr::new(a, b, 1, 1)
+}
+
 /// The repository part of an image reference (no tag or digest).
 fn image_repository(image: &str) -> &str {
     let no_digest = image.split('@').next().unwrap_or(image);
@@ -1101,6 +1112,18 @@ mod tests {
         );
         assert_eq!(image_repository("keyshift@sha256:abc"), "keyshift");
         assert_eq!(image_repository("busybox:1.36"), "busybox");
+    }
+
+    #[test]
+    fn pod_addresses_follow_the_node_subnet() {
+        assert_eq!(
+            default_pod_ip_start(Ipv4Addr::new(10, 213, 0, 2)),
+            Ipv4Addr::new(10, 213, 1, 1)
+        );
+        assert_eq!(
+            default_pod_ip_start(Ipv4Addr::new(10, 214, 0, 2)),
+            Ipv4Addr::new(10, 214, 1, 1)
+        );
     }
 
     #[test]
