@@ -72,4 +72,4 @@ step "testenv up"
 eval "$(hack/testenv.sh up)"
 
 step "e2e tests"
-cargo test --locked --test e2e_cluster --test e2e_helm --test e2e_leader -- --ignored --test-threads=4
+cargo test --locked --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4

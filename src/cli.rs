@@ -45,6 +45,9 @@ pub enum Command {
     /// Run one subtask of a job (started and driven by the operator or `keyshift local` through
     /// its control API).
     Worker(WorkerArgs),
+    /// Run the Kubernetes operator: reconcile StreamJobs into worker pods, checkpoint them and
+    /// rescale them through savepoints.
+    Operator(OperatorArgs),
     /// Campaign for the operator's leader-election Lease and report leadership (for tests).
     #[command(hide = true)]
     LeaderDemo(LeaderDemoArgs),
@@ -65,6 +68,22 @@ pub struct LeaderDemoArgs {
     /// suffix.
     #[arg(long)]
     pub identity: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct OperatorArgs {
+    /// Namespaces to watch, comma-separated (default: all).
+    #[arg(long, value_delimiter = ',', env = "KEYSHIFT_NAMESPACES")]
+    pub namespaces: Vec<String>,
+    /// Snapshot storage URL for jobs that set no spec.state.storage.
+    #[arg(long, env = "KEYSHIFT_DEFAULT_STORAGE")]
+    pub default_storage: Option<String>,
+    /// Address of `/metrics`, `/healthz` and `/readyz`.
+    #[arg(long, default_value = "0.0.0.0:8080")]
+    pub metrics_addr: std::net::SocketAddr,
+    /// Worker image for jobs that set no spec.image.
+    #[arg(long, env = "KEYSHIFT_IMAGE", default_value = "keyshift:dev")]
+    pub worker_image: String,
 }
 
 #[derive(clap::Args, Debug)]
@@ -166,6 +185,8 @@ pub enum CliError {
     #[error("{0}")]
     Worker(#[from] Box<crate::runtime::worker::WorkerError>),
     #[error("{0}")]
+    Operator(#[from] Box<crate::operator::OperatorError>),
+    #[error("{0}")]
     Leader(#[from] crate::leader::LeaderError),
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
@@ -175,6 +196,7 @@ pub enum CliError {
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
+    telemetry::install_crypto_provider();
     match run(cli.command) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -227,6 +249,23 @@ fn run(command: Command) -> Result<(), CliError> {
             };
             tokio_runtime()?
                 .block_on(crate::runtime::worker::run(config))
+                .map_err(Box::new)?;
+            Ok(())
+        }
+        Command::Operator(args) => {
+            drop(out);
+            let config = crate::operator::OperatorConfig {
+                namespaces: args
+                    .namespaces
+                    .into_iter()
+                    .filter(|n| !n.is_empty())
+                    .collect(),
+                default_storage: args.default_storage,
+                metrics_addr: args.metrics_addr,
+                worker_image: args.worker_image,
+            };
+            tokio_runtime()?
+                .block_on(crate::operator::run(config))
                 .map_err(Box::new)?;
             Ok(())
         }

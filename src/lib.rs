@@ -11,6 +11,7 @@ pub mod job;
 pub mod keygroup;
 pub mod leader;
 pub mod local;
+pub mod operator;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;

@@ -26,3 +26,11 @@ pub fn init(format: LogFormat) {
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
     };
 }
+
+/// Selects the TLS crypto provider for the whole process. Both `ring` (kube) and `aws-lc-rs`
+/// (object_store's HTTP client) are compiled in, so rustls cannot pick one by itself; call this
+/// first thing in every binary.
+pub fn install_crypto_provider() {
+    // Err means a provider is already installed, which is what we want.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}

@@ -18,6 +18,7 @@ const LEASE: Duration = Duration::from_secs(6);
 const LEASE_NAME: &str = "keyshift-operator";
 
 async fn client() -> kube::Client {
+    keyshift::telemetry::install_crypto_provider();
     let path = kubeconfig();
     let kubeconfig = kube::config::Kubeconfig::read_from(&path).expect("kubeconfig parses");
     let config = kube::Config::from_custom_kubeconfig(

@@ -37,7 +37,7 @@ spec:
   maxParallelism: {max_p}
   job:
     source:
-      generator: {{partitions: 6, keys: 3000, seed: 7, recordsPerSecond: 30000{extra_source}}}
+      generator: {{partitions: 6, keys: 3000, seed: 7, recordsPerSecond: 5000{extra_source}}}
     key: {{field: key, type: string}}
     aggregation: {agg}
   state:
@@ -65,8 +65,15 @@ fn env(storage_override: Option<String>) -> Env {
     }
 }
 
-/// Every key's scalar value in a committed snapshot, and its source positions.
-async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, snapshot::Manifest) {
+/// Every key's state in a committed snapshot (read through the real restore path), its source
+/// positions and its manifest.
+async fn read_state(
+    url: &str,
+) -> (
+    BTreeMap<Key, AccValue>,
+    BTreeMap<u32, u64>,
+    snapshot::Manifest,
+) {
     let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
     let all = manifest.assignment().expect("manifest assignment");
     let mut state = BTreeMap::new();
@@ -74,22 +81,29 @@ async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, s
         let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
             .await
             .expect("groups read");
-        for g in restored.groups {
-            if g.bytes.is_empty() {
-                continue;
-            }
-            let decoded = job::decode_group(&g.bytes).expect("block decodes");
-            for (key, value) in decoded.entries {
-                match value.acc {
-                    AccValue::Scalar(v) => {
-                        assert!(state.insert(key, v).is_none(), "a key in two groups");
-                    }
-                    AccValue::Windows(_) => panic!("unexpected windowed state"),
-                }
+        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
+            for (key, value) in job::decode_group(&g.bytes).expect("block decodes").entries {
+                assert!(
+                    state.insert(key, value.acc).is_none(),
+                    "a key in two groups"
+                );
             }
         }
     }
     (state, manifest.source_positions.clone(), manifest)
+}
+
+/// Every key's scalar value in a committed snapshot, and its source positions.
+async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, snapshot::Manifest) {
+    let (state, positions, manifest) = read_state(url).await;
+    let scalars = state
+        .into_iter()
+        .map(|(k, acc)| match acc {
+            AccValue::Scalar(v) => (k, v),
+            AccValue::Windows(_) => panic!("unexpected windowed state"),
+        })
+        .collect();
+    (scalars, positions, manifest)
 }
 
 async fn assert_exact(spec: &StreamJob, url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
@@ -226,9 +240,37 @@ async fn hot_key_and_refused_parallelism() {
     assert!(e.to_string().contains("ceiling 10"), "{e}");
 }
 
+/// The S3 server's URL (hack/test.sh starts one), unique per test, or `None` (with a message).
+fn s3_url(test: &str) -> Option<String> {
+    match std::env::var("KEYSHIFT_TEST_S3_URL") {
+        Ok(url) => Some(format!(
+            "{}/{test}-{}",
+            url.trim_end_matches('/'),
+            std::process::id()
+        )),
+        Err(_) => {
+            eprintln!(
+                "SKIPPED {test} on S3: set KEYSHIFT_TEST_S3_URL (hack/test.sh starts an S3 server)"
+            );
+            None
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_restarts_from_the_last_checkpoint() {
-    let env = env(None);
+    crash_and_recover(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_restarts_from_the_last_checkpoint_on_s3() {
+    if let Some(url) = s3_url("crash") {
+        crash_and_recover(Some(url)).await;
+    }
+}
+
+async fn crash_and_recover(storage: Option<String>) {
+    let env = env(storage);
     let spec = generator_job("crash", "", 3, 128, "{function: sum, field: value}");
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
@@ -292,6 +334,35 @@ async fn corrupt_or_foreign_snapshots_are_refused() {
         "{e}"
     );
 
+    // State this job does not declare (another schema) is refused unless explicitly allowed.
+    let manifest_path = PathBuf::from(sp.url.trim_start_matches("file://")).join("_manifest.json");
+    let original = std::fs::read_to_string(&manifest_path).expect("manifest");
+    let foreign = original.replace("\"keyshift.agg.v1\"", "\"acme.sessions.v3\"");
+    assert_ne!(foreign, original, "the manifest names its state schema");
+    std::fs::write(&manifest_path, &foreign).expect("write");
+    let e = local
+        .launch(2, Some(sp.url.clone()))
+        .await
+        .expect_err("unknown state refused");
+    assert!(e.to_string().contains("allowNonRestoredState"), "{e}");
+    let mut allowed = spec.clone();
+    allowed.spec.allow_non_restored_state = true;
+    let mut lenient = LocalJob::new(
+        &allowed,
+        format!("{}-lenient", env.storage),
+        bin(),
+        env.logs.clone(),
+    )
+    .await
+    .expect("prepares");
+    let r = lenient
+        .launch(2, Some(sp.url.clone()))
+        .await
+        .expect("allowed: starts without that state");
+    assert_eq!(r.bytes_read(), 0, "nothing of the foreign state is read");
+    lenient.stop().await;
+    std::fs::write(&manifest_path, &original).expect("restore manifest");
+
     // A flipped byte in a state file: detected, named, nothing restored.
     let path = PathBuf::from(sp.url.trim_start_matches("file://")).join("state-1-of-2.bin");
     let mut bytes = std::fs::read(&path).expect("state file");
@@ -313,6 +384,18 @@ async fn corrupt_or_foreign_snapshots_are_refused() {
     assert!(e.to_string().contains("state-1-of-2.bin"), "{e}");
 }
 
+/// Adds the window rows of sink output (JSON lines) to `out`; a window seen twice fails the test.
+fn add_window_rows(text: &str, out: &mut BTreeMap<Key, BTreeMap<i64, i64>>) {
+    for line in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("sink line is JSON");
+        let key = Key::String(v["key"].as_str().expect("string key").to_owned());
+        let start = v["window"]["start"].as_i64().expect("window start");
+        let value = v["value"].as_i64().expect("value");
+        let prev = out.entry(key.clone()).or_default().insert(start, value);
+        assert!(prev.is_none(), "window {start} of {key:?} emitted twice");
+    }
+}
+
 /// Fired windows from the log sink of every worker run, keyed by key and window start; a window
 /// that fired twice fails the test.
 fn fired_windows(logs: &std::path::Path) -> BTreeMap<Key, BTreeMap<i64, i64>> {
@@ -322,14 +405,7 @@ fn fired_windows(logs: &std::path::Path) -> BTreeMap<Key, BTreeMap<i64, i64>> {
         if path.extension().is_none_or(|e| e != "out") {
             continue;
         }
-        for line in std::fs::read_to_string(&path).expect("read").lines() {
-            let v: serde_json::Value = serde_json::from_str(line).expect("sink line is JSON");
-            let key = Key::String(v["key"].as_str().expect("string key").to_owned());
-            let start = v["window"]["start"].as_i64().expect("window start");
-            let value = v["value"].as_i64().expect("value");
-            let prev = out.entry(key.clone()).or_default().insert(start, value);
-            assert!(prev.is_none(), "window {start} of {key:?} fired twice");
-        }
+        add_window_rows(&std::fs::read_to_string(&path).expect("read"), &mut out);
     }
     out
 }
@@ -345,7 +421,7 @@ spec:
   maxParallelism: 128
   job:
     source:
-      generator: {partitions: 4, keys: 200, seed: 3, recordsPerSecond: 20000}
+      generator: {partitions: 4, keys: 200, seed: 3, recordsPerSecond: 4000}
     key: {field: key}
     aggregation: {function: sum, field: value}
     window: {size: 1s, maxOutOfOrderness: 100ms}
@@ -403,25 +479,15 @@ async fn snapshot_state_windows(
     BTreeMap<u32, u64>,
     snapshot::Manifest,
 ) {
-    let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
-    let all = manifest.assignment().expect("assignment");
-    let mut state = BTreeMap::new();
-    for i in 0..all.parallelism() {
-        let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
-            .await
-            .expect("groups read");
-        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
-            for (key, value) in job::decode_group(&g.bytes).expect("decodes").entries {
-                match value.acc {
-                    AccValue::Windows(w) => {
-                        state.insert(key, w);
-                    }
-                    AccValue::Scalar(_) => panic!("unexpected scalar state"),
-                }
-            }
-        }
-    }
-    (state, manifest.source_positions.clone(), manifest)
+    let (state, positions, manifest) = read_state(url).await;
+    let windows = state
+        .into_iter()
+        .map(|(k, acc)| match acc {
+            AccValue::Windows(w) => (k, w),
+            AccValue::Scalar(_) => panic!("unexpected scalar state"),
+        })
+        .collect();
+    (windows, positions, manifest)
 }
 
 /// Published (committed) sink output under `out`: per key and window start, failing on a window
@@ -471,7 +537,7 @@ spec:
   maxParallelism: 128
   job:
     source:
-      generator: {{partitions: 4, keys: 100, seed: 11, recordsPerSecond: 20000}}
+      generator: {{partitions: 4, keys: 100, seed: 11, recordsPerSecond: 4000}}
     key: {{field: key}}
     aggregation: {{function: sum, field: value}}
     window: {{size: 500ms}}
@@ -534,4 +600,86 @@ spec:
         seen == expected,
         "published + open windows differ from the exact expected windows"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_source_resumes_at_exact_byte_offsets_across_a_rescale() {
+    let env = env(None);
+    let input = env._dir.path().join("input");
+    std::fs::create_dir_all(&input).expect("input dir");
+    // Three partitions of JSON lines; long keys, values to sum.
+    let write = |from: i64, to: i64| {
+        for p in 0..3i64 {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(input.join(format!("part-{p}.jsonl")))
+                .expect("open");
+            for i in from..to {
+                writeln!(
+                    f,
+                    "{{\"account\":{},\"amount\":{},\"ts\":{}}}",
+                    (i * 7 + p) % 50,
+                    i % 13,
+                    i
+                )
+                .expect("write");
+            }
+        }
+    };
+    write(0, 2000);
+    let spec = job(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: files, namespace: test}}
+spec:
+  replicas: 2
+  maxParallelism: 64
+  job:
+    source:
+      file: {{path: 'file://{}'}}
+    key: {{field: account, type: long}}
+    aggregation: {{function: sum, field: amount}}
+  state:
+    checkpointInterval: 1h
+",
+        input.display()
+    ));
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let r = local.rescale(3).await.expect("rescale 2 -> 3");
+    let (state, positions, _) = snapshot_state(&r.savepoint).await;
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("global");
+    };
+    assert_eq!(state, expected);
+    // The files grow while the job runs: the new lines are read exactly once.
+    write(2000, 3000);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let sp = local.shutdown().await.expect("stop");
+    let (state, positions, _) = snapshot_state(&sp.url).await;
+    for p in 0..3u32 {
+        let len = std::fs::metadata(input.join(format!("part-{p}.jsonl")))
+            .expect("file")
+            .len();
+        assert_eq!(
+            positions.get(&p),
+            Some(&len),
+            "partition {p} was read to its end"
+        );
+    }
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("global");
+    };
+    assert_eq!(state, expected);
+    let total: i64 = state.values().sum();
+    assert_eq!(total, 3 * (0..3000i64).map(|i| i % 13).sum::<i64>());
 }

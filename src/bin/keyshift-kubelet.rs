@@ -114,6 +114,7 @@ impl IpPool {
 #[tokio::main]
 async fn main() -> Result<()> {
     keyshift::telemetry::init(keyshift::telemetry::LogFormat::Text);
+    keyshift::telemetry::install_crypto_provider();
     let args = Args::parse();
     let kubeconfig = kube::config::Kubeconfig::read_from(&args.kubeconfig)
         .with_context(|| format!("reading kubeconfig {}", args.kubeconfig.display()))?;

@@ -73,6 +73,10 @@ pub enum JobError {
         "spec.job.source.file.timestampField is required with a window: name the record field holding the event time in ms"
     )]
     TimestampField,
+    #[error(
+        "spec.job.source.file.path {0:?} must be a local directory (a path or file:///dir) that every worker can read; object-store file sources are not supported yet"
+    )]
+    FileSourceLocation(String),
     #[error("max parallelism {0} is outside 1..={UPPER_BOUND_MAX_PARALLELISM}")]
     MaxParallelism(u32),
     #[error(transparent)]
@@ -171,7 +175,12 @@ pub fn compile(
                 },
                 timestamp_field: f.timestamp_field.clone(),
             };
-            SourceKind::File(FileSourceReader::open(&f.path, fields)?)
+            // A local directory, as a path or a file:// URL.
+            let dir = f.path.strip_prefix("file://").unwrap_or(&f.path);
+            if dir.contains("://") {
+                return Err(JobError::FileSourceLocation(f.path.clone()));
+            }
+            SourceKind::File(FileSourceReader::open(dir, fields)?)
         }
         _ => return Err(JobError::SourceOneOf),
     };

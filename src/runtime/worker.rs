@@ -641,6 +641,7 @@ async fn source_loop(
     let mut stopped = false;
     let mut last_wm = i64::MIN;
     let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
+    let mut last_status = Instant::now();
     if partitions.is_empty() {
         // Nothing to read: never hold back the watermark downstream.
         router
@@ -663,27 +664,7 @@ async fn source_loop(
                     Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
                 }
             };
-            match cmd {
-                SourceCmd::Barrier(req) => {
-                    s.barrier_positions
-                        .lock()
-                        .await
-                        .insert(req.id, (req.kind, pos.clone(), Instant::now()));
-                    router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
-                    tracing::debug!(id = req.id, "barrier injected");
-                    if req.stop {
-                        stopped = true;
-                        s.stopped.store(true, Ordering::Release);
-                        tracing::info!(id = req.id, "sources stopped at the savepoint barrier");
-                    }
-                }
-                SourceCmd::Resume => {
-                    if stopped {
-                        tracing::info!("sources resumed");
-                    }
-                    stopped = false;
-                }
-            }
+            handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped).await?;
         }
         if stopped {
             continue;
@@ -745,27 +726,15 @@ async fn source_loop(
             last_wm = wm;
             router.broadcast(Msg::Watermark(wm), &s.metrics).await?;
         }
-        {
-            let mut st = s.status.lock().await;
-            st.source_positions = pos.clone();
+        if last_status.elapsed() >= Duration::from_millis(100) {
+            last_status = Instant::now();
+            s.status.lock().await.source_positions = pos.clone();
         }
         if !read_any {
             // Idle (paced, or at the end of input): wait a little or for a command.
             tokio::select! {
                 c = cmds.recv() => match c {
-                    Some(SourceCmd::Barrier(req)) => {
-                        s.barrier_positions
-                            .lock()
-                            .await
-                            .insert(req.id, (req.kind, pos.clone(), Instant::now()));
-                        router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
-                        if req.stop {
-                            stopped = true;
-                            s.stopped.store(true, Ordering::Release);
-                            tracing::info!(id = req.id, "sources stopped at the savepoint barrier");
-                        }
-                    }
-                    Some(SourceCmd::Resume) => stopped = false,
+                    Some(cmd) => handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped).await?,
                     None => return Ok(()),
                 },
                 _ = tokio::time::sleep(Duration::from_millis(if rate.is_some() { 5 } else { 50 })) => {}
@@ -774,6 +743,40 @@ async fn source_loop(
             tokio::task::yield_now().await;
         }
     }
+}
+
+/// Applies a control command at a batch boundary: a barrier records the partitions' positions
+/// and goes to every output (then, for stop-with-savepoint, the sources stop); resume restarts
+/// stopped sources.
+async fn handle_source_cmd(
+    s: &Shared,
+    router: &mut Outputs,
+    pos: &BTreeMap<u32, u64>,
+    cmd: SourceCmd,
+    stopped: &mut bool,
+) -> Result<(), WorkerError> {
+    match cmd {
+        SourceCmd::Barrier(req) => {
+            s.barrier_positions
+                .lock()
+                .await
+                .insert(req.id, (req.kind, pos.clone(), Instant::now()));
+            router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
+            tracing::debug!(id = req.id, "barrier injected");
+            if req.stop {
+                *stopped = true;
+                s.stopped.store(true, Ordering::Release);
+                tracing::info!(id = req.id, "sources stopped at the savepoint barrier");
+            }
+        }
+        SourceCmd::Resume => {
+            if *stopped {
+                tracing::info!("sources resumed");
+            }
+            *stopped = false;
+        }
+    }
+    Ok(())
 }
 
 /// Polls the inputs that are not blocked by barrier alignment, fairly.

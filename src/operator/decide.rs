@@ -1,0 +1,762 @@
+//! Pure: from what the operator observes (spec, status, pods, worker states) to the one next
+//! action. The I/O shell (`reconcile`) executes the action and records its outcome in status;
+//! the step of a rescale is always in status before the step acts, so a restarted operator
+//! resumes from status.
+
+use crate::crd::{StreamJobSpec, StreamJobStatus};
+use crate::validation::{self, Analysis};
+use chrono::{DateTime, Utc};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// Steps of a rescale (and of a suspend, a rescale to 0), as recorded in status.rescale.step.
+pub mod step {
+    pub const SAVEPOINTING: &str = "Savepointing";
+    pub const VERIFYING: &str = "Verifying";
+    pub const STOPPING: &str = "Stopping";
+    pub const RESTORING: &str = "Restoring";
+    pub const DONE: &str = "Done";
+    pub const ABANDONED: &str = "Abandoned";
+
+    /// Whether a step is in flight (not finished or given up).
+    pub fn active(step: &str) -> bool {
+        matches!(step, SAVEPOINTING | VERIFYING | STOPPING | RESTORING)
+    }
+}
+
+/// The phase of a pod as far as the operator cares.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PodPhase {
+    Pending,
+    Running,
+    /// Exited (Succeeded or Failed): a worker never exits on its own while its job runs.
+    Exited,
+    Unknown,
+}
+
+impl PodPhase {
+    pub fn parse(phase: Option<&str>) -> PodPhase {
+        match phase {
+            Some("Pending") | None => PodPhase::Pending,
+            Some("Running") => PodPhase::Running,
+            Some("Succeeded" | "Failed") => PodPhase::Exited,
+            Some(_) => PodPhase::Unknown,
+        }
+    }
+}
+
+/// A worker pod of the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObservedPod {
+    pub name: String,
+    pub run: String,
+    pub subtask: u32,
+    pub parallelism: u32,
+    pub phase: PodPhase,
+    pub ip: Option<String>,
+    /// Has a deletion timestamp.
+    pub deleting: bool,
+    /// The worker's own state (`idle`, `restoring`, `running`, `stopped`) from its control API;
+    /// `None` when it was not asked or did not answer.
+    pub worker: Option<String>,
+}
+
+/// The run the operator currently coordinates (its coordinator is in memory).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ActiveRun {
+    pub run: String,
+    pub parallelism: u32,
+}
+
+/// Everything a decision depends on besides spec and status.
+#[derive(Debug, Clone)]
+pub struct Observed {
+    pub now: DateTime<Utc>,
+    pub pods: Vec<ObservedPod>,
+    pub active: Option<ActiveRun>,
+    /// When the latest snapshot of the running job completed, or the run started.
+    pub last_snapshot_at: Option<DateTime<Utc>>,
+    /// No new attempt (restart, rescale) before this time (backoff after a failure).
+    pub backoff_until: Option<DateTime<Utc>>,
+    /// A fresh run id, used when new pods must be created and no run exists.
+    pub new_run: String,
+}
+
+/// Where a starting run restores from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Restore {
+    /// The newest committed snapshot of the job, or spec.restoreFrom when the job has none
+    /// recorded in status yet (the shell resolves it).
+    Latest,
+    /// This snapshot (a rescale's savepoint).
+    Url(String),
+}
+
+/// The one next thing to do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Action {
+    /// The spec cannot be run as is: say so (Stalled), leave the workers as they are.
+    Stall {
+        reason: &'static str,
+        message: String,
+    },
+    /// Record the key-group count in status before anything is snapshotted.
+    PinMaxParallelism(u32),
+    /// Record a new rescale (step Savepointing) in status; nothing else happens in this pass.
+    BeginRescale { from: u32, to: u32 },
+    /// Take a savepoint stopping the sources; on success record step Verifying with its URL.
+    Savepoint,
+    /// Verify the recorded savepoint; on success record step Stopping.
+    Verify { url: String },
+    /// Delete every pod of the job (stopping a run; a rescale's Stopping step).
+    DeletePods { reason: &'static str },
+    /// A finished step: record the next one.
+    Advance { to: &'static str },
+    /// Give up the rescale in flight: the job keeps (or returns to) its old parallelism.
+    Abandon { message: String },
+    /// Create the missing pods of a run.
+    CreatePods {
+        run: String,
+        parallelism: u32,
+        subtasks: Vec<u32>,
+    },
+    /// Pods are on their way (scheduled, starting, or workers booting).
+    Wait { reason: String },
+    /// Start the workers of a run whose pods are all running.
+    Start {
+        run: String,
+        parallelism: u32,
+        restore: Restore,
+    },
+    /// The workers of this run already run (operator restarted): coordinate them again.
+    Adopt { run: String, parallelism: u32 },
+    /// A worker of the running job failed: stop the run so it restarts from the last
+    /// checkpoint.
+    Recover { message: String },
+    /// A rescale's new run is up: record step Done and the new parallelism.
+    FinishRescale,
+    /// Take a periodic checkpoint.
+    Checkpoint,
+    /// Nothing to do until this much time has passed (or something changes).
+    Idle { requeue: Duration },
+}
+
+/// Why a spec cannot run: (reason, message) for the Stalled condition.
+pub fn check_spec(
+    spec: &StreamJobSpec,
+    status: &StreamJobStatus,
+) -> Result<Analysis, (&'static str, String)> {
+    if let Err(e) = validation::validate(spec, None, Some(status)) {
+        return Err(("InvalidSpec", e.to_string()));
+    }
+    validation::analyse(spec, Some(status)).map_err(|e| {
+        let reason = match e {
+            validation::AnalysisError::AboveCeiling { .. } => "AboveKeyGroupCeiling",
+            validation::AnalysisError::StrictNonDivisor { .. } => "StrictNonDivisor",
+            validation::AnalysisError::Bounds(_) => "InvalidSpec",
+        };
+        (reason, e.to_string())
+    })
+}
+
+/// The parallelism the spec asks for (0 while suspended).
+pub fn desired_parallelism(spec: &StreamJobSpec) -> u32 {
+    if spec.suspend {
+        0
+    } else {
+        spec.replicas.max(1) as u32
+    }
+}
+
+/// The checkpoint interval (default 30 s; never below 1 s).
+pub fn checkpoint_interval(spec: &StreamJobSpec) -> Duration {
+    validation::parse_duration(&spec.state.checkpoint_interval)
+        .unwrap_or(Duration::from_secs(30))
+        .max(Duration::from_secs(1))
+}
+
+/// What to do next.
+pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) -> Action {
+    let analysis = match check_spec(spec, status) {
+        Ok(a) => Some(a),
+        Err((reason, message)) => {
+            // A rescale in flight past its savepoint must still finish (to its recorded target),
+            // or the job would stay stopped; anything else waits for a fixed spec.
+            match status.rescale.as_ref() {
+                Some(r) if step::active(&r.step) && r.step != step::SAVEPOINTING => None,
+                _ => return Action::Stall { reason, message },
+            }
+        }
+    };
+    if status.max_parallelism.is_none()
+        && let Some(a) = &analysis
+    {
+        return Action::PinMaxParallelism(a.assignment.max_parallelism());
+    }
+
+    if let Some(r) = status.rescale.as_ref().filter(|r| step::active(&r.step)) {
+        return rescale_step(r, obs);
+    }
+
+    let desired = desired_parallelism(spec);
+    let backoff = obs.backoff_until.filter(|t| *t > obs.now).map(|t| {
+        (t - obs.now)
+            .to_std()
+            .unwrap_or(Duration::from_secs(1))
+            .max(Duration::from_millis(100))
+    });
+
+    if let Some(active) = &obs.active {
+        if let Some(message) = run_failure(&obs.pods, active) {
+            return Action::Recover { message };
+        }
+        if desired != active.parallelism {
+            if let Some(requeue) = backoff {
+                return Action::Idle { requeue };
+            }
+            return Action::BeginRescale {
+                from: active.parallelism,
+                to: desired,
+            };
+        }
+        let interval = checkpoint_interval(spec);
+        let due = obs.last_snapshot_at.map_or(obs.now, |t| {
+            t + chrono::Duration::from_std(interval).unwrap_or_default()
+        });
+        if due <= obs.now {
+            return Action::Checkpoint;
+        }
+        return Action::Idle {
+            requeue: (due - obs.now).to_std().unwrap_or(interval).min(interval),
+        };
+    }
+
+    // Not coordinating a run.
+    if desired == 0 {
+        if obs.pods.is_empty() {
+            return Action::Idle {
+                requeue: Duration::from_secs(300),
+            };
+        }
+        // Suspended without a savepoint to take (the workers never ran under this operator
+        // process and are not running): remove them.
+        return match adoptable(&obs.pods) {
+            Some((run, parallelism)) => Action::Adopt { run, parallelism },
+            None => Action::DeletePods {
+                reason: "Suspended",
+            },
+        };
+    }
+    if let Some(requeue) = backoff
+        && obs.pods.is_empty()
+    {
+        return Action::Idle { requeue };
+    }
+    // Workers that still run from before an operator restart are adopted at whatever
+    // parallelism they run at (a rescale follows if it differs).
+    if let Some((run, parallelism)) = adoptable(&obs.pods) {
+        return Action::Adopt { run, parallelism };
+    }
+    bring_up(&obs.pods, desired, Restore::Latest, &obs.new_run)
+}
+
+fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
+    match r.step.as_str() {
+        step::SAVEPOINTING => {
+            if obs.active.is_some() {
+                if let Some(active) = &obs.active
+                    && let Some(message) = run_failure(&obs.pods, active)
+                {
+                    return Action::Abandon {
+                        message: format!("a worker failed before the savepoint: {message}"),
+                    };
+                }
+                return Action::Savepoint;
+            }
+            // The operator restarted in this step: coordinate the old workers again first.
+            match adoptable(&obs.pods) {
+                Some((run, parallelism)) => Action::Adopt { run, parallelism },
+                None if starting(&obs.pods) => Action::Wait {
+                    reason: "waiting for the workers to answer before the savepoint".into(),
+                },
+                None => Action::Abandon {
+                    message: "the workers are not running, so no savepoint can be taken".into(),
+                },
+            }
+        }
+        step::VERIFYING => match &r.savepoint {
+            Some(url) => Action::Verify { url: url.clone() },
+            None => Action::Abandon {
+                message: "no savepoint was recorded for this rescale".into(),
+            },
+        },
+        step::STOPPING => {
+            if obs.pods.is_empty() {
+                Action::Advance {
+                    to: step::RESTORING,
+                }
+            } else if obs.pods.iter().all(|p| p.deleting) {
+                Action::Wait {
+                    reason: format!("waiting for {} old pod(s) to terminate", obs.pods.len()),
+                }
+            } else {
+                Action::DeletePods { reason: "Stopping" }
+            }
+        }
+        step::RESTORING => {
+            let to = r.to.max(0) as u32;
+            if to == 0 {
+                return Action::FinishRescale;
+            }
+            if obs.pods.is_empty()
+                && let Some(t) = obs.backoff_until.filter(|t| *t > obs.now)
+            {
+                return Action::Idle {
+                    requeue: (t - obs.now).to_std().unwrap_or(Duration::from_secs(1)),
+                };
+            }
+            if obs
+                .active
+                .as_ref()
+                .is_some_and(|a| a.parallelism == to && run_failure(&obs.pods, a).is_none())
+            {
+                return Action::FinishRescale;
+            }
+            if let Some((run, parallelism)) = adoptable(&obs.pods)
+                && parallelism == to
+            {
+                return Action::Adopt { run, parallelism };
+            }
+            let restore = match &r.savepoint {
+                Some(url) => Restore::Url(url.clone()),
+                None => Restore::Latest,
+            };
+            bring_up(&obs.pods, to, restore, &obs.new_run)
+        }
+        _ => Action::Idle {
+            requeue: Duration::from_secs(1),
+        },
+    }
+}
+
+/// Why the active run is broken, if it is.
+fn run_failure(pods: &[ObservedPod], active: &ActiveRun) -> Option<String> {
+    let mut mine: BTreeMap<u32, &ObservedPod> = BTreeMap::new();
+    for p in pods.iter().filter(|p| p.run == active.run) {
+        mine.insert(p.subtask, p);
+    }
+    for i in 0..active.parallelism {
+        match mine.get(&i) {
+            None => return Some(format!("the pod of subtask {i} is gone")),
+            Some(p) if p.deleting => {
+                return Some(format!("pod {} of subtask {i} is being deleted", p.name));
+            }
+            Some(p) if p.phase == PodPhase::Exited => {
+                return Some(format!("the worker of subtask {i} (pod {}) exited", p.name));
+            }
+            Some(p) if p.phase == PodPhase::Running && p.worker.as_deref() == Some("idle") => {
+                return Some(format!(
+                    "the worker of subtask {i} (pod {}) restarted and lost its state",
+                    p.name
+                ));
+            }
+            Some(_) => {}
+        }
+    }
+    None
+}
+
+/// Pods of one run whose workers all run (or are stopped at a savepoint): `(run, parallelism)`.
+fn adoptable(pods: &[ObservedPod]) -> Option<(String, u32)> {
+    let first = pods.first()?;
+    let run = &first.run;
+    let parallelism = first.parallelism;
+    if parallelism == 0 || pods.len() != parallelism as usize {
+        return None;
+    }
+    let mut seen = vec![false; parallelism as usize];
+    for p in pods {
+        if &p.run != run
+            || p.parallelism != parallelism
+            || p.deleting
+            || p.phase != PodPhase::Running
+            || p.ip.is_none()
+            || !matches!(p.worker.as_deref(), Some("running" | "stopped"))
+        {
+            return None;
+        }
+        match seen.get_mut(p.subtask as usize) {
+            Some(s) if !*s => *s = true,
+            _ => return None,
+        }
+    }
+    Some((run.clone(), parallelism))
+}
+
+/// Pods exist, none exited, and some are not yet up.
+fn starting(pods: &[ObservedPod]) -> bool {
+    !pods.is_empty()
+        && pods
+            .iter()
+            .all(|p| !p.deleting && p.phase != PodPhase::Exited)
+}
+
+/// Steps towards a started run of `parallelism` workers.
+fn bring_up(pods: &[ObservedPod], parallelism: u32, restore: Restore, new_run: &str) -> Action {
+    if pods.iter().any(|p| p.deleting) {
+        return Action::Wait {
+            reason: "waiting for old pods to terminate".into(),
+        };
+    }
+    let run = match pods.first() {
+        None => new_run.to_owned(),
+        Some(p) => p.run.clone(),
+    };
+    let foreign = pods
+        .iter()
+        .any(|p| p.run != run || p.parallelism != parallelism || p.subtask >= parallelism);
+    if foreign {
+        return Action::DeletePods { reason: "StaleRun" };
+    }
+    if pods.iter().any(|p| p.phase == PodPhase::Exited) {
+        return Action::DeletePods {
+            reason: "WorkerExited",
+        };
+    }
+    let present: Vec<u32> = pods.iter().map(|p| p.subtask).collect();
+    let missing: Vec<u32> = (0..parallelism).filter(|i| !present.contains(i)).collect();
+    if !missing.is_empty() {
+        return Action::CreatePods {
+            run,
+            parallelism,
+            subtasks: missing,
+        };
+    }
+    let not_up = pods
+        .iter()
+        .filter(|p| p.phase != PodPhase::Running || p.ip.is_none())
+        .count();
+    if not_up > 0 {
+        return Action::Wait {
+            reason: format!("{not_up} of {parallelism} worker pod(s) not running yet"),
+        };
+    }
+    if pods.iter().all(|p| p.worker.as_deref() == Some("idle")) {
+        return Action::Start {
+            run,
+            parallelism,
+            restore,
+        };
+    }
+    if pods.iter().any(|p| {
+        matches!(
+            p.worker.as_deref(),
+            Some("running" | "stopped" | "restoring")
+        )
+    }) {
+        // Started by an earlier attempt whose outcome is unknown: start clean.
+        return Action::DeletePods {
+            reason: "UnknownRunState",
+        };
+    }
+    Action::Wait {
+        reason: "waiting for the workers' control API".into(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::{RescaleStatus, StreamJob};
+
+    fn spec(replicas: i32) -> StreamJobSpec {
+        let mut j = crate::operator::desired::tests_support::job();
+        j.spec.replicas = replicas;
+        j.spec
+    }
+
+    fn status() -> StreamJobStatus {
+        StreamJobStatus {
+            max_parallelism: Some(128),
+            ..Default::default()
+        }
+    }
+
+    fn now() -> DateTime<Utc> {
+        DateTime::from_timestamp(1_000_000, 0).unwrap()
+    }
+
+    fn obs(pods: Vec<ObservedPod>, active: Option<(&str, u32)>) -> Observed {
+        Observed {
+            now: now(),
+            pods,
+            active: active.map(|(r, p)| ActiveRun {
+                run: r.into(),
+                parallelism: p,
+            }),
+            last_snapshot_at: Some(now()),
+            backoff_until: None,
+            new_run: "new".into(),
+        }
+    }
+
+    fn pods(run: &str, p: u32, phase: PodPhase, worker: Option<&str>) -> Vec<ObservedPod> {
+        (0..p)
+            .map(|i| ObservedPod {
+                name: format!("j-{run}-{i}"),
+                run: run.into(),
+                subtask: i,
+                parallelism: p,
+                phase,
+                ip: (phase == PodPhase::Running).then(|| format!("10.0.0.{i}")),
+                deleting: false,
+                worker: worker.map(str::to_owned),
+            })
+            .collect()
+    }
+
+    fn rescaling(step: &str, savepoint: Option<&str>) -> StreamJobStatus {
+        StreamJobStatus {
+            rescale: Some(RescaleStatus {
+                from: 4,
+                to: 8,
+                step: step.into(),
+                started: "t".into(),
+                savepoint: savepoint.map(str::to_owned),
+                ..Default::default()
+            }),
+            ..status()
+        }
+    }
+
+    #[test]
+    fn new_job_pins_then_creates_pods_then_waits_then_starts() {
+        let s = spec(4);
+        let a = decide(&s, &StreamJobStatus::default(), &obs(vec![], None));
+        assert_eq!(a, Action::PinMaxParallelism(128));
+        let a = decide(&s, &status(), &obs(vec![], None));
+        assert_eq!(
+            a,
+            Action::CreatePods {
+                run: "new".into(),
+                parallelism: 4,
+                subtasks: vec![0, 1, 2, 3]
+            }
+        );
+        let mut some = pods("r", 4, PodPhase::Pending, None);
+        some.remove(1);
+        let a = decide(&s, &status(), &obs(some, None));
+        assert_eq!(
+            a,
+            Action::CreatePods {
+                run: "r".into(),
+                parallelism: 4,
+                subtasks: vec![1]
+            }
+        );
+        let a = decide(
+            &s,
+            &status(),
+            &obs(pods("r", 4, PodPhase::Pending, None), None),
+        );
+        assert!(matches!(a, Action::Wait { .. }), "{a:?}");
+        let a = decide(
+            &s,
+            &status(),
+            &obs(pods("r", 4, PodPhase::Running, Some("idle")), None),
+        );
+        assert_eq!(
+            a,
+            Action::Start {
+                run: "r".into(),
+                parallelism: 4,
+                restore: Restore::Latest
+            }
+        );
+    }
+
+    #[test]
+    fn default_ceiling_is_pinned_from_replicas() {
+        let mut s = spec(200);
+        s.max_parallelism = None;
+        let a = decide(&s, &StreamJobStatus::default(), &obs(vec![], None));
+        assert_eq!(a, Action::PinMaxParallelism(512));
+    }
+
+    #[test]
+    fn running_job_checkpoints_when_due_and_idles_otherwise() {
+        let s = spec(4);
+        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        let mut o = obs(running, Some(("r", 4)));
+        let a = decide(&s, &status(), &o);
+        assert!(matches!(a, Action::Idle { requeue } if requeue <= Duration::from_secs(30)));
+        o.last_snapshot_at = Some(now() - chrono::Duration::seconds(31));
+        assert_eq!(decide(&s, &status(), &o), Action::Checkpoint);
+    }
+
+    #[test]
+    fn operator_restart_adopts_running_workers() {
+        let s = spec(4);
+        let a = decide(
+            &s,
+            &status(),
+            &obs(pods("r", 4, PodPhase::Running, Some("running")), None),
+        );
+        assert_eq!(
+            a,
+            Action::Adopt {
+                run: "r".into(),
+                parallelism: 4
+            }
+        );
+    }
+
+    #[test]
+    fn a_scale_begins_a_rescale_and_each_step_follows_from_status() {
+        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        let a = decide(&spec(8), &status(), &obs(running.clone(), Some(("r", 4))));
+        assert_eq!(a, Action::BeginRescale { from: 4, to: 8 });
+
+        let st = rescaling(step::SAVEPOINTING, None);
+        assert_eq!(
+            decide(&spec(8), &st, &obs(running.clone(), Some(("r", 4)))),
+            Action::Savepoint
+        );
+        // Operator restarted while savepointing: adopt the old workers (possibly stopped).
+        let stopped = pods("r", 4, PodPhase::Running, Some("stopped"));
+        assert_eq!(
+            decide(&spec(8), &st, &obs(stopped, None)),
+            Action::Adopt {
+                run: "r".into(),
+                parallelism: 4
+            }
+        );
+
+        let st = rescaling(step::VERIFYING, Some("file:///s/sp-3"));
+        assert_eq!(
+            decide(&spec(8), &st, &obs(running.clone(), None)),
+            Action::Verify {
+                url: "file:///s/sp-3".into()
+            }
+        );
+
+        let st = rescaling(step::STOPPING, Some("file:///s/sp-3"));
+        assert_eq!(
+            decide(&spec(8), &st, &obs(running.clone(), None)),
+            Action::DeletePods { reason: "Stopping" }
+        );
+        let mut going = running.clone();
+        for p in &mut going {
+            p.deleting = true;
+        }
+        assert!(matches!(
+            decide(&spec(8), &st, &obs(going, None)),
+            Action::Wait { .. }
+        ));
+        assert_eq!(
+            decide(&spec(8), &st, &obs(vec![], None)),
+            Action::Advance {
+                to: step::RESTORING
+            }
+        );
+
+        let st = rescaling(step::RESTORING, Some("file:///s/sp-3"));
+        assert_eq!(
+            decide(&spec(8), &st, &obs(vec![], None)),
+            Action::CreatePods {
+                run: "new".into(),
+                parallelism: 8,
+                subtasks: (0..8).collect()
+            }
+        );
+        assert_eq!(
+            decide(
+                &spec(8),
+                &st,
+                &obs(pods("n", 8, PodPhase::Running, Some("idle")), None)
+            ),
+            Action::Start {
+                run: "n".into(),
+                parallelism: 8,
+                restore: Restore::Url("file:///s/sp-3".into())
+            }
+        );
+        // Started, but the operator died before recording Done: adopt, then finish.
+        let up = pods("n", 8, PodPhase::Running, Some("running"));
+        assert_eq!(
+            decide(&spec(8), &st, &obs(up.clone(), None)),
+            Action::Adopt {
+                run: "n".into(),
+                parallelism: 8
+            }
+        );
+        assert_eq!(
+            decide(&spec(8), &st, &obs(up, Some(("n", 8)))),
+            Action::FinishRescale
+        );
+    }
+
+    #[test]
+    fn a_failed_worker_restarts_the_run_and_backoff_delays_it() {
+        let s = spec(4);
+        let mut running = pods("r", 4, PodPhase::Running, Some("running"));
+        running[2].phase = PodPhase::Exited;
+        let a = decide(&s, &status(), &obs(running, Some(("r", 4))));
+        assert!(matches!(a, Action::Recover { .. }), "{a:?}");
+        let mut o = obs(vec![], None);
+        o.backoff_until = Some(now() + chrono::Duration::seconds(4));
+        assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
+        // Stopped pods of a broken run are removed before a new run is created.
+        let mut broken = pods("r", 4, PodPhase::Running, Some("idle"));
+        broken[0].phase = PodPhase::Exited;
+        assert!(matches!(
+            decide(&s, &status(), &obs(broken, None)),
+            Action::DeletePods { .. }
+        ));
+    }
+
+    #[test]
+    fn above_the_pinned_ceiling_stalls_without_touching_workers() {
+        let s = spec(200);
+        let st = StreamJobStatus {
+            max_parallelism: Some(128),
+            ..Default::default()
+        };
+        match decide(&s, &st, &obs(vec![], None)) {
+            Action::Stall { reason, message } => {
+                assert_eq!(reason, "InvalidSpec");
+                assert!(message.contains("status.maxParallelism"), "{message}");
+            }
+            a => panic!("{a:?}"),
+        }
+        // The derived default ceiling (no spec.maxParallelism) is reported with its origin.
+        let mut s = spec(200);
+        s.max_parallelism = None;
+        let st = StreamJobStatus::default();
+        let a = check_spec(&s, &st);
+        assert!(a.is_ok(), "default ceiling follows replicas: {a:?}");
+    }
+
+    #[test]
+    fn suspend_is_a_rescale_to_zero() {
+        let mut s = spec(4);
+        s.suspend = true;
+        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        assert_eq!(
+            decide(&s, &status(), &obs(running, Some(("r", 4)))),
+            Action::BeginRescale { from: 4, to: 0 }
+        );
+        let mut st = rescaling(step::RESTORING, Some("u"));
+        if let Some(r) = st.rescale.as_mut() {
+            r.to = 0;
+        }
+        assert_eq!(decide(&s, &st, &obs(vec![], None)), Action::FinishRescale);
+        assert!(matches!(
+            decide(&s, &status(), &obs(vec![], None)),
+            Action::Idle { .. }
+        ));
+    }
+
+    #[allow(dead_code)]
+    fn _uses(_: StreamJob) {}
+}

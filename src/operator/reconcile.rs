@@ -1,0 +1,1174 @@
+//! The I/O shell of the operator: watches, reads pods and workers, executes one decided action
+//! per pass, writes status and Events.
+
+use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore, step};
+use super::desired::{self, LABEL_JOB, LABEL_PARALLELISM, LABEL_RUN, LABEL_SUBTASK, MANAGER};
+use super::metrics::{KindLabels, OperatorMetrics, StepLabels};
+use super::status::{self, Progress};
+use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
+use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJob, StreamJobSpec, StreamJobStatus};
+use crate::keygroup::{self, Assignment};
+use crate::runtime::protocol::{StartRequest, WorkerStatus};
+use crate::snapshot::{self, JobIdentity, SnapshotKind};
+use chrono::{DateTime, Utc};
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::runtime::controller::{Action as Requeue, Controller};
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
+use kube::runtime::watcher;
+use kube::{Client, Resource, ResourceExt};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Settings of `keyshift operator`.
+#[derive(Debug, Clone)]
+pub struct OperatorConfig {
+    /// Namespaces to watch; empty means all.
+    pub namespaces: Vec<String>,
+    /// Storage URL for jobs without spec.state.storage.
+    pub default_storage: Option<String>,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    pub metrics_addr: SocketAddr,
+    /// Worker image for jobs without spec.image.
+    pub worker_image: String,
+}
+
+/// Operator failures (a failed pass is retried with backoff).
+#[derive(Debug, thiserror::Error)]
+pub enum OperatorError {
+    #[error("kubernetes API: {0}")]
+    Kube(#[from] kube::Error),
+    #[error(transparent)]
+    Desired(#[from] desired::DesiredError),
+    #[error(transparent)]
+    Coordinator(#[from] CoordinatorError),
+    #[error(transparent)]
+    Snapshot(#[from] snapshot::SnapshotError),
+    #[error(transparent)]
+    Bounds(#[from] keygroup::BoundsError),
+    #[error("finalizer: {0}")]
+    Finalizer(String),
+    #[error("metrics server on {addr}: {source}")]
+    Metrics {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the control-token Secret {0} has no usable token")]
+    Token(String),
+}
+
+/// The run the operator coordinates for a job.
+struct RunHandle {
+    run: String,
+    parallelism: u32,
+    coordinator: Coordinator,
+    started: DateTime<Utc>,
+}
+
+/// What the operator remembers about a job between passes (lost on restart by design: status
+/// and the pods carry everything needed to resume).
+#[derive(Default)]
+struct JobMemory {
+    run: Option<RunHandle>,
+    failures: u32,
+    backoff_until: Option<DateTime<Utc>>,
+    last_failure: Option<(String, String)>,
+    step_started: Option<(String, Instant)>,
+}
+
+type SharedMemory = Arc<tokio::sync::Mutex<JobMemory>>;
+
+/// Shared state of the controller.
+pub struct Context {
+    client: Client,
+    config: OperatorConfig,
+    metrics: Arc<OperatorMetrics>,
+    http: reqwest::Client,
+    recorder: Recorder,
+    jobs: std::sync::Mutex<HashMap<(String, String), SharedMemory>>,
+}
+
+impl Context {
+    pub fn new(client: Client, config: OperatorConfig, metrics: Arc<OperatorMetrics>) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(3))
+            .build()
+            .unwrap_or_default();
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: MANAGER.into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Context {
+            client,
+            config,
+            metrics,
+            http,
+            recorder,
+            jobs: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn memory(&self, ns: &str, name: &str) -> Arc<tokio::sync::Mutex<JobMemory>> {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.entry((ns.to_owned(), name.to_owned()))
+            .or_default()
+            .clone()
+    }
+
+    fn forget(&self, ns: &str, name: &str) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.remove(&(ns.to_owned(), name.to_owned()));
+    }
+
+    async fn event(&self, job: &StreamJob, warning: bool, reason: &str, note: String) {
+        let ev = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &job.object_ref(&())).await {
+            tracing::warn!(error = %e, reason, "publishing an Event failed");
+        }
+    }
+}
+
+/// Runs the operator until SIGTERM/Ctrl-C.
+pub async fn run(config: OperatorConfig) -> Result<(), OperatorError> {
+    crate::telemetry::install_crypto_provider();
+    let client = Client::try_default().await?;
+    let metrics = Arc::new(OperatorMetrics::new());
+    let addr = config.metrics_addr;
+    let server = tokio::spawn(super::metrics::serve(addr, metrics.clone()));
+    // Leader election hook: `src/leader.rs` (written separately) acquires the Lease here and
+    // runs `run_controllers` only while this replica holds it.
+    let ctx = Arc::new(Context::new(client, config, metrics));
+    let result = run_controllers(ctx).await;
+    server.abort();
+    if let Ok(Ok(Err(source))) = tokio::time::timeout(Duration::from_millis(10), server).await {
+        return Err(OperatorError::Metrics { addr, source });
+    }
+    result
+}
+
+/// One controller per watched namespace (or one for all), until shutdown.
+pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
+    let scopes: Vec<Option<String>> = if ctx.config.namespaces.is_empty() {
+        vec![None]
+    } else {
+        ctx.config.namespaces.iter().cloned().map(Some).collect()
+    };
+    tracing::info!(
+        namespaces = ?ctx.config.namespaces,
+        storage = ?ctx.config.default_storage,
+        image = %ctx.config.worker_image,
+        "keyshift operator starting"
+    );
+    let controllers = scopes.into_iter().map(|ns| {
+        let (jobs, pods): (Api<StreamJob>, Api<Pod>) = match &ns {
+            Some(ns) => (
+                Api::namespaced(ctx.client.clone(), ns),
+                Api::namespaced(ctx.client.clone(), ns),
+            ),
+            None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
+        };
+        let ctx = ctx.clone();
+        async move {
+            ctx.metrics
+                .ready
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            Controller::new(jobs, watcher::Config::default())
+                .owns(pods, watcher::Config::default().labels(LABEL_JOB))
+                .shutdown_on_signal()
+                .run(reconcile_outer, error_policy, ctx)
+                .for_each(|res| async move {
+                    if let Err(e) = res {
+                        tracing::debug!(error = %e, "reconcile");
+                    }
+                })
+                .await;
+        }
+    });
+    futures::future::join_all(controllers).await;
+    Ok(())
+}
+
+fn error_policy(job: Arc<StreamJob>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
+    let labels = OperatorMetrics::job(
+        job.namespace().as_deref().unwrap_or_default(),
+        &job.name_any(),
+    );
+    ctx.metrics.reconcile_errors.get_or_create(&labels).inc();
+    tracing::warn!(job = %job.name_any(), error = %error, "reconcile failed; retrying");
+    Requeue::requeue(Duration::from_secs(3))
+}
+
+async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
+    let started = Instant::now();
+    let ns = job.namespace().unwrap_or_default();
+    let name = job.name_any();
+    ctx.metrics
+        .reconciles
+        .get_or_create(&OperatorMetrics::job(&ns, &name))
+        .inc();
+    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
+    let inner = ctx.clone();
+    let result = finalizer(&api, desired::FINALIZER, job, move |event| {
+        let ctx = inner.clone();
+        let fut: std::pin::Pin<
+            Box<dyn std::future::Future<Output = Result<Requeue, OperatorError>> + Send>,
+        > = match event {
+            FinalizerEvent::Apply(job) => Box::pin(apply(job, ctx)),
+            FinalizerEvent::Cleanup(job) => Box::pin(cleanup(job, ctx)),
+        };
+        fut
+    })
+    .await
+    .map_err(|e| match e {
+        kube::runtime::finalizer::Error::ApplyFailed(e)
+        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        other => OperatorError::Finalizer(other.to_string()),
+    });
+    ctx.metrics
+        .reconcile_seconds
+        .observe(started.elapsed().as_secs_f64());
+    result
+}
+
+/// Deleting a StreamJob: remove its pods (savepoints and checkpoints stay in storage).
+async fn cleanup(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
+    let (ns, name) = desired::job_key(&job)?;
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let list = pods
+        .list(&ListParams::default().labels(&desired::selector(&name)))
+        .await?;
+    for p in list {
+        delete_pod(&pods, &p.name_any()).await?;
+    }
+    ctx.forget(&ns, &name);
+    ctx.event(
+        &job,
+        false,
+        "Deleted",
+        "worker pods removed; snapshots are kept in storage".into(),
+    )
+    .await;
+    Ok(Requeue::await_change())
+}
+
+async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<(), OperatorError> {
+    match pods.delete(name, &DeleteParams::default()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn new_run_id() -> String {
+    crate::local::random_token().chars().take(6).collect()
+}
+
+fn parse_time(t: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(t)
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
+}
+
+fn label_u32(p: &Pod, key: &str) -> Option<u32> {
+    p.labels().get(key).and_then(|v| v.parse().ok())
+}
+
+fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
+    SnapshotRef {
+        id: c.id as i64,
+        path: c.url.clone(),
+        time: Utc::now().to_rfc3339(),
+        parallelism: parallelism as i32,
+        size_bytes: Some(c.manifest.stats.total_bytes as i64),
+    }
+}
+
+fn backoff(failures: u32) -> chrono::Duration {
+    chrono::Duration::seconds(1i64 << failures.saturating_sub(1).min(6))
+}
+
+struct Pass<'a> {
+    ctx: &'a Context,
+    job: &'a StreamJob,
+    spec: &'a StreamJobSpec,
+    ns: String,
+    name: String,
+    storage: String,
+    token: String,
+    status: StreamJobStatus,
+    progress: Progress,
+    mem: tokio::sync::MutexGuard<'a, JobMemory>,
+    pods: Vec<ObservedPod>,
+    pod_ips: HashMap<u32, String>,
+}
+
+async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
+    let (ns, name) = desired::job_key(&job)?;
+    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
+    // A fresh read: the watch cache may not yet hold the status this operator just wrote, and
+    // every step must act on the step last recorded.
+    let job = api.get(&name).await?;
+    let spec = &job.spec;
+    let status0 = job.status.clone().unwrap_or_default();
+    let memory = ctx.memory(&ns, &name);
+    let mem = memory.lock().await;
+
+    let Some(storage) = spec
+        .state
+        .storage
+        .clone()
+        .or_else(|| ctx.config.default_storage.clone())
+    else {
+        let mut status = status0.clone();
+        let progress = Progress {
+            stalled: Some((
+                "NoStorage".into(),
+                "no snapshot storage: set spec.state.storage, or start the operator with --default-storage".into(),
+            )),
+            ..Default::default()
+        };
+        status::finish(
+            spec,
+            job.metadata.generation,
+            &mut status,
+            None,
+            &progress,
+            Timestamp::now(),
+        );
+        write_status(&api, &name, &status0, &status).await?;
+        return Ok(Requeue::requeue(Duration::from_secs(60)));
+    };
+    let token = ensure_secret(&ctx, &job, &ns, &name).await?;
+
+    let pods_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
+    let listed = pods_api
+        .list(&ListParams::default().labels(&desired::selector(&name)))
+        .await?;
+    let mut pods = Vec::new();
+    let mut pod_ips = HashMap::new();
+    for p in &listed {
+        let (Some(run), Some(subtask), Some(parallelism)) = (
+            p.labels().get(LABEL_RUN).cloned(),
+            label_u32(p, LABEL_SUBTASK),
+            label_u32(p, LABEL_PARALLELISM),
+        ) else {
+            continue;
+        };
+        let st = p.status.as_ref();
+        let phase = PodPhase::parse(st.and_then(|s| s.phase.as_deref()));
+        let ip = st
+            .and_then(|s| s.pod_ip.clone())
+            .filter(|ip| !ip.is_empty());
+        let deleting = p.metadata.deletion_timestamp.is_some();
+        let worker = match (&ip, phase, deleting) {
+            (Some(ip), PodPhase::Running, false) => {
+                worker_state(&ctx.http, ip, &token).await.map(|s| s.state)
+            }
+            _ => None,
+        };
+        if let Some(ip) = &ip
+            && run_matches(&mem, &run)
+        {
+            pod_ips.insert(subtask, ip.clone());
+        }
+        pods.push(ObservedPod {
+            name: p.name_any(),
+            run,
+            subtask,
+            parallelism,
+            phase,
+            ip,
+            deleting,
+            worker,
+        });
+    }
+    pods.sort_by(|a, b| (a.run.as_str(), a.subtask).cmp(&(b.run.as_str(), b.subtask)));
+
+    let now = Utc::now();
+    let last_snapshot_at = [
+        status0
+            .last_checkpoint
+            .as_ref()
+            .and_then(|c| parse_time(&c.time)),
+        status0
+            .last_savepoint
+            .as_ref()
+            .and_then(|c| parse_time(&c.time)),
+        mem.run.as_ref().map(|r| r.started),
+    ]
+    .into_iter()
+    .flatten()
+    .max();
+    let obs = decide::Observed {
+        now,
+        pods: pods.clone(),
+        active: mem.run.as_ref().map(|r| ActiveRun {
+            run: r.run.clone(),
+            parallelism: r.parallelism,
+        }),
+        last_snapshot_at,
+        backoff_until: mem.backoff_until,
+        new_run: new_run_id(),
+    };
+    let action = decide::decide(spec, &status0, &obs);
+    tracing::debug!(job = %name, ?action, "decided");
+    let progress = Progress {
+        failure: mem.last_failure.clone(),
+        ..Default::default()
+    };
+    let mut pass = Pass {
+        ctx: &ctx,
+        job: &job,
+        spec,
+        ns: ns.clone(),
+        name: name.clone(),
+        storage,
+        token,
+        status: status0.clone(),
+        progress,
+        mem,
+        pods,
+        pod_ips,
+    };
+    let requeue = pass.execute(action, &pods_api).await;
+    let mut status = pass.status;
+    let progress = pass.progress;
+    drop(pass.mem);
+    let analysis = decide::check_spec(spec, &status).ok();
+    status.selector = Some(desired::selector(&name));
+    status::finish(
+        spec,
+        job.metadata.generation,
+        &mut status,
+        analysis.as_ref(),
+        &progress,
+        Timestamp::now(),
+    );
+    write_status(&api, &name, &status0, &status).await?;
+    Ok(Requeue::requeue(requeue?))
+}
+
+/// Verifies a snapshot on a blocking thread: `snapshot::verify`'s future is not `Send`.
+async fn verify(url: String) -> Result<snapshot::VerifyReport, String> {
+    let handle = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        handle.block_on(async {
+            let (store, dir) = snapshot::open_store(&url).map_err(|e| e.to_string())?;
+            snapshot::verify(store.as_ref(), &dir)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    })
+    .await
+    .map_err(|e| e.to_string())?
+}
+
+/// Takes a snapshot on a blocking thread (`Coordinator::snapshot`'s future is not provably
+/// `Send`: retention and manifest commits borrow inside stream closures). The coordinator moves
+/// there and back; `None` if the thread panicked.
+async fn snapshot_off_thread(
+    mut run: RunHandle,
+    kind: SnapshotKind,
+    stop: bool,
+    timeout: Duration,
+) -> Option<(RunHandle, Result<Completed, CoordinatorError>)> {
+    let handle = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || {
+        let result = handle.block_on(run.coordinator.snapshot(kind, stop, timeout));
+        (run, result)
+    })
+    .await
+    .ok()
+}
+
+fn run_matches(mem: &JobMemory, run: &str) -> bool {
+    mem.run.as_ref().is_none_or(|r| r.run == run)
+}
+
+async fn worker_state(http: &reqwest::Client, ip: &str, token: &str) -> Option<WorkerStatus> {
+    let url = format!("http://{ip}:{}/v1/status", desired::CONTROL_PORT);
+    let resp = http.get(url).bearer_auth(token).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    resp.json().await.ok()
+}
+
+async fn write_status(
+    api: &Api<StreamJob>,
+    name: &str,
+    before: &StreamJobStatus,
+    after: &StreamJobStatus,
+) -> Result<(), OperatorError> {
+    if before == after {
+        return Ok(());
+    }
+    let patch = serde_json::json!({
+        "apiVersion": "keyshift.dev/v1alpha1",
+        "kind": "StreamJob",
+        "status": after,
+    });
+    api.patch_status(
+        name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&patch),
+    )
+    .await?;
+    Ok(())
+}
+
+/// The job's control token: from its Secret, created on first use.
+async fn ensure_secret(
+    ctx: &Context,
+    job: &StreamJob,
+    ns: &str,
+    name: &str,
+) -> Result<String, OperatorError> {
+    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
+    let secret_name = desired::secret_name(name);
+    if let Some(s) = secrets.get_opt(&secret_name).await? {
+        let token = s
+            .data
+            .as_ref()
+            .and_then(|d| d.get(desired::TOKEN_KEY))
+            .and_then(|b| String::from_utf8(b.0.clone()).ok())
+            .filter(|t| t.len() >= 16);
+        return token.ok_or(OperatorError::Token(secret_name));
+    }
+    let token = crate::local::random_token();
+    let secret = desired::secret(job, &token)?;
+    match secrets.create(&PostParams::default(), &secret).await {
+        Ok(_) => Ok(token),
+        // Created concurrently: read it back next pass.
+        Err(kube::Error::Api(s)) if s.code == 409 => Err(OperatorError::Token(secret_name)),
+        Err(e) => Err(e.into()),
+    }
+}
+
+impl Pass<'_> {
+    fn rescale_mut(&mut self) -> Option<&mut RescaleStatus> {
+        self.status.rescale.as_mut()
+    }
+
+    /// Records the end of the current rescale step and the start of `next`.
+    fn set_step(&mut self, next: &str) {
+        let now = Instant::now();
+        let labels_base = (self.ns.clone(), self.name.clone());
+        let mem_step = self.mem.step_started.take();
+        if let Some(r) = self.status.rescale.as_mut() {
+            // Unknown after an operator restart: the step's time is then not reported.
+            let secs = match &mem_step {
+                Some((s, t)) if *s == r.step => now.duration_since(*t).as_secs_f64(),
+                _ => 0.0,
+            };
+            if step::active(&r.step) {
+                r.step_seconds
+                    .insert(r.step.clone(), (secs * 1000.0).round() / 1000.0);
+                self.ctx
+                    .metrics
+                    .rescale_step_seconds
+                    .get_or_create(&StepLabels {
+                        namespace: labels_base.0.clone(),
+                        job: labels_base.1.clone(),
+                        step: r.step.clone(),
+                    })
+                    .observe(secs);
+            }
+            r.step = next.to_owned();
+        }
+        self.mem.step_started = Some((next.to_owned(), now));
+    }
+
+    fn fail(&mut self, reason: &str, message: String) {
+        self.mem.failures += 1;
+        self.mem.backoff_until = Some(Utc::now() + backoff(self.mem.failures));
+        self.mem.last_failure = Some((reason.to_owned(), message.clone()));
+        self.progress.failure = Some((reason.to_owned(), message));
+    }
+
+    fn succeeded(&mut self) {
+        self.mem.failures = 0;
+        self.mem.backoff_until = None;
+        self.mem.last_failure = None;
+        self.progress.failure = None;
+    }
+
+    fn max_parallelism(&self) -> Result<u32, OperatorError> {
+        let pinned = self
+            .status
+            .max_parallelism
+            .or(self.spec.max_parallelism)
+            .unwrap_or_else(|| {
+                keygroup::default_max_parallelism(self.spec.replicas.max(1) as u32) as i32
+            });
+        Ok(pinned.max(1) as u32)
+    }
+
+    fn assignment(&self, parallelism: u32) -> Result<Assignment, OperatorError> {
+        Ok(Assignment::new(
+            i64::from(parallelism),
+            i64::from(self.max_parallelism()?),
+        )?)
+    }
+
+    fn identity(&self) -> JobIdentity {
+        JobIdentity {
+            namespace: self.ns.clone(),
+            name: self.name.clone(),
+            job_fingerprint: crate::local::fingerprint(self.spec),
+        }
+    }
+
+    fn endpoints(&self, parallelism: u32) -> Option<Vec<WorkerEndpoint>> {
+        (0..parallelism)
+            .map(|i| {
+                self.pod_ips.get(&i).map(|ip| WorkerEndpoint {
+                    control: format!("http://{ip}:{}", desired::CONTROL_PORT),
+                    data: format!("{ip}:{}", desired::DATA_PORT),
+                })
+            })
+            .collect()
+    }
+
+    fn set_running(&mut self, parallelism: u32) -> Result<(), OperatorError> {
+        self.status.replicas = Some(parallelism as i32);
+        self.status.phase = Some(Phase::Running);
+        self.status.key_groups = Some(status::key_groups(self.assignment(parallelism)?));
+        Ok(())
+    }
+
+    async fn event(&self, warning: bool, reason: &str, note: String) {
+        self.ctx.event(self.job, warning, reason, note).await;
+    }
+
+    async fn delete_all(&mut self, pods_api: &Api<Pod>) -> Result<usize, OperatorError> {
+        let mut n = 0;
+        for p in self.pods.iter().filter(|p| !p.deleting) {
+            delete_pod(pods_api, &p.name).await?;
+            n += 1;
+        }
+        self.mem.run = None;
+        Ok(n)
+    }
+
+    async fn execute(
+        &mut self,
+        action: Action,
+        pods_api: &Api<Pod>,
+    ) -> Result<Duration, OperatorError> {
+        let short = Duration::from_millis(200);
+        match action {
+            Action::Stall { reason, message } => {
+                let previous = self
+                    .status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == status::STALLED)
+                    .is_some_and(|c| c.status == "True" && c.message == message);
+                if !previous {
+                    self.event(true, reason, message.clone()).await;
+                }
+                self.progress.stalled = Some((reason.to_owned(), message));
+                Ok(Duration::from_secs(60))
+            }
+            Action::PinMaxParallelism(g) => {
+                self.status.max_parallelism = Some(g as i32);
+                self.event(
+                    false,
+                    "KeyGroupsPinned",
+                    format!("key-group count (max parallelism) pinned at {g}"),
+                )
+                .await;
+                Ok(short)
+            }
+            Action::BeginRescale { from, to } => {
+                let groups_moved = match (self.assignment(from), self.assignment(to.max(1))) {
+                    (Ok(a), Ok(b)) if to > 0 => keygroup::rescale_plan(a, b)
+                        .ok()
+                        .map(|p| p.moved_groups as i32),
+                    _ => None,
+                };
+                self.status.rescale = Some(RescaleStatus {
+                    from: from as i32,
+                    to: to as i32,
+                    step: step::SAVEPOINTING.into(),
+                    started: Utc::now().to_rfc3339(),
+                    groups_moved,
+                    ..Default::default()
+                });
+                self.mem.step_started = Some((step::SAVEPOINTING.into(), Instant::now()));
+                let what = if to == 0 {
+                    format!("suspending (parallelism {from}) with a savepoint")
+                } else {
+                    format!(
+                        "rescaling {from} -> {to}: stop with a savepoint, verify, move key groups, restart"
+                    )
+                };
+                self.event(
+                    false,
+                    if to == 0 {
+                        "Suspending"
+                    } else {
+                        "RescaleStarted"
+                    },
+                    what,
+                )
+                .await;
+                Ok(short)
+            }
+            Action::Savepoint => self.savepoint().await,
+            Action::Verify { url } => {
+                let result = verify(url.clone()).await;
+                match result {
+                    Ok(report) => {
+                        self.set_step(step::STOPPING);
+                        self.event(
+                            false,
+                            "SavepointVerified",
+                            format!("{url}: {report:?}").chars().take(300).collect(),
+                        )
+                        .await;
+                        Ok(short)
+                    }
+                    Err(e) => {
+                        self.abandon(format!("savepoint {url} failed verification: {e}"))
+                            .await;
+                        Ok(short)
+                    }
+                }
+            }
+            Action::DeletePods { reason } => {
+                let n = self.delete_all(pods_api).await?;
+                if n > 0 {
+                    self.event(
+                        false,
+                        "DeletingPods",
+                        format!("{reason}: deleting {n} worker pod(s)"),
+                    )
+                    .await;
+                }
+                self.progress.note =
+                    Some((reason.to_owned(), format!("deleting {n} worker pod(s)")));
+                Ok(Duration::from_millis(500))
+            }
+            Action::Advance { to } => {
+                self.set_step(to);
+                Ok(short)
+            }
+            Action::Abandon { message } => {
+                self.abandon(message).await;
+                Ok(short)
+            }
+            Action::CreatePods {
+                run,
+                parallelism,
+                subtasks,
+            } => {
+                let assignment = self.assignment(parallelism)?;
+                for i in &subtasks {
+                    let pod = desired::pod(
+                        self.job,
+                        &run,
+                        *i,
+                        assignment,
+                        &self.ctx.config.worker_image,
+                    )?;
+                    let pod_name = desired::pod_name(&self.name, &run, *i);
+                    pods_api
+                        .patch(
+                            &pod_name,
+                            &PatchParams::apply(MANAGER).force(),
+                            &Patch::Apply(&pod),
+                        )
+                        .await?;
+                }
+                self.event(
+                    false,
+                    "CreatedPods",
+                    format!(
+                        "run {run}: created {} of {parallelism} worker pod(s)",
+                        subtasks.len()
+                    ),
+                )
+                .await;
+                self.progress.note = Some((
+                    "CreatingPods".into(),
+                    format!("run {run}: {parallelism} worker pod(s)"),
+                ));
+                Ok(Duration::from_millis(500))
+            }
+            Action::Wait { reason } => {
+                self.progress.note = Some(("Waiting".into(), reason));
+                Ok(Duration::from_millis(500))
+            }
+            Action::Start {
+                run,
+                parallelism,
+                restore,
+            } => self.start(run, parallelism, restore, pods_api).await,
+            Action::Adopt { run, parallelism } => {
+                let Some(endpoints) = self.endpoints(parallelism) else {
+                    return Ok(short);
+                };
+                let coordinator = Coordinator::new(
+                    &self.storage,
+                    self.identity(),
+                    self.assignment(parallelism)?,
+                    endpoints,
+                    self.token.clone(),
+                    self.spec.state.retained_checkpoints.max(1) as usize,
+                )
+                .await?;
+                if self
+                    .pods
+                    .iter()
+                    .any(|p| p.worker.as_deref() == Some("stopped"))
+                {
+                    coordinator.resume().await;
+                }
+                self.mem.run = Some(RunHandle {
+                    run: run.clone(),
+                    parallelism,
+                    coordinator,
+                    started: Utc::now(),
+                });
+                let rescaling = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .is_some_and(|r| step::active(&r.step));
+                if !rescaling {
+                    self.set_running(parallelism)?;
+                }
+                tracing::info!(job = %self.name, run, parallelism, "adopted running workers");
+                Ok(short)
+            }
+            Action::Recover { message } => {
+                self.delete_all(pods_api).await?;
+                self.status.phase = Some(Phase::Pending);
+                self.fail(
+                    "WorkerFailed",
+                    format!("{message}; restarting from the last checkpoint"),
+                );
+                self.ctx
+                    .metrics
+                    .worker_restarts
+                    .get_or_create(&OperatorMetrics::job(&self.ns, &self.name))
+                    .inc();
+                self.event(
+                    true,
+                    "WorkerFailed",
+                    format!("{message}; restarting the job from its last checkpoint"),
+                )
+                .await;
+                Ok(Duration::from_millis(500))
+            }
+            Action::FinishRescale => {
+                let to = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .map_or(0, |r| r.to.max(0) as u32);
+                self.set_step(step::DONE);
+                if to == 0 {
+                    self.status.replicas = Some(0);
+                    self.status.phase = Some(Phase::Suspended);
+                    self.status.key_groups = None;
+                } else {
+                    self.set_running(to)?;
+                }
+                self.succeeded();
+                let r = self.status.rescale.clone().unwrap_or_default();
+                self.event(
+                    false,
+                    if to == 0 { "Suspended" } else { "Rescaled" },
+                    format!(
+                        "{} -> {} done: {} key groups moved, {} bytes read, steps {:?}",
+                        r.from,
+                        r.to,
+                        r.groups_moved.unwrap_or_default(),
+                        r.bytes_to_read.unwrap_or_default(),
+                        r.step_seconds
+                    ),
+                )
+                .await;
+                Ok(short)
+            }
+            Action::Checkpoint => self.checkpoint().await,
+            Action::Idle { requeue } => Ok(requeue),
+        }
+    }
+
+    async fn abandon(&mut self, message: String) {
+        if let Some(r) = self.rescale_mut() {
+            r.step = step::ABANDONED.into();
+        }
+        self.mem.step_started = None;
+        if let Some(run) = &self.mem.run {
+            run.coordinator.resume().await;
+        }
+        self.fail("RescaleAbandoned", message.clone());
+        self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff")).await;
+    }
+
+    async fn savepoint(&mut self) -> Result<Duration, OperatorError> {
+        let labels = KindLabels {
+            namespace: self.ns.clone(),
+            job: self.name.clone(),
+            kind: "savepoint".into(),
+        };
+        let Some(run) = self.mem.run.take() else {
+            return Ok(Duration::from_millis(200));
+        };
+        if self
+            .pods
+            .iter()
+            .any(|p| p.worker.as_deref() == Some("stopped"))
+        {
+            // A savepoint taken by an operator that died before recording it: the sources are
+            // stopped at its barrier. Take a new one (the old one stays valid in storage).
+            run.coordinator.resume().await;
+        }
+        let parallelism = run.parallelism;
+        let Some((run, result)) =
+            snapshot_off_thread(run, SnapshotKind::Savepoint, true, Duration::from_secs(300)).await
+        else {
+            return Ok(Duration::from_secs(1));
+        };
+        self.mem.run = Some(run);
+        match result {
+            Ok(c) => {
+                self.ctx
+                    .metrics
+                    .snapshot_seconds
+                    .get_or_create(&labels)
+                    .observe(c.duration.as_secs_f64());
+                self.ctx
+                    .metrics
+                    .snapshot_bytes
+                    .get_or_create(&labels)
+                    .set(c.manifest.stats.total_bytes as i64);
+                self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
+                if let Some(r) = self.rescale_mut() {
+                    r.savepoint = Some(c.url.clone());
+                    r.bytes_to_read = Some(c.manifest.stats.total_bytes as i64);
+                }
+                self.set_step(step::VERIFYING);
+                self.event(
+                    false,
+                    "SavepointTaken",
+                    format!(
+                        "savepoint {} ({} bytes) in {} ms; sources stopped at its barrier",
+                        c.url,
+                        c.manifest.stats.total_bytes,
+                        c.duration.as_millis()
+                    ),
+                )
+                .await;
+                Ok(Duration::from_millis(100))
+            }
+            Err(e) => {
+                self.ctx
+                    .metrics
+                    .snapshot_failures
+                    .get_or_create(&labels)
+                    .inc();
+                self.abandon(format!("savepoint failed: {e}")).await;
+                Ok(Duration::from_millis(500))
+            }
+        }
+    }
+
+    async fn checkpoint(&mut self) -> Result<Duration, OperatorError> {
+        let interval = decide::checkpoint_interval(self.spec);
+        let labels = KindLabels {
+            namespace: self.ns.clone(),
+            job: self.name.clone(),
+            kind: "checkpoint".into(),
+        };
+        let Some(run) = self.mem.run.take() else {
+            return Ok(interval);
+        };
+        let parallelism = run.parallelism;
+        let Some((run, result)) = snapshot_off_thread(
+            run,
+            SnapshotKind::Checkpoint,
+            false,
+            Duration::from_secs(120),
+        )
+        .await
+        else {
+            return Ok(Duration::from_secs(1));
+        };
+        let run = self.mem.run.insert(run);
+        match result {
+            Ok(c) => {
+                self.ctx
+                    .metrics
+                    .snapshot_seconds
+                    .get_or_create(&labels)
+                    .observe(c.duration.as_secs_f64());
+                self.ctx
+                    .metrics
+                    .snapshot_bytes
+                    .get_or_create(&labels)
+                    .set(c.manifest.stats.total_bytes as i64);
+                self.status.last_checkpoint = Some(snapshot_ref(&c, parallelism));
+                self.succeeded();
+                Ok(interval)
+            }
+            Err(e) => {
+                self.ctx
+                    .metrics
+                    .snapshot_failures
+                    .get_or_create(&labels)
+                    .inc();
+                // Try again after a fraction of the interval; a dead worker shows up as a pod
+                // exit and restarts the job.
+                run.started = Utc::now();
+                self.event(
+                    true,
+                    "CheckpointFailed",
+                    format!("{e}; the previous checkpoint stays usable"),
+                )
+                .await;
+                Ok(interval / 2)
+            }
+        }
+    }
+
+    async fn start(
+        &mut self,
+        run: String,
+        parallelism: u32,
+        restore: Restore,
+        pods_api: &Api<Pod>,
+    ) -> Result<Duration, OperatorError> {
+        let Some(endpoints) = self.endpoints(parallelism) else {
+            return Ok(Duration::from_millis(200));
+        };
+        let restore_from = match restore {
+            Restore::Url(u) => Some(u),
+            Restore::Latest => {
+                let own = coordinator::latest_snapshot(&self.storage, &self.ns, &self.name)
+                    .await?
+                    .map(|(url, _)| url);
+                match (&self.spec.restore_from, &own) {
+                    (Some(r), None) => Some(r.clone()),
+                    (Some(r), Some(_))
+                        if self.status.last_checkpoint.is_none()
+                            && self.status.last_savepoint.is_none() =>
+                    {
+                        Some(r.clone())
+                    }
+                    _ => own,
+                }
+            }
+        };
+        let assignment = self.assignment(parallelism)?;
+        let coordinator = Coordinator::new(
+            &self.storage,
+            self.identity(),
+            assignment,
+            endpoints,
+            self.token.clone(),
+            self.spec.state.retained_checkpoints.max(1) as usize,
+        )
+        .await?;
+        let template = StartRequest {
+            namespace: self.ns.clone(),
+            name: self.name.clone(),
+            job: self.spec.job.clone(),
+            subtask: 0,
+            parallelism,
+            max_parallelism: assignment.max_parallelism(),
+            peers: Vec::new(),
+            storage: self.storage.clone(),
+            restore_from: restore_from.clone(),
+            allow_non_restored_state: self.spec.allow_non_restored_state,
+            state_payload_bytes: 0,
+            run_id: format!("{}-{run}", self.name),
+        };
+        let started = Instant::now();
+        match coordinator.start(&template, Duration::from_secs(180)).await {
+            Ok(responses) => {
+                let bytes: u64 = responses.iter().map(|r| r.bytes_read).sum();
+                let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
+                self.mem.run = Some(RunHandle {
+                    run: run.clone(),
+                    parallelism,
+                    coordinator,
+                    started: Utc::now(),
+                });
+                let restoring = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .is_some_and(|r| r.step == step::RESTORING);
+                if restoring {
+                    if let Some(r) = self.rescale_mut() {
+                        r.bytes_to_read = Some(bytes as i64);
+                    }
+                    self.set_step(step::DONE);
+                }
+                self.set_running(parallelism)?;
+                self.succeeded();
+                self.event(false, "Started", format!(
+                    "run {run}: {parallelism} worker(s) running in {} ms, restored {groups} key groups ({bytes} bytes) from {}",
+                    started.elapsed().as_millis(),
+                    restore_from.as_deref().unwrap_or("nothing (empty state)")
+                )).await;
+                if restoring {
+                    let r = self.status.rescale.clone().unwrap_or_default();
+                    self.event(
+                        false,
+                        "Rescaled",
+                        format!(
+                            "{} -> {} done: {} key groups moved, {} bytes read, steps {:?}",
+                            r.from,
+                            r.to,
+                            r.groups_moved.unwrap_or_default(),
+                            bytes,
+                            r.step_seconds
+                        ),
+                    )
+                    .await;
+                }
+                Ok(Duration::from_millis(200))
+            }
+            Err(e) => {
+                self.delete_all(pods_api).await?;
+                let message = format!(
+                    "starting run {run} at parallelism {parallelism} from {} failed: {e}",
+                    restore_from.as_deref().unwrap_or("empty state")
+                );
+                self.fail("StartFailed", message.clone());
+                self.event(
+                    true,
+                    "StartFailed",
+                    format!("{message}; retrying with backoff (the snapshot is intact)"),
+                )
+                .await;
+                Ok(Duration::from_secs(1))
+            }
+        }
+    }
+}

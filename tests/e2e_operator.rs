@@ -1,0 +1,328 @@
+//! End to end: `keyshift operator` (a host process started by the test) against the test control
+//! plane (`hack/testenv.sh`) and the process kubelet, driven with kubectl as a user would. Worker
+//! pods run on this host, so `file://` snapshot storage is shared by operator and workers.
+//! Run: `eval "$(hack/testenv.sh up)"` (with KEYSHIFT_KUBELET set) then
+//! `cargo test --test e2e_operator -- --ignored`.
+
+mod support;
+
+use keyshift::crd::StreamJob;
+use keyshift::job::{AccValue, Expected, decode_group, expected_results};
+use keyshift::keygroup::{Key, KeyGroupRange};
+use std::collections::BTreeMap;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use support::*;
+
+/// The operator process; killed when dropped.
+struct Operator {
+    child: Child,
+    log: std::path::PathBuf,
+}
+
+impl Operator {
+    fn start(ns: &str, storage_dir: &std::path::Path) -> Operator {
+        let storage = format!("file://{}", storage_dir.display());
+        let log = storage_dir.with_extension("operator.log");
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("operator log");
+        let child = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+            .args([
+                "operator",
+                "--namespaces",
+                ns,
+                "--default-storage",
+                &storage,
+                "--metrics-addr",
+                "127.0.0.1:0",
+            ])
+            .env("KUBECONFIG", kubeconfig())
+            .env("RUST_LOG", "info,keyshift=debug")
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log fd"))
+            .stderr(out)
+            .spawn()
+            .expect("keyshift operator starts");
+        Operator { child, log }
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Operator {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+fn job_yaml(name: &str, replicas: i32) -> String {
+    format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+spec:
+  replicas: {replicas}
+  maxParallelism: 128
+  job:
+    source:
+      generator: {{partitions: 4, keys: 2000, seed: 7, recordsPerSecond: 3000, recordsPerPartition: 60000}}
+    key: {{field: key, type: string}}
+    aggregation: {{function: count}}
+  state:
+    checkpointInterval: 2s
+"
+    )
+}
+
+fn wait_ready(ns: &str, name: &str, log: &std::path::Path) {
+    let r = kubectl(&[
+        "wait",
+        "-n",
+        ns,
+        "--for=condition=Ready",
+        &format!("sj/{name}"),
+        "--timeout=120s",
+    ]);
+    if !r.ok {
+        let status = kubectl(&["get", "-n", ns, &format!("sj/{name}"), "-o", "yaml"]).stdout;
+        let pods = kubectl(&["get", "pods", "-n", ns, "-o", "wide"]).stdout;
+        let tail: String = std::fs::read_to_string(log)
+            .unwrap_or_default()
+            .lines()
+            .rev()
+            .take(40)
+            .collect::<Vec<_>>()
+            .join("\n");
+        panic!(
+            "sj/{name} not Ready: {}{}\n{status}\n{pods}\noperator log (newest first):\n{tail}",
+            r.stdout, r.stderr
+        );
+    }
+}
+
+fn get(ns: &str, name: &str, path: &str) -> String {
+    jsonpath(ns, &format!("sj/{name}"), path)
+}
+
+fn worker_pods(ns: &str, name: &str) -> Vec<String> {
+    kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        &format!("keyshift.dev/job={name}"),
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name}{\"\\n\"}{end}",
+    ])
+    .lines()
+    .map(str::to_owned)
+    .collect()
+}
+
+fn scale(ns: &str, name: &str, to: i32, log: &std::path::Path) {
+    let t = Instant::now();
+    kubectl_ok(&[
+        "scale",
+        "-n",
+        ns,
+        &format!("sj/{name}"),
+        &format!("--replicas={to}"),
+    ]);
+    wait_ready(ns, name, log);
+    assert_eq!(
+        get(ns, name, "{.status.replicas}"),
+        to.to_string(),
+        "kubectl wait returned before the rescale finished"
+    );
+    assert_eq!(get(ns, name, "{.status.rescale.step}"), "Done");
+    assert_eq!(worker_pods(ns, name).len(), to as usize);
+    eprintln!(
+        "rescaled to {to} in {:?}: {}",
+        t.elapsed(),
+        get(ns, name, "{.status.rescale}")
+    );
+}
+
+fn set_suspend(ns: &str, name: &str, suspend: bool, log: &std::path::Path) {
+    kubectl_ok(&[
+        "patch",
+        "-n",
+        ns,
+        &format!("sj/{name}"),
+        "--type=merge",
+        "-p",
+        &format!("{{\"spec\":{{\"suspend\":{suspend}}}}}"),
+    ]);
+    wait_ready(ns, name, log);
+    let phase = get(ns, name, "{.status.phase}");
+    assert_eq!(phase, if suspend { "Suspended" } else { "Running" });
+    if suspend {
+        wait_for(Duration::from_secs(30), || worker_pods(ns, name).is_empty());
+    }
+}
+
+/// Per-key values of a snapshot, decoded from its state files; and its source positions.
+fn snapshot_values(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let (store, dir, manifest) = keyshift::snapshot::open_snapshot(url)
+            .await
+            .expect("savepoint readable");
+        let range = KeyGroupRange {
+            start: 0,
+            end: manifest.max_parallelism - 1,
+        };
+        let restore = keyshift::snapshot::read_groups(store.as_ref(), &dir, &manifest, range)
+            .await
+            .expect("every group readable");
+        let mut values = BTreeMap::new();
+        for g in restore.groups {
+            if g.bytes.is_empty() {
+                continue;
+            }
+            let decoded = decode_group(&g.bytes).expect("block decodes");
+            for (key, v) in decoded.entries {
+                match v.acc {
+                    AccValue::Scalar(x) => {
+                        assert!(values.insert(key, x).is_none(), "a key in two groups");
+                    }
+                    AccValue::Windows(_) => panic!("no window in this job"),
+                }
+            }
+        }
+        (values, manifest.source_positions.clone())
+    })
+}
+
+fn check_against_oracle(ns: &str, name: &str) {
+    let url = get(ns, name, "{.status.lastSavepoint.path}");
+    assert!(url.contains("/savepoints/sp-"), "{url}");
+    let (values, positions) = snapshot_values(&url);
+    assert_eq!(positions.len(), 4, "every source partition has a position");
+    let spec: StreamJob = serde_yaml::from_str(&job_yaml(name, 1)).expect("job parses");
+    let Expected::Global(want) = expected_results(&spec.spec.job, &positions).expect("oracle")
+    else {
+        panic!("global aggregation expected")
+    };
+    let records: u64 = positions.values().sum();
+    assert!(records > 0, "the job read something: {positions:?}");
+    assert_eq!(
+        values.len(),
+        want.len(),
+        "keys in the savepoint vs the oracle at {positions:?}"
+    );
+    let wrong: Vec<_> = want
+        .iter()
+        .filter(|(k, v)| values.get(*k) != Some(*v))
+        .take(5)
+        .collect();
+    assert!(
+        wrong.is_empty(),
+        "per-key totals differ from the oracle at {positions:?}, e.g. {wrong:?}"
+    );
+    eprintln!(
+        "savepoint {url}: {} keys, {records} records at {positions:?} equal the oracle",
+        values.len()
+    );
+}
+
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
+    ensure_crd();
+    let ns = Namespace::new("e2e-op-scale");
+    let ns = &ns.0;
+    let dir = std::env::temp_dir().join(format!("keyshift-e2e-op-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("storage dir");
+    let mut op = Operator::start(ns, &dir);
+    let log = op.log.clone();
+    let name = "clicks";
+
+    let r = apply(ns, &job_yaml(name, 4));
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    assert_eq!(get(ns, name, "{.status.replicas}"), "4");
+    assert_eq!(get(ns, name, "{.status.maxParallelism}"), "128");
+    assert_eq!(
+        get(ns, name, "{.status.selector}"),
+        "keyshift.dev/job=clicks"
+    );
+    assert_eq!(worker_pods(ns, name).len(), 4);
+    // A periodic checkpoint lands in status.
+    wait_for(Duration::from_secs(30), || {
+        !get(ns, name, "{.status.lastCheckpoint.path}").is_empty()
+    });
+
+    scale(ns, name, 8, &log);
+    scale(ns, name, 3, &log);
+    assert_eq!(
+        get(
+            ns,
+            name,
+            "{.status.conditions[?(@.type==\"KeyGroupsBalanced\")].status}"
+        ),
+        "False",
+        "3 does not divide 128"
+    );
+
+    set_suspend(ns, name, true, &log);
+    check_against_oracle(ns, name);
+
+    // Resume from the suspend savepoint, then kill a worker process: the job restarts from its
+    // last checkpoint and comes back Ready at the same parallelism.
+    set_suspend(ns, name, false, &log);
+    assert_eq!(get(ns, name, "{.status.replicas}"), "3");
+    let before = worker_pods(ns, name);
+    let victim = &before[1];
+    let id = jsonpath(
+        ns,
+        &format!("pod/{victim}"),
+        "{.status.containerStatuses[0].containerID}",
+    );
+    let pid: i32 = id
+        .strip_prefix("process://")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("container id names the process: {id:?}"));
+    // SAFETY: kill(2) on a worker process this test's environment started.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+    }
+    wait_for(Duration::from_secs(60), || {
+        let now = worker_pods(ns, name);
+        now.len() == 3 && now.iter().all(|p| !before.contains(p))
+    });
+    wait_ready(ns, name, &log);
+    assert_eq!(get(ns, name, "{.status.replicas}"), "3");
+
+    // Restart the operator: it adopts the running workers without restarting them.
+    op.kill();
+    let pods_before = worker_pods(ns, name);
+    let mut op = Operator::start(ns, &dir);
+    std::thread::sleep(Duration::from_secs(3));
+    wait_ready(ns, name, &log);
+    assert_eq!(worker_pods(ns, name), pods_before, "workers were adopted");
+
+    set_suspend(ns, name, true, &log);
+    check_against_oracle(ns, name);
+
+    // Deleting the job removes its pods and keeps its savepoints.
+    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    assert!(worker_pods(ns, name).is_empty());
+    let url = get(ns, name, "{.status.lastSavepoint.path}");
+    assert!(url.is_empty(), "the job is gone");
+    let savepoints = dir.join(ns).join(name).join("savepoints");
+    let kept = std::fs::read_dir(&savepoints)
+        .map(|d| d.count())
+        .unwrap_or_default();
+    assert!(kept >= 4, "savepoints kept in {}", savepoints.display());
+    op.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
