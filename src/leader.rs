@@ -716,39 +716,106 @@ impl Candidate {
     }
 }
 
+/// Resolves on SIGTERM or Ctrl-C (what a pod's shutdown sends).
+pub async fn shutdown_signal() {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(mut term) => {
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}
+
+/// What [`run_while_leading`] ended with.
+#[derive(Debug)]
+pub enum Led<T> {
+    /// `work` ran to completion (e.g. the controllers stopped on a signal); the Lease was
+    /// released.
+    Finished(T),
+    /// `shutdown` came before this replica became leader; `work` never started.
+    ShutDownWhileStandingBy,
+}
+
+/// Runs `work` only while this replica leads: waits for the Lease (until `shutdown` resolves),
+/// then runs the future `work()` returns until it finishes, and releases the Lease. Returns
+/// [`LeaderError::Lost`] as soon as leadership is lost, dropping `work` mid-way: the caller
+/// must then exit (the operator exits non-zero so its Deployment restarts it).
+///
+/// This is the operator's integration point:
+///
+/// ```no_run
+/// # async fn demo(client: kube::Client, ns: String, run_controllers: impl std::future::Future<Output = ()>) -> Result<(), keyshift::leader::LeaderError> {
+/// use keyshift::leader::{LeaderConfig, Led, run_while_leading, shutdown_signal};
+/// let config = LeaderConfig::new(ns, "keyshift-operator", LeaderConfig::default_identity());
+/// match run_while_leading(client, config, shutdown_signal(), || run_controllers).await? {
+///     Led::Finished(()) | Led::ShutDownWhileStandingBy => Ok(()),
+/// }
+/// # }
+/// ```
+pub async fn run_while_leading<W, F>(
+    client: Client,
+    config: LeaderConfig,
+    shutdown: impl Future<Output = ()>,
+    work: W,
+) -> Result<Led<F::Output>, LeaderError>
+where
+    W: FnOnce() -> F,
+    F: Future,
+{
+    let mut leader = LeaderHandle::spawn(client, config)?;
+    tokio::pin!(shutdown);
+    tokio::select! {
+        r = leader.wait_for_leadership() => r?,
+        _ = &mut shutdown => {
+            leader.step_down().await?;
+            return Ok(Led::ShutDownWhileStandingBy);
+        }
+    }
+    tracing::info!(identity = %leader.identity(), "leading: starting work");
+    let lost = leader.lost();
+    tokio::select! {
+        out = work() => {
+            leader.step_down().await?;
+            Ok(Led::Finished(out))
+        }
+        _ = lost => {
+            // step_down reports why (Lost, or an API error); a stop without an error would
+            // mean the candidate ended on its own, which it does only when told to.
+            match leader.step_down().await {
+                Err(e) => Err(e),
+                Ok(()) => Err(LeaderError::Task("leadership ended unexpectedly".into())),
+            }
+        }
+    }
+}
+
 /// `keyshift leader-demo` (hidden): campaigns for the Lease with the ambient credentials (in a
 /// pod: its ServiceAccount), logs when it leads, steps down on SIGTERM or Ctrl-C, and fails with
 /// [`LeaderError::Lost`] if leadership is lost, as the operator will. Lets tests check an
 /// installation's Lease RBAC and takeover with real processes before the operator exists.
 pub async fn run_demo(config: LeaderConfig) -> Result<(), LeaderError> {
     config.validate()?;
-    let api_error = |source| LeaderError::Api {
-        namespace: config.namespace.clone(),
-        name: config.lease_name.clone(),
-        source,
+    let client = Client::try_default()
+        .await
+        .map_err(|source| LeaderError::Api {
+            namespace: config.namespace.clone(),
+            name: config.lease_name.clone(),
+            source,
+        })?;
+    let identity = config.identity.clone();
+    // The work: hold the Lease until told to stop.
+    let hold = move || async move {
+        tracing::info!(%identity, "leading");
+        shutdown_signal().await;
     };
-    let client = Client::try_default().await.map_err(api_error)?;
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .map_err(|e| LeaderError::Task(format!("installing the SIGTERM handler: {e}")))?;
-    let mut leader = LeaderHandle::spawn(client, config)?;
-    let stop = async {
-        tokio::select! {
-            _ = term.recv() => {}
-            _ = tokio::signal::ctrl_c() => {}
-        }
-    };
-    tokio::pin!(stop);
-    tokio::select! {
-        r = leader.wait_for_leadership() => r?,
-        _ = &mut stop => return leader.step_down().await,
-    }
-    tracing::info!(identity = %leader.identity(), "leading");
-    let lost = leader.lost();
-    tokio::select! {
-        _ = lost => {}
-        _ = &mut stop => {}
-    }
-    leader.step_down().await
+    run_while_leading(client, config, shutdown_signal(), hold)
+        .await
+        .map(|_| ())
 }
 
 #[cfg(test)]

@@ -234,3 +234,77 @@ async fn a_leader_whose_lease_is_taken_stops_leading() {
     // It did not release (or overwrite) the intruder's lease.
     assert_eq!(holder(&client, &ns.0).await.as_deref(), Some("intruder"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+async fn run_while_leading_runs_work_only_while_leading() {
+    use keyshift::leader::{Led, run_while_leading};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    keyshift::telemetry::init(keyshift::telemetry::LogFormat::Text);
+    let ns = Namespace::new("e2e-leader-work");
+    let client = client().await;
+    let config = |id: &str| LeaderConfig::new(&ns.0, LEASE_NAME, id).with_lease_duration(LEASE);
+
+    // Someone else leads: a standby told to shut down never starts its work.
+    let mut other = candidate(&client, &ns.0, "other");
+    other.wait_for_leadership().await.expect("other leads");
+    let started = Arc::new(AtomicBool::new(false));
+    let flag = started.clone();
+    let led = run_while_leading(
+        client.clone(),
+        config("standby"),
+        sleep(Duration::from_secs(1)),
+        move || async move { flag.store(true, Ordering::SeqCst) },
+    )
+    .await
+    .expect("no error");
+    assert!(matches!(led, Led::ShutDownWhileStandingBy));
+    assert!(!started.load(Ordering::SeqCst), "work never started");
+    other.step_down().await.expect("clean step-down");
+
+    // Work that finishes: its result comes back and the Lease is released.
+    let led = run_while_leading(
+        client.clone(),
+        config("worker"),
+        std::future::pending(),
+        || async { 42 },
+    )
+    .await
+    .expect("no error");
+    assert!(matches!(led, Led::Finished(42)));
+    assert_eq!(holder(&client, &ns.0).await, None, "released");
+
+    // Leadership lost mid-work: the work is dropped and the error says why.
+    let task = tokio::spawn(run_while_leading(
+        client.clone(),
+        config("loser"),
+        std::future::pending(),
+        std::future::pending::<()>,
+    ));
+    let leases: Api<Lease> = Api::namespaced(client.clone(), &ns.0);
+    let start = Instant::now();
+    loop {
+        if holder(&client, &ns.0).await.as_deref() == Some("loser") {
+            break;
+        }
+        assert!(start.elapsed() < LEASE * 2, "loser never led");
+        sleep(Duration::from_millis(100)).await;
+    }
+    let mut lease = leases.get(LEASE_NAME).await.expect("lease exists");
+    if let Some(spec) = lease.spec.as_mut() {
+        spec.holder_identity = Some("intruder".into());
+    }
+    leases
+        .replace(LEASE_NAME, &PostParams::default(), &lease)
+        .await
+        .expect("overwriting the holder");
+    let r = tokio::time::timeout(LEASE, task)
+        .await
+        .expect("returns once the loss is noticed")
+        .expect("task ran");
+    assert!(
+        matches!(r, Err(LeaderError::Lost { .. })),
+        "expected Lost, got {r:?}"
+    );
+}
