@@ -84,6 +84,15 @@ pub struct OperatorArgs {
     /// Worker image for jobs that set no spec.image.
     #[arg(long, env = "KEYSHIFT_IMAGE", default_value = "keyshift:dev")]
     pub worker_image: String,
+    /// Reconcile only while holding the leader-election Lease.
+    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    pub leader_elect: bool,
+    /// Name of the leader-election Lease.
+    #[arg(long, default_value = "keyshift-operator")]
+    pub lease_name: String,
+    /// Namespace of the leader-election Lease.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub lease_namespace: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -263,6 +272,19 @@ fn run(command: Command) -> Result<(), CliError> {
                 default_storage: args.default_storage,
                 metrics_addr: args.metrics_addr,
                 worker_image: args.worker_image,
+                leader: match (args.leader_elect, args.lease_namespace) {
+                    (false, _) => None,
+                    (true, Some(ns)) => Some(crate::leader::LeaderConfig::new(
+                        ns,
+                        args.lease_name,
+                        crate::leader::LeaderConfig::default_identity(),
+                    )),
+                    (true, None) => {
+                        return Err(CliError::Leader(crate::leader::LeaderError::Config(
+                            "leader election needs --lease-namespace (or POD_NAMESPACE); pass --leader-elect=false to run without".into(),
+                        )));
+                    }
+                },
             };
             tokio_runtime()?
                 .block_on(crate::operator::run(config))

@@ -38,6 +38,9 @@ impl Operator {
                 &storage,
                 "--metrics-addr",
                 "127.0.0.1:0",
+                // A host process for one test namespace: no Lease (a restarted operator would
+                // otherwise wait for its predecessor's Lease to expire).
+                "--leader-elect=false",
             ])
             .env("KUBECONFIG", kubeconfig())
             .env("RUST_LOG", "info,keyshift=debug")

@@ -36,6 +36,8 @@ pub struct OperatorConfig {
     pub metrics_addr: SocketAddr,
     /// Worker image for jobs without spec.image.
     pub worker_image: String,
+    /// Leader election (None: this process reconciles unconditionally).
+    pub leader: Option<crate::leader::LeaderConfig>,
 }
 
 /// Operator failures (a failed pass is retried with backoff).
@@ -60,6 +62,8 @@ pub enum OperatorError {
     },
     #[error("the control-token Secret {0} has no usable token")]
     Token(String),
+    #[error(transparent)]
+    Leader(#[from] crate::leader::LeaderError),
 }
 
 /// The run the operator coordinates for a job.
@@ -153,10 +157,33 @@ pub async fn run(config: OperatorConfig) -> Result<(), OperatorError> {
     let metrics = Arc::new(OperatorMetrics::new());
     let addr = config.metrics_addr;
     let server = tokio::spawn(super::metrics::serve(addr, metrics.clone()));
-    // Leader election hook: `src/leader.rs` (written separately) acquires the Lease here and
-    // runs `run_controllers` only while this replica holds it.
-    let ctx = Arc::new(Context::new(client, config, metrics));
-    let result = run_controllers(ctx).await;
+    // Leader election (`src/leader.rs`): `run_controllers` runs only while this replica holds
+    // the Lease; losing it ends `run` with an error, so the process exits and its Deployment
+    // restarts it as a fresh candidate.
+    let leader = config.leader.clone();
+    let ctx = Arc::new(Context::new(client.clone(), config, metrics));
+    let result = match leader {
+        None => run_controllers(ctx).await,
+        Some(leader) => {
+            // A standby is healthy and ready too (readiness must not depend on leadership, or a
+            // rolling update of two replicas never completes).
+            ctx.metrics
+                .ready
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+            match crate::leader::run_while_leading(
+                client,
+                leader,
+                crate::leader::shutdown_signal(),
+                || run_controllers(ctx),
+            )
+            .await
+            {
+                Ok(crate::leader::Led::Finished(r)) => r,
+                Ok(crate::leader::Led::ShutDownWhileStandingBy) => Ok(()),
+                Err(e) => Err(e.into()),
+            }
+        }
+    };
     server.abort();
     if let Ok(Ok(Err(source))) = tokio::time::timeout(Duration::from_millis(10), server).await {
         return Err(OperatorError::Metrics { addr, source });
