@@ -6,8 +6,8 @@
 //! (`keyshift leader-demo`) under the chart's ServiceAccount to show its Lease RBAC suffices for
 //! leader election and takeover.
 //!
-//! The operator itself (`keyshift operator`) may not exist yet: its pod is only required to be
-//! bound and started, whether it then runs or exits.
+//! A third test runs the whole path with the real operator: install, a sample StreamJob to
+//! Ready, `kubectl scale`, then two replicas and a leader handover that keeps reconciling.
 //!
 //! Run by `hack/test.sh`; by hand: `eval "$(hack/testenv.sh up)"` with `KEYSHIFT_KUBELET` set,
 //! then `cargo test --test e2e_helm -- --ignored`.
@@ -248,7 +248,9 @@ fn install_upgrade_uninstall() {
         "charts/keyshift/crds/",
     ]);
 
-    // ---- upgrade: all namespaces, two replicas, a default storage
+    // ---- upgrade: all namespaces, two replicas, a default storage. The image changes to one
+    // the process kubelet refuses: an operator watching every namespace must not reconcile the
+    // other tests' StreamJobs in this shared control plane (its pods are still created).
     let mut args = vec!["upgrade", release, CHART, "-n", system, "--reuse-values"];
     args.extend_from_slice(&[
         "--set-json",
@@ -257,6 +259,8 @@ fn install_upgrade_uninstall() {
         "replicas=2",
         "--set",
         "defaultStorage=file:///tmp/keyshift-state",
+        "--set",
+        "image.repository=localhost/not-run-here",
     ]);
     helm_ok(&args);
     assert_eq!(
@@ -279,8 +283,8 @@ fn install_upgrade_uninstall() {
             "deployment/ks-keyshift",
             "{.spec.template.spec.containers[0].image}"
         ),
-        "localhost/keyshift:dev",
-        "--reuse-values kept the image"
+        "localhost/not-run-here:dev",
+        "--reuse-values kept the tag"
     );
     assert_eq!(
         release_objects(release, "clusterroles,clusterrolebindings", None),
@@ -439,4 +443,116 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
         "--wait=true",
     ]);
     helm_ok(&["uninstall", release, "-n", ns, "--wait", "--timeout=120s"]);
+}
+
+/// The sample job `clicks` (4 replicas, max parallelism 128).
+fn sample_job() -> String {
+    std::fs::read_to_string(root().join("config/samples/generator-count.yaml"))
+        .expect("sample exists")
+}
+
+/// `sj/clicks` runs at `replicas`, is Ready, and the operator has seen its latest spec.
+fn job_ready_at(ns: &str, replicas: &str) -> bool {
+    let generation = jsonpath(ns, "sj/clicks", "{.metadata.generation}");
+    jsonpath(
+        ns,
+        "sj/clicks",
+        "{.status.replicas}/{.status.conditions[?(@.type==\"Ready\")].status}/{.status.observedGeneration}",
+    ) == format!("{replicas}/True/{generation}")
+}
+
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn chart_runs_the_operator_install_ready_scale_handover() {
+    let release = "ks-full";
+    let system = Namespace::new("e2e-helm-full-system");
+    let jobs = Namespace::new("e2e-helm-full");
+    let (system, jobs) = (system.0.as_str(), jobs.0.as_str());
+    // Operator and worker pods are processes on this host: a file:// store is shared.
+    let dir = std::path::PathBuf::from(
+        std::env::var_os("KEYSHIFT_TESTENV_DIR").expect("KEYSHIFT_TESTENV_DIR is set"),
+    )
+    .join("helm-full-state");
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("state dir");
+    let storage = format!("defaultStorage=file://{}", dir.display());
+    let watch = format!(r#"watchNamespaces=["{jobs}"]"#);
+    let mut args = vec!["install", release, CHART, "-n", system];
+    args.extend_from_slice(&IMAGE);
+    args.extend_from_slice(&[
+        "--set-json",
+        &watch,
+        "--set",
+        &storage,
+        "--set",
+        "metrics.bindAddress=$(POD_IP)",
+        "--set",
+        "logFormat=text",
+    ]);
+    helm_ok(&args);
+    let rollout = [
+        "-n",
+        system,
+        "rollout",
+        "status",
+        "deployment/ks-full-keyshift",
+        "--timeout=120s",
+    ];
+    kubectl_ok(&rollout);
+
+    // A sample job becomes Ready, then rescales 4 -> 8 through a savepoint.
+    let r = apply(jobs, &sample_job());
+    assert!(r.ok, "{}", r.stderr);
+    wait_for(Duration::from_secs(180), || job_ready_at(jobs, "4"));
+    kubectl_ok(&["-n", jobs, "scale", "sj/clicks", "--replicas=8"]);
+    wait_for(Duration::from_secs(180), || job_ready_at(jobs, "8"));
+    let rescale = "{.status.rescale.from}->{.status.rescale.to} {.status.rescale.step}";
+    assert_eq!(jsonpath(jobs, "sj/clicks", rescale), "4->8 Done");
+
+    // Two replicas: one leads. Deleting the leader's pod hands over (it releases the Lease on
+    // SIGTERM) and the new leader reconciles the next rescale.
+    helm_ok(&[
+        "upgrade",
+        release,
+        CHART,
+        "-n",
+        system,
+        "--reuse-values",
+        "--set",
+        "replicas=2",
+    ]);
+    kubectl_ok(&rollout);
+    let leader = holder_pod(system);
+    assert!(
+        pods(system, release).contains(&format!("pod/{leader}")),
+        "the Lease names a running operator pod: {leader}"
+    );
+    kubectl_ok(&["delete", "pod", "-n", system, &leader, "--wait=false"]);
+    let mut next = String::new();
+    wait_for(Duration::from_secs(15), || {
+        next = holder_pod(system);
+        !next.is_empty() && next != leader
+    });
+    kubectl_ok(&["-n", jobs, "scale", "sj/clicks", "--replicas=3"]);
+    wait_for(Duration::from_secs(180), || job_ready_at(jobs, "3"));
+    assert_eq!(jsonpath(jobs, "sj/clicks", rescale), "8->3 Done");
+
+    // The operator removes its finalizer; then the release goes.
+    kubectl_ok(&[
+        "-n",
+        jobs,
+        "delete",
+        "sj/clicks",
+        "--wait=true",
+        "--timeout=120s",
+    ]);
+    helm_ok(&[
+        "uninstall",
+        release,
+        "-n",
+        system,
+        "--wait",
+        "--timeout=120s",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
 }
