@@ -9,12 +9,14 @@
 # The build stage uses the official Rust image on Alpine, whose native target is musl, so the
 # release binary is statically linked with no further flags (TLS is rustls; nothing links
 # OpenSSL). It builds for the platform it runs on; build on (or emulate) the target platform for
-# other architectures.
+# other architectures. Not built in this project's CI: its machines have no container engine.
 
 ARG RUST_VERSION=1.95
 
 FROM rust:${RUST_VERSION}-alpine AS build
-RUN apk add --no-cache musl-dev ca-certificates
+# gcc + musl-dev: ring's and aws-lc-sys's C parts (both TLS providers are compiled in; aws-lc-sys
+# uses its plain cc build on x86_64/aarch64 musl).
+RUN apk add --no-cache gcc musl-dev ca-certificates
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
