@@ -84,8 +84,15 @@ pub struct OperatorArgs {
     /// Worker image for jobs that set no spec.image.
     #[arg(long, env = "KEYSHIFT_IMAGE", default_value = "keyshift:dev")]
     pub worker_image: String,
-    /// Reconcile only while holding the leader-election Lease.
-    #[arg(long, default_value_t = true, action = clap::ArgAction::Set)]
+    /// Reconcile only while holding the leader-election Lease (`--leader-elect=false` to run
+    /// without).
+    #[arg(
+        long,
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
     pub leader_elect: bool,
     /// Name of the leader-election Lease.
     #[arg(long, default_value = "keyshift-operator")]
@@ -643,5 +650,33 @@ mod tests {
             serde_json::from_str(&keygroup_line(&Key::Long(-5), 128, None, Output::Json)).unwrap();
         assert_eq!(v["key"], -5);
         assert!(v.get("subtask").is_none());
+    }
+
+    #[test]
+    fn operator_leader_election_flags() {
+        let parse = |args: &[&str]| match Cli::try_parse_from(args) {
+            Ok(Cli {
+                command: Command::Operator(a),
+                ..
+            }) => a,
+            other => panic!("{args:?}: {other:?}"),
+        };
+        let a = parse(&["keyshift", "operator"]);
+        assert!(a.leader_elect);
+        assert_eq!(a.lease_name, "keyshift-operator");
+        assert!(parse(&["keyshift", "operator", "--leader-elect"]).leader_elect);
+        assert!(!parse(&["keyshift", "operator", "--leader-elect=false"]).leader_elect);
+        let a = parse(&[
+            "keyshift",
+            "operator",
+            "--lease-name=l",
+            "--lease-namespace=ns",
+            "--namespaces=a,b",
+        ]);
+        assert_eq!(
+            (a.lease_name.as_str(), a.lease_namespace.as_deref()),
+            ("l", Some("ns"))
+        );
+        assert_eq!(a.namespaces, ["a", "b"]);
     }
 }
