@@ -69,7 +69,9 @@ cleanup() {
 trap cleanup EXIT
 
 step "testenv up"
-eval "$(hack/testenv.sh up)"
+# Assigned first: `eval "$(...)"` alone would not stop the suite when `up` fails.
+testenv_env="$(hack/testenv.sh up)"
+eval "$testenv_env"
 
 step "e2e tests"
 cargo test --locked --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4
