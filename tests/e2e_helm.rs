@@ -445,6 +445,31 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
     helm_ok(&["uninstall", release, "-n", ns, "--wait", "--timeout=120s"]);
 }
 
+/// Fetches a metrics endpoint and parses it with the Prometheus client library's parser
+/// (`prometheus_client` for Python, installed by hack/test.sh); returns the family names.
+fn parse_metrics(url: &str) -> Vec<String> {
+    let script = r#"
+import sys, urllib.request
+from prometheus_client.openmetrics.parser import text_string_to_metric_families
+text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
+for family in text_string_to_metric_families(text):
+    print(family.name)
+"#;
+    let out = std::process::Command::new("python3")
+        .args(["-c", script, url])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "the Prometheus parser refused {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(str::to_owned)
+        .collect()
+}
+
 /// The sample job `clicks` (4 replicas, max parallelism 128).
 fn sample_job() -> String {
     std::fs::read_to_string(root().join("config/samples/generator-count.yaml"))
@@ -536,6 +561,48 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     kubectl_ok(&["-n", jobs, "scale", "sj/clicks", "--replicas=3"]);
     wait_for(Duration::from_secs(180), || job_ready_at(jobs, "3"));
     assert_eq!(jsonpath(jobs, "sj/clicks", rescale), "8->3 Done");
+
+    // The metrics endpoint serves exposition text that Prometheus' own parser accepts, with the
+    // reconcile and rescale metrics.
+    let ip = jsonpath(system, &format!("pod/{next}"), "{.status.podIP}");
+    let families = parse_metrics(&format!("http://{ip}:8080/metrics"));
+    for name in [
+        "keyshift_operator_reconciles",
+        "keyshift_operator_reconcile_errors",
+        "keyshift_operator_reconcile_duration_seconds",
+        "keyshift_operator_rescale_step_duration_seconds",
+        "keyshift_operator_snapshot_duration_seconds",
+    ] {
+        assert!(
+            families.iter().any(|f| f == name),
+            "metric family {name} missing: {families:?}"
+        );
+    }
+
+    // The chart's RBAC sufficed: no operator pod ever got a Forbidden from the API server.
+    let pods_dir = std::path::PathBuf::from(
+        std::env::var_os("KEYSHIFT_TESTENV_DIR").expect("KEYSHIFT_TESTENV_DIR is set"),
+    )
+    .join("kubelet/pods");
+    let mut logs = 0;
+    for entry in std::fs::read_dir(&pods_dir).expect("kubelet pod dirs") {
+        let dir = entry.expect("entry").path();
+        let name = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .unwrap_or_default()
+            .to_owned();
+        if !name.starts_with(&format!("{system}_{release}-keyshift-")) {
+            continue;
+        }
+        let log = std::fs::read_to_string(dir.join("operator.log")).unwrap_or_default();
+        logs += 1;
+        assert!(
+            !log.contains("Forbidden") && !log.contains("forbidden"),
+            "operator pod {name} was refused by the API server:\n{log}"
+        );
+    }
+    assert!(logs >= 2, "read the logs of both operator replicas");
 
     // The operator removes its finalizer; then the release goes.
     kubectl_ok(&[
