@@ -12,5 +12,9 @@ cargo fmt --all -- --check
 step "cargo clippy --all-targets -D warnings"
 cargo clippy --all-targets --locked -- -D warnings
 
+step "S3 test server (moto) for the snapshot tests"
+eval "$(hack/s3-server.sh start)"
+trap 'hack/s3-server.sh stop' EXIT
+
 step "cargo test"
 cargo test --locked

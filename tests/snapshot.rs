@@ -140,7 +140,7 @@ async fn write_snapshot(
 
 async fn round_trip(b: &Backend) {
     let job = job_dir(&b.base, "team-a", "clicks");
-    let (dir, written) = write_snapshot(&b, &job, SnapshotKind::Savepoint, 42, 4).await;
+    let (dir, written) = write_snapshot(b, &job, SnapshotKind::Savepoint, 42, 4).await;
 
     let m = read_manifest(b.store.as_ref(), &dir).await.unwrap();
     assert_eq!(m, written);
@@ -217,7 +217,7 @@ async fn round_trip(b: &Backend) {
 
 async fn create_only(b: &Backend) {
     let job = job_dir(&b.base, "ns", "once");
-    let (dir, m) = write_snapshot(&b, &job, SnapshotKind::Checkpoint, 1, 2).await;
+    let (dir, m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 1, 2).await;
     let err = commit_manifest(b.store.as_ref(), &dir, &m)
         .await
         .unwrap_err();
@@ -235,6 +235,25 @@ async fn create_only(b: &Backend) {
         .unwrap_err();
     assert!(matches!(err, SnapshotError::AlreadyExists { .. }));
     assert_eq!(read_manifest(b.store.as_ref(), &dir).await.unwrap(), m);
+
+    // A job with nothing stored lists nothing and retains nothing.
+    let empty = job_dir(&b.base, "ns", "nothing-here");
+    assert!(
+        list_snapshots(b.store.as_ref(), &empty)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        latest_checkpoint(b.store.as_ref(), &empty)
+            .await
+            .unwrap()
+            .is_none()
+    );
+    assert_eq!(
+        retain(b.store.as_ref(), &empty, 3).await.unwrap(),
+        RetentionReport::default()
+    );
 
     // A manifest naming a file that was never written is not committed.
     let dir2 = snapshot_dir(&job, SnapshotKind::Checkpoint, 2);
@@ -274,9 +293,9 @@ async fn corruption(b: &Backend) {
     let file_name = "state-1-of-2.bin";
 
     // Truncated state file.
-    let (dir, m) = write_snapshot(&b, &job, SnapshotKind::Checkpoint, 1, 2).await;
+    let (dir, m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 1, 2).await;
     let path = dir.clone().join(file_name);
-    tamper(&b, &path, |d| d.truncate(d.len() - 10)).await;
+    tamper(b, &path, |d| d.truncate(d.len() - 10)).await;
     let err = verify(b.store.as_ref(), &dir).await.unwrap_err();
     assert!(matches!(err, SnapshotError::SizeMismatch { .. }), "{err:?}");
     assert!(err.to_string().contains(file_name), "{err}");
@@ -295,11 +314,11 @@ async fn corruption(b: &Backend) {
     .unwrap();
 
     // One flipped byte inside group 70's block.
-    let (dir, m) = write_snapshot(&b, &job, SnapshotKind::Checkpoint, 2, 2).await;
+    let (dir, m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 2, 2).await;
     let path = dir.clone().join(file_name);
     let g70 = m.group(70).unwrap().clone();
     assert!(g70.length > 0);
-    tamper(&b, &path, |d| {
+    tamper(b, &path, |d| {
         d[(g70.offset + g70.length / 2) as usize] ^= 0x10
     })
     .await;
@@ -331,7 +350,7 @@ async fn corruption(b: &Backend) {
     .unwrap();
 
     // Missing state file.
-    let (dir, m) = write_snapshot(&b, &job, SnapshotKind::Checkpoint, 3, 2).await;
+    let (dir, m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 3, 2).await;
     b.store.delete(&dir.clone().join(file_name)).await.unwrap();
     let err = verify(b.store.as_ref(), &dir).await.unwrap_err();
     assert!(matches!(err, SnapshotError::MissingFile { .. }), "{err:?}");
@@ -343,9 +362,9 @@ async fn corruption(b: &Backend) {
     assert!(err.to_string().contains(file_name), "{err}");
 
     // Corrupt (truncated) manifest, and garbage in place of it.
-    let (dir, _m) = write_snapshot(&b, &job, SnapshotKind::Checkpoint, 4, 2).await;
+    let (dir, _m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 4, 2).await;
     let mpath = manifest_path(&dir);
-    tamper(&b, &mpath, |d| d.truncate(d.len() / 2)).await;
+    tamper(b, &mpath, |d| d.truncate(d.len() / 2)).await;
     let err = read_manifest(b.store.as_ref(), &dir).await.unwrap_err();
     assert!(
         matches!(err, SnapshotError::ManifestCorrupt { .. }),
@@ -354,7 +373,7 @@ async fn corruption(b: &Backend) {
     assert!(err.to_string().contains("_manifest.json"), "{err}");
     let err = verify(b.store.as_ref(), &dir).await.unwrap_err();
     assert!(err.to_string().contains("_manifest.json"), "{err}");
-    tamper(&b, &mpath, |d| *d = b"\x00\x01not json".to_vec()).await;
+    tamper(b, &mpath, |d| *d = b"\x00\x01not json".to_vec()).await;
     let err = read_manifest(b.store.as_ref(), &dir).await.unwrap_err();
     assert!(
         matches!(err, SnapshotError::ManifestCorrupt { .. }),
@@ -362,9 +381,9 @@ async fn corruption(b: &Backend) {
     );
 
     // A manifest that parses but lies (a block length changed) is inconsistent.
-    let (dir, _m) = write_snapshot(&b, &job, SnapshotKind::Checkpoint, 5, 2).await;
+    let (dir, _m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 5, 2).await;
     let mpath = manifest_path(&dir);
-    tamper(&b, &mpath, |d| {
+    tamper(b, &mpath, |d| {
         let mut m: serde_json::Value = serde_json::from_slice(d).unwrap();
         let len = m["keyGroups"][0]["length"].as_u64().unwrap();
         m["keyGroups"][0]["length"] = (len + 1).into();
@@ -377,15 +396,36 @@ async fn corruption(b: &Backend) {
         "{err:?}"
     );
     assert!(err.to_string().contains("_manifest.json"), "{err}");
+
+    // A manifest copied into another snapshot's directory is refused by verify.
+    let (dir, m) = write_snapshot(b, &job, SnapshotKind::Checkpoint, 6, 2).await;
+    let elsewhere = snapshot_dir(&job, SnapshotKind::Savepoint, 6);
+    for f in &m.files {
+        let data = b
+            .store
+            .get(&dir.clone().join(f.name.as_str()))
+            .await
+            .unwrap();
+        let data = data.bytes().await.unwrap();
+        b.store
+            .put(&elsewhere.clone().join(f.name.as_str()), data.into())
+            .await
+            .unwrap();
+    }
+    commit_manifest(b.store.as_ref(), &elsewhere, &m)
+        .await
+        .unwrap();
+    let err = verify(b.store.as_ref(), &elsewhere).await.unwrap_err();
+    assert!(err.to_string().contains("lies in directory sp-6"), "{err}");
 }
 
 async fn retention(b: &Backend) {
     let job = job_dir(&b.base, "ns", "retained");
     for id in [1, 2, 4, 5, 6] {
-        write_snapshot(&b, &job, SnapshotKind::Checkpoint, id, 2).await;
+        write_snapshot(b, &job, SnapshotKind::Checkpoint, id, 2).await;
     }
     for id in [2, 3] {
-        write_snapshot(&b, &job, SnapshotKind::Savepoint, id, 3).await;
+        write_snapshot(b, &job, SnapshotKind::Savepoint, id, 3).await;
     }
     // Aborted checkpoint 3 (state written, never committed) and in-progress checkpoint 8.
     let a = Assignment::new(2, i64::from(MAX_P)).unwrap();
@@ -630,78 +670,105 @@ async fn s3_all_scenarios() {
     multipart(&s3().unwrap(), 5 * 1024 * 1024).await;
 }
 
-/// Throughput of the write and range-read paths on file:// against raw `std::fs` with fsync.
+/// Throughput of the write and range-read paths on file:// against raw `std::fs` with fsync, for
+/// 2 MiB blocks (128 groups) and 8 KiB blocks (32768 groups). Size: KEYSHIFT_BENCH_MIB (256).
 /// Run with `cargo test --release --test snapshot -- --ignored --nocapture throughput`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "benchmark: run explicitly"]
 async fn throughput_file() {
-    use std::time::Instant;
     let mib: usize = std::env::var("KEYSHIFT_BENCH_MIB")
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(256);
+    for max_p in [128u32, 32768] {
+        bench_file(mib, max_p).await;
+    }
+}
+
+async fn bench_file(mib: usize, max_p: u32) {
+    use std::time::Instant;
     let total = mib << 20;
-    let max_p = 128u32;
     let per_group = total / max_p as usize;
     let data: Vec<Bytes> = (0..max_p)
         .map(|g| Bytes::from(vec![(g as u8).wrapping_mul(31) ^ 0x5a; per_group]))
         .collect();
     let tmp = tempfile::tempdir().unwrap();
     let mbps = |secs: f64| (total as f64 / (1 << 20) as f64) / secs;
-
-    // Raw: one file, sequential writes, fsync; then read it back.
-    let raw = tmp.path().join("raw.bin");
-    let t = Instant::now();
-    {
-        let mut f = std::fs::File::create(&raw).unwrap();
-        for d in &data {
-            f.write_all(d).unwrap();
-        }
-        f.sync_all().unwrap();
-    }
-    let raw_write = t.elapsed().as_secs_f64();
-    let t = Instant::now();
-    let back = std::fs::read(&raw).unwrap();
-    assert_eq!(back.len(), total);
-    let raw_read = t.elapsed().as_secs_f64();
-    drop(back);
-
-    // keyshift: one subtask writes every group, then restore reads them all back (range read).
     let (store, base) = open_store(&format!("file://{}/store", tmp.path().display())).unwrap();
-    let dir = snapshot_dir(&job_dir(&base, "ns", "bench"), SnapshotKind::Checkpoint, 1);
     let a = Assignment::new(1, i64::from(max_p)).unwrap();
-    let t = Instant::now();
-    let blocks = data
-        .iter()
-        .enumerate()
-        .map(|(g, d)| (g as u32, d.clone(), 1));
-    let ack = write_subtask_state(store.clone(), &dir, a, 0, blocks)
-        .await
-        .unwrap();
-    let ks_write = t.elapsed().as_secs_f64();
-    let m = Manifest::assemble(meta(1, SnapshotKind::Checkpoint), a, vec![ack]).unwrap();
-    commit_manifest(store.as_ref(), &dir, &m).await.unwrap();
-    let t = Instant::now();
-    let restored = read_groups(
-        store.as_ref(),
-        &dir,
-        &m,
-        KeyGroupRange {
-            start: 0,
-            end: max_p - 1,
-        },
-    )
-    .await
-    .unwrap();
-    let ks_read = t.elapsed().as_secs_f64();
-    assert_eq!(restored.bytes_read, total as u64);
-    let t = Instant::now();
-    verify(store.as_ref(), &dir).await.unwrap();
-    let ks_verify = t.elapsed().as_secs_f64();
+    let all = KeyGroupRange {
+        start: 0,
+        end: max_p - 1,
+    };
 
+    const ROUNDS: u64 = 4;
+    // Alternate raw and keyshift runs and keep each one's best, so that a shared, noisy machine
+    // affects both alike.
+    let mut best = [f64::MAX; 5];
+    for round in 0..ROUNDS {
+        let raw = tmp.path().join("raw.bin");
+        let raw_write = || {
+            let t = Instant::now();
+            let file = std::fs::File::create(&raw).unwrap();
+            let mut f = std::io::BufWriter::with_capacity(1 << 20, file);
+            for d in &data {
+                f.write_all(d).unwrap();
+            }
+            f.into_inner().unwrap().sync_all().unwrap();
+            t.elapsed().as_secs_f64()
+        };
+        // Raw: one file, buffered sequential writes, fsync (first in even rounds, last in odd).
+        if round % 2 == 0 {
+            best[0] = best[0].min(raw_write());
+        }
+        // keyshift: one subtask writes every group into its state file.
+        let dir = snapshot_dir(
+            &job_dir(&base, "ns", "bench"),
+            SnapshotKind::Checkpoint,
+            round,
+        );
+        let t = Instant::now();
+        let blocks = data
+            .iter()
+            .enumerate()
+            .map(|(g, d)| (g as u32, d.clone(), 1));
+        let ack = write_subtask_state(store.clone(), &dir, a, 0, blocks)
+            .await
+            .unwrap();
+        best[1] = best[1].min(t.elapsed().as_secs_f64());
+        if round % 2 == 1 {
+            best[0] = best[0].min(raw_write());
+        }
+        let m = Manifest::assemble(meta(round, SnapshotKind::Checkpoint), a, vec![ack]).unwrap();
+        commit_manifest(store.as_ref(), &dir, &m).await.unwrap();
+
+        let t = Instant::now();
+        let back = std::fs::read(&raw).unwrap();
+        assert_eq!(back.len(), total);
+        best[2] = best[2].min(t.elapsed().as_secs_f64());
+        drop(back);
+
+        // Restore of every group: range read, length and checksum checks.
+        let t = Instant::now();
+        let restored = read_groups(store.as_ref(), &dir, &m, all).await.unwrap();
+        assert_eq!(restored.bytes_read, total as u64);
+        best[3] = best[3].min(t.elapsed().as_secs_f64());
+        drop(restored);
+
+        let t = Instant::now();
+        verify(store.as_ref(), &dir).await.unwrap();
+        best[4] = best[4].min(t.elapsed().as_secs_f64());
+
+        std::fs::remove_file(&raw).unwrap();
+        retain(store.as_ref(), &job_dir(&base, "ns", "bench"), 1)
+            .await
+            .unwrap();
+    }
+    let [raw_write, ks_write, raw_read, ks_read, ks_verify] = best;
     let _ = writeln!(
         std::io::stderr(),
-        "{mib} MiB on file://: raw write+fsync {:.0} MB/s, keyshift write {:.0} MB/s ({:.2}x); raw read {:.0} MB/s, keyshift range read {:.0} MB/s ({:.2}x); verify {:.0} MB/s",
+        "{mib} MiB in {max_p} blocks of {} KiB on file:// (best of {ROUNDS}): raw write+fsync {:.0} MB/s, keyshift write {:.0} MB/s ({:.2}x); raw read {:.0} MB/s, keyshift range read+check {:.0} MB/s ({:.2}x); verify {:.0} MB/s",
+        per_group >> 10,
         mbps(raw_write),
         mbps(ks_write),
         raw_write / ks_write,
@@ -710,4 +777,182 @@ async fn throughput_file() {
         raw_read / ks_read,
         mbps(ks_verify),
     );
+}
+
+/// A store whose multipart part uploads fail after `ok_parts` parts, to check the writer's failure
+/// handling; records whether the upload was aborted.
+#[derive(Debug)]
+struct FailingParts {
+    inner: object_store::memory::InMemory,
+    ok_parts: usize,
+    aborted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl std::fmt::Display for FailingParts {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FailingParts")
+    }
+}
+
+#[derive(Debug)]
+struct FailingUpload {
+    inner: Box<dyn object_store::MultipartUpload>,
+    left: usize,
+    aborted: Arc<std::sync::atomic::AtomicBool>,
+}
+
+#[async_trait::async_trait]
+impl object_store::MultipartUpload for FailingUpload {
+    fn put_part(&mut self, data: PutPayload) -> object_store::UploadPart {
+        if self.left == 0 {
+            return Box::pin(async {
+                Err(object_store::Error::Generic {
+                    store: "FailingParts",
+                    source: "injected part failure".into(),
+                })
+            });
+        }
+        self.left -= 1;
+        self.inner.put_part(data)
+    }
+    async fn complete(&mut self) -> object_store::Result<object_store::PutResult> {
+        self.inner.complete().await
+    }
+    async fn abort(&mut self) -> object_store::Result<()> {
+        self.aborted.store(true, Ordering::SeqCst);
+        self.inner.abort().await
+    }
+}
+
+#[async_trait::async_trait]
+impl ObjectStore for FailingParts {
+    async fn put_opts(
+        &self,
+        location: &Path,
+        payload: PutPayload,
+        opts: object_store::PutOptions,
+    ) -> object_store::Result<object_store::PutResult> {
+        self.inner.put_opts(location, payload, opts).await
+    }
+    async fn put_multipart_opts(
+        &self,
+        location: &Path,
+        opts: object_store::PutMultipartOptions,
+    ) -> object_store::Result<Box<dyn object_store::MultipartUpload>> {
+        let inner = self.inner.put_multipart_opts(location, opts).await?;
+        Ok(Box::new(FailingUpload {
+            inner,
+            left: self.ok_parts,
+            aborted: self.aborted.clone(),
+        }))
+    }
+    async fn get_opts(
+        &self,
+        location: &Path,
+        options: object_store::GetOptions,
+    ) -> object_store::Result<object_store::GetResult> {
+        self.inner.get_opts(location, options).await
+    }
+    fn delete_stream(
+        &self,
+        locations: futures::stream::BoxStream<'static, object_store::Result<Path>>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<Path>> {
+        self.inner.delete_stream(locations)
+    }
+    fn list(
+        &self,
+        prefix: Option<&Path>,
+    ) -> futures::stream::BoxStream<'static, object_store::Result<object_store::ObjectMeta>> {
+        self.inner.list(prefix)
+    }
+    async fn list_with_delimiter(
+        &self,
+        prefix: Option<&Path>,
+    ) -> object_store::Result<object_store::ListResult> {
+        self.inner.list_with_delimiter(prefix).await
+    }
+    async fn copy_opts(
+        &self,
+        from: &Path,
+        to: &Path,
+        options: object_store::CopyOptions,
+    ) -> object_store::Result<()> {
+        self.inner.copy_opts(from, to, options).await
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_upload_is_typed_aborted_and_poisons_the_writer() {
+    let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store: Arc<dyn ObjectStore> = Arc::new(FailingParts {
+        inner: object_store::memory::InMemory::new(),
+        ok_parts: 1,
+        aborted: aborted.clone(),
+    });
+    let dir = Path::from("ns/j/checkpoints/chk-1");
+    let a = Assignment::new(1, 8).unwrap();
+    let mut w = SnapshotWriter::new(store.clone(), &dir, a, 0)
+        .unwrap()
+        .with_parts(64 * 1024, 1);
+    let big = Bytes::from(vec![1u8; 256 * 1024]);
+    let mut failure = None;
+    for g in 0..8 {
+        if let Err(e) = w.write_group(g, big.clone(), 1).await {
+            failure = Some(e);
+            break;
+        }
+    }
+    // The failure surfaces at a later write (parts upload in the background) or at finish.
+    let err = match failure {
+        Some(e) => e,
+        None => w.finish().await.unwrap_err(),
+    };
+    assert!(
+        matches!(err, SnapshotError::Store { .. }),
+        "{err:?} should be a store error"
+    );
+    assert!(err.to_string().contains("state-0-of-1.bin"), "{err}");
+    assert!(aborted.load(Ordering::SeqCst), "the upload was not aborted");
+    // Nothing was published.
+    assert!(
+        store
+            .head(&dir.clone().join("state-0-of-1.bin"))
+            .await
+            .is_err()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn writer_refuses_use_after_failure() {
+    let aborted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let store: Arc<dyn ObjectStore> = Arc::new(FailingParts {
+        inner: object_store::memory::InMemory::new(),
+        ok_parts: 0,
+        aborted,
+    });
+    let a = Assignment::new(1, 8).unwrap();
+    let mut w = SnapshotWriter::new(store, &Path::from("d"), a, 0)
+        .unwrap()
+        .with_parts(1024, 1);
+    let block = Bytes::from(vec![1u8; 100 * 1024]);
+    let mut errors = Vec::new();
+    for g in 0..4 {
+        if let Err(e) = w.write_group(g, block.clone(), 1).await {
+            errors.push(e);
+        }
+    }
+    assert!(
+        matches!(errors.first(), Some(SnapshotError::Store { .. })),
+        "{errors:?}"
+    );
+    assert!(
+        errors[1..]
+            .iter()
+            .all(|e| matches!(e, SnapshotError::WriterFailed { .. })),
+        "{errors:?}"
+    );
+    assert!(matches!(
+        w.finish().await,
+        Err(SnapshotError::WriterFailed { .. })
+    ));
 }

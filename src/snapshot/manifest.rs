@@ -392,9 +392,8 @@ impl Manifest {
     }
 
     /// The manifest as pretty JSON.
-    pub fn to_json(&self) -> Vec<u8> {
-        // Serialising plain data with string map keys cannot fail.
-        serde_json::to_vec_pretty(self).unwrap_or_default()
+    pub fn to_json(&self) -> Result<Vec<u8>, serde_json::Error> {
+        serde_json::to_vec_pretty(self)
     }
 
     /// The validated assignment the snapshot was taken at.
@@ -646,7 +645,7 @@ mod tests {
         assert_eq!(m.stats.total_bytes, 24);
         assert_eq!(m.stats.non_empty_groups, 5);
         assert_eq!(m.group(2).unwrap().offset, 5);
-        let json = m.to_json();
+        let json = m.to_json().unwrap();
         let text = String::from_utf8(json.clone()).unwrap();
         assert!(text.contains("\"formatVersion\": 1"));
         assert!(text.contains("\"completedAt\": \"2025-01-02T03:04:05.678Z\""));
@@ -699,7 +698,7 @@ mod tests {
             f(&mut x);
             let reason = x.check().unwrap_err();
             assert!(reason.contains(needle), "{reason:?} lacks {needle:?}");
-            let err = Manifest::from_json(&x.to_json(), "p/_manifest.json").unwrap_err();
+            let err = Manifest::from_json(&x.to_json().unwrap(), "p/_manifest.json").unwrap_err();
             assert!(err.to_string().contains("p/_manifest.json"), "{err}");
         };
         bad(&|m| m.key_groups[2].group = 1, "listed twice");

@@ -66,12 +66,18 @@ pub async fn commit_manifest(
         .buffer_unordered(FILES_AT_ONCE)
         .try_collect::<Vec<()>>()
         .await?;
+    let json = manifest
+        .to_json()
+        .map_err(|source| SnapshotError::ManifestCorrupt {
+            path: path.to_string(),
+            source,
+        })?;
     let opts = PutOptions {
         mode: PutMode::Create,
         ..Default::default()
     };
     store
-        .put_opts(&path, manifest.to_json().into(), opts)
+        .put_opts(&path, json.into(), opts)
         .await
         .map_err(|e| match e {
             object_store::Error::AlreadyExists { .. }
@@ -139,7 +145,7 @@ pub async fn read_groups(
     }
 
     // Fetch and check each file's requests; nothing is handed out until all succeed.
-    let fetched: Vec<Vec<(u32, Bytes)>> = futures::stream::iter(by_file)
+    let fetched: Vec<(u64, Vec<(u32, Bytes)>)> = futures::stream::iter(by_file)
         .map(|(file, reqs)| async move {
             let path = dir.clone().join(file);
             let ranges: Vec<_> = reqs.iter().map(|r| r.range.clone()).collect();
@@ -147,19 +153,20 @@ pub async fn read_groups(
                 .get_ranges(&path, &ranges)
                 .await
                 .map_err(|e| SnapshotError::store("range read", &path, e))?;
+            let received: u64 = data.iter().map(|b| b.len() as u64).sum();
             let mut blocks = Vec::new();
             for (req, buf) in reqs.iter().zip(data) {
                 let groups = &manifest.key_groups[req.groups.clone()];
                 blocks.extend(split_blocks(&path, req.range.start, groups, buf)?);
             }
-            Ok::<_, SnapshotError>(blocks)
+            Ok::<_, SnapshotError>((received, blocks))
         })
         .buffer_unordered(FILES_AT_ONCE)
         .try_collect()
         .await?;
 
-    let mut blocks: BTreeMap<u32, Bytes> = fetched.into_iter().flatten().collect();
-    let bytes_read = blocks.values().map(|b| b.len() as u64).sum();
+    let bytes_read = fetched.iter().map(|(received, _)| received).sum();
+    let mut blocks: BTreeMap<u32, Bytes> = fetched.into_iter().flat_map(|(_, b)| b).collect();
     let groups = range
         .iter()
         .filter_map(|g| manifest.group(g))
@@ -239,17 +246,20 @@ pub struct VerifyReport {
 /// problem found is returned as an error naming the file (and group).
 pub async fn verify(store: &dyn ObjectStore, dir: &Path) -> Result<VerifyReport> {
     let manifest = read_manifest(store, dir).await?;
-    if let Some(name) = dir.filename()
-        && let Some(id) = parse_snapshot_dir_name(manifest.kind, name)
-        && id != manifest.snapshot_id
-    {
-        return Err(SnapshotError::ManifestInconsistent {
-            path: manifest_path(dir).to_string(),
-            reason: format!(
-                "it describes {} {} but lies in directory {name}",
-                manifest.kind, manifest.snapshot_id
-            ),
-        });
+    // A directory named like a snapshot (chk-<id>, sp-<id>) must hold that snapshot.
+    let name = dir.filename().unwrap_or_default();
+    for kind in [SnapshotKind::Checkpoint, SnapshotKind::Savepoint] {
+        if let Some(id) = parse_snapshot_dir_name(kind, name)
+            && (kind != manifest.kind || id != manifest.snapshot_id)
+        {
+            return Err(SnapshotError::ManifestInconsistent {
+                path: manifest_path(dir).to_string(),
+                reason: format!(
+                    "it describes {} {} but lies in directory {name}",
+                    manifest.kind, manifest.snapshot_id
+                ),
+            });
+        }
     }
     let checked: Vec<u64> = futures::stream::iter(&manifest.files)
         .map(|f| verify_file(store, dir, &manifest, f))

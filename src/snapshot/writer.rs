@@ -4,7 +4,7 @@ use super::checksum::Crc32c;
 use super::error::{Result, SnapshotError};
 use super::manifest::{FileLayout, SubtaskSnapshot};
 use crate::keygroup::Assignment;
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
 use std::sync::Arc;
@@ -14,11 +14,18 @@ pub const DEFAULT_PART_SIZE: usize = 16 * 1024 * 1024;
 /// Default number of parts uploading at once; with the part size this bounds the bytes the writer
 /// holds on top of the blocks the caller hands it.
 pub const DEFAULT_PARTS_IN_FLIGHT: usize = 4;
+/// Blocks smaller than this are copied together into one buffer rather than passed on one by one,
+/// so many small groups still reach the store as large writes.
+const SMALL_BLOCK: usize = 64 * 1024;
+/// Size at which gathered small blocks are handed on.
+const GATHER: usize = 1024 * 1024;
 
 /// Writes one subtask's state file for a snapshot: blocks go in group order, each is checksummed
 /// and placed at the next offset; the file is uploaded as it fills (a single put when it stays
 /// below one part, a multipart upload otherwise), so memory stays bounded by
-/// `part size x (parts in flight + 1)` beyond the blocks themselves, which are never copied.
+/// `part size x (parts in flight + 1)` beyond the blocks themselves. Large blocks are never
+/// copied; blocks under 64 KiB are gathered into 1 MiB buffers so that many small groups still
+/// make large writes.
 ///
 /// [`finish`](Self::finish) returns only once the file is durable (object stores acknowledge
 /// durable writes; `file://` stores from [`open_store`](super::open_store) fsync the file and its
@@ -33,6 +40,8 @@ pub struct SnapshotWriter {
     path: Path,
     layout: FileLayout,
     sink: Sink,
+    /// Small blocks gathered for one larger write.
+    gathered: BytesMut,
     part_size: usize,
     parts_in_flight: usize,
 }
@@ -66,6 +75,7 @@ impl SnapshotWriter {
                 blocks: Vec::new(),
                 len: 0,
             },
+            gathered: BytesMut::new(),
             part_size: DEFAULT_PART_SIZE,
             parts_in_flight: DEFAULT_PARTS_IN_FLIGHT,
         })
@@ -98,11 +108,36 @@ impl SnapshotWriter {
         if bytes.is_empty() {
             return Ok(());
         }
-        if let Err(e) = self.feed(bytes).await {
+        if let Err(e) = self.gather(bytes).await {
             self.abort_quietly().await;
             return Err(e);
         }
         Ok(())
+    }
+
+    /// Passes a block on, gathering small ones into larger buffers first (order is kept).
+    async fn gather(&mut self, bytes: Bytes) -> Result<()> {
+        if bytes.len() < SMALL_BLOCK {
+            if self.gathered.capacity() == 0 {
+                self.gathered.reserve(GATHER);
+            }
+            self.gathered.extend_from_slice(&bytes);
+            if self.gathered.len() >= GATHER {
+                let full = self.gathered.split().freeze();
+                self.feed(full).await?;
+            }
+            return Ok(());
+        }
+        self.flush_gathered().await?;
+        self.feed(bytes).await
+    }
+
+    async fn flush_gathered(&mut self) -> Result<()> {
+        if self.gathered.is_empty() {
+            return Ok(());
+        }
+        let pending = self.gathered.split().freeze();
+        self.feed(pending).await
     }
 
     async fn feed(&mut self, mut bytes: Bytes) -> Result<()> {
@@ -142,6 +177,12 @@ impl SnapshotWriter {
     /// Completes the file (groups not written are empty), waits until it is durable and checks
     /// its size in the store, and returns what to acknowledge to the coordinator.
     pub async fn finish(mut self) -> Result<SubtaskSnapshot> {
+        if !matches!(self.sink, Sink::Failed)
+            && let Err(e) = self.flush_gathered().await
+        {
+            self.abort_quietly().await;
+            return Err(e);
+        }
         let sink = std::mem::replace(&mut self.sink, Sink::Failed);
         let snapshot = self.layout.clone().finish();
         match sink {
@@ -187,10 +228,10 @@ impl SnapshotWriter {
     }
 
     async fn abort_quietly(&mut self) {
-        if let Sink::Multipart(w) = std::mem::replace(&mut self.sink, Sink::Failed) {
-            if let Err(e) = w.abort().await {
-                tracing::warn!(path = %self.path, error = %e, "aborting a failed state-file upload failed");
-            }
+        if let Sink::Multipart(w) = std::mem::replace(&mut self.sink, Sink::Failed)
+            && let Err(e) = w.abort().await
+        {
+            tracing::warn!(path = %self.path, error = %e, "aborting a failed state-file upload failed");
         }
     }
 
