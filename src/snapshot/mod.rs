@@ -78,7 +78,7 @@ pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};
 pub use layout::{
     CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, job_dir, manifest_path,
-    snapshot_dir, state_file_name,
+    parse_snapshot_dir_name, snapshot_dir, state_file_name,
 };
 pub use manifest::{
     CHECKSUM_ALGORITHM, FORMAT_VERSION, FileEntry, GroupEntry, JobIdentity, Manifest, ReadRequest,
