@@ -38,6 +38,9 @@ pub enum Command {
     Keygroup(KeygroupArgs),
     /// Print the StreamJob CustomResourceDefinition as YAML.
     Crd,
+    /// Offline tools for checkpoints and savepoints: list, inspect, verify, dump, rewrite,
+    /// dispose.
+    Savepoint(crate::tools::cli::SavepointArgs),
 }
 
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
@@ -109,6 +112,8 @@ pub enum CliError {
     Stdout(std::io::Error),
     #[error("rendering the CRD: {0}")]
     Yaml(#[from] serde_yaml::Error),
+    #[error(transparent)]
+    Savepoint(#[from] crate::tools::ToolError),
 }
 
 /// Entry point of the binary.
@@ -137,6 +142,7 @@ fn run(command: Command) -> Result<(), CliError> {
             let yaml = crate::crd::crd_yaml()?;
             out.write_all(yaml.as_bytes()).map_err(CliError::Stdout)
         }
+        Command::Savepoint(args) => Ok(crate::tools::cli::run(args, &mut out)?),
     }
 }
 

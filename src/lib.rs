@@ -10,4 +10,5 @@ pub mod job;
 pub mod keygroup;
 pub mod snapshot;
 pub mod telemetry;
+pub mod tools;
 pub mod validation;
