@@ -40,6 +40,7 @@ pub enum Command {
     Crd,
     /// Offline tools for checkpoints and savepoints: list, inspect, verify, dump, rewrite,
     /// dispose.
+    #[command(long_about = crate::tools::cli::SAVEPOINT_LONG_ABOUT)]
     Savepoint(crate::tools::cli::SavepointArgs),
 }
 

@@ -9,8 +9,10 @@
 //! 2. Raw copy: `std::fs::copy` of every state file, then `fsync` of each copy and of the directory.
 //! 3. Rewrite of the savepoint to a new key-group count (same parallelism), `file://` to `file://`,
 //!    timed end to end (manifest committed, durable).
-//! 4. Raw copy again; the ratio uses the mean of the two copies.
-//! 5. The rewritten savepoint is fully verified (not timed).
+//! 4. Raw copy again; the round's ratio uses the mean of the two copies around its rewrite.
+//! 5. The rewritten savepoint is fully verified (not timed) and removed.
+//!
+//! Steps 2-5 repeat `runs` times; the report gives every round and the medians.
 
 use super::error::{Result, ToolError};
 use super::rewrite::{RewriteOptions, RewriteReport, rewrite};
@@ -48,6 +50,8 @@ pub struct BenchOptions {
     pub keep: bool,
     /// The rewrite's memory budget.
     pub memory_budget: usize,
+    /// Copy/rewrite/copy rounds (the medians are reported).
+    pub runs: usize,
 }
 
 /// The machine the benchmark ran on.
@@ -62,6 +66,30 @@ pub struct Machine {
     pub memory_gib: f64,
     /// OS and architecture.
     pub os: String,
+    /// `/proc/loadavg` when the timed part started (other work on the machine skews numbers).
+    pub load_before: String,
+    /// `/proc/loadavg` when it ended.
+    pub load_after: String,
+}
+
+/// One copy / rewrite / copy round.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BenchRun {
+    /// Seconds of the raw copy before the rewrite.
+    pub copy_before_secs: f64,
+    /// Seconds of the raw copy after it.
+    pub copy_after_secs: f64,
+    /// Raw copy throughput (mean of the two copies), MB/s.
+    pub copy_mb_per_sec: f64,
+    /// The rewrite.
+    pub rewrite: RewriteReport,
+    /// Rewrite throughput, MB/s of source state.
+    pub rewrite_mb_per_sec: f64,
+    /// Rewrite throughput over raw copy throughput.
+    pub ratio: f64,
+    /// The output verified (every block decoded, every key's group checked, key count equal).
+    pub verified: bool,
 }
 
 /// The benchmark's numbers.
@@ -80,24 +108,35 @@ pub struct BenchReport {
     pub files: usize,
     /// Seconds to build and write the input savepoint (not part of the comparison).
     pub build_secs: f64,
-    /// Seconds of each raw copy.
-    pub copy_secs: Vec<f64>,
-    /// Raw copy throughput (mean of the copies), MB/s.
+    /// Every round.
+    pub runs: Vec<BenchRun>,
+    /// Median raw copy throughput, MB/s.
     pub copy_mb_per_sec: f64,
-    /// The rewrite.
-    pub rewrite: RewriteReport,
-    /// Rewrite throughput, MB/s of source state.
+    /// Median rewrite throughput, MB/s of source state.
     pub rewrite_mb_per_sec: f64,
-    /// Rewrite throughput, keys/s.
+    /// Median rewrite throughput, keys/s.
     pub rewrite_keys_per_sec: f64,
-    /// Rewrite throughput over raw copy throughput.
+    /// Median of the rounds' rewrite / raw copy ratios.
     pub ratio: f64,
-    /// The rewritten savepoint verified (every block decoded, every key's group checked).
+    /// Every round's output verified.
     pub verified: bool,
-    /// Seconds the verification took.
-    pub verify_secs: f64,
     /// Where the files are (when kept).
     pub dir: String,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 fn machine() -> Machine {
@@ -119,6 +158,8 @@ fn machine() -> Machine {
         cpus: std::thread::available_parallelism().map_or(1, |n| n.get()),
         memory_gib: memory_kib / (1024.0 * 1024.0),
         os: format!("{} {}", std::env::consts::OS, std::env::consts::ARCH),
+        load_before: String::new(),
+        load_after: String::new(),
     }
 }
 
@@ -154,12 +195,12 @@ fn build_state(
         .collect::<std::result::Result<Vec<_>, _>>()
         .map_err(|e| ToolError::Bench(e.to_string()))?;
     let mut positions: BTreeMap<u32, u64> = (0..generator.partitions()).map(|p| (p, 0)).collect();
-    let mut batch = Vec::with_capacity(1 << 16);
+    let mut batch = Vec::with_capacity(1 << 13);
     let mut keys = 0u64;
     while keys < target_keys {
         for (&p, pos) in positions.iter_mut() {
             batch.clear();
-            let n = generator.fill(p, *pos, &mut batch, 1 << 16);
+            let n = generator.fill(p, *pos, &mut batch, 1 << 13);
             *pos += n as u64;
             for r in &batch {
                 let owner = assignment.owner(r.key.key_group(assignment.max_parallelism()));
@@ -259,46 +300,57 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
     let source_fs = store_root.join(source_dir.as_ref());
     let copy_fs = base.join("copy");
     let source_url = format!("{store_url}/bench/rewrite/savepoints/sp-1");
-    let target_url = format!("{store_url}/bench/rewrite/savepoints/sp-2");
+    let copy = |m: Manifest| {
+        let (s, c) = (source_fs.clone(), copy_fs.clone());
+        super::blocks::blocking(move || raw_copy(&m, &s, &c))
+    };
 
-    // 2-4. Copy, rewrite, copy.
-    let m = manifest.clone();
-    let (s, c) = (source_fs.clone(), copy_fs.clone());
-    let first = super::blocks::blocking(move || raw_copy(&m, &s, &c)).await??;
-    let mut ropts = RewriteOptions::new(opts.to_max_parallelism);
-    ropts.memory_budget = opts.memory_budget;
-    ropts.temp_dir = Some(base.join("tmp"));
-    let report = rewrite(&source_url, &target_url, ropts).await?;
-    let m = manifest.clone();
-    let (s, c) = (source_fs.clone(), copy_fs.clone());
-    let second = super::blocks::blocking(move || raw_copy(&m, &s, &c)).await??;
-
-    // 5. Verify the output.
-    let verify_started = Instant::now();
-    let outcome = verify_snapshot(&super::location::open_location(&target_url)?).await?;
-    let verify_secs = verify_started.elapsed().as_secs_f64();
-    let verified = outcome.ok() && outcome.keys_checked == manifest.stats.total_keys;
-
-    let copy_secs = vec![first, second];
-    let mean_copy = copy_secs.iter().sum::<f64>() / copy_secs.len() as f64;
-    let state_bytes = manifest.stats.total_bytes;
-    let copy_mb_per_sec = state_bytes as f64 / 1e6 / mean_copy.max(1e-9);
-    let rewrite_mb_per_sec = report.mb_per_sec();
+    // 2-5. Rounds of copy, rewrite, copy; each output verified, then removed.
+    let mut machine = machine();
+    machine.load_before = load_average();
+    let mut runs = Vec::new();
+    for i in 0..opts.runs.max(1) {
+        let copy_before_secs = copy(manifest.clone()).await??;
+        let target_url = format!("{store_url}/bench/rewrite/savepoints/sp-{}", 2 + i);
+        let mut ropts = RewriteOptions::new(opts.to_max_parallelism);
+        ropts.memory_budget = opts.memory_budget;
+        ropts.temp_dir = Some(base.join("tmp"));
+        let rewrite = rewrite(&source_url, &target_url, ropts).await?;
+        let copy_after_secs = copy(manifest.clone()).await??;
+        let outcome = verify_snapshot(&super::location::open_location(&target_url)?).await?;
+        let verified = outcome.ok() && outcome.keys_checked == manifest.stats.total_keys;
+        if !opts.keep {
+            let target_fs = store_root.join(format!("bench/rewrite/savepoints/sp-{}", 2 + i));
+            std::fs::remove_dir_all(&target_fs).map_err(ToolError::spill(&target_fs))?;
+        }
+        let copy_mb_per_sec = manifest.stats.total_bytes as f64
+            / 1e6
+            / ((copy_before_secs + copy_after_secs) / 2.0).max(1e-9);
+        let rewrite_mb_per_sec = rewrite.mb_per_sec();
+        runs.push(BenchRun {
+            copy_before_secs,
+            copy_after_secs,
+            copy_mb_per_sec,
+            ratio: rewrite_mb_per_sec / copy_mb_per_sec.max(1e-9),
+            rewrite_mb_per_sec,
+            rewrite,
+            verified,
+        });
+    }
+    machine.load_after = load_average();
     let out = BenchReport {
-        machine: machine(),
-        state_bytes,
+        machine,
+        state_bytes: manifest.stats.total_bytes,
         keys: manifest.stats.total_keys,
         payload_bytes: opts.payload_bytes,
         files: manifest.files.len(),
         build_secs,
-        copy_secs,
-        copy_mb_per_sec,
-        rewrite_keys_per_sec: report.keys_per_sec(),
-        rewrite_mb_per_sec,
-        ratio: rewrite_mb_per_sec / copy_mb_per_sec.max(1e-9),
-        rewrite: report,
-        verified,
-        verify_secs,
+        copy_mb_per_sec: median(runs.iter().map(|r| r.copy_mb_per_sec).collect()),
+        rewrite_mb_per_sec: median(runs.iter().map(|r| r.rewrite_mb_per_sec).collect()),
+        rewrite_keys_per_sec: median(runs.iter().map(|r| r.rewrite.keys_per_sec()).collect()),
+        ratio: median(runs.iter().map(|r| r.ratio).collect()),
+        verified: runs.iter().all(|r| r.verified),
+        runs,
         dir: base.display().to_string(),
     };
     if !opts.keep {

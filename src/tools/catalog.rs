@@ -206,6 +206,16 @@ pub struct JobListing {
 /// (`STORAGE/NAMESPACE/JOB`), with what pins each. Unreadable manifests are listed with their
 /// error rather than failing the listing.
 pub async fn list_job(job_url: &str) -> Result<JobListing> {
+    if let Some(dir) = super::location::local_dir(job_url)
+        && !dir.is_dir()
+    {
+        // Nothing there; do not create the directory just to list it.
+        return Ok(JobListing {
+            url: job_url.trim().trim_end_matches('/').to_owned(),
+            snapshots: Vec::new(),
+            marker_error: None,
+        });
+    }
     let (store, job_dir) = open_store(job_url)?;
     list_in(
         store.as_ref(),
@@ -354,12 +364,23 @@ pub struct DisposeOptions {
 /// directory): refuses one the job still needs (see the module docs) unless forced, then deletes
 /// the manifest first and every other object after it.
 pub async fn dispose(url: &str, opts: DisposeOptions) -> Result<DisposeReport> {
-    let loc = open_location(url)?;
+    let not_in_layout = || ToolError::NotSnapshotUrl {
+        url: url.to_owned(),
+        hint: ": dispose needs the job directory to tell whether the job still needs the snapshot",
+    };
+    if super::location::split_snapshot_url(url).is_none() {
+        return Err(not_in_layout());
+    }
+    let loc = match open_location(url) {
+        Err(ToolError::Snapshot(SnapshotError::ManifestMissing { .. })) => {
+            return Err(ToolError::NothingThere {
+                url: url.trim().trim_end_matches('/').to_owned(),
+            });
+        }
+        other => other?,
+    };
     let (Some(job_dir), Some(relative)) = (loc.job_dir.clone(), loc.relative()) else {
-        return Err(ToolError::NotSnapshotUrl {
-            url: url.to_owned(),
-            hint: ": dispose needs the job directory to tell whether the job still needs the snapshot",
-        });
+        return Err(not_in_layout());
     };
     let objects: Vec<object_store::ObjectMeta> = loc
         .store

@@ -18,37 +18,83 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// `keyshift savepoint ...`.
+/// `keyshift savepoint ...` (its help text is set where the subcommand is declared).
 #[derive(Args, Debug)]
-#[command(
-    about = "Offline tools for checkpoints and savepoints: list, inspect, verify, dump, rewrite, dispose",
-    long_about = "Offline tools for a job's snapshots (checkpoints and savepoints) in the object store. \
-                  They need no running job and no job spec: blocks describe themselves.\n\n\
-                  A snapshot URL names a snapshot directory, e.g. \
-                  file:///var/lib/keyshift/default/clicks/savepoints/sp-7 or \
-                  s3://bucket/prefix/default/clicks/checkpoints/chk-42 (S3/GCS/Azure credentials \
-                  come from the usual AWS_*, GOOGLE_*, AZURE_* environment variables)."
-)]
 pub struct SavepointArgs {
     #[command(subcommand)]
     pub command: SavepointCommand,
 }
 
+/// The long help of `keyshift savepoint`.
+pub const SAVEPOINT_LONG_ABOUT: &str = "Offline tools for a job's snapshots (checkpoints and savepoints) in the object store. \
+                  They need no running job and no job spec: blocks describe themselves.\n\n\
+                  A snapshot URL names a snapshot directory, e.g. \
+                  file:///var/lib/keyshift/default/clicks/savepoints/sp-7 or \
+                  s3://bucket/prefix/default/clicks/checkpoints/chk-42 (S3/GCS/Azure credentials \
+                  come from the usual AWS_*, GOOGLE_*, AZURE_* environment variables).";
+
 #[derive(Subcommand, Debug)]
 pub enum SavepointCommand {
     /// List a job's committed checkpoints and savepoints (id, kind, time, parallelism, size).
+    #[command(
+        long_about = "List a job's committed checkpoints and savepoints: id, kind, completion time, \
+                      parallelism, max parallelism, size and keys, and whether the job still needs it \
+                      (newest checkpoint, newest snapshot, or pinned by the in-use marker \
+                      <job>/_in_use.json). Directories without a manifest (aborted or in-progress \
+                      snapshots) are not listed."
+    )]
     List(ListArgs),
     /// Show a snapshot's layout, source positions, watermark and state distribution (largest
     /// groups and keys).
+    #[command(
+        long_about = "Show what a snapshot holds: job, id, kind, time, max parallelism, parallelism, \
+                      each subtask's key-group range, file, keys and bytes, the source positions and the \
+                      watermark; then reads every block for the state distribution: keys and bytes per \
+                      key group (spread, largest groups), the largest single keys by state bytes and, for \
+                      count and sum jobs, the keys with the largest aggregate (a hot key shows there)."
+    )]
     Inspect(InspectArgs),
     /// Check every file, checksum and block of a snapshot, down to every key's group; exit 0 only
     /// if all is good.
+    #[command(
+        long_about = "Fully check a snapshot: the manifest is consistent, every state file is present \
+                      with the manifest's size, every block's and file's CRC-32C matches, and every block \
+                      decodes with a header matching the manifest (schema, max parallelism, key group, \
+                      entry count) and keys that all hash to its key group. Every problem names its file. \
+                      Exit code 0 only if all is good."
+    )]
     Verify(VerifyArgs),
     /// Print every key's state as JSON lines.
+    #[command(
+        long_about = "Print every key's state as JSON lines, in key-group order: \
+                      {\"key\":..,\"keyType\":..,\"keyGroup\":..,\"value\":..} for jobs without a window, \
+                      {\"key\":..,\"keyType\":..,\"keyGroup\":..,\"windows\":[{\"start\":..,\"end\":..,\"value\":..}]} \
+                      for windowed jobs (one accumulator per open window). Keys are typed as stored \
+                      (JSON strings, or numbers for long and int keys)."
+    )]
     Dump(DumpArgs),
     /// Re-hash a snapshot into a new key-group count (max parallelism) as a new savepoint.
+    #[command(
+        long_about = "Re-hash every key of a snapshot into a new number of key groups (Flink's \
+                      murmur(hashCode(key)) % G) and write a new, complete savepoint at --to: state files \
+                      laid out by the new groups at the source's parallelism (or --parallelism), source \
+                      positions, watermark and job identity carried over, stats.rewrittenFrom naming the \
+                      source; the manifest is written last, create-only. The source is never modified; a \
+                      target that already holds a manifest is refused.\n\n\
+                      Memory stays near --memory-mib whatever the state size: entries are spilled to local \
+                      files by new key group (--temp-dir needs about the state's size), then each new \
+                      group's block is built and written in order. Progress and throughput go to stderr."
+    )]
     Rewrite(RewriteArgs),
     /// Delete a snapshot the job no longer needs (manifest first, then its files).
+    #[command(
+        long_about = "Delete a snapshot: its manifest first (from then on it no longer exists), then its \
+                      files, then check nothing is left. Refused, unless --force, when the job still \
+                      needs it: it is the job's newest checkpoint, or its newest snapshot of any kind, or \
+                      it is listed in the in-use marker STORAGE/NAMESPACE/JOB/_in_use.json \
+                      ({\"formatVersion\":1,\"snapshots\":[{\"path\":\"savepoints/sp-7\",\"holder\":..,\"reason\":..}]}); \
+                      also refused when that marker is unreadable, or the directory has no manifest."
+    )]
     Dispose(DisposeArgs),
     /// Benchmark `rewrite` against a raw copy of the same state (builds the state first).
     #[command(hide = true)]
@@ -56,13 +102,6 @@ pub enum SavepointCommand {
 }
 
 #[derive(Args, Debug)]
-#[command(
-    long_about = "List a job's committed checkpoints and savepoints: id, kind, completion time, \
-                  parallelism, max parallelism, size and keys, and whether the job still needs it \
-                  (newest checkpoint, newest snapshot, or pinned by the in-use marker \
-                  <job>/_in_use.json). Directories without a manifest (aborted or in-progress \
-                  snapshots) are not listed."
-)]
 pub struct ListArgs {
     /// The job's directory: STORAGE_URL/NAMESPACE/JOB, e.g. s3://bucket/keyshift/default/clicks.
     pub job_url: String,
@@ -72,13 +111,6 @@ pub struct ListArgs {
 }
 
 #[derive(Args, Debug)]
-#[command(
-    long_about = "Show what a snapshot holds: job, id, kind, time, max parallelism, parallelism, \
-                  each subtask's key-group range, file, keys and bytes, the source positions and the \
-                  watermark; then reads every block for the state distribution: keys and bytes per \
-                  key group (spread, largest groups), the largest single keys by state bytes and, for \
-                  count and sum jobs, the keys with the largest aggregate (a hot key shows there)."
-)]
 pub struct InspectArgs {
     /// The snapshot directory URL.
     pub url: String,
@@ -94,13 +126,6 @@ pub struct InspectArgs {
 }
 
 #[derive(Args, Debug)]
-#[command(
-    long_about = "Fully check a snapshot: the manifest is consistent, every state file is present \
-                  with the manifest's size, every block's and file's CRC-32C matches, and every block \
-                  decodes with a header matching the manifest (schema, max parallelism, key group, \
-                  entry count) and keys that all hash to its key group. Every problem names its file. \
-                  Exit code 0 only if all is good."
-)]
 pub struct VerifyArgs {
     /// The snapshot directory URL.
     pub url: String,
@@ -110,13 +135,6 @@ pub struct VerifyArgs {
 }
 
 #[derive(Args, Debug)]
-#[command(
-    long_about = "Print every key's state as JSON lines, in key-group order: \
-                  {\"key\":..,\"keyType\":..,\"keyGroup\":..,\"value\":..} for jobs without a window, \
-                  {\"key\":..,\"keyType\":..,\"keyGroup\":..,\"windows\":[{\"start\":..,\"end\":..,\"value\":..}]} \
-                  for windowed jobs (one accumulator per open window). Keys are typed as stored \
-                  (JSON strings, or numbers for long and int keys)."
-)]
 pub struct DumpArgs {
     /// The snapshot directory URL.
     pub url: String,
@@ -126,17 +144,6 @@ pub struct DumpArgs {
 }
 
 #[derive(Args, Debug)]
-#[command(
-    long_about = "Re-hash every key of a snapshot into a new number of key groups (Flink's \
-                  murmur(hashCode(key)) % G) and write a new, complete savepoint at --to: state files \
-                  laid out by the new groups at the source's parallelism (or --parallelism), source \
-                  positions, watermark and job identity carried over, stats.rewrittenFrom naming the \
-                  source; the manifest is written last, create-only. The source is never modified; a \
-                  target that already holds a manifest is refused.\n\n\
-                  Memory stays near --memory-mib whatever the state size: entries are spilled to local \
-                  files by new key group (--temp-dir needs about the state's size), then each new \
-                  group's block is built and written in order. Progress and throughput go to stderr."
-)]
 pub struct RewriteArgs {
     /// The source snapshot directory URL.
     pub url: String,
@@ -164,14 +171,6 @@ pub struct RewriteArgs {
 }
 
 #[derive(Args, Debug)]
-#[command(
-    long_about = "Delete a snapshot: its manifest first (from then on it no longer exists), then its \
-                  files, then check nothing is left. Refused, unless --force, when the job still \
-                  needs it: it is the job's newest checkpoint, or its newest snapshot of any kind, or \
-                  it is listed in the in-use marker STORAGE/NAMESPACE/JOB/_in_use.json \
-                  ({\"formatVersion\":1,\"snapshots\":[{\"path\":\"savepoints/sp-7\",\"holder\":..,\"reason\":..}]}); \
-                  also refused when that marker is unreadable, or the directory has no manifest."
-)]
 pub struct DisposeArgs {
     /// The snapshot directory URL: STORAGE/NAMESPACE/JOB/checkpoints/chk-<id> or
     /// .../savepoints/sp-<id>.
@@ -213,6 +212,9 @@ pub struct BenchArgs {
     /// The rewrite's memory budget, MiB.
     #[arg(long, default_value_t = (DEFAULT_MEMORY_BUDGET / (1024 * 1024)) as u64)]
     pub memory_mib: u64,
+    /// Rounds of copy / rewrite / copy (medians are reported).
+    #[arg(long, default_value_t = 3)]
+    pub runs: usize,
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
     pub output: Output,
@@ -324,6 +326,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
                 dir: a.dir,
                 keep: a.keep,
                 memory_budget: mib(a.memory_mib),
+                runs: a.runs,
             })
             .await?;
             let text = match a.output {
@@ -440,7 +443,12 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
         r.kind, r.snapshot_id, r.job.namespace, r.job.name
     );
     let _ = writeln!(s, "url:              {}", r.url);
-    let _ = writeln!(s, "completed:        {}", r.completed_at.to_rfc3339());
+    let _ = writeln!(
+        s,
+        "completed:        {}",
+        r.completed_at
+            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+    );
     let _ = writeln!(s, "max parallelism:  {}", r.max_parallelism);
     let _ = writeln!(s, "parallelism:      {}", r.parallelism);
     let state = match (r.function, r.window_size_ms) {
@@ -655,6 +663,12 @@ fn rewrite_table(r: &RewriteReport) -> String {
         r.mb_per_sec(),
         r.keys_per_sec()
     );
+    let t = &r.timings;
+    let _ = writeln!(
+        s,
+        "  scatter: waiting for reads {:.2}s, decoding and spilling {:.2}s; split {:.2}s; assemble: building {:.2}s (waited {:.2}s), writing {:.2}s",
+        t.read_wait, t.scatter_work, t.split, t.build, t.build_wait, t.write
+    );
     s
 }
 
@@ -682,11 +696,15 @@ fn dispose_text(r: &DisposeReport) -> String {
 
 fn bench_text(b: &BenchReport) -> String {
     let mut s = String::new();
-    let r = &b.rewrite;
     let _ = writeln!(
         s,
-        "machine: {} ({} CPUs), {:.1} GiB RAM, {}",
-        b.machine.cpu, b.machine.cpus, b.machine.memory_gib, b.machine.os
+        "machine: {} ({} CPUs), {:.1} GiB RAM, {}; load average {} before, {} after",
+        b.machine.cpu,
+        b.machine.cpus,
+        b.machine.memory_gib,
+        b.machine.os,
+        b.machine.load_before,
+        b.machine.load_after
     );
     let _ = writeln!(
         s,
@@ -699,34 +717,45 @@ fn bench_text(b: &BenchReport) -> String {
         b.payload_bytes,
         b.build_secs
     );
-    let copies: Vec<String> = b.copy_secs.iter().map(|c| format!("{c:.2}s")).collect();
+    for (i, run) in b.runs.iter().enumerate() {
+        let r = &run.rewrite;
+        let _ = writeln!(
+            s,
+            "run {}: raw copy (fs::copy + fsync) {:.2}s / {:.2}s -> {:.1} MB/s; rewrite {} -> {} groups at parallelism {}: {:.2}s -> {:.1} MB/s, {:.0} keys/s; ratio {:.3}; verified {}",
+            i + 1,
+            run.copy_before_secs,
+            run.copy_after_secs,
+            run.copy_mb_per_sec,
+            r.from_max_parallelism,
+            r.max_parallelism,
+            r.parallelism,
+            r.total_secs,
+            run.rewrite_mb_per_sec,
+            r.keys_per_sec(),
+            run.ratio,
+            if run.verified { "yes" } else { "NO" }
+        );
+        let t = &r.timings;
+        let _ = writeln!(
+            s,
+            "       scatter {:.2}s (reads {:.2}s, decode+spill {:.2}s), split {:.2}s, assemble {:.2}s (build {:.2}s, waited {:.2}s, write {:.2}s), commit {:.2}s; {} buckets, {} spilled",
+            r.scatter_secs,
+            t.read_wait,
+            t.scatter_work,
+            t.split,
+            r.assemble_secs,
+            t.build,
+            t.build_wait,
+            t.write,
+            r.commit_secs,
+            r.buckets,
+            human_bytes(r.spill_bytes)
+        );
+    }
     let _ = writeln!(
         s,
-        "raw copy (fs::copy + fsync): {} -> {:.1} MB/s",
-        copies.join(", "),
-        b.copy_mb_per_sec
-    );
-    let _ = writeln!(
-        s,
-        "rewrite maxParallelism {} -> {} at parallelism {}: {:.2}s (scatter {:.2}s, assemble {:.2}s, commit {:.2}s), {} buckets, {} spilled -> {:.1} MB/s, {:.0} keys/s",
-        r.from_max_parallelism,
-        r.max_parallelism,
-        r.parallelism,
-        r.total_secs,
-        r.scatter_secs,
-        r.assemble_secs,
-        r.commit_secs,
-        r.buckets,
-        human_bytes(r.spill_bytes),
-        b.rewrite_mb_per_sec,
-        b.rewrite_keys_per_sec
-    );
-    let _ = writeln!(s, "ratio rewrite / raw copy: {:.3}", b.ratio);
-    let _ = writeln!(
-        s,
-        "output verified: {} ({:.2}s)",
-        if b.verified { "yes" } else { "NO" },
-        b.verify_secs
+        "median: raw copy {:.1} MB/s, rewrite {:.1} MB/s ({:.0} keys/s), ratio rewrite / raw copy {:.3}",
+        b.copy_mb_per_sec, b.rewrite_mb_per_sec, b.rewrite_keys_per_sec, b.ratio
     );
     s
 }

@@ -7,6 +7,7 @@ use crate::snapshot::{
     parse_snapshot_dir_name,
 };
 use object_store::ObjectStoreExt;
+use std::path::PathBuf;
 use std::sync::Arc;
 
 /// A snapshot directory as named by a URL.
@@ -70,10 +71,38 @@ pub fn split_snapshot_url(url: &str) -> Option<(String, SnapshotKind, u64)> {
     Some((job.to_owned(), kind, id))
 }
 
-/// Opens the snapshot directory a URL names. When the URL follows the layout, the store is opened
-/// at the job directory so the tools can also see the job's other snapshots (and messages name
-/// paths such as `savepoints/sp-7/state-0-of-4.bin`); otherwise at the URL itself.
+/// The local directory of a `file://` URL or a bare absolute path (`None` for other stores).
+pub(crate) fn local_dir(url: &str) -> Option<PathBuf> {
+    let url = url.trim();
+    if url.starts_with('/') {
+        return Some(PathBuf::from(url));
+    }
+    if !url.starts_with("file:") {
+        return None;
+    }
+    url::Url::parse(url).ok()?.to_file_path().ok()
+}
+
+/// Opens the snapshot directory a URL names, to read it. A local (`file://`) directory that does
+/// not exist is reported as a missing snapshot rather than created.
+///
+/// When the URL follows the layout, the store is opened at the job directory so the tools can also
+/// see the job's other snapshots (and messages name paths such as
+/// `savepoints/sp-7/state-0-of-4.bin`); otherwise at the URL itself.
 pub fn open_location(url: &str) -> Result<SnapshotLocation> {
+    if let Some(dir) = local_dir(url)
+        && !dir.is_dir()
+    {
+        return Err(SnapshotError::ManifestMissing {
+            path: format!("{}/{MANIFEST_FILE}", url.trim().trim_end_matches('/')),
+        }
+        .into());
+    }
+    open_location_for_write(url)
+}
+
+/// Opens the snapshot directory a URL names, to write it (a local directory is created).
+pub fn open_location_for_write(url: &str) -> Result<SnapshotLocation> {
     if let Some((job_url, kind, id)) = split_snapshot_url(url)
         && let Ok((store, job_dir)) = open_store(&job_url)
     {
@@ -128,6 +157,19 @@ mod tests {
         assert_eq!(split_snapshot_url("s3://b/ns/job/savepoints/sp-x"), None);
         assert_eq!(split_snapshot_url("file:///checkpoints/chk-1"), None);
         assert_eq!(split_snapshot_url("sp-1"), None);
+    }
+
+    #[test]
+    fn reading_a_missing_local_dir_does_not_create_it() {
+        let tmp = tempfile::tempdir().unwrap();
+        let url = format!("file://{}/ns/job/savepoints/sp-1", tmp.path().display());
+        let err = open_location(&url).unwrap_err().to_string();
+        assert!(err.contains("sp-1/_manifest.json not found"), "{err}");
+        assert!(!tmp.path().join("ns").exists());
+        open_location_for_write(&url).unwrap();
+        assert!(tmp.path().join("ns/job").is_dir());
+        assert_eq!(local_dir("/a/b"), Some(PathBuf::from("/a/b")));
+        assert_eq!(local_dir("s3://b/x"), None);
     }
 
     #[test]

@@ -41,6 +41,6 @@ pub use catalog::{
 pub use dump::{DumpLine, DumpSummary, parse_key_groups};
 pub use error::{Result, ToolError};
 pub use inspect::{GroupSize, InspectReport, KeyStat, SubtaskShare};
-pub use location::{SnapshotLocation, open_location, split_snapshot_url};
-pub use rewrite::{Phase, Progress, RewriteOptions, RewriteReport};
+pub use location::{SnapshotLocation, open_location, open_location_for_write, split_snapshot_url};
+pub use rewrite::{Phase, Progress, RewriteOptions, RewriteReport, Timings};
 pub use verify::{FileCheck, VerifyOutcome, verify_snapshot};

@@ -32,7 +32,7 @@
 
 use super::blocks::{self, Block, Shape, WINDOW_BYTES};
 use super::error::{Result, ToolError};
-use super::location::{SnapshotLocation, open_location};
+use super::location::{SnapshotLocation, open_location, open_location_for_write};
 use crate::job::state_codec::{self, BlockInfo, BlockWriter};
 use crate::keygroup::{Assignment, KeyGroupRange};
 use crate::snapshot::{
@@ -58,7 +58,7 @@ const MAX_BUCKETS: u64 = 256;
 const RECORD_HEADER: usize = 8;
 
 /// Which pass a progress report is about.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Phase {
     /// Reading the source and spilling entries by new group.
@@ -163,6 +163,26 @@ pub struct RewriteReport {
     pub commit_secs: f64,
     /// Seconds in all.
     pub total_secs: f64,
+    /// Where the time went.
+    pub timings: Timings,
+}
+
+/// A breakdown of a rewrite's time (seconds), to tell reading, CPU work and writing apart.
+#[derive(Debug, Clone, Copy, PartialEq, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Timings {
+    /// Scatter: waiting for source reads.
+    pub read_wait: f64,
+    /// Scatter: checking, decoding and spilling entries.
+    pub scatter_work: f64,
+    /// Splitting oversized buckets.
+    pub split: f64,
+    /// Assemble: building blocks (summed over buckets; overlaps writing).
+    pub build: f64,
+    /// Assemble: waiting for a bucket's blocks to be built.
+    pub build_wait: f64,
+    /// Assemble: handing blocks to the state-file writers and completing the files (durable).
+    pub write: f64,
 }
 
 impl RewriteReport {
@@ -324,13 +344,15 @@ impl Scatter {
         let Some(entry) = self.manifest.group(b.group) else {
             return Ok(());
         };
-        let header = state_codec::decode_header(&b.bytes).map_err(codec)?;
-        blocks::check_header(&self.manifest, entry, &header, &mut self.shape)?;
+        // One pass over the block: entries are spilled as they are walked and the header (read
+        // at the start, returned at the end) is checked before anything else is reported. On any
+        // error the whole rewrite stops before writing to the target, so spilled entries of a bad
+        // block never reach it.
         let (old_max_p, new_max_p) = (self.manifest.max_parallelism, self.new_max_p);
         let spill = &mut self.spill;
         let mut failed: Option<ToolError> = None;
         let mut keys = 0u64;
-        state_codec::for_each_raw_entry(&b.bytes, |key, raw| {
+        let header = state_codec::for_each_raw_entry(&b.bytes, |key, raw| {
             if failed.is_some() {
                 return Ok(());
             }
@@ -366,6 +388,7 @@ impl Scatter {
             Ok(())
         })
         .map_err(codec)?;
+        blocks::check_header(&self.manifest, entry, &header, &mut self.shape)?;
         if let Some(e) = failed {
             return Err(e);
         }
@@ -471,9 +494,20 @@ fn record_header(head: &[u8; RECORD_HEADER]) -> (u32, usize) {
 type NewBlock = (u32, Bytes, u64);
 
 /// Reads one bucket's spill file and builds the blocks of its groups, in group order.
-fn build_bucket(bucket: &Bucket, template: Option<BlockInfo>) -> Result<Vec<NewBlock>> {
-    let data = std::fs::read(&bucket.path).map_err(ToolError::spill(&bucket.path))?;
+///
+/// `data` is a reusable read buffer (kept across buckets so its pages are not faulted in anew for
+/// every bucket).
+fn build_bucket(
+    bucket: &Bucket,
+    template: Option<BlockInfo>,
+    data: &mut Vec<u8>,
+) -> Result<Vec<NewBlock>> {
+    data.clear();
+    File::open(&bucket.path)
+        .and_then(|mut f| f.read_to_end(data))
+        .map_err(ToolError::spill(&bucket.path))?;
     std::fs::remove_file(&bucket.path).map_err(ToolError::spill(&bucket.path))?;
+    let data: &[u8] = data;
     if data.is_empty() {
         return Ok(Vec::new());
     }
@@ -615,7 +649,7 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
             },
             source,
         })?;
-    let dst = open_location(target)?;
+    let dst = open_location_for_write(target)?;
     let snapshot_id = match dst.named {
         Some((SnapshotKind::Checkpoint, _)) => {
             return Err(ToolError::TargetIsCheckpoint { url: dst.url });
@@ -645,7 +679,7 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
     // Pass 1: scatter the source's entries into buckets of new groups.
     let spill_dir = SpillDir::create(opts.temp_dir.as_deref())?;
     let total = manifest.stats.total_bytes;
-    let limit = (opts.memory_budget as u64 / 4).max(1024 * 1024);
+    let limit = (opts.memory_budget as u64 / 4).max(64 * 1024);
     let all_new = KeyGroupRange {
         start: 0,
         end: opts.max_parallelism - 1,
@@ -669,16 +703,22 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         manifest.clone(),
         windows,
     );
+    let mut timings = Timings::default();
+    let mut waited = Instant::now();
     while let Some(fetched) = rx.recv().await {
+        timings.read_wait += waited.elapsed().as_secs_f64();
         let blocks = fetched?;
+        let work = Instant::now();
         let (back, result) = blocks::blocking(move || {
             let r = scatter.blocks(&blocks);
             (scatter, r)
         })
         .await?;
+        timings.scatter_work += work.elapsed().as_secs_f64();
         scatter = back;
         result?;
         report(Phase::Scatter, scatter.bytes, total, scatter.keys);
+        waited = Instant::now();
     }
     let scatter_secs = started.elapsed().as_secs_f64();
     let Scatter {
@@ -699,6 +739,7 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
 
     // Split oversized buckets.
     let spill_dir = Arc::new(spill_dir);
+    let split_started = Instant::now();
     let buckets = {
         let dir = spill_dir.clone();
         let (buckets, extra) = blocks::blocking(move || {
@@ -712,6 +753,7 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         spill_bytes += extra;
         buckets
     };
+    timings.split = split_started.elapsed().as_secs_f64();
     let bucket_count = buckets.len();
     let largest_bucket_bytes = buckets.iter().map(|b| b.size).max().unwrap_or(0);
 
@@ -720,27 +762,42 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
     let mut layout = Layout::new(dst.clone(), assignment)?;
     let result: Result<Vec<SubtaskSnapshot>> = async {
         let buckets: Vec<Arc<Bucket>> = buckets.into_iter().map(Arc::new).collect();
+        // One read buffer, reused by the builds (they run one at a time).
+        let buffer = Arc::new(std::sync::Mutex::new(Vec::<u8>::new()));
         let spawn = |b: Arc<Bucket>| {
             let dir = spill_dir.clone();
+            let buffer = buffer.clone();
             tokio::task::spawn_blocking(move || {
                 let _keep = dir;
-                build_bucket(&b, template)
+                let started = Instant::now();
+                let mut data = buffer
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                build_bucket(&b, template, &mut data).map(|blocks| (blocks, started.elapsed()))
             })
         };
         let mut next = buckets.first().cloned().map(spawn);
         let (mut done, mut keys_written) = (0u64, 0u64);
         for i in 0..buckets.len() {
             let Some(handle) = next.take() else { break };
-            let blocks = handle.await??;
+            let wait = Instant::now();
+            let (blocks, built_in) = handle.await??;
+            timings.build_wait += wait.elapsed().as_secs_f64();
+            timings.build += built_in.as_secs_f64();
             next = buckets.get(i + 1).cloned().map(spawn);
+            let write = Instant::now();
             for (group, bytes, entries) in blocks {
                 keys_written += entries;
                 layout.write(group, bytes, entries).await?;
             }
+            timings.write += write.elapsed().as_secs_f64();
             done += buckets[i].size;
             report(Phase::Assemble, done, spilled_first.max(done), keys_written);
         }
-        layout.finish().await
+        let write = Instant::now();
+        let acks = layout.finish().await;
+        timings.write += write.elapsed().as_secs_f64();
+        acks
     }
     .await;
     let acks = match result {
@@ -814,6 +871,7 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         assemble_secs,
         commit_secs,
         total_secs: started.elapsed().as_secs_f64(),
+        timings,
     })
 }
 
@@ -875,7 +933,7 @@ mod tests {
         };
         let mut groups = Vec::new();
         for b in &split {
-            for (g, _bytes, n) in build_bucket(b, Some(template)).unwrap() {
+            for (g, _bytes, n) in build_bucket(b, Some(template), &mut Vec::new()).unwrap() {
                 assert_eq!(n, if g == 5 { 21 } else { 20 });
                 groups.push(g);
             }

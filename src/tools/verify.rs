@@ -142,6 +142,17 @@ async fn check_file(
             return Ok(check);
         }
     }
+    if let Some(g) = manifest
+        .key_groups
+        .iter()
+        .find(|g| g.file == f.name && g.length == 0 && g.entries != 0)
+    {
+        check.problem = Some(format!(
+            "state file {path}: key group {} has no bytes but the manifest says it holds {} entries",
+            g.group, g.entries
+        ));
+        return Ok(check);
+    }
     let groups: Vec<u32> = manifest
         .key_groups
         .iter()
