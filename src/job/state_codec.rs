@@ -153,6 +153,8 @@ fn function_of(code: u8) -> Result<AggregateFunction, CodecError> {
 /// Writes a block incrementally: header, then entries, then [`BlockWriter::finish`].
 pub struct BlockWriter {
     buf: Vec<u8>,
+    /// Where the block starts in `buf` (0 unless appending to a buffer with other content).
+    start: usize,
     count_at: usize,
     entries: u64,
     windowed: bool,
@@ -161,7 +163,14 @@ pub struct BlockWriter {
 impl BlockWriter {
     /// Starts a block; `capacity_hint` pre-sizes the buffer.
     pub fn new(info: &BlockInfo, capacity_hint: usize) -> Self {
-        let mut buf = Vec::with_capacity(capacity_hint.max(64));
+        Self::append_to(Vec::with_capacity(capacity_hint.max(64)), info)
+    }
+
+    /// Starts a block at the end of `buf`, keeping what is already there (so many blocks can be
+    /// laid out in one buffer). [`finish`](Self::finish) returns the whole buffer; the block is its
+    /// tail from the length `buf` had here.
+    pub fn append_to(mut buf: Vec<u8>, info: &BlockInfo) -> Self {
+        let start = buf.len();
         buf.extend_from_slice(&BLOCK_MAGIC);
         buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         buf.push(AGG_SCHEMA.len() as u8);
@@ -179,11 +188,16 @@ impl BlockWriter {
         buf.extend_from_slice(&0u64.to_le_bytes());
         BlockWriter {
             buf,
+            start,
             count_at,
             entries: 0,
             windowed: info.window_size_ms.is_some(),
         }
     }
+
+    /// The length of a block header with this build's schema (what a block of no entries takes
+    /// before its 4-byte checksum).
+    pub const HEADER_LEN: usize = 4 + 2 + 1 + AGG_SCHEMA.len() + 1 + 1 + 8 + 4 + 4 + 8;
 
     #[inline]
     fn value(&mut self, acc: &AccValue, payload: &[u8]) {
@@ -233,7 +247,7 @@ impl BlockWriter {
     /// Patches the entry count, appends the checksum and returns `(block, entries)`.
     pub fn finish(mut self) -> (Vec<u8>, u64) {
         self.buf[self.count_at..self.count_at + 8].copy_from_slice(&self.entries.to_le_bytes());
-        let crc = crc32fast::hash(&self.buf);
+        let crc = crc32fast::hash(&self.buf[self.start..]);
         self.buf.extend_from_slice(&crc.to_le_bytes());
         (self.buf, self.entries)
     }
@@ -560,6 +574,37 @@ mod tests {
             let i = flip % bad.len();
             bad[i] ^= 0x5a;
             prop_assert!(for_each_raw_entry(&bad, |_, _| Ok(())).is_err());
+        }
+    }
+
+    #[test]
+    fn blocks_appended_to_one_buffer_decode_on_their_own() {
+        let (k, v) = (
+            Key::Long(5),
+            StateValue {
+                acc: AccValue::Scalar(9),
+                payload: vec![1, 2],
+            },
+        );
+        let mut buf = b"prefix".to_vec();
+        let mut spans = Vec::new();
+        for g in [3, 4] {
+            let mut i = info(false);
+            i.key_group = g;
+            let at = buf.len();
+            let mut w = BlockWriter::append_to(buf, &i);
+            assert_eq!(w.buf.len() - at, BlockWriter::HEADER_LEN);
+            w.push_plain(&k, &v);
+            let (b, n) = w.finish();
+            assert_eq!(n, 1);
+            buf = b;
+            spans.push((g, at..buf.len()));
+        }
+        assert!(buf.starts_with(b"prefix"));
+        for (g, span) in spans {
+            let d = decode_group(&buf[span]).unwrap();
+            assert_eq!(d.header.info.key_group, g);
+            assert_eq!(d.entries, vec![(k.clone(), v.clone())]);
         }
     }
 

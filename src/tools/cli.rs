@@ -222,7 +222,12 @@ pub struct BenchArgs {
 
 /// Runs a `keyshift savepoint` subcommand, writing results to `out` (progress to stderr).
 pub fn run(args: SavepointArgs, out: &mut dyn Write) -> Result<()> {
+    // Few threads: the tools' work is a short pipeline (a couple of reads in flight, one CPU
+    // stage, one write stage), and every extra thread that allocates big buffers gets its own
+    // malloc arena, which keeps freed buffers resident and inflates memory far past the budget.
     let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .max_blocking_threads(4)
         .enable_all()
         .build()
         .map_err(ToolError::Runtime)?;

@@ -503,6 +503,7 @@ fn build_bucket(
     data: &mut Vec<u8>,
 ) -> Result<Vec<NewBlock>> {
     data.clear();
+    data.reserve_exact(usize::try_from(bucket.size).unwrap_or(0));
     File::open(&bucket.path)
         .and_then(|mut f| f.read_to_end(data))
         .map_err(ToolError::spill(&bucket.path))?;
@@ -533,25 +534,37 @@ fn build_bucket(
         pos = start + len;
     }
     index.sort_by_key(|(g, ..)| *g);
-    let mut out = Vec::new();
+    // All of the bucket's blocks go into one buffer, handed on as slices: one large allocation
+    // per bucket, returned to the system as soon as its last block is written (small per-block
+    // allocations spread over threads would stay resident in malloc arenas).
+    let groups = 1 + index.windows(2).filter(|w| w[0].0 != w[1].0).count();
+    let size =
+        index.iter().map(|(_, _, l)| l).sum::<usize>() + groups * (BlockWriter::HEADER_LEN + 4);
+    let mut buf: Vec<u8> = Vec::with_capacity(size);
+    let mut spans = Vec::with_capacity(groups);
     let mut i = 0;
     while i < index.len() {
         let group = index[i].0;
         let j = i + index[i..].partition_point(|(g, ..)| *g == group);
-        let size: usize = index[i..j].iter().map(|(_, _, l)| l).sum();
         let info = BlockInfo {
             key_group: group,
             ..template
         };
-        let mut w = BlockWriter::new(&info, size + 64);
+        let at = buf.len();
+        let mut w = BlockWriter::append_to(buf, &info);
         for &(_, start, len) in &index[i..j] {
             w.push_raw(&data[start..start + len]);
         }
-        let (block, entries) = w.finish();
-        out.push((group, Bytes::from(block), entries));
+        let (b, entries) = w.finish();
+        buf = b;
+        spans.push((group, at..buf.len(), entries));
         i = j;
     }
-    Ok(out)
+    let all = Bytes::from(buf);
+    Ok(spans
+        .into_iter()
+        .map(|(group, span, entries)| (group, all.slice(span), entries))
+        .collect())
 }
 
 /// Writes the new state files from blocks arriving in group order, one subtask after another.
@@ -684,7 +697,12 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         start: 0,
         end: opts.max_parallelism - 1,
     };
-    let n = total.div_ceil(limit).clamp(1, MAX_BUCKETS);
+    // Spilled bytes: the entries plus a record header each; plan 10% headroom over the mean so
+    // ordinary hashing variance does not push buckets over the limit (outliers are split later).
+    let spill_estimate = total + RECORD_HEADER as u64 * manifest.stats.total_keys;
+    let n = (spill_estimate + spill_estimate / 10)
+        .div_ceil(limit)
+        .clamp(1, MAX_BUCKETS);
     let ranges = cut(all_new, n);
     let buffer = (opts.memory_budget / 8 / ranges.len()).clamp(16 * 1024, 1024 * 1024);
     let spill = SpillSet::create(&spill_dir, "bucket", ranges, buffer)?;
