@@ -36,8 +36,8 @@ use super::location::{SnapshotLocation, open_location, open_location_for_write};
 use crate::job::state_codec::{self, BlockInfo, BlockWriter};
 use crate::keygroup::{Assignment, KeyGroupRange};
 use crate::snapshot::{
-    Manifest, SnapshotError, SnapshotKind, SnapshotMeta, SnapshotWriter, SubtaskSnapshot,
-    commit_manifest, manifest_path, read_manifest, state_file_name,
+    DEFAULT_PART_SIZE, Manifest, SnapshotError, SnapshotKind, SnapshotMeta, SnapshotWriter,
+    SubtaskSnapshot, commit_manifest, manifest_path, read_manifest, state_file_name,
 };
 use bytes::Bytes;
 use chrono::Utc;
@@ -54,6 +54,8 @@ use std::time::{Duration, Instant};
 pub const DEFAULT_MEMORY_BUDGET: usize = 512 * 1024 * 1024;
 /// Most spill files open at once.
 const MAX_BUCKETS: u64 = 256;
+/// Upload parts in flight per state file.
+const PARTS_IN_FLIGHT: usize = 2;
 /// Spill record header: new group (u32 LE) + entry length (u32 LE).
 const RECORD_HEADER: usize = 8;
 
@@ -571,17 +573,20 @@ fn build_bucket(
 struct Layout {
     loc: SnapshotLocation,
     assignment: Assignment,
+    part_size: usize,
     current: u32,
     writer: Option<SnapshotWriter>,
     acks: Vec<SubtaskSnapshot>,
 }
 
 impl Layout {
-    fn new(loc: SnapshotLocation, assignment: Assignment) -> Result<Self> {
-        let writer = SnapshotWriter::new(loc.store.clone(), &loc.dir, assignment, 0)?;
+    fn new(loc: SnapshotLocation, assignment: Assignment, part_size: usize) -> Result<Self> {
+        let writer = SnapshotWriter::new(loc.store.clone(), &loc.dir, assignment, 0)?
+            .with_parts(part_size, PARTS_IN_FLIGHT);
         Ok(Layout {
             loc,
             assignment,
+            part_size,
             current: 0,
             writer: Some(writer),
             acks: Vec::new(),
@@ -595,12 +600,15 @@ impl Layout {
                 self.acks.push(w.finish().await?);
             }
             self.current += 1;
-            self.writer = Some(SnapshotWriter::new(
-                self.loc.store.clone(),
-                &self.loc.dir,
-                self.assignment,
-                self.current,
-            )?);
+            self.writer = Some(
+                SnapshotWriter::new(
+                    self.loc.store.clone(),
+                    &self.loc.dir,
+                    self.assignment,
+                    self.current,
+                )?
+                .with_parts(self.part_size, PARTS_IN_FLIGHT),
+            );
         }
         Ok(())
     }
@@ -697,11 +705,15 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         start: 0,
         end: opts.max_parallelism - 1,
     };
-    // Spilled bytes: the entries plus a record header each; plan 10% headroom over the mean so
-    // ordinary hashing variance does not push buckets over the limit (outliers are split later).
+    // Spilled bytes: the entries plus a record header each. A bucket holds whole groups, so size
+    // buckets in groups: as many as fit the limit with 10% headroom over the mean group (ordinary
+    // hashing variance stays below it; outliers are split later).
     let spill_estimate = total + RECORD_HEADER as u64 * manifest.stats.total_keys;
-    let n = (spill_estimate + spill_estimate / 10)
-        .div_ceil(limit)
+    let per_group =
+        (spill_estimate + spill_estimate / 10).div_ceil(u64::from(opts.max_parallelism));
+    let groups_per_bucket = (limit / per_group.max(1)).max(1);
+    let n = u64::from(opts.max_parallelism)
+        .div_ceil(groups_per_bucket)
         .clamp(1, MAX_BUCKETS);
     let ranges = cut(all_new, n);
     let buffer = (opts.memory_budget / 8 / ranges.len()).clamp(16 * 1024, 1024 * 1024);
@@ -714,7 +726,10 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         keys: 0,
         bytes: 0,
     };
-    let windows = blocks::plan_windows(&manifest, 0..manifest.max_parallelism, WINDOW_BYTES);
+    // Read windows and upload parts scale down with small budgets (S3 needs parts of 5 MiB).
+    let window = (opts.memory_budget as u64 / 32).clamp(1024 * 1024, WINDOW_BYTES);
+    let part = (opts.memory_budget / 32).clamp(5 * 1024 * 1024, DEFAULT_PART_SIZE);
+    let windows = blocks::plan_windows(&manifest, 0..manifest.max_parallelism, window);
     let mut rx = blocks::read_windows(
         src.store.clone(),
         src.dir.clone(),
@@ -777,7 +792,7 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
 
     // Pass 2: build each bucket's blocks (the next bucket while this one is written).
     let assemble_started = Instant::now();
-    let mut layout = Layout::new(dst.clone(), assignment)?;
+    let mut layout = Layout::new(dst.clone(), assignment, part)?;
     let result: Result<Vec<SubtaskSnapshot>> = async {
         let buckets: Vec<Arc<Bucket>> = buckets.into_iter().map(Arc::new).collect();
         // One read buffer, reused by the builds (they run one at a time).
