@@ -38,6 +38,10 @@ pub enum Command {
     Keygroup(KeygroupArgs),
     /// Print the StreamJob CustomResourceDefinition as YAML.
     Crd,
+    /// Offline tools for checkpoints and savepoints: list, inspect, verify, dump, rewrite,
+    /// dispose.
+    #[command(long_about = crate::tools::cli::SAVEPOINT_LONG_ABOUT)]
+    Savepoint(crate::tools::cli::SavepointArgs),
     /// Run a StreamJob manifest on this machine, no cluster: workers as local processes, state
     /// in a local directory. Edit `replicas` in the file to rescale; Ctrl-C stops with a
     /// savepoint and running again resumes from it.
@@ -206,6 +210,8 @@ pub enum CliError {
     Leader(#[from] crate::leader::LeaderError),
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
+    #[error(transparent)]
+    Savepoint(#[from] crate::tools::ToolError),
 }
 
 /// Entry point of the binary.
@@ -309,6 +315,7 @@ fn run(command: Command) -> Result<(), CliError> {
             tokio_runtime()?.block_on(crate::leader::run_demo(config))?;
             Ok(())
         }
+        Command::Savepoint(args) => Ok(crate::tools::cli::run(args, &mut out)?),
     }
 }
 

@@ -16,4 +16,5 @@ pub mod runtime;
 pub mod sink;
 pub mod snapshot;
 pub mod telemetry;
+pub mod tools;
 pub mod validation;

@@ -434,6 +434,49 @@ pub(crate) fn read_key(r: &mut Reader<'_>) -> Result<RecordKey, WireError> {
     }
 }
 
+/// Reads a key without allocating: strings are borrowed from the input.
+pub(crate) fn read_key_ref<'a>(r: &mut Reader<'a>) -> Result<KeyRef<'a>, WireError> {
+    let at = r.pos;
+    match r.u8()? {
+        TAG_LONG => Ok(KeyRef::Long(r.i64()?)),
+        TAG_INT => Ok(KeyRef::Int(r.i32()?)),
+        TAG_STRING => {
+            let n = r.len()?;
+            let start = r.pos;
+            let bytes = r.bytes(n)?;
+            let text =
+                std::str::from_utf8(bytes).map_err(|_| WireError::BadUtf8 { offset: start })?;
+            Ok(KeyRef::Str(text))
+        }
+        tag => Err(WireError::BadKeyTag { offset: at, tag }),
+    }
+}
+
+impl KeyRef<'_> {
+    /// The key's Java `hashCode` (computed over the UTF-16 code units for strings).
+    pub fn java_hash(&self) -> i32 {
+        match self {
+            KeyRef::Long(v) => keygroup::java_long_hash(*v),
+            KeyRef::Int(v) => keygroup::java_int_hash(*v),
+            KeyRef::Str(s) => keygroup::java_string_hash(s),
+        }
+    }
+
+    /// The key's group under `max_parallelism` groups (Flink-exact).
+    pub fn key_group(&self, max_parallelism: u32) -> u32 {
+        keygroup::key_group_for_hash(self.java_hash(), max_parallelism)
+    }
+
+    /// The key as the crate-wide [`Key`] (allocates for strings).
+    pub fn to_key(&self) -> Key {
+        match self {
+            KeyRef::Long(v) => Key::Long(*v),
+            KeyRef::Int(v) => Key::Int(*v),
+            KeyRef::Str(s) => Key::String((*s).to_owned()),
+        }
+    }
+}
+
 pub(crate) fn read_plain_key(r: &mut Reader<'_>) -> Result<Key, WireError> {
     let at = r.pos;
     match r.u8()? {

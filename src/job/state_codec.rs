@@ -30,7 +30,7 @@
 //! value seen (`min` / `max`). Entry order is unspecified. Every decoding path returns a typed
 //! [`CodecError`] on corrupt input; none panics.
 
-use super::record::{self, Reader, RecordKey, WireError};
+use super::record::{self, KeyRef, Reader, RecordKey, WireError};
 use crate::crd::AggregateFunction;
 use crate::keygroup::Key;
 
@@ -153,6 +153,8 @@ fn function_of(code: u8) -> Result<AggregateFunction, CodecError> {
 /// Writes a block incrementally: header, then entries, then [`BlockWriter::finish`].
 pub struct BlockWriter {
     buf: Vec<u8>,
+    /// Where the block starts in `buf` (0 unless appending to a buffer with other content).
+    start: usize,
     count_at: usize,
     entries: u64,
     windowed: bool,
@@ -161,7 +163,14 @@ pub struct BlockWriter {
 impl BlockWriter {
     /// Starts a block; `capacity_hint` pre-sizes the buffer.
     pub fn new(info: &BlockInfo, capacity_hint: usize) -> Self {
-        let mut buf = Vec::with_capacity(capacity_hint.max(64));
+        Self::append_to(Vec::with_capacity(capacity_hint.max(64)), info)
+    }
+
+    /// Starts a block at the end of `buf`, keeping what is already there (so many blocks can be
+    /// laid out in one buffer). [`finish`](Self::finish) returns the whole buffer; the block is its
+    /// tail from the length `buf` had here.
+    pub fn append_to(mut buf: Vec<u8>, info: &BlockInfo) -> Self {
+        let start = buf.len();
         buf.extend_from_slice(&BLOCK_MAGIC);
         buf.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
         buf.push(AGG_SCHEMA.len() as u8);
@@ -179,11 +188,16 @@ impl BlockWriter {
         buf.extend_from_slice(&0u64.to_le_bytes());
         BlockWriter {
             buf,
+            start,
             count_at,
             entries: 0,
             windowed: info.window_size_ms.is_some(),
         }
     }
+
+    /// The length of a block header with this build's schema (what a block of no entries takes
+    /// before its 4-byte checksum).
+    pub const HEADER_LEN: usize = 4 + 2 + 1 + AGG_SCHEMA.len() + 1 + 1 + 8 + 4 + 4 + 8;
 
     #[inline]
     fn value(&mut self, acc: &AccValue, payload: &[u8]) {
@@ -221,10 +235,19 @@ impl BlockWriter {
         self.value(&value.acc, &value.payload);
     }
 
+    /// Appends one entry exactly as encoded in another block (key, value and payload bytes, as
+    /// handed out by [`for_each_raw_entry`]). The source block must have the same shape
+    /// (windowed or not) as this one; the entry is not re-checked.
+    #[inline]
+    pub fn push_raw(&mut self, entry: &[u8]) {
+        self.buf.extend_from_slice(entry);
+        self.entries += 1;
+    }
+
     /// Patches the entry count, appends the checksum and returns `(block, entries)`.
     pub fn finish(mut self) -> (Vec<u8>, u64) {
         self.buf[self.count_at..self.count_at + 8].copy_from_slice(&self.entries.to_le_bytes());
-        let crc = crc32fast::hash(&self.buf);
+        let crc = crc32fast::hash(&self.buf[self.start..]);
         self.buf.extend_from_slice(&crc.to_le_bytes());
         (self.buf, self.entries)
     }
@@ -358,6 +381,56 @@ pub fn for_each_entry(
     Ok(header)
 }
 
+/// Skips one entry's value and payload, checking them like [`read_value`] does.
+fn skip_value(r: &mut Reader<'_>, windowed: bool, entry: u64) -> Result<(), CodecError> {
+    let e = |source| CodecError::Entry { entry, source };
+    if windowed {
+        let n = r.varint().map_err(e)?;
+        if n > (r.remaining() / 16) as u64 {
+            return Err(e(WireError::BadLength { offset: r.pos }));
+        }
+        let mut last: Option<i64> = None;
+        for _ in 0..n {
+            let start = r.i64().map_err(e)?;
+            r.bytes(8).map_err(e)?;
+            if last.is_some_and(|s| s >= start) {
+                return Err(CodecError::WindowsNotIncreasing { entry });
+            }
+            last = Some(start);
+        }
+    } else {
+        r.bytes(8).map_err(e)?;
+    }
+    let n = r.len().map_err(e)?;
+    r.bytes(n).map_err(e)?;
+    Ok(())
+}
+
+/// Walks every entry of a block without allocating: calls `f` with each key (strings borrowed
+/// from the block) and the entry's encoded bytes (key, value and payload exactly as stored), which
+/// [`BlockWriter::push_raw`] appends to another block unchanged — how tools move entries between
+/// key groups without re-encoding them. Checks the block like [`for_each_entry`].
+pub fn for_each_raw_entry<'a>(
+    block: &'a [u8],
+    mut f: impl FnMut(KeyRef<'a>, &'a [u8]) -> Result<(), CodecError>,
+) -> Result<BlockHeader, CodecError> {
+    let (header, mut r) = open(block)?;
+    let windowed = header.info.window_size_ms.is_some();
+    for entry in 0..header.entries {
+        let start = r.pos;
+        let key =
+            record::read_key_ref(&mut r).map_err(|source| CodecError::Entry { entry, source })?;
+        skip_value(&mut r, windowed, entry)?;
+        f(key, &r.buf[start..r.pos])?;
+    }
+    if r.remaining() != 0 {
+        return Err(CodecError::TrailingBytes {
+            extra: r.remaining(),
+        });
+    }
+    Ok(header)
+}
+
 /// Decodes a whole block without any job spec.
 pub fn decode_group(block: &[u8]) -> Result<DecodedGroup, CodecError> {
     let (header, mut r) = open(block)?;
@@ -458,6 +531,80 @@ mod tests {
             prop_assert!(decode_group(&bad).is_err());
             let short = &block[..cut % block.len()];
             prop_assert!(decode_group(short).is_err());
+        }
+    }
+
+    proptest! {
+        /// Raw entries moved into another block decode to the same entries, and the borrowed
+        /// keys hash like the owned ones.
+        #[test]
+        fn raw_entries_round_trip(windowed in any::<bool>(), entries in proptest::collection::vec((arb_key(), arb_value(false)), 0..30)) {
+            let entries: Vec<(Key, StateValue)> = if windowed {
+                entries.into_iter().enumerate().map(|(i, (k, v))| (k, StateValue { acc: AccValue::Windows(vec![(i as i64, 1), (i as i64 + 5, 2)]), payload: v.payload })).collect()
+            } else {
+                entries
+            };
+            let (block, _) = encode_entries(&info(windowed), entries.iter().map(|(k, v)| (k, v)));
+            let mut other = info(windowed);
+            other.key_group = 3;
+            other.max_parallelism = 7;
+            let mut w = BlockWriter::new(&other, 0);
+            let mut keys = Vec::new();
+            let mut hashes = Vec::new();
+            let h = for_each_raw_entry(&block, |k, raw| {
+                keys.push(k.to_key());
+                hashes.push(k.java_hash());
+                w.push_raw(raw);
+                Ok(())
+            });
+            prop_assert!(h.is_ok());
+            prop_assert_eq!(hashes, keys.iter().map(Key::java_hash).collect::<Vec<_>>());
+            let (copy, n) = w.finish();
+            prop_assert_eq!(n, entries.len() as u64);
+            let d = decode_group(&copy).unwrap();
+            prop_assert_eq!(d.header.info, other);
+            prop_assert_eq!(d.entries, entries.clone());
+            prop_assert_eq!(keys, entries.iter().map(|(k, _)| k.clone()).collect::<Vec<_>>());
+        }
+
+        #[test]
+        fn raw_walk_rejects_corrupt_blocks(entries in proptest::collection::vec((arb_key(), arb_value(true)), 1..8), flip in any::<usize>()) {
+            let (block, _) = encode_entries(&info(true), entries.iter().map(|(k, v)| (k, v)));
+            let mut bad = block.clone();
+            let i = flip % bad.len();
+            bad[i] ^= 0x5a;
+            prop_assert!(for_each_raw_entry(&bad, |_, _| Ok(())).is_err());
+        }
+    }
+
+    #[test]
+    fn blocks_appended_to_one_buffer_decode_on_their_own() {
+        let (k, v) = (
+            Key::Long(5),
+            StateValue {
+                acc: AccValue::Scalar(9),
+                payload: vec![1, 2],
+            },
+        );
+        let mut buf = b"prefix".to_vec();
+        let mut spans = Vec::new();
+        for g in [3, 4] {
+            let mut i = info(false);
+            i.key_group = g;
+            let at = buf.len();
+            let mut w = BlockWriter::append_to(buf, &i);
+            assert_eq!(w.buf.len() - at, BlockWriter::HEADER_LEN);
+            w.push_plain(&k, &v);
+            let (b, n) = w.finish();
+            assert_eq!(n, 1);
+            buf = b;
+            spans.push((g, at..buf.len()));
+        }
+        assert!(buf.starts_with(b"prefix"));
+        for (g, span) in spans {
+            let d = decode_group(&buf[span]).unwrap();
+            assert_eq!(d.header.info.key_group, g);
+            assert_eq!(d.entries, vec![(k.clone(), v.clone())]);
         }
     }
 

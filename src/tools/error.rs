@@ -1,0 +1,184 @@
+//! Typed errors of the savepoint tools. Every message names the snapshot, file, key group or key
+//! it is about and, where there is one, the fix.
+
+use crate::job::CodecError;
+use crate::keygroup::BoundsError;
+use crate::snapshot::SnapshotError;
+use std::path::PathBuf;
+
+/// Shorthand for results of the tools.
+pub type Result<T, E = ToolError> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in `keyshift savepoint ...`.
+#[derive(Debug, thiserror::Error)]
+pub enum ToolError {
+    /// The snapshot layer failed (missing or corrupt manifest, missing or corrupt file, store
+    /// error...). Its message names the object.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+
+    /// A key-group block does not decode.
+    #[error("state file {file}: key group {group}: {source}")]
+    Block {
+        file: String,
+        group: u32,
+        #[source]
+        source: CodecError,
+    },
+
+    /// A block's header (or entry count) contradicts the manifest.
+    #[error(
+        "state file {file}: key group {group}: the block says {what} is {block}, the manifest says {manifest}"
+    )]
+    BlockMismatch {
+        file: String,
+        group: u32,
+        what: &'static str,
+        block: String,
+        manifest: String,
+    },
+
+    /// Blocks of one snapshot disagree on the operator's shape (function, window).
+    #[error(
+        "state file {file}: key group {group}: the block has {what} {found}, but key group {first_group} has {expected}; a snapshot holds one operator's state"
+    )]
+    MixedBlocks {
+        file: String,
+        group: u32,
+        what: &'static str,
+        found: String,
+        first_group: u32,
+        expected: String,
+    },
+
+    /// A key is stored in a group it does not hash to.
+    #[error(
+        "state file {file}: key group {group}: key {key} belongs to key group {actual} under maxParallelism {max_parallelism} (the block is corrupt or was written under another key-group count)"
+    )]
+    KeyInWrongGroup {
+        file: String,
+        group: u32,
+        key: String,
+        actual: u32,
+        max_parallelism: u32,
+    },
+
+    /// A URL that must name a snapshot directory inside a job directory does not.
+    #[error(
+        "{url} is not a snapshot directory of a job: expected STORAGE/NAMESPACE/JOB/checkpoints/chk-<id> or STORAGE/NAMESPACE/JOB/savepoints/sp-<id>{hint}"
+    )]
+    NotSnapshotUrl { url: String, hint: &'static str },
+
+    /// The rewrite target already holds a committed snapshot.
+    #[error(
+        "the target {url} already holds a committed snapshot ({path} exists): choose another target (e.g. a new savepoints/sp-<id>), or dispose of that snapshot first"
+    )]
+    TargetExists { url: String, path: String },
+
+    /// The rewrite target is named like a checkpoint.
+    #[error(
+        "the target {url} is a checkpoint directory: a rewrite writes a savepoint, so name the target .../savepoints/sp-<id> (checkpoints are deleted by retention)"
+    )]
+    TargetIsCheckpoint { url: String },
+
+    /// Rewrite parameters out of bounds.
+    #[error("{what}: {source}")]
+    Bounds {
+        what: String,
+        #[source]
+        source: BoundsError,
+    },
+
+    /// The snapshot is still needed by its job.
+    #[error("refusing to dispose of {url}: {reasons}. Pass --force to delete it anyway")]
+    InUse { url: String, reasons: String },
+
+    /// A snapshot directory without a manifest (uncommitted, or a disposal that was interrupted).
+    #[error(
+        "{url} has no manifest but {objects} leftover object(s) (an uncommitted snapshot, possibly still being written, or an interrupted disposal): pass --force to delete them"
+    )]
+    Uncommitted { url: String, objects: usize },
+
+    /// Nothing at the URL.
+    #[error("there is no snapshot at {url}: no manifest and no files")]
+    NothingThere { url: String },
+
+    /// Objects remained after a disposal.
+    #[error("{url}: {remaining} object(s) are still there after deleting, e.g. {example}")]
+    NotDeleted {
+        url: String,
+        remaining: usize,
+        example: String,
+    },
+
+    /// The in-use marker cannot be read; disposal refuses rather than guess.
+    #[error(
+        "in-use marker {path} is unreadable ({reason}): fix or delete it, or pass --force to dispose anyway"
+    )]
+    MarkerCorrupt { path: String, reason: String },
+
+    /// A local temporary (spill) file failed.
+    #[error(
+        "temporary file {path}: {source}. Point --temp-dir at a local directory with space for the state"
+    )]
+    Spill {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// An entry too large for the spill format (4 GiB).
+    #[error("state file {file}: key group {group}: an entry of {len} bytes is too large to move")]
+    EntryTooLarge {
+        file: String,
+        group: u32,
+        len: usize,
+    },
+
+    /// The rewrite lost or invented keys (a bug; the target is not committed).
+    #[error(
+        "rewrite wrote {written} keys but read {read} (the source manifest says {manifest}); nothing was committed"
+    )]
+    KeyCount {
+        read: u64,
+        written: u64,
+        manifest: u64,
+    },
+
+    /// A `--key-groups` value cannot be read.
+    #[error("--key-groups {text:?}: {reason} (use A-B, inclusive, or a single group A)")]
+    BadRange { text: String, reason: String },
+
+    /// `verify` found problems (listed in its report).
+    #[error("{url}: verification failed with {problems} problem(s)")]
+    VerifyFailed { url: String, problems: usize },
+
+    /// Writing to stdout (or another output) failed.
+    #[error("writing output: {0}")]
+    Output(#[source] std::io::Error),
+
+    /// The async runtime could not start.
+    #[error("cannot start the async runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+
+    /// A background task panicked or was cancelled.
+    #[error("internal error: a background task failed: {0}")]
+    Task(String),
+
+    /// The benchmark could not set up its input.
+    #[error("benchmark: {0}")]
+    Bench(String),
+}
+
+impl ToolError {
+    pub(crate) fn spill(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> ToolError {
+        let path = path.into();
+        move |source| ToolError::Spill { path, source }
+    }
+}
+
+impl From<tokio::task::JoinError> for ToolError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        ToolError::Task(e.to_string())
+    }
+}

@@ -1,0 +1,271 @@
+//! `keyshift savepoint ...` as a user runs it: exit codes, messages naming files, JSON output.
+
+mod savepoint_support;
+
+use keyshift::keygroup::{Key, key_group_for_key};
+use savepoint_support::*;
+use serde_json::Value;
+use std::collections::BTreeSet;
+use std::process::{Command, Output};
+
+fn keyshift(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args(args)
+        .output()
+        .unwrap()
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+fn ok(args: &[&str]) -> String {
+    let out = keyshift(args);
+    assert!(
+        out.status.success(),
+        "{args:?} failed: {}{}",
+        text(&out.stdout),
+        text(&out.stderr)
+    );
+    text(&out.stdout)
+}
+
+/// Runs and expects exit code 1 with `needle` on stderr.
+fn fails(args: &[&str], needle: &str) -> Output {
+    let out = keyshift(args);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{args:?}: {}",
+        text(&out.stdout)
+    );
+    assert!(
+        text(&out.stderr).contains(needle),
+        "{args:?}: stderr lacks {needle:?}: {}",
+        text(&out.stderr)
+    );
+    out
+}
+
+fn build_file_job(shape: JobShape) -> (tempfile::TempDir, String, Built) {
+    let (tmp, job) = file_job();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let built = rt.block_on(build(&job, shape));
+    (tmp, job, built)
+}
+
+#[test]
+fn every_subcommand_has_help() {
+    let out = ok(&["savepoint", "--help"]);
+    for sub in ["list", "inspect", "verify", "dump", "rewrite", "dispose"] {
+        assert!(out.contains(sub), "savepoint --help lists {sub}");
+        let help = ok(&["savepoint", sub, "--help"]);
+        assert!(
+            help.contains("Usage:") && help.len() > 300,
+            "{sub} --help: {help}"
+        );
+    }
+    assert!(!out.contains("bench-rewrite"), "the benchmark is hidden");
+    assert!(ok(&["savepoint", "rewrite", "--help"]).contains("--max-parallelism"));
+    assert!(ok(&["savepoint", "dispose", "--help"]).contains("_in_use.json"));
+}
+
+#[test]
+fn verify_exit_codes_for_flipped_truncated_and_missing_files() {
+    let (_tmp, _job, built) = build_file_job(JobShape::default());
+    let url = built.url.as_str();
+    let good = ok(&["savepoint", "verify", url]);
+    assert!(good.contains("OK: 4 files"), "{good}");
+    let v: Value = serde_json::from_str(&ok(&["savepoint", "verify", url, "-o", "json"])).unwrap();
+    assert_eq!(v["problems"], Value::Array(vec![]));
+    assert_eq!(v["keysChecked"], built.state.len());
+
+    let dir = local(url);
+    let corrupt = |name: &str, f: &dyn Fn(&mut Vec<u8>)| {
+        let path = dir.join(name);
+        let original = std::fs::read(&path).unwrap();
+        let mut bytes = original.clone();
+        f(&mut bytes);
+        std::fs::write(&path, &bytes).unwrap();
+        original
+    };
+
+    // A flipped byte.
+    let original = corrupt("state-1-of-4.bin", &|b| {
+        let i = b.len() / 3;
+        b[i] ^= 1;
+    });
+    let out = fails(
+        &["savepoint", "verify", url],
+        "verification failed with 1 problem",
+    );
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("FAIL  state-1-of-4.bin") && report.contains("checksum"),
+        "{report}"
+    );
+    assert!(report.contains("ok    state-0-of-4.bin"), "{report}");
+    std::fs::write(dir.join("state-1-of-4.bin"), original).unwrap();
+    ok(&["savepoint", "verify", url]);
+
+    // A truncated file.
+    let original = corrupt("state-2-of-4.bin", &|b| b.truncate(b.len() - 7));
+    let out = fails(&["savepoint", "verify", url], "1 problem");
+    let report = text(&out.stdout);
+    assert!(
+        report.contains("state-2-of-4.bin") && report.contains("truncated"),
+        "{report}"
+    );
+    std::fs::write(dir.join("state-2-of-4.bin"), original).unwrap();
+
+    // A missing file (JSON output names it too).
+    std::fs::remove_file(dir.join("state-3-of-4.bin")).unwrap();
+    let out = fails(&["savepoint", "verify", url, "-o", "json"], "1 problem");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let problem = v["problems"][0].as_str().unwrap();
+    assert!(
+        problem.contains("state-3-of-4.bin") && problem.contains("missing"),
+        "{problem}"
+    );
+
+    // No snapshot at all.
+    fails(
+        &["savepoint", "verify", &format!("{}/savepoints/sp-99", _job)],
+        "not found",
+    );
+}
+
+#[test]
+fn list_inspect_dump_rewrite_dispose_through_the_binary() {
+    let (_tmp, job, built) = build_file_job(JobShape::default());
+    let src = built.url.as_str();
+
+    // list
+    let table = ok(&["savepoint", "list", &job]);
+    assert!(
+        table.contains("savepoint") && table.contains("newestSnapshot"),
+        "{table}"
+    );
+    let v: Value = serde_json::from_str(&ok(&["savepoint", "list", &job, "-o", "json"])).unwrap();
+    let rows = v["snapshots"].as_array().unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0]["kind"], "savepoint");
+    assert_eq!(rows[0]["id"], 1);
+    assert_eq!(rows[0]["parallelism"], 4);
+    assert_eq!(rows[0]["maxParallelism"], 128);
+    assert_eq!(rows[0]["bytes"], built.manifest.stats.total_bytes);
+    assert_eq!(rows[0]["url"], Value::from(src));
+
+    // inspect
+    let table = ok(&["savepoint", "inspect", src, "--top", "3"]);
+    for needle in [
+        "max parallelism:  128",
+        "parallelism:      4",
+        "32-63",
+        "largest keys by count",
+        "source positions: 0=4000 1=4000 2=4000",
+    ] {
+        assert!(table.contains(needle), "inspect lacks {needle:?}:\n{table}");
+    }
+    let v: Value = serde_json::from_str(&ok(&["savepoint", "inspect", src, "-o", "json"])).unwrap();
+    assert_eq!(v["groups"].as_array().unwrap().len(), 128);
+    assert_eq!(v["totalKeys"], built.state.len());
+    assert_eq!(v["function"], "count");
+
+    // dump, restricted
+    let lines = ok(&["savepoint", "dump", src, "--key-groups", "0-9"]);
+    let parsed: Vec<Value> = lines
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(!parsed.is_empty());
+    for l in &parsed {
+        let g = l["keyGroup"].as_u64().unwrap();
+        assert!(g <= 9);
+        let key = Key::String(l["key"].as_str().unwrap().to_owned());
+        assert_eq!(u64::from(key_group_for_key(&key, 128)), g);
+        assert_eq!(l["keyType"], "string");
+        assert!(l["value"].as_i64().unwrap() >= 1);
+    }
+    fails(
+        &["savepoint", "dump", src, "--key-groups", "9-1"],
+        "start is after the end",
+    );
+
+    // rewrite, then the result verifies and dumps the same values at the new groups
+    let target = format!("{job}/savepoints/sp-2");
+    let out = keyshift(&[
+        "savepoint",
+        "rewrite",
+        src,
+        "--max-parallelism",
+        "512",
+        "--to",
+        &target,
+        "--parallelism",
+        "6",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains("MB/s") && stdout.contains("keys/s"),
+        "{stdout}"
+    );
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("scatter") && stderr.contains("assemble"),
+        "{stderr}"
+    );
+    ok(&["savepoint", "verify", &target]);
+    let before: BTreeSet<String> = ok(&["savepoint", "dump", src])
+        .lines()
+        .map(strip_group)
+        .collect();
+    let after_text = ok(&["savepoint", "dump", &target]);
+    let after: BTreeSet<String> = after_text.lines().map(strip_group).collect();
+    assert_eq!(before, after);
+    assert_eq!(after.len(), built.state.len());
+    fails(
+        &["savepoint", "rewrite", src, "-g", "512", "--to", &target],
+        "already holds a committed snapshot",
+    );
+    fails(
+        &[
+            "savepoint",
+            "rewrite",
+            src,
+            "-g",
+            "40000",
+            "--to",
+            &format!("{job}/savepoints/sp-3"),
+        ],
+        "upper bound 32768",
+    );
+    let inspected = ok(&["savepoint", "inspect", &target]);
+    assert!(
+        inspected.contains("rewritten from:   file://"),
+        "{inspected}"
+    );
+
+    // dispose: sp-2 is now the newest snapshot; sp-1 may go.
+    fails(&["savepoint", "dispose", &target], "newest snapshot");
+    let out = ok(&["savepoint", "dispose", src]);
+    assert!(
+        out.contains("deleted") && out.contains("manifest first"),
+        "{out}"
+    );
+    assert!(!local(src).exists());
+    let v: Value = serde_json::from_str(&ok(&["savepoint", "list", &job, "-o", "json"])).unwrap();
+    assert_eq!(v["snapshots"].as_array().unwrap().len(), 1);
+    let out = ok(&["savepoint", "dispose", &target, "--force", "-o", "json"]);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["forcedOver"].as_array().unwrap().len(), 1);
+    assert_eq!(v["objects"], 7, "manifest and six state files");
+    assert!(ok(&["savepoint", "list", &job]).contains("no committed snapshots"));
+}
+
+fn strip_group(line: &str) -> String {
+    let mut v: Value = serde_json::from_str(line).unwrap();
+    v.as_object_mut().unwrap().remove("keyGroup");
+    v.to_string()
+}
