@@ -28,6 +28,17 @@ impl Operator {
     /// Starts the operator; `pause_at` sets the test-only hook that makes it exit (code 3) when
     /// it finds that rescale step recorded in status, before acting on it.
     fn start_env(ns: &str, storage_dir: &std::path::Path, pause_at: Option<&str>) -> Operator {
+        Operator::start_envs(
+            ns,
+            storage_dir,
+            pause_at
+                .map(|s| ("KEYSHIFT_TEST_PAUSE_AFTER_STEP", s))
+                .as_slice(),
+        )
+    }
+
+    /// Starts the operator with extra (test-only) environment variables.
+    fn start_envs(ns: &str, storage_dir: &std::path::Path, envs: &[(&str, &str)]) -> Operator {
         let storage = format!("file://{}", storage_dir.display());
         let log = storage_dir.with_extension("operator.log");
         let out = std::fs::OpenOptions::new()
@@ -36,9 +47,7 @@ impl Operator {
             .open(&log)
             .expect("operator log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_keyshift"));
-        if let Some(step) = pause_at {
-            cmd.env("KEYSHIFT_TEST_PAUSE_AFTER_STEP", step);
-        }
+        cmd.envs(envs.iter().copied());
         let child = cmd
             .args([
                 "operator",
@@ -582,5 +591,64 @@ fn upgrade_image_with_savepoint_then_last_state_keeps_exact_totals() {
     check_against_oracle(ns, name);
     kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
     op.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn a_failed_restore_rolls_back_to_the_old_parallelism_then_the_retry_succeeds() {
+    ensure_crd();
+    let ns = Namespace::new("e2e-op-rollback");
+    let ns = &ns.0;
+    let dir = std::env::temp_dir().join(format!("keyshift-e2e-op-rollback-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("storage dir");
+    // Restores at parallelism 4 fail (test-only injection in the operator).
+    let mut op = Operator::start_envs(ns, &dir, &[("KEYSHIFT_TEST_FAIL_RESTORE_AT", "4")]);
+    let log = op.log.clone();
+    let name = "rb";
+    let r = apply(ns, &job_yaml(name, 2));
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    kubectl_ok(&["scale", "-n", ns, &format!("sj/{name}"), "--replicas=4"]);
+    wait_for(Duration::from_secs(120), || {
+        get(ns, name, "{.status.rescale.step}") == "RolledBack"
+    });
+    // The retry waits at least 10 s after a rollback: freeze status by stopping this operator.
+    op.kill();
+    let rescale = get(ns, name, "{.status.rescale}");
+    assert!(rescale.contains("rolledBack"), "{rescale}");
+    assert_eq!(get(ns, name, "{.status.replicas}"), "2", "{rescale}");
+    assert_eq!(worker_pods(ns, name).len(), 2);
+    assert_eq!(
+        get(
+            ns,
+            name,
+            "{.status.conditions[?(@.type==\"Ready\")].status}"
+        ),
+        "False",
+        "running at the old parallelism is not the requested state"
+    );
+    let events = kubectl_ok(&[
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        &format!("involvedObject.name={name},reason=RescaleRollingBack"),
+        "-o",
+        "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
+    ]);
+    assert!(events.contains("rolling back"), "{events}");
+    // Without the injected failure the retried rescale succeeds, and nothing was lost.
+    let op = Operator::start(ns, &dir);
+    wait_for(Duration::from_secs(120), || {
+        get(ns, name, "{.status.rescale.step}") == "Done"
+            && get(ns, name, "{.status.replicas}") == "4"
+    });
+    wait_ready(ns, name, &log);
+    set_suspend(ns, name, true, &log);
+    check_against_oracle(ns, name);
+    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    drop(op);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -490,6 +490,16 @@ fn test_pause_at_step(name: &str, status: &StreamJobStatus) {
     }
 }
 
+/// TEST ONLY: the environment variable that makes a rescale's restore fail at one parallelism.
+pub const TEST_FAIL_RESTORE_ENV: &str = "KEYSHIFT_TEST_FAIL_RESTORE_AT";
+
+/// TEST ONLY (never set in production): with `KEYSHIFT_TEST_FAIL_RESTORE_AT=<N>`, starting the
+/// new run of a rescale to parallelism N fails as if its restore had failed (the workers are
+/// not started), so the end-to-end tests can drive the rollback deterministically.
+fn test_fail_restore_at(parallelism: u32) -> bool {
+    std::env::var(TEST_FAIL_RESTORE_ENV).is_ok_and(|v| v.trim() == parallelism.to_string())
+}
+
 /// Verifies a snapshot on a blocking thread: `snapshot::verify`'s future is not `Send`.
 async fn verify(url: String) -> Result<snapshot::VerifyReport, String> {
     let handle = tokio::runtime::Handle::current();
@@ -983,6 +993,9 @@ impl Pass<'_> {
     fn finish_restoring(&mut self, rolled_back: bool) {
         if rolled_back {
             self.set_step(step::ROLLED_BACK);
+            // The same rescale is retried, but not at once: it just failed.
+            let retry = backoff(self.mem.failures).max(chrono::Duration::seconds(10));
+            self.mem.backoff_until = Some(Utc::now() + retry);
             if let Some((reason, message)) = self.mem.last_failure.clone() {
                 self.progress.failure = Some((reason, message));
             }
@@ -1250,7 +1263,22 @@ impl Pass<'_> {
             run_id: format!("{}-{run}", self.name),
         };
         let started = Instant::now();
-        match coordinator.start(&template, Duration::from_secs(180)).await {
+        let restoring_rescale = self
+            .status
+            .rescale
+            .as_ref()
+            .is_some_and(|r| r.step == step::RESTORING && r.rolled_back.is_none());
+        let result = if restoring_rescale && test_fail_restore_at(parallelism) {
+            Err(format!(
+                "{TEST_FAIL_RESTORE_ENV}={parallelism}: restore failure injected (test only)"
+            ))
+        } else {
+            coordinator
+                .start(&template, Duration::from_secs(180))
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match result {
             Ok(responses) => {
                 let bytes: u64 = responses.iter().map(|r| r.bytes_read).sum();
                 let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
