@@ -1219,6 +1219,13 @@ impl Pass<'_> {
         let Some(endpoints) = self.endpoints(parallelism) else {
             return Ok(Duration::from_millis(200));
         };
+        // A run started empty (a `stateless` upgrade) checkpoints at once, so that a recovery
+        // restores its new state rather than the job's older snapshots.
+        let run_started = if restore == Restore::Empty {
+            DateTime::UNIX_EPOCH
+        } else {
+            Utc::now()
+        };
         let restore_from = match restore {
             Restore::Url(u) => Some(u),
             Restore::Empty => None,
@@ -1286,7 +1293,7 @@ impl Pass<'_> {
                     run: run.clone(),
                     parallelism,
                     coordinator,
-                    started: Utc::now(),
+                    started: run_started,
                 });
                 let restoring = self
                     .status
