@@ -393,6 +393,11 @@ pub struct StreamJobStatus {
     /// The rescale or upgrade in progress (or the last one), step by step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rescale: Option<RescaleStatus>,
+    /// The spec.savepointTriggerNonce the operator last acted on: when the spec's nonce differs
+    /// (and the job runs), a savepoint is taken without stopping the job and recorded in
+    /// lastSavepoint, then this is set to the spec's value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_savepoint_nonce: Option<i64>,
     /// Conditions in the kstatus convention: Ready, Reconciling, Stalled, plus KeyGroupsBalanced.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
@@ -457,7 +462,7 @@ pub struct RescaleStatus {
     pub from: i32,
     /// Parallelism after.
     pub to: i32,
-    /// Current step: Savepointing, Verifying, Stopping, Restoring, Done or Abandoned.
+    /// Current step: Savepointing, Verifying, Stopping, Restoring, Done, Abandoned or RolledBack.
     pub step: String,
     /// When the rescale started (RFC 3339).
     pub started: String,
@@ -473,6 +478,16 @@ pub struct RescaleStatus {
     /// Seconds spent in each completed step.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub step_seconds: BTreeMap<String, f64>,
+    /// Set when restoring at `to` failed: why. The rescale then restores the old parallelism
+    /// (`from`) from the same savepoint and ends in step RolledBack.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rolled_back: Option<String>,
+    /// Set when this is an upgrade (a change of spec.job or spec.image at the same
+    /// parallelism), rolled out in this spec.upgradeMode: `savepoint` goes through every step,
+    /// `last-state` and `stateless` start at Stopping (no savepoint) and restore the latest
+    /// checkpoint or nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub upgrade_mode: Option<UpgradeMode>,
 }
 
 /// The StreamJob CRD, with the CEL validation rules attached.

@@ -3,7 +3,7 @@
 //! the step of a rescale is always in status before the step acts, so a restarted operator
 //! resumes from status.
 
-use crate::crd::{StreamJobSpec, StreamJobStatus};
+use crate::crd::{StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::validation::{self, Analysis};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
@@ -17,6 +17,9 @@ pub mod step {
     pub const RESTORING: &str = "Restoring";
     pub const DONE: &str = "Done";
     pub const ABANDONED: &str = "Abandoned";
+    /// Restoring at the new parallelism failed; the old parallelism was restored from the
+    /// same savepoint.
+    pub const ROLLED_BACK: &str = "RolledBack";
 
     /// Whether a step is in flight (not finished or given up).
     pub fn active(step: &str) -> bool {
@@ -59,6 +62,8 @@ pub struct ObservedPod {
     /// The worker's own state (`idle`, `restoring`, `running`, `stopped`) from its control API;
     /// `None` when it was not asked or did not answer.
     pub worker: Option<String>,
+    /// The spec hash (`spec_hash`) the pod was created for; `None` for pods without the label.
+    pub spec_hash: Option<String>,
 }
 
 /// The run the operator currently coordinates (its coordinator is in memory).
@@ -90,6 +95,8 @@ pub enum Restore {
     Latest,
     /// This snapshot (a rescale's savepoint).
     Url(String),
+    /// Nothing: empty state (a `stateless` upgrade).
+    Empty,
 }
 
 /// The one next thing to do.
@@ -104,6 +111,9 @@ pub enum Action {
     PinMaxParallelism(u32),
     /// Record a new rescale (step Savepointing) in status; nothing else happens in this pass.
     BeginRescale { from: u32, to: u32 },
+    /// spec.job or spec.image changed: record an upgrade at the same parallelism in status
+    /// (step Savepointing for `savepoint`, Stopping otherwise).
+    BeginUpgrade { parallelism: u32, mode: UpgradeMode },
     /// Take a savepoint stopping the sources; on success record step Verifying with its URL.
     Savepoint,
     /// Verify the recorded savepoint; on success record step Stopping.
@@ -137,6 +147,9 @@ pub enum Action {
     FinishRescale,
     /// Take a periodic checkpoint.
     Checkpoint,
+    /// spec.savepointTriggerNonce differs from status.lastSavepointNonce: take a savepoint
+    /// without stopping the job, then record the nonce.
+    TriggerSavepoint { nonce: i64 },
     /// Nothing to do until this much time has passed (or something changes).
     Idle { requeue: Duration },
 }
@@ -173,6 +186,41 @@ pub fn checkpoint_interval(spec: &StreamJobSpec) -> Duration {
     validation::parse_duration(&spec.state.checkpoint_interval)
         .unwrap_or(Duration::from_secs(30))
         .max(Duration::from_secs(1))
+}
+
+/// What the worker pods depend on besides their parallelism: the job and the image. Pods carry
+/// it as a label; a running job whose pods carry another value is upgraded.
+pub fn spec_hash(spec: &StreamJobSpec) -> String {
+    let text = serde_json::to_string(&(&spec.job, &spec.image)).unwrap_or_default();
+    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    format!("{h:016x}")
+}
+
+/// The first step of an upgrade in `mode`.
+pub fn upgrade_first_step(mode: UpgradeMode) -> &'static str {
+    match mode {
+        UpgradeMode::Savepoint => step::SAVEPOINTING,
+        UpgradeMode::LastState | UpgradeMode::Stateless => step::STOPPING,
+    }
+}
+
+/// The parallelism a rescale restores: its target, or its origin once rolled back.
+pub fn restore_target(r: &crate::crd::RescaleStatus) -> u32 {
+    if r.rolled_back.is_some() {
+        r.from.max(0) as u32
+    } else {
+        r.to.max(0) as u32
+    }
+}
+
+/// Starting the new run of a rescale failed: the parallelism to roll back to (the old one,
+/// restored from the same savepoint), or `None` to retry the same start with backoff (already
+/// rolled back, or there is no old parallelism to return to).
+pub fn rollback_on_restore_failure(r: &crate::crd::RescaleStatus) -> Option<u32> {
+    (r.step == step::RESTORING && r.rolled_back.is_none() && r.from > 0 && r.from != r.to)
+        .then_some(r.from as u32)
 }
 
 /// What to do next.
@@ -218,6 +266,26 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
                 from: active.parallelism,
                 to: desired,
             };
+        }
+        let want = spec_hash(spec);
+        if obs
+            .pods
+            .iter()
+            .any(|p| p.run == active.run && p.spec_hash.as_deref().is_some_and(|h| h != want))
+        {
+            if let Some(requeue) = backoff {
+                return Action::Idle { requeue };
+            }
+            return Action::BeginUpgrade {
+                parallelism: active.parallelism,
+                mode: spec.upgrade_mode,
+            };
+        }
+        if let Some(nonce) = spec.savepoint_trigger_nonce
+            && status.last_savepoint_nonce != Some(nonce)
+            && backoff.is_none()
+        {
+            return Action::TriggerSavepoint { nonce };
         }
         let interval = checkpoint_interval(spec);
         let due = obs.last_snapshot_at.map_or(obs.now, |t| {
@@ -304,7 +372,7 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
             }
         }
         step::RESTORING => {
-            let to = r.to.max(0) as u32;
+            let to = restore_target(r);
             if to == 0 {
                 return Action::FinishRescale;
             }
@@ -327,9 +395,11 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
             {
                 return Action::Adopt { run, parallelism };
             }
-            let restore = match &r.savepoint {
-                Some(url) => Restore::Url(url.clone()),
-                None => Restore::Latest,
+            let restore = match (&r.savepoint, r.upgrade_mode) {
+                (_, Some(UpgradeMode::Stateless)) => Restore::Empty,
+                (_, Some(UpgradeMode::LastState)) => Restore::Latest,
+                (Some(url), _) => Restore::Url(url.clone()),
+                (None, _) => Restore::Latest,
             };
             bring_up(&obs.pods, to, restore, &obs.new_run)
         }
@@ -511,6 +581,7 @@ mod tests {
                 ip: (phase == PodPhase::Running).then(|| format!("10.0.0.{i}")),
                 deleting: false,
                 worker: worker.map(str::to_owned),
+                spec_hash: None,
             })
             .collect()
     }
@@ -755,6 +826,174 @@ mod tests {
             decide(&s, &status(), &obs(vec![], None)),
             Action::Idle { .. }
         ));
+    }
+
+    #[test]
+    fn a_failed_restore_rolls_back_to_the_old_parallelism_from_the_same_savepoint() {
+        let st = rescaling(step::RESTORING, Some("file:///s/sp-3"));
+        let r = st.rescale.clone().unwrap();
+        assert_eq!(rollback_on_restore_failure(&r), Some(4));
+        // Rolled back: restore the old parallelism (4) from the same savepoint.
+        let mut rolled = st.clone();
+        rolled.rescale.as_mut().unwrap().rolled_back = Some("restore failed".into());
+        let r = rolled.rescale.clone().unwrap();
+        assert_eq!(restore_target(&r), 4);
+        // A second failure (at the old parallelism) retries, it does not roll back again.
+        assert_eq!(rollback_on_restore_failure(&r), None);
+        assert_eq!(
+            decide(&spec(8), &rolled, &obs(vec![], None)),
+            Action::CreatePods {
+                run: "new".into(),
+                parallelism: 4,
+                subtasks: (0..4).collect()
+            }
+        );
+        assert_eq!(
+            decide(
+                &spec(8),
+                &rolled,
+                &obs(pods("n", 4, PodPhase::Running, Some("idle")), None)
+            ),
+            Action::Start {
+                run: "n".into(),
+                parallelism: 4,
+                restore: Restore::Url("file:///s/sp-3".into())
+            }
+        );
+        let up = pods("n", 4, PodPhase::Running, Some("running"));
+        assert_eq!(
+            decide(&spec(8), &rolled, &obs(up, Some(("n", 4)))),
+            Action::FinishRescale
+        );
+        // Not in Restoring, or a suspend/resume without an old run: no rollback.
+        let st = rescaling(step::STOPPING, Some("u"));
+        assert_eq!(rollback_on_restore_failure(&st.rescale.unwrap()), None);
+        let mut st = rescaling(step::RESTORING, Some("u"));
+        st.rescale.as_mut().unwrap().from = 0;
+        assert_eq!(rollback_on_restore_failure(&st.rescale.unwrap()), None);
+    }
+
+    #[test]
+    fn a_new_savepoint_nonce_takes_one_savepoint_without_stopping() {
+        let mut s = spec(4);
+        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        let o = obs(running.clone(), Some(("r", 4)));
+        // No nonce: nothing to trigger.
+        assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
+        s.savepoint_trigger_nonce = Some(7);
+        assert_eq!(
+            decide(&s, &status(), &o),
+            Action::TriggerSavepoint { nonce: 7 }
+        );
+        // Recorded: nothing more until the nonce changes.
+        let done = StreamJobStatus {
+            last_savepoint_nonce: Some(7),
+            ..status()
+        };
+        assert!(matches!(decide(&s, &done, &o), Action::Idle { .. }));
+        s.savepoint_trigger_nonce = Some(8);
+        assert_eq!(decide(&s, &done, &o), Action::TriggerSavepoint { nonce: 8 });
+        // After a failed attempt, the retry waits for the backoff.
+        let mut later = o.clone();
+        later.backoff_until = Some(now() + chrono::Duration::seconds(2));
+        assert!(matches!(decide(&s, &done, &later), Action::Idle { .. }));
+        // A rescale takes precedence (its savepoint is newer anyway).
+        let o8 = obs(running, Some(("r", 4)));
+        assert_eq!(
+            decide(&spec(8), &done, &o8),
+            Action::BeginRescale { from: 4, to: 8 }
+        );
+    }
+
+    fn upgrading(mode: UpgradeMode, step: &str, savepoint: Option<&str>) -> StreamJobStatus {
+        let mut st = rescaling(step, savepoint);
+        if let Some(r) = st.rescale.as_mut() {
+            r.from = 4;
+            r.to = 4;
+            r.upgrade_mode = Some(mode);
+        }
+        st
+    }
+
+    #[test]
+    fn a_changed_job_or_image_upgrades_in_the_spec_upgrade_mode() {
+        let mut s = spec(4);
+        let mut running = pods("r", 4, PodPhase::Running, Some("running"));
+        // Pods without the label (older operators) are not upgraded.
+        assert!(matches!(
+            decide(&s, &status(), &obs(running.clone(), Some(("r", 4)))),
+            Action::Idle { .. }
+        ));
+        for p in &mut running {
+            p.spec_hash = Some(spec_hash(&s));
+        }
+        assert!(matches!(
+            decide(&s, &status(), &obs(running.clone(), Some(("r", 4)))),
+            Action::Idle { .. }
+        ));
+        s.image = Some("keyshift:v2".into());
+        assert_ne!(spec_hash(&s), spec_hash(&spec(4)));
+        for mode in [
+            UpgradeMode::Savepoint,
+            UpgradeMode::LastState,
+            UpgradeMode::Stateless,
+        ] {
+            s.upgrade_mode = mode;
+            assert_eq!(
+                decide(&s, &status(), &obs(running.clone(), Some(("r", 4)))),
+                Action::BeginUpgrade {
+                    parallelism: 4,
+                    mode
+                }
+            );
+        }
+        assert_eq!(
+            upgrade_first_step(UpgradeMode::Savepoint),
+            step::SAVEPOINTING
+        );
+        assert_eq!(upgrade_first_step(UpgradeMode::LastState), step::STOPPING);
+        assert_eq!(upgrade_first_step(UpgradeMode::Stateless), step::STOPPING);
+        // Backoff after a failed attempt delays the next one.
+        let mut o = obs(running.clone(), Some(("r", 4)));
+        o.backoff_until = Some(now() + chrono::Duration::seconds(2));
+        assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
+
+        // Each mode restores from its own source once the old pods are gone.
+        let idle = pods("n", 4, PodPhase::Running, Some("idle"));
+        let cases = [
+            (
+                upgrading(
+                    UpgradeMode::Savepoint,
+                    step::RESTORING,
+                    Some("file:///s/sp-9"),
+                ),
+                Restore::Url("file:///s/sp-9".into()),
+            ),
+            (
+                upgrading(UpgradeMode::LastState, step::RESTORING, None),
+                Restore::Latest,
+            ),
+            (
+                upgrading(UpgradeMode::Stateless, step::RESTORING, None),
+                Restore::Empty,
+            ),
+        ];
+        for (st, restore) in cases {
+            assert_eq!(
+                decide(&s, &st, &obs(idle.clone(), None)),
+                Action::Start {
+                    run: "n".into(),
+                    parallelism: 4,
+                    restore
+                }
+            );
+        }
+        // last-state and stateless skip the savepoint: Stopping deletes the running pods.
+        let st = upgrading(UpgradeMode::LastState, step::STOPPING, None);
+        assert_eq!(
+            decide(&s, &st, &obs(running, None)),
+            Action::DeletePods { reason: "Stopping" }
+        );
     }
 
     #[allow(dead_code)]

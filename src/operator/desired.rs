@@ -20,6 +20,8 @@ pub const LABEL_JOB: &str = "keyshift.dev/job";
 pub const LABEL_RUN: &str = "keyshift.dev/run";
 pub const LABEL_SUBTASK: &str = "keyshift.dev/subtask";
 pub const LABEL_PARALLELISM: &str = "keyshift.dev/parallelism";
+/// The `decide::spec_hash` (job and image) a pod was created for.
+pub const LABEL_SPEC_HASH: &str = "keyshift.dev/spec-hash";
 pub const ANNOTATION_KEY_GROUPS: &str = "keyshift.dev/key-groups";
 /// Key of the control token in the job's Secret.
 pub const TOKEN_KEY: &str = "token";
@@ -101,6 +103,7 @@ pub fn pod(
             LABEL_PARALLELISM.to_owned(),
             assignment.parallelism().to_string(),
         ),
+        (LABEL_SPEC_HASH.to_owned(), super::decide::spec_hash(spec)),
         (
             "app.kubernetes.io/managed-by".to_owned(),
             "keyshift".to_owned(),

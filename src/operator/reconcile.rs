@@ -355,6 +355,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     let job = api.get(&name).await?;
     let spec = &job.spec;
     let status0 = job.status.clone().unwrap_or_default();
+    test_pause_at_step(&name, &status0);
     let memory = ctx.memory(&ns, &name);
     let mem = memory.lock().await;
 
@@ -425,6 +426,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
             ip,
             deleting,
             worker,
+            spec_hash: p.labels().get(desired::LABEL_SPEC_HASH).cloned(),
         });
     }
     pods.sort_by(|a, b| (a.run.as_str(), a.subtask).cmp(&(b.run.as_str(), b.subtask)));
@@ -491,6 +493,38 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     );
     write_status(&api, &name, &status0, &status).await?;
     Ok(Requeue::requeue(requeue?))
+}
+
+/// TEST ONLY: the environment variable that makes the operator exit at a recorded rescale step.
+pub const TEST_PAUSE_ENV: &str = "KEYSHIFT_TEST_PAUSE_AFTER_STEP";
+
+/// TEST ONLY (never set in production): with `KEYSHIFT_TEST_PAUSE_AFTER_STEP=<Step>` (one of
+/// `Savepointing`, `Verifying`, `Stopping`, `Restoring`), the operator exits with code 3 as soon
+/// as a pass finds that step recorded in a job's status.rescale.step, before acting on it: the
+/// step is in status, its work is not done. The end-to-end tests use it to kill the operator
+/// deterministically inside each step and check that a fresh operator resumes from status.
+fn test_pause_at_step(name: &str, status: &StreamJobStatus) {
+    let Ok(want) = std::env::var(TEST_PAUSE_ENV) else {
+        return;
+    };
+    if status
+        .rescale
+        .as_ref()
+        .is_some_and(|r| step::active(&r.step) && r.step == want)
+    {
+        tracing::warn!(job = %name, step = %want, "{TEST_PAUSE_ENV}: exiting inside the step (test only)");
+        std::process::exit(3);
+    }
+}
+
+/// TEST ONLY: the environment variable that makes a rescale's restore fail at one parallelism.
+pub const TEST_FAIL_RESTORE_ENV: &str = "KEYSHIFT_TEST_FAIL_RESTORE_AT";
+
+/// TEST ONLY (never set in production): with `KEYSHIFT_TEST_FAIL_RESTORE_AT=<N>`, starting the
+/// new run of a rescale to parallelism N fails as if its restore had failed (the workers are
+/// not started), so the end-to-end tests can drive the rollback deterministically.
+fn test_fail_restore_at(parallelism: u32) -> bool {
+    std::env::var(TEST_FAIL_RESTORE_ENV).is_ok_and(|v| v.trim() == parallelism.to_string())
 }
 
 /// Verifies a snapshot on a blocking thread: `snapshot::verify`'s future is not `Send`.
@@ -761,6 +795,38 @@ impl Pass<'_> {
                 .await;
                 Ok(short)
             }
+            Action::BeginUpgrade { parallelism, mode } => {
+                let first = decide::upgrade_first_step(mode);
+                let p = parallelism as i32;
+                self.status.rescale = Some(RescaleStatus {
+                    from: p,
+                    to: p,
+                    step: first.into(),
+                    started: Utc::now().to_rfc3339(),
+                    groups_moved: Some(0),
+                    upgrade_mode: Some(mode),
+                    ..Default::default()
+                });
+                self.mem.step_started = Some((first.into(), Instant::now()));
+                let how = match mode {
+                    crate::crd::UpgradeMode::Savepoint => {
+                        "stop with a savepoint, verify, restart with the new spec from it"
+                    }
+                    crate::crd::UpgradeMode::LastState => {
+                        "stop, restart with the new spec from the latest checkpoint"
+                    }
+                    crate::crd::UpgradeMode::Stateless => {
+                        "stop, restart with the new spec and empty state"
+                    }
+                };
+                self.event(
+                    false,
+                    "UpgradeStarted",
+                    format!("spec.job or spec.image changed (parallelism {parallelism}): {how}"),
+                )
+                .await;
+                Ok(short)
+            }
             Action::Savepoint => self.savepoint().await,
             Action::Verify { url } => {
                 let result = verify(url.clone()).await;
@@ -909,12 +975,10 @@ impl Pass<'_> {
                 Ok(Duration::from_millis(500))
             }
             Action::FinishRescale => {
-                let to = self
-                    .status
-                    .rescale
-                    .as_ref()
-                    .map_or(0, |r| r.to.max(0) as u32);
-                self.set_step(step::DONE);
+                let (to, rolled_back) = self.status.rescale.as_ref().map_or((0, false), |r| {
+                    (decide::restore_target(r), r.rolled_back.is_some())
+                });
+                self.finish_restoring(rolled_back);
                 if to == 0 {
                     self.status.replicas = Some(0);
                     self.status.phase = Some(Phase::Suspended);
@@ -922,11 +986,16 @@ impl Pass<'_> {
                 } else {
                     self.set_running(to)?;
                 }
-                self.succeeded();
                 let r = self.status.rescale.clone().unwrap_or_default();
                 self.event(
-                    false,
-                    if to == 0 { "Suspended" } else { "Rescaled" },
+                    rolled_back,
+                    if to == 0 {
+                        "Suspended"
+                    } else if rolled_back {
+                        "RescaleRolledBack"
+                    } else {
+                        "Rescaled"
+                    },
                     format!(
                         "{} -> {} done: {} key groups moved, {} bytes read, steps {:?}",
                         r.from,
@@ -940,7 +1009,26 @@ impl Pass<'_> {
                 Ok(short)
             }
             Action::Checkpoint => self.checkpoint().await,
+            Action::TriggerSavepoint { nonce } => self.triggered_savepoint(nonce).await,
             Action::Idle { requeue } => Ok(requeue),
+        }
+    }
+
+    /// The new run of a rescale is up: step Done, or RolledBack when it runs at the old
+    /// parallelism after a failed restore (the failure, its condition and its backoff stay, so
+    /// the rescale is retried later).
+    fn finish_restoring(&mut self, rolled_back: bool) {
+        if rolled_back {
+            self.set_step(step::ROLLED_BACK);
+            // The same rescale is retried, but not at once: it just failed.
+            let retry = backoff(self.mem.failures).max(chrono::Duration::seconds(10));
+            self.mem.backoff_until = Some(Utc::now() + retry);
+            if let Some((reason, message)) = self.mem.last_failure.clone() {
+                self.progress.failure = Some((reason, message));
+            }
+        } else {
+            self.set_step(step::DONE);
+            self.succeeded();
         }
     }
 
@@ -1024,6 +1112,72 @@ impl Pass<'_> {
         }
     }
 
+    /// A savepoint asked for with spec.savepointTriggerNonce: the job keeps running.
+    async fn triggered_savepoint(&mut self, nonce: i64) -> Result<Duration, OperatorError> {
+        let labels = KindLabels {
+            namespace: self.ns.clone(),
+            job: self.name.clone(),
+            kind: "savepoint".into(),
+        };
+        let Some(run) = self.mem.run.take() else {
+            return Ok(Duration::from_millis(200));
+        };
+        let parallelism = run.parallelism;
+        let Some((run, result)) = snapshot_off_thread(
+            run,
+            SnapshotKind::Savepoint,
+            false,
+            Duration::from_secs(300),
+        )
+        .await
+        else {
+            return Ok(Duration::from_secs(1));
+        };
+        self.mem.run = Some(run);
+        match result {
+            Ok(c) => {
+                self.ctx
+                    .metrics
+                    .snapshot_seconds
+                    .get_or_create(&labels)
+                    .observe(c.duration.as_secs_f64());
+                self.ctx
+                    .metrics
+                    .snapshot_bytes
+                    .get_or_create(&labels)
+                    .set(c.manifest.stats.total_bytes as i64);
+                self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
+                self.status.last_savepoint_nonce = Some(nonce);
+                self.succeeded();
+                self.event(
+                    false,
+                    "SavepointTaken",
+                    format!(
+                        "savepoint {} ({} bytes) in {} ms for savepointTriggerNonce {nonce}; the job keeps running",
+                        c.url,
+                        c.manifest.stats.total_bytes,
+                        c.duration.as_millis()
+                    ),
+                )
+                .await;
+                Ok(Duration::from_millis(200))
+            }
+            Err(e) => {
+                self.ctx
+                    .metrics
+                    .snapshot_failures
+                    .get_or_create(&labels)
+                    .inc();
+                let message = format!(
+                    "savepoint for savepointTriggerNonce {nonce} failed: {e}; retrying with backoff"
+                );
+                self.fail("SavepointFailed", message.clone());
+                self.event(true, "SavepointFailed", message).await;
+                Ok(Duration::from_secs(1))
+            }
+        }
+    }
+
     async fn checkpoint(&mut self) -> Result<Duration, OperatorError> {
         let interval = decide::checkpoint_interval(self.spec);
         let labels = KindLabels {
@@ -1092,8 +1246,16 @@ impl Pass<'_> {
         let Some(endpoints) = self.endpoints(parallelism) else {
             return Ok(Duration::from_millis(200));
         };
+        // A run started empty (a `stateless` upgrade) checkpoints at once, so that a recovery
+        // restores its new state rather than the job's older snapshots.
+        let run_started = if restore == Restore::Empty {
+            DateTime::UNIX_EPOCH
+        } else {
+            Utc::now()
+        };
         let restore_from = match restore {
             Restore::Url(u) => Some(u),
+            Restore::Empty => None,
             Restore::Latest => {
                 let own = coordinator::latest_snapshot(&self.storage, &self.ns, &self.name)
                     .await?
@@ -1135,7 +1297,22 @@ impl Pass<'_> {
             run_id: format!("{}-{run}", self.name),
         };
         let started = Instant::now();
-        match coordinator.start(&template, Duration::from_secs(180)).await {
+        let restoring_rescale = self
+            .status
+            .rescale
+            .as_ref()
+            .is_some_and(|r| r.step == step::RESTORING && r.rolled_back.is_none());
+        let result = if restoring_rescale && test_fail_restore_at(parallelism) {
+            Err(format!(
+                "{TEST_FAIL_RESTORE_ENV}={parallelism}: restore failure injected (test only)"
+            ))
+        } else {
+            coordinator
+                .start(&template, Duration::from_secs(180))
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match result {
             Ok(responses) => {
                 let bytes: u64 = responses.iter().map(|r| r.bytes_read).sum();
                 let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
@@ -1143,21 +1320,27 @@ impl Pass<'_> {
                     run: run.clone(),
                     parallelism,
                     coordinator,
-                    started: Utc::now(),
+                    started: run_started,
                 });
                 let restoring = self
                     .status
                     .rescale
                     .as_ref()
                     .is_some_and(|r| r.step == step::RESTORING);
+                let rolled_back = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .is_some_and(|r| restoring && r.rolled_back.is_some());
                 if restoring {
                     if let Some(r) = self.rescale_mut() {
                         r.bytes_to_read = Some(bytes as i64);
                     }
-                    self.set_step(step::DONE);
+                    self.finish_restoring(rolled_back);
+                } else {
+                    self.succeeded();
                 }
                 self.set_running(parallelism)?;
-                self.succeeded();
                 self.event(false, "Started", format!(
                     "run {run}: {parallelism} worker(s) running in {} ms, restored {groups} key groups ({bytes} bytes) from {}",
                     started.elapsed().as_millis(),
@@ -1166,12 +1349,21 @@ impl Pass<'_> {
                 if restoring {
                     let r = self.status.rescale.clone().unwrap_or_default();
                     self.event(
-                        false,
-                        "Rescaled",
+                        rolled_back,
+                        if rolled_back {
+                            "RescaleRolledBack"
+                        } else {
+                            "Rescaled"
+                        },
                         format!(
-                            "{} -> {} done: {} key groups moved, {} bytes read, steps {:?}",
+                            "{} -> {} {}: {} key groups moved, {} bytes read, steps {:?}",
                             r.from,
                             r.to,
+                            if rolled_back {
+                                "rolled back (running at the old parallelism)"
+                            } else {
+                                "done"
+                            },
                             r.groups_moved.unwrap_or_default(),
                             bytes,
                             r.step_seconds
@@ -1187,6 +1379,22 @@ impl Pass<'_> {
                     "starting run {run} at parallelism {parallelism} from {} failed: {e}",
                     restore_from.as_deref().unwrap_or("empty state")
                 );
+                let rollback = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .and_then(decide::rollback_on_restore_failure);
+                if let Some(old) = rollback {
+                    let why = format!(
+                        "{message}; rolling back: restoring the old parallelism {old} from the same savepoint"
+                    );
+                    if let Some(r) = self.rescale_mut() {
+                        r.rolled_back = Some(why.clone());
+                    }
+                    self.fail("RescaleRolledBack", why.clone());
+                    self.event(true, "RescaleRollingBack", why).await;
+                    return Ok(Duration::from_secs(1));
+                }
                 self.fail("StartFailed", message.clone());
                 self.event(
                     true,

@@ -102,8 +102,12 @@ pub fn finish(
 ) {
     status.observed_generation = generation;
     let rescale = status.rescale.as_ref().filter(|r| step::active(&r.step));
-    if rescale.is_some() {
-        status.phase = Some(Phase::Rescaling);
+    if let Some(r) = rescale {
+        status.phase = Some(if r.upgrade_mode.is_some() {
+            Phase::Upgrading
+        } else {
+            Phase::Rescaling
+        });
     } else if progress.stalled.is_some() && status.replicas.is_none() {
         status.phase = Some(Phase::Failed);
     } else if status.phase.is_none() {
@@ -160,7 +164,13 @@ pub fn finish(
             } else {
                 let (reason, message) = match (rescale, &progress.failure, &progress.note) {
                     (Some(r), failure, _) => {
-                        let what = if r.to == 0 { "suspending" } else { "rescaling" };
+                        let what = if r.upgrade_mode.is_some() {
+                            "upgrading"
+                        } else if r.to == 0 {
+                            "suspending"
+                        } else {
+                            "rescaling"
+                        };
                         let mut m = format!("{what} {} -> {}: step {}", r.from, r.to, r.step);
                         if let Some((_, f)) = failure {
                             m.push_str(&format!(" (retrying after: {f})"));
