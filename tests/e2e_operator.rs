@@ -15,6 +15,14 @@ use std::time::{Duration, Instant};
 use support::*;
 
 /// The operator process; killed when dropped.
+/// Where a test keeps its storage and operator log: inside the test control plane's directory,
+/// which `hack/testenv.sh down` removes, so nothing outlives the suite.
+fn scratch_dir() -> std::path::PathBuf {
+    std::env::var_os("KEYSHIFT_TESTENV_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir)
+}
+
 struct Operator {
     child: Child,
     log: std::path::PathBuf,
@@ -277,7 +285,7 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
     ensure_crd();
     let ns = Namespace::new("e2e-op-scale");
     let ns = &ns.0;
-    let dir = std::env::temp_dir().join(format!("keyshift-e2e-op-{}", std::process::id()));
+    let dir = scratch_dir().join(format!("keyshift-e2e-op-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("storage dir");
     let mut op = Operator::start(ns, &dir);
     let log = op.log.clone();
@@ -370,7 +378,7 @@ fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
     ensure_crd();
     let ns = Namespace::new("e2e-op-kill");
     let ns = &ns.0;
-    let dir = std::env::temp_dir().join(format!("keyshift-e2e-op-kill-{}", std::process::id()));
+    let dir = scratch_dir().join(format!("keyshift-e2e-op-kill-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("storage dir");
     let mut op = Operator::start(ns, &dir);
     let log = op.log.clone();
@@ -435,7 +443,7 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
     ensure_crd();
     let ns = Namespace::new("e2e-op-nonce");
     let ns = &ns.0;
-    let dir = std::env::temp_dir().join(format!("keyshift-e2e-op-nonce-{}", std::process::id()));
+    let dir = scratch_dir().join(format!("keyshift-e2e-op-nonce-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("storage dir");
     let mut op = Operator::start(ns, &dir);
     let log = op.log.clone();
@@ -564,7 +572,7 @@ fn upgrade_image_with_savepoint_then_last_state_keeps_exact_totals() {
     ensure_crd();
     let ns = Namespace::new("e2e-op-upgrade");
     let ns = &ns.0;
-    let dir = std::env::temp_dir().join(format!("keyshift-e2e-op-upgrade-{}", std::process::id()));
+    let dir = scratch_dir().join(format!("keyshift-e2e-op-upgrade-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("storage dir");
     let mut op = Operator::start(ns, &dir);
     let log = op.log.clone();
@@ -603,7 +611,7 @@ fn a_failed_restore_rolls_back_to_the_old_parallelism_then_the_retry_succeeds() 
     ensure_crd();
     let ns = Namespace::new("e2e-op-rollback");
     let ns = &ns.0;
-    let dir = std::env::temp_dir().join(format!("keyshift-e2e-op-rollback-{}", std::process::id()));
+    let dir = scratch_dir().join(format!("keyshift-e2e-op-rollback-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("storage dir");
     // Restores at parallelism 4 fail (test-only injection in the operator).
     let mut op = Operator::start_envs(ns, &dir, &[("KEYSHIFT_TEST_FAIL_RESTORE_AT", "4")]);
