@@ -137,7 +137,7 @@ impl LocalWorkers {
                 .stdout
                 .take()
                 .ok_or_else(|| spawn_err("no stdout".into()))?;
-            let mut lines = BufReader::new(stdout).lines();
+            let mut lines = BufReader::with_capacity(1 << 16, stdout).lines();
             let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
                 .await
                 .map_err(|_| spawn_err("did not report its addresses within 30s".into()))?
@@ -147,14 +147,14 @@ impl LocalWorkers {
                 serde_json::from_str(&first).map_err(|e| spawn_err(format!("{first:?}: {e}")))?;
             let control = addrs["control"].as_str().unwrap_or_default().to_owned();
             let data = addrs["data"].as_str().unwrap_or_default().to_owned();
-            // The rest of stdout is the log sink's output.
+            // The rest of stdout is the log sink's output, copied as is in large writes (not a
+            // write per line: a checkpoint may emit a line for every key).
             let out_path = self.log_dir.join(format!("run-{run}-worker-{index}.out"));
             tokio::spawn(async move {
                 if let Ok(mut f) = tokio::fs::File::create(&out_path).await {
-                    while let Ok(Some(line)) = lines.next_line().await {
-                        let _ = f.write_all(line.as_bytes()).await;
-                        let _ = f.write_all(b"\n").await;
-                    }
+                    let mut rest = lines.into_inner();
+                    let _ = tokio::io::copy_buf(&mut rest, &mut f).await;
+                    let _ = f.flush().await;
                 }
             });
             endpoints.push(WorkerEndpoint {

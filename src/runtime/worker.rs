@@ -881,10 +881,13 @@ fn emit(s: &Shared, sub: &Subtask, rows: &[job::ResultRow]) {
     s.metrics.records_out.inc_by(rows.len() as u64);
     if sub.sink_log {
         use std::io::Write;
-        let mut out = std::io::stdout().lock();
+        // Stdout is line-buffered: without this a checkpoint emitting every changed key makes one
+        // write(2) per key.
+        let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
         for r in rows {
             let _ = writeln!(out, "{}", LogSink::format(r));
         }
+        let _ = out.flush();
     }
 }
 
