@@ -166,6 +166,11 @@ impl LocalWorkers {
         Ok(endpoints)
     }
 
+    /// Process ids of the running workers, in subtask order (benchmarks read their memory use).
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().filter_map(Child::id).collect()
+    }
+
     /// Index of a worker that has exited, with its exit status.
     pub fn exited(&mut self) -> Option<(usize, String)> {
         for (i, c) in self.children.iter_mut().enumerate() {
@@ -235,6 +240,8 @@ pub struct RescaleReport {
     pub pause: Duration,
     /// Per step: savepoint, verify, stop, restore.
     pub steps: Vec<(&'static str, Duration)>,
+    /// What starting the new subtasks reported (per-subtask restore times and bytes).
+    pub launch: LaunchReport,
 }
 
 /// A StreamJob running on this machine.
@@ -295,6 +302,11 @@ impl LocalJob {
                 .await?
                 .map(|(url, _)| url),
         )
+    }
+
+    /// Process ids of the running workers, in subtask order.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.workers.pids()
     }
 
     pub fn parallelism(&self) -> Option<u32> {
@@ -506,6 +518,7 @@ impl LocalJob {
             state_bytes: sp.manifest.stats.total_bytes,
             pause: t0.elapsed(),
             steps,
+            launch: report,
         })
     }
 }
