@@ -45,6 +45,9 @@ pub enum Command {
     /// Run one subtask of a job (started and driven by the operator or `keyshift local` through
     /// its control API).
     Worker(WorkerArgs),
+    /// Measure the runtime against raw baselines taken in the same run: snapshot I/O, rescale
+    /// pause, throughput (see docs/benchmarks.md; build with --release).
+    Bench(crate::bench::BenchArgs),
 }
 
 #[derive(clap::Args, Debug)]
@@ -147,6 +150,8 @@ pub enum CliError {
     Worker(#[from] Box<crate::runtime::worker::WorkerError>),
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
+    #[error("bench: {0:#}")]
+    Bench(anyhow::Error),
 }
 
 /// Entry point of the binary.
@@ -207,6 +212,10 @@ fn run(command: Command) -> Result<(), CliError> {
                 .block_on(crate::runtime::worker::run(config))
                 .map_err(Box::new)?;
             Ok(())
+        }
+        Command::Bench(args) => {
+            drop(out);
+            crate::bench::run(args).map_err(CliError::Bench)
         }
     }
 }
