@@ -49,6 +49,9 @@ pub enum Command {
     /// Run one subtask of a job (started and driven by the operator or `keyshift local` through
     /// its control API).
     Worker(WorkerArgs),
+    /// Measure the runtime against raw baselines taken in the same run: snapshot I/O, rescale
+    /// pause, throughput (see docs/benchmarks.md; build with --release).
+    Bench(crate::bench::BenchArgs),
     /// Run the Kubernetes operator: reconcile StreamJobs into worker pods, checkpoint them and
     /// rescale them through savepoints.
     Operator(OperatorArgs),
@@ -212,6 +215,8 @@ pub enum CliError {
     Runtime(std::io::Error),
     #[error(transparent)]
     Savepoint(#[from] crate::tools::ToolError),
+    #[error("bench: {0:#}")]
+    Bench(anyhow::Error),
 }
 
 /// Entry point of the binary.
@@ -316,6 +321,10 @@ fn run(command: Command) -> Result<(), CliError> {
             Ok(())
         }
         Command::Savepoint(args) => Ok(crate::tools::cli::run(args, &mut out)?),
+        Command::Bench(args) => {
+            drop(out);
+            crate::bench::run(args).map_err(CliError::Bench)
+        }
     }
 }
 

@@ -4,6 +4,7 @@
 //! The pure core (key-group math, validation, planning) has no I/O; the CLI, operator and worker
 //! sit around it.
 
+pub mod bench;
 pub mod cli;
 pub mod coordinator;
 pub mod crd;

@@ -137,7 +137,7 @@ impl LocalWorkers {
                 .stdout
                 .take()
                 .ok_or_else(|| spawn_err("no stdout".into()))?;
-            let mut lines = BufReader::new(stdout).lines();
+            let mut lines = BufReader::with_capacity(1 << 16, stdout).lines();
             let first = tokio::time::timeout(Duration::from_secs(30), lines.next_line())
                 .await
                 .map_err(|_| spawn_err("did not report its addresses within 30s".into()))?
@@ -147,14 +147,14 @@ impl LocalWorkers {
                 serde_json::from_str(&first).map_err(|e| spawn_err(format!("{first:?}: {e}")))?;
             let control = addrs["control"].as_str().unwrap_or_default().to_owned();
             let data = addrs["data"].as_str().unwrap_or_default().to_owned();
-            // The rest of stdout is the log sink's output.
+            // The rest of stdout is the log sink's output, copied as is in large writes (not a
+            // write per line: a checkpoint may emit a line for every key).
             let out_path = self.log_dir.join(format!("run-{run}-worker-{index}.out"));
             tokio::spawn(async move {
                 if let Ok(mut f) = tokio::fs::File::create(&out_path).await {
-                    while let Ok(Some(line)) = lines.next_line().await {
-                        let _ = f.write_all(line.as_bytes()).await;
-                        let _ = f.write_all(b"\n").await;
-                    }
+                    let mut rest = lines.into_inner();
+                    let _ = tokio::io::copy_buf(&mut rest, &mut f).await;
+                    let _ = f.flush().await;
                 }
             });
             endpoints.push(WorkerEndpoint {
@@ -164,6 +164,11 @@ impl LocalWorkers {
             self.children.push(child);
         }
         Ok(endpoints)
+    }
+
+    /// Process ids of the running workers, in subtask order (benchmarks read their memory use).
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().filter_map(Child::id).collect()
     }
 
     /// Index of a worker that has exited, with its exit status.
@@ -235,6 +240,8 @@ pub struct RescaleReport {
     pub pause: Duration,
     /// Per step: savepoint, verify, stop, restore.
     pub steps: Vec<(&'static str, Duration)>,
+    /// What starting the new subtasks reported (per-subtask restore times and bytes).
+    pub launch: LaunchReport,
 }
 
 /// A StreamJob running on this machine.
@@ -295,6 +302,11 @@ impl LocalJob {
                 .await?
                 .map(|(url, _)| url),
         )
+    }
+
+    /// Process ids of the running workers, in subtask order.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.workers.pids()
     }
 
     pub fn parallelism(&self) -> Option<u32> {
@@ -516,6 +528,7 @@ impl LocalJob {
             state_bytes: sp.manifest.stats.total_bytes,
             pause: t0.elapsed(),
             steps,
+            launch: report,
         })
     }
 }

@@ -20,7 +20,8 @@
 //! decrease within a partition, so with the bounded-out-of-orderness watermark no generated
 //! record is ever late: windowed results are exact whatever the interleaving of partitions.
 //!
-//! String keys come from a table built once (up to [`MAX_KEY_TABLE`] keys), so a record costs no
+//! String keys come from a table built once, on first use (up to [`MAX_KEY_TABLE`] keys; a worker
+//! whose partitions are all finished never builds it), so a record costs no
 //! allocation; each key caches its Java hash, so routing a record to its key group is a murmur
 //! mix, not a pass over the string. Pacing (`recordsPerSecond`) is the caller's job:
 //! [`Generator::due_records`] says how many records of a partition are due after a given time.
@@ -28,7 +29,7 @@
 use super::record::{Record, RecordKey};
 use crate::crd::{GeneratorSource, KeyDistribution};
 use crate::keygroup::KeyType;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 /// The largest number of string keys kept in the pre-built key table; beyond it string keys
 /// are formatted per record (slower, still correct).
@@ -131,7 +132,9 @@ pub struct Generator {
     seed: u64,
     key_type: KeyType,
     dist: Dist,
-    table: Option<Arc<[RecordKey]>>,
+    /// The string keys by index, when `key_type` is string and `keys <= MAX_KEY_TABLE`; built on
+    /// first use and shared by clones.
+    table: Option<Arc<OnceLock<Arc<[RecordKey]>>>>,
     records_per_partition: Option<u64>,
     records_per_second: Option<u64>,
 }
@@ -176,7 +179,7 @@ impl Generator {
             Some(r) => return Err(GeneratorError::RecordsPerPartition(r)),
         };
         let table = (key_type == KeyType::String && keys <= MAX_KEY_TABLE)
-            .then(|| (0..keys).map(string_key).collect::<Arc<[RecordKey]>>());
+            .then(|| Arc::new(OnceLock::new()));
         Ok(Generator {
             partitions,
             keys,
@@ -224,12 +227,20 @@ impl Generator {
         })
     }
 
+    /// The string key table, built on first use.
+    #[inline]
+    fn table(&self) -> Option<&[RecordKey]> {
+        self.table
+            .as_ref()
+            .map(|t| &**t.get_or_init(|| (0..self.keys).map(string_key).collect()))
+    }
+
     /// The key with index `i` (`0..keys`).
     pub fn key_for_index(&self, i: u64) -> RecordKey {
         match self.key_type {
             KeyType::Long => RecordKey::long(i as i64),
             KeyType::Int => RecordKey::int(i as i32),
-            KeyType::String => match &self.table {
+            KeyType::String => match self.table() {
                 Some(t) if (i as usize) < t.len() => t[i as usize].clone(),
                 _ => string_key(i),
             },
@@ -258,9 +269,9 @@ impl Generator {
     }
 
     #[inline(always)]
-    fn make(&self, h: u64, seq: u64) -> Record {
+    fn make(&self, table: Option<&[RecordKey]>, h: u64, seq: u64) -> Record {
         let i = self.key_index_of_hash(h);
-        let key = match (self.key_type, &self.table) {
+        let key = match (self.key_type, table) {
             (KeyType::Long, _) => RecordKey::long(i as i64),
             (KeyType::Int, _) => RecordKey::int(i as i32),
             (KeyType::String, Some(t)) => t[i as usize].clone(),
@@ -290,7 +301,7 @@ impl Generator {
             self.base(partition)
                 .wrapping_add(seq.wrapping_add(1).wrapping_mul(GAMMA)),
         );
-        self.make(h, seq)
+        self.make(self.table(), h, seq)
     }
 
     /// Appends up to `max` records of `partition` starting at `from_seq`, stopping at the end of
@@ -305,8 +316,9 @@ impl Generator {
         out.reserve(n);
         let base = self.base(partition);
         let mut state = base.wrapping_add(from_seq.wrapping_add(1).wrapping_mul(GAMMA));
+        let table = if n > 0 { self.table() } else { None };
         for seq in from_seq..from_seq + n as u64 {
-            out.push(self.make(splitmix64(state), seq));
+            out.push(self.make(table, splitmix64(state), seq));
             state = state.wrapping_add(GAMMA);
         }
         n

@@ -1,0 +1,1108 @@
+//! `keyshift bench ...`: benchmarks of the runtime, each reported as a ratio to a raw baseline
+//! measured in the same run on the same machine, so a shared or noisy machine affects both sides.
+//!
+//! * `snapshot`: write and restore-read throughput of keyed state on `file://` against a raw
+//!   sequential write with fsync and a raw read of the same bytes.
+//! * `rescale`: the pause of a `LocalJob` rescale (worker processes) against a raw write + read of
+//!   the state's bytes.
+//! * `throughput`: steady-state records/s of a keyed count through `LocalJob`, and the workers'
+//!   peak memory.
+//!
+//! Results and how to reproduce them: `docs/benchmarks.md`. Build with `--release`.
+
+use crate::crd::{AggregateFunction, StreamJob};
+use crate::job::{AggConfig, KeyedAggregator, Record, RecordKey};
+use crate::keygroup::Assignment;
+use crate::local::LocalJob;
+use crate::snapshot::{self, JobIdentity, Manifest, SnapshotKind, SnapshotMeta, SnapshotWriter};
+use anyhow::{Context as _, Result, bail};
+use bytes::Bytes;
+use clap::{Args, Subcommand};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// One subtask's encoded blocks: `(group, block, entries)` in group order.
+type Blocks = Arc<Vec<(u32, Bytes, u64)>>;
+
+/// Bytes of state per key the benchmarks aim at (1 GiB is about 2.7M keys).
+const BYTES_PER_KEY: u64 = 400;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Snapshot write and restore-read throughput on file://, as ratios to a raw sequential
+    /// write with fsync and a raw read of the same bytes.
+    Snapshot(SnapshotBench),
+    /// Rescale pause of a job with large keyed state (worker processes), as a ratio to a raw
+    /// write + read of the state's bytes.
+    Rescale(RescaleBench),
+    /// Steady-state keyed-count throughput through worker processes, and peak memory.
+    Throughput(ThroughputBench),
+}
+
+#[derive(Args, Debug)]
+pub struct SnapshotBench {
+    /// State size in MiB (about 400 bytes per key).
+    #[arg(long, default_value_t = 1024)]
+    pub state_mib: u64,
+    /// Directory for the files (a local filesystem; created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+    /// Key groups.
+    #[arg(long, default_value_t = 128)]
+    pub max_parallelism: u32,
+    /// Subtasks writing (one state file each, written concurrently).
+    #[arg(long, default_value_t = 1)]
+    pub parallelism: u32,
+    /// Opaque bytes of state per key besides the key and the accumulator.
+    #[arg(long, default_value_t = 360)]
+    pub payload: usize,
+    /// Rounds; each measurement keeps its best round.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+}
+
+#[derive(Args, Debug)]
+pub struct RescaleBench {
+    /// State size in MiB (about 400 bytes per key).
+    #[arg(long, default_value_t = 1024)]
+    pub state_mib: u64,
+    /// Parallelism the job runs at before the rescale.
+    #[arg(long, default_value_t = 4)]
+    pub from: u32,
+    /// Parallelism after the rescale.
+    #[arg(long, default_value_t = 8)]
+    pub to: u32,
+    /// Key groups.
+    #[arg(long, default_value_t = 128)]
+    pub max_parallelism: u32,
+    /// Directory for snapshots and worker logs (created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+    /// Opaque bytes of state per key besides the key and the accumulator.
+    #[arg(long, default_value_t = 360)]
+    pub payload: usize,
+    /// Source partitions (default: the larger parallelism).
+    #[arg(long)]
+    pub partitions: Option<u32>,
+    /// Records generated per key (default: ln(keys) + 2, so that every key is touched: the
+    /// expected number of untouched keys is e^-2).
+    #[arg(long)]
+    pub records_per_key: Option<f64>,
+    /// Rounds of the raw baseline (best kept).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Keep the snapshots and worker logs.
+    #[arg(long)]
+    pub keep: bool,
+}
+
+#[derive(Args, Debug)]
+pub struct ThroughputBench {
+    /// Distinct keys (comma-separated for several runs).
+    #[arg(long, value_delimiter = ',', default_value = "100000")]
+    pub keys: Vec<u64>,
+    /// Parallelism (comma-separated for several runs): 1 uses the local channel only, 2 or more
+    /// the loopback TCP shuffle.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub parallelism: Vec<u32>,
+    /// Source partitions (at least the parallelism).
+    #[arg(long, default_value_t = 4)]
+    pub partitions: u32,
+    /// Key type: string ("key-<i>") or long.
+    #[arg(long, default_value = "string")]
+    pub key_type: String,
+    /// Seconds before measuring (state fills, caches warm).
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u64,
+    /// Seconds measured.
+    #[arg(long, default_value_t = 15)]
+    pub seconds: u64,
+    /// Directory for worker logs (created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+}
+
+/// Runs a benchmark (blocking; starts its own async runtime).
+pub fn run(args: BenchArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        match args.command {
+            BenchCommand::Snapshot(a) => snapshot_bench(a).await,
+            BenchCommand::Rescale(a) => rescale_bench(a).await,
+            BenchCommand::Throughput(a) => throughput_bench(a).await,
+        }
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Machine context and raw baselines
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_else(|_| "?".into())
+}
+
+fn context_line() -> String {
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "?".into());
+    let build = if cfg!(debug_assertions) {
+        "DEBUG build: numbers are not meaningful, use --release"
+    } else {
+        "release build"
+    };
+    format!(
+        "{cpus} cpus, linux {kernel}, load average {} (1/5/15 min), {build}",
+        loadavg()
+    )
+}
+
+/// Bytes this process read from and wrote to storage so far (`/proc/self/io`): shows whether a
+/// read came from the page cache.
+fn proc_io() -> (u64, u64) {
+    let text = std::fs::read_to_string("/proc/self/io").unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0)
+    };
+    (field("read_bytes:"), field("write_bytes:"))
+}
+
+/// Asks the kernel to drop a file's (clean) pages from the page cache, so the next read comes
+/// from the device. Works without privileges on Linux for files already fsynced; elsewhere it
+/// is a no-op and reads stay warm.
+fn drop_cached(path: &Path) -> bool {
+    let Ok(f) = std::fs::File::open(path) else {
+        return false;
+    };
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        // SAFETY: posix_fadvise only takes a descriptor we own and plain integers.
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) == 0 }
+    }
+    #[cfg(not(target_os = "linux"))]
+    {
+        drop(f);
+        false
+    }
+}
+
+fn fsync_dir(dir: &Path) -> std::io::Result<()> {
+    std::fs::File::open(dir)?.sync_all()
+}
+
+/// CPU time (user + system) of this process so far, all threads (the I/O threads too).
+fn process_cpu() -> Duration {
+    // SAFETY: getrusage fills the struct we pass; an all-zero rusage is a valid value.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return Duration::ZERO;
+    }
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Wall-clock and CPU time of one measurement. On a loaded machine the wall time stretches with
+/// the share of the CPUs the process gets; the CPU time much less.
+#[derive(Debug, Clone, Copy, Default)]
+struct Sample {
+    wall: Duration,
+    cpu: Duration,
+}
+
+struct Meter(Instant, Duration);
+
+impl Meter {
+    fn start() -> Self {
+        Meter(Instant::now(), process_cpu())
+    }
+    fn stop(&self) -> Sample {
+        Sample {
+            wall: self.0.elapsed(),
+            cpu: process_cpu().saturating_sub(self.1),
+        }
+    }
+}
+
+/// Raw baseline write: one file, sequential writes of the given chunks, fsync of the file and
+/// its directory (what a durable snapshot file needs at least).
+fn raw_write(path: &Path, chunks: &[Bytes]) -> Result<Sample> {
+    let t = Meter::start();
+    let mut f = std::fs::File::create(path).with_context(|| format!("{}", path.display()))?;
+    for c in chunks {
+        f.write_all(c)?;
+    }
+    f.sync_all()?;
+    drop(f);
+    if let Some(dir) = path.parent() {
+        fsync_dir(dir)?;
+    }
+    Ok(t.stop())
+}
+
+/// Raw baseline read: the whole file into one buffer (like `std::fs::read`).
+fn raw_read(path: &Path, expect: u64) -> Result<Sample> {
+    let t = Meter::start();
+    let mut f = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
+    let mut buf = Vec::with_capacity(expect as usize);
+    f.read_to_end(&mut buf)?;
+    let took = t.stop();
+    if buf.len() as u64 != expect {
+        bail!(
+            "{} holds {} bytes, expected {expect}",
+            path.display(),
+            buf.len()
+        );
+    }
+    std::hint::black_box(&buf);
+    Ok(took)
+}
+
+/// `n` bytes of incompressible filler in 8 MiB chunks (shared buffer).
+fn filler(n: u64) -> Vec<Bytes> {
+    const CHUNK: usize = 8 << 20;
+    let mut s = 0x1234_5678_9abc_def0u64;
+    let mut buf = Vec::with_capacity(CHUNK);
+    while buf.len() < CHUNK {
+        s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        buf.extend_from_slice(&crate::job::generator::splitmix64(s).to_le_bytes());
+    }
+    let chunk = Bytes::from(buf);
+    let mut out = Vec::new();
+    let mut left = n as usize;
+    while left > 0 {
+        let k = left.min(CHUNK);
+        out.push(chunk.slice(..k));
+        left -= k;
+    }
+    out
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / f64::from(1u32 << 20)
+}
+
+fn mibps(bytes: u64, d: Duration) -> f64 {
+    mib(bytes) / d.as_secs_f64().max(1e-9)
+}
+
+fn secs(d: Duration) -> String {
+    format!("{:.2} s", d.as_secs_f64())
+}
+
+fn keys_for(state_mib: u64) -> u64 {
+    ((state_mib << 20) / BYTES_PER_KEY).max(1)
+}
+
+fn prepare_dir(dir: &Path, name: &str) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let abs = std::fs::canonicalize(dir)?;
+    let run = abs.join(format!("{name}-{}", std::process::id()));
+    if run.exists() {
+        std::fs::remove_dir_all(&run)?;
+    }
+    std::fs::create_dir_all(&run)?;
+    Ok(run)
+}
+
+/// Keeps the best (shortest wall time) sample of each measurement over rounds.
+#[derive(Default)]
+struct Best(Option<Sample>);
+
+impl Best {
+    fn add(&mut self, s: Sample) {
+        if self.0.is_none_or(|b| s.wall < b.wall) {
+            self.0 = Some(s);
+        }
+    }
+    fn get(&self) -> Duration {
+        self.0.unwrap_or_default().wall
+    }
+    fn cpu(&self) -> Duration {
+        self.0.unwrap_or_default().cpu
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// snapshot
+
+fn string_key(i: u64) -> RecordKey {
+    RecordKey::string(format!("key-{i}"))
+}
+
+fn meta(id: u64) -> SnapshotMeta {
+    SnapshotMeta {
+        job: JobIdentity {
+            namespace: "bench".into(),
+            name: "snapshot".into(),
+            job_fingerprint: "bench".into(),
+        },
+        snapshot_id: id,
+        kind: SnapshotKind::Checkpoint,
+        completed_at: chrono::Utc::now(),
+        state_schema: crate::job::AGG_SCHEMA.into(),
+        source_positions: Default::default(),
+        watermark: None,
+    }
+}
+
+/// The worker's snapshot path for one subtask: encode each group, hand it to the writer, finish
+/// (durable). With `pre_encoded`, the blocks are given and only the write is timed.
+async fn write_subtask(
+    store: Arc<dyn snapshot::ObjectStore>,
+    dir: snapshot::Path,
+    assignment: Assignment,
+    subtask: u32,
+    agg: Arc<KeyedAggregator>,
+    pre_encoded: Option<Blocks>,
+) -> Result<snapshot::SubtaskSnapshot> {
+    let mut w = SnapshotWriter::new(store, &dir, assignment, subtask)?;
+    match pre_encoded {
+        Some(blocks) => {
+            for (g, b, n) in blocks.iter() {
+                w.write_group(*g, b.clone(), *n).await?;
+            }
+        }
+        None => {
+            for g in assignment.range(subtask).iter() {
+                let (bytes, n) = agg.encode_group(g)?;
+                w.write_group(g, Bytes::from(bytes), n).await?;
+            }
+        }
+    }
+    Ok(w.finish().await?)
+}
+
+async fn write_snapshot(
+    store: &Arc<dyn snapshot::ObjectStore>,
+    job: &snapshot::Path,
+    id: u64,
+    assignment: Assignment,
+    aggs: &[Arc<KeyedAggregator>],
+    pre_encoded: Option<&[Blocks]>,
+) -> Result<(Sample, snapshot::Path, Manifest)> {
+    let dir = snapshot::snapshot_dir(job, SnapshotKind::Checkpoint, id);
+    let started = Meter::start();
+    let tasks: Vec<_> = (0..assignment.parallelism())
+        .map(|i| {
+            tokio::spawn(write_subtask(
+                store.clone(),
+                dir.clone(),
+                assignment,
+                i,
+                aggs[i as usize].clone(),
+                pre_encoded.map(|b| b[i as usize].clone()),
+            ))
+        })
+        .collect();
+    let mut acks = Vec::new();
+    for task in tasks {
+        acks.push(task.await??);
+    }
+    let manifest = Manifest::assemble(meta(id), assignment, acks)?;
+    snapshot::commit_manifest(store.as_ref(), &dir, &manifest).await?;
+    Ok((started.stop(), dir, manifest))
+}
+
+/// Every subtask's restore read (range reads of its groups, length and checksum checks), run
+/// concurrently like the subtasks of a job. Returns the time and the blocks.
+async fn read_snapshot(
+    store: &Arc<dyn snapshot::ObjectStore>,
+    dir: &snapshot::Path,
+    manifest: &Arc<Manifest>,
+    assignment: Assignment,
+    expect: u64,
+) -> Result<(Sample, Vec<snapshot::Restore>)> {
+    let started = Meter::start();
+    let tasks: Vec<_> = (0..assignment.parallelism())
+        .map(|i| {
+            let (store, dir, manifest) = (store.clone(), dir.clone(), manifest.clone());
+            tokio::spawn(async move {
+                snapshot::read_groups(store.as_ref(), &dir, &manifest, assignment.range(i)).await
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for task in tasks {
+        out.push(task.await??);
+    }
+    let took = started.stop();
+    let bytes: u64 = out.iter().map(|r| r.bytes_read).sum();
+    if bytes != expect {
+        bail!("restore read {bytes} bytes, expected {expect}");
+    }
+    Ok((took, out))
+}
+
+fn state_files(root: &Path, dir: &snapshot::Path, manifest: &Manifest) -> Vec<PathBuf> {
+    manifest
+        .files
+        .iter()
+        .map(|f| root.join(dir.as_ref()).join(&f.name))
+        .collect()
+}
+
+async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
+    let ctx_start = context_line();
+    let run = prepare_dir(&args.dir, "snapshot")?;
+    let root = run.join("store");
+    let (store, base) = snapshot::open_store(&format!("file://{}", root.display()))?;
+    let job = snapshot::job_dir(&base, "bench", "snapshot");
+    let assignment = Assignment::new(i64::from(args.parallelism), i64::from(args.max_parallelism))?;
+    let keys = keys_for(args.state_mib);
+    println!(
+        "keyshift bench snapshot: {} MiB target, {keys} string keys x {} B payload, {} key groups, {} subtask(s), {} rounds, in {}",
+        args.state_mib,
+        args.payload,
+        args.max_parallelism,
+        args.parallelism,
+        args.rounds,
+        run.display()
+    );
+    println!("machine: {ctx_start}");
+
+    // State: the real operator, every key once (count), with its per-key payload.
+    let t = Instant::now();
+    let config = AggConfig {
+        function: AggregateFunction::Count,
+        window_size_ms: None,
+        max_parallelism: args.max_parallelism,
+        state_payload_bytes: args.payload,
+    };
+    let mut aggs = (0..args.parallelism)
+        .map(|i| KeyedAggregator::new(config, assignment.range(i)))
+        .collect::<Result<Vec<_>, _>>()?;
+    for i in 0..keys {
+        let key = string_key(i);
+        let owner = assignment.owner(key.key_group(args.max_parallelism)) as usize;
+        aggs[owner].process(&Record {
+            key,
+            value: 1,
+            ts: 0,
+        })?;
+    }
+    let built = t.elapsed();
+    // What a checkpoint of this (non-windowed) job also does: emit every changed key's result,
+    // sorted, to the sink (here: formatted as the log sink's lines, not printed).
+    let t_drain = Meter::start();
+    let mut lines = 0usize;
+    for agg in &mut aggs {
+        let rows = agg.drain_updates();
+        lines += rows
+            .iter()
+            .map(|r| crate::job::LogSink::format(r).len() + 1)
+            .sum::<usize>();
+    }
+    let drain = t_drain.stop();
+    let aggs: Vec<Arc<KeyedAggregator>> = aggs.into_iter().map(Arc::new).collect();
+    let t_encode = Instant::now();
+    let blocks: Vec<Blocks> = (0..args.parallelism)
+        .map(|i| {
+            assignment
+                .range(i)
+                .iter()
+                .map(|g| {
+                    let (b, n) = aggs[i as usize].encode_group(g)?;
+                    Ok((g, Bytes::from(b), n))
+                })
+                .collect::<Result<Vec<_>>>()
+                .map(Arc::new)
+        })
+        .collect::<Result<_>>()?;
+    let encode_once = t_encode.elapsed();
+    let total: u64 = blocks
+        .iter()
+        .flat_map(|b| b.iter())
+        .map(|(_, b, _)| b.len() as u64)
+        .sum();
+    let chunks: Vec<Bytes> = blocks
+        .iter()
+        .flat_map(|b| b.iter())
+        .map(|(_, b, _)| b.clone())
+        .collect();
+    println!(
+        "state: {keys} keys, {total} bytes ({:.0} MiB, {:.0} B/key) built in {}; encoding alone {} ({:.0} MiB/s)",
+        mib(total),
+        total as f64 / keys as f64,
+        secs(built),
+        secs(encode_once),
+        mibps(total, encode_once)
+    );
+    println!(
+        "a checkpoint of this non-windowed job also drains, sorts and formats every changed key's result: {} ({:.2} s CPU) for {keys} results, {:.0} MiB of log lines",
+        secs(drain.wall),
+        drain.cpu.as_secs_f64(),
+        mib(lines as u64)
+    );
+
+    let raw_path = run.join("raw.bin");
+    let mut best_raw_w = Best::default();
+    let mut best_ks_w = Best::default();
+    let mut best_ks_w_only = Best::default();
+    let mut best_raw_r = Best::default();
+    let mut best_ks_r = Best::default();
+    let mut best_raw_cold = Best::default();
+    let mut best_ks_cold = Best::default();
+    let mut best_restore = Best::default();
+    let mut device_bytes = (0u64, 0u64);
+    let mut cold_ok = true;
+    let mut id = 0u64;
+    for round in 0..args.rounds {
+        let raw_first = round % 2 == 0;
+        // Writes: raw, keyshift (encode + write, the worker's path), keyshift (write of
+        // pre-encoded blocks); raw first in even rounds, last in odd ones.
+        if raw_first {
+            best_raw_w.add(raw_write(&raw_path, &chunks)?);
+        }
+        id += 1;
+        let (d, dir, _) = write_snapshot(&store, &job, id, assignment, &aggs, None).await?;
+        best_ks_w.add(d);
+        std::fs::remove_dir_all(root.join(dir.as_ref()))?;
+        id += 1;
+        let (d, dir, manifest) =
+            write_snapshot(&store, &job, id, assignment, &aggs, Some(&blocks)).await?;
+        best_ks_w_only.add(d);
+        if !raw_first {
+            best_raw_w.add(raw_write(&raw_path, &chunks)?);
+        }
+        if manifest.stats.total_bytes != total {
+            bail!(
+                "snapshot holds {} bytes, expected {total}",
+                manifest.stats.total_bytes
+            );
+        }
+        let manifest = Arc::new(manifest);
+        let files = state_files(&root, &dir, &manifest);
+
+        // Warm reads (the files were just written: page cache), alternating order.
+        if raw_first {
+            best_raw_r.add(raw_read(&raw_path, total)?);
+        }
+        let (d, restored) = read_snapshot(&store, &dir, &manifest, assignment, total).await?;
+        best_ks_r.add(d);
+        drop(restored);
+        if !raw_first {
+            best_raw_r.add(raw_read(&raw_path, total)?);
+        }
+
+        // Restore proper: read, then decode the blocks into fresh operators.
+        let t = Meter::start();
+        let (_, restored) = read_snapshot(&store, &dir, &manifest, assignment, total).await?;
+        let mut fresh = (0..args.parallelism)
+            .map(|i| KeyedAggregator::new(config, assignment.range(i)))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (i, r) in restored.iter().enumerate() {
+            for g in &r.groups {
+                if !g.bytes.is_empty() {
+                    fresh[i].restore_group(g.group, &g.bytes)?;
+                }
+            }
+        }
+        best_restore.add(t.stop());
+        let restored_keys: usize = fresh.iter().map(KeyedAggregator::key_count).sum();
+        if restored_keys as u64 != keys {
+            bail!("restored {restored_keys} keys, expected {keys}");
+        }
+        drop(fresh);
+        drop(restored);
+
+        // Cold reads: the files' pages dropped from the page cache first; /proc/self/io tells
+        // how much came from the device.
+        for raw_turn in [raw_first, !raw_first] {
+            if raw_turn {
+                cold_ok &= drop_cached(&raw_path);
+                let io = proc_io().0;
+                best_raw_cold.add(raw_read(&raw_path, total)?);
+                device_bytes.0 = proc_io().0 - io;
+            } else {
+                for f in &files {
+                    cold_ok &= drop_cached(f);
+                }
+                let io = proc_io().0;
+                let (d, restored) =
+                    read_snapshot(&store, &dir, &manifest, assignment, total).await?;
+                best_ks_cold.add(d);
+                drop(restored);
+                device_bytes.1 = proc_io().0 - io;
+            }
+        }
+        std::fs::remove_dir_all(root.join(dir.as_ref()))?;
+        println!(
+            "round {}/{}: write raw {} / keyshift {} (pre-encoded {}); read raw {} / keyshift {}; restore {}; cold read raw {} / keyshift {} (best so far)",
+            round + 1,
+            args.rounds,
+            secs(best_raw_w.get()),
+            secs(best_ks_w.get()),
+            secs(best_ks_w_only.get()),
+            secs(best_raw_r.get()),
+            secs(best_ks_r.get()),
+            secs(best_restore.get()),
+            secs(best_raw_cold.get()),
+            secs(best_ks_cold.get()),
+        );
+    }
+    let _ = std::fs::remove_dir_all(&run);
+
+    let ratio = |raw: &Best, ks: &Best| raw.get().as_secs_f64() / ks.get().as_secs_f64().max(1e-9);
+    println!();
+    println!("machine at the end: load average {}", loadavg());
+    if !cold_ok {
+        println!(
+            "note: dropping files from the page cache is not supported here; the cold rows are warm"
+        );
+    }
+    println!(
+        "cold reads fetched {:.0} MiB (raw) and {:.0} MiB (keyshift) from the device in the last round",
+        mib(device_bytes.0),
+        mib(device_bytes.1)
+    );
+    println!();
+    println!(
+        "| measurement ({} MiB, {} keys, {} groups, p={}) | raw | keyshift | raw MiB/s | keyshift MiB/s | ratio (raw time / keyshift time) | CPU raw / keyshift |",
+        mib(total).round(),
+        keys,
+        args.max_parallelism,
+        args.parallelism
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    let row = |name: &str, raw: &Best, ks: &Best| {
+        println!(
+            "| {name} | {} | {} | {:.0} | {:.0} | {:.2} | {:.2} s / {:.2} s |",
+            secs(raw.get()),
+            secs(ks.get()),
+            mibps(total, raw.get()),
+            mibps(total, ks.get()),
+            ratio(raw, ks),
+            raw.cpu().as_secs_f64(),
+            ks.cpu().as_secs_f64()
+        );
+    };
+    row(
+        "snapshot write: encode + write + fsync (worker path)",
+        &best_raw_w,
+        &best_ks_w,
+    );
+    row(
+        "snapshot write: pre-encoded blocks + fsync",
+        &best_raw_w,
+        &best_ks_w_only,
+    );
+    row(
+        "restore read, page cache (range reads + checksums)",
+        &best_raw_r,
+        &best_ks_r,
+    );
+    row(
+        "restore read, cold (pages dropped with fadvise)",
+        &best_raw_cold,
+        &best_ks_cold,
+    );
+    row(
+        "restore: read + decode into the operator (page cache)",
+        &best_raw_r,
+        &best_restore,
+    );
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// rescale
+
+fn job_manifest(
+    name: &str,
+    replicas: u32,
+    max_parallelism: u32,
+    generator: &str,
+    key_type: &str,
+    storage: &str,
+) -> Result<StreamJob> {
+    let yaml = format!(
+        r#"apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+  namespace: bench
+spec:
+  replicas: {replicas}
+  maxParallelism: {max_parallelism}
+  state:
+    storage: {storage}
+    retainedCheckpoints: 1
+  job:
+    source:
+      generator: {generator}
+    key:
+      field: key
+      type: {key_type}
+    aggregation:
+      function: count
+    sink:
+      type: log
+"#
+    );
+    let job: StreamJob = serde_yaml::from_str(&yaml).context("bench job manifest")?;
+    crate::validation::validate(&job.spec, None, None)
+        .map_err(|e| anyhow::anyhow!("bench job manifest: {e}"))?;
+    Ok(job)
+}
+
+async fn rescale_bench(args: RescaleBench) -> Result<()> {
+    let ctx_start = context_line();
+    let run = prepare_dir(&args.dir, "rescale")?;
+    let storage = format!("file://{}", run.join("store").display());
+    let keys = keys_for(args.state_mib);
+    let partitions = args.partitions.unwrap_or(args.from.max(args.to));
+    let per_key = args
+        .records_per_key
+        .unwrap_or_else(|| (keys as f64).ln() + 2.0);
+    let per_partition = ((keys as f64 * per_key) / f64::from(partitions)).ceil() as u64;
+    let total_records = per_partition * u64::from(partitions);
+    let generator = format!(
+        "{{partitions: {partitions}, keys: {keys}, seed: 7, recordsPerPartition: {per_partition}}}"
+    );
+    let job = job_manifest(
+        "rescale",
+        args.from,
+        args.max_parallelism,
+        &generator,
+        "string",
+        &storage,
+    )?;
+    println!(
+        "keyshift bench rescale: {} MiB target, {keys} string keys x {} B payload, {} -> {} of {} key groups; {total_records} records ({per_key:.1} per key) over {partitions} partitions; in {}",
+        args.state_mib,
+        args.payload,
+        args.from,
+        args.to,
+        args.max_parallelism,
+        run.display()
+    );
+    println!("machine: {ctx_start}");
+
+    let bin = std::env::current_exe()?;
+    let mut local = LocalJob::new(&job, storage, bin, run.join("logs")).await?;
+    local.state_payload_bytes = args.payload;
+    let result = rescale_steps(&mut local, &args, total_records).await;
+    local.stop().await;
+    let (report, build) = result?;
+
+    // Raw baseline: write (fsync) then read the same number of bytes, best of N.
+    let bytes = report.state_bytes;
+    let chunks = filler(bytes);
+    let raw_path = run.join("raw.bin");
+    let (mut best_w, mut best_r, mut best_sum) =
+        (Best::default(), Best::default(), Best::default());
+    for _ in 0..args.rounds.max(1) {
+        let w = raw_write(&raw_path, &chunks)?;
+        let r = raw_read(&raw_path, bytes)?;
+        best_w.add(w);
+        best_r.add(r);
+        best_sum.add(Sample {
+            wall: w.wall + r.wall,
+            cpu: w.cpu + r.cpu,
+        });
+    }
+    drop(chunks);
+    if args.keep {
+        let _ = std::fs::remove_file(&raw_path);
+        println!("kept {}", run.display());
+    } else {
+        let _ = std::fs::remove_dir_all(&run);
+    }
+
+    let pause = report.pause;
+    let raw = best_sum.get();
+    let keys_restored: u64 = report
+        .launch
+        .responses
+        .iter()
+        .map(|r| r.keys_restored)
+        .sum();
+    let restore_ms: Vec<u64> = report
+        .launch
+        .responses
+        .iter()
+        .map(|r| r.restore_ms)
+        .collect();
+    println!();
+    println!("state built in {} ({keys_restored} keys)", secs(build));
+    println!(
+        "rescale {} -> {}: pause {} = {}",
+        report.from,
+        report.to,
+        secs(pause),
+        report
+            .steps
+            .iter()
+            .map(|(s, d)| format!("{s} {}", secs(*d)))
+            .collect::<Vec<_>>()
+            .join(" + ")
+    );
+    println!(
+        "restore inside the new workers (read + checksum + decode), per subtask: {} ms",
+        restore_ms
+            .iter()
+            .map(u64::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    println!(
+        "raw baseline (best of {}): write + fsync {} + read {} = {}",
+        args.rounds.max(1),
+        secs(best_w.get()),
+        secs(best_r.get()),
+        secs(raw)
+    );
+    println!("machine at the end: load average {}", loadavg());
+    println!();
+    println!(
+        "| rescale | state | keys | pause | pause / raw write+read | bytes read / state bytes | groups moved | steps |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| {} -> {} ({} groups) | {:.0} MiB | {keys_restored} | {} | {:.2} ({}) | {:.3} | {} | {} |",
+        report.from,
+        report.to,
+        args.max_parallelism,
+        mib(bytes),
+        secs(pause),
+        pause.as_secs_f64() / raw.as_secs_f64().max(1e-9),
+        secs(raw),
+        report.bytes_read as f64 / bytes.max(1) as f64,
+        report.groups_moved,
+        report
+            .steps
+            .iter()
+            .map(|(s, d)| format!("{s} {:.2}", d.as_secs_f64()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(())
+}
+
+async fn processed(local: &mut LocalJob) -> Result<(u64, u64)> {
+    let st = local.status().await?;
+    Ok((
+        st.iter().map(|s| s.records_processed).sum(),
+        st.iter().map(|s| s.keys).sum(),
+    ))
+}
+
+async fn rescale_steps(
+    local: &mut LocalJob,
+    args: &RescaleBench,
+    total_records: u64,
+) -> Result<(crate::local::RescaleReport, Duration)> {
+    let t = Instant::now();
+    local.launch(args.from, None).await?;
+    let mut last_print = Instant::now();
+    loop {
+        if let Some((i, status)) = local.failed_worker() {
+            bail!("worker {i} exited ({status})");
+        }
+        let (n, keys) = processed(local).await?;
+        if n >= total_records {
+            break;
+        }
+        if last_print.elapsed() > Duration::from_secs(10) {
+            last_print = Instant::now();
+            println!(
+                "  building state: {n} of {total_records} records, {keys} keys, {:.0} records/s",
+                n as f64 / t.elapsed().as_secs_f64()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let build = t.elapsed();
+    let report = local.rescale(args.to).await?;
+    Ok((report, build))
+}
+
+// ---------------------------------------------------------------------------------------------
+// throughput
+
+/// Peak and current resident memory of a process, in KiB (`VmHWM`, `VmRSS`).
+fn memory_kib(pid: u32) -> (u64, u64) {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let field = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("VmHWM:"), field("VmRSS:"))
+}
+
+/// CPU time (user + system) a process has used so far.
+fn cpu_time(pid: u32) -> Duration {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name (which may hold spaces) start at field 3 (state).
+    let rest = text.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|v| v.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    // utime and stime are fields 14 and 15 (1-based) of the whole line: 11 and 12 here.
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_nanos((ticks(11) + ticks(12)) * 1_000_000_000 / hz)
+}
+
+struct ThroughputRow {
+    keys: u64,
+    parallelism: u32,
+    rate: f64,
+    min_rate: f64,
+    max_rate: f64,
+    keys_in_state: u64,
+    peak_kib: u64,
+    backpressure_ms: u64,
+    /// Worker CPU time used during the measurement.
+    cpu: Duration,
+    wall: Duration,
+}
+
+impl ThroughputRow {
+    /// Cores the workers kept busy on average.
+    fn cores(&self) -> f64 {
+        self.cpu.as_secs_f64() / self.wall.as_secs_f64().max(1e-9)
+    }
+    /// Records per second of worker CPU time: what the machine's load does not change much.
+    fn per_cpu_second(&self) -> f64 {
+        self.rate / self.cores().max(1e-9)
+    }
+}
+
+async fn throughput_once(
+    args: &ThroughputBench,
+    run: &Path,
+    keys: u64,
+    p: u32,
+) -> Result<ThroughputRow> {
+    let partitions = args.partitions.max(p);
+    let generator = format!("{{partitions: {partitions}, keys: {keys}, seed: 3}}");
+    let name = format!("throughput-{keys}-{p}");
+    let storage = format!("file://{}", run.join("store").display());
+    let job = job_manifest(&name, p, 128, &generator, &args.key_type, &storage)?;
+    let bin = std::env::current_exe()?;
+    let mut local = LocalJob::new(&job, storage, bin, run.join("logs")).await?;
+    local.launch(p, None).await?;
+    let result = async {
+        tokio::time::sleep(Duration::from_secs(args.warmup)).await;
+        let pids = local.worker_pids();
+        let cpu0: Duration = pids.iter().map(|p| cpu_time(*p)).sum();
+        let (n0, _) = processed(&mut local).await?;
+        let t0 = Instant::now();
+        let (mut prev, mut tprev) = (n0, t0);
+        let (mut min_rate, mut max_rate) = (f64::MAX, 0f64);
+        for _ in 0..args.seconds {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            if let Some((i, status)) = local.failed_worker() {
+                bail!("worker {i} exited ({status})");
+            }
+            let (n, _) = processed(&mut local).await?;
+            let now = Instant::now();
+            let r = (n - prev) as f64 / (now - tprev).as_secs_f64();
+            min_rate = min_rate.min(r);
+            max_rate = max_rate.max(r);
+            (prev, tprev) = (n, now);
+        }
+        let rate = (prev - n0) as f64 / (tprev - t0).as_secs_f64();
+        let cpu = pids.iter().map(|p| cpu_time(*p)).sum::<Duration>() - cpu0;
+        let st = local.status().await?;
+        let peak_kib = local.worker_pids().iter().map(|p| memory_kib(*p).0).sum();
+        Ok(ThroughputRow {
+            keys,
+            parallelism: p,
+            rate,
+            min_rate,
+            max_rate,
+            keys_in_state: st.iter().map(|s| s.keys).sum(),
+            peak_kib,
+            backpressure_ms: st.iter().map(|s| s.backpressure_ms).sum(),
+            cpu,
+            wall: tprev - t0,
+        })
+    }
+    .await;
+    local.stop().await;
+    result
+}
+
+async fn throughput_bench(args: ThroughputBench) -> Result<()> {
+    let ctx_start = context_line();
+    let run = prepare_dir(&args.dir, "throughput")?;
+    println!(
+        "keyshift bench throughput: keyed count, generator ({} partitions, {} keys, unpaced), {}s warm-up, {}s measured, no checkpoints",
+        args.partitions, args.key_type, args.warmup, args.seconds
+    );
+    println!("machine: {ctx_start}");
+    let mut rows = Vec::new();
+    for &keys in &args.keys {
+        for &p in &args.parallelism {
+            let row = throughput_once(&args, &run, keys, p).await?;
+            println!(
+                "  keys {keys}, p={p}: {:.2} M records/s (per second {:.2}..{:.2} M), workers used {:.2} cores = {:.2} M records per CPU-second, {} keys in state, peak RSS {:.0} MiB, backpressure {} ms",
+                row.rate / 1e6,
+                row.min_rate / 1e6,
+                row.max_rate / 1e6,
+                row.cores(),
+                row.per_cpu_second() / 1e6,
+                row.keys_in_state,
+                row.peak_kib as f64 / 1024.0,
+                row.backpressure_ms
+            );
+            rows.push(row);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&run);
+    println!("machine at the end: load average {}", loadavg());
+    println!();
+    println!(
+        "| keys | p | shuffle | records/s | per second (min..max) | vs 5M/s | worker cores busy | records per CPU-second | keys in state | peak RSS (all workers) | peak RSS per million keys |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for r in rows {
+        let per_million = r.peak_kib as f64 / 1024.0 / (r.keys_in_state.max(1) as f64 / 1e6);
+        println!(
+            "| {} | {} | {} | {:.2} M | {:.2}..{:.2} M | {:.2} | {:.2} | {:.2} M | {} | {:.0} MiB | {:.0} MiB |",
+            r.keys,
+            r.parallelism,
+            if r.parallelism == 1 {
+                "local channel"
+            } else {
+                "loopback TCP"
+            },
+            r.rate / 1e6,
+            r.min_rate / 1e6,
+            r.max_rate / 1e6,
+            r.rate / 5e6,
+            r.cores(),
+            r.per_cpu_second() / 1e6,
+            r.keys_in_state,
+            r.peak_kib as f64 / 1024.0,
+            per_million
+        );
+    }
+    Ok(())
+}
