@@ -684,8 +684,6 @@ async fn source_loop(
     let mut stopped = false;
     let mut last_wm = i64::MIN;
     let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
-    // Positions in the status are for people; publish them a few times a second, not per batch.
-    let mut published = Instant::now();
     if partitions.is_empty() {
         // Nothing to read: never hold back the watermark downstream.
         router
@@ -805,9 +803,9 @@ async fn source_loop(
             last_wm = wm;
             router.broadcast(Msg::Watermark(wm), &s.metrics).await?;
         }
-        if !read_any || published.elapsed() >= Duration::from_millis(100) {
-            s.status.lock().await.source_positions = pos.clone();
-            published = Instant::now();
+        {
+            let mut st = s.status.lock().await;
+            st.source_positions = pos.clone();
         }
         if !read_any {
             // Idle (paced, or at the end of input): wait a little or for a command.
