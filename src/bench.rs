@@ -564,7 +564,8 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
     let mut device_bytes = (0u64, 0u64);
     let mut cold_ok = true;
     let mut id = 0u64;
-    for round in 0..args.rounds {
+    let rounds = args.rounds.max(1);
+    for round in 0..rounds {
         let raw_first = round % 2 == 0;
         // Writes: raw, keyshift (encode + write, the worker's path), keyshift (write of
         // pre-encoded blocks); raw first in even rounds, last in odd ones.
@@ -647,7 +648,7 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         println!(
             "round {}/{}: write raw {} / keyshift {} (pre-encoded {}); read raw {} / keyshift {}; restore {}; cold read raw {} / keyshift {} (best so far)",
             round + 1,
-            args.rounds,
+            rounds,
             secs(best_raw_w.get()),
             secs(best_ks_w.get()),
             secs(best_ks_w_only.get()),

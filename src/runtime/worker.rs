@@ -24,8 +24,8 @@ use axum::{Json, Router};
 use object_store::ObjectStoreExt;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 use tokio::net::TcpListener;
 use tokio::sync::{Mutex, mpsc, watch};
@@ -528,22 +528,14 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     let compiled = Arc::new(compiled);
     let s_src = s.clone();
     let src_compiled = compiled.clone();
-    let pool = BatchPool::default();
-    let router = Outputs {
-        buffers: (0..outputs.len())
-            .map(|_| Vec::with_capacity(BATCH))
-            .collect(),
-        outputs,
-        assignment,
-        pool: pool.clone(),
-    };
     tokio::spawn(async move {
         let r = source_loop(
             s_src.clone(),
             src_compiled,
             my_partitions,
             positions,
-            router,
+            assignment,
+            outputs,
             cmd_rx,
         )
         .await;
@@ -553,13 +545,14 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     });
     let s_op = s.clone();
     let operator = async move {
-        if let Err(e) = operator_loop(s_op.clone(), sub, input_rx, pool, watermark).await {
+        if let Err(e) = operator_loop(s_op.clone(), sub, input_rx, watermark).await {
             let _ = s_op.fatal.send(Some(format!("keyed operator: {e}")));
         }
     };
-    // The keyed operator gets a thread of its own (its I/O and spawned tasks still use the
-    // runtime): it then runs in parallel with the source instead of taking turns with it on
-    // one worker thread, and encoding a large snapshot never stalls the runtime's workers.
+    // The keyed operator gets a thread of its own; its I/O and the tasks it spawns still use the
+    // runtime. As a task it took turns with the source on one runtime thread (a woken task runs
+    // next on the waker's thread and cannot be stolen), so a subtask never used more than one
+    // core; and encoding a large snapshot held a runtime thread for seconds.
     let handle = tokio::runtime::Handle::current();
     let s_thread = s.clone();
     std::thread::Builder::new()
@@ -574,48 +567,11 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     Ok(resp)
 }
 
-/// Record batches the keyed operator is done with, handed back for the source to refill: no
-/// batch is allocated per flush, and the records (string keys: reference counts) are dropped on
-/// the source's thread, which cloned them, instead of the operator's.
-#[derive(Clone, Default)]
-struct BatchPool(Arc<std::sync::Mutex<Vec<Vec<Record>>>>);
-
-impl BatchPool {
-    /// Batches kept at most (the rest are dropped by the operator).
-    const MAX: usize = 2 * CHANNEL_BATCHES;
-
-    fn put(&self, batch: Vec<Record>) {
-        let rejected = {
-            let mut pool = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-            if pool.len() < Self::MAX {
-                pool.push(batch);
-                None
-            } else {
-                Some(batch)
-            }
-        };
-        drop(rejected);
-    }
-
-    /// An empty batch with room for [`BATCH`] records.
-    fn take(&self) -> Vec<Record> {
-        let reused = self.0.lock().unwrap_or_else(PoisonError::into_inner).pop();
-        match reused {
-            Some(mut batch) => {
-                batch.clear();
-                batch
-            }
-            None => Vec::with_capacity(BATCH),
-        }
-    }
-}
-
 /// Per-output buffers of the source.
 struct Outputs {
     outputs: Vec<mpsc::Sender<Msg>>,
     buffers: Vec<Vec<Record>>,
     assignment: Assignment,
-    pool: BatchPool,
 }
 
 impl Outputs {
@@ -646,7 +602,7 @@ impl Outputs {
         if self.buffers[i].is_empty() {
             return Ok(());
         }
-        let batch = std::mem::replace(&mut self.buffers[i], self.pool.take());
+        let batch = std::mem::replace(&mut self.buffers[i], Vec::with_capacity(BATCH));
         self.send(i, Msg::Records(batch), metrics).await
     }
 
@@ -671,11 +627,17 @@ async fn source_loop(
     compiled: Arc<CompiledJob>,
     partitions: Vec<u32>,
     restored: BTreeMap<u32, u64>,
-    mut router: Outputs,
+    assignment: Assignment,
+    outputs: Vec<mpsc::Sender<Msg>>,
     mut cmds: mpsc::Receiver<SourceCmd>,
 ) -> Result<(), WorkerError> {
-    let n = router.outputs.len();
-    let maxp = router.assignment.max_parallelism();
+    let n = outputs.len();
+    let mut router = Outputs {
+        outputs,
+        buffers: (0..n).map(|_| Vec::with_capacity(BATCH)).collect(),
+        assignment,
+    };
+    let maxp = assignment.max_parallelism();
     let mut pos: BTreeMap<u32, u64> = partitions
         .iter()
         .map(|p| (*p, restored.get(p).copied().unwrap_or(0)))
@@ -694,8 +656,6 @@ async fn source_loop(
     let mut stopped = false;
     let mut last_wm = i64::MIN;
     let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
-    // Positions in the status are for people; publish them a few times a second, not per batch.
-    let mut published = Instant::now();
     if partitions.is_empty() {
         // Nothing to read: never hold back the watermark downstream.
         router
@@ -751,21 +711,6 @@ async fn source_loop(
             pos.insert(*p, b.next_position);
             s.metrics.records_in.inc_by(b.records as u64);
             let mut wm = wms.get_mut(p);
-            if n == 1 {
-                // One subtask owns every key group: hand the batch on whole, no routing.
-                if let Some(w) = wm.as_mut() {
-                    batch.iter().for_each(|r| w.observe(r.ts));
-                }
-                if router.buffers[0].is_empty() {
-                    std::mem::swap(&mut router.buffers[0], &mut batch);
-                } else {
-                    router.buffers[0].append(&mut batch);
-                }
-                if router.buffers[0].len() >= BATCH {
-                    router.flush(0, &s.metrics).await?;
-                }
-                continue;
-            }
             for r in batch.drain(..) {
                 if let Some(w) = wm.as_mut() {
                     w.observe(r.ts);
@@ -795,9 +740,9 @@ async fn source_loop(
             last_wm = wm;
             router.broadcast(Msg::Watermark(wm), &s.metrics).await?;
         }
-        if !read_any || published.elapsed() >= Duration::from_millis(100) {
-            s.status.lock().await.source_positions = pos.clone();
-            published = Instant::now();
+        {
+            let mut st = s.status.lock().await;
+            st.source_positions = pos.clone();
         }
         if !read_any {
             // Idle (paced, or at the end of input): wait a little or for a command.
@@ -878,7 +823,6 @@ async fn operator_loop(
     s: Arc<Shared>,
     mut sub: Subtask,
     mut inputs: Vec<mpsc::Receiver<Msg>>,
-    pool: BatchPool,
     restored_watermark: i64,
 ) -> Result<(), WorkerError> {
     let n = inputs.len();
@@ -904,7 +848,6 @@ async fn operator_loop(
             Msg::Records(records) => {
                 sub.agg.process_batch(&records)?;
                 s.metrics.records_processed.inc_by(records.len() as u64);
-                pool.put(records);
                 batches += 1;
                 if batches.is_multiple_of(64) {
                     s.metrics.keys.set(sub.agg.key_count() as i64);
