@@ -460,11 +460,24 @@ pub async fn latest_snapshot(
     namespace: &str,
     job: &str,
 ) -> Result<Option<(String, snapshot::SnapshotInfo)>, CoordinatorError> {
+    latest_snapshot_with(storage, namespace, job, None).await
+}
+
+/// The newest committed snapshot of a job taken under `max_parallelism` key groups (any, with
+/// `None`): after a restore from a rewritten savepoint, the job's older snapshots have the old
+/// key-group count and can no longer be restored by it.
+pub async fn latest_snapshot_with(
+    storage: &str,
+    namespace: &str,
+    job: &str,
+    max_parallelism: Option<u32>,
+) -> Result<Option<(String, snapshot::SnapshotInfo)>, CoordinatorError> {
     let (store, base) = snapshot::open_store(storage)?;
     let job_dir = snapshot::job_dir(&base, namespace, job);
     let all = snapshot::list_snapshots(store.as_ref(), &job_dir).await?;
     Ok(all
         .into_iter()
+        .filter(|s| max_parallelism.is_none_or(|g| s.max_parallelism == g))
         .max_by_key(|s| s.id)
         .map(|s| (snapshot_url(storage, namespace, job, s.kind, s.id), s)))
 }

@@ -89,8 +89,13 @@ pub struct StreamJobSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub savepoint_trigger_nonce: Option<i64>,
 
-    /// Start (or restart) the job from this snapshot instead of its own latest state: the URL of
-    /// a savepoint or checkpoint directory, e.g. `s3://bucket/prefix/ns/job/savepoints/sp-7`.
+    /// Start the job from this snapshot instead of its own latest state: the URL of a savepoint
+    /// or checkpoint directory, e.g. `s3://bucket/prefix/ns/job/savepoints/sp-7`. Acted on once
+    /// per value (recorded in status.restoredFrom): setting a new value on a running job takes a
+    /// savepoint of the current state, stops the workers and restarts them from this snapshot; on
+    /// a suspended job it applies at resume. A snapshot rewritten to a larger key-group count
+    /// (`keyshift savepoint rewrite --max-parallelism G`) raises the job's ceiling: set
+    /// maxParallelism to G in the same change.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_from: Option<String>,
 
@@ -381,6 +386,18 @@ pub struct StreamJobStatus {
     /// state; replicas may not exceed it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_parallelism: Option<i32>,
+    /// Where status.maxParallelism came from, in words: spec.maxParallelism, Flink's default
+    /// rule for the replicas the job first ran with, or the snapshot named by spec.restoreFrom.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_parallelism_origin: Option<String>,
+    /// The spec.restoreFrom the job was last started from. A spec.restoreFrom that differs
+    /// from it is a request to restart from that snapshot.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_from: Option<String>,
+    /// How the state of the latest snapshot is spread over subtasks and key groups (updated
+    /// after every checkpoint and savepoint), so a hot subtask, group or key is visible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_distribution: Option<StateDistribution>,
     /// How key groups are spread over the running subtasks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_groups: Option<KeyGroupsStatus>,
@@ -437,6 +454,41 @@ pub struct KeyGroupsStatus {
     pub skew: String,
 }
 
+/// How a snapshot's state is spread: the busiest subtask against the mean, and the largest key
+/// group (a group with much state and few keys holds a hot key).
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StateDistribution {
+    /// The snapshot these numbers come from.
+    pub snapshot_id: i64,
+    /// The parallelism it was taken at.
+    pub parallelism: i32,
+    /// Bytes of keyed state in the snapshot.
+    pub total_bytes: i64,
+    /// Keys in the snapshot.
+    pub total_keys: i64,
+    /// The subtask holding the most bytes.
+    pub busiest_subtask: i32,
+    /// Bytes held by the busiest subtask.
+    pub busiest_subtask_bytes: i64,
+    /// Keys held by the busiest subtask.
+    pub busiest_subtask_keys: i64,
+    /// Mean bytes per subtask.
+    pub mean_subtask_bytes: i64,
+    /// Mean keys per subtask.
+    pub mean_subtask_keys: i64,
+    /// The busiest subtask's bytes divided by the mean, as a decimal string (`1.00` is even).
+    pub bytes_skew: String,
+    /// The key group holding the most bytes.
+    pub largest_key_group: i32,
+    /// Bytes of the largest key group.
+    pub largest_key_group_bytes: i64,
+    /// Keys in the largest key group.
+    pub largest_key_group_keys: i64,
+    /// The spread in words.
+    pub summary: String,
+}
+
 /// A completed snapshot.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
@@ -472,9 +524,17 @@ pub struct RescaleStatus {
     /// Bytes the new subtasks read from the savepoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes_to_read: Option<i64>,
-    /// The savepoint the rescale restores from.
+    /// The savepoint the rescale takes (and restores from, unless restoreFrom is set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub savepoint: Option<String>,
+    /// Set when this transition restarts the job from spec.restoreFrom: the snapshot the new
+    /// workers restore (the savepoint above only keeps the state the job had).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_from: Option<String>,
+    /// The key-group count after this transition, when it changes it (a restore from a
+    /// rewritten savepoint).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_parallelism: Option<i32>,
     /// Seconds spent in each completed step.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub step_seconds: BTreeMap<String, f64>,

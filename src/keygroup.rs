@@ -214,6 +214,16 @@ pub fn default_max_parallelism(parallelism: u32) -> u32 {
     ) as u32
 }
 
+/// The key-group count to suggest when a job must grow to `parallelism`: a power of two at
+/// least 4x the parallelism (room to grow again, and every power-of-two parallelism divides it),
+/// never below Flink's lower bound of 128 nor above 32768.
+pub fn suggested_max_parallelism(parallelism: u32) -> u32 {
+    (u64::from(parallelism) * 4).next_power_of_two().clamp(
+        u64::from(DEFAULT_LOWER_BOUND_MAX_PARALLELISM),
+        u64::from(UPPER_BOUND_MAX_PARALLELISM),
+    ) as u32
+}
+
 /// An inclusive, non-empty range of key groups `[start, end]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KeyGroupRange {

@@ -36,6 +36,8 @@ pub enum LocalError {
     Snapshot(#[from] snapshot::SnapshotError),
     #[error("{0}")]
     Bounds(#[from] keygroup::BoundsError),
+    #[error("{0}")]
+    RestoreFrom(String),
     #[error("rescale {from} -> {to} failed at step {step}: {reason}; {outcome}")]
     Rescale {
         from: u32,
@@ -115,7 +117,8 @@ impl LocalWorkers {
             let log_path = self.log_dir.join(format!("run-{run}-worker-{index}.log"));
             let log = std::fs::File::create(&log_path)
                 .map_err(|e| spawn_err(format!("creating {}: {e}", log_path.display())))?;
-            let mut child = Command::new(&self.bin)
+            let mut command = Command::new(&self.bin);
+            command
                 .args([
                     "worker",
                     "--control-addr",
@@ -130,7 +133,9 @@ impl LocalWorkers {
                 // Own process group: a Ctrl-C at the terminal reaches only `keyshift local`,
                 // which then stops the workers with a savepoint.
                 .process_group(0)
-                .kill_on_drop(true)
+                .kill_on_drop(true);
+            die_with_parent(&mut command);
+            let mut child = command
                 .spawn()
                 .map_err(|e| spawn_err(format!("{}: {e}", self.bin.display())))?;
             let stdout = child
@@ -255,13 +260,17 @@ pub struct LocalJob {
     coordinator: Option<Coordinator>,
     token: String,
     runs: u64,
+    /// spec.restoreFrom: restored while the job has no snapshot of its own under its key-group
+    /// count (so a savepoint rewritten to a new count is used until the first snapshot at it).
+    restore_from: Option<String>,
     /// Opaque bytes kept with each key's state (benchmarks).
     pub state_payload_bytes: usize,
 }
 
 impl LocalJob {
-    /// Prepares a job; the key-group count is the one pinned by an existing snapshot, else the
-    /// spec's, else Flink's default for its replicas.
+    /// Prepares a job; the key-group count is the one of spec.restoreFrom's snapshot if set (a
+    /// savepoint rewritten to a new count raises the ceiling), else the one pinned by the job's
+    /// newest snapshot, else the spec's, else Flink's default for its replicas.
     pub async fn new(
         job: &StreamJob,
         storage: String,
@@ -274,8 +283,22 @@ impl LocalJob {
             .clone()
             .unwrap_or_else(|| "default".into());
         let name = job.metadata.name.clone().unwrap_or_else(|| "job".into());
-        let latest = coordinator::latest_snapshot(&storage, &namespace, &name).await?;
-        let pinned = latest.as_ref().map(|(_, s)| s.max_parallelism as i32);
+        let pinned = match &job.spec.restore_from {
+            Some(url) => {
+                let groups = restore_from_groups(url).await?;
+                if let Some(g) = job.spec.max_parallelism
+                    && g as u32 != groups
+                {
+                    return Err(LocalError::RestoreFrom(format!(
+                        "spec.restoreFrom {url} has {groups} key groups (its maxParallelism) but spec.maxParallelism is {g}: set spec.maxParallelism to {groups} (or remove it) to restore from it"
+                    )));
+                }
+                Some(groups as i32)
+            }
+            None => coordinator::latest_snapshot(&storage, &namespace, &name)
+                .await?
+                .map(|(_, s)| s.max_parallelism as i32),
+        };
         let status = StreamJobStatus {
             max_parallelism: pinned,
             ..Default::default()
@@ -291,17 +314,23 @@ impl LocalJob {
             coordinator: None,
             token: random_token(),
             runs: 0,
+            restore_from: job.spec.restore_from.clone(),
             state_payload_bytes: 0,
         })
     }
 
-    /// The newest committed snapshot (URL), if any.
+    /// What a (re)start restores: the newest committed snapshot under the job's key-group
+    /// count, else spec.restoreFrom, else nothing.
     pub async fn latest_snapshot(&self) -> Result<Option<String>, LocalError> {
-        Ok(
-            coordinator::latest_snapshot(&self.storage, &self.namespace, &self.name)
-                .await?
-                .map(|(url, _)| url),
+        let own = coordinator::latest_snapshot_with(
+            &self.storage,
+            &self.namespace,
+            &self.name,
+            Some(self.max_parallelism),
         )
+        .await?
+        .map(|(url, _)| url);
+        Ok(own.or_else(|| self.restore_from.clone()))
     }
 
     /// Process ids of the running workers, in subtask order.
@@ -542,6 +571,83 @@ pub fn fingerprint(spec: &StreamJobSpec) -> String {
     format!("{h:016x}")
 }
 
+/// A worker of `keyshift local` is killed when its launcher dies (killed, or crashed), so no
+/// worker outlives it. Linux only; elsewhere workers are stopped on a normal exit only.
+fn die_with_parent(command: &mut Command) {
+    #[cfg(target_os = "linux")]
+    // SAFETY: the closure runs in the forked child before exec and only makes the
+    // async-signal-safe prctl(2) call.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) == -1 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = command;
+}
+
+/// The key-group count of the snapshot at `url` (from its manifest).
+async fn restore_from_groups(url: &str) -> Result<u32, LocalError> {
+    let read = async {
+        let (store, dir) = snapshot::open_store(url)?;
+        snapshot::read_manifest(store.as_ref(), &dir).await
+    };
+    read.await.map(|m| m.max_parallelism).map_err(|e| {
+        LocalError::RestoreFrom(format!(
+            "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
+        ))
+    })
+}
+
+/// What `keyshift local` says when an edit asks for more subtasks than the key-group ceiling:
+/// nothing changes, and how to raise the ceiling (`savepoint`: the URL once stopped).
+pub fn local_ceiling_guidance(
+    manifest: &Path,
+    running: u32,
+    replicas: i32,
+    ceiling: u32,
+    savepoint: Option<&str>,
+) -> String {
+    let g = keygroup::suggested_max_parallelism(replicas.max(1) as u32);
+    let sp = savepoint.unwrap_or("<the savepoint printed when it stops>");
+    let stop = if savepoint.is_none() {
+        "stop it with Ctrl-C (it stops with a savepoint), then "
+    } else {
+        ""
+    };
+    format!(
+        "replicas {replicas} exceeds {ceiling}, the key-group ceiling of this job's state (fixed by its first snapshot); nothing was changed and the job keeps running at parallelism {running}. To run more subtasks, raise the ceiling offline: {stop}run `keyshift savepoint rewrite {sp} --max-parallelism {g} --to {sp}-mp{g}`, set `maxParallelism: {g}`, `restoreFrom: {sp}-mp{g}` and `replicas: {replicas}` in {}, and run `keyshift local {}` again",
+        manifest.display(),
+        manifest.display()
+    )
+}
+
+/// Ctrl-C, or SIGTERM (`kill`, a service manager): both stop the job with a savepoint.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
 /// The storage URL of a local run: the spec's, else `file://<state dir>`.
 pub fn storage_url(spec: &StreamJobSpec, state_dir: &Path) -> Result<String, LocalError> {
     if let Some(s) = &spec.state.storage {
@@ -621,14 +727,19 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
         .ok();
     let mut last = (Instant::now(), 0u64);
     let mut failures = 0u32;
-    let ctrl_c = tokio::signal::ctrl_c();
+    // The last edit refused for exceeding the key-group ceiling: its replicas.
+    let mut above_ceiling: Option<i32> = None;
+    let ctrl_c = stop_signal();
     tokio::pin!(ctrl_c);
     loop {
         tokio::select! {
             _ = &mut ctrl_c => {
-                say("stopping with a savepoint (Ctrl-C) ...");
+                say("stopping with a savepoint (Ctrl-C or SIGTERM) ...");
                 let sp = local.shutdown().await?;
                 say(format_args!("stopped with savepoint {} ({} bytes); run the same command again to resume", sp.url, sp.manifest.stats.total_bytes));
+                if let Some(replicas) = above_ceiling {
+                    say(local_ceiling_guidance(&opts.manifest, parallelism, replicas, local.max_parallelism, Some(&sp.url)));
+                }
                 return Ok(());
             }
             _ = checkpoint_tick.tick() => {
@@ -670,7 +781,12 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
                 };
                 let status = StreamJobStatus { max_parallelism: Some(local.max_parallelism as i32), ..Default::default() };
                 if let Err(e) = validation::analyse(&job.spec, Some(&status)) {
-                    say(format_args!("ignoring the edit: {e}"));
+                    if matches!(e, validation::AnalysisError::AboveCeiling { .. }) {
+                        above_ceiling = Some(job.spec.replicas);
+                        say(local_ceiling_guidance(&opts.manifest, parallelism, job.spec.replicas, local.max_parallelism, None));
+                    } else {
+                        say(format_args!("ignoring the edit: {e}"));
+                    }
                     continue;
                 }
                 if job.spec.job != local.spec.job {

@@ -55,6 +55,9 @@ struct CelRule {
     message: &'static str,
     /// A field the failure is reported against (relative to `path`).
     field_path: Option<&'static str>,
+    /// A CEL expression for a message built from the object (the API server falls back to
+    /// `message` if it cannot evaluate it).
+    message_expression: Option<String>,
 }
 
 fn rules() -> Vec<CelRule> {
@@ -63,6 +66,7 @@ fn rules() -> Vec<CelRule> {
         rule: rule.to_owned(),
         message,
         field_path,
+        message_expression: None,
     };
     vec![
         r(&["spec", "replicas"], "self >= 1", MSG_REPLICAS_MIN, None),
@@ -90,12 +94,15 @@ fn rules() -> Vec<CelRule> {
             MSG_STRICT_DIVISOR,
             Some(".replicas"),
         ),
-        r(
-            &[],
-            "!has(self.status) || !has(self.status.maxParallelism) || self.spec.replicas <= self.status.maxParallelism || (has(self.spec.restoreFrom) && has(self.spec.maxParallelism) && self.spec.maxParallelism > self.status.maxParallelism)",
-            MSG_REPLICAS_LE_PINNED,
-            Some(".spec.replicas"),
-        ),
+        CelRule {
+            message_expression: Some(render_cel(&ceiling_guidance_parts())),
+            ..r(
+                &[],
+                "!has(self.status) || !has(self.status.maxParallelism) || self.spec.replicas <= self.status.maxParallelism || (has(self.spec.restoreFrom) && has(self.spec.maxParallelism) && self.spec.maxParallelism > self.status.maxParallelism)",
+                MSG_REPLICAS_LE_PINNED,
+                Some(".spec.replicas"),
+            )
+        },
         r(
             &[],
             "!has(self.status) || !has(self.status.maxParallelism) || !has(self.spec.maxParallelism) || self.spec.maxParallelism == self.status.maxParallelism || has(self.spec.restoreFrom)",
@@ -185,7 +192,200 @@ const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["spec", "state", "checkpointInterval"], 64),
     (&["spec", "job", "window", "size"], 64),
     (&["spec", "job", "window", "maxOutOfOrderness"], 64),
+    // Read by the pinned-ceiling rule's message expression.
+    (&["status", "maxParallelismOrigin"], 512),
+    (&["status", "lastSavepoint", "path"], 2048),
+    (&["status", "restoredFrom"], 2048),
 ];
+
+/// Where the key-group ceiling of a job's state came from, for status.maxParallelismOrigin.
+pub fn ceiling_origin(source: CeilingSource, replicas: i32) -> String {
+    match source {
+        CeilingSource::Spec => "set by spec.maxParallelism".into(),
+        CeilingSource::Default | CeilingSource::Pinned => format!(
+            "Flink's default for the {replicas} replicas the job first ran with, as spec.maxParallelism was not set"
+        ),
+    }
+}
+
+/// The origin recorded when the ceiling comes from a snapshot named by spec.restoreFrom.
+pub fn ceiling_origin_snapshot(url: &str) -> String {
+    let url: String = url.chars().take(400).collect();
+    format!("the key-group count of {url}, restored through spec.restoreFrom")
+}
+
+/// What the guidance for a scale past the pinned key-group ceiling says about one job.
+#[derive(Debug, Clone, Copy)]
+pub struct CeilingContext<'a> {
+    /// metadata.name of the StreamJob.
+    pub name: &'a str,
+    /// The refused spec.replicas.
+    pub replicas: i32,
+    /// status.maxParallelism.
+    pub ceiling: i32,
+    /// status.maxParallelismOrigin.
+    pub origin: Option<&'a str>,
+    /// status.lastSavepoint.path when the job is suspended (that savepoint holds all of its
+    /// state); otherwise the user takes one first.
+    pub suspended_savepoint: Option<&'a str>,
+}
+
+/// A piece of the ceiling guidance: rendered in Rust for the operator's Stalled condition and as
+/// a CEL `messageExpression` for the API server, so both say the same words.
+enum Part {
+    Text(&'static str),
+    Name,
+    Replicas,
+    Ceiling,
+    Origin,
+    Savepoint,
+    Suggested,
+    /// Only said when the job is not suspended with a savepoint.
+    UnlessSuspended(Vec<Part>),
+}
+
+const ORIGIN_UNKNOWN: &str = "fixed at the job's first snapshot";
+const SAVEPOINT_PLACEHOLDER: &str = "<status.lastSavepoint.path>";
+
+fn ceiling_guidance_parts() -> Vec<Part> {
+    use Part::*;
+    vec![
+        Text("spec.replicas "),
+        Replicas,
+        Text(" exceeds "),
+        Ceiling,
+        Text(", the key-group ceiling of this job's state (status.maxParallelism: "),
+        Origin,
+        Text(
+            "); nothing was changed and the job keeps running as it was. To run more subtasks, raise the ceiling offline: ",
+        ),
+        UnlessSuspended(vec![
+            Text("stop the job with a savepoint (`kubectl patch streamjob "),
+            Name,
+            Text(" --type merge -p '{\"spec\":{\"suspend\":true}}'`), then "),
+        ]),
+        Text("rewrite the savepoint with `keyshift savepoint rewrite "),
+        Savepoint,
+        Text(" --max-parallelism "),
+        Suggested,
+        Text(" --to "),
+        Savepoint,
+        Text("-mp"),
+        Suggested,
+        Text("` and restore from it: `kubectl patch streamjob "),
+        Name,
+        Text(" --type merge -p '{\"spec\":{\"suspend\":false,\"maxParallelism\":"),
+        Suggested,
+        Text(",\"restoreFrom\":\""),
+        Savepoint,
+        Text("-mp"),
+        Suggested,
+        Text("\",\"replicas\":"),
+        Replicas,
+        Text("}}'`"),
+    ]
+}
+
+fn render(parts: &[Part], c: &CeilingContext<'_>, out: &mut String) {
+    for part in parts {
+        match part {
+            Part::Text(t) => out.push_str(t),
+            Part::Name => out.push_str(c.name),
+            Part::Replicas => out.push_str(&c.replicas.to_string()),
+            Part::Ceiling => out.push_str(&c.ceiling.to_string()),
+            Part::Origin => out.push_str(c.origin.unwrap_or(ORIGIN_UNKNOWN)),
+            Part::Savepoint => out.push_str(c.suspended_savepoint.unwrap_or(SAVEPOINT_PLACEHOLDER)),
+            Part::Suggested => out.push_str(
+                &keygroup::suggested_max_parallelism(c.replicas.max(1) as u32).to_string(),
+            ),
+            Part::UnlessSuspended(inner) => {
+                if c.suspended_savepoint.is_none() {
+                    render(inner, c, out);
+                }
+            }
+        }
+    }
+}
+
+/// The guidance for `replicas` above the pinned key-group ceiling: what the ceiling is, where it
+/// came from, that nothing was changed, and the exact commands that raise it.
+pub fn ceiling_guidance(c: &CeilingContext<'_>) -> String {
+    let mut out = String::new();
+    render(&ceiling_guidance_parts(), c, &mut out);
+    out
+}
+
+/// The context of the guidance from a job's status.
+pub fn ceiling_context<'a>(
+    name: &'a str,
+    spec: &StreamJobSpec,
+    status: &'a StreamJobStatus,
+    ceiling: i32,
+) -> CeilingContext<'a> {
+    let suspended = status.phase == Some(crate::crd::Phase::Suspended);
+    CeilingContext {
+        name,
+        replicas: spec.replicas,
+        ceiling,
+        origin: status.max_parallelism_origin.as_deref(),
+        suspended_savepoint: status
+            .last_savepoint
+            .as_ref()
+            .filter(|_| suspended)
+            .map(|s| s.path.as_str()),
+    }
+}
+
+fn cel_string(text: &str) -> String {
+    let mut out = String::with_capacity(text.len() + 2);
+    out.push('"');
+    for ch in text.chars() {
+        match ch {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// The suggested key-group count as CEL: the same numbers as `suggested_max_parallelism`.
+fn cel_suggested() -> String {
+    let mut expr = String::from("32768");
+    let mut g = 16384u32;
+    while g >= 128 {
+        expr = format!("(4 * self.spec.replicas <= {g} ? {g} : {expr})");
+        g /= 2;
+    }
+    format!("string({expr})")
+}
+
+fn render_cel(parts: &[Part]) -> String {
+    let suspended = "(has(self.status.phase) && self.status.phase == 'Suspended' && has(self.status.lastSavepoint))";
+    let terms: Vec<String> = parts
+        .iter()
+        .map(|part| match part {
+            Part::Text(t) => cel_string(t),
+            Part::Name => "self.metadata.name".into(),
+            Part::Replicas => "string(self.spec.replicas)".into(),
+            Part::Ceiling => "string(self.status.maxParallelism)".into(),
+            Part::Origin => format!(
+                "(has(self.status.maxParallelismOrigin) ? self.status.maxParallelismOrigin : {})",
+                cel_string(ORIGIN_UNKNOWN)
+            ),
+            Part::Savepoint => format!(
+                "({suspended} ? self.status.lastSavepoint.path : {})",
+                cel_string(SAVEPOINT_PLACEHOLDER)
+            ),
+            Part::Suggested => cel_suggested(),
+            Part::UnlessSuspended(inner) => {
+                format!("({suspended} ? \"\" : {})", render_cel(inner))
+            }
+        })
+        .collect();
+    terms.join(" + ")
+}
 
 fn schema_at<'a>(root: &'a mut JSONSchemaProps, path: &[&str]) -> Option<&'a mut JSONSchemaProps> {
     path.iter()
@@ -204,6 +404,7 @@ pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
                 .push(ValidationRule {
                     rule: rule.rule,
                     message: Some(rule.message.to_owned()),
+                    message_expression: rule.message_expression,
                     field_path: rule.field_path.map(str::to_owned),
                     ..Default::default()
                 });

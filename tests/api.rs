@@ -58,6 +58,48 @@ fn crd_has_scale_status_and_every_rule() {
         let quoted = serde_json::to_string(message).unwrap();
         assert!(json.contains(&quoted), "CRD lacks rule message {message:?}");
     }
+    // The pinned-ceiling rule builds its message from the object (ceiling, origin, the exact
+    // rewrite commands), and the status strings it reads are bounded for CEL's cost estimate.
+    let rules = v
+        .schema
+        .as_ref()
+        .unwrap()
+        .open_api_v3_schema
+        .as_ref()
+        .unwrap();
+    let pinned = rules
+        .x_kubernetes_validations
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|r| r.message.as_deref() == Some(MSG_REPLICAS_LE_PINNED))
+        .expect("pinned-ceiling rule");
+    let expr = pinned
+        .message_expression
+        .as_deref()
+        .expect("messageExpression");
+    for piece in [
+        "string(self.status.maxParallelism)",
+        "self.status.maxParallelismOrigin",
+        "self.status.lastSavepoint.path",
+        "self.metadata.name",
+        "keyshift savepoint rewrite ",
+    ] {
+        assert!(
+            expr.contains(piece),
+            "messageExpression lacks {piece}: {expr}"
+        );
+    }
+    let status = &rules.properties.as_ref().unwrap()["status"];
+    let sp = &status.properties.as_ref().unwrap()["lastSavepoint"];
+    assert_eq!(
+        sp.properties.as_ref().unwrap()["path"].max_length,
+        Some(2048)
+    );
+    assert_eq!(
+        status.properties.as_ref().unwrap()["maxParallelismOrigin"].max_length,
+        Some(512)
+    );
     // Every spec field is documented (it becomes `kubectl explain`).
     let schema = v
         .schema

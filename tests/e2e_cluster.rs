@@ -228,7 +228,20 @@ fn scale_subresource_and_printer_columns() {
     ]);
     let r = kubectl(&["scale", "-n", ns, "sj/hot-keys", "--replicas=200"]);
     assert!(!r.ok, "scale past the pinned ceiling must be refused");
-    assert!(r.stderr.contains(MSG_REPLICAS_LE_PINNED), "{}", r.stderr);
+    // The message is built by the API server from the object: the ceiling, and the exact
+    // commands that raise it (the same text the operator's Stalled condition gives).
+    let guidance = keyshift::validation::ceiling_guidance(&keyshift::validation::CeilingContext {
+        name: "hot-keys",
+        replicas: 200,
+        ceiling: 128,
+        origin: None,
+        suspended_savepoint: None,
+    });
+    assert!(
+        r.stderr.contains(&guidance),
+        "{}\nexpected: {guidance}",
+        r.stderr
+    );
     assert_eq!(jsonpath(ns, "sj/hot-keys", "{.spec.replicas}"), "3");
     kubectl_ok(&["scale", "-n", ns, "sj/hot-keys", "--replicas=128"]);
 }

@@ -446,29 +446,43 @@ spec:
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     let (open, positions, manifest) = snapshot_state_windows(&sp.url).await;
-    let mut seen = fired_windows(&env.logs);
+    let seen = fired_windows(&env.logs);
     let fired: usize = seen.values().map(BTreeMap::len).sum();
     assert!(fired > 0, "some windows fired");
     // Windows still open at the end are in the savepoint; none of them fired already.
     let wm = manifest.watermark.expect("watermark");
+    for start in open.values().flatten().map(|(start, _)| *start) {
+        assert!(start + 1000 > wm, "an open window lies after the watermark");
+    }
+    assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "fired");
+}
+
+/// The windows a job emitted plus those still open in its final savepoint are exactly the
+/// expected windows at the savepoint's positions, and no window is both emitted and open.
+fn assert_emitted_and_open_are_exact(
+    spec: &StreamJob,
+    mut seen: BTreeMap<Key, BTreeMap<i64, i64>>,
+    open: BTreeMap<Key, Vec<(i64, i64)>>,
+    positions: &BTreeMap<u32, u64>,
+    emitted: &str,
+) {
     for (key, windows) in open {
         for (start, acc) in windows {
-            assert!(start + 1000 > wm, "an open window lies after the watermark");
             let prev = seen.entry(key.clone()).or_default().insert(start, acc);
             assert!(
                 prev.is_none(),
-                "window {start} of {key:?} both fired and open"
+                "window {start} of {key:?} both {emitted} and open"
             );
         }
     }
     let Expected::Windowed(expected) =
-        job::expected_results(&spec.spec.job, &positions).expect("oracle")
+        job::expected_results(&spec.spec.job, positions).expect("oracle")
     else {
         panic!("expected windows");
     };
     assert!(
         seen == expected,
-        "fired + open windows differ from the exact expected windows"
+        "{emitted} + open windows differ from the exact expected windows"
     );
 }
 
@@ -564,7 +578,7 @@ spec:
     tokio::time::sleep(Duration::from_millis(800)).await;
     let sp = local.shutdown().await.expect("stop");
 
-    let (mut seen, ids) = published_windows(&out);
+    let (seen, ids) = published_windows(&out);
     assert!(!seen.is_empty(), "output was published");
     // Only committed snapshots published output.
     let (store, base) = snapshot::open_store(&env.storage).expect("store");
@@ -582,24 +596,7 @@ spec:
         );
     }
     let (open, positions, _) = snapshot_state_windows(&sp.url).await;
-    for (key, windows) in open {
-        for (start, acc) in windows {
-            let prev = seen.entry(key.clone()).or_default().insert(start, acc);
-            assert!(
-                prev.is_none(),
-                "window {start} of {key:?} both published and open"
-            );
-        }
-    }
-    let Expected::Windowed(expected) =
-        job::expected_results(&spec.spec.job, &positions).expect("oracle")
-    else {
-        panic!("expected windows");
-    };
-    assert!(
-        seen == expected,
-        "published + open windows differ from the exact expected windows"
-    );
+    assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "published");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -682,4 +679,229 @@ spec:
     assert_eq!(state, expected);
     let total: i64 = state.values().sum();
     assert_eq!(total, 3 * (0..3000i64).map(|i| i % 13).sum::<i64>());
+}
+
+/// `keyshift local` as a user runs it (the binary, a manifest file edited while it runs,
+/// SIGINT), for the key-group ceiling scenario: a job at 24 subtasks with no maxParallelism (so
+/// 128 groups by Flink's rule) is asked for 200.
+struct LocalCli {
+    child: std::process::Child,
+    lines: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl LocalCli {
+    fn start(manifest: &std::path::Path, state_dir: &std::path::Path) -> LocalCli {
+        use std::io::BufRead;
+        let mut child = std::process::Command::new(bin())
+            .args(["local", "--progress-every", "1", "--state-dir"])
+            .arg(state_dir)
+            .arg(manifest)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::inherit())
+            .spawn()
+            .expect("keyshift local starts");
+        let out = child.stdout.take().expect("stdout");
+        let lines = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(line);
+            }
+        });
+        LocalCli { child, lines }
+    }
+
+    /// The first line (from the start) that contains `needle`, waiting up to `timeout`.
+    fn wait_line(&self, needle: &str, timeout: Duration) -> String {
+        let start = std::time::Instant::now();
+        loop {
+            if let Some(l) = self
+                .lines
+                .lock()
+                .unwrap()
+                .iter()
+                .find(|l| l.contains(needle))
+            {
+                return l.clone();
+            }
+            assert!(
+                start.elapsed() < timeout,
+                "no line with {needle:?} within {timeout:?}; output:\n{}",
+                self.lines.lock().unwrap().join("\n")
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    fn count(&self, needle: &str) -> usize {
+        self.lines
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|l| l.contains(needle))
+            .count()
+    }
+
+    /// SIGINT (Ctrl-C): stops with a savepoint; returns its URL once the process exited 0.
+    fn interrupt(mut self) -> (String, LocalCli) {
+        // SAFETY: kill(2) on our own child's pid.
+        let rc = unsafe { libc::kill(self.child.id() as i32, libc::SIGINT) };
+        assert_eq!(rc, 0, "SIGINT delivered");
+        let line = self.wait_line("stopped with savepoint ", Duration::from_secs(180));
+        let status = self.child.wait().expect("keyshift local exits");
+        assert!(status.success(), "keyshift local exited with {status}");
+        let url = line
+            .split("stopped with savepoint ")
+            .nth(1)
+            .and_then(|rest| rest.split(' ').next())
+            .expect("savepoint URL")
+            .to_owned();
+        (url, self)
+    }
+}
+
+impl Drop for LocalCli {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn ceiling_manifest(replicas: u32, extra: &str) -> String {
+    format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: wide, namespace: test}}
+spec:
+  replicas: {replicas}{extra}
+  job:
+    source:
+      generator: {{partitions: 24, keys: 3000, seed: 11, recordsPerSecond: 150, recordsPerPartition: 9000}}
+    key: {{field: key, type: string}}
+    aggregation: {{function: count}}
+  state:
+    checkpointInterval: 2s
+"
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritten_savepoint() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let manifest = dir.path().join("wide.yaml");
+    let state = dir.path().join("state");
+    std::fs::write(&manifest, ceiling_manifest(24, "")).expect("manifest written");
+
+    let cli = LocalCli::start(&manifest, &state);
+    cli.wait_line("running at parallelism 24", Duration::from_secs(180));
+    cli.wait_line("checkpoint 1 committed", Duration::from_secs(120));
+
+    // Asking for 200 is refused with the guidance; nothing stops.
+    std::fs::write(&manifest, ceiling_manifest(200, "")).expect("manifest edited");
+    let refused = cli.wait_line("replicas 200 exceeds 128", Duration::from_secs(30));
+    assert!(refused.contains("nothing was changed"), "{refused}");
+    assert!(refused.contains("--max-parallelism 1024"), "{refused}");
+    let progress_before = cli.count("p=24 ");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while cli.count("p=24 ") < progress_before + 2 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job kept running at 24"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(cli.count("rescaling"), 0, "no rescale was attempted");
+
+    // Ctrl-C stops with a savepoint and prints the exact rewrite command for it.
+    let (sp, cli) = cli.interrupt();
+    let command =
+        format!("keyshift savepoint rewrite {sp} --max-parallelism 1024 --to {sp}-mp1024");
+    let guidance = cli.wait_line(&command, Duration::from_secs(5));
+    assert!(
+        guidance.contains(&format!("restoreFrom: {sp}-mp1024")),
+        "{guidance}"
+    );
+    drop(cli);
+
+    // The user runs it.
+    let target = format!("{sp}-mp1024");
+    let out = std::process::Command::new(bin())
+        .args([
+            "savepoint",
+            "rewrite",
+            &sp,
+            "--max-parallelism",
+            "1024",
+            "--to",
+            &target,
+        ])
+        .output()
+        .expect("rewrite runs");
+    assert!(
+        out.status.success(),
+        "rewrite failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let (before, before_pos, m0) = snapshot_state(&sp).await;
+    let (rewritten, rewritten_pos, m1) = snapshot_state(&target).await;
+    assert_eq!((m0.max_parallelism, m1.max_parallelism), (128, 1024));
+    assert!(!before.is_empty());
+    assert!(before == rewritten, "the rewrite keeps every key's value");
+    assert_eq!(before_pos, rewritten_pos, "and every source position");
+
+    // Restore from it at 200 under 1024 groups, as the guidance says.
+    std::fs::write(
+        &manifest,
+        ceiling_manifest(
+            200,
+            &format!("\n  maxParallelism: 1024\n  restoreFrom: {target}"),
+        ),
+    )
+    .expect("manifest edited");
+    let cli = LocalCli::start(&manifest, &state);
+    cli.wait_line(&format!("resuming from {target}"), Duration::from_secs(30));
+    cli.wait_line("running at parallelism 200", Duration::from_secs(300));
+    cli.wait_line("checkpoint", Duration::from_secs(180));
+    let (sp2, _cli) = cli.interrupt();
+    let spec = job(&ceiling_manifest(200, "\n  maxParallelism: 1024"));
+    let (after, after_pos, m2) = snapshot_state(&sp2).await;
+    assert_eq!((m2.max_parallelism, m2.parallelism), (1024, 200));
+    assert_eq!(after_pos.len(), 24, "every partition has a position");
+    for (p, at) in &before_pos {
+        assert!(
+            after_pos[p] >= *at,
+            "partition {p} went back: {at} -> {}",
+            after_pos[p]
+        );
+    }
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &after_pos).expect("oracle runs")
+    else {
+        panic!("expected a global aggregate");
+    };
+    assert!(
+        after == expected,
+        "every key exact at 200 under 1024 groups"
+    );
+
+    // Running again resumes the job's own newest state, not the rewritten savepoint.
+    let cli = LocalCli::start(&manifest, &state);
+    let resumed = cli.wait_line("resuming from ", Duration::from_secs(30));
+    assert!(
+        resumed.ends_with(&format!("resuming from {sp2}")),
+        "resumed from its own newest snapshot {sp2}: {resumed}"
+    );
+    cli.wait_line("running at parallelism 200", Duration::from_secs(300));
+    let (sp3, _cli) = cli.interrupt();
+    let (last, last_pos, _) = snapshot_state(&sp3).await;
+    for (p, at) in &after_pos {
+        assert!(last_pos[p] >= *at, "partition {p} went back");
+    }
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &last_pos).expect("oracle runs")
+    else {
+        panic!("expected a global aggregate");
+    };
+    assert!(last == expected, "every key exact after resuming");
 }

@@ -85,6 +85,19 @@ pub struct Observed {
     pub backoff_until: Option<DateTime<Utc>>,
     /// A fresh run id, used when new pods must be created and no run exists.
     pub new_run: String,
+    /// metadata.name of the job (for messages that name commands).
+    pub name: String,
+    /// spec.restoreFrom when it differs from status.restoredFrom (not yet acted on): the
+    /// snapshot's key-group count as read from its manifest, or why it cannot be used.
+    pub pending_restore: Option<Result<PendingRestore, String>>,
+}
+
+/// A spec.restoreFrom the job has not been started from yet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingRestore {
+    pub url: String,
+    /// maxParallelism of its manifest: the job's ceiling once restored.
+    pub max_parallelism: u32,
 }
 
 /// Where a starting run restores from.
@@ -107,13 +120,23 @@ pub enum Action {
         reason: &'static str,
         message: String,
     },
-    /// Record the key-group count in status before anything is snapshotted.
-    PinMaxParallelism(u32),
+    /// Record the key-group count (and where it came from) in status before anything is
+    /// snapshotted.
+    PinMaxParallelism { groups: u32, origin: String },
     /// Record a new rescale (step Savepointing) in status; nothing else happens in this pass.
     BeginRescale { from: u32, to: u32 },
     /// spec.job or spec.image changed: record an upgrade at the same parallelism in status
     /// (step Savepointing for `savepoint`, Stopping otherwise).
     BeginUpgrade { parallelism: u32, mode: UpgradeMode },
+    /// spec.restoreFrom changed on a running job: record a transition (step Savepointing, so
+    /// the current state is kept in a savepoint) whose new run restores `url` at `to`, under
+    /// `max_parallelism` key groups.
+    BeginRestore {
+        from: u32,
+        to: u32,
+        url: String,
+        max_parallelism: u32,
+    },
     /// Take a savepoint stopping the sources; on success record step Verifying with its URL.
     Savepoint,
     /// Verify the recorded savepoint; on success record step Stopping.
@@ -154,11 +177,24 @@ pub enum Action {
     Idle { requeue: Duration },
 }
 
-/// Why a spec cannot run: (reason, message) for the Stalled condition.
+/// Why a spec cannot run: (reason, message) for the Stalled condition. `name` is the job's
+/// metadata.name (the guidance names commands).
 pub fn check_spec(
+    name: &str,
     spec: &StreamJobSpec,
     status: &StreamJobStatus,
 ) -> Result<Analysis, (&'static str, String)> {
+    if let Some(pinned) = status.max_parallelism {
+        let rewriting =
+            spec.restore_from.is_some() && spec.max_parallelism.is_some_and(|g| g > pinned);
+        if spec.replicas > pinned && !rewriting {
+            let context = validation::ceiling_context(name, spec, status, pinned);
+            return Err((
+                "AboveKeyGroupCeiling",
+                validation::ceiling_guidance(&context),
+            ));
+        }
+    }
     if let Err(e) = validation::validate(spec, None, Some(status)) {
         return Err(("InvalidSpec", e.to_string()));
     }
@@ -223,9 +259,52 @@ pub fn rollback_on_restore_failure(r: &crate::crd::RescaleStatus) -> Option<u32>
         .then_some(r.from as u32)
 }
 
+/// The status the spec is checked against: while a spec.restoreFrom is pending, its snapshot's
+/// key-group count is the ceiling the job will run under.
+pub fn effective_status(status: &StreamJobStatus, obs: &Observed) -> StreamJobStatus {
+    let mut s = status.clone();
+    if let Some(Ok(p)) = &obs.pending_restore {
+        s.max_parallelism = Some(p.max_parallelism as i32);
+    }
+    s
+}
+
+/// Whether a pending restoreFrom can run with this spec: (reason, message) if not.
+fn check_pending_restore(
+    spec: &StreamJobSpec,
+    pending: &Result<PendingRestore, String>,
+) -> Result<(), (&'static str, String)> {
+    let p = pending
+        .as_ref()
+        .map_err(|e| ("RestoreFromUnusable", e.clone()))?;
+    match spec.max_parallelism {
+        Some(g) if g as u32 != p.max_parallelism => Err((
+            "RestoreFromKeyGroupMismatch",
+            format!(
+                "spec.restoreFrom {} has {} key groups (its maxParallelism) but spec.maxParallelism is {g}: set spec.maxParallelism to {} (or remove it) to restore from it; nothing was stopped",
+                p.url, p.max_parallelism, p.max_parallelism
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// What to do next.
 pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) -> Action {
-    let analysis = match check_spec(spec, status) {
+    let in_flight = status
+        .rescale
+        .as_ref()
+        .is_some_and(|r| step::active(&r.step) && r.step != step::SAVEPOINTING);
+    if let Some(pending) = &obs.pending_restore
+        && !in_flight
+        && let Err((reason, message)) = check_pending_restore(spec, pending)
+    {
+        return Action::Stall { reason, message };
+    }
+    let pending = obs.pending_restore.as_ref().and_then(|p| p.as_ref().ok());
+    let status0_unpinned = status.max_parallelism.is_none();
+    let status = &effective_status(status, obs);
+    let analysis = match check_spec(&obs.name, spec, status) {
         Ok(a) => Some(a),
         Err((reason, message)) => {
             // A rescale in flight past its savepoint must still finish (to its recorded target),
@@ -236,10 +315,15 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
             }
         }
     };
-    if status.max_parallelism.is_none()
-        && let Some(a) = &analysis
-    {
-        return Action::PinMaxParallelism(a.assignment.max_parallelism());
+    if status0_unpinned && let Some(a) = &analysis {
+        let origin = match pending {
+            Some(p) => validation::ceiling_origin_snapshot(&p.url),
+            None => validation::ceiling_origin(a.ceiling_source, spec.replicas),
+        };
+        return Action::PinMaxParallelism {
+            groups: a.assignment.max_parallelism(),
+            origin,
+        };
     }
 
     if let Some(r) = status.rescale.as_ref().filter(|r| step::active(&r.step)) {
@@ -257,6 +341,19 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
     if let Some(active) = &obs.active {
         if let Some(message) = run_failure(&obs.pods, active) {
             return Action::Recover { message };
+        }
+        if let Some(p) = pending
+            && desired > 0
+        {
+            if let Some(requeue) = backoff {
+                return Action::Idle { requeue };
+            }
+            return Action::BeginRestore {
+                from: active.parallelism,
+                to: desired,
+                url: p.url.clone(),
+                max_parallelism: p.max_parallelism,
+            };
         }
         if desired != active.parallelism {
             if let Some(requeue) = backoff {
@@ -325,7 +422,11 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
     if let Some((run, parallelism)) = adoptable(&obs.pods) {
         return Action::Adopt { run, parallelism };
     }
-    bring_up(&obs.pods, desired, Restore::Latest, &obs.new_run)
+    let restore = match pending {
+        Some(p) => Restore::Url(p.url.clone()),
+        None => Restore::Latest,
+    };
+    bring_up(&obs.pods, desired, restore, &obs.new_run)
 }
 
 fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
@@ -396,6 +497,9 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
                 return Action::Adopt { run, parallelism };
             }
             let restore = match (&r.savepoint, r.upgrade_mode) {
+                _ if r.rolled_back.is_none() && r.restore_from.is_some() => {
+                    Restore::Url(r.restore_from.clone().unwrap_or_default())
+                }
                 (_, Some(UpgradeMode::Stateless)) => Restore::Empty,
                 (_, Some(UpgradeMode::LastState)) => Restore::Latest,
                 (Some(url), _) => Restore::Url(url.clone()),
@@ -567,6 +671,8 @@ mod tests {
             last_snapshot_at: Some(now()),
             backoff_until: None,
             new_run: "new".into(),
+            name: "clicks".into(),
+            pending_restore: None,
         }
     }
 
@@ -604,7 +710,13 @@ mod tests {
     fn new_job_pins_then_creates_pods_then_waits_then_starts() {
         let s = spec(4);
         let a = decide(&s, &StreamJobStatus::default(), &obs(vec![], None));
-        assert_eq!(a, Action::PinMaxParallelism(128));
+        assert_eq!(
+            a,
+            Action::PinMaxParallelism {
+                groups: 128,
+                origin: "set by spec.maxParallelism".into()
+            }
+        );
         let a = decide(&s, &status(), &obs(vec![], None));
         assert_eq!(
             a,
@@ -651,7 +763,13 @@ mod tests {
         let mut s = spec(200);
         s.max_parallelism = None;
         let a = decide(&s, &StreamJobStatus::default(), &obs(vec![], None));
-        assert_eq!(a, Action::PinMaxParallelism(512));
+        assert_eq!(
+            a,
+            Action::PinMaxParallelism {
+                groups: 512,
+                origin: "Flink's default for the 200 replicas the job first ran with, as spec.maxParallelism was not set".into()
+            }
+        );
     }
 
     #[test]
@@ -793,19 +911,194 @@ mod tests {
             max_parallelism: Some(128),
             ..Default::default()
         };
-        match decide(&s, &st, &obs(vec![], None)) {
+        let running = pods("r", 24, PodPhase::Running, Some("running"));
+        match decide(&s, &st, &obs(running, Some(("r", 24)))) {
             Action::Stall { reason, message } => {
-                assert_eq!(reason, "InvalidSpec");
-                assert!(message.contains("status.maxParallelism"), "{message}");
+                assert_eq!(reason, "AboveKeyGroupCeiling");
+                assert!(
+                    message.starts_with("spec.replicas 200 exceeds 128, the key-group ceiling"),
+                    "{message}"
+                );
+                assert!(message.contains("nothing was changed"), "{message}");
+                // Not suspended: first a savepoint, then the rewrite to 4x200 -> 1024 groups.
+                assert!(
+                    message.contains(
+                        "kubectl patch streamjob clicks --type merge -p '{\"spec\":{\"suspend\":true}}'"
+                    ),
+                    "{message}"
+                );
+                assert!(
+                    message.contains("keyshift savepoint rewrite <status.lastSavepoint.path> --max-parallelism 1024 --to <status.lastSavepoint.path>-mp1024"),
+                    "{message}"
+                );
             }
             a => panic!("{a:?}"),
         }
+        // Suspended with a savepoint: the guidance names it and skips the first step.
+        let st = StreamJobStatus {
+            max_parallelism: Some(128),
+            phase: Some(crate::crd::Phase::Suspended),
+            max_parallelism_origin: Some("set by spec.maxParallelism".into()),
+            last_savepoint: Some(crate::crd::SnapshotRef {
+                path: "file:///s/default/clicks/savepoints/sp-9".into(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let (reason, message) = check_spec("clicks", &s, &st).unwrap_err();
+        assert_eq!(reason, "AboveKeyGroupCeiling");
+        assert!(
+            message.contains("(status.maxParallelism: set by spec.maxParallelism)"),
+            "{message}"
+        );
+        assert!(!message.contains("suspend\":true"), "{message}");
+        assert!(
+            message.contains("keyshift savepoint rewrite file:///s/default/clicks/savepoints/sp-9 --max-parallelism 1024 --to file:///s/default/clicks/savepoints/sp-9-mp1024"),
+            "{message}"
+        );
+        assert!(
+            message.contains("\"maxParallelism\":1024,\"restoreFrom\":\"file:///s/default/clicks/savepoints/sp-9-mp1024\",\"replicas\":200"),
+            "{message}"
+        );
         // The derived default ceiling (no spec.maxParallelism) is reported with its origin.
         let mut s = spec(200);
         s.max_parallelism = None;
         let st = StreamJobStatus::default();
-        let a = check_spec(&s, &st);
+        let a = check_spec("clicks", &s, &st);
         assert!(a.is_ok(), "default ceiling follows replicas: {a:?}");
+    }
+
+    fn pending(url: &str, groups: u32) -> Option<Result<PendingRestore, String>> {
+        Some(Ok(PendingRestore {
+            url: url.into(),
+            max_parallelism: groups,
+        }))
+    }
+
+    #[test]
+    fn a_new_restore_from_on_a_running_job_savepoints_then_restores_it() {
+        // The 24 -> 200 path: the job runs at 24 under 128 groups; the spec now names a savepoint
+        // rewritten to 1024 groups, with maxParallelism 1024 and replicas 200.
+        let mut s = spec(200);
+        s.max_parallelism = Some(1024);
+        s.restore_from = Some("file:///x/sp-3-mp1024".into());
+        let running = pods("r", 24, PodPhase::Running, Some("running"));
+        let mut o = obs(running, Some(("r", 24)));
+        o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
+        assert_eq!(
+            decide(&s, &status(), &o),
+            Action::BeginRestore {
+                from: 24,
+                to: 200,
+                url: "file:///x/sp-3-mp1024".into(),
+                max_parallelism: 1024
+            }
+        );
+        // Its Restoring step restores the named snapshot, not the savepoint it took.
+        let mut st = rescaling(step::RESTORING, Some("file:///x/sp-4"));
+        if let Some(r) = st.rescale.as_mut() {
+            r.from = 24;
+            r.to = 200;
+            r.restore_from = Some("file:///x/sp-3-mp1024".into());
+            r.max_parallelism = Some(1024);
+        }
+        let idle = pods("n", 200, PodPhase::Running, Some("idle"));
+        assert_eq!(
+            decide(&s, &st, &obs(idle.clone(), None)),
+            Action::Start {
+                run: "n".into(),
+                parallelism: 200,
+                restore: Restore::Url("file:///x/sp-3-mp1024".into())
+            }
+        );
+        // Rolled back: the old parallelism comes back from the job's own savepoint.
+        if let Some(r) = st.rescale.as_mut() {
+            r.rolled_back = Some("failed".into());
+        }
+        let old = pods("n", 24, PodPhase::Running, Some("idle"));
+        assert_eq!(
+            decide(&s, &st, &obs(old, None)),
+            Action::Start {
+                run: "n".into(),
+                parallelism: 24,
+                restore: Restore::Url("file:///x/sp-4".into())
+            }
+        );
+    }
+
+    #[test]
+    fn a_suspended_job_resumes_from_a_new_restore_from() {
+        let mut s = spec(200);
+        s.max_parallelism = Some(1024);
+        s.restore_from = Some("file:///x/sp-3-mp1024".into());
+        let st = StreamJobStatus {
+            phase: Some(crate::crd::Phase::Suspended),
+            replicas: Some(0),
+            ..status()
+        };
+        let mut o = obs(pods("n", 200, PodPhase::Running, Some("idle")), None);
+        o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
+        assert_eq!(
+            decide(&s, &st, &o),
+            Action::Start {
+                run: "n".into(),
+                parallelism: 200,
+                restore: Restore::Url("file:///x/sp-3-mp1024".into())
+            }
+        );
+        // Without the pending restore (already used) the same spec resumes its own state.
+        let st = StreamJobStatus {
+            max_parallelism: Some(1024),
+            ..st
+        };
+        let o = obs(pods("n", 200, PodPhase::Running, Some("idle")), None);
+        assert_eq!(
+            decide(&s, &st, &o),
+            Action::Start {
+                run: "n".into(),
+                parallelism: 200,
+                restore: Restore::Latest
+            }
+        );
+    }
+
+    #[test]
+    fn an_unusable_restore_from_stalls_and_stops_nothing() {
+        let mut s = spec(200);
+        s.max_parallelism = Some(512);
+        s.restore_from = Some("file:///x/sp-3-mp1024".into());
+        let running = pods("r", 24, PodPhase::Running, Some("running"));
+        let mut o = obs(running, Some(("r", 24)));
+        o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
+        match decide(&s, &status(), &o) {
+            Action::Stall { reason, message } => {
+                assert_eq!(reason, "RestoreFromKeyGroupMismatch");
+                assert!(message.contains("has 1024 key groups"), "{message}");
+                assert!(
+                    message.contains("set spec.maxParallelism to 1024"),
+                    "{message}"
+                );
+            }
+            a => panic!("{a:?}"),
+        }
+        o.pending_restore = Some(Err("cannot read it".into()));
+        assert_eq!(
+            decide(&s, &status(), &o),
+            Action::Stall {
+                reason: "RestoreFromUnusable",
+                message: "cannot read it".into()
+            }
+        );
+        // A new job pins the snapshot's count, not Flink's default for its replicas.
+        let mut s = spec(200);
+        s.max_parallelism = None;
+        s.restore_from = Some("file:///x/sp-3-mp1024".into());
+        let mut o = obs(vec![], None);
+        o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
+        assert!(matches!(
+            decide(&s, &StreamJobStatus::default(), &o),
+            Action::PinMaxParallelism { groups: 1024, .. }
+        ));
     }
 
     #[test]

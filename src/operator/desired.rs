@@ -21,6 +21,8 @@ pub const LABEL_RUN: &str = "keyshift.dev/run";
 pub const LABEL_SUBTASK: &str = "keyshift.dev/subtask";
 pub const LABEL_PARALLELISM: &str = "keyshift.dev/parallelism";
 /// The `decide::spec_hash` (job and image) a pod was created for.
+/// The key-group count the pod's run was started under.
+pub const LABEL_MAX_PARALLELISM: &str = "keyshift.dev/max-parallelism";
 pub const LABEL_SPEC_HASH: &str = "keyshift.dev/spec-hash";
 pub const ANNOTATION_KEY_GROUPS: &str = "keyshift.dev/key-groups";
 /// Key of the control token in the job's Secret.
@@ -102,6 +104,10 @@ pub fn pod(
         (
             LABEL_PARALLELISM.to_owned(),
             assignment.parallelism().to_string(),
+        ),
+        (
+            LABEL_MAX_PARALLELISM.to_owned(),
+            assignment.max_parallelism().to_string(),
         ),
         (LABEL_SPEC_HASH.to_owned(), super::decide::spec_hash(spec)),
         (
@@ -255,6 +261,7 @@ mod tests {
         assert_eq!(labels[LABEL_RUN], "r1");
         assert_eq!(labels[LABEL_SUBTASK], "2");
         assert_eq!(labels[LABEL_PARALLELISM], "4");
+        assert_eq!(labels[LABEL_MAX_PARALLELISM], "128");
         assert_eq!(labels["team"], "a");
         assert_eq!(
             p.metadata.annotations.unwrap()[ANNOTATION_KEY_GROUPS],

@@ -10,6 +10,7 @@ use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJob, StreamJobSpec, St
 use crate::keygroup::{self, Assignment};
 use crate::runtime::protocol::{StartRequest, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
+use crate::validation;
 use chrono::{DateTime, Utc};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::{Pod, Secret};
@@ -83,6 +84,9 @@ struct JobMemory {
     backoff_until: Option<DateTime<Utc>>,
     last_failure: Option<(String, String)>,
     step_started: Option<(String, Instant)>,
+    /// The key-group count of a spec.restoreFrom snapshot, by URL (read once: committed
+    /// manifests never change).
+    restore_source: Option<(String, u32)>,
 }
 
 type SharedMemory = Arc<tokio::sync::Mutex<JobMemory>>;
@@ -345,6 +349,10 @@ struct Pass<'a> {
     mem: tokio::sync::MutexGuard<'a, JobMemory>,
     pods: Vec<ObservedPod>,
     pod_ips: HashMap<u32, String>,
+    /// The spec.restoreFrom not yet acted on, when its manifest could be read.
+    pending: Option<decide::PendingRestore>,
+    /// The key-group count each run's pods were created under (their label), by run.
+    run_groups: HashMap<String, u32>,
 }
 
 async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
@@ -392,6 +400,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         .await?;
     let mut pods = Vec::new();
     let mut pod_ips = HashMap::new();
+    let mut run_groups = HashMap::new();
     for p in &listed {
         let (Some(run), Some(subtask), Some(parallelism)) = (
             p.labels().get(LABEL_RUN).cloned(),
@@ -400,6 +409,9 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         ) else {
             continue;
         };
+        if let Some(g) = label_u32(p, desired::LABEL_MAX_PARALLELISM) {
+            run_groups.insert(run.clone(), g);
+        }
         let st = p.status.as_ref();
         let phase = PodPhase::parse(st.and_then(|s| s.phase.as_deref()));
         let ip = st
@@ -447,6 +459,8 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     .flatten()
     .max();
     let obs = decide::Observed {
+        name: String::new(),
+        pending_restore: None,
         now,
         pods: pods.clone(),
         active: mem.run.as_ref().map(|r| ActiveRun {
@@ -456,6 +470,13 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         last_snapshot_at,
         backoff_until: mem.backoff_until,
         new_run: new_run_id(),
+    };
+    let mut mem = mem;
+    let pending_restore = pending_restore(spec, &status0, &mut mem).await;
+    let obs = decide::Observed {
+        name: name.clone(),
+        pending_restore,
+        ..obs
     };
     let action = decide::decide(spec, &status0, &obs);
     tracing::debug!(job = %name, ?action, "decided");
@@ -476,12 +497,14 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         mem,
         pods,
         pod_ips,
+        pending: obs.pending_restore.clone().and_then(Result::ok),
+        run_groups,
     };
     let requeue = pass.execute(action, &pods_api).await;
     let mut status = pass.status;
     let progress = pass.progress;
     drop(pass.mem);
-    let analysis = decide::check_spec(spec, &status).ok();
+    let analysis = decide::check_spec(&name, spec, &decide::effective_status(&status, &obs)).ok();
     status.selector = Some(desired::selector(&name));
     status::finish(
         spec,
@@ -493,6 +516,43 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     );
     write_status(&api, &name, &status0, &status).await?;
     Ok(Requeue::requeue(requeue?))
+}
+
+/// spec.restoreFrom when the job has not been started from it yet: its manifest's key-group
+/// count, or why it cannot be read. A failed read is not cached (the snapshot may appear).
+async fn pending_restore(
+    spec: &StreamJobSpec,
+    status: &StreamJobStatus,
+    mem: &mut JobMemory,
+) -> Option<Result<decide::PendingRestore, String>> {
+    let url = spec.restore_from.as_ref()?;
+    if status.restored_from.as_ref() == Some(url) {
+        return None;
+    }
+    if let Some((cached, g)) = &mem.restore_source
+        && cached == url
+    {
+        return Some(Ok(decide::PendingRestore {
+            url: url.clone(),
+            max_parallelism: *g,
+        }));
+    }
+    let read = async {
+        let (store, dir) = snapshot::open_store(url)?;
+        snapshot::read_manifest(store.as_ref(), &dir).await
+    };
+    match read.await {
+        Ok(m) => {
+            mem.restore_source = Some((url.clone(), m.max_parallelism));
+            Some(Ok(decide::PendingRestore {
+                url: url.clone(),
+                max_parallelism: m.max_parallelism,
+            }))
+        }
+        Err(e) => Some(Err(format!(
+            "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it; nothing was stopped"
+        ))),
+    }
 }
 
 /// TEST ONLY: the environment variable that makes the operator exit at a recorded rescale step.
@@ -672,7 +732,22 @@ impl Pass<'_> {
         self.progress.failure = None;
     }
 
+    /// The key-group count new pods and runs use: a restore transition's new count while its
+    /// new run starts, a pending restoreFrom's count while no run is coordinated, else the
+    /// pinned one.
     fn max_parallelism(&self) -> Result<u32, OperatorError> {
+        let transition = self.status.rescale.as_ref().filter(|r| {
+            r.step == step::RESTORING && r.rolled_back.is_none() && r.restore_from.is_some()
+        });
+        if let Some(g) = transition.and_then(|r| r.max_parallelism) {
+            return Ok(g.max(1) as u32);
+        }
+        if self.mem.run.is_none()
+            && transition.is_none()
+            && let Some(p) = &self.pending
+        {
+            return Ok(p.max_parallelism.max(1));
+        }
         let pinned = self
             .status
             .max_parallelism
@@ -750,8 +825,9 @@ impl Pass<'_> {
                 self.progress.stalled = Some((reason.to_owned(), message));
                 Ok(Duration::from_secs(60))
             }
-            Action::PinMaxParallelism(g) => {
+            Action::PinMaxParallelism { groups: g, origin } => {
                 self.status.max_parallelism = Some(g as i32);
+                self.status.max_parallelism_origin = Some(origin);
                 self.event(
                     false,
                     "KeyGroupsPinned",
@@ -791,6 +867,32 @@ impl Pass<'_> {
                         "RescaleStarted"
                     },
                     what,
+                )
+                .await;
+                Ok(short)
+            }
+            Action::BeginRestore {
+                from,
+                to,
+                url,
+                max_parallelism,
+            } => {
+                self.status.rescale = Some(RescaleStatus {
+                    from: from as i32,
+                    to: to as i32,
+                    step: step::SAVEPOINTING.into(),
+                    started: Utc::now().to_rfc3339(),
+                    restore_from: Some(url.clone()),
+                    max_parallelism: Some(max_parallelism as i32),
+                    ..Default::default()
+                });
+                self.mem.step_started = Some((step::SAVEPOINTING.into(), Instant::now()));
+                self.event(
+                    false,
+                    "RestoreStarted",
+                    format!(
+                        "spec.restoreFrom changed: keeping the current state in a savepoint, then restarting at parallelism {to} from {url} ({max_parallelism} key groups)"
+                    ),
                 )
                 .await;
                 Ok(short)
@@ -921,10 +1023,15 @@ impl Pass<'_> {
                 let Some(endpoints) = self.endpoints(parallelism) else {
                     return Ok(short);
                 };
+                // The workers run under the key-group count they were started with.
+                let assignment = match self.run_groups.get(&run) {
+                    Some(g) => Assignment::new(i64::from(parallelism), i64::from(*g))?,
+                    None => self.assignment(parallelism)?,
+                };
                 let coordinator = Coordinator::new(
                     &self.storage,
                     self.identity(),
-                    self.assignment(parallelism)?,
+                    assignment,
                     endpoints,
                     self.token.clone(),
                     self.spec.state.retained_checkpoints.max(1) as usize,
@@ -1044,12 +1151,37 @@ impl Pass<'_> {
         self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff")).await;
     }
 
-    async fn savepoint(&mut self) -> Result<Duration, OperatorError> {
-        let labels = KindLabels {
+    fn kind_labels(&self, kind: &str) -> KindLabels {
+        KindLabels {
             namespace: self.ns.clone(),
             job: self.name.clone(),
-            kind: "savepoint".into(),
-        };
+            kind: kind.to_owned(),
+        }
+    }
+
+    /// Snapshot metrics: duration and size of a committed snapshot, or one more failure.
+    fn record_snapshot(&mut self, labels: &KindLabels, completed: Option<&Completed>) {
+        let m = &self.ctx.metrics;
+        match completed {
+            Some(c) => {
+                if let Some(d) = status::state_distribution(&c.manifest) {
+                    self.status.state_distribution = Some(d);
+                }
+                m.snapshot_seconds
+                    .get_or_create(labels)
+                    .observe(c.duration.as_secs_f64());
+                m.snapshot_bytes
+                    .get_or_create(labels)
+                    .set(c.manifest.stats.total_bytes as i64);
+            }
+            None => {
+                m.snapshot_failures.get_or_create(labels).inc();
+            }
+        }
+    }
+
+    async fn savepoint(&mut self) -> Result<Duration, OperatorError> {
+        let labels = self.kind_labels("savepoint");
         let Some(run) = self.mem.run.take() else {
             return Ok(Duration::from_millis(200));
         };
@@ -1071,16 +1203,7 @@ impl Pass<'_> {
         self.mem.run = Some(run);
         match result {
             Ok(c) => {
-                self.ctx
-                    .metrics
-                    .snapshot_seconds
-                    .get_or_create(&labels)
-                    .observe(c.duration.as_secs_f64());
-                self.ctx
-                    .metrics
-                    .snapshot_bytes
-                    .get_or_create(&labels)
-                    .set(c.manifest.stats.total_bytes as i64);
+                self.record_snapshot(&labels, Some(&c));
                 self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
                 if let Some(r) = self.rescale_mut() {
                     r.savepoint = Some(c.url.clone());
@@ -1101,11 +1224,7 @@ impl Pass<'_> {
                 Ok(Duration::from_millis(100))
             }
             Err(e) => {
-                self.ctx
-                    .metrics
-                    .snapshot_failures
-                    .get_or_create(&labels)
-                    .inc();
+                self.record_snapshot(&labels, None);
                 self.abandon(format!("savepoint failed: {e}")).await;
                 Ok(Duration::from_millis(500))
             }
@@ -1114,11 +1233,7 @@ impl Pass<'_> {
 
     /// A savepoint asked for with spec.savepointTriggerNonce: the job keeps running.
     async fn triggered_savepoint(&mut self, nonce: i64) -> Result<Duration, OperatorError> {
-        let labels = KindLabels {
-            namespace: self.ns.clone(),
-            job: self.name.clone(),
-            kind: "savepoint".into(),
-        };
+        let labels = self.kind_labels("savepoint");
         let Some(run) = self.mem.run.take() else {
             return Ok(Duration::from_millis(200));
         };
@@ -1136,16 +1251,7 @@ impl Pass<'_> {
         self.mem.run = Some(run);
         match result {
             Ok(c) => {
-                self.ctx
-                    .metrics
-                    .snapshot_seconds
-                    .get_or_create(&labels)
-                    .observe(c.duration.as_secs_f64());
-                self.ctx
-                    .metrics
-                    .snapshot_bytes
-                    .get_or_create(&labels)
-                    .set(c.manifest.stats.total_bytes as i64);
+                self.record_snapshot(&labels, Some(&c));
                 self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
                 self.status.last_savepoint_nonce = Some(nonce);
                 self.succeeded();
@@ -1163,11 +1269,7 @@ impl Pass<'_> {
                 Ok(Duration::from_millis(200))
             }
             Err(e) => {
-                self.ctx
-                    .metrics
-                    .snapshot_failures
-                    .get_or_create(&labels)
-                    .inc();
+                self.record_snapshot(&labels, None);
                 let message = format!(
                     "savepoint for savepointTriggerNonce {nonce} failed: {e}; retrying with backoff"
                 );
@@ -1180,11 +1282,7 @@ impl Pass<'_> {
 
     async fn checkpoint(&mut self) -> Result<Duration, OperatorError> {
         let interval = decide::checkpoint_interval(self.spec);
-        let labels = KindLabels {
-            namespace: self.ns.clone(),
-            job: self.name.clone(),
-            kind: "checkpoint".into(),
-        };
+        let labels = self.kind_labels("checkpoint");
         let Some(run) = self.mem.run.take() else {
             return Ok(interval);
         };
@@ -1202,29 +1300,16 @@ impl Pass<'_> {
         let run = self.mem.run.insert(run);
         match result {
             Ok(c) => {
-                self.ctx
-                    .metrics
-                    .snapshot_seconds
-                    .get_or_create(&labels)
-                    .observe(c.duration.as_secs_f64());
-                self.ctx
-                    .metrics
-                    .snapshot_bytes
-                    .get_or_create(&labels)
-                    .set(c.manifest.stats.total_bytes as i64);
+                self.record_snapshot(&labels, Some(&c));
                 self.status.last_checkpoint = Some(snapshot_ref(&c, parallelism));
                 self.succeeded();
                 Ok(interval)
             }
             Err(e) => {
-                self.ctx
-                    .metrics
-                    .snapshot_failures
-                    .get_or_create(&labels)
-                    .inc();
                 // Try again after a fraction of the interval; a dead worker shows up as a pod
                 // exit and restarts the job.
                 run.started = Utc::now();
+                self.record_snapshot(&labels, None);
                 self.event(
                     true,
                     "CheckpointFailed",
@@ -1248,7 +1333,25 @@ impl Pass<'_> {
         };
         // A run started empty (a `stateless` upgrade) checkpoints at once, so that a recovery
         // restores its new state rather than the job's older snapshots.
-        let run_started = if restore == Restore::Empty {
+        // So does a run restored from spec.restoreFrom: the job's own storage then holds a
+        // snapshot under its (possibly new) key-group count.
+        let transition_source = self
+            .status
+            .rescale
+            .as_ref()
+            .filter(|r| r.step == step::RESTORING && r.rolled_back.is_none())
+            .and_then(|r| r.restore_from.clone());
+        let restored_source = match &restore {
+            Restore::Url(u)
+                if self.spec.restore_from.as_ref() == Some(u)
+                    || transition_source.as_ref() == Some(u) =>
+            {
+                Some(u.clone())
+            }
+            _ => None,
+        };
+        let from_restore_from = restored_source.is_some();
+        let run_started = if restore == Restore::Empty || from_restore_from {
             DateTime::UNIX_EPOCH
         } else {
             Utc::now()
@@ -1256,20 +1359,20 @@ impl Pass<'_> {
         let restore_from = match restore {
             Restore::Url(u) => Some(u),
             Restore::Empty => None,
+            // The job's newest own snapshot under its current key-group count (snapshots taken
+            // before a restore from a rewritten savepoint have another count and are skipped),
+            // else the snapshot it was restored from.
             Restore::Latest => {
-                let own = coordinator::latest_snapshot(&self.storage, &self.ns, &self.name)
-                    .await?
-                    .map(|(url, _)| url);
-                match (&self.spec.restore_from, &own) {
-                    (Some(r), None) => Some(r.clone()),
-                    (Some(r), Some(_))
-                        if self.status.last_checkpoint.is_none()
-                            && self.status.last_savepoint.is_none() =>
-                    {
-                        Some(r.clone())
-                    }
-                    _ => own,
-                }
+                let groups = self.max_parallelism()?;
+                let own = coordinator::latest_snapshot_with(
+                    &self.storage,
+                    &self.ns,
+                    &self.name,
+                    Some(groups),
+                )
+                .await?
+                .map(|(url, _)| url);
+                own.or_else(|| self.spec.restore_from.clone())
             }
         };
         let assignment = self.assignment(parallelism)?;
@@ -1316,6 +1419,25 @@ impl Pass<'_> {
             Ok(responses) => {
                 let bytes: u64 = responses.iter().map(|r| r.bytes_read).sum();
                 let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
+                if from_restore_from {
+                    let g = assignment.max_parallelism() as i32;
+                    if self.status.max_parallelism != Some(g) {
+                        self.status.max_parallelism_origin = restore_from
+                            .as_deref()
+                            .map(validation::ceiling_origin_snapshot);
+                        self.event(
+                            false,
+                            "KeyGroupsPinned",
+                            format!(
+                                "key-group count (max parallelism) is now {g}, from {}",
+                                restore_from.as_deref().unwrap_or_default()
+                            ),
+                        )
+                        .await;
+                    }
+                    self.status.max_parallelism = Some(g);
+                    self.status.restored_from = restored_source.clone();
+                }
                 self.mem.run = Some(RunHandle {
                     run: run.clone(),
                     parallelism,

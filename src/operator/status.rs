@@ -3,7 +3,7 @@
 //! `AllSubtasksHavePartitions`, from the status the shell arrived at.
 
 use super::decide::step;
-use crate::crd::{KeyGroupsStatus, Phase, StreamJobSpec, StreamJobStatus};
+use crate::crd::{KeyGroupsStatus, Phase, StateDistribution, StreamJobSpec, StreamJobStatus};
 use crate::keygroup::Assignment;
 use crate::validation::Analysis;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -73,6 +73,82 @@ pub fn key_groups(assignment: Assignment) -> KeyGroupsStatus {
         max_groups: skew.max_groups as i32,
         skew: format!("{:.2}", skew.ratio),
     }
+}
+
+/// How a snapshot's state is spread over its subtasks and key groups (pure: from the manifest).
+/// `None` if the manifest's assignment is invalid (a committed manifest never is).
+pub fn state_distribution(m: &crate::snapshot::Manifest) -> Option<StateDistribution> {
+    let assignment = m.assignment().ok()?;
+    let p = assignment.parallelism() as usize;
+    let mut bytes = vec![0u64; p];
+    let mut keys = vec![0u64; p];
+    let mut largest: Option<&crate::snapshot::GroupEntry> = None;
+    for g in &m.key_groups {
+        let owner = assignment.owner(g.group) as usize;
+        if let (Some(b), Some(k)) = (bytes.get_mut(owner), keys.get_mut(owner)) {
+            *b += g.length;
+            *k += g.entries;
+        }
+        if largest.is_none_or(|l| g.length > l.length) {
+            largest = Some(g);
+        }
+    }
+    let total_bytes: u64 = bytes.iter().sum();
+    let total_keys: u64 = keys.iter().sum();
+    // Ties go to the lowest subtask.
+    let busiest = (0..p).rev().max_by_key(|&i| bytes[i]).unwrap_or(0);
+    let mean_bytes = total_bytes as f64 / p.max(1) as f64;
+    let mean_keys = total_keys as f64 / p.max(1) as f64;
+    let skew = if mean_bytes > 0.0 {
+        bytes[busiest] as f64 / mean_bytes
+    } else {
+        1.0
+    };
+    let (lg, lg_bytes, lg_keys) = largest.map_or((0, 0, 0), |g| (g.group, g.length, g.entries));
+    let summary = format!(
+        "snapshot {}: {} in {} keys over {p} subtasks; busiest subtask {busiest} holds {} in {} keys ({skew:.2}x the mean of {}); largest key group {lg}: {} in {} key{}",
+        m.snapshot_id,
+        human_bytes(total_bytes),
+        total_keys,
+        human_bytes(bytes[busiest]),
+        keys[busiest],
+        human_bytes(mean_bytes.round() as u64),
+        human_bytes(lg_bytes),
+        lg_keys,
+        if lg_keys == 1 { "" } else { "s" },
+    );
+    let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    Some(StateDistribution {
+        snapshot_id: i(m.snapshot_id),
+        parallelism: p as i32,
+        total_bytes: i(total_bytes),
+        total_keys: i(total_keys),
+        busiest_subtask: busiest as i32,
+        busiest_subtask_bytes: i(bytes[busiest]),
+        busiest_subtask_keys: i(keys[busiest]),
+        mean_subtask_bytes: mean_bytes.round() as i64,
+        mean_subtask_keys: mean_keys.round() as i64,
+        bytes_skew: format!("{skew:.2}"),
+        largest_key_group: lg as i32,
+        largest_key_group_bytes: i(lg_bytes),
+        largest_key_group_keys: i(lg_keys),
+        summary,
+    })
+}
+
+/// Bytes in binary units with one decimal (`512 B`, `1.5 KiB`, `979.0 MiB`).
+pub fn human_bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
+    if n < 1024 {
+        return format!("{n} B");
+    }
+    let mut v = n as f64 / 1024.0;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    format!("{v:.1} {}", UNITS[unit])
 }
 
 /// Whether the job runs as its spec asks.
@@ -247,6 +323,91 @@ mod tests {
     use crate::crd::RescaleStatus;
     use crate::operator::desired::tests_support::job;
     use crate::validation::analyse;
+
+    /// A manifest of 8 groups at parallelism 2 with the given (bytes, keys) per group.
+    fn manifest(groups: &[(u64, u64)]) -> crate::snapshot::Manifest {
+        use crate::snapshot::{Crc32c, GroupEntry, JobIdentity, Manifest, SnapshotKind, Stats};
+        Manifest {
+            format_version: 1,
+            job: JobIdentity {
+                namespace: "n".into(),
+                name: "j".into(),
+                job_fingerprint: String::new(),
+            },
+            snapshot_id: 7,
+            kind: SnapshotKind::Checkpoint,
+            completed_at: chrono::Utc::now(),
+            max_parallelism: groups.len() as u32,
+            parallelism: 2,
+            state_schema: "s".into(),
+            checksum_algorithm: "crc32c".into(),
+            source_positions: Default::default(),
+            watermark: None,
+            stats: Stats::default(),
+            files: Vec::new(),
+            key_groups: groups
+                .iter()
+                .enumerate()
+                .map(|(g, (length, entries))| GroupEntry {
+                    group: g as u32,
+                    file: format!("state-{}", g / 4),
+                    offset: 0,
+                    length: *length,
+                    checksum: Crc32c::EMPTY,
+                    entries: *entries,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn state_distribution_names_the_busiest_subtask_and_the_hot_group() {
+        // Subtask 0 owns groups 0-3, subtask 1 groups 4-7; group 5 holds one large key.
+        let m = manifest(&[
+            (100, 10),
+            (100, 10),
+            (100, 10),
+            (100, 10),
+            (50, 5),
+            (3000, 1),
+            (50, 5),
+            (0, 0),
+        ]);
+        let d = state_distribution(&m).unwrap();
+        assert_eq!(d.snapshot_id, 7);
+        assert_eq!((d.total_bytes, d.total_keys), (3500, 51));
+        assert_eq!(d.busiest_subtask, 1);
+        assert_eq!(
+            (d.busiest_subtask_bytes, d.busiest_subtask_keys),
+            (3100, 11)
+        );
+        assert_eq!((d.mean_subtask_bytes, d.mean_subtask_keys), (1750, 26));
+        assert_eq!(d.bytes_skew, "1.77");
+        assert_eq!(d.largest_key_group, 5);
+        assert_eq!(
+            (d.largest_key_group_bytes, d.largest_key_group_keys),
+            (3000, 1)
+        );
+        assert!(
+            d.summary
+                .contains("busiest subtask 1 holds 3.0 KiB in 11 keys (1.77x the mean"),
+            "{}",
+            d.summary
+        );
+        assert!(
+            d.summary.contains("largest key group 5: 2.9 KiB in 1 key"),
+            "{}",
+            d.summary
+        );
+        // Even state: skew 1.00, ties go to the lowest subtask.
+        let d = state_distribution(&manifest(&[(10, 1); 8])).unwrap();
+        assert_eq!((d.busiest_subtask, d.bytes_skew.as_str()), (0, "1.00"));
+        // Empty state.
+        let d = state_distribution(&manifest(&[(0, 0); 8])).unwrap();
+        assert_eq!((d.total_bytes, d.bytes_skew.as_str()), (0, "1.00"));
+        assert_eq!(human_bytes(1023), "1023 B");
+        assert_eq!(human_bytes(3 * 1024 * 1024 / 2), "1.5 MiB");
+    }
 
     fn cond<'a>(s: &'a StreamJobStatus, t: &str) -> &'a Condition {
         s.conditions.iter().find(|c| c.type_ == t).unwrap()

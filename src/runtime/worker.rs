@@ -92,6 +92,18 @@ enum SourceCmd {
     Resume,
 }
 
+/// A listening socket with an accept queue of `backlog` (capped by the kernel's somaxconn).
+fn bind_with_backlog(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(backlog)
+}
+
 /// Runs a worker until it fails (a fatal data-plane or operator error) or is killed.
 pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
     let control = TcpListener::bind(config.control_addr)
@@ -101,13 +113,13 @@ pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
             addr: config.control_addr,
             source,
         })?;
-    let data = TcpListener::bind(config.data_addr)
-        .await
-        .map_err(|source| WorkerError::Bind {
-            what: "the data plane",
-            addr: config.data_addr,
-            source,
-        })?;
+    // Every peer connects at once when a run starts: keep the accept queue deeper than the
+    // largest parallelism we expect to start at once (std's default of 128 drops SYNs above it).
+    let data = bind_with_backlog(config.data_addr, 4096).map_err(|source| WorkerError::Bind {
+        what: "the data plane",
+        addr: config.data_addr,
+        source,
+    })?;
     let control_addr = control
         .local_addr()
         .map_err(|e| WorkerError::Fatal(e.to_string()))?;
@@ -452,11 +464,16 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     let s2 = s.clone();
     tokio::spawn(async move {
         let result: Result<(), WorkerError> = async {
-            let mut senders = Vec::new();
-            for c in connects {
-                let (stream, rx) = c.await.map_err(|e| WorkerError::Fatal(e.to_string()))??;
-                senders.push(tokio::spawn(shuffle::send_loop(stream, rx)));
-            }
+            // Accept while our own connections are being made: a peer that only accepts once
+            // its connects are done would wait on one that waits on it.
+            let connecting = tokio::spawn(async move {
+                let mut senders = Vec::new();
+                for c in connects {
+                    let (stream, rx) = c.await.map_err(|e| WorkerError::Fatal(e.to_string()))??;
+                    senders.push(tokio::spawn(shuffle::send_loop(stream, rx)));
+                }
+                Ok::<_, WorkerError>(senders)
+            });
             let mut accepted = 0;
             while accepted < peers_expected {
                 let (mut stream, _) = listener
@@ -480,6 +497,9 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
                     }
                 });
             }
+            let senders = connecting
+                .await
+                .map_err(|e| WorkerError::Fatal(e.to_string()))??;
             s2.ready.store(true, Ordering::Release);
             tracing::info!("connected to every peer");
             for h in senders {
@@ -622,6 +642,9 @@ impl Outputs {
     }
 }
 
+/// How often a source sends its advancing watermark downstream.
+const WATERMARK_INTERVAL: Duration = Duration::from_millis(200);
+
 async fn source_loop(
     s: Arc<Shared>,
     compiled: Arc<CompiledJob>,
@@ -655,6 +678,7 @@ async fn source_loop(
     let t0 = Instant::now();
     let mut stopped = false;
     let mut last_wm = i64::MIN;
+    let mut last_wm_sent = Instant::now() - WATERMARK_INTERVAL;
     let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
     if partitions.is_empty() {
         // Nothing to read: never hold back the watermark downstream.
@@ -736,15 +760,25 @@ async fn source_loop(
             })
             .min()
             .unwrap_or(i64::MAX);
-        if wm > last_wm {
+        // Watermarks go to every downstream subtask, so they are sent periodically (as
+        // Flink's autoWatermarkInterval does), not after every batch: at parallelism n each
+        // source would otherwise send n messages per batch.
+        if wm > last_wm && (wm == i64::MAX || last_wm_sent.elapsed() >= WATERMARK_INTERVAL) {
             last_wm = wm;
+            last_wm_sent = Instant::now();
             router.broadcast(Msg::Watermark(wm), &s.metrics).await?;
         }
         {
             let mut st = s.status.lock().await;
             st.source_positions = pos.clone();
         }
-        if !read_any {
+        if partitions.is_empty() {
+            // No partition to read (more subtasks than partitions): only commands matter.
+            match cmds.recv().await {
+                Some(cmd) => handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped).await?,
+                None => return Ok(()),
+            }
+        } else if !read_any {
             // Idle (paced, or at the end of input): wait a little or for a command.
             tokio::select! {
                 c = cmds.recv() => match c {
