@@ -358,33 +358,49 @@ fn cel_suggested() -> String {
         expr = format!("(4 * self.spec.replicas <= {g} ? {g} : {expr})");
         g /= 2;
     }
-    format!("string({expr})")
+    expr
 }
 
+/// The parts as one CEL `format` call: a single format string and its arguments. (Concatenating
+/// `string(int)` results makes the API server's cost estimate treat every piece as unbounded;
+/// `format` is estimated from its arguments.)
 fn render_cel(parts: &[Part]) -> String {
     let suspended = "(has(self.status.phase) && self.status.phase == 'Suspended' && has(self.status.lastSavepoint))";
-    let terms: Vec<String> = parts
-        .iter()
-        .map(|part| match part {
-            Part::Text(t) => cel_string(t),
-            Part::Name => "self.metadata.name".into(),
-            Part::Replicas => "string(self.spec.replicas)".into(),
-            Part::Ceiling => "string(self.status.maxParallelism)".into(),
-            Part::Origin => format!(
-                "(has(self.status.maxParallelismOrigin) ? self.status.maxParallelismOrigin : {})",
-                cel_string(ORIGIN_UNKNOWN)
-            ),
-            Part::Savepoint => format!(
-                "({suspended} ? self.status.lastSavepoint.path : {})",
-                cel_string(SAVEPOINT_PLACEHOLDER)
-            ),
-            Part::Suggested => cel_suggested(),
-            Part::UnlessSuspended(inner) => {
-                format!("({suspended} ? \"\" : {})", render_cel(inner))
+    let mut format = String::new();
+    let mut args: Vec<String> = Vec::new();
+    for part in parts {
+        let (placeholder, arg) = match part {
+            Part::Text(t) => {
+                format.push_str(&t.replace('%', "%%"));
+                continue;
             }
-        })
-        .collect();
-    terms.join(" + ")
+            Part::Name => ("%s", "self.metadata.name".to_owned()),
+            Part::Replicas => ("%d", "self.spec.replicas".to_owned()),
+            Part::Ceiling => ("%d", "self.status.maxParallelism".to_owned()),
+            Part::Origin => (
+                "%s",
+                format!(
+                    "(has(self.status.maxParallelismOrigin) ? self.status.maxParallelismOrigin : {})",
+                    cel_string(ORIGIN_UNKNOWN)
+                ),
+            ),
+            Part::Savepoint => (
+                "%s",
+                format!(
+                    "({suspended} ? self.status.lastSavepoint.path : {})",
+                    cel_string(SAVEPOINT_PLACEHOLDER)
+                ),
+            ),
+            Part::Suggested => ("%d", cel_suggested()),
+            Part::UnlessSuspended(inner) => (
+                "%s",
+                format!("({suspended} ? \"\" : {})", render_cel(inner)),
+            ),
+        };
+        format.push_str(placeholder);
+        args.push(arg);
+    }
+    format!("{}.format([{}])", cel_string(&format), args.join(", "))
 }
 
 fn schema_at<'a>(root: &'a mut JSONSchemaProps, path: &[&str]) -> Option<&'a mut JSONSchemaProps> {

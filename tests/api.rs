@@ -79,7 +79,8 @@ fn crd_has_scale_status_and_every_rule() {
         .as_deref()
         .expect("messageExpression");
     for piece in [
-        "string(self.status.maxParallelism)",
+        "self.status.maxParallelism",
+        ".format([",
         "self.status.maxParallelismOrigin",
         "self.status.lastSavepoint.path",
         "self.metadata.name",
