@@ -823,4 +823,150 @@ fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
         after.len(),
         get(ns, name, "{.status.rescale}")
     );
+    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+}
+
+/// A TCP relay on the host side of the test network's veth pair (10.<KEYSHIFT_SUBNET>.0.1,
+/// reachable from pods) to `target` on the host's loopback; runs until the test process ends.
+fn relay_to(target: &str) -> std::net::SocketAddr {
+    use std::net::{TcpListener, TcpStream};
+    let subnet: u8 = std::env::var("KEYSHIFT_SUBNET")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(213);
+    let listener = TcpListener::bind((std::net::Ipv4Addr::new(10, subnet, 0, 1), 0))
+        .expect("relay binds on the host side of the veth pair");
+    let addr = listener.local_addr().expect("relay address");
+    let target = target.to_owned();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().map_while(Result::ok) {
+            let Ok(upstream) = TcpStream::connect(&target) else {
+                continue;
+            };
+            let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            };
+            if let (Ok(a), Ok(b)) = (conn.try_clone(), upstream.try_clone()) {
+                pipe(a, upstream);
+                pipe(b, conn);
+            }
+        }
+    });
+    addr
+}
+
+/// Pauses the S3 test server (SIGSTOP) until dropped (SIGCONT): an object store that stops
+/// answering for a while.
+struct PausedS3(i32);
+
+impl PausedS3 {
+    fn pause() -> PausedS3 {
+        let state = std::env::var("KEYSHIFT_S3_STATE").expect("KEYSHIFT_S3_STATE (hack/test.sh)");
+        let pid: i32 = std::fs::read_to_string(std::path::Path::new(&state).join("pid"))
+            .expect("S3 server pid file")
+            .trim()
+            .parse()
+            .expect("S3 server pid");
+        // SAFETY: kill(2) on the test's own S3 server process.
+        assert_eq!(
+            unsafe { libc::kill(pid, libc::SIGSTOP) },
+            0,
+            "S3 server paused"
+        );
+        PausedS3(pid)
+    }
+}
+
+impl Drop for PausedS3 {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+/// The operator and its workers on S3 (credentials from a Secret), through an object-store
+/// outage: the S3 server stops answering for 15 s while checkpoints are due; the job keeps
+/// running, checkpoints resume, a rescale through an S3 savepoint and a suspend follow, and the
+/// final savepoint on S3 equals the oracle.
+#[test]
+#[ignore = "needs the test control plane and the S3 test server (hack/test.sh starts both)"]
+fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
+    let s3 = std::env::var("KEYSHIFT_TEST_S3_URL").expect("KEYSHIFT_TEST_S3_URL (hack/test.sh)");
+    ensure_crd();
+    let ns = Namespace::new("e2e-op-s3");
+    let ns = &ns.0;
+    let dir = scratch_dir().join(format!("keyshift-e2e-s3-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("operator dir");
+    // Worker pods live in the test network namespace, where the host's loopback S3 server is
+    // out of reach: they use a relay on the host side of the veth pair.
+    let endpoint = std::env::var("AWS_ENDPOINT").expect("AWS_ENDPOINT (hack/test.sh)");
+    let relay = relay_to(endpoint.trim_start_matches("http://"));
+    let mut secret = vec!["create", "secret", "generic", "s3creds", "-n", ns];
+    let relay_literal = format!("--from-literal=AWS_ENDPOINT=http://{relay}");
+    secret.push(&relay_literal);
+    let literals: Vec<String> = [
+        "AWS_ALLOW_HTTP",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+    ]
+    .iter()
+    .map(|k| {
+        format!(
+            "--from-literal={k}={}",
+            std::env::var(k).unwrap_or_default()
+        )
+    })
+    .collect();
+    secret.extend(literals.iter().map(String::as_str));
+    kubectl_ok(&secret);
+    let op = Operator::start(ns, &dir);
+    let log = op.log.clone();
+    let name = "clicks";
+    let storage = format!("{s3}/e2e-op-s3-{}", std::process::id());
+    let yaml = job_yaml(name, 4).replace(
+        "  state:\n    checkpointInterval: 2s\n",
+        &format!(
+            "  state:\n    checkpointInterval: 2s\n    storage: {storage}\n    credentialsSecret: s3creds\n"
+        ),
+    );
+    assert!(yaml.contains("credentialsSecret"), "{yaml}");
+    let r = apply(ns, &yaml);
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    wait_for(Duration::from_secs(60), || {
+        get(ns, name, "{.status.lastCheckpoint.path}").starts_with(&storage)
+    });
+    let id = |ns: &str| -> i64 {
+        get(ns, name, "{.status.lastCheckpoint.id}")
+            .parse()
+            .unwrap_or(0)
+    };
+    let before = id(ns);
+    {
+        let _paused = PausedS3::pause();
+        std::thread::sleep(Duration::from_secs(15));
+        assert!(
+            id(ns) <= before + 1,
+            "no checkpoint completes while the store does not answer"
+        );
+        assert_eq!(
+            get(ns, name, "{.status.replicas}"),
+            "4",
+            "the job runs through the outage"
+        );
+    }
+    // Checkpoints resume once the store answers again.
+    let resumed_from = id(ns);
+    wait_for(Duration::from_secs(120), || id(ns) >= resumed_from + 2);
+    assert!(id(ns) > before);
+    wait_ready(ns, name, &log);
+    scale(ns, name, 8, &log);
+    assert!(get(ns, name, "{.status.rescale.savepoint}").starts_with(&storage));
+    set_suspend(ns, name, true, &log);
+    check_against_oracle(ns, name);
+    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
 }

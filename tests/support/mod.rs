@@ -86,6 +86,20 @@ pub struct Namespace(pub String);
 
 impl Namespace {
     pub fn new(name: &str) -> Namespace {
+        // A StreamJob left by an earlier run whose operator is gone would hold the namespace in
+        // Terminating forever through its finalizer.
+        let left = kubectl(&["get", "streamjobs", "-n", name, "-o", "name"]);
+        for job in left.stdout.lines().filter(|l| !l.is_empty()) {
+            let _ = kubectl(&[
+                "patch",
+                "-n",
+                name,
+                job,
+                "--type=merge",
+                "-p",
+                r#"{"metadata":{"finalizers":null}}"#,
+            ]);
+        }
         let _ = kubectl(&[
             "delete",
             "namespace",
