@@ -572,7 +572,7 @@ fn upgrade(ns: &str, name: &str, mode: &str, image: &str, log: &std::path::Path)
 
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
-fn upgrade_image_with_savepoint_then_last_state_keeps_exact_totals() {
+fn upgrade_image_with_savepoint_last_state_and_stateless_keeps_exact_totals() {
     ensure_crd();
     let ns = Namespace::new("e2e-op-upgrade");
     let ns = &ns.0;
@@ -602,6 +602,14 @@ fn upgrade_image_with_savepoint_then_last_state_keeps_exact_totals() {
         "last-state takes no savepoint"
     );
     // Neither upgrade lost or double-counted a record.
+    set_suspend(ns, name, true, &log);
+    check_against_oracle(ns, name);
+    // A stateless upgrade starts from nothing: no savepoint, no state read, and the new state
+    // is exact from the start of every partition.
+    set_suspend(ns, name, false, &log);
+    upgrade(ns, name, "stateless", "example.test/keyshift:v4", &log);
+    assert_eq!(get(ns, name, "{.status.rescale.savepoint}"), "");
+    assert_eq!(get(ns, name, "{.status.rescale.bytesToRead}"), "0");
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);
     kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
