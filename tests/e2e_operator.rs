@@ -978,3 +978,84 @@ fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
     check_against_oracle(ns, name);
     kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
 }
+
+/// A new spec.restoreFrom on a running job, naming a savepoint rewritten to more key groups:
+/// the operator keeps the current state in a savepoint, stops the workers and restarts them
+/// from the named snapshot at the new parallelism, under its key-group count.
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn a_running_job_restarts_from_a_new_restore_from_with_more_key_groups() {
+    ensure_crd();
+    let ns = Namespace::new("e2e-op-restore-running");
+    let ns = &ns.0;
+    let dir = scratch_dir().join(format!("keyshift-e2e-op-rr-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("storage dir");
+    let op = Operator::start(ns, &dir);
+    let log = op.log.clone();
+    let name = "rr";
+    let r = apply(ns, &job_yaml(name, 2));
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    kubectl_ok(&[
+        "patch",
+        "-n",
+        ns,
+        &format!("sj/{name}"),
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"savepointTriggerNonce":1}}"#,
+    ]);
+    wait_for(Duration::from_secs(60), || {
+        get(ns, name, "{.status.lastSavepointNonce}") == "1"
+    });
+    let sp = get(ns, name, "{.status.lastSavepoint.path}");
+    let target = format!("{sp}-mp256");
+    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args([
+            "savepoint",
+            "rewrite",
+            &sp,
+            "--max-parallelism",
+            "256",
+            "--to",
+            &target,
+        ])
+        .output()
+        .expect("rewrite runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let pods_before = worker_pods(ns, name);
+    kubectl_ok(&[
+        "patch",
+        "-n",
+        ns,
+        &format!("sj/{name}"),
+        "--type=merge",
+        "-p",
+        &format!(r#"{{"spec":{{"maxParallelism":256,"restoreFrom":"{target}","replicas":4}}}}"#),
+    ]);
+    wait_for(Duration::from_secs(120), || {
+        get(ns, name, "{.status.restoredFrom}") == target
+    });
+    wait_ready(ns, name, &log);
+    assert_eq!(get(ns, name, "{.status.replicas}"), "4");
+    assert_eq!(get(ns, name, "{.status.maxParallelism}"), "256");
+    assert_eq!(get(ns, name, "{.status.rescale.restoreFrom}"), target);
+    let kept = get(ns, name, "{.status.rescale.savepoint}");
+    assert!(
+        kept.contains("/savepoints/sp-") && kept != sp,
+        "the state before was kept: {kept}"
+    );
+    let pods = worker_pods(ns, name);
+    assert_eq!(pods.len(), 4);
+    assert!(pods.iter().all(|p| !pods_before.contains(p)));
+    set_suspend(ns, name, true, &log);
+    let (_, positions) = snapshot_values(&get(ns, name, "{.status.lastSavepoint.path}"));
+    let (_, at_rewrite) = snapshot_values(&target);
+    assert!(positions.iter().all(|(p, at)| *at >= at_rewrite[p]));
+    check_against_oracle(ns, name);
+    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+}
