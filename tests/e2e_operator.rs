@@ -676,6 +676,37 @@ fn a_failed_restore_rolls_back_to_the_old_parallelism_then_the_retry_succeeds() 
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A test's namespace, storage directory and operator (the CRD installed first).
+fn setup(namespace: &str, tag: &str) -> (Namespace, std::path::PathBuf, Operator) {
+    ensure_crd();
+    let ns = Namespace::new(namespace);
+    let dir = scratch_dir().join(format!("keyshift-e2e-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("storage dir");
+    let op = Operator::start(&ns.0, &dir);
+    (ns, dir, op)
+}
+
+/// `keyshift savepoint rewrite SP --max-parallelism G --to TARGET`, which must succeed.
+fn rewrite_savepoint(sp: &str, groups: u32, target: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args([
+            "savepoint",
+            "rewrite",
+            sp,
+            "--max-parallelism",
+            &groups.to_string(),
+            "--to",
+            target,
+        ])
+        .output()
+        .expect("rewrite runs");
+    assert!(
+        out.status.success(),
+        "rewrite failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 fn wide_job_yaml(name: &str) -> String {
     format!(
         "apiVersion: keyshift.dev/v1alpha1
@@ -703,12 +734,8 @@ spec:
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
     use keyshift::validation::{CeilingContext, ceiling_guidance};
-    ensure_crd();
-    let ns = Namespace::new("e2e-op-ceiling");
+    let (ns, _dir, op) = setup("e2e-op-ceiling", "ceiling");
     let ns = &ns.0;
-    let dir = scratch_dir().join(format!("keyshift-e2e-ceiling-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("storage dir");
-    let op = Operator::start(ns, &dir);
     let log = op.log.clone();
     let name = "wide";
     let r = apply(ns, &wide_job_yaml(name));
@@ -769,15 +796,7 @@ fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
     let target = format!("{sp}-mp1024");
     let rewrite = format!("keyshift savepoint rewrite {sp} --max-parallelism 1024 --to {target}");
     assert!(suspended.contains(&rewrite), "{suspended}");
-    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
-        .args(rewrite.split(' ').skip(1))
-        .output()
-        .expect("rewrite runs");
-    assert!(
-        out.status.success(),
-        "rewrite failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    rewrite_savepoint(&sp, 1024, &target);
     // The printed patch, applied as printed.
     let patch = suspended
         .rsplit("-p '")
@@ -903,11 +922,8 @@ impl Drop for PausedS3 {
 #[ignore = "needs the test control plane and the S3 test server (hack/test.sh starts both)"]
 fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
     let s3 = std::env::var("KEYSHIFT_TEST_S3_URL").expect("KEYSHIFT_TEST_S3_URL (hack/test.sh)");
-    ensure_crd();
-    let ns = Namespace::new("e2e-op-s3");
+    let (ns, _dir, op) = setup("e2e-op-s3", "s3");
     let ns = &ns.0;
-    let dir = scratch_dir().join(format!("keyshift-e2e-s3-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("operator dir");
     // Worker pods live in the test network namespace, where the host's loopback S3 server is
     // out of reach: they use a relay on the host side of the veth pair.
     let endpoint = std::env::var("AWS_ENDPOINT").expect("AWS_ENDPOINT (hack/test.sh)");
@@ -931,7 +947,6 @@ fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
     .collect();
     secret.extend(literals.iter().map(String::as_str));
     kubectl_ok(&secret);
-    let op = Operator::start(ns, &dir);
     let log = op.log.clone();
     let name = "clicks";
     let storage = format!("{s3}/e2e-op-s3-{}", std::process::id());
@@ -985,12 +1000,8 @@ fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn a_running_job_restarts_from_a_new_restore_from_with_more_key_groups() {
-    ensure_crd();
-    let ns = Namespace::new("e2e-op-restore-running");
+    let (ns, _dir, op) = setup("e2e-op-restore-running", "rr");
     let ns = &ns.0;
-    let dir = scratch_dir().join(format!("keyshift-e2e-op-rr-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).expect("storage dir");
-    let op = Operator::start(ns, &dir);
     let log = op.log.clone();
     let name = "rr";
     let r = apply(ns, &job_yaml(name, 2));
@@ -1010,23 +1021,7 @@ fn a_running_job_restarts_from_a_new_restore_from_with_more_key_groups() {
     });
     let sp = get(ns, name, "{.status.lastSavepoint.path}");
     let target = format!("{sp}-mp256");
-    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
-        .args([
-            "savepoint",
-            "rewrite",
-            &sp,
-            "--max-parallelism",
-            "256",
-            "--to",
-            &target,
-        ])
-        .output()
-        .expect("rewrite runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    rewrite_savepoint(&sp, 256, &target);
     let pods_before = worker_pods(ns, name);
     kubectl_ok(&[
         "patch",
