@@ -312,7 +312,9 @@ async fn verify_file(
     let mut stream = futures::stream::iter(windows)
         .map(|r| store.get_range(&path, r))
         .buffered(2);
-    let (mut file_hash, mut block_hash) = (Crc32cHasher::new(), Crc32cHasher::new());
+    // One pass: every byte is hashed once, into its block's checksum; the blocks tile the file,
+    // so the file's checksum is their combination.
+    let (mut file_crc, mut block_hash) = (Crc32c::EMPTY, Crc32cHasher::new());
     let (mut pos, mut block) = (0u64, 0usize);
     while let Some(chunk) = stream.next().await {
         let mut chunk = chunk.map_err(|e| SnapshotError::store("read", &path, e))?;
@@ -320,7 +322,6 @@ async fn verify_file(
         if pos > f.size {
             return Err(size_mismatch(pos));
         }
-        file_hash.update(&chunk);
         while chunk.has_remaining() {
             // The blocks tile the file (checked with the manifest), so one is always current.
             let Some(g) = blocks.get(block) else {
@@ -330,7 +331,9 @@ async fn verify_file(
             block_hash.update(&chunk[..n]);
             chunk.advance(n);
             if block_hash.bytes_hashed() == g.length {
-                check_block(&path, g, block_hash.finish())?;
+                let crc = block_hash.finish();
+                check_block(&path, g, crc)?;
+                file_crc = file_crc.combine(crc, g.length);
                 block_hash = Crc32cHasher::new();
                 block += 1;
             }
@@ -339,7 +342,10 @@ async fn verify_file(
     if pos != f.size {
         return Err(size_mismatch(pos));
     }
-    let actual = file_hash.finish();
+    if block != blocks.len() {
+        return Err(size_mismatch(pos));
+    }
+    let actual = file_crc;
     if actual != f.checksum {
         return Err(SnapshotError::FileChecksum {
             path: path.to_string(),
