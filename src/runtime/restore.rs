@@ -107,10 +107,8 @@ pub async fn restore_state(
         Ok(())
     }
     .await;
-    if let Err(e) = result {
-        // Let decodes in progress finish on their own; nothing of them is used.
-        return Err(e);
-    }
+    // On failure, decodes still in progress finish on their own; nothing of them is used.
+    result?;
     for state in decoded {
         out.keys += state.len() as u64;
         agg.install_group(state)?;
