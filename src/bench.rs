@@ -14,6 +14,8 @@ use crate::crd::{AggregateFunction, StreamJob};
 use crate::job::{AggConfig, KeyedAggregator, Record, RecordKey};
 use crate::keygroup::Assignment;
 use crate::local::LocalJob;
+use crate::runtime::checkpoint::{self, StateWriteOptions, Updates};
+use crate::runtime::restore::{self, RestoreOptions};
 use crate::snapshot::{self, JobIdentity, Manifest, SnapshotKind, SnapshotMeta, SnapshotWriter};
 use anyhow::{Context as _, Result, bail};
 use bytes::Bytes;
@@ -67,6 +69,9 @@ pub struct SnapshotBench {
     /// Rounds; each measurement keeps its best round.
     #[arg(long, default_value_t = 3)]
     pub rounds: u32,
+    /// Threads encoding one subtask's groups (default: what a worker uses on this machine).
+    #[arg(long)]
+    pub encode_threads: Option<usize>,
 }
 
 #[derive(Args, Debug)]
@@ -363,31 +368,43 @@ fn meta(id: u64) -> SnapshotMeta {
     }
 }
 
-/// The worker's snapshot path for one subtask: encode each group, hand it to the writer, finish
-/// (durable). With `pre_encoded`, the blocks are given and only the write is timed.
+/// A subtask's operator, shared with the task that snapshots it.
+type SharedAgg = Arc<tokio::sync::Mutex<KeyedAggregator>>;
+
+/// How [`write_subtask`] writes: the worker's path (its encoder threads, draining the changed
+/// keys' results or not), or blocks encoded beforehand (the snapshot layer alone).
+#[derive(Clone)]
+enum WritePath {
+    Worker(StateWriteOptions),
+    PreEncoded(Vec<Blocks>),
+}
+
+/// The worker's snapshot path for one subtask (`checkpoint::write_state`: encode, write, finish
+/// = durable), or the write alone of pre-encoded blocks.
 async fn write_subtask(
     store: Arc<dyn snapshot::ObjectStore>,
     dir: snapshot::Path,
     assignment: Assignment,
     subtask: u32,
-    agg: Arc<KeyedAggregator>,
-    pre_encoded: Option<Blocks>,
-) -> Result<snapshot::SubtaskSnapshot> {
+    agg: SharedAgg,
+    path: WritePath,
+) -> Result<(snapshot::SubtaskSnapshot, u64)> {
     let mut w = SnapshotWriter::new(store, &dir, assignment, subtask)?;
-    match pre_encoded {
-        Some(blocks) => {
-            for (g, b, n) in blocks.iter() {
+    match path {
+        WritePath::PreEncoded(blocks) => {
+            for (g, b, n) in blocks[subtask as usize].iter() {
                 w.write_group(*g, b.clone(), *n).await?;
             }
+            Ok((w.finish().await?, 0))
         }
-        None => {
-            for g in assignment.range(subtask).iter() {
-                let (bytes, n) = agg.encode_group(g)?;
-                w.write_group(g, Bytes::from(bytes), n).await?;
-            }
+        WritePath::Worker(opts) => {
+            let mut agg = agg.lock().await;
+            let written = checkpoint::write_state(&mut agg, w, opts)
+                .await
+                .map_err(|f| f.error)?;
+            Ok((written.snapshot, written.rows))
         }
     }
-    Ok(w.finish().await?)
 }
 
 async fn write_snapshot(
@@ -395,9 +412,9 @@ async fn write_snapshot(
     job: &snapshot::Path,
     id: u64,
     assignment: Assignment,
-    aggs: &[Arc<KeyedAggregator>],
-    pre_encoded: Option<&[Blocks]>,
-) -> Result<(Sample, snapshot::Path, Manifest)> {
+    aggs: &[SharedAgg],
+    path: WritePath,
+) -> Result<(Sample, snapshot::Path, Manifest, u64)> {
     let dir = snapshot::snapshot_dir(job, SnapshotKind::Checkpoint, id);
     let started = Meter::start();
     let tasks: Vec<_> = (0..assignment.parallelism())
@@ -408,17 +425,20 @@ async fn write_snapshot(
                 assignment,
                 i,
                 aggs[i as usize].clone(),
-                pre_encoded.map(|b| b[i as usize].clone()),
+                path.clone(),
             ))
         })
         .collect();
     let mut acks = Vec::new();
+    let mut rows = 0;
     for task in tasks {
-        acks.push(task.await??);
+        let (ack, r) = task.await??;
+        acks.push(ack);
+        rows += r;
     }
     let manifest = Manifest::assemble(meta(id), assignment, acks)?;
     snapshot::commit_manifest(store.as_ref(), &dir, &manifest).await?;
-    Ok((started.stop(), dir, manifest))
+    Ok((started.stop(), dir, manifest, rows))
 }
 
 /// Every subtask's restore read (range reads of its groups, length and checksum checks), run
@@ -467,8 +487,11 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
     let job = snapshot::job_dir(&base, "bench", "snapshot");
     let assignment = Assignment::new(i64::from(args.parallelism), i64::from(args.max_parallelism))?;
     let keys = keys_for(args.state_mib);
+    let threads = args.encode_threads.unwrap_or_else(|| {
+        StateWriteOptions::threads_for((keys / u64::from(args.parallelism)) as usize)
+    });
     println!(
-        "keyshift bench snapshot: {} MiB target, {keys} string keys x {} B payload, {} key groups, {} subtask(s), {} rounds, in {}",
+        "keyshift bench snapshot: {} MiB target, {keys} string keys x {} B payload, {} key groups, {} subtask(s), {threads} encoder thread(s) per subtask, {} rounds, in {}",
         args.state_mib,
         args.payload,
         args.max_parallelism,
@@ -499,8 +522,9 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         })?;
     }
     let built = t.elapsed();
-    // What a checkpoint of this (non-windowed) job also does: emit every changed key's result,
-    // sorted, to the sink (here: formatted as the log sink's lines, not printed).
+    // For reference, what a checkpoint of this (non-windowed) job did before the results were
+    // drained in the encoding pass: drain every changed key's result, sort them all, format
+    // them as the log sink's lines (not printed).
     let t_drain = Meter::start();
     let mut lines = 0usize;
     for agg in &mut aggs {
@@ -511,7 +535,6 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
             .sum::<usize>();
     }
     let drain = t_drain.stop();
-    let aggs: Vec<Arc<KeyedAggregator>> = aggs.into_iter().map(Arc::new).collect();
     let t_encode = Instant::now();
     let blocks: Vec<Blocks> = (0..args.parallelism)
         .map(|i| {
@@ -527,6 +550,10 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         })
         .collect::<Result<_>>()?;
     let encode_once = t_encode.elapsed();
+    let aggs: Vec<SharedAgg> = aggs
+        .into_iter()
+        .map(|a| Arc::new(tokio::sync::Mutex::new(a)))
+        .collect();
     let total: u64 = blocks
         .iter()
         .flat_map(|b| b.iter())
@@ -538,7 +565,7 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         .map(|(_, b, _)| b.clone())
         .collect();
     println!(
-        "state: {keys} keys, {total} bytes ({:.0} MiB, {:.0} B/key) built in {}; encoding alone {} ({:.0} MiB/s)",
+        "state: {keys} keys, {total} bytes ({:.0} MiB, {:.0} B/key) built in {}; encoding alone (one thread) {} ({:.0} MiB/s)",
         mib(total),
         total as f64 / keys as f64,
         secs(built),
@@ -546,15 +573,18 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         mibps(total, encode_once)
     );
     println!(
-        "a checkpoint of this non-windowed job also drains, sorts and formats every changed key's result: {} ({:.2} s CPU) for {keys} results, {:.0} MiB of log lines",
+        "for reference, the previous checkpoint path's drain + global sort + format of every changed key's result: {} ({:.2} s CPU) for {keys} results, {:.0} MiB of log lines",
         secs(drain.wall),
         drain.cpu.as_secs_f64(),
         mib(lines as u64)
     );
 
+    let worker = |threads, updates| WritePath::Worker(StateWriteOptions { threads, updates });
     let raw_path = run.join("raw.bin");
     let mut best_raw_w = Best::default();
     let mut best_ks_w = Best::default();
+    let mut best_ks_w1 = Best::default();
+    let mut best_ks_drain = Best::default();
     let mut best_ks_w_only = Best::default();
     let mut best_raw_r = Best::default();
     let mut best_ks_r = Best::default();
@@ -567,18 +597,50 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
     let rounds = args.rounds.max(1);
     for round in 0..rounds {
         let raw_first = round % 2 == 0;
-        // Writes: raw, keyshift (encode + write, the worker's path), keyshift (write of
-        // pre-encoded blocks); raw first in even rounds, last in odd ones.
+        // Writes: raw; keyshift's worker path (its encoder threads, then one thread); the worker
+        // path of a checkpoint that also drains every key's result (all marked changed first,
+        // outside the timing); the write of pre-encoded blocks. Raw first in even rounds, last
+        // in odd ones.
         if raw_first {
             best_raw_w.add(raw_write(&raw_path, &chunks)?);
         }
+        for (path, best) in [
+            (worker(threads, Updates::Skip), &mut best_ks_w),
+            (worker(1, Updates::Skip), &mut best_ks_w1),
+        ] {
+            id += 1;
+            let (d, dir, _, _) = write_snapshot(&store, &job, id, assignment, &aggs, path).await?;
+            best.add(d);
+            std::fs::remove_dir_all(root.join(dir.as_ref()))?;
+        }
+        for a in &aggs {
+            a.lock().await.mark_all_changed();
+        }
         id += 1;
-        let (d, dir, _) = write_snapshot(&store, &job, id, assignment, &aggs, None).await?;
-        best_ks_w.add(d);
+        let (d, dir, _, rows) = write_snapshot(
+            &store,
+            &job,
+            id,
+            assignment,
+            &aggs,
+            worker(threads, Updates::Keep),
+        )
+        .await?;
+        if rows != keys {
+            bail!("the checkpoint drained {rows} results, expected {keys}");
+        }
+        best_ks_drain.add(d);
         std::fs::remove_dir_all(root.join(dir.as_ref()))?;
         id += 1;
-        let (d, dir, manifest) =
-            write_snapshot(&store, &job, id, assignment, &aggs, Some(&blocks)).await?;
+        let (d, dir, manifest, _) = write_snapshot(
+            &store,
+            &job,
+            id,
+            assignment,
+            &aggs,
+            WritePath::PreEncoded(blocks.clone()),
+        )
+        .await?;
         best_ks_w_only.add(d);
         if !raw_first {
             best_raw_w.add(raw_write(&raw_path, &chunks)?);
@@ -603,26 +665,39 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
             best_raw_r.add(raw_read(&raw_path, total)?);
         }
 
-        // Restore proper: read, then decode the blocks into fresh operators.
+        // Restore proper, the worker's path: every subtask reads its groups and decodes them
+        // into a fresh operator while the next ones are read.
         let t = Meter::start();
-        let (_, restored) = read_snapshot(&store, &dir, &manifest, assignment, total).await?;
-        let mut fresh = (0..args.parallelism)
-            .map(|i| KeyedAggregator::new(config, assignment.range(i)))
-            .collect::<Result<Vec<_>, _>>()?;
-        for (i, r) in restored.iter().enumerate() {
-            for g in &r.groups {
-                if !g.bytes.is_empty() {
-                    fresh[i].restore_group(g.group, &g.bytes)?;
-                }
-            }
+        let tasks: Vec<_> = (0..args.parallelism)
+            .map(|i| {
+                let (store, dir, manifest) = (store.clone(), dir.clone(), manifest.clone());
+                tokio::spawn(async move {
+                    let mut agg = KeyedAggregator::new(config, assignment.range(i))?;
+                    let r = restore::restore_state(
+                        &mut agg,
+                        store.as_ref(),
+                        &dir,
+                        &manifest,
+                        RestoreOptions::default(),
+                    )
+                    .await?;
+                    Ok::<_, anyhow::Error>((agg, r))
+                })
+            })
+            .collect();
+        let mut fresh = Vec::new();
+        for task in tasks {
+            fresh.push(task.await??);
         }
         best_restore.add(t.stop());
-        let restored_keys: usize = fresh.iter().map(KeyedAggregator::key_count).sum();
-        if restored_keys as u64 != keys {
-            bail!("restored {restored_keys} keys, expected {keys}");
+        let restored_keys: usize = fresh.iter().map(|(a, _)| a.key_count()).sum();
+        let restored_bytes: u64 = fresh.iter().map(|(_, r)| r.bytes_read).sum();
+        if restored_keys as u64 != keys || restored_bytes != total {
+            bail!(
+                "restored {restored_keys} keys from {restored_bytes} bytes, expected {keys} from {total}"
+            );
         }
         drop(fresh);
-        drop(restored);
 
         // Cold reads: the files' pages dropped from the page cache first; /proc/self/io tells
         // how much came from the device.
@@ -646,11 +721,13 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         }
         std::fs::remove_dir_all(root.join(dir.as_ref()))?;
         println!(
-            "round {}/{}: write raw {} / keyshift {} (pre-encoded {}); read raw {} / keyshift {}; restore {}; cold read raw {} / keyshift {} (best so far)",
+            "round {}/{}: write raw {} / keyshift {} (1 thread {}, draining results {}, pre-encoded {}); read raw {} / keyshift {}; restore {}; cold read raw {} / keyshift {} (best so far)",
             round + 1,
             rounds,
             secs(best_raw_w.get()),
             secs(best_ks_w.get()),
+            secs(best_ks_w1.get()),
+            secs(best_ks_drain.get()),
             secs(best_ks_w_only.get()),
             secs(best_raw_r.get()),
             secs(best_ks_r.get()),
@@ -676,7 +753,7 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
     );
     println!();
     println!(
-        "| measurement ({} MiB, {} keys, {} groups, p={}) | raw | keyshift | raw MiB/s | keyshift MiB/s | ratio (raw time / keyshift time) | CPU raw / keyshift |",
+        "| measurement ({} MiB, {} keys, {} groups, p={}, {threads} encoder threads) | raw | keyshift | raw MiB/s | keyshift MiB/s | ratio (raw time / keyshift time) | CPU raw / keyshift |",
         mib(total).round(),
         keys,
         args.max_parallelism,
@@ -701,6 +778,16 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         &best_ks_w,
     );
     row(
+        "snapshot write: encode + write + fsync, one encoder thread",
+        &best_raw_w,
+        &best_ks_w1,
+    );
+    row(
+        "checkpoint write draining every key's result too (non-windowed job, worker path)",
+        &best_raw_w,
+        &best_ks_drain,
+    );
+    row(
         "snapshot write: pre-encoded blocks + fsync",
         &best_raw_w,
         &best_ks_w_only,
@@ -716,7 +803,7 @@ async fn snapshot_bench(args: SnapshotBench) -> Result<()> {
         &best_ks_cold,
     );
     row(
-        "restore: read + decode into the operator (page cache)",
+        "restore: read + decode into the operator (page cache, worker path)",
         &best_raw_r,
         &best_restore,
     );

@@ -19,6 +19,7 @@ use super::state_codec::{self, AccValue, BlockInfo, BlockWriter, CodecError, Sta
 use super::watermark::MIN_WATERMARK;
 use crate::crd::AggregateFunction;
 use crate::keygroup::KeyGroupRange;
+use bytes::Bytes;
 use std::collections::BTreeMap;
 
 /// What the operator computes and how it lays out state.
@@ -91,7 +92,9 @@ pub enum AggregateError {
 #[derive(Debug, Clone)]
 struct Slot {
     acc: AccValue,
-    payload: Vec<u8>,
+    /// Immutable once created; a restored key's payload shares the memory of the block it was
+    /// restored from (no copy, no allocation per key).
+    payload: Bytes,
     dirty: bool,
 }
 
@@ -144,7 +147,10 @@ pub fn window_start(ts: i64, size: i64) -> i64 {
 }
 
 /// Deterministic ballast for a key (so it does not compress to nothing).
-fn payload_for(key: &RecordKey, n: usize) -> Vec<u8> {
+fn payload_for(key: &RecordKey, n: usize) -> Bytes {
+    if n == 0 {
+        return Bytes::new();
+    }
     let mut out = Vec::with_capacity(n);
     let mut s = key.java_hash() as u32 as u64;
     while out.len() < n {
@@ -153,7 +159,7 @@ fn payload_for(key: &RecordKey, n: usize) -> Vec<u8> {
         let take = (n - out.len()).min(8);
         out.extend_from_slice(&word[..take]);
     }
-    out
+    Bytes::from(out)
 }
 
 impl KeyedAggregator {
@@ -368,6 +374,16 @@ impl KeyedAggregator {
         out
     }
 
+    /// Marks every key changed, as if each had just received a record (benchmarks and tests:
+    /// the next drain reports them all).
+    pub fn mark_all_changed(&mut self) {
+        for map in &mut self.groups {
+            for slot in map.values_mut() {
+                slot.dirty = true;
+            }
+        }
+    }
+
     fn block_info(&self, group: u32) -> BlockInfo {
         BlockInfo {
             function: self.config.function,
@@ -393,91 +409,60 @@ impl KeyedAggregator {
         Ok(w.finish())
     }
 
+    /// Every owned group, in group order, detached for one snapshot: each can be encoded
+    /// ([`GroupSnapshot::encode`]) on its own thread, since it borrows only its group's state.
+    pub fn snapshot_groups(&mut self) -> Vec<GroupSnapshot<'_>> {
+        let (config, start) = (self.config, self.range.start);
+        let per_entry = 40 + config.state_payload_bytes;
+        self.groups
+            .iter_mut()
+            .enumerate()
+            .map(|(i, map)| GroupSnapshot {
+                info: BlockInfo {
+                    function: config.function,
+                    window_size_ms: config.window_size_ms,
+                    max_parallelism: config.max_parallelism,
+                    key_group: start + i as u32,
+                },
+                per_entry,
+                map,
+            })
+            .collect()
+    }
+
     /// Replaces one owned group's state with a block's. The block must have this job's schema,
     /// function, window size and key-group count, be for `group`, and hold only keys of that
-    /// group. Restored keys are not marked changed.
+    /// group. Restored keys are not marked changed. (One copy of the block is kept; see
+    /// [`GroupDecoder`] to restore from shared bytes without it.)
     pub fn restore_group(&mut self, group: u32, block: &[u8]) -> Result<(), AggregateError> {
+        let state = self
+            .decoder()
+            .decode(group, &Bytes::copy_from_slice(block))?;
+        self.install_group(state)
+    }
+
+    /// A decoder of this operator's blocks, usable on other threads ([`GroupDecoder::decode`]);
+    /// the decoded groups are then installed with [`install_group`](Self::install_group).
+    pub fn decoder(&self) -> GroupDecoder {
+        GroupDecoder {
+            config: self.config,
+            range: self.range,
+        }
+    }
+
+    /// Replaces one owned group's state with a decoded one (from this operator's
+    /// [`decoder`](Self::decoder) or one of the same configuration and range).
+    pub fn install_group(&mut self, state: DecodedGroupState) -> Result<(), AggregateError> {
+        let group = state.group;
         let index = self.group_index(group).ok_or(AggregateError::NotOwned {
             group,
             range: self.range,
         })?;
-        let header = state_codec::decode_header(block)
-            .map_err(|source| AggregateError::Codec { group, source })?;
-        let info = header.info;
-        let incompatible = |what, block: String, job: String| AggregateError::Incompatible {
-            group,
-            what,
-            block,
-            job,
-        };
-        if info.key_group != group {
-            return Err(incompatible(
-                "key group",
-                info.key_group.to_string(),
-                group.to_string(),
-            ));
-        }
-        if info.max_parallelism != self.config.max_parallelism {
-            return Err(incompatible(
-                "max parallelism",
-                info.max_parallelism.to_string(),
-                self.config.max_parallelism.to_string(),
-            ));
-        }
-        if info.function != self.config.function {
-            return Err(incompatible(
-                "aggregate function",
-                format!("{:?}", info.function),
-                format!("{:?}", self.config.function),
-            ));
-        }
-        if info.window_size_ms != self.config.window_size_ms {
-            return Err(incompatible(
-                "window size (ms)",
-                format!("{:?}", info.window_size_ms),
-                format!("{:?}", self.config.window_size_ms),
-            ));
-        }
-        // Decode into a fresh map so a failure leaves the current state untouched.
-        let maxp = self.config.max_parallelism;
-        let mut map = KeyMap::default();
-        map.reserve(header.entries.min(block.len() as u64 / 10) as usize);
-        let mut wrong: Option<AggregateError> = None;
-        let mut opened: Vec<i64> = Vec::new();
-        state_codec::for_each_entry(block, |key, value| {
-            let actual = key.key_group(maxp);
-            if actual != group && wrong.is_none() {
-                wrong = Some(AggregateError::KeyInWrongGroup {
-                    key: key.to_string(),
-                    group,
-                    actual,
-                });
-            }
-            if let AccValue::Windows(ws) = &value.acc {
-                if ws.is_empty() {
-                    return Ok(());
-                }
-                opened.extend(ws.iter().map(|(s, _)| *s));
-            }
-            map.insert(
-                key,
-                Slot {
-                    acc: value.acc,
-                    payload: value.payload,
-                    dirty: false,
-                },
-            );
-            Ok(())
-        })
-        .map_err(|source| AggregateError::Codec { group, source })?;
-        if let Some(e) = wrong {
-            return Err(e);
-        }
         self.forget_windows(index);
-        for start in opened {
+        for start in state.opened {
             *self.open_windows.entry(start).or_insert(0) += 1;
         }
-        self.groups[index] = map;
+        self.groups[index] = state.map;
         Ok(())
     }
 
@@ -517,12 +502,221 @@ impl KeyedAggregator {
                         k.clone(),
                         StateValue {
                             acc: s.acc.clone(),
-                            payload: s.payload.clone(),
+                            payload: s.payload.to_vec(),
                         },
                     )
                 })
                 .collect()
         })
+    }
+}
+
+/// Decodes key-group blocks for an operator (its configuration and key groups) without
+/// touching it, so that blocks can be decoded on other threads while the next ones are read and
+/// installed ([`KeyedAggregator::install_group`]) only once every block has been checked.
+#[derive(Debug, Clone, Copy)]
+pub struct GroupDecoder {
+    config: AggConfig,
+    range: KeyGroupRange,
+}
+
+/// One group's state decoded from its block, not part of any operator yet.
+#[derive(Debug)]
+pub struct DecodedGroupState {
+    group: u32,
+    map: KeyMap<Slot>,
+    opened: Vec<i64>,
+}
+
+impl DecodedGroupState {
+    /// The key group.
+    pub fn group(&self) -> u32 {
+        self.group
+    }
+
+    /// Keys decoded.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether the block held no keys.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+}
+
+impl GroupDecoder {
+    /// Decodes the block of `group`. The block must have this job's schema, function, window
+    /// size and key-group count, be for `group` (owned), and hold only keys of that group. Keys'
+    /// payloads are slices of `block` (its memory lives as long as one of them does).
+    pub fn decode(&self, group: u32, block: &Bytes) -> Result<DecodedGroupState, AggregateError> {
+        if !self.range.contains(group) {
+            return Err(AggregateError::NotOwned {
+                group,
+                range: self.range,
+            });
+        }
+        // Checksum and header, once; then the entries.
+        let entries = state_codec::shared_entries(block)
+            .map_err(|source| AggregateError::Codec { group, source })?;
+        let info = entries.header().info;
+        let incompatible = |what, block: String, job: String| AggregateError::Incompatible {
+            group,
+            what,
+            block,
+            job,
+        };
+        if info.key_group != group {
+            return Err(incompatible(
+                "key group",
+                info.key_group.to_string(),
+                group.to_string(),
+            ));
+        }
+        if info.max_parallelism != self.config.max_parallelism {
+            return Err(incompatible(
+                "max parallelism",
+                info.max_parallelism.to_string(),
+                self.config.max_parallelism.to_string(),
+            ));
+        }
+        if info.function != self.config.function {
+            return Err(incompatible(
+                "aggregate function",
+                format!("{:?}", info.function),
+                format!("{:?}", self.config.function),
+            ));
+        }
+        if info.window_size_ms != self.config.window_size_ms {
+            return Err(incompatible(
+                "window size (ms)",
+                format!("{:?}", info.window_size_ms),
+                format!("{:?}", self.config.window_size_ms),
+            ));
+        }
+        let maxp = self.config.max_parallelism;
+        let mut map = KeyMap::default();
+        map.reserve(entries.header().entries.min(block.len() as u64 / 10) as usize);
+        let mut wrong: Option<AggregateError> = None;
+        let mut opened: Vec<i64> = Vec::new();
+        entries
+            .for_each(|key, acc, payload| {
+                let actual = key.key_group(maxp);
+                if actual != group && wrong.is_none() {
+                    wrong = Some(AggregateError::KeyInWrongGroup {
+                        key: key.to_string(),
+                        group,
+                        actual,
+                    });
+                }
+                if let AccValue::Windows(ws) = &acc {
+                    if ws.is_empty() {
+                        return Ok(());
+                    }
+                    opened.extend(ws.iter().map(|(s, _)| *s));
+                }
+                map.insert(
+                    key,
+                    Slot {
+                        acc,
+                        payload,
+                        dirty: false,
+                    },
+                );
+                Ok(())
+            })
+            .map_err(|source| AggregateError::Codec { group, source })?;
+        if let Some(e) = wrong {
+            return Err(e);
+        }
+        Ok(DecodedGroupState { group, map, opened })
+    }
+}
+
+/// One key group's state, borrowed from its operator for a snapshot
+/// ([`KeyedAggregator::snapshot_groups`]).
+pub struct GroupSnapshot<'a> {
+    info: BlockInfo,
+    per_entry: usize,
+    map: &'a mut KeyMap<Slot>,
+}
+
+/// What [`GroupSnapshot::encode`] produced.
+#[derive(Debug)]
+pub struct EncodedGroup {
+    /// The key group.
+    pub group: u32,
+    /// Its block, exactly what [`KeyedAggregator::encode_group`] returns.
+    pub block: Vec<u8>,
+    /// Entries in the block.
+    pub entries: u64,
+    /// Result rows appended to the caller's buffer (0 without one).
+    pub rows: u64,
+}
+
+impl GroupSnapshot<'_> {
+    /// The key group.
+    pub fn group(&self) -> u32 {
+        self.info.key_group
+    }
+
+    /// Keys in the group.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether the group holds no keys.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Encodes the group's block, the same bytes as [`KeyedAggregator::encode_group`]. With
+    /// `updates`, in the same pass over the state, also drains the group's changed keys like
+    /// [`KeyedAggregator::drain_updates`]: appends each one's current value (or open windows) as
+    /// a sink JSON line ([`super::sink::format_json_row`]) and clears its change mark. Rows come
+    /// in the map's order, not sorted.
+    pub fn encode(self, mut updates: Option<&mut Vec<u8>>) -> EncodedGroup {
+        let mut w = BlockWriter::new(&self.info, 64 + self.map.len() * self.per_entry);
+        let size = self.info.window_size_ms;
+        let mut rows = 0u64;
+        for (key, slot) in self.map.iter_mut() {
+            w.push(key, &slot.acc, &slot.payload);
+            if let Some(out) = updates.as_deref_mut()
+                && slot.dirty
+            {
+                slot.dirty = false;
+                rows += format_rows(out, key, &slot.acc, size);
+            }
+        }
+        let (block, entries) = w.finish();
+        EncodedGroup {
+            group: self.info.key_group,
+            block,
+            entries,
+            rows,
+        }
+    }
+}
+
+/// Appends a key's result rows as sink JSON lines (what [`push_rows`] would build); returns
+/// how many.
+fn format_rows(out: &mut Vec<u8>, key: &RecordKey, acc: &AccValue, size: Option<i64>) -> u64 {
+    match acc {
+        AccValue::Scalar(v) => {
+            super::sink::format_json_row(key, None, *v, out);
+            1
+        }
+        AccValue::Windows(ws) => {
+            let size = size.unwrap_or(0);
+            for (start, v) in ws {
+                let window = Window {
+                    start: *start,
+                    end: start.saturating_add(size),
+                };
+                super::sink::format_json_row(key, Some(window), *v, out);
+            }
+            ws.len() as u64
+        }
     }
 }
 

@@ -32,15 +32,18 @@ pub mod sink;
 pub mod state_codec;
 pub mod watermark;
 
-pub use aggregate::{AggConfig, AggregateError, KeyedAggregator, ResultRow, Window};
+pub use aggregate::{
+    AggConfig, AggregateError, DecodedGroupState, EncodedGroup, GroupDecoder, GroupSnapshot,
+    KeyedAggregator, ResultRow, Window,
+};
 pub use file_source::{FieldMapping, FileBatch, FileSourceError, FileSourceReader};
 pub use generator::{Generator, GeneratorError};
 pub use oracle::{Expected, expected_results};
 pub use record::{KeyRef, Record, RecordKey};
-pub use sink::{LogSink, Output, SinkError, StagingSink, WriterId};
+pub use sink::{LogSink, Output, SinkError, StagingSink, WriterId, format_json_row};
 pub use state_codec::{
-    AGG_SCHEMA, AccValue, BlockHeader, BlockInfo, CodecError, DecodedGroup, StateValue,
-    decode_group, decode_header, encode_entries,
+    AGG_SCHEMA, AccValue, BlockHeader, BlockInfo, CodecError, DecodedGroup, SharedEntries,
+    StateValue, decode_group, decode_header, encode_entries, shared_entries,
 };
 pub use watermark::{PartitionWatermark, WatermarkTracker};
 

@@ -33,6 +33,7 @@
 use super::record::{self, KeyRef, Reader, RecordKey, WireError};
 use crate::crd::AggregateFunction;
 use crate::keygroup::Key;
+use bytes::Bytes;
 
 /// The magic bytes a block starts with.
 pub const BLOCK_MAGIC: [u8; 4] = *b"KSKG";
@@ -335,9 +336,9 @@ pub fn decode_header(block: &[u8]) -> Result<BlockHeader, CodecError> {
     open(block).map(|(h, _)| h)
 }
 
-fn read_value(r: &mut Reader<'_>, windowed: bool, entry: u64) -> Result<StateValue, CodecError> {
+fn read_acc(r: &mut Reader<'_>, windowed: bool, entry: u64) -> Result<AccValue, CodecError> {
     let e = |source| CodecError::Entry { entry, source };
-    let acc = if windowed {
+    Ok(if windowed {
         let n = r.varint().map_err(e)?;
         // Each window takes 16 bytes: bound the allocation by what the input can hold.
         if n > (r.remaining() / 16) as u64 {
@@ -355,10 +356,77 @@ fn read_value(r: &mut Reader<'_>, windowed: bool, entry: u64) -> Result<StateVal
         AccValue::Windows(ws)
     } else {
         AccValue::Scalar(r.i64().map_err(e)?)
-    };
+    })
+}
+
+/// Reads a payload's length and skips it; returns where it lies in the input.
+fn read_payload(r: &mut Reader<'_>, entry: u64) -> Result<std::ops::Range<usize>, CodecError> {
+    let e = |source| CodecError::Entry { entry, source };
     let n = r.len().map_err(e)?;
-    let payload = r.bytes(n).map_err(e)?.to_vec();
-    Ok(StateValue { acc, payload })
+    let start = r.pos;
+    r.bytes(n).map_err(e)?;
+    Ok(start..start + n)
+}
+
+fn read_value(r: &mut Reader<'_>, windowed: bool, entry: u64) -> Result<StateValue, CodecError> {
+    let acc = read_acc(r, windowed, entry)?;
+    let at = read_payload(r, entry)?;
+    Ok(StateValue {
+        acc,
+        payload: r.buf[at].to_vec(),
+    })
+}
+
+/// A block opened for decoding with shared payloads: checksum verified and header read once
+/// ([`SharedEntries::header`]), entries decoded by [`SharedEntries::for_each`].
+pub struct SharedEntries<'a> {
+    header: BlockHeader,
+    block: &'a Bytes,
+    reader: Reader<'a>,
+}
+
+/// Opens a block held in shared memory: verifies its checksum and reads its header.
+pub fn shared_entries(block: &Bytes) -> Result<SharedEntries<'_>, CodecError> {
+    let (header, reader) = open(block)?;
+    Ok(SharedEntries {
+        header,
+        block,
+        reader,
+    })
+}
+
+impl SharedEntries<'_> {
+    /// The block's header.
+    pub fn header(&self) -> &BlockHeader {
+        &self.header
+    }
+
+    /// Decodes every entry like [`for_each_entry`], calling `f` with each key, accumulator and
+    /// payload; the payload is a slice of the block (no copy; empty payloads hold no memory).
+    pub fn for_each(
+        mut self,
+        mut f: impl FnMut(RecordKey, AccValue, Bytes) -> Result<(), CodecError>,
+    ) -> Result<BlockHeader, CodecError> {
+        let windowed = self.header.info.window_size_ms.is_some();
+        let r = &mut self.reader;
+        for entry in 0..self.header.entries {
+            let key = record::read_key(r).map_err(|source| CodecError::Entry { entry, source })?;
+            let acc = read_acc(r, windowed, entry)?;
+            let at = read_payload(r, entry)?;
+            let payload = if at.is_empty() {
+                Bytes::new()
+            } else {
+                self.block.slice(at)
+            };
+            f(key, acc, payload)?;
+        }
+        if r.remaining() != 0 {
+            return Err(CodecError::TrailingBytes {
+                extra: r.remaining(),
+            });
+        }
+        Ok(self.header)
+    }
 }
 
 /// Decodes every entry of a block, calling `f` with each key (as a [`RecordKey`]) and value.
@@ -518,6 +586,20 @@ mod tests {
             // The record-key path sees the same entries.
             let mut seen = Vec::new();
             for_each_entry(&block, |k, v| { seen.push((k.to_key(), v)); Ok(()) }).unwrap();
+            prop_assert_eq!(&seen, &entries);
+            // So does the shared-payload path, its payloads slices of the block.
+            let shared = Bytes::from(block.clone());
+            let opened = shared_entries(&shared).unwrap();
+            prop_assert_eq!(opened.header().info, info(true));
+            let mut seen = Vec::new();
+            opened.for_each(|k, acc, payload| {
+                if !payload.is_empty() {
+                    let at = payload.as_ptr() as usize - shared.as_ptr() as usize;
+                    assert!(at + payload.len() <= shared.len(), "payload outside the block");
+                }
+                seen.push((k.to_key(), StateValue { acc, payload: payload.to_vec() }));
+                Ok(())
+            }).unwrap();
             prop_assert_eq!(seen, entries);
         }
 
@@ -529,8 +611,10 @@ mod tests {
             let i = flip % bad.len();
             bad[i] ^= 0x5a;
             prop_assert!(decode_group(&bad).is_err());
+            prop_assert!(shared_entries(&Bytes::from(bad)).and_then(|o| o.for_each(|_, _, _| Ok(()))).is_err());
             let short = &block[..cut % block.len()];
             prop_assert!(decode_group(short).is_err());
+            prop_assert!(shared_entries(&Bytes::copy_from_slice(short)).and_then(|o| o.for_each(|_, _, _| Ok(()))).is_err());
         }
     }
 

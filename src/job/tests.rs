@@ -471,3 +471,184 @@ fn compile_rejects_bad_specs() {
         Err(JobError::SourceOneOf)
     ));
 }
+
+/// An operator with string, long and int keys (some with characters JSON escapes), windowed or
+/// not, with payloads; some keys changed since the last drain.
+fn mixed_state(window: Option<i64>, payload: usize) -> KeyedAggregator {
+    let config = AggConfig {
+        function: AggregateFunction::Sum,
+        window_size_ms: window,
+        max_parallelism: MAXP,
+        state_payload_bytes: payload,
+    };
+    let mut op = all_groups(config);
+    let keys: Vec<RecordKey> = (0..600)
+        .map(|i| match i % 3 {
+            0 => RecordKey::string(format!("k\"{i}\\\n€")),
+            1 => RecordKey::long(i64::from(i) - 300),
+            _ => RecordKey::int(i),
+        })
+        .collect();
+    for (i, k) in keys.iter().enumerate() {
+        op.process(&rec(k.clone(), i as i64, (i as i64 % 7) * 4_000))
+            .unwrap();
+    }
+    let _ = op.drain_updates();
+    for k in keys.iter().step_by(4) {
+        op.process(&rec(k.clone(), 5, 9_000)).unwrap();
+    }
+    op
+}
+
+#[test]
+fn snapshot_groups_encode_like_encode_group_and_drain_like_drain_updates() {
+    for window in [None, Some(10_000)] {
+        let mut reference = mixed_state(window, 9);
+        let mut op = mixed_state(window, 9);
+        let blocks: Vec<(u32, Vec<u8>, u64)> = op
+            .range()
+            .iter()
+            .map(|g| {
+                let (b, n) = op.encode_group(g).unwrap();
+                (g, b, n)
+            })
+            .collect();
+        let rows = reference.drain_updates();
+        assert!(!rows.is_empty());
+        let mut expected: Vec<Vec<u8>> = rows
+            .iter()
+            .map(|r| {
+                let mut line = Vec::new();
+                sink::format_json_line(r, &mut line);
+                line
+            })
+            .collect();
+
+        // Without a buffer: same blocks, nothing drained.
+        for (g, (group, block, n)) in op.snapshot_groups().into_iter().zip(&blocks) {
+            assert_eq!(g.group(), *group);
+            let e = g.encode(None);
+            assert_eq!((&e.block, e.entries, e.rows), (block, *n, 0));
+        }
+        // With one: same blocks, and exactly the changed keys' rows, once.
+        let mut lines = Vec::new();
+        let mut drained = 0;
+        for (g, (_, block, _)) in op.snapshot_groups().into_iter().zip(&blocks) {
+            let e = g.encode(Some(&mut lines));
+            assert_eq!(&e.block, block);
+            drained += e.rows;
+        }
+        assert_eq!(drained as usize, rows.len());
+        let mut got: Vec<Vec<u8>> = lines
+            .split_inclusive(|b| *b == b'\n')
+            .map(<[u8]>::to_vec)
+            .collect();
+        got.sort();
+        expected.sort();
+        assert_eq!(got, expected, "window {window:?}");
+        assert!(
+            op.drain_updates().is_empty(),
+            "the change marks are cleared"
+        );
+        let mut again = Vec::new();
+        for g in op.snapshot_groups() {
+            assert_eq!(g.encode(Some(&mut again)).rows, 0);
+        }
+        assert!(again.is_empty());
+        op.mark_all_changed();
+        assert_eq!(op.drain_updates().len(), op.results().len());
+    }
+}
+
+#[test]
+fn decoded_groups_install_like_restore_group_and_share_the_block() {
+    for window in [None, Some(10_000)] {
+        let op = mixed_state(window, 40);
+        let mut by_restore = all_groups(*op.config());
+        let mut by_install = all_groups(*op.config());
+        let decoder = by_install.decoder();
+        let mut decoded = Vec::new();
+        for g in op.range().iter() {
+            let (block, n) = op.encode_group(g).unwrap();
+            by_restore.restore_group(g, &block).unwrap();
+            let shared = bytes::Bytes::from(block);
+            let state = decoder.decode(g, &shared).unwrap();
+            assert_eq!((state.group(), state.len() as u64), (g, n));
+            decoded.push(state);
+        }
+        // Nothing is applied until installed.
+        assert_eq!(by_install.key_count(), 0);
+        for state in decoded {
+            by_install.install_group(state).unwrap();
+        }
+        assert_eq!(by_install.results(), op.results());
+        assert_eq!(by_restore.results(), op.results());
+        for g in op.range().iter() {
+            let mut a = op.group_entries(g);
+            let mut b = by_install.group_entries(g);
+            a.sort_by(|x, y| x.0.cmp(&y.0));
+            b.sort_by(|x, y| x.0.cmp(&y.0));
+            assert_eq!(a, b, "group {g}");
+        }
+        // Windows restored through install fire like the original's.
+        let (mut a, mut b) = (op, by_install);
+        assert_eq!(a.advance_watermark(i64::MAX), b.advance_watermark(i64::MAX));
+    }
+}
+
+#[test]
+fn decoding_checks_like_restore_group() {
+    let op = mixed_state(None, 0);
+    let group = op
+        .range()
+        .iter()
+        .find(|g| op.group_key_count(*g) > 0)
+        .unwrap();
+    let (block, _) = op.encode_group(group).unwrap();
+    let shared = bytes::Bytes::from(block.clone());
+    let mut fresh = all_groups(*op.config());
+    let decoder = fresh.decoder();
+    assert!(matches!(
+        decoder.decode(group + 1, &shared),
+        Err(AggregateError::Incompatible {
+            what: "key group",
+            ..
+        })
+    ));
+    let mut bad = block.clone();
+    bad[block.len() / 2] ^= 1;
+    assert!(matches!(
+        decoder.decode(group, &bytes::Bytes::from(bad)),
+        Err(AggregateError::Codec { .. })
+    ));
+    let mut other = *op.config();
+    other.function = AggregateFunction::Count;
+    assert!(matches!(
+        all_groups(other).decoder().decode(group, &shared),
+        Err(AggregateError::Incompatible { .. })
+    ));
+    let narrow = KeyedAggregator::new(
+        *op.config(),
+        KeyGroupRange {
+            start: group + 1,
+            end: group + 1,
+        },
+    )
+    .unwrap();
+    assert!(matches!(
+        narrow.decoder().decode(group, &shared),
+        Err(AggregateError::NotOwned { .. })
+    ));
+    let state = decoder.decode(group, &shared).unwrap();
+    assert!(matches!(
+        all_groups(*op.config())
+            .decoder()
+            .decode(group, &shared)
+            .map(|_| ()),
+        Ok(())
+    ));
+    let mut narrow = narrow;
+    assert!(narrow.install_group(state).is_err());
+    fresh.restore_group(group, &block).unwrap();
+    assert_eq!(fresh.group_key_count(group), op.group_key_count(group));
+}

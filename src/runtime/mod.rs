@@ -2,7 +2,9 @@
 //! process. The coordinator ([`crate::coordinator`]) drives workers through [`protocol`] only, so
 //! it does not care whether they are local processes or pods.
 
+pub mod checkpoint;
 pub mod metrics;
 pub mod protocol;
+pub mod restore;
 pub mod shuffle;
 pub mod worker;

@@ -9,12 +9,14 @@
 //!   delivered barrier `n` is not read again until every input has), then writes its key groups
 //!   to the object store and acknowledges the snapshot.
 
+use super::checkpoint::{self, StateWriteOptions, Updates};
 use super::metrics::WorkerMetrics;
 use super::protocol::*;
+use super::restore::{self, RestoreOptions};
 use super::shuffle::{self, BATCH, CHANNEL_BATCHES, Msg};
+use crate::job::WatermarkTracker;
 use crate::job::{self, CompiledJob, JobOptions, KeyedAggregator, PartitionWatermark, Record};
-use crate::job::{LogSink, WatermarkTracker};
-use crate::keygroup::{Assignment, KeyGroupRange};
+use crate::keygroup::Assignment;
 use crate::snapshot::{self, ObjectStore, Path as StorePath, SnapshotKind, SnapshotWriter};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -49,6 +51,10 @@ pub enum WorkerError {
     Snapshot(#[from] snapshot::SnapshotError),
     #[error(transparent)]
     Shuffle(#[from] shuffle::ShuffleError),
+    #[error(transparent)]
+    StateWrite(#[from] checkpoint::StateWriteError),
+    #[error(transparent)]
+    Restore(#[from] restore::RestoreError),
     #[error("{0}")]
     Fatal(String),
 }
@@ -328,7 +334,6 @@ async fn start(
 struct Subtask {
     subtask: u32,
     assignment: Assignment,
-    range: KeyGroupRange,
     agg: KeyedAggregator,
     store: Arc<dyn ObjectStore>,
     job_dir: StorePath,
@@ -382,14 +387,17 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
             )));
         }
         if manifest.state_schema == job::AGG_SCHEMA {
-            let restored = snapshot::read_groups(rstore.as_ref(), &dir, &manifest, range).await?;
-            for g in &restored.groups {
-                if !g.bytes.is_empty() {
-                    agg.restore_group(g.group, &g.bytes)?;
-                    resp.keys_restored += g.entries;
-                }
-            }
-            resp.groups_restored = restored.groups.len() as u32;
+            // Decoded while the next blocks are read; installed once every block is checked.
+            let restored = restore::restore_state(
+                &mut agg,
+                rstore.as_ref(),
+                &dir,
+                &manifest,
+                RestoreOptions::default(),
+            )
+            .await?;
+            resp.keys_restored = restored.keys;
+            resp.groups_restored = restored.groups;
             resp.bytes_read = restored.bytes_read;
         }
         positions = manifest.source_positions.clone();
@@ -537,7 +545,6 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     let sub = Subtask {
         subtask: req.subtask,
         assignment,
-        range,
         agg,
         store,
         job_dir,
@@ -940,20 +947,35 @@ fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
         return;
     }
     s.metrics.records_out.inc_by(rows.len() as u64);
-    if sub.sink_store.is_some() {
-        for r in rows {
-            job::sink::format_json_line(r, &mut sub.sink_buf);
-        }
+    if sub.sink_store.is_none() && !sub.sink_log {
+        return;
+    }
+    // Both sinks take the same JSON lines: format them once.
+    let mut lines = Vec::with_capacity(rows.len() * 48);
+    for r in rows {
+        job::sink::format_json_line(r, &mut lines);
     }
     if sub.sink_log {
         use std::io::Write;
-        // Stdout is line-buffered: without this a checkpoint emitting every changed key makes one
-        // write(2) per key.
-        let mut out = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
-        for r in rows {
-            let _ = writeln!(out, "{}", LogSink::format(r));
-        }
+        // One large write (stdout is line-buffered: writing row by row makes one write(2) each).
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(&lines);
         let _ = out.flush();
+    }
+    if sub.sink_store.is_some() {
+        sub.sink_buf.extend_from_slice(&lines);
+    }
+}
+
+/// Appends result lines to the object-store sink's buffer (without a copy when it is empty).
+fn stage_lines(sub: &mut Subtask, lines: Vec<u8>) {
+    if sub.sink_store.is_none() || lines.is_empty() {
+        return;
+    }
+    if sub.sink_buf.is_empty() {
+        sub.sink_buf = lines;
+    } else {
+        sub.sink_buf.extend_from_slice(&lines);
     }
 }
 
@@ -969,36 +991,48 @@ async fn snapshot(
         .await
         .remove(&id)
         .ok_or_else(|| WorkerError::Fatal(format!("barrier {id} was not injected here")))?;
-    // Non-windowed results go out with each checkpoint (windowed ones when windows fire).
-    if sub.agg.config().window_size_ms.is_none() {
-        let rows = sub.agg.drain_updates();
-        emit(s, sub, &rows);
-    }
+    // Non-windowed results go out with each checkpoint (windowed ones when windows fire): the
+    // changed keys are drained in the same pass that encodes the state, on several threads, and
+    // are on stdout (log sink) or in the sink buffer (object-store sink) before the ack.
+    let updates = if sub.agg.config().window_size_ms.is_some() {
+        Updates::Skip
+    } else if sub.sink_log && sub.sink_store.is_none() {
+        Updates::Log
+    } else {
+        Updates::Keep
+    };
+    let dir = snapshot::snapshot_dir(&sub.job_dir, kind, id);
+    let writer = SnapshotWriter::new(sub.store.clone(), &dir, sub.assignment, sub.subtask)?;
+    let opts = StateWriteOptions {
+        threads: StateWriteOptions::threads_for(sub.agg.key_count()),
+        updates,
+    };
+    let written = match checkpoint::write_state(&mut sub.agg, writer, opts).await {
+        Ok(w) => w,
+        Err(failed) => {
+            // The drained rows are output all the same: they ride with the next snapshot.
+            s.metrics.records_out.inc_by(failed.rows);
+            stage_lines(sub, failed.lines);
+            return Err(failed.error.into());
+        }
+    };
+    s.metrics.records_out.inc_by(written.rows);
+    stage_lines(sub, written.lines);
     // Results since the previous barrier belong to this snapshot: stage them; the coordinator
-    // publishes them once the snapshot is committed (exactly once).
+    // publishes them once the snapshot is committed (exactly once). If staging fails, the
+    // snapshot fails and they stay buffered for the next one.
     if let Some((store, base)) = &sub.sink_store {
         let path = crate::sink::staged_part(base, id, sub.subtask, sub.assignment.parallelism());
-        let body = std::mem::take(&mut sub.sink_buf);
-        store
-            .put(&path, body.into())
-            .await
-            .map_err(|e| WorkerError::Fatal(format!("staging sink output {path}: {e}")))?;
-    }
-    let dir = snapshot::snapshot_dir(&sub.job_dir, kind, id);
-    let mut writer = SnapshotWriter::new(sub.store.clone(), &dir, sub.assignment, sub.subtask)?;
-    let mut keys_per_group = Vec::with_capacity(sub.range.len() as usize);
-    for g in sub.range.iter() {
-        let (bytes, entries) = sub.agg.encode_group(g)?;
-        keys_per_group.push(entries);
-        if let Err(e) = writer
-            .write_group(g, bytes::Bytes::from(bytes), entries)
-            .await
-        {
-            let _ = writer.abort().await;
-            return Err(e.into());
+        let body = bytes::Bytes::from(std::mem::take(&mut sub.sink_buf));
+        if let Err(e) = store.put(&path, body.clone().into()).await {
+            sub.sink_buf = body.to_vec();
+            return Err(WorkerError::Fatal(format!(
+                "staging sink output {path}: {e}"
+            )));
         }
     }
-    let snapshot = writer.finish().await?;
+    let keys_per_group = written.keys_per_group;
+    let snapshot = written.snapshot;
     let duration_ms = started.elapsed().as_millis() as u64;
     s.metrics.checkpoint_ms.set(duration_ms as i64);
     s.metrics.checkpoint_bytes.set(snapshot.file.size as i64);

@@ -58,7 +58,8 @@
 //! - Commit: [`Manifest::assemble`]`(`[`SnapshotMeta`]`, Assignment, Vec<SubtaskSnapshot>)`, then
 //!   [`commit_manifest`] (create-only; [`SnapshotError::AlreadyExists`] the second time).
 //! - Read: [`read_manifest`], [`open_snapshot`]`(url)`, [`read_groups`] -> [`Restore`]
-//!   (groups + `bytes_read`).
+//!   (groups + `bytes_read`); [`read_groups_stream`] -> checked [`RestoredChunk`]s as they
+//!   arrive, for decoding while the next ones are read.
 //! - Check: [`verify`] -> [`VerifyReport`].
 //! - Catalog: [`list_snapshots`], [`latest_checkpoint`], [`retain`] -> [`RetentionReport`].
 //!
@@ -87,8 +88,8 @@ pub use manifest::{
 pub use object_store::ObjectStore;
 pub use object_store::path::Path;
 pub use reader::{
-    Restore, RestoredGroup, VerifyReport, commit_manifest, open_snapshot, read_groups,
-    read_manifest, verify,
+    Restore, RestoredChunk, RestoredGroup, STREAM_REQUEST_BYTES, VerifyReport, commit_manifest,
+    open_snapshot, plan_stream_reads, read_groups, read_groups_stream, read_manifest, verify,
 };
 pub use store::open_store;
 pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

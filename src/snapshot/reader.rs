@@ -187,6 +187,95 @@ pub async fn read_groups(
     })
 }
 
+/// Default upper bound of one range request of [`read_groups_stream`].
+pub const STREAM_REQUEST_BYTES: u64 = 8 << 20;
+
+/// One piece of a streamed restore ([`read_groups_stream`]): the blocks of consecutive
+/// non-empty groups, each block's length and checksum checked.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RestoredChunk {
+    /// The blocks, in group order (groups without state are left out).
+    pub groups: Vec<RestoredGroup>,
+    /// Bytes fetched for this piece (the sum of its blocks' lengths).
+    pub bytes_read: u64,
+}
+
+/// Splits the range reads of `range` (see [`Manifest::plan_reads`]) at group boundaries into
+/// requests of at most `request_bytes` each (a larger block is one request on its own).
+pub fn plan_stream_reads(
+    manifest: &Manifest,
+    range: KeyGroupRange,
+    request_bytes: u64,
+) -> Result<Vec<super::manifest::ReadRequest>> {
+    let limit = request_bytes.max(1);
+    let mut out = Vec::new();
+    for req in manifest.plan_reads(range)? {
+        let mut piece: Option<super::manifest::ReadRequest> = None;
+        for idx in req.groups.clone() {
+            let Some(g) = manifest.key_groups.get(idx) else {
+                break;
+            };
+            match piece.as_mut() {
+                Some(p) if g.length == 0 || p.range.end - p.range.start + g.length <= limit => {
+                    p.range.end = p.range.end.max(g.offset + g.length);
+                    p.groups.end = idx + 1;
+                }
+                _ => {
+                    out.extend(piece.take());
+                    piece = Some(super::manifest::ReadRequest {
+                        file: req.file.clone(),
+                        range: g.byte_range(),
+                        groups: idx..idx + 1,
+                    });
+                }
+            }
+        }
+        out.extend(piece);
+    }
+    Ok(out)
+}
+
+/// Reads the key groups in `range` like [`read_groups`] (exactly their blocks' bytes), as a
+/// stream of pieces in group order: requests of at most `request_bytes` (whole blocks), up to
+/// `in_flight` of them fetched ahead of the consumer, so a caller can decode one piece while
+/// the next ones are read. A piece is yielded only after each of its blocks' length and checksum
+/// matched the manifest; the first mismatch ends the stream with an error naming the file and the
+/// group. The stream does not make a restore all-or-nothing by itself: a caller must keep what it
+/// decodes aside until the stream has ended without error (as the worker does).
+pub fn read_groups_stream<'a>(
+    store: &'a dyn ObjectStore,
+    dir: &'a Path,
+    manifest: &'a Manifest,
+    range: KeyGroupRange,
+    request_bytes: u64,
+    in_flight: usize,
+) -> Result<impl futures::Stream<Item = Result<RestoredChunk>> + Send + 'a> {
+    let plan = plan_stream_reads(manifest, range, request_bytes)?;
+    Ok(futures::stream::iter(plan)
+        .map(move |req| async move {
+            let path = dir.clone().join(req.file.as_str());
+            let buf = store
+                .get_range(&path, req.range.clone())
+                .await
+                .map_err(|e| SnapshotError::store("range read", &path, e))?;
+            let bytes_read = buf.len() as u64;
+            let groups = &manifest.key_groups[req.groups.clone()];
+            let blocks = split_blocks(&path, req.range.start, groups, buf)?;
+            Ok(RestoredChunk {
+                groups: blocks
+                    .into_iter()
+                    .map(|(group, bytes)| RestoredGroup {
+                        group,
+                        entries: manifest.group(group).map_or(0, |g| g.entries),
+                        bytes,
+                    })
+                    .collect(),
+                bytes_read,
+            })
+        })
+        .buffered(in_flight.max(1)))
+}
+
 /// Cuts a fetched buffer (starting at file offset `start`) into the given blocks, checking each
 /// block's length and checksum.
 fn split_blocks(
@@ -312,7 +401,9 @@ async fn verify_file(
     let mut stream = futures::stream::iter(windows)
         .map(|r| store.get_range(&path, r))
         .buffered(2);
-    let (mut file_hash, mut block_hash) = (Crc32cHasher::new(), Crc32cHasher::new());
+    // One pass: every byte is hashed once, into its block's checksum; the blocks tile the file,
+    // so the file's checksum is their combination.
+    let (mut file_crc, mut block_hash) = (Crc32c::EMPTY, Crc32cHasher::new());
     let (mut pos, mut block) = (0u64, 0usize);
     while let Some(chunk) = stream.next().await {
         let mut chunk = chunk.map_err(|e| SnapshotError::store("read", &path, e))?;
@@ -320,7 +411,6 @@ async fn verify_file(
         if pos > f.size {
             return Err(size_mismatch(pos));
         }
-        file_hash.update(&chunk);
         while chunk.has_remaining() {
             // The blocks tile the file (checked with the manifest), so one is always current.
             let Some(g) = blocks.get(block) else {
@@ -330,7 +420,9 @@ async fn verify_file(
             block_hash.update(&chunk[..n]);
             chunk.advance(n);
             if block_hash.bytes_hashed() == g.length {
-                check_block(&path, g, block_hash.finish())?;
+                let crc = block_hash.finish();
+                check_block(&path, g, crc)?;
+                file_crc = file_crc.combine(crc, g.length);
                 block_hash = Crc32cHasher::new();
                 block += 1;
             }
@@ -339,7 +431,10 @@ async fn verify_file(
     if pos != f.size {
         return Err(size_mismatch(pos));
     }
-    let actual = file_hash.finish();
+    if block != blocks.len() {
+        return Err(size_mismatch(pos));
+    }
+    let actual = file_crc;
     if actual != f.checksum {
         return Err(SnapshotError::FileChecksum {
             path: path.to_string(),
