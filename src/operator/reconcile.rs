@@ -272,6 +272,15 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
     ctx.metrics
         .reconcile_seconds
         .observe(started.elapsed().as_secs_f64());
+    // Exact per-pass durations for `keyshift bench operator` (the histogram is too coarse).
+    tracing::debug!(
+        target: "keyshift::reconcile_pass",
+        namespace = %ns,
+        job = %name,
+        seconds = started.elapsed().as_secs_f64(),
+        ok = result.is_ok(),
+        "reconcile pass"
+    );
     result
 }
 
@@ -525,6 +534,13 @@ pub const TEST_FAIL_RESTORE_ENV: &str = "KEYSHIFT_TEST_FAIL_RESTORE_AT";
 /// not started), so the end-to-end tests can drive the rollback deterministically.
 fn test_fail_restore_at(parallelism: u32) -> bool {
     std::env::var(TEST_FAIL_RESTORE_ENV).is_ok_and(|v| v.trim() == parallelism.to_string())
+}
+
+/// BENCH ONLY (never set in production): with `KEYSHIFT_TEST_STATE_PAYLOAD_BYTES=<N>`, workers
+/// keep N opaque bytes with each key's state (`StartRequest::state_payload_bytes`), so
+/// `keyshift bench operator rescale` can build large state from a small generator.
+fn test_state_payload_bytes() -> usize {
+    std::env::var("KEYSHIFT_TEST_STATE_PAYLOAD_BYTES").map_or(0, |v| v.trim().parse().unwrap_or(0))
 }
 
 /// Verifies a snapshot on a blocking thread: `snapshot::verify`'s future is not `Send`.
@@ -1293,7 +1309,7 @@ impl Pass<'_> {
             storage: self.storage.clone(),
             restore_from: restore_from.clone(),
             allow_non_restored_state: self.spec.allow_non_restored_state,
-            state_payload_bytes: 0,
+            state_payload_bytes: test_state_payload_bytes(),
             run_id: format!("{}-{run}", self.name),
         };
         let started = Instant::now();
