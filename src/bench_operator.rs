@@ -470,6 +470,55 @@ fn phases(jobs: &[StreamJob]) -> std::collections::BTreeMap<String, usize> {
     out
 }
 
+type Stamps = std::sync::Arc<std::sync::Mutex<std::collections::HashMap<(String, i64), Instant>>>;
+
+/// Watches the namespace's StreamJobs and stamps when status first shows each (job,
+/// generation) reconciled: with the time each change was sent, the end-to-end latency a user
+/// sees (change accepted -> status reflects it), queueing in the controller included.
+fn watch_reconciled(api: Api<StreamJob>) -> (Stamps, tokio::task::JoinHandle<()>) {
+    use kube::runtime::WatchStreamExt;
+    let seen: Stamps = Default::default();
+    let stamps = seen.clone();
+    let task = tokio::spawn(async move {
+        let mut events =
+            std::pin::pin!(kube::runtime::watcher(api, Default::default()).applied_objects());
+        while let Some(ev) = events.next().await {
+            let Ok(job) = ev else { continue };
+            if is_reconciled(&job) {
+                let key = (job.name_any(), job.metadata.generation.unwrap_or_default());
+                let mut m = stamps.lock().unwrap_or_else(|p| p.into_inner());
+                m.entry(key).or_insert_with(Instant::now);
+            }
+        }
+    });
+    (seen, task)
+}
+
+/// End-to-end latencies (ms, sorted) of the changes sent at `sent` for `generation`.
+fn latencies(sent: &[(String, Instant)], generation: i64, seen: &Stamps) -> Vec<f64> {
+    let m = seen.lock().unwrap_or_else(|p| p.into_inner());
+    let mut out: Vec<f64> = sent
+        .iter()
+        .filter_map(|(name, t)| {
+            m.get(&(name.clone(), generation))
+                .map(|s| s.saturating_duration_since(*t).as_secs_f64() * 1000.0)
+        })
+        .collect();
+    out.sort_by(f64::total_cmp);
+    out
+}
+
+fn latency_row(phase: &str, ms: &[f64], expected: usize) -> String {
+    format!(
+        "| {phase} | {} of {expected} | {:.0} ms | {:.0} ms | {:.0} ms | {:.0} ms |",
+        ms.len(),
+        percentile(ms, 0.50),
+        percentile(ms, 0.90),
+        percentile(ms, 0.99),
+        ms.last().copied().unwrap_or(f64::NAN)
+    )
+}
+
 /// Waits until the operator has written status for every job's current generation.
 async fn wait_all_reconciled(
     op: &mut OperatorProcess,
@@ -535,22 +584,25 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
 
     // Phase 1: create every job (burst) and wait until all are reconciled.
     let api: Api<StreamJob> = Api::namespaced(client.clone(), &ns);
+    let (seen, watch_task) = watch_reconciled(api.clone());
+    tokio::time::sleep(Duration::from_secs(1)).await;
     let mark0 = op.mark();
     let cpu0 = cpu_time(pid);
     let t0 = Instant::now();
     let names: Vec<String> = (0..args.jobs).map(|i| format!("job-{i:04}")).collect();
-    futures::stream::iter(names.iter().map(|n| {
+    let created_at: Vec<(String, Instant)> = futures::stream::iter(names.iter().map(|n| {
         let api = api.clone();
         async move {
             let job = suspended_job(n)?;
+            let sent = Instant::now();
             api.create(&PostParams::default(), &job)
                 .await
                 .with_context(|| format!("creating sj/{n}"))?;
-            anyhow::Ok(())
+            anyhow::Ok((n.clone(), sent))
         }
     }))
     .buffer_unordered(args.concurrency.max(1))
-    .try_collect::<Vec<()>>()
+    .try_collect()
     .await?;
     let created = t0.elapsed();
     println!(
@@ -618,9 +670,11 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
         let t = Instant::now();
         let gap = Duration::from_secs_f64(1.0 / args.touch_rate);
         let patch = serde_json::json!({"spec": {"state": {"checkpointInterval": "45s"}}});
+        let mut sent = Vec::new();
         for (i, n) in names.iter().enumerate() {
             let due = t + gap.mul_f64(i as f64);
             tokio::time::sleep_until(due.into()).await;
+            sent.push((n.clone(), Instant::now()));
             api.patch(n, &PatchParams::default(), &Patch::Merge(&patch))
                 .await
                 .with_context(|| format!("changing sj/{n}"))?;
@@ -637,8 +691,11 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
             op.passes(mark2, mark3)?,
             t.elapsed(),
             cpu_time(pid).saturating_sub(cpu_t0),
+            latencies(&sent, 2, &seen),
         ));
     }
+    watch_task.abort();
+    let create_latency = latencies(&created_at, 1, &seen);
 
     let (hwm, rss_end) = memory_kib(pid);
     let histogram = op.histogram_count(&http).await;
@@ -659,7 +716,7 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
     println!("machine at the end: load average {ctx_end}");
     println!("passes by trigger: create {:?}", reasons(&create_passes));
     println!("passes by trigger: idle {:?}", reasons(&idle_passes));
-    if let Some((passes, _, _)) = &touch {
+    if let Some((passes, _, _, _)) = &touch {
         println!("passes by trigger: spec change {:?}", reasons(passes));
     }
     println!();
@@ -674,13 +731,36 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
         )
     );
     println!("{}", pass_row("idle (settled)", &idle_passes, idle_wall));
-    if let Some((passes, wall, _)) = &touch {
+    if let Some((passes, wall, _, _)) = &touch {
         println!(
             "{}",
             pass_row(
                 &format!("spec change, {}/s", args.touch_rate),
                 passes,
                 *wall
+            )
+        );
+    }
+    println!();
+    println!(
+        "| end to end: change sent -> status shows it reconciled (watch) | jobs | p50 | p90 | p99 | max |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- |");
+    println!(
+        "{}",
+        latency_row(
+            &format!("create {} (burst)", args.jobs),
+            &create_latency,
+            args.jobs
+        )
+    );
+    if let Some((_, _, _, ms)) = &touch {
+        println!(
+            "{}",
+            latency_row(
+                &format!("spec change, {}/s", args.touch_rate),
+                ms,
+                args.jobs
             )
         );
     }
@@ -717,7 +797,7 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
         idle_cpu.as_secs_f64(),
         pct(idle_cpu)
     );
-    if let Some((_, wall, cpu)) = &touch {
+    if let Some((_, wall, cpu, _)) = &touch {
         println!(
             "| CPU during the spec changes | {:.2} s over {:.1} s |",
             cpu.as_secs_f64(),
