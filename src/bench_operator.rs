@@ -340,7 +340,16 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// One row of the pass-duration table.
-fn pass_row(phase: &str, passes: &[PassRecord], wall: Duration) -> String {
+/// The 1-minute load average now.
+fn load1() -> String {
+    loadavg()
+        .split_whitespace()
+        .next()
+        .unwrap_or("?")
+        .to_owned()
+}
+
+fn pass_row(phase: &str, passes: &[PassRecord], wall: Duration, load: &str) -> String {
     let mut s: Vec<f64> = passes.iter().map(|p| p.seconds * 1000.0).collect();
     s.sort_by(f64::total_cmp);
     let jobs: std::collections::HashSet<&str> = passes.iter().map(|p| p.job.as_str()).collect();
@@ -353,7 +362,7 @@ fn pass_row(phase: &str, passes: &[PassRecord], wall: Duration) -> String {
         }
     };
     format!(
-        "| {phase} | {:.1} s | {} | {} | {errors} | {} | {} | {} | {} | {} |",
+        "| {phase} | {load} | {:.1} s | {} | {} | {errors} | {} | {} | {} | {} | {} |",
         wall.as_secs_f64(),
         s.len(),
         jobs.len(),
@@ -626,6 +635,7 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
     )
     .await?;
     let settle_wall = t0.elapsed();
+    let load_create = load1();
     let cpu_settle = cpu_time(pid).saturating_sub(cpu0);
     let create_passes = op.passes(mark0, mark1)?;
     let (hwm_after_create, rss_after_create) = memory_kib(pid);
@@ -640,6 +650,7 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
     tokio::time::sleep(Duration::from_secs(args.idle_seconds)).await;
     op.check_alive()?;
     let idle_wall = t_idle.elapsed();
+    let load_idle = load1();
     let idle_cpu = cpu_time(pid).saturating_sub(cpu_idle0);
     let (a1, e1) = (cp_cpu(api_pid), cp_cpu(etcd_pid));
     let mark2 = op.mark();
@@ -692,6 +703,7 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
             t.elapsed(),
             cpu_time(pid).saturating_sub(cpu_t0),
             latencies(&sent, 2, &seen),
+            load1(),
         ));
     }
     watch_task.abort();
@@ -716,28 +728,35 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
     println!("machine at the end: load average {ctx_end}");
     println!("passes by trigger: create {:?}", reasons(&create_passes));
     println!("passes by trigger: idle {:?}", reasons(&idle_passes));
-    if let Some((passes, _, _, _)) = &touch {
+    if let Some((passes, _, _, _, _)) = &touch {
         println!("passes by trigger: spec change {:?}", reasons(passes));
     }
     println!();
-    println!("| phase | wall | passes | jobs | errors | p50 | p90 | p99 | max | passes/s |");
-    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| phase | load (1 min) at its end | wall | passes | jobs | errors | p50 | p90 | p99 | max | passes/s |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     println!(
         "{}",
         pass_row(
             &format!("create {} (burst) until settled", args.jobs),
             &create_passes,
-            settle_wall
+            settle_wall,
+            &load_create
         )
     );
-    println!("{}", pass_row("idle (settled)", &idle_passes, idle_wall));
-    if let Some((passes, wall, _, _)) = &touch {
+    println!(
+        "{}",
+        pass_row("idle (settled)", &idle_passes, idle_wall, &load_idle)
+    );
+    if let Some((passes, wall, _, _, load)) = &touch {
         println!(
             "{}",
             pass_row(
                 &format!("spec change, {}/s", args.touch_rate),
                 passes,
-                *wall
+                *wall,
+                load
             )
         );
     }
@@ -754,7 +773,7 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
             args.jobs
         )
     );
-    if let Some((_, _, _, ms)) = &touch {
+    if let Some((_, _, _, ms, _)) = &touch {
         println!(
             "{}",
             latency_row(
@@ -797,7 +816,7 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
         idle_cpu.as_secs_f64(),
         pct(idle_cpu)
     );
-    if let Some((_, wall, cpu, _)) = &touch {
+    if let Some((_, wall, cpu, _, _)) = &touch {
         println!(
             "| CPU during the spec changes | {:.2} s over {:.1} s |",
             cpu.as_secs_f64(),
