@@ -47,6 +47,9 @@ pub enum BenchCommand {
     Rescale(RescaleBench),
     /// Steady-state keyed-count throughput through worker processes, and peak memory.
     Throughput(ThroughputBench),
+    /// The operator on a real API server: many StreamJobs (memory, reconcile latency, idle
+    /// CPU) and `kubectl scale` with large state (src/bench_operator.rs).
+    Operator(crate::bench_operator::OperatorBench),
 }
 
 #[derive(Args, Debug)]
@@ -146,6 +149,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Snapshot(a) => snapshot_bench(a).await,
             BenchCommand::Rescale(a) => rescale_bench(a).await,
             BenchCommand::Throughput(a) => throughput_bench(a).await,
+            BenchCommand::Operator(a) => crate::bench_operator::run(a).await,
         }
     })
 }
@@ -153,13 +157,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
 // ---------------------------------------------------------------------------------------------
 // Machine context and raw baselines
 
-fn loadavg() -> String {
+pub(crate) fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "?".into())
 }
 
-fn context_line() -> String {
+pub(crate) fn context_line() -> String {
     let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
     let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
         .map(|s| s.trim().to_owned())
@@ -227,9 +231,9 @@ fn process_cpu() -> Duration {
 /// Wall-clock and CPU time of one measurement. On a loaded machine the wall time stretches with
 /// the share of the CPUs the process gets; the CPU time much less.
 #[derive(Debug, Clone, Copy, Default)]
-struct Sample {
-    wall: Duration,
-    cpu: Duration,
+pub(crate) struct Sample {
+    pub(crate) wall: Duration,
+    pub(crate) cpu: Duration,
 }
 
 struct Meter(Instant, Duration);
@@ -248,7 +252,7 @@ impl Meter {
 
 /// Raw baseline write: one file, sequential writes of the given chunks, fsync of the file and
 /// its directory (what a durable snapshot file needs at least).
-fn raw_write(path: &Path, chunks: &[Bytes]) -> Result<Sample> {
+pub(crate) fn raw_write(path: &Path, chunks: &[Bytes]) -> Result<Sample> {
     let t = Meter::start();
     let mut f = std::fs::File::create(path).with_context(|| format!("{}", path.display()))?;
     for c in chunks {
@@ -263,7 +267,7 @@ fn raw_write(path: &Path, chunks: &[Bytes]) -> Result<Sample> {
 }
 
 /// Raw baseline read: the whole file into one buffer (like `std::fs::read`).
-fn raw_read(path: &Path, expect: u64) -> Result<Sample> {
+pub(crate) fn raw_read(path: &Path, expect: u64) -> Result<Sample> {
     let t = Meter::start();
     let mut f = std::fs::File::open(path).with_context(|| format!("{}", path.display()))?;
     let mut buf = Vec::with_capacity(expect as usize);
@@ -281,7 +285,7 @@ fn raw_read(path: &Path, expect: u64) -> Result<Sample> {
 }
 
 /// `n` bytes of incompressible filler in 8 MiB chunks (shared buffer).
-fn filler(n: u64) -> Vec<Bytes> {
+pub(crate) fn filler(n: u64) -> Vec<Bytes> {
     const CHUNK: usize = 8 << 20;
     let mut s = 0x1234_5678_9abc_def0u64;
     let mut buf = Vec::with_capacity(CHUNK);
@@ -1027,7 +1031,7 @@ async fn rescale_steps(
 // throughput
 
 /// Peak and current resident memory of a process, in KiB (`VmHWM`, `VmRSS`).
-fn memory_kib(pid: u32) -> (u64, u64) {
+pub(crate) fn memory_kib(pid: u32) -> (u64, u64) {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
     let field = |name: &str| {
         text.lines()
@@ -1039,7 +1043,7 @@ fn memory_kib(pid: u32) -> (u64, u64) {
 }
 
 /// CPU time (user + system) a process has used so far.
-fn cpu_time(pid: u32) -> Duration {
+pub(crate) fn cpu_time(pid: u32) -> Duration {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command name (which may hold spaces) start at field 3 (state).
     let rest = text.rsplit_once(')').map_or("", |(_, r)| r);

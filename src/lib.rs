@@ -5,6 +5,7 @@
 //! sit around it.
 
 pub mod bench;
+pub mod bench_operator;
 pub mod cli;
 pub mod coordinator;
 pub mod crd;

@@ -276,6 +276,15 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
     ctx.metrics
         .reconcile_seconds
         .observe(started.elapsed().as_secs_f64());
+    // Exact per-pass durations for `keyshift bench operator` (the histogram is too coarse).
+    tracing::debug!(
+        target: "keyshift::reconcile_pass",
+        namespace = %ns,
+        job = %name,
+        seconds = started.elapsed().as_secs_f64(),
+        ok = result.is_ok(),
+        "reconcile pass"
+    );
     result
 }
 
@@ -395,9 +404,21 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     let token = ensure_secret(&ctx, &job, &ns, &name).await?;
 
     let pods_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let listed = pods_api
-        .list(&ListParams::default().labels(&desired::selector(&name)))
-        .await?;
+    let mut list_params = ListParams::default().labels(&desired::selector(&name));
+    // A consistent LIST waits for the API server's watch cache to catch up with etcd (~60-80 ms
+    // after any write, docs/benchmarks.md): most of a pass. A suspended job with nothing in
+    // flight gets no pods from us, so a pod the cache does not show yet only delays its
+    // deletion to the pass its own watch event triggers; read the cache as it is.
+    if spec.suspend
+        && mem.run.is_none()
+        && !status0
+            .rescale
+            .as_ref()
+            .is_some_and(|r| step::active(&r.step))
+    {
+        list_params = list_params.match_any();
+    }
+    let listed = pods_api.list(&list_params).await?;
     let mut pods = Vec::new();
     let mut pod_ips = HashMap::new();
     let mut run_groups = HashMap::new();
@@ -585,6 +606,13 @@ pub const TEST_FAIL_RESTORE_ENV: &str = "KEYSHIFT_TEST_FAIL_RESTORE_AT";
 /// not started), so the end-to-end tests can drive the rollback deterministically.
 fn test_fail_restore_at(parallelism: u32) -> bool {
     std::env::var(TEST_FAIL_RESTORE_ENV).is_ok_and(|v| v.trim() == parallelism.to_string())
+}
+
+/// BENCH ONLY (never set in production): with `KEYSHIFT_TEST_STATE_PAYLOAD_BYTES=<N>`, workers
+/// keep N opaque bytes with each key's state (`StartRequest::state_payload_bytes`), so
+/// `keyshift bench operator rescale` can build large state from a small generator.
+fn test_state_payload_bytes() -> usize {
+    std::env::var("KEYSHIFT_TEST_STATE_PAYLOAD_BYTES").map_or(0, |v| v.trim().parse().unwrap_or(0))
 }
 
 /// Verifies a snapshot on a blocking thread: `snapshot::verify`'s future is not `Send`.
@@ -1396,7 +1424,7 @@ impl Pass<'_> {
             storage: self.storage.clone(),
             restore_from: restore_from.clone(),
             allow_non_restored_state: self.spec.allow_non_restored_state,
-            state_payload_bytes: 0,
+            state_payload_bytes: test_state_payload_bytes(),
             run_id: format!("{}-{run}", self.name),
         };
         let started = Instant::now();
