@@ -2,7 +2,8 @@
 //!
 //! [`write_state`] encodes every owned key group (and, for a non-windowed job, drains the changed
 //! keys' results in the same pass over the state) and streams the blocks into a
-//! [`SnapshotWriter`]. With more than one thread, groups are encoded on `threads` threads at once,
+//! [`SnapshotWriter`] (whose multipart uploads run behind the encoder, up to 4 parts in flight).
+//! With more than one thread, groups are encoded on `threads` threads at once,
 //! claimed in group order, while a task on the async runtime hands the finished blocks to the
 //! writer in group order: encoding overlaps writing, and memory stays bounded (an encoder may run
 //! at most a few groups ahead of the writer).
@@ -34,6 +35,9 @@ pub enum Updates {
     Keep,
 }
 
+/// Environment variable that sets a worker's encoder threads ([`StateWriteOptions::threads_for`]).
+pub const ENCODE_THREADS_ENV: &str = "KEYSHIFT_ENCODE_THREADS";
+
 /// How [`write_state`] runs.
 #[derive(Debug, Clone, Copy)]
 pub struct StateWriteOptions {
@@ -45,15 +49,26 @@ pub struct StateWriteOptions {
 }
 
 impl StateWriteOptions {
-    /// Encoder threads for a state of `keys` keys on this machine: one per CPU (at most 4), one
-    /// for small states, where starting threads would cost more than it saves.
+    /// Encoder threads for a state of `keys` keys: `KEYSHIFT_ENCODE_THREADS` if set (1 to 16),
+    /// else [`DEFAULT_ENCODE_THREADS`]; always one for small states, where starting threads
+    /// would cost more than it saves.
     pub fn threads_for(keys: usize) -> usize {
         if keys < 50_000 {
             return 1;
         }
-        std::thread::available_parallelism().map_or(1, |n| n.get().min(4))
+        std::env::var(ENCODE_THREADS_ENV)
+            .ok()
+            .and_then(|v| v.trim().parse::<usize>().ok())
+            .map_or(DEFAULT_ENCODE_THREADS, |n| n.clamp(1, 16))
     }
 }
+
+/// Encoder threads by default: one. Encoding is memory-bound; two threads on the same cores cost
+/// 25-30% more CPU for the same bytes, which lengthens the barrier whenever the subtasks of a
+/// machine have no idle CPU (4 subtasks on 2 vCPUs in `keyshift bench rescale`: savepoint step
+/// 4.2-4.6 s with one thread, 5.5-6.1 s with two). A worker with CPUs to spare (one subtask per
+/// multi-CPU pod) can set `KEYSHIFT_ENCODE_THREADS`.
+pub const DEFAULT_ENCODE_THREADS: usize = 1;
 
 /// What [`write_state`] wrote.
 #[derive(Debug)]

@@ -992,8 +992,9 @@ async fn snapshot(
         .remove(&id)
         .ok_or_else(|| WorkerError::Fatal(format!("barrier {id} was not injected here")))?;
     // Non-windowed results go out with each checkpoint (windowed ones when windows fire): the
-    // changed keys are drained in the same pass that encodes the state, on several threads, and
-    // are on stdout (log sink) or in the sink buffer (object-store sink) before the ack.
+    // changed keys are drained in the same pass that encodes the state (on
+    // KEYSHIFT_ENCODE_THREADS threads, 1 by default), and are on stdout (log sink) or in the sink
+    // buffer (object-store sink) before the ack.
     let updates = if sub.agg.config().window_size_ms.is_some() {
         Updates::Skip
     } else if sub.sink_log && sub.sink_store.is_none() {
