@@ -13,7 +13,8 @@
 # beside `hack/test.sh` (which uses the testenv defaults); override with the usual variables:
 # KEYSHIFT_SUBNET (215), KEYSHIFT_NETNS (keyshift-bench), KEYSHIFT_VETH_HOST (ksbench0),
 # KEYSHIFT_TESTENV_DIR (a fresh /tmp/keyshift-bench-env.XXXXXX). The build goes to
-# $CARGO_TARGET_DIR (default ./target).
+# $CARGO_TARGET_DIR (default ./target); KEYSHIFT_BENCH_BIN=/path/to/keyshift runs another build
+# of keyshift (e.g. an older commit's, for a before/after comparison) as driver and operator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -37,7 +38,7 @@ export KEYSHIFT_VETH_HOST="${KEYSHIFT_VETH_HOST:-ksbench0}"
 step "cargo build --release (keyshift, keyshift-kubelet)"
 cargo build --locked --release --bin keyshift --bin keyshift-kubelet
 TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
-BIN="$TARGET/release/keyshift"
+BIN="${KEYSHIFT_BENCH_BIN:-$TARGET/release/keyshift}"
 export KEYSHIFT_KUBELET="$TARGET/release/keyshift-kubelet"
 
 export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-bench-env.XXXXXX)}"

@@ -402,6 +402,27 @@ fn is_ready(job: &StreamJob) -> bool {
     })
 }
 
+/// Runs an API call, retrying what a loaded test control plane fails with a 5xx or 429 (e.g.
+/// "resource quota evaluation timed out") up to 4 times.
+async fn retry<T, F, Fut>(what: &str, mut call: F) -> Result<T>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = kube::Result<T>>,
+{
+    let mut attempt = 0u32;
+    loop {
+        match call().await {
+            Ok(v) => return Ok(v),
+            Err(kube::Error::Api(s)) if (s.code >= 500 || s.code == 429) && attempt < 4 => {
+                attempt += 1;
+                println!("  {what}: {} {}; retrying", s.code, s.message);
+                tokio::time::sleep(Duration::from_millis(250 << attempt)).await;
+            }
+            Err(e) => return Err(e).with_context(|| what.to_owned()),
+        }
+    }
+}
+
 fn job_from_yaml(yaml: &str) -> Result<StreamJob> {
     serde_yaml::from_str(yaml).context("bench job manifest")
 }
@@ -604,9 +625,14 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
         async move {
             let job = suspended_job(n)?;
             let sent = Instant::now();
-            api.create(&PostParams::default(), &job)
-                .await
-                .with_context(|| format!("creating sj/{n}"))?;
+            retry(&format!("creating sj/{n}"), || async {
+                match api.create(&PostParams::default(), &job).await {
+                    // A retried create whose first attempt went through after all.
+                    Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
+                    r => r.map(drop),
+                }
+            })
+            .await?;
             anyhow::Ok((n.clone(), sent))
         }
     }))
@@ -686,9 +712,11 @@ async fn jobs_bench(args: JobsBench) -> Result<()> {
             let due = t + gap.mul_f64(i as f64);
             tokio::time::sleep_until(due.into()).await;
             sent.push((n.clone(), Instant::now()));
-            api.patch(n, &PatchParams::default(), &Patch::Merge(&patch))
-                .await
-                .with_context(|| format!("changing sj/{n}"))?;
+            retry(&format!("changing sj/{n}"), || async {
+                api.patch(n, &PatchParams::default(), &Patch::Merge(&patch))
+                    .await
+            })
+            .await?;
         }
         wait_all_reconciled(&mut op, &api, args.jobs, Duration::from_secs(args.timeout)).await?;
         let mark3 = wait_quiet(
@@ -1014,6 +1042,7 @@ spec:
 
     // The rescale: kubectl scale, then poll until Ready at the new parallelism.
     let load_before = loadavg();
+    let (_, op_rss_before) = memory_kib(op.pid());
     let wall0 = chrono::Utc::now();
     let t0 = Instant::now();
     kubectl_scale(&ns, name, args.to)?;
@@ -1093,7 +1122,11 @@ spec:
         best_r.as_secs_f64(),
         raw
     );
-    println!("operator peak RSS (VmHWM) {:.1} MiB", mib_of_kib(op_hwm));
+    println!(
+        "operator RSS {:.1} MiB before the scale, peak (VmHWM) {:.1} MiB",
+        mib_of_kib(op_rss_before),
+        mib_of_kib(op_hwm)
+    );
     println!(
         "machine: load average {load_before} before the scale, {load_after_rescale} at Ready, {} at the end",
         loadavg()
