@@ -1003,6 +1003,15 @@ fn a_running_job_restarts_from_a_new_restore_from_with_more_key_groups() {
     let (ns, _dir, op) = setup("e2e-op-restore-running", "rr");
     let ns = &ns.0;
     let log = op.log.clone();
+    // A job created suspended is Ready as Suspended, with no pods.
+    let parked = job_yaml("parked", 2).replace("spec:\n", "spec:\n  suspend: true\n");
+    assert!(parked.contains("suspend: true"), "{parked}");
+    let r = apply(ns, &parked);
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, "parked", &log);
+    assert_eq!(get(ns, "parked", "{.status.phase}"), "Suspended");
+    assert!(worker_pods(ns, "parked").is_empty());
+    kubectl_ok(&["delete", "-n", ns, "sj/parked", "--timeout=60s"]);
     let name = "rr";
     let r = apply(ns, &job_yaml(name, 2));
     assert!(r.ok, "{}", r.stderr);

@@ -173,6 +173,8 @@ pub enum Action {
     /// spec.savepointTriggerNonce differs from status.lastSavepointNonce: take a savepoint
     /// without stopping the job, then record the nonce.
     TriggerSavepoint { nonce: i64 },
+    /// spec.suspend and nothing runs: record phase Suspended at parallelism 0.
+    MarkSuspended,
     /// Nothing to do until this much time has passed (or something changes).
     Idle { requeue: Duration },
 }
@@ -399,6 +401,10 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
     // Not coordinating a run.
     if desired == 0 {
         if obs.pods.is_empty() {
+            // Nothing runs: a job created (or left) suspended is Suspended, not Pending.
+            if status.phase != Some(crate::crd::Phase::Suspended) || status.replicas != Some(0) {
+                return Action::MarkSuspended;
+            }
             return Action::Idle {
                 requeue: Duration::from_secs(300),
             };
@@ -1102,6 +1108,30 @@ mod tests {
     }
 
     #[test]
+    fn a_job_created_suspended_is_suspended_and_ready() {
+        let mut s = spec(2);
+        s.suspend = true;
+        assert_eq!(
+            decide(&s, &status(), &obs(vec![], None)),
+            Action::MarkSuspended
+        );
+        let st = StreamJobStatus {
+            phase: Some(crate::crd::Phase::Suspended),
+            replicas: Some(0),
+            ..status()
+        };
+        assert!(matches!(
+            decide(&s, &st, &obs(vec![], None)),
+            Action::Idle { .. }
+        ));
+        assert!(crate::operator::status::is_ready(
+            &s,
+            &st,
+            &crate::operator::status::Progress::default()
+        ));
+    }
+
+    #[test]
     fn suspend_is_a_rescale_to_zero() {
         let mut s = spec(4);
         s.suspend = true;
@@ -1115,8 +1145,13 @@ mod tests {
             r.to = 0;
         }
         assert_eq!(decide(&s, &st, &obs(vec![], None)), Action::FinishRescale);
+        let suspended = StreamJobStatus {
+            phase: Some(crate::crd::Phase::Suspended),
+            replicas: Some(0),
+            ..status()
+        };
         assert!(matches!(
-            decide(&s, &status(), &obs(vec![], None)),
+            decide(&s, &suspended, &obs(vec![], None)),
             Action::Idle { .. }
         ));
     }

@@ -1145,6 +1145,12 @@ impl Pass<'_> {
             }
             Action::Checkpoint => self.checkpoint().await,
             Action::TriggerSavepoint { nonce } => self.triggered_savepoint(nonce).await,
+            Action::MarkSuspended => {
+                self.status.phase = Some(Phase::Suspended);
+                self.status.replicas = Some(0);
+                self.status.key_groups = None;
+                Ok(short)
+            }
             Action::Idle { requeue } => Ok(requeue),
         }
     }
