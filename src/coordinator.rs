@@ -454,6 +454,19 @@ pub async fn next_snapshot_id(
     Ok(max + 1)
 }
 
+/// The key-group count of the snapshot named by a spec.restoreFrom `url` (from its manifest), or
+/// why it cannot be restored from.
+pub async fn restore_from_key_groups(url: &str) -> Result<u32, String> {
+    snapshot::open_snapshot(url)
+        .await
+        .map(|(_, _, m)| m.max_parallelism)
+        .map_err(|e| {
+            format!(
+                "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
+            )
+        })
+}
+
 /// The newest committed snapshot of a job (checkpoint or savepoint, by id), if any.
 pub async fn latest_snapshot(
     storage: &str,

@@ -285,12 +285,14 @@ impl LocalJob {
         let name = job.metadata.name.clone().unwrap_or_else(|| "job".into());
         let pinned = match &job.spec.restore_from {
             Some(url) => {
-                let groups = restore_from_groups(url).await?;
+                let groups = coordinator::restore_from_key_groups(url)
+                    .await
+                    .map_err(LocalError::RestoreFrom)?;
                 if let Some(g) = job.spec.max_parallelism
                     && g as u32 != groups
                 {
-                    return Err(LocalError::RestoreFrom(format!(
-                        "spec.restoreFrom {url} has {groups} key groups (its maxParallelism) but spec.maxParallelism is {g}: set spec.maxParallelism to {groups} (or remove it) to restore from it"
+                    return Err(LocalError::RestoreFrom(validation::restore_from_mismatch(
+                        url, groups, g,
                     )));
                 }
                 Some(groups as i32)
@@ -587,19 +589,6 @@ fn die_with_parent(command: &mut Command) {
     }
     #[cfg(not(target_os = "linux"))]
     let _ = command;
-}
-
-/// The key-group count of the snapshot at `url` (from its manifest).
-async fn restore_from_groups(url: &str) -> Result<u32, LocalError> {
-    let read = async {
-        let (store, dir) = snapshot::open_store(url)?;
-        snapshot::read_manifest(store.as_ref(), &dir).await
-    };
-    read.await.map(|m| m.max_parallelism).map_err(|e| {
-        LocalError::RestoreFrom(format!(
-            "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
-        ))
-    })
 }
 
 /// What `keyshift local` says when an edit asks for more subtasks than the key-group ceiling:

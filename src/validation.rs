@@ -214,6 +214,13 @@ pub fn ceiling_origin_snapshot(url: &str) -> String {
     format!("the key-group count of {url}, restored through spec.restoreFrom")
 }
 
+/// spec.restoreFrom names a snapshot of `groups` key groups while spec.maxParallelism is `spec_g`.
+pub fn restore_from_mismatch(url: &str, groups: u32, spec_g: i32) -> String {
+    format!(
+        "spec.restoreFrom {url} has {groups} key groups (its maxParallelism) but spec.maxParallelism is {spec_g}: set spec.maxParallelism to {groups} (or remove it) to restore from it"
+    )
+}
+
 /// What the guidance for a scale past the pinned key-group ceiling says about one job.
 #[derive(Debug, Clone, Copy)]
 pub struct CeilingContext<'a> {

@@ -60,14 +60,14 @@ fn crd_has_scale_status_and_every_rule() {
     }
     // The pinned-ceiling rule builds its message from the object (ceiling, origin, the exact
     // rewrite commands), and the status strings it reads are bounded for CEL's cost estimate.
-    let rules = v
+    let schema = v
         .schema
         .as_ref()
         .unwrap()
         .open_api_v3_schema
         .as_ref()
         .unwrap();
-    let pinned = rules
+    let pinned = schema
         .x_kubernetes_validations
         .as_ref()
         .unwrap()
@@ -91,7 +91,7 @@ fn crd_has_scale_status_and_every_rule() {
             "messageExpression lacks {piece}: {expr}"
         );
     }
-    let status = &rules.properties.as_ref().unwrap()["status"];
+    let status = &schema.properties.as_ref().unwrap()["status"];
     let sp = &status.properties.as_ref().unwrap()["lastSavepoint"];
     assert_eq!(
         sp.properties.as_ref().unwrap()["path"].max_length,
@@ -102,13 +102,6 @@ fn crd_has_scale_status_and_every_rule() {
         Some(512)
     );
     // Every spec field is documented (it becomes `kubectl explain`).
-    let schema = v
-        .schema
-        .as_ref()
-        .unwrap()
-        .open_api_v3_schema
-        .as_ref()
-        .unwrap();
     let spec = &schema.properties.as_ref().unwrap()["spec"];
     for (name, prop) in spec.properties.as_ref().unwrap() {
         assert!(

@@ -107,17 +107,27 @@ impl Drop for Operator {
 }
 
 fn job_yaml(name: &str, replicas: i32) -> String {
+    count_job_yaml(
+        name,
+        replicas,
+        "\n  maxParallelism: 128",
+        "partitions: 4, keys: 2000, seed: 7, recordsPerSecond: 3000, recordsPerPartition: 60000",
+    )
+}
+
+/// A keyed count over a generator (`generator` is its flow mapping's fields), checkpointing
+/// every 2 s; `spec_extra` goes right after `replicas`.
+fn count_job_yaml(name: &str, replicas: i32, spec_extra: &str, generator: &str) -> String {
     format!(
         "apiVersion: keyshift.dev/v1alpha1
 kind: StreamJob
 metadata:
   name: {name}
 spec:
-  replicas: {replicas}
-  maxParallelism: 128
+  replicas: {replicas}{spec_extra}
   job:
     source:
-      generator: {{partitions: 4, keys: 2000, seed: 7, recordsPerSecond: 3000, recordsPerPartition: 60000}}
+      generator: {{{generator}}}
     key: {{field: key, type: string}}
     aggregation: {{function: count}}
   state:
@@ -708,21 +718,11 @@ fn rewrite_savepoint(sp: &str, groups: u32, target: &str) {
 }
 
 fn wide_job_yaml(name: &str) -> String {
-    format!(
-        "apiVersion: keyshift.dev/v1alpha1
-kind: StreamJob
-metadata:
-  name: {name}
-spec:
-  replicas: 24
-  job:
-    source:
-      generator: {{partitions: 24, keys: 3000, seed: 11, recordsPerSecond: 150, recordsPerPartition: 9000}}
-    key: {{field: key, type: string}}
-    aggregation: {{function: count}}
-  state:
-    checkpointInterval: 2s
-"
+    count_job_yaml(
+        name,
+        24,
+        "",
+        "partitions: 24, keys: 3000, seed: 11, recordsPerSecond: 150, recordsPerPartition: 9000",
     )
 }
 

@@ -283,8 +283,8 @@ fn check_pending_restore(
         Some(g) if g as u32 != p.max_parallelism => Err((
             "RestoreFromKeyGroupMismatch",
             format!(
-                "spec.restoreFrom {} has {} key groups (its maxParallelism) but spec.maxParallelism is {g}: set spec.maxParallelism to {} (or remove it) to restore from it; nothing was stopped",
-                p.url, p.max_parallelism, p.max_parallelism
+                "{}; nothing was stopped",
+                validation::restore_from_mismatch(&p.url, p.max_parallelism, g)
             ),
         )),
         _ => Ok(()),

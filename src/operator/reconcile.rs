@@ -374,7 +374,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     let status0 = job.status.clone().unwrap_or_default();
     test_pause_at_step(&name, &status0);
     let memory = ctx.memory(&ns, &name);
-    let mem = memory.lock().await;
+    let mut mem = memory.lock().await;
 
     let Some(storage) = spec
         .state
@@ -479,9 +479,10 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     .into_iter()
     .flatten()
     .max();
+    let pending_restore = pending_restore(spec, &status0, &mut mem).await;
     let obs = decide::Observed {
-        name: String::new(),
-        pending_restore: None,
+        name: name.clone(),
+        pending_restore,
         now,
         pods: pods.clone(),
         active: mem.run.as_ref().map(|r| ActiveRun {
@@ -491,13 +492,6 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         last_snapshot_at,
         backoff_until: mem.backoff_until,
         new_run: new_run_id(),
-    };
-    let mut mem = mem;
-    let pending_restore = pending_restore(spec, &status0, &mut mem).await;
-    let obs = decide::Observed {
-        name: name.clone(),
-        pending_restore,
-        ..obs
     };
     let action = decide::decide(spec, &status0, &obs);
     tracing::debug!(job = %name, ?action, "decided");
@@ -558,21 +552,15 @@ async fn pending_restore(
             max_parallelism: *g,
         }));
     }
-    let read = async {
-        let (store, dir) = snapshot::open_store(url)?;
-        snapshot::read_manifest(store.as_ref(), &dir).await
-    };
-    match read.await {
-        Ok(m) => {
-            mem.restore_source = Some((url.clone(), m.max_parallelism));
+    match coordinator::restore_from_key_groups(url).await {
+        Ok(g) => {
+            mem.restore_source = Some((url.clone(), g));
             Some(Ok(decide::PendingRestore {
                 url: url.clone(),
-                max_parallelism: m.max_parallelism,
+                max_parallelism: g,
             }))
         }
-        Err(e) => Some(Err(format!(
-            "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it; nothing was stopped"
-        ))),
+        Err(e) => Some(Err(format!("{e}; nothing was stopped"))),
     }
 }
 
@@ -760,13 +748,18 @@ impl Pass<'_> {
         self.progress.failure = None;
     }
 
+    /// A transition to spec.restoreFrom whose new run is being started (not rolled back).
+    fn restore_transition(&self) -> Option<&RescaleStatus> {
+        self.status.rescale.as_ref().filter(|r| {
+            r.step == step::RESTORING && r.rolled_back.is_none() && r.restore_from.is_some()
+        })
+    }
+
     /// The key-group count new pods and runs use: a restore transition's new count while its
     /// new run starts, a pending restoreFrom's count while no run is coordinated, else the
     /// pinned one.
     fn max_parallelism(&self) -> Result<u32, OperatorError> {
-        let transition = self.status.rescale.as_ref().filter(|r| {
-            r.step == step::RESTORING && r.rolled_back.is_none() && r.restore_from.is_some()
-        });
+        let transition = self.restore_transition();
         if let Some(g) = transition.and_then(|r| r.max_parallelism) {
             return Ok(g.max(1) as u32);
         }
@@ -1370,10 +1363,7 @@ impl Pass<'_> {
         // So does a run restored from spec.restoreFrom: the job's own storage then holds a
         // snapshot under its (possibly new) key-group count.
         let transition_source = self
-            .status
-            .rescale
-            .as_ref()
-            .filter(|r| r.step == step::RESTORING && r.rolled_back.is_none())
+            .restore_transition()
             .and_then(|r| r.restore_from.clone());
         let restored_source = match &restore {
             Restore::Url(u)
