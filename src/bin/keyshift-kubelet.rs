@@ -19,7 +19,7 @@
 use anyhow::{Context, Result, bail};
 use base64::Engine as _;
 use clap::Parser;
-use futures::{StreamExt, TryStreamExt};
+use futures::StreamExt;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::{
@@ -170,6 +170,7 @@ async fn main() -> Result<()> {
     let pods: HashMap<String, PodHandle> = HashMap::new();
     let pods = Arc::new(Mutex::new(pods));
     let watch_task = tokio::spawn(watch_pods(kubelet.clone(), pods.clone()));
+    tokio::spawn(housekeeping(kubelet.clone(), pods.clone()));
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -183,7 +184,9 @@ async fn main() -> Result<()> {
         let _ = h.stop.send(Some(Duration::from_secs(5)));
     }
     for h in handles {
-        let _ = tokio::time::timeout(Duration::from_secs(10), h.done).await;
+        if let Some(done) = h.done {
+            let _ = tokio::time::timeout(Duration::from_secs(10), done).await;
+        }
     }
     Ok(())
 }
@@ -298,32 +301,81 @@ async fn heartbeat(k: Arc<Kubelet>) {
 struct PodHandle {
     /// Send `Some(grace)` to stop the pod's processes.
     stop: watch::Sender<Option<Duration>>,
-    done: tokio::sync::oneshot::Receiver<()>,
+    /// Fires when the pod's processes are gone; taken when termination begins.
+    done: Option<tokio::sync::oneshot::Receiver<()>>,
+    /// When the handle was made: housekeeping leaves younger handles alone.
+    since: Instant,
 }
 
-async fn watch_pods(k: Arc<Kubelet>, pods: Arc<Mutex<HashMap<String, PodHandle>>>) -> Result<()> {
+type PodMap = Arc<Mutex<HashMap<String, PodHandle>>>;
+
+async fn watch_pods(k: Arc<Kubelet>, pods: PodMap) -> Result<()> {
     let api: Api<Pod> = Api::all(k.client.clone());
     let mut stream = watcher(api, watcher::Config::default())
         .default_backoff()
         .boxed();
-    while let Some(event) = stream.try_next().await? {
-        match event {
-            watcher::Event::Apply(pod) | watcher::Event::InitApply(pod) => {
+    loop {
+        match stream.next().await {
+            None => return Ok(()),
+            // The watcher re-lists after its back-off; the error is only worth a line.
+            Some(Err(e)) => tracing::warn!(error = %e, "pod watch error (retrying)"),
+            Some(Ok(watcher::Event::Apply(pod) | watcher::Event::InitApply(pod))) => {
                 handle_pod(&k, &pods, pod).await;
             }
-            watcher::Event::Delete(pod) => {
+            Some(Ok(watcher::Event::Delete(pod))) => {
                 // Gone from the API (force-deleted or finished): make sure nothing runs.
                 if let Some(h) = pods.lock().await.remove(&pod.uid().unwrap_or_default()) {
                     let _ = h.stop.send(Some(Duration::ZERO));
                 }
             }
-            watcher::Event::Init | watcher::Event::InitDone => {}
+            Some(Ok(watcher::Event::Init | watcher::Event::InitDone)) => {}
         }
     }
-    Ok(())
 }
 
-async fn handle_pod(k: &Arc<Kubelet>, pods: &Arc<Mutex<HashMap<String, PodHandle>>>, pod: Pod) {
+/// What a real kubelet's housekeeping does every few seconds: a pod on this node that is
+/// terminating but whose deletion was never finished (a lost request, a missed event) is
+/// finished now, and processes of pods that no longer exist are stopped.
+async fn housekeeping(k: Arc<Kubelet>, pods: PodMap) {
+    let api: Api<Pod> = Api::all(k.client.clone());
+    loop {
+        sleep(Duration::from_secs(5)).await;
+        let started = Instant::now();
+        let lp = kube::api::ListParams::default().fields(&format!("spec.nodeName={}", k.node));
+        let list = match api.list(&lp).await {
+            Ok(list) => list,
+            Err(e) => {
+                tracing::warn!(error = %e, "housekeeping: listing pods failed");
+                continue;
+            }
+        };
+        let mut seen = std::collections::HashSet::new();
+        for pod in list.items {
+            let uid = pod.uid().unwrap_or_default();
+            seen.insert(uid);
+            if pod.metadata.deletion_timestamp.is_some() {
+                handle_pod(&k, &pods, pod).await;
+            }
+        }
+        let mut map = pods.lock().await;
+        let gone: Vec<String> = map
+            .iter()
+            .filter(|(uid, h)| !seen.contains(*uid) && h.since < started)
+            .map(|(uid, _)| uid.clone())
+            .collect();
+        for uid in gone {
+            if let Some(h) = map.remove(&uid) {
+                tracing::info!(
+                    uid,
+                    "housekeeping: pod no longer exists, stopping its processes"
+                );
+                let _ = h.stop.send(Some(Duration::ZERO));
+            }
+        }
+    }
+}
+
+async fn handle_pod(k: &Arc<Kubelet>, pods: &PodMap, pod: Pod) {
     let Some(spec) = pod.spec.as_ref() else {
         return;
     };
@@ -342,23 +394,30 @@ async fn handle_pod(k: &Arc<Kubelet>, pods: &Arc<Mutex<HashMap<String, PodHandle
         Some(n) if n != k.node => return,
         Some(_) => {}
     }
-    let mut pods = pods.lock().await;
-    if let Some(deleted) = pod.metadata.deletion_timestamp.as_ref() {
-        let _ = deleted;
+    let mut map = pods.lock().await;
+    if pod.metadata.deletion_timestamp.is_some() {
         let grace = pod
             .metadata
             .deletion_grace_period_seconds
             .unwrap_or(30)
             .max(0) as u64;
-        match pods.remove(&uid) {
+        match map.get_mut(&uid) {
+            // Terminating already: its waiter finishes the deletion once the processes are gone.
+            Some(h) if h.done.is_none() => {}
             Some(h) => {
                 let _ = h.stop.send(Some(Duration::from_secs(grace)));
+                let done = h.done.take();
                 let k = k.clone();
+                let pods = pods.clone();
                 tokio::spawn(async move {
-                    let _ = h.done.await;
+                    if let Some(done) = done {
+                        let _ = done.await;
+                    }
                     k.finish_deletion(&ns, &name, &uid).await;
+                    pods.lock().await.remove(&uid);
                 });
             }
+            // Nothing runs for it here (never started, or already stopped).
             None => {
                 let k = k.clone();
                 tokio::spawn(async move { k.finish_deletion(&ns, &name, &uid).await });
@@ -367,12 +426,19 @@ async fn handle_pod(k: &Arc<Kubelet>, pods: &Arc<Mutex<HashMap<String, PodHandle
         return;
     }
     let phase = pod.status.as_ref().and_then(|s| s.phase.as_deref());
-    if pods.contains_key(&uid) || matches!(phase, Some("Succeeded") | Some("Failed")) {
+    if map.contains_key(&uid) || matches!(phase, Some("Succeeded") | Some("Failed")) {
         return;
     }
     let (stop, stop_rx) = watch::channel(None);
     let (done_tx, done) = tokio::sync::oneshot::channel();
-    pods.insert(uid.clone(), PodHandle { stop, done });
+    map.insert(
+        uid.clone(),
+        PodHandle {
+            stop,
+            done: Some(done),
+            since: Instant::now(),
+        },
+    );
     let k = k.clone();
     tokio::spawn(async move {
         if let Err(e) = run_pod(&k, pod, stop_rx).await {
@@ -416,7 +482,9 @@ impl Kubelet {
         }
     }
 
-    /// Finishes a graceful deletion, as the kubelet does once the containers are gone.
+    /// Finishes a graceful deletion, as the kubelet does once the containers are gone. Retried
+    /// until the pod is gone (or is another pod of the same name): a lost request must not leave
+    /// a pod Terminating forever. Housekeeping calls it again if even this gives up.
     async fn finish_deletion(&self, ns: &str, name: &str, uid: &str) {
         let pods: Api<Pod> = Api::namespaced(self.client.clone(), ns);
         let mut dp = DeleteParams::default().grace_period(0);
@@ -424,11 +492,30 @@ impl Kubelet {
             uid: Some(uid.to_owned()),
             resource_version: None,
         });
-        match pods.delete(name, &dp).await {
-            Ok(_) => tracing::info!(pod = %name, namespace = %ns, "deletion finished"),
-            Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => {}
-            Err(e) => tracing::warn!(pod = %name, error = %e, "finishing deletion failed"),
+        for attempt in 0u32..20 {
+            match pods.delete(name, &dp).await {
+                Ok(_) => {
+                    tracing::info!(pod = %name, namespace = %ns, "deletion finished");
+                    return;
+                }
+                Err(kube::Error::Api(e)) if e.code == 404 => return,
+                // 409: another pod now has the name (UID precondition), or a concurrent write.
+                Err(kube::Error::Api(e)) if e.code == 409 => match pods.get_opt(name).await {
+                    Ok(Some(p)) if p.uid().as_deref() == Some(uid) => {
+                        tracing::info!(pod = %name, namespace = %ns, attempt, "finishing deletion: conflict, retrying");
+                    }
+                    Ok(_) => return,
+                    Err(e) => {
+                        tracing::warn!(pod = %name, namespace = %ns, attempt, error = %e, "finishing deletion: re-reading failed")
+                    }
+                },
+                Err(e) => {
+                    tracing::warn!(pod = %name, namespace = %ns, attempt, error = %e, "finishing deletion failed, retrying")
+                }
+            }
+            sleep(Duration::from_millis(200 * u64::from(attempt.min(10) + 1))).await;
         }
+        tracing::warn!(pod = %name, namespace = %ns, "finishing deletion: giving up for now (housekeeping retries)");
     }
 
     async fn patch_pod_status(&self, ns: &str, name: &str, status: &PodStatus) {
@@ -442,7 +529,7 @@ impl Kubelet {
                 Ok(_) => return,
                 Err(kube::Error::Api(e)) if e.code == 404 => return,
                 Err(e) => {
-                    tracing::warn!(pod = %name, attempt, error = %e, "pod status update failed");
+                    tracing::warn!(pod = %name, namespace = %ns, attempt, error = %e, "pod status update failed");
                     sleep(Duration::from_millis(200 * (attempt + 1))).await;
                 }
             }
@@ -1068,7 +1155,7 @@ async fn supervise(
         tokio::select! {
             changed = stop.changed() => {
                 let grace = if changed.is_ok() { (*stop.borrow()).unwrap_or_default() } else { Duration::ZERO };
-                stop_all(&mut running, grace, &name).await;
+                stop_all(&mut running, grace, &ns, &name).await;
                 return Ok(());
             }
             _ = sleep(Duration::from_millis(500)) => {}
@@ -1076,7 +1163,7 @@ async fn supervise(
     }
 }
 
-async fn stop_all(running: &mut [Option<Running>], grace: Duration, pod: &str) {
+async fn stop_all(running: &mut [Option<Running>], grace: Duration, ns: &str, pod: &str) {
     for r in running.iter().flatten() {
         if let Some(pid) = r.child.id() {
             kill_group(pid, libc::SIGTERM);
@@ -1087,7 +1174,7 @@ async fn stop_all(running: &mut [Option<Running>], grace: Duration, pod: &str) {
         let left = deadline.saturating_duration_since(Instant::now());
         if tokio::time::timeout(left, r.child.wait()).await.is_err() {
             if let Some(pid) = r.child.id() {
-                tracing::info!(pod, pid, "grace period over: SIGKILL");
+                tracing::info!(pod, namespace = ns, pid, "grace period over: SIGKILL");
                 kill_group(pid, libc::SIGKILL);
             }
             let _ = r.child.wait().await;
