@@ -2,10 +2,13 @@
 
 use keyshift::crd::{StreamJob, StreamJobSpec, StreamJobStatus, crd, crd_yaml};
 use keyshift::validation::{self, *};
-use std::path::Path;
 
-fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+/// The repository root: `cargo test` sets `CARGO_MANIFEST_DIR` when it runs a test, so a test
+/// binary that cargo reused from another checkout's build cache still reads this checkout's files.
+fn root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 #[test]

@@ -29,11 +29,13 @@ struct Vectors {
 }
 
 fn vectors() -> Vectors {
-    let text = std::fs::read_to_string(concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/tests/data/flink_vectors.json"
-    ))
-    .expect("tests/data/flink_vectors.json is part of the repository");
+    // The run-time CARGO_MANIFEST_DIR (set by `cargo test`): a binary reused from another
+    // checkout's build cache still reads this checkout's file.
+    let root = std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")));
+    let text = std::fs::read_to_string(root.join("tests/data/flink_vectors.json"))
+        .expect("tests/data/flink_vectors.json is part of the repository");
     serde_json::from_str(&text).expect("flink_vectors.json parses")
 }
 

@@ -7,9 +7,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-/// The repository root.
-pub fn root() -> &'static Path {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+/// The repository root: `cargo test` sets `CARGO_MANIFEST_DIR` when it runs a test, so a test
+/// binary that cargo reused from another checkout's build cache still reads this checkout's files.
+pub fn root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 /// The kubeconfig of the running test control plane; panics with the fix when there is none.
