@@ -6,6 +6,7 @@
 #   eval "$(hack/testenv.sh up)"   # start (idempotent); stdout is `export KUBECONFIG=...`
 #   hack/testenv.sh status         # what runs; exit 0 only if /readyz answers "ok"
 #   hack/testenv.sh down           # stop everything, remove netns and state (idempotent)
+#   hack/testenv.sh restart-apiserver [S]  # stop kube-apiserver, wait S s, start it (outage tests)
 #
 # Must run as root (network namespaces). Everything it prints besides the
 # export line goes to stderr.
@@ -425,6 +426,60 @@ start_kubelet() {
   live_pid kubelet >/dev/null || { tail -n 30 "$DIR/logs/kubelet.log" >&2 || true; die "kubelet exited at once"; }
 }
 
+# start_apiserver K8S_BIN : start kube-apiserver with this environment's flags.
+start_apiserver() {
+  local c="$DIR/certs"
+  local APISERVER_ARGS=(
+    # What controller-runtime's envtest passes ...
+    --etcd-servers="$ETCD_URL"
+    --cert-dir="$c"
+    --tls-cert-file="$c/apiserver.crt" --tls-private-key-file="$c/apiserver.key"
+    --client-ca-file="$c/ca.crt"
+    --secure-port="$APISERVER_PORT"
+    --service-cluster-ip-range="$SERVICE_CIDR"
+    --authorization-mode=RBAC
+    --allow-privileged=true
+    --service-account-issuer=https://kubernetes.default.svc.cluster.local
+    --service-account-key-file="$c/sa.pub"
+    --service-account-signing-key-file="$c/sa.key"
+    # ... but served on the netns address (a loopback advertise address is
+    # refused), without maintaining Endpoints for the "kubernetes" Service.
+    --bind-address=0.0.0.0
+    --advertise-address="$NS_IP"
+    --endpoint-reconciler-type=none
+    # Webhooks and aggregated APIs are dialled at their pod IPs (inside the
+    # netns), not at ClusterIPs, which nothing implements here.
+    --enable-aggregator-routing=true
+    # Front-proxy / request-header authentication (see gen_certs).
+    --requestheader-client-ca-file="$c/front-proxy-ca.crt"
+    --requestheader-allowed-names=front-proxy-client
+    --requestheader-username-headers=X-Remote-User
+    --requestheader-group-headers=X-Remote-Group
+    --requestheader-extra-headers-prefix=X-Remote-Extra-
+    --proxy-client-cert-file="$c/front-proxy-client.crt"
+    --proxy-client-key-file="$c/front-proxy-client.key"
+    --profiling=false
+  )
+  start kube-apiserver "$1/kube-apiserver" "${APISERVER_ARGS[@]}"
+}
+
+# Stops kube-apiserver, keeps it down for $1 seconds (default 0), starts it again
+# and waits for /readyz: an API server restart as clients see it (refused
+# connections, broken watches), for the outage tests. etcd keeps every object.
+cmd_restart_apiserver() {
+  local down="${1:-0}"
+  [[ "$down" =~ ^[0-9]+$ ]] || die "restart-apiserver: seconds down must be a number, got '$down'"
+  [[ -f "$DIR/env" ]] || die "no environment at $DIR (run up first)"
+  local k8s_bin
+  k8s_bin="$(sed -n 's/^export KEYSHIFT_K8S_BIN=//p' "$DIR/env")"
+  [[ -x "$k8s_bin/kube-apiserver" ]] || die "no kube-apiserver recorded in $DIR/env"
+  stop kube-apiserver
+  sleep "$down"
+  start_apiserver "$k8s_bin"
+  wait_for "kube-apiserver /readyz" "$READY_TIMEOUT" kube-apiserver apiserver_ready
+  log "kube-apiserver restarted after ${down}s down"
+}
+
 cmd_up() {
   local t0=$SECONDS
   if all_up; then
@@ -470,38 +525,7 @@ cmd_up() {
   start etcd "$etcd_bin/etcd" "${etcd_args[@]}"
   wait_for "etcd healthy" 30 etcd etcd_healthy
 
-  local apiserver_args=(
-    # What controller-runtime's envtest passes ...
-    --etcd-servers="$ETCD_URL"
-    --cert-dir="$c"
-    --tls-cert-file="$c/apiserver.crt" --tls-private-key-file="$c/apiserver.key"
-    --client-ca-file="$c/ca.crt"
-    --secure-port="$APISERVER_PORT"
-    --service-cluster-ip-range="$SERVICE_CIDR"
-    --authorization-mode=RBAC
-    --allow-privileged=true
-    --service-account-issuer=https://kubernetes.default.svc.cluster.local
-    --service-account-key-file="$c/sa.pub"
-    --service-account-signing-key-file="$c/sa.key"
-    # ... but served on the netns address (a loopback advertise address is
-    # refused), without maintaining Endpoints for the "kubernetes" Service.
-    --bind-address=0.0.0.0
-    --advertise-address="$NS_IP"
-    --endpoint-reconciler-type=none
-    # Webhooks and aggregated APIs are dialled at their pod IPs (inside the
-    # netns), not at ClusterIPs, which nothing implements here.
-    --enable-aggregator-routing=true
-    # Front-proxy / request-header authentication (see gen_certs).
-    --requestheader-client-ca-file="$c/front-proxy-ca.crt"
-    --requestheader-allowed-names=front-proxy-client
-    --requestheader-username-headers=X-Remote-User
-    --requestheader-group-headers=X-Remote-Group
-    --requestheader-extra-headers-prefix=X-Remote-Extra-
-    --proxy-client-cert-file="$c/front-proxy-client.crt"
-    --proxy-client-key-file="$c/front-proxy-client.key"
-    --profiling=false
-  )
-  start kube-apiserver "$k8s_bin/kube-apiserver" "${apiserver_args[@]}"
+  start_apiserver "$k8s_bin"
   wait_for "kube-apiserver /readyz" "$READY_TIMEOUT" kube-apiserver apiserver_ready
 
   local kcm_kubeconfig="$DIR/kube-controller-manager.kubeconfig"
@@ -598,5 +622,6 @@ case "${1:-}" in
   up) cmd_up ;;
   down) cmd_down ;;
   status) cmd_status ;;
-  *) echo "usage: $0 up|down|status" >&2; exit 2 ;;
+  restart-apiserver) cmd_restart_apiserver "${2:-0}" ;;
+  *) echo "usage: $0 up|down|status|restart-apiserver [SECONDS_DOWN]" >&2; exit 2 ;;
 esac

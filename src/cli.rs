@@ -107,6 +107,12 @@ pub struct OperatorArgs {
     /// Namespace of the leader-election Lease.
     #[arg(long, env = "POD_NAMESPACE")]
     pub lease_namespace: Option<String>,
+    /// Reconcile passes that may run at once (per watched namespace; 0: unbounded). A burst of
+    /// changes then waits in the queue instead of piling up at the API server. Passes that take
+    /// a savepoint or verify one hold their slot meanwhile, so keep it well above the number of
+    /// jobs expected to rescale at the same moment.
+    #[arg(long, env = "KEYSHIFT_MAX_CONCURRENT_RECONCILES", default_value_t = 32)]
+    pub max_concurrent_reconciles: u16,
 }
 
 #[derive(clap::Args, Debug)]
@@ -290,6 +296,7 @@ fn run(command: Command) -> Result<(), CliError> {
                 default_storage: args.default_storage,
                 metrics_addr: args.metrics_addr,
                 worker_image: args.worker_image,
+                max_concurrent_reconciles: args.max_concurrent_reconciles,
                 leader: match (args.leader_elect, args.lease_namespace) {
                     (false, _) => None,
                     (true, Some(ns)) => Some(crate::leader::LeaderConfig::new(

@@ -316,6 +316,7 @@ fn default_values_grant_the_contract_cluster_wide() {
                 "operator",
                 "--metrics-addr=0.0.0.0:8080",
                 "--log-format=json",
+                "--max-concurrent-reconciles=32",
                 "--lease-name=keyshift-operator",
                 &format!("--lease-namespace={NAMESPACE}"),
             ]
@@ -513,6 +514,11 @@ fn other_values_render_as_documented() {
             "registry.example/acme/keyshift-worker:1"
         );
         assert!(args(&docs).contains(&"--metrics-addr=$(POD_IP):8080".to_owned()));
+        let docs = render_ok(helm, &["--set", "maxConcurrentReconciles=0"]);
+        assert!(
+            args(&docs).contains(&"--max-concurrent-reconciles=0".to_owned()),
+            "0 (unbounded) is passed through"
+        );
         assert_eq!(
             env(&docs, "POD_IP")["valueFrom"]["fieldRef"]["fieldPath"],
             "status.podIP"
@@ -555,6 +561,10 @@ fn bad_values_are_refused_with_a_reason() {
             ),
             (&["--set", "watchNamespaces=Team_A"], "/watchNamespaces"),
             (&["--set", "logFormat=xml"], "/logFormat"),
+            (
+                &["--set", "maxConcurrentReconciles=-1"],
+                "/maxConcurrentReconciles",
+            ),
             (
                 &[
                     "--set",

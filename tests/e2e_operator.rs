@@ -14,7 +14,18 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::*;
 
-/// The operator process; killed when dropped.
+/// Tests share one control plane and run in parallel; a test that takes the API server away
+/// holds this exclusively, so no other test in this binary sees its outage.
+static PLANE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+fn shared_plane() -> std::sync::RwLockReadGuard<'static, ()> {
+    PLANE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+fn exclusive_plane() -> std::sync::RwLockWriteGuard<'static, ()> {
+    PLANE.write().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Where a test keeps its storage and operator log: inside the test control plane's directory,
 /// which `hack/testenv.sh down` removes, so nothing outlives the suite.
 fn scratch_dir() -> std::path::PathBuf {
@@ -23,6 +34,7 @@ fn scratch_dir() -> std::path::PathBuf {
         .unwrap_or_else(std::env::temp_dir)
 }
 
+/// The operator process; killed when dropped.
 struct Operator {
     child: Child,
     log: std::path::PathBuf,
@@ -150,18 +162,52 @@ fn wait_ready_within(ns: &str, name: &str, log: &std::path::Path, seconds: u32) 
         &format!("--timeout={seconds}s"),
     ]);
     if !r.ok {
-        let status = kubectl(&["get", "-n", ns, &format!("sj/{name}"), "-o", "yaml"]).stdout;
-        let pods = kubectl(&["get", "pods", "-n", ns, "-o", "wide"]).stdout;
-        let tail: String = std::fs::read_to_string(log)
-            .unwrap_or_default()
-            .lines()
-            .rev()
-            .take(40)
-            .collect::<Vec<_>>()
-            .join("\n");
         panic!(
-            "sj/{name} not Ready: {}{}\n{status}\n{pods}\noperator log (newest first):\n{tail}",
-            r.stdout, r.stderr
+            "sj/{name} not Ready: {}{}\n{}",
+            r.stdout,
+            r.stderr,
+            diagnostics(ns, name, log)
+        );
+    }
+}
+
+/// The job's status, its pods, the operator's last log lines and the test kubelet's lines
+/// about the namespace: what a failed wait prints.
+fn diagnostics(ns: &str, name: &str, log: &std::path::Path) -> String {
+    let status = kubectl(&["get", "-n", ns, &format!("sj/{name}"), "-o", "yaml"]).stdout;
+    let pods = kubectl(&["get", "pods", "-n", ns, "-o", "wide"]).stdout;
+    let tail: String = std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .rev()
+        .take(40)
+        .collect::<Vec<_>>()
+        .join("\n");
+    // The test kubelet's lines about this namespace's pods (testenv keeps its log).
+    let kubelet: String = std::env::var_os("KEYSHIFT_TESTENV_DIR")
+        .map(|d| std::path::PathBuf::from(d).join("logs/kubelet.log"))
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains(ns))
+        .rev()
+        .take(30)
+        .collect::<Vec<_>>()
+        .join("\n");
+    format!(
+        "{status}\n{pods}\noperator log (newest first):\n{tail}\nkubelet log for {ns} (newest first):\n{kubelet}"
+    )
+}
+
+/// `kubectl delete sj/NAME`, which must finish (finalizer done) within a minute.
+fn delete_job(ns: &str, name: &str, log: &std::path::Path) {
+    let r = kubectl(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    if !r.ok {
+        panic!(
+            "sj/{name} not deleted: {}{}\n{}",
+            r.stdout,
+            r.stderr,
+            diagnostics(ns, name, log)
         );
     }
 }
@@ -266,7 +312,9 @@ fn check_against_oracle(ns: &str, name: &str) {
     assert!(url.contains("/savepoints/sp-"), "{url}");
     let (values, positions) = snapshot_values(&url);
     assert_eq!(positions.len(), 4, "every source partition has a position");
-    let spec: StreamJob = serde_yaml::from_str(&job_yaml(name, 1)).expect("job parses");
+    // The oracle for the job as it is declared in the cluster.
+    let json = kubectl_ok(&["get", "-n", ns, &format!("sj/{name}"), "-o", "json"]);
+    let spec: StreamJob = serde_json::from_str(&json).expect("the StreamJob parses");
     let Expected::Global(want) = expected_results(&spec.spec.job, &positions).expect("oracle")
     else {
         panic!("global aggregation expected")
@@ -296,6 +344,7 @@ fn check_against_oracle(ns: &str, name: &str) {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-op-scale");
     let ns = &ns.0;
@@ -373,7 +422,7 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
     check_against_oracle(ns, name);
 
     // Deleting the job removes its pods and keeps its savepoints.
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
     assert!(worker_pods(ns, name).is_empty());
     let url = get(ns, name, "{.status.lastSavepoint.path}");
     assert!(url.is_empty(), "the job is gone");
@@ -389,6 +438,7 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-op-kill");
     let ns = &ns.0;
@@ -442,7 +492,7 @@ fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
     // Nothing was lost or counted twice across the four kills.
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
     op.kill();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -454,6 +504,7 @@ fn file_path(url: &str) -> std::path::PathBuf {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn savepoint_nonce_then_restore_from_into_a_new_job() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-op-nonce");
     let ns = &ns.0;
@@ -501,7 +552,7 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
     check_against_oracle(ns, name);
     let from = get(ns, name, "{.status.lastSavepoint.path}");
     let (_, from_positions) = snapshot_values(&from);
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
     assert!(file_path(&from).join("_manifest.json").exists());
 
     let second = "second";
@@ -583,6 +634,7 @@ fn upgrade(ns: &str, name: &str, mode: &str, image: &str, log: &std::path::Path)
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn upgrade_image_with_savepoint_last_state_and_stateless_keeps_exact_totals() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-op-upgrade");
     let ns = &ns.0;
@@ -622,7 +674,7 @@ fn upgrade_image_with_savepoint_last_state_and_stateless_keeps_exact_totals() {
     assert_eq!(get(ns, name, "{.status.rescale.bytesToRead}"), "0");
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
     op.kill();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -630,6 +682,7 @@ fn upgrade_image_with_savepoint_last_state_and_stateless_keeps_exact_totals() {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn a_failed_restore_rolls_back_to_the_old_parallelism_then_the_retry_succeeds() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-op-rollback");
     let ns = &ns.0;
@@ -681,7 +734,7 @@ fn a_failed_restore_rolls_back_to_the_old_parallelism_then_the_retry_succeeds() 
     wait_ready(ns, name, &log);
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
     drop(op);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -733,6 +786,7 @@ fn wide_job_yaml(name: &str) -> String {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
+    let _plane = shared_plane();
     use keyshift::validation::{CeilingContext, ceiling_guidance};
     let (ns, _dir, op) = setup("e2e-op-ceiling", "ceiling");
     let ns = &ns.0;
@@ -850,7 +904,7 @@ fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
         after.len(),
         get(ns, name, "{.status.rescale}")
     );
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
 }
 
 /// A TCP relay on the host side of the test network's veth pair (10.<KEYSHIFT_SUBNET>.0.1,
@@ -921,6 +975,7 @@ impl Drop for PausedS3 {
 #[test]
 #[ignore = "needs the test control plane and the S3 test server (hack/test.sh starts both)"]
 fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
+    let _plane = shared_plane();
     let s3 = std::env::var("KEYSHIFT_TEST_S3_URL").expect("KEYSHIFT_TEST_S3_URL (hack/test.sh)");
     let (ns, _dir, op) = setup("e2e-op-s3", "s3");
     let ns = &ns.0;
@@ -991,7 +1046,7 @@ fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
     assert!(get(ns, name, "{.status.rescale.savepoint}").starts_with(&storage));
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
 }
 
 /// A new spec.restoreFrom on a running job, naming a savepoint rewritten to more key groups:
@@ -1000,6 +1055,7 @@ fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn a_running_job_restarts_from_a_new_restore_from_with_more_key_groups() {
+    let _plane = shared_plane();
     let (ns, _dir, op) = setup("e2e-op-restore-running", "rr");
     let ns = &ns.0;
     let log = op.log.clone();
@@ -1061,5 +1117,140 @@ fn a_running_job_restarts_from_a_new_restore_from_with_more_key_groups() {
     let (_, at_rewrite) = snapshot_values(&target);
     assert!(positions.iter().all(|(p, at)| *at >= at_rewrite[p]));
     check_against_oracle(ns, name);
-    kubectl_ok(&["delete", "-n", ns, &format!("sj/{name}"), "--timeout=60s"]);
+    delete_job(ns, name, &log);
+}
+
+/// `hack/testenv.sh restart-apiserver SECONDS`: the API server is stopped, stays down that long,
+/// and is started again (returns once it is ready).
+fn restart_apiserver(down_seconds: u32) {
+    let out = Command::new(support::root().join("hack/testenv.sh"))
+        .args(["restart-apiserver", &down_seconds.to_string()])
+        .output()
+        .expect("hack/testenv.sh runs");
+    assert!(
+        out.status.success(),
+        "restart-apiserver failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Pauses the kube-apiserver (SIGSTOP) until dropped (SIGCONT): a server that accepts
+/// nothing and answers nothing, rather than one that refuses connections.
+struct PausedApiServer(i32);
+
+impl PausedApiServer {
+    fn pause() -> PausedApiServer {
+        let dir =
+            std::env::var("KEYSHIFT_TESTENV_DIR").expect("KEYSHIFT_TESTENV_DIR (hack/test.sh)");
+        let pidfile = std::path::Path::new(&dir).join("pids/kube-apiserver.pid");
+        let text = std::fs::read_to_string(&pidfile).expect("kube-apiserver pid file");
+        let pid: i32 = text
+            .split_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok())
+            .expect("kube-apiserver pid");
+        // SAFETY: kill(2) on the test control plane's own API server process.
+        assert_eq!(
+            unsafe { libc::kill(pid, libc::SIGSTOP) },
+            0,
+            "kube-apiserver paused"
+        );
+        PausedApiServer(pid)
+    }
+}
+
+impl Drop for PausedApiServer {
+    fn drop(&mut self) {
+        // SAFETY: as above.
+        unsafe { libc::kill(self.0, libc::SIGCONT) };
+    }
+}
+
+/// The worker pods' UIDs and restart counts, sorted by name.
+fn pod_identities(ns: &str, name: &str) -> Vec<String> {
+    let out = kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        ns,
+        "-l",
+        &format!("keyshift.dev/job={name}"),
+        "-o",
+        "jsonpath={range .items[*]}{.metadata.name}/{.metadata.uid}/{.status.containerStatuses[0].restartCount}{\"\\n\"}{end}",
+    ]);
+    let mut v: Vec<String> = out.lines().map(str::to_owned).collect();
+    v.sort();
+    v
+}
+
+/// The API server goes away three times: restarted (refused connections, broken watches) with
+/// the job running, restarted right after a `kubectl scale` (inside the rescale), and paused
+/// (accepting nothing, answering nothing) during another. The running job is not restarted,
+/// checkpoints resume, both rescales end Ready at the asked parallelism, and the final
+/// savepoint equals the oracle. It takes the control plane away, so no other test of this
+/// binary runs meanwhile.
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn api_server_outages_are_retried_and_lose_nothing() {
+    let _plane = exclusive_plane();
+    let (ns, _dir, op) = setup("e2e-op-apiserver", "apiserver");
+    let ns = &ns.0;
+    let log = op.log.clone();
+    let name = "clicks";
+    let yaml = count_job_yaml(
+        name,
+        2,
+        "\n  maxParallelism: 128",
+        "partitions: 4, keys: 2000, seed: 11, recordsPerSecond: 2000, recordsPerPartition: 200000",
+    );
+    let r = apply(ns, &yaml);
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    let id = || -> i64 {
+        get(ns, name, "{.status.lastCheckpoint.id}")
+            .parse()
+            .unwrap_or(0)
+    };
+    wait_for(Duration::from_secs(60), || id() >= 1);
+    let pods = pod_identities(ns, name);
+    assert_eq!(pods.len(), 2, "{pods:?}");
+
+    // 1. Restarted while the job runs: nothing restarts, checkpoints resume.
+    let before = id();
+    let t = Instant::now();
+    restart_apiserver(8);
+    eprintln!("API server away for {:?} with the job running", t.elapsed());
+    wait_for(Duration::from_secs(60), || id() >= before + 2);
+    wait_ready(ns, name, &log);
+    assert_eq!(
+        pod_identities(ns, name),
+        pods,
+        "the workers ran through the outage: same pods, no restarts"
+    );
+
+    // 2. Restarted inside a rescale (the operator is taking the savepoint when it goes).
+    kubectl_ok(&["scale", "-n", ns, &format!("sj/{name}"), "--replicas=4"]);
+    std::thread::sleep(Duration::from_millis(300));
+    restart_apiserver(5);
+    wait_ready_within(ns, name, &log, 180);
+    assert_eq!(get(ns, name, "{.status.replicas}"), "4");
+    assert_eq!(get(ns, name, "{.status.rescale.step}"), "Done");
+    assert_eq!(get(ns, name, "{.status.rescale.to}"), "4");
+    assert_eq!(worker_pods(ns, name).len(), 4);
+
+    // 3. Paused inside a rescale: requests hang instead of failing.
+    kubectl_ok(&["scale", "-n", ns, &format!("sj/{name}"), "--replicas=3"]);
+    std::thread::sleep(Duration::from_millis(300));
+    {
+        let _paused = PausedApiServer::pause();
+        std::thread::sleep(Duration::from_secs(10));
+    }
+    wait_ready_within(ns, name, &log, 180);
+    assert_eq!(get(ns, name, "{.status.replicas}"), "3");
+    assert_eq!(get(ns, name, "{.status.rescale.to}"), "3");
+    assert_eq!(worker_pods(ns, name).len(), 3);
+
+    set_suspend(ns, name, true, &log);
+    check_against_oracle(ns, name);
+    delete_job(ns, name, &log);
 }

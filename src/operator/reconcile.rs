@@ -37,6 +37,8 @@ pub struct OperatorConfig {
     pub metrics_addr: SocketAddr,
     /// Worker image for jobs without spec.image.
     pub worker_image: String,
+    /// Reconcile passes that may run at once per controller (0: unbounded).
+    pub max_concurrent_reconciles: u16,
     /// Leader election (None: this process reconciles unconditionally).
     pub leader: Option<crate::leader::LeaderConfig>,
 }
@@ -223,6 +225,11 @@ pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             Controller::new(jobs, watcher::Config::default())
                 .owns(pods, watcher::Config::default().labels(LABEL_JOB))
+                .with_config(
+                    kube::runtime::controller::Config::default()
+                        .concurrency(ctx.config.max_concurrent_reconciles),
+                )
+                .trigger_backoff(watch_backoff())
                 .shutdown_on_signal()
                 .run(reconcile_outer, error_policy, ctx)
                 .for_each(|res| async move {
@@ -235,6 +242,27 @@ pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
     });
     futures::future::join_all(controllers).await;
     Ok(())
+}
+
+/// Back-off of the controller's watches after an error. kube's default (client-go's: 0.8 s
+/// doubling to 30 s, reset after 120 s quiet) applies to the merged trigger stream, so after an
+/// API server restart the watches came back up to a minute late: the delay had grown during the
+/// outage, and the "too old resource version" that the fresh server answers to the first re-watch
+/// counted as one more error. Meanwhile only requeues drove jobs, and a deletion waited for the
+/// job's next requeue (5 minutes for a suspended job). Capped at 5 s here: two watches per
+/// controller are no burden for an API server.
+fn watch_backoff()
+-> kube::runtime::utils::ResetTimerBackoff<kube::runtime::watcher::ExponentialBackoff> {
+    kube::runtime::utils::ResetTimerBackoff::new(
+        backon::ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(250))
+            .with_max_delay(Duration::from_secs(5))
+            .with_factor(2.0)
+            .with_jitter()
+            .without_max_times()
+            .into(),
+        Duration::from_secs(30),
+    )
 }
 
 fn error_policy(job: Arc<StreamJob>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
@@ -1551,5 +1579,28 @@ impl Pass<'_> {
                 Ok(Duration::from_secs(1))
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kube::runtime::utils::Backoff;
+
+    #[test]
+    fn watch_backoff_starts_small_is_capped_and_resets() {
+        let mut b = watch_backoff();
+        let delays: Vec<Duration> = (0..30).map_while(|_| b.next()).collect();
+        assert_eq!(delays.len(), 30, "it never gives up");
+        assert!(delays[0] <= Duration::from_millis(500), "{delays:?}");
+        // The cap (5 s) plus at most as much jitter.
+        assert!(
+            delays.iter().all(|d| *d <= Duration::from_secs(10)),
+            "{delays:?}"
+        );
+        assert!(delays[29] >= Duration::from_secs(5), "{delays:?}");
+        b.reset();
+        let first = b.next().unwrap_or_default();
+        assert!(first <= Duration::from_millis(500), "after reset: {first:?}");
     }
 }
