@@ -285,22 +285,25 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
         .inc();
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
     let inner = ctx.clone();
-    let result = finalizer(&api, desired::FINALIZER, job, move |event| {
-        let ctx = inner.clone();
-        let fut: std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<Requeue, OperatorError>> + Send>,
-        > = match event {
-            FinalizerEvent::Apply(job) => Box::pin(apply(job, ctx)),
-            FinalizerEvent::Cleanup(job) => Box::pin(cleanup(job, ctx)),
-        };
-        fut
-    })
-    .await
-    .map_err(|e| match e {
-        kube::runtime::finalizer::Error::ApplyFailed(e)
-        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
-        other => OperatorError::Finalizer(other.to_string()),
-    });
+    let result = match with_finalizer(&api, job).await {
+        Ok(job) => finalizer(&api, desired::FINALIZER, job, move |event| {
+            let ctx = inner.clone();
+            let fut: std::pin::Pin<
+                Box<dyn std::future::Future<Output = Result<Requeue, OperatorError>> + Send>,
+            > = match event {
+                FinalizerEvent::Apply(job) => Box::pin(apply(job, ctx)),
+                FinalizerEvent::Cleanup(job) => Box::pin(cleanup(job, ctx)),
+            };
+            fut
+        })
+        .await
+        .map_err(|e| match e {
+            kube::runtime::finalizer::Error::ApplyFailed(e)
+            | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+            other => OperatorError::Finalizer(other.to_string()),
+        }),
+        Err(e) => Err(e),
+    };
     ctx.metrics
         .reconcile_seconds
         .observe(started.elapsed().as_secs_f64());
@@ -314,6 +317,39 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
         "reconcile pass"
     );
     result
+}
+
+/// Adds the cleanup finalizer to a job that lacks it and is not being deleted, and returns the
+/// job as written. kube's `finalizer` helper adds it too, but then ends the pass and waits for
+/// the watch event of its own patch: a new job's first status came one queue turn later, which
+/// in a burst of creates (bounded concurrency, FIFO) is most of the latency. The patch carries
+/// the resourceVersion it was based on, so a concurrent change fails it (409) and the pass is
+/// retried.
+async fn with_finalizer(
+    api: &Api<StreamJob>,
+    job: Arc<StreamJob>,
+) -> Result<Arc<StreamJob>, OperatorError> {
+    if job.metadata.deletion_timestamp.is_some()
+        || job.finalizers().iter().any(|f| f == desired::FINALIZER)
+    {
+        return Ok(job);
+    }
+    let mut finalizers = job.finalizers().to_vec();
+    finalizers.push(desired::FINALIZER.to_owned());
+    let patch = serde_json::json!({
+        "metadata": {
+            "resourceVersion": job.resource_version(),
+            "finalizers": finalizers,
+        }
+    });
+    let updated = api
+        .patch(
+            &job.name_any(),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
+        .await?;
+    Ok(Arc::new(updated))
 }
 
 /// Deleting a StreamJob: remove its pods (savepoints and checkpoints stay in storage).
@@ -1601,6 +1637,9 @@ mod tests {
         assert!(delays[29] >= Duration::from_secs(5), "{delays:?}");
         b.reset();
         let first = b.next().unwrap_or_default();
-        assert!(first <= Duration::from_millis(500), "after reset: {first:?}");
+        assert!(
+            first <= Duration::from_millis(500),
+            "after reset: {first:?}"
+        );
     }
 }
