@@ -422,16 +422,23 @@ async fn write_snapshot(
 ) -> Result<(Sample, snapshot::Path, Manifest, u64)> {
     let dir = snapshot::snapshot_dir(job, SnapshotKind::Checkpoint, id);
     let started = Meter::start();
+    // Each subtask writes from a thread of its own, outside the runtime's worker threads, as a
+    // worker's keyed operator does (`start_subtask`): a task that the write spawns (a part
+    // upload) then runs at once on a runtime thread, instead of waiting in the LIFO slot of a
+    // worker thread that the encoder keeps busy.
+    let handle = tokio::runtime::Handle::current();
     let tasks: Vec<_> = (0..assignment.parallelism())
         .map(|i| {
-            tokio::spawn(write_subtask(
+            let write = write_subtask(
                 store.clone(),
                 dir.clone(),
                 assignment,
                 i,
                 aggs[i as usize].clone(),
                 path.clone(),
-            ))
+            );
+            let handle = handle.clone();
+            tokio::task::spawn_blocking(move || handle.block_on(write))
         })
         .collect();
     let mut acks = Vec::new();

@@ -2,8 +2,10 @@
 //!
 //! A [`Record`] is 40 bytes: a [`RecordKey`] (24 bytes), a value and an event timestamp. The key
 //! caches its Java `hashCode`, so finding a record's key group is a constant-time murmur mix even
-//! for string keys, and cloning a string key is a reference-count increment (the text lives in a
-//! shared `Arc<str>`; the generator builds its key strings once).
+//! for string keys. A string of up to 16 bytes is held inline in the key (cloning it copies 24
+//! bytes, and reading it touches no other memory: a state encoder or a hash-map probe follows no
+//! pointer); a longer one lives in a shared `Arc<str>`, so cloning it is a reference-count
+//! increment (the generator builds its key strings once).
 //!
 //! [`encode_record`] / [`decode_record`] are a compact wire form for the shuffle between
 //! subtasks; the key part is the same as in state blocks (see [`super::state_codec`]).
@@ -25,7 +27,30 @@ pub struct RecordKey(Repr);
 enum Repr {
     Long(i64),
     Int(i32),
-    Str { hash: i32, text: Arc<str> },
+    /// A string of at most [`INLINE`] bytes, zero-padded (always this form when it fits, so
+    /// that equal strings have equal representations).
+    Short {
+        hash: i32,
+        len: u8,
+        bytes: [u8; INLINE],
+    },
+    /// A longer string.
+    Str {
+        hash: i32,
+        text: Arc<str>,
+    },
+}
+
+/// The longest string held inline in a [`RecordKey`].
+const INLINE: usize = 16;
+
+// The inline form keeps a key at 24 bytes (and a record at 40).
+const _: () = assert!(std::mem::size_of::<RecordKey>() == 24);
+
+/// The text of an inline string (valid UTF-8 by construction: a whole `&str` was copied).
+#[inline]
+fn short_str(bytes: &[u8; INLINE], len: u8) -> &str {
+    std::str::from_utf8(&bytes[..usize::from(len)]).unwrap_or_default()
 }
 
 /// A borrowed view of a [`RecordKey`], for matching on its type.
@@ -50,13 +75,34 @@ impl RecordKey {
         RecordKey(Repr::Int(v))
     }
 
-    /// A string key (hashed like `java.lang.String`); computes the hash once.
-    pub fn string(text: impl Into<Arc<str>>) -> Self {
-        let text: Arc<str> = text.into();
+    /// A string key (hashed like `java.lang.String`); computes the hash once. Strings of up to
+    /// 16 bytes are copied into the key; longer ones are shared (`text.into()`).
+    pub fn string(text: impl AsRef<str> + Into<Arc<str>>) -> Self {
+        let s = text.as_ref();
+        let hash = keygroup::java_string_hash(s);
+        if s.len() <= INLINE {
+            let mut bytes = [0u8; INLINE];
+            bytes[..s.len()].copy_from_slice(s.as_bytes());
+            return RecordKey(Repr::Short {
+                hash,
+                len: s.len() as u8,
+                bytes,
+            });
+        }
         RecordKey(Repr::Str {
-            hash: keygroup::java_string_hash(&text),
-            text,
+            hash,
+            text: text.into(),
         })
+    }
+
+    /// A string key's UTF-8 bytes (`None` for number keys).
+    #[inline]
+    fn str_bytes(&self) -> Option<&[u8]> {
+        match &self.0 {
+            Repr::Short { len, bytes, .. } => Some(&bytes[..usize::from(*len)]),
+            Repr::Str { text, .. } => Some(text.as_bytes()),
+            _ => None,
+        }
     }
 
     /// A borrowed view for matching.
@@ -64,6 +110,7 @@ impl RecordKey {
         match &self.0 {
             Repr::Long(v) => KeyRef::Long(*v),
             Repr::Int(v) => KeyRef::Int(*v),
+            Repr::Short { len, bytes, .. } => KeyRef::Str(short_str(bytes, *len)),
             Repr::Str { text, .. } => KeyRef::Str(text),
         }
     }
@@ -73,7 +120,7 @@ impl RecordKey {
         match &self.0 {
             Repr::Long(_) => KeyType::Long,
             Repr::Int(_) => KeyType::Int,
-            Repr::Str { .. } => KeyType::String,
+            Repr::Short { .. } | Repr::Str { .. } => KeyType::String,
         }
     }
 
@@ -83,7 +130,7 @@ impl RecordKey {
         match &self.0 {
             Repr::Long(v) => keygroup::java_long_hash(*v),
             Repr::Int(v) => keygroup::java_int_hash(*v),
-            Repr::Str { hash, .. } => *hash,
+            Repr::Short { hash, .. } | Repr::Str { hash, .. } => *hash,
         }
     }
 
@@ -98,6 +145,7 @@ impl RecordKey {
         match &self.0 {
             Repr::Long(v) => Key::Long(*v),
             Repr::Int(v) => Key::Int(*v),
+            Repr::Short { len, bytes, .. } => Key::String(short_str(bytes, *len).to_owned()),
             Repr::Str { text, .. } => Key::String(text.to_string()),
         }
     }
@@ -108,7 +156,7 @@ impl RecordKey {
         match &self.0 {
             Repr::Long(v) => *v as u64,
             Repr::Int(v) => (*v as u32 as u64) | (1 << 40),
-            Repr::Str { hash, .. } => (*hash as u32 as u64) | (2 << 40),
+            Repr::Short { hash, .. } | Repr::Str { hash, .. } => (*hash as u32 as u64) | (2 << 40),
         }
     }
 }
@@ -139,6 +187,18 @@ impl PartialEq for RecordKey {
         match (&self.0, &other.0) {
             (Repr::Long(a), Repr::Long(b)) => a == b,
             (Repr::Int(a), Repr::Int(b)) => a == b,
+            (
+                Repr::Short {
+                    hash: ha,
+                    len: la,
+                    bytes: a,
+                },
+                Repr::Short {
+                    hash: hb,
+                    len: lb,
+                    bytes: b,
+                },
+            ) => ha == hb && la == lb && a == b,
             (Repr::Str { hash: ha, text: a }, Repr::Str { hash: hb, text: b }) => {
                 ha == hb && (Arc::ptr_eq(a, b) || a == b)
             }
@@ -168,14 +228,17 @@ impl Ord for RecordKey {
             match r {
                 Repr::Long(_) => 0,
                 Repr::Int(_) => 1,
-                Repr::Str { .. } => 2,
+                Repr::Short { .. } | Repr::Str { .. } => 2,
             }
         }
         match (&self.0, &other.0) {
             (Repr::Long(a), Repr::Long(b)) => a.cmp(b),
             (Repr::Int(a), Repr::Int(b)) => a.cmp(b),
-            (Repr::Str { text: a, .. }, Repr::Str { text: b, .. }) => a.cmp(b),
-            (a, b) => rank(a).cmp(&rank(b)),
+            (a, b) => match (self.str_bytes(), other.str_bytes()) {
+                // Byte order of UTF-8 is code-point order, as `str`'s.
+                (Some(x), Some(y)) => x.cmp(y),
+                _ => rank(a).cmp(&rank(b)),
+            },
         }
     }
 }
@@ -185,6 +248,7 @@ impl fmt::Debug for RecordKey {
         match &self.0 {
             Repr::Long(v) => write!(f, "Long({v})"),
             Repr::Int(v) => write!(f, "Int({v})"),
+            Repr::Short { len, bytes, .. } => write!(f, "String({:?})", short_str(bytes, *len)),
             Repr::Str { text, .. } => write!(f, "String({text:?})"),
         }
     }
@@ -195,6 +259,7 @@ impl fmt::Display for RecordKey {
         match &self.0 {
             Repr::Long(v) => write!(f, "{v}"),
             Repr::Int(v) => write!(f, "{v}"),
+            Repr::Short { len, bytes, .. } => f.write_str(short_str(bytes, *len)),
             Repr::Str { text, .. } => f.write_str(text),
         }
     }
@@ -390,6 +455,12 @@ pub fn encode_key(key: &RecordKey, out: &mut Vec<u8>) {
             out.push(TAG_INT);
             out.extend_from_slice(&v.to_le_bytes());
         }
+        Repr::Short { len, bytes, .. } => {
+            out.push(TAG_STRING);
+            // At most 16: a one-byte varint.
+            out.push(*len);
+            out.extend_from_slice(&bytes[..usize::from(*len)]);
+        }
         Repr::Str { text, .. } => {
             out.push(TAG_STRING);
             put_varint(out, text.len() as u64);
@@ -560,6 +631,46 @@ mod tests {
         let mut sorted = plain.clone();
         sorted.sort();
         assert_eq!(plain, sorted);
+    }
+
+    /// Strings on both sides of the inline limit (16 bytes) behave the same: text, hash, order,
+    /// equality, encoding.
+    #[test]
+    fn short_and_long_strings_agree() {
+        let texts = [
+            "",
+            "a",
+            "key-2684353",
+            "0123456789abcdef",
+            "0123456789abcdefg",
+            "grüße grüße!",
+            "ключ-ключ-ключ",
+            "\u{1F600}\u{1F600}\u{1F600}\u{1F600}",
+            "\u{1F600}\u{1F600}\u{1F600}\u{1F600}x",
+        ];
+        let keys: Vec<RecordKey> = texts.iter().map(|t| RecordKey::string(*t)).collect();
+        for (t, k) in texts.iter().zip(&keys) {
+            assert_eq!(k.to_string(), *t);
+            assert_eq!(k.view(), KeyRef::Str(t));
+            assert_eq!(k.java_hash(), keygroup::java_string_hash(t));
+            assert_eq!(format!("{k:?}"), format!("String({t:?})"));
+            assert_eq!(*k, RecordKey::string(Arc::<str>::from(*t)));
+            assert_eq!(*k, RecordKey::string(t.to_string()));
+            let mut enc = Vec::new();
+            encode_key(k, &mut enc);
+            let mut expected = vec![TAG_STRING];
+            put_varint(&mut expected, t.len() as u64);
+            expected.extend_from_slice(t.as_bytes());
+            assert_eq!(enc, expected);
+            let mut r = Reader::new(&enc);
+            assert_eq!(read_key(&mut r).unwrap(), *k);
+        }
+        for (a, ka) in texts.iter().zip(&keys) {
+            for (b, kb) in texts.iter().zip(&keys) {
+                assert_eq!(ka.cmp(kb), a.cmp(b), "{a:?} vs {b:?}");
+                assert_eq!(ka == kb, a == b, "{a:?} vs {b:?}");
+            }
+        }
     }
 
     #[test]

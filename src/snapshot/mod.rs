@@ -69,6 +69,7 @@ mod catalog;
 mod checksum;
 mod error;
 mod layout;
+mod local;
 mod manifest;
 mod reader;
 mod store;

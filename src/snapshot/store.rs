@@ -134,7 +134,11 @@ fn open_local(url: &str, dir: std::path::PathBuf) -> Result<(Arc<dyn ObjectStore
         .with_fsync(true)
         // Deleting a snapshot's last file removes its (then empty) directory.
         .with_automatic_cleanup(true);
-    Ok((Arc::new(store), Path::default()))
+    // State-file uploads and range reads are done by `LocalStore` itself (see `super::local`).
+    Ok((
+        Arc::new(super::local::LocalStore::new(store)),
+        Path::default(),
+    ))
 }
 
 fn open_memory(url: &str, parsed: &Url) -> Result<(Arc<dyn ObjectStore>, Path)> {
