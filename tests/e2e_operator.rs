@@ -939,29 +939,47 @@ fn relay_to(target: &str) -> std::net::SocketAddr {
     addr
 }
 
-/// Pauses the S3 test server (SIGSTOP) until dropped (SIGCONT): an object store that stops
-/// answering for a while.
-struct PausedS3(i32);
+/// A test server process paused (SIGSTOP) until dropped (SIGCONT): a server that accepts
+/// nothing and answers nothing for a while, rather than one that refuses connections.
+struct Paused(i32);
 
-impl PausedS3 {
-    fn pause() -> PausedS3 {
+impl Paused {
+    /// The S3 test server: an object store that stops answering.
+    fn s3() -> Paused {
         let state = std::env::var("KEYSHIFT_S3_STATE").expect("KEYSHIFT_S3_STATE (hack/test.sh)");
-        let pid: i32 = std::fs::read_to_string(std::path::Path::new(&state).join("pid"))
-            .expect("S3 server pid file")
-            .trim()
-            .parse()
-            .expect("S3 server pid");
-        // SAFETY: kill(2) on the test's own S3 server process.
+        Paused::from_pid_file(&std::path::Path::new(&state).join("pid"), "S3 server")
+    }
+
+    /// The test control plane's kube-apiserver.
+    fn api_server() -> Paused {
+        let dir =
+            std::env::var("KEYSHIFT_TESTENV_DIR").expect("KEYSHIFT_TESTENV_DIR (hack/test.sh)");
+        Paused::from_pid_file(
+            &std::path::Path::new(&dir).join("pids/kube-apiserver.pid"),
+            "kube-apiserver",
+        )
+    }
+
+    /// Pauses the process whose pid is the first word of `file`.
+    fn from_pid_file(file: &std::path::Path, what: &str) -> Paused {
+        let text = std::fs::read_to_string(file)
+            .unwrap_or_else(|e| panic!("{what} pid file {}: {e}", file.display()));
+        let pid: i32 = text
+            .split_whitespace()
+            .next()
+            .and_then(|p| p.parse().ok())
+            .unwrap_or_else(|| panic!("{what} pid in {}: {text:?}", file.display()));
+        // SAFETY: kill(2) on a server process the test environment started.
         assert_eq!(
             unsafe { libc::kill(pid, libc::SIGSTOP) },
             0,
-            "S3 server paused"
+            "{what} paused"
         );
-        PausedS3(pid)
+        Paused(pid)
     }
 }
 
-impl Drop for PausedS3 {
+impl Drop for Paused {
     fn drop(&mut self) {
         // SAFETY: as above.
         unsafe { libc::kill(self.0, libc::SIGCONT) };
@@ -1025,7 +1043,7 @@ fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
     };
     let before = id(ns);
     {
-        let _paused = PausedS3::pause();
+        let _paused = Paused::s3();
         std::thread::sleep(Duration::from_secs(15));
         assert!(
             id(ns) <= before + 1,
@@ -1134,38 +1152,6 @@ fn restart_apiserver(down_seconds: u32) {
     );
 }
 
-/// Pauses the kube-apiserver (SIGSTOP) until dropped (SIGCONT): a server that accepts
-/// nothing and answers nothing, rather than one that refuses connections.
-struct PausedApiServer(i32);
-
-impl PausedApiServer {
-    fn pause() -> PausedApiServer {
-        let dir =
-            std::env::var("KEYSHIFT_TESTENV_DIR").expect("KEYSHIFT_TESTENV_DIR (hack/test.sh)");
-        let pidfile = std::path::Path::new(&dir).join("pids/kube-apiserver.pid");
-        let text = std::fs::read_to_string(&pidfile).expect("kube-apiserver pid file");
-        let pid: i32 = text
-            .split_whitespace()
-            .next()
-            .and_then(|p| p.parse().ok())
-            .expect("kube-apiserver pid");
-        // SAFETY: kill(2) on the test control plane's own API server process.
-        assert_eq!(
-            unsafe { libc::kill(pid, libc::SIGSTOP) },
-            0,
-            "kube-apiserver paused"
-        );
-        PausedApiServer(pid)
-    }
-}
-
-impl Drop for PausedApiServer {
-    fn drop(&mut self) {
-        // SAFETY: as above.
-        unsafe { libc::kill(self.0, libc::SIGCONT) };
-    }
-}
-
 /// The worker pods' UIDs and restart counts, sorted by name.
 fn pod_identities(ns: &str, name: &str) -> Vec<String> {
     let out = kubectl_ok(&[
@@ -1242,7 +1228,7 @@ fn api_server_outages_are_retried_and_lose_nothing() {
     kubectl_ok(&["scale", "-n", ns, &format!("sj/{name}"), "--replicas=3"]);
     std::thread::sleep(Duration::from_millis(300));
     {
-        let _paused = PausedApiServer::pause();
+        let _paused = Paused::api_server();
         std::thread::sleep(Duration::from_secs(10));
     }
     wait_ready_within(ns, name, &log, 180);
