@@ -212,6 +212,13 @@ fn delete_job(ns: &str, name: &str, log: &std::path::Path) {
     }
 }
 
+/// The id of the job's last checkpoint in status (0 before the first).
+fn checkpoint_id(ns: &str, name: &str) -> i64 {
+    get(ns, name, "{.status.lastCheckpoint.id}")
+        .parse()
+        .unwrap_or(0)
+}
+
 fn get(ns: &str, name: &str, path: &str) -> String {
     jsonpath(ns, &format!("sj/{name}"), path)
 }
@@ -749,27 +756,6 @@ fn setup(namespace: &str, tag: &str) -> (Namespace, std::path::PathBuf, Operator
     (ns, dir, op)
 }
 
-/// `keyshift savepoint rewrite SP --max-parallelism G --to TARGET`, which must succeed.
-fn rewrite_savepoint(sp: &str, groups: u32, target: &str) {
-    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
-        .args([
-            "savepoint",
-            "rewrite",
-            sp,
-            "--max-parallelism",
-            &groups.to_string(),
-            "--to",
-            target,
-        ])
-        .output()
-        .expect("rewrite runs");
-    assert!(
-        out.status.success(),
-        "rewrite failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 fn wide_job_yaml(name: &str) -> String {
     count_job_yaml(
         name,
@@ -1036,11 +1022,7 @@ fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
     wait_for(Duration::from_secs(60), || {
         get(ns, name, "{.status.lastCheckpoint.path}").starts_with(&storage)
     });
-    let id = |ns: &str| -> i64 {
-        get(ns, name, "{.status.lastCheckpoint.id}")
-            .parse()
-            .unwrap_or(0)
-    };
+    let id = |ns: &str| checkpoint_id(ns, name);
     let before = id(ns);
     {
         let _paused = Paused::s3();
@@ -1192,11 +1174,7 @@ fn api_server_outages_are_retried_and_lose_nothing() {
     let r = apply(ns, &yaml);
     assert!(r.ok, "{}", r.stderr);
     wait_ready(ns, name, &log);
-    let id = || -> i64 {
-        get(ns, name, "{.status.lastCheckpoint.id}")
-            .parse()
-            .unwrap_or(0)
-    };
+    let id = || checkpoint_id(ns, name);
     wait_for(Duration::from_secs(60), || id() >= 1);
     let pods = pod_identities(ns, name);
     assert_eq!(pods.len(), 2, "{pods:?}");

@@ -4,6 +4,8 @@
 //! independently from the generator's definition (`job::expected_results`) at the snapshot's
 //! source positions.
 
+mod support;
+
 use keyshift::crd::StreamJob;
 use keyshift::job::{self, AccValue, Expected};
 use keyshift::keygroup::Key;
@@ -826,23 +828,7 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritt
 
     // The user runs it.
     let target = format!("{sp}-mp1024");
-    let out = std::process::Command::new(bin())
-        .args([
-            "savepoint",
-            "rewrite",
-            &sp,
-            "--max-parallelism",
-            "1024",
-            "--to",
-            &target,
-        ])
-        .output()
-        .expect("rewrite runs");
-    assert!(
-        out.status.success(),
-        "rewrite failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    support::rewrite_savepoint(&sp, 1024, &target);
     let (before, before_pos, m0) = snapshot_state(&sp).await;
     let (rewritten, rewritten_pos, m1) = snapshot_state(&target).await;
     assert_eq!((m0.max_parallelism, m1.max_parallelism), (128, 1024));

@@ -1,4 +1,4 @@
-//! Helpers for end-to-end tests against the test control plane (`hack/testenv.sh`), driven with
+//! Helpers for the integration tests: the test control plane (`hack/testenv.sh`), driven with
 //! `kubectl` as a user would.
 #![allow(dead_code)]
 
@@ -211,4 +211,25 @@ pub fn helm_ok(args: &[&str]) -> String {
     let r = helm(args);
     assert!(r.ok, "helm {args:?} failed: {}{}", r.stdout, r.stderr);
     r.stdout
+}
+
+/// `keyshift savepoint rewrite SP --max-parallelism G --to TARGET`, which must succeed.
+pub fn rewrite_savepoint(sp: &str, groups: u32, target: &str) {
+    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args([
+            "savepoint",
+            "rewrite",
+            sp,
+            "--max-parallelism",
+            &groups.to_string(),
+            "--to",
+            target,
+        ])
+        .output()
+        .expect("rewrite runs");
+    assert!(
+        out.status.success(),
+        "rewrite failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
