@@ -568,16 +568,21 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
     assert!(r.ok, "{}", r.stderr);
     wait_ready(ns, second, &log);
     assert_eq!(get(ns, second, "{.status.replicas}"), "3");
-    let events = kubectl_ok(&[
-        "get",
-        "events",
-        "-n",
-        ns,
-        "--field-selector",
-        &format!("involvedObject.name={second},reason=Started"),
-        "-o",
-        "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
-    ]);
+    // Events are published beside the status write of the same pass: poll briefly.
+    let started_events = || {
+        kubectl_ok(&[
+            "get",
+            "events",
+            "-n",
+            ns,
+            "--field-selector",
+            &format!("involvedObject.name={second},reason=Started"),
+            "-o",
+            "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
+        ])
+    };
+    wait_for(Duration::from_secs(10), || started_events().contains(&from));
+    let events = started_events();
     assert!(
         events.contains(&from),
         "the new job restored from {from}: {events}"

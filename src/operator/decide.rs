@@ -59,6 +59,9 @@ pub struct ObservedPod {
     pub ip: Option<String>,
     /// Has a deletion timestamp.
     pub deleting: bool,
+    /// The deletion timestamp: when the pod's grace period ends and its kubelet must have
+    /// stopped it.
+    pub grace_deadline: Option<DateTime<Utc>>,
     /// The worker's own state (`idle`, `restoring`, `running`, `stopped`) from its control API;
     /// `None` when it was not asked or did not answer.
     pub worker: Option<String>,
@@ -432,7 +435,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         Some(p) => Restore::Url(p.url.clone()),
         None => Restore::Latest,
     };
-    bring_up(&obs.pods, desired, restore, &obs.new_run)
+    bring_up(&obs.pods, desired, restore, &obs.new_run, obs.now)
 }
 
 fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
@@ -472,7 +475,7 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
                 }
             } else if obs.pods.iter().all(|p| p.deleting) {
                 Action::Wait {
-                    reason: format!("waiting for {} old pod(s) to terminate", obs.pods.len()),
+                    reason: waiting_for_termination(&obs.pods, obs.now),
                 }
             } else {
                 Action::DeletePods { reason: "Stopping" }
@@ -511,7 +514,7 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
                 (Some(url), _) => Restore::Url(url.clone()),
                 (None, _) => Restore::Latest,
             };
-            bring_up(&obs.pods, to, restore, &obs.new_run)
+            bring_up(&obs.pods, to, restore, &obs.new_run, obs.now)
         }
         _ => Action::Idle {
             requeue: Duration::from_secs(1),
@@ -573,6 +576,31 @@ fn adoptable(pods: &[ObservedPod]) -> Option<(String, u32)> {
     Some((run.clone(), parallelism))
 }
 
+/// How long a terminating pod may be past its grace period before the status points at it.
+const OVERDUE_SECONDS: i64 = 30;
+
+/// The wait for terminating pods, naming the one furthest past its grace period when that is
+/// over [`OVERDUE_SECONDS`]: a pod whose node is down stays terminating until someone removes
+/// it, and the operator never force-deletes (the pod's process may still run).
+fn waiting_for_termination(pods: &[ObservedPod], now: DateTime<Utc>) -> String {
+    let terminating: Vec<&ObservedPod> = pods.iter().filter(|p| p.deleting).collect();
+    let mut reason = format!("waiting for {} old pod(s) to terminate", terminating.len());
+    let overdue = terminating
+        .iter()
+        .filter_map(|p| Some((p, (now - p.grace_deadline?).num_seconds())))
+        .filter(|(_, late)| *late >= OVERDUE_SECONDS)
+        .max_by_key(|(_, late)| *late);
+    if let Some((p, late)) = overdue {
+        reason.push_str(&format!(
+            "; pod {name} is {late}s past its grace period (its node may be down or its kubelet \
+             stuck). The operator does not force-delete pods: once the pod's process is known to \
+             be stopped, `kubectl delete pod {name} --grace-period=0 --force` lets this go on",
+            name = p.name
+        ));
+    }
+    reason
+}
+
 /// Pods exist, none exited, and some are not yet up.
 fn starting(pods: &[ObservedPod]) -> bool {
     !pods.is_empty()
@@ -582,10 +610,16 @@ fn starting(pods: &[ObservedPod]) -> bool {
 }
 
 /// Steps towards a started run of `parallelism` workers.
-fn bring_up(pods: &[ObservedPod], parallelism: u32, restore: Restore, new_run: &str) -> Action {
+fn bring_up(
+    pods: &[ObservedPod],
+    parallelism: u32,
+    restore: Restore,
+    new_run: &str,
+    now: DateTime<Utc>,
+) -> Action {
     if pods.iter().any(|p| p.deleting) {
         return Action::Wait {
-            reason: "waiting for old pods to terminate".into(),
+            reason: waiting_for_termination(pods, now),
         };
     }
     let run = match pods.first() {
@@ -692,6 +726,7 @@ mod tests {
                 phase,
                 ip: (phase == PodPhase::Running).then(|| format!("10.0.0.{i}")),
                 deleting: false,
+                grace_deadline: None,
                 worker: worker.map(str::to_owned),
                 spec_hash: None,
             })
@@ -841,13 +876,28 @@ mod tests {
             Action::DeletePods { reason: "Stopping" }
         );
         let mut going = running.clone();
-        for p in &mut going {
+        for (i, p) in going.iter_mut().enumerate() {
             p.deleting = true;
+            // Grace periods ending 20 s ago (pod 0) to 5 s from now (pod 3).
+            p.grace_deadline = Some(now() - chrono::Duration::seconds(20 - 8 * i as i64));
         }
-        assert!(matches!(
-            decide(&spec(8), &st, &obs(going, None)),
-            Action::Wait { .. }
-        ));
+        let Action::Wait { reason } = decide(&spec(8), &st, &obs(going.clone(), None)) else {
+            panic!("terminating pods are waited for");
+        };
+        assert_eq!(reason, "waiting for 4 old pod(s) to terminate");
+        // A pod 45 s past its grace period (its node is gone, say) is named, with the way out.
+        going[2].grace_deadline = Some(now() - chrono::Duration::seconds(45));
+        let Action::Wait { reason } = decide(&spec(8), &st, &obs(going, None)) else {
+            panic!("terminating pods are waited for");
+        };
+        assert!(
+            reason.starts_with("waiting for 4 old pod(s) to terminate; pod j-r-2 is 45s past"),
+            "{reason}"
+        );
+        assert!(
+            reason.contains("kubectl delete pod j-r-2 --grace-period=0 --force"),
+            "{reason}"
+        );
         assert_eq!(
             decide(&spec(8), &st, &obs(vec![], None)),
             Action::Advance {

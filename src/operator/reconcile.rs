@@ -48,6 +48,8 @@ pub struct OperatorConfig {
 pub enum OperatorError {
     #[error("kubernetes API: {0}")]
     Kube(#[from] kube::Error),
+    #[error("kubernetes client configuration (kubeconfig or in-cluster): {0}")]
+    ClientConfig(#[from] kube::config::InferConfigError),
     #[error(transparent)]
     Desired(#[from] desired::DesiredError),
     #[error(transparent)]
@@ -89,9 +91,23 @@ struct JobMemory {
     /// The key-group count of a spec.restoreFrom snapshot, by URL (read once: committed
     /// manifests never change).
     restore_source: Option<(String, u32)>,
+    /// The resourceVersion of the StreamJob as this process last wrote it (the finalizer patch
+    /// or a status write). A pass handed exactly that object by the watch cache acts on it
+    /// without reading the job again: it holds every step this process recorded.
+    written_version: Option<String>,
+    /// The control token, as read from or written to the job's Secret. Read again before pods
+    /// are created, so a deleted Secret is recreated before a pod needs it.
+    token: Option<String>,
 }
 
 type SharedMemory = Arc<tokio::sync::Mutex<JobMemory>>;
+
+/// An Event recorded during a pass; published at its end, beside the status write.
+struct PendingEvent {
+    warning: bool,
+    reason: String,
+    note: String,
+}
 
 /// Shared state of the controller.
 pub struct Context {
@@ -154,12 +170,19 @@ impl Context {
             tracing::warn!(error = %e, reason, "publishing an Event failed");
         }
     }
+
+    /// A pass's Events, in the order they were recorded.
+    async fn publish(&self, job: &StreamJob, events: Vec<PendingEvent>) {
+        for e in events {
+            self.event(job, e.warning, &e.reason, e.note).await;
+        }
+    }
 }
 
 /// Runs the operator until SIGTERM/Ctrl-C.
 pub async fn run(config: OperatorConfig) -> Result<(), OperatorError> {
     crate::telemetry::install_crypto_provider();
-    let client = Client::try_default().await?;
+    let client = Client::try_from(client_config(kube::Config::infer().await?))?;
     let metrics = Arc::new(OperatorMetrics::new());
     let addr = config.metrics_addr;
     let server = tokio::spawn(super::metrics::serve(addr, metrics.clone()));
@@ -197,6 +220,25 @@ pub async fn run(config: OperatorConfig) -> Result<(), OperatorError> {
     result
 }
 
+/// Server-side timeout of the controller's watches: the API server ends each watch after this
+/// long and the watcher starts the next one.
+const WATCH_TIMEOUT_SECS: u32 = 50;
+
+/// Longest silence on an API server connection before its request fails (and is retried).
+/// kube's default, 295 s, is there to outlast its watches' default 290 s; with the watches ended
+/// after [`WATCH_TIMEOUT_SECS`], a connection left hanging by a network partition fails a pass
+/// or a watch within a minute instead of five.
+const API_READ_TIMEOUT: Duration = Duration::from_secs(60);
+
+fn client_config(mut config: kube::Config) -> kube::Config {
+    config.read_timeout = Some(API_READ_TIMEOUT);
+    config
+}
+
+fn watch_config() -> watcher::Config {
+    watcher::Config::default().timeout(WATCH_TIMEOUT_SECS)
+}
+
 /// One controller per watched namespace (or one for all), until shutdown.
 pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
     let scopes: Vec<Option<String>> = if ctx.config.namespaces.is_empty() {
@@ -223,8 +265,8 @@ pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
             ctx.metrics
                 .ready
                 .store(true, std::sync::atomic::Ordering::Relaxed);
-            Controller::new(jobs, watcher::Config::default())
-                .owns(pods, watcher::Config::default().labels(LABEL_JOB))
+            Controller::new(jobs, watch_config())
+                .owns(pods, watch_config().labels(LABEL_JOB))
                 .with_config(
                     kube::runtime::controller::Config::default()
                         .concurrency(ctx.config.max_concurrent_reconciles),
@@ -285,7 +327,7 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
         .inc();
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
     let inner = ctx.clone();
-    let result = match with_finalizer(&api, job).await {
+    let result = match with_finalizer(&api, &ctx, job).await {
         Ok(job) => finalizer(&api, desired::FINALIZER, job, move |event| {
             let ctx = inner.clone();
             let fut: std::pin::Pin<
@@ -324,9 +366,10 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
 /// the watch event of its own patch: a new job's first status came one queue turn later, which
 /// in a burst of creates (bounded concurrency, FIFO) is most of the latency. The patch carries
 /// the resourceVersion it was based on, so a concurrent change fails it (409) and the pass is
-/// retried.
+/// retried. The patch's answer is the job as it now is, so the pass goes on without reading it.
 async fn with_finalizer(
     api: &Api<StreamJob>,
+    ctx: &Context,
     job: Arc<StreamJob>,
 ) -> Result<Arc<StreamJob>, OperatorError> {
     if job.metadata.deletion_timestamp.is_some()
@@ -349,6 +392,8 @@ async fn with_finalizer(
             &Patch::Merge(&patch),
         )
         .await?;
+    let (ns, name) = desired::job_key(&updated)?;
+    ctx.memory(&ns, &name).lock().await.written_version = updated.resource_version();
     Ok(Arc::new(updated))
 }
 
@@ -426,19 +471,26 @@ struct Pass<'a> {
     pending: Option<decide::PendingRestore>,
     /// The key-group count each run's pods were created under (their label), by run.
     run_groups: HashMap<String, u32>,
+    /// Events of this pass, published when it ends (beside the status write, not before it).
+    events: Vec<PendingEvent>,
 }
 
 async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
     let (ns, name) = desired::job_key(&job)?;
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
-    // A fresh read: the watch cache may not yet hold the status this operator just wrote, and
-    // every step must act on the step last recorded.
-    let job = api.get(&name).await?;
+    let memory = ctx.memory(&ns, &name);
+    let mut mem = memory.lock().await;
+    // Every step must act on the step last recorded. The watch cache may not hold the status
+    // this process just wrote yet: unless it hands over exactly the version this process wrote
+    // last, read the job.
+    let job = if job.resource_version().is_some() && job.resource_version() == mem.written_version {
+        job
+    } else {
+        Arc::new(api.get(&name).await?)
+    };
     let spec = &job.spec;
     let status0 = job.status.clone().unwrap_or_default();
     test_pause_at_step(&name, &status0);
-    let memory = ctx.memory(&ns, &name);
-    let mut mem = memory.lock().await;
 
     let Some(storage) = spec
         .state
@@ -465,8 +517,6 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         write_status(&api, &name, &status0, &status).await?;
         return Ok(Requeue::requeue(Duration::from_secs(60)));
     };
-    let token = ensure_secret(&ctx, &job, &ns, &name).await?;
-
     let pods_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
     let mut list_params = ListParams::default().labels(&desired::selector(&name));
     // A consistent LIST waits for the API server's watch cache to catch up with etcd (~60-80 ms
@@ -482,7 +532,17 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     {
         list_params = list_params.match_any();
     }
-    let listed = pods_api.list(&list_params).await?;
+    let cached_token = mem.token.clone();
+    let (token, listed) = tokio::try_join!(
+        async {
+            match cached_token {
+                Some(t) => Ok(t),
+                None => ensure_secret(&ctx, &job, &ns, &name).await,
+            }
+        },
+        async { Ok(pods_api.list(&list_params).await?) },
+    )?;
+    mem.token = Some(token.clone());
     let mut pods = Vec::new();
     let mut pod_ips = HashMap::new();
     let mut run_groups = HashMap::new();
@@ -522,6 +582,9 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
             phase,
             ip,
             deleting,
+            grace_deadline: p.metadata.deletion_timestamp.as_ref().and_then(|t| {
+                DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
+            }),
             worker,
             spec_hash: p.labels().get(desired::LABEL_SPEC_HASH).cloned(),
         });
@@ -559,6 +622,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     };
     let action = decide::decide(spec, &status0, &obs);
     tracing::debug!(job = %name, ?action, "decided");
+    let pinned = matches!(action, Action::PinMaxParallelism { .. });
     let progress = Progress {
         failure: mem.last_failure.clone(),
         ..Default::default()
@@ -578,10 +642,22 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         pod_ips,
         pending: obs.pending_restore.clone().and_then(Result::ok),
         run_groups,
+        events: Vec::new(),
     };
-    let requeue = pass.execute(action, &pods_api).await;
+    let mut requeue = pass.execute(action, &pods_api).await;
+    // Pinning the key-group count only changes status. When what follows only changes status as
+    // well (a new suspended job is Suspended), it is done in the same pass and written with it;
+    // anything that acts (creates pods, ...) waits for the pin to be recorded.
+    if pinned && requeue.is_ok() {
+        let next = decide::decide(spec, &pass.status, &obs);
+        if matches!(next, Action::MarkSuspended) {
+            tracing::debug!(job = %name, action = ?next, "decided");
+            requeue = pass.execute(next, &pods_api).await;
+        }
+    }
     let mut status = pass.status;
     let progress = pass.progress;
+    let events = pass.events;
     drop(pass.mem);
     let analysis = decide::check_spec(&name, spec, &decide::effective_status(&status, &obs)).ok();
     status.selector = Some(desired::selector(&name));
@@ -593,7 +669,13 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         &progress,
         Timestamp::now(),
     );
-    write_status(&api, &name, &status0, &status).await?;
+    let (written, ()) = tokio::join!(
+        write_status(&api, &name, &status0, &status),
+        ctx.publish(&job, events),
+    );
+    if let Some(version) = written? {
+        memory.lock().await.written_version = Some(version);
+    }
     Ok(Requeue::requeue(requeue?))
 }
 
@@ -713,30 +795,34 @@ async fn worker_state(http: &reqwest::Client, ip: &str, token: &str) -> Option<W
     resp.json().await.ok()
 }
 
+/// Writes the status when it changed; returns the job's resourceVersion after the write.
 async fn write_status(
     api: &Api<StreamJob>,
     name: &str,
     before: &StreamJobStatus,
     after: &StreamJobStatus,
-) -> Result<(), OperatorError> {
+) -> Result<Option<String>, OperatorError> {
     if before == after {
-        return Ok(());
+        return Ok(None);
     }
     let patch = serde_json::json!({
         "apiVersion": "keyshift.dev/v1alpha1",
         "kind": "StreamJob",
         "status": after,
     });
-    api.patch_status(
-        name,
-        &PatchParams::apply(MANAGER).force(),
-        &Patch::Apply(&patch),
-    )
-    .await?;
-    Ok(())
+    let written = api
+        .patch_status(
+            name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    Ok(written.resource_version())
 }
 
-/// The job's control token: from its Secret, created on first use.
+/// The job's control token: from its Secret, created on first use. A job that has no status yet
+/// (never reconciled) most likely has no Secret either: it is created without reading first,
+/// and read only when it exists already.
 async fn ensure_secret(
     ctx: &Context,
     job: &StreamJob,
@@ -745,6 +831,20 @@ async fn ensure_secret(
 ) -> Result<String, OperatorError> {
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
     let secret_name = desired::secret_name(name);
+    let create = || async {
+        let token = crate::local::random_token();
+        let secret = desired::secret(job, &token)?;
+        match secrets.create(&PostParams::default(), &secret).await {
+            Ok(_) => Ok(Some(token)),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(None),
+            Err(e) => Err(OperatorError::from(e)),
+        }
+    };
+    if job.status.is_none()
+        && let Some(token) = create().await?
+    {
+        return Ok(token);
+    }
     if let Some(s) = secrets.get_opt(&secret_name).await? {
         let token = s
             .data
@@ -754,14 +854,8 @@ async fn ensure_secret(
             .filter(|t| t.len() >= 16);
         return token.ok_or(OperatorError::Token(secret_name));
     }
-    let token = crate::local::random_token();
-    let secret = desired::secret(job, &token)?;
-    match secrets.create(&PostParams::default(), &secret).await {
-        Ok(_) => Ok(token),
-        // Created concurrently: read it back next pass.
-        Err(kube::Error::Api(s)) if s.code == 409 => Err(OperatorError::Token(secret_name)),
-        Err(e) => Err(e.into()),
-    }
+    // Created concurrently, or deleted since the create: read it back next pass.
+    create().await?.ok_or(OperatorError::Token(secret_name))
 }
 
 impl Pass<'_> {
@@ -876,8 +970,12 @@ impl Pass<'_> {
         Ok(())
     }
 
-    async fn event(&self, warning: bool, reason: &str, note: String) {
-        self.ctx.event(self.job, warning, reason, note).await;
+    fn event(&mut self, warning: bool, reason: &str, note: String) {
+        self.events.push(PendingEvent {
+            warning,
+            reason: reason.to_owned(),
+            note,
+        });
     }
 
     async fn delete_all(&mut self, pods_api: &Api<Pod>) -> Result<usize, OperatorError> {
@@ -905,7 +1003,7 @@ impl Pass<'_> {
                     .find(|c| c.type_ == status::STALLED)
                     .is_some_and(|c| c.status == "True" && c.message == message);
                 if !previous {
-                    self.event(true, reason, message.clone()).await;
+                    self.event(true, reason, message.clone());
                 }
                 self.progress.stalled = Some((reason.to_owned(), message));
                 Ok(Duration::from_secs(60))
@@ -917,8 +1015,7 @@ impl Pass<'_> {
                     false,
                     "KeyGroupsPinned",
                     format!("key-group count (max parallelism) pinned at {g}"),
-                )
-                .await;
+                );
                 Ok(short)
             }
             Action::BeginRescale { from, to } => {
@@ -952,8 +1049,7 @@ impl Pass<'_> {
                         "RescaleStarted"
                     },
                     what,
-                )
-                .await;
+                );
                 Ok(short)
             }
             Action::BeginRestore {
@@ -978,8 +1074,7 @@ impl Pass<'_> {
                     format!(
                         "spec.restoreFrom changed: keeping the current state in a savepoint, then restarting at parallelism {to} from {url} ({max_parallelism} key groups)"
                     ),
-                )
-                .await;
+                );
                 Ok(short)
             }
             Action::BeginUpgrade { parallelism, mode } => {
@@ -1010,8 +1105,7 @@ impl Pass<'_> {
                     false,
                     "UpgradeStarted",
                     format!("spec.job or spec.image changed (parallelism {parallelism}): {how}"),
-                )
-                .await;
+                );
                 Ok(short)
             }
             Action::Savepoint => self.savepoint().await,
@@ -1024,8 +1118,7 @@ impl Pass<'_> {
                             false,
                             "SavepointVerified",
                             format!("{url}: {report:?}").chars().take(300).collect(),
-                        )
-                        .await;
+                        );
                         Ok(short)
                     }
                     Err(e) => {
@@ -1042,8 +1135,7 @@ impl Pass<'_> {
                         false,
                         "DeletingPods",
                         format!("{reason}: deleting {n} worker pod(s)"),
-                    )
-                    .await;
+                    );
                 }
                 self.progress.note =
                     Some((reason.to_owned(), format!("deleting {n} worker pod(s)")));
@@ -1063,6 +1155,10 @@ impl Pass<'_> {
                 subtasks,
             } => {
                 let assignment = self.assignment(parallelism)?;
+                // The pods read the token from the Secret: make sure it (still) exists.
+                let token = ensure_secret(self.ctx, self.job, &self.ns, &self.name).await?;
+                self.mem.token = Some(token.clone());
+                self.token = token;
                 for i in &subtasks {
                     let pod = desired::pod(
                         self.job,
@@ -1087,8 +1183,7 @@ impl Pass<'_> {
                         "run {run}: created {} of {parallelism} worker pod(s)",
                         subtasks.len()
                     ),
-                )
-                .await;
+                );
                 self.progress.note = Some((
                     "CreatingPods".into(),
                     format!("run {run}: {parallelism} worker pod(s)"),
@@ -1162,8 +1257,7 @@ impl Pass<'_> {
                     true,
                     "WorkerFailed",
                     format!("{message}; restarting the job from its last checkpoint"),
-                )
-                .await;
+                );
                 Ok(Duration::from_millis(500))
             }
             Action::FinishRescale => {
@@ -1196,8 +1290,7 @@ impl Pass<'_> {
                         r.bytes_to_read.unwrap_or_default(),
                         r.step_seconds
                     ),
-                )
-                .await;
+                );
                 Ok(short)
             }
             Action::Checkpoint => self.checkpoint().await,
@@ -1239,7 +1332,7 @@ impl Pass<'_> {
             run.coordinator.resume().await;
         }
         self.fail("RescaleAbandoned", message.clone());
-        self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff")).await;
+        self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
     }
 
     fn kind_labels(&self, kind: &str) -> KindLabels {
@@ -1310,8 +1403,7 @@ impl Pass<'_> {
                         c.manifest.stats.total_bytes,
                         c.duration.as_millis()
                     ),
-                )
-                .await;
+                );
                 Ok(Duration::from_millis(100))
             }
             Err(e) => {
@@ -1355,8 +1447,7 @@ impl Pass<'_> {
                         c.manifest.stats.total_bytes,
                         c.duration.as_millis()
                     ),
-                )
-                .await;
+                );
                 Ok(Duration::from_millis(200))
             }
             Err(e) => {
@@ -1365,7 +1456,7 @@ impl Pass<'_> {
                     "savepoint for savepointTriggerNonce {nonce} failed: {e}; retrying with backoff"
                 );
                 self.fail("SavepointFailed", message.clone());
-                self.event(true, "SavepointFailed", message).await;
+                self.event(true, "SavepointFailed", message);
                 Ok(Duration::from_secs(1))
             }
         }
@@ -1405,8 +1496,7 @@ impl Pass<'_> {
                     true,
                     "CheckpointFailed",
                     format!("{e}; the previous checkpoint stays usable"),
-                )
-                .await;
+                );
                 Ok(interval / 2)
             }
         }
@@ -1520,8 +1610,7 @@ impl Pass<'_> {
                                 "key-group count (max parallelism) is now {g}, from {}",
                                 restore_from.as_deref().unwrap_or_default()
                             ),
-                        )
-                        .await;
+                        );
                     }
                     self.status.max_parallelism = Some(g);
                     self.status.restored_from = restored_source.clone();
@@ -1555,7 +1644,7 @@ impl Pass<'_> {
                     "run {run}: {parallelism} worker(s) running in {} ms, restored {groups} key groups ({bytes} bytes) from {}",
                     started.elapsed().as_millis(),
                     restore_from.as_deref().unwrap_or("nothing (empty state)")
-                )).await;
+                ));
                 if restoring {
                     let r = self.status.rescale.clone().unwrap_or_default();
                     self.event(
@@ -1578,8 +1667,7 @@ impl Pass<'_> {
                             bytes,
                             r.step_seconds
                         ),
-                    )
-                    .await;
+                    );
                 }
                 Ok(Duration::from_millis(200))
             }
@@ -1602,7 +1690,7 @@ impl Pass<'_> {
                         r.rolled_back = Some(why.clone());
                     }
                     self.fail("RescaleRolledBack", why.clone());
-                    self.event(true, "RescaleRollingBack", why).await;
+                    self.event(true, "RescaleRollingBack", why);
                     return Ok(Duration::from_secs(1));
                 }
                 self.fail("StartFailed", message.clone());
@@ -1610,8 +1698,7 @@ impl Pass<'_> {
                     true,
                     "StartFailed",
                     format!("{message}; retrying with backoff (the snapshot is intact)"),
-                )
-                .await;
+                );
                 Ok(Duration::from_secs(1))
             }
         }
@@ -1641,5 +1728,20 @@ mod tests {
             first <= Duration::from_millis(500),
             "after reset: {first:?}"
         );
+    }
+
+    #[test]
+    fn idle_watches_end_before_the_read_timeout_cuts_them() {
+        let watch = watch_config();
+        assert_eq!(watch.timeout, Some(WATCH_TIMEOUT_SECS));
+        let config = client_config(kube::Config::new("https://127.0.0.1:6443".parse().unwrap()));
+        let read = config.read_timeout.unwrap_or(Duration::MAX);
+        // A watch with no events sends nothing until the server ends it: the client must wait
+        // longer than that, with room for a slow server, and still far less than kube's 295 s.
+        assert!(
+            read >= Duration::from_secs(u64::from(WATCH_TIMEOUT_SECS) + 10),
+            "{read:?}"
+        );
+        assert!(read <= Duration::from_secs(90), "{read:?}");
     }
 }
