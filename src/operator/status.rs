@@ -239,7 +239,7 @@ pub fn finish(
                 );
             } else {
                 let (reason, message) = match (rescale, &progress.failure, &progress.note) {
-                    (Some(r), failure, _) => {
+                    (Some(r), failure, note) => {
                         let what = if r.upgrade_mode.is_some() {
                             "upgrading"
                         } else if r.to == 0 {
@@ -248,6 +248,10 @@ pub fn finish(
                             "rescaling"
                         };
                         let mut m = format!("{what} {} -> {}: step {}", r.from, r.to, r.step);
+                        // What the step waits for (pods to terminate, to start, ...).
+                        if let Some((_, n)) = note {
+                            m.push_str(&format!(": {n}"));
+                        }
                         if let Some((_, f)) = failure {
                             m.push_str(&format!(" (retrying after: {f})"));
                         }
@@ -459,6 +463,26 @@ mod tests {
         assert_eq!(cond(&st, READY).status, "False");
         assert_eq!(cond(&st, READY).reason, "Savepointing");
         assert_eq!(cond(&st, RECONCILING).status, "True");
+        assert_eq!(
+            cond(&st, RECONCILING).message,
+            "rescaling 4 -> 3: step Savepointing"
+        );
+        // What a step waits for is in the message.
+        if let Some(r) = st.rescale.as_mut() {
+            r.step = step::STOPPING.into();
+        }
+        let waiting = Progress {
+            note: Some((
+                "Waiting".into(),
+                "waiting for 4 old pod(s) to terminate".into(),
+            )),
+            ..Default::default()
+        };
+        finish(&scaled, Some(4), &mut st, Some(&a), &waiting, Timestamp::now());
+        assert_eq!(
+            cond(&st, RECONCILING).message,
+            "rescaling 4 -> 3: step Stopping: waiting for 4 old pod(s) to terminate"
+        );
         let kg = cond(&st, KEY_GROUPS_BALANCED);
         assert_eq!(kg.status, "False");
         assert!(kg.message.contains("divisors of 128"), "{}", kg.message);
