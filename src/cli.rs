@@ -108,9 +108,9 @@ pub struct OperatorArgs {
     #[arg(long, env = "POD_NAMESPACE")]
     pub lease_namespace: Option<String>,
     /// Reconcile passes that may run at once (per watched namespace; 0: unbounded). A burst of
-    /// changes then waits in the queue instead of piling up at the API server. Passes that take
-    /// a savepoint or verify one hold their slot meanwhile, so keep it well above the number of
-    /// jobs expected to rescale at the same moment.
+    /// changes then waits in the queue instead of piling up at the API server. A pass only
+    /// reads and writes Kubernetes objects: checkpoints, savepoints, their verification and
+    /// the workers' restore run in the background and hold no slot.
     #[arg(long, env = "KEYSHIFT_MAX_CONCURRENT_RECONCILES", default_value_t = 32)]
     pub max_concurrent_reconciles: u16,
 }

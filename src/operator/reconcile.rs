@@ -8,7 +8,7 @@ use super::status::{self, Progress};
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJob, StreamJobSpec, StreamJobStatus};
 use crate::keygroup::{self, Assignment};
-use crate::runtime::protocol::{StartRequest, WorkerStatus};
+use crate::runtime::protocol::{StartRequest, StartResponse, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
 use crate::validation;
 use chrono::{DateTime, Utc};
@@ -19,6 +19,7 @@ use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::{Action as Requeue, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
+use kube::runtime::reflector::ObjectRef;
 use kube::runtime::watcher;
 use kube::{Client, Resource, ResourceExt};
 use std::collections::HashMap;
@@ -98,9 +99,82 @@ struct JobMemory {
     /// The control token, as read from or written to the job's Secret. Read again before pods
     /// are created, so a deleted Secret is recreated before a pod needs it.
     token: Option<String>,
+    /// The step running in the background, if any.
+    background: Option<Background>,
 }
 
 type SharedMemory = Arc<tokio::sync::Mutex<JobMemory>>;
+
+/// How often a job whose background step runs is looked at anyway (the step's end wakes it at
+/// once through the controller's `reconcile_on` trigger; this only backs that up).
+const BACKGROUND_BACKSTOP: Duration = Duration::from_secs(1);
+
+/// A long step that runs outside the reconcile pass, so that it holds no reconcile slot: a
+/// checkpoint stuck on a storage outage (up to its timeout) then delays its own job only, not
+/// every job behind it in the controller's queue. While it runs, passes of its job do nothing;
+/// the pass after it ended records its outcome.
+struct Background {
+    work: BackgroundWork,
+    rx: tokio::sync::oneshot::Receiver<Outcome>,
+    /// Once ended: its outcome (`None`: the task panicked and the run's coordinator is lost).
+    ended: Option<Option<Outcome>>,
+}
+
+#[derive(Debug, Clone)]
+enum BackgroundWork {
+    Checkpoint {
+        parallelism: u32,
+    },
+    /// The savepoint of a rescale, upgrade or suspend (stops the sources).
+    Savepoint {
+        parallelism: u32,
+    },
+    /// A savepoint for spec.savepointTriggerNonce (the job keeps running).
+    TriggeredSavepoint {
+        parallelism: u32,
+        nonce: i64,
+    },
+    Verify {
+        url: String,
+    },
+    /// Starting a run: the workers restore their key groups, then connect.
+    Start(Box<StartWork>),
+}
+
+/// A run being started, and what recording its start needs.
+#[derive(Debug, Clone)]
+struct StartWork {
+    run: String,
+    parallelism: u32,
+    /// The key-group count it runs under.
+    groups: u32,
+    restore_from: Option<String>,
+    /// spec.restoreFrom (or a restore transition's source) when the run restores it.
+    restored_source: Option<String>,
+    run_started: DateTime<Utc>,
+    started: Instant,
+}
+
+enum Outcome {
+    Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),
+    Verify(Result<snapshot::VerifyReport, String>),
+    Start(Box<(Coordinator, Result<Vec<StartResponse>, String>)>),
+}
+
+impl Background {
+    /// Whether it still runs; once it ended, its outcome is kept for the next pass.
+    fn running(&mut self) -> bool {
+        if self.ended.is_some() {
+            return false;
+        }
+        match self.rx.try_recv() {
+            Ok(outcome) => self.ended = Some(Some(outcome)),
+            Err(tokio::sync::oneshot::error::TryRecvError::Empty) => return true,
+            Err(tokio::sync::oneshot::error::TryRecvError::Closed) => self.ended = Some(None),
+        }
+        false
+    }
+}
 
 /// An Event recorded during a pass; published at its end, beside the status write.
 struct PendingEvent {
@@ -117,7 +191,12 @@ pub struct Context {
     http: reqwest::Client,
     recorder: Recorder,
     jobs: std::sync::Mutex<HashMap<(String, String), SharedMemory>>,
+    /// Per controller (its namespace, or `None` for all): wakes a job whose background step
+    /// ended.
+    wakers: std::sync::Mutex<Vec<(Option<String>, Waker)>>,
 }
+
+type Waker = futures::channel::mpsc::UnboundedSender<ObjectRef<StreamJob>>;
 
 impl Context {
     pub fn new(client: Client, config: OperatorConfig, metrics: Arc<OperatorMetrics>) -> Self {
@@ -139,7 +218,24 @@ impl Context {
             http,
             recorder,
             jobs: std::sync::Mutex::new(HashMap::new()),
+            wakers: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// The waker of the controller that reconciles jobs of `ns`.
+    fn waker(&self, ns: &str) -> Option<Waker> {
+        let wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+        wakers
+            .iter()
+            .find(|(scope, _)| scope.as_deref().is_none_or(|s| s == ns))
+            .map(|(_, w)| w.clone())
+    }
+
+    /// Whether the job's background step still runs.
+    async fn background_running(&self, ns: &str, name: &str) -> bool {
+        let memory = self.memory(ns, name);
+        let mut mem = memory.lock().await;
+        mem.background.as_mut().is_some_and(Background::running)
     }
 
     fn memory(&self, ns: &str, name: &str) -> Arc<tokio::sync::Mutex<JobMemory>> {
@@ -261,12 +357,18 @@ pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
             None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
         };
         let ctx = ctx.clone();
+        let (waker, woken) = futures::channel::mpsc::unbounded();
+        ctx.wakers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push((ns.clone(), waker));
         async move {
             ctx.metrics
                 .ready
                 .store(true, std::sync::atomic::Ordering::Relaxed);
             Controller::new(jobs, watch_config())
                 .owns(pods, watch_config().labels(LABEL_JOB))
+                .reconcile_on(woken)
                 .with_config(
                     kube::runtime::controller::Config::default()
                         .concurrency(ctx.config.max_concurrent_reconciles),
@@ -321,6 +423,11 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
     let started = Instant::now();
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
+    // Not a pass (neither counted nor timed): the job waits for its background step. A deletion
+    // goes ahead (its pods go, so the step fails and ends).
+    if job.metadata.deletion_timestamp.is_none() && ctx.background_running(&ns, &name).await {
+        return Ok(Requeue::requeue(BACKGROUND_BACKSTOP));
+    }
     ctx.metrics
         .reconciles
         .get_or_create(&OperatorMetrics::job(&ns, &name))
@@ -475,6 +582,12 @@ struct Pass<'a> {
     events: Vec<PendingEvent>,
 }
 
+/// What a pass does: record a background step that ended, or act on a decision.
+enum Next {
+    Record(Background),
+    Act(Action),
+}
+
 async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
     let (ns, name) = desired::job_key(&job)?;
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
@@ -563,12 +676,6 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
             .and_then(|s| s.pod_ip.clone())
             .filter(|ip| !ip.is_empty());
         let deleting = p.metadata.deletion_timestamp.is_some();
-        let worker = match (&ip, phase, deleting) {
-            (Some(ip), PodPhase::Running, false) => {
-                worker_state(&ctx.http, ip, &token).await.map(|s| s.state)
-            }
-            _ => None,
-        };
         if let Some(ip) = &ip
             && run_matches(&mem, &run)
         {
@@ -585,9 +692,28 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
             grace_deadline: p.metadata.deletion_timestamp.as_ref().and_then(|t| {
                 DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
             }),
-            worker,
+            worker: None,
             spec_hash: p.labels().get(desired::LABEL_SPEC_HASH).cloned(),
         });
+    }
+    // The workers' own states, asked for at once (a job of 200 pods, or a hung worker with its
+    // 3 s timeout, must not make the pass wait for each in turn).
+    let states = futures::future::join_all(pods.iter().map(|p| {
+        let ask = match (&p.ip, p.phase, p.deleting) {
+            (Some(ip), PodPhase::Running, false) => Some(ip.clone()),
+            _ => None,
+        };
+        let (http, token) = (&ctx.http, &token);
+        async move {
+            match ask {
+                Some(ip) => worker_state(http, &ip, token).await.map(|s| s.state),
+                None => None,
+            }
+        }
+    }))
+    .await;
+    for (p, state) in pods.iter_mut().zip(states) {
+        p.worker = state;
     }
     pods.sort_by(|a, b| (a.run.as_str(), a.subtask).cmp(&(b.run.as_str(), b.subtask)));
 
@@ -620,9 +746,19 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         backoff_until: mem.backoff_until,
         new_run: new_run_id(),
     };
-    let action = decide::decide(spec, &status0, &obs);
-    tracing::debug!(job = %name, ?action, "decided");
-    let pinned = matches!(action, Action::PinMaxParallelism { .. });
+    // A background step that ended is recorded first; what to do next is decided in the pass
+    // after (on the status that records it).
+    if mem.background.as_mut().is_some_and(Background::running) {
+        return Ok(Requeue::requeue(BACKGROUND_BACKSTOP));
+    }
+    let next = match mem.background.take() {
+        Some(bg) => Next::Record(bg),
+        None => {
+            let action = decide::decide(spec, &status0, &obs);
+            tracing::debug!(job = %name, ?action, "decided");
+            Next::Act(action)
+        }
+    };
     let progress = Progress {
         failure: mem.last_failure.clone(),
         ..Default::default()
@@ -644,17 +780,25 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         run_groups,
         events: Vec::new(),
     };
-    let mut requeue = pass.execute(action, &pods_api).await;
-    // Pinning the key-group count only changes status. When what follows only changes status as
-    // well (a new suspended job is Suspended), it is done in the same pass and written with it;
-    // anything that acts (creates pods, ...) waits for the pin to be recorded.
-    if pinned && requeue.is_ok() {
-        let next = decide::decide(spec, &pass.status, &obs);
-        if matches!(next, Action::MarkSuspended) {
-            tracing::debug!(job = %name, action = ?next, "decided");
-            requeue = pass.execute(next, &pods_api).await;
+    let requeue = match next {
+        Next::Record(bg) => pass.record_background(bg, &pods_api).await,
+        Next::Act(action) => {
+            let pinned = matches!(action, Action::PinMaxParallelism { .. });
+            let mut requeue = pass.execute(action, &pods_api).await;
+            // Pinning the key-group count only changes status. When what follows only changes
+            // status as well (a new suspended job is Suspended), it is done in the same pass and
+            // written with it; anything that acts (creates pods, ...) waits for the pin to be
+            // recorded.
+            if pinned && requeue.is_ok() {
+                let next = decide::decide(spec, &pass.status, &obs);
+                if matches!(next, Action::MarkSuspended) {
+                    tracing::debug!(job = %name, action = ?next, "decided");
+                    requeue = pass.execute(next, &pods_api).await;
+                }
+            }
+            requeue
         }
-    }
+    };
     let mut status = pass.status;
     let progress = pass.progress;
     let events = pass.events;
@@ -750,38 +894,6 @@ fn test_state_payload_bytes() -> usize {
 }
 
 /// Verifies a snapshot on a blocking thread: `snapshot::verify`'s future is not `Send`.
-async fn verify(url: String) -> Result<snapshot::VerifyReport, String> {
-    let handle = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || {
-        handle.block_on(async {
-            let (store, dir) = snapshot::open_store(&url).map_err(|e| e.to_string())?;
-            snapshot::verify(store.as_ref(), &dir)
-                .await
-                .map_err(|e| e.to_string())
-        })
-    })
-    .await
-    .map_err(|e| e.to_string())?
-}
-
-/// Takes a snapshot on a blocking thread (`Coordinator::snapshot`'s future is not provably
-/// `Send`: retention and manifest commits borrow inside stream closures). The coordinator moves
-/// there and back; `None` if the thread panicked.
-async fn snapshot_off_thread(
-    mut run: RunHandle,
-    kind: SnapshotKind,
-    stop: bool,
-    timeout: Duration,
-) -> Option<(RunHandle, Result<Completed, CoordinatorError>)> {
-    let handle = tokio::runtime::Handle::current();
-    tokio::task::spawn_blocking(move || {
-        let result = handle.block_on(run.coordinator.snapshot(kind, stop, timeout));
-        (run, result)
-    })
-    .await
-    .ok()
-}
-
 fn run_matches(mem: &JobMemory, run: &str) -> bool {
     mem.run.as_ref().is_none_or(|r| r.run == run)
 }
@@ -1110,23 +1222,16 @@ impl Pass<'_> {
             }
             Action::Savepoint => self.savepoint().await,
             Action::Verify { url } => {
-                let result = verify(url.clone()).await;
-                match result {
-                    Ok(report) => {
-                        self.set_step(step::STOPPING);
-                        self.event(
-                            false,
-                            "SavepointVerified",
-                            format!("{url}: {report:?}").chars().take(300).collect(),
-                        );
-                        Ok(short)
-                    }
-                    Err(e) => {
-                        self.abandon(format!("savepoint {url} failed verification: {e}"))
-                            .await;
-                        Ok(short)
-                    }
-                }
+                let work = BackgroundWork::Verify { url: url.clone() };
+                self.in_background(work, move |handle| {
+                    Outcome::Verify(handle.block_on(async {
+                        let (store, dir) = snapshot::open_store(&url).map_err(|e| e.to_string())?;
+                        snapshot::verify(store.as_ref(), &dir)
+                            .await
+                            .map_err(|e| e.to_string())
+                    }))
+                });
+                Ok(BACKGROUND_BACKSTOP)
             }
             Action::DeletePods { reason } => {
                 let n = self.delete_all(pods_api).await?;
@@ -1293,8 +1398,8 @@ impl Pass<'_> {
                 );
                 Ok(short)
             }
-            Action::Checkpoint => self.checkpoint().await,
-            Action::TriggerSavepoint { nonce } => self.triggered_savepoint(nonce).await,
+            Action::Checkpoint => Ok(self.checkpoint()),
+            Action::TriggerSavepoint { nonce } => Ok(self.triggered_savepoint(nonce)),
             Action::MarkSuspended => {
                 self.status.phase = Some(Phase::Suspended);
                 self.status.replicas = Some(0);
@@ -1364,8 +1469,99 @@ impl Pass<'_> {
         }
     }
 
+    /// Runs `work` on a blocking thread (the coordinator's snapshot future is not provably
+    /// `Send`: retention and manifest commits borrow inside stream closures). Its end wakes the
+    /// job's controller; the pass it triggers records the outcome.
+    fn in_background(
+        &mut self,
+        work: BackgroundWork,
+        run: impl FnOnce(&tokio::runtime::Handle) -> Outcome + Send + 'static,
+    ) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let waker = self.ctx.waker(&self.ns);
+        let job = ObjectRef::from_obj(self.job);
+        let handle = tokio::runtime::Handle::current();
+        tracing::debug!(job = %self.name, ?work, "background step started");
+        tokio::task::spawn_blocking(move || {
+            // The outcome first: the pass the wake-up triggers must find it.
+            let _ = tx.send(run(&handle));
+            if let Some(waker) = waker {
+                let _ = waker.unbounded_send(job);
+            }
+        });
+        self.mem.background = Some(Background {
+            work,
+            rx,
+            ended: None,
+        });
+    }
+
+    /// A snapshot of the coordinated run in the background (the run's coordinator moves there
+    /// and back).
+    fn snapshot_in_background(
+        &mut self,
+        work: BackgroundWork,
+        mut run: RunHandle,
+        kind: SnapshotKind,
+        stop: bool,
+        timeout: Duration,
+    ) {
+        self.in_background(work, move |handle| {
+            let result = handle.block_on(run.coordinator.snapshot(kind, stop, timeout));
+            Outcome::Snapshot(Box::new((run, result)))
+        });
+    }
+
+    /// Records what a background step that ended did.
+    async fn record_background(
+        &mut self,
+        bg: Background,
+        pods_api: &Api<Pod>,
+    ) -> Result<Duration, OperatorError> {
+        let Background { work, ended, .. } = bg;
+        tracing::debug!(job = %self.name, ?work, "background step ended");
+        match (work, ended.flatten()) {
+            (BackgroundWork::Checkpoint { parallelism }, Some(Outcome::Snapshot(done))) => {
+                Ok(self.checkpoint_done(parallelism, *done))
+            }
+            (BackgroundWork::Savepoint { parallelism }, Some(Outcome::Snapshot(done))) => {
+                Ok(self.savepoint_done(parallelism, *done).await)
+            }
+            (
+                BackgroundWork::TriggeredSavepoint { parallelism, nonce },
+                Some(Outcome::Snapshot(done)),
+            ) => Ok(self.triggered_savepoint_done(parallelism, nonce, *done)),
+            (BackgroundWork::Start(work), Some(Outcome::Start(done))) => {
+                let (coordinator, result) = *done;
+                self.start_done(*work, coordinator, result, pods_api).await
+            }
+            (BackgroundWork::Verify { url }, Some(Outcome::Verify(result))) => {
+                match result {
+                    Ok(report) => {
+                        self.set_step(step::STOPPING);
+                        self.event(
+                            false,
+                            "SavepointVerified",
+                            format!("{url}: {report:?}").chars().take(300).collect(),
+                        );
+                    }
+                    Err(e) => {
+                        self.abandon(format!("savepoint {url} failed verification: {e}"))
+                            .await;
+                    }
+                }
+                Ok(Duration::from_millis(200))
+            }
+            (work, _) => {
+                // The thread panicked: a snapshot's run (its coordinator) is lost with it. The
+                // workers still run; the next pass adopts them again.
+                tracing::error!(job = %self.name, ?work, "background step failed without an outcome");
+                Ok(Duration::from_secs(1))
+            }
+        }
+    }
+
     async fn savepoint(&mut self) -> Result<Duration, OperatorError> {
-        let labels = self.kind_labels("savepoint");
         let Some(run) = self.mem.run.take() else {
             return Ok(Duration::from_millis(200));
         };
@@ -1378,12 +1574,25 @@ impl Pass<'_> {
             // stopped at its barrier. Take a new one (the old one stays valid in storage).
             run.coordinator.resume().await;
         }
-        let parallelism = run.parallelism;
-        let Some((run, result)) =
-            snapshot_off_thread(run, SnapshotKind::Savepoint, true, Duration::from_secs(300)).await
-        else {
-            return Ok(Duration::from_secs(1));
+        let work = BackgroundWork::Savepoint {
+            parallelism: run.parallelism,
         };
+        self.snapshot_in_background(
+            work,
+            run,
+            SnapshotKind::Savepoint,
+            true,
+            Duration::from_secs(300),
+        );
+        Ok(BACKGROUND_BACKSTOP)
+    }
+
+    async fn savepoint_done(
+        &mut self,
+        parallelism: u32,
+        (run, result): (RunHandle, Result<Completed, CoordinatorError>),
+    ) -> Duration {
+        let labels = self.kind_labels("savepoint");
         self.mem.run = Some(run);
         match result {
             Ok(c) => {
@@ -1404,33 +1613,42 @@ impl Pass<'_> {
                         c.duration.as_millis()
                     ),
                 );
-                Ok(Duration::from_millis(100))
+                Duration::from_millis(100)
             }
             Err(e) => {
                 self.record_snapshot(&labels, None);
                 self.abandon(format!("savepoint failed: {e}")).await;
-                Ok(Duration::from_millis(500))
+                Duration::from_millis(500)
             }
         }
     }
 
     /// A savepoint asked for with spec.savepointTriggerNonce: the job keeps running.
-    async fn triggered_savepoint(&mut self, nonce: i64) -> Result<Duration, OperatorError> {
-        let labels = self.kind_labels("savepoint");
+    fn triggered_savepoint(&mut self, nonce: i64) -> Duration {
         let Some(run) = self.mem.run.take() else {
-            return Ok(Duration::from_millis(200));
+            return Duration::from_millis(200);
         };
-        let parallelism = run.parallelism;
-        let Some((run, result)) = snapshot_off_thread(
+        let work = BackgroundWork::TriggeredSavepoint {
+            parallelism: run.parallelism,
+            nonce,
+        };
+        self.snapshot_in_background(
+            work,
             run,
             SnapshotKind::Savepoint,
             false,
             Duration::from_secs(300),
-        )
-        .await
-        else {
-            return Ok(Duration::from_secs(1));
-        };
+        );
+        BACKGROUND_BACKSTOP
+    }
+
+    fn triggered_savepoint_done(
+        &mut self,
+        parallelism: u32,
+        nonce: i64,
+        (run, result): (RunHandle, Result<Completed, CoordinatorError>),
+    ) -> Duration {
+        let labels = self.kind_labels("savepoint");
         self.mem.run = Some(run);
         match result {
             Ok(c) => {
@@ -1448,7 +1666,7 @@ impl Pass<'_> {
                         c.duration.as_millis()
                     ),
                 );
-                Ok(Duration::from_millis(200))
+                Duration::from_millis(200)
             }
             Err(e) => {
                 self.record_snapshot(&labels, None);
@@ -1457,35 +1675,42 @@ impl Pass<'_> {
                 );
                 self.fail("SavepointFailed", message.clone());
                 self.event(true, "SavepointFailed", message);
-                Ok(Duration::from_secs(1))
+                Duration::from_secs(1)
             }
         }
     }
 
-    async fn checkpoint(&mut self) -> Result<Duration, OperatorError> {
-        let interval = decide::checkpoint_interval(self.spec);
-        let labels = self.kind_labels("checkpoint");
+    fn checkpoint(&mut self) -> Duration {
         let Some(run) = self.mem.run.take() else {
-            return Ok(interval);
+            return decide::checkpoint_interval(self.spec);
         };
-        let parallelism = run.parallelism;
-        let Some((run, result)) = snapshot_off_thread(
+        let work = BackgroundWork::Checkpoint {
+            parallelism: run.parallelism,
+        };
+        self.snapshot_in_background(
+            work,
             run,
             SnapshotKind::Checkpoint,
             false,
             Duration::from_secs(120),
-        )
-        .await
-        else {
-            return Ok(Duration::from_secs(1));
-        };
+        );
+        BACKGROUND_BACKSTOP
+    }
+
+    fn checkpoint_done(
+        &mut self,
+        parallelism: u32,
+        (run, result): (RunHandle, Result<Completed, CoordinatorError>),
+    ) -> Duration {
+        let interval = decide::checkpoint_interval(self.spec);
+        let labels = self.kind_labels("checkpoint");
         let run = self.mem.run.insert(run);
         match result {
             Ok(c) => {
                 self.record_snapshot(&labels, Some(&c));
                 self.status.last_checkpoint = Some(snapshot_ref(&c, parallelism));
                 self.succeeded();
-                Ok(interval)
+                interval
             }
             Err(e) => {
                 // Try again after a fraction of the interval; a dead worker shows up as a pod
@@ -1497,7 +1722,7 @@ impl Pass<'_> {
                     "CheckpointFailed",
                     format!("{e}; the previous checkpoint stays usable"),
                 );
-                Ok(interval / 2)
+                interval / 2
             }
         }
     }
@@ -1577,28 +1802,63 @@ impl Pass<'_> {
             state_payload_bytes: test_state_payload_bytes(),
             run_id: format!("{}-{run}", self.name),
         };
-        let started = Instant::now();
+        let work = StartWork {
+            run,
+            parallelism,
+            groups: assignment.max_parallelism(),
+            restore_from,
+            restored_source,
+            run_started,
+            started: Instant::now(),
+        };
         let restoring_rescale = self
             .status
             .rescale
             .as_ref()
             .is_some_and(|r| r.step == step::RESTORING && r.rolled_back.is_none());
-        let result = if restoring_rescale && test_fail_restore_at(parallelism) {
-            Err(format!(
-                "{TEST_FAIL_RESTORE_ENV}={parallelism}: restore failure injected (test only)"
-            ))
-        } else {
-            coordinator
-                .start(&template, Duration::from_secs(180))
-                .await
-                .map_err(|e| e.to_string())
-        };
+        if restoring_rescale && test_fail_restore_at(work.parallelism) {
+            let injected = format!(
+                "{TEST_FAIL_RESTORE_ENV}={}: restore failure injected (test only)",
+                work.parallelism
+            );
+            return self
+                .start_done(work, coordinator, Err(injected), pods_api)
+                .await;
+        }
+        // The workers restore their key groups before they answer: in the background.
+        self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {
+            let result = handle
+                .block_on(coordinator.start(&template, Duration::from_secs(180)))
+                .map_err(|e| e.to_string());
+            Outcome::Start(Box::new((coordinator, result)))
+        });
+        Ok(BACKGROUND_BACKSTOP)
+    }
+
+    /// Records how starting a run ended.
+    async fn start_done(
+        &mut self,
+        work: StartWork,
+        coordinator: Coordinator,
+        result: Result<Vec<StartResponse>, String>,
+        pods_api: &Api<Pod>,
+    ) -> Result<Duration, OperatorError> {
+        let StartWork {
+            run,
+            parallelism,
+            groups: key_groups,
+            restore_from,
+            restored_source,
+            run_started,
+            started,
+        } = work;
+        let from_restore_from = restored_source.is_some();
         match result {
             Ok(responses) => {
                 let bytes: u64 = responses.iter().map(|r| r.bytes_read).sum();
                 let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
                 if from_restore_from {
-                    let g = assignment.max_parallelism() as i32;
+                    let g = key_groups as i32;
                     if self.status.max_parallelism != Some(g) {
                         self.status.max_parallelism_origin = restore_from
                             .as_deref()
@@ -1728,6 +1988,38 @@ mod tests {
             first <= Duration::from_millis(500),
             "after reset: {first:?}"
         );
+    }
+
+    #[test]
+    fn a_background_step_runs_until_its_outcome_arrives_or_its_thread_is_gone() {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let mut bg = Background {
+            work: BackgroundWork::Verify { url: "u".into() },
+            rx,
+            ended: None,
+        };
+        assert!(bg.running());
+        assert!(bg.running(), "asking again changes nothing");
+        assert!(
+            tx.send(Outcome::Verify(Err("corrupt block".into())))
+                .is_ok()
+        );
+        assert!(!bg.running());
+        assert!(!bg.running(), "the outcome is kept");
+        assert!(matches!(
+            bg.ended,
+            Some(Some(Outcome::Verify(Err(ref e)))) if e == "corrupt block"
+        ));
+
+        let (tx, rx) = tokio::sync::oneshot::channel::<Outcome>();
+        let mut bg = Background {
+            work: BackgroundWork::Checkpoint { parallelism: 2 },
+            rx,
+            ended: None,
+        };
+        drop(tx); // the thread panicked
+        assert!(!bg.running());
+        assert!(matches!(bg.ended, Some(None)));
     }
 
     #[test]

@@ -478,7 +478,14 @@ mod tests {
             )),
             ..Default::default()
         };
-        finish(&scaled, Some(4), &mut st, Some(&a), &waiting, Timestamp::now());
+        finish(
+            &scaled,
+            Some(4),
+            &mut st,
+            Some(&a),
+            &waiting,
+            Timestamp::now(),
+        );
         assert_eq!(
             cond(&st, RECONCILING).message,
             "rescaling 4 -> 3: step Stopping: waiting for 4 old pod(s) to terminate"
