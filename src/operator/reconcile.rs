@@ -645,6 +645,13 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     {
         list_params = list_params.match_any();
     }
+    // A pass that records the end of a background step looks at no pods: it writes the
+    // outcome, and the pass after acts on the pods (a failed start, which removes its pods,
+    // excepted).
+    let recording = mem
+        .background
+        .as_mut()
+        .is_some_and(|bg| !bg.running() && !matches!(bg.work, BackgroundWork::Start(_)));
     let cached_token = mem.token.clone();
     let (token, listed) = tokio::try_join!(
         async {
@@ -653,7 +660,12 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
                 None => ensure_secret(&ctx, &job, &ns, &name).await,
             }
         },
-        async { Ok(pods_api.list(&list_params).await?) },
+        async {
+            if recording {
+                return Ok(Vec::new());
+            }
+            Ok(pods_api.list(&list_params).await?.items)
+        },
     )?;
     mem.token = Some(token.clone());
     let mut pods = Vec::new();
