@@ -648,10 +648,13 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     // A pass that records the end of a background step looks at no pods: it writes the
     // outcome, and the pass after acts on the pods (a failed start, which removes its pods,
     // excepted).
-    let recording = mem
-        .background
-        .as_mut()
-        .is_some_and(|bg| !bg.running() && !matches!(bg.work, BackgroundWork::Start(_)));
+    let recording = mem.background.as_mut().is_some_and(|bg| {
+        !bg.running()
+            && !matches!(
+                bg.ended.as_ref(),
+                Some(Some(Outcome::Start(done))) if done.1.is_err()
+            )
+    });
     let cached_token = mem.token.clone();
     let (token, listed) = tokio::try_join!(
         async {
