@@ -101,6 +101,11 @@ struct JobMemory {
     token: Option<String>,
     /// The step running in the background, if any.
     background: Option<Background>,
+    /// The resourceVersion of this process's last write to one of the job's pods (create or
+    /// delete). Its pods are listed "not older than" it: from the API server's watch cache, which
+    /// is then known to hold that write, instead of a consistent read that waits for the cache
+    /// to catch up with etcd (60-80 ms).
+    pods_version: Option<String>,
 }
 
 type SharedMemory = Arc<tokio::sync::Mutex<JobMemory>>;
@@ -525,10 +530,13 @@ async fn cleanup(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Oper
     Ok(Requeue::await_change())
 }
 
-async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<(), OperatorError> {
+/// Deletes a pod; returns its resourceVersion once marked for deletion (`None` when it is gone
+/// already).
+async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<Option<String>, OperatorError> {
     match pods.delete(name, &DeleteParams::default()).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+        // The pod marked for deletion, or a Status when it was removed at once.
+        Ok(deleted) => Ok(deleted.left().and_then(|pod| pod.resource_version())),
+        Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
         Err(e) => Err(e.into()),
     }
 }
@@ -644,6 +652,12 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
             .is_some_and(|r| step::active(&r.step))
     {
         list_params = list_params.match_any();
+    } else if let Some(version) = &mem.pods_version {
+        // Every pod change this process made is in it; a change by someone else (the kubelet)
+        // that it does not show yet triggers a pass of its own through the pods watch.
+        list_params = list_params
+            .at(version)
+            .matching(kube::api::VersionMatch::NotOlderThan);
     }
     // A pass that records the end of a background step looks at no pods: it writes the
     // outcome, and the pass after acts on the pods (a failed start, which removes its pods,
@@ -1108,7 +1122,10 @@ impl Pass<'_> {
     async fn delete_all(&mut self, pods_api: &Api<Pod>) -> Result<usize, OperatorError> {
         let mut n = 0;
         for p in self.pods.iter().filter(|p| !p.deleting) {
-            delete_pod(pods_api, &p.name).await?;
+            // A pod gone by now (404) was not changed by this delete.
+            if let Some(version) = delete_pod(pods_api, &p.name).await? {
+                self.mem.pods_version = Some(version);
+            }
             n += 1;
         }
         self.mem.run = None;
@@ -1288,13 +1305,14 @@ impl Pass<'_> {
                         &self.ctx.config.worker_image,
                     )?;
                     let pod_name = desired::pod_name(&self.name, &run, *i);
-                    pods_api
+                    let written = pods_api
                         .patch(
                             &pod_name,
                             &PatchParams::apply(MANAGER).force(),
                             &Patch::Apply(&pod),
                         )
                         .await?;
+                    self.mem.pods_version = written.resource_version();
                 }
                 self.event(
                     false,
