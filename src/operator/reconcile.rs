@@ -577,6 +577,8 @@ struct Pass<'a> {
     name: String,
     storage: String,
     token: String,
+    /// The token came from the job's memory, not from its Secret in this pass.
+    token_from_cache: bool,
     status: StreamJobStatus,
     progress: Progress,
     mem: tokio::sync::MutexGuard<'a, JobMemory>,
@@ -601,6 +603,10 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
     let memory = ctx.memory(&ns, &name);
     let mut mem = memory.lock().await;
+    // `reconcile_outer` lets no pass through while a background step runs; this keeps it so.
+    if mem.background.as_mut().is_some_and(Background::running) {
+        return Ok(Requeue::requeue(BACKGROUND_BACKSTOP));
+    }
     // Every step must act on the step last recorded. The watch cache may not hold the status
     // this process just wrote yet: unless it hands over exactly the version this process wrote
     // last, read the job.
@@ -662,14 +668,14 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     // A pass that records the end of a background step looks at no pods: it writes the
     // outcome, and the pass after acts on the pods (a failed start, which removes its pods,
     // excepted).
-    let recording = mem.background.as_mut().is_some_and(|bg| {
-        !bg.running()
-            && !matches!(
-                bg.ended.as_ref(),
-                Some(Some(Outcome::Start(done))) if done.1.is_err()
-            )
+    let recording = mem.background.as_ref().is_some_and(|bg| {
+        !matches!(
+            bg.ended.as_ref(),
+            Some(Some(Outcome::Start(done))) if done.1.is_err()
+        )
     });
     let cached_token = mem.token.clone();
+    let token_from_cache = cached_token.is_some();
     let (token, listed) = tokio::try_join!(
         async {
             match cached_token {
@@ -777,9 +783,6 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     };
     // A background step that ended is recorded first; what to do next is decided in the pass
     // after (on the status that records it).
-    if mem.background.as_mut().is_some_and(Background::running) {
-        return Ok(Requeue::requeue(BACKGROUND_BACKSTOP));
-    }
     let next = match mem.background.take() {
         Some(bg) => Next::Record(bg),
         None => {
@@ -800,6 +803,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         name: name.clone(),
         storage,
         token,
+        token_from_cache,
         status: status0.clone(),
         progress,
         mem,
@@ -922,7 +926,6 @@ fn test_state_payload_bytes() -> usize {
     std::env::var("KEYSHIFT_TEST_STATE_PAYLOAD_BYTES").map_or(0, |v| v.trim().parse().unwrap_or(0))
 }
 
-/// Verifies a snapshot on a blocking thread: `snapshot::verify`'s future is not `Send`.
 fn run_matches(mem: &JobMemory, run: &str) -> bool {
     mem.run.as_ref().is_none_or(|r| r.run == run)
 }
@@ -1293,9 +1296,12 @@ impl Pass<'_> {
             } => {
                 let assignment = self.assignment(parallelism)?;
                 // The pods read the token from the Secret: make sure it (still) exists.
-                let token = ensure_secret(self.ctx, self.job, &self.ns, &self.name).await?;
-                self.mem.token = Some(token.clone());
-                self.token = token;
+                if self.token_from_cache {
+                    let token = ensure_secret(self.ctx, self.job, &self.ns, &self.name).await?;
+                    self.mem.token = Some(token.clone());
+                    self.token = token;
+                    self.token_from_cache = false;
+                }
                 for i in &subtasks {
                     let pod = desired::pod(
                         self.job,
