@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager)
-# and etcd from their upstream Go modules, at pinned versions, and cache the
-# binaries outside the repo.
+# Build a real Kubernetes control plane (kube-apiserver, kube-controller-manager,
+# kube-scheduler), the kubelet, and etcd from their upstream Go modules, at
+# pinned versions, and cache the binaries outside the repo. (The rest of the
+# node -- containerd, runc, CNI plugins -- is hack/build-node.sh.)
 #
 #   hack/build-control-plane.sh          # build what is missing, print the bin dirs
 #
@@ -40,7 +41,7 @@ JOBS="${KEYSHIFT_BUILD_JOBS:-2}"
 
 K8S_BIN="$CACHE/bin/k8s-$K8S_VERSION"
 ETCD_BIN="$CACHE/bin/etcd-$ETCD_VERSION"
-K8S_TOOLS=(kube-apiserver kube-controller-manager)
+K8S_TOOLS=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
 
 log() { printf '[build-control-plane] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -101,7 +102,7 @@ build_k8s() {
   local staging_version="v0.$minor.$patch"
   local dir="$CACHE/src/k8s-tools-$K8S_VERSION"
 
-  log "building kube-apiserver, kube-controller-manager $K8S_VERSION (staging $staging_version) in $dir"
+  log "building ${K8S_TOOLS[*]} $K8S_VERSION (staging $staging_version) in $dir"
   local upstream_mod
   upstream_mod="$(modfile_of k8s.io/kubernetes "$K8S_VERSION")"
   [[ -f "$upstream_mod" ]] || die "could not download go.mod of k8s.io/kubernetes@$K8S_VERSION"

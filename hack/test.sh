@@ -46,12 +46,12 @@ eval "$(hack/s3-server.sh start)"
 step "cargo test"
 cargo test --locked
 
-# ---- end to end: a real control plane (etcd, kube-apiserver, kube-controller-manager built from
-# source by hack/build-control-plane.sh on first use) and our process kubelet.
+# ---- end to end: a real cluster -- etcd, kube-apiserver, kube-controller-manager,
+# kube-scheduler and a real node (kubelet, containerd, runc, CNI), all built from their upstream
+# Go modules by hack/build-control-plane.sh and hack/build-node.sh on first use -- running the
+# keyshift image built from this checkout (hack/build-image.sh).
 step "cargo build --bins"
 cargo build --locked --bins
-TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
-export KEYSHIFT_KUBELET="$TARGET/debug/keyshift-kubelet"
 export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e2e.XXXXXX)}"
 
 cleanup() {
@@ -74,6 +74,9 @@ step "testenv up"
 # Assigned first: `eval "$(...)"` alone would not stop the suite when `up` fails.
 testenv_env="$(hack/testenv.sh up)"
 eval "$testenv_env"
+# Everything the tests read about the environment (node, containerd, image tarball, subnet).
+# shellcheck disable=SC1091
+source "$KEYSHIFT_TESTENV_DIR/env"
 
 step "e2e tests"
-cargo test --locked --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4
+cargo test --locked --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4

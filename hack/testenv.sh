@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
-# A real, throwaway Kubernetes control plane for keyshift's tests:
-# etcd + kube-apiserver + kube-controller-manager (built from upstream by
-# hack/build-control-plane.sh), running inside a network namespace of its own.
+# A real, throwaway Kubernetes cluster for keyshift's tests: etcd, kube-apiserver,
+# kube-controller-manager and kube-scheduler (built from upstream by
+# hack/build-control-plane.sh) and one real node -- containerd + runc + the CNI
+# bridge plugin (hack/build-node.sh) and a real kubelet -- running inside a
+# network namespace of its own. The keyshift image is built from this checkout
+# (hack/build-image.sh) and imported into the node's containerd.
 #
 #   eval "$(hack/testenv.sh up)"   # start (idempotent); stdout is `export KUBECONFIG=...`
+#                                  # and `export KEYSHIFT_IMAGE=...` (the image's reference)
 #   hack/testenv.sh status         # what runs; exit 0 only if /readyz answers "ok"
 #   hack/testenv.sh down           # stop everything, remove netns and state (idempotent)
 #   hack/testenv.sh restart-apiserver [S]  # stop kube-apiserver, wait S s, start it (outage tests)
@@ -17,13 +21,26 @@
 #   host  ── $VETH_HOST 10.S.0.1/16 ══ veth ══ $NETNS_IF 10.S.0.2/16 ── netns $NETNS
 #                                                      default via 10.S.0.1
 #   inside the netns: etcd on 127.0.0.1:2379/2380, kube-apiserver on :6443
-#   (advertised as 10.S.0.2), kube-controller-manager on 127.0.0.1:10257.
-#   Service ClusterIPs: 10.S.255.0/24 (not routed anywhere; see SERVICE_CIDR).
+#   (advertised as 10.S.0.2), kube-controller-manager on 127.0.0.1:10257,
+#   kube-scheduler on 127.0.0.1:10259, containerd (socket in the state dir),
+#   the kubelet on 10.S.0.2:10250 (node IP 10.S.0.2).
+#   Pods: bridge cni0 inside the netns, 10.S.64.1/18 (host-local IPAM over
+#   10.S.64.0/18); the host routes 10.S.64.0/18 via 10.S.0.2, and the netns
+#   forwards between its veth and the bridge (net.ipv4.ip_forward is per netns).
+#   Service ClusterIPs: 10.S.255.0/24. No kube-proxy: the one Service pods need,
+#   "kubernetes" (10.S.255.1:443), is DNAT-ed to the apiserver inside the netns.
 #
-# The host reaches the apiserver at https://10.S.0.2:6443 through the veth.
-# The host side address is a /16, so the host routes all of 10.S.0.0/16
-# into the netns: a test kubelet can add pod IPs (e.g. 10.S.1.N/32) to
-# $NETNS_IF inside the netns and host processes reach them. IP forwarding on
+# containerd and the kubelet enter only the netns's *network* namespace
+# (nsenter --net), not a mount namespace of their own (ip netns exec makes one),
+# so the volumes the kubelet mounts (Secrets, projected tokens) are the ones
+# runc bind-mounts into containers. Pod cgroups live under /keyshift-<netns>
+# (the kubelet's cgroupRoot), so two environments never share /kubepods.
+# The kubelet rewrites a few host-wide sysctls when it starts
+# (vm.overcommit_memory, vm.panic_on_oom, kernel.panic, kernel.panic_on_oops,
+# kernel.keys.root_max*); `up` records them and `down` puts them back.
+#
+# The host reaches the apiserver at https://10.S.0.2:6443 through the veth,
+# and pods at their bridge addresses through the route above. IP forwarding on
 # the host is not touched, so nothing in the netns can reach beyond the host.
 #
 # Several environments can run side by side (e.g. two checkouts running
@@ -40,7 +57,11 @@
 #   pids/   <component>.pid of every process started (each is a process-group leader)
 #   logs/   <component>.log
 #   etcd/   etcd data
-#   kubelet/  state dir handed to $KEYSHIFT_KUBELET, if set
+#   kubelet/  the kubelet's root dir (pods, volumes; unmounted at `down`)
+#   containerd/  containerd's root, state, socket and config
+#   cni/     CNI config and host-local IPAM state
+#   pod-logs/  container logs (what `kubectl logs` reads)
+#   sysctl.saved  host sysctls before the kubelet started
 #   flexvolume/  kube-controller-manager's flex-volume dir (kept out of /usr)
 #   kubeconfig                       admin (CN=admin, O=system:masters)
 #   kube-controller-manager.kubeconfig
@@ -53,9 +74,7 @@
 #   KEYSHIFT_NETNS         netns name (default keyshift-test)
 #   KEYSHIFT_VETH_HOST     host side veth name (default keyshift0)
 #   KEYSHIFT_NETNS_IF      netns side interface name (default eth0)
-#   KEYSHIFT_KUBELET       optional executable started inside the netns as
-#                          `$KEYSHIFT_KUBELET --kubeconfig <admin> --state-dir <dir>/kubelet`
-#   KEYSHIFT_KUBELET_ARGS  extra arguments for it (word-split)
+#   KEYSHIFT_NODE=none     bring up the control plane only (no scheduler, node or image)
 #   KEYSHIFT_SERVICE_CIDR  service ClusterIP range (default 10.S.255.0/24)
 #   KEYSHIFT_TESTENV_TAKEOVER=1  let `up` tear down a netns of the same name whose
 #                          processes belong to another state dir (a killed run's leftovers)
@@ -97,8 +116,16 @@ KCM_PORT=10257
 STOP_TIMEOUT="${KEYSHIFT_STOP_TIMEOUT:-20}"   # seconds between TERM and KILL
 READY_TIMEOUT="${KEYSHIFT_READY_TIMEOUT:-90}" # seconds to wait for kube-apiserver /readyz
 MARKER="$DIR/.keyshift-testenv"               # proves $DIR is ours before rm -rf
+NODE="${KEYSHIFT_NODE:-real}"
+NODE_NAME=keyshift-node
+POD_CIDR="10.$SUBNET.64.0/18"
+POD_GATEWAY="10.$SUBNET.64.1"
+SCHED_PORT=10259
+CGROUP_ROOT="/keyshift-$NETNS"
+KUBELET_SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops kernel.keys.root_maxkeys kernel.keys.root_maxbytes)
+CONTAINERD_SOCK="$DIR/containerd/containerd.sock"
 # Start order; `down` stops in reverse.
-COMPONENTS=(etcd kube-apiserver kube-controller-manager kubelet)
+COMPONENTS=(etcd kube-apiserver kube-controller-manager kube-scheduler containerd kubelet)
 
 log() { printf '[testenv] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -107,6 +134,7 @@ die() { log "ERROR: $*"; exit 1; }
 [[ -n "$DIR" && "$DIR" != / ]] || die "refusing state dir '$DIR'"
 [[ "$SUBNET" =~ ^(0|[1-9][0-9]{0,2})$ ]] && ((SUBNET <= 255)) || die "KEYSHIFT_SUBNET must be 0..255, got '$SUBNET'"
 [[ "$NETNS" =~ ^[A-Za-z0-9_.-]+$ ]] || die "KEYSHIFT_NETNS must be a plain name, got '$NETNS'"
+[[ "$NODE" == real || "$NODE" == none ]] || die "KEYSHIFT_NODE must be real or none, got '$NODE'"
 
 # One testenv.sh at a time per network namespace, whichever checkout it runs
 # from: the netns, its veth and its subnet are what environments share on a
@@ -151,9 +179,12 @@ proc_start() { proc_stat_field "$1" 22; }
 
 # start NAME CMD... : run CMD inside the netns as a new session (so it is the
 # leader of its own process group and survives this script), log to
-# logs/NAME.log, record "pid starttime" in pids/NAME.pid.
+# logs/NAME.log, record "pid starttime" in pids/NAME.pid. With NET_ONLY=1 the
+# process enters only the netns's network namespace (see the header).
 start() {
   local name="$1"; shift
+  local enter=(ip netns exec "$NETNS")
+  [[ "${NET_ONLY:-}" == 1 ]] && enter=(nsenter "--net=/run/netns/$NETNS" --)
   local logf="$DIR/logs/$name.log"
   log "starting $name (log: $logf)"
   # No job control here, so the background child is not a group leader and
@@ -166,7 +197,7 @@ start() {
       fd="${fd##*/}"
       if ((fd > 2)); then eval "exec $fd>&-" 2>/dev/null || true; fi
     done
-    exec setsid ip netns exec "$NETNS" "$@"
+    exec setsid "${enter[@]}" "$@"
   ) >>"$logf" 2>&1 </dev/null &
   local pid=$!
   sleep 0.2
@@ -395,7 +426,7 @@ wait_for() {
   log "$what after $((SECONDS - t0)) s"
 }
 
-# Everything that `up` starts (the kubelet only if asked for) runs and the
+# Everything that `up` starts (the node unless KEYSHIFT_NODE=none) runs and the
 # apiserver answers /readyz.
 all_up() {
   netns_exists || return 1
@@ -403,6 +434,12 @@ all_up() {
   for comp in etcd kube-apiserver kube-controller-manager; do
     live_pid "$comp" >/dev/null || return 1
   done
+  if [[ "$NODE" == real ]]; then
+    for comp in kube-scheduler containerd kubelet; do
+      live_pid "$comp" >/dev/null || return 1
+    done
+    [[ -f "$DIR/env" ]] || return 1
+  fi
   apiserver_ready
 }
 
@@ -410,20 +447,261 @@ all_up() {
 # commands
 # ---------------------------------------------------------------------------------
 
-emit_export() { printf 'export KUBECONFIG=%q\n' "$DIR/kubeconfig" >&3; }
+emit_export() {
+  printf 'export KUBECONFIG=%q\n' "$DIR/kubeconfig" >&3
+  local image=""
+  [[ -f "$DIR/env" ]] && image="$(sed -n 's/^export KEYSHIFT_IMAGE=//p' "$DIR/env")"
+  if [[ -n "$image" ]]; then printf 'export KEYSHIFT_IMAGE=%q\n' "$image" >&3; fi
+}
 
-start_kubelet() {
-  [[ -n "${KEYSHIFT_KUBELET:-}" ]] || return 0
-  live_pid kubelet >/dev/null && return 0
-  [[ -x "$KEYSHIFT_KUBELET" ]] || die "KEYSHIFT_KUBELET=$KEYSHIFT_KUBELET is not an executable"
-  mkdir -p "$DIR/kubelet"
-  # shellcheck disable=SC2086
-  start kubelet env \
-    KEYSHIFT_NETNS="$NETNS" KEYSHIFT_NETNS_IF="$NETNS_IF" KEYSHIFT_NODE_IP="$NS_IP" \
-    "$KEYSHIFT_KUBELET" --kubeconfig "$DIR/kubeconfig" --state-dir "$DIR/kubelet" \
-    ${KEYSHIFT_KUBELET_ARGS:-}
-  sleep 1
-  live_pid kubelet >/dev/null || { tail -n 30 "$DIR/logs/kubelet.log" >&2 || true; die "kubelet exited at once"; }
+# ---------------------------------------------------------------------------------
+# the node: kube-scheduler, containerd, kubelet
+# ---------------------------------------------------------------------------------
+
+# The value of NAME=VALUE line $1 in the build script output $2.
+out_var() { sed -n "s/^$1=//p" <<<"$2"; }
+
+node_ready() {
+  local body
+  body="$(api_get "/api/v1/nodes/$NODE_NAME")" || return 1
+  # The Ready condition's status, whatever the field order.
+  python3 -c '
+import json, sys
+node = json.loads(sys.stdin.read())
+ready = [c for c in node.get("status", {}).get("conditions", []) if c.get("type") == "Ready"]
+sys.exit(0 if ready and ready[0].get("status") == "True" else 1)' <<<"$body" 2>/dev/null
+}
+
+scheduler_healthy() {
+  [[ "$(ip netns exec "$NETNS" curl -sk --max-time 3 "https://127.0.0.1:$SCHED_PORT/healthz" 2>/dev/null)" == ok ]]
+}
+
+crictl_() { "$CRICTL" --runtime-endpoint "unix://$CONTAINERD_SOCK" "$@"; }
+
+containerd_up() { [[ -S "$CONTAINERD_SOCK" ]] && crictl_ version >/dev/null 2>&1; }
+
+ctr_() { "$CONTAINERD_BIN/ctr" --address "$CONTAINERD_SOCK" -n k8s.io "$@"; }
+
+# Host sysctls the kubelet rewrites: saved once per environment, put back at down.
+save_sysctls() {
+  [[ -f "$DIR/sysctl.saved" ]] && return 0
+  local k
+  for k in "${KUBELET_SYSCTLS[@]}"; do
+    printf '%s=%s\n' "$k" "$(sysctl -n "$k" 2>/dev/null || echo '')"
+  done >"$DIR/sysctl.saved"
+}
+restore_sysctls() {
+  [[ -f "$DIR/sysctl.saved" ]] || return 0
+  local line
+  while IFS= read -r line; do
+    if [[ -n "${line#*=}" ]]; then sysctl -qw "$line" 2>/dev/null || true; fi
+  done <"$DIR/sysctl.saved"
+}
+
+# The cgroup root of this environment's pods in every cgroup v1 hierarchy (or the v2 tree).
+cgroup_dirs() {
+  local d
+  if [[ -f /sys/fs/cgroup/cgroup.controllers ]]; then
+    echo "/sys/fs/cgroup$CGROUP_ROOT"
+  else
+    for d in /sys/fs/cgroup/*/; do
+      [[ -f "$d/cgroup.procs" ]] && echo "${d%/}$CGROUP_ROOT"
+    done
+  fi
+  return 0
+}
+
+# Kills every process left in this environment's pod cgroups and removes them.
+cgroups_down() {
+  local d pids
+  while read -r d; do
+    [[ -d "$d" ]] || continue
+    pids="$(find "$d" -name cgroup.procs -exec cat {} + 2>/dev/null | sort -u | tr '\n' ' ')"
+    if [[ -n "${pids// /}" ]]; then
+      log "killing processes left in $d: $pids"
+      # shellcheck disable=SC2086
+      kill -KILL $pids 2>/dev/null || true
+      sleep 0.5
+    fi
+    # Children first.
+    find "$d" -depth -type d -exec rmdir {} + 2>/dev/null || true
+  done < <(cgroup_dirs)
+}
+
+# Unmounts everything under $DIR (the kubelet's root dir and pod volumes), deepest first.
+unmount_all() {
+  local m
+  while read -r m; do
+    umount -l "$m" 2>/dev/null || true
+  done < <(awk -v dir="$DIR/" 'index($2 "/", dir) == 1 { print $2 }' /proc/self/mounts | sort -r)
+}
+
+write_node_config() {
+  mkdir -p "$DIR"/{containerd,cni/net.d,cni/ipam,kubelet}
+  cat >"$DIR/containerd/config.toml" <<EOF
+# Written by hack/testenv.sh up
+version = 3
+root = "$DIR/containerd/root"
+state = "$DIR/containerd/state"
+
+[grpc]
+  address = "$CONTAINERD_SOCK"
+
+[ttrpc]
+  address = "$DIR/containerd/containerd.sock.ttrpc"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "$DIR/containerd/opt"
+
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    # No registry is reachable: the sandbox image is built by hack/build-node.sh.
+    sandbox = "$PAUSE_IMAGE"
+
+[plugins."io.containerd.cri.v1.runtime"]
+  # This host refuses lowering oom_score_adj; without this runc init fails.
+  restrict_oom_score_adj = true
+  [plugins."io.containerd.cri.v1.runtime".containerd]
+    default_runtime_name = "runc"
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+        BinaryName = "$RUNC"
+        SystemdCgroup = false
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["$CNI_BIN"]
+    conf_dir = "$DIR/cni/net.d"
+    max_conf_num = 1
+EOF
+  cat >"$DIR/cni/net.d/10-keyshift.conflist" <<EOF
+{
+  "cniVersion": "1.0.0",
+  "name": "keyshift",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "cni0",
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {
+        "type": "host-local",
+        "dataDir": "$DIR/cni/ipam",
+        "ranges": [[{"subnet": "$POD_CIDR", "gateway": "$POD_GATEWAY"}]],
+        "routes": [{"dst": "0.0.0.0/0"}]
+      }
+    }
+  ]
+}
+EOF
+  cat >"$DIR/kubelet/config.yaml" <<EOF
+# Written by hack/testenv.sh up
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+# This host has cgroup v1, which the kubelet refuses unless told.
+failCgroupV1: false
+cgroupDriver: cgroupfs
+cgroupRoot: $CGROUP_ROOT
+containerRuntimeEndpoint: unix://$CONTAINERD_SOCK
+address: $NS_IP
+port: 10250
+readOnlyPort: 0
+# Container logs stay in this environment's dir (the default is the host's /var/log/pods).
+podLogsDir: $DIR/pod-logs
+healthzBindAddress: 127.0.0.1
+healthzPort: 10248
+authentication:
+  anonymous:
+    enabled: true
+  webhook:
+    enabled: false
+authorization:
+  mode: AlwaysAllow
+failSwapOn: false
+enforceNodeAllocatable: []
+localStorageCapacityIsolation: false
+# The 200-subtask scenario runs 200 worker pods on this one node.
+maxPods: 256
+kubeAPIQPS: 100
+kubeAPIBurst: 200
+serializeImagePulls: false
+# Imported images are never garbage-collected (nothing could pull them back).
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+evictionHard:
+  memory.available: "100Mi"
+  nodefs.available: "1%"
+  imagefs.available: "1%"
+  nodefs.inodesFree: "1%"
+EOF
+}
+
+start_node() {
+  [[ "$NODE" == real ]] || return 0
+  local out
+  out="$("$HACK_DIR/build-node.sh")" || die "hack/build-node.sh failed"
+  CONTAINERD_BIN="$(out_var CONTAINERD_BIN "$out")"
+  RUNC="$(out_var RUNC "$out")"
+  CNI_BIN="$(out_var CNI_BIN "$out")"
+  CRICTL="$(out_var CRICTL "$out")"
+  PAUSE_TAR="$(out_var PAUSE_TAR "$out")"
+  PAUSE_IMAGE="$(out_var PAUSE_IMAGE "$out")"
+  out="$("$HACK_DIR/build-image.sh")" || die "hack/build-image.sh failed"
+  IMAGE="$(out_var IMAGE "$out")"
+  IMAGE_TAR="$(out_var IMAGE_TAR "$out")"
+
+  # Pod network: the host routes the pod range into the netns, which forwards to the bridge;
+  # the "kubernetes" Service is DNAT-ed to the apiserver (there is no kube-proxy).
+  ip route replace "$POD_CIDR" via "$NS_IP" dev "$VETH_HOST"
+  ip netns exec "$NETNS" sysctl -qw net.ipv4.ip_forward=1
+  ip netns exec "$NETNS" iptables -t nat -C PREROUTING -d "$FIRST_SERVICE_IP" -p tcp --dport 443 \
+    -j DNAT --to-destination "$NS_IP:$APISERVER_PORT" 2>/dev/null ||
+    ip netns exec "$NETNS" iptables -t nat -A PREROUTING -d "$FIRST_SERVICE_IP" -p tcp --dport 443 \
+      -j DNAT --to-destination "$NS_IP:$APISERVER_PORT"
+
+  write_node_config
+  # kube-scheduler: the admin kubeconfig (a throwaway cluster), no leader election.
+  start kube-scheduler "$K8S_BIN/kube-scheduler" \
+    --kubeconfig="$DIR/kubeconfig" --authentication-kubeconfig="$DIR/kubeconfig" \
+    --authorization-kubeconfig="$DIR/kubeconfig" \
+    --bind-address=127.0.0.1 --secure-port="$SCHED_PORT" --leader-elect=false --profiling=false
+  wait_for "kube-scheduler /healthz" 60 kube-scheduler scheduler_healthy
+
+  NET_ONLY=1 start containerd env "PATH=$CONTAINERD_BIN:$PATH" \
+    "$CONTAINERD_BIN/containerd" --config "$DIR/containerd/config.toml"
+  wait_for "containerd (CRI)" 60 containerd containerd_up
+  local t0=$SECONDS
+  ctr_ images import "$PAUSE_TAR" >/dev/null || die "importing the sandbox image failed"
+  ctr_ images import "$IMAGE_TAR" >/dev/null || die "importing $IMAGE failed"
+  log "imported $PAUSE_IMAGE and $IMAGE in $((SECONDS - t0)) s"
+
+  save_sysctls
+  local d
+  while read -r d; do mkdir -p "$d"; done < <(cgroup_dirs)
+  NET_ONLY=1 start kubelet "$K8S_BIN/kubelet" \
+    --config="$DIR/kubelet/config.yaml" --kubeconfig="$DIR/kubeconfig" \
+    --root-dir="$DIR/kubelet" --cert-dir="$DIR/kubelet/pki" \
+    --hostname-override="$NODE_NAME" --node-ip="$NS_IP" --v=1
+  wait_for "node $NODE_NAME Ready" 90 kubelet node_ready
+}
+
+# Removes every pod sandbox through CRI (CNI teardown, network namespaces), then stops the
+# node's processes and leaves nothing of it on the host.
+stop_node() {
+  if [[ -z "${CRICTL:-}" && -f "$DIR/env" ]]; then
+    CRICTL="$(sed -n 's/^export KEYSHIFT_CRICTL=//p' "$DIR/env")"
+  fi
+  stop kubelet
+  if live_pid containerd >/dev/null && [[ -n "${CRICTL:-}" && -x "$CRICTL" ]]; then
+    log "removing pod sandboxes"
+    timeout 120 "$CRICTL" --runtime-endpoint "unix://$CONTAINERD_SOCK" --timeout 30s rmp -fa >/dev/null 2>&1 ||
+      log "warning: crictl rmp -fa failed"
+  fi
+  stop containerd
+  cgroups_down
+  unmount_all
+  restore_sysctls
 }
 
 # start_apiserver K8S_BIN : start kube-apiserver with this environment's flags.
@@ -458,6 +736,8 @@ start_apiserver() {
     --requestheader-extra-headers-prefix=X-Remote-Extra-
     --proxy-client-cert-file="$c/front-proxy-client.crt"
     --proxy-client-key-file="$c/front-proxy-client.key"
+    # `kubectl logs`/`exec` dial the kubelet at the node's IP (its name does not resolve).
+    --kubelet-preferred-address-types=InternalIP
     --profiling=false
   )
   start kube-apiserver "$1/kube-apiserver" "${APISERVER_ARGS[@]}"
@@ -484,7 +764,6 @@ cmd_up() {
   local t0=$SECONDS
   if all_up; then
     log "already up ($APISERVER_URL)"
-    start_kubelet
     emit_export
     return 0
   fi
@@ -498,6 +777,7 @@ cmd_up() {
   local out k8s_bin etcd_bin helm=""
   out="$("$HACK_DIR/build-control-plane.sh")" || die "hack/build-control-plane.sh failed"
   k8s_bin="$(sed -n 's/^K8S_BIN=//p' <<<"$out")"
+  K8S_BIN="$k8s_bin"
   etcd_bin="$(sed -n 's/^ETCD_BIN=//p' <<<"$out")"
   [[ -x "$k8s_bin/kube-apiserver" && -x "$etcd_bin/etcd" ]] || die "build-control-plane.sh gave no binaries"
   # Helm is not needed by the control plane, only by tests; fetch it here so
@@ -558,7 +838,7 @@ cmd_up() {
   wait_for "default ServiceAccount" 60 kube-controller-manager \
     api_ok /api/v1/namespaces/default/serviceaccounts/default
 
-  start_kubelet
+  start_node
 
   cat >"$DIR/env" <<EOF
 # Written by hack/testenv.sh up
@@ -575,6 +855,14 @@ export KEYSHIFT_SERVICE_CIDR=$SERVICE_CIDR
 export KEYSHIFT_K8S_BIN=$k8s_bin
 export KEYSHIFT_ETCD_BIN=$etcd_bin
 export KEYSHIFT_HELM=$helm
+export KEYSHIFT_NODE=$NODE
+export KEYSHIFT_NODE_NAME=$NODE_NAME
+export KEYSHIFT_POD_CIDR=$POD_CIDR
+export KEYSHIFT_CONTAINERD_SOCK=$CONTAINERD_SOCK
+export KEYSHIFT_CONTAINERD_BIN=${CONTAINERD_BIN:-}
+export KEYSHIFT_CRICTL=${CRICTL:-}
+export KEYSHIFT_IMAGE=${IMAGE:-}
+export KEYSHIFT_IMAGE_TAR=${IMAGE_TAR:-}
 EOF
   log "up in $((SECONDS - t0)) s: $APISERVER_URL (state: $DIR)"
   emit_export
@@ -582,6 +870,7 @@ EOF
 
 cmd_down() {
   local i
+  stop_node
   for ((i = ${#COMPONENTS[@]} - 1; i >= 0; i--)); do
     stop "${COMPONENTS[i]}"
   done
@@ -603,8 +892,8 @@ cmd_status() {
   for comp in "${COMPONENTS[@]}"; do
     if pid="$(live_pid "$comp")"; then
       log "$comp: running (pid $pid)"
-    elif [[ "$comp" == kubelet && ! -f "$(pidfile kubelet)" ]]; then
-      log "$comp: not started"
+    elif [[ "$NODE" == none && ! -f "$(pidfile "$comp")" ]]; then
+      log "$comp: not started (KEYSHIFT_NODE=none)"
     else
       log "$comp: NOT running"; rc=1
     fi

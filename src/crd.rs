@@ -4,7 +4,10 @@
 //! description (`kubectl explain`). CEL rules the API server enforces are attached in [`crd`] from
 //! the table in [`crate::validation`], which also mirrors them in pure Rust.
 
-use k8s_openapi::api::core::v1::ResourceRequirements;
+use k8s_openapi::api::core::v1::{
+    Affinity, EnvVar, LocalObjectReference, ResourceRequirements, Toleration,
+    TopologySpreadConstraint, Volume, VolumeMount,
+};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, CustomResourceExt};
@@ -104,11 +107,21 @@ pub struct StreamJobSpec {
     #[serde(default)]
     pub allow_non_restored_state: bool,
 
-    /// Compute resources of each worker container.
+    /// Compute resources of each worker container. Default when unset: requests of cpu `100m`
+    /// and memory `128Mi` and no limits (so the pods schedule on a namespace with a
+    /// LimitRange or ResourceQuota that requires requests); set `resources: {}` for no requests
+    /// at all. Like spec.podTemplate, a change applies to the pods of the job's next start
+    /// (rescale, upgrade, restart or resume); on its own it does not restart the workers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourceRequirements>,
 
-    /// Extra metadata and placement for the worker pods.
+    /// Extra metadata, placement, volumes and environment for the worker pods. The operator
+    /// owns the rest of the pod: the worker container runs the image's entrypoint with the
+    /// `worker` arguments, and the pod meets Pod Security `restricted` (non-root UID/GID 65532,
+    /// no privilege escalation, all capabilities dropped, seccomp RuntimeDefault, read-only
+    /// root filesystem with an emptyDir volume named `tmp` at /tmp, no service-account token).
+    /// A change applies to the pods of the job's next start (rescale, upgrade, restart or
+    /// resume); on its own it does not restart the workers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pod_template: Option<PodTemplateOverrides>,
 }
@@ -347,7 +360,7 @@ fn default_retained_checkpoints() -> i32 {
     3
 }
 
-/// Extra metadata and placement for worker pods.
+/// Extra metadata, placement, volumes and environment for worker pods.
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct PodTemplateOverrides {
@@ -360,10 +373,50 @@ pub struct PodTemplateOverrides {
     /// Node selector of every worker pod.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
-    /// ServiceAccount the worker pods run as (they need no Kubernetes API access). Default:
-    /// the namespace's default ServiceAccount.
+    /// ServiceAccount the worker pods run as (they need no Kubernetes API access, and no token
+    /// is mounted). Default: the namespace's default ServiceAccount.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account_name: Option<String>,
+    /// Volumes added to every worker pod (Kubernetes pod volumes: configMap, secret,
+    /// persistentVolumeClaim, csi, ...), e.g. a ConfigMap holding a private CA bundle for S3, or
+    /// a PersistentVolumeClaim for a `file://` source, sink or state directory. Mount them with
+    /// volumeMounts. The name `tmp` is reserved for the operator's scratch emptyDir at /tmp. At
+    /// most 64.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes: Vec<Volume>,
+    /// Where the worker container mounts volumes from `volumes` (each must name one of them).
+    /// The root filesystem is read-only: a writable `file://` path needs a volume mounted here.
+    /// /tmp is taken by the operator's scratch emptyDir. At most 64.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volume_mounts: Vec<VolumeMount>,
+    /// Extra environment variables of the worker container, after the operator's own (so
+    /// `$(POD_IP)` can be referenced); they take precedence over the keys of
+    /// spec.state.credentialsSecret. For example `SSL_CERT_FILE` pointing at a CA bundle
+    /// mounted from a volume: the S3, GCS and Azure clients then trust that file's
+    /// certificates instead of the image's bundle (AWS_CA_BUNDLE is not read), or
+    /// `KEYSHIFT_ENCODE_THREADS`. The names the operator sets itself (POD_IP, KEYSHIFT_TOKEN,
+    /// KEYSHIFT_SUBTASK) are refused. At most 128.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<EnvVar>,
+    /// Tolerations of every worker pod, to run them on tainted (e.g. dedicated) nodes.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tolerations: Vec<Toleration>,
+    /// Node and pod (anti-)affinity of every worker pod. Worker pods carry the label
+    /// `keyshift.dev/job: <job name>`, e.g. to spread a job's workers over nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub affinity: Option<Affinity>,
+    /// Topology spread constraints of every worker pod; select a job's workers with the label
+    /// `keyshift.dev/job: <job name>` (for example, spread them over
+    /// `topology.kubernetes.io/zone`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub topology_spread_constraints: Vec<TopologySpreadConstraint>,
+    /// PriorityClass of every worker pod. Default: the cluster's default priority.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// Secrets (in the job's namespace) holding registry credentials to pull a private
+    /// spec.image.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
 }
 
 /// The observed state of a StreamJob.

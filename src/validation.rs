@@ -8,10 +8,13 @@
 //! [`analyse`] goes further than the API server can (the derived default key-group count, skew,
 //! idle subtasks) and reports what the operator turns into conditions.
 
-use crate::crd::{AggregateFunction, KeyGroupPolicy, StreamJobSpec, StreamJobStatus};
+use crate::crd::{
+    AggregateFunction, KeyGroupPolicy, PodTemplateOverrides, StreamJobSpec, StreamJobStatus,
+};
 use crate::keygroup::{self, Assignment, BoundsError, Skew};
+use crate::operator::desired::{RESERVED_ENV, SCRATCH_PATH, SCRATCH_VOLUME};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
-    JSONSchemaProps, ValidationRule,
+    JSONSchemaProps, JSONSchemaPropsOrArray, ValidationRule,
 };
 use std::fmt;
 use std::time::Duration;
@@ -35,6 +38,10 @@ pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum,
 pub const MSG_PARTITIONS: &str = "spec.job.source.generator.partitions must be at least 1";
 pub const MSG_KEYS: &str = "spec.job.source.generator.keys must be at least 1";
 pub const MSG_SINK_URL: &str = "spec.job.sink.url is required when spec.job.sink.type is objectStore: give an object store URL such as s3://bucket/results";
+pub const MSG_TMP_VOLUME: &str = "spec.podTemplate.volumes must not contain a volume named tmp: that name is reserved for the worker's scratch emptyDir at /tmp; give the volume another name";
+pub const MSG_TMP_MOUNT: &str = "spec.podTemplate.volumeMounts must not mount at /tmp: the worker's scratch emptyDir is mounted there; mount the volume at another path, such as /data";
+pub const MSG_MOUNT_VOLUME: &str = "spec.podTemplate.volumeMounts must each name a volume declared in spec.podTemplate.volumes: add the volume there or correct the mount's name";
+pub const MSG_RESERVED_ENV: &str = "spec.podTemplate.env must not set POD_IP, KEYSHIFT_TOKEN or KEYSHIFT_SUBTASK: the operator sets them on every worker; remove them or use another name";
 
 /// Object store URL schemes `object_store` understands.
 pub const STORAGE_SCHEMES: &[&str] = &[
@@ -49,7 +56,7 @@ fn url_rule() -> String {
 
 /// One CEL rule: where in the schema it sits, the expression, and the message.
 struct CelRule {
-    /// Property path from the root schema; empty is the root.
+    /// Property path from the root schema; empty is the root; `[]` steps into an array's items.
     path: &'static [&'static str],
     rule: String,
     message: &'static str,
@@ -181,6 +188,37 @@ fn rules() -> Vec<CelRule> {
             MSG_SINK_URL,
             Some(".url"),
         ),
+        r(
+            &["spec", "podTemplate", "volumes"],
+            &format!("self.all(v, v.name != '{SCRATCH_VOLUME}')"),
+            MSG_TMP_VOLUME,
+            None,
+        ),
+        r(
+            &["spec", "podTemplate", "volumeMounts"],
+            &format!("self.all(m, !m.mountPath.matches('^{SCRATCH_PATH}/*$'))"),
+            MSG_TMP_MOUNT,
+            None,
+        ),
+        r(
+            &["spec", "podTemplate"],
+            "!has(self.volumeMounts) || self.volumeMounts.all(m, has(self.volumes) && self.volumes.exists(v, v.name == m.name))",
+            MSG_MOUNT_VOLUME,
+            Some(".volumeMounts"),
+        ),
+        r(
+            &["spec", "podTemplate", "env"],
+            &format!(
+                "self.all(e, !(e.name in [{}]))",
+                RESERVED_ENV
+                    .iter()
+                    .map(|n| format!("'{n}'"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            MSG_RESERVED_ENV,
+            None,
+        ),
     ]
 }
 
@@ -196,6 +234,22 @@ const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["status", "maxParallelismOrigin"], 512),
     (&["status", "lastSavepoint", "path"], 2048),
     (&["status", "restoredFrom"], 2048),
+    // Read by the spec.podTemplate rules (names as Kubernetes bounds them: a volume name is a
+    // DNS label; a mount names a volume).
+    (&["spec", "podTemplate", "volumes", "[]", "name"], 63),
+    (&["spec", "podTemplate", "volumeMounts", "[]", "name"], 63),
+    (
+        &["spec", "podTemplate", "volumeMounts", "[]", "mountPath"],
+        4096,
+    ),
+    (&["spec", "podTemplate", "env", "[]", "name"], 256),
+];
+
+/// Lists that CEL rules iterate get an item bound, for the same reason.
+const BOUNDED_LISTS: &[(&[&str], i64)] = &[
+    (&["spec", "podTemplate", "volumes"], 64),
+    (&["spec", "podTemplate", "volumeMounts"], 64),
+    (&["spec", "podTemplate", "env"], 128),
 ];
 
 /// Where the key-group ceiling of a job's state came from, for status.maxParallelismOrigin.
@@ -411,11 +465,19 @@ fn render_cel(parts: &[Part]) -> String {
 }
 
 fn schema_at<'a>(root: &'a mut JSONSchemaProps, path: &[&str]) -> Option<&'a mut JSONSchemaProps> {
-    path.iter()
-        .try_fold(root, |node, name| node.properties.as_mut()?.get_mut(*name))
+    path.iter().try_fold(root, |node, name| {
+        if *name == "[]" {
+            match node.items.as_mut()? {
+                JSONSchemaPropsOrArray::Schema(items) => Some(items.as_mut()),
+                JSONSchemaPropsOrArray::Schemas(_) => None,
+            }
+        } else {
+            node.properties.as_mut()?.get_mut(*name)
+        }
+    })
 }
 
-/// Attaches the CEL rules and string bounds to a StreamJob root schema. Panics in tests (not at
+/// Attaches the CEL rules and string and list bounds to a StreamJob root schema. Panics in tests (not at
 /// run time) if a path is missing: the rule table and the Rust types must agree.
 pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
     for rule in rules() {
@@ -434,9 +496,86 @@ pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
         }
     }
     for (path, max) in BOUNDED_STRINGS {
-        if let Some(node) = schema_at(root, path) {
+        let node = schema_at(root, path);
+        debug_assert!(node.is_some(), "no schema at {path:?}");
+        if let Some(node) = node {
             node.max_length = Some(*max);
         }
+    }
+    for (path, max) in BOUNDED_LISTS {
+        let node = schema_at(root, path);
+        debug_assert!(node.is_some(), "no schema at {path:?}");
+        if let Some(node) = node {
+            node.max_items = Some(*max);
+        }
+    }
+}
+
+fn bound(path: &[&str], table: &[(&[&str], i64)]) -> usize {
+    table
+        .iter()
+        .find(|(p, _)| *p == path)
+        .map_or(usize::MAX, |(_, max)| *max as usize)
+}
+
+/// The API server's schema messages for the bounds on spec.podTemplate (item counts and the
+/// lengths of the strings the CEL rules read).
+fn pod_template_bounds(t: &PodTemplateOverrides, fail: &mut impl FnMut(&str)) {
+    let too_many = |field: &str, n: usize, fail: &mut dyn FnMut(&str)| {
+        let max = bound(&["spec", "podTemplate", field], BOUNDED_LISTS);
+        if n > max {
+            fail(&format!(
+                "spec.podTemplate.{field}: Too many: {n}: must have at most {max} items"
+            ));
+        }
+    };
+    too_many("volumes", t.volumes.len(), fail);
+    too_many("volumeMounts", t.volume_mounts.len(), fail);
+    too_many("env", t.env.len(), fail);
+    let too_long = |field: &str, i: usize, prop: &str, value: &str, fail: &mut dyn FnMut(&str)| {
+        let max = bound(&["spec", "podTemplate", field, "[]", prop], BOUNDED_STRINGS);
+        if value.len() > max {
+            fail(&format!(
+                "spec.podTemplate.{field}[{i}].{prop}: Too long: may not be more than {max} bytes"
+            ));
+        }
+    };
+    for (i, v) in t.volumes.iter().enumerate() {
+        too_long("volumes", i, "name", &v.name, fail);
+    }
+    for (i, m) in t.volume_mounts.iter().enumerate() {
+        too_long("volumeMounts", i, "name", &m.name, fail);
+        too_long("volumeMounts", i, "mountPath", &m.mount_path, fail);
+    }
+    for (i, e) in t.env.iter().enumerate() {
+        too_long("env", i, "name", &e.name, fail);
+    }
+}
+
+/// The spec.podTemplate rules (the CEL rules above, in Rust).
+fn pod_template_rules(t: &PodTemplateOverrides, fail: &mut impl FnMut(&str)) {
+    if t.volumes.iter().any(|v| v.name == SCRATCH_VOLUME) {
+        fail(MSG_TMP_VOLUME);
+    }
+    // The CEL rule's `^/tmp/*$`: /tmp with any number of trailing slashes.
+    if t.volume_mounts.iter().any(|m| {
+        m.mount_path
+            .strip_prefix(SCRATCH_PATH)
+            .is_some_and(|rest| rest.bytes().all(|b| b == b'/'))
+    }) {
+        fail(MSG_TMP_MOUNT);
+    }
+    if t.volume_mounts
+        .iter()
+        .any(|m| !t.volumes.iter().any(|v| v.name == m.name))
+    {
+        fail(MSG_MOUNT_VOLUME);
+    }
+    if t.env
+        .iter()
+        .any(|e| RESERVED_ENV.contains(&e.name.as_str()))
+    {
+        fail(MSG_RESERVED_ENV);
     }
 }
 
@@ -600,6 +739,10 @@ pub fn validate(
     }
     if spec.job.sink.sink_type == crate::crd::SinkType::ObjectStore && spec.job.sink.url.is_none() {
         fail(MSG_SINK_URL);
+    }
+    if let Some(template) = &spec.pod_template {
+        pod_template_bounds(template, &mut fail);
+        pod_template_rules(template, &mut fail);
     }
     if errors.is_empty() {
         Ok(())

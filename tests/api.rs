@@ -57,6 +57,10 @@ fn crd_has_scale_status_and_every_rule() {
         MSG_PARTITIONS,
         MSG_KEYS,
         MSG_SINK_URL,
+        MSG_TMP_VOLUME,
+        MSG_TMP_MOUNT,
+        MSG_MOUNT_VOLUME,
+        MSG_RESERVED_ENV,
     ] {
         let quoted = serde_json::to_string(message).unwrap();
         assert!(json.contains(&quoted), "CRD lacks rule message {message:?}");
@@ -114,6 +118,102 @@ fn crd_has_scale_status_and_every_rule() {
     }
 }
 
+/// spec.podTemplate's schema is Kubernetes' own (k8s-openapi), every field is documented, and
+/// what the CEL rules iterate is bounded for the API server's cost estimate.
+#[test]
+fn pod_template_schema_is_the_kubernetes_one_and_documented() {
+    let crd = crd();
+    let schema = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .unwrap()
+        .open_api_v3_schema
+        .as_ref()
+        .unwrap();
+    let spec = &schema.properties.as_ref().unwrap()["spec"];
+    let template = &spec.properties.as_ref().unwrap()["podTemplate"];
+    let props = template.properties.as_ref().unwrap();
+    for name in [
+        "labels",
+        "annotations",
+        "nodeSelector",
+        "serviceAccountName",
+        "volumes",
+        "volumeMounts",
+        "env",
+        "tolerations",
+        "affinity",
+        "topologySpreadConstraints",
+        "priorityClassName",
+        "imagePullSecrets",
+    ] {
+        let prop = props
+            .get(name)
+            .unwrap_or_else(|| panic!("spec.podTemplate.{name} is missing"));
+        assert!(
+            prop.description.as_deref().is_some_and(|d| d.len() > 20),
+            "spec.podTemplate.{name} has no description"
+        );
+    }
+    assert_eq!(props.len(), 12, "{:?}", props.keys().collect::<Vec<_>>());
+    let items = |name: &str| {
+        match props[name].items.as_ref().unwrap() {
+        k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaPropsOrArray::Schema(s) => (**s).clone(),
+        other => panic!("{name}: {other:?}"),
+    }
+    };
+    // The real Kubernetes schemas, not free-form objects.
+    let volume = items("volumes");
+    let vprops = volume.properties.as_ref().unwrap();
+    for source in [
+        "configMap",
+        "secret",
+        "persistentVolumeClaim",
+        "csi",
+        "emptyDir",
+    ] {
+        assert!(vprops.contains_key(source), "volumes[] lacks {source}");
+    }
+    assert_eq!(volume.required.as_deref(), Some(&["name".to_owned()][..]));
+    assert_eq!(volume.x_kubernetes_preserve_unknown_fields, None);
+    assert_eq!(vprops["name"].max_length, Some(63));
+    let mount = items("volumeMounts");
+    assert_eq!(
+        mount.properties.as_ref().unwrap()["mountPath"].max_length,
+        Some(4096)
+    );
+    let env = items("env");
+    assert!(env.properties.as_ref().unwrap().contains_key("valueFrom"));
+    assert_eq!(
+        env.properties.as_ref().unwrap()["name"].max_length,
+        Some(256)
+    );
+    assert_eq!(props["volumes"].max_items, Some(64));
+    assert_eq!(props["volumeMounts"].max_items, Some(64));
+    assert_eq!(props["env"].max_items, Some(128));
+    let affinity = props["affinity"].properties.as_ref().unwrap();
+    assert!(affinity.contains_key("nodeAffinity") && affinity.contains_key("podAntiAffinity"));
+    let spread = items("topologySpreadConstraints");
+    assert!(spread.properties.as_ref().unwrap().contains_key("maxSkew"));
+    let toleration = items("tolerations");
+    assert!(
+        toleration
+            .properties
+            .as_ref()
+            .unwrap()
+            .contains_key("effect")
+    );
+    // The default requests are documented where `kubectl explain` shows them.
+    let resources = spec.properties.as_ref().unwrap()["resources"]
+        .description
+        .clone()
+        .unwrap();
+    assert!(
+        resources.contains("100m") && resources.contains("128Mi"),
+        "{resources}"
+    );
+}
+
 fn samples() -> Vec<(String, StreamJob)> {
     let dir = root().join("config/samples");
     let mut out = Vec::new();
@@ -143,6 +243,43 @@ fn samples_parse_and_validate() {
     assert!(
         sources.0 && sources.1,
         "samples cover generator and file sources"
+    );
+}
+
+/// The sample for a locked-down cluster: S3 with a Secret, a private CA from a ConfigMap, and
+/// placement; its pods carry all of it on top of the restricted pod.
+#[test]
+fn restricted_s3_sample_uses_the_pod_template() {
+    let (_, job) = samples()
+        .into_iter()
+        .find(|(p, _)| p.ends_with("restricted-s3.yaml"))
+        .expect("config/samples/restricted-s3.yaml");
+    let mut job = job;
+    let spec = &job.spec;
+    assert!(spec.state.storage.as_deref().unwrap().starts_with("s3://"));
+    assert!(spec.state.credentials_secret.is_some());
+    let t = spec.pod_template.as_ref().unwrap();
+    assert!(t.volumes.iter().any(|v| v.config_map.is_some()));
+    assert!(t.volume_mounts.iter().all(|m| m.read_only == Some(true)));
+    let cert = t.env.iter().find(|e| e.name == "SSL_CERT_FILE").unwrap();
+    let mount = &t.volume_mounts[0].mount_path;
+    assert!(cert.value.as_deref().unwrap().starts_with(mount.as_str()));
+    assert!(!t.tolerations.is_empty());
+    assert!(!t.topology_spread_constraints.is_empty());
+    assert!(t.priority_class_name.is_some());
+
+    job.metadata.namespace = Some("streaming".into());
+    job.metadata.uid = Some("u-1".into());
+    let a = keyshift::keygroup::Assignment::new(4, 128).unwrap();
+    let pod = keyshift::operator::desired::pod(&job, "r1", 0, a, "keyshift:dev").unwrap();
+    let ps = pod.spec.unwrap();
+    assert_eq!(ps.priority_class_name.as_deref(), Some("streaming"));
+    assert_eq!(ps.volumes.unwrap().len(), 2);
+    let c = &ps.containers[0];
+    assert_eq!(c.volume_mounts.as_ref().unwrap().len(), 2);
+    assert_eq!(
+        c.resources.as_ref().unwrap().requests.as_ref().unwrap()["cpu"].0,
+        "500m"
     );
 }
 
@@ -237,6 +374,79 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.job.aggregation.function = keyshift::crd::AggregateFunction::Sum;
     fails_with(&s, None, None, MSG_AGG_FIELD);
+}
+
+fn with_template(yaml: &str) -> StreamJobSpec {
+    let mut s = base();
+    s.pod_template = Some(serde_yaml::from_str(yaml).unwrap());
+    s
+}
+
+#[test]
+fn pod_template_rules_refuse_with_their_messages() {
+    let ok = with_template(
+        "volumes: [{name: ca, configMap: {name: corp-ca}}, {name: scratch2, emptyDir: {}}]
+volumeMounts:
+- {name: ca, mountPath: /etc/ca, readOnly: true}
+- {name: scratch2, mountPath: /tmp/more}
+- {name: ca, mountPath: /tmpx}
+env:
+- {name: SSL_CERT_FILE, value: /etc/ca/ca.crt}
+- {name: KEYSHIFT_ENCODE_THREADS, value: '2'}
+- {name: MY_POD_IP, valueFrom: {fieldRef: {fieldPath: status.podIP}}}
+",
+    );
+    validate(&ok, None, None).unwrap();
+
+    let s = with_template("volumes: [{name: tmp, emptyDir: {medium: Memory}}]");
+    fails_with(&s, None, None, MSG_TMP_VOLUME);
+
+    for path in ["/tmp", "/tmp/", "/tmp//"] {
+        let s = with_template(&format!(
+            "volumes: [{{name: data, emptyDir: {{}}}}]\nvolumeMounts: [{{name: data, mountPath: '{path}'}}]"
+        ));
+        fails_with(&s, None, None, MSG_TMP_MOUNT);
+    }
+
+    let s = with_template(
+        "volumes: [{name: ca, configMap: {name: corp-ca}}]\nvolumeMounts: [{name: cert, mountPath: /etc/ca}]",
+    );
+    fails_with(&s, None, None, MSG_MOUNT_VOLUME);
+    let s = with_template("volumeMounts: [{name: cert, mountPath: /etc/ca}]");
+    fails_with(&s, None, None, MSG_MOUNT_VOLUME);
+
+    for name in ["POD_IP", "KEYSHIFT_TOKEN", "KEYSHIFT_SUBTASK"] {
+        let s = with_template(&format!("env: [{{name: {name}, value: x}}]"));
+        fails_with(&s, None, None, MSG_RESERVED_ENV);
+        assert!(MSG_RESERVED_ENV.contains(name));
+    }
+    // Every variable the operator sets is reserved.
+    assert_eq!(
+        keyshift::operator::desired::RESERVED_ENV,
+        ["POD_IP", "KEYSHIFT_TOKEN", "KEYSHIFT_SUBTASK"]
+    );
+
+    // The schema's bounds, with the API server's words.
+    let many: Vec<String> = (0..65)
+        .map(|i| format!("{{name: v{i}, emptyDir: {{}}}}"))
+        .collect();
+    let s = with_template(&format!("volumes: [{}]", many.join(", ")));
+    fails_with(
+        &s,
+        None,
+        None,
+        "spec.podTemplate.volumes: Too many: 65: must have at most 64 items",
+    );
+    let s = with_template(&format!(
+        "volumes: [{{name: {}, emptyDir: {{}}}}]",
+        "v".repeat(64)
+    ));
+    fails_with(
+        &s,
+        None,
+        None,
+        "spec.podTemplate.volumes[0].name: Too long: may not be more than 63 bytes",
+    );
 }
 
 #[test]

@@ -1,6 +1,6 @@
-//! End to end against a real kube-apiserver + etcd + kube-controller-manager and the process
-//! kubelet (`hack/testenv.sh`): the CRD, its CEL rules, the scale subresource, and pods run as
-//! processes. Run by `hack/test.sh`; by hand: `eval "$(hack/testenv.sh up)"` then
+//! End to end against a real cluster (`hack/testenv.sh`: kube-apiserver, etcd,
+//! kube-controller-manager, kube-scheduler and a real kubelet on containerd): the CRD, its CEL
+//! rules, the scale subresource, and the keyshift image running under Pod Security `restricted`. Run by `hack/test.sh`; by hand: `eval "$(hack/testenv.sh up)"` then
 //! `cargo test --test e2e_cluster -- --ignored`.
 
 mod support;
@@ -246,8 +246,29 @@ fn scale_subresource_and_printer_columns() {
     kubectl_ok(&["scale", "-n", ns, "sj/hot-keys", "--replicas=128"]);
 }
 
-fn pod(name: &str, command: &[&str], restart: &str, stdin: bool) -> String {
-    let args: Vec<String> = command.iter().map(|a| format!("{a:?}")).collect();
+/// A pod of the keyshift image meeting Pod Security `restricted`, running the image's
+/// ENTRYPOINT with `args` (or `command`, when given).
+fn pod(name: &str, args: &[&str], restart: &str, stdin: bool) -> String {
+    pod_with(name, None, args, restart, stdin)
+}
+
+fn pod_with(
+    name: &str,
+    command: Option<&[&str]>,
+    args: &[&str],
+    restart: &str,
+    stdin: bool,
+) -> String {
+    let list = |words: &[&str]| {
+        words
+            .iter()
+            .map(|a| format!("{a:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let command = command
+        .map(|c| format!("    command: [{}]\n", list(c)))
+        .unwrap_or_default();
     format!(
         "apiVersion: v1
 kind: Pod
@@ -256,13 +277,24 @@ metadata:
 spec:
   restartPolicy: {restart}
   terminationGracePeriodSeconds: 5
+  automountServiceAccountToken: false
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 65532
+    seccompProfile: {{type: RuntimeDefault}}
   containers:
   - name: main
-    image: example.org/acme/keyshift:dev
+    image: {image}
+    imagePullPolicy: IfNotPresent
     stdin: {stdin}
-    command: [{}]
+{command}    args: [{args}]
+    securityContext:
+      allowPrivilegeEscalation: false
+      readOnlyRootFilesystem: true
+      capabilities: {{drop: [ALL]}}
 ",
-        args.join(", ")
+        image = image(),
+        args = list(args),
     )
 }
 
@@ -270,36 +302,67 @@ fn phase(ns: &str, name: &str) -> String {
     jsonpath(ns, &format!("pod/{name}"), "{.status.phase}")
 }
 
-#[test]
-#[ignore = "needs the test control plane (hack/test.sh starts it)"]
-fn process_kubelet_runs_pods() {
-    let ns = Namespace::new("e2e-kubelet");
-    let ns = &ns.0;
-    let timeout = Duration::from_secs(60);
-
-    // Succeeds.
-    assert!(
-        apply(
-            ns,
-            &pod("version", &["keyshift", "--version"], "Never", false)
-        )
-        .ok
-    );
-    wait_for(timeout, || phase(ns, "version") == "Succeeded");
-    let code = jsonpath(
+fn exit_code(ns: &str, name: &str) -> String {
+    jsonpath(
         ns,
-        "pod/version",
+        &format!("pod/{name}"),
         "{.status.containerStatuses[0].state.terminated.exitCode}",
+    )
+}
+
+/// The containers containerd runs in the test node's `k8s.io` namespace.
+fn running_containers() -> String {
+    let ctr = std::env::var("KEYSHIFT_CONTAINERD_BIN").expect("KEYSHIFT_CONTAINERD_BIN");
+    let sock = std::env::var("KEYSHIFT_CONTAINERD_SOCK").expect("KEYSHIFT_CONTAINERD_SOCK");
+    let out = std::process::Command::new(std::path::Path::new(&ctr).join("ctr"))
+        .args(["--address", &sock, "-n", "k8s.io", "tasks", "ls"])
+        .output()
+        .expect("ctr runs");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+#[ignore = "needs the test cluster (hack/test.sh starts it)"]
+fn the_real_node_runs_the_image_under_restricted_pod_security() {
+    let ns = Namespace::new("e2e-node");
+    let ns = &ns.0;
+    let timeout = Duration::from_secs(90);
+
+    // The node is a real kubelet on containerd.
+    let node = std::env::var("KEYSHIFT_NODE_NAME").unwrap_or_else(|_| "keyshift-node".into());
+    let runtime = jsonpath(
+        "default",
+        &format!("node/{node}"),
+        "{.status.nodeInfo.containerRuntimeVersion}",
     );
-    assert_eq!(code, "0");
-    // Pod addresses come from the node's /16 (10.<KEYSHIFT_SUBNET>.0.0/16, default 213).
-    let ip = jsonpath(ns, "pod/version", "{.status.podIP}");
-    let host_ip = jsonpath(ns, "pod/version", "{.status.hostIP}");
-    let subnet = |a: &str| a.split('.').take(2).collect::<Vec<_>>().join(".");
+    assert!(runtime.starts_with("containerd://2."), "{runtime:?}");
+
+    // The image's ENTRYPOINT runs with args only (`docker run IMAGE --version`), and its output
+    // is the container's log.
+    assert!(apply(ns, &pod("version", &["--version"], "Never", false)).ok);
+    wait_for(timeout, || phase(ns, "version") == "Succeeded");
+    assert_eq!(exit_code(ns, "version"), "0");
+    let logs = kubectl_ok(&["logs", "-n", ns, "version"]);
     assert!(
-        !host_ip.is_empty() && subnet(&ip) == subnet(&host_ip) && ip != host_ip,
-        "pod gets an address of its own in the node's /16: pod {ip}, node {host_ip}"
+        logs.starts_with("keyshift "),
+        "kubectl logs shows the binary's output: {logs:?}"
     );
+    assert!(container_id(ns, "version").len() >= 12);
+    // Pod addresses come from the node's pod range, inside the environment's /16.
+    let ip = jsonpath(ns, "pod/version", "{.status.podIP}");
+    let subnet = std::env::var("KEYSHIFT_SUBNET").unwrap_or_else(|_| "213".into());
+    assert!(
+        ip.starts_with(&format!("10.{subnet}.")) && ip != format!("10.{subnet}.0.2"),
+        "pod gets an address of its own from the bridge: {ip}"
+    );
+
+    // A bare `keyshift` command fails as on any real node: the image has no PATH entry for it.
+    let bare = pod_with("bare", Some(&["keyshift"]), &["--version"], "Never", false);
+    assert!(apply(ns, &bare).ok);
+    wait_for(timeout, || {
+        let state = jsonpath(ns, "pod/bare", "{.status.containerStatuses[0].state}");
+        state.contains("executable file not found")
+    });
 
     // Fails with its exit code.
     assert!(
@@ -307,14 +370,7 @@ fn process_kubelet_runs_pods() {
             ns,
             &pod(
                 "fails",
-                &[
-                    "keyshift",
-                    "plan",
-                    "--parallelism",
-                    "0",
-                    "--max-parallelism",
-                    "128"
-                ],
+                &["plan", "--parallelism", "0", "--max-parallelism", "128"],
                 "Never",
                 false
             )
@@ -322,39 +378,28 @@ fn process_kubelet_runs_pods() {
         .ok
     );
     wait_for(timeout, || phase(ns, "fails") == "Failed");
-    let code = jsonpath(
-        ns,
-        "pod/fails",
-        "{.status.containerStatuses[0].state.terminated.exitCode}",
-    );
-    assert_eq!(code, "1");
+    assert_eq!(exit_code(ns, "fails"), "1");
 
-    // Images other than keyshift are refused with a clear status.
-    let other = pod("other", &["keyshift", "--version"], "Never", false)
-        .replace("example.org/acme/keyshift:dev", "busybox:1.36");
-    assert!(apply(ns, &other).ok);
-    wait_for(timeout, || {
-        jsonpath(
-            ns,
-            "pod/other",
-            "{.status.containerStatuses[0].state.waiting.reason}",
-        ) == "ErrImagePull"
-    });
-    let msg = jsonpath(
-        ns,
-        "pod/other",
-        "{.status.containerStatuses[0].state.waiting.message}",
+    // Pod Security `restricted` is enforced: a pod that may run as root is refused.
+    let loose = pod("loose", &["--version"], "Never", false)
+        .replace("    runAsNonRoot: true\n    runAsUser: 65532\n", "");
+    let r = apply(ns, &loose);
+    assert!(!r.ok, "a pod that may run as root is admitted");
+    assert!(
+        r.stderr
+            .contains("violates PodSecurity \"restricted:latest\""),
+        "{}",
+        r.stderr
     );
-    assert!(msg.contains("busybox:1.36"), "{msg}");
 
     // A running pod (keygroup reads its attached stdin forever) becomes Ready; deleting it
-    // stops its process.
+    // stops its container.
     assert!(
         apply(
             ns,
             &pod(
                 "runs",
-                &["keyshift", "keygroup", "--max-parallelism", "128"],
+                &["keygroup", "--max-parallelism", "128"],
                 "Always",
                 true
             )
@@ -368,15 +413,8 @@ fn process_kubelet_runs_pods() {
             "{.status.conditions[?(@.type==\"Ready\")].status}",
         ) == "True"
     });
-    let id = jsonpath(ns, "pod/runs", "{.status.containerStatuses[0].containerID}");
-    let pid: u32 = id
-        .strip_prefix("process://")
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("container id names the process: {id:?}"));
-    assert!(
-        std::path::Path::new(&format!("/proc/{pid}")).exists(),
-        "process {pid} runs"
-    );
+    let id = container_id(ns, "runs");
+    assert!(running_containers().contains(&id), "containerd runs {id}");
     kubectl_ok(&[
         "delete",
         "pod",
@@ -386,8 +424,8 @@ fn process_kubelet_runs_pods() {
         "--wait=true",
         "--timeout=60s",
     ]);
-    wait_for(Duration::from_secs(10), || {
-        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    wait_for(Duration::from_secs(30), || {
+        !running_containers().contains(&id)
     });
 
     // restartPolicy OnFailure restarts a failing container and counts it.
@@ -396,14 +434,7 @@ fn process_kubelet_runs_pods() {
             ns,
             &pod(
                 "restarts",
-                &[
-                    "keyshift",
-                    "plan",
-                    "--parallelism",
-                    "0",
-                    "--max-parallelism",
-                    "128"
-                ],
+                &["plan", "--parallelism", "0", "--max-parallelism", "128"],
                 "OnFailure",
                 false
             )

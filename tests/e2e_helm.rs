@@ -9,8 +9,12 @@
 //! A third test runs the whole path with the real operator: install, a sample StreamJob to
 //! Ready, `kubectl scale`, then two replicas and a leader handover that keeps reconciling.
 //!
-//! Run by `hack/test.sh`; by hand: `eval "$(hack/testenv.sh up)"` with `KEYSHIFT_KUBELET` set,
-//! then `cargo test --test e2e_helm -- --ignored`.
+//! Every pod runs on the test cluster's real node (kubelet + containerd) from the keyshift image
+//! built from this checkout (`KEYSHIFT_IMAGE`), in namespaces enforcing Pod Security
+//! `restricted`.
+//!
+//! Run by `hack/test.sh`; by hand: `eval "$(hack/s3-server.sh start)"`, `eval "$(hack/testenv.sh
+//! up)"`, then `cargo test --test e2e_helm -- --ignored`.
 
 mod support;
 
@@ -18,13 +22,18 @@ use std::time::Duration;
 use support::*;
 
 const CHART: &str = "charts/keyshift";
-/// The process kubelet runs images whose repository ends in `keyshift` as the local binary.
-const IMAGE: [&str; 4] = [
-    "--set",
-    "image.repository=localhost/keyshift",
-    "--set",
-    "image.tag=dev",
-];
+
+/// `--set` arguments pointing the chart at the image the test node holds.
+fn image_values() -> Vec<String> {
+    let image = image();
+    let (repository, tag) = image.rsplit_once(':').expect("KEYSHIFT_IMAGE is REPO:TAG");
+    vec![
+        "--set".into(),
+        format!("image.repository={repository}"),
+        "--set".into(),
+        format!("image.tag={tag}"),
+    ]
+}
 
 /// `kubectl auth can-i VERB RESOURCE [flags]` as `sa`: true for "yes".
 fn can(sa: &str, args: &[&str]) -> bool {
@@ -83,11 +92,10 @@ fn install_upgrade_uninstall() {
 
     // ---- install, namespaced mode
     let watch = format!(r#"watchNamespaces=["{a}","{b}"]"#);
+    let image = image_values();
     let mut args = vec!["install", release, CHART, "-n", system];
-    args.extend_from_slice(&IMAGE);
+    args.extend(image.iter().map(String::as_str));
     args.extend_from_slice(&["--set-json", &watch]);
-    // Pods of the process kubelet share one network namespace: bind the pod address only.
-    args.extend_from_slice(&["--set", "metrics.bindAddress=$(POD_IP)"]);
     let out = helm_ok(&args);
     assert!(
         out.contains("kubectl -n e2e-helm-a wait --for=condition=Ready streamjob/clicks"),
@@ -138,8 +146,9 @@ fn install_upgrade_uninstall() {
         "namespaced mode has nothing cluster-wide"
     );
 
-    // The Deployment's pod (made by kube-controller-manager) is bound and started by the
-    // kubelet, as the chart's ServiceAccount, with the chart's security context.
+    // The Deployment's pod (made by kube-controller-manager) is scheduled and started by the
+    // kubelet in a container of the image, as the chart's ServiceAccount, with the chart's
+    // security context (the namespace enforces Pod Security `restricted`).
     let mut pod = String::new();
     wait_for(Duration::from_secs(90), || {
         let Some(p) = pods(system, release).into_iter().next() else {
@@ -169,6 +178,11 @@ fn install_upgrade_uninstall() {
     assert_eq!(
         jsonpath(system, &pod, "{.spec.containers[0].args[0]}"),
         "operator"
+    );
+    assert!(
+        jsonpath(system, &pod, "{.status.containerStatuses[0].containerID}")
+            .starts_with("containerd://"),
+        "a containerd container"
     );
 
     // RBAC, as the ServiceAccount.
@@ -249,8 +263,8 @@ fn install_upgrade_uninstall() {
     ]);
 
     // ---- upgrade: all namespaces, two replicas, a default storage. The image changes to one
-    // the process kubelet refuses: an operator watching every namespace must not reconcile the
-    // other tests' StreamJobs in this shared control plane (its pods are still created).
+    // the node does not have (and cannot pull): an operator watching every namespace must not
+    // reconcile the other tests' StreamJobs in this shared cluster (its pods are still created).
     let mut args = vec!["upgrade", release, CHART, "-n", system, "--reuse-values"];
     args.extend_from_slice(&[
         "--set-json",
@@ -355,16 +369,25 @@ spec:
     spec:
       serviceAccountName: {sa}
       terminationGracePeriodSeconds: 10
+      securityContext:
+        runAsNonRoot: true
+        runAsUser: 65532
+        seccompProfile: {{type: RuntimeDefault}}
       containers:
       - name: demo
-        image: localhost/keyshift:dev
+        image: {image}
         args: [leader-demo, --lease-duration-seconds=6]
+        securityContext:
+          allowPrivilegeEscalation: false
+          readOnlyRootFilesystem: true
+          capabilities: {{drop: [ALL]}}
         env:
         - name: POD_NAMESPACE
           valueFrom: {{fieldRef: {{fieldPath: metadata.namespace}}}}
         - name: POD_NAME
           valueFrom: {{fieldRef: {{fieldPath: metadata.name}}}}
-"
+",
+        image = image()
     )
 }
 
@@ -385,8 +408,9 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
     let ns = ns.0.as_str();
     // The chart's ServiceAccount and RBAC only; no operator pod.
     let watch = format!(r#"watchNamespaces=["{ns}"]"#);
+    let image = image_values();
     let mut args = vec!["install", release, CHART, "-n", ns, "--set", "replicas=0"];
-    args.extend_from_slice(&IMAGE);
+    args.extend(image.iter().map(String::as_str));
     args.extend_from_slice(&["--set-json", &watch]);
     helm_ok(&args);
 
@@ -472,8 +496,26 @@ for family in text_string_to_metric_families(text):
 
 /// The sample job `clicks` (4 replicas, max parallelism 128).
 fn sample_job() -> String {
-    std::fs::read_to_string(root().join("config/samples/generator-count.yaml"))
-        .expect("sample exists")
+    let yaml = std::fs::read_to_string(root().join("config/samples/generator-count.yaml"))
+        .expect("sample exists");
+    // The workers' credentials for the S3 store (the operator's default storage).
+    let with_secret = yaml.replace(
+        "  state:\n",
+        &format!("  state:\n    credentialsSecret: {S3_SECRET}\n"),
+    );
+    assert_ne!(with_secret, yaml, "the sample has a state section");
+    with_secret
+}
+
+/// The operator container's log of each pod of the release (`kubectl logs`).
+fn operator_logs(ns: &str, release: &str) -> Vec<(String, String)> {
+    pods(ns, release)
+        .into_iter()
+        .map(|pod| {
+            let log = kubectl(&["logs", "-n", ns, &pod, "-c", "operator"]).stdout;
+            (pod, log)
+        })
+        .collect()
 }
 
 /// `sj/clicks` runs at `replicas`, is Ready, and the operator has seen its latest spec.
@@ -493,24 +535,38 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     let system = Namespace::new("e2e-helm-full-system");
     let jobs = Namespace::new("e2e-helm-full");
     let (system, jobs) = (system.0.as_str(), jobs.0.as_str());
-    // Operator and worker pods are processes on this host: a file:// store is shared.
-    let dir = std::path::PathBuf::from(
-        std::env::var_os("KEYSHIFT_TESTENV_DIR").expect("KEYSHIFT_TESTENV_DIR is set"),
-    )
-    .join("helm-full-state");
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).expect("state dir");
-    let storage = format!("defaultStorage=file://{}", dir.display());
+    // Operator and workers keep state on the S3 test server, with credentials from Secrets:
+    // the operator's through extraEnv, the workers' through the job's credentialsSecret.
+    s3_secret(system);
+    s3_secret(jobs);
+    let storage = format!("defaultStorage={}", s3_storage("helm-full"));
+    let s3_env: Vec<serde_json::Value> = [
+        "AWS_ENDPOINT",
+        "AWS_ALLOW_HTTP",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+    ]
+    .iter()
+    .map(|k| {
+        serde_json::json!({
+            "name": k,
+            "valueFrom": {"secretKeyRef": {"name": S3_SECRET, "key": k}}
+        })
+    })
+    .collect();
+    let extra_env = format!("extraEnv={}", serde_json::Value::Array(s3_env));
     let watch = format!(r#"watchNamespaces=["{jobs}"]"#);
+    let image = image_values();
     let mut args = vec!["install", release, CHART, "-n", system];
-    args.extend_from_slice(&IMAGE);
+    args.extend(image.iter().map(String::as_str));
     args.extend_from_slice(&[
         "--set-json",
         &watch,
+        "--set-json",
+        &extra_env,
         "--set",
         &storage,
-        "--set",
-        "metrics.bindAddress=$(POD_IP)",
         "--set",
         "logFormat=text",
     ]);
@@ -552,6 +608,8 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
         pods(system, release).contains(&format!("pod/{leader}")),
         "the Lease names a running operator pod: {leader}"
     );
+    // The logs of both replicas before the leader goes (a deleted pod's log goes with it).
+    let mut logs = operator_logs(system, release);
     kubectl_ok(&["delete", "pod", "-n", system, &leader, "--wait=false"]);
     let mut next = String::new();
     wait_for(Duration::from_secs(15), || {
@@ -579,29 +637,21 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     }
 
     // The chart's RBAC sufficed: no operator pod ever got a Forbidden from the API server.
-    let pods_dir = std::path::PathBuf::from(
-        std::env::var_os("KEYSHIFT_TESTENV_DIR").expect("KEYSHIFT_TESTENV_DIR is set"),
-    )
-    .join("kubelet/pods");
-    let mut logs = 0;
-    for entry in std::fs::read_dir(&pods_dir).expect("kubelet pod dirs") {
-        let dir = entry.expect("entry").path();
-        let name = dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default()
-            .to_owned();
-        if !name.starts_with(&format!("{system}_{release}-keyshift-")) {
-            continue;
-        }
-        let log = std::fs::read_to_string(dir.join("operator.log")).unwrap_or_default();
-        logs += 1;
+    logs.extend(operator_logs(system, release));
+    let mut read = std::collections::BTreeSet::new();
+    for (pod, log) in &logs {
         assert!(
             !log.contains("Forbidden") && !log.contains("forbidden"),
-            "operator pod {name} was refused by the API server:\n{log}"
+            "operator pod {pod} was refused by the API server:\n{log}"
         );
+        if !log.is_empty() {
+            read.insert(pod.clone());
+        }
     }
-    assert!(logs >= 2, "read the logs of both operator replicas");
+    assert!(
+        read.len() >= 2,
+        "read the logs of both operator replicas: {read:?}"
+    );
 
     // The operator removes its finalizer; then the release goes.
     kubectl_ok(&[
@@ -620,5 +670,4 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
         "--wait",
         "--timeout=120s",
     ]);
-    let _ = std::fs::remove_dir_all(&dir);
 }

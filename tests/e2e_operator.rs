@@ -1,8 +1,10 @@
-//! End to end: `keyshift operator` (a host process started by the test) against the test control
-//! plane (`hack/testenv.sh`) and the process kubelet, driven with kubectl as a user would. Worker
-//! pods run on this host, so `file://` snapshot storage is shared by operator and workers.
-//! Run: `eval "$(hack/testenv.sh up)"` (with KEYSHIFT_KUBELET set) then
-//! `cargo test --test e2e_operator -- --ignored`.
+//! End to end: `keyshift operator` (a host process started by the test) against the test cluster
+//! (`hack/testenv.sh`: a real control plane and a real kubelet on containerd running the keyshift
+//! image), driven with kubectl as a user would. Every namespace enforces Pod Security
+//! `restricted`; workers keep their state on the S3 test server (`hack/s3-server.sh`), which they
+//! reach through a relay on the host side of the test network, with credentials from a Secret.
+//! Run by `hack/test.sh`; by hand: `eval "$(hack/s3-server.sh start)"`, `eval "$(hack/testenv.sh
+//! up)"`, then `cargo test --test e2e_operator -- --ignored`.
 
 mod support;
 
@@ -38,6 +40,8 @@ fn scratch_dir() -> std::path::PathBuf {
 struct Operator {
     child: Child,
     log: std::path::PathBuf,
+    /// Its default storage: a prefix of its own on the S3 test server.
+    storage: String,
 }
 
 impl Operator {
@@ -57,9 +61,18 @@ impl Operator {
         )
     }
 
-    /// Starts the operator with extra (test-only) environment variables.
+    /// Starts the operator with extra (test-only) environment variables. Its log goes next to
+    /// `storage_dir`, whose name also names its storage prefix on S3; the namespace gets the S3
+    /// credentials Secret the test jobs name.
     fn start_envs(ns: &str, storage_dir: &std::path::Path, envs: &[(&str, &str)]) -> Operator {
-        let storage = format!("file://{}", storage_dir.display());
+        let tag = storage_dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .expect("a named storage dir");
+        let storage = s3_storage(tag);
+        if !kubectl(&["get", "secret", S3_SECRET, "-n", ns]).ok {
+            s3_secret(ns);
+        }
         let log = storage_dir.with_extension("operator.log");
         let out = std::fs::OpenOptions::new()
             .create(true)
@@ -75,6 +88,8 @@ impl Operator {
                 ns,
                 "--default-storage",
                 &storage,
+                "--worker-image",
+                &image(),
                 "--metrics-addr",
                 "127.0.0.1:0",
                 // A host process for one test namespace: no Lease (a restarted operator would
@@ -88,7 +103,11 @@ impl Operator {
             .stderr(out)
             .spawn()
             .expect("keyshift operator starts");
-        Operator { child, log }
+        Operator {
+            child,
+            log,
+            storage,
+        }
     }
 
     /// Waits until the process exits on its own; its exit code.
@@ -144,6 +163,10 @@ spec:
     aggregation: {{function: count}}
   state:
     checkpointInterval: 2s
+    credentialsSecret: {S3_SECRET}
+  # The test node has 2 CPUs for up to 200 workers at once: requests far below the default.
+  resources:
+    requests: {{cpu: 5m, memory: 32Mi}}
 "
     )
 }
@@ -183,7 +206,7 @@ fn diagnostics(ns: &str, name: &str, log: &std::path::Path) -> String {
         .take(40)
         .collect::<Vec<_>>()
         .join("\n");
-    // The test kubelet's lines about this namespace's pods (testenv keeps its log).
+    // The kubelet's lines about this namespace's pods (testenv keeps its log).
     let kubelet: String = std::env::var_os("KEYSHIFT_TESTENV_DIR")
         .map(|d| std::path::PathBuf::from(d).join("logs/kubelet.log"))
         .and_then(|p| std::fs::read_to_string(p).ok())
@@ -391,25 +414,13 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);
 
-    // Resume from the suspend savepoint, then kill a worker process: the job restarts from its
+    // Resume from the suspend savepoint, then kill a worker container: the job restarts from its
     // last checkpoint and comes back Ready at the same parallelism.
     set_suspend(ns, name, false, &log);
     assert_eq!(get(ns, name, "{.status.replicas}"), "3");
     let before = worker_pods(ns, name);
     let victim = &before[1];
-    let id = jsonpath(
-        ns,
-        &format!("pod/{victim}"),
-        "{.status.containerStatuses[0].containerID}",
-    );
-    let pid: i32 = id
-        .strip_prefix("process://")
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("container id names the process: {id:?}"));
-    // SAFETY: kill(2) on a worker process this test's environment started.
-    unsafe {
-        libc::kill(pid, libc::SIGKILL);
-    }
+    kill_container(ns, victim);
     wait_for(Duration::from_secs(60), || {
         let now = worker_pods(ns, name);
         now.len() == 3 && now.iter().all(|p| !before.contains(p))
@@ -433,11 +444,12 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
     assert!(worker_pods(ns, name).is_empty());
     let url = get(ns, name, "{.status.lastSavepoint.path}");
     assert!(url.is_empty(), "the job is gone");
-    let savepoints = dir.join(ns).join(name).join("savepoints");
-    let kept = std::fs::read_dir(&savepoints)
-        .map(|d| d.count())
-        .unwrap_or_default();
-    assert!(kept >= 4, "savepoints kept in {}", savepoints.display());
+    let savepoints = format!("{}/{ns}/{name}/savepoints", op.storage);
+    let kept = list_objects(&savepoints)
+        .iter()
+        .filter(|o| o.ends_with("/_manifest.json"))
+        .count();
+    assert!(kept >= 4, "savepoints kept in {savepoints}");
     op.kill();
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -504,8 +516,9 @@ fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-fn file_path(url: &str) -> std::path::PathBuf {
-    std::path::PathBuf::from(url.strip_prefix("file://").expect("file:// storage"))
+/// Whether the snapshot at `url` is committed (its manifest exists in storage).
+fn committed(url: &str) -> bool {
+    list_objects(url).iter().any(|o| o == "_manifest.json")
 }
 
 #[test]
@@ -544,10 +557,7 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
         let url = get(ns, name, "{.status.lastSavepoint.path}");
         assert_ne!(url, before, "a new savepoint for nonce {nonce}");
         assert!(url.contains("/savepoints/sp-"), "{url}");
-        assert!(
-            file_path(&url).join("_manifest.json").exists(),
-            "{url} committed in storage"
-        );
+        assert!(committed(&url), "{url} committed in storage");
         wait_ready(ns, name, &log);
         assert_eq!(get(ns, name, "{.status.phase}"), "Running");
         assert_eq!(worker_pods(ns, name), pods, "the workers kept running");
@@ -560,7 +570,7 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
     let from = get(ns, name, "{.status.lastSavepoint.path}");
     let (_, from_positions) = snapshot_values(&from);
     delete_job(ns, name, &log);
-    assert!(file_path(&from).join("_manifest.json").exists());
+    assert!(committed(&from));
 
     let second = "second";
     let yaml = format!("{}  restoreFrom: {from}\n", job_yaml(second, 3));
@@ -603,6 +613,8 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
 }
 
 fn upgrade(ns: &str, name: &str, mode: &str, image: &str, log: &std::path::Path) {
+    // A new image release, as a registry would serve it: the test image under a new name.
+    tag_image(image);
     let t = Instant::now();
     let before = worker_pods(ns, name);
     kubectl_ok(&[
@@ -898,38 +910,6 @@ fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
     delete_job(ns, name, &log);
 }
 
-/// A TCP relay on the host side of the test network's veth pair (10.<KEYSHIFT_SUBNET>.0.1,
-/// reachable from pods) to `target` on the host's loopback; runs until the test process ends.
-fn relay_to(target: &str) -> std::net::SocketAddr {
-    use std::net::{TcpListener, TcpStream};
-    let subnet: u8 = std::env::var("KEYSHIFT_SUBNET")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(213);
-    let listener = TcpListener::bind((std::net::Ipv4Addr::new(10, subnet, 0, 1), 0))
-        .expect("relay binds on the host side of the veth pair");
-    let addr = listener.local_addr().expect("relay address");
-    let target = target.to_owned();
-    std::thread::spawn(move || {
-        for conn in listener.incoming().map_while(Result::ok) {
-            let Ok(upstream) = TcpStream::connect(&target) else {
-                continue;
-            };
-            let pipe = |mut from: TcpStream, mut to: TcpStream| {
-                std::thread::spawn(move || {
-                    let _ = std::io::copy(&mut from, &mut to);
-                    let _ = to.shutdown(std::net::Shutdown::Write);
-                });
-            };
-            if let (Ok(a), Ok(b)) = (conn.try_clone(), upstream.try_clone()) {
-                pipe(a, upstream);
-                pipe(b, conn);
-            }
-        }
-    });
-    addr
-}
-
 /// A test server process paused (SIGSTOP) until dropped (SIGCONT): a server that accepts
 /// nothing and answers nothing for a while, rather than one that refuses connections.
 struct Paused(i32);
@@ -977,50 +957,25 @@ impl Drop for Paused {
     }
 }
 
-/// The operator and its workers on S3 (credentials from a Secret), through an object-store
-/// outage: the S3 server stops answering for 15 s while checkpoints are due; the job keeps
+/// The operator and its workers on S3 (storage in the spec, credentials from a Secret), through
+/// an object-store outage: the S3 server stops answering for 15 s while checkpoints are due; the job keeps
 /// running, checkpoints resume, a rescale through an S3 savepoint and a suspend follow, and the
 /// final savepoint on S3 equals the oracle.
 #[test]
 #[ignore = "needs the test control plane and the S3 test server (hack/test.sh starts both)"]
 fn on_s3_a_storage_outage_is_retried_and_loses_nothing() {
     let _plane = shared_plane();
-    let s3 = std::env::var("KEYSHIFT_TEST_S3_URL").expect("KEYSHIFT_TEST_S3_URL (hack/test.sh)");
     let (ns, _dir, op) = setup("e2e-op-s3", "s3");
     let ns = &ns.0;
-    // Worker pods live in the test network namespace, where the host's loopback S3 server is
-    // out of reach: they use a relay on the host side of the veth pair.
-    let endpoint = std::env::var("AWS_ENDPOINT").expect("AWS_ENDPOINT (hack/test.sh)");
-    let relay = relay_to(endpoint.trim_start_matches("http://"));
-    let mut secret = vec!["create", "secret", "generic", "s3creds", "-n", ns];
-    let relay_literal = format!("--from-literal=AWS_ENDPOINT=http://{relay}");
-    secret.push(&relay_literal);
-    let literals: Vec<String> = [
-        "AWS_ALLOW_HTTP",
-        "AWS_ACCESS_KEY_ID",
-        "AWS_SECRET_ACCESS_KEY",
-        "AWS_REGION",
-    ]
-    .iter()
-    .map(|k| {
-        format!(
-            "--from-literal={k}={}",
-            std::env::var(k).unwrap_or_default()
-        )
-    })
-    .collect();
-    secret.extend(literals.iter().map(String::as_str));
-    kubectl_ok(&secret);
     let log = op.log.clone();
     let name = "clicks";
-    let storage = format!("{s3}/e2e-op-s3-{}", std::process::id());
+    // Storage named in the spec (not the operator's default), with the credentials Secret.
+    let storage = format!("{}-spec", op.storage);
     let yaml = job_yaml(name, 4).replace(
         "  state:\n    checkpointInterval: 2s\n",
-        &format!(
-            "  state:\n    checkpointInterval: 2s\n    storage: {storage}\n    credentialsSecret: s3creds\n"
-        ),
+        &format!("  state:\n    checkpointInterval: 2s\n    storage: {storage}\n"),
     );
-    assert!(yaml.contains("credentialsSecret"), "{yaml}");
+    assert!(yaml.contains(&storage), "{yaml}");
     let r = apply(ns, &yaml);
     assert!(r.ok, "{}", r.stderr);
     wait_ready(ns, name, &log);

@@ -5,8 +5,11 @@
 //! * registers a Ready Node, renews its Lease and heartbeats its Ready condition;
 //! * binds unscheduled pods to itself through the Binding subresource (no scheduler runs);
 //! * runs each container of a bound pod as a process: an image whose repository ends in
-//!   `keyshift` runs the locally built `keyshift` binary; other images are refused with a
-//!   waiting reason `ErrImagePull` and a message that says why;
+//!   `keyshift` runs the locally built `keyshift` binary as the image's ENTRYPOINT
+//!   (`/keyshift`) with the container's `args`; a `command` other than `/keyshift` is refused
+//!   as containerd + runc refuse it in the `scratch` image (terminated, reason `StartError`,
+//!   exit code 128: `keyshift` alone is "executable file not found in $PATH"); other images are
+//!   refused with a waiting reason `ErrImagePull` and a message that says why;
 //! * gives every pod its own address (added to the node's interface inside the test's network
 //!   namespace), resolves env (literal values, fieldRef, secretKeyRef, configMapKeyRef,
 //!   envFrom), and hands pods with a ServiceAccount a kubeconfig holding that account's token
@@ -780,37 +783,70 @@ fn image_repository(image: &str) -> &str {
     }
 }
 
-/// The program and arguments a container runs, or why it cannot run here.
+/// Where the keyshift image holds its binary, run as its ENTRYPOINT: the only executable in
+/// the image (a `scratch` image with no shell and no `PATH` entry for it).
+const IMAGE_ENTRYPOINT: &str = "/keyshift";
+
+/// Why a container cannot run here, in the words a real node uses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Refusal {
+    /// The container status reason: `ErrImagePull` (waiting) or `StartError` (terminated with
+    /// exit code 128, as containerd reports a process runc could not exec).
+    reason: &'static str,
+    message: String,
+}
+
+/// The program and arguments a container runs, or why it cannot run here. Like a real node
+/// running the keyshift image: no `command` runs the image's ENTRYPOINT (`/keyshift`) with
+/// `args`; a `command` must name that file by its absolute path, as the image has no shell and
+/// nothing on `PATH` (`keyshift` alone is refused as containerd + runc refuse it).
 fn container_argv(
     c: &Container,
     keyshift_bin: &Path,
     env: &[(String, String)],
-) -> Result<Vec<String>, String> {
+) -> Result<Vec<String>, Refusal> {
     let image = c.image.as_deref().unwrap_or("");
     if !image_repository(image).ends_with("keyshift") {
-        return Err(format!(
-            "keyshift-kubelet runs only images whose repository ends in \"keyshift\" (the locally built binary); image {image:?} cannot run here"
-        ));
+        return Err(Refusal {
+            reason: "ErrImagePull",
+            message: format!(
+                "keyshift-kubelet runs only images whose repository ends in \"keyshift\" (the locally built binary); image {image:?} cannot run here"
+            ),
+        });
     }
     let mut argv = vec![keyshift_bin.display().to_string()];
-    let command = c.command.clone().unwrap_or_default();
-    match command.split_first() {
-        None => {}
-        Some((first, rest)) => {
-            if Path::new(first)
-                .file_name()
-                .is_some_and(|n| n == "keyshift")
-            {
-                argv.extend(rest.iter().map(|a| expand_vars(a, env)));
+    let command: Vec<String> = c
+        .command
+        .iter()
+        .flatten()
+        .map(|a| expand_vars(a, env))
+        .collect();
+    if let Some((first, rest)) = command.split_first() {
+        if first != IMAGE_ENTRYPOINT {
+            // runc looks a name without a slash up on PATH, and execs anything else as a path.
+            let cause = if first.contains('/') {
+                format!("exec: {first:?}: stat {first}: no such file or directory")
             } else {
-                return Err(format!(
-                    "keyshift-kubelet runs the keyshift binary only; command {first:?} is not available in image {image:?}"
-                ));
-            }
+                format!("exec: {first:?}: executable file not found in $PATH")
+            };
+            return Err(Refusal {
+                reason: "StartError",
+                message: format!(
+                    "failed to create containerd task: failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: error during container init: {cause}: unknown (image {image:?} holds only {IMAGE_ENTRYPOINT})"
+                ),
+            });
         }
+        argv.extend(rest.iter().cloned());
     }
     argv.extend(c.args.iter().flatten().map(|a| expand_vars(a, env)));
     Ok(argv)
+}
+
+fn waiting_state(waiting: ContainerStateWaiting) -> ContainerState {
+    ContainerState {
+        waiting: Some(waiting),
+        ..Default::default()
+    }
 }
 
 fn kill_group(pid: u32, signal: libc::c_int) {
@@ -971,28 +1007,75 @@ async fn supervise(
         }
         match container_argv(c, &k.keyshift_bin, &env) {
             Ok(argv) => argvs.push(argv),
-            Err(message) => {
+            Err(refusal) => {
+                let message = &refusal.message;
                 tracing::warn!(pod = %name, namespace = %ns, %message, "refusing container");
+                // A container runc could not exec has terminated with 128 (and the pod failed,
+                // under restartPolicy Never); an image that cannot be pulled keeps the pod
+                // Pending. Either way nothing here would ever change, so nothing is retried.
+                let start_error = refusal.reason == "StartError";
+                let terminated = ContainerStateTerminated {
+                    exit_code: 128,
+                    reason: Some(refusal.reason.into()),
+                    message: Some(refusal.message.clone()),
+                    started_at: Some(now()),
+                    finished_at: Some(now()),
+                    ..Default::default()
+                };
+                let failed = start_error && restart_policy == "Never";
                 let statuses = containers
                     .iter()
-                    .map(|c| ContainerStatus {
-                        name: c.name.clone(),
-                        image: c.image.clone().unwrap_or_default(),
-                        image_id: String::new(),
-                        ready: false,
-                        restart_count: 0,
-                        state: Some(ContainerState {
-                            waiting: Some(ContainerStateWaiting {
-                                reason: Some("ErrImagePull".into()),
-                                message: Some(message.clone()),
-                            }),
+                    .map(|other| {
+                        let (state, last_state) = if other.name != c.name {
+                            let waiting = ContainerStateWaiting {
+                                reason: Some("ContainerCreating".into()),
+                                message: None,
+                            };
+                            (waiting_state(waiting), None)
+                        } else if failed {
+                            let state = ContainerState {
+                                terminated: Some(terminated.clone()),
+                                ..Default::default()
+                            };
+                            (state, None)
+                        } else if start_error {
+                            let waiting = ContainerStateWaiting {
+                                reason: Some("CrashLoopBackOff".into()),
+                                message: Some(format!(
+                                    "back-off restarting failed container {}",
+                                    c.name
+                                )),
+                            };
+                            let last = ContainerState {
+                                terminated: Some(terminated.clone()),
+                                ..Default::default()
+                            };
+                            (waiting_state(waiting), Some(last))
+                        } else {
+                            let waiting = ContainerStateWaiting {
+                                reason: Some(refusal.reason.into()),
+                                message: Some(refusal.message.clone()),
+                            };
+                            (waiting_state(waiting), None)
+                        };
+                        ContainerStatus {
+                            name: other.name.clone(),
+                            image: other.image.clone().unwrap_or_default(),
+                            image_id: String::new(),
+                            ready: false,
+                            restart_count: 0,
+                            state: Some(state),
+                            last_state,
                             ..Default::default()
-                        }),
-                        ..Default::default()
+                        }
                     })
                     .collect();
-                k.patch_pod_status(&ns, &name, &base_status("Pending", statuses, false))
+                let phase = if failed { "Failed" } else { "Pending" };
+                k.patch_pod_status(&ns, &name, &base_status(phase, statuses, false))
                     .await;
+                if failed {
+                    return Ok(());
+                }
                 // Wait until the pod is deleted.
                 let _ = stop.changed().await;
                 return Ok(());
@@ -1210,6 +1293,75 @@ mod tests {
         assert_eq!(
             default_pod_ip_start(Ipv4Addr::new(10, 214, 0, 2)),
             Ipv4Addr::new(10, 214, 1, 1)
+        );
+    }
+
+    fn container(image: &str, command: Option<&[&str]>, args: &[&str]) -> Container {
+        let strings = |v: &[&str]| v.iter().map(|s| (*s).to_owned()).collect::<Vec<_>>();
+        Container {
+            name: "main".into(),
+            image: Some(image.into()),
+            command: command.map(strings),
+            args: Some(strings(args)),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn commands_run_as_a_real_node_runs_the_keyshift_image() {
+        let bin = Path::new("/build/keyshift");
+        let env = vec![("POD_IP".to_owned(), "10.213.1.1".to_owned())];
+        // No command: the image's ENTRYPOINT runs with the args (what the operator's pods do).
+        let c = container(
+            "ghcr.io/keyshift/keyshift:0.1.0",
+            None,
+            &["worker", "--control-addr", "$(POD_IP):9090"],
+        );
+        assert_eq!(
+            container_argv(&c, bin, &env).unwrap(),
+            [
+                "/build/keyshift",
+                "worker",
+                "--control-addr",
+                "10.213.1.1:9090"
+            ]
+        );
+        // The entrypoint by its absolute path.
+        let c = container("keyshift:dev", Some(&["/keyshift", "--version"]), &[]);
+        assert_eq!(
+            container_argv(&c, bin, &env).unwrap(),
+            ["/build/keyshift", "--version"]
+        );
+        // A bare name: the scratch image has nothing on PATH, so runc cannot find it.
+        let c = container("keyshift:dev", Some(&["keyshift"]), &["worker"]);
+        let refusal = container_argv(&c, bin, &env).unwrap_err();
+        assert_eq!(refusal.reason, "StartError");
+        assert!(
+            refusal
+                .message
+                .contains(r#"exec: "keyshift": executable file not found in $PATH"#),
+            "{}",
+            refusal.message
+        );
+        // Any other path does not exist in the image.
+        let c = container("keyshift:dev", Some(&["/usr/bin/keyshift"]), &[]);
+        let refusal = container_argv(&c, bin, &env).unwrap_err();
+        assert_eq!(refusal.reason, "StartError");
+        assert!(
+            refusal.message.contains(
+                r#"exec: "/usr/bin/keyshift": stat /usr/bin/keyshift: no such file or directory"#
+            ),
+            "{}",
+            refusal.message
+        );
+        // Other images cannot be pulled here at all.
+        let c = container("busybox:1.36", Some(&["/keyshift"]), &[]);
+        let refusal = container_argv(&c, bin, &env).unwrap_err();
+        assert_eq!(refusal.reason, "ErrImagePull");
+        assert!(
+            refusal.message.contains("busybox:1.36"),
+            "{}",
+            refusal.message
         );
     }
 

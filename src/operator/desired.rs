@@ -4,9 +4,12 @@
 use crate::crd::StreamJob;
 use crate::keygroup::Assignment;
 use k8s_openapi::api::core::v1::{
-    Container, ContainerPort, EnvFromSource, EnvVar, EnvVarSource, HTTPGetAction, Pod, PodSpec,
-    Probe, Secret, SecretEnvSource, SecretKeySelector,
+    Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar,
+    EnvVarSource, HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe, ResourceRequirements,
+    SeccompProfile, Secret, SecretEnvSource, SecretKeySelector, SecurityContext, Volume,
+    VolumeMount,
 };
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
@@ -29,6 +32,24 @@ pub const ANNOTATION_KEY_GROUPS: &str = "keyshift.dev/key-groups";
 pub const TOKEN_KEY: &str = "token";
 pub const CONTROL_PORT: u16 = 9090;
 pub const DATA_PORT: u16 = 9091;
+/// The worker container's pod-IP variable (its listen addresses are built from it).
+pub const ENV_POD_IP: &str = "POD_IP";
+/// The worker container's control-token variable.
+pub const ENV_TOKEN: &str = "KEYSHIFT_TOKEN";
+/// The worker container's subtask-index variable.
+pub const ENV_SUBTASK: &str = "KEYSHIFT_SUBTASK";
+/// Every environment variable the operator sets on the worker container: refused in
+/// spec.podTemplate.env.
+pub const RESERVED_ENV: &[&str] = &[ENV_POD_IP, ENV_TOKEN, ENV_SUBTASK];
+/// The emptyDir volume that gives the worker a writable /tmp on its read-only root filesystem:
+/// its name is refused in spec.podTemplate.volumes, its path in spec.podTemplate.volumeMounts.
+pub const SCRATCH_VOLUME: &str = "tmp";
+pub const SCRATCH_PATH: &str = "/tmp";
+/// The non-root UID and GID the workers run as (the image's user, 65532 as in distroless).
+pub const WORKER_UID: i64 = 65532;
+/// Resource requests of a worker container when spec.resources is unset (no limits).
+pub const DEFAULT_CPU_REQUEST: &str = "100m";
+pub const DEFAULT_MEMORY_REQUEST: &str = "128Mi";
 
 /// Problems building the desired objects (a StreamJob without name or namespace).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -120,7 +141,7 @@ pub fn pod(
         annotations.insert(ANNOTATION_KEY_GROUPS.to_owned(), range.to_string());
     }
     let mut env = vec![EnvVar {
-        name: "POD_IP".into(),
+        name: ENV_POD_IP.into(),
         value_from: Some(EnvVarSource {
             field_ref: Some(k8s_openapi::api::core::v1::ObjectFieldSelector {
                 field_path: "status.podIP".into(),
@@ -131,7 +152,7 @@ pub fn pod(
         ..Default::default()
     }];
     env.push(EnvVar {
-        name: "KEYSHIFT_TOKEN".into(),
+        name: ENV_TOKEN.into(),
         value_from: Some(EnvVarSource {
             secret_key_ref: Some(SecretKeySelector {
                 name: secret_name(&name),
@@ -143,10 +164,13 @@ pub fn pod(
         ..Default::default()
     });
     env.push(EnvVar {
-        name: "KEYSHIFT_SUBTASK".into(),
+        name: ENV_SUBTASK.into(),
         value: Some(subtask.to_string()),
         ..Default::default()
     });
+    // The user's extra variables come after the operator's (validation refuses reserved
+    // names), so their values may reference $(POD_IP).
+    env.extend(overrides.env.iter().cloned());
     let env_from = spec.state.credentials_secret.as_ref().map(|s| {
         vec![EnvFromSource {
             secret_ref: Some(SecretEnvSource {
@@ -156,10 +180,23 @@ pub fn pod(
             ..Default::default()
         }]
     });
+    let mut volume_mounts = vec![VolumeMount {
+        name: SCRATCH_VOLUME.into(),
+        mount_path: SCRATCH_PATH.into(),
+        ..Default::default()
+    }];
+    volume_mounts.extend(overrides.volume_mounts.iter().cloned());
+    let mut volumes = vec![Volume {
+        name: SCRATCH_VOLUME.into(),
+        empty_dir: Some(EmptyDirVolumeSource::default()),
+        ..Default::default()
+    }];
+    volumes.extend(overrides.volumes.iter().cloned());
     let container = Container {
         name: "worker".into(),
         image: Some(spec.image.clone().unwrap_or_else(|| image.to_owned())),
-        command: Some(vec!["keyshift".into()]),
+        // No command: the image's ENTRYPOINT (`/keyshift` in ours, and in any image built
+        // `FROM` it) runs with these arguments.
         args: Some(vec![
             "worker".into(),
             "--control-addr".into(),
@@ -192,7 +229,9 @@ pub fn pod(
             period_seconds: Some(2),
             ..Default::default()
         }),
-        resources: spec.resources.clone(),
+        resources: Some(spec.resources.clone().unwrap_or_else(default_resources)),
+        security_context: Some(container_security_context()),
+        volume_mounts: Some(volume_mounts),
         ..Default::default()
     };
     Ok(Pod {
@@ -214,10 +253,67 @@ pub fn pod(
                 .then_some(overrides.node_selector.clone()),
             service_account_name: overrides.service_account_name.clone(),
             automount_service_account_token: Some(false),
+            security_context: Some(pod_security_context()),
+            volumes: Some(volumes),
+            tolerations: non_empty(&overrides.tolerations),
+            affinity: overrides.affinity.clone(),
+            topology_spread_constraints: non_empty(&overrides.topology_spread_constraints),
+            priority_class_name: overrides.priority_class_name.clone(),
+            image_pull_secrets: non_empty(&overrides.image_pull_secrets),
             ..Default::default()
         }),
         status: None,
     })
+}
+
+fn non_empty<T: Clone>(items: &[T]) -> Option<Vec<T>> {
+    (!items.is_empty()).then(|| items.to_vec())
+}
+
+/// Requests when spec.resources is unset: [`DEFAULT_CPU_REQUEST`], [`DEFAULT_MEMORY_REQUEST`],
+/// no limits.
+pub fn default_resources() -> ResourceRequirements {
+    ResourceRequirements {
+        requests: Some(BTreeMap::from([
+            ("cpu".to_owned(), Quantity(DEFAULT_CPU_REQUEST.to_owned())),
+            (
+                "memory".to_owned(),
+                Quantity(DEFAULT_MEMORY_REQUEST.to_owned()),
+            ),
+        ])),
+        ..Default::default()
+    }
+}
+
+/// The pod half of Pod Security `restricted`: a non-root UID/GID (also owning the volumes that
+/// support ownership, through fsGroup) and the runtime's default seccomp profile.
+fn pod_security_context() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(WORKER_UID),
+        run_as_group: Some(WORKER_UID),
+        fs_group: Some(WORKER_UID),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The container half: no privilege escalation, no capabilities, a read-only root filesystem
+/// (scratch space is the emptyDir at /tmp).
+fn container_security_context() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Default::default()
+        }),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]
@@ -303,6 +399,212 @@ mod tests {
             .unwrap();
         assert_eq!(probe.path.as_deref(), Some("/v1/readyz"));
         assert_eq!(c.ports.as_ref().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn worker_runs_the_image_entrypoint_under_restricted_pod_security() {
+        let j = job();
+        let a = Assignment::new(4, 128).unwrap();
+        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let spec = p.spec.unwrap();
+        let c = &spec.containers[0];
+        // The image's ENTRYPOINT (/keyshift) runs: a bare `keyshift` is not on any PATH of a
+        // scratch image.
+        assert_eq!(c.command, None);
+        assert_eq!(
+            c.args.as_deref().unwrap(),
+            [
+                "worker",
+                "--control-addr",
+                "$(POD_IP):9090",
+                "--data-addr",
+                "$(POD_IP):9091"
+            ]
+        );
+        let psc = spec.security_context.as_ref().unwrap();
+        assert_eq!(psc.run_as_non_root, Some(true));
+        assert_eq!(psc.run_as_user, Some(65532));
+        assert_eq!(psc.run_as_group, Some(65532));
+        assert_eq!(psc.fs_group, Some(65532));
+        assert_eq!(
+            psc.seccomp_profile.as_ref().unwrap().type_,
+            "RuntimeDefault"
+        );
+        let csc = c.security_context.as_ref().unwrap();
+        assert_eq!(csc.allow_privilege_escalation, Some(false));
+        assert_eq!(
+            csc.capabilities.as_ref().unwrap().drop.as_deref(),
+            Some(&["ALL".to_owned()][..])
+        );
+        assert_eq!(csc.read_only_root_filesystem, Some(true));
+        assert_eq!(csc.run_as_non_root, Some(true));
+        assert_eq!(csc.privileged, None);
+        assert_eq!(spec.automount_service_account_token, Some(false));
+        // Scratch space on the read-only root filesystem: an emptyDir at /tmp.
+        let volumes = spec.volumes.as_ref().unwrap();
+        assert_eq!(volumes.len(), 1);
+        assert_eq!(volumes[0].name, "tmp");
+        assert!(volumes[0].empty_dir.is_some());
+        let mounts = c.volume_mounts.as_ref().unwrap();
+        assert_eq!(mounts.len(), 1);
+        assert_eq!(
+            (mounts[0].name.as_str(), mounts[0].mount_path.as_str()),
+            ("tmp", "/tmp")
+        );
+        // Default requests, no limits.
+        let resources = c.resources.as_ref().unwrap();
+        let requests = resources.requests.as_ref().unwrap();
+        assert_eq!(requests["cpu"].0, "100m");
+        assert_eq!(requests["memory"].0, "128Mi");
+        assert_eq!(resources.limits, None);
+        // Only the operator's variables, each of them reserved.
+        let names: Vec<&str> = c.env.iter().flatten().map(|e| e.name.as_str()).collect();
+        assert_eq!(names, ["POD_IP", "KEYSHIFT_TOKEN", "KEYSHIFT_SUBTASK"]);
+        assert!(names.iter().all(|n| RESERVED_ENV.contains(n)));
+        for unset in [
+            spec.tolerations.is_some(),
+            spec.affinity.is_some(),
+            spec.topology_spread_constraints.is_some(),
+            spec.priority_class_name.is_some(),
+            spec.image_pull_secrets.is_some(),
+        ] {
+            assert!(!unset);
+        }
+    }
+
+    #[test]
+    fn resources_when_set_replace_the_default_requests() {
+        let mut j = job();
+        j.spec.resources =
+            Some(serde_yaml::from_str("{requests: {cpu: '2'}, limits: {memory: 1Gi}}").unwrap());
+        let a = Assignment::new(4, 128).unwrap();
+        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let r = p.spec.unwrap().containers[0].resources.clone().unwrap();
+        assert_eq!(r.requests.unwrap()["cpu"].0, "2");
+        assert_eq!(r.limits.unwrap()["memory"].0, "1Gi");
+        // `resources: {}` asks for none.
+        j.spec.resources = Some(Default::default());
+        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let r = p.spec.unwrap().containers[0].resources.clone().unwrap();
+        assert_eq!((r.requests, r.limits), (None, None));
+    }
+
+    #[test]
+    fn pod_template_fields_land_in_the_pod() {
+        let mut j = job();
+        j.spec.pod_template = Some(
+            serde_yaml::from_str(
+                "labels: {team: a}
+volumes:
+- name: ca
+  configMap: {name: corp-ca}
+- name: data
+  persistentVolumeClaim: {claimName: in}
+volumeMounts:
+- {name: ca, mountPath: /etc/corp-ca, readOnly: true}
+- {name: data, mountPath: /data}
+env:
+- {name: SSL_CERT_FILE, value: /etc/corp-ca/ca.crt}
+- {name: KEYSHIFT_ENCODE_THREADS, value: '2'}
+tolerations:
+- {key: dedicated, operator: Equal, value: streaming, effect: NoSchedule}
+affinity:
+  nodeAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {key: disk, operator: In, values: [ssd]}
+topologySpreadConstraints:
+- maxSkew: 1
+  topologyKey: topology.kubernetes.io/zone
+  whenUnsatisfiable: ScheduleAnyway
+  labelSelector: {matchLabels: {keyshift.dev/job: clicks}}
+priorityClassName: streaming-high
+imagePullSecrets:
+- name: registry-creds
+",
+            )
+            .unwrap(),
+        );
+        let a = Assignment::new(4, 128).unwrap();
+        let p = pod(&j, "r1", 1, a, "keyshift:dev").unwrap();
+        let spec = p.spec.unwrap();
+        let volumes: Vec<&str> = spec
+            .volumes
+            .iter()
+            .flatten()
+            .map(|v| v.name.as_str())
+            .collect();
+        assert_eq!(volumes, ["tmp", "ca", "data"]);
+        let vols = spec.volumes.as_ref().unwrap();
+        assert_eq!(vols[1].config_map.as_ref().unwrap().name, "corp-ca");
+        assert_eq!(
+            vols[2].persistent_volume_claim.as_ref().unwrap().claim_name,
+            "in"
+        );
+        let c = &spec.containers[0];
+        let mounts: Vec<(&str, &str, Option<bool>)> = c
+            .volume_mounts
+            .iter()
+            .flatten()
+            .map(|m| (m.name.as_str(), m.mount_path.as_str(), m.read_only))
+            .collect();
+        assert_eq!(
+            mounts,
+            [
+                ("tmp", "/tmp", None),
+                ("ca", "/etc/corp-ca", Some(true)),
+                ("data", "/data", None)
+            ]
+        );
+        let env: Vec<(&str, Option<&str>)> = c
+            .env
+            .iter()
+            .flatten()
+            .map(|e| (e.name.as_str(), e.value.as_deref()))
+            .collect();
+        assert_eq!(
+            env[3..],
+            [
+                ("SSL_CERT_FILE", Some("/etc/corp-ca/ca.crt")),
+                ("KEYSHIFT_ENCODE_THREADS", Some("2"))
+            ]
+        );
+        assert_eq!(
+            env[..3].iter().map(|e| e.0).collect::<Vec<_>>(),
+            RESERVED_ENV
+        );
+        let tolerations = spec.tolerations.as_ref().unwrap();
+        assert_eq!(tolerations[0].key.as_deref(), Some("dedicated"));
+        assert_eq!(tolerations[0].effect.as_deref(), Some("NoSchedule"));
+        let terms = &spec
+            .affinity
+            .as_ref()
+            .unwrap()
+            .node_affinity
+            .as_ref()
+            .unwrap()
+            .required_during_scheduling_ignored_during_execution
+            .as_ref()
+            .unwrap()
+            .node_selector_terms;
+        assert_eq!(terms[0].match_expressions.as_ref().unwrap()[0].key, "disk");
+        let spread = &spec.topology_spread_constraints.as_ref().unwrap()[0];
+        assert_eq!(spread.topology_key, "topology.kubernetes.io/zone");
+        assert_eq!(spread.max_skew, 1);
+        assert_eq!(spec.priority_class_name.as_deref(), Some("streaming-high"));
+        assert_eq!(
+            spec.image_pull_secrets.as_ref().unwrap()[0].name,
+            "registry-creds"
+        );
+        // The restricted securityContext is not given up for any of it.
+        assert_eq!(
+            c.security_context
+                .as_ref()
+                .unwrap()
+                .read_only_root_filesystem,
+            Some(true)
+        );
     }
 
     #[test]

@@ -111,6 +111,15 @@ impl Namespace {
             "--ignore-not-found",
         ]);
         kubectl_ok(&["create", "namespace", name]);
+        // Every test namespace enforces Pod Security `restricted`, as locked-down clusters do:
+        // the API server refuses a pod that does not meet it.
+        kubectl_ok(&[
+            "label",
+            "namespace",
+            name,
+            "pod-security.kubernetes.io/enforce=restricted",
+            "pod-security.kubernetes.io/enforce-version=latest",
+        ]);
         // The ServiceAccount controller creates `default`; pods need it.
         wait_for(Duration::from_secs(60), || {
             kubectl(&["get", "serviceaccount", "default", "-n", name]).ok
@@ -230,6 +239,177 @@ pub fn rewrite_savepoint(sp: &str, groups: u32, target: &str) {
     assert!(
         out.status.success(),
         "rewrite failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// The keyshift image the test node runs (`hack/testenv.sh up` builds and imports it).
+pub fn image() -> String {
+    std::env::var("KEYSHIFT_IMAGE")
+        .ok()
+        .filter(|i| !i.is_empty())
+        .expect("KEYSHIFT_IMAGE (hack/testenv.sh up prints it)")
+}
+
+/// A TCP relay on the host side of the test network's veth pair (10.<KEYSHIFT_SUBNET>.0.1,
+/// which pods reach through the node's bridge) to `target` on the host's loopback; runs until
+/// the test process ends.
+pub fn relay_to(target: &str) -> std::net::SocketAddr {
+    use std::net::{TcpListener, TcpStream};
+    let subnet: u8 = std::env::var("KEYSHIFT_SUBNET")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(213);
+    let listener = TcpListener::bind((std::net::Ipv4Addr::new(10, subnet, 0, 1), 0))
+        .expect("relay binds on the host side of the veth pair");
+    let addr = listener.local_addr().expect("relay address");
+    let target = target.to_owned();
+    std::thread::spawn(move || {
+        for conn in listener.incoming().map_while(Result::ok) {
+            let Ok(upstream) = TcpStream::connect(&target) else {
+                continue;
+            };
+            let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                std::thread::spawn(move || {
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(std::net::Shutdown::Write);
+                });
+            };
+            if let (Ok(a), Ok(b)) = (conn.try_clone(), upstream.try_clone()) {
+                pipe(a, upstream);
+                pipe(b, conn);
+            }
+        }
+    });
+    addr
+}
+
+/// The S3 test server (`hack/s3-server.sh`, on the host's loopback) as pods reach it: through
+/// one relay per test process on the host side of the veth pair.
+pub fn s3_endpoint_for_pods() -> String {
+    static RELAY: std::sync::OnceLock<std::net::SocketAddr> = std::sync::OnceLock::new();
+    let relay = RELAY.get_or_init(|| {
+        let endpoint = std::env::var("AWS_ENDPOINT").expect("AWS_ENDPOINT (hack/s3-server.sh)");
+        relay_to(endpoint.trim_start_matches("http://"))
+    });
+    format!("http://{relay}")
+}
+
+/// Name of the Secret `s3_secret` creates.
+pub const S3_SECRET: &str = "s3creds";
+
+/// Creates Secret `s3creds` in `ns` with the S3 test server's settings as pods reach it
+/// (`AWS_ENDPOINT` through the relay, keys, region), for `spec.state.credentialsSecret` or a
+/// pod's `envFrom`.
+pub fn s3_secret(ns: &str) {
+    let mut args: Vec<String> = ["create", "secret", "generic", S3_SECRET, "-n", ns]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    args.push(format!(
+        "--from-literal=AWS_ENDPOINT={}",
+        s3_endpoint_for_pods()
+    ));
+    for k in [
+        "AWS_ALLOW_HTTP",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_REGION",
+    ] {
+        args.push(format!(
+            "--from-literal={k}={}",
+            std::env::var(k).unwrap_or_default()
+        ));
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    kubectl_ok(&args);
+}
+
+/// A storage URL of its own on the S3 test server for `tag` (unique per test process).
+pub fn s3_storage(tag: &str) -> String {
+    let s3 =
+        std::env::var("KEYSHIFT_TEST_S3_URL").expect("KEYSHIFT_TEST_S3_URL (hack/s3-server.sh)");
+    format!("{s3}/{tag}-{}", std::process::id())
+}
+
+/// The runtime's ID of a pod's first container (`containerd://ID` in its status).
+pub fn container_id(ns: &str, pod: &str) -> String {
+    let id = jsonpath(
+        ns,
+        &format!("pod/{pod}"),
+        "{.status.containerStatuses[0].containerID}",
+    );
+    id.strip_prefix("containerd://")
+        .unwrap_or_else(|| panic!("pod {pod}: a containerd container, got {id:?}"))
+        .to_owned()
+}
+
+/// Kills a pod's container with SIGKILL through the node's containerd, as an OOM kill or a
+/// crash would end it: the kubelet reports it terminated (exit 137).
+pub fn kill_container(ns: &str, pod: &str) {
+    let id = container_id(ns, pod);
+    let ctr = std::env::var("KEYSHIFT_CONTAINERD_BIN").expect("KEYSHIFT_CONTAINERD_BIN (testenv)");
+    let sock =
+        std::env::var("KEYSHIFT_CONTAINERD_SOCK").expect("KEYSHIFT_CONTAINERD_SOCK (testenv)");
+    let out = Command::new(Path::new(&ctr).join("ctr"))
+        .args([
+            "--address",
+            &sock,
+            "-n",
+            "k8s.io",
+            "tasks",
+            "kill",
+            "-s",
+            "SIGKILL",
+            &id,
+        ])
+        .output()
+        .expect("ctr runs");
+    assert!(
+        out.status.success(),
+        "ctr tasks kill {id}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Object names under `url` (any `object_store` URL), relative to it.
+pub fn list_objects(url: &str) -> Vec<String> {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        use futures::TryStreamExt;
+        let (store, prefix) = keyshift::snapshot::open_store(url).expect("object store");
+        let objects: Vec<object_store::ObjectMeta> =
+            store.list(Some(&prefix)).try_collect().await.expect("list");
+        let base = format!("{prefix}/");
+        objects
+            .into_iter()
+            .map(|o| o.location.to_string().trim_start_matches(&base).to_owned())
+            .collect()
+    })
+}
+
+/// Tags the test image under `reference` in the node's containerd, as a registry would serve a
+/// new release of it (the upgrade tests roll out "new" images).
+pub fn tag_image(reference: &str) {
+    let ctr = std::env::var("KEYSHIFT_CONTAINERD_BIN").expect("KEYSHIFT_CONTAINERD_BIN (testenv)");
+    let sock =
+        std::env::var("KEYSHIFT_CONTAINERD_SOCK").expect("KEYSHIFT_CONTAINERD_SOCK (testenv)");
+    let out = Command::new(Path::new(&ctr).join("ctr"))
+        .args([
+            "--address",
+            &sock,
+            "-n",
+            "k8s.io",
+            "images",
+            "tag",
+            "--force",
+        ])
+        .args([image().as_str(), reference])
+        .output()
+        .expect("ctr runs");
+    assert!(
+        out.status.success(),
+        "ctr images tag {reference}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
 }
