@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The operator benchmarks (docs/benchmarks.md, "Operator: ..."): brings up a test control plane
-# of its own (hack/testenv.sh, with the process kubelet), runs `keyshift bench operator jobs`
+# of its own (hack/testenv.sh: control plane and a real node running this checkout's image), runs `keyshift bench operator jobs`
 # and/or `keyshift bench operator rescale` (src/bench_operator.rs) from a release build against
 # it, and tears it down on exit.
 #
@@ -35,11 +35,10 @@ export KEYSHIFT_SUBNET="${KEYSHIFT_SUBNET:-215}"
 export KEYSHIFT_NETNS="${KEYSHIFT_NETNS:-keyshift-bench}"
 export KEYSHIFT_VETH_HOST="${KEYSHIFT_VETH_HOST:-ksbench0}"
 
-step "cargo build --release (keyshift, keyshift-kubelet)"
-cargo build --locked --release --bin keyshift --bin keyshift-kubelet
+step "cargo build --release (keyshift)"
+cargo build --locked --release --bin keyshift
 TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
 BIN="${KEYSHIFT_BENCH_BIN:-$TARGET/release/keyshift}"
-export KEYSHIFT_KUBELET="$TARGET/release/keyshift-kubelet"
 
 export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-bench-env.XXXXXX)}"
 cleanup() {
@@ -55,6 +54,8 @@ trap cleanup EXIT
 
 step "testenv up (subnet 10.$KEYSHIFT_SUBNET.0.0/16, netns $KEYSHIFT_NETNS, state $KEYSHIFT_TESTENV_DIR)"
 testenv_env="$(hack/testenv.sh up)"
+# KUBECONFIG, and KEYSHIFT_IMAGE: the operator starts workers from this checkout's image
+# (with KEYSHIFT_BENCH_BIN, the operator is that build, its workers still this checkout's).
 eval "$testenv_env"
 # kubectl's discovery cache of this control plane only.
 export KUBECACHEDIR="$KEYSHIFT_TESTENV_DIR/kubectl-cache"

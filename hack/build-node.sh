@@ -10,7 +10,7 @@
 # Output (stdout, one per line):
 #   CONTAINERD_BIN=<dir>   containerd, ctr, containerd-shim-runc-v2
 #   RUNC=<file>            runc (cgo + libseccomp)
-#   CNI_BIN=<dir>          bridge, host-local, loopback
+#   CNI_BIN=<dir>          ptp, host-local, loopback
 #   CRICTL=<file>          crictl (tears pod sandboxes down through CRI; inspects containers)
 #   PAUSE_TAR=<file>       a docker-archive tarball of the sandbox image
 #   PAUSE_IMAGE=<ref>      its reference
@@ -81,7 +81,7 @@ runc_ok() {
 }
 cni_ok() {
   local t
-  for t in bridge host-local loopback; do [[ -x "$CNI_BIN/$t" ]] || return 1; done
+  for t in ptp host-local loopback; do [[ -x "$CNI_BIN/$t" ]] || return 1; done
 }
 crictl_ok() { [[ -x "$CRICTL_BIN/crictl" ]] && "$CRICTL_BIN/crictl" --version >/dev/null 2>&1; }
 pause_ok() { [[ -s "$PAUSE_DIR/pause.tar" ]]; }
@@ -150,7 +150,7 @@ build_cni() {
   local start=$SECONDS m=github.com/containernetworking/plugins
   log "building CNI plugins $CNI_VERSION"
   build_module "$CACHE/src/cni-tools-$CNI_VERSION" "$m" "$CNI_VERSION" "$CNI_BIN" \
-    CGO_ENABLED=0 -- "$m/plugins/main/bridge" "$m/plugins/main/loopback" "$m/plugins/ipam/host-local"
+    CGO_ENABLED=0 -- "$m/plugins/main/ptp" "$m/plugins/main/loopback" "$m/plugins/ipam/host-local"
   cni_ok || die "CNI plugins missing after the build"
   log "  done in $((SECONDS - start)) s -> $CNI_BIN"
 }

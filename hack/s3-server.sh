@@ -9,11 +9,13 @@
 # `start` is idempotent: a server already running from this state dir is reused.
 # Settings (env): KEYSHIFT_S3_STATE (state dir, default ${TMPDIR:-/tmp}/keyshift-s3),
 # KEYSHIFT_S3_BUCKET (default keyshift-test; moto needs 3+ characters), KEYSHIFT_S3_PORT
-# (default: a free port).
+# (default: a free port), KEYSHIFT_S3_HOST (address to serve on, default 127.0.0.1; e.g. the host side
+# of the test network, 10.213.0.1, after `hack/testenv.sh up`, so pods reach it too).
 set -euo pipefail
 
 state="${KEYSHIFT_S3_STATE:-${TMPDIR:-/tmp}/keyshift-s3}"
 bucket="${KEYSHIFT_S3_BUCKET:-keyshift-test}"
+host="${KEYSHIFT_S3_HOST:-127.0.0.1}"
 python="${PYTHON:-python3}"
 
 log() { printf 's3-server: %s\n' "$*" >&2; }
@@ -21,7 +23,7 @@ log() { printf 's3-server: %s\n' "$*" >&2; }
 exports() {
   local port="$1"
   cat <<EOF
-export AWS_ENDPOINT=http://127.0.0.1:${port}
+export AWS_ENDPOINT=http://${host}:${port}
 export AWS_ALLOW_HTTP=true
 export AWS_ACCESS_KEY_ID=test
 export AWS_SECRET_ACCESS_KEY=test
@@ -43,7 +45,7 @@ ensure_moto() {
 }
 
 free_port() {
-  "$python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+  "$python" -c 'import socket, sys; s=socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$host"
 }
 
 # HTTP status of a request to the server (no signing: moto accepts unsigned requests).
@@ -72,31 +74,31 @@ start() {
   ensure_moto
   local port="${KEYSHIFT_S3_PORT:-$(free_port)}"
   # setsid: its own session, so the caller's job control or Ctrl-C does not take it down.
-  setsid "$python" -m moto.server -H 127.0.0.1 -p "$port" >"$state/server.log" 2>&1 < /dev/null &
+  setsid "$python" -m moto.server -H "$host" -p "$port" >"$state/server.log" 2>&1 < /dev/null &
   echo $! >"$state/pid"
   echo "$port" >"$state/port"
   local deadline=$((SECONDS + 60))
-  until [[ "$(http GET "http://127.0.0.1:${port}/")" == 200 ]]; do
+  until [[ "$(http GET "http://${host}:${port}/")" == 200 ]]; do
     if ! running; then
       log "moto server exited; log follows"
       cat "$state/server.log" >&2
       exit 1
     fi
     if ((SECONDS > deadline)); then
-      log "moto server did not answer on 127.0.0.1:${port} within 60 s; log in $state/server.log"
+      log "moto server did not answer on ${host}:${port} within 60 s; log in $state/server.log"
       stop
       exit 1
     fi
     sleep 0.3
   done
   local code
-  code="$(http PUT "http://127.0.0.1:${port}/${bucket}")"
+  code="$(http PUT "http://${host}:${port}/${bucket}")"
   if [[ "$code" != 200 && "$code" != 409 ]]; then
     log "creating bucket ${bucket} failed (HTTP ${code}); log in $state/server.log"
     stop
     exit 1
   fi
-  log "moto S3 server on 127.0.0.1:${port} (pid $(cat "$state/pid")), bucket ${bucket}"
+  log "moto S3 server on ${host}:${port} (pid $(cat "$state/pid")), bucket ${bucket}"
   exports "$port"
 }
 

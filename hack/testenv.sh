@@ -24,9 +24,13 @@
 #   (advertised as 10.S.0.2), kube-controller-manager on 127.0.0.1:10257,
 #   kube-scheduler on 127.0.0.1:10259, containerd (socket in the state dir),
 #   the kubelet on 10.S.0.2:10250 (node IP 10.S.0.2).
-#   Pods: bridge cni0 inside the netns, 10.S.64.1/18 (host-local IPAM over
-#   10.S.64.0/18); the host routes 10.S.64.0/18 via 10.S.0.2, and the netns
-#   forwards between its veth and the bridge (net.ipv4.ip_forward is per netns).
+#   Pods: one point-to-point veth each (CNI ptp, host-local IPAM over
+#   10.S.64.0/18, gateway 10.S.64.1 on the netns side of every veth), routed,
+#   not bridged: a pod's only neighbour is its gateway. (On a bridge every pod
+#   would ARP for every peer, and the kernel's neighbour table is shared by
+#   all network namespaces: a 200-worker shuffle mesh overflows its default
+#   1024 entries.) The host routes 10.S.64.0/18 via 10.S.0.2; the netns
+#   forwards (net.ipv4.ip_forward is per netns).
 #   Service ClusterIPs: 10.S.255.0/24. No kube-proxy: the one Service pods need,
 #   "kubernetes" (10.S.255.1:443), is DNAT-ed to the apiserver inside the netns.
 #
@@ -562,6 +566,9 @@ state = "$DIR/containerd/state"
 [plugins."io.containerd.cri.v1.runtime"]
   # This host refuses lowering oom_score_adj; without this runc init fails.
   restrict_oom_score_adj = true
+  # Pod network namespaces are mounted under the state dir, not the host's /var/run/netns,
+  # so `down` finds (and unmounts) every one of them even if a sandbox was never removed.
+  netns_mounts_under_state_dir = true
   [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
     [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
@@ -580,11 +587,8 @@ EOF
   "name": "keyshift",
   "plugins": [
     {
-      "type": "bridge",
-      "bridge": "cni0",
-      "isGateway": true,
+      "type": "ptp",
       "ipMasq": false,
-      "hairpinMode": true,
       "ipam": {
         "type": "host-local",
         "dataDir": "$DIR/cni/ipam",
@@ -695,8 +699,13 @@ stop_node() {
   stop kubelet
   if live_pid containerd >/dev/null && [[ -n "${CRICTL:-}" && -x "$CRICTL" ]]; then
     log "removing pod sandboxes"
-    timeout 120 "$CRICTL" --runtime-endpoint "unix://$CONTAINERD_SOCK" --timeout 30s rmp -fa >/dev/null 2>&1 ||
-      log "warning: crictl rmp -fa failed"
+    local t0=$SECONDS
+    timeout 180 "$CRICTL" --runtime-endpoint "unix://$CONTAINERD_SOCK" --timeout 30s rmp -fa \
+      >"$DIR/logs/crictl-rmp.log" 2>&1 || {
+      log "warning: crictl rmp -fa failed:"
+      tail -n 5 "$DIR/logs/crictl-rmp.log" >&2 || true
+    }
+    log "  in $((SECONDS - t0)) s"
   fi
   stop containerd
   cgroups_down

@@ -956,7 +956,16 @@ async fn rescale_bench(args: OperatorRescaleBench) -> Result<()> {
     let ns = format!("bench-rescale-{}", std::process::id());
     create_namespace(&client, &ns).await?;
     let run = work_dir(&args.dir, "rescale")?;
-    let storage = format!("file://{}", run.join("store").display());
+    // The workers run as pods on the test node and reach the same directory through a hostPath
+    // volume at the same path (the bench namespace enforces no Pod Security level), so the
+    // operator (a host process) and the workers share one file:// store, as on one machine.
+    let store = run.join("store");
+    std::fs::create_dir_all(&store)?;
+    std::fs::set_permissions(
+        &store,
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )?;
+    let storage = format!("file://{}", store.display());
     let name = "big";
     // About 40 bytes of key and accumulator per key besides the payload (as in `bench rescale`).
     let keys = ((args.state_mib << 20) / (args.payload as u64 + 40)).max(1);
@@ -1002,9 +1011,17 @@ spec:
     sink: {{type: log}}
   state:
     checkpointInterval: 1h
+  podTemplate:
+    volumes:
+    - name: store
+      hostPath: {{path: {store}, type: Directory}}
+    volumeMounts:
+    - name: store
+      mountPath: {store}
 ",
         from = args.from,
         g = args.max_parallelism,
+        store = store.display(),
     ))?;
     api.create(&PostParams::default(), &job).await?;
     let timeout = Duration::from_secs(args.timeout);

@@ -92,9 +92,9 @@ fn install_upgrade_uninstall() {
 
     // ---- install, namespaced mode
     let watch = format!(r#"watchNamespaces=["{a}","{b}"]"#);
-    let image = image_values();
+    let image_args = image_values();
     let mut args = vec!["install", release, CHART, "-n", system];
-    args.extend(image.iter().map(String::as_str));
+    args.extend(image_args.iter().map(String::as_str));
     args.extend_from_slice(&["--set-json", &watch]);
     let out = helm_ok(&args);
     assert!(
@@ -297,7 +297,10 @@ fn install_upgrade_uninstall() {
             "deployment/ks-keyshift",
             "{.spec.template.spec.containers[0].image}"
         ),
-        "localhost/not-run-here:dev",
+        format!(
+            "localhost/not-run-here:{}",
+            image().rsplit_once(':').expect("REPO:TAG").1
+        ),
         "--reuse-values kept the tag"
     );
     assert_eq!(
@@ -408,9 +411,9 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
     let ns = ns.0.as_str();
     // The chart's ServiceAccount and RBAC only; no operator pod.
     let watch = format!(r#"watchNamespaces=["{ns}"]"#);
-    let image = image_values();
+    let image_args = image_values();
     let mut args = vec!["install", release, CHART, "-n", ns, "--set", "replicas=0"];
-    args.extend(image.iter().map(String::as_str));
+    args.extend(image_args.iter().map(String::as_str));
     args.extend_from_slice(&["--set-json", &watch]);
     helm_ok(&args);
 
@@ -557,9 +560,9 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     .collect();
     let extra_env = format!("extraEnv={}", serde_json::Value::Array(s3_env));
     let watch = format!(r#"watchNamespaces=["{jobs}"]"#);
-    let image = image_values();
+    let image_args = image_values();
     let mut args = vec!["install", release, CHART, "-n", system];
-    args.extend(image.iter().map(String::as_str));
+    args.extend(image_args.iter().map(String::as_str));
     args.extend_from_slice(&[
         "--set-json",
         &watch,
