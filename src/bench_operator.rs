@@ -961,10 +961,7 @@ async fn rescale_bench(args: OperatorRescaleBench) -> Result<()> {
     // operator (a host process) and the workers share one file:// store, as on one machine.
     let store = run.join("store");
     std::fs::create_dir_all(&store)?;
-    std::fs::set_permissions(
-        &store,
-        std::os::unix::fs::PermissionsExt::from_mode(0o777),
-    )?;
+    std::fs::set_permissions(&store, std::os::unix::fs::PermissionsExt::from_mode(0o777))?;
     let storage = format!("file://{}", store.display());
     let name = "big";
     // About 40 bytes of key and accumulator per key besides the payload (as in `bench rescale`).
