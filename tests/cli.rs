@@ -126,3 +126,45 @@ fn crd_prints_yaml() {
     assert!(out.status.success());
     assert!(text(&out.stdout).starts_with("apiVersion: apiextensions.k8s.io/v1"));
 }
+
+/// A worker stops at once on SIGTERM and exits 0, as a container's PID 1 must (the kernel gives
+/// PID 1 no default action for SIGTERM, so without a handler a deleted pod would wait out its
+/// whole grace period before the kubelet's SIGKILL).
+#[test]
+fn worker_exits_on_sigterm() {
+    use std::io::BufRead;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args([
+            "worker",
+            "--control-addr",
+            "127.0.0.1:0",
+            "--data-addr",
+            "127.0.0.1:0",
+        ])
+        .env("KEYSHIFT_TOKEN", "a-test-token-of-enough-length")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Its first stdout line says it listens: the signal handler is installed by then.
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains("\"control\""), "{line}");
+    // SAFETY: kill(2) on the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            start.elapsed() < std::time::Duration::from_secs(10),
+            "the worker did not stop on SIGTERM"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(0), "exits 0, not killed by the signal");
+}

@@ -132,6 +132,8 @@ pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
     let data_addr = data
         .local_addr()
         .map_err(|e| WorkerError::Fatal(e.to_string()))?;
+    // Installed before anything can see this worker (see the select below).
+    let shutdown = crate::leader::shutdown_signal();
     // One line on stdout tells a local launcher where to reach us.
     println!(
         "{}",
@@ -170,6 +172,15 @@ pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
         r = server => r.map_err(|e| WorkerError::Fatal(format!("control API: {e}"))),
         reason = async { fatal_rx.wait_for(|f| f.is_some()).await.map(|f| f.clone().unwrap_or_default()) } => {
             Err(WorkerError::Fatal(reason.unwrap_or_else(|_| "worker state dropped".into())))
+        }
+        // In a container the worker is PID 1, which the kernel gives no default action for
+        // SIGTERM: without a handler a deleted pod would wait out its whole grace period (and
+        // every rescale with it) before the kubelet's SIGKILL. Nothing is lost by stopping at
+        // once: a worker's state is the job's last snapshot, and the operator only deletes
+        // workers after a savepoint or to restart from one.
+        () = shutdown => {
+            tracing::info!("worker stopping on SIGTERM/SIGINT");
+            Ok(())
         }
     }
 }
