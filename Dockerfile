@@ -14,7 +14,7 @@
 ARG RUST_VERSION=1.95
 
 FROM rust:${RUST_VERSION}-alpine AS build
-# gcc + musl-dev: ring's and aws-lc-sys's C parts (both TLS providers are compiled in; aws-lc-sys
+# gcc + musl-dev: aws-lc-sys's C parts (aws-lc-rs is the one TLS crypto provider; aws-lc-sys
 # uses its plain cc build on x86_64/aarch64 musl).
 RUN apk add --no-cache gcc musl-dev ca-certificates
 WORKDIR /src

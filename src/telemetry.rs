@@ -27,10 +27,11 @@ pub fn init(format: LogFormat) {
     };
 }
 
-/// Selects the TLS crypto provider for the whole process. Both `ring` (kube) and `aws-lc-rs`
-/// (object_store's HTTP client) are compiled in, so rustls cannot pick one by itself; call this
-/// first thing in every binary.
+/// Installs the process's TLS crypto provider: aws-lc-rs, the only one compiled in (kube's
+/// client, object_store's HTTP client and rustls all use it). rustls would also pick it from its
+/// crate features; installing it explicitly keeps that true if another provider is ever pulled in
+/// by a dependency. Call this first thing in every binary.
 pub fn install_crypto_provider() {
     // Err means a provider is already installed, which is what we want.
-    let _ = rustls::crypto::ring::default_provider().install_default();
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
 }
