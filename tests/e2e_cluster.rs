@@ -312,13 +312,7 @@ fn exit_code(ns: &str, name: &str) -> String {
 
 /// The containers containerd runs in the test node's `k8s.io` namespace.
 fn running_containers() -> String {
-    let ctr = std::env::var("KEYSHIFT_CONTAINERD_BIN").expect("KEYSHIFT_CONTAINERD_BIN");
-    let sock = std::env::var("KEYSHIFT_CONTAINERD_SOCK").expect("KEYSHIFT_CONTAINERD_SOCK");
-    let out = std::process::Command::new(std::path::Path::new(&ctr).join("ctr"))
-        .args(["--address", &sock, "-n", "k8s.io", "tasks", "ls"])
-        .output()
-        .expect("ctr runs");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    ctr(&["tasks", "ls"])
 }
 
 #[test]

@@ -344,32 +344,29 @@ pub fn container_id(ns: &str, pod: &str) -> String {
         .to_owned()
 }
 
-/// Kills a pod's container with SIGKILL through the node's containerd, as an OOM kill or a
-/// crash would end it: the kubelet reports it terminated (exit 137).
-pub fn kill_container(ns: &str, pod: &str) {
-    let id = container_id(ns, pod);
-    let ctr = std::env::var("KEYSHIFT_CONTAINERD_BIN").expect("KEYSHIFT_CONTAINERD_BIN (testenv)");
+/// Runs `ctr ARGS` against the test node's containerd (namespace `k8s.io`) and returns its
+/// stdout; panics with its stderr unless it succeeds.
+pub fn ctr(args: &[&str]) -> String {
+    let bin = std::env::var("KEYSHIFT_CONTAINERD_BIN").expect("KEYSHIFT_CONTAINERD_BIN (testenv)");
     let sock =
         std::env::var("KEYSHIFT_CONTAINERD_SOCK").expect("KEYSHIFT_CONTAINERD_SOCK (testenv)");
-    let out = Command::new(Path::new(&ctr).join("ctr"))
-        .args([
-            "--address",
-            &sock,
-            "-n",
-            "k8s.io",
-            "tasks",
-            "kill",
-            "-s",
-            "SIGKILL",
-            &id,
-        ])
+    let out = Command::new(Path::new(&bin).join("ctr"))
+        .args(["--address", &sock, "-n", "k8s.io"])
+        .args(args)
         .output()
         .expect("ctr runs");
     assert!(
         out.status.success(),
-        "ctr tasks kill {id}: {}",
+        "ctr {args:?}: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Kills a pod's container with SIGKILL through the node's containerd, as an OOM kill or a
+/// crash would end it: the kubelet reports it terminated (exit 137).
+pub fn kill_container(ns: &str, pod: &str) {
+    ctr(&["tasks", "kill", "-s", "SIGKILL", &container_id(ns, pod)]);
 }
 
 /// Object names under `url` (any `object_store` URL), relative to it.
@@ -391,25 +388,5 @@ pub fn list_objects(url: &str) -> Vec<String> {
 /// Tags the test image under `reference` in the node's containerd, as a registry would serve a
 /// new release of it (the upgrade tests roll out "new" images).
 pub fn tag_image(reference: &str) {
-    let ctr = std::env::var("KEYSHIFT_CONTAINERD_BIN").expect("KEYSHIFT_CONTAINERD_BIN (testenv)");
-    let sock =
-        std::env::var("KEYSHIFT_CONTAINERD_SOCK").expect("KEYSHIFT_CONTAINERD_SOCK (testenv)");
-    let out = Command::new(Path::new(&ctr).join("ctr"))
-        .args([
-            "--address",
-            &sock,
-            "-n",
-            "k8s.io",
-            "images",
-            "tag",
-            "--force",
-        ])
-        .args([image().as_str(), reference])
-        .output()
-        .expect("ctr runs");
-    assert!(
-        out.status.success(),
-        "ctr images tag {reference}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    ctr(&["images", "tag", "--force", &image(), reference]);
 }
