@@ -46,16 +46,10 @@ K8S_TOOLS=(kube-apiserver kube-controller-manager kube-scheduler kubelet)
 log() { printf '[build-control-plane] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-# Find a Go toolchain: $GO, `go` on PATH, or the usual install location.
-if [[ -z "${GO:-}" ]]; then
-  if command -v go >/dev/null 2>&1; then GO="$(command -v go)"
-  elif [[ -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go
-  else die "no Go toolchain found (set GO=/path/to/go)"; fi
-fi
-
-# Never let Go download another toolchain; build static binaries; don't stamp
-# VCS info of whatever directory we happen to be in.
-export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS="-buildvcs=false"
+# shellcheck source=hack/go-env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/go-env.sh"
+# Static binaries.
+export CGO_ENABLED=0
 
 mkdir -p "$CACHE/bin" "$CACHE/src"
 
@@ -84,10 +78,6 @@ etcd_ok() {
   grep -qx "etcd Version: ${ETCD_VERSION#v}" <<<"$out"
 }
 
-# Path of the go.mod of module $1 at version $2 in the module cache (downloads it).
-modfile_of() {
-  "$GO" mod download -json "$1@$2" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p'
-}
 # Release time of module $1 at version $2 (used as a reproducible build date).
 modtime_of() {
   "$GO" list -m -json "$1@$2" | sed -n 's/^[[:space:]]*"Time": "\(.*\)",\{0,1\}$/\1/p'

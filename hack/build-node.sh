@@ -54,12 +54,8 @@ PAUSE_IMAGE="keyshift.local/pause:$PAUSE_HASH"
 log() { printf '[build-node] %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
 
-if [[ -z "${GO:-}" ]]; then
-  if command -v go >/dev/null 2>&1; then GO="$(command -v go)"
-  elif [[ -x /usr/local/go/bin/go ]]; then GO=/usr/local/go/bin/go
-  else die "no Go toolchain found (set GO=/path/to/go)"; fi
-fi
-export GOTOOLCHAIN=local GOFLAGS="-buildvcs=false"
+# shellcheck source=hack/go-env.sh
+source "$HACK_DIR/go-env.sh"
 
 mkdir -p "$CACHE/bin" "$CACHE/src"
 exec 9>"$CACHE/.build-node.lock"
@@ -96,7 +92,7 @@ build_module() {
   shift
   local pkgs=("$@")
   local modfile go_directive
-  modfile="$("$GO" mod download -json "$module@$version" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",\{0,1\}$/\1/p')"
+  modfile="$(modfile_of "$module" "$version")"
   [[ -f "$modfile" ]] || die "could not download go.mod of $module@$version"
   go_directive="$(sed -n 's/^go \([0-9.]*\)$/\1/p' "$modfile")"
   rm -rf "$dir"; mkdir -p "$dir"

@@ -2,7 +2,7 @@
 # A real, throwaway Kubernetes cluster for keyshift's tests: etcd, kube-apiserver,
 # kube-controller-manager and kube-scheduler (built from upstream by
 # hack/build-control-plane.sh) and one real node -- containerd + runc + the CNI
-# bridge plugin (hack/build-node.sh) and a real kubelet -- running inside a
+# ptp plugin (hack/build-node.sh) and a real kubelet -- running inside a
 # network namespace of its own. The keyshift image is built from this checkout
 # (hack/build-image.sh) and imported into the node's containerd.
 #
@@ -44,7 +44,7 @@
 # kernel.keys.root_max*); `up` records them and `down` puts them back.
 #
 # The host reaches the apiserver at https://10.S.0.2:6443 through the veth,
-# and pods at their bridge addresses through the route above. IP forwarding on
+# and pods at their addresses through the route above. IP forwarding on
 # the host is not touched, so nothing in the netns can reach beyond the host.
 #
 # Several environments can run side by side (e.g. two checkouts running
@@ -655,7 +655,7 @@ start_node() {
   IMAGE="$(out_var IMAGE "$out")"
   IMAGE_TAR="$(out_var IMAGE_TAR "$out")"
 
-  # Pod network: the host routes the pod range into the netns, which forwards to the bridge;
+  # Pod network: the host routes the pod range into the netns, which routes to each pod's veth;
   # the "kubernetes" Service is DNAT-ed to the apiserver (there is no kube-proxy).
   ip route replace "$POD_CIDR" via "$NS_IP" dev "$VETH_HOST"
   ip netns exec "$NETNS" sysctl -qw net.ipv4.ip_forward=1
@@ -785,9 +785,9 @@ cmd_up() {
   # Binaries (cache hits take well under a second).
   local out k8s_bin etcd_bin helm=""
   out="$("$HACK_DIR/build-control-plane.sh")" || die "hack/build-control-plane.sh failed"
-  k8s_bin="$(sed -n 's/^K8S_BIN=//p' <<<"$out")"
+  k8s_bin="$(out_var K8S_BIN "$out")"
   K8S_BIN="$k8s_bin"
-  etcd_bin="$(sed -n 's/^ETCD_BIN=//p' <<<"$out")"
+  etcd_bin="$(out_var ETCD_BIN "$out")"
   [[ -x "$k8s_bin/kube-apiserver" && -x "$etcd_bin/etcd" ]] || die "build-control-plane.sh gave no binaries"
   # Helm is not needed by the control plane, only by tests; fetch it here so
   # it is cached, but do not fail the environment over it.
