@@ -495,20 +495,18 @@ pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
                 });
         }
     }
-    for (path, max) in BOUNDED_STRINGS {
-        let node = schema_at(root, path);
-        debug_assert!(node.is_some(), "no schema at {path:?}");
-        if let Some(node) = node {
-            node.max_length = Some(*max);
+    let mut set = |table: &[(&[&str], i64)],
+                   field: fn(&mut JSONSchemaProps) -> &mut Option<i64>| {
+        for (path, max) in table {
+            let node = schema_at(root, path);
+            debug_assert!(node.is_some(), "no schema at {path:?}");
+            if let Some(node) = node {
+                *field(node) = Some(*max);
+            }
         }
-    }
-    for (path, max) in BOUNDED_LISTS {
-        let node = schema_at(root, path);
-        debug_assert!(node.is_some(), "no schema at {path:?}");
-        if let Some(node) = node {
-            node.max_items = Some(*max);
-        }
-    }
+    };
+    set(BOUNDED_STRINGS, |n| &mut n.max_length);
+    set(BOUNDED_LISTS, |n| &mut n.max_items);
 }
 
 fn bound(path: &[&str], table: &[(&[&str], i64)]) -> usize {

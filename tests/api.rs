@@ -11,6 +11,19 @@ fn root() -> std::path::PathBuf {
         .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
+/// The root OpenAPI schema of the CRD's (only) version.
+fn root_schema(
+    crd: &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition,
+) -> &k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSONSchemaProps {
+    crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .unwrap()
+        .open_api_v3_schema
+        .as_ref()
+        .unwrap()
+}
+
 #[test]
 fn committed_crd_matches_the_generated_one() {
     let committed = std::fs::read_to_string(root().join("crds/streamjob.yaml"))
@@ -67,13 +80,7 @@ fn crd_has_scale_status_and_every_rule() {
     }
     // The pinned-ceiling rule builds its message from the object (ceiling, origin, the exact
     // rewrite commands), and the status strings it reads are bounded for CEL's cost estimate.
-    let schema = v
-        .schema
-        .as_ref()
-        .unwrap()
-        .open_api_v3_schema
-        .as_ref()
-        .unwrap();
+    let schema = root_schema(&crd);
     let pinned = schema
         .x_kubernetes_validations
         .as_ref()
@@ -123,13 +130,7 @@ fn crd_has_scale_status_and_every_rule() {
 #[test]
 fn pod_template_schema_is_the_kubernetes_one_and_documented() {
     let crd = crd();
-    let schema = crd.spec.versions[0]
-        .schema
-        .as_ref()
-        .unwrap()
-        .open_api_v3_schema
-        .as_ref()
-        .unwrap();
+    let schema = root_schema(&crd);
     let spec = &schema.properties.as_ref().unwrap()["spec"];
     let template = &spec.properties.as_ref().unwrap()["podTemplate"];
     let props = template.properties.as_ref().unwrap();
