@@ -110,7 +110,7 @@ impl Coordinator {
         let job_dir = snapshot::job_dir(&base, &identity.namespace, &identity.name);
         let next_id = next_snapshot_id(store.as_ref(), &job_dir).await?;
         let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(30))
+            .timeout(crate::orchestrator::run::timeouts::CONTROL_REQUEST)
             .build()
             .map_err(|e| CoordinatorError::Worker {
                 subtask: 0,

@@ -14,6 +14,7 @@ pub mod keygroup;
 pub mod leader;
 pub mod local;
 pub mod operator;
+pub mod orchestrator;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;

@@ -5,8 +5,9 @@
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{StreamJob, StreamJobSpec, StreamJobStatus};
 use crate::keygroup::{self, Assignment};
-use crate::runtime::protocol::{StartRequest, StartResponse, WorkerStatus};
-use crate::snapshot::{self, JobIdentity, SnapshotKind};
+use crate::orchestrator::run;
+use crate::runtime::protocol::{StartResponse, WorkerStatus};
+use crate::snapshot::{self, SnapshotKind};
 use crate::validation;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -63,23 +64,6 @@ pub fn load_manifest(path: &Path) -> Result<StreamJob, LocalError> {
         errors: e.to_string(),
     })?;
     Ok(job)
-}
-
-/// A random control token (hex).
-pub fn random_token() -> String {
-    let mut bytes = [0u8; 16];
-    if let Ok(mut f) = std::fs::File::open("/dev/urandom") {
-        use std::io::Read;
-        let _ = f.read_exact(&mut bytes);
-    }
-    if bytes == [0u8; 16] {
-        // No /dev/urandom: mix time and pid (the token only guards loopback in local mode).
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        bytes = (t ^ (u128::from(std::process::id()) << 64)).to_le_bytes();
-    }
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Worker processes on this machine.
@@ -314,7 +298,10 @@ impl LocalJob {
             max_parallelism: analysis.assignment.max_parallelism(),
             workers: LocalWorkers::new(bin, log_dir),
             coordinator: None,
-            token: random_token(),
+            token: run::new_token().map_err(|e| LocalError::Spawn {
+                index: 0,
+                reason: e.to_string(),
+            })?,
             runs: 0,
             restore_from: job.spec.restore_from.clone(),
             state_payload_bytes: 0,
@@ -359,39 +346,31 @@ impl LocalJob {
             .workers
             .spawn(parallelism, &self.token, self.runs)
             .await?;
-        let identity = JobIdentity {
-            namespace: self.namespace.clone(),
-            name: self.name.clone(),
-            job_fingerprint: fingerprint(&self.spec),
-        };
-        let coordinator = Coordinator::new(
+        let run_id = run::new_run_id().map_err(|e| LocalError::Spawn {
+            index: 0,
+            reason: e.to_string(),
+        })?;
+        let coordinator = run::coordinator(
+            &self.spec,
             &self.storage,
-            identity,
+            run::identity(&self.namespace, &self.name, &self.spec),
             assignment,
             endpoints,
             self.token.clone(),
-            self.spec.state.retained_checkpoints.max(1) as usize,
         )
-        .await?
-        .with_sink(match self.spec.job.sink.sink_type {
-            crate::crd::SinkType::ObjectStore => self.spec.job.sink.url.as_deref(),
-            crate::crd::SinkType::Log => None,
-        })?;
-        let template = StartRequest {
-            namespace: self.namespace.clone(),
-            name: self.name.clone(),
-            job: self.spec.job.clone(),
-            subtask: 0,
-            parallelism,
-            max_parallelism: self.max_parallelism,
-            peers: Vec::new(),
-            storage: self.storage.clone(),
+        .await?;
+        let template = run::StartPlan {
+            namespace: &self.namespace,
+            name: &self.name,
+            spec: &self.spec,
+            assignment,
+            storage: &self.storage,
             restore_from: restore.clone(),
-            allow_non_restored_state: self.spec.allow_non_restored_state,
+            run: &run_id,
             state_payload_bytes: self.state_payload_bytes,
-            run_id: format!("{}-{}", self.token, self.runs),
-        };
-        let responses = match coordinator.start(&template, Duration::from_secs(120)).await {
+        }
+        .request();
+        let responses = match coordinator.start(&template, run::timeouts::START).await {
             Ok(r) => r,
             Err(e) => {
                 self.workers.stop_all().await;
@@ -426,7 +405,7 @@ impl LocalJob {
     pub async fn checkpoint(&mut self) -> Result<Completed, LocalError> {
         Ok(self
             .coordinator()?
-            .snapshot(SnapshotKind::Checkpoint, false, Duration::from_secs(300))
+            .snapshot(SnapshotKind::Checkpoint, false, run::timeouts::CHECKPOINT)
             .await?)
     }
 
@@ -434,7 +413,7 @@ impl LocalJob {
     pub async fn savepoint(&mut self, stop: bool) -> Result<Completed, LocalError> {
         Ok(self
             .coordinator()?
-            .snapshot(SnapshotKind::Savepoint, stop, Duration::from_secs(600))
+            .snapshot(SnapshotKind::Savepoint, stop, run::timeouts::SAVEPOINT)
             .await?)
     }
 
@@ -562,15 +541,6 @@ impl LocalJob {
             launch: report,
         })
     }
-}
-
-/// Identity of a job's dataflow, recorded in snapshots.
-pub fn fingerprint(spec: &StreamJobSpec) -> String {
-    let text = serde_json::to_string(&spec.job).unwrap_or_default();
-    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    format!("{h:016x}")
 }
 
 /// A worker of `keyshift local` is killed when its launcher dies (killed, or crashed), so no

@@ -8,7 +8,8 @@ use super::status::{self, Progress};
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJob, StreamJobSpec, StreamJobStatus};
 use crate::keygroup::{self, Assignment};
-use crate::runtime::protocol::{StartRequest, StartResponse, WorkerStatus};
+use crate::orchestrator::run;
+use crate::runtime::protocol::{StartResponse, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
 use crate::validation;
 use chrono::{DateTime, Utc};
@@ -541,10 +542,6 @@ async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<Option<String>, Opera
     }
 }
 
-fn new_run_id() -> String {
-    crate::local::random_token().chars().take(6).collect()
-}
-
 fn parse_time(t: &str) -> Option<DateTime<Utc>> {
     DateTime::parse_from_rfc3339(t)
         .ok()
@@ -779,7 +776,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         }),
         last_snapshot_at,
         backoff_until: mem.backoff_until,
-        new_run: new_run_id(),
+        new_run: run::new_run_id().map_err(|e| OperatorError::Token(e.to_string()))?,
     };
     // A background step that ended is recorded first; what to do next is decided in the pass
     // after (on the status that records it).
@@ -976,7 +973,7 @@ async fn ensure_secret(
     let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
     let secret_name = desired::secret_name(name);
     let create = || async {
-        let token = crate::local::random_token();
+        let token = run::new_token().map_err(|e| OperatorError::Token(e.to_string()))?;
         let secret = desired::secret(job, &token)?;
         match secrets.create(&PostParams::default(), &secret).await {
             Ok(_) => Ok(Some(token)),
@@ -1089,11 +1086,7 @@ impl Pass<'_> {
     }
 
     fn identity(&self) -> JobIdentity {
-        JobIdentity {
-            namespace: self.ns.clone(),
-            name: self.name.clone(),
-            job_fingerprint: crate::local::fingerprint(self.spec),
-        }
+        run::identity(&self.ns, &self.name, self.spec)
     }
 
     fn endpoints(&self, parallelism: u32) -> Option<Vec<WorkerEndpoint>> {
@@ -1352,13 +1345,13 @@ impl Pass<'_> {
                     Some(g) => Assignment::new(i64::from(parallelism), i64::from(*g))?,
                     None => self.assignment(parallelism)?,
                 };
-                let coordinator = Coordinator::new(
+                let coordinator = run::coordinator(
+                    self.spec,
                     &self.storage,
                     self.identity(),
                     assignment,
                     endpoints,
                     self.token.clone(),
-                    self.spec.state.retained_checkpoints.max(1) as usize,
                 )
                 .await?;
                 if self
@@ -1621,7 +1614,7 @@ impl Pass<'_> {
             run,
             SnapshotKind::Savepoint,
             true,
-            Duration::from_secs(300),
+            run::timeouts::SAVEPOINT,
         );
         Ok(BACKGROUND_BACKSTOP)
     }
@@ -1676,7 +1669,7 @@ impl Pass<'_> {
             run,
             SnapshotKind::Savepoint,
             false,
-            Duration::from_secs(300),
+            run::timeouts::SAVEPOINT,
         );
         BACKGROUND_BACKSTOP
     }
@@ -1731,7 +1724,7 @@ impl Pass<'_> {
             run,
             SnapshotKind::Checkpoint,
             false,
-            Duration::from_secs(120),
+            run::timeouts::CHECKPOINT,
         );
         BACKGROUND_BACKSTOP
     }
@@ -1818,29 +1811,26 @@ impl Pass<'_> {
             }
         };
         let assignment = self.assignment(parallelism)?;
-        let coordinator = Coordinator::new(
+        let coordinator = run::coordinator(
+            self.spec,
             &self.storage,
             self.identity(),
             assignment,
             endpoints,
             self.token.clone(),
-            self.spec.state.retained_checkpoints.max(1) as usize,
         )
         .await?;
-        let template = StartRequest {
-            namespace: self.ns.clone(),
-            name: self.name.clone(),
-            job: self.spec.job.clone(),
-            subtask: 0,
-            parallelism,
-            max_parallelism: assignment.max_parallelism(),
-            peers: Vec::new(),
-            storage: self.storage.clone(),
+        let template = run::StartPlan {
+            namespace: &self.ns,
+            name: &self.name,
+            spec: self.spec,
+            assignment,
+            storage: &self.storage,
             restore_from: restore_from.clone(),
-            allow_non_restored_state: self.spec.allow_non_restored_state,
+            run: &run,
             state_payload_bytes: test_state_payload_bytes(),
-            run_id: format!("{}-{run}", self.name),
-        };
+        }
+        .request();
         let work = StartWork {
             run,
             parallelism,
@@ -1867,7 +1857,7 @@ impl Pass<'_> {
         // The workers restore their key groups before they answer: in the background.
         self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {
             let result = handle
-                .block_on(coordinator.start(&template, Duration::from_secs(180)))
+                .block_on(coordinator.start(&template, run::timeouts::START))
                 .map_err(|e| e.to_string());
             Outcome::Start(Box::new((coordinator, result)))
         });

@@ -1,0 +1,5 @@
+//! The orchestration both platforms share: how a run of a job is built (its coordinator, its
+//! start request, its identities and timeouts). `keyshift operator` (pods) and `keyshift local`
+//! (processes) build runs only through here, so they cannot drift apart.
+
+pub mod run;

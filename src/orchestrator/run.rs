@@ -1,0 +1,155 @@
+//! One run of a job: a set of workers at one parallelism, coordinated by one [`Coordinator`].
+//! Everything about a run that does not depend on where its workers live is built here: the
+//! coordinator (with the job's sink and retention), the start request, the job's identity in its
+//! snapshots, the control token, the run id, and the timeouts of each long step.
+
+use crate::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
+use crate::crd::{SinkType, StreamJobSpec};
+use crate::keygroup::Assignment;
+use crate::runtime::protocol::StartRequest;
+use crate::snapshot::JobIdentity;
+/// How long each long step of a run may take before it counts as failed.
+pub mod timeouts {
+    use std::time::Duration;
+
+    /// Workers of a starting run restore their key groups and connect to each other.
+    pub const START: Duration = Duration::from_secs(180);
+    /// A periodic checkpoint, trigger to commit.
+    pub const CHECKPOINT: Duration = Duration::from_secs(120);
+    /// A savepoint (a rescale's, an upgrade's, a triggered one), trigger to commit.
+    pub const SAVEPOINT: Duration = Duration::from_secs(300);
+    /// One request of the coordinator to a worker's control API.
+    pub const CONTROL_REQUEST: Duration = Duration::from_secs(30);
+}
+
+/// Failures of the OS random number generator (no weaker source is ever used instead).
+#[derive(Debug, thiserror::Error)]
+#[error("the operating system's random number generator failed: {0}")]
+pub struct RandomError(String);
+
+fn random_hex(bytes: usize) -> Result<String, RandomError> {
+    let mut buf = vec![0u8; bytes];
+    getrandom::fill(&mut buf).map_err(|e| RandomError(e.to_string()))?;
+    Ok(buf.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// A fresh control token: 128 bits from the OS RNG, hex. Guards a run's control API (and is never
+/// part of a run id, which travels in clear on the data plane).
+pub fn new_token() -> Result<String, RandomError> {
+    random_hex(16)
+}
+
+/// A fresh run id: 24 bits from the OS RNG, hex (6 characters, so that pod names stay short).
+/// Names one set of workers; carries no secret.
+pub fn new_run_id() -> Result<String, RandomError> {
+    random_hex(3)
+}
+
+/// The run id workers of a run present to each other on the data plane: the job and the run.
+pub fn data_plane_run_id(name: &str, run: &str) -> String {
+    format!("{name}-{run}")
+}
+
+/// Identity of a job's dataflow, recorded in snapshots (a stable hash of `spec.job`).
+pub fn fingerprint(spec: &StreamJobSpec) -> String {
+    let text = serde_json::to_string(&spec.job).unwrap_or_default();
+    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    format!("{h:016x}")
+}
+
+/// The job as its snapshots name it.
+pub fn identity(namespace: &str, name: &str, spec: &StreamJobSpec) -> JobIdentity {
+    JobIdentity {
+        namespace: namespace.to_owned(),
+        name: name.to_owned(),
+        job_fingerprint: fingerprint(spec),
+    }
+}
+
+/// Where the job's object-store sink publishes, if it has one.
+pub fn sink_url(spec: &StreamJobSpec) -> Option<&str> {
+    match spec.job.sink.sink_type {
+        SinkType::ObjectStore => spec.job.sink.url.as_deref(),
+        SinkType::Log => None,
+    }
+}
+
+/// The coordinator of a run: snapshots in `storage`, the job's retention, its sink attached (so
+/// every committed snapshot's output is published, on every platform).
+pub async fn coordinator(
+    spec: &StreamJobSpec,
+    storage: &str,
+    identity: JobIdentity,
+    assignment: Assignment,
+    workers: Vec<WorkerEndpoint>,
+    token: String,
+) -> Result<Coordinator, CoordinatorError> {
+    Coordinator::new(
+        storage,
+        identity,
+        assignment,
+        workers,
+        token,
+        spec.state.retained_checkpoints.max(1) as usize,
+    )
+    .await?
+    .with_sink(sink_url(spec))
+}
+
+/// What a run's workers are started with (the coordinator fills in each subtask and the peers).
+pub struct StartPlan<'a> {
+    pub namespace: &'a str,
+    pub name: &'a str,
+    pub spec: &'a StreamJobSpec,
+    pub assignment: Assignment,
+    pub storage: &'a str,
+    pub restore_from: Option<String>,
+    /// The run's id (see [`new_run_id`]).
+    pub run: &'a str,
+    /// Opaque bytes kept with each key's state (benchmarks; 0 otherwise).
+    pub state_payload_bytes: usize,
+}
+
+impl StartPlan<'_> {
+    /// The start request template.
+    pub fn request(&self) -> StartRequest {
+        StartRequest {
+            namespace: self.namespace.to_owned(),
+            name: self.name.to_owned(),
+            job: self.spec.job.clone(),
+            subtask: 0,
+            parallelism: self.assignment.parallelism(),
+            max_parallelism: self.assignment.max_parallelism(),
+            peers: Vec::new(),
+            storage: self.storage.to_owned(),
+            restore_from: self.restore_from.clone(),
+            allow_non_restored_state: self.spec.allow_non_restored_state,
+            state_payload_bytes: self.state_payload_bytes,
+            run_id: data_plane_run_id(self.name, self.run),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_and_run_ids_are_fresh_hex_and_run_ids_carry_no_token() {
+        let a = new_token().unwrap();
+        let b = new_token().unwrap();
+        assert_eq!(a.len(), 32);
+        assert!(a.chars().all(|c| c.is_ascii_hexdigit()));
+        assert_ne!(a, b, "two tokens from the OS RNG were equal");
+        let run = new_run_id().unwrap();
+        assert_eq!(run.len(), 6);
+        let wire = data_plane_run_id("job", &run);
+        assert!(
+            !wire.contains(&a),
+            "the data-plane run id carries the token"
+        );
+        assert_eq!(wire, format!("job-{run}"));
+    }
+}
