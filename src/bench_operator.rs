@@ -1067,7 +1067,7 @@ spec:
         is_ready(j)
             && s.and_then(|s| s.replicas) == Some(to)
             && s.and_then(|s| s.rescale.as_ref())
-                .is_some_and(|r| r.step == crate::operator::decide::step::DONE && r.to == to)
+                .is_some_and(|r| r.step == crate::orchestrator::step::Step::Done && r.to == to)
     })
     .await?;
     let total = t0.elapsed();
@@ -1107,13 +1107,11 @@ spec:
         let _ = std::fs::remove_dir_all(&run);
     }
 
-    let steps: Vec<(String, f64)> = {
-        use crate::operator::decide::step::{RESTORING, SAVEPOINTING, STOPPING, VERIFYING};
-        [SAVEPOINTING, VERIFYING, STOPPING, RESTORING]
-    }
-    .iter()
-    .filter_map(|s| r.step_seconds.get(*s).map(|v| ((*s).to_owned(), *v)))
-    .collect();
+    let steps: Vec<(String, f64)> = crate::orchestrator::step::ALL_STEPS
+        .iter()
+        .filter(|s| s.active())
+        .filter_map(|s| r.step_seconds.get(s.as_str()).map(|v| (s.to_string(), *v)))
+        .collect();
     let step_sum: f64 = steps.iter().map(|(_, v)| v).sum();
     let raw = best_sum.as_secs_f64();
     let ratio = |v: f64| v / raw.max(1e-9);

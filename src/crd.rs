@@ -568,7 +568,8 @@ pub struct RescaleStatus {
     /// Parallelism after.
     pub to: i32,
     /// Current step: Savepointing, Verifying, Stopping, Restoring, Done, Abandoned or RolledBack.
-    pub step: String,
+    #[schemars(with = "String")]
+    pub step: crate::orchestrator::step::Step,
     /// When the rescale started (RFC 3339).
     pub started: String,
     /// Key groups that change owner.

@@ -4,28 +4,12 @@
 //! resumes from status.
 
 use crate::crd::{StreamJobSpec, StreamJobStatus, UpgradeMode};
+use crate::orchestrator::step::{Outcome, Step};
+use crate::runtime::protocol::WorkerState;
 use crate::validation::{self, Analysis};
 use chrono::{DateTime, Utc};
 use std::collections::BTreeMap;
 use std::time::Duration;
-
-/// Steps of a rescale (and of a suspend, a rescale to 0), as recorded in status.rescale.step.
-pub mod step {
-    pub const SAVEPOINTING: &str = "Savepointing";
-    pub const VERIFYING: &str = "Verifying";
-    pub const STOPPING: &str = "Stopping";
-    pub const RESTORING: &str = "Restoring";
-    pub const DONE: &str = "Done";
-    pub const ABANDONED: &str = "Abandoned";
-    /// Restoring at the new parallelism failed; the old parallelism was restored from the
-    /// same savepoint.
-    pub const ROLLED_BACK: &str = "RolledBack";
-
-    /// Whether a step is in flight (not finished or given up).
-    pub fn active(step: &str) -> bool {
-        matches!(step, SAVEPOINTING | VERIFYING | STOPPING | RESTORING)
-    }
-}
 
 /// The phase of a pod as far as the operator cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,9 +46,9 @@ pub struct ObservedPod {
     /// The deletion timestamp: when the pod's grace period ends and its kubelet must have
     /// stopped it.
     pub grace_deadline: Option<DateTime<Utc>>,
-    /// The worker's own state (`idle`, `restoring`, `running`, `stopped`) from its control API;
-    /// `None` when it was not asked or did not answer.
-    pub worker: Option<String>,
+    /// The worker's own state from its control API; `None` when it was not asked or did not
+    /// answer.
+    pub worker: Option<WorkerState>,
     /// The spec hash (`spec_hash`) the pod was created for; `None` for pods without the label.
     pub spec_hash: Option<String>,
 }
@@ -146,8 +130,8 @@ pub enum Action {
     Verify { url: String },
     /// Delete every pod of the job (stopping a run; a rescale's Stopping step).
     DeletePods { reason: &'static str },
-    /// A finished step: record the next one.
-    Advance { to: &'static str },
+    /// A step's work is done (nothing ran in the background): record the step that follows.
+    Advance(Outcome),
     /// Give up the rescale in flight: the job keeps (or returns to) its old parallelism.
     Abandon { message: String },
     /// Create the missing pods of a run.
@@ -239,14 +223,6 @@ pub fn spec_hash(spec: &StreamJobSpec) -> String {
     format!("{h:016x}")
 }
 
-/// The first step of an upgrade in `mode`.
-pub fn upgrade_first_step(mode: UpgradeMode) -> &'static str {
-    match mode {
-        UpgradeMode::Savepoint => step::SAVEPOINTING,
-        UpgradeMode::LastState | UpgradeMode::Stateless => step::STOPPING,
-    }
-}
-
 /// The parallelism a rescale restores: its target, or its origin once rolled back.
 pub fn restore_target(r: &crate::crd::RescaleStatus) -> u32 {
     if r.rolled_back.is_some() {
@@ -260,7 +236,7 @@ pub fn restore_target(r: &crate::crd::RescaleStatus) -> u32 {
 /// restored from the same savepoint), or `None` to retry the same start with backoff (already
 /// rolled back, or there is no old parallelism to return to).
 pub fn rollback_on_restore_failure(r: &crate::crd::RescaleStatus) -> Option<u32> {
-    (r.step == step::RESTORING && r.rolled_back.is_none() && r.from > 0 && r.from != r.to)
+    (r.step == Step::Restoring && r.rolled_back.is_none() && r.from > 0 && r.from != r.to)
         .then_some(r.from as u32)
 }
 
@@ -299,7 +275,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
     let in_flight = status
         .rescale
         .as_ref()
-        .is_some_and(|r| step::active(&r.step) && r.step != step::SAVEPOINTING);
+        .is_some_and(|r| r.step.past_savepoint());
     if let Some(pending) = &obs.pending_restore
         && !in_flight
         && let Err((reason, message)) = check_pending_restore(spec, pending)
@@ -315,7 +291,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
             // A rescale in flight past its savepoint must still finish (to its recorded target),
             // or the job would stay stopped; anything else waits for a fixed spec.
             match status.rescale.as_ref() {
-                Some(r) if step::active(&r.step) && r.step != step::SAVEPOINTING => None,
+                Some(r) if r.step.past_savepoint() => None,
                 _ => return Action::Stall { reason, message },
             }
         }
@@ -331,7 +307,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         };
     }
 
-    if let Some(r) = status.rescale.as_ref().filter(|r| step::active(&r.step)) {
+    if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
         return rescale_step(r, obs);
     }
 
@@ -439,8 +415,8 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
 }
 
 fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
-    match r.step.as_str() {
-        step::SAVEPOINTING => {
+    match r.step {
+        Step::Savepointing => {
             if obs.active.is_some() {
                 if let Some(active) = &obs.active
                     && let Some(message) = run_failure(&obs.pods, active)
@@ -462,17 +438,15 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
                 },
             }
         }
-        step::VERIFYING => match &r.savepoint {
+        Step::Verifying => match &r.savepoint {
             Some(url) => Action::Verify { url: url.clone() },
             None => Action::Abandon {
                 message: "no savepoint was recorded for this rescale".into(),
             },
         },
-        step::STOPPING => {
+        Step::Stopping => {
             if obs.pods.is_empty() {
-                Action::Advance {
-                    to: step::RESTORING,
-                }
+                Action::Advance(Outcome::Stopped)
             } else if obs.pods.iter().all(|p| p.deleting) {
                 Action::Wait {
                     reason: waiting_for_termination(&obs.pods, obs.now),
@@ -481,7 +455,7 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
                 Action::DeletePods { reason: "Stopping" }
             }
         }
-        step::RESTORING => {
+        Step::Restoring => {
             let to = restore_target(r);
             if to == 0 {
                 return Action::FinishRescale;
@@ -516,7 +490,7 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
             };
             bring_up(&obs.pods, to, restore, &obs.new_run, obs.now)
         }
-        _ => Action::Idle {
+        Step::Done | Step::Abandoned | Step::RolledBack => Action::Idle {
             requeue: Duration::from_secs(1),
         },
     }
@@ -537,7 +511,7 @@ fn run_failure(pods: &[ObservedPod], active: &ActiveRun) -> Option<String> {
             Some(p) if p.phase == PodPhase::Exited => {
                 return Some(format!("the worker of subtask {i} (pod {}) exited", p.name));
             }
-            Some(p) if p.phase == PodPhase::Running && p.worker.as_deref() == Some("idle") => {
+            Some(p) if p.phase == PodPhase::Running && p.worker == Some(WorkerState::Idle) => {
                 return Some(format!(
                     "the worker of subtask {i} (pod {}) restarted and lost its state",
                     p.name
@@ -564,7 +538,7 @@ fn adoptable(pods: &[ObservedPod]) -> Option<(String, u32)> {
             || p.deleting
             || p.phase != PodPhase::Running
             || p.ip.is_none()
-            || !matches!(p.worker.as_deref(), Some("running" | "stopped"))
+            || !matches!(p.worker, Some(WorkerState::Running | WorkerState::Stopped))
         {
             return None;
         }
@@ -655,7 +629,7 @@ fn bring_up(
             reason: format!("{not_up} of {parallelism} worker pod(s) not running yet"),
         };
     }
-    if pods.iter().all(|p| p.worker.as_deref() == Some("idle")) {
+    if pods.iter().all(|p| p.worker == Some(WorkerState::Idle)) {
         return Action::Start {
             run,
             parallelism,
@@ -664,8 +638,8 @@ fn bring_up(
     }
     if pods.iter().any(|p| {
         matches!(
-            p.worker.as_deref(),
-            Some("running" | "stopped" | "restoring")
+            p.worker,
+            Some(WorkerState::Running | WorkerState::Stopped | WorkerState::Restoring)
         )
     }) {
         // Started by an earlier attempt whose outcome is unknown: start clean.
@@ -716,7 +690,7 @@ mod tests {
         }
     }
 
-    fn pods(run: &str, p: u32, phase: PodPhase, worker: Option<&str>) -> Vec<ObservedPod> {
+    fn pods(run: &str, p: u32, phase: PodPhase, worker: Option<WorkerState>) -> Vec<ObservedPod> {
         (0..p)
             .map(|i| ObservedPod {
                 name: format!("j-{run}-{i}"),
@@ -727,18 +701,18 @@ mod tests {
                 ip: (phase == PodPhase::Running).then(|| format!("10.0.0.{i}")),
                 deleting: false,
                 grace_deadline: None,
-                worker: worker.map(str::to_owned),
+                worker,
                 spec_hash: None,
             })
             .collect()
     }
 
-    fn rescaling(step: &str, savepoint: Option<&str>) -> StreamJobStatus {
+    fn rescaling(step: Step, savepoint: Option<&str>) -> StreamJobStatus {
         StreamJobStatus {
             rescale: Some(RescaleStatus {
                 from: 4,
                 to: 8,
-                step: step.into(),
+                step,
                 started: "t".into(),
                 savepoint: savepoint.map(str::to_owned),
                 ..Default::default()
@@ -787,7 +761,10 @@ mod tests {
         let a = decide(
             &s,
             &status(),
-            &obs(pods("r", 4, PodPhase::Running, Some("idle")), None),
+            &obs(
+                pods("r", 4, PodPhase::Running, Some(WorkerState::Idle)),
+                None,
+            ),
         );
         assert_eq!(
             a,
@@ -816,7 +793,7 @@ mod tests {
     #[test]
     fn running_job_checkpoints_when_due_and_idles_otherwise() {
         let s = spec(4);
-        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         let mut o = obs(running, Some(("r", 4)));
         let a = decide(&s, &status(), &o);
         assert!(matches!(a, Action::Idle { requeue } if requeue <= Duration::from_secs(30)));
@@ -830,7 +807,10 @@ mod tests {
         let a = decide(
             &s,
             &status(),
-            &obs(pods("r", 4, PodPhase::Running, Some("running")), None),
+            &obs(
+                pods("r", 4, PodPhase::Running, Some(WorkerState::Running)),
+                None,
+            ),
         );
         assert_eq!(
             a,
@@ -843,17 +823,17 @@ mod tests {
 
     #[test]
     fn a_scale_begins_a_rescale_and_each_step_follows_from_status() {
-        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         let a = decide(&spec(8), &status(), &obs(running.clone(), Some(("r", 4))));
         assert_eq!(a, Action::BeginRescale { from: 4, to: 8 });
 
-        let st = rescaling(step::SAVEPOINTING, None);
+        let st = rescaling(Step::Savepointing, None);
         assert_eq!(
             decide(&spec(8), &st, &obs(running.clone(), Some(("r", 4)))),
             Action::Savepoint
         );
         // Operator restarted while savepointing: adopt the old workers (possibly stopped).
-        let stopped = pods("r", 4, PodPhase::Running, Some("stopped"));
+        let stopped = pods("r", 4, PodPhase::Running, Some(WorkerState::Stopped));
         assert_eq!(
             decide(&spec(8), &st, &obs(stopped, None)),
             Action::Adopt {
@@ -862,7 +842,7 @@ mod tests {
             }
         );
 
-        let st = rescaling(step::VERIFYING, Some("file:///s/sp-3"));
+        let st = rescaling(Step::Verifying, Some("file:///s/sp-3"));
         assert_eq!(
             decide(&spec(8), &st, &obs(running.clone(), None)),
             Action::Verify {
@@ -870,7 +850,7 @@ mod tests {
             }
         );
 
-        let st = rescaling(step::STOPPING, Some("file:///s/sp-3"));
+        let st = rescaling(Step::Stopping, Some("file:///s/sp-3"));
         assert_eq!(
             decide(&spec(8), &st, &obs(running.clone(), None)),
             Action::DeletePods { reason: "Stopping" }
@@ -900,12 +880,10 @@ mod tests {
         );
         assert_eq!(
             decide(&spec(8), &st, &obs(vec![], None)),
-            Action::Advance {
-                to: step::RESTORING
-            }
+            Action::Advance(Outcome::Stopped)
         );
 
-        let st = rescaling(step::RESTORING, Some("file:///s/sp-3"));
+        let st = rescaling(Step::Restoring, Some("file:///s/sp-3"));
         assert_eq!(
             decide(&spec(8), &st, &obs(vec![], None)),
             Action::CreatePods {
@@ -918,7 +896,10 @@ mod tests {
             decide(
                 &spec(8),
                 &st,
-                &obs(pods("n", 8, PodPhase::Running, Some("idle")), None)
+                &obs(
+                    pods("n", 8, PodPhase::Running, Some(WorkerState::Idle)),
+                    None
+                )
             ),
             Action::Start {
                 run: "n".into(),
@@ -927,7 +908,7 @@ mod tests {
             }
         );
         // Started, but the operator died before recording Done: adopt, then finish.
-        let up = pods("n", 8, PodPhase::Running, Some("running"));
+        let up = pods("n", 8, PodPhase::Running, Some(WorkerState::Running));
         assert_eq!(
             decide(&spec(8), &st, &obs(up.clone(), None)),
             Action::Adopt {
@@ -944,7 +925,7 @@ mod tests {
     #[test]
     fn a_failed_worker_restarts_the_run_and_backoff_delays_it() {
         let s = spec(4);
-        let mut running = pods("r", 4, PodPhase::Running, Some("running"));
+        let mut running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         running[2].phase = PodPhase::Exited;
         let a = decide(&s, &status(), &obs(running, Some(("r", 4))));
         assert!(matches!(a, Action::Recover { .. }), "{a:?}");
@@ -952,7 +933,7 @@ mod tests {
         o.backoff_until = Some(now() + chrono::Duration::seconds(4));
         assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
         // Stopped pods of a broken run are removed before a new run is created.
-        let mut broken = pods("r", 4, PodPhase::Running, Some("idle"));
+        let mut broken = pods("r", 4, PodPhase::Running, Some(WorkerState::Idle));
         broken[0].phase = PodPhase::Exited;
         assert!(matches!(
             decide(&s, &status(), &obs(broken, None)),
@@ -967,7 +948,7 @@ mod tests {
             max_parallelism: Some(128),
             ..Default::default()
         };
-        let running = pods("r", 24, PodPhase::Running, Some("running"));
+        let running = pods("r", 24, PodPhase::Running, Some(WorkerState::Running));
         match decide(&s, &st, &obs(running, Some(("r", 24)))) {
             Action::Stall { reason, message } => {
                 assert_eq!(reason, "AboveKeyGroupCeiling");
@@ -1038,7 +1019,7 @@ mod tests {
         let mut s = spec(200);
         s.max_parallelism = Some(1024);
         s.restore_from = Some("file:///x/sp-3-mp1024".into());
-        let running = pods("r", 24, PodPhase::Running, Some("running"));
+        let running = pods("r", 24, PodPhase::Running, Some(WorkerState::Running));
         let mut o = obs(running, Some(("r", 24)));
         o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
         assert_eq!(
@@ -1051,14 +1032,14 @@ mod tests {
             }
         );
         // Its Restoring step restores the named snapshot, not the savepoint it took.
-        let mut st = rescaling(step::RESTORING, Some("file:///x/sp-4"));
+        let mut st = rescaling(Step::Restoring, Some("file:///x/sp-4"));
         if let Some(r) = st.rescale.as_mut() {
             r.from = 24;
             r.to = 200;
             r.restore_from = Some("file:///x/sp-3-mp1024".into());
             r.max_parallelism = Some(1024);
         }
-        let idle = pods("n", 200, PodPhase::Running, Some("idle"));
+        let idle = pods("n", 200, PodPhase::Running, Some(WorkerState::Idle));
         assert_eq!(
             decide(&s, &st, &obs(idle.clone(), None)),
             Action::Start {
@@ -1071,7 +1052,7 @@ mod tests {
         if let Some(r) = st.rescale.as_mut() {
             r.rolled_back = Some("failed".into());
         }
-        let old = pods("n", 24, PodPhase::Running, Some("idle"));
+        let old = pods("n", 24, PodPhase::Running, Some(WorkerState::Idle));
         assert_eq!(
             decide(&s, &st, &obs(old, None)),
             Action::Start {
@@ -1092,7 +1073,10 @@ mod tests {
             replicas: Some(0),
             ..status()
         };
-        let mut o = obs(pods("n", 200, PodPhase::Running, Some("idle")), None);
+        let mut o = obs(
+            pods("n", 200, PodPhase::Running, Some(WorkerState::Idle)),
+            None,
+        );
         o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
         assert_eq!(
             decide(&s, &st, &o),
@@ -1107,7 +1091,10 @@ mod tests {
             max_parallelism: Some(1024),
             ..st
         };
-        let o = obs(pods("n", 200, PodPhase::Running, Some("idle")), None);
+        let o = obs(
+            pods("n", 200, PodPhase::Running, Some(WorkerState::Idle)),
+            None,
+        );
         assert_eq!(
             decide(&s, &st, &o),
             Action::Start {
@@ -1123,7 +1110,7 @@ mod tests {
         let mut s = spec(200);
         s.max_parallelism = Some(512);
         s.restore_from = Some("file:///x/sp-3-mp1024".into());
-        let running = pods("r", 24, PodPhase::Running, Some("running"));
+        let running = pods("r", 24, PodPhase::Running, Some(WorkerState::Running));
         let mut o = obs(running, Some(("r", 24)));
         o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
         match decide(&s, &status(), &o) {
@@ -1185,12 +1172,12 @@ mod tests {
     fn suspend_is_a_rescale_to_zero() {
         let mut s = spec(4);
         s.suspend = true;
-        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         assert_eq!(
             decide(&s, &status(), &obs(running, Some(("r", 4)))),
             Action::BeginRescale { from: 4, to: 0 }
         );
-        let mut st = rescaling(step::RESTORING, Some("u"));
+        let mut st = rescaling(Step::Restoring, Some("u"));
         if let Some(r) = st.rescale.as_mut() {
             r.to = 0;
         }
@@ -1208,7 +1195,7 @@ mod tests {
 
     #[test]
     fn a_failed_restore_rolls_back_to_the_old_parallelism_from_the_same_savepoint() {
-        let st = rescaling(step::RESTORING, Some("file:///s/sp-3"));
+        let st = rescaling(Step::Restoring, Some("file:///s/sp-3"));
         let r = st.rescale.clone().unwrap();
         assert_eq!(rollback_on_restore_failure(&r), Some(4));
         // Rolled back: restore the old parallelism (4) from the same savepoint.
@@ -1230,7 +1217,10 @@ mod tests {
             decide(
                 &spec(8),
                 &rolled,
-                &obs(pods("n", 4, PodPhase::Running, Some("idle")), None)
+                &obs(
+                    pods("n", 4, PodPhase::Running, Some(WorkerState::Idle)),
+                    None
+                )
             ),
             Action::Start {
                 run: "n".into(),
@@ -1238,15 +1228,15 @@ mod tests {
                 restore: Restore::Url("file:///s/sp-3".into())
             }
         );
-        let up = pods("n", 4, PodPhase::Running, Some("running"));
+        let up = pods("n", 4, PodPhase::Running, Some(WorkerState::Running));
         assert_eq!(
             decide(&spec(8), &rolled, &obs(up, Some(("n", 4)))),
             Action::FinishRescale
         );
         // Not in Restoring, or a suspend/resume without an old run: no rollback.
-        let st = rescaling(step::STOPPING, Some("u"));
+        let st = rescaling(Step::Stopping, Some("u"));
         assert_eq!(rollback_on_restore_failure(&st.rescale.unwrap()), None);
-        let mut st = rescaling(step::RESTORING, Some("u"));
+        let mut st = rescaling(Step::Restoring, Some("u"));
         st.rescale.as_mut().unwrap().from = 0;
         assert_eq!(rollback_on_restore_failure(&st.rescale.unwrap()), None);
     }
@@ -1254,7 +1244,7 @@ mod tests {
     #[test]
     fn a_new_savepoint_nonce_takes_one_savepoint_without_stopping() {
         let mut s = spec(4);
-        let running = pods("r", 4, PodPhase::Running, Some("running"));
+        let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         let o = obs(running.clone(), Some(("r", 4)));
         // No nonce: nothing to trigger.
         assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
@@ -1283,7 +1273,7 @@ mod tests {
         );
     }
 
-    fn upgrading(mode: UpgradeMode, step: &str, savepoint: Option<&str>) -> StreamJobStatus {
+    fn upgrading(mode: UpgradeMode, step: Step, savepoint: Option<&str>) -> StreamJobStatus {
         let mut st = rescaling(step, savepoint);
         if let Some(r) = st.rescale.as_mut() {
             r.from = 4;
@@ -1296,7 +1286,7 @@ mod tests {
     #[test]
     fn a_changed_job_or_image_upgrades_in_the_spec_upgrade_mode() {
         let mut s = spec(4);
-        let mut running = pods("r", 4, PodPhase::Running, Some("running"));
+        let mut running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         // Pods without the label (older operators) are not upgraded.
         assert!(matches!(
             decide(&s, &status(), &obs(running.clone(), Some(("r", 4)))),
@@ -1325,34 +1315,28 @@ mod tests {
                 }
             );
         }
-        assert_eq!(
-            upgrade_first_step(UpgradeMode::Savepoint),
-            step::SAVEPOINTING
-        );
-        assert_eq!(upgrade_first_step(UpgradeMode::LastState), step::STOPPING);
-        assert_eq!(upgrade_first_step(UpgradeMode::Stateless), step::STOPPING);
         // Backoff after a failed attempt delays the next one.
         let mut o = obs(running.clone(), Some(("r", 4)));
         o.backoff_until = Some(now() + chrono::Duration::seconds(2));
         assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
 
         // Each mode restores from its own source once the old pods are gone.
-        let idle = pods("n", 4, PodPhase::Running, Some("idle"));
+        let idle = pods("n", 4, PodPhase::Running, Some(WorkerState::Idle));
         let cases = [
             (
                 upgrading(
                     UpgradeMode::Savepoint,
-                    step::RESTORING,
+                    Step::Restoring,
                     Some("file:///s/sp-9"),
                 ),
                 Restore::Url("file:///s/sp-9".into()),
             ),
             (
-                upgrading(UpgradeMode::LastState, step::RESTORING, None),
+                upgrading(UpgradeMode::LastState, Step::Restoring, None),
                 Restore::Latest,
             ),
             (
-                upgrading(UpgradeMode::Stateless, step::RESTORING, None),
+                upgrading(UpgradeMode::Stateless, Step::Restoring, None),
                 Restore::Empty,
             ),
         ];
@@ -1367,7 +1351,7 @@ mod tests {
             );
         }
         // last-state and stateless skip the savepoint: Stopping deletes the running pods.
-        let st = upgrading(UpgradeMode::LastState, step::STOPPING, None);
+        let st = upgrading(UpgradeMode::LastState, Step::Stopping, None);
         assert_eq!(
             decide(&s, &st, &obs(running, None)),
             Action::DeletePods { reason: "Stopping" }

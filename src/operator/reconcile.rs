@@ -1,7 +1,7 @@
 //! The I/O shell of the operator: watches, reads pods and workers, executes one decided action
 //! per pass, writes status and Events.
 
-use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore, step};
+use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore};
 use super::desired::{self, LABEL_JOB, LABEL_PARALLELISM, LABEL_RUN, LABEL_SUBTASK, MANAGER};
 use super::metrics::{KindLabels, OperatorMetrics, StepLabels};
 use super::status::{self, Progress};
@@ -9,7 +9,8 @@ use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerE
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJob, StreamJobSpec, StreamJobStatus};
 use crate::keygroup::{self, Assignment};
 use crate::orchestrator::run;
-use crate::runtime::protocol::{StartResponse, WorkerStatus};
+use crate::orchestrator::step::{self, Outcome, Step};
+use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
 use crate::validation;
 use chrono::{DateTime, Utc};
@@ -67,6 +68,8 @@ pub enum OperatorError {
         addr: SocketAddr,
         source: std::io::Error,
     },
+    #[error("rescale state machine: {0}")]
+    Transition(String),
     #[error("the control-token Secret {0} has no usable token")]
     Token(String),
     #[error(transparent)]
@@ -89,7 +92,7 @@ struct JobMemory {
     failures: u32,
     backoff_until: Option<DateTime<Utc>>,
     last_failure: Option<(String, String)>,
-    step_started: Option<(String, Instant)>,
+    step_started: Option<(Step, Instant)>,
     /// The key-group count of a spec.restoreFrom snapshot, by URL (read once: committed
     /// manifests never change).
     restore_source: Option<(String, u32)>,
@@ -121,9 +124,9 @@ const BACKGROUND_BACKSTOP: Duration = Duration::from_secs(1);
 /// the pass after it ended records its outcome.
 struct Background {
     work: BackgroundWork,
-    rx: tokio::sync::oneshot::Receiver<Outcome>,
+    rx: tokio::sync::oneshot::Receiver<Ended>,
     /// Once ended: its outcome (`None`: the task panicked and the run's coordinator is lost).
-    ended: Option<Option<Outcome>>,
+    ended: Option<Option<Ended>>,
 }
 
 #[derive(Debug, Clone)]
@@ -161,7 +164,7 @@ struct StartWork {
     started: Instant,
 }
 
-enum Outcome {
+enum Ended {
     Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),
     Verify(Result<snapshot::VerifyReport, String>),
     Start(Box<(Coordinator, Result<Vec<StartResponse>, String>)>),
@@ -649,10 +652,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     // deletion to the pass its own watch event triggers; read the cache as it is.
     if spec.suspend
         && mem.run.is_none()
-        && !status0
-            .rescale
-            .as_ref()
-            .is_some_and(|r| step::active(&r.step))
+        && !status0.rescale.as_ref().is_some_and(|r| r.step.active())
     {
         list_params = list_params.match_any();
     } else if let Some(version) = &mem.pods_version {
@@ -668,7 +668,7 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     let recording = mem.background.as_ref().is_some_and(|bg| {
         !matches!(
             bg.ended.as_ref(),
-            Some(Some(Outcome::Start(done))) if done.1.is_err()
+            Some(Some(Ended::Start(done))) if done.1.is_err()
         )
     });
     let cached_token = mem.token.clone();
@@ -899,7 +899,7 @@ fn test_pause_at_step(name: &str, status: &StreamJobStatus) {
     if status
         .rescale
         .as_ref()
-        .is_some_and(|r| step::active(&r.step) && r.step == want)
+        .is_some_and(|r| r.step.active() && r.step.as_str() == want)
     {
         tracing::warn!(job = %name, step = %want, "{TEST_PAUSE_ENV}: exiting inside the step (test only)");
         std::process::exit(3);
@@ -1004,33 +1004,45 @@ impl Pass<'_> {
         self.status.rescale.as_mut()
     }
 
-    /// Records the end of the current rescale step and the start of `next`.
-    fn set_step(&mut self, next: &str) {
+    /// Records a new transition, starting at its first step.
+    fn begin(&mut self, rescale: RescaleStatus) {
+        self.mem.step_started = Some((rescale.step, Instant::now()));
+        self.status.rescale = Some(rescale);
+    }
+
+    /// The one place a transition's step changes: the step that follows `outcome` (by
+    /// [`step::next`]) is recorded, with the seconds the ended step took (in status and the
+    /// step-duration metric).
+    fn transition(&mut self, outcome: Outcome) -> Result<(), OperatorError> {
         let now = Instant::now();
-        let labels_base = (self.ns.clone(), self.name.clone());
-        let mem_step = self.mem.step_started.take();
-        if let Some(r) = self.status.rescale.as_mut() {
-            // Unknown after an operator restart: the step's time is then not reported.
-            let secs = match &mem_step {
-                Some((s, t)) if *s == r.step => now.duration_since(*t).as_secs_f64(),
-                _ => 0.0,
-            };
-            if step::active(&r.step) {
-                r.step_seconds
-                    .insert(r.step.clone(), (secs * 1000.0).round() / 1000.0);
-                self.ctx
-                    .metrics
-                    .rescale_step_seconds
-                    .get_or_create(&StepLabels {
-                        namespace: labels_base.0.clone(),
-                        job: labels_base.1.clone(),
-                        step: r.step.clone(),
-                    })
-                    .observe(secs);
-            }
-            r.step = next.to_owned();
-        }
-        self.mem.step_started = Some((next.to_owned(), now));
+        let started = self.mem.step_started.take();
+        let Some(r) = self.status.rescale.as_mut() else {
+            return Err(OperatorError::Transition(format!(
+                "outcome {outcome:?} with no transition recorded"
+            )));
+        };
+        let next =
+            step::next(r.step, outcome).map_err(|e| OperatorError::Transition(e.to_string()))?;
+        // Unknown after an operator restart: the step's time is then not reported.
+        let secs = match started {
+            Some((s, t)) if s == r.step => now.duration_since(t).as_secs_f64(),
+            _ => 0.0,
+        };
+        r.step_seconds
+            .insert(r.step.as_str().to_owned(), (secs * 1000.0).round() / 1000.0);
+        self.ctx
+            .metrics
+            .rescale_step_seconds
+            .get_or_create(&StepLabels {
+                namespace: self.ns.clone(),
+                job: self.name.clone(),
+                step: r.step.as_str().to_owned(),
+            })
+            .observe(secs);
+        tracing::info!(job = %self.name, from = %r.step, to = %next, ?outcome, "step");
+        r.step = next;
+        self.mem.step_started = next.active().then_some((next, now));
+        Ok(())
     }
 
     fn fail(&mut self, reason: &str, message: String) {
@@ -1050,7 +1062,7 @@ impl Pass<'_> {
     /// A transition to spec.restoreFrom whose new run is being started (not rolled back).
     fn restore_transition(&self) -> Option<&RescaleStatus> {
         self.status.rescale.as_ref().filter(|r| {
-            r.step == step::RESTORING && r.rolled_back.is_none() && r.restore_from.is_some()
+            r.step == Step::Restoring && r.rolled_back.is_none() && r.restore_from.is_some()
         })
     }
 
@@ -1165,15 +1177,14 @@ impl Pass<'_> {
                         .map(|p| p.moved_groups as i32),
                     _ => None,
                 };
-                self.status.rescale = Some(RescaleStatus {
+                self.begin(RescaleStatus {
                     from: from as i32,
                     to: to as i32,
-                    step: step::SAVEPOINTING.into(),
+                    step: Step::Savepointing,
                     started: Utc::now().to_rfc3339(),
                     groups_moved,
                     ..Default::default()
                 });
-                self.mem.step_started = Some((step::SAVEPOINTING.into(), Instant::now()));
                 let what = if to == 0 {
                     format!("suspending (parallelism {from}) with a savepoint")
                 } else {
@@ -1198,16 +1209,15 @@ impl Pass<'_> {
                 url,
                 max_parallelism,
             } => {
-                self.status.rescale = Some(RescaleStatus {
+                self.begin(RescaleStatus {
                     from: from as i32,
                     to: to as i32,
-                    step: step::SAVEPOINTING.into(),
+                    step: Step::Savepointing,
                     started: Utc::now().to_rfc3339(),
                     restore_from: Some(url.clone()),
                     max_parallelism: Some(max_parallelism as i32),
                     ..Default::default()
                 });
-                self.mem.step_started = Some((step::SAVEPOINTING.into(), Instant::now()));
                 self.event(
                     false,
                     "RestoreStarted",
@@ -1218,18 +1228,16 @@ impl Pass<'_> {
                 Ok(short)
             }
             Action::BeginUpgrade { parallelism, mode } => {
-                let first = decide::upgrade_first_step(mode);
                 let p = parallelism as i32;
-                self.status.rescale = Some(RescaleStatus {
+                self.begin(RescaleStatus {
                     from: p,
                     to: p,
-                    step: first.into(),
+                    step: Step::first_of_upgrade(mode),
                     started: Utc::now().to_rfc3339(),
                     groups_moved: Some(0),
                     upgrade_mode: Some(mode),
                     ..Default::default()
                 });
-                self.mem.step_started = Some((first.into(), Instant::now()));
                 let how = match mode {
                     crate::crd::UpgradeMode::Savepoint => {
                         "stop with a savepoint, verify, restart with the new spec from it"
@@ -1252,7 +1260,7 @@ impl Pass<'_> {
             Action::Verify { url } => {
                 let work = BackgroundWork::Verify { url: url.clone() };
                 self.in_background(work, move |handle| {
-                    Outcome::Verify(handle.block_on(async {
+                    Ended::Verify(handle.block_on(async {
                         let (store, dir) = snapshot::open_store(&url).map_err(|e| e.to_string())?;
                         snapshot::verify(store.as_ref(), &dir)
                             .await
@@ -1274,12 +1282,12 @@ impl Pass<'_> {
                     Some((reason.to_owned(), format!("deleting {n} worker pod(s)")));
                 Ok(Duration::from_millis(500))
             }
-            Action::Advance { to } => {
-                self.set_step(to);
+            Action::Advance(outcome) => {
+                self.transition(outcome)?;
                 Ok(short)
             }
             Action::Abandon { message } => {
-                self.abandon(message).await;
+                self.abandon(message).await?;
                 Ok(short)
             }
             Action::CreatePods {
@@ -1357,7 +1365,7 @@ impl Pass<'_> {
                 if self
                     .pods
                     .iter()
-                    .any(|p| p.worker.as_deref() == Some("stopped"))
+                    .any(|p| p.worker == Some(WorkerState::Stopped))
                 {
                     coordinator.resume().await;
                 }
@@ -1371,7 +1379,7 @@ impl Pass<'_> {
                     .status
                     .rescale
                     .as_ref()
-                    .is_some_and(|r| step::active(&r.step));
+                    .is_some_and(|r| r.step.active());
                 if !rescaling {
                     self.set_running(parallelism)?;
                 }
@@ -1401,7 +1409,7 @@ impl Pass<'_> {
                 let (to, rolled_back) = self.status.rescale.as_ref().map_or((0, false), |r| {
                     (decide::restore_target(r), r.rolled_back.is_some())
                 });
-                self.finish_restoring(rolled_back);
+                self.finish_restoring(rolled_back)?;
                 if to == 0 {
                     self.status.replicas = Some(0);
                     self.status.phase = Some(Phase::Suspended);
@@ -1445,9 +1453,9 @@ impl Pass<'_> {
     /// The new run of a rescale is up: step Done, or RolledBack when it runs at the old
     /// parallelism after a failed restore (the failure, its condition and its backoff stay, so
     /// the rescale is retried later).
-    fn finish_restoring(&mut self, rolled_back: bool) {
+    fn finish_restoring(&mut self, rolled_back: bool) -> Result<(), OperatorError> {
         if rolled_back {
-            self.set_step(step::ROLLED_BACK);
+            self.transition(Outcome::RestoredAfterRollback)?;
             // The same rescale is retried, but not at once: it just failed.
             let retry = backoff(self.mem.failures).max(chrono::Duration::seconds(10));
             self.mem.backoff_until = Some(Utc::now() + retry);
@@ -1455,21 +1463,20 @@ impl Pass<'_> {
                 self.progress.failure = Some((reason, message));
             }
         } else {
-            self.set_step(step::DONE);
+            self.transition(Outcome::Restored)?;
             self.succeeded();
         }
+        Ok(())
     }
 
-    async fn abandon(&mut self, message: String) {
-        if let Some(r) = self.rescale_mut() {
-            r.step = step::ABANDONED.into();
-        }
-        self.mem.step_started = None;
+    async fn abandon(&mut self, message: String) -> Result<(), OperatorError> {
+        self.transition(Outcome::GaveUp)?;
         if let Some(run) = &self.mem.run {
             run.coordinator.resume().await;
         }
         self.fail("RescaleAbandoned", message.clone());
         self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
+        Ok(())
     }
 
     fn kind_labels(&self, kind: &str) -> KindLabels {
@@ -1507,7 +1514,7 @@ impl Pass<'_> {
     fn in_background(
         &mut self,
         work: BackgroundWork,
-        run: impl FnOnce(&tokio::runtime::Handle) -> Outcome + Send + 'static,
+        run: impl FnOnce(&tokio::runtime::Handle) -> Ended + Send + 'static,
     ) {
         let (tx, rx) = tokio::sync::oneshot::channel();
         let waker = self.ctx.waker(&self.ns);
@@ -1540,7 +1547,7 @@ impl Pass<'_> {
     ) {
         self.in_background(work, move |handle| {
             let result = handle.block_on(run.coordinator.snapshot(kind, stop, timeout));
-            Outcome::Snapshot(Box::new((run, result)))
+            Ended::Snapshot(Box::new((run, result)))
         });
     }
 
@@ -1553,24 +1560,24 @@ impl Pass<'_> {
         let Background { work, ended, .. } = bg;
         tracing::debug!(job = %self.name, ?work, "background step ended");
         match (work, ended.flatten()) {
-            (BackgroundWork::Checkpoint { parallelism }, Some(Outcome::Snapshot(done))) => {
+            (BackgroundWork::Checkpoint { parallelism }, Some(Ended::Snapshot(done))) => {
                 Ok(self.checkpoint_done(parallelism, *done))
             }
-            (BackgroundWork::Savepoint { parallelism }, Some(Outcome::Snapshot(done))) => {
-                Ok(self.savepoint_done(parallelism, *done).await)
+            (BackgroundWork::Savepoint { parallelism }, Some(Ended::Snapshot(done))) => {
+                self.savepoint_done(parallelism, *done).await
             }
             (
                 BackgroundWork::TriggeredSavepoint { parallelism, nonce },
-                Some(Outcome::Snapshot(done)),
+                Some(Ended::Snapshot(done)),
             ) => Ok(self.triggered_savepoint_done(parallelism, nonce, *done)),
-            (BackgroundWork::Start(work), Some(Outcome::Start(done))) => {
+            (BackgroundWork::Start(work), Some(Ended::Start(done))) => {
                 let (coordinator, result) = *done;
                 self.start_done(*work, coordinator, result, pods_api).await
             }
-            (BackgroundWork::Verify { url }, Some(Outcome::Verify(result))) => {
+            (BackgroundWork::Verify { url }, Some(Ended::Verify(result))) => {
                 match result {
                     Ok(report) => {
-                        self.set_step(step::STOPPING);
+                        self.transition(Outcome::Verified)?;
                         self.event(
                             false,
                             "SavepointVerified",
@@ -1579,7 +1586,7 @@ impl Pass<'_> {
                     }
                     Err(e) => {
                         self.abandon(format!("savepoint {url} failed verification: {e}"))
-                            .await;
+                            .await?;
                     }
                 }
                 Ok(Duration::from_millis(200))
@@ -1600,7 +1607,7 @@ impl Pass<'_> {
         if self
             .pods
             .iter()
-            .any(|p| p.worker.as_deref() == Some("stopped"))
+            .any(|p| p.worker == Some(WorkerState::Stopped))
         {
             // A savepoint taken by an operator that died before recording it: the sources are
             // stopped at its barrier. Take a new one (the old one stays valid in storage).
@@ -1623,7 +1630,7 @@ impl Pass<'_> {
         &mut self,
         parallelism: u32,
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
-    ) -> Duration {
+    ) -> Result<Duration, OperatorError> {
         let labels = self.kind_labels("savepoint");
         self.mem.run = Some(run);
         match result {
@@ -1634,7 +1641,7 @@ impl Pass<'_> {
                     r.savepoint = Some(c.url.clone());
                     r.bytes_to_read = Some(c.manifest.stats.total_bytes as i64);
                 }
-                self.set_step(step::VERIFYING);
+                self.transition(Outcome::SavepointTaken)?;
                 self.event(
                     false,
                     "SavepointTaken",
@@ -1645,12 +1652,12 @@ impl Pass<'_> {
                         c.duration.as_millis()
                     ),
                 );
-                Duration::from_millis(100)
+                Ok(Duration::from_millis(100))
             }
             Err(e) => {
                 self.record_snapshot(&labels, None);
-                self.abandon(format!("savepoint failed: {e}")).await;
-                Duration::from_millis(500)
+                self.abandon(format!("savepoint failed: {e}")).await?;
+                Ok(Duration::from_millis(500))
             }
         }
     }
@@ -1844,7 +1851,7 @@ impl Pass<'_> {
             .status
             .rescale
             .as_ref()
-            .is_some_and(|r| r.step == step::RESTORING && r.rolled_back.is_none());
+            .is_some_and(|r| r.step == Step::Restoring && r.rolled_back.is_none());
         if restoring_rescale && test_fail_restore_at(work.parallelism) {
             let injected = format!(
                 "{TEST_FAIL_RESTORE_ENV}={}: restore failure injected (test only)",
@@ -1859,7 +1866,7 @@ impl Pass<'_> {
             let result = handle
                 .block_on(coordinator.start(&template, run::timeouts::START))
                 .map_err(|e| e.to_string());
-            Outcome::Start(Box::new((coordinator, result)))
+            Ended::Start(Box::new((coordinator, result)))
         });
         Ok(BACKGROUND_BACKSTOP)
     }
@@ -1914,7 +1921,7 @@ impl Pass<'_> {
                     .status
                     .rescale
                     .as_ref()
-                    .is_some_and(|r| r.step == step::RESTORING);
+                    .is_some_and(|r| r.step == Step::Restoring);
                 let rolled_back = self
                     .status
                     .rescale
@@ -1924,7 +1931,7 @@ impl Pass<'_> {
                     if let Some(r) = self.rescale_mut() {
                         r.bytes_to_read = Some(bytes as i64);
                     }
-                    self.finish_restoring(rolled_back);
+                    self.finish_restoring(rolled_back)?;
                 } else {
                     self.succeeded();
                 }
@@ -1975,6 +1982,7 @@ impl Pass<'_> {
                     let why = format!(
                         "{message}; rolling back: restoring the old parallelism {old} from the same savepoint"
                     );
+                    self.transition(Outcome::RestoreFailed)?;
                     if let Some(r) = self.rescale_mut() {
                         r.rolled_back = Some(why.clone());
                     }
@@ -2029,18 +2037,15 @@ mod tests {
         };
         assert!(bg.running());
         assert!(bg.running(), "asking again changes nothing");
-        assert!(
-            tx.send(Outcome::Verify(Err("corrupt block".into())))
-                .is_ok()
-        );
+        assert!(tx.send(Ended::Verify(Err("corrupt block".into()))).is_ok());
         assert!(!bg.running());
         assert!(!bg.running(), "the outcome is kept");
         assert!(matches!(
             bg.ended,
-            Some(Some(Outcome::Verify(Err(ref e)))) if e == "corrupt block"
+            Some(Some(Ended::Verify(Err(ref e)))) if e == "corrupt block"
         ));
 
-        let (tx, rx) = tokio::sync::oneshot::channel::<Outcome>();
+        let (tx, rx) = tokio::sync::oneshot::channel::<Ended>();
         let mut bg = Background {
             work: BackgroundWork::Checkpoint { parallelism: 2 },
             rx,

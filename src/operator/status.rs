@@ -2,7 +2,6 @@
 //! observedGeneration) plus the domain conditions `KeyGroupsBalanced` and
 //! `AllSubtasksHavePartitions`, from the status the shell arrived at.
 
-use super::decide::step;
 use crate::crd::{KeyGroupsStatus, Phase, StateDistribution, StreamJobSpec, StreamJobStatus};
 use crate::keygroup::Assignment;
 use crate::validation::Analysis;
@@ -153,10 +152,7 @@ pub fn human_bytes(n: u64) -> String {
 
 /// Whether the job runs as its spec asks.
 pub fn is_ready(spec: &StreamJobSpec, status: &StreamJobStatus, progress: &Progress) -> bool {
-    let rescaling = status
-        .rescale
-        .as_ref()
-        .is_some_and(|r| step::active(&r.step));
+    let rescaling = status.rescale.as_ref().is_some_and(|r| r.step.active());
     if progress.stalled.is_some() || rescaling {
         return false;
     }
@@ -177,7 +173,7 @@ pub fn finish(
     now: Timestamp,
 ) {
     status.observed_generation = generation;
-    let rescale = status.rescale.as_ref().filter(|r| step::active(&r.step));
+    let rescale = status.rescale.as_ref().filter(|r| r.step.active());
     if let Some(r) = rescale {
         status.phase = Some(if r.upgrade_mode.is_some() {
             Phase::Upgrading
@@ -255,7 +251,7 @@ pub fn finish(
                         if let Some((_, f)) = failure {
                             m.push_str(&format!(" (retrying after: {f})"));
                         }
-                        (r.step.clone(), m)
+                        (r.step.as_str().to_owned(), m)
                     }
                     (None, Some((reason, message)), _) => (reason.clone(), message.clone()),
                     (None, None, Some((reason, message))) => (reason.clone(), message.clone()),
@@ -326,6 +322,7 @@ mod tests {
     use super::*;
     use crate::crd::RescaleStatus;
     use crate::operator::desired::tests_support::job;
+    use crate::orchestrator::step::Step;
     use crate::validation::analyse;
 
     /// A manifest of 8 groups at parallelism 2 with the given (bytes, keys) per group.
@@ -447,7 +444,7 @@ mod tests {
         st.rescale = Some(RescaleStatus {
             from: 4,
             to: 3,
-            step: step::SAVEPOINTING.into(),
+            step: Step::Savepointing,
             ..Default::default()
         });
         let a = analyse(&scaled, Some(&st)).unwrap();
@@ -469,7 +466,7 @@ mod tests {
         );
         // What a step waits for is in the message.
         if let Some(r) = st.rescale.as_mut() {
-            r.step = step::STOPPING.into();
+            r.step = Step::Stopping;
         }
         let waiting = Progress {
             note: Some((

@@ -3,3 +3,4 @@
 //! (processes) build runs only through here, so they cannot drift apart.
 
 pub mod run;
+pub mod step;

@@ -108,12 +108,27 @@ pub struct SubtaskAck {
     pub duration_ms: u64,
 }
 
+/// A worker's state, as its control API reports it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WorkerState {
+    /// Waiting for `/v1/start` (a fresh process, or one that restarted and lost its state).
+    #[default]
+    Idle,
+    /// Started: restoring its key groups and connecting to its peers.
+    Restoring,
+    /// Processing records.
+    Running,
+    /// Its sources stopped at a savepoint's barrier (until `/v1/resume` or the end of the run).
+    Stopped,
+}
+
 /// A worker's view of itself.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WorkerStatus {
-    /// `idle` (waiting for start), `restoring`, `running`, `stopped` (after stop-with-savepoint).
-    pub state: String,
+    /// Where the worker is in its life (`idle`, `restoring`, `running`, `stopped`).
+    pub state: WorkerState,
     pub subtask: u32,
     pub parallelism: u32,
     /// Inclusive key-group range owned.

@@ -151,7 +151,7 @@ pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
         checkpoints: Mutex::new(BTreeMap::new()),
         barrier_positions: Mutex::new(BTreeMap::new()),
         status: Mutex::new(WorkerStatus {
-            state: "idle".into(),
+            state: WorkerState::Idle,
             ..Default::default()
         }),
         metrics: WorkerMetrics::new(),
@@ -256,7 +256,7 @@ async fn status(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     st.watermark = m.watermark.get();
     st.backpressure_ms = m.backpressure_ms.get();
     if s.stopped.load(Ordering::Acquire) {
-        st.state = "stopped".into();
+        st.state = WorkerState::Stopped;
     }
     Json(st).into_response()
 }
@@ -331,10 +331,12 @@ async fn start(
     if s.started.swap(true, Ordering::AcqRel) {
         return err(StatusCode::CONFLICT, "the worker was already started");
     }
+    s.status.lock().await.state = WorkerState::Restoring;
     match start_subtask(s.clone(), req).await {
         Ok(resp) => Json(resp).into_response(),
         Err(e) => {
             tracing::error!(error = %e, "start failed");
+            s.status.lock().await.state = WorkerState::Idle;
             s.started.store(false, Ordering::Release);
             err(StatusCode::UNPROCESSABLE_ENTITY, e)
         }
@@ -432,7 +434,7 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
 
     {
         let mut st = s.status.lock().await;
-        st.state = "running".into();
+        st.state = WorkerState::Running;
         st.subtask = req.subtask;
         st.parallelism = req.parallelism;
         st.key_groups = Some([range.start, range.end]);
