@@ -65,7 +65,7 @@ cargo test --locked
 # Go modules by hack/build-control-plane.sh and hack/build-node.sh on first use -- running the
 # keyshift image built from this checkout (hack/build-image.sh).
 step "cargo build --bins"
-cargo build --locked --bins
+cargo build --locked --bins --features test-hooks
 export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e2e.XXXXXX)}"
 
 cleanup() {
@@ -99,4 +99,4 @@ eval "$testenv_env"
 source "$KEYSHIFT_TESTENV_DIR/env"
 
 step "e2e tests"
-cargo test --locked --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4
+cargo test --locked --features test-hooks --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4

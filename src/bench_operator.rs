@@ -395,7 +395,7 @@ fn is_ready(job: &StreamJob) -> bool {
     job.status.as_ref().is_some_and(|s| {
         s.observed_generation == generation
             && s.conditions.iter().any(|c| {
-                c.type_ == crate::operator::status::READY
+                c.type_ == crate::orchestrator::status::READY
                     && c.status == "True"
                     && c.observed_generation == generation
             })
@@ -482,7 +482,7 @@ fn is_reconciled(job: &StreamJob) -> bool {
     job.status.as_ref().is_some_and(|s| {
         s.observed_generation == generation
             && s.conditions.iter().any(|c| {
-                c.type_ == crate::operator::status::READY && c.observed_generation == generation
+                c.type_ == crate::orchestrator::status::READY && c.observed_generation == generation
             })
     })
 }

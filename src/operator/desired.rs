@@ -130,7 +130,10 @@ pub fn pod(
             LABEL_MAX_PARALLELISM.to_owned(),
             assignment.max_parallelism().to_string(),
         ),
-        (LABEL_SPEC_HASH.to_owned(), super::decide::spec_hash(spec)),
+        (
+            LABEL_SPEC_HASH.to_owned(),
+            crate::orchestrator::decide::spec_hash(spec),
+        ),
         (
             "app.kubernetes.io/managed-by".to_owned(),
             "keyshift".to_owned(),

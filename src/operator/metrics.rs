@@ -22,6 +22,15 @@ pub struct StepLabels {
     pub step: String,
 }
 
+/// A failed reconcile pass: the job and what kind of failure it was
+/// (`crate::orchestrator::pass::ErrorKind::label`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ErrorLabels {
+    pub namespace: String,
+    pub job: String,
+    pub kind: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
     pub namespace: String,
@@ -37,7 +46,7 @@ fn seconds_histogram() -> Histogram {
 pub struct OperatorMetrics {
     registry: Registry,
     pub reconciles: Family<JobLabels, Counter>,
-    pub reconcile_errors: Family<JobLabels, Counter>,
+    pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub reconcile_seconds: Histogram,
     pub rescale_step_seconds: Family<StepLabels, Histogram>,
     pub snapshot_seconds: Family<KindLabels, Histogram>,

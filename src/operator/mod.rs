@@ -1,22 +1,31 @@
 //! `keyshift operator`: a kube-rs controller for StreamJobs.
 //!
-//! Pure steps — [`decide::check_spec`] (validate), [`desired`] (the pods and Secret a job owns),
-//! [`decide::decide`] (the one next action from spec, status and what is observed),
-//! [`status::finish`] (phase and conditions) — around a thin I/O shell ([`reconcile`]) that
-//! reads the world, executes the action with the shared [`crate::coordinator::Coordinator`],
-//! and writes status with server-side apply under one field manager.
+//! The orchestration itself — validate, decide the one next action, execute it, derive phase
+//! and conditions — is the platform-neutral [`crate::orchestrator`]; this module is its pod
+//! platform and its Kubernetes shell, one room per role:
 //!
-//! The rescale protocol (`DESIGN.md` §4) is a state machine whose step lives in
-//! `status.rescale.step` and is written before the step acts: Savepointing -> Verifying ->
-//! Stopping -> Restoring -> Done, or Abandoned (the job keeps its old parallelism). A suspend is
-//! the same machine with target parallelism 0. A restarted operator resumes from status: it
-//! re-adopts running workers (their state lives in the worker processes), re-takes a savepoint
-//! that was not recorded, re-verifies, and finishes deleting or starting pods.
+//! - [`controller`]: the controllers (one per watched namespace), finalizer, error policy;
+//! - [`context`]: settings, client, Event recorder, per-job memory, wakers;
+//! - [`apply`]: one pass (read the job, run the orchestration pass, write status and Events);
+//! - [`pods`]: the [`crate::orchestrator::port::Workers`] port over pods and the token Secret;
+//! - [`desired`]: the pods and Secret a job owns (pure);
+//! - [`error`]: the one error type, with a kind per failure;
+//! - [`metrics`]: Prometheus metrics and the `/metrics` server.
+//!
+//! The transition protocol (a state machine whose step lives in `status.rescale.step` and is
+//! written before the step acts) is described in `docs/architecture.md`. A restarted operator
+//! resumes from status: it re-adopts running workers (their state lives in the worker
+//! processes), re-takes a savepoint that was not recorded, re-verifies, and finishes deleting or
+//! starting pods.
 
-pub mod decide;
+mod apply;
+pub mod context;
+pub mod controller;
 pub mod desired;
+pub mod error;
 pub mod metrics;
-pub mod reconcile;
-pub mod status;
+pub mod pods;
 
-pub use reconcile::{Context, OperatorConfig, OperatorError, run};
+pub use context::{Context, OperatorConfig};
+pub use controller::{run, run_controllers};
+pub use error::OperatorError;

@@ -2,5 +2,10 @@
 //! start request, its identities and timeouts). `keyshift operator` (pods) and `keyshift local`
 //! (processes) build runs only through here, so they cannot drift apart.
 
+pub mod decide;
+pub mod hooks;
+pub mod pass;
+pub mod port;
 pub mod run;
+pub mod status;
 pub mod step;

@@ -1161,10 +1161,10 @@ mod tests {
             decide(&s, &st, &obs(vec![], None)),
             Action::Idle { .. }
         ));
-        assert!(crate::operator::status::is_ready(
+        assert!(crate::orchestrator::status::is_ready(
             &s,
             &st,
-            &crate::operator::status::Progress::default()
+            &crate::orchestrator::status::Progress::default()
         ));
     }
 

@@ -1,93 +1,146 @@
-//! The I/O shell of the operator: watches, reads pods and workers, executes one decided action
-//! per pass, writes status and Events.
+//! One pass of the orchestration, the same on every platform: observe the job's workers through
+//! the [`Workers`] port, decide the one next action ([`decide::decide`], pure), execute it, and
+//! return the status (phase and conditions by [`status::finish`]) and Events for the platform to
+//! record. Long steps (snapshots, verification, a run's start) run in the background; the pass
+//! after their end records their outcome. Every change of a transition's step goes through
+//! [`Pass::transition`].
 
 use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore};
-use super::desired::{self, LABEL_JOB, LABEL_PARALLELISM, LABEL_RUN, LABEL_SUBTASK, MANAGER};
-use super::metrics::{KindLabels, OperatorMetrics, StepLabels};
+use super::hooks;
+use super::port::{PortError, Workers};
+use super::run::{self, RandomError};
 use super::status::{self, Progress};
+use super::step::{self, Outcome, Step};
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
-use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJob, StreamJobSpec, StreamJobStatus};
+use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus};
 use crate::keygroup::{self, Assignment};
-use crate::orchestrator::run;
-use crate::orchestrator::step::{self, Outcome, Step};
+use crate::operator::metrics::{KindLabels, OperatorMetrics, StepLabels};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
 use crate::validation;
 use chrono::{DateTime, Utc};
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
-use kube::runtime::controller::{Action as Requeue, Controller};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
-use kube::runtime::reflector::ObjectRef;
-use kube::runtime::watcher;
-use kube::{Client, Resource, ResourceExt};
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Settings of `keyshift operator`.
-#[derive(Debug, Clone)]
-pub struct OperatorConfig {
-    /// Namespaces to watch; empty means all.
-    pub namespaces: Vec<String>,
-    /// Storage URL for jobs without spec.state.storage.
-    pub default_storage: Option<String>,
-    /// Where `/metrics`, `/healthz` and `/readyz` are served.
-    pub metrics_addr: SocketAddr,
-    /// Worker image for jobs without spec.image.
-    pub worker_image: String,
-    /// Reconcile passes that may run at once per controller (0: unbounded).
-    pub max_concurrent_reconciles: u16,
-    /// Leader election (None: this process reconciles unconditionally).
-    pub leader: Option<crate::leader::LeaderConfig>,
+/// How long the next pass waits, by what the pass did. Named here so that no pass picks a
+/// number of its own.
+pub mod requeue {
+    use std::time::Duration;
+
+    /// A status-only step was recorded; the next one acts on it.
+    pub const SOON: Duration = Duration::from_millis(200);
+    /// A step's outcome was recorded right after its end.
+    pub const RECORDED: Duration = Duration::from_millis(100);
+    /// Workers are being created or removed, or are on their way.
+    pub const WORKERS_CHANGING: Duration = Duration::from_millis(500);
+    /// A background step runs: its end wakes the job at once; this only backs that up.
+    pub const BACKGROUND_BACKSTOP: Duration = Duration::from_secs(1);
+    /// After a failure: the backoff decides when the retry happens.
+    pub const AFTER_FAILURE: Duration = Duration::from_secs(1);
+    /// The spec cannot run as it is: look again now and then (an edit wakes the job anyway).
+    pub const STALLED: Duration = Duration::from_secs(60);
 }
 
-/// Operator failures (a failed pass is retried with backoff).
+/// A failed pass, named by what it was doing.
 #[derive(Debug, thiserror::Error)]
-pub enum OperatorError {
-    #[error("kubernetes API: {0}")]
-    Kube(#[from] kube::Error),
-    #[error("kubernetes client configuration (kubeconfig or in-cluster): {0}")]
-    ClientConfig(#[from] kube::config::InferConfigError),
-    #[error(transparent)]
-    Desired(#[from] desired::DesiredError),
-    #[error(transparent)]
-    Coordinator(#[from] CoordinatorError),
-    #[error(transparent)]
-    Snapshot(#[from] snapshot::SnapshotError),
-    #[error(transparent)]
+pub enum PassError {
+    #[error("reading the job's control token: {0}")]
+    Token(#[source] PortError),
+    #[error("observing the job's workers: {0}")]
+    Observe(#[source] PortError),
+    #[error("creating workers: {0}")]
+    Create(#[source] PortError),
+    #[error("removing workers: {0}")]
+    Delete(#[source] PortError),
+    #[error("coordinating running workers again (adopting them): {0}")]
+    Adopt(#[source] CoordinatorError),
+    #[error("finding the snapshot to restore: {0}")]
+    FindSnapshot(#[source] CoordinatorError),
+    #[error("preparing the start of a run: {0}")]
+    Start(#[source] CoordinatorError),
+    #[error("computing the key-group assignment: {0}")]
     Bounds(#[from] keygroup::BoundsError),
-    #[error("finalizer: {0}")]
-    Finalizer(String),
-    #[error("metrics server on {addr}: {source}")]
-    Metrics {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
     #[error("rescale state machine: {0}")]
     Transition(String),
-    #[error("the control-token Secret {0} has no usable token")]
-    Token(String),
-    #[error(transparent)]
-    Leader(#[from] crate::leader::LeaderError),
+    #[error("making a run id: {0}")]
+    Random(#[from] RandomError),
 }
 
-/// The run the operator coordinates for a job.
-struct RunHandle {
+/// What kind of failure a pass had: the label of the reconcile-error metric, and what decides
+/// how soon it is retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The platform (the Kubernetes API, process spawning) refused or was unreachable.
+    Platform,
+    /// Snapshot storage could not be read.
+    Storage,
+    /// A worker's control API failed.
+    Workers,
+    /// The job's settings cannot work (bounds).
+    Config,
+    /// A bug: an outcome the state machine does not allow.
+    Bug,
+}
+
+impl ErrorKind {
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            ErrorKind::Platform => "platform",
+            ErrorKind::Storage => "storage",
+            ErrorKind::Workers => "workers",
+            ErrorKind::Config => "config",
+            ErrorKind::Bug => "bug",
+        }
+    }
+
+    /// How soon a pass that failed this way is tried again.
+    pub fn retry_after(self) -> Duration {
+        match self {
+            ErrorKind::Platform | ErrorKind::Workers => Duration::from_secs(3),
+            ErrorKind::Storage => Duration::from_secs(10),
+            ErrorKind::Config | ErrorKind::Bug => Duration::from_secs(30),
+        }
+    }
+}
+
+fn coordinator_kind(e: &CoordinatorError) -> ErrorKind {
+    match e {
+        CoordinatorError::Snapshot(_) | CoordinatorError::Sink(_) => ErrorKind::Storage,
+        _ => ErrorKind::Workers,
+    }
+}
+
+impl PassError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            PassError::Token(_)
+            | PassError::Observe(_)
+            | PassError::Create(_)
+            | PassError::Delete(_)
+            | PassError::Random(_) => ErrorKind::Platform,
+            PassError::Adopt(e) | PassError::FindSnapshot(e) | PassError::Start(e) => {
+                coordinator_kind(e)
+            }
+            PassError::Bounds(_) => ErrorKind::Config,
+            PassError::Transition(_) => ErrorKind::Bug,
+        }
+    }
+}
+
+/// The run the orchestrator coordinates for a job.
+pub struct RunHandle {
     run: String,
     parallelism: u32,
     coordinator: Coordinator,
     started: DateTime<Utc>,
 }
 
-/// What the operator remembers about a job between passes (lost on restart by design: status
-/// and the pods carry everything needed to resume).
+/// What the orchestrator remembers about a job between passes (lost on restart by design:
+/// status and the workers carry everything needed to resume).
 #[derive(Default)]
-struct JobMemory {
+pub struct JobMemory {
     run: Option<RunHandle>,
     failures: u32,
     backoff_until: Option<DateTime<Utc>>,
@@ -96,32 +149,34 @@ struct JobMemory {
     /// The key-group count of a spec.restoreFrom snapshot, by URL (read once: committed
     /// manifests never change).
     restore_source: Option<(String, u32)>,
-    /// The resourceVersion of the StreamJob as this process last wrote it (the finalizer patch
-    /// or a status write). A pass handed exactly that object by the watch cache acts on it
-    /// without reading the job again: it holds every step this process recorded.
-    written_version: Option<String>,
-    /// The control token, as read from or written to the job's Secret. Read again before pods
-    /// are created, so a deleted Secret is recreated before a pod needs it.
+    /// The control token, as read from or written to its source. Read again before workers
+    /// are created, so a deleted Secret is recreated before a worker needs it.
     token: Option<String>,
     /// The step running in the background, if any.
     background: Option<Background>,
-    /// The resourceVersion of this process's last write to one of the job's pods (create or
-    /// delete). Its pods are listed "not older than" it: from the API server's watch cache, which
-    /// is then known to hold that write, instead of a consistent read that waits for the cache
-    /// to catch up with etcd (60-80 ms).
-    pods_version: Option<String>,
 }
 
-type SharedMemory = Arc<tokio::sync::Mutex<JobMemory>>;
+impl JobMemory {
+    /// Whether the job's background step still runs (its end is kept for the next pass).
+    pub fn background_running(&mut self) -> bool {
+        self.background.as_mut().is_some_and(Background::running)
+    }
 
-/// How often a job whose background step runs is looked at anyway (the step's end wakes it at
-/// once through the controller's `reconcile_on` trigger; this only backs that up).
-const BACKGROUND_BACKSTOP: Duration = Duration::from_secs(1);
+    /// Whether a run is coordinated.
+    pub fn coordinating(&self) -> bool {
+        self.run.is_some()
+    }
 
-/// A long step that runs outside the reconcile pass, so that it holds no reconcile slot: a
-/// checkpoint stuck on a storage outage (up to its timeout) then delays its own job only, not
-/// every job behind it in the controller's queue. While it runs, passes of its job do nothing;
-/// the pass after it ended records its outcome.
+    /// The coordinated run's parallelism and coordinator.
+    pub fn coordinator(&mut self) -> Option<&mut Coordinator> {
+        self.run.as_mut().map(|r| &mut r.coordinator)
+    }
+}
+
+/// A long step that runs outside the pass, so that it holds no reconcile slot: a checkpoint
+/// stuck on a storage outage (up to its timeout) then delays its own job only, not every job
+/// behind it in the controller's queue. While it runs, passes of its job do nothing; the pass
+/// after it ended records its outcome.
 struct Background {
     work: BackgroundWork,
     rx: tokio::sync::oneshot::Receiver<Ended>,
@@ -164,6 +219,7 @@ struct StartWork {
     started: Instant,
 }
 
+/// How a background step ended.
 enum Ended {
     Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),
     Verify(Result<snapshot::VerifyReport, String>),
@@ -185,485 +241,75 @@ impl Background {
     }
 }
 
-/// An Event recorded during a pass; published at its end, beside the status write.
-struct PendingEvent {
-    warning: bool,
-    reason: String,
-    note: String,
+/// An Event recorded during a pass; the platform publishes it at the pass's end, beside the
+/// status write.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PendingEvent {
+    pub warning: bool,
+    pub reason: String,
+    pub note: String,
 }
 
-/// Shared state of the controller.
-pub struct Context {
-    client: Client,
-    config: OperatorConfig,
-    metrics: Arc<OperatorMetrics>,
-    http: reqwest::Client,
-    recorder: Recorder,
-    jobs: std::sync::Mutex<HashMap<(String, String), SharedMemory>>,
-    /// Per controller (its namespace, or `None` for all): wakes a job whose background step
-    /// ended.
-    wakers: std::sync::Mutex<Vec<(Option<String>, Waker)>>,
+/// What a pass works on.
+pub struct PassInput<'a> {
+    pub namespace: &'a str,
+    pub name: &'a str,
+    pub spec: &'a StreamJobSpec,
+    /// The status as last recorded.
+    pub status: StreamJobStatus,
+    /// The snapshot storage root URL.
+    pub storage: String,
+    /// metadata.generation (observedGeneration in status).
+    pub generation: Option<i64>,
 }
 
-type Waker = futures::channel::mpsc::UnboundedSender<ObjectRef<StreamJob>>;
+/// What a pass leaves for the platform to record.
+#[derive(Debug)]
+pub struct PassOutput {
+    pub status: StreamJobStatus,
+    pub events: Vec<PendingEvent>,
+    /// When the next pass is due (unless something changes first).
+    pub requeue: Duration,
+}
 
-impl Context {
-    pub fn new(client: Client, config: OperatorConfig, metrics: Arc<OperatorMetrics>) -> Self {
-        let http = reqwest::Client::builder()
-            .timeout(Duration::from_secs(3))
-            .build()
-            .unwrap_or_default();
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: MANAGER.into(),
-                instance: std::env::var("POD_NAME").ok(),
-            },
-        );
-        Context {
-            client,
-            config,
-            metrics,
-            http,
-            recorder,
-            jobs: std::sync::Mutex::new(HashMap::new()),
-            wakers: std::sync::Mutex::new(Vec::new()),
-        }
+/// Everything a pass needs besides its input.
+pub struct Shell<'a> {
+    pub workers: &'a mut dyn Workers,
+    pub metrics: &'a OperatorMetrics,
+    /// For the workers' control APIs (short timeout).
+    pub http: &'a reqwest::Client,
+}
+
+/// One pass over a job: records a background step that ended, or decides and executes the next
+/// action.
+pub async fn run_pass(
+    input: PassInput<'_>,
+    mem: &mut JobMemory,
+    shell: Shell<'_>,
+) -> Result<PassOutput, PassError> {
+    let PassInput {
+        namespace,
+        name,
+        spec,
+        status: status0,
+        storage,
+        generation,
+    } = input;
+    let Shell {
+        workers,
+        metrics,
+        http,
+    } = shell;
+    if mem.background_running() {
+        return Ok(PassOutput {
+            status: status0,
+            events: Vec::new(),
+            requeue: requeue::BACKGROUND_BACKSTOP,
+        });
     }
-
-    /// The waker of the controller that reconciles jobs of `ns`.
-    fn waker(&self, ns: &str) -> Option<Waker> {
-        let wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
-        wakers
-            .iter()
-            .find(|(scope, _)| scope.as_deref().is_none_or(|s| s == ns))
-            .map(|(_, w)| w.clone())
-    }
-
-    /// Whether the job's background step still runs.
-    async fn background_running(&self, ns: &str, name: &str) -> bool {
-        let memory = self.memory(ns, name);
-        let mut mem = memory.lock().await;
-        mem.background.as_mut().is_some_and(Background::running)
-    }
-
-    fn memory(&self, ns: &str, name: &str) -> Arc<tokio::sync::Mutex<JobMemory>> {
-        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        jobs.entry((ns.to_owned(), name.to_owned()))
-            .or_default()
-            .clone()
-    }
-
-    fn forget(&self, ns: &str, name: &str) {
-        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
-        jobs.remove(&(ns.to_owned(), name.to_owned()));
-    }
-
-    async fn event(&self, job: &StreamJob, warning: bool, reason: &str, note: String) {
-        let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.into(),
-            note: Some(note.chars().take(1000).collect()),
-            action: reason.into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, &job.object_ref(&())).await {
-            tracing::warn!(error = %e, reason, "publishing an Event failed");
-        }
-    }
-
-    /// A pass's Events, in the order they were recorded.
-    async fn publish(&self, job: &StreamJob, events: Vec<PendingEvent>) {
-        for e in events {
-            self.event(job, e.warning, &e.reason, e.note).await;
-        }
-    }
-}
-
-/// Runs the operator until SIGTERM/Ctrl-C.
-pub async fn run(config: OperatorConfig) -> Result<(), OperatorError> {
-    crate::telemetry::install_crypto_provider();
-    let client = Client::try_from(client_config(kube::Config::infer().await?))?;
-    let metrics = Arc::new(OperatorMetrics::new());
-    let addr = config.metrics_addr;
-    let server = tokio::spawn(super::metrics::serve(addr, metrics.clone()));
-    // Leader election (`src/leader.rs`): `run_controllers` runs only while this replica holds
-    // the Lease; losing it ends `run` with an error, so the process exits and its Deployment
-    // restarts it as a fresh candidate.
-    let leader = config.leader.clone();
-    let ctx = Arc::new(Context::new(client.clone(), config, metrics));
-    let result = match leader {
-        None => run_controllers(ctx).await,
-        Some(leader) => {
-            // A standby is healthy and ready too (readiness must not depend on leadership, or a
-            // rolling update of two replicas never completes).
-            ctx.metrics
-                .ready
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            match crate::leader::run_while_leading(
-                client,
-                leader,
-                crate::leader::shutdown_signal(),
-                || run_controllers(ctx),
-            )
-            .await
-            {
-                Ok(crate::leader::Led::Finished(r)) => r,
-                Ok(crate::leader::Led::ShutDownWhileStandingBy) => Ok(()),
-                Err(e) => Err(e.into()),
-            }
-        }
-    };
-    server.abort();
-    if let Ok(Ok(Err(source))) = tokio::time::timeout(Duration::from_millis(10), server).await {
-        return Err(OperatorError::Metrics { addr, source });
-    }
-    result
-}
-
-/// Server-side timeout of the controller's watches: the API server ends each watch after this
-/// long and the watcher starts the next one.
-const WATCH_TIMEOUT_SECS: u32 = 50;
-
-/// Longest silence on an API server connection before its request fails (and is retried).
-/// kube's default, 295 s, is there to outlast its watches' default 290 s; with the watches ended
-/// after [`WATCH_TIMEOUT_SECS`], a connection left hanging by a network partition fails a pass
-/// or a watch within a minute instead of five.
-const API_READ_TIMEOUT: Duration = Duration::from_secs(60);
-
-fn client_config(mut config: kube::Config) -> kube::Config {
-    config.read_timeout = Some(API_READ_TIMEOUT);
-    config
-}
-
-fn watch_config() -> watcher::Config {
-    watcher::Config::default().timeout(WATCH_TIMEOUT_SECS)
-}
-
-/// One controller per watched namespace (or one for all), until shutdown.
-pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
-    let scopes: Vec<Option<String>> = if ctx.config.namespaces.is_empty() {
-        vec![None]
-    } else {
-        ctx.config.namespaces.iter().cloned().map(Some).collect()
-    };
-    tracing::info!(
-        namespaces = ?ctx.config.namespaces,
-        storage = ?ctx.config.default_storage,
-        image = %ctx.config.worker_image,
-        "keyshift operator starting"
-    );
-    let controllers = scopes.into_iter().map(|ns| {
-        let (jobs, pods): (Api<StreamJob>, Api<Pod>) = match &ns {
-            Some(ns) => (
-                Api::namespaced(ctx.client.clone(), ns),
-                Api::namespaced(ctx.client.clone(), ns),
-            ),
-            None => (Api::all(ctx.client.clone()), Api::all(ctx.client.clone())),
-        };
-        let ctx = ctx.clone();
-        let (waker, woken) = futures::channel::mpsc::unbounded();
-        ctx.wakers
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push((ns.clone(), waker));
-        async move {
-            ctx.metrics
-                .ready
-                .store(true, std::sync::atomic::Ordering::Relaxed);
-            Controller::new(jobs, watch_config())
-                .owns(pods, watch_config().labels(LABEL_JOB))
-                .reconcile_on(woken)
-                .with_config(
-                    kube::runtime::controller::Config::default()
-                        .concurrency(ctx.config.max_concurrent_reconciles),
-                )
-                .trigger_backoff(watch_backoff())
-                .shutdown_on_signal()
-                .run(reconcile_outer, error_policy, ctx)
-                .for_each(|res| async move {
-                    if let Err(e) = res {
-                        tracing::debug!(error = %e, "reconcile");
-                    }
-                })
-                .await;
-        }
-    });
-    futures::future::join_all(controllers).await;
-    Ok(())
-}
-
-/// Back-off of the controller's watches after an error. kube's default (client-go's: 0.8 s
-/// doubling to 30 s, reset after 120 s quiet) applies to the merged trigger stream, so after an
-/// API server restart the watches came back up to a minute late: the delay had grown during the
-/// outage, and the "too old resource version" that the fresh server answers to the first re-watch
-/// counted as one more error. Meanwhile only requeues drove jobs, and a deletion waited for the
-/// job's next requeue (5 minutes for a suspended job). Capped at 5 s here: two watches per
-/// controller are no burden for an API server.
-fn watch_backoff()
--> kube::runtime::utils::ResetTimerBackoff<kube::runtime::watcher::ExponentialBackoff> {
-    kube::runtime::utils::ResetTimerBackoff::new(
-        backon::ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(250))
-            .with_max_delay(Duration::from_secs(5))
-            .with_factor(2.0)
-            .with_jitter()
-            .without_max_times()
-            .into(),
-        Duration::from_secs(30),
-    )
-}
-
-fn error_policy(job: Arc<StreamJob>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
-    let labels = OperatorMetrics::job(
-        job.namespace().as_deref().unwrap_or_default(),
-        &job.name_any(),
-    );
-    ctx.metrics.reconcile_errors.get_or_create(&labels).inc();
-    tracing::warn!(job = %job.name_any(), error = %error, "reconcile failed; retrying");
-    Requeue::requeue(Duration::from_secs(3))
-}
-
-async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
-    let started = Instant::now();
-    let ns = job.namespace().unwrap_or_default();
-    let name = job.name_any();
-    // Not a pass (neither counted nor timed): the job waits for its background step. A deletion
-    // goes ahead (its pods go, so the step fails and ends).
-    if job.metadata.deletion_timestamp.is_none() && ctx.background_running(&ns, &name).await {
-        return Ok(Requeue::requeue(BACKGROUND_BACKSTOP));
-    }
-    ctx.metrics
-        .reconciles
-        .get_or_create(&OperatorMetrics::job(&ns, &name))
-        .inc();
-    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
-    let inner = ctx.clone();
-    let result = match with_finalizer(&api, &ctx, job).await {
-        Ok(job) => finalizer(&api, desired::FINALIZER, job, move |event| {
-            let ctx = inner.clone();
-            let fut: std::pin::Pin<
-                Box<dyn std::future::Future<Output = Result<Requeue, OperatorError>> + Send>,
-            > = match event {
-                FinalizerEvent::Apply(job) => Box::pin(apply(job, ctx)),
-                FinalizerEvent::Cleanup(job) => Box::pin(cleanup(job, ctx)),
-            };
-            fut
-        })
-        .await
-        .map_err(|e| match e {
-            kube::runtime::finalizer::Error::ApplyFailed(e)
-            | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
-            other => OperatorError::Finalizer(other.to_string()),
-        }),
-        Err(e) => Err(e),
-    };
-    ctx.metrics
-        .reconcile_seconds
-        .observe(started.elapsed().as_secs_f64());
-    // Exact per-pass durations for `keyshift bench operator` (the histogram is too coarse).
-    tracing::debug!(
-        target: "keyshift::reconcile_pass",
-        namespace = %ns,
-        job = %name,
-        seconds = started.elapsed().as_secs_f64(),
-        ok = result.is_ok(),
-        "reconcile pass"
-    );
-    result
-}
-
-/// Adds the cleanup finalizer to a job that lacks it and is not being deleted, and returns the
-/// job as written. kube's `finalizer` helper adds it too, but then ends the pass and waits for
-/// the watch event of its own patch: a new job's first status came one queue turn later, which
-/// in a burst of creates (bounded concurrency, FIFO) is most of the latency. The patch carries
-/// the resourceVersion it was based on, so a concurrent change fails it (409) and the pass is
-/// retried. The patch's answer is the job as it now is, so the pass goes on without reading it.
-async fn with_finalizer(
-    api: &Api<StreamJob>,
-    ctx: &Context,
-    job: Arc<StreamJob>,
-) -> Result<Arc<StreamJob>, OperatorError> {
-    if job.metadata.deletion_timestamp.is_some()
-        || job.finalizers().iter().any(|f| f == desired::FINALIZER)
-    {
-        return Ok(job);
-    }
-    let mut finalizers = job.finalizers().to_vec();
-    finalizers.push(desired::FINALIZER.to_owned());
-    let patch = serde_json::json!({
-        "metadata": {
-            "resourceVersion": job.resource_version(),
-            "finalizers": finalizers,
-        }
-    });
-    let updated = api
-        .patch(
-            &job.name_any(),
-            &PatchParams::default(),
-            &Patch::Merge(&patch),
-        )
-        .await?;
-    let (ns, name) = desired::job_key(&updated)?;
-    ctx.memory(&ns, &name).lock().await.written_version = updated.resource_version();
-    Ok(Arc::new(updated))
-}
-
-/// Deleting a StreamJob: remove its pods (savepoints and checkpoints stay in storage).
-async fn cleanup(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
-    let (ns, name) = desired::job_key(&job)?;
-    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let list = pods
-        .list(&ListParams::default().labels(&desired::selector(&name)))
-        .await?;
-    for p in list {
-        delete_pod(&pods, &p.name_any()).await?;
-    }
-    ctx.forget(&ns, &name);
-    ctx.event(
-        &job,
-        false,
-        "Deleted",
-        "worker pods removed; snapshots are kept in storage".into(),
-    )
-    .await;
-    Ok(Requeue::await_change())
-}
-
-/// Deletes a pod; returns its resourceVersion once marked for deletion (`None` when it is gone
-/// already).
-async fn delete_pod(pods: &Api<Pod>, name: &str) -> Result<Option<String>, OperatorError> {
-    match pods.delete(name, &DeleteParams::default()).await {
-        // The pod marked for deletion, or a Status when it was removed at once.
-        Ok(deleted) => Ok(deleted.left().and_then(|pod| pod.resource_version())),
-        Err(kube::Error::Api(s)) if s.code == 404 => Ok(None),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn parse_time(t: &str) -> Option<DateTime<Utc>> {
-    DateTime::parse_from_rfc3339(t)
-        .ok()
-        .map(|t| t.with_timezone(&Utc))
-}
-
-fn label_u32(p: &Pod, key: &str) -> Option<u32> {
-    p.labels().get(key).and_then(|v| v.parse().ok())
-}
-
-fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
-    SnapshotRef {
-        id: c.id as i64,
-        path: c.url.clone(),
-        time: Utc::now().to_rfc3339(),
-        parallelism: parallelism as i32,
-        size_bytes: Some(c.manifest.stats.total_bytes as i64),
-    }
-}
-
-fn backoff(failures: u32) -> chrono::Duration {
-    chrono::Duration::seconds(1i64 << failures.saturating_sub(1).min(6))
-}
-
-struct Pass<'a> {
-    ctx: &'a Context,
-    job: &'a StreamJob,
-    spec: &'a StreamJobSpec,
-    ns: String,
-    name: String,
-    storage: String,
-    token: String,
-    /// The token came from the job's memory, not from its Secret in this pass.
-    token_from_cache: bool,
-    status: StreamJobStatus,
-    progress: Progress,
-    mem: tokio::sync::MutexGuard<'a, JobMemory>,
-    pods: Vec<ObservedPod>,
-    pod_ips: HashMap<u32, String>,
-    /// The spec.restoreFrom not yet acted on, when its manifest could be read.
-    pending: Option<decide::PendingRestore>,
-    /// The key-group count each run's pods were created under (their label), by run.
-    run_groups: HashMap<String, u32>,
-    /// Events of this pass, published when it ends (beside the status write, not before it).
-    events: Vec<PendingEvent>,
-}
-
-/// What a pass does: record a background step that ended, or act on a decision.
-enum Next {
-    Record(Background),
-    Act(Action),
-}
-
-async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {
-    let (ns, name) = desired::job_key(&job)?;
-    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
-    let memory = ctx.memory(&ns, &name);
-    let mut mem = memory.lock().await;
-    // `reconcile_outer` lets no pass through while a background step runs; this keeps it so.
-    if mem.background.as_mut().is_some_and(Background::running) {
-        return Ok(Requeue::requeue(BACKGROUND_BACKSTOP));
-    }
-    // Every step must act on the step last recorded. The watch cache may not hold the status
-    // this process just wrote yet: unless it hands over exactly the version this process wrote
-    // last, read the job.
-    let job = if job.resource_version().is_some() && job.resource_version() == mem.written_version {
-        job
-    } else {
-        Arc::new(api.get(&name).await?)
-    };
-    let spec = &job.spec;
-    let status0 = job.status.clone().unwrap_or_default();
-    test_pause_at_step(&name, &status0);
-
-    let Some(storage) = spec
-        .state
-        .storage
-        .clone()
-        .or_else(|| ctx.config.default_storage.clone())
-    else {
-        let mut status = status0.clone();
-        let progress = Progress {
-            stalled: Some((
-                "NoStorage".into(),
-                "no snapshot storage: set spec.state.storage, or start the operator with --default-storage".into(),
-            )),
-            ..Default::default()
-        };
-        status::finish(
-            spec,
-            job.metadata.generation,
-            &mut status,
-            None,
-            &progress,
-            Timestamp::now(),
-        );
-        write_status(&api, &name, &status0, &status).await?;
-        return Ok(Requeue::requeue(Duration::from_secs(60)));
-    };
-    let pods_api: Api<Pod> = Api::namespaced(ctx.client.clone(), &ns);
-    let mut list_params = ListParams::default().labels(&desired::selector(&name));
-    // A consistent LIST waits for the API server's watch cache to catch up with etcd (~60-80 ms
-    // after any write, docs/benchmarks.md): most of a pass. A suspended job with nothing in
-    // flight gets no pods from us, so a pod the cache does not show yet only delays its
-    // deletion to the pass its own watch event triggers; read the cache as it is.
-    if spec.suspend
-        && mem.run.is_none()
-        && !status0.rescale.as_ref().is_some_and(|r| r.step.active())
-    {
-        list_params = list_params.match_any();
-    } else if let Some(version) = &mem.pods_version {
-        // Every pod change this process made is in it; a change by someone else (the kubelet)
-        // that it does not show yet triggers a pass of its own through the pods watch.
-        list_params = list_params
-            .at(version)
-            .matching(kube::api::VersionMatch::NotOlderThan);
-    }
-    // A pass that records the end of a background step looks at no pods: it writes the
-    // outcome, and the pass after acts on the pods (a failed start, which removes its pods,
+    hooks::pause_at_step(name, &status0);
+    // A pass that records the end of a background step looks at no workers: it writes the
+    // outcome, and the pass after acts on the workers (a failed start, which removes them,
     // excepted).
     let recording = mem.background.as_ref().is_some_and(|bg| {
         !matches!(
@@ -671,82 +317,55 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
             Some(Some(Ended::Start(done))) if done.1.is_err()
         )
     });
-    let cached_token = mem.token.clone();
-    let token_from_cache = cached_token.is_some();
-    let (token, listed) = tokio::try_join!(
-        async {
-            match cached_token {
-                Some(t) => Ok(t),
-                None => ensure_secret(&ctx, &job, &ns, &name).await,
-            }
-        },
-        async {
-            if recording {
-                return Ok(Vec::new());
-            }
-            Ok(pods_api.list(&list_params).await?.items)
-        },
-    )?;
+    let token_from_cache = mem.token.is_some();
+    let token = match mem.token.clone() {
+        Some(t) => t,
+        None => workers.token().await.map_err(PassError::Token)?,
+    };
     mem.token = Some(token.clone());
-    let mut pods = Vec::new();
-    let mut pod_ips = HashMap::new();
+    let listed = if recording {
+        Vec::new()
+    } else {
+        workers.observe().await.map_err(PassError::Observe)?
+    };
+    let mut pods = Vec::with_capacity(listed.len());
+    let mut endpoints = HashMap::new();
     let mut run_groups = HashMap::new();
-    for p in &listed {
-        let (Some(run), Some(subtask), Some(parallelism)) = (
-            p.labels().get(LABEL_RUN).cloned(),
-            label_u32(p, LABEL_SUBTASK),
-            label_u32(p, LABEL_PARALLELISM),
-        ) else {
-            continue;
-        };
-        if let Some(g) = label_u32(p, desired::LABEL_MAX_PARALLELISM) {
-            run_groups.insert(run.clone(), g);
+    for l in listed {
+        if let Some(g) = l.max_parallelism {
+            run_groups.insert(l.pod.run.clone(), g);
         }
-        let st = p.status.as_ref();
-        let phase = PodPhase::parse(st.and_then(|s| s.phase.as_deref()));
-        let ip = st
-            .and_then(|s| s.pod_ip.clone())
-            .filter(|ip| !ip.is_empty());
-        let deleting = p.metadata.deletion_timestamp.is_some();
-        if let Some(ip) = &ip
-            && run_matches(&mem, &run)
+        if let Some(e) = &l.endpoint
+            && run_matches(mem, &l.pod.run)
         {
-            pod_ips.insert(subtask, ip.clone());
+            endpoints.insert(l.pod.subtask, e.clone());
         }
-        pods.push(ObservedPod {
-            name: p.name_any(),
-            run,
-            subtask,
-            parallelism,
-            phase,
-            ip,
-            deleting,
-            grace_deadline: p.metadata.deletion_timestamp.as_ref().and_then(|t| {
-                DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
-            }),
-            worker: None,
-            spec_hash: p.labels().get(desired::LABEL_SPEC_HASH).cloned(),
-        });
+        pods.push((l.pod, l.endpoint));
     }
-    // The workers' own states, asked for at once (a job of 200 pods, or a hung worker with its
-    // 3 s timeout, must not make the pass wait for each in turn).
-    let states = futures::future::join_all(pods.iter().map(|p| {
-        let ask = match (&p.ip, p.phase, p.deleting) {
-            (Some(ip), PodPhase::Running, false) => Some(ip.clone()),
+    // The workers' own states, asked for at once (a job of 200 workers, or a hung worker with
+    // its short timeout, must not make the pass wait for each in turn).
+    let states = futures::future::join_all(pods.iter().map(|(p, endpoint)| {
+        let ask = match (endpoint, p.phase, p.deleting) {
+            (Some(e), PodPhase::Running, false) => Some(e.control.clone()),
             _ => None,
         };
-        let (http, token) = (&ctx.http, &token);
+        let token = &token;
         async move {
             match ask {
-                Some(ip) => worker_state(http, &ip, token).await.map(|s| s.state),
+                Some(control) => worker_state(http, &control, token).await.map(|s| s.state),
                 None => None,
             }
         }
     }))
     .await;
-    for (p, state) in pods.iter_mut().zip(states) {
-        p.worker = state;
-    }
+    let mut pods: Vec<ObservedPod> = pods
+        .into_iter()
+        .zip(states)
+        .map(|((mut p, _), state)| {
+            p.worker = state;
+            p
+        })
+        .collect();
     pods.sort_by(|a, b| (a.run.as_str(), a.subtask).cmp(&(b.run.as_str(), b.subtask)));
 
     let now = Utc::now();
@@ -764,9 +383,9 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
     .into_iter()
     .flatten()
     .max();
-    let pending_restore = pending_restore(spec, &status0, &mut mem).await;
+    let pending_restore = pending_restore(spec, &status0, mem).await;
     let obs = decide::Observed {
-        name: name.clone(),
+        name: name.to_owned(),
         pending_restore,
         now,
         pods: pods.clone(),
@@ -776,28 +395,21 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         }),
         last_snapshot_at,
         backoff_until: mem.backoff_until,
-        new_run: run::new_run_id().map_err(|e| OperatorError::Token(e.to_string()))?,
+        new_run: run::new_run_id()?,
     };
     // A background step that ended is recorded first; what to do next is decided in the pass
     // after (on the status that records it).
-    let next = match mem.background.take() {
-        Some(bg) => Next::Record(bg),
-        None => {
-            let action = decide::decide(spec, &status0, &obs);
-            tracing::debug!(job = %name, ?action, "decided");
-            Next::Act(action)
-        }
-    };
+    let background = mem.background.take();
     let progress = Progress {
         failure: mem.last_failure.clone(),
         ..Default::default()
     };
     let mut pass = Pass {
-        ctx: &ctx,
-        job: &job,
+        workers,
+        metrics,
         spec,
-        ns: ns.clone(),
-        name: name.clone(),
+        ns: namespace.to_owned(),
+        name: name.to_owned(),
         storage,
         token,
         token_from_cache,
@@ -805,52 +417,135 @@ async fn apply(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Operat
         progress,
         mem,
         pods,
-        pod_ips,
+        endpoints,
         pending: obs.pending_restore.clone().and_then(Result::ok),
         run_groups,
         events: Vec::new(),
     };
-    let requeue = match next {
-        Next::Record(bg) => pass.record_background(bg, &pods_api).await,
-        Next::Act(action) => {
+    let requeue = match background {
+        Some(bg) => pass.record_background(bg).await,
+        None => {
+            let action = decide::decide(spec, &status0, &obs);
+            tracing::debug!(job = %name, ?action, "decided");
             let pinned = matches!(action, Action::PinMaxParallelism { .. });
-            let mut requeue = pass.execute(action, &pods_api).await;
+            let mut requeue = pass.execute(action).await;
             // Pinning the key-group count only changes status. When what follows only changes
             // status as well (a new suspended job is Suspended), it is done in the same pass and
-            // written with it; anything that acts (creates pods, ...) waits for the pin to be
+            // written with it; anything that acts (creates workers, ...) waits for the pin to be
             // recorded.
             if pinned && requeue.is_ok() {
                 let next = decide::decide(spec, &pass.status, &obs);
                 if matches!(next, Action::MarkSuspended) {
                     tracing::debug!(job = %name, action = ?next, "decided");
-                    requeue = pass.execute(next, &pods_api).await;
+                    requeue = pass.execute(next).await;
                 }
             }
             requeue
         }
     };
+    let requeue = requeue?;
     let mut status = pass.status;
     let progress = pass.progress;
     let events = pass.events;
-    drop(pass.mem);
-    let analysis = decide::check_spec(&name, spec, &decide::effective_status(&status, &obs)).ok();
-    status.selector = Some(desired::selector(&name));
+    let analysis = decide::check_spec(name, spec, &decide::effective_status(&status, &obs)).ok();
     status::finish(
         spec,
-        job.metadata.generation,
+        generation,
         &mut status,
         analysis.as_ref(),
         &progress,
         Timestamp::now(),
     );
-    let (written, ()) = tokio::join!(
-        write_status(&api, &name, &status0, &status),
-        ctx.publish(&job, events),
+    Ok(PassOutput {
+        status,
+        events,
+        requeue,
+    })
+}
+
+/// The status of a job that cannot run at all (no storage): Stalled with `reason`/`message`.
+pub fn stalled_status(
+    spec: &StreamJobSpec,
+    generation: Option<i64>,
+    status: &StreamJobStatus,
+    reason: &str,
+    message: &str,
+) -> StreamJobStatus {
+    let mut status = status.clone();
+    let progress = Progress {
+        stalled: Some((reason.to_owned(), message.to_owned())),
+        ..Default::default()
+    };
+    status::finish(
+        spec,
+        generation,
+        &mut status,
+        None,
+        &progress,
+        Timestamp::now(),
     );
-    if let Some(version) = written? {
-        memory.lock().await.written_version = Some(version);
+    status
+}
+
+struct Pass<'a> {
+    workers: &'a mut dyn Workers,
+    metrics: &'a OperatorMetrics,
+    spec: &'a StreamJobSpec,
+    ns: String,
+    name: String,
+    storage: String,
+    token: String,
+    /// The token came from the job's memory, not from its source in this pass.
+    token_from_cache: bool,
+    status: StreamJobStatus,
+    progress: Progress,
+    mem: &'a mut JobMemory,
+    pods: Vec<ObservedPod>,
+    /// Control and data addresses of the coordinated run's workers, by subtask.
+    endpoints: HashMap<u32, WorkerEndpoint>,
+    /// The spec.restoreFrom not yet acted on, when its manifest could be read.
+    pending: Option<decide::PendingRestore>,
+    /// The key-group count each run's workers were created under, by run.
+    run_groups: HashMap<String, u32>,
+    /// Events of this pass, published when it ends (beside the status write, not before it).
+    events: Vec<PendingEvent>,
+}
+
+fn run_matches(mem: &JobMemory, run: &str) -> bool {
+    mem.run.as_ref().is_none_or(|r| r.run == run)
+}
+
+async fn worker_state(http: &reqwest::Client, control: &str, token: &str) -> Option<WorkerStatus> {
+    let resp = http
+        .get(format!("{control}/v1/status"))
+        .bearer_auth(token)
+        .send()
+        .await
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
     }
-    Ok(Requeue::requeue(requeue?))
+    resp.json().await.ok()
+}
+
+fn parse_time(t: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(t)
+        .ok()
+        .map(|t| t.with_timezone(&Utc))
+}
+
+fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
+    SnapshotRef {
+        id: c.id as i64,
+        path: c.url.clone(),
+        time: Utc::now().to_rfc3339(),
+        parallelism: parallelism as i32,
+        size_bytes: Some(c.manifest.stats.total_bytes as i64),
+    }
+}
+
+fn backoff(failures: u32) -> chrono::Duration {
+    chrono::Duration::seconds(1i64 << failures.saturating_sub(1).min(6))
 }
 
 /// spec.restoreFrom when the job has not been started from it yet: its manifest's key-group
@@ -884,121 +579,6 @@ async fn pending_restore(
     }
 }
 
-/// TEST ONLY: the environment variable that makes the operator exit at a recorded rescale step.
-pub const TEST_PAUSE_ENV: &str = "KEYSHIFT_TEST_PAUSE_AFTER_STEP";
-
-/// TEST ONLY (never set in production): with `KEYSHIFT_TEST_PAUSE_AFTER_STEP=<Step>` (one of
-/// `Savepointing`, `Verifying`, `Stopping`, `Restoring`), the operator exits with code 3 as soon
-/// as a pass finds that step recorded in a job's status.rescale.step, before acting on it: the
-/// step is in status, its work is not done. The end-to-end tests use it to kill the operator
-/// deterministically inside each step and check that a fresh operator resumes from status.
-fn test_pause_at_step(name: &str, status: &StreamJobStatus) {
-    let Ok(want) = std::env::var(TEST_PAUSE_ENV) else {
-        return;
-    };
-    if status
-        .rescale
-        .as_ref()
-        .is_some_and(|r| r.step.active() && r.step.as_str() == want)
-    {
-        tracing::warn!(job = %name, step = %want, "{TEST_PAUSE_ENV}: exiting inside the step (test only)");
-        std::process::exit(3);
-    }
-}
-
-/// TEST ONLY: the environment variable that makes a rescale's restore fail at one parallelism.
-pub const TEST_FAIL_RESTORE_ENV: &str = "KEYSHIFT_TEST_FAIL_RESTORE_AT";
-
-/// TEST ONLY (never set in production): with `KEYSHIFT_TEST_FAIL_RESTORE_AT=<N>`, starting the
-/// new run of a rescale to parallelism N fails as if its restore had failed (the workers are
-/// not started), so the end-to-end tests can drive the rollback deterministically.
-fn test_fail_restore_at(parallelism: u32) -> bool {
-    std::env::var(TEST_FAIL_RESTORE_ENV).is_ok_and(|v| v.trim() == parallelism.to_string())
-}
-
-/// BENCH ONLY (never set in production): with `KEYSHIFT_TEST_STATE_PAYLOAD_BYTES=<N>`, workers
-/// keep N opaque bytes with each key's state (`StartRequest::state_payload_bytes`), so
-/// `keyshift bench operator rescale` can build large state from a small generator.
-fn test_state_payload_bytes() -> usize {
-    std::env::var("KEYSHIFT_TEST_STATE_PAYLOAD_BYTES").map_or(0, |v| v.trim().parse().unwrap_or(0))
-}
-
-fn run_matches(mem: &JobMemory, run: &str) -> bool {
-    mem.run.as_ref().is_none_or(|r| r.run == run)
-}
-
-async fn worker_state(http: &reqwest::Client, ip: &str, token: &str) -> Option<WorkerStatus> {
-    let url = format!("http://{ip}:{}/v1/status", desired::CONTROL_PORT);
-    let resp = http.get(url).bearer_auth(token).send().await.ok()?;
-    if !resp.status().is_success() {
-        return None;
-    }
-    resp.json().await.ok()
-}
-
-/// Writes the status when it changed; returns the job's resourceVersion after the write.
-async fn write_status(
-    api: &Api<StreamJob>,
-    name: &str,
-    before: &StreamJobStatus,
-    after: &StreamJobStatus,
-) -> Result<Option<String>, OperatorError> {
-    if before == after {
-        return Ok(None);
-    }
-    let patch = serde_json::json!({
-        "apiVersion": "keyshift.dev/v1alpha1",
-        "kind": "StreamJob",
-        "status": after,
-    });
-    let written = api
-        .patch_status(
-            name,
-            &PatchParams::apply(MANAGER).force(),
-            &Patch::Apply(&patch),
-        )
-        .await?;
-    Ok(written.resource_version())
-}
-
-/// The job's control token: from its Secret, created on first use. A job that has no status yet
-/// (never reconciled) most likely has no Secret either: it is created without reading first,
-/// and read only when it exists already.
-async fn ensure_secret(
-    ctx: &Context,
-    job: &StreamJob,
-    ns: &str,
-    name: &str,
-) -> Result<String, OperatorError> {
-    let secrets: Api<Secret> = Api::namespaced(ctx.client.clone(), ns);
-    let secret_name = desired::secret_name(name);
-    let create = || async {
-        let token = run::new_token().map_err(|e| OperatorError::Token(e.to_string()))?;
-        let secret = desired::secret(job, &token)?;
-        match secrets.create(&PostParams::default(), &secret).await {
-            Ok(_) => Ok(Some(token)),
-            Err(kube::Error::Api(s)) if s.code == 409 => Ok(None),
-            Err(e) => Err(OperatorError::from(e)),
-        }
-    };
-    if job.status.is_none()
-        && let Some(token) = create().await?
-    {
-        return Ok(token);
-    }
-    if let Some(s) = secrets.get_opt(&secret_name).await? {
-        let token = s
-            .data
-            .as_ref()
-            .and_then(|d| d.get(desired::TOKEN_KEY))
-            .and_then(|b| String::from_utf8(b.0.clone()).ok())
-            .filter(|t| t.len() >= 16);
-        return token.ok_or(OperatorError::Token(secret_name));
-    }
-    // Created concurrently, or deleted since the create: read it back next pass.
-    create().await?.ok_or(OperatorError::Token(secret_name))
-}
-
 impl Pass<'_> {
     fn rescale_mut(&mut self) -> Option<&mut RescaleStatus> {
         self.status.rescale.as_mut()
@@ -1013,16 +593,15 @@ impl Pass<'_> {
     /// The one place a transition's step changes: the step that follows `outcome` (by
     /// [`step::next`]) is recorded, with the seconds the ended step took (in status and the
     /// step-duration metric).
-    fn transition(&mut self, outcome: Outcome) -> Result<(), OperatorError> {
+    fn transition(&mut self, outcome: Outcome) -> Result<(), PassError> {
         let now = Instant::now();
         let started = self.mem.step_started.take();
         let Some(r) = self.status.rescale.as_mut() else {
-            return Err(OperatorError::Transition(format!(
+            return Err(PassError::Transition(format!(
                 "outcome {outcome:?} with no transition recorded"
             )));
         };
-        let next =
-            step::next(r.step, outcome).map_err(|e| OperatorError::Transition(e.to_string()))?;
+        let next = step::next(r.step, outcome).map_err(|e| PassError::Transition(e.to_string()))?;
         // Unknown after an operator restart: the step's time is then not reported.
         let secs = match started {
             Some((s, t)) if s == r.step => now.duration_since(t).as_secs_f64(),
@@ -1030,8 +609,7 @@ impl Pass<'_> {
         };
         r.step_seconds
             .insert(r.step.as_str().to_owned(), (secs * 1000.0).round() / 1000.0);
-        self.ctx
-            .metrics
+        self.metrics
             .rescale_step_seconds
             .get_or_create(&StepLabels {
                 namespace: self.ns.clone(),
@@ -1069,16 +647,16 @@ impl Pass<'_> {
     /// The key-group count new pods and runs use: a restore transition's new count while its
     /// new run starts, a pending restoreFrom's count while no run is coordinated, else the
     /// pinned one.
-    fn max_parallelism(&self) -> Result<u32, OperatorError> {
+    fn max_parallelism(&self) -> u32 {
         let transition = self.restore_transition();
         if let Some(g) = transition.and_then(|r| r.max_parallelism) {
-            return Ok(g.max(1) as u32);
+            return g.max(1) as u32;
         }
         if self.mem.run.is_none()
             && transition.is_none()
             && let Some(p) = &self.pending
         {
-            return Ok(p.max_parallelism.max(1));
+            return p.max_parallelism.max(1);
         }
         let pinned = self
             .status
@@ -1087,13 +665,13 @@ impl Pass<'_> {
             .unwrap_or_else(|| {
                 keygroup::default_max_parallelism(self.spec.replicas.max(1) as u32) as i32
             });
-        Ok(pinned.max(1) as u32)
+        pinned.max(1) as u32
     }
 
-    fn assignment(&self, parallelism: u32) -> Result<Assignment, OperatorError> {
+    fn assignment(&self, parallelism: u32) -> Result<Assignment, PassError> {
         Ok(Assignment::new(
             i64::from(parallelism),
-            i64::from(self.max_parallelism()?),
+            i64::from(self.max_parallelism()),
         )?)
     }
 
@@ -1103,16 +681,11 @@ impl Pass<'_> {
 
     fn endpoints(&self, parallelism: u32) -> Option<Vec<WorkerEndpoint>> {
         (0..parallelism)
-            .map(|i| {
-                self.pod_ips.get(&i).map(|ip| WorkerEndpoint {
-                    control: format!("http://{ip}:{}", desired::CONTROL_PORT),
-                    data: format!("{ip}:{}", desired::DATA_PORT),
-                })
-            })
+            .map(|i| self.endpoints.get(&i).cloned())
             .collect()
     }
 
-    fn set_running(&mut self, parallelism: u32) -> Result<(), OperatorError> {
+    fn set_running(&mut self, parallelism: u32) -> Result<(), PassError> {
         self.status.replicas = Some(parallelism as i32);
         self.status.phase = Some(Phase::Running);
         self.status.key_groups = Some(status::key_groups(self.assignment(parallelism)?));
@@ -1127,25 +700,26 @@ impl Pass<'_> {
         });
     }
 
-    async fn delete_all(&mut self, pods_api: &Api<Pod>) -> Result<usize, OperatorError> {
-        let mut n = 0;
-        for p in self.pods.iter().filter(|p| !p.deleting) {
-            // A pod gone by now (404) was not changed by this delete.
-            if let Some(version) = delete_pod(pods_api, &p.name).await? {
-                self.mem.pods_version = Some(version);
-            }
-            n += 1;
+    /// Removes every worker of the job that is not on its way out already; ends the run.
+    async fn delete_all(&mut self) -> Result<usize, PassError> {
+        let names: Vec<String> = self
+            .pods
+            .iter()
+            .filter(|p| !p.deleting)
+            .map(|p| p.name.clone())
+            .collect();
+        if !names.is_empty() {
+            self.workers
+                .delete(&names)
+                .await
+                .map_err(PassError::Delete)?;
         }
         self.mem.run = None;
-        Ok(n)
+        Ok(names.len())
     }
 
-    async fn execute(
-        &mut self,
-        action: Action,
-        pods_api: &Api<Pod>,
-    ) -> Result<Duration, OperatorError> {
-        let short = Duration::from_millis(200);
+    async fn execute(&mut self, action: Action) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
         match action {
             Action::Stall { reason, message } => {
                 let previous = self
@@ -1158,7 +732,7 @@ impl Pass<'_> {
                     self.event(true, reason, message.clone());
                 }
                 self.progress.stalled = Some((reason.to_owned(), message));
-                Ok(Duration::from_secs(60))
+                Ok(requeue::STALLED)
             }
             Action::PinMaxParallelism { groups: g, origin } => {
                 self.status.max_parallelism = Some(g as i32);
@@ -1267,10 +841,10 @@ impl Pass<'_> {
                             .map_err(|e| e.to_string())
                     }))
                 });
-                Ok(BACKGROUND_BACKSTOP)
+                Ok(requeue::BACKGROUND_BACKSTOP)
             }
             Action::DeletePods { reason } => {
-                let n = self.delete_all(pods_api).await?;
+                let n = self.delete_all().await?;
                 if n > 0 {
                     self.event(
                         false,
@@ -1280,7 +854,7 @@ impl Pass<'_> {
                 }
                 self.progress.note =
                     Some((reason.to_owned(), format!("deleting {n} worker pod(s)")));
-                Ok(Duration::from_millis(500))
+                Ok(requeue::WORKERS_CHANGING)
             }
             Action::Advance(outcome) => {
                 self.transition(outcome)?;
@@ -1296,31 +870,18 @@ impl Pass<'_> {
                 subtasks,
             } => {
                 let assignment = self.assignment(parallelism)?;
-                // The pods read the token from the Secret: make sure it (still) exists.
+                // The workers read the token from its source (the Secret): make sure it
+                // (still) exists.
                 if self.token_from_cache {
-                    let token = ensure_secret(self.ctx, self.job, &self.ns, &self.name).await?;
+                    let token = self.workers.token().await.map_err(PassError::Token)?;
                     self.mem.token = Some(token.clone());
                     self.token = token;
                     self.token_from_cache = false;
                 }
-                for i in &subtasks {
-                    let pod = desired::pod(
-                        self.job,
-                        &run,
-                        *i,
-                        assignment,
-                        &self.ctx.config.worker_image,
-                    )?;
-                    let pod_name = desired::pod_name(&self.name, &run, *i);
-                    let written = pods_api
-                        .patch(
-                            &pod_name,
-                            &PatchParams::apply(MANAGER).force(),
-                            &Patch::Apply(&pod),
-                        )
-                        .await?;
-                    self.mem.pods_version = written.resource_version();
-                }
+                self.workers
+                    .create(&run, assignment, &subtasks, &self.token)
+                    .await
+                    .map_err(PassError::Create)?;
                 self.event(
                     false,
                     "CreatedPods",
@@ -1333,17 +894,17 @@ impl Pass<'_> {
                     "CreatingPods".into(),
                     format!("run {run}: {parallelism} worker pod(s)"),
                 ));
-                Ok(Duration::from_millis(500))
+                Ok(requeue::WORKERS_CHANGING)
             }
             Action::Wait { reason } => {
                 self.progress.note = Some(("Waiting".into(), reason));
-                Ok(Duration::from_millis(500))
+                Ok(requeue::WORKERS_CHANGING)
             }
             Action::Start {
                 run,
                 parallelism,
                 restore,
-            } => self.start(run, parallelism, restore, pods_api).await,
+            } => self.start(run, parallelism, restore).await,
             Action::Adopt { run, parallelism } => {
                 let Some(endpoints) = self.endpoints(parallelism) else {
                     return Ok(short);
@@ -1361,7 +922,8 @@ impl Pass<'_> {
                     endpoints,
                     self.token.clone(),
                 )
-                .await?;
+                .await
+                .map_err(PassError::Adopt)?;
                 if self
                     .pods
                     .iter()
@@ -1387,14 +949,13 @@ impl Pass<'_> {
                 Ok(short)
             }
             Action::Recover { message } => {
-                self.delete_all(pods_api).await?;
+                self.delete_all().await?;
                 self.status.phase = Some(Phase::Pending);
                 self.fail(
                     "WorkerFailed",
                     format!("{message}; restarting from the last checkpoint"),
                 );
-                self.ctx
-                    .metrics
+                self.metrics
                     .worker_restarts
                     .get_or_create(&OperatorMetrics::job(&self.ns, &self.name))
                     .inc();
@@ -1403,7 +964,7 @@ impl Pass<'_> {
                     "WorkerFailed",
                     format!("{message}; restarting the job from its last checkpoint"),
                 );
-                Ok(Duration::from_millis(500))
+                Ok(requeue::WORKERS_CHANGING)
             }
             Action::FinishRescale => {
                 let (to, rolled_back) = self.status.rescale.as_ref().map_or((0, false), |r| {
@@ -1453,7 +1014,7 @@ impl Pass<'_> {
     /// The new run of a rescale is up: step Done, or RolledBack when it runs at the old
     /// parallelism after a failed restore (the failure, its condition and its backoff stay, so
     /// the rescale is retried later).
-    fn finish_restoring(&mut self, rolled_back: bool) -> Result<(), OperatorError> {
+    fn finish_restoring(&mut self, rolled_back: bool) -> Result<(), PassError> {
         if rolled_back {
             self.transition(Outcome::RestoredAfterRollback)?;
             // The same rescale is retried, but not at once: it just failed.
@@ -1469,7 +1030,7 @@ impl Pass<'_> {
         Ok(())
     }
 
-    async fn abandon(&mut self, message: String) -> Result<(), OperatorError> {
+    async fn abandon(&mut self, message: String) -> Result<(), PassError> {
         self.transition(Outcome::GaveUp)?;
         if let Some(run) = &self.mem.run {
             run.coordinator.resume().await;
@@ -1489,7 +1050,7 @@ impl Pass<'_> {
 
     /// Snapshot metrics: duration and size of a committed snapshot, or one more failure.
     fn record_snapshot(&mut self, labels: &KindLabels, completed: Option<&Completed>) {
-        let m = &self.ctx.metrics;
+        let m = &self.metrics;
         match completed {
             Some(c) => {
                 if let Some(d) = status::state_distribution(&c.manifest) {
@@ -1517,16 +1078,13 @@ impl Pass<'_> {
         run: impl FnOnce(&tokio::runtime::Handle) -> Ended + Send + 'static,
     ) {
         let (tx, rx) = tokio::sync::oneshot::channel();
-        let waker = self.ctx.waker(&self.ns);
-        let job = ObjectRef::from_obj(self.job);
+        let waker = self.workers.waker();
         let handle = tokio::runtime::Handle::current();
         tracing::debug!(job = %self.name, ?work, "background step started");
         tokio::task::spawn_blocking(move || {
             // The outcome first: the pass the wake-up triggers must find it.
             let _ = tx.send(run(&handle));
-            if let Some(waker) = waker {
-                let _ = waker.unbounded_send(job);
-            }
+            waker();
         });
         self.mem.background = Some(Background {
             work,
@@ -1552,11 +1110,7 @@ impl Pass<'_> {
     }
 
     /// Records what a background step that ended did.
-    async fn record_background(
-        &mut self,
-        bg: Background,
-        pods_api: &Api<Pod>,
-    ) -> Result<Duration, OperatorError> {
+    async fn record_background(&mut self, bg: Background) -> Result<Duration, PassError> {
         let Background { work, ended, .. } = bg;
         tracing::debug!(job = %self.name, ?work, "background step ended");
         match (work, ended.flatten()) {
@@ -1572,7 +1126,7 @@ impl Pass<'_> {
             ) => Ok(self.triggered_savepoint_done(parallelism, nonce, *done)),
             (BackgroundWork::Start(work), Some(Ended::Start(done))) => {
                 let (coordinator, result) = *done;
-                self.start_done(*work, coordinator, result, pods_api).await
+                self.start_done(*work, coordinator, result).await
             }
             (BackgroundWork::Verify { url }, Some(Ended::Verify(result))) => {
                 match result {
@@ -1589,20 +1143,20 @@ impl Pass<'_> {
                             .await?;
                     }
                 }
-                Ok(Duration::from_millis(200))
+                Ok(requeue::SOON)
             }
             (work, _) => {
                 // The thread panicked: a snapshot's run (its coordinator) is lost with it. The
                 // workers still run; the next pass adopts them again.
                 tracing::error!(job = %self.name, ?work, "background step failed without an outcome");
-                Ok(Duration::from_secs(1))
+                Ok(requeue::AFTER_FAILURE)
             }
         }
     }
 
-    async fn savepoint(&mut self) -> Result<Duration, OperatorError> {
+    async fn savepoint(&mut self) -> Result<Duration, PassError> {
         let Some(run) = self.mem.run.take() else {
-            return Ok(Duration::from_millis(200));
+            return Ok(requeue::SOON);
         };
         if self
             .pods
@@ -1623,14 +1177,14 @@ impl Pass<'_> {
             true,
             run::timeouts::SAVEPOINT,
         );
-        Ok(BACKGROUND_BACKSTOP)
+        Ok(requeue::BACKGROUND_BACKSTOP)
     }
 
     async fn savepoint_done(
         &mut self,
         parallelism: u32,
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
-    ) -> Result<Duration, OperatorError> {
+    ) -> Result<Duration, PassError> {
         let labels = self.kind_labels("savepoint");
         self.mem.run = Some(run);
         match result {
@@ -1652,12 +1206,12 @@ impl Pass<'_> {
                         c.duration.as_millis()
                     ),
                 );
-                Ok(Duration::from_millis(100))
+                Ok(requeue::RECORDED)
             }
             Err(e) => {
                 self.record_snapshot(&labels, None);
                 self.abandon(format!("savepoint failed: {e}")).await?;
-                Ok(Duration::from_millis(500))
+                Ok(requeue::WORKERS_CHANGING)
             }
         }
     }
@@ -1665,7 +1219,7 @@ impl Pass<'_> {
     /// A savepoint asked for with spec.savepointTriggerNonce: the job keeps running.
     fn triggered_savepoint(&mut self, nonce: i64) -> Duration {
         let Some(run) = self.mem.run.take() else {
-            return Duration::from_millis(200);
+            return requeue::SOON;
         };
         let work = BackgroundWork::TriggeredSavepoint {
             parallelism: run.parallelism,
@@ -1678,7 +1232,7 @@ impl Pass<'_> {
             false,
             run::timeouts::SAVEPOINT,
         );
-        BACKGROUND_BACKSTOP
+        requeue::BACKGROUND_BACKSTOP
     }
 
     fn triggered_savepoint_done(
@@ -1705,7 +1259,7 @@ impl Pass<'_> {
                         c.duration.as_millis()
                     ),
                 );
-                Duration::from_millis(200)
+                requeue::SOON
             }
             Err(e) => {
                 self.record_snapshot(&labels, None);
@@ -1714,7 +1268,7 @@ impl Pass<'_> {
                 );
                 self.fail("SavepointFailed", message.clone());
                 self.event(true, "SavepointFailed", message);
-                Duration::from_secs(1)
+                requeue::AFTER_FAILURE
             }
         }
     }
@@ -1733,7 +1287,7 @@ impl Pass<'_> {
             false,
             run::timeouts::CHECKPOINT,
         );
-        BACKGROUND_BACKSTOP
+        requeue::BACKGROUND_BACKSTOP
     }
 
     fn checkpoint_done(
@@ -1771,10 +1325,9 @@ impl Pass<'_> {
         run: String,
         parallelism: u32,
         restore: Restore,
-        pods_api: &Api<Pod>,
-    ) -> Result<Duration, OperatorError> {
+    ) -> Result<Duration, PassError> {
         let Some(endpoints) = self.endpoints(parallelism) else {
-            return Ok(Duration::from_millis(200));
+            return Ok(requeue::SOON);
         };
         // A run started empty (a `stateless` upgrade) checkpoints at once, so that a recovery
         // restores its new state rather than the job's older snapshots.
@@ -1805,14 +1358,15 @@ impl Pass<'_> {
             // before a restore from a rewritten savepoint have another count and are skipped),
             // else the snapshot it was restored from.
             Restore::Latest => {
-                let groups = self.max_parallelism()?;
+                let groups = self.max_parallelism();
                 let own = coordinator::latest_snapshot_with(
                     &self.storage,
                     &self.ns,
                     &self.name,
                     Some(groups),
                 )
-                .await?
+                .await
+                .map_err(PassError::FindSnapshot)?
                 .map(|(url, _)| url);
                 own.or_else(|| self.spec.restore_from.clone())
             }
@@ -1826,7 +1380,8 @@ impl Pass<'_> {
             endpoints,
             self.token.clone(),
         )
-        .await?;
+        .await
+        .map_err(PassError::Start)?;
         let template = run::StartPlan {
             namespace: &self.ns,
             name: &self.name,
@@ -1835,7 +1390,7 @@ impl Pass<'_> {
             storage: &self.storage,
             restore_from: restore_from.clone(),
             run: &run,
-            state_payload_bytes: test_state_payload_bytes(),
+            state_payload_bytes: hooks::state_payload_bytes(),
         }
         .request();
         let work = StartWork {
@@ -1852,14 +1407,13 @@ impl Pass<'_> {
             .rescale
             .as_ref()
             .is_some_and(|r| r.step == Step::Restoring && r.rolled_back.is_none());
-        if restoring_rescale && test_fail_restore_at(work.parallelism) {
+        if restoring_rescale && hooks::fail_restore_at(work.parallelism) {
             let injected = format!(
-                "{TEST_FAIL_RESTORE_ENV}={}: restore failure injected (test only)",
+                "{}={}: restore failure injected (test only)",
+                hooks::FAIL_RESTORE_ENV,
                 work.parallelism
             );
-            return self
-                .start_done(work, coordinator, Err(injected), pods_api)
-                .await;
+            return self.start_done(work, coordinator, Err(injected)).await;
         }
         // The workers restore their key groups before they answer: in the background.
         self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {
@@ -1868,7 +1422,7 @@ impl Pass<'_> {
                 .map_err(|e| e.to_string());
             Ended::Start(Box::new((coordinator, result)))
         });
-        Ok(BACKGROUND_BACKSTOP)
+        Ok(requeue::BACKGROUND_BACKSTOP)
     }
 
     /// Records how starting a run ended.
@@ -1877,8 +1431,7 @@ impl Pass<'_> {
         work: StartWork,
         coordinator: Coordinator,
         result: Result<Vec<StartResponse>, String>,
-        pods_api: &Api<Pod>,
-    ) -> Result<Duration, OperatorError> {
+    ) -> Result<Duration, PassError> {
         let StartWork {
             run,
             parallelism,
@@ -1965,10 +1518,10 @@ impl Pass<'_> {
                         ),
                     );
                 }
-                Ok(Duration::from_millis(200))
+                Ok(requeue::SOON)
             }
             Err(e) => {
-                self.delete_all(pods_api).await?;
+                self.delete_all().await?;
                 let message = format!(
                     "starting run {run} at parallelism {parallelism} from {} failed: {e}",
                     restore_from.as_deref().unwrap_or("empty state")
@@ -1988,7 +1541,7 @@ impl Pass<'_> {
                     }
                     self.fail("RescaleRolledBack", why.clone());
                     self.event(true, "RescaleRollingBack", why);
-                    return Ok(Duration::from_secs(1));
+                    return Ok(requeue::AFTER_FAILURE);
                 }
                 self.fail("StartFailed", message.clone());
                 self.event(
@@ -1996,7 +1549,7 @@ impl Pass<'_> {
                     "StartFailed",
                     format!("{message}; retrying with backoff (the snapshot is intact)"),
                 );
-                Ok(Duration::from_secs(1))
+                Ok(requeue::AFTER_FAILURE)
             }
         }
     }
@@ -2005,27 +1558,6 @@ impl Pass<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kube::runtime::utils::Backoff;
-
-    #[test]
-    fn watch_backoff_starts_small_is_capped_and_resets() {
-        let mut b = watch_backoff();
-        let delays: Vec<Duration> = (0..30).map_while(|_| b.next()).collect();
-        assert_eq!(delays.len(), 30, "it never gives up");
-        assert!(delays[0] <= Duration::from_millis(500), "{delays:?}");
-        // The cap (5 s) plus at most as much jitter.
-        assert!(
-            delays.iter().all(|d| *d <= Duration::from_secs(10)),
-            "{delays:?}"
-        );
-        assert!(delays[29] >= Duration::from_secs(5), "{delays:?}");
-        b.reset();
-        let first = b.next().unwrap_or_default();
-        assert!(
-            first <= Duration::from_millis(500),
-            "after reset: {first:?}"
-        );
-    }
 
     #[test]
     fn a_background_step_runs_until_its_outcome_arrives_or_its_thread_is_gone() {
@@ -2054,20 +1586,5 @@ mod tests {
         drop(tx); // the thread panicked
         assert!(!bg.running());
         assert!(matches!(bg.ended, Some(None)));
-    }
-
-    #[test]
-    fn idle_watches_end_before_the_read_timeout_cuts_them() {
-        let watch = watch_config();
-        assert_eq!(watch.timeout, Some(WATCH_TIMEOUT_SECS));
-        let config = client_config(kube::Config::new("https://127.0.0.1:6443".parse().unwrap()));
-        let read = config.read_timeout.unwrap_or(Duration::MAX);
-        // A watch with no events sends nothing until the server ends it: the client must wait
-        // longer than that, with room for a slow server, and still far less than kube's 295 s.
-        assert!(
-            read >= Duration::from_secs(u64::from(WATCH_TIMEOUT_SECS) + 10),
-            "{read:?}"
-        );
-        assert!(read <= Duration::from_secs(90), "{read:?}");
     }
 }

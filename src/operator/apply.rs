@@ -1,0 +1,128 @@
+//! One reconcile pass of a StreamJob on Kubernetes: read the job (unless the watch cache holds
+//! this process's last write), run the shared orchestration pass over the job's pods, then write
+//! its status (server-side apply, one field manager) and publish its Events.
+
+use super::context::Context;
+use super::desired::{self, MANAGER};
+use super::error::OperatorError;
+use super::pods::PodWorkers;
+use crate::crd::{StreamJob, StreamJobStatus};
+use crate::orchestrator::pass::{self, PassInput, Shell, requeue};
+use kube::ResourceExt;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action as Requeue;
+use std::sync::Arc;
+
+pub(super) async fn apply(
+    job: Arc<StreamJob>,
+    ctx: Arc<Context>,
+) -> Result<Requeue, OperatorError> {
+    let (ns, name) = desired::job_key(&job)?;
+    let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
+    let entry = ctx.entry(&ns, &name);
+    let mut entry = entry.lock().await;
+    // `reconcile_outer` lets no pass through while a background step runs; this keeps it so.
+    if entry.orchestration.background_running() {
+        return Ok(Requeue::requeue(requeue::BACKGROUND_BACKSTOP));
+    }
+    // Every step must act on the step last recorded. The watch cache may not hold the status
+    // this process just wrote yet: unless it hands over exactly the version this process wrote
+    // last, read the job.
+    let job = if job.resource_version().is_some() && job.resource_version() == entry.written_version
+    {
+        job
+    } else {
+        Arc::new(api.get(&name).await.map_err(OperatorError::ReadJob)?)
+    };
+    let spec = &job.spec;
+    let status0 = job.status.clone().unwrap_or_default();
+
+    let Some(storage) = spec
+        .state
+        .storage
+        .clone()
+        .or_else(|| ctx.config.default_storage.clone())
+    else {
+        let status = pass::stalled_status(
+            spec,
+            job.metadata.generation,
+            &status0,
+            "NoStorage",
+            "no snapshot storage: set spec.state.storage, or start the operator with --default-storage",
+        );
+        write_status(&api, &name, &status0, &status).await?;
+        return Ok(Requeue::requeue(requeue::STALLED));
+    };
+    let mut list = ListParams::default().labels(&desired::selector(&name));
+    // A consistent LIST waits for the API server's watch cache to catch up with etcd (~60-80 ms
+    // after any write, docs/benchmarks.md): most of a pass. A suspended job with nothing in
+    // flight gets no pods from us, so a pod the cache does not show yet only delays its
+    // deletion to the pass its own watch event triggers; read the cache as it is.
+    if spec.suspend
+        && !entry.orchestration.coordinating()
+        && !status0.rescale.as_ref().is_some_and(|r| r.step.active())
+    {
+        list = list.match_any();
+    } else if let Some(version) = &entry.pods_version {
+        // Every pod change this process made is in it; a change by someone else (the kubelet)
+        // that it does not show yet triggers a pass of its own through the pods watch.
+        list = list
+            .at(version)
+            .matching(kube::api::VersionMatch::NotOlderThan);
+    }
+    let entry = &mut *entry;
+    let mut workers = PodWorkers::new(&ctx, &job, &ns, &name, list, &mut entry.pods_version);
+    let out = pass::run_pass(
+        PassInput {
+            namespace: &ns,
+            name: &name,
+            spec,
+            status: status0.clone(),
+            storage,
+            generation: job.metadata.generation,
+        },
+        &mut entry.orchestration,
+        Shell {
+            workers: &mut workers,
+            metrics: &ctx.metrics,
+            http: &ctx.http,
+        },
+    )
+    .await?;
+    let mut status = out.status;
+    status.selector = Some(desired::selector(&name));
+    let (written, ()) = tokio::join!(
+        write_status(&api, &name, &status0, &status),
+        ctx.publish(&job, out.events),
+    );
+    if let Some(version) = written? {
+        entry.written_version = Some(version);
+    }
+    Ok(Requeue::requeue(out.requeue))
+}
+
+/// Writes the status when it changed; returns the job's resourceVersion after the write.
+async fn write_status(
+    api: &Api<StreamJob>,
+    name: &str,
+    before: &StreamJobStatus,
+    after: &StreamJobStatus,
+) -> Result<Option<String>, OperatorError> {
+    if before == after {
+        return Ok(None);
+    }
+    let patch = serde_json::json!({
+        "apiVersion": "keyshift.dev/v1alpha1",
+        "kind": "StreamJob",
+        "status": after,
+    });
+    let written = api
+        .patch_status(
+            name,
+            &PatchParams::apply(MANAGER).force(),
+            &Patch::Apply(&patch),
+        )
+        .await
+        .map_err(OperatorError::WriteStatus)?;
+    Ok(written.resource_version())
+}

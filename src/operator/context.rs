@@ -1,0 +1,142 @@
+//! The operator's shared state: its settings, its Kubernetes client, the Event recorder, what it
+//! remembers about each job between passes, and the wakers of its controllers.
+
+use super::desired::MANAGER;
+use super::metrics::OperatorMetrics;
+use crate::crd::StreamJob;
+use crate::orchestrator::pass::{JobMemory, PendingEvent};
+use kube::Client;
+use kube::Resource;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::ObjectRef;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Settings of `keyshift operator`.
+#[derive(Debug, Clone)]
+pub struct OperatorConfig {
+    /// Namespaces to watch; empty means all.
+    pub namespaces: Vec<String>,
+    /// Storage URL for jobs without spec.state.storage.
+    pub default_storage: Option<String>,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    pub metrics_addr: SocketAddr,
+    /// Worker image for jobs without spec.image.
+    pub worker_image: String,
+    /// Reconcile passes that may run at once per controller (0: unbounded).
+    pub max_concurrent_reconciles: u16,
+    /// Leader election (None: this process reconciles unconditionally).
+    pub leader: Option<crate::leader::LeaderConfig>,
+}
+
+/// What the operator remembers about one job: the orchestration's memory, and what only the pod
+/// platform needs.
+#[derive(Default)]
+pub(super) struct JobEntry {
+    pub(super) orchestration: JobMemory,
+    /// The resourceVersion of the StreamJob as this process last wrote it (the finalizer patch
+    /// or a status write). A pass handed exactly that object by the watch cache acts on it
+    /// without reading the job again: it holds every step this process recorded.
+    pub(super) written_version: Option<String>,
+    /// The resourceVersion of this process's last write to one of the job's pods (create or
+    /// delete). Its pods are listed "not older than" it: from the API server's watch cache, which
+    /// is then known to hold that write, instead of a consistent read that waits for the cache
+    /// to catch up with etcd (60-80 ms).
+    pub(super) pods_version: Option<String>,
+}
+
+pub(super) type SharedEntry = Arc<tokio::sync::Mutex<JobEntry>>;
+
+/// Shared state of the controller.
+pub struct Context {
+    pub(super) client: Client,
+    pub(super) config: OperatorConfig,
+    pub(super) metrics: Arc<OperatorMetrics>,
+    pub(super) http: reqwest::Client,
+    pub(super) recorder: Recorder,
+    pub(super) jobs: std::sync::Mutex<HashMap<(String, String), SharedEntry>>,
+    /// Per controller (its namespace, or `None` for all): wakes a job whose background step
+    /// ended.
+    pub(super) wakers: std::sync::Mutex<Vec<(Option<String>, Waker)>>,
+}
+
+pub(super) type Waker = futures::channel::mpsc::UnboundedSender<ObjectRef<StreamJob>>;
+
+impl Context {
+    pub fn new(client: Client, config: OperatorConfig, metrics: Arc<OperatorMetrics>) -> Self {
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(3))
+            .build()
+            .unwrap_or_default();
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: MANAGER.into(),
+                instance: std::env::var("POD_NAME").ok(),
+            },
+        );
+        Context {
+            client,
+            config,
+            metrics,
+            http,
+            recorder,
+            jobs: std::sync::Mutex::new(HashMap::new()),
+            wakers: std::sync::Mutex::new(Vec::new()),
+        }
+    }
+
+    /// The waker of the controller that reconciles jobs of `ns`.
+    pub(super) fn waker(&self, ns: &str) -> Option<Waker> {
+        let wakers = self.wakers.lock().unwrap_or_else(|p| p.into_inner());
+        wakers
+            .iter()
+            .find(|(scope, _)| scope.as_deref().is_none_or(|s| s == ns))
+            .map(|(_, w)| w.clone())
+    }
+
+    /// Whether the job's background step still runs.
+    pub(super) async fn background_running(&self, ns: &str, name: &str) -> bool {
+        let entry = self.entry(ns, name);
+        let mut entry = entry.lock().await;
+        entry.orchestration.background_running()
+    }
+
+    pub(super) fn entry(&self, ns: &str, name: &str) -> SharedEntry {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.entry((ns.to_owned(), name.to_owned()))
+            .or_default()
+            .clone()
+    }
+
+    pub(super) fn forget(&self, ns: &str, name: &str) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|p| p.into_inner());
+        jobs.remove(&(ns.to_owned(), name.to_owned()));
+    }
+
+    pub(super) async fn event(&self, job: &StreamJob, warning: bool, reason: &str, note: String) {
+        let ev = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: reason.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &job.object_ref(&())).await {
+            tracing::warn!(error = %e, reason, "publishing an Event failed");
+        }
+    }
+
+    /// A pass's Events, in the order they were recorded.
+    pub(super) async fn publish(&self, job: &StreamJob, events: Vec<PendingEvent>) {
+        for e in events {
+            self.event(job, e.warning, &e.reason, e.note).await;
+        }
+    }
+}
