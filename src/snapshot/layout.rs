@@ -1,4 +1,4 @@
-//! Where things live in the store (DESIGN §5). Pure: names and paths only.
+//! Where things live in the store (`docs/architecture.md` §6). Pure: names and paths only.
 //!
 //! ```text
 //! <storage prefix>/<namespace>/<job>/

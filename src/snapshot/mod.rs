@@ -1,4 +1,5 @@
-//! Snapshot storage: key-group state files and manifests in an object store (DESIGN §4, §5).
+//! Snapshot storage: key-group state files and manifests in an object store (see
+//! `docs/architecture.md` §5 and §6).
 //!
 //! I/O sits at the edge ([`open_store`], [`SnapshotWriter`], [`commit_manifest`],
 //! [`read_groups`], [`verify`], [`list_snapshots`], [`retain`]); the format logic — block layout,
