@@ -76,6 +76,24 @@ pub fn sink_url(spec: &StreamJobSpec) -> Option<&str> {
     }
 }
 
+/// What a run restores when it resumes the job's own history: the newest committed snapshot of
+/// the job under `max_parallelism` key groups (snapshots taken before a restore from a
+/// rewritten savepoint have another count and are skipped), else `spec.restoreFrom`, else
+/// nothing.
+pub async fn latest_restorable(
+    spec: &StreamJobSpec,
+    storage: &str,
+    namespace: &str,
+    name: &str,
+    max_parallelism: u32,
+) -> Result<Option<String>, CoordinatorError> {
+    let own =
+        crate::coordinator::latest_snapshot_with(storage, namespace, name, Some(max_parallelism))
+            .await?
+            .map(|(url, _)| url);
+    Ok(own.or_else(|| spec.restore_from.clone()))
+}
+
 /// The coordinator of a run: snapshots in `storage`, the job's retention, its sink attached (so
 /// every committed snapshot's output is published, on every platform).
 pub async fn coordinator(

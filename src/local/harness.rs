@@ -1,0 +1,399 @@
+//! The runtime harness: a job's workers started as local processes and driven directly through
+//! one [`Coordinator`] — launch, checkpoint, savepoint, kill, a raw stop-savepoint-restart —
+//! for the runtime tests and the benchmarks, which measure the runtime itself. It is not an
+//! orchestrator: `keyshift local` runs the shared orchestration ([`crate::orchestrator`]) over
+//! [`super::processes::ProcessWorkers`], with the operator's rollback and recovery rules.
+
+use super::LocalError;
+use super::processes::{spawn_worker, stop_worker};
+use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
+use crate::crd::{StreamJob, StreamJobSpec};
+use crate::keygroup::{self, Assignment};
+use crate::orchestrator::run;
+use crate::runtime::protocol::{StartResponse, WorkerStatus};
+use crate::snapshot::{self, SnapshotKind};
+use crate::validation;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use tokio::process::Child;
+
+/// The harness's worker processes, in subtask order.
+pub struct LocalWorkers {
+    bin: PathBuf,
+    log_dir: PathBuf,
+    children: Vec<Child>,
+}
+
+impl LocalWorkers {
+    pub fn new(bin: PathBuf, log_dir: PathBuf) -> Self {
+        LocalWorkers {
+            bin,
+            log_dir,
+            children: Vec::new(),
+        }
+    }
+
+    /// Starts `n` workers on loopback and returns where they listen.
+    pub async fn spawn(
+        &mut self,
+        n: u32,
+        token: &str,
+        run: u64,
+    ) -> Result<Vec<WorkerEndpoint>, LocalError> {
+        let mut endpoints = Vec::with_capacity(n as usize);
+        for index in 0..n as usize {
+            let stem = format!("run-{run}-worker-{index}");
+            let (child, endpoint) =
+                spawn_worker(&self.bin, &self.log_dir, token, &stem, index).await?;
+            endpoints.push(endpoint);
+            self.children.push(child);
+        }
+        Ok(endpoints)
+    }
+
+    /// Process ids of the running workers, in subtask order (benchmarks read their memory use).
+    pub fn pids(&self) -> Vec<u32> {
+        self.children.iter().filter_map(Child::id).collect()
+    }
+
+    /// Index of a worker that has exited, with its exit status.
+    pub fn exited(&mut self) -> Option<(usize, String)> {
+        for (i, c) in self.children.iter_mut().enumerate() {
+            if let Ok(Some(status)) = c.try_wait() {
+                return Some((i, status.to_string()));
+            }
+        }
+        None
+    }
+
+    /// Kills one worker (failure tests).
+    pub async fn kill(&mut self, index: usize) {
+        if let Some(c) = self.children.get_mut(index) {
+            let _ = c.kill().await;
+        }
+    }
+
+    /// Stops every worker and waits until they are gone.
+    pub async fn stop_all(&mut self) {
+        futures::future::join_all(self.children.drain(..).map(stop_worker)).await;
+    }
+}
+
+/// What a (re)start reported.
+#[derive(Debug, Clone)]
+pub struct LaunchReport {
+    pub parallelism: u32,
+    pub restored_from: Option<String>,
+    pub responses: Vec<StartResponse>,
+    pub duration: Duration,
+}
+
+impl LaunchReport {
+    pub fn bytes_read(&self) -> u64 {
+        self.responses.iter().map(|r| r.bytes_read).sum()
+    }
+}
+
+/// What a rescale did.
+#[derive(Debug, Clone)]
+pub struct RescaleReport {
+    pub from: u32,
+    pub to: u32,
+    pub savepoint: String,
+    /// Key groups that change owner (one-to-one largest-overlap pairing).
+    pub groups_moved: u32,
+    /// Bytes the new subtasks read from the savepoint.
+    pub bytes_read: u64,
+    /// Bytes of state in the savepoint.
+    pub state_bytes: u64,
+    /// Time from the savepoint trigger until every new subtask runs.
+    pub pause: Duration,
+    /// Per step: savepoint, verify, stop, restore.
+    pub steps: Vec<(&'static str, Duration)>,
+    /// What starting the new subtasks reported (per-subtask restore times and bytes).
+    pub launch: LaunchReport,
+}
+
+/// A StreamJob running on this machine.
+pub struct LocalJob {
+    pub namespace: String,
+    pub name: String,
+    pub spec: StreamJobSpec,
+    pub storage: String,
+    pub max_parallelism: u32,
+    workers: LocalWorkers,
+    coordinator: Option<Coordinator>,
+    token: String,
+    runs: u64,
+    /// spec.restoreFrom: restored while the job has no snapshot of its own under its key-group
+    /// count (so a savepoint rewritten to a new count is used until the first snapshot at it).
+    restore_from: Option<String>,
+    /// Opaque bytes kept with each key's state (benchmarks).
+    pub state_payload_bytes: usize,
+}
+
+impl LocalJob {
+    /// Prepares a job; the key-group count is the one of spec.restoreFrom's snapshot if set (a
+    /// savepoint rewritten to a new count raises the ceiling), else the one pinned by the job's
+    /// newest snapshot, else the spec's, else Flink's default for its replicas.
+    pub async fn new(
+        job: &StreamJob,
+        storage: String,
+        bin: PathBuf,
+        log_dir: PathBuf,
+    ) -> Result<Self, LocalError> {
+        let (namespace, name) = super::job_names(job);
+        let status = super::resume_status(&job.spec, &storage, &namespace, &name).await?;
+        let analysis = validation::analyse(&job.spec, Some(&status))?;
+        Ok(LocalJob {
+            namespace,
+            name,
+            spec: job.spec.clone(),
+            storage,
+            max_parallelism: analysis.assignment.max_parallelism(),
+            workers: LocalWorkers::new(bin, log_dir),
+            coordinator: None,
+            token: run::new_token().map_err(|e| LocalError::Spawn {
+                index: 0,
+                reason: e.to_string(),
+            })?,
+            runs: 0,
+            restore_from: job.spec.restore_from.clone(),
+            state_payload_bytes: 0,
+        })
+    }
+
+    /// What a (re)start restores: the newest committed snapshot under the job's key-group
+    /// count, else spec.restoreFrom, else nothing.
+    pub async fn latest_snapshot(&self) -> Result<Option<String>, LocalError> {
+        let own = coordinator::latest_snapshot_with(
+            &self.storage,
+            &self.namespace,
+            &self.name,
+            Some(self.max_parallelism),
+        )
+        .await?
+        .map(|(url, _)| url);
+        Ok(own.or_else(|| self.restore_from.clone()))
+    }
+
+    /// Process ids of the running workers, in subtask order.
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.workers.pids()
+    }
+
+    pub fn parallelism(&self) -> Option<u32> {
+        self.coordinator
+            .as_ref()
+            .map(|c| c.assignment().parallelism())
+    }
+
+    /// Starts workers at `parallelism`, restoring from `restore` if given.
+    pub async fn launch(
+        &mut self,
+        parallelism: u32,
+        restore: Option<String>,
+    ) -> Result<LaunchReport, LocalError> {
+        let started = Instant::now();
+        let assignment = Assignment::new(i64::from(parallelism), i64::from(self.max_parallelism))?;
+        self.runs += 1;
+        let endpoints = self
+            .workers
+            .spawn(parallelism, &self.token, self.runs)
+            .await?;
+        let run_id = run::new_run_id().map_err(|e| LocalError::Spawn {
+            index: 0,
+            reason: e.to_string(),
+        })?;
+        let coordinator = run::coordinator(
+            &self.spec,
+            &self.storage,
+            run::identity(&self.namespace, &self.name, &self.spec),
+            assignment,
+            endpoints,
+            self.token.clone(),
+        )
+        .await?;
+        let template = run::StartPlan {
+            namespace: &self.namespace,
+            name: &self.name,
+            spec: &self.spec,
+            assignment,
+            storage: &self.storage,
+            restore_from: restore.clone(),
+            run: &run_id,
+            state_payload_bytes: self.state_payload_bytes,
+        }
+        .request();
+        let responses = match coordinator.start(&template, run::timeouts::START).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.workers.stop_all().await;
+                return Err(e.into());
+            }
+        };
+        if let Some(url) = &restore {
+            // The restored snapshot's sink output must be visible (crash between commit and
+            // publish); publishing is idempotent.
+            let (_, _, manifest) = snapshot::open_snapshot(url).await?;
+            coordinator.publish(manifest.snapshot_id).await?;
+        }
+        self.coordinator = Some(coordinator);
+        Ok(LaunchReport {
+            parallelism,
+            restored_from: restore,
+            responses,
+            duration: started.elapsed(),
+        })
+    }
+
+    fn coordinator(&mut self) -> Result<&mut Coordinator, LocalError> {
+        self.coordinator.as_mut().ok_or_else(|| {
+            LocalError::Coordinator(CoordinatorError::NotReady(
+                0,
+                "the job is not running".into(),
+            ))
+        })
+    }
+
+    /// A periodic checkpoint.
+    pub async fn checkpoint(&mut self) -> Result<Completed, LocalError> {
+        Ok(self
+            .coordinator()?
+            .snapshot(SnapshotKind::Checkpoint, false, run::timeouts::CHECKPOINT)
+            .await?)
+    }
+
+    /// A savepoint; with `stop`, the sources stop at its barrier.
+    pub async fn savepoint(&mut self, stop: bool) -> Result<Completed, LocalError> {
+        Ok(self
+            .coordinator()?
+            .snapshot(SnapshotKind::Savepoint, stop, run::timeouts::SAVEPOINT)
+            .await?)
+    }
+
+    /// Every worker's status.
+    pub async fn status(&mut self) -> Result<Vec<WorkerStatus>, LocalError> {
+        Ok(self.coordinator()?.status().await?)
+    }
+
+    /// A worker that died, if any.
+    pub fn failed_worker(&mut self) -> Option<(usize, String)> {
+        self.workers.exited()
+    }
+
+    /// Kills one worker process (failure tests).
+    pub async fn kill_worker(&mut self, index: usize) {
+        self.workers.kill(index).await;
+    }
+
+    /// Stops the workers without a snapshot.
+    pub async fn stop(&mut self) {
+        self.workers.stop_all().await;
+        self.coordinator = None;
+    }
+
+    /// Stops with a savepoint and removes the workers.
+    pub async fn shutdown(&mut self) -> Result<Completed, LocalError> {
+        let sp = self.savepoint(true).await?;
+        self.stop().await;
+        Ok(sp)
+    }
+
+    /// Restarts from the newest committed snapshot at the current parallelism (after a worker
+    /// failure).
+    pub async fn recover(&mut self, parallelism: u32) -> Result<LaunchReport, LocalError> {
+        self.stop().await;
+        let restore = self.latest_snapshot().await?;
+        self.launch(parallelism, restore).await
+    }
+
+    /// Rescale: stop-with-savepoint -> verify -> stop the old workers -> start the new ones
+    /// restoring their key groups. A failure before the old workers stop leaves them running; a
+    /// failure after restores the old parallelism from the savepoint.
+    pub async fn rescale(&mut self, to: u32) -> Result<RescaleReport, LocalError> {
+        let from = self.parallelism().unwrap_or(to);
+        let new_assignment = Assignment::new(i64::from(to), i64::from(self.max_parallelism))?;
+        let old_assignment = Assignment::new(i64::from(from), i64::from(self.max_parallelism))?;
+        let plan = keygroup::rescale_plan(old_assignment, new_assignment).map_err(|e| {
+            LocalError::Rescale {
+                from,
+                to,
+                step: "planning",
+                reason: e.to_string(),
+                outcome: "nothing was stopped".into(),
+            }
+        })?;
+        let t0 = Instant::now();
+        let mut steps = Vec::new();
+        let fail = |step, reason: String, outcome: &str| LocalError::Rescale {
+            from,
+            to,
+            step,
+            reason,
+            outcome: outcome.to_owned(),
+        };
+
+        // 1. Savepoint, stopping the sources at the barrier.
+        let sp = self.savepoint(true).await.map_err(|e| {
+            fail(
+                "Savepointing",
+                e.to_string(),
+                "the job keeps running at the old parallelism",
+            )
+        })?;
+        steps.push(("Savepointing", t0.elapsed()));
+
+        // 2. Verify every file of it before anything stops.
+        let t = Instant::now();
+        let (store, dir) = snapshot::open_store(&sp.url)?;
+        if let Err(e) = snapshot::verify(store.as_ref(), &dir).await {
+            if let Some(c) = self.coordinator.as_ref() {
+                c.resume().await;
+            }
+            return Err(fail(
+                "Verifying",
+                e.to_string(),
+                "the job keeps running at the old parallelism",
+            ));
+        }
+        steps.push(("Verifying", t.elapsed()));
+
+        // 3. Stop the old workers.
+        let t = Instant::now();
+        self.stop().await;
+        steps.push(("Stopping", t.elapsed()));
+
+        // 4. Start the new ones from the savepoint.
+        let t = Instant::now();
+        let report = match self.launch(to, Some(sp.url.clone())).await {
+            Ok(r) => r,
+            Err(e) => {
+                let back = self.launch(from, Some(sp.url.clone())).await;
+                return Err(fail(
+                    "Restoring",
+                    e.to_string(),
+                    &match back {
+                        Ok(_) => format!("restored at the old parallelism {from} from {}", sp.url),
+                        Err(e2) => format!(
+                            "restoring the old parallelism failed too ({e2}); the savepoint {} is intact",
+                            sp.url
+                        ),
+                    },
+                ));
+            }
+        };
+        steps.push(("Restoring", t.elapsed()));
+        Ok(RescaleReport {
+            from,
+            to,
+            savepoint: sp.url,
+            groups_moved: plan.moved_groups,
+            bytes_read: report.bytes_read(),
+            state_bytes: sp.manifest.stats.total_bytes,
+            pause: t0.elapsed(),
+            steps,
+            launch: report,
+        })
+    }
+}

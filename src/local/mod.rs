@@ -1,0 +1,484 @@
+//! `keyshift local`: a StreamJob on one machine, no cluster. Workers are local processes on
+//! loopback, state lives in a local directory (or any object store URL), and the job is driven by
+//! the same orchestration pass as on Kubernetes ([`crate::orchestrator::pass`]) over the process
+//! platform ([`processes::ProcessWorkers`]): the same steps, rollback, recovery and backoff.
+//! Status lives in memory; the job's snapshots carry everything a restart needs.
+
+pub mod harness;
+pub mod processes;
+
+pub use harness::{LaunchReport, LocalJob, LocalWorkers, RescaleReport};
+
+use crate::coordinator::{self, CoordinatorError};
+use crate::crd::{Phase, StreamJob, StreamJobSpec, StreamJobStatus};
+use crate::keygroup::{self, Assignment};
+use crate::operator::metrics::OperatorMetrics;
+use crate::orchestrator::decide;
+use crate::orchestrator::pass::{self, JobMemory, PassInput, PendingEvent, Shell};
+use crate::orchestrator::run;
+use crate::orchestrator::step::Step;
+use crate::snapshot;
+use crate::validation;
+use processes::ProcessWorkers;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// Failures of a local run.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalError {
+    #[error("reading {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path} is not a StreamJob manifest: {reason}")]
+    Parse { path: PathBuf, reason: String },
+    #[error("{path} is invalid:\n{errors}")]
+    Invalid { path: PathBuf, errors: String },
+    #[error("{0}")]
+    Analysis(#[from] validation::AnalysisError),
+    #[error("starting worker {index}: {reason}")]
+    Spawn { index: usize, reason: String },
+    #[error(transparent)]
+    Coordinator(#[from] CoordinatorError),
+    #[error(transparent)]
+    Snapshot(#[from] snapshot::SnapshotError),
+    #[error("{0}")]
+    Bounds(#[from] keygroup::BoundsError),
+    #[error("{0}")]
+    RestoreFrom(String),
+    #[error("rescale {from} -> {to} failed at step {step}: {reason}; {outcome}")]
+    Rescale {
+        from: u32,
+        to: u32,
+        step: &'static str,
+        reason: String,
+        outcome: String,
+    },
+}
+
+/// Reads and checks a manifest file the way the API server would (same messages).
+pub fn load_manifest(path: &Path) -> Result<StreamJob, LocalError> {
+    let text = std::fs::read_to_string(path).map_err(|source| LocalError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let job: StreamJob = serde_yaml::from_str(&text).map_err(|e| LocalError::Parse {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    validation::validate(&job.spec, None, None).map_err(|e| LocalError::Invalid {
+        path: path.to_owned(),
+        errors: e.to_string(),
+    })?;
+    Ok(job)
+}
+
+/// The job's namespace and name (`default` and `job` when the manifest has none).
+pub fn job_names(job: &StreamJob) -> (String, String) {
+    let namespace = job
+        .metadata
+        .namespace
+        .clone()
+        .unwrap_or_else(|| "default".into());
+    let name = job.metadata.name.clone().unwrap_or_else(|| "job".into());
+    (namespace, name)
+}
+
+/// The status a local job resumes with (status is not kept between runs; the snapshots are):
+/// the key-group count of spec.restoreFrom's snapshot if set (a savepoint rewritten to a new
+/// count raises the ceiling), else the one of the job's newest snapshot, else none yet (the
+/// first pass pins the spec's). spec.restoreFrom counts as restored once the job has a snapshot
+/// of its own under that count, so the job resumes its own newest state.
+pub async fn resume_status(
+    spec: &StreamJobSpec,
+    storage: &str,
+    namespace: &str,
+    name: &str,
+) -> Result<StreamJobStatus, LocalError> {
+    let mut status = StreamJobStatus::default();
+    match &spec.restore_from {
+        Some(url) => {
+            let groups = coordinator::restore_from_key_groups(url)
+                .await
+                .map_err(LocalError::RestoreFrom)?;
+            if let Some(g) = spec.max_parallelism
+                && g as u32 != groups
+            {
+                return Err(LocalError::RestoreFrom(validation::restore_from_mismatch(
+                    url, groups, g,
+                )));
+            }
+            status.max_parallelism = Some(groups as i32);
+            status.max_parallelism_origin = Some(validation::ceiling_origin_snapshot(url));
+            let own =
+                coordinator::latest_snapshot_with(storage, namespace, name, Some(groups)).await?;
+            if own.is_some() {
+                status.restored_from = Some(url.clone());
+            }
+        }
+        None => {
+            if let Some((url, s)) = coordinator::latest_snapshot(storage, namespace, name).await? {
+                status.max_parallelism = Some(s.max_parallelism as i32);
+                status.max_parallelism_origin = Some(validation::ceiling_origin_snapshot(&url));
+            }
+        }
+    }
+    Ok(status)
+}
+
+/// What `keyshift local` says when an edit asks for more subtasks than the key-group ceiling:
+/// nothing changes, and how to raise the ceiling (`savepoint`: the URL once stopped).
+pub fn local_ceiling_guidance(
+    manifest: &Path,
+    running: u32,
+    replicas: i32,
+    ceiling: u32,
+    savepoint: Option<&str>,
+) -> String {
+    let g = keygroup::suggested_max_parallelism(replicas.max(1) as u32);
+    let sp = savepoint.unwrap_or("<the savepoint printed when it stops>");
+    let stop = if savepoint.is_none() {
+        "stop it with Ctrl-C (it stops with a savepoint), then "
+    } else {
+        ""
+    };
+    format!(
+        "replicas {replicas} exceeds {ceiling}, the key-group ceiling of this job's state (fixed by its first snapshot); nothing was changed and the job keeps running at parallelism {running}. To run more subtasks, raise the ceiling offline: {stop}run `keyshift savepoint rewrite {sp} --max-parallelism {g} --to {sp}-mp{g}`, set `maxParallelism: {g}`, `restoreFrom: {sp}-mp{g}` and `replicas: {replicas}` in {}, and run `keyshift local {}` again",
+        manifest.display(),
+        manifest.display()
+    )
+}
+
+/// Ctrl-C, or SIGTERM (`kill`, a service manager): both stop the job with a savepoint.
+async fn stop_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = tokio::signal::ctrl_c() => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// The storage URL of a local run: the spec's, else `file://<state dir>`.
+pub fn storage_url(spec: &StreamJobSpec, state_dir: &Path) -> Result<String, LocalError> {
+    if let Some(s) = &spec.state.storage {
+        return Ok(s.clone());
+    }
+    std::fs::create_dir_all(state_dir).map_err(|source| LocalError::Read {
+        path: state_dir.to_owned(),
+        source,
+    })?;
+    let abs = std::fs::canonicalize(state_dir).map_err(|source| LocalError::Read {
+        path: state_dir.to_owned(),
+        source,
+    })?;
+    Ok(format!("file://{}", abs.display()))
+}
+
+/// Options of `keyshift local`.
+#[derive(Debug, Clone)]
+pub struct LocalOptions {
+    pub manifest: PathBuf,
+    pub state_dir: PathBuf,
+    /// The `keyshift` binary the workers run (default: this executable).
+    pub bin: PathBuf,
+    /// Seconds between progress lines.
+    pub progress_every: Duration,
+}
+
+fn say(line: impl std::fmt::Display) {
+    println!("[keyshift local] {line}");
+}
+
+fn rate(n: u64, d: Duration) -> f64 {
+    n as f64 / d.as_secs_f64().max(1e-9)
+}
+
+/// What the driver says about a pass: the lines a user reads, from what changed in status and
+/// the pass's Events.
+fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingEvent]) {
+    for e in events {
+        match e.reason.as_str() {
+            // Said below, from status, in the words `keyshift local` has always used.
+            "Started" | "Rescaled" | "RescaleStarted" | "Suspending" | "Suspended" => {}
+            _ if e.warning => say(format_args!("warning: {}: {}", e.reason, e.note)),
+            _ => say(format_args!("{}: {}", e.reason, e.note)),
+        }
+        if e.reason == "Started" {
+            say(format_args!("started: {}", e.note));
+        }
+    }
+    if let Some(c) = &after.last_checkpoint
+        && before.last_checkpoint.as_ref().map(|b| b.id) != Some(c.id)
+    {
+        say(format_args!(
+            "checkpoint {} committed ({} bytes)",
+            c.id,
+            c.size_bytes.unwrap_or_default()
+        ));
+    }
+    let was = before.rescale.as_ref();
+    if let Some(r) = &after.rescale
+        && was.is_none_or(|w| w.started != r.started || w.step != r.step)
+    {
+        let new = was.is_none_or(|w| w.started != r.started);
+        match r.step {
+            _ if new && r.to > 0 && r.upgrade_mode.is_none() => {
+                say(format_args!("rescaling {} -> {} ...", r.from, r.to));
+            }
+            _ if new && r.upgrade_mode.is_some() => say(format_args!(
+                "upgrading (the manifest's job changed) at parallelism {} ...",
+                r.to
+            )),
+            Step::Done if r.to > 0 => {
+                let total: f64 = r.step_seconds.values().sum();
+                say(format_args!(
+                    "rescaled {} -> {} in {:.0} ms: {} key groups moved, {} state bytes read ({}); savepoint {}",
+                    r.from,
+                    r.to,
+                    total * 1000.0,
+                    r.groups_moved.unwrap_or_default(),
+                    r.bytes_to_read.unwrap_or_default(),
+                    pass::step_times(r),
+                    r.savepoint.as_deref().unwrap_or("none")
+                ));
+            }
+            Step::Abandoned | Step::RolledBack => say(format_args!(
+                "{} {} -> {}: {}",
+                if r.step == Step::Abandoned {
+                    "gave up the change"
+                } else {
+                    "rolled back the change"
+                },
+                r.from,
+                r.to,
+                after
+                    .conditions
+                    .iter()
+                    .find(|c| c.reason == "RescaleAbandoned" || c.reason == "RescaleRolledBack")
+                    .map_or("see the warning above", |c| c.message.as_str())
+            )),
+            _ => {}
+        }
+    }
+    if after.phase == Some(Phase::Running)
+        && let Some(p) = after.replicas
+        && (before.phase != Some(Phase::Running) || before.replicas != Some(p))
+    {
+        say(format_args!("running at parallelism {p}"));
+        if let Some(g) = after.max_parallelism {
+            print_groups(p.max(0) as u32, g.max(1) as u32);
+        }
+    }
+}
+
+/// `keyshift local MANIFEST`: runs the job with the shared orchestration over local processes —
+/// checkpoints, applies edits of the file (replicas as rescales, the job as upgrades), recovers
+/// from worker failures — and on Ctrl-C suspends it with a savepoint (a second Ctrl-C stops the
+/// workers at once).
+pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
+    let job = load_manifest(&opts.manifest)?;
+    let (namespace, name) = job_names(&job);
+    let storage = storage_url(&job.spec, &opts.state_dir)?;
+    let log_dir = opts.state_dir.join("logs");
+    let mut spec = job.spec.clone();
+    let mut status = resume_status(&spec, &storage, &namespace, &name).await?;
+    let groups = match status.max_parallelism {
+        Some(g) => g.max(1) as u32,
+        None => validation::analyse(&spec, Some(&status))?
+            .assignment
+            .max_parallelism(),
+    };
+    say(format_args!(
+        "job {namespace}/{name}: {} subtasks, {groups} key groups, state in {storage}, worker logs in {}",
+        spec.replicas,
+        log_dir.display()
+    ));
+    let resume = match &spec.restore_from {
+        Some(url) if status.restored_from.as_ref() != Some(url) => Some(url.clone()),
+        _ => run::latest_restorable(&spec, &storage, &namespace, &name, groups).await?,
+    };
+    match &resume {
+        Some(url) => say(format_args!("resuming from {url}")),
+        None => say("no snapshot yet: starting empty"),
+    }
+
+    let token = run::new_token().map_err(|e| LocalError::Spawn {
+        index: 0,
+        reason: e.to_string(),
+    })?;
+    let mut workers =
+        ProcessWorkers::new(opts.bin.clone(), log_dir, token, decide::spec_hash(&spec));
+    let woken = workers.woken();
+    let metrics = OperatorMetrics::new();
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap_or_default();
+    let mut mem = JobMemory::default();
+    let mut progress_tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + opts.progress_every,
+        opts.progress_every,
+    );
+    let mut manifest_tick = tokio::time::interval(Duration::from_millis(500));
+    let mut mtime = std::fs::metadata(&opts.manifest)
+        .and_then(|m| m.modified())
+        .ok();
+    let mut last = (Instant::now(), 0u64);
+    // The last edit refused for exceeding the key-group ceiling: its replicas.
+    let mut above_ceiling: Option<i32> = None;
+    let mut stopping = false;
+    let mut next = tokio::time::Instant::now();
+    let ctrl_c = stop_signal();
+    tokio::pin!(ctrl_c);
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep_until(next) => {}
+            _ = woken.notified() => {}
+            _ = &mut ctrl_c => {
+                if stopping {
+                    say("stopping at once: the workers are killed; the newest committed snapshot stays usable");
+                    workers.stop_all().await;
+                    return Ok(());
+                }
+                stopping = true;
+                spec.suspend = true;
+                say("stopping with a savepoint (Ctrl-C or SIGTERM; again to stop at once) ...");
+                ctrl_c.set(stop_signal());
+            }
+            _ = progress_tick.tick() => {
+                if let Some(c) = mem.coordinator()
+                    && let Ok(st) = c.status().await
+                {
+                    let total: u64 = st.iter().map(|s| s.records_processed).sum();
+                    let keys: u64 = st.iter().map(|s| s.keys).sum();
+                    let now = Instant::now();
+                    let rps = rate(total.saturating_sub(last.1), now - last.0);
+                    last = (now, total);
+                    let bp: u64 = st.iter().map(|s| s.backpressure_ms).sum();
+                    let checkpoint = st.iter().filter_map(|s| s.last_checkpoint).min()
+                        .map_or_else(|| "none yet".to_owned(), |c| c.to_string());
+                    say(format_args!("p={} records={total} ({rps:.0}/s) keys={keys} backpressure={bp}ms last checkpoint {checkpoint}", st.len()));
+                }
+                continue;
+            }
+            _ = manifest_tick.tick() => {
+                let now = std::fs::metadata(&opts.manifest).and_then(|m| m.modified()).ok();
+                if now == mtime || stopping {
+                    continue;
+                }
+                mtime = now;
+                let edited = match load_manifest(&opts.manifest) {
+                    Ok(j) => j,
+                    Err(e) => { say(format_args!("ignoring the edit: {e}")); continue; }
+                };
+                if let Err(e) = validation::analyse(&edited.spec, Some(&status)) {
+                    let running = status.replicas.unwrap_or_default().max(0) as u32;
+                    let ceiling = status.max_parallelism.unwrap_or_default().max(0) as u32;
+                    if matches!(e, validation::AnalysisError::AboveCeiling { .. }) {
+                        above_ceiling = Some(edited.spec.replicas);
+                        say(local_ceiling_guidance(&opts.manifest, running, edited.spec.replicas, ceiling, None));
+                    } else {
+                        say(format_args!("ignoring the edit: {e}"));
+                    }
+                    continue;
+                }
+                if edited.spec == spec {
+                    continue;
+                }
+                spec = edited.spec;
+                workers.set_spec_hash(decide::spec_hash(&spec));
+            }
+        }
+        let before = status.clone();
+        let out = pass::run_pass(
+            PassInput {
+                namespace: &namespace,
+                name: &name,
+                spec: &spec,
+                status: status.clone(),
+                storage: storage.clone(),
+                generation: None,
+            },
+            &mut mem,
+            Shell {
+                workers: &mut workers,
+                metrics: &metrics,
+                http: &http,
+            },
+        )
+        .await;
+        match out {
+            Ok(out) => {
+                narrate(&before, &out.status, &out.events);
+                // A recorded step is acted on at once: unlike the API server, nothing here has
+                // to catch up with the write first.
+                let requeue = if out.status != before {
+                    out.requeue.min(Duration::from_millis(10))
+                } else {
+                    out.requeue
+                };
+                status = out.status;
+                next = tokio::time::Instant::now() + requeue;
+            }
+            Err(e) => {
+                say(format_args!("{e}; retrying"));
+                next = tokio::time::Instant::now() + e.kind().retry_after();
+            }
+        }
+        if stopping && status.phase == Some(Phase::Suspended) && workers.is_empty() {
+            match &status.last_savepoint {
+                Some(sp)
+                    if status
+                        .rescale
+                        .as_ref()
+                        .is_some_and(|r| r.step == Step::Done) =>
+                {
+                    say(format_args!(
+                        "stopped with savepoint {} ({} bytes); run the same command again to resume",
+                        sp.path,
+                        sp.size_bytes.unwrap_or_default()
+                    ));
+                    if let Some(replicas) = above_ceiling {
+                        let running = before.replicas.unwrap_or_default().max(0) as u32;
+                        let ceiling = status.max_parallelism.unwrap_or_default().max(0) as u32;
+                        say(local_ceiling_guidance(
+                            &opts.manifest,
+                            running,
+                            replicas,
+                            ceiling,
+                            Some(&sp.path),
+                        ));
+                    }
+                }
+                _ => say("stopped (nothing was running, so no savepoint was taken)"),
+            }
+            return Ok(());
+        }
+    }
+}
+
+fn print_groups(parallelism: u32, max_parallelism: u32) {
+    if let Ok(a) = Assignment::new(i64::from(parallelism), i64::from(max_parallelism)) {
+        let ranges: Vec<String> = a.ranges().iter().map(|r| r.to_string()).collect();
+        say(format_args!(
+            "key groups per subtask: {} ({})",
+            ranges.join(" "),
+            a.skew().summary()
+        ));
+    }
+}
