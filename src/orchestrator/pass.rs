@@ -222,8 +222,8 @@ struct StartWork {
 /// How a background step ended.
 enum Ended {
     Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),
-    Verify(Result<snapshot::VerifyReport, String>),
-    Start(Box<(Coordinator, Result<Vec<StartResponse>, String>)>),
+    Verify(Result<snapshot::VerifyReport, snapshot::SnapshotError>),
+    Start(Box<(Coordinator, Result<Vec<StartResponse>, CoordinatorError>)>),
 }
 
 impl Background {
@@ -705,7 +705,7 @@ impl Pass<'_> {
 
     fn set_running(&mut self, parallelism: u32) -> Result<(), PassError> {
         self.status.replicas = Some(parallelism as i32);
-        self.status.phase = Some(Phase::Running);
+        self.progress.phase = Some(Phase::Running);
         self.status.key_groups = Some(status::key_groups(self.assignment(parallelism)?));
         Ok(())
     }
@@ -853,10 +853,8 @@ impl Pass<'_> {
                 let work = BackgroundWork::Verify { url: url.clone() };
                 self.in_background(work, move |handle| {
                     Ended::Verify(handle.block_on(async {
-                        let (store, dir) = snapshot::open_store(&url).map_err(|e| e.to_string())?;
-                        snapshot::verify(store.as_ref(), &dir)
-                            .await
-                            .map_err(|e| e.to_string())
+                        let (store, dir) = snapshot::open_store(&url)?;
+                        snapshot::verify(store.as_ref(), &dir).await
                     }))
                 });
                 Ok(requeue::BACKGROUND_BACKSTOP)
@@ -967,7 +965,7 @@ impl Pass<'_> {
             }
             Action::Recover { message } => {
                 self.delete_all().await?;
-                self.status.phase = Some(Phase::Pending);
+                self.progress.phase = Some(Phase::Pending);
                 self.fail(
                     "WorkerFailed",
                     format!("{message}; restarting from the last checkpoint"),
@@ -990,7 +988,7 @@ impl Pass<'_> {
                 self.finish_restoring(rolled_back)?;
                 if to == 0 {
                     self.status.replicas = Some(0);
-                    self.status.phase = Some(Phase::Suspended);
+                    self.progress.phase = Some(Phase::Suspended);
                     self.status.key_groups = None;
                 } else {
                     self.set_running(to)?;
@@ -1019,7 +1017,7 @@ impl Pass<'_> {
             Action::Checkpoint => Ok(self.checkpoint()),
             Action::TriggerSavepoint { nonce } => Ok(self.triggered_savepoint(nonce)),
             Action::MarkSuspended => {
-                self.status.phase = Some(Phase::Suspended);
+                self.progress.phase = Some(Phase::Suspended);
                 self.status.replicas = Some(0);
                 self.status.key_groups = None;
                 Ok(short)
@@ -1427,18 +1425,19 @@ impl Pass<'_> {
             .as_ref()
             .is_some_and(|r| r.step == Step::Restoring && r.rolled_back.is_none());
         if restoring_rescale && hooks::fail_restore_at(work.parallelism) {
-            let injected = format!(
-                "{}={}: restore failure injected (test only)",
-                hooks::FAIL_RESTORE_ENV,
-                work.parallelism
+            let injected = CoordinatorError::NotReady(
+                0,
+                format!(
+                    "{}={}: restore failure injected (test only)",
+                    hooks::FAIL_RESTORE_ENV,
+                    work.parallelism
+                ),
             );
             return self.start_done(work, coordinator, Err(injected)).await;
         }
         // The workers restore their key groups before they answer: in the background.
         self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {
-            let result = handle
-                .block_on(coordinator.start(&template, run::timeouts::START))
-                .map_err(|e| e.to_string());
+            let result = handle.block_on(coordinator.start(&template, run::timeouts::START));
             Ended::Start(Box::new((coordinator, result)))
         });
         Ok(requeue::BACKGROUND_BACKSTOP)
@@ -1449,7 +1448,7 @@ impl Pass<'_> {
         &mut self,
         work: StartWork,
         coordinator: Coordinator,
-        result: Result<Vec<StartResponse>, String>,
+        result: Result<Vec<StartResponse>, CoordinatorError>,
     ) -> Result<Duration, PassError> {
         let StartWork {
             run,
@@ -1588,12 +1587,16 @@ mod tests {
         };
         assert!(bg.running());
         assert!(bg.running(), "asking again changes nothing");
-        assert!(tx.send(Ended::Verify(Err("corrupt block".into()))).is_ok());
+        let corrupt = snapshot::SnapshotError::ManifestInconsistent {
+            path: "sp-1".into(),
+            reason: "corrupt block".into(),
+        };
+        assert!(tx.send(Ended::Verify(Err(corrupt))).is_ok());
         assert!(!bg.running());
         assert!(!bg.running(), "the outcome is kept");
         assert!(matches!(
             bg.ended,
-            Some(Some(Ended::Verify(Err(ref e)))) if e == "corrupt block"
+            Some(Some(Ended::Verify(Err(ref e)))) if e.to_string().contains("corrupt block")
         ));
 
         let (tx, rx) = tokio::sync::oneshot::channel::<Ended>();

@@ -23,6 +23,9 @@ pub struct Progress {
     pub note: Option<(String, String)>,
     /// The last failure (worker, savepoint, restore) that is being retried: (reason, message).
     pub failure: Option<(String, String)>,
+    /// What the pass did to the run: started or adopted it (Running), removed it to restart it
+    /// (Pending), suspended it (Suspended). [`finish`] is the only writer of `status.phase`.
+    pub phase: Option<Phase>,
 }
 
 /// Sets `type_` in `conditions`, keeping lastTransitionTime when the status does not change.
@@ -182,6 +185,8 @@ pub fn finish(
         });
     } else if progress.stalled.is_some() && status.replicas.is_none() {
         status.phase = Some(Phase::Failed);
+    } else if let Some(phase) = progress.phase {
+        status.phase = Some(phase);
     } else if status.phase.is_none() {
         status.phase = Some(Phase::Pending);
     }
