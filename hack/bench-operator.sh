@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The operator benchmarks (docs/benchmarks.md, "Operator: ..."): brings up a test control plane
 # of its own (hack/testenv.sh: control plane and a real node running this checkout's image), runs `keyshift bench operator jobs`
-# and/or `keyshift bench operator rescale` (src/bench_operator.rs) from a release build against
-# it, and tears it down on exit.
+# and/or `keyshift bench operator rescale` (src/bench_operator.rs) from a release build with
+# `--features bench` (the product build has no bench commands) against it, and tears it down on
+# exit.
 #
 #   hack/bench-operator.sh                  # both, default sizes (500 jobs; 256 MiB, 4 -> 8)
 #   hack/bench-operator.sh jobs [ARGS...]   # e.g. --jobs 1000 --idle-seconds 120
@@ -14,7 +15,8 @@
 # KEYSHIFT_SUBNET (215), KEYSHIFT_NETNS (keyshift-bench), KEYSHIFT_VETH_HOST (ksbench0),
 # KEYSHIFT_TESTENV_DIR (a fresh /tmp/keyshift-bench-env.XXXXXX). The build goes to
 # $CARGO_TARGET_DIR (default ./target); KEYSHIFT_BENCH_BIN=/path/to/keyshift runs another build
-# of keyshift (e.g. an older commit's, for a before/after comparison) as driver and operator.
+# of keyshift (e.g. an older commit's, for a before/after comparison; one with the bench
+# commands) as driver and operator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,8 +37,8 @@ export KEYSHIFT_SUBNET="${KEYSHIFT_SUBNET:-215}"
 export KEYSHIFT_NETNS="${KEYSHIFT_NETNS:-keyshift-bench}"
 export KEYSHIFT_VETH_HOST="${KEYSHIFT_VETH_HOST:-ksbench0}"
 
-step "cargo build --release (keyshift)"
-cargo build --locked --release --bin keyshift
+step "cargo build --release --features bench (keyshift)"
+cargo build --locked --release --features bench --bin keyshift
 TARGET="${CARGO_TARGET_DIR:-$PWD/target}"
 BIN="${KEYSHIFT_BENCH_BIN:-$TARGET/release/keyshift}"
 

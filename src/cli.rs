@@ -50,16 +50,20 @@ pub enum Command {
     /// its control API).
     Worker(WorkerArgs),
     /// Measure the runtime against raw baselines taken in the same run: snapshot I/O, rescale
-    /// pause, throughput (see docs/benchmarks.md; build with --release).
+    /// pause, throughput (see docs/benchmarks.md; build with --release --features bench).
+    #[cfg(feature = "bench")]
     Bench(crate::bench::BenchArgs),
     /// Run the Kubernetes operator: reconcile StreamJobs into worker pods, checkpoint them and
     /// rescale them through savepoints.
     Operator(OperatorArgs),
-    /// Campaign for the operator's leader-election Lease and report leadership (for tests).
+    /// Campaign for the operator's leader-election Lease and report leadership (for tests; only
+    /// with the `test-hooks` feature).
+    #[cfg(feature = "test-hooks")]
     #[command(hide = true)]
     LeaderDemo(LeaderDemoArgs),
 }
 
+#[cfg(feature = "test-hooks")]
 #[derive(clap::Args, Debug)]
 pub struct LeaderDemoArgs {
     /// Name of the Lease.
@@ -221,6 +225,7 @@ pub enum CliError {
     Runtime(std::io::Error),
     #[error(transparent)]
     Savepoint(#[from] crate::tools::ToolError),
+    #[cfg(feature = "bench")]
     #[error("bench: {0:#}")]
     Bench(anyhow::Error),
 }
@@ -316,6 +321,7 @@ fn run(command: Command) -> Result<(), CliError> {
                 .map_err(Box::new)?;
             Ok(())
         }
+        #[cfg(feature = "test-hooks")]
         Command::LeaderDemo(args) => {
             let config = crate::leader::LeaderConfig::new(
                 args.lease_namespace,
@@ -328,6 +334,7 @@ fn run(command: Command) -> Result<(), CliError> {
             Ok(())
         }
         Command::Savepoint(args) => Ok(crate::tools::cli::run(args, &mut out)?),
+        #[cfg(feature = "bench")]
         Command::Bench(args) => {
             drop(out);
             crate::bench::run(args).map_err(CliError::Bench)

@@ -799,10 +799,12 @@ where
     }
 }
 
-/// `keyshift leader-demo` (hidden): campaigns for the Lease with the ambient credentials (in a
-/// pod: its ServiceAccount), logs when it leads, steps down on SIGTERM or Ctrl-C, and fails with
-/// [`LeaderError::Lost`] if leadership is lost, as the operator will. Lets tests check an
-/// installation's Lease RBAC and takeover with real processes before the operator exists.
+/// `keyshift leader-demo` (hidden; only with the `test-hooks` feature): campaigns for the Lease
+/// with the ambient credentials (in a pod: its ServiceAccount), logs when it leads, steps down on
+/// SIGTERM or Ctrl-C, and fails with [`LeaderError::Lost`] if leadership is lost, as the operator
+/// does. Checks an installation's Lease RBAC and takeover with real processes and nothing else of
+/// the operator.
+#[cfg(feature = "test-hooks")]
 pub async fn run_demo(config: LeaderConfig) -> Result<(), LeaderError> {
     config.validate()?;
     let client = Client::try_default()

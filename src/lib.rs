@@ -3,8 +3,21 @@
 //!
 //! The pure core (key-group math, validation, planning) has no I/O; the CLI, operator and worker
 //! sit around it.
+//!
+//! # Cargo features
+//!
+//! None is on by default, and the product build (the release binary and the image) has neither:
+//!
+//! * `bench`: the benchmarks, `bench` and `bench_operator` (`keyshift bench ...`) and
+//!   `tools::bench` (`keyshift savepoint bench-rewrite`). Implies `test-hooks`, because
+//!   `keyshift bench operator` runs its own binary as the operator with a test-only hook set.
+//! * `test-hooks`: test-only behaviour, the hidden `keyshift leader-demo` command
+//!   (`leader::run_demo`) and the operator's `KEYSHIFT_TEST_*` environment hooks. The test suite
+//!   (hack/test.sh) builds with it.
 
+#[cfg(feature = "bench")]
 pub mod bench;
+#[cfg(feature = "bench")]
 pub mod bench_operator;
 pub mod cli;
 pub mod coordinator;

@@ -120,6 +120,52 @@ fn keygroup_refuses_bad_keys_with_the_line() {
     assert_eq!(text(&out.stdout).lines().count(), 2);
 }
 
+/// The benchmarks and the test-only commands are in a build exactly when its features are: the
+/// product build (no features: `cargo build --release`, the image) refuses them as unknown
+/// subcommands, a build with `--features bench` or `--features test-hooks` runs them.
+/// `cargo test` checks whichever build it made; hack/test.sh runs this test both without
+/// features and with all of them.
+#[test]
+fn bench_and_test_only_commands_exist_only_with_their_features() {
+    let bench = cfg!(feature = "bench");
+    let hooks = cfg!(feature = "test-hooks");
+    // The command line, whether its build has it, and the subcommand refused otherwise.
+    for (args, present, unknown) in [
+        (&["bench", "--help"][..], bench, "bench"),
+        (&["bench", "snapshot", "--help"], bench, "bench"),
+        (&["bench", "operator", "rescale", "--help"], bench, "bench"),
+        (
+            &["savepoint", "bench-rewrite", "--help"],
+            bench,
+            "bench-rewrite",
+        ),
+        (&["leader-demo", "--help"], hooks, "leader-demo"),
+    ] {
+        let out = keyshift(args, None);
+        let stderr = text(&out.stderr);
+        if present {
+            assert!(
+                out.status.success() && text(&out.stdout).contains("Usage:"),
+                "{args:?} runs with the feature: {stderr}"
+            );
+        } else {
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+            assert!(
+                stderr.contains(&format!("unrecognized subcommand '{unknown}'")),
+                "{args:?} is unknown without the feature: {stderr}"
+            );
+        }
+    }
+    let help = text(&keyshift(&["--help"], None).stdout);
+    let listed = |sub: &str| {
+        help.lines()
+            .any(|l| l.split_whitespace().next() == Some(sub))
+    };
+    assert!(listed("plan") && listed("operator"), "{help}");
+    assert_eq!(listed("bench"), bench, "{help}");
+    assert!(!listed("leader-demo"), "hidden even when built in: {help}");
+}
+
 #[test]
 fn crd_prints_yaml() {
     let out = keyshift(&["crd"], None);

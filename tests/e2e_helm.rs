@@ -2,9 +2,9 @@
 //! the CRD and the operator's objects, the kubelet runs the operator pod under the chart's
 //! ServiceAccount, RBAC allows exactly what the operator needs (checked with `kubectl auth
 //! can-i` as that ServiceAccount), `helm upgrade` applies changed values, and `helm uninstall`
-//! leaves nothing of the release behind but the CRD. A second test runs real processes
-//! (`keyshift leader-demo`) under the chart's ServiceAccount to show its Lease RBAC suffices for
-//! leader election and takeover.
+//! leaves nothing of the release behind but the CRD. A second test runs real processes (two
+//! `keyshift operator` pods of its own) under the chart's ServiceAccount to show its Lease RBAC
+//! suffices for leader election and takeover.
 //!
 //! A third test runs the whole path with the real operator: install, a sample StreamJob to
 //! Ready, `kubectl scale`, then two replicas and a leader handover that keeps reconciling.
@@ -356,7 +356,9 @@ fn install_upgrade_uninstall() {
     assert!(kubectl(&["get", crd]).ok, "the CRD is kept");
 }
 
-fn demo_deployment(sa: &str) -> String {
+/// Two operator pods of the test's own (not the chart's Deployment) as Lease candidates, under
+/// the ServiceAccount `sa`, watching `ns`.
+fn demo_deployment(sa: &str, ns: &str) -> String {
     format!(
         "apiVersion: apps/v1
 kind: Deployment
@@ -379,7 +381,7 @@ spec:
       containers:
       - name: demo
         image: {image}
-        args: [leader-demo, --lease-duration-seconds=6]
+        args: [operator, --namespaces={ns}]
         securityContext:
           allowPrivilegeEscalation: false
           readOnlyRootFilesystem: true
@@ -409,7 +411,7 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
     let release = "ks-lease";
     let ns = Namespace::new("e2e-helm-lease");
     let ns = ns.0.as_str();
-    // The chart's ServiceAccount and RBAC only; no operator pod.
+    // The chart's ServiceAccount and RBAC only; no operator pod of the chart.
     let watch = format!(r#"watchNamespaces=["{ns}"]"#);
     let image_args = image_values();
     let mut args = vec!["install", release, CHART, "-n", ns, "--set", "replicas=0"];
@@ -418,7 +420,7 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
     helm_ok(&args);
 
     // Two candidates as pods with the chart's ServiceAccount: one holds the Lease.
-    let r = apply(ns, &demo_deployment("ks-lease-keyshift"));
+    let r = apply(ns, &demo_deployment("ks-lease-keyshift", ns));
     assert!(r.ok, "{}", r.stderr);
     let running = || {
         kubectl_ok(&[
@@ -441,8 +443,9 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
         leader = holder_pod(ns);
         running().len() == 2 && running().contains(&leader)
     });
+    // The operator's lease lasts 15 s: renewals every 5 s.
     let renewed = jsonpath(ns, "lease/keyshift-operator", "{.spec.renewTime}");
-    std::thread::sleep(Duration::from_secs(5));
+    std::thread::sleep(Duration::from_secs(7));
     assert_eq!(holder_pod(ns), leader, "the leader keeps the Lease");
     assert_ne!(
         jsonpath(ns, "lease/keyshift-operator", "{.spec.renewTime}"),
@@ -450,11 +453,11 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
         "and renews it"
     );
 
-    // Delete the leader's pod: it steps down on SIGTERM and another pod takes over well
-    // within the lease duration.
+    // Delete the leader's pod: it releases the Lease on SIGTERM and another pod takes over at
+    // its next look (every 5 s), well within the 15 s an expiry would take.
     kubectl_ok(&["delete", "pod", "-n", ns, &leader, "--wait=false"]);
     let mut next = String::new();
-    wait_for(Duration::from_secs(8), || {
+    wait_for(Duration::from_secs(12), || {
         next = holder_pod(ns);
         !next.is_empty() && next != leader
     });

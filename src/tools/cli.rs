@@ -1,5 +1,6 @@
 //! The `keyshift savepoint` subcommands: arguments, dispatch and rendering.
 
+#[cfg(feature = "bench")]
 use super::bench::{BenchOptions, BenchReport, bench_rewrite};
 use super::catalog::{DisposeOptions, DisposeReport, JobListing, dispose, list_job};
 use super::dump::{dump, parse_key_groups};
@@ -96,7 +97,9 @@ pub enum SavepointCommand {
                       also refused when that marker is unreadable, or the directory has no manifest."
     )]
     Dispose(DisposeArgs),
-    /// Benchmark `rewrite` against a raw copy of the same state (builds the state first).
+    /// Benchmark `rewrite` against a raw copy of the same state (builds the state first; only
+    /// with the `bench` feature).
+    #[cfg(feature = "bench")]
     #[command(hide = true)]
     BenchRewrite(BenchArgs),
 }
@@ -186,6 +189,7 @@ pub struct DisposeArgs {
     pub output: Output,
 }
 
+#[cfg(feature = "bench")]
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// State to build, MiB.
@@ -321,6 +325,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
             };
             emit(out, &text)
         }
+        #[cfg(feature = "bench")]
         SavepointCommand::BenchRewrite(a) => {
             let report = bench_rewrite(BenchOptions {
                 state_mib: a.state_mib,
@@ -699,6 +704,7 @@ fn dispose_text(r: &DisposeReport) -> String {
     s
 }
 
+#[cfg(feature = "bench")]
 fn bench_text(b: &BenchReport) -> String {
     let mut s = String::new();
     let _ = writeln!(

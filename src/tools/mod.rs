@@ -23,6 +23,8 @@
 //! checked against the manifest's CRC-32C before it is decoded, so the tools never act on corrupt
 //! bytes and their memory does not grow with the state.
 
+// `keyshift savepoint bench-rewrite`: only with the `bench` feature.
+#[cfg(feature = "bench")]
 pub mod bench;
 mod blocks;
 pub mod catalog;
