@@ -214,7 +214,8 @@ fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingE
     for e in events {
         match e.reason.as_str() {
             // Said below, from status, in the words `keyshift local` has always used.
-            "Started" | "Rescaled" | "RescaleStarted" | "Suspending" | "Suspended" => {}
+            "Started" | "Rescaled" | "RescaleStarted" | "Suspending" | "Suspended"
+            | "CreatedPods" | "DeletingPods" => {}
             _ if e.warning => say(format_args!("warning: {}: {}", e.reason, e.note)),
             _ => say(format_args!("{}: {}", e.reason, e.note)),
         }
@@ -367,7 +368,9 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
                     let total: u64 = st.iter().map(|s| s.records_processed).sum();
                     let keys: u64 = st.iter().map(|s| s.keys).sum();
                     let now = Instant::now();
-                    let rps = rate(total.saturating_sub(last.1), now - last.0);
+                    // A new run counts from zero.
+                    let since = if total >= last.1 { last.1 } else { 0 };
+                    let rps = rate(total - since, now - last.0);
                     last = (now, total);
                     let bp: u64 = st.iter().map(|s| s.backpressure_ms).sum();
                     let checkpoint = st.iter().filter_map(|s| s.last_checkpoint).min()
