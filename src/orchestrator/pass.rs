@@ -597,7 +597,7 @@ async fn pending_restore(
     }
 }
 
-impl Pass<'_> {
+impl<'a> Pass<'a> {
     fn rescale_mut(&mut self) -> Option<&mut RescaleStatus> {
         self.status.rescale.as_mut()
     }
@@ -691,6 +691,22 @@ impl Pass<'_> {
             i64::from(parallelism),
             i64::from(self.max_parallelism()),
         )?)
+    }
+
+    /// The coordinator of a run of this job with these workers (the future borrows no part of
+    /// the pass: the platform port it holds need not be `Sync`).
+    fn coordinator(
+        &self,
+        assignment: Assignment,
+        endpoints: Vec<WorkerEndpoint>,
+    ) -> impl Future<Output = Result<Coordinator, CoordinatorError>> + Send + 'a {
+        let (spec, storage, identity, token) = (
+            self.spec,
+            self.storage.clone(),
+            self.identity(),
+            self.token.clone(),
+        );
+        async move { run::coordinator(spec, &storage, identity, assignment, endpoints, token).await }
     }
 
     fn identity(&self) -> JobIdentity {
@@ -929,16 +945,10 @@ impl Pass<'_> {
                     Some(g) => Assignment::new(i64::from(parallelism), i64::from(*g))?,
                     None => self.assignment(parallelism)?,
                 };
-                let coordinator = run::coordinator(
-                    self.spec,
-                    &self.storage,
-                    self.identity(),
-                    assignment,
-                    endpoints,
-                    self.token.clone(),
-                )
-                .await
-                .map_err(PassError::Adopt)?;
+                let coordinator = self
+                    .coordinator(assignment, endpoints)
+                    .await
+                    .map_err(PassError::Adopt)?;
                 if self
                     .pods
                     .iter()
@@ -1389,16 +1399,10 @@ impl Pass<'_> {
             .map_err(PassError::FindSnapshot)?,
         };
         let assignment = self.assignment(parallelism)?;
-        let coordinator = run::coordinator(
-            self.spec,
-            &self.storage,
-            self.identity(),
-            assignment,
-            endpoints,
-            self.token.clone(),
-        )
-        .await
-        .map_err(PassError::Start)?;
+        let coordinator = self
+            .coordinator(assignment, endpoints)
+            .await
+            .map_err(PassError::Start)?;
         let template = run::StartPlan {
             namespace: &self.ns,
             name: &self.name,
