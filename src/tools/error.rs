@@ -166,6 +166,7 @@ pub enum ToolError {
     Task(String),
 
     /// The benchmark could not set up its input.
+    #[cfg(feature = "bench")]
     #[error("benchmark: {0}")]
     Bench(String),
 }
