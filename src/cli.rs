@@ -56,29 +56,6 @@ pub enum Command {
     /// Run the Kubernetes operator: reconcile StreamJobs into worker pods, checkpoint them and
     /// rescale them through savepoints.
     Operator(OperatorArgs),
-    /// Campaign for the operator's leader-election Lease and report leadership (for tests; only
-    /// with the `test-hooks` feature).
-    #[cfg(feature = "test-hooks")]
-    #[command(hide = true)]
-    LeaderDemo(LeaderDemoArgs),
-}
-
-#[cfg(feature = "test-hooks")]
-#[derive(clap::Args, Debug)]
-pub struct LeaderDemoArgs {
-    /// Name of the Lease.
-    #[arg(long, default_value = "keyshift-operator")]
-    pub lease_name: String,
-    /// Namespace of the Lease.
-    #[arg(long, env = "POD_NAMESPACE")]
-    pub lease_namespace: String,
-    /// Lease duration in seconds.
-    #[arg(long, default_value_t = 15)]
-    pub lease_duration_seconds: u64,
-    /// Identity to hold the Lease as. Default: pod name (POD_NAME or HOSTNAME) and a random
-    /// suffix.
-    #[arg(long)]
-    pub identity: Option<String>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -319,18 +296,6 @@ fn run(command: Command) -> Result<(), CliError> {
             tokio_runtime()?
                 .block_on(crate::operator::run(config))
                 .map_err(Box::new)?;
-            Ok(())
-        }
-        #[cfg(feature = "test-hooks")]
-        Command::LeaderDemo(args) => {
-            let config = crate::leader::LeaderConfig::new(
-                args.lease_namespace,
-                args.lease_name,
-                args.identity
-                    .unwrap_or_else(crate::leader::LeaderConfig::default_identity),
-            )
-            .with_lease_duration(std::time::Duration::from_secs(args.lease_duration_seconds));
-            tokio_runtime()?.block_on(crate::leader::run_demo(config))?;
             Ok(())
         }
         Command::Savepoint(args) => Ok(crate::tools::cli::run(args, &mut out)?),

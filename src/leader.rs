@@ -799,32 +799,6 @@ where
     }
 }
 
-/// `keyshift leader-demo` (hidden; only with the `test-hooks` feature): campaigns for the Lease
-/// with the ambient credentials (in a pod: its ServiceAccount), logs when it leads, steps down on
-/// SIGTERM or Ctrl-C, and fails with [`LeaderError::Lost`] if leadership is lost, as the operator
-/// does. Checks an installation's Lease RBAC and takeover with real processes and nothing else of
-/// the operator.
-#[cfg(feature = "test-hooks")]
-pub async fn run_demo(config: LeaderConfig) -> Result<(), LeaderError> {
-    config.validate()?;
-    let client = Client::try_default()
-        .await
-        .map_err(|source| LeaderError::Api {
-            namespace: config.namespace.clone(),
-            name: config.lease_name.clone(),
-            source,
-        })?;
-    let identity = config.identity.clone();
-    // The work: hold the Lease until told to stop.
-    let hold = move || async move {
-        tracing::info!(%identity, "leading");
-        shutdown_signal().await;
-    };
-    run_while_leading(client, config, shutdown_signal(), hold)
-        .await
-        .map(|_| ())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

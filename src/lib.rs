@@ -11,9 +11,8 @@
 //! * `bench`: the benchmarks, `bench` and `bench_operator` (`keyshift bench ...`) and
 //!   `tools::bench` (`keyshift savepoint bench-rewrite`). Implies `test-hooks`, because
 //!   `keyshift bench operator` runs its own binary as the operator with a test-only hook set.
-//! * `test-hooks`: test-only behaviour, the hidden `keyshift leader-demo` command
-//!   (`leader::run_demo`) and the operator's `KEYSHIFT_TEST_*` environment hooks. The test suite
-//!   (hack/test.sh) builds with it.
+//! * `test-hooks`: test-only fault injection, the orchestration's `KEYSHIFT_TEST_*` environment
+//!   hooks (`orchestrator::hooks`). The test suite (hack/test.sh) builds with it.
 
 #[cfg(feature = "bench")]
 pub mod bench;

@@ -65,6 +65,10 @@ impl Operator {
     /// `storage_dir`, whose name also names its storage prefix on S3; the namespace gets the S3
     /// credentials Secret the test jobs name.
     fn start_envs(ns: &str, storage_dir: &std::path::Path, envs: &[(&str, &str)]) -> Operator {
+        assert!(
+            envs.is_empty() || cfg!(feature = "test-hooks"),
+            "the operator's test hooks need `cargo test --features test-hooks` (hack/test.sh uses --all-features)"
+        );
         let tag = storage_dir
             .file_name()
             .and_then(|n| n.to_str())
