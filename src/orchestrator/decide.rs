@@ -197,6 +197,31 @@ pub fn check_spec(
     })
 }
 
+/// When the job's latest snapshot completed (or its run started), as far as this process can
+/// trust it. Times in status come from whichever process wrote them; one later than `now` (a
+/// previous leader whose clock ran ahead) is ignored, or it would hold checkpoints back until
+/// this clock caught up with it. `run_started` is this process's own clock.
+pub fn last_snapshot_at(
+    status: &StreamJobStatus,
+    run_started: Option<DateTime<Utc>>,
+    now: DateTime<Utc>,
+) -> Option<DateTime<Utc>> {
+    let parse = |t: &str| {
+        DateTime::parse_from_rfc3339(t)
+            .ok()
+            .map(|t| t.with_timezone(&Utc))
+    };
+    [
+        status.last_checkpoint.as_ref().and_then(|c| parse(&c.time)),
+        status.last_savepoint.as_ref().and_then(|c| parse(&c.time)),
+    ]
+    .into_iter()
+    .flatten()
+    .filter(|t| *t <= now)
+    .chain(run_started)
+    .max()
+}
+
 /// The parallelism the spec asks for (0 while suspended).
 pub fn desired_parallelism(spec: &StreamJobSpec) -> u32 {
     if spec.suspend {
@@ -799,6 +824,34 @@ mod tests {
         assert!(matches!(a, Action::Idle { requeue } if requeue <= Duration::from_secs(30)));
         o.last_snapshot_at = Some(now() - chrono::Duration::seconds(31));
         assert_eq!(decide(&s, &status(), &o), Action::Checkpoint);
+    }
+
+    #[test]
+    fn a_snapshot_time_from_a_clock_ahead_of_ours_does_not_hold_checkpoints_back() {
+        let s = spec(4);
+        let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
+        let mut st = status();
+        st.last_checkpoint = Some(crate::crd::SnapshotRef {
+            id: 7,
+            path: "file:///s/chk-7".into(),
+            // A previous leader's clock, an hour ahead.
+            time: (now() + chrono::Duration::hours(1)).to_rfc3339(),
+            parallelism: 4,
+            size_bytes: None,
+        });
+        let started = now() - chrono::Duration::seconds(40);
+        let mut o = obs(running, Some(("r", 4)));
+        o.last_snapshot_at = last_snapshot_at(&st, Some(started), now());
+        assert_eq!(o.last_snapshot_at, Some(started));
+        assert_eq!(decide(&s, &st, &o), Action::Checkpoint);
+        // A time in the past is used as it is.
+        let recent = now() - chrono::Duration::seconds(5);
+        if let Some(c) = st.last_checkpoint.as_mut() {
+            c.time = recent.to_rfc3339();
+        }
+        o.last_snapshot_at = last_snapshot_at(&st, Some(started), now());
+        assert_eq!(o.last_snapshot_at, Some(recent));
+        assert!(matches!(decide(&s, &st, &o), Action::Idle { .. }));
     }
 
     #[test]

@@ -369,20 +369,8 @@ pub async fn run_pass(
     pods.sort_by(|a, b| (a.run.as_str(), a.subtask).cmp(&(b.run.as_str(), b.subtask)));
 
     let now = Utc::now();
-    let last_snapshot_at = [
-        status0
-            .last_checkpoint
-            .as_ref()
-            .and_then(|c| parse_time(&c.time)),
-        status0
-            .last_savepoint
-            .as_ref()
-            .and_then(|c| parse_time(&c.time)),
-        mem.run.as_ref().map(|r| r.started),
-    ]
-    .into_iter()
-    .flatten()
-    .max();
+    let last_snapshot_at =
+        decide::last_snapshot_at(&status0, mem.run.as_ref().map(|r| r.started), now);
     let pending_restore = pending_restore(spec, &status0, mem).await;
     let obs = decide::Observed {
         name: name.to_owned(),
@@ -544,12 +532,6 @@ async fn worker_state(http: &reqwest::Client, control: &str, token: &str) -> Opt
         return None;
     }
     resp.json().await.ok()
-}
-
-fn parse_time(t: &str) -> Option<DateTime<Utc>> {
-    DateTime::parse_from_rfc3339(t)
-        .ok()
-        .map(|t| t.with_timezone(&Utc))
 }
 
 fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
