@@ -219,6 +219,26 @@ struct StartWork {
     started: Instant,
 }
 
+/// Why a run did not start.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error(transparent)]
+    Workers(#[from] CoordinatorError),
+    /// The job has committed snapshots (status records them) but none can be found to restore:
+    /// starting empty would silently drop its state.
+    #[error(
+        "no committed snapshot of the job under {groups} key groups was found in {storage}, although status records {recorded}; refusing to start empty, which would drop the job's state. Restore the missing snapshot, point spec.restoreFrom at a snapshot to continue from, or set spec.upgradeMode: stateless to start empty on purpose"
+    )]
+    NothingToRestore {
+        groups: u32,
+        storage: String,
+        recorded: String,
+    },
+    /// Test only (`test-hooks`).
+    #[error("{0}")]
+    Injected(String),
+}
+
 /// How a background step ended.
 enum Ended {
     Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),
@@ -1133,7 +1153,8 @@ impl<'a> Pass<'a> {
             ) => Ok(self.triggered_savepoint_done(parallelism, nonce, *done)),
             (BackgroundWork::Start(work), Some(Ended::Start(done))) => {
                 let (coordinator, result) = *done;
-                self.start_done(*work, coordinator, result).await
+                self.start_done(*work, coordinator, result.map_err(StartError::from))
+                    .await
             }
             (BackgroundWork::Verify { url }, Some(Ended::Verify(result))) => {
                 match result {
@@ -1364,6 +1385,7 @@ impl<'a> Pass<'a> {
         } else {
             Utc::now()
         };
+        let resumes_history = restore == Restore::Latest;
         let restore_from = match restore {
             Restore::Url(u) => Some(u),
             Restore::Empty => None,
@@ -1385,6 +1407,34 @@ impl<'a> Pass<'a> {
             .coordinator(assignment, endpoints)
             .await
             .map_err(PassError::Start)?;
+        // A job that has committed snapshots resumes one of them, never nothing.
+        let recorded = self
+            .status
+            .last_checkpoint
+            .iter()
+            .chain(&self.status.last_savepoint)
+            .map(|s| s.path.clone())
+            .max();
+        if resumes_history
+            && restore_from.is_none()
+            && let Some(recorded) = recorded
+        {
+            let refused = StartError::NothingToRestore {
+                groups: assignment.max_parallelism(),
+                storage: self.storage.clone(),
+                recorded,
+            };
+            let work = StartWork {
+                run,
+                parallelism,
+                groups: assignment.max_parallelism(),
+                restore_from: None,
+                restored_source,
+                run_started,
+                started: Instant::now(),
+            };
+            return self.start_done(work, coordinator, Err(refused)).await;
+        }
         let template = run::StartPlan {
             namespace: &self.ns,
             name: &self.name,
@@ -1411,14 +1461,11 @@ impl<'a> Pass<'a> {
             .as_ref()
             .is_some_and(|r| r.step == Step::Restoring && r.rolled_back.is_none());
         if restoring_rescale && hooks::fail_restore_at(work.parallelism) {
-            let injected = CoordinatorError::NotReady(
-                0,
-                format!(
-                    "{}={}: restore failure injected (test only)",
-                    hooks::FAIL_RESTORE_ENV,
-                    work.parallelism
-                ),
-            );
+            let injected = StartError::Injected(format!(
+                "{}={}: restore failure injected (test only)",
+                hooks::FAIL_RESTORE_ENV,
+                work.parallelism
+            ));
             return self.start_done(work, coordinator, Err(injected)).await;
         }
         // The workers restore their key groups before they answer: in the background.
@@ -1434,7 +1481,7 @@ impl<'a> Pass<'a> {
         &mut self,
         work: StartWork,
         coordinator: Coordinator,
-        result: Result<Vec<StartResponse>, CoordinatorError>,
+        result: Result<Vec<StartResponse>, StartError>,
     ) -> Result<Duration, PassError> {
         let StartWork {
             run,
