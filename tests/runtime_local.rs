@@ -848,6 +848,19 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritt
     let cli = LocalCli::start(&manifest, &state);
     cli.wait_line(&format!("resuming from {target}"), Duration::from_secs(30));
     cli.wait_line("running at parallelism 200", Duration::from_secs(300));
+    // The snapshot it restored is pinned in the job's in-use marker, so `dispose` refuses it.
+    let job_url = sp.rsplit_once("/savepoints/").expect("a savepoint URL").0;
+    let (store, job_dir) = keyshift::snapshot::open_store(job_url).expect("job dir");
+    let marker = keyshift::tools::catalog::read_in_use(store.as_ref(), &job_dir)
+        .await
+        .expect("marker readable")
+        .expect("the job has an in-use marker");
+    let pinned = target.rsplit_once("/savepoints/").expect("target").1;
+    assert_eq!(
+        marker.pins(&format!("savepoints/{pinned}")).count(),
+        1,
+        "{marker:?}"
+    );
     cli.wait_line("checkpoint", Duration::from_secs(180));
     let (sp2, _cli) = cli.interrupt();
     let spec = job(&ceiling_manifest(200, "\n  maxParallelism: 1024"));

@@ -17,6 +17,7 @@ use crate::keygroup::{self, Assignment};
 use crate::operator::metrics::{KindLabels, OperatorMetrics, StepLabels};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
+use crate::tools::catalog::{InUseEntry, InUseMarker};
 use crate::validation;
 use chrono::{DateTime, Utc};
 use k8s_openapi::jiff::Timestamp;
@@ -154,6 +155,8 @@ pub struct JobMemory {
     token: Option<String>,
     /// The step running in the background, if any.
     background: Option<Background>,
+    /// The snapshots the job's in-use marker pins, as last written by this process.
+    pinned: Option<Vec<InUseEntry>>,
 }
 
 impl JobMemory {
@@ -452,6 +455,7 @@ pub async fn run_pass(
         }
     };
     let requeue = requeue?;
+    pass.pin_in_use().await;
     let mut status = pass.status;
     let progress = pass.progress;
     let events = pass.events;
@@ -469,6 +473,53 @@ pub async fn run_pass(
         events,
         requeue,
     })
+}
+
+/// The snapshots of the job's own directory that its state depends on beyond what `savepoint
+/// dispose` protects by itself (the newest checkpoint and snapshot): the savepoint of a
+/// transition in flight, and the snapshot the job was (or is being) restored from when it lies in
+/// the job's directory. Written to the job's in-use marker, so that `dispose` refuses them.
+/// Snapshots of another job are not pinned (that job's marker has its own writer).
+pub fn in_use(
+    spec: &StreamJobSpec,
+    status: &StreamJobStatus,
+    storage: &str,
+    namespace: &str,
+    name: &str,
+) -> Vec<InUseEntry> {
+    let prefix = format!("{}/{namespace}/{name}/", storage.trim_end_matches('/'));
+    let relative = |url: &str| {
+        url.strip_prefix(&prefix)
+            .map(|r| r.trim_matches('/').to_owned())
+            .filter(|r| !r.is_empty())
+    };
+    let mut pins: Vec<InUseEntry> = Vec::new();
+    let mut pin = |url: Option<&String>, reason: String| {
+        if let Some(path) = url.and_then(|u| relative(u))
+            && !pins.iter().any(|p| p.path == path)
+        {
+            pins.push(InUseEntry {
+                path,
+                holder: Some("keyshift".into()),
+                reason: Some(reason),
+            });
+        }
+    };
+    if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
+        pin(
+            r.savepoint.as_ref(),
+            format!("transition {} -> {} in step {}", r.from, r.to, r.step),
+        );
+        pin(
+            r.restore_from.as_ref(),
+            format!("restoring {namespace}/{name} from it"),
+        );
+    }
+    pin(
+        spec.restore_from.as_ref(),
+        format!("spec.restoreFrom of {namespace}/{name}"),
+    );
+    pins
 }
 
 /// The status of a job that cannot run at all (no storage): Stalled with `reason`/`message`.
@@ -693,6 +744,30 @@ impl<'a> Pass<'a> {
             i64::from(parallelism),
             i64::from(self.max_parallelism()),
         )?)
+    }
+
+    /// Writes the job's in-use marker when what it pins changed ([`in_use`]). Best effort: a
+    /// failed write is logged and tried again by the next pass.
+    async fn pin_in_use(&mut self) {
+        let pins = in_use(self.spec, &self.status, &self.storage, &self.ns, &self.name);
+        if self.mem.pinned.as_ref() == Some(&pins) {
+            return;
+        }
+        let written: Result<(), String> = async {
+            let (store, base) = snapshot::open_store(&self.storage).map_err(|e| e.to_string())?;
+            let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
+            let marker = InUseMarker::new(pins.clone());
+            crate::tools::catalog::write_in_use(store.as_ref(), &job_dir, &marker)
+                .await
+                .map_err(|e| e.to_string())
+        }
+        .await;
+        match written {
+            Ok(()) => self.mem.pinned = Some(pins),
+            Err(e) => {
+                tracing::warn!(job = %self.name, error = %e, "writing the in-use marker failed; retrying next pass")
+            }
+        }
     }
 
     /// The coordinator of a run of this job with these workers (the future borrows no part of
@@ -1609,6 +1684,41 @@ impl<'a> Pass<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_in_use_marker_pins_a_transitions_savepoint_and_the_restore_source_of_the_own_job() {
+        let storage = "s3://b/state/";
+        let own = |rel: &str| format!("s3://b/state/ns/j/{rel}");
+        let mut spec: StreamJobSpec =
+            serde_yaml::from_str("replicas: 2\njob: {source: {generator: {partitions: 2, keys: 10}}, key: {field: key}, aggregation: {function: count}}")
+                .unwrap();
+        let mut status = StreamJobStatus::default();
+        assert!(in_use(&spec, &status, storage, "ns", "j").is_empty());
+        status.rescale = Some(RescaleStatus {
+            from: 2,
+            to: 4,
+            step: Step::Verifying,
+            savepoint: Some(own("savepoints/sp-7")),
+            ..Default::default()
+        });
+        spec.restore_from = Some(own("savepoints/sp-3-mp1024"));
+        let pins = in_use(&spec, &status, storage, "ns", "j");
+        let paths: Vec<&str> = pins.iter().map(|p| p.path.as_str()).collect();
+        assert_eq!(paths, ["savepoints/sp-7", "savepoints/sp-3-mp1024"]);
+        assert!(
+            pins[0]
+                .reason
+                .as_deref()
+                .unwrap_or_default()
+                .contains("2 -> 4 in step Verifying")
+        );
+        // Finished transitions pin nothing; another job's snapshot is not pinned here.
+        if let Some(r) = status.rescale.as_mut() {
+            r.step = Step::Done;
+        }
+        spec.restore_from = Some("s3://b/state/ns/other/savepoints/sp-1".into());
+        assert!(in_use(&spec, &status, storage, "ns", "j").is_empty());
+    }
 
     #[test]
     fn a_background_step_runs_until_its_outcome_arrives_or_its_thread_is_gone() {
