@@ -18,7 +18,7 @@ use keyshift::keygroup::Key;
 use keyshift::operator::metrics::OperatorMetrics;
 use keyshift::orchestrator::decide;
 use keyshift::orchestrator::pass::{
-    ErrorKind, JobMemory, PassInput, PassOutput, PendingEvent, Shell, run_pass,
+    self, ErrorKind, JobMemory, PassInput, PassOutput, PendingEvent, Shell, run_pass,
 };
 use keyshift::orchestrator::step::{self, ALL_OUTCOMES, Step};
 use keyshift::runtime::protocol::WorkerState;
@@ -168,6 +168,8 @@ struct Driver {
     steps: Vec<(String, Vec<Step>)>,
     passes: u32,
     wait: Duration,
+    /// The requeue the last pass asked for.
+    requeue: Option<Duration>,
 }
 
 impl Driver {
@@ -192,6 +194,7 @@ impl Driver {
             steps: Vec::new(),
             passes: 0,
             wait: Duration::ZERO,
+            requeue: None,
         }
     }
 
@@ -292,6 +295,7 @@ impl Driver {
                         _ => self.steps.push((r.started.clone(), vec![r.step])),
                     }
                 }
+                self.requeue = Some(requeue);
                 let now = Instant::now();
                 self.events.extend(events.into_iter().map(|e| (now, e)));
                 self.wait = if status != before {
@@ -302,6 +306,7 @@ impl Driver {
                 self.status = status;
             }
             Err(e) => {
+                self.requeue = None;
                 assert_ne!(e.kind(), ErrorKind::Bug, "pass {}: {e}", self.passes);
                 eprintln!("pass {} failed: {e}", self.passes);
                 self.wait = Duration::from_millis(100);
@@ -696,6 +701,57 @@ async fn restart_in_stopping_resumes_and_finishes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_in_restoring_resumes_and_finishes() {
     restart_in(Step::Restoring, "restart-restore").await;
+}
+
+/// The orchestrator dies after `step`'s background work ended but before a pass recorded its
+/// outcome (the savepoint is committed and the sources are stopped at its barrier; or the new run
+/// is started): a fresh orchestrator resumes from status and the workers, and the state is exact.
+async fn restart_unrecorded(step: Step, name: &str) {
+    bounded(async {
+        let mut d = Driver::new(name, 2, "1h");
+        d.until_running(2).await;
+        d.spec.replicas = 3;
+        d.until(
+            &format!("{step} in the background"),
+            Duration::from_secs(20),
+            |d| d.step() == Some(step) && d.requeue == Some(pass::requeue::BACKGROUND_BACKSTOP),
+        )
+        .await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while d.mem.background_running() {
+            assert!(Instant::now() < deadline, "{step}'s work did not end");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Its outcome waits in the memory that is now lost.
+        d.restart();
+        d.until(
+            "rescaled to 3 after a restart",
+            Duration::from_secs(30),
+            |d| d.step() == Some(Step::Done) && d.running_at(3),
+        )
+        .await;
+        assert!(
+            d.events_named("RescaleAbandoned").is_empty(),
+            "{}",
+            d.event_log()
+        );
+        assert!(d.events_named("RescaleRollingBack").is_empty());
+        let sp = d.rescale().savepoint.expect("the rescale's savepoint");
+        assert_exact(&d.spec, &sp).await;
+        d.assert_processing().await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_after_an_unrecorded_savepoint_resumes_and_finishes() {
+    restart_unrecorded(Step::Savepointing, "unrecorded-sp").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_after_an_unrecorded_start_resumes_and_finishes() {
+    restart_unrecorded(Step::Restoring, "unrecorded-start").await;
 }
 
 /// The orchestrator restarts while the new run's workers exist but were not started yet.
