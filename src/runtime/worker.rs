@@ -110,8 +110,22 @@ fn bind_with_backlog(addr: SocketAddr, backlog: u32) -> std::io::Result<TcpListe
     socket.listen(backlog)
 }
 
-/// Runs a worker until it fails (a fatal data-plane or operator error) or is killed.
-pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
+/// A worker whose sockets are bound but which serves nothing yet: its addresses are known (also
+/// when bound to port 0) before anything can reach it. [`run`] is [`bind`] + announce +
+/// [`BoundWorker::serve`]; tests run workers in-process the same way, without stdout or signal
+/// handlers.
+pub struct BoundWorker {
+    control: TcpListener,
+    data: TcpListener,
+    token: String,
+    /// Where the control API listens.
+    pub control_addr: SocketAddr,
+    /// Where the data plane listens.
+    pub data_addr: SocketAddr,
+}
+
+/// Binds a worker's control API and data plane.
+pub async fn bind(config: WorkerConfig) -> Result<BoundWorker, WorkerError> {
     let control = TcpListener::bind(config.control_addr)
         .await
         .map_err(|source| WorkerError::Bind {
@@ -132,55 +146,84 @@ pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
     let data_addr = data
         .local_addr()
         .map_err(|e| WorkerError::Fatal(e.to_string()))?;
-    // Installed before anything can see this worker (see the select below).
+    Ok(BoundWorker {
+        control,
+        data,
+        token: config.token,
+        control_addr,
+        data_addr,
+    })
+}
+
+/// Runs a worker until it fails (a fatal data-plane or operator error) or is killed.
+pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
+    let worker = bind(config).await?;
+    // Installed before anything can see this worker (see the select in `serve`).
     let shutdown = crate::leader::shutdown_signal();
     // One line on stdout tells a local launcher where to reach us.
     println!(
         "{}",
-        serde_json::json!({"control": control_addr.to_string(), "data": data_addr.to_string()})
+        serde_json::json!({"control": worker.control_addr.to_string(), "data": worker.data_addr.to_string()})
     );
-    tracing::info!(%control_addr, %data_addr, "worker listening");
-    let (fatal, mut fatal_rx) = watch::channel(None);
-    let shared = Arc::new(Shared {
-        token: config.token,
-        data_listener: Mutex::new(Some(data)),
-        started: AtomicBool::new(false),
-        ready: AtomicBool::new(false),
-        stopped: AtomicBool::new(false),
-        run: Mutex::new(None),
-        checkpoints: Mutex::new(BTreeMap::new()),
-        barrier_positions: Mutex::new(BTreeMap::new()),
-        status: Mutex::new(WorkerStatus {
-            state: WorkerState::Idle,
-            ..Default::default()
-        }),
-        metrics: WorkerMetrics::new(),
-        fatal,
-    });
-    let app = Router::new()
-        .route("/v1/healthz", get(|| async { "ok" }))
-        .route("/v1/readyz", get(readyz))
-        .route("/metrics", get(metrics))
-        .route("/v1/start", post(start))
-        .route("/v1/checkpoints", post(trigger))
-        .route("/v1/checkpoints/{id}", get(checkpoint_status))
-        .route("/v1/resume", post(resume))
-        .route("/v1/status", get(status))
-        .with_state(shared.clone());
-    let server = axum::serve(control, app);
-    tokio::select! {
-        r = server => r.map_err(|e| WorkerError::Fatal(format!("control API: {e}"))),
-        reason = async { fatal_rx.wait_for(|f| f.is_some()).await.map(|f| f.clone().unwrap_or_default()) } => {
-            Err(WorkerError::Fatal(reason.unwrap_or_else(|_| "worker state dropped".into())))
-        }
-        // In a container the worker is PID 1, which the kernel gives no default action for
-        // SIGTERM: without a handler a deleted pod would wait out its whole grace period (and
-        // every rescale with it) before the kubelet's SIGKILL. Nothing is lost by stopping at
-        // once: a worker's state is the job's last snapshot, and the operator only deletes
-        // workers after a savepoint or to restart from one.
-        () = shutdown => {
-            tracing::info!("worker stopping on SIGTERM/SIGINT");
-            Ok(())
+    worker.serve(shutdown).await
+}
+
+impl BoundWorker {
+    /// Serves until the worker fails or `shutdown` completes (then `Ok`).
+    pub async fn serve(
+        self,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<(), WorkerError> {
+        let BoundWorker {
+            control,
+            data,
+            token,
+            control_addr,
+            data_addr,
+        } = self;
+        tracing::info!(%control_addr, %data_addr, "worker listening");
+        let (fatal, mut fatal_rx) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            token,
+            data_listener: Mutex::new(Some(data)),
+            started: AtomicBool::new(false),
+            ready: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            run: Mutex::new(None),
+            checkpoints: Mutex::new(BTreeMap::new()),
+            barrier_positions: Mutex::new(BTreeMap::new()),
+            status: Mutex::new(WorkerStatus {
+                state: WorkerState::Idle,
+                ..Default::default()
+            }),
+            metrics: WorkerMetrics::new(),
+            fatal,
+        });
+        let app = Router::new()
+            .route("/v1/healthz", get(|| async { "ok" }))
+            .route("/v1/readyz", get(readyz))
+            .route("/metrics", get(metrics))
+            .route("/v1/start", post(start))
+            .route("/v1/checkpoints", post(trigger))
+            .route("/v1/checkpoints/{id}", get(checkpoint_status))
+            .route("/v1/resume", post(resume))
+            .route("/v1/status", get(status))
+            .with_state(shared.clone());
+        let server = axum::serve(control, app);
+        tokio::select! {
+            r = server => r.map_err(|e| WorkerError::Fatal(format!("control API: {e}"))),
+            reason = async { fatal_rx.wait_for(|f| f.is_some()).await.map(|f| f.clone().unwrap_or_default()) } => {
+                Err(WorkerError::Fatal(reason.unwrap_or_else(|_| "worker state dropped".into())))
+            }
+            // In a container the worker is PID 1, which the kernel gives no default action for
+            // SIGTERM: without a handler a deleted pod would wait out its whole grace period (and
+            // every rescale with it) before the kubelet's SIGKILL. Nothing is lost by stopping at
+            // once: a worker's state is the job's last snapshot, and the operator only deletes
+            // workers after a savepoint or to restart from one.
+            () = shutdown => {
+                tracing::info!("worker stopping on SIGTERM/SIGINT");
+                Ok(())
+            }
         }
     }
 }
