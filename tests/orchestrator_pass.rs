@@ -557,12 +557,9 @@ async fn savepoint_failure_abandons_keeps_running_and_retries_after_backoff() {
     .await;
 }
 
-/// BUG reproducer (ignored until fixed): after an abandoned rescale the job runs at its old
-/// parallelism, yet its phase stays `Rescaling` (and Ready False) — `abandon` sets no phase and
-/// nothing else does while the old run goes on, so the phase of the last active step stays. Even
-/// with the edit reverted (nothing left to do) it never becomes `Running` again.
+/// After an abandoned rescale the job runs at its old parallelism, and its phase says so
+/// (`Running`, not the `Rescaling` of the last active step); with the edit reverted it stays so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "known bug: phase stays Rescaling after an abandoned rescale"]
 async fn abandoned_rescale_reports_the_job_running() {
     bounded(async {
         let mut d = Driver::new("abandoned-phase", 2, "1h");

@@ -1136,6 +1136,9 @@ impl<'a> Pass<'a> {
         self.transition(Outcome::GaveUp)?;
         if let Some(run) = &self.mem.run {
             run.coordinator.resume().await;
+            // The old run goes on: the job runs (at its old parallelism), it is not rescaling.
+            let parallelism = run.parallelism;
+            self.set_running(parallelism)?;
         }
         self.fail("RescaleAbandoned", message.clone());
         self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
