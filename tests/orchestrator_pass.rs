@@ -928,3 +928,54 @@ async fn passes_follow_the_step_table() {
     })
     .await;
 }
+
+/// A job whose status records committed snapshots never starts empty: with every snapshot gone
+/// from storage, the restart after a worker failure is refused (StartFailed, saying what to do)
+/// and retried with backoff, and no run starts without the state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_with_recorded_snapshots_never_restarts_empty() {
+    bounded(async {
+        let mut d = Driver::new("lost-snapshots", 2, "1s");
+        d.until_running(2).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        // Every object of the job is lost.
+        let (store, base) = keyshift::snapshot::open_store(&d.storage).expect("store");
+        let all: Vec<_> = futures::TryStreamExt::try_collect(store.list(Some(&base)))
+            .await
+            .expect("listing");
+        assert!(!all.is_empty());
+        for meta in all {
+            object_store::ObjectStoreExt::delete(store.as_ref(), &meta.location)
+                .await
+                .expect("delete");
+        }
+        let started_before = d.events_named("Started").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("refused", Duration::from_secs(20), |d| {
+            !d.events_named("StartFailed").is_empty()
+        })
+        .await;
+        let refused = &d.events_named("StartFailed")[0].1;
+        assert!(refused.warning);
+        assert!(
+            refused.note.contains("refusing to start empty")
+                && refused.note.contains("upgradeMode: stateless"),
+            "{}",
+            refused.note
+        );
+        d.for_a_while(Duration::from_secs(3), |d| {
+            assert_eq!(
+                d.events_named("Started").len(),
+                started_before,
+                "a run started without the job's state:\n{}",
+                d.event_log()
+            );
+        })
+        .await;
+        assert_ne!(d.status.phase, Some(Phase::Running));
+    })
+    .await;
+}
