@@ -15,8 +15,10 @@
 //! never sees a snapshot's output before an earlier one's. While publishing is behind
 //! ([`Coordinator::publish_backlog`]), checkpoint retention is skipped, so that the committed
 //! snapshots whose output is not visible yet stay listed in storage. A coordinator of a new run
-//! publishes what the run restores from ([`Coordinator::start`]); one that takes over running
-//! workers calls [`Coordinator::publish_committed`].
+//! publishes what the run restores from ([`Coordinator::start`]), and every coordinator, at its
+//! first commit, also publishes committed output an earlier one left unpublished (it crashed
+//! between commit and publish), so one that takes over running workers catches up by itself;
+//! [`Coordinator::publish_committed`] does that at once.
 
 use crate::keygroup::Assignment;
 use crate::runtime::protocol::*;
@@ -125,6 +127,9 @@ struct Sink {
     base: Path,
     /// Whether snapshot ids were raised above the ids of the sink's output yet.
     ids_checked: bool,
+    /// Whether this coordinator looked for committed output that an earlier one left
+    /// unpublished (it does at its first commit).
+    caught_up: bool,
     /// Committed ids not published yet (a lock: publishing runs behind `&self`, e.g. in
     /// [`Coordinator::start`]; never held across an await).
     backlog: Mutex<(BTreeSet<u64>, Option<String>)>,
@@ -216,6 +221,7 @@ impl Coordinator {
             store,
             base,
             ids_checked: false,
+            caught_up: false,
             backlog: Mutex::new((BTreeSet::new(), None)),
         });
         self
@@ -298,7 +304,9 @@ impl Coordinator {
 
     /// Publishes the output of every committed snapshot of this job that is not published yet
     /// (for a coordinator that takes over running workers, which may have committed a snapshot
-    /// whose output a crashed predecessor never published). Idempotent; returns the backlog.
+    /// whose output a crashed predecessor never published). Idempotent; returns the backlog, or
+    /// the first failure (what failed stays pending). A coordinator does this by itself at its
+    /// first commit; call it to do it at once.
     pub async fn publish_committed(&self) -> Result<PublishBacklog, CoordinatorError> {
         self.publish_committed_through(u64::MAX).await?;
         Ok(self.publish_backlog())
@@ -324,8 +332,16 @@ impl Coordinator {
                 None => {}
             }
         }
+        let left: Vec<u64> = unpublished
+            .iter()
+            .rev()
+            .copied()
+            .filter(|id| *id != through)
+            .collect();
+        if !left.is_empty() {
+            tracing::info!(ids = ?left, "committed sink output left unpublished: publishing it");
+        }
         if !unpublished.is_empty() {
-            tracing::info!(ids = ?unpublished, "committed sink output not published yet");
             sink.backlog
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -586,12 +602,38 @@ impl Coordinator {
     }
 
     /// Snapshot `id` committed: the next trigger names it, and its sink output is published
-    /// (with any still pending before it; a failure leaves them pending).
+    /// (with any still pending before it; a failure leaves them pending). At a coordinator's
+    /// first commit that includes the committed output an earlier coordinator of the job left
+    /// unpublished (it crashed between commit and publish, and this one took over its workers
+    /// without a restore): [`Coordinator::publish_committed`] up to `id`, which is cheap when
+    /// nothing was left (it stops at the newest published snapshot).
     async fn committed(&mut self, id: u64) {
         self.last_committed = self.last_committed.max(id);
-        if self.sink.is_some() {
-            // The error is logged and kept in the backlog.
-            let _ = self.publish(id).await;
+        let Some(sink) = &self.sink else {
+            return;
+        };
+        sink.backlog
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+            .insert(id);
+        let caught_up = sink.caught_up;
+        // Failures are logged and kept in the backlog.
+        if caught_up {
+            let _ = self.publish_pending().await;
+            return;
+        }
+        let result = self.publish_committed_through(id).await;
+        if let Some(sink) = &mut self.sink {
+            match result {
+                Ok(()) => sink.caught_up = true,
+                Err(e) => {
+                    sink.backlog
+                        .get_mut()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .1 = Some(e.to_string());
+                }
+            }
         }
     }
 
@@ -1049,7 +1091,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn publish_committed_catches_up_on_what_a_crashed_predecessor_left() {
+    async fn a_coordinator_catches_up_on_what_a_crashed_predecessor_left_unpublished() {
         let storage = "memory://coord-adopt";
         let job = identity("adopt");
         let sink = Arc::new(Flaky::default());
@@ -1060,11 +1102,12 @@ mod tests {
         stage(&sink, 4).await; // staged, not committed
         let before = coordinator(storage, "adopt", &sink).await;
         before.publish(1).await.unwrap();
-        // The predecessor crashed after committing 2 and 3. Its successor adopts the workers.
+        // The predecessor crashed after committing 2 and 3. Its successor adopts the workers
+        // and publishes at once.
         let c = coordinator(storage, "adopt", &sink).await;
         sink.fail_puts("out/snap-3/", 1);
-        let backlog = c.publish_committed().await.unwrap_err();
-        assert!(backlog.to_string().contains("injected"), "{backlog}");
+        let e = c.publish_committed().await.unwrap_err();
+        assert!(e.to_string().contains("injected"), "{e}");
         assert_eq!(c.publish_backlog().pending, [3]);
         assert_eq!(published(&sink, 2).await, Some(row(2)));
         assert_eq!(
@@ -1073,10 +1116,41 @@ mod tests {
         );
         assert_eq!(published(&sink, 3).await, Some(row(3)));
         assert_eq!(published(&sink, 4).await, None);
-        // Everything published: the next call looks at the newest snapshot only.
         assert_eq!(
             c.publish_committed().await.unwrap(),
             PublishBacklog::default()
         );
+    }
+
+    #[tokio::test]
+    async fn the_first_commit_of_a_coordinator_publishes_what_an_earlier_one_left() {
+        let storage = "memory://coord-first-commit";
+        let job = identity("first");
+        let sink = Arc::new(Flaky::default());
+        for id in 1..=3 {
+            commit(storage, &job, SnapshotKind::Checkpoint, id).await;
+            stage(&sink, id).await;
+        }
+        coordinator(storage, "first", &sink)
+            .await
+            .publish(1)
+            .await
+            .unwrap();
+        // Took over running workers without being told: its first commit (4) publishes 2 and
+        // 3 with it, in id order.
+        let mut c = coordinator(storage, "first", &sink).await;
+        commit(storage, &job, SnapshotKind::Checkpoint, 4).await;
+        stage(&sink, 4).await;
+        sink.fail_puts("out/snap-2/", 1);
+        c.committed(4).await;
+        assert_eq!(c.publish_backlog().pending, [2, 3, 4]);
+        assert_eq!(published(&sink, 3).await, None, "3 waits behind 2");
+        commit(storage, &job, SnapshotKind::Checkpoint, 5).await;
+        stage(&sink, 5).await;
+        c.committed(5).await;
+        assert_eq!(c.publish_backlog(), PublishBacklog::default());
+        for id in 1..=5 {
+            assert_eq!(published(&sink, id).await, Some(row(id)), "snapshot {id}");
+        }
     }
 }

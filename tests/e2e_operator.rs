@@ -1433,10 +1433,11 @@ fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_
     std::fs::create_dir_all(&dir).expect("storage dir");
     // The operator reaches S3 through a relay that can refuse writes; the workers do not.
     let relay = RefusingS3::start();
-    let op = Operator::start_envs(ns, &dir, &[("AWS_ENDPOINT", &relay.url())]);
+    let mut op = Operator::start_envs(ns, &dir, &[("AWS_ENDPOINT", &relay.url())]);
     let log = op.log.clone();
     let jobs = [("windows", true), ("totals", false)];
-    let sink = |name: &str| format!("{}-sink/{name}", op.storage);
+    let storage = op.storage.clone();
+    let sink = |name: &str| format!("{storage}-sink/{name}");
     for (name, windowed) in jobs {
         let r = apply(ns, &sink_job_yaml(name, &sink(name), windowed));
         assert!(r.ok, "{}", r.stderr);
@@ -1481,11 +1482,40 @@ fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_
         });
     }
     relay.refuse(&[]);
-    assert!(relay.refused() > refused, "publishing was refused");
+    let refused_publishes = relay.refused() - refused;
+    assert!(refused_publishes > 0, "publishing was refused");
     for ((name, _), id) in jobs.iter().zip(&ids) {
         wait_for(Duration::from_secs(60), || {
             checkpoint_id(ns, name) >= id + 4
         });
+    }
+    // Once more, and the operator dies with output committed but not published: its successor
+    // adopts the running workers and publishes that output with its first commit.
+    let ids: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    relay.refuse(&["/snap-"]);
+    for ((name, _), id) in jobs.iter().zip(&ids) {
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 2
+        });
+    }
+    op.kill();
+    relay.refuse(&[]);
+    assert!(
+        relay.refused() > refused + refused_publishes,
+        "publishing was refused again"
+    );
+    let pods: Vec<Vec<String>> = jobs.iter().map(|(n, _)| worker_pods(ns, n)).collect();
+    let ids: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    op = Operator::start_envs(ns, &dir, &[("AWS_ENDPOINT", &relay.url())]);
+    for (((name, _), id), pods) in jobs.iter().zip(&ids).zip(&pods) {
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 2
+        });
+        assert_eq!(
+            &worker_pods(ns, name),
+            pods,
+            "{name}: the workers were adopted"
+        );
     }
     // A killed worker: the job restarts from its last checkpoint, whose output is published
     // (again); what the old workers staged after it is not.
