@@ -453,9 +453,13 @@ impl Coordinator {
 
     /// Starts every worker with its subtask index and waits until all are connected.
     /// `template.subtask` is overwritten per worker; `template.peers` is filled in. Then, with a
-    /// sink, publishes the output of what the run restored from (`template.restore_from`) if it
-    /// is a snapshot of this job (see [`Coordinator::publish_restored`]); a publish failure does
-    /// not fail the start (it is pending, [`Coordinator::publish_backlog`]).
+    /// sink, publishes the output of what the run restored from (`template.restore_from`) and of
+    /// the job's committed snapshots before it, unless already published (the crash may have
+    /// come between commit and publish) -- only when the restored snapshot is this job's own
+    /// (its manifest names this job): another job's snapshot says nothing about this job's
+    /// output, and a staged directory of ours with the same id may belong to a snapshot of ours
+    /// that never committed. A publish failure does not fail the start: it is pending
+    /// ([`Coordinator::publish_backlog`]).
     pub async fn start(
         &self,
         template: &StartRequest,
