@@ -1,15 +1,33 @@
 //! The checkpoint coordinator: starts workers with their assignment, triggers checkpoints and
 //! savepoints, collects acknowledgements and commits manifests (create-only, last), applies
-//! retention. It talks to workers only through the control API, so the same code serves
-//! `keyshift local` (processes) and the operator (pods).
+//! retention, and publishes the object-store sink's output of committed snapshots. It talks to
+//! workers only through the control API, so the same code serves `keyshift local` (processes)
+//! and the operator (pods).
+//!
+//! # The sink's output
+//!
+//! With a sink attached ([`Coordinator::with_sink`]) every trigger tells the workers the job's
+//! newest committed snapshot ([`CheckpointRequest::last_committed`]), so the output they stage
+//! for a snapshot holds everything since that one (see [`crate::job::sink`]). After each commit
+//! the coordinator publishes the committed snapshot's output ([`crate::sink::publish`]). A
+//! failed publish is not lost: the id stays pending and is retried after every later commit
+//! (and by [`Coordinator::publish_pending`]); snapshots are published in id order, so a reader
+//! never sees a snapshot's output before an earlier one's. While publishing is behind
+//! ([`Coordinator::publish_backlog`]), checkpoint retention is skipped, so that the committed
+//! snapshots whose output is not visible yet stay listed in storage. A coordinator of a new run
+//! publishes what the run restores from ([`Coordinator::start`]), and every coordinator, at its
+//! first commit, also publishes committed output an earlier one left unpublished (it crashed
+//! between commit and publish), so one that takes over running workers catches up by itself;
+//! [`Coordinator::publish_committed`] does that at once.
 
 use crate::keygroup::Assignment;
 use crate::runtime::protocol::*;
 use crate::snapshot::{self, JobIdentity, Manifest, ObjectStore, Path, SnapshotKind, SnapshotMeta};
 use chrono::Utc;
 use futures::future::try_join_all;
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use object_store::ObjectStoreExt;
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 /// Coordinator failures.
@@ -35,10 +53,18 @@ pub enum CoordinatorError {
     },
     #[error("workers not ready after {0}s: {1}")]
     NotReady(u64, String),
+    #[error(
+        "snapshot {id}: committing the manifest failed ({error}) and whether it was written is unknown ({check}); it is checked again before the next snapshot"
+    )]
+    CommitInDoubt {
+        id: u64,
+        error: String,
+        check: String,
+    },
     #[error(transparent)]
     Snapshot(#[from] snapshot::SnapshotError),
     #[error("publishing sink output: {0}")]
-    Sink(String),
+    Sink(#[from] crate::sink::SinkError),
 }
 
 /// Where a worker listens.
@@ -78,6 +104,37 @@ pub fn snapshot_url(
     )
 }
 
+/// Whether the sink's committed output is all visible ([`Coordinator::publish_backlog`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PublishBacklog {
+    /// Committed snapshots whose output is not (all) published yet, oldest first; retried after
+    /// every commit and by [`Coordinator::publish_pending`].
+    pub pending: Vec<u64>,
+    /// Why the last attempt failed, while anything is pending.
+    pub last_error: Option<String>,
+}
+
+impl PublishBacklog {
+    /// Whether publishing is behind.
+    pub fn is_behind(&self) -> bool {
+        !self.pending.is_empty()
+    }
+}
+
+/// The object-store sink a coordinator publishes.
+struct Sink {
+    store: Arc<dyn ObjectStore>,
+    base: Path,
+    /// Whether snapshot ids were raised above the ids of the sink's output yet.
+    ids_checked: bool,
+    /// Whether this coordinator looked for committed output that an earlier one left
+    /// unpublished (it does at its first commit).
+    caught_up: bool,
+    /// Committed ids not published yet (a lock: publishing runs behind `&self`, e.g. in
+    /// [`Coordinator::start`]; never held across an await).
+    backlog: Mutex<(BTreeSet<u64>, Option<String>)>,
+}
+
 /// Coordinates one run of a job (one set of workers at one parallelism).
 pub struct Coordinator {
     http: reqwest::Client,
@@ -89,15 +146,20 @@ pub struct Coordinator {
     identity: JobIdentity,
     assignment: Assignment,
     next_id: u64,
+    /// The job's newest committed snapshot id (0: none), as triggers tell the workers.
+    last_committed: u64,
+    /// Snapshots whose manifest commit failed without telling whether it was written: checked
+    /// before the next trigger, which must name the newest committed snapshot exactly.
+    in_doubt: BTreeMap<u64, SnapshotKind>,
     retained: usize,
-    /// The object-store sink (store and base path), whose staged output is published after
-    /// each commit.
-    sink: Option<(Arc<dyn ObjectStore>, Path)>,
+    /// The object-store sink whose staged output is published after each commit.
+    sink: Option<Sink>,
 }
 
 impl Coordinator {
     /// A coordinator for `workers` (subtask order). Snapshot ids continue after the largest id
-    /// already in storage, so an id is never reused.
+    /// already in storage (and, with a sink, under the sink), so an id is never reused; the
+    /// newest committed one is what the first trigger tells the workers.
     pub async fn new(
         storage: &str,
         identity: JobIdentity,
@@ -108,7 +170,15 @@ impl Coordinator {
     ) -> Result<Self, CoordinatorError> {
         let (store, base) = snapshot::open_store(storage)?;
         let job_dir = snapshot::job_dir(&base, &identity.namespace, &identity.name);
-        let next_id = next_snapshot_id(store.as_ref(), &job_dir).await?;
+        let ids = snapshot_ids(store.as_ref(), &job_dir).await?;
+        let next_id = ids.first().map_or(1, |(id, _)| id + 1);
+        let mut last_committed = 0;
+        for (id, kind) in &ids {
+            if is_committed(store.as_ref(), &job_dir, *kind, *id).await? {
+                last_committed = *id;
+                break;
+            }
+        }
         let http = reqwest::Client::builder()
             .timeout(crate::orchestrator::run::timeouts::CONTROL_REQUEST)
             .build()
@@ -127,26 +197,190 @@ impl Coordinator {
             identity,
             assignment,
             next_id,
+            last_committed,
+            in_doubt: BTreeMap::new(),
             retained,
             sink: None,
         })
     }
 
     /// Publishes the staged output of the object-store sink at `url` after every commit.
-    pub fn with_sink(mut self, url: Option<&str>) -> Result<Self, CoordinatorError> {
-        self.sink = url.map(snapshot::open_store).transpose()?;
-        Ok(self)
+    pub fn with_sink(self, url: Option<&str>) -> Result<Self, CoordinatorError> {
+        Ok(match url {
+            Some(url) => {
+                let (store, base) = snapshot::open_store(url)?;
+                self.with_sink_store(store, base)
+            }
+            None => self,
+        })
     }
 
-    /// Makes the sink output of committed snapshot `id` visible (idempotent; also run after a
-    /// restore from `id`, in case the crash came between commit and publish).
+    /// [`Coordinator::with_sink`] with the sink's store already open (`base` below it).
+    pub fn with_sink_store(mut self, store: Arc<dyn ObjectStore>, base: Path) -> Self {
+        self.sink = Some(Sink {
+            store,
+            base,
+            ids_checked: false,
+            caught_up: false,
+            backlog: Mutex::new((BTreeSet::new(), None)),
+        });
+        self
+    }
+
+    /// Makes the sink output of snapshot `id`, which must be a committed snapshot of this job,
+    /// visible: `id` joins the pending ids, which are published oldest first. Idempotent. On
+    /// failure `id` stays pending (retried after the next commit) and the error is returned.
     pub async fn publish(&self, id: u64) -> Result<(), CoordinatorError> {
-        if let Some((store, base)) = &self.sink {
-            crate::sink::publish(store.as_ref(), base, id)
-                .await
-                .map_err(|e| CoordinatorError::Sink(e.to_string()))?;
+        if let Some(sink) = &self.sink {
+            sink.backlog
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .0
+                .insert(id);
+            self.publish_pending().await?;
         }
         Ok(())
+    }
+
+    /// Publishes the pending ids, oldest first, stopping at the first failure (its error is
+    /// returned and kept in [`Coordinator::publish_backlog`]).
+    pub async fn publish_pending(&self) -> Result<(), CoordinatorError> {
+        let Some(sink) = &self.sink else {
+            return Ok(());
+        };
+        loop {
+            let next = sink
+                .backlog
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .0
+                .first()
+                .copied();
+            let Some(id) = next else {
+                return Ok(());
+            };
+            let result = crate::sink::publish(sink.store.as_ref(), &sink.base, id).await;
+            let mut backlog = sink.backlog.lock().unwrap_or_else(PoisonError::into_inner);
+            match result {
+                Ok(p) => {
+                    backlog.0.remove(&id);
+                    if backlog.0.is_empty() {
+                        backlog.1 = None;
+                    }
+                    tracing::info!(
+                        id,
+                        parts = p.parts,
+                        copied = p.copied,
+                        "sink output published"
+                    );
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        id,
+                        pending = ?backlog.0,
+                        error = %e,
+                        "publishing sink output failed; retried after the next commit"
+                    );
+                    backlog.1 = Some(e.to_string());
+                    return Err(e.into());
+                }
+            }
+        }
+    }
+
+    /// Committed snapshots whose sink output is not published yet, and the last failure.
+    pub fn publish_backlog(&self) -> PublishBacklog {
+        match &self.sink {
+            Some(sink) => {
+                let backlog = sink.backlog.lock().unwrap_or_else(PoisonError::into_inner);
+                PublishBacklog {
+                    pending: backlog.0.iter().copied().collect(),
+                    last_error: backlog.1.clone(),
+                }
+            }
+            None => PublishBacklog::default(),
+        }
+    }
+
+    /// Publishes the output of every committed snapshot of this job that is not published yet
+    /// (for a coordinator that takes over running workers, which may have committed a snapshot
+    /// whose output a crashed predecessor never published). Idempotent; returns the backlog, or
+    /// the first failure (what failed stays pending). A coordinator does this by itself at its
+    /// first commit; call it to do it at once.
+    pub async fn publish_committed(&self) -> Result<PublishBacklog, CoordinatorError> {
+        self.publish_committed_through(u64::MAX).await?;
+        Ok(self.publish_backlog())
+    }
+
+    /// Makes every committed snapshot of this job with an id up to `through` pending whose output
+    /// is not published, then publishes the pending ids. Snapshots are looked at from the newest
+    /// down until one is found published: earlier ones are published too (outputs are published
+    /// in id order, every committed snapshot of a job with this sink has staged parts).
+    async fn publish_committed_through(&self, through: u64) -> Result<(), CoordinatorError> {
+        let Some(sink) = &self.sink else {
+            return Ok(());
+        };
+        let mut unpublished = Vec::new();
+        for (id, kind) in snapshot_ids(self.store.as_ref(), &self.job_dir).await? {
+            if id > through || !is_committed(self.store.as_ref(), &self.job_dir, kind, id).await? {
+                continue;
+            }
+            match crate::sink::published(sink.store.as_ref(), &sink.base, id).await? {
+                Some(true) => break,
+                Some(false) => unpublished.push(id),
+                // Nothing staged (the sink was added later, or another sink URL then).
+                None => {}
+            }
+        }
+        let left: Vec<u64> = unpublished
+            .iter()
+            .rev()
+            .copied()
+            .filter(|id| *id != through)
+            .collect();
+        if !left.is_empty() {
+            tracing::info!(ids = ?left, "committed sink output left unpublished: publishing it");
+        }
+        if !unpublished.is_empty() {
+            sink.backlog
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .0
+                .extend(unpublished);
+        }
+        self.publish_pending().await
+    }
+
+    /// After a start: publishes the output of the snapshot the run restored from, and of any
+    /// earlier committed snapshot of the job, unless already published (the crash may have come
+    /// between commit and publish). Only when the restored snapshot is this job's own (its
+    /// manifest names this job's namespace and name): a snapshot of another job says nothing
+    /// about this job's output, and a staged directory of ours with the same id may belong to a
+    /// snapshot of ours that never committed. Failures are logged and left pending.
+    async fn publish_restored(&self, url: &str) {
+        if self.sink.is_none() {
+            return;
+        }
+        let manifest = match snapshot::open_snapshot(url).await {
+            Ok((_, _, m)) => m,
+            Err(e) => {
+                tracing::warn!(url, error = %e, "reading the restored manifest to publish its sink output");
+                return;
+            }
+        };
+        if manifest.job.namespace != self.identity.namespace
+            || manifest.job.name != self.identity.name
+        {
+            tracing::info!(
+                url,
+                job = %format!("{}/{}", manifest.job.namespace, manifest.job.name),
+                "restored from another job's snapshot: no sink output of it to publish"
+            );
+            return;
+        }
+        if let Err(e) = self.publish_committed_through(manifest.snapshot_id).await {
+            tracing::warn!(url, error = %e, "publishing the restored snapshot's sink output; retried after the next commit");
+        }
     }
 
     pub fn assignment(&self) -> Assignment {
@@ -218,7 +452,14 @@ impl Coordinator {
     }
 
     /// Starts every worker with its subtask index and waits until all are connected.
-    /// `template.subtask` is overwritten per worker; `template.peers` is filled in.
+    /// `template.subtask` is overwritten per worker; `template.peers` is filled in. Then, with a
+    /// sink, publishes the output of what the run restored from (`template.restore_from`) and of
+    /// the job's committed snapshots before it, unless already published (the crash may have
+    /// come between commit and publish) -- only when the restored snapshot is this job's own
+    /// (its manifest names this job): another job's snapshot says nothing about this job's
+    /// output, and a staged directory of ours with the same id may belong to a snapshot of ours
+    /// that never committed. A publish failure does not fail the start: it is pending
+    /// ([`Coordinator::publish_backlog`]).
     pub async fn start(
         &self,
         template: &StartRequest,
@@ -237,6 +478,9 @@ impl Coordinator {
         }))
         .await?;
         self.wait_ready(ready_timeout).await?;
+        if let Some(url) = &template.restore_from {
+            self.publish_restored(url).await;
+        }
         Ok(responses)
     }
 
@@ -278,14 +522,26 @@ impl Coordinator {
         stop: bool,
         timeout: Duration,
     ) -> Result<Completed, CoordinatorError> {
-        let id = self.next_id;
-        self.next_id += 1;
         let started = Instant::now();
-        let result = self.take(id, kind, stop, timeout).await;
+        let result = match self.prepare().await {
+            Ok(()) => {
+                let id = self.next_id;
+                self.next_id += 1;
+                self.take(id, kind, stop, timeout).await.map(|m| (id, m))
+            }
+            Err(e) => Err(e),
+        };
         match result {
-            Ok(manifest) => {
+            Ok((id, manifest)) => {
                 let duration = started.elapsed();
-                if kind == SnapshotKind::Checkpoint
+                self.committed(id).await;
+                let backlog = self.publish_backlog();
+                if kind == SnapshotKind::Checkpoint && backlog.is_behind() {
+                    tracing::warn!(
+                        pending = ?backlog.pending,
+                        "checkpoint retention skipped while sink output of committed snapshots is not published"
+                    );
+                } else if kind == SnapshotKind::Checkpoint
                     && let Err(e) =
                         snapshot::retain(self.store.as_ref(), &self.job_dir, self.retained).await
                 {
@@ -306,11 +562,81 @@ impl Coordinator {
                 })
             }
             Err(e) => {
+                if let CoordinatorError::CommitInDoubt { id, .. } = &e {
+                    self.in_doubt.insert(*id, kind);
+                }
                 if stop {
                     // Leave the job running at its old parallelism.
                     self.resume().await;
                 }
                 Err(e)
+            }
+        }
+    }
+
+    /// Before a trigger: snapshot ids above the sink's (once), and every commit in doubt
+    /// resolved, so that the trigger names the newest committed snapshot exactly (a worker drops
+    /// the output staged up to it, and carries the output staged after it).
+    async fn prepare(&mut self) -> Result<(), CoordinatorError> {
+        if let Some(sink) = &mut self.sink
+            && !sink.ids_checked
+        {
+            let max = crate::sink::max_snapshot_id(sink.store.as_ref(), &sink.base).await?;
+            if max >= self.next_id {
+                tracing::warn!(
+                    sink_max = max,
+                    next = self.next_id,
+                    "the sink holds output of snapshot ids this job's storage does not know (storage removed?): ids continue above them"
+                );
+                self.next_id = max + 1;
+            }
+            sink.ids_checked = true;
+        }
+        while let Some((&id, &kind)) = self.in_doubt.first_key_value() {
+            if is_committed(self.store.as_ref(), &self.job_dir, kind, id).await? {
+                tracing::warn!(
+                    id,
+                    "a manifest commit that reported a failure was written: snapshot committed"
+                );
+                self.committed(id).await;
+            }
+            self.in_doubt.remove(&id);
+        }
+        Ok(())
+    }
+
+    /// Snapshot `id` committed: the next trigger names it, and its sink output is published
+    /// (with any still pending before it; a failure leaves them pending). At a coordinator's
+    /// first commit that includes the committed output an earlier coordinator of the job left
+    /// unpublished (it crashed between commit and publish, and this one took over its workers
+    /// without a restore): [`Coordinator::publish_committed`] up to `id`, which is cheap when
+    /// nothing was left (it stops at the newest published snapshot).
+    async fn committed(&mut self, id: u64) {
+        self.last_committed = self.last_committed.max(id);
+        let Some(sink) = &self.sink else {
+            return;
+        };
+        sink.backlog
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+            .insert(id);
+        let caught_up = sink.caught_up;
+        // Failures are logged and kept in the backlog.
+        if caught_up {
+            let _ = self.publish_pending().await;
+            return;
+        }
+        let result = self.publish_committed_through(id).await;
+        if let Some(sink) = &mut self.sink {
+            match result {
+                Ok(()) => sink.caught_up = true,
+                Err(e) => {
+                    sink.backlog
+                        .get_mut()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .1 = Some(e.to_string());
+                }
             }
         }
     }
@@ -322,7 +648,12 @@ impl Coordinator {
         stop: bool,
         timeout: Duration,
     ) -> Result<Manifest, CoordinatorError> {
-        let req = &CheckpointRequest { id, kind, stop };
+        let req = &CheckpointRequest {
+            id,
+            kind,
+            stop,
+            last_committed: Some(self.last_committed),
+        };
         try_join_all((0..self.workers.len()).map(|i| async move {
             self.post::<_, serde_json::Value>(i, "/v1/checkpoints", req)
                 .await
@@ -400,11 +731,23 @@ impl Coordinator {
             acks.into_iter().map(|a| a.snapshot).collect(),
         )?;
         let dir = snapshot::snapshot_dir(&self.job_dir, kind, id);
-        snapshot::commit_manifest(self.store.as_ref(), &dir, &manifest).await?;
-        // Committed: the sink output of this snapshot may become visible. A failure here is
-        // repaired by publishing again after a restore from this snapshot.
-        if let Err(e) = self.publish(id).await {
-            tracing::warn!(id, error = %e, "sink publish failed; it is retried on restore");
+        if let Err(e) = snapshot::commit_manifest(self.store.as_ref(), &dir, &manifest).await {
+            // A failed write may still have happened: what the next trigger tells the workers
+            // depends on it.
+            let path = snapshot::manifest_path(&dir);
+            match self.store.head(&path).await {
+                Ok(_) => {
+                    tracing::warn!(id, error = %e, "committing the manifest reported a failure, but the manifest is there: committed");
+                }
+                Err(object_store::Error::NotFound { .. }) => return Err(e.into()),
+                Err(check) => {
+                    return Err(CoordinatorError::CommitInDoubt {
+                        id,
+                        error: e.to_string(),
+                        check: check.to_string(),
+                    });
+                }
+            }
         }
         Ok(manifest)
     }
@@ -435,23 +778,48 @@ pub async fn next_snapshot_id(
     store: &dyn ObjectStore,
     job_dir: &Path,
 ) -> Result<u64, CoordinatorError> {
-    let mut max = 0;
+    Ok(snapshot_ids(store, job_dir)
+        .await?
+        .first()
+        .map_or(1, |(id, _)| id + 1))
+}
+
+/// Every snapshot directory of the job (checkpoints and savepoints, committed or not), newest
+/// (largest id) first.
+async fn snapshot_ids(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+) -> Result<Vec<(u64, SnapshotKind)>, CoordinatorError> {
+    let mut ids = Vec::new();
     for kind in [SnapshotKind::Checkpoint, SnapshotKind::Savepoint] {
         let prefix = job_dir.clone().join(kind.folder());
         let listing = store
             .list_with_delimiter(Some(&prefix))
             .await
             .map_err(|e| snapshot::SnapshotError::store("list", &prefix, e))?;
-        for dir in listing.common_prefixes {
-            if let Some(id) = dir
-                .filename()
+        ids.extend(listing.common_prefixes.iter().filter_map(|dir| {
+            dir.filename()
                 .and_then(|n| snapshot::parse_snapshot_dir_name(kind, n))
-            {
-                max = max.max(id);
-            }
-        }
+                .map(|id| (id, kind))
+        }));
     }
-    Ok(max + 1)
+    ids.sort_unstable_by(|a, b| b.cmp(a));
+    Ok(ids)
+}
+
+/// Whether snapshot `id` of the job is committed (its manifest exists).
+async fn is_committed(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+    kind: SnapshotKind,
+    id: u64,
+) -> Result<bool, CoordinatorError> {
+    let path = snapshot::manifest_path(&snapshot::snapshot_dir(job_dir, kind, id));
+    match store.head(&path).await {
+        Ok(_) => Ok(true),
+        Err(object_store::Error::NotFound { .. }) => Ok(false),
+        Err(e) => Err(snapshot::SnapshotError::store("head", &path, e).into()),
+    }
 }
 
 /// The key-group count of the snapshot named by a spec.restoreFrom `url` (from its manifest), or
@@ -493,4 +861,300 @@ pub async fn latest_snapshot_with(
         .filter(|s| max_parallelism.is_none_or(|g| s.max_parallelism == g))
         .max_by_key(|s| s.id)
         .map(|s| (snapshot_url(storage, namespace, job, s.kind, s.id), s)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::sink::{Committed, StagingSink, WriterId};
+    use crate::sink::testing::Flaky;
+
+    fn identity(name: &str) -> JobIdentity {
+        JobIdentity {
+            namespace: "team".into(),
+            name: name.into(),
+            job_fingerprint: "f".into(),
+        }
+    }
+
+    fn assignment() -> Assignment {
+        Assignment::new(1, 8).unwrap()
+    }
+
+    /// Writes and commits snapshot `id` of `job` (one subtask) in `storage`.
+    async fn commit(storage: &str, job: &JobIdentity, kind: SnapshotKind, id: u64) -> String {
+        let (store, base) = snapshot::open_store(storage).unwrap();
+        let dir = snapshot::snapshot_dir(
+            &snapshot::job_dir(&base, &job.namespace, &job.name),
+            kind,
+            id,
+        );
+        let blocks = (0..8).map(|g| (g, bytes::Bytes::from_static(b"x"), 1));
+        let ack = snapshot::write_subtask_state(store.clone(), &dir, assignment(), 0, blocks)
+            .await
+            .unwrap();
+        let meta = SnapshotMeta {
+            job: job.clone(),
+            snapshot_id: id,
+            kind,
+            completed_at: Utc::now(),
+            state_schema: crate::job::AGG_SCHEMA.into(),
+            source_positions: Default::default(),
+            watermark: None,
+        };
+        let manifest = Manifest::assemble(meta, assignment(), vec![ack]).unwrap();
+        snapshot::commit_manifest(store.as_ref(), &dir, &manifest)
+            .await
+            .unwrap();
+        snapshot_url(storage, &job.namespace, &job.name, kind, id)
+    }
+
+    /// Stages one row (value `id`) for snapshot `id`, as subtask 0 of 1 would.
+    async fn stage(sink: &Flaky, id: u64) {
+        let mut staging = StagingSink::new(WriterId {
+            subtask: 0,
+            parallelism: 1,
+        });
+        staging.emit(&[crate::job::ResultRow {
+            key: crate::job::RecordKey::int(1),
+            window: None,
+            value: id as i64,
+        }]);
+        let out = staging.on_barrier(id, Committed::Through(0)).unwrap();
+        crate::sink::stage(sink, &Path::from("out"), &out)
+            .await
+            .unwrap();
+    }
+
+    /// The published part of snapshot `id`, if any.
+    async fn published(sink: &Flaky, id: u64) -> Option<String> {
+        let path = Path::from(format!("out/snap-{id}/part-0-of-1.jsonl"));
+        let bytes = sink.get(&path).await.ok()?.bytes().await.ok()?;
+        Some(String::from_utf8_lossy(&bytes).into_owned())
+    }
+
+    async fn coordinator(storage: &str, job: &str, sink: &Arc<Flaky>) -> Coordinator {
+        Coordinator::new(
+            storage,
+            identity(job),
+            assignment(),
+            Vec::new(),
+            "token".into(),
+            2,
+        )
+        .await
+        .unwrap()
+        .with_sink_store(sink.clone(), Path::from("out"))
+    }
+
+    fn row(id: u64) -> String {
+        format!("{{\"key\":1,\"value\":{id}}}\n")
+    }
+
+    #[tokio::test]
+    async fn a_failed_publish_is_retried_after_each_later_commit_in_id_order() {
+        let sink = Arc::new(Flaky::default());
+        let mut c = coordinator("memory://coord-retry", "retry", &sink).await;
+        for id in 1..=3 {
+            stage(&sink, id).await;
+        }
+        sink.fail_puts("out/snap-1/", 2);
+        c.committed(1).await;
+        let backlog = c.publish_backlog();
+        assert_eq!(backlog.pending, [1]);
+        assert!(
+            backlog
+                .last_error
+                .as_deref()
+                .is_some_and(|e| e.contains("injected")),
+            "{backlog:?}"
+        );
+        // Still failing: 2 waits behind 1, so no reader sees 2 before 1.
+        c.committed(2).await;
+        assert_eq!(c.publish_backlog().pending, [1, 2]);
+        assert_eq!(published(&sink, 2).await, None);
+        assert_eq!(sink.failures_left(), 0);
+        // The store is back: the next commit publishes all three, once each.
+        c.committed(3).await;
+        assert_eq!(c.publish_backlog(), PublishBacklog::default());
+        for id in 1..=3 {
+            assert_eq!(published(&sink, id).await, Some(row(id)), "snapshot {id}");
+        }
+        assert_eq!(c.last_committed, 3);
+        // An explicit retry with nothing pending does nothing.
+        c.publish_pending().await.unwrap();
+        assert!(!c.publish_backlog().is_behind());
+    }
+
+    #[tokio::test]
+    async fn ids_continue_above_storage_and_sink_and_the_newest_commit_is_known() {
+        let storage = "memory://coord-ids";
+        let job = identity("ids");
+        commit(storage, &job, SnapshotKind::Checkpoint, 1).await;
+        commit(storage, &job, SnapshotKind::Savepoint, 2).await;
+        // An aborted checkpoint 3: a directory without a manifest.
+        let (store, base) = snapshot::open_store(storage).unwrap();
+        let orphan = snapshot::snapshot_dir(
+            &snapshot::job_dir(&base, "team", "ids"),
+            SnapshotKind::Checkpoint,
+            3,
+        );
+        store
+            .put(&orphan.join("state-0-of-1.bin"), b"x".to_vec().into())
+            .await
+            .unwrap();
+        let sink = Arc::new(Flaky::default());
+        let mut c = coordinator(storage, "ids", &sink).await;
+        assert_eq!((c.next_id, c.last_committed), (4, 2));
+        // The sink has output of ids this storage does not know (its storage was wiped).
+        stage(&sink, 9).await;
+        c.prepare().await.unwrap();
+        assert_eq!(c.next_id, 10);
+    }
+
+    #[tokio::test]
+    async fn a_commit_in_doubt_is_resolved_before_the_next_trigger() {
+        let storage = "memory://coord-doubt";
+        let job = identity("doubt");
+        let sink = Arc::new(Flaky::default());
+        let mut c = coordinator(storage, "doubt", &sink).await;
+        // 1 was written after all, 2 was not.
+        commit(storage, &job, SnapshotKind::Checkpoint, 1).await;
+        stage(&sink, 1).await;
+        stage(&sink, 2).await;
+        c.in_doubt.insert(1, SnapshotKind::Checkpoint);
+        c.in_doubt.insert(2, SnapshotKind::Checkpoint);
+        c.prepare().await.unwrap();
+        assert!(c.in_doubt.is_empty());
+        assert_eq!(c.last_committed, 1);
+        assert_eq!(published(&sink, 1).await, Some(row(1)));
+        assert_eq!(published(&sink, 2).await, None);
+    }
+
+    fn start_request(restore_from: Option<String>) -> StartRequest {
+        StartRequest {
+            namespace: "team".into(),
+            name: "mine".into(),
+            job: serde_yaml::from_str(
+                "{source: {generator: {partitions: 1, keys: 1, seed: 1}}, key: {field: key}, aggregation: {function: count}}",
+            )
+            .unwrap(),
+            subtask: 0,
+            parallelism: 1,
+            max_parallelism: 8,
+            peers: Vec::new(),
+            storage: String::new(),
+            restore_from,
+            allow_non_restored_state: false,
+            state_payload_bytes: 0,
+            run_id: "r".into(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_start_publishes_what_it_restores_only_for_the_job_s_own_snapshot() {
+        let storage = "memory://coord-restore";
+        let mine = identity("mine");
+        let sink = Arc::new(Flaky::default());
+        // Ours: checkpoint 2 and savepoint 3 committed, never published (crash after commit);
+        // checkpoint 4 staged but never committed.
+        commit(storage, &mine, SnapshotKind::Checkpoint, 2).await;
+        let own = commit(storage, &mine, SnapshotKind::Savepoint, 3).await;
+        for id in [2, 3, 4] {
+            stage(&sink, id).await;
+        }
+        // Another job's savepoint with id 4.
+        let theirs = commit(storage, &identity("theirs"), SnapshotKind::Savepoint, 4).await;
+
+        let c = coordinator(storage, "mine", &sink).await;
+        c.start(&start_request(Some(theirs)), Duration::from_secs(1))
+            .await
+            .unwrap();
+        for id in [2, 3, 4] {
+            assert_eq!(published(&sink, id).await, None, "snapshot {id}");
+        }
+        c.start(&start_request(None), Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(published(&sink, 3).await, None);
+
+        // Restoring our own savepoint publishes it and the committed checkpoint before it, not
+        // the uncommitted 4; a failure is pending, not a failed start.
+        sink.fail_puts("out/snap-2/", 1);
+        c.start(&start_request(Some(own.clone())), Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(c.publish_backlog().pending, [2, 3]);
+        c.start(&start_request(Some(own)), Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(c.publish_backlog(), PublishBacklog::default());
+        assert_eq!(published(&sink, 2).await, Some(row(2)));
+        assert_eq!(published(&sink, 3).await, Some(row(3)));
+        assert_eq!(published(&sink, 4).await, None);
+    }
+
+    #[tokio::test]
+    async fn a_coordinator_catches_up_on_what_a_crashed_predecessor_left_unpublished() {
+        let storage = "memory://coord-adopt";
+        let job = identity("adopt");
+        let sink = Arc::new(Flaky::default());
+        for id in 1..=3 {
+            commit(storage, &job, SnapshotKind::Checkpoint, id).await;
+            stage(&sink, id).await;
+        }
+        stage(&sink, 4).await; // staged, not committed
+        let before = coordinator(storage, "adopt", &sink).await;
+        before.publish(1).await.unwrap();
+        // The predecessor crashed after committing 2 and 3. Its successor adopts the workers
+        // and publishes at once.
+        let c = coordinator(storage, "adopt", &sink).await;
+        sink.fail_puts("out/snap-3/", 1);
+        let e = c.publish_committed().await.unwrap_err();
+        assert!(e.to_string().contains("injected"), "{e}");
+        assert_eq!(c.publish_backlog().pending, [3]);
+        assert_eq!(published(&sink, 2).await, Some(row(2)));
+        assert_eq!(
+            c.publish_committed().await.unwrap(),
+            PublishBacklog::default()
+        );
+        assert_eq!(published(&sink, 3).await, Some(row(3)));
+        assert_eq!(published(&sink, 4).await, None);
+        assert_eq!(
+            c.publish_committed().await.unwrap(),
+            PublishBacklog::default()
+        );
+    }
+
+    #[tokio::test]
+    async fn the_first_commit_of_a_coordinator_publishes_what_an_earlier_one_left() {
+        let storage = "memory://coord-first-commit";
+        let job = identity("first");
+        let sink = Arc::new(Flaky::default());
+        for id in 1..=3 {
+            commit(storage, &job, SnapshotKind::Checkpoint, id).await;
+            stage(&sink, id).await;
+        }
+        coordinator(storage, "first", &sink)
+            .await
+            .publish(1)
+            .await
+            .unwrap();
+        // Took over running workers without being told: its first commit (4) publishes 2 and
+        // 3 with it, in id order.
+        let mut c = coordinator(storage, "first", &sink).await;
+        commit(storage, &job, SnapshotKind::Checkpoint, 4).await;
+        stage(&sink, 4).await;
+        sink.fail_puts("out/snap-2/", 1);
+        c.committed(4).await;
+        assert_eq!(c.publish_backlog().pending, [2, 3, 4]);
+        assert_eq!(published(&sink, 3).await, None, "3 waits behind 2");
+        commit(storage, &job, SnapshotKind::Checkpoint, 5).await;
+        stage(&sink, 5).await;
+        c.committed(5).await;
+        assert_eq!(c.publish_backlog(), PublishBacklog::default());
+        for id in 1..=5 {
+            assert_eq!(published(&sink, id).await, Some(row(id)), "snapshot {id}");
+        }
+    }
 }

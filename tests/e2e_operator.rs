@@ -1182,3 +1182,439 @@ fn api_server_outages_are_retried_and_lose_nothing() {
     check_against_oracle(ns, name);
     delete_job(ns, name, &log);
 }
+
+/// A job with the object-store sink on S3 (`windowed`: a 1 s tumbling window, else an all-time
+/// sum), checkpointing every 2 s.
+fn sink_job_yaml(name: &str, sink: &str, windowed: bool) -> String {
+    let window = if windowed {
+        "\n    window: {size: 1s}"
+    } else {
+        ""
+    };
+    format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+spec:
+  replicas: 2
+  maxParallelism: 128
+  job:
+    source:
+      generator: {{partitions: 4, keys: 300, seed: 13, recordsPerSecond: 1500}}
+    key: {{field: key, type: string}}
+    aggregation: {{function: sum, field: value}}{window}
+    sink: {{type: objectStore, url: '{sink}'}}
+  state:
+    checkpointInterval: 2s
+    credentialsSecret: {S3_SECRET}
+  resources:
+    requests: {{cpu: 5m, memory: 32Mi}}
+"
+    )
+}
+
+/// The published sink output under `url`: `(snapshot id, part name, JSON lines)`, in snapshot
+/// id order (staged parts are not output).
+fn published_parts(url: &str) -> Vec<(u64, String, String)> {
+    let mut parts: Vec<(u64, String)> = list_objects(url)
+        .into_iter()
+        .filter_map(|name| {
+            let (dir, part) = name.split_once('/')?;
+            let id = dir.strip_prefix("snap-")?.parse().ok()?;
+            Some((id, part.to_owned()))
+        })
+        .collect();
+    parts.sort();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        use object_store::ObjectStoreExt;
+        let (store, base) = keyshift::snapshot::open_store(url).expect("sink store");
+        let mut out = Vec::new();
+        for (id, part) in parts {
+            let path = base
+                .clone()
+                .join(format!("snap-{id}").as_str())
+                .join(part.as_str());
+            let bytes = store
+                .get(&path)
+                .await
+                .expect("published part")
+                .bytes()
+                .await
+                .expect("part body");
+            out.push((id, part, String::from_utf8(bytes.to_vec()).expect("UTF-8")));
+        }
+        out
+    })
+}
+
+/// The windows still open in a snapshot (key -> window start -> sum) and its source positions.
+fn snapshot_windows(url: &str) -> (BTreeMap<Key, BTreeMap<i64, i64>>, BTreeMap<u32, u64>) {
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        let (store, dir, manifest) = keyshift::snapshot::open_snapshot(url)
+            .await
+            .expect("savepoint readable");
+        let range = KeyGroupRange {
+            start: 0,
+            end: manifest.max_parallelism - 1,
+        };
+        let restore = keyshift::snapshot::read_groups(store.as_ref(), &dir, &manifest, range)
+            .await
+            .expect("every group readable");
+        let mut open: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();
+        for g in restore.groups.iter().filter(|g| !g.bytes.is_empty()) {
+            for (key, v) in decode_group(&g.bytes).expect("block decodes").entries {
+                match v.acc {
+                    AccValue::Windows(w) => {
+                        assert!(open.insert(key, w.into_iter().collect()).is_none());
+                    }
+                    AccValue::Scalar(_) => panic!("a windowed job keeps windows"),
+                }
+            }
+        }
+        (open, manifest.source_positions.clone())
+    })
+}
+
+/// The oracle for a job as it is declared in the cluster, at `positions`.
+fn oracle(ns: &str, name: &str, positions: &BTreeMap<u32, u64>) -> Expected {
+    let json = kubectl_ok(&["get", "-n", ns, &format!("sj/{name}"), "-o", "json"]);
+    let spec: StreamJob = serde_json::from_str(&json).expect("the StreamJob parses");
+    expected_results(&spec.spec.job, positions).expect("oracle")
+}
+
+/// An HTTP relay from the operator to the S3 test server that answers 403 to the writes whose
+/// path contains one of the patterns set ([`RefusingS3::refuse`]), and forwards everything else;
+/// one request per connection (it closes both sides after each answer).
+struct RefusingS3 {
+    addr: std::net::SocketAddr,
+    patterns: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl RefusingS3 {
+    fn start() -> RefusingS3 {
+        use std::sync::Arc;
+        use std::sync::atomic::AtomicUsize;
+        let upstream = std::env::var("AWS_ENDPOINT")
+            .expect("AWS_ENDPOINT (hack/s3-server.sh)")
+            .trim_start_matches("http://")
+            .to_owned();
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("relay binds");
+        let addr = listener.local_addr().expect("relay address");
+        let patterns: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+        let refused = Arc::new(AtomicUsize::new(0));
+        let (p, r) = (patterns.clone(), refused.clone());
+        std::thread::spawn(move || {
+            for conn in listener.incoming().map_while(Result::ok) {
+                let (upstream, p, r) = (upstream.clone(), p.clone(), r.clone());
+                std::thread::spawn(move || {
+                    let _ = RefusingS3::serve(conn, &upstream, &p, &r);
+                });
+            }
+        });
+        RefusingS3 {
+            addr,
+            patterns,
+            refused,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// From now on, refuse PUTs and POSTs whose path contains one of `patterns` (none: forward
+    /// everything).
+    fn refuse(&self, patterns: &[&str]) {
+        *self.patterns.lock().unwrap_or_else(|e| e.into_inner()) =
+            patterns.iter().map(|p| p.to_string()).collect();
+    }
+
+    /// Requests refused so far.
+    fn refused(&self) -> usize {
+        self.refused.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Reads one HTTP head (up to and with the blank line); `None` at EOF.
+    fn read_head(r: &mut impl std::io::BufRead) -> std::io::Result<Option<Vec<String>>> {
+        let mut lines = Vec::new();
+        loop {
+            let mut line = String::new();
+            if r.read_line(&mut line)? == 0 {
+                return Ok(None);
+            }
+            let line = line.trim_end_matches(['\r', '\n']).to_owned();
+            if line.is_empty() {
+                return Ok(Some(lines));
+            }
+            lines.push(line);
+        }
+    }
+
+    /// The head with `Connection: close` instead of any Connection header.
+    fn closing(head: &[String]) -> Vec<u8> {
+        let mut out = String::new();
+        for line in head
+            .iter()
+            .filter(|l| !l.to_ascii_lowercase().starts_with("connection:"))
+        {
+            out.push_str(line);
+            out.push_str("\r\n");
+        }
+        out.push_str("Connection: close\r\n\r\n");
+        out.into_bytes()
+    }
+
+    fn serve(
+        client: std::net::TcpStream,
+        upstream: &str,
+        patterns: &std::sync::Mutex<Vec<String>>,
+        refused: &std::sync::atomic::AtomicUsize,
+    ) -> std::io::Result<()> {
+        use std::io::{Read, Write};
+        let mut reader = std::io::BufReader::new(client.try_clone()?);
+        let Some(head) = RefusingS3::read_head(&mut reader)? else {
+            return Ok(());
+        };
+        let length: usize = head
+            .iter()
+            .filter_map(|l| l.split_once(':'))
+            .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
+            .and_then(|(_, v)| v.trim().parse().ok())
+            .unwrap_or(0);
+        let mut body = vec![0u8; length];
+        reader.read_exact(&mut body)?;
+        let mut words = head.first().map(String::as_str).unwrap_or("").split(' ');
+        let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
+        let refuse = matches!(method, "PUT" | "POST")
+            && patterns
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .iter()
+                .any(|p| path.contains(p.as_str()));
+        let mut client = client;
+        if refuse {
+            refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let xml = "<Error><Code>AccessDenied</Code><Message>refused by the test relay</Message></Error>";
+            write!(
+                client,
+                "HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{xml}",
+                xml.len()
+            )?;
+            return client.flush();
+        }
+        let mut up = std::net::TcpStream::connect(upstream)?;
+        up.write_all(&RefusingS3::closing(&head))?;
+        up.write_all(&body)?;
+        up.flush()?;
+        let mut answer = std::io::BufReader::new(up);
+        let Some(head) = RefusingS3::read_head(&mut answer)? else {
+            return Ok(());
+        };
+        client.write_all(&RefusingS3::closing(&head))?;
+        std::io::copy(&mut answer, &mut client)?;
+        client.flush()
+    }
+}
+
+/// The object-store sink under the operator, on S3, through a rescale up, one down, failed
+/// manifest commits and failed publishes (the operator's storage refuses them for a while) and
+/// a killed worker: every window of a windowed job is published exactly once (or is still open
+/// in the final savepoint), and for an all-time sum the newest published value of every key is
+/// the exact total at the final savepoint.
+#[test]
+#[ignore = "needs the test control plane and the S3 test server (hack/test.sh starts both)"]
+fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_publishes_and_a_kill()
+ {
+    let _plane = shared_plane();
+    ensure_crd();
+    let ns = Namespace::new("e2e-op-sink");
+    let ns = &ns.0;
+    let dir = scratch_dir().join(format!("keyshift-e2e-sink-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("storage dir");
+    // The operator reaches S3 through a relay that can refuse writes; the workers do not.
+    let relay = RefusingS3::start();
+    let mut op = Operator::start_envs(ns, &dir, &[("AWS_ENDPOINT", &relay.url())]);
+    let log = op.log.clone();
+    let jobs = [("windows", true), ("totals", false)];
+    let storage = op.storage.clone();
+    let sink = |name: &str| format!("{storage}-sink/{name}");
+    for (name, windowed) in jobs {
+        let r = apply(ns, &sink_job_yaml(name, &sink(name), windowed));
+        assert!(r.ok, "{}", r.stderr);
+    }
+    for (name, _) in jobs {
+        wait_ready(ns, name, &log);
+        wait_for(Duration::from_secs(60), || checkpoint_id(ns, name) >= 2);
+    }
+    for to in [4, 3] {
+        for (name, _) in jobs {
+            scale(ns, name, to, &log);
+        }
+    }
+    // The operator's storage refuses to commit manifests for a while: checkpoints fail after
+    // every subtask took them and staged its output, and the job keeps running. The next
+    // committed checkpoint carries what they staged meanwhile.
+    let pods: Vec<Vec<String>> = jobs.iter().map(|(n, _)| worker_pods(ns, n)).collect();
+    let ids: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    relay.refuse(&["/_manifest.json"]);
+    std::thread::sleep(Duration::from_secs(7));
+    let during: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    relay.refuse(&[]);
+    for (((name, _), id), (pods, during)) in jobs.iter().zip(&ids).zip(pods.iter().zip(during)) {
+        assert!(
+            during <= id + 1,
+            "{name}: no checkpoint commits while manifests are refused ({id} -> {during})"
+        );
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 3
+        });
+        assert_eq!(&worker_pods(ns, name), pods, "{name}: the run kept running");
+    }
+    let refused = relay.refused();
+    assert!(refused >= 4, "manifest commits were refused: {refused}");
+    // Then it refuses to publish: checkpoints commit, their output waits and is published
+    // after a later commit.
+    let ids: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    relay.refuse(&["/snap-"]);
+    for ((name, _), id) in jobs.iter().zip(&ids) {
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 2
+        });
+    }
+    relay.refuse(&[]);
+    let refused_publishes = relay.refused() - refused;
+    assert!(refused_publishes > 0, "publishing was refused");
+    for ((name, _), id) in jobs.iter().zip(&ids) {
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 4
+        });
+    }
+    // Once more, and the operator dies with output committed but not published: its successor
+    // adopts the running workers and publishes that output with its first commit.
+    let ids: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    relay.refuse(&["/snap-"]);
+    for ((name, _), id) in jobs.iter().zip(&ids) {
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 2
+        });
+    }
+    op.kill();
+    relay.refuse(&[]);
+    assert!(
+        relay.refused() > refused + refused_publishes,
+        "publishing was refused again"
+    );
+    let pods: Vec<Vec<String>> = jobs.iter().map(|(n, _)| worker_pods(ns, n)).collect();
+    let ids: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    op = Operator::start_envs(ns, &dir, &[("AWS_ENDPOINT", &relay.url())]);
+    for (((name, _), id), pods) in jobs.iter().zip(&ids).zip(&pods) {
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 2
+        });
+        assert_eq!(
+            &worker_pods(ns, name),
+            pods,
+            "{name}: the workers were adopted"
+        );
+    }
+    // A killed worker: the job restarts from its last checkpoint, whose output is published
+    // (again); what the old workers staged after it is not.
+    for (name, _) in jobs {
+        let before = worker_pods(ns, name);
+        kill_container(ns, &before[1]);
+        wait_for(Duration::from_secs(90), || {
+            let now = worker_pods(ns, name);
+            now.len() == 3 && now.iter().all(|p| !before.contains(p))
+        });
+        wait_ready(ns, name, &log);
+        let id = checkpoint_id(ns, name);
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 2
+        });
+    }
+    for (name, _) in jobs {
+        set_suspend(ns, name, true, &log);
+    }
+
+    // Windowed: published windows (none twice) plus the windows open in the final savepoint are
+    // exactly the windows of the records read.
+    let (mut seen, positions) =
+        snapshot_windows(&get(ns, "windows", "{.status.lastSavepoint.path}"));
+    let open: usize = seen.values().map(BTreeMap::len).sum();
+    let mut published = 0;
+    let mut ids = std::collections::BTreeSet::new();
+    for (id, part, text) in published_parts(&sink("windows")) {
+        ids.insert(id);
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
+            let key = Key::String(v["key"].as_str().expect("string key").to_owned());
+            let start = v["window"]["start"].as_i64().expect("window start");
+            let value = v["value"].as_i64().expect("value");
+            let prev = seen.entry(key.clone()).or_default().insert(start, value);
+            assert!(
+                prev.is_none(),
+                "window {start} of {key:?} published twice (or also open), again in snap-{id}/{part}"
+            );
+            published += 1;
+        }
+    }
+    assert!(published > 0, "windows were published");
+    let Expected::Windowed(want) = oracle(ns, "windows", &positions) else {
+        panic!("windowed job");
+    };
+    let wrong: Vec<_> = want
+        .iter()
+        .filter(|(k, w)| seen.get(*k) != Some(*w))
+        .map(|(k, _)| k)
+        .take(5)
+        .collect();
+    assert!(
+        seen == want,
+        "published + open windows differ from the oracle at {positions:?}, e.g. keys {wrong:?}"
+    );
+    eprintln!(
+        "windows: {published} published windows in {} snapshots + {open} open equal the oracle at {positions:?}",
+        ids.len()
+    );
+
+    // All-time: the newest published value of every key is its total at the final savepoint.
+    let (values, positions) = snapshot_values(&get(ns, "totals", "{.status.lastSavepoint.path}"));
+    let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
+    let mut rows = 0;
+    for (_, _, text) in published_parts(&sink("totals")) {
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
+            let key = Key::String(v["key"].as_str().expect("string key").to_owned());
+            newest.insert(key, v["value"].as_i64().expect("value"));
+            rows += 1;
+        }
+    }
+    let Expected::Global(want) = oracle(ns, "totals", &positions) else {
+        panic!("all-time job");
+    };
+    assert_eq!(values, want, "the final savepoint equals the oracle");
+    let wrong: Vec<_> = want
+        .iter()
+        .filter(|(k, v)| newest.get(*k) != Some(*v))
+        .take(5)
+        .collect();
+    assert!(
+        wrong.is_empty() && newest.len() == want.len(),
+        "newest published totals differ from the oracle at {positions:?} ({} keys published, {} expected), e.g. {wrong:?}",
+        newest.len(),
+        want.len()
+    );
+    eprintln!(
+        "totals: {rows} published rows, the newest per key equal the oracle for {} keys",
+        want.len()
+    );
+    for (name, _) in jobs {
+        delete_job(ns, name, &log);
+    }
+    drop(op);
+    let _ = std::fs::remove_dir_all(&dir);
+}

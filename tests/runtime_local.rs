@@ -601,6 +601,93 @@ spec:
     assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "published");
 }
 
+/// Checkpoints that fail on one subtask only while the job keeps running: `n` because one
+/// subtask cannot stage its sink output, `n + 1` because another cannot write its state (each
+/// made impossible by a directory where the object would go). What every subtask emitted before
+/// them rides with the next committed checkpoint: every window is published exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sink_output_of_checkpoints_that_failed_on_one_subtask_rides_with_the_next_commit() {
+    let env = env(None);
+    let out = env._dir.path().join("out");
+    let spec = job(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: carry, namespace: test}}
+spec:
+  replicas: 3
+  maxParallelism: 128
+  job:
+    source:
+      generator: {{partitions: 4, keys: 100, seed: 5, recordsPerSecond: 4000}}
+    key: {{field: key}}
+    aggregation: {{function: sum, field: value}}
+    window: {{size: 300ms}}
+    sink: {{type: objectStore, url: 'file://{}'}}
+  state:
+    checkpointInterval: 1h
+",
+        out.display()
+    ));
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(3, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let first = local.checkpoint().await.expect("checkpoint");
+    let n = first.id + 1;
+    std::fs::create_dir_all(out.join(format!("_staging/snap-{n}/part-1-of-3.jsonl")))
+        .expect("sink trap");
+    let state = PathBuf::from(env.storage.trim_start_matches("file://"));
+    std::fs::create_dir_all(state.join(format!(
+        "test/carry/checkpoints/chk-{}/state-2-of-3.bin",
+        n + 1
+    )))
+    .expect("state trap");
+    for (id, subtask) in [(n, 1), (n + 1, 2)] {
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let e = local
+            .checkpoint()
+            .await
+            .expect_err("a checkpoint that one subtask cannot take fails");
+        assert!(
+            e.to_string()
+                .contains(&format!("snapshot {id} failed on subtask {subtask}")),
+            "{e}"
+        );
+    }
+    assert!(local.failed_worker().is_none(), "every worker kept running");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let next = local
+        .checkpoint()
+        .await
+        .expect("the next checkpoint commits");
+    assert_eq!(next.id, n + 2);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    local.rescale(2).await.expect("rescale");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let sp = local.shutdown().await.expect("stop");
+
+    let (seen, ids) = published_windows(&out);
+    assert!(
+        !ids.contains(&n) && !ids.contains(&(n + 1)),
+        "failed checkpoints publish nothing: {ids:?}"
+    );
+    assert!(ids.contains(&(n + 2)), "{ids:?}");
+    let rows = std::fs::read_dir(out.join(format!("snap-{}", n + 2)))
+        .expect("published parts")
+        .map(|p| std::fs::read_to_string(p.expect("part").path()).expect("read"))
+        .map(|t| t.lines().count())
+        .sum::<usize>();
+    assert!(
+        rows > 0,
+        "windows fired since {} ride with {}",
+        first.id,
+        n + 2
+    );
+    let (open, positions, _) = snapshot_state_windows(&sp.url).await;
+    assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "published");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_source_resumes_at_exact_byte_offsets_across_a_rescale() {
     let env = env(None);

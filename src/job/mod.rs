@@ -21,7 +21,8 @@
 //!   subtask with the minimum over the old subtasks ([`KeyedAggregator::restore_watermark`]):
 //!   windows an old subtask already fired are no longer in its blocks, and windows still in the
 //!   blocks end after that subtask's watermark, so nothing fires twice or is lost;
-//! * the sink's pending output ([`StagingSink::snapshot`]), per writer, not per key group.
+//! * nothing of the object-store sink: a writer's output is staged (durable) before it
+//!   acknowledges a snapshot, and a restored writer starts empty (see [`sink`]).
 
 pub mod aggregate;
 pub mod file_source;

@@ -76,6 +76,13 @@ pub struct CheckpointRequest {
     /// Stop the sources at the barrier (stop-with-savepoint).
     #[serde(default)]
     pub stop: bool,
+    /// The job's newest committed snapshot id as the coordinator knows it (0: none yet; no
+    /// snapshot above it has committed). A worker's object-store sink output staged at barriers
+    /// above it did not commit and is staged again with this snapshot's
+    /// ([`crate::job::sink::StagingSink::on_barrier`]). Absent (a coordinator from before this
+    /// field): every earlier barrier counts as committed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_committed: Option<u64>,
 }
 
 /// Progress of one snapshot on one subtask.
@@ -158,6 +165,23 @@ pub struct WorkerStatus {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn checkpoint_requests_without_last_committed_still_parse() {
+        let old: CheckpointRequest =
+            serde_json::from_str(r#"{"id":7,"kind":"checkpoint"}"#).unwrap();
+        assert_eq!((old.id, old.stop, old.last_committed), (7, false, None));
+        let new = CheckpointRequest {
+            id: 8,
+            kind: SnapshotKind::Savepoint,
+            stop: true,
+            last_committed: Some(6),
+        };
+        let text = serde_json::to_string(&new).unwrap();
+        assert!(text.contains(r#""lastCommitted":6"#), "{text}");
+        let back: CheckpointRequest = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.last_committed, Some(6));
+    }
 
     #[test]
     fn checkpoint_status_round_trips() {

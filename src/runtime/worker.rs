@@ -23,7 +23,6 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use object_store::ObjectStoreExt;
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -55,8 +54,20 @@ pub enum WorkerError {
     StateWrite(#[from] checkpoint::StateWriteError),
     #[error(transparent)]
     Restore(#[from] restore::RestoreError),
+    #[error(transparent)]
+    Sink(#[from] job::SinkError),
+    #[error("staging sink output: {0}")]
+    SinkStore(#[from] crate::sink::SinkError),
     #[error("{0}")]
     Fatal(String),
+}
+
+impl WorkerError {
+    /// Whether a failed snapshot must stop the worker (so that the job restarts from its last
+    /// committed snapshot) rather than only fail that snapshot.
+    fn stops_the_worker(&self) -> bool {
+        matches!(self, WorkerError::Sink(job::SinkError::Backlog { .. }))
+    }
 }
 
 /// How a worker listens.
@@ -78,16 +89,23 @@ struct Shared {
     stopped: AtomicBool,
     run: Mutex<Option<RunHandle>>,
     checkpoints: Mutex<BTreeMap<u64, CheckpointStatus>>,
-    /// Positions captured by the source at each barrier, picked up by the operator.
+    /// What the source recorded at each barrier, picked up by the operator.
     barrier_positions: Mutex<BTreeMap<u64, BarrierCut>>,
     status: Mutex<WorkerStatus>,
     metrics: WorkerMetrics,
     fatal: watch::Sender<Option<String>>,
 }
 
-/// What the source recorded when it injected a barrier: the snapshot kind, its partitions'
-/// positions, and when.
-type BarrierCut = (SnapshotKind, BTreeMap<u32, u64>, Instant);
+/// What the source recorded when it injected a barrier.
+struct BarrierCut {
+    kind: SnapshotKind,
+    /// Its partitions' positions at the barrier.
+    positions: BTreeMap<u32, u64>,
+    /// When the barrier was injected.
+    at: Instant,
+    /// The trigger's [`CheckpointRequest::last_committed`].
+    last_committed: Option<u64>,
+}
 
 struct RunHandle {
     source_cmd: mpsc::Sender<SourceCmd>,
@@ -394,9 +412,16 @@ struct Subtask {
     store: Arc<dyn ObjectStore>,
     job_dir: StorePath,
     sink_log: bool,
-    /// The object-store sink: results since the last barrier, staged at the next one.
-    sink_store: Option<(Arc<dyn ObjectStore>, StorePath)>,
-    sink_buf: Vec<u8>,
+    /// The object-store sink.
+    sink: Option<ObjectSink>,
+}
+
+/// The object-store sink of a subtask: where it stages, and what (every result since the job's
+/// last committed snapshot, see [`job::sink`]).
+struct ObjectSink {
+    store: Arc<dyn ObjectStore>,
+    base: StorePath,
+    staging: job::StagingSink,
 }
 
 async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartResponse, WorkerError> {
@@ -591,8 +616,19 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     });
     drop(input_tx);
 
-    let sink_store = match (&req.job.sink.sink_type, &req.job.sink.url) {
-        (crate::crd::SinkType::ObjectStore, Some(url)) => Some(snapshot::open_store(url)?),
+    let sink = match (&req.job.sink.sink_type, &req.job.sink.url) {
+        (crate::crd::SinkType::ObjectStore, Some(url)) => {
+            let (store, base) = snapshot::open_store(url)?;
+            let writer = job::WriterId {
+                subtask: req.subtask,
+                parallelism: req.parallelism,
+            };
+            Some(ObjectSink {
+                store,
+                base,
+                staging: job::StagingSink::new(writer),
+            })
+        }
         _ => None,
     };
     let my_partitions: Vec<u32> = (0..compiled.partitions())
@@ -605,8 +641,7 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
         store,
         job_dir,
         sink_log: matches!(req.job.sink.sink_type, crate::crd::SinkType::Log),
-        sink_store,
-        sink_buf: Vec::new(),
+        sink,
     };
     let compiled = Arc::new(compiled);
     let s_src = s.clone();
@@ -868,10 +903,15 @@ async fn handle_source_cmd(
 ) -> Result<(), WorkerError> {
     match cmd {
         SourceCmd::Barrier(req) => {
-            s.barrier_positions
-                .lock()
-                .await
-                .insert(req.id, (req.kind, pos.clone(), Instant::now()));
+            s.barrier_positions.lock().await.insert(
+                req.id,
+                BarrierCut {
+                    kind: req.kind,
+                    positions: pos.clone(),
+                    at: Instant::now(),
+                    last_committed: req.last_committed,
+                },
+            );
             router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
             tracing::debug!(id = req.id, "barrier injected");
             if req.stop {
@@ -982,6 +1022,15 @@ async fn operator_loop(
                             s.status.lock().await.last_checkpoint = Some(id);
                             CheckpointStatus::Completed(Box::new(ack))
                         }
+                        Err(e) if e.stops_the_worker() => {
+                            s.checkpoints.lock().await.insert(
+                                id,
+                                CheckpointStatus::Failed {
+                                    error: e.to_string(),
+                                },
+                            );
+                            return Err(e);
+                        }
                         Err(e) => {
                             tracing::error!(id, error = %e, "snapshot failed");
                             CheckpointStatus::Failed {
@@ -1003,35 +1052,28 @@ fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
         return;
     }
     s.metrics.records_out.inc_by(rows.len() as u64);
-    if sub.sink_store.is_none() && !sub.sink_log {
-        return;
-    }
-    // Both sinks take the same JSON lines: format them once.
-    let mut lines = Vec::with_capacity(rows.len() * 48);
-    for r in rows {
-        job::sink::format_json_line(r, &mut lines);
-    }
-    if sub.sink_log {
+    if let Some(sink) = &mut sub.sink {
+        sink.staging.emit(rows);
+    } else if sub.sink_log {
         use std::io::Write;
+        let mut lines = Vec::with_capacity(rows.len() * 48);
+        for r in rows {
+            job::sink::format_json_line(r, &mut lines);
+        }
         // One large write (stdout is line-buffered: writing row by row makes one write(2) each).
         let mut out = std::io::stdout().lock();
         let _ = out.write_all(&lines);
         let _ = out.flush();
     }
-    if sub.sink_store.is_some() {
-        sub.sink_buf.extend_from_slice(&lines);
-    }
 }
 
-/// Appends result lines to the object-store sink's buffer (without a copy when it is empty).
-fn stage_lines(sub: &mut Subtask, lines: Vec<u8>) {
-    if sub.sink_store.is_none() || lines.is_empty() {
-        return;
-    }
-    if sub.sink_buf.is_empty() {
-        sub.sink_buf = lines;
-    } else {
-        sub.sink_buf.extend_from_slice(&lines);
+/// Adds result lines drained at a barrier to the object-store sink (they are output all the
+/// same when the snapshot fails: they ride with the next one).
+fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64) {
+    if let Some(sink) = &mut sub.sink
+        && rows > 0
+    {
+        sink.staging.emit_lines(lines, rows);
     }
 }
 
@@ -1041,7 +1083,12 @@ async fn snapshot(
     id: u64,
     watermark: i64,
 ) -> Result<SubtaskAck, WorkerError> {
-    let (kind, positions, started) = s
+    let BarrierCut {
+        kind,
+        positions,
+        at: started,
+        last_committed,
+    } = s
         .barrier_positions
         .lock()
         .await
@@ -1053,7 +1100,7 @@ async fn snapshot(
     // buffer (object-store sink) before the ack.
     let updates = if sub.agg.config().window_size_ms.is_some() {
         Updates::Skip
-    } else if sub.sink_log && sub.sink_store.is_none() {
+    } else if sub.sink_log && sub.sink.is_none() {
         Updates::Log
     } else {
         Updates::Keep
@@ -1069,23 +1116,36 @@ async fn snapshot(
         Err(failed) => {
             // The drained rows are output all the same: they ride with the next snapshot.
             s.metrics.records_out.inc_by(failed.rows);
-            stage_lines(sub, failed.lines);
+            emit_lines(sub, failed.lines, failed.rows);
             return Err(failed.error.into());
         }
     };
     s.metrics.records_out.inc_by(written.rows);
-    stage_lines(sub, written.lines);
-    // Results since the previous barrier belong to this snapshot: stage them; the coordinator
-    // publishes them once the snapshot is committed (exactly once). If staging fails, the
-    // snapshot fails and they stay buffered for the next one.
-    if let Some((store, base)) = &sub.sink_store {
-        let path = crate::sink::staged_part(base, id, sub.subtask, sub.assignment.parallelism());
-        let body = bytes::Bytes::from(std::mem::take(&mut sub.sink_buf));
-        if let Err(e) = store.put(&path, body.clone().into()).await {
-            sub.sink_buf = body.to_vec();
-            return Err(WorkerError::Fatal(format!(
-                "staging sink output {path}: {e}"
-            )));
+    emit_lines(sub, written.lines, written.rows);
+    // Every result since the job's last committed snapshot is staged for this one (results
+    // staged for snapshots that did not commit ride along); the coordinator publishes them once
+    // this snapshot is committed (exactly once). If staging fails, the snapshot fails, and they
+    // ride with the next one.
+    if let Some(sink) = &mut sub.sink {
+        let output = sink
+            .staging
+            .on_barrier(id, job::sink::Committed::from_wire(last_committed))?;
+        let path = crate::sink::stage(sink.store.as_ref(), &sink.base, &output).await?;
+        tracing::debug!(
+            id,
+            %path,
+            rows = output.rows,
+            bytes = output.len(),
+            carried = ?output.carried,
+            "sink output staged"
+        );
+        if !output.carried.is_empty() {
+            tracing::info!(
+                id,
+                carried = ?output.carried,
+                rows = output.rows,
+                "sink output of snapshots that did not commit staged again with this one"
+            );
         }
     }
     let keys_per_group = written.keys_per_group;
