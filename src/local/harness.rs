@@ -232,12 +232,6 @@ impl LocalJob {
                 return Err(e.into());
             }
         };
-        if let Some(url) = &restore {
-            // The restored snapshot's sink output must be visible (crash between commit and
-            // publish); publishing is idempotent.
-            let (_, _, manifest) = snapshot::open_snapshot(url).await?;
-            coordinator.publish(manifest.snapshot_id).await?;
-        }
         self.coordinator = Some(coordinator);
         Ok(LaunchReport {
             parallelism,

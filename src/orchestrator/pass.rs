@@ -456,6 +456,7 @@ pub async fn run_pass(
     };
     let requeue = requeue?;
     pass.pin_in_use().await;
+    pass.observe_sink();
     let mut status = pass.status;
     let progress = pass.progress;
     let events = pass.events;
@@ -744,6 +745,39 @@ impl<'a> Pass<'a> {
             i64::from(parallelism),
             i64::from(self.max_parallelism()),
         )?)
+    }
+
+    /// For a job with an object-store sink: whether the coordinated run's published output is
+    /// behind its commits (a condition, and a warning Event when it falls behind).
+    fn observe_sink(&mut self) {
+        if run::sink_url(self.spec).is_none() {
+            return;
+        }
+        let Some(backlog) = self
+            .mem
+            .run
+            .as_ref()
+            .map(|r| r.coordinator.publish_backlog())
+        else {
+            return;
+        };
+        let was_behind = self
+            .status
+            .conditions
+            .iter()
+            .any(|c| c.type_ == status::SINK_PUBLISHED && c.status == "False");
+        if backlog.is_behind() && !was_behind {
+            self.event(
+                true,
+                "SinkPublishBehind",
+                format!(
+                    "output of committed snapshot(s) {:?} not published: {}; retried after every commit",
+                    backlog.pending,
+                    backlog.last_error.as_deref().unwrap_or("no attempt yet")
+                ),
+            );
+        }
+        self.progress.sink = Some(backlog);
     }
 
     /// Writes the job's in-use marker when what it pins changed ([`in_use`]). Best effort: a

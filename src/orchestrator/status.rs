@@ -13,6 +13,8 @@ pub const RECONCILING: &str = "Reconciling";
 pub const STALLED: &str = "Stalled";
 pub const KEY_GROUPS_BALANCED: &str = "KeyGroupsBalanced";
 pub const ALL_SUBTASKS_HAVE_PARTITIONS: &str = "AllSubtasksHavePartitions";
+/// Jobs with an object-store sink: whether every committed snapshot's output is published.
+pub const SINK_PUBLISHED: &str = "SinkPublished";
 
 /// What the pass learned beyond the status fields.
 #[derive(Debug, Clone, Default)]
@@ -26,6 +28,9 @@ pub struct Progress {
     /// What the pass did to the run: started or adopted it (Running), removed it to restart it
     /// (Pending), suspended it (Suspended). [`finish`] is the only writer of `status.phase`.
     pub phase: Option<Phase>,
+    /// For a job with an object-store sink whose run is coordinated: the committed snapshots
+    /// whose output is not published yet, and why the last attempt failed.
+    pub sink: Option<crate::coordinator::PublishBacklog>,
 }
 
 /// Sets `type_` in `conditions`, keeping lastTransitionTime when the status does not change.
@@ -270,6 +275,26 @@ pub fn finish(
             }
         }
     }
+    if let Some(backlog) = &progress.sink {
+        let (ok, reason, message) = if backlog.is_behind() {
+            (
+                false,
+                "PublishBehind",
+                format!(
+                    "the output of committed snapshot(s) {:?} is not published yet ({}); it is retried after every commit, in order, and nothing is published twice",
+                    backlog.pending,
+                    backlog.last_error.as_deref().unwrap_or("no attempt yet")
+                ),
+            )
+        } else {
+            (
+                true,
+                "Published",
+                "every committed snapshot's output is published".to_owned(),
+            )
+        };
+        set_condition(conds, SINK_PUBLISHED, ok, reason, &message, generation, now);
+    }
     if let Some(a) = analysis {
         let skew = &a.skew;
         let (ok, reason) = if skew.divides {
@@ -417,6 +442,50 @@ mod tests {
 
     fn cond<'a>(s: &'a StreamJobStatus, t: &str) -> &'a Condition {
         s.conditions.iter().find(|c| c.type_ == t).unwrap()
+    }
+
+    #[test]
+    fn sink_published_says_which_commits_wait_for_their_output() {
+        let spec = job().spec;
+        let mut st = StreamJobStatus {
+            phase: Some(Phase::Running),
+            replicas: Some(4),
+            ..Default::default()
+        };
+        let behind = Progress {
+            sink: Some(crate::coordinator::PublishBacklog {
+                pending: vec![8, 9],
+                last_error: Some("403 Forbidden".into()),
+            }),
+            ..Default::default()
+        };
+        finish(&spec, Some(1), &mut st, None, &behind, Timestamp::now());
+        let c = cond(&st, SINK_PUBLISHED);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "PublishBehind")
+        );
+        assert!(
+            c.message.contains("[8, 9]") && c.message.contains("403 Forbidden"),
+            "{}",
+            c.message
+        );
+        let caught_up = Progress {
+            sink: Some(crate::coordinator::PublishBacklog::default()),
+            ..Default::default()
+        };
+        finish(&spec, Some(1), &mut st, None, &caught_up, Timestamp::now());
+        assert_eq!(cond(&st, SINK_PUBLISHED).status, "True");
+        // Not known this pass (a snapshot runs in the background): the condition stays.
+        finish(
+            &spec,
+            Some(1),
+            &mut st,
+            None,
+            &Progress::default(),
+            Timestamp::now(),
+        );
+        assert_eq!(cond(&st, SINK_PUBLISHED).status, "True");
     }
 
     #[test]
