@@ -9,7 +9,7 @@
 # Output (stdout, one per line):  K8S_BIN=<dir>  and  ETCD_BIN=<dir>
 # Progress and timings go to stderr.
 #
-# How it works (see shared DESIGN.md section 6):
+# How it works:
 #   * k8s.io/kubernetes is not meant to be consumed as a module: its go.mod
 #     requires every staging module (k8s.io/api, k8s.io/apiserver, ...) at
 #     v0.0.0 and replaces it with ./staging/src/... . Replace directives of a

@@ -16,7 +16,7 @@
 #   PAUSE_IMAGE=<ref>      its reference
 # Progress and timings go to stderr.
 #
-# Notes (see shared DESIGN.md section 7, each verified by this script's use in
+# Notes (each verified by this script's use in
 # hack/testenv.sh):
 #   * Debian's runc (1.1) and crun (1.8) are too old for containerd 2.4, so runc
 #     is built too. It needs cgo, pkg-config and Debian's libseccomp-dev; the

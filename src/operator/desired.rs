@@ -23,9 +23,9 @@ pub const LABEL_JOB: &str = "keyshift.dev/job";
 pub const LABEL_RUN: &str = "keyshift.dev/run";
 pub const LABEL_SUBTASK: &str = "keyshift.dev/subtask";
 pub const LABEL_PARALLELISM: &str = "keyshift.dev/parallelism";
-/// The `decide::spec_hash` (job and image) a pod was created for.
 /// The key-group count the pod's run was started under.
 pub const LABEL_MAX_PARALLELISM: &str = "keyshift.dev/max-parallelism";
+/// The `orchestrator::decide::spec_hash` (job and image) a pod was created for.
 pub const LABEL_SPEC_HASH: &str = "keyshift.dev/spec-hash";
 pub const ANNOTATION_KEY_GROUPS: &str = "keyshift.dev/key-groups";
 /// Key of the control token in the job's Secret.
