@@ -447,6 +447,12 @@ pub struct StreamJobStatus {
     /// from it is a request to restart from that snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restored_from: Option<String>,
+    /// Set when the job was started from spec.restoreFrom: the largest id among the job's own
+    /// snapshots at that moment. Those snapshots hold the history the restore replaced; the job
+    /// never resumes from them (a crash before the restored run's first checkpoint restores
+    /// spec.restoreFrom again, not the old state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced_history_up_to: Option<i64>,
     /// How the state of the latest snapshot is spread over subtasks and key groups (updated
     /// after every checkpoint and savepoint), so a hot subtask, group or key is visible.
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -979,3 +979,58 @@ async fn a_job_with_recorded_snapshots_never_restarts_empty() {
     })
     .await;
 }
+
+/// A restore from spec.restoreFrom replaces the job's history: a worker that dies right after the
+/// restored run started (before its first checkpoint commits) restarts from spec.restoreFrom
+/// again, never from the job's older own snapshots (the transition's savepoint holds the state
+/// the restore replaced).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_right_after_a_restore_from_does_not_bring_back_the_replaced_history() {
+    bounded(async {
+        let mut d = Driver::new("restore-crash", 2, "1h");
+        d.until_running(2).await;
+        // A savepoint to restore later, then more history after it.
+        d.spec.savepoint_trigger_nonce = Some(1);
+        d.until("savepoint taken", Duration::from_secs(20), |d| {
+            d.status.last_savepoint_nonce == Some(1)
+        })
+        .await;
+        let target = d.status.last_savepoint.clone().expect("a savepoint").path;
+        d.assert_processing().await;
+        d.spec.restore_from = Some(target.clone());
+        d.until("restored", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.status.restored_from.as_deref() == Some(&target)
+        })
+        .await;
+        let replaced = d
+            .rescale()
+            .savepoint
+            .clone()
+            .expect("the transition's savepoint");
+        assert_ne!(replaced, target);
+        assert!(d.status.replaced_history_up_to.is_some(), "{:?}", d.status);
+        // Before the restored run commits anything of its own, a worker dies.
+        let started_before = d.events_named("Started").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("restarted", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started_before
+        })
+        .await;
+        let started = &d.events_named("Started").last().expect("Started").1.note;
+        let committed_since = d
+            .status
+            .last_checkpoint
+            .as_ref()
+            .filter(|c| d.status.replaced_history_up_to.is_some_and(|b| c.id > b))
+            .map(|c| c.path.clone());
+        match committed_since {
+            // The restored run checkpointed before the kill: that is its own new history.
+            Some(cp) => assert!(started.contains(&cp), "{started}"),
+            None => assert!(
+                started.contains(&target) && !started.contains(&replaced),
+                "the restart brought back the replaced history: {started}"
+            ),
+        }
+    })
+    .await;
+}

@@ -311,7 +311,7 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
     ));
     let resume = match &spec.restore_from {
         Some(url) if status.restored_from.as_ref() != Some(url) => Some(url.clone()),
-        _ => run::latest_restorable(&spec, &storage, &namespace, &name, groups).await?,
+        _ => run::latest_restorable(&spec, &storage, &namespace, &name, groups, None).await?,
     };
     match &resume {
         Some(url) => say(format_args!("resuming from {url}")),

@@ -218,6 +218,9 @@ struct StartWork {
     restore_from: Option<String>,
     /// spec.restoreFrom (or a restore transition's source) when the run restores it.
     restored_source: Option<String>,
+    /// With `restored_source`: the largest id of the job's own snapshots before this run (the
+    /// history the restore replaces).
+    replaced_up_to: Option<u64>,
     run_started: DateTime<Utc>,
     started: Instant,
 }
@@ -1510,9 +1513,26 @@ impl<'a> Pass<'a> {
                 &self.ns,
                 &self.name,
                 self.max_parallelism(),
+                self.status
+                    .replaced_history_up_to
+                    .and_then(|b| u64::try_from(b).ok()),
             )
             .await
             .map_err(PassError::FindSnapshot)?,
+        };
+        // A run restored from spec.restoreFrom replaces the job's history up to its newest
+        // snapshot now: recorded once the run starts, so that no later resume goes back to it.
+        let replaced_up_to = match &restored_source {
+            Some(_) => {
+                let (store, base) = snapshot::open_store(&self.storage)
+                    .map_err(|e| PassError::FindSnapshot(e.into()))?;
+                let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
+                let next = coordinator::next_snapshot_id(store.as_ref(), &job_dir)
+                    .await
+                    .map_err(PassError::FindSnapshot)?;
+                Some(next.saturating_sub(1))
+            }
+            None => None,
         };
         let assignment = self.assignment(parallelism)?;
         let coordinator = self
@@ -1542,6 +1562,7 @@ impl<'a> Pass<'a> {
                 groups: assignment.max_parallelism(),
                 restore_from: None,
                 restored_source,
+                replaced_up_to,
                 run_started,
                 started: Instant::now(),
             };
@@ -1564,6 +1585,7 @@ impl<'a> Pass<'a> {
             groups: assignment.max_parallelism(),
             restore_from,
             restored_source,
+            replaced_up_to,
             run_started,
             started: Instant::now(),
         };
@@ -1601,6 +1623,7 @@ impl<'a> Pass<'a> {
             groups: key_groups,
             restore_from,
             restored_source,
+            replaced_up_to,
             run_started,
             started,
         } = work;
@@ -1626,6 +1649,8 @@ impl<'a> Pass<'a> {
                     }
                     self.status.max_parallelism = Some(g);
                     self.status.restored_from = restored_source.clone();
+                    self.status.replaced_history_up_to =
+                        replaced_up_to.and_then(|b| i64::try_from(b).ok());
                 }
                 self.mem.run = Some(RunHandle {
                     run: run.clone(),

@@ -7,7 +7,7 @@ use crate::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{SinkType, StreamJobSpec};
 use crate::keygroup::Assignment;
 use crate::runtime::protocol::StartRequest;
-use crate::snapshot::JobIdentity;
+use crate::snapshot::{self, JobIdentity, SnapshotInfo};
 /// How long each long step of a run may take before it counts as failed.
 pub mod timeouts {
     use std::time::Duration;
@@ -76,21 +76,37 @@ pub fn sink_url(spec: &StreamJobSpec) -> Option<&str> {
     }
 }
 
-/// What a run restores when it resumes the job's own history: the newest committed snapshot of
-/// the job under `max_parallelism` key groups (snapshots taken before a restore from a
-/// rewritten savepoint have another count and are skipped), else `spec.restoreFrom`, else
-/// nothing.
+/// Which of a job's snapshots a resume restores: the newest one under `max_parallelism` key
+/// groups (snapshots taken before a restore from a rewritten savepoint have another count) whose
+/// id is above `replaced_up_to` (the job's snapshots at or below it hold the history a restore from
+/// `spec.restoreFrom` replaced). Pure.
+pub fn newest_restorable(
+    snapshots: &[SnapshotInfo],
+    max_parallelism: u32,
+    replaced_up_to: Option<u64>,
+) -> Option<&SnapshotInfo> {
+    snapshots
+        .iter()
+        .filter(|s| s.max_parallelism == max_parallelism)
+        .filter(|s| replaced_up_to.is_none_or(|b| s.id > b))
+        .max_by_key(|s| s.id)
+}
+
+/// What a run restores when it resumes the job's own history: [`newest_restorable`] among the
+/// job's snapshots in storage, else `spec.restoreFrom`, else nothing.
 pub async fn latest_restorable(
     spec: &StreamJobSpec,
     storage: &str,
     namespace: &str,
     name: &str,
     max_parallelism: u32,
+    replaced_up_to: Option<u64>,
 ) -> Result<Option<String>, CoordinatorError> {
-    let own =
-        crate::coordinator::latest_snapshot_with(storage, namespace, name, Some(max_parallelism))
-            .await?
-            .map(|(url, _)| url);
+    let (store, base) = snapshot::open_store(storage)?;
+    let job_dir = snapshot::job_dir(&base, namespace, name);
+    let all = snapshot::list_snapshots(store.as_ref(), &job_dir).await?;
+    let own = newest_restorable(&all, max_parallelism, replaced_up_to)
+        .map(|s| crate::coordinator::snapshot_url(storage, namespace, name, s.kind, s.id));
     Ok(own.or_else(|| spec.restore_from.clone()))
 }
 
@@ -153,6 +169,29 @@ impl StartPlan<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_resume_skips_other_key_group_counts_and_history_a_restore_replaced() {
+        let snap = |id: u64, groups: u32| SnapshotInfo {
+            kind: crate::snapshot::SnapshotKind::Checkpoint,
+            id,
+            dir: format!("ns/j/checkpoints/chk-{id}").into(),
+            completed_at: chrono::Utc::now(),
+            parallelism: 2,
+            max_parallelism: groups,
+            total_bytes: 0,
+            total_keys: 0,
+        };
+        let all = [snap(3, 128), snap(5, 128), snap(6, 1024), snap(4, 128)];
+        let pick = |g, after| newest_restorable(&all, g, after).map(|s| s.id);
+        assert_eq!(pick(128, None), Some(5));
+        assert_eq!(pick(1024, None), Some(6));
+        // Restored from spec.restoreFrom when the newest id was 5: 3, 4 and 5 are the old
+        // history; until a new snapshot commits there is nothing of the job's own to resume.
+        assert_eq!(pick(128, Some(5)), None);
+        assert_eq!(pick(128, Some(4)), Some(5));
+        assert_eq!(pick(512, None), None);
+    }
 
     #[test]
     fn tokens_and_run_ids_are_fresh_hex_and_run_ids_carry_no_token() {
