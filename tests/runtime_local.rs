@@ -540,29 +540,34 @@ fn published_windows(out: &std::path::Path) -> (BTreeMap<Key, BTreeMap<i64, i64>
     (rows, ids)
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale() {
-    let env = env(None);
-    let out = env._dir.path().join("out");
-    let spec = job(&format!(
+/// A windowed sum at parallelism 3 whose results go to an object-store sink in `out`.
+fn windowed_sink_job(name: &str, seed: u64, window: &str, out: &std::path::Path) -> StreamJob {
+    job(&format!(
         "apiVersion: keyshift.dev/v1alpha1
 kind: StreamJob
-metadata: {{name: sink, namespace: test}}
+metadata: {{name: {name}, namespace: test}}
 spec:
   replicas: 3
   maxParallelism: 128
   job:
     source:
-      generator: {{partitions: 4, keys: 100, seed: 11, recordsPerSecond: 4000}}
+      generator: {{partitions: 4, keys: 100, seed: {seed}, recordsPerSecond: 4000}}
     key: {{field: key}}
     aggregation: {{function: sum, field: value}}
-    window: {{size: 500ms}}
+    window: {{size: {window}}}
     sink: {{type: objectStore, url: 'file://{}'}}
   state:
     checkpointInterval: 1h
 ",
         out.display()
-    ));
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale() {
+    let env = env(None);
+    let out = env._dir.path().join("out");
+    let spec = windowed_sink_job("sink", 11, "500ms", &out);
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
         .expect("job prepares");
@@ -609,25 +614,7 @@ spec:
 async fn sink_output_of_checkpoints_that_failed_on_one_subtask_rides_with_the_next_commit() {
     let env = env(None);
     let out = env._dir.path().join("out");
-    let spec = job(&format!(
-        "apiVersion: keyshift.dev/v1alpha1
-kind: StreamJob
-metadata: {{name: carry, namespace: test}}
-spec:
-  replicas: 3
-  maxParallelism: 128
-  job:
-    source:
-      generator: {{partitions: 4, keys: 100, seed: 5, recordsPerSecond: 4000}}
-    key: {{field: key}}
-    aggregation: {{function: sum, field: value}}
-    window: {{size: 300ms}}
-    sink: {{type: objectStore, url: 'file://{}'}}
-  state:
-    checkpointInterval: 1h
-",
-        out.display()
-    ));
+    let spec = windowed_sink_job("carry", 5, "300ms", &out);
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
         .expect("job prepares");
