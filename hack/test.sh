@@ -110,4 +110,8 @@ eval "$testenv_env"
 source "$KEYSHIFT_TESTENV_DIR/env"
 
 step "e2e tests"
-cargo test --locked --all-features --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4
+cargo test --locked --all-features --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4 --skip scale_past_the_ceiling
+# The 200-pod ceiling scenario alone: beside the other tests it loaded the 2-core node so far (load
+# average 100) that the kubelet took minutes to terminate pods and three tests timed out waiting.
+step "e2e: the 200-pod ceiling scenario"
+cargo test --locked --all-features --test e2e_operator -- --ignored scale_past_the_ceiling
