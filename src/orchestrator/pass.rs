@@ -1539,35 +1539,6 @@ impl<'a> Pass<'a> {
             .coordinator(assignment, endpoints)
             .await
             .map_err(PassError::Start)?;
-        // A job that has committed snapshots resumes one of them, never nothing.
-        let recorded = self
-            .status
-            .last_checkpoint
-            .iter()
-            .chain(&self.status.last_savepoint)
-            .map(|s| s.path.clone())
-            .max();
-        if resumes_history
-            && restore_from.is_none()
-            && let Some(recorded) = recorded
-        {
-            let refused = StartError::NothingToRestore {
-                groups: assignment.max_parallelism(),
-                storage: self.storage.clone(),
-                recorded,
-            };
-            let work = StartWork {
-                run,
-                parallelism,
-                groups: assignment.max_parallelism(),
-                restore_from: None,
-                restored_source,
-                replaced_up_to,
-                run_started,
-                started: Instant::now(),
-            };
-            return self.start_done(work, coordinator, Err(refused)).await;
-        }
         let template = run::StartPlan {
             namespace: &self.ns,
             name: &self.name,
@@ -1589,6 +1560,25 @@ impl<'a> Pass<'a> {
             run_started,
             started: Instant::now(),
         };
+        // A job that has committed snapshots resumes one of them, never nothing.
+        let recorded = self
+            .status
+            .last_checkpoint
+            .iter()
+            .chain(&self.status.last_savepoint)
+            .map(|s| s.path.clone())
+            .max();
+        if resumes_history
+            && work.restore_from.is_none()
+            && let Some(recorded) = recorded
+        {
+            let refused = StartError::NothingToRestore {
+                groups: work.groups,
+                storage: self.storage.clone(),
+                recorded,
+            };
+            return self.start_done(work, coordinator, Err(refused)).await;
+        }
         let restoring_rescale = self
             .status
             .rescale
