@@ -363,6 +363,7 @@ fn meta(id: u64) -> SnapshotMeta {
             namespace: "bench".into(),
             name: "snapshot".into(),
             job_fingerprint: "bench".into(),
+            layout: None,
         },
         snapshot_id: id,
         kind: SnapshotKind::Checkpoint,

@@ -157,6 +157,11 @@ pub struct Coordinator {
 }
 
 impl Coordinator {
+    /// The job as this coordinator's snapshots name it.
+    pub fn identity(&self) -> &JobIdentity {
+        &self.identity
+    }
+
     /// A coordinator for `workers` (subtask order). Snapshot ids continue after the largest id
     /// already in storage (and, with a sink, under the sink), so an id is never reused; the
     /// newest committed one is what the first trigger tells the workers.
@@ -822,17 +827,28 @@ async fn is_committed(
     }
 }
 
-/// The key-group count of the snapshot named by a spec.restoreFrom `url` (from its manifest), or
-/// why it cannot be restored from.
-pub async fn restore_from_key_groups(url: &str) -> Result<u32, String> {
-    snapshot::open_snapshot(url)
-        .await
-        .map(|(_, _, m)| m.max_parallelism)
-        .map_err(|e| {
-            format!(
-                "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
-            )
-        })
+/// The key-group count and the job identity of the snapshot named by a spec.restoreFrom `url`
+/// (from its manifest) of a job in `namespace` with snapshots in `storage`, or why it cannot be
+/// restored from.
+pub async fn restore_source(
+    url: &str,
+    storage: &str,
+    namespace: &str,
+) -> Result<(u32, JobIdentity), String> {
+    match snapshot::open_snapshot(url).await {
+        Ok((_, _, m)) => Ok((m.max_parallelism, m.job)),
+        // The storage's words about a path outside this namespace's own storage could tell a
+        // tenant about another's: they go to the operator's log only.
+        Err(e) if !url.starts_with(&format!("{}/{namespace}/", storage.trim_end_matches('/'))) => {
+            tracing::warn!(%url, error = %e, "spec.restoreFrom cannot be read");
+            Err(format!(
+                "spec.restoreFrom {url} cannot be restored: it is not a committed snapshot this job can read (the storage's error is in the operator's log, as the URL is outside this namespace's storage); point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
+            ))
+        }
+        Err(e) => Err(format!(
+            "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
+        )),
+    }
 }
 
 /// The newest committed snapshot of a job (checkpoint or savepoint, by id), if any.
@@ -874,6 +890,7 @@ mod tests {
             namespace: "team".into(),
             name: name.into(),
             job_fingerprint: "f".into(),
+            layout: None,
         }
     }
 
@@ -1156,5 +1173,28 @@ mod tests {
         for id in 1..=5 {
             assert_eq!(published(&sink, id).await, Some(row(id)), "snapshot {id}");
         }
+    }
+
+    #[tokio::test]
+    async fn a_restore_from_outside_the_namespace_never_shows_the_storage_error() {
+        let storage = "memory://restore-src/state";
+        let own = format!("{storage}/team-a/j/savepoints/sp-9");
+        let err = restore_source(&own, storage, "team-a").await.unwrap_err();
+        assert!(
+            err.contains("not found"),
+            "own path: the storage's words help: {err}"
+        );
+        let foreign = format!("{storage}/team-b/j/savepoints/sp-9");
+        let err = restore_source(&foreign, storage, "team-a")
+            .await
+            .unwrap_err();
+        assert!(
+            !err.contains("not found") && !err.contains("_manifest.json not"),
+            "{err}"
+        );
+        assert!(
+            err.contains("operator's log") && err.contains(&foreign),
+            "{err}"
+        );
     }
 }

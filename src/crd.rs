@@ -107,6 +107,20 @@ pub struct StreamJobSpec {
     #[serde(default)]
     pub allow_non_restored_state: bool,
 
+    /// Allow restoring state written under another key (spec.job.key.field or key.type) or
+    /// another aggregation field. Off by default: such state holds another history (keys of the
+    /// old kind stay in it beside the new ones), so a restore is refused before anything stops,
+    /// naming what changed. A change of the aggregate function or the window is always refused;
+    /// to start over with empty state instead, use `upgradeMode: stateless`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_state_layout_change: bool,
+
+    /// Allow spec.restoreFrom to name a snapshot of another StreamJob (another name or
+    /// namespace). Off by default, so a mistyped URL cannot make this job continue someone
+    /// else's history.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_restore_from_another_job: bool,
+
     /// Compute resources of each worker container. Default when unset: requests of cpu `100m`
     /// and memory `128Mi` and no limits (so the pods schedule on a namespace with a
     /// LimitRange or ResourceQuota that requires requests); set `resources: {}` for no requests

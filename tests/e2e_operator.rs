@@ -576,8 +576,32 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
     delete_job(ns, name, &log);
     assert!(committed(&from));
 
+    // Another job's history is refused until the spec says it is meant to continue it.
     let second = "second";
     let yaml = format!("{}  restoreFrom: {from}\n", job_yaml(second, 3));
+    let r = apply(ns, &yaml);
+    assert!(r.ok, "{}", r.stderr);
+    wait_for(Duration::from_secs(60), || {
+        get(
+            ns,
+            second,
+            "{.status.conditions[?(@.type=='Stalled')].reason}",
+        ) == "SnapshotOfAnotherJob"
+    });
+    let message = get(
+        ns,
+        second,
+        "{.status.conditions[?(@.type=='Stalled')].message}",
+    );
+    assert!(
+        message.contains(&format!("{ns}/{name}")) && message.contains("allowRestoreFromAnotherJob"),
+        "{message}"
+    );
+    assert!(worker_pods(ns, second).is_empty(), "nothing started");
+    let yaml = format!(
+        "{}  restoreFrom: {from}\n  allowRestoreFromAnotherJob: true\n",
+        job_yaml(second, 3)
+    );
     let r = apply(ns, &yaml);
     assert!(r.ok, "{}", r.stderr);
     wait_ready(ns, second, &log);

@@ -119,7 +119,7 @@ fn check_change(
         Some(_) => {}
     }
     let changed_to = |s: Step| a.step == s && same.is_none_or(|b| b.step != s);
-    let pairs: [(bool, &str); 4] = [
+    let pairs: [(bool, &str); 5] = [
         (changed_to(Step::Abandoned), "RescaleAbandoned"),
         (changed_to(Step::RolledBack), "RescaleRolledBack"),
         (
@@ -129,6 +129,10 @@ fn check_change(
         (
             changed_to(Step::Done) && a.to > 0 && a.upgrade_mode.is_none(),
             "Rescaled",
+        ),
+        (
+            changed_to(Step::Done) && a.upgrade_mode.is_some() && a.rolled_back.is_none(),
+            "Upgraded",
         ),
     ];
     for (happened, reason) in pairs {
@@ -198,6 +202,15 @@ impl Driver {
         }
     }
 
+    /// The condition `type_` when it is True: (reason, message).
+    fn condition(&self, type_: &str) -> Option<(String, String)> {
+        self.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == type_ && c.status == "True")
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    }
+
     fn step(&self) -> Option<Step> {
         self.status.rescale.as_ref().map(|r| r.step)
     }
@@ -253,6 +266,7 @@ impl Driver {
     /// One pass; its result checked against the step table and recorded.
     async fn pass(&mut self) {
         self.passes += 1;
+        self.workers.set_spec_hash(decide::spec_hash(&self.spec));
         let before = self.status.clone();
         let out = run_pass(
             PassInput {
@@ -1031,6 +1045,170 @@ async fn a_crash_right_after_a_restore_from_does_not_bring_back_the_replaced_his
                 "the restart brought back the replaced history: {started}"
             ),
         }
+    })
+    .await;
+}
+
+/// A changed key (or any other part of what the state means) is refused before anything stops:
+/// the running job keeps its workers and keeps checkpointing, Stalled names the field and the
+/// fix. A change of the aggregate function is refused even with the opt-in; a key change with
+/// the opt-in (spec.allowStateLayoutChange) is upgraded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_key_is_refused_before_anything_stops() {
+    bounded(async {
+        let mut d = Driver::new("layout", 2, "1s");
+        d.until_running(2).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        let workers = d.workers.names();
+        d.spec.job.key.field = "value".into();
+        d.spec.job.key.key_type = keyshift::keygroup::KeyType::Long;
+        d.until("refused", Duration::from_secs(20), |d| {
+            d.condition("Stalled").is_some()
+        })
+        .await;
+        let (reason, message) = d.condition("Stalled").expect("Stalled");
+        assert_eq!(reason, "StateLayoutChanged");
+        for needle in [
+            "spec.job.key.field",
+            "spec.job.key.type",
+            "allowStateLayoutChange",
+            "upgradeMode: stateless",
+            "keeps running",
+        ] {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+        assert_eq!(d.events_named("StateLayoutChanged").len(), 1);
+        let checkpoint = d.status.last_checkpoint.as_ref().map_or(0, |c| c.id);
+        d.for_a_while(Duration::from_secs(3), |d| {
+            assert!(
+                d.status.rescale.is_none(),
+                "an upgrade began: {:?}",
+                d.status.rescale
+            );
+        })
+        .await;
+        assert_eq!(d.workers.names(), workers, "the workers kept running");
+        assert!(
+            d.status.last_checkpoint.as_ref().map_or(0, |c| c.id) > checkpoint,
+            "the job kept checkpointing"
+        );
+        assert_eq!(
+            d.events_named("StateLayoutChanged").len(),
+            1,
+            "one Event:\n{}",
+            d.event_log()
+        );
+        // Another function cannot be kept, opt-in or not.
+        d.spec.allow_state_layout_change = true;
+        d.spec.job.aggregation.function = keyshift::crd::AggregateFunction::Sum;
+        d.spec.job.aggregation.field = Some("value".into());
+        d.until("refused again", Duration::from_secs(20), |d| {
+            d.condition("Stalled")
+                .is_some_and(|(_, m)| m.contains("spec.job.aggregation.function"))
+        })
+        .await;
+        let (_, message) = d.condition("Stalled").expect("Stalled");
+        assert!(message.contains("cannot be kept"), "{message}");
+        assert!(d.status.rescale.is_none());
+        // Back to count: the key change alone is kept with the opt-in.
+        d.spec.job.aggregation.function = keyshift::crd::AggregateFunction::Count;
+        d.spec.job.aggregation.field = None;
+        d.until("upgraded", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(2) && d.condition("Stalled").is_none()
+        })
+        .await;
+        assert_ne!(d.workers.names(), workers, "upgraded to new workers");
+    })
+    .await;
+}
+
+/// A suspended job whose key changed is not resumed from its old state: the start is refused
+/// (the snapshot stays), and resuming after the change is reverted continues exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_job_with_a_changed_key_does_not_resume_its_old_state() {
+    bounded(async {
+        let mut d = Driver::new("layout-resume", 2, "1s");
+        d.until_running(2).await;
+        d.spec.suspend = true;
+        d.until("suspended", Duration::from_secs(30), |d| {
+            d.status.phase == Some(Phase::Suspended)
+        })
+        .await;
+        d.spec.job.key.field = "ts".into();
+        d.spec.suspend = false;
+        d.until("refused", Duration::from_secs(20), |d| {
+            !d.events_named("StateLayoutChanged").is_empty()
+        })
+        .await;
+        let refused = &d.events_named("StateLayoutChanged")[0].1;
+        assert!(refused.warning);
+        assert!(
+            refused.note.contains("spec.job.key.field"),
+            "{}",
+            refused.note
+        );
+        assert!(d.events_named("Started").len() <= 1, "{}", d.event_log());
+        d.spec.job.key.field = "key".into();
+        d.until_running(2).await;
+        d.assert_processing().await;
+        d.spec.suspend = true;
+        d.until("suspended again", Duration::from_secs(30), |d| {
+            d.status.phase == Some(Phase::Suspended) && d.workers.names().is_empty()
+        })
+        .await;
+        let sp = d.status.last_savepoint.clone().expect("a savepoint").path;
+        assert_exact(&d.spec, &sp).await;
+    })
+    .await;
+}
+
+/// spec.restoreFrom naming another job's snapshot is refused (nothing starts) unless the spec
+/// says so (spec.allowRestoreFromAnotherJob), and then continues that job's state exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restoring_another_jobs_snapshot_needs_the_opt_in() {
+    bounded(async {
+        let mut first = Driver::new("first", 2, "1h");
+        first.until_running(2).await;
+        first.spec.suspend = true;
+        first
+            .until("suspended", Duration::from_secs(30), |d| {
+                d.status.phase == Some(Phase::Suspended)
+            })
+            .await;
+        let sp = first
+            .status
+            .last_savepoint
+            .clone()
+            .expect("a savepoint")
+            .path;
+        let mut second = Driver::new("second", 2, "1h");
+        second.spec.job = first.spec.job.clone();
+        second.spec.job.sink.url = Some("memory://second/sink".into());
+        second.spec.restore_from = Some(sp.clone());
+        second
+            .until("refused", Duration::from_secs(20), |d| {
+                d.condition("Stalled").is_some()
+            })
+            .await;
+        let (reason, message) = second.condition("Stalled").expect("Stalled");
+        assert_eq!(reason, "SnapshotOfAnotherJob");
+        assert!(
+            message.contains("test/first") && message.contains("allowRestoreFromAnotherJob"),
+            "{message}"
+        );
+        assert!(second.workers.names().is_empty(), "nothing started");
+        second.spec.allow_restore_from_another_job = true;
+        second.until_running(2).await;
+        let started = &second
+            .events_named("Started")
+            .last()
+            .expect("Started")
+            .1
+            .note;
+        assert!(started.contains(&sp), "{started}");
     })
     .await;
 }

@@ -41,6 +41,7 @@ fn meta(id: u64, kind: SnapshotKind) -> SnapshotMeta {
             namespace: "team-a".into(),
             name: "clicks".into(),
             job_fingerprint: "sha256:abc".into(),
+            layout: None,
         },
         snapshot_id: id,
         kind,

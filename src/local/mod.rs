@@ -99,7 +99,7 @@ pub async fn resume_status(
     let mut status = StreamJobStatus::default();
     match &spec.restore_from {
         Some(url) => {
-            let groups = coordinator::restore_from_key_groups(url)
+            let (groups, _) = coordinator::restore_source(url, storage, namespace)
                 .await
                 .map_err(LocalError::RestoreFrom)?;
             if let Some(g) = spec.max_parallelism

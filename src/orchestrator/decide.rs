@@ -75,8 +75,13 @@ pub struct Observed {
     /// metadata.name of the job (for messages that name commands).
     pub name: String,
     /// spec.restoreFrom when it differs from status.restoredFrom (not yet acted on): the
-    /// snapshot's key-group count as read from its manifest, or why it cannot be used.
-    pub pending_restore: Option<Result<PendingRestore, String>>,
+    /// snapshot's key-group count as read from its manifest, or why it cannot be used (reason,
+    /// message).
+    pub pending_restore: Option<Result<PendingRestore, (&'static str, String)>>,
+    /// Why the job's changed spec.job must not be applied to the state of its running workers
+    /// (reason, message; see [`run::restore_refusal`](super::run::restore_refusal)): the
+    /// upgrade is not begun, and the job keeps running and checkpointing under its old logic.
+    pub upgrade_refused: Option<(&'static str, String)>,
 }
 
 /// A spec.restoreFrom the job has not been started from yet.
@@ -278,11 +283,9 @@ pub fn effective_status(status: &StreamJobStatus, obs: &Observed) -> StreamJobSt
 /// Whether a pending restoreFrom can run with this spec: (reason, message) if not.
 fn check_pending_restore(
     spec: &StreamJobSpec,
-    pending: &Result<PendingRestore, String>,
+    pending: &Result<PendingRestore, (&'static str, String)>,
 ) -> Result<(), (&'static str, String)> {
-    let p = pending
-        .as_ref()
-        .map_err(|e| ("RestoreFromUnusable", e.clone()))?;
+    let p = pending.as_ref().map_err(Clone::clone)?;
     match spec.max_parallelism {
         Some(g) if g as u32 != p.max_parallelism => Err((
             "RestoreFromKeyGroupMismatch",
@@ -371,10 +374,11 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
             };
         }
         let want = spec_hash(spec);
-        if obs
-            .pods
-            .iter()
-            .any(|p| p.run == active.run && p.spec_hash.as_deref().is_some_and(|h| h != want))
+        if obs.upgrade_refused.is_none()
+            && obs
+                .pods
+                .iter()
+                .any(|p| p.run == active.run && p.spec_hash.as_deref().is_some_and(|h| h != want))
         {
             if let Some(requeue) = backoff {
                 return Action::Idle { requeue };
@@ -712,6 +716,7 @@ mod tests {
             new_run: "new".into(),
             name: "clicks".into(),
             pending_restore: None,
+            upgrade_refused: None,
         }
     }
 
@@ -1058,7 +1063,7 @@ mod tests {
         assert!(a.is_ok(), "default ceiling follows replicas: {a:?}");
     }
 
-    fn pending(url: &str, groups: u32) -> Option<Result<PendingRestore, String>> {
+    fn pending(url: &str, groups: u32) -> Option<Result<PendingRestore, (&'static str, String)>> {
         Some(Ok(PendingRestore {
             url: url.into(),
             max_parallelism: groups,
@@ -1177,7 +1182,7 @@ mod tests {
             }
             a => panic!("{a:?}"),
         }
-        o.pending_restore = Some(Err("cannot read it".into()));
+        o.pending_restore = Some(Err(("RestoreFromUnusable", "cannot read it".into())));
         assert_eq!(
             decide(&s, &status(), &o),
             Action::Stall {

@@ -12,7 +12,7 @@ use super::run::{self, RandomError};
 use super::status::{self, Progress};
 use super::step::{self, Outcome, Step};
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
-use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus};
+use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::keygroup::{self, Assignment};
 use crate::operator::metrics::{KindLabels, OperatorMetrics, StepLabels};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
@@ -136,6 +136,8 @@ pub struct RunHandle {
     parallelism: u32,
     coordinator: Coordinator,
     started: DateTime<Utc>,
+    /// The spec hash ([`decide::spec_hash`]) its workers were created for, when known.
+    spec_hash: Option<String>,
 }
 
 /// What the orchestrator remembers about a job between passes (lost on restart by design:
@@ -149,7 +151,7 @@ pub struct JobMemory {
     step_started: Option<(Step, Instant)>,
     /// The key-group count of a spec.restoreFrom snapshot, by URL (read once: committed
     /// manifests never change).
-    restore_source: Option<(String, u32)>,
+    restore_source: Option<(String, u32, JobIdentity)>,
     /// The control token, as read from or written to its source. Read again before workers
     /// are created, so a deleted Secret is recreated before a worker needs it.
     token: Option<String>,
@@ -223,6 +225,8 @@ struct StartWork {
     replaced_up_to: Option<u64>,
     run_started: DateTime<Utc>,
     started: Instant,
+    /// The spec hash its workers are created for.
+    spec_hash: String,
 }
 
 /// Why a run did not start.
@@ -239,6 +243,13 @@ enum StartError {
         groups: u32,
         storage: String,
         recorded: String,
+    },
+    /// The snapshot to restore must not be restored into this job (another job's, or state
+    /// under another layout): see [`run::restore_refusal`].
+    #[error("{message}")]
+    Refused {
+        reason: &'static str,
+        message: String,
     },
     /// Test only (`test-hooks`).
     #[error("{0}")]
@@ -397,10 +408,12 @@ pub async fn run_pass(
     let now = Utc::now();
     let last_snapshot_at =
         decide::last_snapshot_at(&status0, mem.run.as_ref().map(|r| r.started), now);
-    let pending_restore = pending_restore(spec, &status0, mem).await;
+    let pending_restore = pending_restore(spec, &status0, mem, (&storage, namespace, name)).await;
+    let upgrade_refused = upgrade_refusal(spec, mem, (namespace, name));
     let obs = decide::Observed {
         name: name.to_owned(),
         pending_restore,
+        upgrade_refused: upgrade_refused.clone(),
         now,
         pods: pods.clone(),
         active: mem.run.as_ref().map(|r| ActiveRun {
@@ -457,6 +470,13 @@ pub async fn run_pass(
             requeue
         }
     };
+    // The run is in memory before a pass that hands it to a background step and after one that
+    // records its end.
+    if let Some((reason, message)) =
+        upgrade_refused.or_else(|| upgrade_refusal(spec, pass.mem, (namespace, name)))
+    {
+        pass.stall(reason, message);
+    }
     let requeue = requeue?;
     pass.pin_in_use().await;
     pass.observe_sink();
@@ -629,29 +649,69 @@ async fn pending_restore(
     spec: &StreamJobSpec,
     status: &StreamJobStatus,
     mem: &mut JobMemory,
-) -> Option<Result<decide::PendingRestore, String>> {
+    (storage, namespace, name): (&str, &str, &str),
+) -> Option<Result<decide::PendingRestore, (&'static str, String)>> {
     let url = spec.restore_from.as_ref()?;
     if status.restored_from.as_ref() == Some(url) {
         return None;
     }
-    if let Some((cached, g)) = &mem.restore_source
-        && cached == url
-    {
-        return Some(Ok(decide::PendingRestore {
-            url: url.clone(),
-            max_parallelism: *g,
-        }));
+    let cached = mem
+        .restore_source
+        .as_ref()
+        .filter(|(cached, ..)| cached == url)
+        .map(|(_, g, id)| (*g, id.clone()));
+    let (groups, identity) = match cached {
+        Some(found) => found,
+        None => match coordinator::restore_source(url, storage, namespace).await {
+            Ok((g, id)) => {
+                mem.restore_source = Some((url.clone(), g, id.clone()));
+                (g, id)
+            }
+            Err(e) => {
+                return Some(Err((
+                    "RestoreFromUnusable",
+                    format!("{e}; nothing was stopped"),
+                )));
+            }
+        },
+    };
+    // Checked on every pass (the spec may change while the restore waits), before anything
+    // stops.
+    if let Some((reason, message)) = run::restore_refusal(namespace, name, spec, url, &identity) {
+        return Some(Err((reason, format!("{message}; nothing was stopped"))));
     }
-    match coordinator::restore_from_key_groups(url).await {
-        Ok(g) => {
-            mem.restore_source = Some((url.clone(), g));
-            Some(Ok(decide::PendingRestore {
-                url: url.clone(),
-                max_parallelism: g,
-            }))
-        }
-        Err(e) => Some(Err(format!("{e}; nothing was stopped"))),
+    Some(Ok(decide::PendingRestore {
+        url: url.clone(),
+        max_parallelism: groups,
+    }))
+}
+
+/// Why the job's changed spec.job must not be applied to its running workers' state (see
+/// [`decide::Observed::upgrade_refused`]): only for an upgrade that keeps state.
+fn upgrade_refusal(
+    spec: &StreamJobSpec,
+    mem: &JobMemory,
+    (namespace, name): (&str, &str),
+) -> Option<(&'static str, String)> {
+    let r = mem.run.as_ref()?;
+    let changed = r
+        .spec_hash
+        .as_ref()
+        .is_some_and(|h| *h != decide::spec_hash(spec));
+    if !changed || spec.upgrade_mode == UpgradeMode::Stateless {
+        return None;
     }
+    let (reason, message) = run::restore_refusal(
+        namespace,
+        name,
+        spec,
+        "the running job",
+        r.coordinator.identity(),
+    )?;
+    Some((
+        reason,
+        format!("{message}; the upgrade was not begun and the job keeps running its current logic"),
+    ))
 }
 
 impl<'a> Pass<'a> {
@@ -696,6 +756,21 @@ impl<'a> Pass<'a> {
         r.step = next;
         self.mem.step_started = next.active().then_some((next, now));
         Ok(())
+    }
+
+    /// The spec cannot be carried out: Stalled with `reason`/`message`, and a warning Event
+    /// when the message is new.
+    fn stall(&mut self, reason: &str, message: String) {
+        let previous = self
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == status::STALLED)
+            .is_some_and(|c| c.status == "True" && c.message == message);
+        if !previous {
+            self.event(true, reason, message.clone());
+        }
+        self.progress.stalled = Some((reason.to_owned(), message));
     }
 
     fn fail(&mut self, reason: &str, message: String) {
@@ -813,18 +888,33 @@ impl<'a> Pass<'a> {
         &self,
         assignment: Assignment,
         endpoints: Vec<WorkerEndpoint>,
+        identity: JobIdentity,
     ) -> impl Future<Output = Result<Coordinator, CoordinatorError>> + Send + 'a {
-        let (spec, storage, identity, token) = (
-            self.spec,
-            self.storage.clone(),
-            self.identity(),
-            self.token.clone(),
-        );
+        let (spec, storage, token) = (self.spec, self.storage.clone(), self.token.clone());
         async move { run::coordinator(spec, &storage, identity, assignment, endpoints, token).await }
     }
 
     fn identity(&self) -> JobIdentity {
         run::identity(&self.ns, &self.name, self.spec)
+    }
+
+    /// The identity recorded by the job's newest snapshot (this spec's when it has none).
+    fn newest_identity(
+        &self,
+    ) -> impl Future<Output = Result<JobIdentity, CoordinatorError>> + Send + 'a {
+        let (storage, ns, name, own) = (
+            self.storage.clone(),
+            self.ns.clone(),
+            self.name.clone(),
+            self.identity(),
+        );
+        async move {
+            let Some((url, _)) = coordinator::latest_snapshot(&storage, &ns, &name).await? else {
+                return Ok(own);
+            };
+            let (_, _, manifest) = snapshot::open_snapshot(&url).await?;
+            Ok(manifest.job)
+        }
     }
 
     fn endpoints(&self, parallelism: u32) -> Option<Vec<WorkerEndpoint>> {
@@ -870,16 +960,7 @@ impl<'a> Pass<'a> {
         let short = requeue::SOON;
         match action {
             Action::Stall { reason, message } => {
-                let previous = self
-                    .status
-                    .conditions
-                    .iter()
-                    .find(|c| c.type_ == status::STALLED)
-                    .is_some_and(|c| c.status == "True" && c.message == message);
-                if !previous {
-                    self.event(true, reason, message.clone());
-                }
-                self.progress.stalled = Some((reason.to_owned(), message));
+                self.stall(reason, message);
                 Ok(requeue::STALLED)
             }
             Action::PinMaxParallelism { groups: g, origin } => {
@@ -1059,8 +1140,22 @@ impl<'a> Pass<'a> {
                     Some(g) => Assignment::new(i64::from(parallelism), i64::from(*g))?,
                     None => self.assignment(parallelism)?,
                 };
+                // Workers created for another spec.job run the logic they were started with:
+                // their snapshots keep saying so (the identity of the job's newest snapshot), so
+                // that an upgrade that would mix histories is still refused.
+                let want = decide::spec_hash(self.spec);
+                let spec_hash = self
+                    .pods
+                    .iter()
+                    .find(|p| p.run == run)
+                    .and_then(|p| p.spec_hash.clone());
+                let stale = spec_hash.as_ref().is_some_and(|h| *h != want);
+                let identity = match stale {
+                    true => self.newest_identity().await.map_err(PassError::Adopt)?,
+                    false => self.identity(),
+                };
                 let coordinator = self
-                    .coordinator(assignment, endpoints)
+                    .coordinator(assignment, endpoints, identity)
                     .await
                     .map_err(PassError::Adopt)?;
                 if self
@@ -1075,6 +1170,7 @@ impl<'a> Pass<'a> {
                     parallelism,
                     coordinator,
                     started: Utc::now(),
+                    spec_hash,
                 });
                 let rescaling = self
                     .status
@@ -1536,7 +1632,7 @@ impl<'a> Pass<'a> {
         };
         let assignment = self.assignment(parallelism)?;
         let coordinator = self
-            .coordinator(assignment, endpoints)
+            .coordinator(assignment, endpoints, self.identity())
             .await
             .map_err(PassError::Start)?;
         let template = run::StartPlan {
@@ -1559,6 +1655,7 @@ impl<'a> Pass<'a> {
             replaced_up_to,
             run_started,
             started: Instant::now(),
+            spec_hash: decide::spec_hash(self.spec),
         };
         // A job that has committed snapshots resumes one of them, never nothing.
         let recorded = self
@@ -1568,6 +1665,20 @@ impl<'a> Pass<'a> {
             .chain(&self.status.last_savepoint)
             .map(|s| s.path.clone())
             .max();
+        // What the snapshot says about its job and state is compared with this job before a
+        // worker reads it (an upgrade or restoreFrom that would mix histories is refused before
+        // anything stops; this also covers a resume of a suspended job whose spec changed).
+        if let Some(url) = &work.restore_from {
+            let (_, _, manifest) = snapshot::open_snapshot(url)
+                .await
+                .map_err(|e| PassError::FindSnapshot(e.into()))?;
+            if let Some((reason, message)) =
+                run::restore_refusal(&self.ns, &self.name, self.spec, url, &manifest.job)
+            {
+                let refused = StartError::Refused { reason, message };
+                return self.start_done(work, coordinator, Err(refused)).await;
+            }
+        }
         if resumes_history
             && work.restore_from.is_none()
             && let Some(recorded) = recorded
@@ -1616,6 +1727,7 @@ impl<'a> Pass<'a> {
             replaced_up_to,
             run_started,
             started,
+            spec_hash,
         } = work;
         let from_restore_from = restored_source.is_some();
         match result {
@@ -1647,6 +1759,7 @@ impl<'a> Pass<'a> {
                     parallelism,
                     coordinator,
                     started: run_started,
+                    spec_hash: Some(spec_hash),
                 });
                 let restoring = self
                     .status
@@ -1676,13 +1789,15 @@ impl<'a> Pass<'a> {
                     let r = self.status.rescale.clone().unwrap_or_default();
                     self.event(
                         rolled_back,
-                        if rolled_back {
-                            "RescaleRolledBack"
-                        } else {
-                            "Rescaled"
+                        match (rolled_back, r.upgrade_mode) {
+                            (true, _) => "RescaleRolledBack",
+                            (false, None) => "Rescaled",
+                            (false, Some(_)) => "Upgraded",
                         },
                         format!(
-                            "{} -> {} {}: {} key groups moved, {} bytes read; {}",
+                            "{}{} -> {} {}: {} key groups moved, {} bytes read; {}",
+                            r.upgrade_mode
+                                .map_or(String::new(), |m| format!("upgrade ({m:?}), ")),
                             r.from,
                             r.to,
                             if rolled_back {
@@ -1721,10 +1836,14 @@ impl<'a> Pass<'a> {
                     self.event(true, "RescaleRollingBack", why);
                     return Ok(requeue::AFTER_FAILURE);
                 }
-                self.fail("StartFailed", message.clone());
+                let reason = match &e {
+                    StartError::Refused { reason, .. } => reason,
+                    _ => "StartFailed",
+                };
+                self.fail(reason, message.clone());
                 self.event(
                     true,
-                    "StartFailed",
+                    reason,
                     format!("{message}; retrying with backoff (the snapshot is intact)"),
                 );
                 Ok(requeue::AFTER_FAILURE)

@@ -7,7 +7,7 @@ use crate::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{SinkType, StreamJobSpec};
 use crate::keygroup::Assignment;
 use crate::runtime::protocol::StartRequest;
-use crate::snapshot::{self, JobIdentity, SnapshotInfo};
+use crate::snapshot::{self, JobIdentity, SnapshotInfo, StateLayout};
 /// How long each long step of a run may take before it counts as failed.
 pub mod timeouts {
     use std::time::Duration;
@@ -65,7 +65,73 @@ pub fn identity(namespace: &str, name: &str, spec: &StreamJobSpec) -> JobIdentit
         namespace: namespace.to_owned(),
         name: name.to_owned(),
         job_fingerprint: fingerprint(spec),
+        layout: Some(layout(spec)),
     }
+}
+
+/// What the job's keyed state means (recorded in its snapshots, compared on every restore).
+pub fn layout(spec: &StreamJobSpec) -> StateLayout {
+    let job = &spec.job;
+    let function = serde_json::to_value(job.aggregation.function)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default();
+    StateLayout {
+        key_field: job.key.field.clone(),
+        key_type: job.key.key_type.to_string(),
+        function,
+        value_field: job.aggregation.field.clone(),
+        window_ms: job
+            .window
+            .as_ref()
+            .and_then(|w| crate::validation::parse_duration(&w.size))
+            .map(|d| d.as_millis() as u64),
+    }
+}
+
+/// Why the state of a snapshot written by `snapshot` must not be restored into this job, if it
+/// must not: another job's (unless spec.allowRestoreFromAnotherJob), or state whose layout
+/// differs from the job's (unless spec.allowStateLayoutChange, and only for differences that can
+/// be kept). Snapshots of older versions record no layout and are not compared. Pure.
+pub fn restore_refusal(
+    namespace: &str,
+    name: &str,
+    spec: &StreamJobSpec,
+    url: &str,
+    snapshot: &JobIdentity,
+) -> Option<(&'static str, String)> {
+    if (snapshot.namespace.as_str(), snapshot.name.as_str()) != (namespace, name)
+        && !spec.allow_restore_from_another_job
+    {
+        return Some((
+            "SnapshotOfAnotherJob",
+            format!(
+                "{url} holds the state of StreamJob {}/{}, not of {namespace}/{name}; refusing to restore another job's history. Set spec.allowRestoreFromAnotherJob: true if this job is meant to continue it",
+                snapshot.namespace, snapshot.name
+            ),
+        ));
+    }
+    let changes = snapshot.layout.as_ref()?.changes(&layout(spec));
+    if changes.is_empty() || (spec.allow_state_layout_change && changes.iter().all(|c| c.keepable))
+    {
+        return None;
+    }
+    let what = changes
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ");
+    let how = if changes.iter().all(|c| c.keepable) {
+        "Revert the change, set spec.upgradeMode: stateless to start empty, or set spec.allowStateLayoutChange: true to keep the old state beside the new (its keys stay as they are)"
+    } else {
+        "Revert the change, or set spec.upgradeMode: stateless to start empty (state under another aggregate function or window cannot be kept)"
+    };
+    Some((
+        "StateLayoutChanged",
+        format!(
+            "the state in {url} was written by another version of this job's logic ({what}); restoring it would mix two histories. {how}"
+        ),
+    ))
 }
 
 /// Where the job's object-store sink publishes, if it has one.
@@ -208,5 +274,83 @@ mod tests {
             "the data-plane run id carries the token"
         );
         assert_eq!(wire, format!("job-{run}"));
+    }
+
+    fn job(extra: &str) -> StreamJobSpec {
+        serde_yaml::from_str(&format!(
+            "replicas: 2\njob: {{source: {{generator: {{partitions: 2}}}}, key: {{field: user}}, aggregation: {{function: count}}}}\n{extra}"
+        ))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_restore_is_refused_for_another_job_or_another_layout_unless_opted_in() {
+        let url = "s3://b/ns/j/savepoints/sp-1";
+        let spec = job("");
+        let own = identity("ns", "j", &spec);
+        assert_eq!(restore_refusal("ns", "j", &spec, url, &own), None);
+        // Snapshots of older versions record no layout.
+        let old = JobIdentity {
+            layout: None,
+            ..own.clone()
+        };
+        assert_eq!(
+            restore_refusal("ns", "j", &job("allowStateLayoutChange: false"), url, &old),
+            None
+        );
+        // Another job, or the same name in another namespace.
+        for (ns, name) in [("ns", "other"), ("team-b", "j")] {
+            let (reason, message) = restore_refusal(ns, name, &spec, url, &own).unwrap();
+            assert_eq!(reason, "SnapshotOfAnotherJob");
+            assert!(
+                message.contains("ns/j") && message.contains("allowRestoreFromAnotherJob"),
+                "{message}"
+            );
+            let allowed = job("allowRestoreFromAnotherJob: true");
+            assert_eq!(
+                restore_refusal(ns, name, &allowed, url, &identity("ns", "j", &allowed)),
+                None
+            );
+        }
+        // Another key field or type: refused, keepable with the opt-in.
+        let mut changed = spec.clone();
+        changed.job.key.field = "account".into();
+        changed.job.key.key_type = crate::keygroup::KeyType::Long;
+        let (reason, message) = restore_refusal("ns", "j", &changed, url, &own).unwrap();
+        assert_eq!(reason, "StateLayoutChanged");
+        for needle in [
+            r#"spec.job.key.field is "user" in the snapshot, "account" in the job"#,
+            r#"spec.job.key.type is "string" in the snapshot, "long" in the job"#,
+            "allowStateLayoutChange: true",
+            "upgradeMode: stateless",
+            url,
+        ] {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+        changed.allow_state_layout_change = true;
+        assert_eq!(restore_refusal("ns", "j", &changed, url, &own), None);
+        // Another function or window: never kept.
+        for extra in ["", "allowStateLayoutChange: true"] {
+            let mut sum = job(extra);
+            sum.job.aggregation.function = crate::crd::AggregateFunction::Sum;
+            sum.job.aggregation.field = Some("amount".into());
+            let (_, message) = restore_refusal("ns", "j", &sum, url, &own).unwrap();
+            assert!(
+                message.contains("spec.job.aggregation.function")
+                    && message.contains("cannot be kept"),
+                "{message}"
+            );
+            let mut windowed = job(extra);
+            windowed.job.window = Some(crate::crd::WindowSpec {
+                size: "1m".into(),
+                max_out_of_orderness: None,
+            });
+            let (_, message) = restore_refusal("ns", "j", &windowed, url, &own).unwrap();
+            assert!(
+                message
+                    .contains("spec.job.window.size is unset in the snapshot, 60000 ms in the job"),
+                "{message}"
+            );
+        }
     }
 }

@@ -364,6 +364,7 @@ mod tests {
                 namespace: "n".into(),
                 name: "j".into(),
                 job_fingerprint: String::new(),
+                layout: None,
             },
             snapshot_id: 7,
             kind: SnapshotKind::Checkpoint,

@@ -704,6 +704,7 @@ mod tests {
                 namespace: "test".into(),
                 name: "checkpoint".into(),
                 job_fingerprint: "test".into(),
+                layout: None,
             },
             snapshot_id: 1,
             kind: SnapshotKind::Checkpoint,

@@ -29,6 +29,105 @@ pub struct JobIdentity {
     /// Caller-defined fingerprint of the job's logic (source, key, aggregation...), so a restore
     /// can refuse state written by an incompatible job.
     pub job_fingerprint: String,
+    /// What the snapshot's keyed state means (absent in snapshots of older versions): a restore
+    /// compares it with the job before anything stops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layout: Option<StateLayout>,
+}
+
+/// What a job's keyed state means: how keys are taken and hashed, and what each key's value
+/// accumulates. Two jobs with the same layout can continue each other's state; any difference
+/// means the state holds another history.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StateLayout {
+    /// The record field keys are taken from.
+    pub key_field: String,
+    /// How keys are hashed into key groups (`string`, `long`, `int`).
+    pub key_type: String,
+    /// The aggregate function (`count`, `sum`, `min`, `max`).
+    pub function: String,
+    /// The record field the aggregate reads (none for `count`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_field: Option<String>,
+    /// The tumbling window's length in milliseconds (none for an all-time aggregate).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub window_ms: Option<u64>,
+}
+
+/// One difference between the layout a snapshot's state has and the layout a job expects.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LayoutChange {
+    /// Which part of the layout differs, as the StreamJob field that sets it.
+    pub field: &'static str,
+    /// In the snapshot.
+    pub snapshot: String,
+    /// In the job.
+    pub job: String,
+    /// Whether the state can be restored anyway (an opt-in keeps it): false when the state's
+    /// encoding cannot be read under the job's (another function or window).
+    pub keepable: bool,
+}
+
+impl std::fmt::Display for LayoutChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} is {} in the snapshot, {} in the job",
+            self.field, self.snapshot, self.job
+        )
+    }
+}
+
+impl StateLayout {
+    /// Every difference between this (a snapshot's) layout and `job`'s, in a fixed order. Pure.
+    pub fn changes(&self, job: &StateLayout) -> Vec<LayoutChange> {
+        fn show(v: Option<impl ToString>) -> String {
+            v.map_or_else(|| "unset".to_owned(), |v| format!("{:?}", v.to_string()))
+        }
+        let mut out = Vec::new();
+        let mut diff = |field, snapshot: String, job: String, keepable| {
+            if snapshot != job {
+                out.push(LayoutChange {
+                    field,
+                    snapshot,
+                    job,
+                    keepable,
+                });
+            }
+        };
+        diff(
+            "spec.job.key.field",
+            show(Some(&self.key_field)),
+            show(Some(&job.key_field)),
+            true,
+        );
+        diff(
+            "spec.job.key.type",
+            show(Some(&self.key_type)),
+            show(Some(&job.key_type)),
+            true,
+        );
+        diff(
+            "spec.job.aggregation.function",
+            show(Some(&self.function)),
+            show(Some(&job.function)),
+            false,
+        );
+        diff(
+            "spec.job.aggregation.field",
+            show(self.value_field.as_ref()),
+            show(job.value_field.as_ref()),
+            true,
+        );
+        diff(
+            "spec.job.window.size",
+            self.window_ms.map_or("unset".into(), |w| format!("{w} ms")),
+            job.window_ms.map_or("unset".into(), |w| format!("{w} ms")),
+            false,
+        );
+        out
+    }
 }
 
 /// Where one key group's state lives: a block of `length` bytes at `offset` in `file`.
@@ -602,6 +701,7 @@ mod tests {
                 namespace: "ns".into(),
                 name: "job".into(),
                 job_fingerprint: "fp".into(),
+                layout: None,
             },
             snapshot_id: id,
             kind: SnapshotKind::Checkpoint,

@@ -84,8 +84,8 @@ pub use layout::{
     parse_snapshot_dir_name, snapshot_dir, state_file_name,
 };
 pub use manifest::{
-    CHECKSUM_ALGORITHM, FORMAT_VERSION, FileEntry, GroupEntry, JobIdentity, Manifest, ReadRequest,
-    SnapshotMeta, Stats, SubtaskSnapshot,
+    CHECKSUM_ALGORITHM, FORMAT_VERSION, FileEntry, GroupEntry, JobIdentity, LayoutChange, Manifest,
+    ReadRequest, SnapshotMeta, StateLayout, Stats, SubtaskSnapshot,
 };
 pub use object_store::ObjectStore;
 pub use object_store::path::Path;

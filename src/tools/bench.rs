@@ -285,6 +285,7 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
             namespace: "bench".into(),
             name: "rewrite".into(),
             job_fingerprint: "bench".into(),
+            layout: None,
         },
         snapshot_id: 1,
         kind: SnapshotKind::Savepoint,

@@ -281,6 +281,7 @@ mod tests {
                 namespace: "n".into(),
                 name: "j".into(),
                 job_fingerprint: String::new(),
+                layout: None,
             },
             snapshot_id: 1,
             kind: SnapshotKind::Savepoint,

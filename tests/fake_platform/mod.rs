@@ -93,6 +93,12 @@ impl FakeWorkers {
     }
 
     /// The faults, to program (or read counters from).
+    /// Workers created from now on carry `spec_hash` (as pods are labelled with the spec they
+    /// are created for).
+    pub fn set_spec_hash(&mut self, spec_hash: String) {
+        self.spec_hash = spec_hash;
+    }
+
     pub fn faults(&self) -> std::sync::MutexGuard<'_, Faults> {
         self.faults.lock().expect("faults lock")
     }

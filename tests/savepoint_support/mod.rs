@@ -170,6 +170,7 @@ pub fn meta(kind: SnapshotKind, id: u64, completed_at: DateTime<Utc>) -> Snapsho
             namespace: "team-a".into(),
             name: "clicks".into(),
             job_fingerprint: "sha256:feed".into(),
+            layout: None,
         },
         snapshot_id: id,
         kind,
