@@ -1212,3 +1212,71 @@ async fn restoring_another_jobs_snapshot_needs_the_opt_in() {
     })
     .await;
 }
+
+/// Recovery survives a corrupt manifest: a worker dies after the job's newest snapshot was
+/// corrupted, and the job comes back from the newest good one, says so (condition
+/// NewestSnapshotRestored False and a warning Event naming the bad snapshot), deletes nothing,
+/// and ends exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recovery_passes_over_a_corrupt_snapshot_and_says_so() {
+    bounded(async {
+        let mut d = Driver::new("bad-manifest", 2, "1h");
+        d.until_running(2).await;
+        let mut savepoints = Vec::new();
+        for nonce in [1, 2] {
+            d.spec.savepoint_trigger_nonce = Some(nonce);
+            d.until("savepoint taken", Duration::from_secs(20), |d| {
+                d.status.last_savepoint_nonce == Some(nonce)
+            })
+            .await;
+            savepoints.push(d.status.last_savepoint.clone().expect("a savepoint").path);
+            d.assert_processing().await;
+        }
+        let (good, bad) = (&savepoints[0], &savepoints[1]);
+        let (store, dir) = snapshot::open_store(bad).expect("store");
+        let manifest = snapshot::manifest_path(&dir);
+        object_store::ObjectStoreExt::put(
+            store.as_ref(),
+            &manifest,
+            object_store::PutPayload::from_static(b"{\"formatVersion\": 1, \"job\": "),
+        )
+        .await
+        .expect("corrupt the manifest");
+        let started_before = d.events_named("Started").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("recovered", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started_before && d.running_at(2)
+        })
+        .await;
+        let started = &d.events_named("Started").last().expect("Started").1.note;
+        assert!(
+            started.contains(good.as_str()),
+            "restored the good one: {started}"
+        );
+        let skipped = d.events_named("UnreadableSnapshotSkipped");
+        assert_eq!(skipped.len(), 1, "{}", d.event_log());
+        assert!(skipped[0].1.warning);
+        let sp = bad.rsplit('/').next().expect("a directory name");
+        assert!(skipped[0].1.note.contains(sp), "{}", skipped[0].1.note);
+        let cond = d
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "NewestSnapshotRestored")
+            .expect("the condition");
+        assert_eq!(
+            (cond.status.as_str(), cond.reason.as_str()),
+            ("False", "UnreadableSnapshotSkipped")
+        );
+        assert!(
+            cond.message.contains(sp) && cond.message.contains("Nothing was deleted"),
+            "{}",
+            cond.message
+        );
+        object_store::ObjectStoreExt::head(store.as_ref(), &manifest)
+            .await
+            .expect("the bad snapshot is still there");
+        d.suspend_and_check().await;
+    })
+    .await;
+}

@@ -515,6 +515,59 @@ async fn retention(b: &Backend) {
     assert_eq!(zero.deleted, [5]);
 }
 
+/// A corrupt manifest (the newest checkpoint's) and one too large to be a manifest: a scan
+/// reports both and lists the good ones, the strict listing refuses, and retention neither counts
+/// nor deletes them (so the last good checkpoint is never deleted because of a bad newer one).
+async fn unreadable_manifests(b: &Backend) {
+    use SnapshotKind::*;
+    let job = job_dir(&b.base, "ns", "bad-manifest");
+    for id in [1, 2, 3, 4] {
+        write_snapshot(b, &job, Checkpoint, id, 2).await;
+    }
+    let newest = manifest_path(&snapshot_dir(&job, Checkpoint, 4));
+    tamper(b, &newest, |m| m.truncate(m.len() / 2)).await;
+    let big = manifest_path(&snapshot_dir(&job, Checkpoint, 2));
+    let huge = vec![b' '; MAX_MANIFEST_BYTES as usize + 1];
+    b.store.put(&big, PutPayload::from(huge)).await.unwrap();
+
+    let scan = scan_snapshots(b.store.as_ref(), &job).await.unwrap();
+    let good: Vec<u64> = scan.snapshots.iter().map(|s| s.id).collect();
+    assert_eq!(good, [1, 3], "{}", b.label);
+    let bad: Vec<u64> = scan.unreadable.iter().map(|u| u.id).collect();
+    assert_eq!(bad, [2, 4]);
+    assert!(
+        scan.unreadable[0].error.contains("more than"),
+        "{}",
+        scan.unreadable[0].error
+    );
+    assert!(
+        scan.unreadable[1].error.contains("corrupt"),
+        "{}",
+        scan.unreadable[1].error
+    );
+    let err = list_snapshots(b.store.as_ref(), &job).await.unwrap_err();
+    assert!(err.is_bad_manifest(), "{err}");
+    let err = read_manifest(b.store.as_ref(), &snapshot_dir(&job, Checkpoint, 2))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, SnapshotError::ManifestTooLarge { .. }),
+        "{err}"
+    );
+
+    let report = retain(b.store.as_ref(), &job, 1).await.unwrap();
+    assert_eq!(report.kept, [3], "the newest good checkpoint is kept");
+    assert_eq!(report.unreadable_kept, [4, 2]);
+    assert_eq!(report.deleted, [1]);
+    verify(b.store.as_ref(), &snapshot_dir(&job, Checkpoint, 3))
+        .await
+        .unwrap();
+    b.store
+        .head(&newest)
+        .await
+        .expect("the bad one is not deleted");
+}
+
 /// Big blocks through the multipart path with small parts; bounded parts in flight.
 async fn multipart(b: &Backend, part_size: usize) {
     let job = job_dir(&b.base, "ns", "big");
@@ -630,6 +683,16 @@ async fn file_retention() {
     retention(&file()).await;
 }
 
+#[tokio::test]
+async fn memory_unreadable_manifests() {
+    unreadable_manifests(&memory()).await;
+}
+
+#[tokio::test]
+async fn file_unreadable_manifests() {
+    unreadable_manifests(&file()).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_multipart() {
     multipart(&memory(), 64 * 1024).await;
@@ -667,6 +730,7 @@ async fn s3_all_scenarios() {
     create_only(&s3().unwrap()).await;
     corruption(&s3().unwrap()).await;
     retention(&s3().unwrap()).await;
+    unreadable_manifests(&s3().unwrap()).await;
     // S3 parts must be at least 5 MiB (all but the last).
     multipart(&s3().unwrap(), 5 * 1024 * 1024).await;
 }

@@ -311,7 +311,17 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
     ));
     let resume = match &spec.restore_from {
         Some(url) if status.restored_from.as_ref() != Some(url) => Some(url.clone()),
-        _ => run::latest_restorable(&spec, &storage, &namespace, &name, groups, None).await?,
+        _ => {
+            let found =
+                run::latest_restorable(&spec, &storage, &namespace, &name, groups, None).await?;
+            if !found.skipped.is_empty() {
+                say(format_args!(
+                    "warning: {}",
+                    run::skipped_message(&found.skipped, found.url.as_deref())
+                ));
+            }
+            found.url
+        }
     };
     match &resume {
         Some(url) => say(format_args!("resuming from {url}")),

@@ -1603,18 +1603,30 @@ impl<'a> Pass<'a> {
             // The job's newest own snapshot under its current key-group count (snapshots taken
             // before a restore from a rewritten savepoint have another count and are skipped),
             // else the snapshot it was restored from.
-            Restore::Latest => run::latest_restorable(
-                self.spec,
-                &self.storage,
-                &self.ns,
-                &self.name,
-                self.max_parallelism(),
-                self.status
-                    .replaced_history_up_to
-                    .and_then(|b| u64::try_from(b).ok()),
-            )
-            .await
-            .map_err(PassError::FindSnapshot)?,
+            Restore::Latest => {
+                let found = run::latest_restorable(
+                    self.spec,
+                    &self.storage,
+                    &self.ns,
+                    &self.name,
+                    self.max_parallelism(),
+                    self.status
+                        .replaced_history_up_to
+                        .and_then(|b| u64::try_from(b).ok()),
+                )
+                .await
+                .map_err(PassError::FindSnapshot)?;
+                let newest = match found.skipped.is_empty() {
+                    true => Ok(()),
+                    false => {
+                        let message = run::skipped_message(&found.skipped, found.url.as_deref());
+                        self.event(true, "UnreadableSnapshotSkipped", message.clone());
+                        Err(message)
+                    }
+                };
+                self.progress.restored_newest = Some(newest);
+                found.url
+            }
         };
         // A run restored from spec.restoreFrom replaces the job's history up to its newest
         // snapshot now: recorded once the run starts, so that no later resume goes back to it.

@@ -158,8 +158,19 @@ pub fn newest_restorable(
         .max_by_key(|s| s.id)
 }
 
+/// What a resume restores, and which newer snapshots it had to pass over.
+#[derive(Debug, Default)]
+pub struct Restorable {
+    /// The snapshot to restore, if any.
+    pub url: Option<String>,
+    /// Snapshots of the job's current history newer than `url` whose manifest cannot be used
+    /// (never deleted; reported in a condition and an Event).
+    pub skipped: Vec<snapshot::UnreadableSnapshot>,
+}
+
 /// What a run restores when it resumes the job's own history: [`newest_restorable`] among the
-/// job's snapshots in storage, else `spec.restoreFrom`, else nothing.
+/// job's snapshots in storage (passing over newer ones whose manifest is corrupt), else
+/// `spec.restoreFrom`, else nothing.
 pub async fn latest_restorable(
     spec: &StreamJobSpec,
     storage: &str,
@@ -167,13 +178,35 @@ pub async fn latest_restorable(
     name: &str,
     max_parallelism: u32,
     replaced_up_to: Option<u64>,
-) -> Result<Option<String>, CoordinatorError> {
+) -> Result<Restorable, CoordinatorError> {
     let (store, base) = snapshot::open_store(storage)?;
     let job_dir = snapshot::job_dir(&base, namespace, name);
-    let all = snapshot::list_snapshots(store.as_ref(), &job_dir).await?;
-    let own = newest_restorable(&all, max_parallelism, replaced_up_to)
-        .map(|s| crate::coordinator::snapshot_url(storage, namespace, name, s.kind, s.id));
-    Ok(own.or_else(|| spec.restore_from.clone()))
+    let scan = snapshot::scan_snapshots(store.as_ref(), &job_dir).await?;
+    let own = newest_restorable(&scan.snapshots, max_parallelism, replaced_up_to);
+    let floor = own.map(|s| s.id).or(replaced_up_to);
+    let skipped = scan
+        .unreadable
+        .into_iter()
+        .filter(|u| floor.is_none_or(|f| u.id > f))
+        .collect();
+    let url = own
+        .map(|s| crate::coordinator::snapshot_url(storage, namespace, name, s.kind, s.id))
+        .or_else(|| spec.restore_from.clone());
+    Ok(Restorable { url, skipped })
+}
+
+/// What a condition and an Event say about snapshots a resume passed over. Pure.
+pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Option<&str>) -> String {
+    let names = skipped
+        .iter()
+        .map(|u| format!("{}{} ({})", u.kind.dir_prefix(), u.id, u.error))
+        .collect::<Vec<_>>()
+        .join("; ");
+    format!(
+        "passed over {} snapshot(s) whose manifest cannot be used: {names}; restored {} instead. Nothing was deleted: check the bad snapshot with `keyshift savepoint verify`, and dispose of it once it is no longer needed",
+        skipped.len(),
+        restored.unwrap_or("nothing")
+    )
 }
 
 /// The coordinator of a run: snapshots in `storage`, the job's retention, its sink attached (so

@@ -15,6 +15,9 @@ pub const KEY_GROUPS_BALANCED: &str = "KeyGroupsBalanced";
 pub const ALL_SUBTASKS_HAVE_PARTITIONS: &str = "AllSubtasksHavePartitions";
 /// Jobs with an object-store sink: whether every committed snapshot's output is published.
 pub const SINK_PUBLISHED: &str = "SinkPublished";
+/// Whether the job's last resume of its own history restored its newest snapshot (False when
+/// it passed over snapshots whose manifest cannot be used).
+pub const NEWEST_SNAPSHOT_RESTORED: &str = "NewestSnapshotRestored";
 
 /// What the pass learned beyond the status fields.
 #[derive(Debug, Clone, Default)]
@@ -31,6 +34,9 @@ pub struct Progress {
     /// For a job with an object-store sink whose run is coordinated: the committed snapshots
     /// whose output is not published yet, and why the last attempt failed.
     pub sink: Option<crate::coordinator::PublishBacklog>,
+    /// A start that resumes the job's own history chose its snapshot: Ok when it is the newest,
+    /// else what it passed over.
+    pub restored_newest: Option<Result<(), String>>,
 }
 
 /// Sets `type_` in `conditions`, keeping lastTransitionTime when the status does not change.
@@ -274,6 +280,25 @@ pub fn finish(
                 set_condition(conds, RECONCILING, true, &reason, &message, generation, now);
             }
         }
+    }
+    if let Some(newest) = &progress.restored_newest {
+        let (ok, reason, message) = match newest {
+            Ok(()) => (
+                true,
+                "Restored",
+                "the last resume restored the job's newest snapshot",
+            ),
+            Err(m) => (false, "UnreadableSnapshotSkipped", m.as_str()),
+        };
+        set_condition(
+            conds,
+            NEWEST_SNAPSHOT_RESTORED,
+            ok,
+            reason,
+            message,
+            generation,
+            now,
+        );
     }
     if let Some(backlog) = &progress.sink {
         let (ok, reason, message) = if backlog.is_behind() {

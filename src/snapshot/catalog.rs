@@ -73,25 +73,83 @@ async fn snapshot_dirs(
     Ok(dirs)
 }
 
+/// A snapshot directory whose manifest exists but cannot be used (corrupt, inconsistent, too
+/// large). It is never deleted automatically: it is reported, and restores pass over it.
+#[derive(Debug, Clone)]
+pub struct UnreadableSnapshot {
+    pub kind: SnapshotKind,
+    pub id: u64,
+    pub dir: Path,
+    /// Why its manifest cannot be used.
+    pub error: String,
+}
+
+/// A job's snapshots as found in storage: the committed ones, and those whose manifest cannot
+/// be used.
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotScan {
+    /// Checkpoints by increasing id, then savepoints by increasing id.
+    pub snapshots: Vec<SnapshotInfo>,
+    /// In the same order.
+    pub unreadable: Vec<UnreadableSnapshot>,
+}
+
+/// The snapshots of the job stored under `job_dir`: the committed ones (with a manifest) and
+/// those whose manifest is corrupt, inconsistent or too large. Directories without a manifest
+/// (aborted or in-progress snapshots) are left out; a store error, or a manifest of a format
+/// this build does not read, is an error.
+pub async fn scan_snapshots(store: &dyn ObjectStore, job_dir: &Path) -> Result<SnapshotScan> {
+    let mut out = SnapshotScan::default();
+    for (kind, id, dir, manifest) in read_manifests(store, job_dir).await? {
+        match manifest {
+            Ok(m) => out.snapshots.push(SnapshotInfo::from_manifest(dir, &m)),
+            Err(SnapshotError::ManifestMissing { .. }) => {}
+            Err(e) if e.is_bad_manifest() => out.unreadable.push(UnreadableSnapshot {
+                kind,
+                id,
+                dir,
+                error: e.to_string(),
+            }),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
 /// The committed snapshots (those with a manifest) of the job stored under `job_dir`:
 /// checkpoints by increasing id, then savepoints by increasing id. Directories without a manifest
-/// (aborted or in-progress snapshots) are left out; a manifest that cannot be read is an error.
+/// (aborted or in-progress snapshots) are left out; a manifest that cannot be read is an error
+/// (see [`scan_snapshots`] to pass over it).
 pub async fn list_snapshots(store: &dyn ObjectStore, job_dir: &Path) -> Result<Vec<SnapshotInfo>> {
+    let mut out = Vec::new();
+    for (_, _, dir, manifest) in read_manifests(store, job_dir).await? {
+        match manifest {
+            Ok(m) => out.push(SnapshotInfo::from_manifest(dir, &m)),
+            Err(SnapshotError::ManifestMissing { .. }) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// Every snapshot directory of the job under `job_dir` with the outcome of reading its
+/// manifest: checkpoints by increasing id, then savepoints.
+async fn read_manifests(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+) -> Result<Vec<(SnapshotKind, u64, Path, Result<Manifest>)>> {
     let mut out = Vec::new();
     for kind in [SnapshotKind::Checkpoint, SnapshotKind::Savepoint] {
         let dirs = snapshot_dirs(store, job_dir, kind).await?;
-        let infos: Vec<Option<SnapshotInfo>> = futures::stream::iter(dirs)
-            .map(|(_, dir)| async move {
-                match read_manifest(store, &dir).await {
-                    Ok(m) => Ok(Some(SnapshotInfo::from_manifest(dir, &m))),
-                    Err(SnapshotError::ManifestMissing { .. }) => Ok(None),
-                    Err(e) => Err(e),
-                }
+        let found: Vec<_> = futures::stream::iter(dirs)
+            .map(|(id, dir)| async move {
+                let manifest = read_manifest(store, &dir).await;
+                (kind, id, dir, manifest)
             })
             .buffered(MANIFESTS_AT_ONCE)
-            .try_collect()
-            .await?;
-        out.extend(infos.into_iter().flatten());
+            .collect()
+            .await;
+        out.extend(found);
     }
     Ok(out)
 }
@@ -124,6 +182,9 @@ pub struct RetentionReport {
     pub orphans_deleted: Vec<u64>,
     /// Objects deleted in all.
     pub objects_deleted: usize,
+    /// Ids of committed checkpoints whose manifest cannot be used: neither counted as kept nor
+    /// deleted, newest first.
+    pub unreadable_kept: Vec<u64>,
 }
 
 /// Deletes the committed checkpoints of the job under `job_dir` beyond the newest `keep_newest`
@@ -167,6 +228,18 @@ pub async fn retain(
     let mut committed_seen = 0usize;
     for ((id, dir), is_committed) in dirs.iter().zip(&committed).rev() {
         if *is_committed {
+            // Only usable checkpoints count towards the ones kept, and one whose manifest
+            // cannot be used is never deleted (it is left for a person to look at): otherwise a
+            // corrupt newest checkpoint would have the last good one deleted.
+            match read_manifest(store, dir).await {
+                Ok(_) => {}
+                Err(e) if e.is_bad_manifest() => {
+                    report.unreadable_kept.push(*id);
+                    continue;
+                }
+                Err(SnapshotError::ManifestMissing { .. }) => continue,
+                Err(e) => return Err(e),
+            }
             committed_seen += 1;
             if committed_seen <= keep_newest {
                 report.kept.push(*id);

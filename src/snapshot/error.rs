@@ -61,6 +61,13 @@ pub enum SnapshotError {
         source: serde_json::Error,
     },
 
+    /// The manifest object is larger than any manifest this build writes (32768 key groups fit
+    /// in a few MiB): it is not read.
+    #[error(
+        "{path} is {size} bytes, more than the {limit} bytes a manifest can be: not a manifest this build wrote (corrupt or foreign); it was not read"
+    )]
+    ManifestTooLarge { path: String, size: u64, limit: u64 },
+
     /// The manifest was written in a format this build does not read.
     #[error(
         "{path} has formatVersion {found}, this build reads formatVersion {supported}: use a keyshift version that supports it"
@@ -167,6 +174,17 @@ pub enum SnapshotError {
 }
 
 impl SnapshotError {
+    /// Whether this is a manifest whose contents cannot be used (corrupt, inconsistent, too
+    /// large), as opposed to one that is missing, of a newer format, or unreachable.
+    pub fn is_bad_manifest(&self) -> bool {
+        matches!(
+            self,
+            SnapshotError::ManifestCorrupt { .. }
+                | SnapshotError::ManifestInconsistent { .. }
+                | SnapshotError::ManifestTooLarge { .. }
+        )
+    }
+
     /// Wraps an object-store error for `op` on `path`, mapping not-found to [`SnapshotError::MissingFile`].
     pub(crate) fn store(
         op: &'static str,

@@ -76,7 +76,10 @@ mod reader;
 mod store;
 mod writer;
 
-pub use catalog::{RetentionReport, SnapshotInfo, latest_checkpoint, list_snapshots, retain};
+pub use catalog::{
+    RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, latest_checkpoint,
+    list_snapshots, retain, scan_snapshots,
+};
 pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};
 pub use layout::{
@@ -90,8 +93,9 @@ pub use manifest::{
 pub use object_store::ObjectStore;
 pub use object_store::path::Path;
 pub use reader::{
-    Restore, RestoredChunk, RestoredGroup, STREAM_REQUEST_BYTES, VerifyReport, commit_manifest,
-    open_snapshot, plan_stream_reads, read_groups, read_groups_stream, read_manifest, verify,
+    MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup, STREAM_REQUEST_BYTES, VerifyReport,
+    commit_manifest, open_snapshot, plan_stream_reads, read_groups, read_groups_stream,
+    read_manifest, verify,
 };
 pub use store::open_store;
 pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

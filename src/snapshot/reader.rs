@@ -13,6 +13,8 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+/// The largest manifest read: 32768 key groups at about 150 bytes each, with ample room.
+pub const MAX_MANIFEST_BYTES: u64 = 64 * 1024 * 1024;
 /// Files read (or checked) at once by a restore or a verify.
 const FILES_AT_ONCE: usize = 4;
 /// Bytes per read while verifying a file.
@@ -25,14 +27,29 @@ const VERIFY_WINDOW: u64 = 8 * 1024 * 1024;
 /// [`SnapshotError::UnsupportedFormat`], [`SnapshotError::ManifestInconsistent`].
 pub async fn read_manifest(store: &dyn ObjectStore, dir: &Path) -> Result<Manifest> {
     let path = manifest_path(dir);
-    let bytes = async { store.get(&path).await?.bytes().await }
-        .await
-        .map_err(|e| match e {
-            object_store::Error::NotFound { .. } => SnapshotError::ManifestMissing {
-                path: path.to_string(),
-            },
-            e => SnapshotError::store("read", &path, e),
-        })?;
+    let read_error = |e| match e {
+        object_store::Error::NotFound { .. } => SnapshotError::ManifestMissing {
+            path: path.to_string(),
+        },
+        e => SnapshotError::store("read", &path, e),
+    };
+    let object = store.get(&path).await.map_err(read_error)?;
+    // Sized by the object's metadata before a byte is buffered.
+    if object.meta.size > MAX_MANIFEST_BYTES {
+        return Err(SnapshotError::ManifestTooLarge {
+            path: path.to_string(),
+            size: object.meta.size,
+            limit: MAX_MANIFEST_BYTES,
+        });
+    }
+    let bytes = object.bytes().await.map_err(read_error)?;
+    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(SnapshotError::ManifestTooLarge {
+            path: path.to_string(),
+            size: bytes.len() as u64,
+            limit: MAX_MANIFEST_BYTES,
+        });
+    }
     Manifest::from_json(&bytes, path.as_ref())
 }
 
