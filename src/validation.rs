@@ -35,8 +35,12 @@ pub const MSG_OUT_OF_ORDERNESS: &str = "spec.job.window.maxOutOfOrderness must b
 pub const MSG_RETAINED: &str = "spec.state.retainedCheckpoints must be at least 1: the newest completed checkpoint is always kept";
 pub const MSG_SOURCE_ONE_OF: &str = "spec.job.source must set exactly one of generator or file";
 pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum, min and max: name the numeric record field to aggregate";
-pub const MSG_PARTITIONS: &str = "spec.job.source.generator.partitions must be at least 1";
-pub const MSG_KEYS: &str = "spec.job.source.generator.keys must be at least 1";
+pub const MSG_PARTITIONS: &str = "spec.job.source.generator.partitions must be between 1 and 65536";
+pub const MSG_KEYS: &str = "spec.job.source.generator.keys must be between 1 and 1000000000000";
+/// The most generator partitions a job may have (each is read by one subtask, at most 32768).
+pub const MAX_GENERATOR_PARTITIONS: i32 = 65_536;
+/// The most distinct generator keys (10^12): beyond any state a worker can hold.
+pub const MAX_GENERATOR_KEYS: i64 = 1_000_000_000_000;
 pub const MSG_SINK_URL: &str = "spec.job.sink.url is required when spec.job.sink.type is objectStore: give an object store URL such as s3://bucket/results";
 pub const MSG_TMP_VOLUME: &str = "spec.podTemplate.volumes must not contain a volume named tmp: that name is reserved for the worker's scratch emptyDir at /tmp; give the volume another name";
 pub const MSG_TMP_MOUNT: &str = "spec.podTemplate.volumeMounts must not mount at /tmp: the worker's scratch emptyDir is mounted there; mount the volume at another path, such as /data";
@@ -166,13 +170,13 @@ fn rules() -> Vec<CelRule> {
         ),
         r(
             &["spec", "job", "source", "generator", "partitions"],
-            "self >= 1",
+            "self >= 1 && self <= 65536",
             MSG_PARTITIONS,
             None,
         ),
         r(
             &["spec", "job", "source", "generator", "keys"],
-            "self >= 1",
+            "self >= 1 && self <= 1000000000000",
             MSG_KEYS,
             None,
         ),
@@ -723,10 +727,10 @@ pub fn validate(
         fail(MSG_SOURCE_ONE_OF);
     }
     if let Some(g) = &source.generator {
-        if g.partitions < 1 {
+        if !(1..=MAX_GENERATOR_PARTITIONS).contains(&g.partitions) {
             fail(MSG_PARTITIONS);
         }
-        if g.keys < 1 {
+        if !(1..=MAX_GENERATOR_KEYS).contains(&g.keys) {
             fail(MSG_KEYS);
         }
     }
