@@ -88,7 +88,9 @@ fn decode(from: u32, frame: &[u8]) -> Result<Msg, ShuffleError> {
                 .and_then(|s| s.try_into().ok())
                 .map(u32::from_le_bytes)
                 .ok_or_else(|| bad("short records frame"))? as usize;
-            let mut records = Vec::with_capacity(count.min(1 << 20));
+            // Sized by what the frame can hold (a record is more than 8 bytes), never by the
+            // count alone.
+            let mut records = Vec::with_capacity(count.min(body.len() / 8));
             let mut at = 4;
             for _ in 0..count {
                 let (r, n) = decode_record(&body[at..]).map_err(|e| bad(&e.to_string()))?;
@@ -238,5 +240,39 @@ mod tests {
         assert!(decode(0, &[9]).is_err());
         assert!(decode(0, &[1, 0, 0]).is_err());
         assert!(decode(0, &[0, 5, 0, 0, 0]).is_err());
+    }
+
+    proptest::proptest! {
+        /// Fuzz: any frame body a peer sends (arbitrary, or a valid frame with bytes changed,
+        /// cut or added) decodes to a message or a typed error, never a panic; a count that the
+        /// body cannot hold never allocates by itself.
+        #[test]
+        fn frames_from_the_network_never_panic(
+            arbitrary in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..256),
+            flips in proptest::collection::vec((proptest::prelude::any::<usize>(), 1u8..=255), 0..4),
+            cut in proptest::prelude::any::<usize>(),
+            count in proptest::prelude::any::<u32>(),
+        ) {
+            let _ = decode(1, &arbitrary);
+            let mut buf = Vec::new();
+            encode(
+                &Msg::Records(vec![
+                    Record { key: RecordKey::string("k"), value: 1, ts: 2 },
+                    Record { key: RecordKey::long(3), value: 4, ts: 5 },
+                ]),
+                &mut buf,
+            );
+            let mut frame = buf[4..].to_vec();
+            for (i, b) in flips {
+                let n = frame.len();
+                frame[i % n] ^= b;
+            }
+            let _ = decode(1, &frame);
+            frame.truncate(cut % (frame.len() + 1));
+            let _ = decode(1, &frame);
+            let mut lying = vec![0u8];
+            lying.extend_from_slice(&count.to_le_bytes());
+            proptest::prop_assert!(count == 0 || decode(1, &lying).is_err());
+        }
     }
 }

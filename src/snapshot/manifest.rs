@@ -255,7 +255,9 @@ pub struct SubtaskSnapshot {
 impl SubtaskSnapshot {
     /// Total keyed entries in the file.
     pub fn entries(&self) -> u64 {
-        self.groups.iter().map(|g| g.entries).sum()
+        self.groups
+            .iter()
+            .fold(0u64, |sum, g| sum.saturating_add(g.entries))
     }
 }
 
@@ -426,8 +428,13 @@ impl Manifest {
         }
         key_groups.sort_by_key(|g| g.group);
         let stats = Stats {
-            total_bytes: key_groups.iter().map(|g| g.length).sum(),
-            total_keys: key_groups.iter().map(|g| g.entries).sum(),
+            // Saturating: an absurd count from a worker fails check() below, never panics.
+            total_bytes: key_groups
+                .iter()
+                .fold(0u64, |sum, g| sum.saturating_add(g.length)),
+            total_keys: key_groups
+                .iter()
+                .fold(0u64, |sum, g| sum.saturating_add(g.entries)),
             non_empty_groups: key_groups.iter().filter(|g| g.length > 0).count() as u32,
             extra: BTreeMap::new(),
         };
@@ -628,8 +635,15 @@ impl Manifest {
             }
         }
 
-        let total_bytes: u64 = self.key_groups.iter().map(|g| g.length).sum();
-        let total_keys: u64 = self.key_groups.iter().map(|g| g.entries).sum();
+        // Checked: the counts are read from storage (found by tests/fuzz.rs).
+        let total = |what: &str, f: fn(&GroupEntry) -> u64| {
+            self.key_groups
+                .iter()
+                .try_fold(0u64, |sum, g| sum.checked_add(f(g)))
+                .ok_or_else(|| format!("the key groups' {what} overflow"))
+        };
+        let total_bytes = total("lengths", |g| g.length)?;
+        let total_keys = total("entry counts", |g| g.entries)?;
         if self.stats.total_bytes != total_bytes || self.stats.total_keys != total_keys {
             return Err(format!(
                 "stats say {} bytes and {} keys, the key groups add up to {total_bytes} bytes and {total_keys} keys",
@@ -812,6 +826,16 @@ mod tests {
         bad(&|m| m.parallelism = 5, "exceeds");
         bad(&|m| m.stats.total_keys += 1, "stats");
         bad(&|m| m.key_groups.swap(0, 1), "group order");
+    }
+
+    /// Found by tests/fuzz.rs: entry counts that overflow when added are refused, not a panic.
+    #[test]
+    fn overflowing_entry_counts_are_inconsistent_not_a_panic() {
+        let mut m = build(Assignment::new(2, 8).unwrap(), &[1, 2, 0, 3, 4, 0, 0, 5]);
+        m.key_groups[0].entries = u64::MAX;
+        m.key_groups[1].entries = u64::MAX;
+        let err = m.check().unwrap_err();
+        assert!(err.contains("overflow"), "{err}");
     }
 
     #[test]
