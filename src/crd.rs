@@ -348,6 +348,16 @@ pub struct StateSpec {
     /// commits). Savepoints are never deleted automatically. Default 3.
     #[serde(default = "default_retained_checkpoints")]
     pub retained_checkpoints: i32,
+    /// How long a periodic checkpoint may take, trigger to commit, before it is aborted on
+    /// every worker (the job keeps running; the previous checkpoint stays usable). A duration
+    /// between 1s and 24h. Default `2m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_timeout: Option<String>,
+    /// How long a savepoint (of a rescale, upgrade, suspend or spec.savepointTriggerNonce) may
+    /// take before it is abandoned (the job keeps running at its old parallelism). A duration
+    /// between 1s and 24h. Default `5m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub savepoint_timeout: Option<String>,
     /// Name of a Secret in the job's namespace whose keys are passed to the workers as
     /// environment variables (e.g. `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
     /// `AWS_ENDPOINT`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_KEY`).
@@ -361,6 +371,8 @@ impl Default for StateSpec {
             storage: None,
             checkpoint_interval: default_checkpoint_interval(),
             retained_checkpoints: default_retained_checkpoints(),
+            checkpoint_timeout: None,
+            savepoint_timeout: None,
             credentials_secret: None,
         }
     }

@@ -28,6 +28,11 @@ pub const MSG_REPLICAS_LE_PINNED: &str = "spec.replicas must not exceed status.m
 pub const MSG_STRICT_DIVISOR: &str = "spec.replicas must divide the key-group count (maxParallelism) evenly because spec.keyGroupPolicy is Strict: choose a divisor (`keyshift plan` lists the nearest ones) or set keyGroupPolicy: Warn to accept the skew";
 pub const MSG_STORAGE_URL: &str = "spec.state.storage must be an object store URL: file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix (also abfs://, abfss://, memory://, http(s)://)";
 pub const MSG_RESTORE_URL: &str = "spec.restoreFrom must be the object store URL of a snapshot directory, e.g. s3://bucket/prefix/ns/job/savepoints/sp-7 or file:///path/savepoints/sp-7";
+pub const MSG_CHECKPOINT_TIMEOUT: &str = "spec.state.checkpointTimeout must be a duration between 1s and 24h, such as 2m (units: ms, s, m, h)";
+pub const MSG_SAVEPOINT_TIMEOUT: &str = "spec.state.savepointTimeout must be a duration between 1s and 24h, such as 5m (units: ms, s, m, h)";
+/// The bounds of spec.state.checkpointTimeout and savepointTimeout.
+pub const TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(1)..=Duration::from_secs(24 * 3600);
 pub const MSG_CHECKPOINT_INTERVAL: &str = "spec.state.checkpointInterval must be a duration such as 30s, 5m or 1h30m (units: ms, s, m, h)";
 pub const MSG_WINDOW_SIZE: &str =
     "spec.job.window.size must be a duration such as 10s, 1m or 1h (units: ms, s, m, h)";
@@ -145,6 +150,22 @@ fn rules() -> Vec<CelRule> {
             None,
         ),
         r(
+            &["spec", "state", "checkpointTimeout"],
+            &format!(
+                "self.matches('{DURATION_RE}') && duration(self) >= duration('1s') && duration(self) <= duration('24h')"
+            ),
+            MSG_CHECKPOINT_TIMEOUT,
+            None,
+        ),
+        r(
+            &["spec", "state", "savepointTimeout"],
+            &format!(
+                "self.matches('{DURATION_RE}') && duration(self) >= duration('1s') && duration(self) <= duration('24h')"
+            ),
+            MSG_SAVEPOINT_TIMEOUT,
+            None,
+        ),
+        r(
             &["spec", "state", "retainedCheckpoints"],
             "self >= 1",
             MSG_RETAINED,
@@ -232,6 +253,8 @@ const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["spec", "state", "storage"], 2048),
     (&["spec", "restoreFrom"], 2048),
     (&["spec", "state", "checkpointInterval"], 64),
+    (&["spec", "state", "checkpointTimeout"], 64),
+    (&["spec", "state", "savepointTimeout"], 64),
     (&["spec", "job", "window", "size"], 64),
     (&["spec", "job", "window", "maxOutOfOrderness"], 64),
     // Read by the pinned-ceiling rule's message expression.
@@ -708,6 +731,17 @@ pub fn validate(
         || parse_duration(&spec.state.checkpoint_interval).is_none()
     {
         fail(MSG_CHECKPOINT_INTERVAL);
+    }
+    for (value, message) in [
+        (&spec.state.checkpoint_timeout, MSG_CHECKPOINT_TIMEOUT),
+        (&spec.state.savepoint_timeout, MSG_SAVEPOINT_TIMEOUT),
+    ] {
+        if let Some(text) = value
+            && (text.len() > 64
+                || !parse_duration(text).is_some_and(|d| TIMEOUT_BOUNDS.contains(&d)))
+        {
+            fail(message);
+        }
     }
     if spec.state.retained_checkpoints < 1 {
         fail(MSG_RETAINED);

@@ -69,6 +69,8 @@ fn crd_has_scale_status_and_every_rule() {
         MSG_AGG_FIELD,
         MSG_PARTITIONS,
         MSG_KEYS,
+        MSG_CHECKPOINT_TIMEOUT,
+        MSG_SAVEPOINT_TIMEOUT,
         MSG_SINK_URL,
         MSG_TMP_VOLUME,
         MSG_TMP_MOUNT,
@@ -375,6 +377,28 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.job.aggregation.function = keyshift::crd::AggregateFunction::Sum;
     fails_with(&s, None, None, MSG_AGG_FIELD);
+
+    // Timeouts are durations within 1s..24h.
+    for bad in ["0s", "500ms", "25h", "2", "soon"] {
+        let mut s = base();
+        s.state.checkpoint_timeout = Some(bad.into());
+        fails_with(&s, None, None, MSG_CHECKPOINT_TIMEOUT);
+        let mut s = base();
+        s.state.savepoint_timeout = Some(bad.into());
+        fails_with(&s, None, None, MSG_SAVEPOINT_TIMEOUT);
+    }
+    let mut s = base();
+    s.state.checkpoint_timeout = Some("1s".into());
+    s.state.savepoint_timeout = Some("24h".into());
+    validate(&s, None, None).unwrap();
+    assert_eq!(
+        keyshift::orchestrator::run::timeouts::checkpoint(&s),
+        std::time::Duration::from_secs(1)
+    );
+    assert_eq!(
+        keyshift::orchestrator::run::timeouts::savepoint(&base()),
+        keyshift::orchestrator::run::timeouts::SAVEPOINT
+    );
 
     // The generator is bounded: no partition count or key count beyond what a job can hold.
     for (partitions, keys, message) in [

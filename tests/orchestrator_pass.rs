@@ -1280,3 +1280,57 @@ async fn recovery_passes_over_a_corrupt_snapshot_and_says_so() {
     })
     .await;
 }
+
+/// Checkpoints that keep failing leave the job running on its workers and show in the
+/// CheckpointsHealthy condition (with the last error and the checkpoint that stays usable);
+/// the first commit after them makes it healthy again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failing_checkpoints_show_in_a_condition_and_the_job_keeps_running() {
+    bounded(async {
+        let mut d = Driver::new("cp-failing", 2, "1s");
+        d.until_running(2).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+                && d.condition("CheckpointsHealthy")
+                    .is_some_and(|(r, _)| r == "Checkpointing")
+        })
+        .await;
+        let workers = d.workers.names();
+        let good = d.status.last_checkpoint.clone().expect("a checkpoint");
+        d.workers.faults().fail_checkpoints = true;
+        d.until("unhealthy", Duration::from_secs(30), |d| {
+            d.status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == "CheckpointsHealthy" && c.status == "False")
+        })
+        .await;
+        let c = d
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "CheckpointsHealthy")
+            .expect("condition");
+        assert_eq!(c.reason, "CheckpointsFailing");
+        assert!(
+            c.message.contains("injected by the fake platform"),
+            "{}",
+            c.message
+        );
+        assert!(c.message.contains("checkpointTimeout"), "{}", c.message);
+        assert!(d.workers.faults().checkpoints_failed >= 2);
+        assert_eq!(d.workers.names(), workers, "the job kept its workers");
+        assert_eq!(d.status.phase, Some(Phase::Running));
+        let last = d.status.last_checkpoint.clone().expect("a checkpoint");
+        assert!(c.message.contains(&last.path), "{}", c.message);
+        assert!(last.id >= good.id);
+        d.workers.faults().fail_checkpoints = false;
+        d.until("healthy again", Duration::from_secs(30), |d| {
+            d.condition("CheckpointsHealthy")
+                .is_some_and(|(r, _)| r == "Checkpointing")
+        })
+        .await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}

@@ -252,17 +252,19 @@ impl LocalJob {
 
     /// A periodic checkpoint.
     pub async fn checkpoint(&mut self) -> Result<Completed, LocalError> {
+        let timeout = run::timeouts::checkpoint(&self.spec);
         Ok(self
             .coordinator()?
-            .snapshot(SnapshotKind::Checkpoint, false, run::timeouts::CHECKPOINT)
+            .snapshot(SnapshotKind::Checkpoint, false, timeout)
             .await?)
     }
 
     /// A savepoint; with `stop`, the sources stop at its barrier.
     pub async fn savepoint(&mut self, stop: bool) -> Result<Completed, LocalError> {
+        let timeout = run::timeouts::savepoint(&self.spec);
         Ok(self
             .coordinator()?
-            .snapshot(SnapshotKind::Savepoint, stop, run::timeouts::SAVEPOINT)
+            .snapshot(SnapshotKind::Savepoint, stop, timeout)
             .await?)
     }
 

@@ -51,6 +51,9 @@ pub struct OperatorMetrics {
     pub rescale_step_seconds: Family<StepLabels, Histogram>,
     pub snapshot_seconds: Family<KindLabels, Histogram>,
     pub snapshot_bytes: Family<KindLabels, Gauge>,
+    /// When the latest checkpoint or savepoint of a job completed (Unix seconds): its age is
+    /// `time() - keyshift_operator_last_snapshot_timestamp_seconds`.
+    pub snapshot_timestamp: Family<KindLabels, Gauge>,
     pub snapshot_failures: Family<KindLabels, Counter>,
     pub worker_restarts: Family<JobLabels, Counter>,
     /// Set once the controller watches (readiness).
@@ -73,6 +76,7 @@ impl OperatorMetrics {
             rescale_step_seconds: Family::new_with_constructor(seconds_histogram),
             snapshot_seconds: Family::new_with_constructor(seconds_histogram),
             snapshot_bytes: Family::default(),
+            snapshot_timestamp: Family::default(),
             snapshot_failures: Family::default(),
             worker_restarts: Family::default(),
             ready: Arc::new(AtomicBool::new(false)),
@@ -103,6 +107,11 @@ impl OperatorMetrics {
             "snapshot_size_bytes",
             "State bytes of the latest checkpoint or savepoint",
             m.snapshot_bytes.clone(),
+        );
+        registry.register(
+            "last_snapshot_timestamp_seconds",
+            "When the latest checkpoint or savepoint of the job completed, in Unix seconds",
+            m.snapshot_timestamp.clone(),
         );
         registry.register(
             "snapshot_failures",

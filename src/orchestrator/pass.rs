@@ -159,6 +159,8 @@ pub struct JobMemory {
     background: Option<Background>,
     /// The snapshots the job's in-use marker pins, as last written by this process.
     pinned: Option<Vec<InUseEntry>>,
+    /// Periodic checkpoints of the current run that failed in a row, and the last error.
+    checkpoint_failures: Option<(u32, String)>,
 }
 
 impl JobMemory {
@@ -478,6 +480,14 @@ pub async fn run_pass(
         pass.stall(reason, message);
     }
     let requeue = requeue?;
+    pass.progress.checkpoint_failures = pass
+        .mem
+        .checkpoint_failures
+        .clone()
+        .filter(|_| pass.status.phase == Some(Phase::Running) || pass.mem.coordinating());
+    if pass.status.phase == Some(Phase::Running) && pass.progress.checkpoint_failures.is_none() {
+        pass.progress.checkpoint_failures = Some((0, String::new()));
+    }
     pass.pin_in_use().await;
     pass.observe_sink();
     let mut status = pass.status;
@@ -1300,6 +1310,9 @@ impl<'a> Pass<'a> {
                 m.snapshot_bytes
                     .get_or_create(labels)
                     .set(c.manifest.stats.total_bytes as i64);
+                m.snapshot_timestamp
+                    .get_or_create(labels)
+                    .set(c.manifest.completed_at.timestamp());
             }
             None => {
                 m.snapshot_failures.get_or_create(labels).inc();
@@ -1420,7 +1433,7 @@ impl<'a> Pass<'a> {
             run,
             SnapshotKind::Savepoint,
             true,
-            run::timeouts::SAVEPOINT,
+            run::timeouts::savepoint(self.spec),
         );
         Ok(requeue::BACKGROUND_BACKSTOP)
     }
@@ -1475,7 +1488,7 @@ impl<'a> Pass<'a> {
             run,
             SnapshotKind::Savepoint,
             false,
-            run::timeouts::SAVEPOINT,
+            run::timeouts::savepoint(self.spec),
         );
         requeue::BACKGROUND_BACKSTOP
     }
@@ -1530,7 +1543,7 @@ impl<'a> Pass<'a> {
             run,
             SnapshotKind::Checkpoint,
             false,
-            run::timeouts::CHECKPOINT,
+            run::timeouts::checkpoint(self.spec),
         );
         requeue::BACKGROUND_BACKSTOP
     }
@@ -1547,6 +1560,7 @@ impl<'a> Pass<'a> {
             Ok(c) => {
                 self.record_snapshot(&labels, Some(&c));
                 self.status.last_checkpoint = Some(snapshot_ref(&c, parallelism));
+                self.mem.checkpoint_failures = None;
                 self.succeeded();
                 interval
             }
@@ -1555,6 +1569,8 @@ impl<'a> Pass<'a> {
                 // exit and restarts the job.
                 run.started = Utc::now();
                 self.record_snapshot(&labels, None);
+                let failed = self.mem.checkpoint_failures.take().map_or(0, |(n, _)| n) + 1;
+                self.mem.checkpoint_failures = Some((failed, e.to_string()));
                 self.event(
                     true,
                     "CheckpointFailed",

@@ -14,10 +14,31 @@ pub mod timeouts {
 
     /// Workers of a starting run restore their key groups and connect to each other.
     pub const START: Duration = Duration::from_secs(180);
-    /// A periodic checkpoint, trigger to commit.
+    /// A periodic checkpoint, trigger to commit (spec.state.checkpointTimeout by default).
     pub const CHECKPOINT: Duration = Duration::from_secs(120);
-    /// A savepoint (a rescale's, an upgrade's, a triggered one), trigger to commit.
+    /// A savepoint (a rescale's, an upgrade's, a triggered one), trigger to commit
+    /// (spec.state.savepointTimeout by default).
     pub const SAVEPOINT: Duration = Duration::from_secs(300);
+
+    /// The job's checkpoint timeout: spec.state.checkpointTimeout within its bounds, else
+    /// [`CHECKPOINT`].
+    pub fn checkpoint(spec: &crate::crd::StreamJobSpec) -> Duration {
+        configured(spec.state.checkpoint_timeout.as_deref()).unwrap_or(CHECKPOINT)
+    }
+
+    /// The job's savepoint timeout: spec.state.savepointTimeout within its bounds, else
+    /// [`SAVEPOINT`].
+    pub fn savepoint(spec: &crate::crd::StreamJobSpec) -> Duration {
+        configured(spec.state.savepoint_timeout.as_deref()).unwrap_or(SAVEPOINT)
+    }
+
+    fn configured(text: Option<&str>) -> Option<Duration> {
+        let d = crate::validation::parse_duration(text?)?;
+        Some(d.clamp(
+            *crate::validation::TIMEOUT_BOUNDS.start(),
+            *crate::validation::TIMEOUT_BOUNDS.end(),
+        ))
+    }
     /// One request of the coordinator to a worker's control API.
     pub const CONTROL_REQUEST: Duration = Duration::from_secs(30);
 }

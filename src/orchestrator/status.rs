@@ -18,6 +18,10 @@ pub const SINK_PUBLISHED: &str = "SinkPublished";
 /// Whether the job's last resume of its own history restored its newest snapshot (False when
 /// it passed over snapshots whose manifest cannot be used).
 pub const NEWEST_SNAPSHOT_RESTORED: &str = "NewestSnapshotRestored";
+/// Whether the running job's periodic checkpoints succeed (False after two failures in a row).
+pub const CHECKPOINTS_HEALTHY: &str = "CheckpointsHealthy";
+/// Consecutive checkpoint failures from which CheckpointsHealthy is False.
+pub const CHECKPOINT_FAILURES_UNHEALTHY: u32 = 2;
 
 /// What the pass learned beyond the status fields.
 #[derive(Debug, Clone, Default)]
@@ -37,6 +41,9 @@ pub struct Progress {
     /// A start that resumes the job's own history chose its snapshot: Ok when it is the newest,
     /// else what it passed over.
     pub restored_newest: Option<Result<(), String>>,
+    /// For a running job: the periodic checkpoints that failed in a row (0 when the last one
+    /// committed) and the last error.
+    pub checkpoint_failures: Option<(u32, String)>,
 }
 
 /// Sets `type_` in `conditions`, keeping lastTransitionTime when the status does not change.
@@ -280,6 +287,41 @@ pub fn finish(
                 set_condition(conds, RECONCILING, true, &reason, &message, generation, now);
             }
         }
+    }
+    if let Some((failed, error)) = &progress.checkpoint_failures {
+        let (ok, reason, message) = if *failed >= CHECKPOINT_FAILURES_UNHEALTHY {
+            let last = status.last_checkpoint.as_ref().map_or_else(
+                || "the job has no checkpoint yet".to_owned(),
+                |c| {
+                    format!(
+                        "the last good checkpoint ({}, completed {}) stays usable",
+                        c.path, c.time
+                    )
+                },
+            );
+            (
+                false,
+                "CheckpointsFailing",
+                format!(
+                    "{failed} checkpoints in a row failed, the last with: {error}; {last}, and a recovery would replay from it. Check the storage and the workers' logs; spec.state.checkpointTimeout bounds each attempt"
+                ),
+            )
+        } else {
+            (
+                true,
+                "Checkpointing",
+                "the job's periodic checkpoints commit".to_owned(),
+            )
+        };
+        set_condition(
+            conds,
+            CHECKPOINTS_HEALTHY,
+            ok,
+            reason,
+            &message,
+            generation,
+            now,
+        );
     }
     if let Some(newest) = &progress.restored_newest {
         let (ok, reason, message) = match newest {

@@ -38,6 +38,10 @@ pub struct Faults {
     pub starts_refused: u32,
     /// How many savepoints were made to fail (once per savepoint id).
     pub savepoints_failed: u32,
+    /// Subtask 0 reports every periodic checkpoint triggered while this is set as failed.
+    pub fail_checkpoints: bool,
+    /// How many checkpoints were made to fail.
+    pub checkpoints_failed: u32,
 }
 
 /// One in-process worker: its runtime (its tasks and sockets live and die with it).
@@ -322,11 +326,17 @@ async fn forward(
         && path == "/v1/checkpoints"
         && p.subtask == 0
         && let Ok(r) = serde_json::from_slice::<CheckpointRequest>(&bytes)
-        && r.kind == SnapshotKind::Savepoint
     {
         let mut f = p.faults.lock().expect("faults lock");
-        if f.fail_savepoints && p.failing.lock().expect("failing lock").insert(r.id) {
-            f.savepoints_failed += 1;
+        let fail = match r.kind {
+            SnapshotKind::Savepoint => f.fail_savepoints,
+            SnapshotKind::Checkpoint => f.fail_checkpoints,
+        };
+        if fail && p.failing.lock().expect("failing lock").insert(r.id) {
+            match r.kind {
+                SnapshotKind::Savepoint => f.savepoints_failed += 1,
+                SnapshotKind::Checkpoint => f.checkpoints_failed += 1,
+            }
         }
     }
     if !post
@@ -337,7 +347,7 @@ async fn forward(
         return json(
             200,
             &CheckpointStatus::Failed {
-                error: "savepoint failure injected by the fake platform (state upload failed)"
+                error: "snapshot failure injected by the fake platform (state upload failed)"
                     .into(),
             },
         );
