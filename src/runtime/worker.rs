@@ -217,15 +217,23 @@ impl BoundWorker {
             metrics: WorkerMetrics::new(),
             fatal,
         });
-        let app = Router::new()
-            .route("/v1/healthz", get(|| async { "ok" }))
-            .route("/v1/readyz", get(readyz))
-            .route("/metrics", get(metrics))
+        // Every control route needs the token, checked before its body is read or parsed.
+        let guarded = Router::new()
             .route("/v1/start", post(start))
             .route("/v1/checkpoints", post(trigger))
             .route("/v1/checkpoints/{id}", get(checkpoint_status))
             .route("/v1/resume", post(resume))
             .route("/v1/status", get(status))
+            .route_layer(axum::middleware::from_fn_with_state(
+                shared.clone(),
+                require_token,
+            ));
+        let app = Router::new()
+            .route("/v1/healthz", get(|| async { "ok" }))
+            .route("/v1/readyz", get(readyz))
+            .route("/metrics", get(metrics))
+            .merge(guarded)
+            .layer(axum::extract::DefaultBodyLimit::max(MAX_CONTROL_BODY))
             .with_state(shared.clone());
         let server = axum::serve(control, app);
         tokio::select! {
@@ -243,6 +251,21 @@ impl BoundWorker {
                 Ok(())
             }
         }
+    }
+}
+
+/// The largest control request body (a start request for 32768 subtasks' peers fits easily).
+const MAX_CONTROL_BODY: usize = 4 << 20;
+
+/// Refuses a control request without the job's token before anything reads its body.
+async fn require_token(
+    State(s): State<Arc<Shared>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    match authorized(&s, request.headers()) {
+        Ok(()) => next.run(request).await,
+        Err(refused) => *refused,
     }
 }
 
@@ -303,10 +326,7 @@ async fn metrics(State(s): State<Arc<Shared>>) -> Response {
     }
 }
 
-async fn status(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return *r;
-    }
+async fn status(State(s): State<Arc<Shared>>) -> Response {
     let mut st = s.status.lock().await.clone();
     let m = &s.metrics;
     st.records_in = m.records_in.get();
@@ -322,14 +342,7 @@ async fn status(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     Json(st).into_response()
 }
 
-async fn checkpoint_status(
-    State(s): State<Arc<Shared>>,
-    headers: HeaderMap,
-    Path(id): Path<u64>,
-) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return *r;
-    }
+async fn checkpoint_status(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response {
     let st = s
         .checkpoints
         .lock()
@@ -340,14 +353,7 @@ async fn checkpoint_status(
     Json(st).into_response()
 }
 
-async fn trigger(
-    State(s): State<Arc<Shared>>,
-    headers: HeaderMap,
-    Json(req): Json<CheckpointRequest>,
-) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return *r;
-    }
+async fn trigger(State(s): State<Arc<Shared>>, Json(req): Json<CheckpointRequest>) -> Response {
     let run = s.run.lock().await;
     let Some(run) = run.as_ref() else {
         return err(StatusCode::CONFLICT, "the worker has not been started");
@@ -366,10 +372,7 @@ async fn trigger(
     StatusCode::ACCEPTED.into_response()
 }
 
-async fn resume(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return *r;
-    }
+async fn resume(State(s): State<Arc<Shared>>) -> Response {
     let run = s.run.lock().await;
     match run.as_ref() {
         Some(run) => {
@@ -381,14 +384,7 @@ async fn resume(State(s): State<Arc<Shared>>, headers: HeaderMap) -> Response {
     }
 }
 
-async fn start(
-    State(s): State<Arc<Shared>>,
-    headers: HeaderMap,
-    Json(req): Json<StartRequest>,
-) -> Response {
-    if let Err(r) = authorized(&s, &headers) {
-        return *r;
-    }
+async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> Response {
     if s.started.swap(true, Ordering::AcqRel) {
         return err(StatusCode::CONFLICT, "the worker was already started");
     }
