@@ -1065,6 +1065,7 @@ mod tests {
             allow_non_restored_state: false,
             state_payload_bytes: 0,
             run_id: "r".into(),
+            data_secret: RunSecret("s".into()),
         }
     }
 

@@ -224,7 +224,7 @@ impl LocalJob {
             run: &run_id,
             state_payload_bytes: self.state_payload_bytes,
         }
-        .request();
+        .request()?;
         let responses = match coordinator.start(&template, run::timeouts::START).await {
             Ok(r) => r,
             Err(e) => {

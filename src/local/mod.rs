@@ -47,6 +47,8 @@ pub enum LocalError {
     Bounds(#[from] keygroup::BoundsError),
     #[error("{0}")]
     RestoreFrom(String),
+    #[error(transparent)]
+    Random(#[from] crate::orchestrator::run::RandomError),
     #[error("rescale {from} -> {to} failed at step {step}: {reason}; {outcome}")]
     Rescale {
         from: u32,

@@ -1673,7 +1673,7 @@ impl<'a> Pass<'a> {
             run: &run,
             state_payload_bytes: hooks::state_payload_bytes(),
         }
-        .request();
+        .request()?;
         let work = StartWork {
             run,
             parallelism,

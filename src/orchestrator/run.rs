@@ -268,8 +268,9 @@ pub struct StartPlan<'a> {
 
 impl StartPlan<'_> {
     /// The start request template.
-    pub fn request(&self) -> StartRequest {
-        StartRequest {
+    /// The request, with a fresh data-plane secret for the run.
+    pub fn request(&self) -> Result<StartRequest, RandomError> {
+        Ok(StartRequest {
             namespace: self.namespace.to_owned(),
             name: self.name.to_owned(),
             job: self.spec.job.clone(),
@@ -282,7 +283,8 @@ impl StartPlan<'_> {
             allow_non_restored_state: self.spec.allow_non_restored_state,
             state_payload_bytes: self.state_payload_bytes,
             run_id: data_plane_run_id(self.name, self.run),
-        }
+            data_secret: crate::runtime::protocol::RunSecret(new_token()?),
+        })
     }
 }
 

@@ -49,6 +49,21 @@ pub struct StartRequest {
     pub state_payload_bytes: usize,
     /// Run identity: workers of one run only talk to each other.
     pub run_id: String,
+    /// The run's data-plane secret: a peer proves it holds it before its connection is
+    /// accepted (see [`shuffle`](super::shuffle)). Fresh per run, sent only on the
+    /// token-guarded control API, never logged.
+    pub data_secret: RunSecret,
+}
+
+/// A secret that must not appear in logs: its `Debug` form is redacted.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RunSecret(pub String);
+
+impl std::fmt::Debug for RunSecret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RunSecret(redacted)")
+    }
 }
 
 /// What a worker reports once its state is restored.

@@ -9,8 +9,16 @@
 //! * `0` records: `u32 count`, then each record in [`crate::job::record::encode_record`] form;
 //! * `1` barrier: `u64 id`;
 //! * `2` watermark: `i64`;
-//! * `3` hello: `u32 sender subtask`, then the run id as UTF-8 (first frame of a connection).
+//! * `3` hello: `u32 sender subtask`, a 32-byte proof, then the run id as UTF-8 (the
+//!   connector's first frame);
+//! * `4` challenge: 16 random bytes (the accepter's first frame).
+//!
+//! A connection is accepted only from a peer that holds the run's data-plane secret: the
+//! accepter sends a fresh challenge, and the hello's proof is HMAC-SHA256(secret, challenge ||
+//! sender || run id), checked in constant time. A proof seen on the wire is worth nothing for the
+//! next connection (its challenge differs), and the secret itself never travels on the data plane.
 
+use super::protocol::RunSecret;
 use crate::job::Record;
 use crate::job::record::{decode_record, encode_record};
 use std::io;
@@ -44,6 +52,27 @@ pub enum ShuffleError {
     Malformed { from: u32, reason: String },
     #[error("data connection: unexpected hello (run {got:?}, expected {expected:?})")]
     WrongRun { got: String, expected: String },
+    #[error("data connection claiming subtask {from}: its proof of the run's secret is wrong")]
+    Unauthenticated { from: u32 },
+    #[error("data connection: {0}")]
+    Random(String),
+}
+
+/// Bytes of a challenge.
+const CHALLENGE: usize = 16;
+/// Bytes of a hello's proof (HMAC-SHA256).
+const PROOF: usize = 32;
+
+fn proof_key(secret: &RunSecret) -> ring::hmac::Key {
+    ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.0.as_bytes())
+}
+
+fn proof_message(challenge: &[u8], from: u32, run_id: &str) -> Vec<u8> {
+    let mut m = Vec::with_capacity(challenge.len() + 4 + run_id.len());
+    m.extend_from_slice(challenge);
+    m.extend_from_slice(&from.to_le_bytes());
+    m.extend_from_slice(run_id.as_bytes());
+    m
 }
 
 fn encode(msg: &Msg, out: &mut Vec<u8>) {
@@ -105,21 +134,31 @@ fn decode(from: u32, frame: &[u8]) -> Result<Msg, ShuffleError> {
     }
 }
 
-/// Opens the connection to a peer and announces this subtask; retries while the peer starts.
+/// Opens the connection to a peer and proves this subtask holds the run's secret; retries while
+/// the peer starts.
 pub async fn connect(
     addr: &str,
     from: u32,
     run_id: &str,
+    secret: &RunSecret,
     deadline: tokio::time::Instant,
 ) -> Result<TcpStream, ShuffleError> {
     loop {
         match TcpStream::connect(addr).await {
             Ok(mut s) => {
                 s.set_nodelay(true)?;
-                let mut hello = Vec::with_capacity(16 + run_id.len());
-                hello.extend_from_slice(&((5 + run_id.len()) as u32).to_le_bytes());
+                let challenge = tokio::time::timeout_at(deadline, read_challenge(&mut s))
+                    .await
+                    .map_err(|_| {
+                        io::Error::new(io::ErrorKind::TimedOut, "no challenge from the peer")
+                    })??;
+                let tag =
+                    ring::hmac::sign(&proof_key(secret), &proof_message(&challenge, from, run_id));
+                let mut hello = Vec::with_capacity(8 + PROOF + run_id.len());
+                hello.extend_from_slice(&((5 + PROOF + run_id.len()) as u32).to_le_bytes());
                 hello.push(3);
                 hello.extend_from_slice(&from.to_le_bytes());
+                hello.extend_from_slice(tag.as_ref());
                 hello.extend_from_slice(run_id.as_bytes());
                 s.write_all(&hello).await?;
                 return Ok(s);
@@ -133,10 +172,36 @@ pub async fn connect(
     }
 }
 
-/// Reads the hello frame of an accepted connection: the sender's subtask index.
-pub async fn accept_hello(s: &mut TcpStream, run_id: &str) -> Result<u32, ShuffleError> {
+async fn read_challenge(s: &mut TcpStream) -> Result<[u8; CHALLENGE], ShuffleError> {
     let len = s.read_u32_le().await? as usize;
-    if !(5..=4096).contains(&len) {
+    let tag = s.read_u8().await?;
+    if len != 1 + CHALLENGE || tag != 4 {
+        return Err(ShuffleError::Malformed {
+            from: u32::MAX,
+            reason: "the peer's first frame is not a challenge".into(),
+        });
+    }
+    let mut challenge = [0u8; CHALLENGE];
+    s.read_exact(&mut challenge).await?;
+    Ok(challenge)
+}
+
+/// Challenges an accepted connection and reads its hello: the sender's subtask index, once it
+/// proved it holds the run's secret.
+pub async fn accept_hello(
+    s: &mut TcpStream,
+    run_id: &str,
+    secret: &RunSecret,
+) -> Result<u32, ShuffleError> {
+    let mut challenge = [0u8; CHALLENGE];
+    getrandom::fill(&mut challenge).map_err(|e| ShuffleError::Random(e.to_string()))?;
+    let mut frame = Vec::with_capacity(5 + CHALLENGE);
+    frame.extend_from_slice(&((1 + CHALLENGE) as u32).to_le_bytes());
+    frame.push(4);
+    frame.extend_from_slice(&challenge);
+    s.write_all(&frame).await?;
+    let len = s.read_u32_le().await? as usize;
+    if !(5 + PROOF..=4096).contains(&len) {
         return Err(ShuffleError::Malformed {
             from: u32::MAX,
             reason: format!("hello of {len} bytes"),
@@ -151,13 +216,20 @@ pub async fn accept_hello(s: &mut TcpStream, run_id: &str) -> Result<u32, Shuffl
         });
     }
     let from = u32::from_le_bytes([buf[1], buf[2], buf[3], buf[4]]);
-    let got = String::from_utf8_lossy(&buf[5..]).into_owned();
+    let (proof, run) = buf[5..].split_at(PROOF);
+    let got = String::from_utf8_lossy(run).into_owned();
     if got != run_id {
         return Err(ShuffleError::WrongRun {
             got,
             expected: run_id.to_owned(),
         });
     }
+    ring::hmac::verify(
+        &proof_key(secret),
+        &proof_message(&challenge, from, run_id),
+        proof,
+    )
+    .map_err(|_| ShuffleError::Unauthenticated { from })?;
     Ok(from)
 }
 

@@ -254,6 +254,9 @@ impl BoundWorker {
     }
 }
 
+/// How long an accepted data connection has to prove it is a peer of the run.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// The largest control request body (a start request for 32768 subtasks' peers fits easily).
 const MAX_CONTROL_BODY: usize = 4 << 20;
 
@@ -535,9 +538,10 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
             outputs.push(tx);
             let addr = addr.clone();
             let run_id = req.run_id.clone();
+            let secret = req.data_secret.clone();
             let from = req.subtask;
             connects.push(tokio::spawn(async move {
-                let stream = shuffle::connect(&addr, from, &run_id, deadline).await?;
+                let stream = shuffle::connect(&addr, from, &run_id, &secret, deadline).await?;
                 Ok::<_, shuffle::ShuffleError>((stream, rx))
             }));
         }
@@ -546,6 +550,7 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     let peers_expected = n - 1;
     let accept_inputs: Vec<mpsc::Sender<Msg>> = input_tx.clone();
     let run_id = req.run_id.clone();
+    let secret = req.data_secret.clone();
     let s2 = s.clone();
     tokio::spawn(async move {
         let result: Result<(), WorkerError> = async {
@@ -559,20 +564,46 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
                 }
                 Ok::<_, WorkerError>(senders)
             });
-            let mut accepted = 0;
-            while accepted < peers_expected {
-                let (mut stream, _) = listener
-                    .accept()
-                    .await
-                    .map_err(|e| WorkerError::Fatal(format!("accepting a peer: {e}")))?;
-                stream.set_nodelay(true).ok();
-                let from = shuffle::accept_hello(&mut stream, &run_id).await?;
+            // Handshakes run side by side, each bounded: a stray, silent or forged connection
+            // is refused and logged, and neither stalls the others nor takes a peer's place.
+            let (hs_tx, mut hs_rx) = mpsc::channel(64);
+            let mut peers: BTreeMap<u32, tokio::net::TcpStream> = BTreeMap::new();
+            while peers.len() < peers_expected {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let (mut stream, addr) = accepted
+                            .map_err(|e| WorkerError::Fatal(format!("accepting a peer: {e}")))?;
+                        stream.set_nodelay(true).ok();
+                        let (hs_tx, run_id, secret) = (hs_tx.clone(), run_id.clone(), secret.clone());
+                        tokio::spawn(async move {
+                            let hello = tokio::time::timeout(
+                                HANDSHAKE_TIMEOUT,
+                                shuffle::accept_hello(&mut stream, &run_id, &secret),
+                            )
+                            .await;
+                            let _ = hs_tx.send((addr, hello, stream)).await;
+                        });
+                    }
+                    Some((addr, hello, stream)) = hs_rx.recv() => match hello {
+                        Ok(Ok(from))
+                            if from as usize != me
+                                && (from as usize) < n
+                                && !peers.contains_key(&from) =>
+                        {
+                            peers.insert(from, stream);
+                        }
+                        Ok(Ok(from)) => tracing::warn!(
+                            %addr, from, "refused a data connection: not an expected peer (or one already connected)"
+                        ),
+                        Ok(Err(e)) => tracing::warn!(%addr, error = %e, "refused a data connection"),
+                        Err(_) => tracing::warn!(%addr, "refused a data connection: no hello in time"),
+                    },
+                }
+            }
+            for (from, stream) in peers {
                 let Some(tx) = accept_inputs.get(from as usize).cloned() else {
-                    return Err(WorkerError::Fatal(format!(
-                        "hello from unknown subtask {from}"
-                    )));
+                    continue;
                 };
-                accepted += 1;
                 let s3 = s2.clone();
                 tokio::spawn(async move {
                     if let Err(e) = shuffle::recv_loop(from, stream, tx).await {
