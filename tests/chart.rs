@@ -152,7 +152,7 @@ fn workload_rules() -> Rules {
         (
             "",
             "secrets",
-            &["get", "list", "watch", "create", "patch", "delete"],
+            &["get", "create"],
         ),
         ("events.k8s.io", "events", &["create", "patch"]),
     ])

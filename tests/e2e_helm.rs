@@ -211,7 +211,12 @@ fn install_upgrade_uninstall() {
         );
         assert_can(sa, &["create", "pods", "-n", ns]);
         assert_can(sa, &["delete", "pods", "-n", ns]);
-        assert_can(sa, &["list", "secrets", "-n", ns]);
+        // Secrets: the control token is created and read by name, nothing else.
+        assert_can(sa, &["get", "secrets", "-n", ns]);
+        assert_can(sa, &["create", "secrets", "-n", ns]);
+        for verb in ["list", "watch", "update", "patch", "delete"] {
+            assert_cannot(sa, &[verb, "secrets", "-n", ns]);
+        }
         assert_can(sa, &["create", "events.events.k8s.io", "-n", ns]);
         assert_cannot(sa, &["create", "streamjobs.keyshift.dev", "-n", ns]);
         assert_cannot(sa, &["delete", "streamjobs.keyshift.dev", "-n", ns]);
@@ -219,10 +224,10 @@ fn install_upgrade_uninstall() {
         assert_cannot(sa, &["get", "configmaps", "-n", ns]);
         assert_cannot(sa, &["create", "pods", "--subresource=exec", "-n", ns]);
     }
-    assert_cannot(sa, &["list", "secrets", "--all-namespaces"]);
+    assert_cannot(sa, &["get", "secrets", "--all-namespaces"]);
     assert_cannot(sa, &["list", "streamjobs.keyshift.dev", "--all-namespaces"]);
     assert_cannot(sa, &["list", "pods", "-n", "default"]);
-    assert_cannot(sa, &["list", "secrets", "-n", system]);
+    assert_cannot(sa, &["get", "secrets", "-n", system]);
     assert_cannot(sa, &["delete", "nodes"]);
     assert_cannot(sa, &["list", "nodes"]);
     // The Lease: in the release namespace only, and only the operator's.
@@ -316,7 +321,10 @@ fn install_upgrade_uninstall() {
             "the upgrade removed the Role in {ns}"
         );
     }
-    assert_can(sa, &["list", "secrets", "--all-namespaces"]);
+    assert_can(sa, &["get", "secrets", "--all-namespaces"]);
+    assert_can(sa, &["create", "secrets", "-n", "default"]);
+    assert_cannot(sa, &["list", "secrets", "--all-namespaces"]);
+    assert_cannot(sa, &["delete", "secrets", "-n", "default"]);
     assert_can(sa, &["list", "streamjobs.keyshift.dev", "--all-namespaces"]);
     assert_can(sa, &["create", "pods", "-n", "default"]);
     assert_cannot(sa, &["delete", "nodes"]);

@@ -72,9 +72,12 @@ What the operator may do with the StreamJobs, pods, secrets and events of a watc
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]
+# The job's control-token Secret: created once, then read by name (src/operator/pods.rs). Its
+# owner reference to the StreamJob lets the garbage collector delete it; the operator never lists,
+# watches, changes or deletes a Secret.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "create"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
