@@ -130,6 +130,25 @@ pub struct OperatorArgs {
         value_parser = network_policy_peers
     )]
     pub network_policy_metrics_from: Option<Peers>,
+    /// Image prefixes a StreamJob's spec.image must start with, comma-separated (e.g.
+    /// `registry.example.com/streaming/`; end each with `/`, `:` or `@`). Empty: any image. A
+    /// job outside the list is refused (Stalled, reason ImageNotAllowed) before any pod exists.
+    #[arg(long, env = "KEYSHIFT_ALLOWED_IMAGE_PREFIXES", value_delimiter = ',')]
+    pub allowed_image_prefixes: Vec<String>,
+    /// ServiceAccounts a StreamJob's spec.podTemplate.serviceAccountName may name,
+    /// comma-separated (the namespace's `default` is always allowed). Empty: any. A job outside
+    /// the list is refused (Stalled, reason ServiceAccountNotAllowed) before any pod exists.
+    #[arg(long, env = "KEYSHIFT_ALLOWED_SERVICE_ACCOUNTS", value_delimiter = ',')]
+    pub allowed_service_accounts: Vec<String>,
+}
+
+/// Non-empty, trimmed items of a comma-separated list.
+fn list_items(items: Vec<String>) -> Vec<String> {
+    items
+        .into_iter()
+        .map(|i| i.trim().to_owned())
+        .filter(|i| !i.is_empty())
+        .collect()
 }
 
 /// NetworkPolicy peers given on the command line.
@@ -337,6 +356,10 @@ fn run(command: Command) -> Result<(), CliError> {
                 metrics_addr: args.metrics_addr,
                 worker_image: args.worker_image,
                 max_concurrent_reconciles: args.max_concurrent_reconciles,
+                pod_policy: crate::validation::PodPolicy {
+                    allowed_image_prefixes: list_items(args.allowed_image_prefixes),
+                    allowed_service_accounts: list_items(args.allowed_service_accounts),
+                },
                 network_policy: args.network_policy.then(|| {
                     crate::operator::desired::NetworkPolicyConfig {
                         operator_namespace: args.operator_namespace.filter(|n| !n.is_empty()),
@@ -790,6 +813,19 @@ mod tests {
                 .unwrap()["team"],
             "obs"
         );
+        let a = parse(&[
+            "keyshift",
+            "operator",
+            "--allowed-image-prefixes=registry.example.com/streaming/, ghcr.io/keyshift/,",
+            "--allowed-service-accounts=stream-workers",
+        ]);
+        assert_eq!(
+            list_items(a.allowed_image_prefixes),
+            ["registry.example.com/streaming/", "ghcr.io/keyshift/"]
+        );
+        assert_eq!(list_items(a.allowed_service_accounts), ["stream-workers"]);
+        let a = parse(&["keyshift", "operator", "--allowed-image-prefixes="]);
+        assert!(list_items(a.allowed_image_prefixes).is_empty());
         for bad in [
             "--operator-pod-labels=app",
             "--operator-pod-labels==x",

@@ -622,6 +622,44 @@ fn network_policy_values_reach_the_operator() {
     });
 }
 
+/// policy.* reaches the operator as its allow-lists; empty lists set nothing (anything goes).
+#[test]
+fn policy_values_reach_the_operator() {
+    with_helm(|helm| {
+        let names = |docs: &[Value]| -> Vec<String> {
+            container(docs)["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|e| e["name"].as_str().map(str::to_owned))
+                .collect()
+        };
+        let docs = defaults(helm);
+        let env_names = names(&docs);
+        assert!(
+            !env_names.iter().any(|n| n.starts_with("KEYSHIFT_ALLOWED_")),
+            "{env_names:?}"
+        );
+        let docs = render_ok(
+            helm,
+            &[
+                "--set-json",
+                r#"policy.allowedImagePrefixes=["registry.example.com/streaming/","ghcr.io/keyshift/"]"#,
+                "--set-json",
+                r#"policy.allowedServiceAccounts=["stream-workers","etl"]"#,
+            ],
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_IMAGE_PREFIXES")["value"],
+            "registry.example.com/streaming/,ghcr.io/keyshift/"
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_SERVICE_ACCOUNTS")["value"],
+            "stream-workers,etl"
+        );
+    });
+}
+
 #[test]
 fn bad_values_are_refused_with_a_reason() {
     with_helm(|helm| {
@@ -654,6 +692,17 @@ fn bad_values_are_refused_with_a_reason() {
             (
                 &["--set", "serviceMonitor.enabled=true"],
                 "does not serve monitoring.coreos.com/v1 ServiceMonitor",
+            ),
+            (
+                &["--set-json", r#"policy.allowedImagePrefixes=["a,b"]"#],
+                "/policy/allowedImagePrefixes/0",
+            ),
+            (
+                &[
+                    "--set-json",
+                    r#"policy.allowedServiceAccounts=["Not_A_Name"]"#,
+                ],
+                "/policy/allowedServiceAccounts/0",
             ),
             (
                 &["--kube-version", "1.29.0"],
