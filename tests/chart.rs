@@ -391,6 +391,18 @@ fn namespaced_values_grant_nothing_cluster_wide() {
             json!({"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}})
         );
         assert_eq!(env(&docs, "RUST_LOG")["value"], "info,keyshift=debug");
+        assert_eq!(
+            env(&docs, "KEYSHIFT_NETWORK_POLICY_METRICS_FROM")["value"],
+            r#"[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_IMAGE_PREFIXES")["value"],
+            "registry.example.com/streaming/,ghcr.io/keyshift/"
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_SERVICE_ACCOUNTS")["value"],
+            "stream-workers"
+        );
 
         let sm = one(&docs, "ServiceMonitor");
         assert_eq!(sm["apiVersion"], "monitoring.coreos.com/v1");
