@@ -94,6 +94,83 @@ pub struct OperatorArgs {
     /// the workers' restore run in the background and hold no slot.
     #[arg(long, env = "KEYSHIFT_MAX_CONCURRENT_RECONCILES", default_value_t = 32)]
     pub max_concurrent_reconciles: u16,
+    /// Create a NetworkPolicy per job: only the job's workers reach its data port, only the
+    /// operator's pods (and --network-policy-metrics-from) its control port.
+    /// `--network-policy=false` for clusters whose CNI does not enforce policies, or whose
+    /// policies you manage yourself.
+    #[arg(
+        long,
+        env = "KEYSHIFT_NETWORK_POLICY",
+        default_value_t = true,
+        action = clap::ArgAction::Set,
+        num_args = 0..=1,
+        default_missing_value = "true"
+    )]
+    pub network_policy: bool,
+    /// Labels of the operator's own pods, `key=value` comma-separated: the NetworkPolicy admits
+    /// pods with all of them to the workers' control port.
+    #[arg(
+        long,
+        env = "KEYSHIFT_OPERATOR_POD_LABELS",
+        value_delimiter = ',',
+        value_parser = label_pair,
+        default_value = crate::operator::desired::DEFAULT_OPERATOR_POD_LABELS
+    )]
+    pub operator_pod_labels: Vec<(String, String)>,
+    /// Namespace of the operator's own pods (the chart passes it through the downward API);
+    /// unset: the NetworkPolicy admits operator pods of the job's own namespace.
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub operator_namespace: Option<String>,
+    /// More peers admitted to the workers' control port, which also serves their `/metrics`: a
+    /// JSON list of NetworkPolicy peers, e.g.
+    /// `[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]`.
+    #[arg(
+        long,
+        env = "KEYSHIFT_NETWORK_POLICY_METRICS_FROM",
+        value_parser = network_policy_peers
+    )]
+    pub network_policy_metrics_from: Option<Peers>,
+    /// Image prefixes a StreamJob's spec.image must start with, comma-separated (e.g.
+    /// `registry.example.com/streaming/`; end each with `/`, `:` or `@`). Empty: any image. A
+    /// job outside the list is refused (Stalled, reason ImageNotAllowed) before any pod exists.
+    #[arg(long, env = "KEYSHIFT_ALLOWED_IMAGE_PREFIXES", value_delimiter = ',')]
+    pub allowed_image_prefixes: Vec<String>,
+    /// ServiceAccounts a StreamJob's spec.podTemplate.serviceAccountName may name,
+    /// comma-separated (the namespace's `default` is always allowed). Empty: any. A job outside
+    /// the list is refused (Stalled, reason ServiceAccountNotAllowed) before any pod exists.
+    #[arg(long, env = "KEYSHIFT_ALLOWED_SERVICE_ACCOUNTS", value_delimiter = ',')]
+    pub allowed_service_accounts: Vec<String>,
+}
+
+/// Non-empty, trimmed items of a comma-separated list.
+fn list_items(items: Vec<String>) -> Vec<String> {
+    items
+        .into_iter()
+        .map(|i| i.trim().to_owned())
+        .filter(|i| !i.is_empty())
+        .collect()
+}
+
+/// NetworkPolicy peers given on the command line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Peers(pub Vec<k8s_openapi::api::networking::v1::NetworkPolicyPeer>);
+
+/// `key=value` (a label).
+fn label_pair(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.trim().is_empty() => Ok((k.trim().to_owned(), v.trim().to_owned())),
+        _ => Err(format!("`{s}` is not a label: write key=value")),
+    }
+}
+
+/// A JSON list of NetworkPolicy peers (empty text: none).
+fn network_policy_peers(s: &str) -> Result<Peers, String> {
+    if s.trim().is_empty() {
+        return Ok(Peers(Vec::new()));
+    }
+    serde_json::from_str(s)
+        .map(Peers)
+        .map_err(|e| format!("not a JSON list of NetworkPolicy peers: {e}"))
 }
 
 #[derive(clap::Args, Debug)]
@@ -279,6 +356,20 @@ fn run(command: Command) -> Result<(), CliError> {
                 metrics_addr: args.metrics_addr,
                 worker_image: args.worker_image,
                 max_concurrent_reconciles: args.max_concurrent_reconciles,
+                pod_policy: crate::validation::PodPolicy {
+                    allowed_image_prefixes: list_items(args.allowed_image_prefixes),
+                    allowed_service_accounts: list_items(args.allowed_service_accounts),
+                },
+                network_policy: args.network_policy.then(|| {
+                    crate::operator::desired::NetworkPolicyConfig {
+                        operator_namespace: args.operator_namespace.filter(|n| !n.is_empty()),
+                        operator_pod_labels: args.operator_pod_labels.into_iter().collect(),
+                        metrics_from: args
+                            .network_policy_metrics_from
+                            .map(|p| p.0)
+                            .unwrap_or_default(),
+                    }
+                }),
                 leader: match (args.leader_elect, args.lease_namespace) {
                     (false, _) => None,
                     (true, Some(ns)) => Some(crate::leader::LeaderConfig::new(
@@ -673,5 +764,79 @@ mod tests {
             ("l", Some("ns"))
         );
         assert_eq!(a.namespaces, ["a", "b"]);
+    }
+
+    #[test]
+    fn operator_network_policy_flags() {
+        let parse = |args: &[&str]| match Cli::try_parse_from(args) {
+            Ok(Cli {
+                command: Command::Operator(a),
+                ..
+            }) => a,
+            other => panic!("{args:?}: {other:?}"),
+        };
+        let a = parse(&["keyshift", "operator"]);
+        assert!(a.network_policy);
+        assert_eq!(
+            a.operator_pod_labels,
+            [
+                ("app.kubernetes.io/name".to_owned(), "keyshift".to_owned()),
+                (
+                    "app.kubernetes.io/component".to_owned(),
+                    "operator".to_owned()
+                )
+            ]
+        );
+        assert_eq!(a.network_policy_metrics_from, None);
+        assert!(!parse(&["keyshift", "operator", "--network-policy=false"]).network_policy);
+        let a = parse(&[
+            "keyshift",
+            "operator",
+            "--operator-pod-labels=app.kubernetes.io/instance=ks,app.kubernetes.io/name=keyshift",
+            "--operator-namespace=keyshift-system",
+            r#"--network-policy-metrics-from=[{"namespaceSelector":{"matchLabels":{"team":"obs"}}}]"#,
+        ]);
+        assert_eq!(
+            a.operator_pod_labels[0],
+            ("app.kubernetes.io/instance".to_owned(), "ks".to_owned())
+        );
+        assert_eq!(a.operator_pod_labels.len(), 2);
+        assert_eq!(a.operator_namespace.as_deref(), Some("keyshift-system"));
+        let peers = a.network_policy_metrics_from.unwrap().0;
+        assert_eq!(
+            peers[0]
+                .namespace_selector
+                .as_ref()
+                .unwrap()
+                .match_labels
+                .as_ref()
+                .unwrap()["team"],
+            "obs"
+        );
+        let a = parse(&[
+            "keyshift",
+            "operator",
+            "--allowed-image-prefixes=registry.example.com/streaming/, ghcr.io/keyshift/,",
+            "--allowed-service-accounts=stream-workers",
+        ]);
+        assert_eq!(
+            list_items(a.allowed_image_prefixes),
+            ["registry.example.com/streaming/", "ghcr.io/keyshift/"]
+        );
+        assert_eq!(list_items(a.allowed_service_accounts), ["stream-workers"]);
+        let a = parse(&["keyshift", "operator", "--allowed-image-prefixes="]);
+        assert!(list_items(a.allowed_image_prefixes).is_empty());
+        for bad in [
+            "--operator-pod-labels=app",
+            "--operator-pod-labels==x",
+            "--network-policy-metrics-from={\"podSelector\":{}}",
+        ] {
+            let err = Cli::try_parse_from(["keyshift", "operator", bad]).unwrap_err();
+            assert_eq!(
+                err.kind(),
+                clap::error::ErrorKind::ValueValidation,
+                "{bad}: {err}"
+            );
+        }
     }
 }

@@ -65,8 +65,13 @@ pub struct StreamJobSpec {
     #[serde(default)]
     pub key_group_policy: KeyGroupPolicy,
 
-    /// Container image of the workers. Defaults to the operator's own image (the keyshift
-    /// binary runs both).
+    /// Container image of the workers. Defaults to the operator's worker image (its own image:
+    /// the keyshift binary runs both). Powerful: the image's code runs in every worker pod with
+    /// the job's control token, its storage credentials (spec.state.credentialsSecret) and its
+    /// ServiceAccount, so whoever may edit StreamJobs may run any code there. An operator
+    /// started with allowed image prefixes (chart value policy.allowedImagePrefixes) refuses a
+    /// job whose image starts with none of them (condition Stalled, reason ImageNotAllowed)
+    /// before it creates any pod.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image: Option<String>,
 
@@ -400,7 +405,13 @@ pub struct PodTemplateOverrides {
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub node_selector: BTreeMap<String, String>,
     /// ServiceAccount the worker pods run as (they need no Kubernetes API access, and no token
-    /// is mounted). Default: the namespace's default ServiceAccount.
+    /// is mounted). Default: the namespace's default ServiceAccount. Powerful: any
+    /// ServiceAccount of the namespace may be named, and a projected token volume in
+    /// spec.podTemplate.volumes would hand its API rights (and its cloud identity, where
+    /// workload identity maps one) to the job's code. An operator started with allowed service
+    /// accounts (chart value policy.allowedServiceAccounts) refuses any other name (condition
+    /// Stalled, reason ServiceAccountNotAllowed) before it creates any pod; the namespace's
+    /// `default` is always allowed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub service_account_name: Option<String>,
     /// Volumes added to every worker pod (Kubernetes pod volumes: configMap, secret,

@@ -52,6 +52,90 @@ pub const MSG_TMP_MOUNT: &str = "spec.podTemplate.volumeMounts must not mount at
 pub const MSG_MOUNT_VOLUME: &str = "spec.podTemplate.volumeMounts must each name a volume declared in spec.podTemplate.volumes: add the volume there or correct the mount's name";
 pub const MSG_RESERVED_ENV: &str = "spec.podTemplate.env must not set POD_IP, KEYSHIFT_TOKEN or KEYSHIFT_SUBTASK: the operator sets them on every worker; remove them or use another name";
 
+/// The ServiceAccount a worker pod runs as when spec.podTemplate.serviceAccountName is unset:
+/// always allowed by a [`PodPolicy`].
+pub const DEFAULT_SERVICE_ACCOUNT: &str = "default";
+
+/// What the operator lets a StreamJob ask for beyond the spec's own rules: which images
+/// (spec.image) and ServiceAccounts (spec.podTemplate.serviceAccountName) its workers may run
+/// with. An empty list allows any. The operator's own worker image (used when spec.image is
+/// unset) and the namespace's `default` ServiceAccount are always allowed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PodPolicy {
+    /// spec.image must start with one of these (write them up to a `/`, `:` or `@`, e.g.
+    /// `registry.example.com/streaming/`, or a prefix also admits look-alike registries).
+    pub allowed_image_prefixes: Vec<String>,
+    /// spec.podTemplate.serviceAccountName must be one of these.
+    pub allowed_service_accounts: Vec<String>,
+}
+
+/// A job the operator's [`PodPolicy`] refuses: names the field, what is allowed, and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PolicyError {
+    #[error(
+        "spec.image `{image}` is not allowed here: this operator runs only images starting with {allowed}; use such an image, remove spec.image to run the operator's worker image, or ask the cluster admin to extend policy.allowedImagePrefixes"
+    )]
+    ImageNotAllowed { image: String, allowed: String },
+    #[error(
+        "spec.podTemplate.serviceAccountName `{account}` is not allowed here: this operator runs workers only as {allowed} (or the namespace's default); name one of them, remove the field to use the default ServiceAccount, or ask the cluster admin to extend policy.allowedServiceAccounts"
+    )]
+    ServiceAccountNotAllowed { account: String, allowed: String },
+}
+
+impl PolicyError {
+    /// The reason of the Stalled condition.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            PolicyError::ImageNotAllowed { .. } => "ImageNotAllowed",
+            PolicyError::ServiceAccountNotAllowed { .. } => "ServiceAccountNotAllowed",
+        }
+    }
+}
+
+fn quoted_list(items: &[String]) -> String {
+    items
+        .iter()
+        .map(|i| format!("`{i}`"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Whether `policy` lets `spec` run; `worker_image` is the operator's own worker image (the one
+/// used when spec.image is unset), always allowed.
+pub fn check_pod_policy(
+    spec: &StreamJobSpec,
+    policy: &PodPolicy,
+    worker_image: &str,
+) -> Result<(), PolicyError> {
+    if let Some(image) = &spec.image
+        && !policy.allowed_image_prefixes.is_empty()
+        && image != worker_image
+        && !policy
+            .allowed_image_prefixes
+            .iter()
+            .any(|p| !p.is_empty() && image.starts_with(p.as_str()))
+    {
+        return Err(PolicyError::ImageNotAllowed {
+            image: image.clone(),
+            allowed: quoted_list(&policy.allowed_image_prefixes),
+        });
+    }
+    if let Some(account) = spec
+        .pod_template
+        .as_ref()
+        .and_then(|t| t.service_account_name.as_ref())
+        && !policy.allowed_service_accounts.is_empty()
+        && account != DEFAULT_SERVICE_ACCOUNT
+        && !policy.allowed_service_accounts.contains(account)
+    {
+        return Err(PolicyError::ServiceAccountNotAllowed {
+            account: account.clone(),
+            allowed: quoted_list(&policy.allowed_service_accounts),
+        });
+    }
+    Ok(())
+}
+
 /// Object store URL schemes `object_store` understands.
 pub const STORAGE_SCHEMES: &[&str] = &[
     "file", "memory", "s3", "s3a", "gs", "az", "azure", "abfs", "abfss", "adl", "http", "https",
@@ -890,4 +974,116 @@ pub fn analyse(
         skew,
         idle_subtasks,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::operator::desired::tests_support::job;
+
+    fn policy(images: &[&str], accounts: &[&str]) -> PodPolicy {
+        PodPolicy {
+            allowed_image_prefixes: images.iter().map(|s| (*s).to_owned()).collect(),
+            allowed_service_accounts: accounts.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    fn with(image: Option<&str>, account: Option<&str>) -> StreamJobSpec {
+        let mut spec = job().spec;
+        spec.image = image.map(str::to_owned);
+        spec.pod_template
+            .get_or_insert_with(Default::default)
+            .service_account_name = account.map(str::to_owned);
+        spec
+    }
+
+    const OPERATOR_IMAGE: &str = "ghcr.io/keyshift/keyshift:0.1.0";
+
+    #[test]
+    fn an_empty_policy_allows_any_image_and_service_account() {
+        let spec = with(Some("evil.example/miner:latest"), Some("cluster-admin-sa"));
+        assert_eq!(
+            check_pod_policy(&spec, &PodPolicy::default(), OPERATOR_IMAGE),
+            Ok(())
+        );
+    }
+
+    #[test]
+    fn images_must_start_with_an_allowed_prefix() {
+        let p = policy(
+            &["registry.example.com/streaming/", "ghcr.io/keyshift/"],
+            &[],
+        );
+        for ok in [
+            None,
+            Some("registry.example.com/streaming/clicks:3"),
+            Some("ghcr.io/keyshift/keyshift@sha256:abc"),
+        ] {
+            assert_eq!(
+                check_pod_policy(&with(ok, None), &p, OPERATOR_IMAGE),
+                Ok(()),
+                "{ok:?}"
+            );
+        }
+        for bad in [
+            "registry.example.com/other/clicks:3",
+            "registry.example.com.evil.example/streaming/x",
+            "docker.io/library/busybox",
+            "",
+        ] {
+            let err = check_pod_policy(&with(Some(bad), None), &p, OPERATOR_IMAGE).unwrap_err();
+            assert_eq!(err.reason(), "ImageNotAllowed", "{bad}");
+            assert_eq!(
+                err,
+                PolicyError::ImageNotAllowed {
+                    image: bad.to_owned(),
+                    allowed: "`registry.example.com/streaming/`, `ghcr.io/keyshift/`".to_owned()
+                }
+            );
+            let msg = err.to_string();
+            assert!(
+                msg.starts_with(&format!("spec.image `{bad}` is not allowed")),
+                "{msg}"
+            );
+            assert!(msg.contains("remove spec.image"), "{msg}");
+            assert!(msg.contains("policy.allowedImagePrefixes"), "{msg}");
+        }
+        // The operator's own worker image is allowed even when named explicitly.
+        let p = policy(&["registry.example.com/streaming/"], &[]);
+        assert_eq!(
+            check_pod_policy(&with(Some(OPERATOR_IMAGE), None), &p, OPERATOR_IMAGE),
+            Ok(())
+        );
+        // An empty prefix in the list admits nothing by itself.
+        let p = policy(&[""], &[]);
+        assert!(check_pod_policy(&with(Some("x/y"), None), &p, OPERATOR_IMAGE).is_err());
+    }
+
+    #[test]
+    fn service_accounts_must_be_listed_or_the_default() {
+        let p = policy(&[], &["stream-workers"]);
+        for ok in [None, Some("stream-workers"), Some("default")] {
+            assert_eq!(
+                check_pod_policy(&with(None, ok), &p, OPERATOR_IMAGE),
+                Ok(()),
+                "{ok:?}"
+            );
+        }
+        let err =
+            check_pod_policy(&with(None, Some("ci-deployer")), &p, OPERATOR_IMAGE).unwrap_err();
+        assert_eq!(err.reason(), "ServiceAccountNotAllowed");
+        assert_eq!(
+            err.to_string(),
+            "spec.podTemplate.serviceAccountName `ci-deployer` is not allowed here: this operator runs workers only as `stream-workers` (or the namespace's default); name one of them, remove the field to use the default ServiceAccount, or ask the cluster admin to extend policy.allowedServiceAccounts"
+        );
+        // A job without a pod template at all runs as the default.
+        let mut spec = job().spec;
+        spec.pod_template = None;
+        assert_eq!(check_pod_policy(&spec, &p, OPERATOR_IMAGE), Ok(()));
+        // The image is checked first, both lists apply.
+        let p = policy(&["ok/"], &["stream-workers"]);
+        let err =
+            check_pod_policy(&with(Some("bad/x"), Some("bad")), &p, OPERATOR_IMAGE).unwrap_err();
+        assert_eq!(err.reason(), "ImageNotAllowed");
+    }
 }

@@ -149,12 +149,9 @@ fn workload_rules() -> Rules {
             "pods",
             &["get", "list", "watch", "create", "delete", "patch"],
         ),
-        (
-            "",
-            "secrets",
-            &["get", "list", "watch", "create", "patch", "delete"],
-        ),
+        ("", "secrets", &["get", "create"]),
         ("events.k8s.io", "events", &["create", "patch"]),
+        ("networking.k8s.io", "networkpolicies", &["create", "patch"]),
     ])
 }
 
@@ -394,6 +391,18 @@ fn namespaced_values_grant_nothing_cluster_wide() {
             json!({"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "1", "memory": "512Mi"}})
         );
         assert_eq!(env(&docs, "RUST_LOG")["value"], "info,keyshift=debug");
+        assert_eq!(
+            env(&docs, "KEYSHIFT_NETWORK_POLICY_METRICS_FROM")["value"],
+            r#"[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_IMAGE_PREFIXES")["value"],
+            "registry.example.com/streaming/,ghcr.io/keyshift/"
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_SERVICE_ACCOUNTS")["value"],
+            "stream-workers"
+        );
 
         let sm = one(&docs, "ServiceMonitor");
         assert_eq!(sm["apiVersion"], "monitoring.coreos.com/v1");
@@ -545,6 +554,124 @@ fn other_values_render_as_documented() {
     });
 }
 
+/// The operator learns who it is for the NetworkPolicy's `from`: its pod labels are exactly the
+/// Deployment's selector labels, its namespace comes from the downward API; off, it creates none
+/// and the chart grants nothing on NetworkPolicies.
+#[test]
+fn network_policy_values_reach_the_operator() {
+    with_helm(|helm| {
+        let docs = defaults(helm);
+        assert_eq!(env(&docs, "KEYSHIFT_NETWORK_POLICY")["value"], "true");
+        let labels: BTreeMap<String, String> = env(&docs, "KEYSHIFT_OPERATOR_POD_LABELS")["value"]
+            .as_str()
+            .expect("a string")
+            .split(',')
+            .map(|kv| {
+                let (k, v) = kv.split_once('=').expect("key=value");
+                (k.to_owned(), v.to_owned())
+            })
+            .collect();
+        let deploy = one(&docs, "Deployment");
+        let selector: BTreeMap<String, String> =
+            serde_json::from_value(deploy["spec"]["selector"]["matchLabels"].clone())
+                .expect("matchLabels");
+        assert_eq!(labels, selector);
+        assert_eq!(labels["app.kubernetes.io/instance"], RELEASE);
+        let pod_labels = &deploy["spec"]["template"]["metadata"]["labels"];
+        for (k, v) in &labels {
+            assert_eq!(pod_labels[k], v.as_str(), "the operator pod carries {k}");
+        }
+        assert_eq!(
+            env(&docs, "POD_NAMESPACE")["valueFrom"]["fieldRef"]["fieldPath"],
+            "metadata.namespace"
+        );
+        let names: Vec<&str> = container(&docs)["env"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|e| e["name"].as_str())
+            .collect();
+        assert!(!names.contains(&"KEYSHIFT_NETWORK_POLICY_METRICS_FROM"));
+
+        let docs = render_ok(
+            helm,
+            &[
+                "--set-json",
+                r#"networkPolicy.metricsFrom=[{"namespaceSelector":{"matchLabels":{"kubernetes.io/metadata.name":"monitoring"}}}]"#,
+            ],
+        );
+        let peers: Value = serde_json::from_str(
+            env(&docs, "KEYSHIFT_NETWORK_POLICY_METRICS_FROM")["value"]
+                .as_str()
+                .expect("a string"),
+        )
+        .expect("JSON");
+        assert_eq!(
+            peers,
+            json!([{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}])
+        );
+
+        for args in [
+            &["--set", "networkPolicy.enabled=false"][..],
+            &[
+                "-f",
+                NAMESPACED_VALUES,
+                "--api-versions",
+                SERVICE_MONITOR_API,
+                "--set",
+                "networkPolicy.enabled=false",
+            ][..],
+        ] {
+            let docs = render_ok(helm, args);
+            assert_eq!(env(&docs, "KEYSHIFT_NETWORK_POLICY")["value"], "false");
+            assert!(
+                !rbac_strings(&docs)
+                    .iter()
+                    .any(|r| r.contains("networkpolicies")),
+                "{args:?}"
+            );
+        }
+    });
+}
+
+/// policy.* reaches the operator as its allow-lists; empty lists set nothing (anything goes).
+#[test]
+fn policy_values_reach_the_operator() {
+    with_helm(|helm| {
+        let names = |docs: &[Value]| -> Vec<String> {
+            container(docs)["env"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .filter_map(|e| e["name"].as_str().map(str::to_owned))
+                .collect()
+        };
+        let docs = defaults(helm);
+        let env_names = names(&docs);
+        assert!(
+            !env_names.iter().any(|n| n.starts_with("KEYSHIFT_ALLOWED_")),
+            "{env_names:?}"
+        );
+        let docs = render_ok(
+            helm,
+            &[
+                "--set-json",
+                r#"policy.allowedImagePrefixes=["registry.example.com/streaming/","ghcr.io/keyshift/"]"#,
+                "--set-json",
+                r#"policy.allowedServiceAccounts=["stream-workers","etl"]"#,
+            ],
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_IMAGE_PREFIXES")["value"],
+            "registry.example.com/streaming/,ghcr.io/keyshift/"
+        );
+        assert_eq!(
+            env(&docs, "KEYSHIFT_ALLOWED_SERVICE_ACCOUNTS")["value"],
+            "stream-workers,etl"
+        );
+    });
+}
+
 #[test]
 fn bad_values_are_refused_with_a_reason() {
     with_helm(|helm| {
@@ -577,6 +704,17 @@ fn bad_values_are_refused_with_a_reason() {
             (
                 &["--set", "serviceMonitor.enabled=true"],
                 "does not serve monitoring.coreos.com/v1 ServiceMonitor",
+            ),
+            (
+                &["--set-json", r#"policy.allowedImagePrefixes=["a,b"]"#],
+                "/policy/allowedImagePrefixes/0",
+            ),
+            (
+                &[
+                    "--set-json",
+                    r#"policy.allowedServiceAccounts=["Not_A_Name"]"#,
+                ],
+                "/policy/allowedServiceAccounts/0",
             ),
             (
                 &["--kube-version", "1.29.0"],

@@ -61,12 +61,13 @@ impl Operator {
         )
     }
 
-    /// Starts the operator with extra (test-only) environment variables. Its log goes next to
-    /// `storage_dir`, whose name also names its storage prefix on S3; the namespace gets the S3
-    /// credentials Secret the test jobs name.
+    /// Starts the operator with extra environment variables (settings, or test-only hooks). Its
+    /// log goes next to `storage_dir`, whose name also names its storage prefix on S3; the
+    /// namespace gets the S3 credentials Secret the test jobs name.
     fn start_envs(ns: &str, storage_dir: &std::path::Path, envs: &[(&str, &str)]) -> Operator {
         assert!(
-            envs.is_empty() || cfg!(feature = "test-hooks"),
+            !envs.iter().any(|(k, _)| k.starts_with("KEYSHIFT_TEST_"))
+                || cfg!(feature = "test-hooks"),
             "the operator's test hooks need `cargo test --features test-hooks` (hack/test.sh uses --all-features)"
         );
         let tag = storage_dir
@@ -1645,4 +1646,130 @@ fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_
     }
     drop(op);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `kubectl wait` for condition `Stalled` with `reason`; the condition's message.
+fn wait_stalled(ns: &str, name: &str, reason: &str, log: &std::path::Path) -> String {
+    let path = "{.status.conditions[?(@.type==\"Stalled\")].status}/{.status.conditions[?(@.type==\"Stalled\")].reason}";
+    let start = Instant::now();
+    while get(ns, name, path) != format!("True/{reason}") {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "sj/{name} not Stalled/{reason}\n{}",
+            diagnostics(ns, name, log)
+        );
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    get(
+        ns,
+        name,
+        "{.status.conditions[?(@.type==\"Stalled\")].message}",
+    )
+}
+
+/// The operator's allow-lists refuse a job whose spec.image or serviceAccountName is outside
+/// them before any pod exists, naming the field and the fix; the fixed job runs, behind the
+/// NetworkPolicy the operator applied before its pods (this operator is a host process that does
+/// not know its namespace: its peer is the job's namespace; the test CNI does not enforce
+/// policies, so the object is what is checked).
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn allow_lists_refuse_image_and_service_account_before_any_pod_then_the_job_runs_behind_its_policy()
+{
+    let _plane = shared_plane();
+    ensure_crd();
+    let ns = Namespace::new("e2e-op-policy");
+    let ns = &ns.0;
+    let dir = scratch_dir().join(format!("keyshift-e2e-policy-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("storage dir");
+    let image = image();
+    let (repo, _) = image.rsplit_once(':').expect("REPO:TAG");
+    let prefix = format!("{repo}:");
+    let envs = [
+        ("KEYSHIFT_ALLOWED_IMAGE_PREFIXES", prefix.as_str()),
+        ("KEYSHIFT_ALLOWED_SERVICE_ACCOUNTS", "stream-workers"),
+    ];
+    // Not the operator's default image, so the prefix is what admits it below.
+    let other_tag = format!("{repo}:allowed-by-prefix");
+    tag_image(&other_tag);
+    let op = Operator::start_envs(ns, &dir, &envs);
+    let log = op.log.clone();
+    let name = "guarded";
+    let job = |extra: &str| count_job_yaml(name, 2, extra, "partitions: 2, keys: 100");
+
+    let r = apply(ns, &job("\n  image: registry.example/someone/miner:1"));
+    assert!(r.ok, "{}", r.stderr);
+    let message = wait_stalled(ns, name, "ImageNotAllowed", &log);
+    assert!(
+        message.starts_with("spec.image `registry.example/someone/miner:1` is not allowed")
+            && message.contains(&format!("`{prefix}`")),
+        "{message}"
+    );
+    let r = apply(
+        ns,
+        &job(&format!(
+            "\n  image: {other_tag}\n  podTemplate: {{serviceAccountName: intruder}}"
+        )),
+    );
+    assert!(r.ok, "{}", r.stderr);
+    let message = wait_stalled(ns, name, "ServiceAccountNotAllowed", &log);
+    assert!(
+        message.starts_with("spec.podTemplate.serviceAccountName `intruder` is not allowed"),
+        "{message}"
+    );
+    // Refused before anything: no pod, no policy.
+    assert!(worker_pods(ns, name).is_empty());
+    assert!(
+        kubectl_ok(&["get", "networkpolicies", "-n", ns, "-o", "name"])
+            .trim()
+            .is_empty()
+    );
+
+    // Fixed: an allowed image under the namespace's default ServiceAccount runs.
+    let r = apply(ns, &job(&format!("\n  image: {other_tag}")));
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    assert_eq!(
+        get(
+            ns,
+            name,
+            "{.status.conditions[?(@.type==\"Stalled\")].status}"
+        ),
+        "False"
+    );
+    let np: serde_json::Value = serde_json::from_str(&kubectl_ok(&[
+        "get",
+        "networkpolicy",
+        &format!("{name}-workers"),
+        "-n",
+        ns,
+        "-o",
+        "json",
+    ]))
+    .expect("NetworkPolicy JSON");
+    assert_eq!(np["metadata"]["ownerReferences"][0]["name"], name);
+    assert_eq!(
+        np["spec"]["podSelector"],
+        serde_json::json!({"matchLabels": {"keyshift.dev/job": name}})
+    );
+    assert_eq!(
+        np["spec"]["ingress"][1]["from"][0],
+        serde_json::json!({
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}},
+            "podSelector": {"matchLabels": {
+                "app.kubernetes.io/component": "operator",
+                "app.kubernetes.io/name": "keyshift"
+            }}
+        })
+    );
+    assert_eq!(
+        np["spec"]["ingress"][0]["ports"],
+        serde_json::json!([{"protocol": "TCP", "port": 9091}])
+    );
+    delete_job(ns, name, &log);
+    // Garbage-collected with its job.
+    wait_for(Duration::from_secs(60), || {
+        !kubectl(&["get", "networkpolicy", &format!("{name}-workers"), "-n", ns]).ok
+    });
+    drop(op);
 }

@@ -8,6 +8,7 @@ use super::error::OperatorError;
 use super::pods::PodWorkers;
 use crate::crd::{StreamJob, StreamJobStatus};
 use crate::orchestrator::pass::{self, PassInput, Shell, requeue};
+use crate::validation;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action as Requeue;
@@ -36,6 +37,23 @@ pub(super) async fn apply(
     };
     let spec = &job.spec;
     let status0 = job.status.clone().unwrap_or_default();
+
+    // The operator's own policy (allowed images and ServiceAccounts), before anything else acts:
+    // a refused job gets no pod. It stalls the way a job without storage does, with the field
+    // and the fix in the condition, until its spec (or the operator's policy) changes.
+    if let Err(refused) =
+        validation::check_pod_policy(spec, &ctx.config.pod_policy, &ctx.config.worker_image)
+    {
+        let status = pass::stalled_status(
+            spec,
+            job.metadata.generation,
+            &status0,
+            refused.reason(),
+            &refused.to_string(),
+        );
+        write_status(&api, &name, &status0, &status).await?;
+        return Ok(Requeue::requeue(requeue::STALLED));
+    }
 
     let Some(storage) = spec
         .state

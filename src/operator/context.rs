@@ -29,6 +29,11 @@ pub struct OperatorConfig {
     pub max_concurrent_reconciles: u16,
     /// Leader election (None: this process reconciles unconditionally).
     pub leader: Option<crate::leader::LeaderConfig>,
+    /// The NetworkPolicy created in front of every job's workers (None: none is created, for
+    /// clusters whose CNI does not enforce policies or whose policies the user manages).
+    pub network_policy: Option<super::desired::NetworkPolicyConfig>,
+    /// Which images and ServiceAccounts a job may ask for (empty lists: any).
+    pub pod_policy: crate::validation::PodPolicy,
 }
 
 /// What the operator remembers about one job: the orchestration's memory, and what only the pod

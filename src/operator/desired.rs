@@ -1,5 +1,5 @@
-//! Pure: the objects a StreamJob should own (worker pods, the control-token Secret), built from
-//! its spec and the run being started. No I/O.
+//! Pure: the objects a StreamJob should own (worker pods, the control-token Secret, the
+//! NetworkPolicy in front of its workers), built from its spec and the run being started. No I/O.
 
 use crate::crd::StreamJob;
 use crate::keygroup::Assignment;
@@ -9,8 +9,12 @@ use k8s_openapi::api::core::v1::{
     SeccompProfile, Secret, SecretEnvSource, SecretKeySelector, SecurityContext, Volume,
     VolumeMount,
 };
+use k8s_openapi::api::networking::v1::{
+    NetworkPolicy, NetworkPolicyIngressRule, NetworkPolicyPeer, NetworkPolicyPort,
+    NetworkPolicySpec,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{Resource, ResourceExt};
 use std::collections::BTreeMap;
@@ -51,11 +55,38 @@ pub const WORKER_UID: i64 = 65532;
 pub const DEFAULT_CPU_REQUEST: &str = "100m";
 pub const DEFAULT_MEMORY_REQUEST: &str = "128Mi";
 
+/// The label every namespace carries with its own name (set by the API server).
+pub const LABEL_NAMESPACE_NAME: &str = "kubernetes.io/metadata.name";
+/// The operator pods' labels when none are configured: the chart's selector labels of a release
+/// named `keyshift` (`--operator-pod-labels` / `KEYSHIFT_OPERATOR_POD_LABELS`).
+pub const DEFAULT_OPERATOR_POD_LABELS: &str =
+    "app.kubernetes.io/name=keyshift,app.kubernetes.io/component=operator";
+
+/// Who may reach a job's workers besides the job's own workers: the `from` side of the
+/// NetworkPolicy the operator creates for every job.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct NetworkPolicyConfig {
+    /// Namespace of the operator's pods (`POD_NAMESPACE`, the downward API). `None` (an operator
+    /// that does not run in a pod, or does not know its namespace): the peer is the job's own
+    /// namespace.
+    pub operator_namespace: Option<String>,
+    /// Labels of the operator's pods (never empty: an empty selector would admit every pod).
+    pub operator_pod_labels: BTreeMap<String, String>,
+    /// Extra peers admitted to the control port, which also serves the workers' `/metrics` (for
+    /// example the monitoring namespace). Every control call but `/metrics` and `/v1/readyz`
+    /// still needs the job's token.
+    pub metrics_from: Vec<NetworkPolicyPeer>,
+}
+
 /// Problems building the desired objects (a StreamJob without name or namespace).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum DesiredError {
     #[error("the StreamJob has no {0}")]
     Missing(&'static str),
+    #[error(
+        "no operator pod labels for the NetworkPolicy's `from` selector: set --operator-pod-labels (KEYSHIFT_OPERATOR_POD_LABELS), or disable the policy with --network-policy=false"
+    )]
+    NoOperatorLabels,
 }
 
 /// Name and namespace of a job.
@@ -84,6 +115,11 @@ pub fn pod_name(job_name: &str, run: &str, subtask: u32) -> String {
     format!("{job_name}-{run}-{subtask}")
 }
 
+/// Name of the NetworkPolicy in front of a job's workers.
+pub fn network_policy_name(job_name: &str) -> String {
+    format!("{job_name}-workers")
+}
+
 fn owner(job: &StreamJob) -> Result<OwnerReference, DesiredError> {
     job.controller_owner_ref(&())
         .ok_or(DesiredError::Missing("uid"))
@@ -103,6 +139,78 @@ pub fn secret(job: &StreamJob, token: &str) -> Result<Secret, DesiredError> {
         string_data: Some(BTreeMap::from([(TOKEN_KEY.to_owned(), token.to_owned())])),
         type_: Some("Opaque".into()),
         ..Default::default()
+    })
+}
+
+/// The NetworkPolicy of a job: its worker pods (every run's) accept the data port (shuffle) only
+/// from the job's own workers, and the control port (control API, readiness, `/metrics`) only
+/// from the operator's pods and `config.metrics_from`. Nothing else reaches them (traffic from
+/// the pod's own node, such as the kubelet's probes, is always allowed). Egress is not
+/// restricted: workers reach their object store.
+pub fn network_policy(
+    job: &StreamJob,
+    config: &NetworkPolicyConfig,
+) -> Result<NetworkPolicy, DesiredError> {
+    let (ns, name) = job_key(job)?;
+    if config.operator_pod_labels.is_empty() {
+        return Err(DesiredError::NoOperatorLabels);
+    }
+    let job_labels = BTreeMap::from([(LABEL_JOB.to_owned(), name.clone())]);
+    let workers = LabelSelector {
+        match_labels: Some(job_labels.clone()),
+        ..Default::default()
+    };
+    let port = |p: u16| NetworkPolicyPort {
+        protocol: Some("TCP".into()),
+        port: Some(IntOrString::Int(i32::from(p))),
+        ..Default::default()
+    };
+    let operator_ns = config
+        .operator_namespace
+        .clone()
+        .unwrap_or_else(|| ns.clone());
+    let operator = NetworkPolicyPeer {
+        namespace_selector: Some(LabelSelector {
+            match_labels: Some(BTreeMap::from([(
+                LABEL_NAMESPACE_NAME.to_owned(),
+                operator_ns,
+            )])),
+            ..Default::default()
+        }),
+        pod_selector: Some(LabelSelector {
+            match_labels: Some(config.operator_pod_labels.clone()),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let mut control_from = vec![operator];
+    control_from.extend(config.metrics_from.iter().cloned());
+    Ok(NetworkPolicy {
+        metadata: ObjectMeta {
+            name: Some(network_policy_name(&name)),
+            namespace: Some(ns),
+            labels: Some(job_labels),
+            owner_references: Some(vec![owner(job)?]),
+            ..Default::default()
+        },
+        spec: Some(NetworkPolicySpec {
+            pod_selector: Some(workers.clone()),
+            policy_types: Some(vec!["Ingress".into()]),
+            ingress: Some(vec![
+                NetworkPolicyIngressRule {
+                    from: Some(vec![NetworkPolicyPeer {
+                        pod_selector: Some(workers),
+                        ..Default::default()
+                    }]),
+                    ports: Some(vec![port(DATA_PORT)]),
+                },
+                NetworkPolicyIngressRule {
+                    from: Some(control_from),
+                    ports: Some(vec![port(CONTROL_PORT)]),
+                },
+            ]),
+            egress: None,
+        }),
     })
 }
 
@@ -607,6 +715,131 @@ imagePullSecrets:
                 .unwrap()
                 .read_only_root_filesystem,
             Some(true)
+        );
+    }
+
+    fn policy_config() -> NetworkPolicyConfig {
+        NetworkPolicyConfig {
+            operator_namespace: Some("keyshift-system".into()),
+            operator_pod_labels: BTreeMap::from([
+                ("app.kubernetes.io/name".to_owned(), "keyshift".to_owned()),
+                ("app.kubernetes.io/instance".to_owned(), "ks".to_owned()),
+            ]),
+            metrics_from: Vec::new(),
+        }
+    }
+
+    fn match_labels(s: &Option<LabelSelector>) -> Vec<(String, String)> {
+        let s = s.as_ref().expect("a selector");
+        assert_eq!(s.match_expressions, None);
+        s.match_labels
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .collect()
+    }
+
+    fn ports(rule: &NetworkPolicyIngressRule) -> Vec<(Option<String>, Option<IntOrString>)> {
+        rule.ports
+            .iter()
+            .flatten()
+            .map(|p| (p.protocol.clone(), p.port.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn network_policy_admits_the_job_to_data_and_the_operator_to_control() {
+        let j = job();
+        let np = network_policy(&j, &policy_config()).unwrap();
+        assert_eq!(np.metadata.name.as_deref(), Some("clicks-workers"));
+        assert_eq!(np.metadata.namespace.as_deref(), Some("ns"));
+        assert_eq!(np.metadata.labels.as_ref().unwrap()[LABEL_JOB], "clicks");
+        let owner = &np.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.name.as_str(), owner.uid.as_str()),
+            ("StreamJob", "clicks", "u-1")
+        );
+        assert_eq!(owner.controller, Some(true));
+        let spec = np.spec.unwrap();
+        let job_only = vec![("keyshift.dev/job".to_owned(), "clicks".to_owned())];
+        // Every worker pod of the job, whatever its run: the pods carry this label.
+        assert_eq!(match_labels(&spec.pod_selector), job_only);
+        let pod = pod(&j, "r1", 0, Assignment::new(4, 128).unwrap(), "img").unwrap();
+        assert_eq!(pod.metadata.labels.unwrap()[LABEL_JOB], "clicks");
+        assert_eq!(
+            spec.policy_types.as_deref(),
+            Some(&["Ingress".to_owned()][..])
+        );
+        assert_eq!(spec.egress, None);
+        let ingress = spec.ingress.unwrap();
+        assert_eq!(ingress.len(), 2);
+        // Data (shuffle): the job's own workers, in the job's namespace (no namespaceSelector).
+        assert_eq!(
+            ports(&ingress[0]),
+            [(Some("TCP".to_owned()), Some(IntOrString::Int(9091)))]
+        );
+        let data_from = ingress[0].from.as_ref().unwrap();
+        assert_eq!(data_from.len(), 1);
+        assert_eq!(data_from[0].namespace_selector, None);
+        assert_eq!(data_from[0].ip_block, None);
+        assert_eq!(match_labels(&data_from[0].pod_selector), job_only);
+        // Control: the operator's pods in the operator's namespace, nothing else.
+        assert_eq!(
+            ports(&ingress[1]),
+            [(Some("TCP".to_owned()), Some(IntOrString::Int(9090)))]
+        );
+        let control_from = ingress[1].from.as_ref().unwrap();
+        assert_eq!(control_from.len(), 1);
+        assert_eq!(
+            match_labels(&control_from[0].namespace_selector),
+            [(
+                "kubernetes.io/metadata.name".to_owned(),
+                "keyshift-system".to_owned()
+            )]
+        );
+        assert_eq!(
+            match_labels(&control_from[0].pod_selector),
+            [
+                ("app.kubernetes.io/instance".to_owned(), "ks".to_owned()),
+                ("app.kubernetes.io/name".to_owned(), "keyshift".to_owned())
+            ]
+        );
+    }
+
+    #[test]
+    fn network_policy_peers_default_to_the_jobs_namespace_and_add_metrics_scrapers() {
+        let mut config = policy_config();
+        config.operator_namespace = None;
+        let monitoring: NetworkPolicyPeer = serde_json::from_str(
+            r#"{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}"#,
+        )
+        .unwrap();
+        config.metrics_from = vec![monitoring.clone()];
+        let np = network_policy(&job(), &config).unwrap();
+        let ingress = np.spec.unwrap().ingress.unwrap();
+        let control_from = ingress[1].from.as_ref().unwrap();
+        assert_eq!(
+            match_labels(&control_from[0].namespace_selector),
+            [("kubernetes.io/metadata.name".to_owned(), "ns".to_owned())]
+        );
+        assert_eq!(control_from[1..], [monitoring]);
+        // Scrapers get the control port (where /metrics is served), never the data port.
+        assert_eq!(ingress[0].from.as_ref().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn network_policy_refuses_an_empty_operator_selector_and_a_job_without_uid() {
+        let mut config = policy_config();
+        config.operator_pod_labels.clear();
+        assert_eq!(
+            network_policy(&job(), &config),
+            Err(DesiredError::NoOperatorLabels)
+        );
+        let mut j = job();
+        j.metadata.uid = None;
+        assert_eq!(
+            network_policy(&j, &policy_config()),
+            Err(DesiredError::Missing("uid"))
         );
     }
 

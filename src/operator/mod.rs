@@ -7,8 +7,9 @@
 //! - [`controller`]: the controllers (one per watched namespace), finalizer, error policy;
 //! - [`context`]: settings, client, Event recorder, per-job memory, wakers;
 //! - [`apply`]: one pass (read the job, run the orchestration pass, write status and Events);
-//! - [`pods`]: the [`crate::orchestrator::port::Workers`] port over pods and the token Secret;
-//! - [`desired`]: the pods and Secret a job owns (pure);
+//! - [`pods`]: the [`crate::orchestrator::port::Workers`] port over pods, the token Secret and
+//!   the job's NetworkPolicy (applied before a run's pods);
+//! - [`desired`]: the pods, Secret and NetworkPolicy a job owns (pure);
 //! - [`error`]: the one error type, with a kind per failure;
 //! - [`metrics`]: Prometheus metrics and the `/metrics` server.
 //!

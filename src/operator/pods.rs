@@ -11,6 +11,7 @@ use crate::orchestrator::port::{Listed, PortError, Waker, Workers};
 use crate::orchestrator::run;
 use chrono::DateTime;
 use k8s_openapi::api::core::v1::{Pod, Secret};
+use k8s_openapi::api::networking::v1::NetworkPolicy;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;
@@ -158,6 +159,38 @@ async fn ensure_secret(
     create().await?.ok_or_else(unusable)
 }
 
+/// Server-side applies the job's NetworkPolicy (owned by the StreamJob, so it is
+/// garbage-collected with it).
+async fn apply_network_policy(
+    ctx: &Context,
+    job: &StreamJob,
+    ns: &str,
+    name: &str,
+    config: &desired::NetworkPolicyConfig,
+) -> Result<(), PortError> {
+    let policy_name = desired::network_policy_name(name);
+    let policy = desired::network_policy(job, config)
+        .map_err(|e| PortError::new(format!("building NetworkPolicy {policy_name}"), e, false))?;
+    let api: Api<NetworkPolicy> = Api::namespaced(ctx.client.clone(), ns);
+    api.patch(
+        &policy_name,
+        &PatchParams::apply(MANAGER).force(),
+        &Patch::Apply(&policy),
+    )
+    .await
+    .map_err(|e| match &e {
+        kube::Error::Api(s) if s.code == 403 => PortError::new(
+            format!("applying NetworkPolicy {policy_name}"),
+            format!(
+                "{e}: grant the operator `patch` on networkpolicies.networking.k8s.io (the chart does), or start it with --network-policy=false"
+            ),
+            false,
+        ),
+        _ => kube_error(format!("applying NetworkPolicy {policy_name}"), e),
+        })?;
+    Ok(())
+}
+
 #[async_trait::async_trait]
 impl Workers for PodWorkers<'_> {
     async fn observe(&mut self) -> Result<Vec<Listed>, PortError> {
@@ -176,6 +209,11 @@ impl Workers for PodWorkers<'_> {
         subtasks: &[u32],
         _token: &str,
     ) -> Result<(), PortError> {
+        // The policy in front of the workers exists before any of them does: a new run applies
+        // it again (one request per start, not per pass), so a deleted policy comes back.
+        if let Some(config) = &self.ctx.config.network_policy {
+            apply_network_policy(self.ctx, self.job, self.ns, self.name, config).await?;
+        }
         // The pods read the token from the job's Secret (`token` ensured it exists).
         for i in subtasks {
             let pod_name = desired::pod_name(self.name, run, *i);

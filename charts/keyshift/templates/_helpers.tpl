@@ -30,6 +30,18 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 app.kubernetes.io/component: operator
 {{- end }}
 
+{{/*
+The operator pods' selector labels as key=value,key=value: the operator's
+--operator-pod-labels, the `from` of the NetworkPolicy it puts in front of each job's workers.
+*/}}
+{{- define "keyshift.operatorPodLabels" -}}
+{{- $pairs := list }}
+{{- range $k, $v := include "keyshift.selectorLabels" . | fromYaml }}
+{{- $pairs = append $pairs (printf "%s=%s" $k $v) }}
+{{- end }}
+{{- join "," $pairs }}
+{{- end }}
+
 {{- define "keyshift.labels" -}}
 helm.sh/chart: {{ include "keyshift.chart" . }}
 {{ include "keyshift.selectorLabels" . }}
@@ -56,7 +68,8 @@ app.kubernetes.io/part-of: keyshift
 {{- end }}
 
 {{/*
-What the operator may do with the StreamJobs, pods, secrets and events of a watched namespace
+What the operator may do with the StreamJobs, pods, secrets, events and NetworkPolicies of a
+watched namespace
 (or of all namespaces): exactly the operator's documented API use, no wildcards.
 */}}
 {{- define "keyshift.workloadRules" -}}
@@ -72,12 +85,22 @@ What the operator may do with the StreamJobs, pods, secrets and events of a watc
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]
+# The job's control-token Secret: created once, then read by name (src/operator/pods.rs). Its
+# owner reference to the StreamJob lets the garbage collector delete it; the operator never lists,
+# watches, changes or deletes a Secret.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
+  verbs: ["get", "create"]
 - apiGroups: ["events.k8s.io"]
   resources: ["events"]
   verbs: ["create", "patch"]
+{{- if .Values.networkPolicy.enabled }}
+# The NetworkPolicy in front of each job's workers: server-side applied (create, patch) before
+# the job's pods are created; never read, listed or deleted (it goes with its StreamJob).
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create", "patch"]
+{{- end }}
 {{- end }}
 
 {{/* Fails rendering on value combinations the schema cannot express. */}}
