@@ -339,6 +339,11 @@ pub struct StateSpec {
     /// `AWS_ENDPOINT`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_KEY`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret: Option<String>,
+    /// Seconds that starting a run may take, from the start requests until every worker has
+    /// restored its key groups and connected to its peers (30 to 86400). Raise it for state that
+    /// takes longer to read from its storage. Default 180.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_timeout_seconds: Option<i32>,
 }
 
 impl Default for StateSpec {
@@ -348,6 +353,7 @@ impl Default for StateSpec {
             checkpoint_interval: default_checkpoint_interval(),
             retained_checkpoints: default_retained_checkpoints(),
             credentials_secret: None,
+            restore_timeout_seconds: None,
         }
     }
 }

@@ -32,6 +32,8 @@ pub const MSG_CHECKPOINT_INTERVAL: &str = "spec.state.checkpointInterval must be
 pub const MSG_WINDOW_SIZE: &str =
     "spec.job.window.size must be a duration such as 10s, 1m or 1h (units: ms, s, m, h)";
 pub const MSG_OUT_OF_ORDERNESS: &str = "spec.job.window.maxOutOfOrderness must be a duration such as 0s, 500ms or 2s (units: ms, s, m, h)";
+pub const MSG_RESTORE_TIMEOUT: &str =
+    "spec.state.restoreTimeoutSeconds must be between 30 and 86400";
 pub const MSG_RETAINED: &str = "spec.state.retainedCheckpoints must be at least 1: the newest completed checkpoint is always kept";
 pub const MSG_SOURCE_ONE_OF: &str = "spec.job.source must set exactly one of generator or file";
 pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum, min and max: name the numeric record field to aggregate";
@@ -144,6 +146,12 @@ fn rules() -> Vec<CelRule> {
             &["spec", "state", "retainedCheckpoints"],
             "self >= 1",
             MSG_RETAINED,
+            None,
+        ),
+        r(
+            &["spec", "state", "restoreTimeoutSeconds"],
+            "self >= 30 && self <= 86400",
+            MSG_RESTORE_TIMEOUT,
             None,
         ),
         r(
@@ -707,6 +715,13 @@ pub fn validate(
     }
     if spec.state.retained_checkpoints < 1 {
         fail(MSG_RETAINED);
+    }
+    if spec
+        .state
+        .restore_timeout_seconds
+        .is_some_and(|s| !(30..=86400).contains(&s))
+    {
+        fail(MSG_RESTORE_TIMEOUT);
     }
     if let Some(window) = &spec.job.window {
         if window.size.len() > 64 || parse_duration(&window.size).is_none() {

@@ -65,6 +65,7 @@ fn crd_has_scale_status_and_every_rule() {
         MSG_WINDOW_SIZE,
         MSG_OUT_OF_ORDERNESS,
         MSG_RETAINED,
+        MSG_RESTORE_TIMEOUT,
         MSG_SOURCE_ONE_OF,
         MSG_AGG_FIELD,
         MSG_PARTITIONS,
@@ -364,6 +365,19 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.state.retained_checkpoints = 0;
     fails_with(&s, None, None, MSG_RETAINED);
+    for bad in [0, 29, 86401, -1] {
+        let mut s = base();
+        s.state.restore_timeout_seconds = Some(bad);
+        fails_with(&s, None, None, MSG_RESTORE_TIMEOUT);
+    }
+    for good in [30, 600, 86400] {
+        let mut s = base();
+        s.state.restore_timeout_seconds = Some(good);
+        assert!(
+            validate(&s, None, None).is_ok(),
+            "restoreTimeoutSeconds {good} is accepted"
+        );
+    }
 
     let mut s = base();
     s.job.source.file = Some(keyshift::crd::FileSource {

@@ -22,6 +22,15 @@ pub mod timeouts {
     pub const CONTROL_REQUEST: Duration = Duration::from_secs(30);
 }
 
+/// How long starting a run of `spec` may take: `spec.state.restoreTimeoutSeconds`, else
+/// [`timeouts::START`].
+pub fn start_timeout(spec: &StreamJobSpec) -> std::time::Duration {
+    spec.state
+        .restore_timeout_seconds
+        .and_then(|s| u64::try_from(s).ok())
+        .map_or(timeouts::START, std::time::Duration::from_secs)
+}
+
 /// Failures of the OS random number generator (no weaker source is ever used instead).
 #[derive(Debug, thiserror::Error)]
 #[error("the operating system's random number generator failed: {0}")]
