@@ -525,9 +525,8 @@ impl Coordinator {
                 };
                 match st.state {
                     WorkerState::Restoring => progress[i] = st.restore,
-                    WorkerState::Running | WorkerState::Stopped => {
-                        done[i] = Some(st.started.unwrap_or_default());
-                    }
+                    // Running before `started` is filled in: a moment later.
+                    WorkerState::Running | WorkerState::Stopped => done[i] = st.started,
                     WorkerState::Idle => {
                         let reason = st.last_start_error.unwrap_or_else(|| {
                             "the worker is idle again (it restarted and lost the start)".into()

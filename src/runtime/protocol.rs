@@ -224,6 +224,46 @@ mod tests {
     }
 
     #[test]
+    fn worker_status_carries_restore_progress_and_start_errors() {
+        // A status without the start fields (an idle worker that never started) parses.
+        let old: WorkerStatus = serde_json::from_value(serde_json::json!({
+            "state": "idle", "subtask": 0, "parallelism": 0, "keyGroups": null,
+            "recordsIn": 0, "recordsProcessed": 0, "recordsOut": 0, "lateRecords": 0,
+            "keys": 0, "keysPerGroup": [], "backpressureMs": 0, "watermark": 0,
+            "lastCheckpoint": null, "sourcePositions": {}
+        }))
+        .unwrap();
+        assert!(old.restore.is_none() && old.started.is_none() && old.last_start_error.is_none());
+        let st = WorkerStatus {
+            state: WorkerState::Restoring,
+            restore: Some(RestoreProgress {
+                bytes_read: 10,
+                bytes_total: 40,
+                groups_read: 1,
+                groups_total: 4,
+            }),
+            last_start_error: Some("checksum mismatch".into()),
+            ..WorkerStatus::default()
+        };
+        let text = serde_json::to_string(&st).unwrap();
+        assert!(
+            text.contains(
+                r#""restore":{"bytesRead":10,"bytesTotal":40,"groupsRead":1,"groupsTotal":4}"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#""lastStartError":"checksum mismatch""#),
+            "{text}"
+        );
+        assert!(!text.contains("started"), "{text}");
+        let back: WorkerStatus = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.state, WorkerState::Restoring);
+        assert_eq!(back.restore, st.restore);
+        assert_eq!(back.last_start_error.as_deref(), Some("checksum mismatch"));
+    }
+
+    #[test]
     fn checkpoint_status_round_trips() {
         let ack = SubtaskAck {
             snapshot: serde_json::from_value(serde_json::json!({

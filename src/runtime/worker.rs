@@ -433,7 +433,14 @@ async fn start(
     let s2 = s.clone();
     tokio::spawn(async move {
         match start_subtask(s2.clone(), prepared, &progress).await {
-            Ok(resp) => s2.status.lock().await.started = Some(resp),
+            Ok(resp) => {
+                let mut st = s2.status.lock().await;
+                if let Some(r) = st.restore.as_mut() {
+                    r.bytes_read = progress.bytes_read();
+                    r.groups_read = progress.groups_read();
+                }
+                st.started = Some(resp);
+            }
             Err(e) => {
                 tracing::error!(error = %e, "start failed");
                 {
