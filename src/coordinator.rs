@@ -185,7 +185,9 @@ impl Coordinator {
             }
         }
         let http = reqwest::Client::builder()
-            .timeout(crate::orchestrator::run::timeouts::CONTROL_REQUEST)
+            .timeout(crate::orchestrator::hooks::control_request_timeout(
+                crate::orchestrator::run::timeouts::CONTROL_REQUEST,
+            ))
             .build()
             .map_err(|e| CoordinatorError::Worker {
                 subtask: 0,
@@ -470,23 +472,99 @@ impl Coordinator {
         template: &StartRequest,
         ready_timeout: Duration,
     ) -> Result<Vec<StartResponse>, CoordinatorError> {
+        let began = Instant::now();
         let peers: Vec<String> = self.workers.iter().map(|w| w.data.clone()).collect();
-        let responses = try_join_all((0..self.workers.len()).map(|i| {
+        // Each worker checks its request and answers at once; the restores run on.
+        try_join_all((0..self.workers.len()).map(|i| {
             let mut req = template.clone();
             req.subtask = i as u32;
             req.peers = peers.clone();
             async move {
-                self.post::<_, StartResponse>(i, "/v1/start", &req)
+                self.post::<_, StartAccepted>(i, "/v1/start", &req)
                     .await
-                    .map(Option::unwrap_or_default)
+                    .map(drop)
             }
         }))
         .await?;
-        self.wait_ready(ready_timeout).await?;
+        let responses = self.wait_restored(began, ready_timeout).await?;
+        self.wait_ready(ready_timeout.saturating_sub(began.elapsed()))
+            .await?;
         if let Some(url) = &template.restore_from {
             self.publish_restored(url).await;
         }
         Ok(responses)
+    }
+
+    /// Polls every worker's `/v1/status` until each has restored its state (what it reports
+    /// then, in subtask order), one reports that its start failed, or `timeout` (counted from
+    /// `began`) passes.
+    async fn wait_restored(
+        &self,
+        began: Instant,
+        timeout: Duration,
+    ) -> Result<Vec<StartResponse>, CoordinatorError> {
+        /// Status requests in a row that may fail before the worker counts as gone.
+        const STATUS_FAILURES: u32 = 3;
+        let n = self.workers.len();
+        let mut done: Vec<Option<StartResponse>> = vec![None; n];
+        let mut failures = vec![0u32; n];
+        let mut progress: Vec<Option<RestoreProgress>> = vec![None; n];
+        let mut logged = Instant::now();
+        loop {
+            for i in 0..n {
+                if done[i].is_some() {
+                    continue;
+                }
+                let st = match self.get::<WorkerStatus>(i, "/v1/status").await {
+                    Ok(st) => {
+                        failures[i] = 0;
+                        st
+                    }
+                    Err(e) => {
+                        failures[i] += 1;
+                        if failures[i] >= STATUS_FAILURES {
+                            return Err(e);
+                        }
+                        continue;
+                    }
+                };
+                match st.state {
+                    WorkerState::Restoring => progress[i] = st.restore,
+                    // Running before `started` is filled in: a moment later.
+                    WorkerState::Running | WorkerState::Stopped => done[i] = st.started,
+                    WorkerState::Idle => {
+                        let reason = st.last_start_error.unwrap_or_else(|| {
+                            "the worker is idle again (it restarted and lost the start)".into()
+                        });
+                        return Err(self.fail(i, format!("/v1/start: restore failed: {reason}")));
+                    }
+                }
+            }
+            let waiting: Vec<usize> = (0..n).filter(|i| done[*i].is_none()).collect();
+            if waiting.is_empty() {
+                return Ok(done.into_iter().map(Option::unwrap_or_default).collect());
+            }
+            let (read, total) = progress
+                .iter()
+                .flatten()
+                .fold((0, 0), |(r, t), p| (r + p.bytes_read, t + p.bytes_total));
+            if began.elapsed() > timeout {
+                return Err(CoordinatorError::NotReady(
+                    timeout.as_secs(),
+                    format!("subtasks {waiting:?} still restoring ({read} of {total} bytes read)"),
+                ));
+            }
+            if logged.elapsed() >= Duration::from_secs(5) {
+                logged = Instant::now();
+                tracing::info!(
+                    subtasks = ?waiting,
+                    bytes_read = read,
+                    bytes_total = total,
+                    "restoring"
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
     }
 
     /// Waits until every worker answers `/v1/readyz`.

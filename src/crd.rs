@@ -368,6 +368,11 @@ pub struct StateSpec {
     /// `AWS_ENDPOINT`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_KEY`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret: Option<String>,
+    /// How long starting a run may take, from the start requests until every worker has
+    /// restored its key groups and connected to its peers: a duration between 30s and 24h. Raise
+    /// it for state that takes longer to read from its storage. Default `3m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore_timeout: Option<String>,
 }
 
 impl Default for StateSpec {
@@ -379,6 +384,7 @@ impl Default for StateSpec {
             checkpoint_timeout: None,
             savepoint_timeout: None,
             credentials_secret: None,
+            restore_timeout: None,
         }
     }
 }

@@ -37,6 +37,10 @@ pub const MSG_CHECKPOINT_INTERVAL: &str = "spec.state.checkpointInterval must be
 pub const MSG_WINDOW_SIZE: &str =
     "spec.job.window.size must be a duration such as 10s, 1m or 1h (units: ms, s, m, h)";
 pub const MSG_OUT_OF_ORDERNESS: &str = "spec.job.window.maxOutOfOrderness must be a duration such as 0s, 500ms or 2s (units: ms, s, m, h)";
+pub const MSG_RESTORE_TIMEOUT: &str = "spec.state.restoreTimeout must be a duration between 30s and 24h, such as 10m (units: ms, s, m, h)";
+/// The bounds of spec.state.restoreTimeout.
+pub const RESTORE_TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
+    Duration::from_secs(30)..=Duration::from_secs(24 * 3600);
 pub const MSG_RETAINED: &str = "spec.state.retainedCheckpoints must be at least 1: the newest completed checkpoint is always kept";
 pub const MSG_SOURCE_ONE_OF: &str = "spec.job.source must set exactly one of generator or file";
 pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum, min and max: name the numeric record field to aggregate";
@@ -256,6 +260,14 @@ fn rules() -> Vec<CelRule> {
             None,
         ),
         r(
+            &["spec", "state", "restoreTimeout"],
+            &format!(
+                "self.matches('{DURATION_RE}') && duration(self) >= duration('30s') && duration(self) <= duration('24h')"
+            ),
+            MSG_RESTORE_TIMEOUT,
+            None,
+        ),
+        r(
             &["spec", "job", "window", "size"],
             &format!("self.matches('{DURATION_RE}')"),
             MSG_WINDOW_SIZE,
@@ -339,6 +351,7 @@ const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["spec", "state", "checkpointInterval"], 64),
     (&["spec", "state", "checkpointTimeout"], 64),
     (&["spec", "state", "savepointTimeout"], 64),
+    (&["spec", "state", "restoreTimeout"], 64),
     (&["spec", "job", "window", "size"], 64),
     (&["spec", "job", "window", "maxOutOfOrderness"], 64),
     // Read by the pinned-ceiling rule's message expression.
@@ -816,13 +829,25 @@ pub fn validate(
     {
         fail(MSG_CHECKPOINT_INTERVAL);
     }
-    for (value, message) in [
-        (&spec.state.checkpoint_timeout, MSG_CHECKPOINT_TIMEOUT),
-        (&spec.state.savepoint_timeout, MSG_SAVEPOINT_TIMEOUT),
+    for (value, message, bounds) in [
+        (
+            &spec.state.checkpoint_timeout,
+            MSG_CHECKPOINT_TIMEOUT,
+            TIMEOUT_BOUNDS,
+        ),
+        (
+            &spec.state.savepoint_timeout,
+            MSG_SAVEPOINT_TIMEOUT,
+            TIMEOUT_BOUNDS,
+        ),
+        (
+            &spec.state.restore_timeout,
+            MSG_RESTORE_TIMEOUT,
+            RESTORE_TIMEOUT_BOUNDS,
+        ),
     ] {
         if let Some(text) = value
-            && (text.len() > 64
-                || !parse_duration(text).is_some_and(|d| TIMEOUT_BOUNDS.contains(&d)))
+            && (text.len() > 64 || !parse_duration(text).is_some_and(|d| bounds.contains(&d)))
         {
             fail(message);
         }
@@ -830,6 +855,7 @@ pub fn validate(
     if spec.state.retained_checkpoints < 1 {
         fail(MSG_RETAINED);
     }
+
     if let Some(window) = &spec.job.window {
         if window.size.len() > 64 || parse_duration(&window.size).is_none() {
             fail(MSG_WINDOW_SIZE);

@@ -65,6 +65,7 @@ fn crd_has_scale_status_and_every_rule() {
         MSG_WINDOW_SIZE,
         MSG_OUT_OF_ORDERNESS,
         MSG_RETAINED,
+        MSG_RESTORE_TIMEOUT,
         MSG_SOURCE_ONE_OF,
         MSG_AGG_FIELD,
         MSG_PARTITIONS,
@@ -366,6 +367,25 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.state.retained_checkpoints = 0;
     fails_with(&s, None, None, MSG_RETAINED);
+    for bad in ["0s", "29s", "25h", "30", "later"] {
+        let mut s = base();
+        s.state.restore_timeout = Some(bad.into());
+        fails_with(&s, None, None, MSG_RESTORE_TIMEOUT);
+    }
+    for good in ["30s", "10m", "24h"] {
+        let mut s = base();
+        s.state.restore_timeout = Some(good.into());
+        assert!(
+            validate(&s, None, None).is_ok(),
+            "restoreTimeout {good} is accepted"
+        );
+    }
+    let mut s = base();
+    s.state.restore_timeout = Some("10m".into());
+    assert_eq!(
+        keyshift::orchestrator::run::timeouts::start(&s),
+        std::time::Duration::from_secs(600)
+    );
 
     let mut s = base();
     s.job.source.file = Some(keyshift::crd::FileSource {

@@ -767,8 +767,18 @@ struct LocalCli {
 
 impl LocalCli {
     fn start(manifest: &std::path::Path, state_dir: &std::path::Path) -> LocalCli {
+        Self::start_with_env(manifest, state_dir, &[])
+    }
+
+    /// [`LocalCli::start`] with extra environment (test hooks), which its workers inherit.
+    fn start_with_env(
+        manifest: &std::path::Path,
+        state_dir: &std::path::Path,
+        envs: &[(&str, &str)],
+    ) -> LocalCli {
         use std::io::BufRead;
         let mut child = std::process::Command::new(bin())
+            .envs(envs.iter().copied())
             .args(["local", "--progress-every", "1", "--state-dir"])
             .arg(state_dir)
             .arg(manifest)
@@ -977,4 +987,78 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritt
         panic!("expected a global aggregate");
     };
     assert!(last == expected, "every key exact after resuming");
+}
+
+/// A restore that outlasts the per-request control timeout still starts: `/v1/start` answers at
+/// once and the coordinator polls `/v1/status` until the state is restored. Here the timeout is
+/// 2 s and each worker's restore takes 5 s longer than its reads (test hooks); with a start that
+/// answered only once restored, the run never started.
+#[cfg(feature = "test-hooks")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_slower_than_the_control_request_timeout_still_starts() {
+    use keyshift::orchestrator::hooks::{CONTROL_REQUEST_ENV, SLOW_RESTORE_ENV};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let manifest = dir.path().join("slow.yaml");
+    let state = dir.path().join("state");
+    std::fs::write(
+        &manifest,
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {name: slow, namespace: test}
+spec:
+  replicas: 2
+  job:
+    source:
+      generator: {partitions: 4, keys: 500, seed: 5, recordsPerSecond: 200}
+    key: {field: key, type: string}
+    aggregation: {function: count}
+  state:
+    checkpointInterval: 1s
+",
+    )
+    .expect("manifest written");
+    let cli = LocalCli::start(&manifest, &state);
+    cli.wait_line("running at parallelism 2", Duration::from_secs(120));
+    cli.wait_line("checkpoint 1 committed", Duration::from_secs(60));
+    let (sp, cli) = cli.interrupt();
+    drop(cli);
+
+    let cli = LocalCli::start_with_env(
+        &manifest,
+        &state,
+        &[(SLOW_RESTORE_ENV, "5000"), (CONTROL_REQUEST_ENV, "2000")],
+    );
+    cli.wait_line(&format!("resuming from {sp}"), Duration::from_secs(30));
+    let started = cli.wait_line("started: ", Duration::from_secs(120));
+    // "... running in <ms> ms, restored <g> key groups (<bytes> bytes) from <url>"
+    let number_before = |unit: &str| -> u64 {
+        let head = started.split(unit).next().expect("unit present");
+        head.rsplit([' ', '('])
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no number before {unit:?} in {started}"))
+    };
+    assert!(
+        number_before(" ms,") >= 5000,
+        "the start waited out the slowed restore: {started}"
+    );
+    assert!(
+        number_before(" bytes)") > 0,
+        "state was restored: {started}"
+    );
+    assert!(started.ends_with(&format!("from {sp}")), "{started}");
+    cli.wait_line("running at parallelism 2", Duration::from_secs(30));
+    let (after, _cli) = cli.interrupt();
+    let (state_after, positions, _) = snapshot_state(&after).await;
+    assert!(!state_after.is_empty(), "the restored job kept its keys");
+    let spec = job(&std::fs::read_to_string(&manifest).expect("manifest"));
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &positions).expect("oracle runs")
+    else {
+        panic!("expected a global aggregate");
+    };
+    assert!(
+        state_after == expected,
+        "every key exact after the slow restore"
+    );
 }

@@ -225,7 +225,10 @@ impl LocalJob {
             state_payload_bytes: self.state_payload_bytes,
         }
         .request()?;
-        let responses = match coordinator.start(&template, run::timeouts::START).await {
+        let responses = match coordinator
+            .start(&template, run::timeouts::start(&self.spec))
+            .await
+        {
             Ok(r) => r,
             Err(e) => {
                 self.workers.stop_all().await;

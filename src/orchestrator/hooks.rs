@@ -63,3 +63,40 @@ pub fn state_payload_bytes() -> usize {
         0
     }
 }
+
+/// Makes a worker's restore take longer.
+pub const SLOW_RESTORE_ENV: &str = "KEYSHIFT_TEST_SLOW_RESTORE_MS";
+/// Shortens the coordinator's per-request timeout to the workers' control API.
+pub const CONTROL_REQUEST_ENV: &str = "KEYSHIFT_TEST_CONTROL_REQUEST_MS";
+
+/// With `KEYSHIFT_TEST_SLOW_RESTORE_MS=<ms>` in a worker's environment, its restore from a
+/// snapshot takes `ms` longer (after the state is read, before the subtask runs), so a test can
+/// make a restore outlast the control requests' timeout.
+pub async fn slow_restore() {
+    #[cfg(feature = "test-hooks")]
+    {
+        let ms = env_ms(SLOW_RESTORE_ENV);
+        if let Some(ms) = ms {
+            tracing::warn!("{SLOW_RESTORE_ENV}: slowing the restore by {ms} ms (test only)");
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
+    }
+}
+
+/// The coordinator's timeout of one control request: `KEYSHIFT_TEST_CONTROL_REQUEST_MS=<ms>` if
+/// set (test only), else `default`.
+pub fn control_request_timeout(default: std::time::Duration) -> std::time::Duration {
+    #[cfg(feature = "test-hooks")]
+    {
+        env_ms(CONTROL_REQUEST_ENV).map_or(default, std::time::Duration::from_millis)
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        default
+    }
+}
+
+#[cfg(feature = "test-hooks")]
+fn env_ms(var: &str) -> Option<u64> {
+    std::env::var(var).ok().and_then(|v| v.trim().parse().ok())
+}

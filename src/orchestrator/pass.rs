@@ -1731,9 +1731,11 @@ impl<'a> Pass<'a> {
             ));
             return self.start_done(work, coordinator, Err(injected)).await;
         }
-        // The workers restore their key groups before they answer: in the background.
+        // The workers answer at once and restore their key groups; waiting for them runs in the
+        // background.
+        let timeout = run::timeouts::start(self.spec);
         self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {
-            let result = handle.block_on(coordinator.start(&template, run::timeouts::START));
+            let result = handle.block_on(coordinator.start(&template, timeout));
             Ended::Start(Box::new((coordinator, result)))
         });
         Ok(requeue::BACKGROUND_BACKSTOP)

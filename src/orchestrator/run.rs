@@ -32,12 +32,26 @@ pub mod timeouts {
         configured(spec.state.savepoint_timeout.as_deref()).unwrap_or(SAVEPOINT)
     }
 
+    /// How long starting a run may take, restores included: spec.state.restoreTimeout within
+    /// its bounds, else [`START`].
+    pub fn start(spec: &crate::crd::StreamJobSpec) -> Duration {
+        configured_within(
+            spec.state.restore_timeout.as_deref(),
+            crate::validation::RESTORE_TIMEOUT_BOUNDS,
+        )
+        .unwrap_or(START)
+    }
+
     fn configured(text: Option<&str>) -> Option<Duration> {
+        configured_within(text, crate::validation::TIMEOUT_BOUNDS)
+    }
+
+    fn configured_within(
+        text: Option<&str>,
+        bounds: std::ops::RangeInclusive<Duration>,
+    ) -> Option<Duration> {
         let d = crate::validation::parse_duration(text?)?;
-        Some(d.clamp(
-            *crate::validation::TIMEOUT_BOUNDS.start(),
-            *crate::validation::TIMEOUT_BOUNDS.end(),
-        ))
+        Some(d.clamp(*bounds.start(), *bounds.end()))
     }
     /// One request of the coordinator to a worker's control API.
     pub const CONTROL_REQUEST: Duration = Duration::from_secs(30);

@@ -5,11 +5,18 @@
 //! | `GET /v1/healthz` | - | `ok` while the process serves (no token) |
 //! | `GET /v1/readyz` | - | 200 once started and connected to every peer (no token) |
 //! | `GET /metrics` | - | Prometheus text (no token) |
-//! | `POST /v1/start` | [`StartRequest`] | [`StartResponse`] once state is restored |
+//! | `POST /v1/start` | [`StartRequest`] | 202 [`StartAccepted`] once the request is checked; the restore runs on |
 //! | `POST /v1/checkpoints` | [`CheckpointRequest`] | 202; the barrier is injected at the sources |
 //! | `GET /v1/checkpoints/{id}` | - | [`CheckpointStatus`]: the subtask's acknowledgement |
 //! | `POST /v1/resume` | - | 200; sources stopped by a savepoint read again |
 //! | `GET /v1/status` | - | [`WorkerStatus`] |
+//!
+//! `/v1/start` answers before the state is restored (a restore of any size outlasts no request
+//! timeout): a bad request gets a 4xx at once, a second start while one runs or after it
+//! succeeded a 409. The caller then polls `/v1/status`: `restoring` with
+//! [`WorkerStatus::restore`] (bytes and key groups read of the totals) while it runs; `running`
+//! with [`WorkerStatus::started`] (the [`StartResponse`]) once restored; `idle` with
+//! [`WorkerStatus::last_start_error`] if it failed (the worker can be started again).
 //!
 //! Every `/v1` call but health and readiness needs `Authorization: Bearer <token>`.
 
@@ -78,6 +85,30 @@ pub struct StartResponse {
     pub bytes_read: u64,
     /// Milliseconds spent restoring.
     pub restore_ms: u64,
+}
+
+/// The answer to an accepted `/v1/start`: the restore runs on.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct StartAccepted {
+    /// Bytes the restore reads in all (0: nothing to restore).
+    pub bytes_total: u64,
+    /// Key groups the restore reads in all.
+    pub groups_total: u32,
+}
+
+/// How far a running restore got.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoreProgress {
+    /// Bytes of the subtask's key groups read so far.
+    pub bytes_read: u64,
+    /// Bytes to read in all.
+    pub bytes_total: u64,
+    /// Key groups read so far.
+    pub groups_read: u32,
+    /// Key groups to read in all.
+    pub groups_total: u32,
 }
 
 /// A checkpoint or savepoint trigger.
@@ -175,6 +206,15 @@ pub struct WorkerStatus {
     pub last_checkpoint: Option<u64>,
     /// Source positions now.
     pub source_positions: BTreeMap<u32, u64>,
+    /// The restore of the current (or last) start: live while `restoring`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<RestoreProgress>,
+    /// What the start restored, once it has (`running` or `stopped`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub started: Option<StartResponse>,
+    /// Why the last start failed (the worker is `idle` again and can be started anew).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_start_error: Option<String>,
 }
 
 #[cfg(test)]
@@ -196,6 +236,46 @@ mod tests {
         assert!(text.contains(r#""lastCommitted":6"#), "{text}");
         let back: CheckpointRequest = serde_json::from_str(&text).unwrap();
         assert_eq!(back.last_committed, Some(6));
+    }
+
+    #[test]
+    fn worker_status_carries_restore_progress_and_start_errors() {
+        // A status without the start fields (an idle worker that never started) parses.
+        let old: WorkerStatus = serde_json::from_value(serde_json::json!({
+            "state": "idle", "subtask": 0, "parallelism": 0, "keyGroups": null,
+            "recordsIn": 0, "recordsProcessed": 0, "recordsOut": 0, "lateRecords": 0,
+            "keys": 0, "keysPerGroup": [], "backpressureMs": 0, "watermark": 0,
+            "lastCheckpoint": null, "sourcePositions": {}
+        }))
+        .unwrap();
+        assert!(old.restore.is_none() && old.started.is_none() && old.last_start_error.is_none());
+        let st = WorkerStatus {
+            state: WorkerState::Restoring,
+            restore: Some(RestoreProgress {
+                bytes_read: 10,
+                bytes_total: 40,
+                groups_read: 1,
+                groups_total: 4,
+            }),
+            last_start_error: Some("checksum mismatch".into()),
+            ..WorkerStatus::default()
+        };
+        let text = serde_json::to_string(&st).unwrap();
+        assert!(
+            text.contains(
+                r#""restore":{"bytesRead":10,"bytesTotal":40,"groupsRead":1,"groupsTotal":4}"#
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#""lastStartError":"checksum mismatch""#),
+            "{text}"
+        );
+        assert!(!text.contains("started"), "{text}");
+        let back: WorkerStatus = serde_json::from_str(&text).unwrap();
+        assert_eq!(back.state, WorkerState::Restoring);
+        assert_eq!(back.restore, st.restore);
+        assert_eq!(back.last_start_error.as_deref(), Some("checksum mismatch"));
     }
 
     #[test]

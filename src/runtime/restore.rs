@@ -10,6 +10,7 @@ use crate::job::{AggregateError, DecodedGroupState, KeyedAggregator};
 use crate::snapshot::{self, Manifest, ObjectStore, Path, SnapshotError};
 use futures::StreamExt;
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
 /// Why a restore failed.
 #[derive(Debug, thiserror::Error)]
@@ -54,6 +55,35 @@ impl Default for RestoreOptions {
     }
 }
 
+/// Live counters of a running restore ([`restore_state_reporting`]): bytes fetched and key
+/// groups read so far (read and checksummed; installed only once all are).
+#[derive(Debug, Default)]
+pub struct Progress {
+    bytes_read: AtomicU64,
+    groups_read: AtomicU32,
+}
+
+impl Progress {
+    /// Bytes fetched so far.
+    pub fn bytes_read(&self) -> u64 {
+        self.bytes_read.load(Ordering::Relaxed)
+    }
+
+    /// Key groups read so far.
+    pub fn groups_read(&self) -> u32 {
+        self.groups_read.load(Ordering::Relaxed)
+    }
+}
+
+/// What a restore of `range` from `manifest` reads in all: (bytes, key groups the snapshot
+/// holds).
+pub fn restore_totals(manifest: &Manifest, range: crate::keygroup::KeyGroupRange) -> (u64, u32) {
+    range
+        .iter()
+        .filter_map(|g| manifest.group(g))
+        .fold((0, 0), |(b, n), e| (b + e.length, n + 1))
+}
+
 type Decoding = tokio::task::JoinHandle<Result<Vec<DecodedGroupState>, AggregateError>>;
 
 /// Restores the key groups of `agg`'s range from the snapshot in `dir` (described by
@@ -64,6 +94,18 @@ pub async fn restore_state(
     dir: &Path,
     manifest: &Manifest,
     opts: RestoreOptions,
+) -> Result<Restored, RestoreError> {
+    restore_state_reporting(agg, store, dir, manifest, opts, None).await
+}
+
+/// [`restore_state`], counting what it has read so far into `progress`.
+pub async fn restore_state_reporting(
+    agg: &mut KeyedAggregator,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    manifest: &Manifest,
+    opts: RestoreOptions,
+    progress: Option<&Progress>,
 ) -> Result<Restored, RestoreError> {
     let range = agg.range();
     let mut out = Restored {
@@ -88,6 +130,11 @@ pub async fn restore_state(
         while let Some(piece) = pieces.next().await {
             let piece = piece?;
             out.bytes_read += piece.bytes_read;
+            if let Some(p) = progress {
+                p.bytes_read.fetch_add(piece.bytes_read, Ordering::Relaxed);
+                p.groups_read
+                    .fetch_add(piece.groups.len() as u32, Ordering::Relaxed);
+            }
             if decoding.len() >= opts.decoders.max(1)
                 && let Some(oldest) = decoding.pop_front()
             {

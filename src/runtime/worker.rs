@@ -92,6 +92,8 @@ struct Shared {
     /// What the source recorded at each barrier, picked up by the operator.
     barrier_positions: Mutex<BTreeMap<u64, BarrierCut>>,
     status: Mutex<WorkerStatus>,
+    /// Live counters of the running restore (reset by each start).
+    restore_progress: Mutex<Arc<restore::Progress>>,
     metrics: WorkerMetrics,
     fatal: watch::Sender<Option<String>>,
 }
@@ -214,6 +216,7 @@ impl BoundWorker {
                 state: WorkerState::Idle,
                 ..Default::default()
             }),
+            restore_progress: Mutex::new(Arc::new(restore::Progress::default())),
             metrics: WorkerMetrics::new(),
             fatal,
         });
@@ -342,6 +345,13 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
     if s.stopped.load(Ordering::Acquire) {
         st.state = WorkerState::Stopped;
     }
+    if st.state == WorkerState::Restoring
+        && let Some(r) = st.restore.as_mut()
+    {
+        let p = s.restore_progress.lock().await;
+        r.bytes_read = p.bytes_read();
+        r.groups_read = p.groups_read();
+    }
     Json(st).into_response()
 }
 
@@ -391,16 +401,57 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
     if s.started.swap(true, Ordering::AcqRel) {
         return err(StatusCode::CONFLICT, "the worker was already started");
     }
-    s.status.lock().await.state = WorkerState::Restoring;
-    match start_subtask(s.clone(), req).await {
-        Ok(resp) => Json(resp).into_response(),
+    // Checked before answering: a bad request fails at once.
+    let prepared = match prepare_subtask(req).await {
+        Ok(p) => p,
         Err(e) => {
-            tracing::error!(error = %e, "start failed");
-            s.status.lock().await.state = WorkerState::Idle;
+            tracing::error!(error = %e, "start refused");
+            s.status.lock().await.last_start_error = Some(e.to_string());
             s.started.store(false, Ordering::Release);
-            err(StatusCode::UNPROCESSABLE_ENTITY, e)
+            return err(StatusCode::UNPROCESSABLE_ENTITY, e);
         }
+    };
+    let accepted = StartAccepted {
+        bytes_total: prepared.totals.0,
+        groups_total: prepared.totals.1,
+    };
+    let progress = Arc::new(restore::Progress::default());
+    *s.restore_progress.lock().await = progress.clone();
+    {
+        let mut st = s.status.lock().await;
+        st.state = WorkerState::Restoring;
+        st.last_start_error = None;
+        st.started = None;
+        st.restore = Some(RestoreProgress {
+            bytes_total: accepted.bytes_total,
+            groups_total: accepted.groups_total,
+            ..RestoreProgress::default()
+        });
     }
+    // The restore outlasts any request timeout: it runs on, `/v1/status` reports it.
+    let s2 = s.clone();
+    tokio::spawn(async move {
+        match start_subtask(s2.clone(), prepared, &progress).await {
+            Ok(resp) => {
+                let mut st = s2.status.lock().await;
+                if let Some(r) = st.restore.as_mut() {
+                    r.bytes_read = progress.bytes_read();
+                    r.groups_read = progress.groups_read();
+                }
+                st.started = Some(resp);
+            }
+            Err(e) => {
+                tracing::error!(error = %e, "start failed");
+                {
+                    let mut st = s2.status.lock().await;
+                    st.state = WorkerState::Idle;
+                    st.last_start_error = Some(e.to_string());
+                }
+                s2.started.store(false, Ordering::Release);
+            }
+        }
+    });
+    (StatusCode::ACCEPTED, Json(accepted)).into_response()
 }
 
 /// Everything the operator task of a running subtask owns.
@@ -423,7 +474,23 @@ struct ObjectSink {
     staging: job::StagingSink,
 }
 
-async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartResponse, WorkerError> {
+/// A start request, checked: everything but the restore itself.
+struct Prepared {
+    req: StartRequest,
+    assignment: Assignment,
+    compiled: CompiledJob,
+    agg: KeyedAggregator,
+    store: Arc<dyn ObjectStore>,
+    job_dir: StorePath,
+    /// The snapshot to restore (its store, directory and manifest), if any.
+    snapshot: Option<(Arc<dyn ObjectStore>, StorePath, snapshot::Manifest)>,
+    /// What the restore reads in all: bytes, key groups.
+    totals: (u64, u32),
+}
+
+/// Checks a start request: its layout, its dataflow, and the manifest of the snapshot it
+/// restores (key-group count, state schema). Reads nothing but that manifest.
+async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
     let assignment = Assignment::new(i64::from(req.parallelism), i64::from(req.max_parallelism))
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
     if req.subtask >= req.parallelism || req.peers.len() != req.parallelism as usize {
@@ -439,15 +506,11 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
     };
     let compiled = job::compile(&req.job, req.max_parallelism, &options)?;
     let range = assignment.range(req.subtask);
-    let mut agg = compiled.new_aggregator(range)?;
+    let agg = compiled.new_aggregator(range)?;
     let (store, base) = snapshot::open_store(&req.storage)?;
     let job_dir = snapshot::job_dir(&base, &req.namespace, &req.name);
-
-    // Restore: exactly this subtask's key groups, checksummed before anything is applied.
-    let started = Instant::now();
-    let mut resp = StartResponse::default();
-    let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
-    let mut watermark = i64::MIN;
+    let mut snap = None;
+    let mut totals = (0, 0);
     if let Some(url) = &req.restore_from {
         let (rstore, dir, manifest) = snapshot::open_snapshot(url).await?;
         if manifest.max_parallelism != req.max_parallelism {
@@ -467,19 +530,61 @@ async fn start_subtask(s: Arc<Shared>, req: StartRequest) -> Result<StartRespons
             )));
         }
         if manifest.state_schema == job::AGG_SCHEMA {
+            totals = restore::restore_totals(&manifest, range);
+        }
+        snap = Some((rstore, dir, manifest));
+    }
+    Ok(Prepared {
+        req,
+        assignment,
+        compiled,
+        agg,
+        store,
+        job_dir,
+        snapshot: snap,
+        totals,
+    })
+}
+
+async fn start_subtask(
+    s: Arc<Shared>,
+    prepared: Prepared,
+    progress: &restore::Progress,
+) -> Result<StartResponse, WorkerError> {
+    let Prepared {
+        req,
+        assignment,
+        compiled,
+        mut agg,
+        store,
+        job_dir,
+        snapshot: snap,
+        totals: _,
+    } = prepared;
+    let range = assignment.range(req.subtask);
+
+    // Restore: exactly this subtask's key groups, checksummed before anything is applied.
+    let started = Instant::now();
+    let mut resp = StartResponse::default();
+    let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
+    let mut watermark = i64::MIN;
+    if let Some((rstore, dir, manifest)) = snap {
+        if manifest.state_schema == job::AGG_SCHEMA {
             // Decoded while the next blocks are read; installed once every block is checked.
-            let restored = restore::restore_state(
+            let restored = restore::restore_state_reporting(
                 &mut agg,
                 rstore.as_ref(),
                 &dir,
                 &manifest,
                 RestoreOptions::default(),
+                Some(progress),
             )
             .await?;
             resp.keys_restored = restored.keys;
             resp.groups_restored = restored.groups;
             resp.bytes_read = restored.bytes_read;
         }
+        crate::orchestrator::hooks::slow_restore().await;
         positions = manifest.source_positions.clone();
         if let Some(wm) = manifest.watermark {
             watermark = wm;
