@@ -738,15 +738,18 @@ mod tests {
         assert!(v.get("subtask").is_none());
     }
 
-    #[test]
-    fn operator_leader_election_flags() {
-        let parse = |args: &[&str]| match Cli::try_parse_from(args) {
+    fn parse(args: &[&str]) -> OperatorArgs {
+        match Cli::try_parse_from(args) {
             Ok(Cli {
                 command: Command::Operator(a),
                 ..
             }) => a,
             other => panic!("{args:?}: {other:?}"),
-        };
+        }
+    }
+
+    #[test]
+    fn operator_leader_election_flags() {
         let a = parse(&["keyshift", "operator"]);
         assert!(a.leader_elect);
         assert_eq!(a.lease_name, "keyshift-operator");
@@ -768,13 +771,6 @@ mod tests {
 
     #[test]
     fn operator_network_policy_flags() {
-        let parse = |args: &[&str]| match Cli::try_parse_from(args) {
-            Ok(Cli {
-                command: Command::Operator(a),
-                ..
-            }) => a,
-            other => panic!("{args:?}: {other:?}"),
-        };
         let a = parse(&["keyshift", "operator"]);
         assert!(a.network_policy);
         assert_eq!(

@@ -563,7 +563,10 @@ impl Coordinator {
                     "restoring"
                 );
             }
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            // Every 200 ms, and no more than 200 status requests a second in all (a 200-worker
+            // run on a small node polls once a second).
+            let pause = Duration::from_millis(200).max(Duration::from_millis(5) * n as u32);
+            tokio::time::sleep(pause).await;
         }
     }
 

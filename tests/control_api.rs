@@ -8,7 +8,8 @@ use std::time::Duration;
 
 const TOKEN: &str = "control-api-test-token";
 
-async fn worker() -> String {
+/// A serving worker on loopback: (control API URL, data-plane address).
+async fn worker() -> (String, String) {
     let loopback = "127.0.0.1:0".parse().expect("loopback");
     let bound = worker::bind(WorkerConfig {
         control_addr: loopback,
@@ -17,9 +18,12 @@ async fn worker() -> String {
     })
     .await
     .expect("bind");
-    let url = format!("http://{}", bound.control_addr);
+    let addrs = (
+        format!("http://{}", bound.control_addr),
+        bound.data_addr.to_string(),
+    );
     tokio::spawn(bound.serve(std::future::pending()));
-    url
+    addrs
 }
 
 fn http() -> reqwest::Client {
@@ -32,7 +36,7 @@ fn http() -> reqwest::Client {
 
 #[tokio::test]
 async fn control_routes_refuse_strangers_before_reading_the_body() {
-    let url = worker().await;
+    let (url, _) = worker().await;
     let c = http();
     let big = vec![b'x'; 8 << 20];
     for (path, body) in [
@@ -101,22 +105,7 @@ async fn control_routes_refuse_strangers_before_reading_the_body() {
 async fn stray_and_forged_data_connections_neither_kill_nor_replace_a_peer() {
     use keyshift::runtime::protocol::{RunSecret, StartRequest};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let loopback = "127.0.0.1:0".parse().expect("loopback");
-    let mut workers = Vec::new();
-    for _ in 0..2 {
-        let bound = worker::bind(WorkerConfig {
-            control_addr: loopback,
-            data_addr: loopback,
-            token: TOKEN.to_owned(),
-        })
-        .await
-        .expect("bind");
-        workers.push((
-            format!("http://{}", bound.control_addr),
-            bound.data_addr.to_string(),
-        ));
-        tokio::spawn(bound.serve(std::future::pending()));
-    }
+    let workers = vec![worker().await, worker().await];
     let run_id = "job-abc123";
     // Before the start: a connection that says nothing, one that sends garbage, and one that
     // answers the challenge with a hello for subtask 1 and a made-up proof.

@@ -257,8 +257,10 @@ impl BoundWorker {
     }
 }
 
-/// How long an accepted data connection has to prove it is a peer of the run.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long an accepted data connection has to prove it is a peer of the run: as long as a peer
+/// may take to connect (a real peer's hello can be slow on a loaded node, and a refused one would
+/// never connect again). Handshakes run side by side, so a silent stray only holds its own task.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// The largest control request body (a start request for 32768 subtasks' peers fits easily).
 const MAX_CONTROL_BODY: usize = 4 << 20;
