@@ -1210,7 +1210,9 @@ fn api_server_outages_are_retried_and_lose_nothing() {
 
 /// A job with the object-store sink on S3 (`windowed`: a 1 s tumbling window, else an all-time
 /// sum), checkpointing every 2 s.
-fn sink_job_yaml(name: &str, sink: &str, windowed: bool) -> String {
+/// A job with an object-store sink at `sink`; its workers reach S3 with the settings of Secret
+/// `secret`.
+fn sink_job_yaml(name: &str, sink: &str, windowed: bool, secret: &str) -> String {
     let window = if windowed {
         "\n    window: {size: 1s}"
     } else {
@@ -1232,7 +1234,7 @@ spec:
     sink: {{type: objectStore, url: '{sink}'}}
   state:
     checkpointInterval: 2s
-    credentialsSecret: {S3_SECRET}
+    credentialsSecret: {secret}
   resources:
     requests: {{cpu: 5m, memory: 32Mi}}
 "
@@ -1321,13 +1323,26 @@ struct RefusingS3 {
 
 impl RefusingS3 {
     fn start() -> RefusingS3 {
+        RefusingS3::start_on(std::net::Ipv4Addr::LOCALHOST)
+    }
+
+    /// A relay that pods reach: on the host side of the test network's veth pair.
+    fn start_for_pods() -> RefusingS3 {
+        let subnet: u8 = std::env::var("KEYSHIFT_SUBNET")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(213);
+        RefusingS3::start_on(std::net::Ipv4Addr::new(10, subnet, 0, 1))
+    }
+
+    fn start_on(ip: std::net::Ipv4Addr) -> RefusingS3 {
         use std::sync::Arc;
         use std::sync::atomic::AtomicUsize;
         let upstream = std::env::var("AWS_ENDPOINT")
             .expect("AWS_ENDPOINT (hack/s3-server.sh)")
             .trim_start_matches("http://")
             .to_owned();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("relay binds");
+        let listener = std::net::TcpListener::bind((ip, 0)).expect("relay binds");
         let addr = listener.local_addr().expect("relay address");
         let patterns: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
         let refused = Arc::new(AtomicUsize::new(0));
@@ -1446,8 +1461,9 @@ impl RefusingS3 {
 }
 
 /// The object-store sink under the operator, on S3, through a rescale up, one down, failed
-/// manifest commits and failed publishes (the operator's storage refuses them for a while) and
-/// a killed worker: every window of a windowed job is published exactly once (or is still open
+/// manifest commits and failed publishes (the operator's storage refuses them for a while),
+/// checkpoints that fail on one subtask only (its storage refuses its state file), an operator
+/// killed between commit and publish, and a killed worker: every window of a windowed job is published exactly once (or is still open
 /// in the final savepoint), and for an all-time sum the newest published value of every key is
 /// the exact total at the final savepoint.
 #[test]
@@ -1460,15 +1476,18 @@ fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_
     let ns = &ns.0;
     let dir = scratch_dir().join(format!("keyshift-e2e-sink-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("storage dir");
-    // The operator reaches S3 through a relay that can refuse writes; the workers do not.
+    // The operator reaches S3 through a relay that can refuse writes, and so do the workers,
+    // through one of their own (Secret `s3relayed`).
     let relay = RefusingS3::start();
+    let workers_relay = RefusingS3::start_for_pods();
+    s3_secret_with_endpoint(ns, "s3relayed", &workers_relay.url());
     let mut op = Operator::start_envs(ns, &dir, &[("AWS_ENDPOINT", &relay.url())]);
     let log = op.log.clone();
     let jobs = [("windows", true), ("totals", false)];
     let storage = op.storage.clone();
     let sink = |name: &str| format!("{storage}-sink/{name}");
     for (name, windowed) in jobs {
-        let r = apply(ns, &sink_job_yaml(name, &sink(name), windowed));
+        let r = apply(ns, &sink_job_yaml(name, &sink(name), windowed, "s3relayed"));
         assert!(r.ok, "{}", r.stderr);
     }
     for (name, _) in jobs {
@@ -1521,6 +1540,36 @@ fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_
         wait_for(Duration::from_secs(60), || {
             checkpoint_id(ns, name) >= id + 4
         });
+    }
+    // Checkpoints that fail on one subtask only: subtask 1 cannot write its state file while
+    // the others write theirs and stage their output. No checkpoint commits meanwhile, the run
+    // goes on with the same pods, and the next committed checkpoint carries what every subtask
+    // staged (the final checks below count every published window and total).
+    let pods: Vec<Vec<String>> = jobs.iter().map(|(n, _)| worker_pods(ns, n)).collect();
+    workers_relay.refuse(&["/state-1-of-3"]);
+    std::thread::sleep(Duration::from_secs(4));
+    let ids: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    std::thread::sleep(Duration::from_secs(7));
+    let during: Vec<i64> = jobs.iter().map(|(n, _)| checkpoint_id(ns, n)).collect();
+    workers_relay.refuse(&[]);
+    assert!(
+        workers_relay.refused() >= 2,
+        "subtask 1's state writes were refused: {}",
+        workers_relay.refused()
+    );
+    for (((name, _), id), (pods, during)) in jobs.iter().zip(&ids).zip(pods.iter().zip(during)) {
+        assert!(
+            during <= id + 1,
+            "{name}: no checkpoint commits while subtask 1 cannot write ({id} -> {during})"
+        );
+        wait_for(Duration::from_secs(60), || {
+            checkpoint_id(ns, name) >= id + 3
+        });
+        assert_eq!(
+            &worker_pods(ns, name),
+            pods,
+            "{name}: the run kept running through checkpoints failed on one subtask"
+        );
     }
     // Once more, and the operator dies with output committed but not published: its successor
     // adopts the running workers and publishes that output with its first commit.

@@ -302,14 +302,17 @@ pub const S3_SECRET: &str = "s3creds";
 /// (`AWS_ENDPOINT` through the relay, keys, region), for `spec.state.credentialsSecret` or a
 /// pod's `envFrom`.
 pub fn s3_secret(ns: &str) {
-    let mut args: Vec<String> = ["create", "secret", "generic", S3_SECRET, "-n", ns]
+    s3_secret_with_endpoint(ns, S3_SECRET, &s3_endpoint_for_pods());
+}
+
+/// Creates Secret `name` in `ns` like [`s3_secret`], with pods reaching S3 at `endpoint` (a
+/// relay of the test's own, say).
+pub fn s3_secret_with_endpoint(ns: &str, name: &str, endpoint: &str) {
+    let mut args: Vec<String> = ["create", "secret", "generic", name, "-n", ns]
         .iter()
         .map(|s| s.to_string())
         .collect();
-    args.push(format!(
-        "--from-literal=AWS_ENDPOINT={}",
-        s3_endpoint_for_pods()
-    ));
+    args.push(format!("--from-literal=AWS_ENDPOINT={endpoint}"));
     for k in [
         "AWS_ALLOW_HTTP",
         "AWS_ACCESS_KEY_ID",
