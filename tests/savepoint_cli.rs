@@ -279,7 +279,10 @@ fn file_partition_names_are_shown_and_carried_by_rewrite() {
     let src = built.url.as_str();
     let manifest = local(src).join("_manifest.json");
     let mut m: Value = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
-    assert!(m.get("sourcePartitions").is_none(), "the generator has none");
+    assert!(
+        m.get("sourcePartitions").is_none(),
+        "the generator has none"
+    );
     let names = serde_json::json!({"0": "a.jsonl", "1": "b.jsonl", "2": "c.jsonl"});
     m["sourcePartitions"] = names.clone();
     std::fs::write(&manifest, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
@@ -315,7 +318,10 @@ fn file_partition_names_are_shown_and_carried_by_rewrite() {
     let rewritten: Value =
         serde_json::from_slice(&std::fs::read(local(&target).join("_manifest.json")).unwrap())
             .unwrap();
-    assert_eq!(rewritten["sourcePartitions"], names, "rewrite carries names");
+    assert_eq!(
+        rewritten["sourcePartitions"], names,
+        "rewrite carries names"
+    );
     assert_eq!(rewritten["sourcePositions"], m["sourcePositions"]);
     assert!(ok(&["savepoint", "inspect", &target]).contains("   1  b.jsonl  4000"));
 

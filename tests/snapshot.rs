@@ -153,7 +153,10 @@ async fn round_trip(b: &Backend) {
     assert_eq!(m.files.len(), 4);
     assert_eq!(m.key_groups.len(), MAX_P as usize);
     assert_eq!(m.source_positions[&1], 2042);
-    assert_eq!(m.source_partitions[&1], "part-b.jsonl", "names stored beside positions");
+    assert_eq!(
+        m.source_partitions[&1], "part-b.jsonl",
+        "names stored beside positions"
+    );
     assert_eq!(m.watermark, Some(1_700_000_000_042));
     let expected_total: u64 = (0..MAX_P).map(|g| block(g, 42).len() as u64).sum();
     assert_eq!(m.stats.total_bytes, expected_total);

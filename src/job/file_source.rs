@@ -53,7 +53,11 @@ pub enum FileSourceError {
     #[error(
         "{file} is {size} bytes, shorter than the position {offset} to read it from: it shrank (was it truncated or replaced?); partition files may only grow. Restore the file, or remove it from the directory to skip it (its records up to that position were read)"
     )]
-    Shrunk { file: PathBuf, offset: u64, size: u64 },
+    Shrunk {
+        file: PathBuf,
+        offset: u64,
+        size: u64,
+    },
     #[error("no partition {partition}: the source has {partitions}")]
     NoSuchPartition { partition: u32, partitions: u32 },
     #[error("{file}: malformed record at byte offset {offset}: {reason}")]

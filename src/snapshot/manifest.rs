@@ -842,7 +842,10 @@ mod tests {
         bad(&|m| m.parallelism = 5, "exceeds");
         bad(&|m| m.stats.total_keys += 1, "stats");
         bad(&|m| m.key_groups.swap(0, 1), "group order");
-        bad(&|m| drop(m.source_partitions.remove(&1)), "sourcePartitions");
+        bad(
+            &|m| drop(m.source_partitions.remove(&1)),
+            "sourcePartitions",
+        );
         bad(
             &|m| drop(m.source_partitions.insert(1, "a.jsonl".into())),
             "\"a.jsonl\" for partitions 0 and 1",
@@ -855,10 +858,17 @@ mod tests {
     fn manifests_without_partition_names_parse() {
         let mut m = build(Assignment::new(2, 4).unwrap(), &[3, 4, 0, 6]);
         let text = String::from_utf8(m.to_json().unwrap()).unwrap();
-        assert!(text.contains("\"sourcePartitions\": {\n    \"0\": \"a.jsonl\""), "{text}");
+        assert!(
+            text.contains("\"sourcePartitions\": {\n    \"0\": \"a.jsonl\""),
+            "{text}"
+        );
         m.source_partitions.clear();
         let json = m.to_json().unwrap();
-        assert!(!String::from_utf8(json.clone()).unwrap().contains("sourcePartitions"));
+        assert!(
+            !String::from_utf8(json.clone())
+                .unwrap()
+                .contains("sourcePartitions")
+        );
         let back = Manifest::from_json(&json, "old/_manifest.json").unwrap();
         assert!(back.source_partitions.is_empty());
         assert_eq!(back.source_positions, BTreeMap::from([(0, 10), (1, 20)]));
