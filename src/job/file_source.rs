@@ -13,7 +13,8 @@
 //! A file must only grow. A file shorter than a position to read from (restored from a snapshot,
 //! or reached while running) is refused with [`FileSourceError::Shrunk`], naming the file: the
 //! bytes at that offset are not what the position was taken on, and reading them could skip or
-//! garble records. (A file rewritten to the same or a larger size cannot be told apart: don't.)
+//! garble records. (A file rewritten to the same or a larger size cannot be told apart: don't.
+//! A renamed file is a new partition, read from its start.)
 //!
 //! * A record is a line ending in `\n` (a `\r` before it is ignored). An unterminated last line
 //!   is *not* read — it may still be being written — and is reported in
