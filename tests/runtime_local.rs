@@ -1137,7 +1137,7 @@ fn positions_by_name(m: &snapshot::Manifest) -> BTreeMap<String, u64> {
 /// past its file's end, then stops with a savepoint; returns its URL.
 async fn read_to_end_and_suspend(local: &mut LocalJob, input: &std::path::Path) -> String {
     let want = file_lengths(input);
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
     loop {
         let c = local.checkpoint().await.expect("checkpoint");
         let (_, _, m) = read_state(&c.url).await;
