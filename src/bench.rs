@@ -370,6 +370,7 @@ fn meta(id: u64) -> SnapshotMeta {
         completed_at: chrono::Utc::now(),
         state_schema: crate::job::AGG_SCHEMA.into(),
         source_positions: Default::default(),
+        source_partitions: Default::default(),
         watermark: None,
     }
 }

@@ -794,8 +794,10 @@ impl Coordinator {
         }
         let acks: Vec<SubtaskAck> = acks.into_iter().flatten().collect();
         let mut positions = BTreeMap::new();
+        let mut names = BTreeMap::new();
         for a in &acks {
             positions.extend(a.source_positions.iter().map(|(k, v)| (*k, *v)));
+            names.extend(a.source_partitions.iter().map(|(k, v)| (*k, v.clone())));
         }
         let watermark = acks
             .iter()
@@ -809,6 +811,7 @@ impl Coordinator {
             completed_at: Utc::now(),
             state_schema: crate::job::AGG_SCHEMA.to_owned(),
             source_positions: positions,
+            source_partitions: names,
             watermark,
         };
         let manifest = Manifest::assemble(
@@ -998,6 +1001,7 @@ mod tests {
             completed_at: Utc::now(),
             state_schema: crate::job::AGG_SCHEMA.into(),
             source_positions: Default::default(),
+            source_partitions: Default::default(),
             watermark: None,
         };
         let manifest = Manifest::assemble(meta, assignment(), vec![ack]).unwrap();

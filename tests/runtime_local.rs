@@ -1062,3 +1062,259 @@ spec:
         "every key exact after the slow restore"
     );
 }
+
+/// Appends JSON lines `from..to` to `dir/name` (long account keys, amounts to sum); `salt`
+/// makes each file's records differ.
+fn append_lines(dir: &std::path::Path, name: &str, from: i64, to: i64, salt: i64) {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(dir.join(name))
+        .expect("open");
+    for i in from..to {
+        writeln!(
+            f,
+            "{{\"account\":{},\"amount\":{},\"ts\":{}}}",
+            (i * 7 + salt) % 50,
+            (i + salt) % 13,
+            i
+        )
+        .expect("write");
+    }
+}
+
+/// A sum over the JSON-lines files in `input`.
+fn file_sum_job(name: &str, input: &std::path::Path) -> StreamJob {
+    job(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: {name}, namespace: test}}
+spec:
+  replicas: 2
+  maxParallelism: 64
+  job:
+    source:
+      file: {{path: 'file://{}'}}
+    key: {{field: account, type: long}}
+    aggregation: {{function: sum, field: amount}}
+  state:
+    checkpointInterval: 1h
+",
+        input.display()
+    ))
+}
+
+/// Every file of `input` by name with its length.
+fn file_lengths(input: &std::path::Path) -> BTreeMap<String, u64> {
+    std::fs::read_dir(input)
+        .expect("input dir")
+        .map(|e| {
+            let e = e.expect("entry");
+            (
+                e.file_name().into_string().expect("utf-8 name"),
+                e.metadata().expect("metadata").len(),
+            )
+        })
+        .collect()
+}
+
+/// A snapshot's positions by file name (its `sourcePartitions` beside `sourcePositions`).
+fn positions_by_name(m: &snapshot::Manifest) -> BTreeMap<String, u64> {
+    m.source_positions
+        .iter()
+        .map(|(p, o)| {
+            let name = m
+                .source_partitions
+                .get(p)
+                .unwrap_or_else(|| panic!("partition {p} has no name in the manifest"));
+            (name.clone(), *o)
+        })
+        .collect()
+}
+
+/// Checkpoints until every file of `input` has been read to its end (by name), or a position is
+/// past its file's end, then stops with a savepoint; returns its URL.
+async fn read_to_end_and_suspend(local: &mut LocalJob, input: &std::path::Path) -> String {
+    let want = file_lengths(input);
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let c = local.checkpoint().await.expect("checkpoint");
+        let (_, _, m) = read_state(&c.url).await;
+        let got = positions_by_name(&m);
+        // An offset past its file's end never catches up: stop waiting (the sums will tell).
+        let past_end = got
+            .iter()
+            .any(|(name, o)| want.get(name).is_some_and(|len| o > len));
+        if got == want || past_end {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the files were not read to their ends: {got:?}, want {want:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    local.shutdown().await.expect("stop with savepoint").url
+}
+
+/// The exact sums over every record of every file now in `input`.
+fn oracle_over_all_files(spec: &StreamJob, input: &std::path::Path) -> BTreeMap<Key, i64> {
+    // The oracle reads partition i as the i-th file in name order.
+    let ends: BTreeMap<u32, u64> = file_lengths(input)
+        .values()
+        .enumerate()
+        .map(|(i, len)| (i as u32, *len))
+        .collect();
+    let Expected::Global(expected) = job::expected_results(&spec.spec.job, &ends).expect("oracle")
+    else {
+        panic!("global");
+    };
+    expected
+}
+
+/// Text of every worker log.
+fn worker_logs(logs: &std::path::Path) -> String {
+    let mut all = String::new();
+    for e in std::fs::read_dir(logs).expect("log dir") {
+        all.push_str(&std::fs::read_to_string(e.expect("entry").path()).unwrap_or_default());
+    }
+    all
+}
+
+/// Files added to the source directory between runs, with names that sort before the existing
+/// ones (so every existing file's index shifts), are read from their start, and every existing
+/// file resumes at its own offset, at the same or another parallelism: the final sums equal the
+/// oracle over all records of all files, none skipped, none read twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn files_added_between_runs_are_read_once_and_the_others_resume_on_their_own_files() {
+    let env = env(None);
+    let input = env._dir.path().join("input");
+    std::fs::create_dir_all(&input).expect("input dir");
+    // Files of different lengths, so an offset applied to another file lands somewhere else.
+    append_lines(&input, "part-1.jsonl", 0, 1500, 1);
+    append_lines(&input, "part-2.jsonl", 0, 900, 2);
+    append_lines(&input, "part-3.jsonl", 0, 1200, 3);
+    let spec = file_sum_job("added", &input);
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    let sp1 = read_to_end_and_suspend(&mut local, &input).await;
+    let (_, _, m1) = read_state(&sp1).await;
+    assert_eq!(
+        m1.source_partitions.values().collect::<Vec<_>>(),
+        ["part-1.jsonl", "part-2.jsonl", "part-3.jsonl"],
+        "the savepoint names its partitions"
+    );
+
+    // Between runs: the files grow (the restored offsets are now inside them) and a file that
+    // sorts first appears. Restore at another parallelism.
+    append_lines(&input, "part-1.jsonl", 1500, 1800, 1);
+    append_lines(&input, "part-3.jsonl", 1200, 1300, 3);
+    append_lines(&input, "part-0.jsonl", 0, 700, 0);
+    local
+        .launch(3, Some(sp1.clone()))
+        .await
+        .expect("restore at 3 with a new file");
+    let sp2 = read_to_end_and_suspend(&mut local, &input).await;
+    let (state, _, m2) = read_state(&sp2).await;
+    assert_eq!(m2.source_partitions.len(), 4);
+    let expected = oracle_over_all_files(&spec, &input);
+    let sums: BTreeMap<Key, i64> = state
+        .into_iter()
+        .map(|(k, v)| match v {
+            AccValue::Scalar(x) => (k, x),
+            AccValue::Windows(_) => panic!("unexpected windowed state"),
+        })
+        .collect();
+    assert!(
+        sums == expected,
+        "after a file was added before the others, the sums equal the oracle over all files"
+    );
+    let logs = worker_logs(&env.logs);
+    assert!(
+        logs.contains("reading it from the start") && logs.contains("part-0.jsonl"),
+        "the new file is logged"
+    );
+
+    // Again, back at 2: another file sorting before all others.
+    append_lines(&input, "a-first.jsonl", 0, 450, 5);
+    append_lines(&input, "part-2.jsonl", 900, 1000, 2);
+    local
+        .launch(2, Some(sp2))
+        .await
+        .expect("restore at 2 with another new file");
+    let sp3 = read_to_end_and_suspend(&mut local, &input).await;
+    let (state, _, m3) = snapshot_state(&sp3).await;
+    assert_eq!(positions_by_name(&m3), file_lengths(&input));
+    let expected = oracle_over_all_files(&spec, &input);
+    assert_eq!(state.len(), expected.len());
+    assert!(
+        state == expected,
+        "the sums equal the oracle over every record of every file"
+    );
+    let records: i64 = [(1, 1800), (2, 1000), (3, 1300), (0, 700), (5, 450)]
+        .iter()
+        .map(|(salt, n)| (0..*n).map(|i| (i + salt) % 13).sum::<i64>())
+        .sum();
+    assert_eq!(state.values().sum::<i64>(), records, "every record once");
+}
+
+/// A file that shrank below its restored offset is refused, naming the file: reading on from
+/// that offset would skip or garble records. Removing the file instead restores without it
+/// (its records up to the offset stay counted) and logs it as gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_shorter_than_its_restored_offset_is_refused_by_name() {
+    let env = env(None);
+    let input = env._dir.path().join("input");
+    std::fs::create_dir_all(&input).expect("input dir");
+    append_lines(&input, "part-0.jsonl", 0, 800, 0);
+    append_lines(&input, "part-1.jsonl", 0, 1000, 1);
+    append_lines(&input, "part-2.jsonl", 0, 600, 2);
+    let spec = file_sum_job("shrunk", &input);
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    let sp = read_to_end_and_suspend(&mut local, &input).await;
+    // What part-1 contributed, before it goes.
+    let (before, _, _) = snapshot_state(&sp).await;
+
+    let part1 = input.join("part-1.jsonl");
+    let full = std::fs::read(&part1).expect("read");
+    std::fs::write(&part1, &full[..full.len() / 2]).expect("truncate");
+    for p in [2, 3] {
+        let e = local
+            .launch(p, Some(sp.clone()))
+            .await
+            .expect_err("a shrunk file is refused");
+        let text = e.to_string();
+        assert!(
+            text.contains("part-1.jsonl") && text.contains("shrank"),
+            "the refusal names the file: {text}"
+        );
+    }
+
+    // Without the file: the others resume at their offsets, nothing of part-1 is read again.
+    std::fs::remove_file(&part1).expect("remove");
+    append_lines(&input, "part-2.jsonl", 600, 700, 2);
+    local
+        .launch(2, Some(sp.clone()))
+        .await
+        .expect("restore without the file");
+    let sp2 = read_to_end_and_suspend(&mut local, &input).await;
+    let (after, _, _) = snapshot_state(&sp2).await;
+    let mut expected = before;
+    for i in 600..700i64 {
+        *expected.entry(Key::Long((i * 7 + 2) % 50)).or_insert(0) += (i + 2) % 13;
+    }
+    assert!(
+        after == expected,
+        "the state is the savepoint's plus exactly the lines appended since"
+    );
+    assert!(
+        worker_logs(&env.logs).contains("is gone"),
+        "the removed file is logged"
+    );
+}

@@ -269,3 +269,64 @@ fn strip_group(line: &str) -> String {
     v.as_object_mut().unwrap().remove("keyGroup");
     v.to_string()
 }
+
+/// A file source's partition names (`sourcePartitions`): `inspect` shows each beside its
+/// position, `rewrite` carries them into the new savepoint, `verify` and `dump` are unaffected;
+/// names that do not fit the positions make the manifest inconsistent.
+#[test]
+fn file_partition_names_are_shown_and_carried_by_rewrite() {
+    let (_tmp, job, built) = build_file_job(JobShape::default());
+    let src = built.url.as_str();
+    let manifest = local(src).join("_manifest.json");
+    let mut m: Value = serde_json::from_slice(&std::fs::read(&manifest).unwrap()).unwrap();
+    assert!(
+        m.get("sourcePartitions").is_none(),
+        "the generator has none"
+    );
+    let names = serde_json::json!({"0": "a.jsonl", "1": "b.jsonl", "2": "c.jsonl"});
+    m["sourcePartitions"] = names.clone();
+    std::fs::write(&manifest, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+
+    let table = ok(&["savepoint", "inspect", src, "--top", "3"]);
+    for needle in [
+        "source positions: 3 files",
+        "   0  a.jsonl  4000",
+        "   2  c.jsonl  4000",
+    ] {
+        assert!(table.contains(needle), "inspect lacks {needle:?}:\n{table}");
+    }
+    let v: Value = serde_json::from_str(&ok(&["savepoint", "inspect", src, "-o", "json"])).unwrap();
+    assert_eq!(v["sourcePartitions"], names);
+    assert_eq!(v["sourcePositions"]["1"], 4000);
+    ok(&["savepoint", "verify", src]);
+    assert_eq!(
+        ok(&["savepoint", "dump", src]).lines().count(),
+        built.state.len()
+    );
+
+    let target = format!("{job}/savepoints/sp-2");
+    ok(&[
+        "savepoint",
+        "rewrite",
+        src,
+        "--max-parallelism",
+        "256",
+        "--to",
+        &target,
+    ]);
+    ok(&["savepoint", "verify", &target]);
+    let rewritten: Value =
+        serde_json::from_slice(&std::fs::read(local(&target).join("_manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        rewritten["sourcePartitions"], names,
+        "rewrite carries names"
+    );
+    assert_eq!(rewritten["sourcePositions"], m["sourcePositions"]);
+    assert!(ok(&["savepoint", "inspect", &target]).contains("   1  b.jsonl  4000"));
+
+    // A name missing for a position: refused as inconsistent, naming the field.
+    m["sourcePartitions"] = serde_json::json!({"0": "a.jsonl", "1": "b.jsonl"});
+    std::fs::write(&manifest, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
+    fails(&["savepoint", "inspect", src], "sourcePartitions");
+}

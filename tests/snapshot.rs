@@ -48,6 +48,11 @@ fn meta(id: u64, kind: SnapshotKind) -> SnapshotMeta {
         completed_at: Utc::now(),
         state_schema: "keyshift.agg.v1".into(),
         source_positions: BTreeMap::from([(0, 1000 + id), (1, 2000 + id), (2, 3)]),
+        source_partitions: BTreeMap::from([
+            (0, "part-a.jsonl".into()),
+            (1, "part-b.jsonl".into()),
+            (2, "part-c.jsonl".into()),
+        ]),
         watermark: Some(1_700_000_000_000 + id as i64),
     }
 }
@@ -148,6 +153,10 @@ async fn round_trip(b: &Backend) {
     assert_eq!(m.files.len(), 4);
     assert_eq!(m.key_groups.len(), MAX_P as usize);
     assert_eq!(m.source_positions[&1], 2042);
+    assert_eq!(
+        m.source_partitions[&1], "part-b.jsonl",
+        "names stored beside positions"
+    );
     assert_eq!(m.watermark, Some(1_700_000_000_042));
     let expected_total: u64 = (0..MAX_P).map(|g| block(g, 42).len() as u64).sum();
     assert_eq!(m.stats.total_bytes, expected_total);
@@ -231,6 +240,7 @@ async fn create_only(b: &Backend) {
     // A different manifest for the same id is refused too, and the original stays.
     let mut other = m.clone();
     other.source_positions.insert(9, 9);
+    other.source_partitions.insert(9, "part-z.jsonl".into());
     let err = commit_manifest(b.store.as_ref(), &dir, &other)
         .await
         .unwrap_err();
@@ -600,6 +610,7 @@ async fn multipart(b: &Backend, part_size: usize) {
     assert_eq!(ack.file.size, size as u64);
     let mut meta = meta(1, SnapshotKind::Checkpoint);
     meta.source_positions.clear();
+    meta.source_partitions.clear();
     meta.watermark = None;
     let m = Manifest::assemble(meta, a, vec![ack]).unwrap();
     commit_manifest(b.store.as_ref(), &dir, &m).await.unwrap();

@@ -1,8 +1,20 @@
 //! The JSON-lines file source.
 //!
 //! A directory holds one file per partition; partition `i` is the `i`-th regular, non-hidden
-//! file in byte-wise name order. A position is a byte offset into the partition's file, always at
-//! the start of a line, so a restored position resumes exactly: no record is read twice or lost.
+//! file in byte-wise name order, and its identity is its file name ([`FileSourceReader::names`]).
+//! A position is a byte offset into the partition's file, always at the start of a line, so a
+//! restored position resumes exactly: no record is read twice or lost.
+//!
+//! Snapshots record each partition's name beside its position, and a restore lays positions onto
+//! the files by name ([`super::positions`]): files added to or removed from the directory between
+//! runs shift indexes but never move an offset onto another file. The list of files is taken when
+//! the job starts; a file added while it runs is read from the next start (restore) on.
+//!
+//! A file must only grow. A file shorter than a position to read from (restored from a snapshot,
+//! or reached while running) is refused with [`FileSourceError::Shrunk`], naming the file: the
+//! bytes at that offset are not what the position was taken on, and reading them could skip or
+//! garble records. (A file rewritten to the same or a larger size cannot be told apart: don't.
+//! A renamed file is a new partition, read from its start.)
 //!
 //! * A record is a line ending in `\n` (a `\r` before it is ignored). An unterminated last line
 //!   is *not* read — it may still be being written — and is reported in
@@ -35,6 +47,18 @@ pub enum FileSourceError {
     },
     #[error("{path} holds no partition files")]
     NoFiles { path: PathBuf },
+    #[error(
+        "{path}: partition file names must be UTF-8 (a snapshot records them as the partitions' identity): rename it"
+    )]
+    NonUtf8Name { path: PathBuf },
+    #[error(
+        "{file} is {size} bytes, shorter than the position {offset} to read it from: it shrank (was it truncated or replaced?); partition files may only grow. Restore the file, or remove it from the directory to skip it (its records up to that position were read)"
+    )]
+    Shrunk {
+        file: PathBuf,
+        offset: u64,
+        size: u64,
+    },
     #[error("no partition {partition}: the source has {partitions}")]
     NoSuchPartition { partition: u32, partitions: u32 },
     #[error("{file}: malformed record at byte offset {offset}: {reason}")]
@@ -76,6 +100,8 @@ pub struct FileBatch {
 pub struct FileSourceReader {
     dir: PathBuf,
     files: Vec<PathBuf>,
+    /// `files[i]`'s name relative to `dir`.
+    names: Vec<String>,
     fields: FieldMapping,
 }
 
@@ -94,14 +120,25 @@ impl FileSourceReader {
             let entry = entry.map_err(io)?;
             let hidden = entry.file_name().as_encoded_bytes().first() == Some(&b'.');
             if !hidden && entry.file_type().map_err(io)?.is_file() {
-                files.push(entry.path());
+                let name = entry
+                    .file_name()
+                    .into_string()
+                    .map_err(|_| FileSourceError::NonUtf8Name { path: entry.path() })?;
+                files.push((name, entry.path()));
             }
         }
         if files.is_empty() {
             return Err(FileSourceError::NoFiles { path: dir });
         }
-        files.sort_by(|a, b| a.file_name().cmp(&b.file_name()));
-        Ok(FileSourceReader { dir, files, fields })
+        // Byte-wise name order (UTF-8 orders as its bytes).
+        files.sort();
+        let (names, files) = files.into_iter().unzip();
+        Ok(FileSourceReader {
+            dir,
+            files,
+            names,
+            fields,
+        })
     }
 
     /// The directory.
@@ -119,6 +156,33 @@ impl FileSourceReader {
         self.files.get(partition as usize).map(PathBuf::as_path)
     }
 
+    /// Every partition's identity, in partition order: its file name relative to the directory.
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+
+    fn path(&self, partition: u32) -> Result<&PathBuf, FileSourceError> {
+        self.files
+            .get(partition as usize)
+            .ok_or(FileSourceError::NoSuchPartition {
+                partition,
+                partitions: self.partitions(),
+            })
+    }
+
+    /// Checks that `partition`'s file can be read from `offset`: it is at least that long
+    /// ([`FileSourceError::Shrunk`] otherwise).
+    pub fn check_position(&self, partition: u32, offset: u64) -> Result<(), FileSourceError> {
+        let path = self.path(partition)?;
+        let size = std::fs::metadata(path)
+            .map_err(|source| FileSourceError::Io {
+                path: path.clone(),
+                source,
+            })?
+            .len();
+        check_size(path, offset, size)
+    }
+
     /// Reads up to `max_records` records of `partition` from byte `offset` (the start of a
     /// line), appending them to `out`. On a malformed line it returns the error; records before
     /// it stay appended but the caller should not advance past the last good position it was
@@ -130,18 +194,13 @@ impl FileSourceReader {
         out: &mut Vec<Record>,
         max_records: usize,
     ) -> Result<FileBatch, FileSourceError> {
-        let path = self
-            .files
-            .get(partition as usize)
-            .ok_or(FileSourceError::NoSuchPartition {
-                partition,
-                partitions: self.partitions(),
-            })?;
+        let path = self.path(partition)?;
         let io = |source| FileSourceError::Io {
             path: path.clone(),
             source,
         };
         let mut file = File::open(path).map_err(io)?;
+        check_size(path, offset, file.metadata().map_err(io)?.len())?;
         file.seek(SeekFrom::Start(offset)).map_err(io)?;
         let mut buf: Vec<u8> = Vec::with_capacity(CHUNK);
         let mut base = offset; // file offset of buf[0]
@@ -190,6 +249,17 @@ impl FileSourceReader {
             partial_tail_bytes: if at_end { (buf.len() - pos) as u64 } else { 0 },
         })
     }
+}
+
+fn check_size(path: &Path, offset: u64, size: u64) -> Result<(), FileSourceError> {
+    if size < offset {
+        return Err(FileSourceError::Shrunk {
+            file: path.to_path_buf(),
+            offset,
+            size,
+        });
+    }
+    Ok(())
 }
 
 fn read_full(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
@@ -387,6 +457,54 @@ mod tests {
         assert!(matches!(
             FileSourceReader::open(dir.join("nope"), fields(KeyType::Long)),
             Err(FileSourceError::Io { .. })
+        ));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn names_are_the_partitions_identity_and_a_shrunk_file_is_refused() {
+        let dir = temp_dir("names");
+        std::fs::write(dir.join("b.jsonl"), line(1)).unwrap();
+        std::fs::write(dir.join("a.jsonl"), format!("{}{}", line(2), line(3))).unwrap();
+        std::fs::write(dir.join(".hidden"), "x").unwrap();
+        std::fs::create_dir(dir.join("sub")).unwrap();
+        let src = FileSourceReader::open(&dir, fields(KeyType::String)).unwrap();
+        assert_eq!(src.names(), ["a.jsonl", "b.jsonl"]);
+        assert!(src.file(0).unwrap().ends_with("a.jsonl"));
+        let len = (line(2).len() + line(3).len()) as u64;
+        src.check_position(0, len).unwrap();
+        let mut out = Vec::new();
+        let b = src.read_batch(0, len, &mut out, 10).unwrap();
+        assert_eq!((b.records, b.at_end), (0, true));
+        // Truncated below a position: refused by name, at restore and while reading.
+        std::fs::write(dir.join("a.jsonl"), line(2)).unwrap();
+        let e = src.check_position(0, len).unwrap_err();
+        match &e {
+            FileSourceError::Shrunk { file, offset, size } => {
+                assert!(file.ends_with("a.jsonl"));
+                assert_eq!((*offset, *size), (len, line(2).len() as u64));
+            }
+            other => panic!("unexpected {other}"),
+        }
+        assert!(e.to_string().contains("a.jsonl"), "{e}");
+        assert!(matches!(
+            src.read_batch(0, len, &mut out, 10),
+            Err(FileSourceError::Shrunk { .. })
+        ));
+        assert!(out.is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn non_utf8_file_names_are_refused() {
+        use std::os::unix::ffi::OsStrExt;
+        let dir = temp_dir("non-utf8");
+        let name = std::ffi::OsStr::from_bytes(b"p-\xff.jsonl");
+        std::fs::write(dir.join(name), line(1)).unwrap();
+        assert!(matches!(
+            FileSourceReader::open(&dir, fields(KeyType::String)),
+            Err(FileSourceError::NonUtf8Name { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -15,8 +15,10 @@
 //! # What a snapshot of a subtask must hold (for the runtime)
 //!
 //! * per owned key group: [`KeyedAggregator::encode_group`]'s block (opaque; self-describing);
-//! * per source partition: the position (sequence number or byte offset) and
-//!   [`PartitionWatermark::max_ts`], restored with [`PartitionWatermark::set_max_ts`];
+//! * per source partition: the position (sequence number or byte offset), for a file source the
+//!   partition's name ([`CompiledJob::current_partitions`]; a restore lays positions onto the
+//!   current partitions with [`remap_positions`]), and [`PartitionWatermark::max_ts`], restored
+//!   with [`PartitionWatermark::set_max_ts`];
 //! * the operator watermark ([`KeyedAggregator::watermark`]). After a rescale, restore every new
 //!   subtask with the minimum over the old subtasks ([`KeyedAggregator::restore_watermark`]):
 //!   windows an old subtask already fired are no longer in its blocks, and windows still in the
@@ -28,6 +30,7 @@ pub mod aggregate;
 pub mod file_source;
 pub mod generator;
 pub mod oracle;
+pub mod positions;
 pub mod record;
 pub mod sink;
 pub mod state_codec;
@@ -40,6 +43,10 @@ pub use aggregate::{
 pub use file_source::{FieldMapping, FileBatch, FileSourceError, FileSourceReader};
 pub use generator::{Generator, GeneratorError};
 pub use oracle::{Expected, expected_results};
+pub use positions::{
+    CurrentPartitions, GonePartition, MatchedBy, NewPartition, PositionRemap, PositionsError,
+    remap_positions,
+};
 pub use record::{KeyRef, Record, RecordKey};
 pub use sink::{LogSink, Output, SinkError, StagingSink, WriterId, format_json_row};
 pub use state_codec::{
@@ -51,6 +58,7 @@ pub use watermark::{PartitionWatermark, WatermarkTracker};
 use crate::crd::{AggregateFunction, JobSpec, SinkSpec};
 use crate::keygroup::{KeyGroupRange, KeyType, UPPER_BOUND_MAX_PARALLELISM};
 use crate::validation::parse_duration;
+use std::collections::BTreeMap;
 
 /// Runtime options that are not part of the StreamJob spec (set by the runtime or a benchmark).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -209,6 +217,36 @@ impl CompiledJob {
         match &self.source {
             SourceKind::Generator(g) => g.partitions(),
             SourceKind::File(f) => f.partitions(),
+        }
+    }
+
+    /// The partitions as they are now, with their identity: names for a file source, indexes for
+    /// the generator.
+    pub fn current_partitions(&self) -> CurrentPartitions<'_> {
+        match &self.source {
+            SourceKind::Generator(g) => CurrentPartitions::Indexed(g.partitions()),
+            SourceKind::File(f) => CurrentPartitions::Named(f.names()),
+        }
+    }
+
+    /// The names of `partitions` (file source), for a snapshot to record beside their
+    /// positions; empty for the generator, whose partitions are their indexes.
+    pub fn partition_names(&self, partitions: &[u32]) -> BTreeMap<u32, String> {
+        match self.current_partitions() {
+            CurrentPartitions::Indexed(_) => BTreeMap::new(),
+            CurrentPartitions::Named(names) => partitions
+                .iter()
+                .filter_map(|p| names.get(*p as usize).map(|n| (*p, n.clone())))
+                .collect(),
+        }
+    }
+
+    /// Checks that `partition` can be read from a restored `position`: a file source refuses a
+    /// file shorter than it ([`FileSourceError::Shrunk`]).
+    pub fn check_position(&self, partition: u32, position: u64) -> Result<(), JobError> {
+        match &self.source {
+            SourceKind::Generator(_) => Ok(()),
+            SourceKind::File(f) => Ok(f.check_position(partition, position)?),
         }
     }
 

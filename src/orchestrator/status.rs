@@ -441,6 +441,7 @@ mod tests {
             state_schema: "s".into(),
             checksum_algorithm: "crc32c".into(),
             source_positions: Default::default(),
+            source_partitions: Default::default(),
             watermark: None,
             stats: Stats::default(),
             files: Vec::new(),

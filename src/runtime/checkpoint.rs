@@ -711,6 +711,7 @@ mod tests {
             completed_at: chrono::Utc::now(),
             state_schema: crate::job::AGG_SCHEMA.into(),
             source_positions: Default::default(),
+            source_partitions: Default::default(),
             watermark: None,
         }
     }

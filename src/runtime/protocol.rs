@@ -155,6 +155,10 @@ pub struct SubtaskAck {
     pub snapshot: SubtaskSnapshot,
     /// Positions of the source partitions this subtask reads, at the barrier.
     pub source_positions: BTreeMap<u32, u64>,
+    /// Names of those partitions (file sources: the file name relative to the source
+    /// directory), keyed like `source_positions`; empty for the generator.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub source_partitions: BTreeMap<u32, String>,
     /// The operator's watermark at the barrier.
     pub watermark: i64,
     /// Milliseconds from trigger to durable state.
@@ -288,6 +292,7 @@ mod tests {
             }))
             .unwrap(),
             source_positions: BTreeMap::from([(0, 5)]),
+            source_partitions: BTreeMap::from([(0, "part-0.jsonl".into())]),
             watermark: i64::MIN,
             duration_ms: 3,
         };

@@ -466,6 +466,8 @@ struct Subtask {
     sink_log: bool,
     /// The object-store sink.
     sink: Option<ObjectSink>,
+    /// The names of the source partitions it reads (file sources), for its acks.
+    source_partitions: BTreeMap<u32, String>,
 }
 
 /// The object-store sink of a subtask: where it stages, and what (every result since the job's
@@ -486,6 +488,8 @@ struct Prepared {
     job_dir: StorePath,
     /// The snapshot to restore (its store, directory and manifest), if any.
     snapshot: Option<(Arc<dyn ObjectStore>, StorePath, snapshot::Manifest)>,
+    /// The snapshot's source positions per current partition index ([`restored_positions`]).
+    positions: BTreeMap<u32, u64>,
     /// What the restore reads in all: bytes, key groups.
     totals: (u64, u32),
 }
@@ -513,6 +517,7 @@ async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
     let job_dir = snapshot::job_dir(&base, &req.namespace, &req.name);
     let mut snap = None;
     let mut totals = (0, 0);
+    let mut positions = BTreeMap::new();
     if let Some(url) = &req.restore_from {
         let (rstore, dir, manifest) = snapshot::open_snapshot(url).await?;
         if manifest.max_parallelism != req.max_parallelism {
@@ -534,6 +539,7 @@ async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
         if manifest.state_schema == job::AGG_SCHEMA {
             totals = restore::restore_totals(&manifest, range);
         }
+        positions = restored_positions(&req, &compiled, &manifest)?;
         snap = Some((rstore, dir, manifest));
     }
     Ok(Prepared {
@@ -544,8 +550,67 @@ async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
         store,
         job_dir,
         snapshot: snap,
+        positions,
         totals,
     })
+}
+
+/// The snapshot's source positions laid onto the source's partitions as they are now: by file
+/// name for a snapshot of a file source that recorded names, by index otherwise (see
+/// [`job::positions`]). New and gone partitions are logged (new ones by the subtask that reads
+/// them, gone ones by subtask 0), and each of this subtask's partitions is checked against its
+/// position: a file shorter than its position refuses the start, naming the file.
+fn restored_positions(
+    req: &StartRequest,
+    compiled: &CompiledJob,
+    manifest: &snapshot::Manifest,
+) -> Result<BTreeMap<u32, u64>, WorkerError> {
+    let current = compiled.current_partitions();
+    let named = matches!(current, job::CurrentPartitions::Named(_));
+    let remap = job::remap_positions(
+        &manifest.source_positions,
+        &manifest.source_partitions,
+        current,
+    )
+    .map_err(|e| WorkerError::BadStart(format!("the snapshot's source partitions: {e}")))?;
+    let mine = |p: u32| p % req.parallelism == req.subtask;
+    for n in remap.new.iter().filter(|n| mine(n.index)) {
+        tracing::info!(
+            partition = n.index,
+            file = n.name.as_deref().unwrap_or("-"),
+            "a source partition the snapshot does not know (new since): reading it from the start"
+        );
+    }
+    if req.subtask == 0 {
+        for g in &remap.gone {
+            tracing::warn!(
+                snapshot_partition = g.index,
+                file = g.name.as_deref().unwrap_or("-"),
+                position = g.position,
+                "a source partition of the snapshot is gone: it had been read up to its position, nothing of it to restore"
+            );
+        }
+        if let Some((then, now)) = remap.count_changed {
+            if named {
+                tracing::warn!(
+                    then,
+                    now,
+                    "the snapshot records no partition file names (written by an older keyshift): positions are restored by index, but the directory held {then} files then and {now} now, so offsets may apply to other files than they were taken on"
+                );
+            } else {
+                tracing::warn!(
+                    then,
+                    now,
+                    "the source had {then} partitions at the snapshot and has {now} now: positions restored by index"
+                );
+            }
+        }
+    }
+    tracing::debug!(matched_by = ?remap.matched_by, positions = remap.positions.len(), "source positions restored");
+    for (&p, &position) in remap.positions.iter().filter(|(p, _)| mine(**p)) {
+        compiled.check_position(p, position)?;
+    }
+    Ok(remap.positions)
 }
 
 async fn start_subtask(
@@ -561,6 +626,7 @@ async fn start_subtask(
         store,
         job_dir,
         snapshot: snap,
+        positions,
         totals: _,
     } = prepared;
     let range = assignment.range(req.subtask);
@@ -568,7 +634,6 @@ async fn start_subtask(
     // Restore: exactly this subtask's key groups, checksummed before anything is applied.
     let started = Instant::now();
     let mut resp = StartResponse::default();
-    let mut positions: BTreeMap<u32, u64> = BTreeMap::new();
     let mut watermark = i64::MIN;
     if let Some((rstore, dir, manifest)) = snap {
         if manifest.state_schema == job::AGG_SCHEMA {
@@ -587,7 +652,6 @@ async fn start_subtask(
             resp.bytes_read = restored.bytes_read;
         }
         crate::orchestrator::hooks::slow_restore().await;
-        positions = manifest.source_positions.clone();
         if let Some(wm) = manifest.watermark {
             watermark = wm;
             agg.restore_watermark(wm);
@@ -768,6 +832,7 @@ async fn start_subtask(
     let my_partitions: Vec<u32> = (0..compiled.partitions())
         .filter(|p| p % req.parallelism == req.subtask)
         .collect();
+    let source_partitions = compiled.partition_names(&my_partitions);
     let sub = Subtask {
         subtask: req.subtask,
         assignment,
@@ -776,6 +841,7 @@ async fn start_subtask(
         job_dir,
         sink_log: matches!(req.job.sink.sink_type, crate::crd::SinkType::Log),
         sink,
+        source_partitions,
     };
     let compiled = Arc::new(compiled);
     let s_src = s.clone();
@@ -1292,6 +1358,7 @@ async fn snapshot(
     Ok(SubtaskAck {
         snapshot,
         source_positions: positions,
+        source_partitions: sub.source_partitions.clone(),
         watermark,
         duration_ms,
     })

@@ -206,6 +206,12 @@ pub struct Manifest {
     pub checksum_algorithm: String,
     /// Per source partition, the position to resume from (e.g. the next offset to read).
     pub source_positions: BTreeMap<u32, u64>,
+    /// Per source partition (keyed like `sourcePositions`), its identity: for a file source the
+    /// file's name relative to the source directory, so that a restore finds each position's
+    /// file even when files were added or removed since. Empty when partitions are their
+    /// indexes (the generator), and in manifests written before names were recorded.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub source_partitions: BTreeMap<u32, String>,
     /// The event-time watermark at the snapshot, in epoch milliseconds.
     pub watermark: Option<i64>,
     /// Totals.
@@ -231,6 +237,9 @@ pub struct SnapshotMeta {
     pub state_schema: String,
     /// Per source partition, the position to resume from.
     pub source_positions: BTreeMap<u32, u64>,
+    /// Per source partition, its name (file sources; empty for the generator). See
+    /// [`Manifest::source_partitions`].
+    pub source_partitions: BTreeMap<u32, String>,
     /// The watermark (epoch ms), if any.
     pub watermark: Option<i64>,
 }
@@ -449,6 +458,7 @@ impl Manifest {
             state_schema: meta.state_schema,
             checksum_algorithm: CHECKSUM_ALGORITHM.to_owned(),
             source_positions: meta.source_positions,
+            source_partitions: meta.source_partitions,
             watermark: meta.watermark,
             stats,
             files,
@@ -551,6 +561,11 @@ impl Manifest {
             ));
         }
         self.assignment().map_err(|e| e.to_string())?;
+        crate::job::positions::check_partition_names(
+            &self.source_positions,
+            &self.source_partitions,
+        )
+        .map_err(|e| e.to_string())?;
         let max_p = self.max_parallelism as usize;
 
         // Every group exactly once, in order.
@@ -724,6 +739,7 @@ mod tests {
                 .with_timezone(&Utc),
             state_schema: "keyshift.agg.v1".into(),
             source_positions: BTreeMap::from([(0, 10), (1, 20)]),
+            source_partitions: BTreeMap::from([(0, "a.jsonl".into()), (1, "b.jsonl".into())]),
             watermark: Some(1_700_000_000_000),
         }
     }
@@ -826,6 +842,36 @@ mod tests {
         bad(&|m| m.parallelism = 5, "exceeds");
         bad(&|m| m.stats.total_keys += 1, "stats");
         bad(&|m| m.key_groups.swap(0, 1), "group order");
+        bad(
+            &|m| drop(m.source_partitions.remove(&1)),
+            "sourcePartitions",
+        );
+        bad(
+            &|m| drop(m.source_partitions.insert(1, "a.jsonl".into())),
+            "\"a.jsonl\" for partitions 0 and 1",
+        );
+    }
+
+    /// Manifests written before partition names were recorded still parse (index identity), and
+    /// a manifest without names writes none.
+    #[test]
+    fn manifests_without_partition_names_parse() {
+        let mut m = build(Assignment::new(2, 4).unwrap(), &[3, 4, 0, 6]);
+        let text = String::from_utf8(m.to_json().unwrap()).unwrap();
+        assert!(
+            text.contains("\"sourcePartitions\": {\n    \"0\": \"a.jsonl\""),
+            "{text}"
+        );
+        m.source_partitions.clear();
+        let json = m.to_json().unwrap();
+        assert!(
+            !String::from_utf8(json.clone())
+                .unwrap()
+                .contains("sourcePartitions")
+        );
+        let back = Manifest::from_json(&json, "old/_manifest.json").unwrap();
+        assert!(back.source_partitions.is_empty());
+        assert_eq!(back.source_positions, BTreeMap::from([(0, 10), (1, 20)]));
     }
 
     /// Found by tests/fuzz.rs: entry counts that overflow when added are refused, not a panic.

@@ -292,6 +292,7 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
         completed_at: Utc::now(),
         state_schema: crate::job::AGG_SCHEMA.to_owned(),
         source_positions: positions,
+        source_partitions: Default::default(),
         watermark: None,
     };
     let manifest = Manifest::assemble(meta, from, acks)?;

@@ -291,6 +291,7 @@ mod tests {
             state_schema: "s".into(),
             checksum_algorithm: "crc32c".into(),
             source_positions: BTreeMap::new(),
+            source_partitions: BTreeMap::new(),
             watermark: None,
             stats: Stats::default(),
             files: offsets

@@ -478,20 +478,33 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
         },
     );
     let _ = writeln!(s, "watermark:        {wm}");
-    let positions: Vec<String> = r
-        .source_positions
-        .iter()
-        .map(|(p, o)| format!("{p}={o}"))
-        .collect();
-    let _ = writeln!(
-        s,
-        "source positions: {}",
-        if positions.is_empty() {
-            "none".to_owned()
-        } else {
-            positions.join(" ")
+    if r.source_partitions.is_empty() {
+        let positions: Vec<String> = r
+            .source_positions
+            .iter()
+            .map(|(p, o)| format!("{p}={o}"))
+            .collect();
+        let _ = writeln!(
+            s,
+            "source positions: {}",
+            if positions.is_empty() {
+                "none".to_owned()
+            } else {
+                positions.join(" ")
+            }
+        );
+    } else {
+        // File partitions: one line each, the file beside its offset (a restore matches by name).
+        let _ = writeln!(
+            s,
+            "source positions: {} files (partition, file, byte offset)",
+            r.source_positions.len()
+        );
+        for (p, o) in &r.source_positions {
+            let name = r.source_partitions.get(p).map_or("?", String::as_str);
+            let _ = writeln!(s, "  {p:>4}  {name}  {o}");
         }
-    );
+    }
     let _ = writeln!(
         s,
         "total:            {} keys, {} in {} of {} key groups",

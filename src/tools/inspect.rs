@@ -133,6 +133,10 @@ pub struct InspectReport {
     pub window_size_ms: Option<i64>,
     /// Per source partition, the position to resume from.
     pub source_positions: BTreeMap<u32, u64>,
+    /// Per source partition, its name (file sources: the file name relative to the source
+    /// directory; absent for the generator and older manifests, whose partitions are indexes).
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub source_partitions: BTreeMap<u32, String>,
     /// The watermark (epoch ms).
     pub watermark: Option<i64>,
     /// Total state bytes.
@@ -369,6 +373,7 @@ pub async fn inspect(loc: &SnapshotLocation, top: usize) -> Result<InspectReport
         function: c.function,
         window_size_ms: c.shape.and_then(|s| s.window_size_ms),
         source_positions: manifest.source_positions.clone(),
+        source_partitions: manifest.source_partitions.clone(),
         watermark: manifest.watermark,
         total_bytes: manifest.stats.total_bytes,
         total_keys: manifest.stats.total_keys,

@@ -851,6 +851,7 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         completed_at: Utc::now(),
         state_schema: manifest.state_schema.clone(),
         source_positions: manifest.source_positions.clone(),
+        source_partitions: manifest.source_partitions.clone(),
         watermark: manifest.watermark,
     };
     let mut new_manifest = Manifest::assemble(meta, assignment, acks)?;

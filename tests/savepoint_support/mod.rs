@@ -177,6 +177,7 @@ pub fn meta(kind: SnapshotKind, id: u64, completed_at: DateTime<Utc>) -> Snapsho
         completed_at,
         state_schema: keyshift::job::AGG_SCHEMA.into(),
         source_positions: BTreeMap::new(),
+        source_partitions: BTreeMap::new(),
         watermark: None,
     }
 }
