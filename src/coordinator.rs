@@ -600,8 +600,9 @@ impl Coordinator {
     }
 
     /// Takes a checkpoint or savepoint (optionally stopping the sources at the barrier) and
-    /// commits it. On failure nothing is committed, the last good snapshot is untouched, and
-    /// sources stopped by this call are resumed.
+    /// commits it. On failure nothing is committed, the last good snapshot is untouched, the
+    /// snapshot is aborted on every worker ([`Coordinator::abort`]; not when its commit is in
+    /// doubt) so that none keeps aligning it, and sources stopped by this call are resumed.
     pub async fn snapshot(
         &mut self,
         kind: SnapshotKind,
@@ -613,7 +614,15 @@ impl Coordinator {
             Ok(()) => {
                 let id = self.next_id;
                 self.next_id += 1;
-                self.take(id, kind, stop, timeout).await.map(|m| (id, m))
+                match self.take(id, kind, stop, timeout).await {
+                    Ok(m) => Ok((id, m)),
+                    // A commit in doubt may have committed: the workers' acknowledgements stand.
+                    Err(e @ CoordinatorError::CommitInDoubt { .. }) => Err(e),
+                    Err(e) => {
+                        self.abort(id, &e).await;
+                        Err(e)
+                    }
+                }
             }
             Err(e) => Err(e),
         };
@@ -836,6 +845,38 @@ impl Coordinator {
             }
         }
         Ok(manifest)
+    }
+
+    /// Abandons snapshot `id` on every worker (`POST /v1/checkpoints/{id}/abort`), because of
+    /// `why`: each reports it failed (aborted), drops what its source recorded for it, does not
+    /// inject its barrier if it has not yet, and its keyed operator stops aligning it, so that
+    /// the inputs blocked for it flow again (a trigger that reached only some workers would
+    /// otherwise leave every operator aligning it). Best effort: a worker that cannot be
+    /// reached is logged; its operator drops the snapshot anyway when the next one's barrier
+    /// arrives. Returns how many workers acknowledged the abort.
+    pub async fn abort(&self, id: u64, why: &dyn std::fmt::Display) -> usize {
+        let path = format!("/v1/checkpoints/{id}/abort");
+        let results = futures::future::join_all(
+            (0..self.workers.len()).map(|i| self.post::<_, CheckpointStatus>(i, &path, &())),
+        )
+        .await;
+        let mut acknowledged = 0;
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(_) => acknowledged += 1,
+                Err(e) => {
+                    tracing::warn!(id, subtask = i, error = %e, "aborting the snapshot on a worker failed")
+                }
+            }
+        }
+        tracing::warn!(
+            id,
+            reason = %why,
+            workers = self.workers.len(),
+            acknowledged,
+            "snapshot aborted on the workers"
+        );
+        acknowledged
     }
 
     /// Resumes sources stopped by a savepoint (best effort: a worker that cannot be reached will
