@@ -151,6 +151,8 @@ pub struct Coordinator {
     /// Snapshots whose manifest commit failed without telling whether it was written: checked
     /// before the next trigger, which must name the newest committed snapshot exactly.
     in_doubt: BTreeMap<u64, SnapshotKind>,
+    /// Whether snapshot ids were raised above the newest id any worker knows yet (once).
+    worker_ids_checked: bool,
     retained: usize,
     /// The object-store sink whose staged output is published after each commit.
     sink: Option<Sink>,
@@ -206,6 +208,7 @@ impl Coordinator {
             next_id,
             last_committed,
             in_doubt: BTreeMap::new(),
+            worker_ids_checked: false,
             retained,
             sink: None,
         })
@@ -669,7 +672,8 @@ impl Coordinator {
         }
     }
 
-    /// Before a trigger: snapshot ids above the sink's (once), and every commit in doubt
+    /// Before a trigger: snapshot ids above the sink's and above the workers' (once each), and
+    /// every commit in doubt
     /// resolved, so that the trigger names the newest committed snapshot exactly (a worker drops
     /// the output staged up to it, and carries the output staged after it).
     async fn prepare(&mut self) -> Result<(), CoordinatorError> {
@@ -686,6 +690,28 @@ impl Coordinator {
                 self.next_id = max + 1;
             }
             sink.ids_checked = true;
+        }
+        if !self.worker_ids_checked {
+            // Workers taken over from an earlier coordinator may know ids that left nothing in
+            // storage (aborted before anything was written); a worker ignores a snapshot id at
+            // or below the newest it finished or abandoned.
+            match self.status().await {
+                Ok(statuses) => {
+                    if let Some(max) = statuses.iter().filter_map(|s| s.newest_snapshot).max()
+                        && max >= self.next_id
+                    {
+                        tracing::info!(
+                            workers_newest = max,
+                            next = self.next_id,
+                            "the workers know snapshot ids this job's storage does not: ids continue above them"
+                        );
+                        self.next_id = max + 1;
+                    }
+                    self.worker_ids_checked = true;
+                }
+                // The trigger tells what is wrong with the worker; checked again next time.
+                Err(e) => tracing::debug!(error = %e, "reading the workers' newest snapshot ids"),
+            }
         }
         while let Some((&id, &kind)) = self.in_doubt.first_key_value() {
             if is_committed(self.store.as_ref(), &self.job_dir, kind, id).await? {

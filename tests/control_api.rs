@@ -253,7 +253,8 @@ async fn absurd_start_requests_are_refused_naming_the_field_and_the_bound() {
     use keyshift::runtime::protocol::{self, StartRequest};
     let (url, data) = worker().await;
     let c = http();
-    let cases: Vec<(Box<dyn Fn(&mut StartRequest)>, String)> = vec![
+    type Edit = Box<dyn Fn(&mut StartRequest)>;
+    let cases: Vec<(Edit, String)> = vec![
         (
             Box::new(|r| r.state_payload_bytes = 1 << 40),
             format!(
@@ -326,9 +327,7 @@ async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
         .await
         .expect("start answered");
     assert_eq!(r.status().as_u16(), 202);
-    let aborted = |s: &CheckpointStatus| {
-        matches!(s, CheckpointStatus::Failed { error } if error.starts_with("aborted"))
-    };
+    let aborted = |s: &CheckpointStatus| matches!(s, CheckpointStatus::Failed { error } if error.starts_with("aborted"));
     for _ in 0..2 {
         let r = c
             .post(format!("{url}/v1/checkpoints/7/abort"))

@@ -1356,12 +1356,16 @@ async fn a_trigger_that_reaches_only_some_workers_is_aborted_and_the_next_checkp
         .await;
         d.workers.faults().refuse_triggers_of = None;
         let refused = d.workers.faults().triggers_refused[0];
-        d.until("checkpointed after the refused trigger", Duration::from_secs(30), |d| {
-            d.status
-                .last_checkpoint
-                .as_ref()
-                .is_some_and(|c| c.id > refused as i64)
-        })
+        d.until(
+            "checkpointed after the refused trigger",
+            Duration::from_secs(30),
+            |d| {
+                d.status
+                    .last_checkpoint
+                    .as_ref()
+                    .is_some_and(|c| c.id > refused as i64)
+            },
+        )
         .await;
         assert_eq!(d.workers.names(), workers, "the job kept its workers");
         assert_eq!(d.status.phase, Some(Phase::Running));

@@ -1073,30 +1073,49 @@ struct OwnRun {
     http: reqwest::Client,
 }
 
+/// The key-group assignment of `spec` at its replicas.
+fn own_assignment(spec: &StreamJob) -> keyshift::keygroup::Assignment {
+    keyshift::keygroup::Assignment::new(
+        i64::from(spec.spec.replicas),
+        i64::from(spec.spec.max_parallelism.expect("maxParallelism")),
+    )
+    .expect("assignment")
+}
+
+/// A coordinator of `spec` (namespace `test`) for `endpoints`.
+async fn own_coordinator(
+    spec: &StreamJob,
+    env: &Env,
+    endpoints: &[keyshift::coordinator::WorkerEndpoint],
+    token: &str,
+) -> keyshift::coordinator::Coordinator {
+    use keyshift::orchestrator::run;
+    let name = spec.metadata.name.clone().expect("a name");
+    run::coordinator(
+        &spec.spec,
+        &env.storage,
+        run::identity("test", &name, &spec.spec),
+        own_assignment(spec),
+        endpoints.to_vec(),
+        token.to_owned(),
+    )
+    .await
+    .expect("coordinator")
+}
+
 impl OwnRun {
     /// Starts `spec` (namespace `test`) at its replicas with empty state.
     async fn start(spec: &StreamJob, env: &Env) -> OwnRun {
         use keyshift::orchestrator::run;
         let name = spec.metadata.name.clone().expect("a name");
-        let p = spec.spec.replicas as u32;
-        let assignment = keyshift::keygroup::Assignment::new(
-            i64::from(p),
-            i64::from(spec.spec.max_parallelism.expect("maxParallelism")),
-        )
-        .expect("assignment");
+        let assignment = own_assignment(spec);
         let token = run::new_token().expect("token");
         let mut workers = keyshift::local::harness::LocalWorkers::new(bin(), env.logs.clone());
-        let endpoints = workers.spawn(p, &token, 1).await.expect("workers spawn");
-        let coordinator = run::coordinator(
-            &spec.spec,
-            &env.storage,
-            run::identity("test", &name, &spec.spec),
-            assignment,
-            endpoints.clone(),
-            token.clone(),
-        )
-        .await
-        .expect("coordinator");
+        let endpoints = workers
+            .spawn(assignment.parallelism(), &token, 1)
+            .await
+            .expect("workers spawn");
+        let coordinator = own_coordinator(spec, env, &endpoints, &token).await;
         let run_id = run::new_run_id().expect("run id");
         let template = run::StartPlan {
             namespace: "test",
@@ -1125,6 +1144,19 @@ impl OwnRun {
                 .build()
                 .expect("client"),
         }
+    }
+
+    /// Posts `path` to worker `i`; the HTTP status.
+    async fn post(&self, i: usize, path: &str, body: serde_json::Value) -> u16 {
+        self.http
+            .post(format!("{}{path}", self.endpoints[i].control))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .expect("answered")
+            .status()
+            .as_u16()
     }
 
     /// Snapshot `id`'s status on worker `i`.
@@ -1160,7 +1192,11 @@ impl OwnRun {
         kind: snapshot::SnapshotKind,
     ) -> Result<keyshift::coordinator::Completed, keyshift::coordinator::CoordinatorError> {
         self.coordinator
-            .snapshot(kind, kind == snapshot::SnapshotKind::Savepoint, Duration::from_secs(30))
+            .snapshot(
+                kind,
+                kind == snapshot::SnapshotKind::Savepoint,
+                Duration::from_secs(30),
+            )
             .await
     }
 }
@@ -1170,7 +1206,9 @@ impl OwnRun {
 /// operator, which blocks that input and waits for the barriers of 5 from the other sources,
 /// which never come. The next checkpoint (6) supersedes 5 at every operator: it commits, with the
 /// same worker processes, and its state and the final savepoint's are exact. Before, barrier 6
-/// made every operator fail ("arrived while aligning barrier 5") and the job died.
+/// made every operator fail ("arrived while aligning barrier 5") and the job died. Then a
+/// snapshot triggered on one worker and aborted on all through the control API, and a
+/// coordinator that takes the workers over and continues above its id.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trigger_that_reached_some_workers_is_superseded_by_the_next_checkpoint() {
     let env = env(None);
@@ -1182,15 +1220,8 @@ async fn a_trigger_that_reached_some_workers_is_superseded_by_the_next_checkpoin
     std::fs::write(orphan.join("state-0-of-3.bin"), b"x").expect("orphan file");
     let mut run = OwnRun::start(&spec, &env).await;
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let trigger = run
-        .http
-        .post(format!("{}/v1/checkpoints", run.endpoints[0].control))
-        .bearer_auth(&run.token)
-        .json(&serde_json::json!({"id": 5, "kind": "checkpoint", "lastCommitted": 0}))
-        .send()
-        .await
-        .expect("trigger answered");
-    assert_eq!(trigger.status().as_u16(), 202);
+    let trigger = |id: u64| serde_json::json!({"id": id, "kind": "checkpoint", "lastCommitted": 0});
+    assert_eq!(run.post(0, "/v1/checkpoints", trigger(5)).await, 202);
     // Barrier 5 reaches every operator, which then holds back worker 0's records.
     tokio::time::sleep(Duration::from_millis(500)).await;
     let c = run
@@ -1204,16 +1235,35 @@ async fn a_trigger_that_reached_some_workers_is_superseded_by_the_next_checkpoin
     assert_eq!(run.workers.exited(), None, "every worker kept running");
     // A trigger of 5 again (a slow retry) is ignored; one below it is refused.
     for (id, code) in [(5, 202), (4, 409)] {
-        let r = run
-            .http
-            .post(format!("{}/v1/checkpoints", run.endpoints[1].control))
-            .bearer_auth(&run.token)
-            .json(&serde_json::json!({"id": id, "kind": "checkpoint", "lastCommitted": 0}))
-            .send()
-            .await
-            .expect("trigger answered");
-        assert_eq!(r.status().as_u16(), code, "trigger of {id}");
+        assert_eq!(
+            run.post(1, "/v1/checkpoints", trigger(id)).await,
+            code,
+            "trigger of {id}"
+        );
     }
+    // Snapshot 100 is triggered on worker 0 only and aborted on every worker through the control
+    // API (as by a coordinator that died in between): the operators stop aligning it. A
+    // coordinator that takes the workers over continues above 100, which storage knows nothing
+    // of, and its checkpoint commits.
+    assert_eq!(run.post(0, "/v1/checkpoints", trigger(100)).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..3 {
+        assert_eq!(
+            run.post(i, "/v1/checkpoints/100/abort", serde_json::Value::Null)
+                .await,
+            200
+        );
+    }
+    run.assert_failed_everywhere(100, "aborted: snapshot 100 was abandoned")
+        .await;
+    run.coordinator = own_coordinator(&spec, &env, &run.endpoints, &run.token).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = run
+        .snapshot(snapshot::SnapshotKind::Checkpoint)
+        .await
+        .expect("the checkpoint of the coordinator that took over commits");
+    assert_eq!(c.id, 101);
+    assert_exact(&spec, &c.url).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     let sp = run
         .snapshot(snapshot::SnapshotKind::Savepoint)
@@ -1229,7 +1279,7 @@ async fn a_trigger_that_reached_some_workers_is_superseded_by_the_next_checkpoin
 }
 
 /// A checkpoint that fails on one subtask (its state file is blocked by a directory) is aborted
-/// on every worker: each reports it failed (aborted), none pending or completed; the next
+/// on every worker: the others report it failed (aborted), none pending or completed; the next
 /// checkpoint commits, and what the sink emitted meanwhile is published exactly once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
@@ -1244,9 +1294,9 @@ async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
         .expect("checkpoint");
     let n = first.id + 1;
     let state = PathBuf::from(env.storage.trim_start_matches("file://"));
-    std::fs::create_dir_all(state.join(format!(
-        "test/aborted/checkpoints/chk-{n}/state-2-of-3.bin"
-    )))
+    std::fs::create_dir_all(
+        state.join(format!("test/aborted/checkpoints/chk-{n}/state-2-of-3.bin")),
+    )
     .expect("state trap");
     tokio::time::sleep(Duration::from_millis(700)).await;
     let e = run
@@ -1258,7 +1308,23 @@ async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
             .contains(&format!("snapshot {n} failed on subtask 2")),
         "{e}"
     );
-    run.assert_failed_everywhere(n, "aborted").await;
+    // Subtask 2 keeps its own error; the others, whose state was written, report the abort.
+    for i in 0..3 {
+        let status = run.status_of(i, n).await;
+        let reason = if i == 2 {
+            "object store write"
+        } else {
+            "aborted"
+        };
+        assert!(
+            matches!(
+                &status,
+                keyshift::runtime::protocol::CheckpointStatus::Failed { error }
+                    if error.starts_with(reason)
+            ),
+            "worker {i}: snapshot {n} is {status:?}, not {reason}"
+        );
+    }
     assert_eq!(run.workers.exited(), None, "every worker kept running");
     tokio::time::sleep(Duration::from_millis(700)).await;
     let next = run
@@ -1273,7 +1339,10 @@ async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
         .expect("stop with a savepoint");
     run.workers.stop_all().await;
     let (seen, ids) = published_windows(&out);
-    assert!(!ids.contains(&n), "the aborted checkpoint published nothing: {ids:?}");
+    assert!(
+        !ids.contains(&n),
+        "the aborted checkpoint published nothing: {ids:?}"
+    );
     assert!(ids.contains(&(n + 1)), "{ids:?}");
     let (open, positions, _) = snapshot_state_windows(&sp.url).await;
     assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "published");

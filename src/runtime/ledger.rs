@@ -82,6 +82,13 @@ impl Ledger {
             .unwrap_or(CheckpointStatus::Unknown)
     }
 
+    /// The newest id this worker was asked about (triggered or aborted), if any: a coordinator
+    /// that takes the worker over continues above it.
+    pub fn newest_id(&self) -> Option<u64> {
+        let newest = self.statuses.keys().next_back().copied().unwrap_or(0);
+        Some(newest.max(self.newest_finished).max(self.aborted_through)).filter(|id| *id > 0)
+    }
+
     /// Every id at or below this was either completed or abandoned (the keyed operator's mark).
     pub fn aborted_through(&self) -> u64 {
         self.aborted_through
@@ -266,6 +273,7 @@ mod tests {
             assert!(l.finish(id, outcome));
         }
         assert_eq!(l.sizes(), (RETAINED_FINISHED, 0));
+        assert_eq!(l.newest_id(), Some(1000));
         // The newest are kept, the oldest answer Unknown.
         assert_eq!(l.status(1000), completed());
         assert_eq!(l.status(999), failed("aborted"));

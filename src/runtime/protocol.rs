@@ -314,6 +314,11 @@ pub struct WorkerStatus {
     /// Why the last start failed (the worker is `idle` again and can be started anew).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_start_error: Option<String>,
+    /// The newest snapshot id this worker was triggered or told to abort, if any: a coordinator
+    /// that takes the worker over continues above it (a worker ignores ids at or below the
+    /// newest it finished or abandoned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_snapshot: Option<u64>,
 }
 
 #[cfg(test)]
@@ -421,10 +426,15 @@ mod tests {
         assert!(refused(&|r| r.restore_from = Some("u".repeat(2049))).starts_with("restoreFrom "));
         assert!(refused(&|r| r.storage = "u".repeat(2049)).starts_with("storage "));
         assert!(refused(&|r| r.peers[0] = "p".repeat(513)).starts_with("peers[0] "));
-        assert!(refused(&|r| r.data_secret = RunSecret("s".repeat(1025))).starts_with("dataSecret "));
+        assert!(
+            refused(&|r| r.data_secret = RunSecret("s".repeat(1025))).starts_with("dataSecret ")
+        );
         assert_eq!(
             refused(&|r| r.state_payload_bytes = usize::MAX),
-            format!("statePayloadBytes is {}: it may be at most 65536", usize::MAX)
+            format!(
+                "statePayloadBytes is {}: it may be at most 65536",
+                usize::MAX
+            )
         );
         assert_eq!(refused(&|r| r.run_id.clear()), "runId must not be empty");
     }

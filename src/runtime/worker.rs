@@ -356,6 +356,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
     st.keys = m.keys.get() as u64;
     st.watermark = m.watermark.get();
     st.backpressure_ms = m.backpressure_ms.get();
+    st.newest_snapshot = s.ledger.lock().await.newest_id();
     if s.stopped.load(Ordering::Acquire) {
         st.state = WorkerState::Stopped;
     }
@@ -377,7 +378,12 @@ async fn checkpoint_status(State(s): State<Arc<Shared>>, Path(id): Path<u64>) ->
 /// Abandons snapshot `id` (idempotent): it is reported failed, its cut is dropped, and the keyed
 /// operator stops aligning it (see [`super::ledger`]).
 async fn abort(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response {
-    let status = s.abort(id, &format!("aborted: snapshot {id} was abandoned by the coordinator")).await;
+    let status = s
+        .abort(
+            id,
+            &format!("aborted: snapshot {id} was abandoned by the coordinator"),
+        )
+        .await;
     tracing::info!(id, "snapshot aborted by the coordinator");
     Json(status).into_response()
 }
@@ -1182,9 +1188,16 @@ async fn operator_loop(
             }
             Msg::Barrier(id) => match align.barrier(i, id, aborted_through) {
                 Barrier::Stale => {
-                    tracing::debug!(id, input = i, "barrier of a finished or abandoned snapshot ignored");
+                    tracing::debug!(
+                        id,
+                        input = i,
+                        "barrier of a finished or abandoned snapshot ignored"
+                    );
                 }
-                Barrier::Accepted { superseded, aligned } => {
+                Barrier::Accepted {
+                    superseded,
+                    aligned,
+                } => {
                     if let Some(old) = superseded {
                         tracing::warn!(old, id, "snapshot superseded while aligning: aborted");
                         s.abort(
@@ -1231,7 +1244,10 @@ async fn operator_loop(
                     };
                     let completed = matches!(status, CheckpointStatus::Completed(_));
                     if !s.ledger.lock().await.finish(id, status) {
-                        tracing::info!(id, "snapshot written after it was aborted: it stays aborted");
+                        tracing::info!(
+                            id,
+                            "snapshot written after it was aborted: it stays aborted"
+                        );
                     } else if completed {
                         s.status.lock().await.last_checkpoint = Some(id);
                     }
@@ -1315,7 +1331,10 @@ impl Alignment {
         if aligned {
             self.unblock(id);
         }
-        Barrier::Accepted { superseded, aligned }
+        Barrier::Accepted {
+            superseded,
+            aligned,
+        }
     }
 }
 
@@ -1476,7 +1495,11 @@ mod tests {
         assert_eq!(a.barrier(1, 6, 0), accepted(Some(5), false));
         assert_eq!(a.blocked(), [false, true, false]);
         assert_eq!(a.aligning(), Some(6));
-        assert_eq!(a.barrier(2, 5, 0), Barrier::Stale, "older than the one aligning");
+        assert_eq!(
+            a.barrier(2, 5, 0),
+            Barrier::Stale,
+            "older than the one aligning"
+        );
         assert_eq!(a.barrier(0, 6, 0), accepted(None, false));
         assert_eq!(a.barrier(2, 6, 0), accepted(None, true));
         assert_eq!(a.barrier(2, 5, 0), Barrier::Stale, "superseded");
