@@ -151,6 +151,8 @@ pub struct Coordinator {
     /// Snapshots whose manifest commit failed without telling whether it was written: checked
     /// before the next trigger, which must name the newest committed snapshot exactly.
     in_doubt: BTreeMap<u64, SnapshotKind>,
+    /// Whether snapshot ids were raised above the newest id any worker knows yet (once).
+    worker_ids_checked: bool,
     retained: usize,
     /// The object-store sink whose staged output is published after each commit.
     sink: Option<Sink>,
@@ -206,6 +208,7 @@ impl Coordinator {
             next_id,
             last_committed,
             in_doubt: BTreeMap::new(),
+            worker_ids_checked: false,
             retained,
             sink: None,
         })
@@ -600,8 +603,9 @@ impl Coordinator {
     }
 
     /// Takes a checkpoint or savepoint (optionally stopping the sources at the barrier) and
-    /// commits it. On failure nothing is committed, the last good snapshot is untouched, and
-    /// sources stopped by this call are resumed.
+    /// commits it. On failure nothing is committed, the last good snapshot is untouched, the
+    /// snapshot is aborted on every worker ([`Coordinator::abort`]; not when its commit is in
+    /// doubt) so that none keeps aligning it, and sources stopped by this call are resumed.
     pub async fn snapshot(
         &mut self,
         kind: SnapshotKind,
@@ -613,7 +617,15 @@ impl Coordinator {
             Ok(()) => {
                 let id = self.next_id;
                 self.next_id += 1;
-                self.take(id, kind, stop, timeout).await.map(|m| (id, m))
+                match self.take(id, kind, stop, timeout).await {
+                    Ok(m) => Ok((id, m)),
+                    // A commit in doubt may have committed: the workers' acknowledgements stand.
+                    Err(e @ CoordinatorError::CommitInDoubt { .. }) => Err(e),
+                    Err(e) => {
+                        self.abort(id, &e).await;
+                        Err(e)
+                    }
+                }
             }
             Err(e) => Err(e),
         };
@@ -660,7 +672,8 @@ impl Coordinator {
         }
     }
 
-    /// Before a trigger: snapshot ids above the sink's (once), and every commit in doubt
+    /// Before a trigger: snapshot ids above the sink's and above the workers' (once each), and
+    /// every commit in doubt
     /// resolved, so that the trigger names the newest committed snapshot exactly (a worker drops
     /// the output staged up to it, and carries the output staged after it).
     async fn prepare(&mut self) -> Result<(), CoordinatorError> {
@@ -677,6 +690,28 @@ impl Coordinator {
                 self.next_id = max + 1;
             }
             sink.ids_checked = true;
+        }
+        if !self.worker_ids_checked {
+            // Workers taken over from an earlier coordinator may know ids that left nothing in
+            // storage (aborted before anything was written); a worker ignores a snapshot id at
+            // or below the newest it finished or abandoned.
+            match self.status().await {
+                Ok(statuses) => {
+                    if let Some(max) = statuses.iter().filter_map(|s| s.newest_snapshot).max()
+                        && max >= self.next_id
+                    {
+                        tracing::info!(
+                            workers_newest = max,
+                            next = self.next_id,
+                            "the workers know snapshot ids this job's storage does not: ids continue above them"
+                        );
+                        self.next_id = max + 1;
+                    }
+                    self.worker_ids_checked = true;
+                }
+                // The trigger tells what is wrong with the worker; checked again next time.
+                Err(e) => tracing::debug!(error = %e, "reading the workers' newest snapshot ids"),
+            }
         }
         while let Some((&id, &kind)) = self.in_doubt.first_key_value() {
             if is_committed(self.store.as_ref(), &self.job_dir, kind, id).await? {
@@ -839,6 +874,38 @@ impl Coordinator {
             }
         }
         Ok(manifest)
+    }
+
+    /// Abandons snapshot `id` on every worker (`POST /v1/checkpoints/{id}/abort`), because of
+    /// `why`: each reports it failed (aborted), drops what its source recorded for it, does not
+    /// inject its barrier if it has not yet, and its keyed operator stops aligning it, so that
+    /// the inputs blocked for it flow again (a trigger that reached only some workers would
+    /// otherwise leave every operator aligning it). Best effort: a worker that cannot be
+    /// reached is logged; its operator drops the snapshot anyway when the next one's barrier
+    /// arrives. Returns how many workers acknowledged the abort.
+    pub async fn abort(&self, id: u64, why: &dyn std::fmt::Display) -> usize {
+        let path = format!("/v1/checkpoints/{id}/abort");
+        let results = futures::future::join_all(
+            (0..self.workers.len()).map(|i| self.post::<_, CheckpointStatus>(i, &path, &())),
+        )
+        .await;
+        let mut acknowledged = 0;
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(_) => acknowledged += 1,
+                Err(e) => {
+                    tracing::warn!(id, subtask = i, error = %e, "aborting the snapshot on a worker failed")
+                }
+            }
+        }
+        tracing::warn!(
+            id,
+            reason = %why,
+            workers = self.workers.len(),
+            acknowledged,
+            "snapshot aborted on the workers"
+        );
+        acknowledged
     }
 
     /// Resumes sources stopped by a savepoint (best effort: a worker that cannot be reached will

@@ -44,6 +44,7 @@ async fn control_routes_refuse_strangers_before_reading_the_body() {
         ("/v1/start", b"{\"subtask\": 1}".to_vec()),
         ("/v1/start", big.clone()),
         ("/v1/checkpoints", b"{".to_vec()),
+        ("/v1/checkpoints/1/abort", Vec::new()),
         ("/v1/resume", Vec::new()),
     ] {
         for auth in [None, Some("wrong-token"), Some(TOKEN)] {
@@ -221,4 +222,178 @@ async fn stray_and_forged_data_connections_neither_kill_nor_replace_a_peer() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// A start request for subtask 0 of 1 of a small generator job (valid as it is).
+fn start_request(peer: &str) -> keyshift::runtime::protocol::StartRequest {
+    keyshift::runtime::protocol::StartRequest {
+        namespace: "ns".into(),
+        name: "job".into(),
+        job: serde_yaml::from_str(
+            "{source: {generator: {partitions: 1, keys: 5, recordsPerSecond: 100}}, key: {field: key}, aggregation: {function: count}}",
+        )
+        .expect("job"),
+        subtask: 0,
+        parallelism: 1,
+        max_parallelism: 8,
+        peers: vec![peer.to_owned()],
+        storage: format!("memory://{}/bounds", std::process::id()),
+        restore_from: None,
+        allow_non_restored_state: false,
+        state_payload_bytes: 0,
+        run_id: "job-abc123".into(),
+        data_secret: keyshift::runtime::protocol::RunSecret("the-run-secret".into()),
+    }
+}
+
+/// A start request with absurd sizes is refused with 422 and a message naming the field and
+/// its bound, before anything is allocated for it; the worker can still be started after.
+#[tokio::test]
+async fn absurd_start_requests_are_refused_naming_the_field_and_the_bound() {
+    use keyshift::runtime::protocol::{self, StartRequest};
+    let (url, data) = worker().await;
+    let c = http();
+    type Edit = Box<dyn Fn(&mut StartRequest)>;
+    let cases: Vec<(Edit, String)> = vec![
+        (
+            Box::new(|r| r.state_payload_bytes = 1 << 40),
+            format!(
+                "statePayloadBytes is {}: it may be at most {}",
+                1u64 << 40,
+                protocol::MAX_STATE_PAYLOAD_BYTES
+            ),
+        ),
+        (
+            Box::new(|r| r.run_id = "r".repeat(100_000)),
+            format!(
+                "runId is 100000 bytes long: it may be at most {} bytes",
+                protocol::MAX_RUN_ID_LEN
+            ),
+        ),
+        (
+            Box::new(|r| r.namespace = "n".repeat(64)),
+            "namespace is 64 bytes long: it may be at most 63 bytes".into(),
+        ),
+        (
+            Box::new(|r| r.name = "n".repeat(254)),
+            "name is 254 bytes long: it may be at most 253 bytes".into(),
+        ),
+        (
+            Box::new(|r| r.storage = format!("memory://{}", "s".repeat(3000))),
+            "storage is 3009 bytes long: it may be at most 2048 bytes".into(),
+        ),
+        (
+            Box::new(|r| r.peers = vec!["p".repeat(600)]),
+            "peers[0] is 600 bytes long: it may be at most 512 bytes".into(),
+        ),
+    ];
+    for (edit, message) in cases {
+        let mut req = start_request(&data);
+        edit(&mut req);
+        let r = c
+            .post(format!("{url}/v1/start"))
+            .bearer_auth(TOKEN)
+            .json(&req)
+            .send()
+            .await
+            .expect("start answered");
+        let status = r.status().as_u16();
+        let body = r.text().await.expect("body");
+        assert_eq!(status, 422, "{message}: {body}");
+        assert!(body.contains(&message), "{body} does not say {message}");
+    }
+    let r = c
+        .post(format!("{url}/v1/start"))
+        .bearer_auth(TOKEN)
+        .json(&start_request(&data))
+        .send()
+        .await
+        .expect("start answered");
+    assert_eq!(r.status().as_u16(), 202, "a valid start after the refusals");
+}
+
+/// `POST /v1/checkpoints/{id}/abort` is idempotent and makes the id report failed (aborted),
+/// also on a worker that never saw its trigger; a trigger of it afterwards injects nothing.
+#[tokio::test]
+async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
+    use keyshift::runtime::protocol::CheckpointStatus;
+    let (url, data) = worker().await;
+    let c = http();
+    let r = c
+        .post(format!("{url}/v1/start"))
+        .bearer_auth(TOKEN)
+        .json(&start_request(&data))
+        .send()
+        .await
+        .expect("start answered");
+    assert_eq!(r.status().as_u16(), 202);
+    let aborted = |s: &CheckpointStatus| matches!(s, CheckpointStatus::Failed { error } if error.starts_with("aborted"));
+    for _ in 0..2 {
+        let r = c
+            .post(format!("{url}/v1/checkpoints/7/abort"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .expect("abort answered");
+        assert_eq!(r.status().as_u16(), 200);
+        let st: CheckpointStatus = r.json().await.expect("a status");
+        assert!(aborted(&st), "{st:?}");
+    }
+    // Wait until the worker runs, then trigger 7 (ignored) and 8 (taken).
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = c
+            .post(format!("{url}/v1/checkpoints"))
+            .bearer_auth(TOKEN)
+            .json(&serde_json::json!({"id": 7, "kind": "checkpoint"}))
+            .send()
+            .await
+            .expect("trigger answered");
+        if r.status().as_u16() == 202 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let r = c
+        .post(format!("{url}/v1/checkpoints"))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"id": 8, "kind": "checkpoint", "lastCommitted": 0}))
+        .send()
+        .await
+        .expect("trigger answered");
+    assert_eq!(r.status().as_u16(), 202);
+    let status = |id: u64| {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            c.get(format!("{url}/v1/checkpoints/{id}"))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .expect("status answered")
+                .json::<CheckpointStatus>()
+                .await
+                .expect("a status")
+        }
+    };
+    loop {
+        match status(8).await {
+            CheckpointStatus::Completed(_) => break,
+            CheckpointStatus::Pending => {}
+            other => panic!("checkpoint 8: {other:?}"),
+        }
+        assert!(std::time::Instant::now() < deadline, "8 never completed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(aborted(&status(7).await), "7 stays aborted");
+    // Below the newest finished snapshot, an id it never saw is refused.
+    let r = c
+        .post(format!("{url}/v1/checkpoints"))
+        .bearer_auth(TOKEN)
+        .json(&serde_json::json!({"id": 6, "kind": "checkpoint"}))
+        .send()
+        .await
+        .expect("trigger answered");
+    assert_eq!(r.status().as_u16(), 409);
 }

@@ -1334,3 +1334,63 @@ async fn failing_checkpoints_show_in_a_condition_and_the_job_keeps_running() {
     })
     .await;
 }
+
+/// A checkpoint trigger that reaches only some workers (the proxy of subtask 1 refuses it) is
+/// aborted on every worker: no keyed operator keeps aligning it (before, the next trigger made
+/// every operator fail and the job restart), the job keeps running on the same workers, every
+/// worker reports the checkpoint aborted, the next checkpoint commits, and the state is exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_that_reaches_only_some_workers_is_aborted_and_the_next_checkpoint_commits() {
+    bounded(async {
+        let mut d = Driver::new("cp-partial", 3, "1s");
+        d.until_running(3).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        let workers = d.workers.names();
+        d.workers.faults().refuse_triggers_of = Some(1);
+        d.until("a trigger refused", Duration::from_secs(30), |d| {
+            !d.workers.faults().triggers_refused.is_empty()
+        })
+        .await;
+        d.workers.faults().refuse_triggers_of = None;
+        let refused = d.workers.faults().triggers_refused[0];
+        d.until(
+            "checkpointed after the refused trigger",
+            Duration::from_secs(30),
+            |d| {
+                d.status
+                    .last_checkpoint
+                    .as_ref()
+                    .is_some_and(|c| c.id > refused as i64)
+            },
+        )
+        .await;
+        assert_eq!(d.workers.names(), workers, "the job kept its workers");
+        assert_eq!(d.status.phase, Some(Phase::Running));
+        for (subtask, endpoint) in d.workers.live() {
+            let status: keyshift::runtime::protocol::CheckpointStatus = d
+                .http
+                .get(format!("{}/v1/checkpoints/{refused}", endpoint.control))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .expect("checkpoint status")
+                .json()
+                .await
+                .expect("a checkpoint status");
+            assert!(
+                matches!(
+                    &status,
+                    keyshift::runtime::protocol::CheckpointStatus::Failed { error }
+                        if error.starts_with("aborted")
+                ),
+                "subtask {subtask}: checkpoint {refused} is {status:?}"
+            );
+        }
+        d.assert_processing().await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}

@@ -1318,3 +1318,288 @@ async fn a_file_shorter_than_its_restored_offset_is_refused_by_name() {
         "the removed file is logged"
     );
 }
+
+/// A run of worker processes driven by a coordinator of the test's own, so that the test can
+/// also call each worker's control API (it knows the endpoints and the token).
+struct OwnRun {
+    workers: keyshift::local::harness::LocalWorkers,
+    coordinator: keyshift::coordinator::Coordinator,
+    endpoints: Vec<keyshift::coordinator::WorkerEndpoint>,
+    token: String,
+    http: reqwest::Client,
+}
+
+/// The key-group assignment of `spec` at its replicas.
+fn own_assignment(spec: &StreamJob) -> keyshift::keygroup::Assignment {
+    keyshift::keygroup::Assignment::new(
+        i64::from(spec.spec.replicas),
+        i64::from(spec.spec.max_parallelism.expect("maxParallelism")),
+    )
+    .expect("assignment")
+}
+
+/// A coordinator of `spec` (namespace `test`) for `endpoints`.
+async fn own_coordinator(
+    spec: &StreamJob,
+    env: &Env,
+    endpoints: &[keyshift::coordinator::WorkerEndpoint],
+    token: &str,
+) -> keyshift::coordinator::Coordinator {
+    use keyshift::orchestrator::run;
+    let name = spec.metadata.name.clone().expect("a name");
+    run::coordinator(
+        &spec.spec,
+        &env.storage,
+        run::identity("test", &name, &spec.spec),
+        own_assignment(spec),
+        endpoints.to_vec(),
+        token.to_owned(),
+    )
+    .await
+    .expect("coordinator")
+}
+
+impl OwnRun {
+    /// Starts `spec` (namespace `test`) at its replicas with empty state.
+    async fn start(spec: &StreamJob, env: &Env) -> OwnRun {
+        use keyshift::orchestrator::run;
+        let name = spec.metadata.name.clone().expect("a name");
+        let assignment = own_assignment(spec);
+        let token = run::new_token().expect("token");
+        let mut workers = keyshift::local::harness::LocalWorkers::new(bin(), env.logs.clone());
+        let endpoints = workers
+            .spawn(assignment.parallelism(), &token, 1)
+            .await
+            .expect("workers spawn");
+        let coordinator = own_coordinator(spec, env, &endpoints, &token).await;
+        let run_id = run::new_run_id().expect("run id");
+        let template = run::StartPlan {
+            namespace: "test",
+            name: &name,
+            spec: &spec.spec,
+            assignment,
+            storage: &env.storage,
+            restore_from: None,
+            run: &run_id,
+            state_payload_bytes: 0,
+        }
+        .request()
+        .expect("start request");
+        coordinator
+            .start(&template, Duration::from_secs(60))
+            .await
+            .expect("the run starts");
+        OwnRun {
+            workers,
+            coordinator,
+            endpoints,
+            token,
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(10))
+                .no_proxy()
+                .build()
+                .expect("client"),
+        }
+    }
+
+    /// Posts `path` to worker `i`; the HTTP status.
+    async fn post(&self, i: usize, path: &str, body: serde_json::Value) -> u16 {
+        self.http
+            .post(format!("{}{path}", self.endpoints[i].control))
+            .bearer_auth(&self.token)
+            .json(&body)
+            .send()
+            .await
+            .expect("answered")
+            .status()
+            .as_u16()
+    }
+
+    /// Snapshot `id`'s status on worker `i`.
+    async fn status_of(&self, i: usize, id: u64) -> keyshift::runtime::protocol::CheckpointStatus {
+        self.http
+            .get(format!("{}/v1/checkpoints/{id}", self.endpoints[i].control))
+            .bearer_auth(&self.token)
+            .send()
+            .await
+            .expect("checkpoint status answered")
+            .json()
+            .await
+            .expect("a checkpoint status")
+    }
+
+    /// Every worker reports snapshot `id` failed with an error starting with `reason`.
+    async fn assert_failed_everywhere(&self, id: u64, reason: &str) {
+        for i in 0..self.endpoints.len() {
+            let status = self.status_of(i, id).await;
+            assert!(
+                matches!(
+                    &status,
+                    keyshift::runtime::protocol::CheckpointStatus::Failed { error }
+                        if error.starts_with(reason)
+                ),
+                "worker {i}: snapshot {id} is {status:?}, not {reason}"
+            );
+        }
+    }
+
+    async fn snapshot(
+        &mut self,
+        kind: snapshot::SnapshotKind,
+    ) -> Result<keyshift::coordinator::Completed, keyshift::coordinator::CoordinatorError> {
+        self.coordinator
+            .snapshot(
+                kind,
+                kind == snapshot::SnapshotKind::Savepoint,
+                Duration::from_secs(30),
+            )
+            .await
+    }
+}
+
+/// The trigger of snapshot 5 reached only worker 0 (as when a coordinator's trigger fails on the
+/// others, or a coordinator died while triggering): its source's barrier reaches every keyed
+/// operator, which blocks that input and waits for the barriers of 5 from the other sources,
+/// which never come. The next checkpoint (6) supersedes 5 at every operator: it commits, with the
+/// same worker processes, and its state and the final savepoint's are exact. Before, barrier 6
+/// made every operator fail ("arrived while aligning barrier 5") and the job died. Then a
+/// snapshot triggered on one worker and aborted on all through the control API, and a
+/// coordinator that takes the workers over and continues above its id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trigger_that_reached_some_workers_is_superseded_by_the_next_checkpoint() {
+    let env = env(None);
+    let spec = generator_job("partial", "", 3, 128, "{function: count}");
+    // An earlier coordinator's snapshot 5 left a directory: this coordinator's ids start at 6.
+    let state = PathBuf::from(env.storage.trim_start_matches("file://"));
+    let orphan = state.join("test/partial/checkpoints/chk-5");
+    std::fs::create_dir_all(&orphan).expect("orphan dir");
+    std::fs::write(orphan.join("state-0-of-3.bin"), b"x").expect("orphan file");
+    let mut run = OwnRun::start(&spec, &env).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let trigger = |id: u64| serde_json::json!({"id": id, "kind": "checkpoint", "lastCommitted": 0});
+    assert_eq!(run.post(0, "/v1/checkpoints", trigger(5)).await, 202);
+    // Barrier 5 reaches every operator, which then holds back worker 0's records.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c = run
+        .snapshot(snapshot::SnapshotKind::Checkpoint)
+        .await
+        .expect("the next checkpoint commits");
+    assert_eq!(c.id, 6);
+    assert_exact(&spec, &c.url).await;
+    run.assert_failed_everywhere(5, "aborted: superseded by snapshot 6")
+        .await;
+    assert_eq!(run.workers.exited(), None, "every worker kept running");
+    // A trigger of 5 again (a slow retry) is ignored; one below it is refused.
+    for (id, code) in [(5, 202), (4, 409)] {
+        assert_eq!(
+            run.post(1, "/v1/checkpoints", trigger(id)).await,
+            code,
+            "trigger of {id}"
+        );
+    }
+    // Snapshot 100 is triggered on worker 0 only and aborted on every worker through the control
+    // API (as by a coordinator that died in between): the operators stop aligning it. A
+    // coordinator that takes the workers over continues above 100, which storage knows nothing
+    // of, and its checkpoint commits.
+    assert_eq!(run.post(0, "/v1/checkpoints", trigger(100)).await, 202);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    for i in 0..3 {
+        assert_eq!(
+            run.post(i, "/v1/checkpoints/100/abort", serde_json::Value::Null)
+                .await,
+            200
+        );
+    }
+    run.assert_failed_everywhere(100, "aborted: snapshot 100 was abandoned")
+        .await;
+    run.coordinator = own_coordinator(&spec, &env, &run.endpoints, &run.token).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c = run
+        .snapshot(snapshot::SnapshotKind::Checkpoint)
+        .await
+        .expect("the checkpoint of the coordinator that took over commits");
+    assert_eq!(c.id, 101);
+    assert_exact(&spec, &c.url).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sp = run
+        .snapshot(snapshot::SnapshotKind::Savepoint)
+        .await
+        .expect("stop with a savepoint");
+    let (state, positions) = assert_exact(&spec, &sp.url).await;
+    assert_eq!(
+        state.values().sum::<i64>() as u64,
+        positions.values().sum::<u64>()
+    );
+    assert_eq!(run.workers.exited(), None);
+    run.workers.stop_all().await;
+}
+
+/// A checkpoint that fails on one subtask (its state file is blocked by a directory) is aborted
+/// on every worker: the others report it failed (aborted), none pending or completed; the next
+/// checkpoint commits, and what the sink emitted meanwhile is published exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
+    let env = env(None);
+    let out = env._dir.path().join("out");
+    let spec = windowed_sink_job("aborted", 9, "300ms", &out);
+    let mut run = OwnRun::start(&spec, &env).await;
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let first = run
+        .snapshot(snapshot::SnapshotKind::Checkpoint)
+        .await
+        .expect("checkpoint");
+    let n = first.id + 1;
+    let state = PathBuf::from(env.storage.trim_start_matches("file://"));
+    std::fs::create_dir_all(
+        state.join(format!("test/aborted/checkpoints/chk-{n}/state-2-of-3.bin")),
+    )
+    .expect("state trap");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let e = run
+        .snapshot(snapshot::SnapshotKind::Checkpoint)
+        .await
+        .expect_err("a checkpoint that one subtask cannot take fails");
+    assert!(
+        e.to_string()
+            .contains(&format!("snapshot {n} failed on subtask 2")),
+        "{e}"
+    );
+    // Subtask 2 keeps its own error; the others, whose state was written, report the abort.
+    for i in 0..3 {
+        let status = run.status_of(i, n).await;
+        let reason = if i == 2 {
+            "object store write"
+        } else {
+            "aborted"
+        };
+        assert!(
+            matches!(
+                &status,
+                keyshift::runtime::protocol::CheckpointStatus::Failed { error }
+                    if error.starts_with(reason)
+            ),
+            "worker {i}: snapshot {n} is {status:?}, not {reason}"
+        );
+    }
+    assert_eq!(run.workers.exited(), None, "every worker kept running");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let next = run
+        .snapshot(snapshot::SnapshotKind::Checkpoint)
+        .await
+        .expect("the next checkpoint commits");
+    assert_eq!(next.id, n + 1);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let sp = run
+        .snapshot(snapshot::SnapshotKind::Savepoint)
+        .await
+        .expect("stop with a savepoint");
+    run.workers.stop_all().await;
+    let (seen, ids) = published_windows(&out);
+    assert!(
+        !ids.contains(&n),
+        "the aborted checkpoint published nothing: {ids:?}"
+    );
+    assert!(ids.contains(&(n + 1)), "{ids:?}");
+    let (open, positions, _) = snapshot_state_windows(&sp.url).await;
+    assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "published");
+}

@@ -8,6 +8,7 @@
 //! | `POST /v1/start` | [`StartRequest`] | 202 [`StartAccepted`] once the request is checked; the restore runs on |
 //! | `POST /v1/checkpoints` | [`CheckpointRequest`] | 202; the barrier is injected at the sources |
 //! | `GET /v1/checkpoints/{id}` | - | [`CheckpointStatus`]: the subtask's acknowledgement |
+//! | `POST /v1/checkpoints/{id}/abort` | - | 200 [`CheckpointStatus`] (now failed); idempotent: the snapshot is abandoned |
 //! | `POST /v1/resume` | - | 200; sources stopped by a savepoint read again |
 //! | `GET /v1/status` | - | [`WorkerStatus`] |
 //!
@@ -17,6 +18,18 @@
 //! [`WorkerStatus::restore`] (bytes and key groups read of the totals) while it runs; `running`
 //! with [`WorkerStatus::started`] (the [`StartResponse`]) once restored; `idle` with
 //! [`WorkerStatus::last_start_error`] if it failed (the worker can be started again).
+//!
+//! A start request beyond the bounds of [`StartRequest::check_bounds`] gets a 422 naming the field
+//! and its bound.
+//!
+//! `POST /v1/checkpoints` answers 409 for an id this worker does not know that is not above the
+//! newest one it finished or abandoned (ids only grow). The coordinator aborts a snapshot that
+//! failed, timed out or whose trigger did not reach every worker on every worker with
+//! `POST /v1/checkpoints/{id}/abort`: the id (and any pending one below it) is reported
+//! [`CheckpointStatus::Failed`] with an error starting with `aborted`, its cut is dropped, its
+//! barrier is no longer injected, and the keyed operator stops aligning it. A worker that sees a
+//! barrier of a higher id while aligning a lower one aborts the lower one the same way
+//! (`superseded`). See [`super::ledger`].
 //!
 //! Every `/v1` call but health and readiness needs `Authorization: Bearer <token>`.
 
@@ -60,6 +73,92 @@ pub struct StartRequest {
     /// accepted (see [`shuffle`](super::shuffle)). Fresh per run, sent only on the
     /// token-guarded control API, never logged.
     pub data_secret: RunSecret,
+}
+
+/// The longest `namespace` (a Kubernetes namespace is a DNS label).
+pub const MAX_NAMESPACE_LEN: usize = 63;
+/// The longest job `name` (a Kubernetes object name).
+pub const MAX_NAME_LEN: usize = 253;
+/// The longest `storage` and `restoreFrom` URL (as the CRD bounds `spec.state.storage`).
+pub const MAX_URL_LEN: usize = 2048;
+/// The longest `runId` (`<job>-<run>`).
+pub const MAX_RUN_ID_LEN: usize = MAX_NAME_LEN + 1 + 64;
+/// The longest data-plane address in `peers` (`host:port`).
+pub const MAX_PEER_ADDRESS_LEN: usize = 512;
+/// The longest `dataSecret`.
+pub const MAX_DATA_SECRET_LEN: usize = 1024;
+/// The largest `statePayloadBytes` (opaque bytes per key; benchmarks use a few hundred).
+pub const MAX_STATE_PAYLOAD_BYTES: usize = 64 * 1024;
+
+/// A start request field out of its bounds ([`StartRequest::check_bounds`]).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StartBoundsError {
+    /// A string field longer than its bound.
+    #[error("{field} is {len} bytes long: it may be at most {max} bytes")]
+    TooLong {
+        field: String,
+        len: usize,
+        max: usize,
+    },
+    /// A required string field that is empty.
+    #[error("{field} must not be empty")]
+    Empty { field: &'static str },
+    /// A number above its bound.
+    #[error("{field} is {value}: it may be at most {max}")]
+    TooLarge {
+        field: &'static str,
+        value: u64,
+        max: u64,
+    },
+}
+
+impl StartRequest {
+    /// Checks the sizes of the request's fields against the named bounds above (the
+    /// parallelism, key-group count, peer count and dataflow are checked when the subtask is
+    /// prepared).
+    pub fn check_bounds(&self) -> Result<(), StartBoundsError> {
+        let long = |field: &str, value: &str, max: usize| {
+            if value.len() > max {
+                Err(StartBoundsError::TooLong {
+                    field: field.to_owned(),
+                    len: value.len(),
+                    max,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        for (field, value) in [
+            ("namespace", &self.namespace),
+            ("name", &self.name),
+            ("runId", &self.run_id),
+            ("storage", &self.storage),
+            ("dataSecret", &self.data_secret.0),
+        ] {
+            if value.is_empty() {
+                return Err(StartBoundsError::Empty { field });
+            }
+        }
+        long("namespace", &self.namespace, MAX_NAMESPACE_LEN)?;
+        long("name", &self.name, MAX_NAME_LEN)?;
+        long("runId", &self.run_id, MAX_RUN_ID_LEN)?;
+        long("storage", &self.storage, MAX_URL_LEN)?;
+        if let Some(url) = &self.restore_from {
+            long("restoreFrom", url, MAX_URL_LEN)?;
+        }
+        long("dataSecret", &self.data_secret.0, MAX_DATA_SECRET_LEN)?;
+        for (i, peer) in self.peers.iter().enumerate() {
+            long(&format!("peers[{i}]"), peer, MAX_PEER_ADDRESS_LEN)?;
+        }
+        if self.state_payload_bytes > MAX_STATE_PAYLOAD_BYTES {
+            return Err(StartBoundsError::TooLarge {
+                field: "statePayloadBytes",
+                value: self.state_payload_bytes as u64,
+                max: MAX_STATE_PAYLOAD_BYTES as u64,
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A secret that must not appear in logs: its `Debug` form is redacted.
@@ -219,6 +318,11 @@ pub struct WorkerStatus {
     /// Why the last start failed (the worker is `idle` again and can be started anew).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_start_error: Option<String>,
+    /// The newest snapshot id this worker was triggered or told to abort, if any: a coordinator
+    /// that takes the worker over continues above it (a worker ignores ids at or below the
+    /// newest it finished or abandoned).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub newest_snapshot: Option<u64>,
 }
 
 #[cfg(test)]
@@ -280,6 +384,63 @@ mod tests {
         assert_eq!(back.state, WorkerState::Restoring);
         assert_eq!(back.restore, st.restore);
         assert_eq!(back.last_start_error.as_deref(), Some("checksum mismatch"));
+    }
+
+    #[test]
+    fn start_requests_beyond_their_bounds_name_the_field_and_the_bound() {
+        let ok = StartRequest {
+            namespace: "team".into(),
+            name: "clicks".into(),
+            job: serde_yaml::from_str(
+                "{source: {generator: {partitions: 1, keys: 1}}, key: {field: key}, aggregation: {function: count}}",
+            )
+            .unwrap(),
+            subtask: 0,
+            parallelism: 1,
+            max_parallelism: 8,
+            peers: vec!["10.0.0.1:9091".into()],
+            storage: "memory://x".into(),
+            restore_from: None,
+            allow_non_restored_state: false,
+            state_payload_bytes: MAX_STATE_PAYLOAD_BYTES,
+            run_id: "clicks-abc123".into(),
+            data_secret: RunSecret("s".into()),
+        };
+        assert_eq!(ok.check_bounds(), Ok(()));
+        let refused = |edit: &dyn Fn(&mut StartRequest)| {
+            let mut r = ok.clone();
+            edit(&mut r);
+            r.check_bounds().unwrap_err().to_string()
+        };
+        assert_eq!(
+            refused(&|r| r.namespace = "n".repeat(64)),
+            "namespace is 64 bytes long: it may be at most 63 bytes"
+        );
+        assert_eq!(
+            refused(&|r| r.name = "n".repeat(254)),
+            "name is 254 bytes long: it may be at most 253 bytes"
+        );
+        assert_eq!(
+            refused(&|r| r.run_id = "r".repeat(MAX_RUN_ID_LEN + 1)),
+            format!(
+                "runId is {} bytes long: it may be at most {MAX_RUN_ID_LEN} bytes",
+                MAX_RUN_ID_LEN + 1
+            )
+        );
+        assert!(refused(&|r| r.restore_from = Some("u".repeat(2049))).starts_with("restoreFrom "));
+        assert!(refused(&|r| r.storage = "u".repeat(2049)).starts_with("storage "));
+        assert!(refused(&|r| r.peers[0] = "p".repeat(513)).starts_with("peers[0] "));
+        assert!(
+            refused(&|r| r.data_secret = RunSecret("s".repeat(1025))).starts_with("dataSecret ")
+        );
+        assert_eq!(
+            refused(&|r| r.state_payload_bytes = usize::MAX),
+            format!(
+                "statePayloadBytes is {}: it may be at most 65536",
+                usize::MAX
+            )
+        );
+        assert_eq!(refused(&|r| r.run_id.clear()), "runId must not be empty");
     }
 
     #[test]

@@ -10,6 +10,7 @@
 //!   to the object store and acknowledges the snapshot.
 
 use super::checkpoint::{self, StateWriteOptions, Updates};
+use super::ledger::{BarrierCut, Ledger, Trigger};
 use super::metrics::WorkerMetrics;
 use super::protocol::*;
 use super::restore::{self, RestoreOptions};
@@ -17,7 +18,7 @@ use super::shuffle::{self, BATCH, CHANNEL_BATCHES, Msg};
 use crate::job::WatermarkTracker;
 use crate::job::{self, CompiledJob, JobOptions, KeyedAggregator, PartitionWatermark, Record};
 use crate::keygroup::Assignment;
-use crate::snapshot::{self, ObjectStore, Path as StorePath, SnapshotKind, SnapshotWriter};
+use crate::snapshot::{self, ObjectStore, Path as StorePath, SnapshotWriter};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -88,9 +89,12 @@ struct Shared {
     ready: AtomicBool,
     stopped: AtomicBool,
     run: Mutex<Option<RunHandle>>,
-    checkpoints: Mutex<BTreeMap<u64, CheckpointStatus>>,
-    /// What the source recorded at each barrier, picked up by the operator.
-    barrier_positions: Mutex<BTreeMap<u64, BarrierCut>>,
+    /// Every snapshot's status, and what the source recorded at each barrier (picked up by the
+    /// operator); bounded.
+    ledger: Mutex<Ledger>,
+    /// [`Ledger::aborted_through`], for the keyed operator: it stops aligning an id at or below
+    /// it, and ignores such barriers.
+    aborted: watch::Sender<u64>,
     status: Mutex<WorkerStatus>,
     /// Live counters of the running restore (reset by each start).
     restore_progress: Mutex<Arc<restore::Progress>>,
@@ -98,15 +102,22 @@ struct Shared {
     fatal: watch::Sender<Option<String>>,
 }
 
-/// What the source recorded when it injected a barrier.
-struct BarrierCut {
-    kind: SnapshotKind,
-    /// Its partitions' positions at the barrier.
-    positions: BTreeMap<u32, u64>,
-    /// When the barrier was injected.
-    at: Instant,
-    /// The trigger's [`CheckpointRequest::last_committed`].
-    last_committed: Option<u64>,
+impl Shared {
+    /// Aborts snapshot `id` (and the pending ones below it) in the ledger and tells the keyed
+    /// operator.
+    async fn abort(&self, id: u64, reason: &str) -> CheckpointStatus {
+        let (through, status) = {
+            let mut ledger = self.ledger.lock().await;
+            let through = ledger.abort(id, reason);
+            (through, ledger.status(id))
+        };
+        self.aborted.send_if_modified(|w| {
+            let raise = through > *w;
+            *w = (*w).max(through);
+            raise
+        });
+        status
+    }
 }
 
 struct RunHandle {
@@ -210,8 +221,8 @@ impl BoundWorker {
             ready: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             run: Mutex::new(None),
-            checkpoints: Mutex::new(BTreeMap::new()),
-            barrier_positions: Mutex::new(BTreeMap::new()),
+            ledger: Mutex::new(Ledger::new()),
+            aborted: watch::channel(0).0,
             status: Mutex::new(WorkerStatus {
                 state: WorkerState::Idle,
                 ..Default::default()
@@ -225,6 +236,7 @@ impl BoundWorker {
             .route("/v1/start", post(start))
             .route("/v1/checkpoints", post(trigger))
             .route("/v1/checkpoints/{id}", get(checkpoint_status))
+            .route("/v1/checkpoints/{id}/abort", post(abort))
             .route("/v1/resume", post(resume))
             .route("/v1/status", get(status))
             .route_layer(axum::middleware::from_fn_with_state(
@@ -344,6 +356,7 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
     st.keys = m.keys.get() as u64;
     st.watermark = m.watermark.get();
     st.backpressure_ms = m.backpressure_ms.get();
+    st.newest_snapshot = s.ledger.lock().await.newest_id();
     if s.stopped.load(Ordering::Acquire) {
         st.state = WorkerState::Stopped;
     }
@@ -358,14 +371,21 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
 }
 
 async fn checkpoint_status(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response {
-    let st = s
-        .checkpoints
-        .lock()
-        .await
-        .get(&id)
-        .cloned()
-        .unwrap_or(CheckpointStatus::Unknown);
+    let st = s.ledger.lock().await.status(id);
     Json(st).into_response()
+}
+
+/// Abandons snapshot `id` (idempotent): it is reported failed, its cut is dropped, and the keyed
+/// operator stops aligning it (see [`super::ledger`]).
+async fn abort(State(s): State<Arc<Shared>>, Path(id): Path<u64>) -> Response {
+    let status = s
+        .abort(
+            id,
+            &format!("aborted: snapshot {id} was abandoned by the coordinator"),
+        )
+        .await;
+    tracing::info!(id, "snapshot aborted by the coordinator");
+    Json(status).into_response()
 }
 
 async fn trigger(State(s): State<Arc<Shared>>, Json(req): Json<CheckpointRequest>) -> Response {
@@ -373,13 +393,29 @@ async fn trigger(State(s): State<Arc<Shared>>, Json(req): Json<CheckpointRequest
     let Some(run) = run.as_ref() else {
         return err(StatusCode::CONFLICT, "the worker has not been started");
     };
-    {
-        let mut cps = s.checkpoints.lock().await;
-        if cps.contains_key(&req.id) {
-            // Idempotent: a retried trigger changes nothing.
-            return StatusCode::ACCEPTED.into_response();
+    let (outcome, through) = {
+        let mut ledger = s.ledger.lock().await;
+        (ledger.trigger(req.id), ledger.aborted_through())
+    };
+    // Too many in flight: the ledger abandoned the oldest.
+    s.aborted.send_if_modified(|w| {
+        let raise = through > *w;
+        *w = (*w).max(through);
+        raise
+    });
+    match outcome {
+        Trigger::New => {}
+        // Idempotent: a retried trigger changes nothing.
+        Trigger::Known => return StatusCode::ACCEPTED.into_response(),
+        Trigger::Stale { newest_finished } => {
+            return err(
+                StatusCode::CONFLICT,
+                format!(
+                    "snapshot {} is not above snapshot {newest_finished}, the newest this worker finished or abandoned: snapshot ids only grow",
+                    req.id
+                ),
+            );
         }
-        cps.insert(req.id, CheckpointStatus::Pending);
     }
     if run.source_cmd.send(SourceCmd::Barrier(req)).await.is_err() {
         return err(StatusCode::INTERNAL_SERVER_ERROR, "the source has stopped");
@@ -497,6 +533,8 @@ struct Prepared {
 /// Checks a start request: its layout, its dataflow, and the manifest of the snapshot it
 /// restores (key-group count, state schema). Reads nothing but that manifest.
 async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
+    req.check_bounds()
+        .map_err(|e| WorkerError::BadStart(e.to_string()))?;
     let assignment = Assignment::new(i64::from(req.parallelism), i64::from(req.max_parallelism))
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
     if req.subtask >= req.parallelism || req.peers.len() != req.parallelism as usize {
@@ -1103,15 +1141,17 @@ async fn handle_source_cmd(
 ) -> Result<(), WorkerError> {
     match cmd {
         SourceCmd::Barrier(req) => {
-            s.barrier_positions.lock().await.insert(
-                req.id,
-                BarrierCut {
-                    kind: req.kind,
-                    positions: pos.clone(),
-                    at: Instant::now(),
-                    last_committed: req.last_committed,
-                },
-            );
+            let cut = BarrierCut {
+                kind: req.kind,
+                positions: pos.clone(),
+                at: Instant::now(),
+                last_committed: req.last_committed,
+            };
+            if !s.ledger.lock().await.record_cut(req.id, cut) {
+                // Aborted before its barrier went out: nothing to inject (nor to stop at).
+                tracing::debug!(id = req.id, "barrier of an aborted snapshot not injected");
+                return Ok(());
+            }
             router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
             tracing::debug!(id = req.id, "barrier injected");
             if req.stop {
@@ -1168,12 +1208,26 @@ async fn operator_loop(
     } else {
         WatermarkTracker::new(n)
     };
-    let mut blocked = vec![false; n];
-    let mut aligning: Option<u64> = None;
+    let mut aborts = s.aborted.subscribe();
+    let mut align = Alignment::new(n);
     let mut start = 0usize;
     let mut batches = 0u64;
     loop {
-        let Some((i, msg)) = next_input(&mut inputs, &blocked, &mut start).await else {
+        // An abort of the snapshot being aligned unblocks its inputs even while the others
+        // are idle.
+        let next = tokio::select! {
+            biased;
+            _ = aborts.changed(), if align.aligning().is_some() => None,
+            m = next_input(&mut inputs, align.blocked(), &mut start) => Some(m),
+        };
+        let aborted_through = *aborts.borrow_and_update();
+        if let Some(id) = align.abandon_through(aborted_through) {
+            tracing::info!(id, "stopped aligning an aborted snapshot");
+        }
+        let Some(next) = next else {
+            continue;
+        };
+        let Some((i, msg)) = next else {
             return Err(WorkerError::Fatal("every input is blocked".into()));
         };
         let Some(msg) = msg else {
@@ -1198,32 +1252,48 @@ async fn operator_loop(
                     emit(&s, &mut sub, &rows);
                 }
             }
-            Msg::Barrier(id) => {
-                match aligning {
-                    None => aligning = Some(id),
-                    Some(a) if a == id => {}
-                    Some(a) => {
-                        return Err(WorkerError::Fatal(format!(
-                            "barrier {id} arrived while aligning barrier {a}"
-                        )));
-                    }
+            Msg::Barrier(id) => match align.barrier(i, id, aborted_through) {
+                Barrier::Stale => {
+                    tracing::debug!(
+                        id,
+                        input = i,
+                        "barrier of a finished or abandoned snapshot ignored"
+                    );
                 }
-                blocked[i] = true;
-                if blocked.iter().all(|b| *b) {
+                Barrier::Accepted {
+                    superseded,
+                    aligned,
+                } => {
+                    if let Some(old) = superseded {
+                        tracing::warn!(old, id, "snapshot superseded while aligning: aborted");
+                        s.abort(
+                            old,
+                            &format!(
+                                "aborted: superseded by snapshot {id} while aligning (a barrier of {old} never arrived)"
+                            ),
+                        )
+                        .await;
+                    }
+                    if !aligned {
+                        continue;
+                    }
                     let result = snapshot(&s, &mut sub, id, tracker.current()).await;
                     let status = match result {
-                        Ok(ack) => {
+                        Ok(Some(ack)) => {
                             tracing::info!(
                                 id,
                                 bytes = ack.snapshot.file.size,
                                 ms = ack.duration_ms,
                                 "snapshot written"
                             );
-                            s.status.lock().await.last_checkpoint = Some(id);
                             CheckpointStatus::Completed(Box::new(ack))
                         }
+                        Ok(None) => {
+                            tracing::info!(id, "snapshot aborted before it was written");
+                            continue;
+                        }
                         Err(e) if e.stops_the_worker() => {
-                            s.checkpoints.lock().await.insert(
+                            s.ledger.lock().await.finish(
                                 id,
                                 CheckpointStatus::Failed {
                                     error: e.to_string(),
@@ -1238,11 +1308,98 @@ async fn operator_loop(
                             }
                         }
                     };
-                    s.checkpoints.lock().await.insert(id, status);
-                    blocked.iter_mut().for_each(|b| *b = false);
-                    aligning = None;
+                    let completed = matches!(status, CheckpointStatus::Completed(_));
+                    if !s.ledger.lock().await.finish(id, status) {
+                        tracing::info!(
+                            id,
+                            "snapshot written after it was aborted: it stays aborted"
+                        );
+                    } else if completed {
+                        s.status.lock().await.last_checkpoint = Some(id);
+                    }
                 }
+            },
+        }
+    }
+}
+
+/// What a barrier does to the keyed operator's alignment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Barrier {
+    /// Of a snapshot finished, abandoned or older than the one aligned: ignored.
+    Stale,
+    /// Its input is blocked until every input has delivered it, or, `aligned`, every input
+    /// has: take the snapshot (the inputs are unblocked). `superseded` is the lower snapshot
+    /// that was being aligned and is abandoned (its inputs unblocked).
+    Accepted {
+        superseded: Option<u64>,
+        aligned: bool,
+    },
+}
+
+/// Barrier alignment of the keyed operator (pure): an input that delivered barrier `n` is not
+/// read again until every input has. A barrier of a higher id arriving while `n` aligns
+/// abandons `n` (Flink's checkpoint subsumption): the barriers of `n` still on their way are
+/// then stale, as are barriers of ids at or below one finished here or aborted.
+#[derive(Debug)]
+struct Alignment {
+    blocked: Vec<bool>,
+    aligning: Option<u64>,
+    /// The newest id aligned or abandoned here (0: none).
+    settled: u64,
+}
+
+impl Alignment {
+    fn new(inputs: usize) -> Self {
+        Alignment {
+            blocked: vec![false; inputs],
+            aligning: None,
+            settled: 0,
+        }
+    }
+
+    fn blocked(&self) -> &[bool] {
+        &self.blocked
+    }
+
+    fn aligning(&self) -> Option<u64> {
+        self.aligning
+    }
+
+    fn unblock(&mut self, settled: u64) {
+        self.blocked.iter_mut().for_each(|b| *b = false);
+        self.aligning = None;
+        self.settled = self.settled.max(settled);
+    }
+
+    /// Stops aligning a snapshot at or below `aborted_through`; returns its id if it did.
+    fn abandon_through(&mut self, aborted_through: u64) -> Option<u64> {
+        let id = self.aligning.filter(|a| *a <= aborted_through)?;
+        self.unblock(id);
+        Some(id)
+    }
+
+    /// Barrier `id` from input `i`; ids at or below `aborted_through` were abandoned.
+    fn barrier(&mut self, i: usize, id: u64, aborted_through: u64) -> Barrier {
+        if id <= self.settled || id <= aborted_through || self.aligning.is_some_and(|a| id < a) {
+            return Barrier::Stale;
+        }
+        let superseded = match self.aligning {
+            Some(a) if a < id => {
+                self.unblock(a);
+                Some(a)
             }
+            _ => None,
+        };
+        self.aligning = Some(id);
+        self.blocked[i] = true;
+        let aligned = self.blocked.iter().all(|b| *b);
+        if aligned {
+            self.unblock(id);
+        }
+        Barrier::Accepted {
+            superseded,
+            aligned,
         }
     }
 }
@@ -1277,23 +1434,32 @@ fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64) {
     }
 }
 
+/// Writes snapshot `id` at its aligned barrier; `None` if it was aborted before it began
+/// (nothing is written or drained then: this subtask's output rides with the next snapshot).
 async fn snapshot(
     s: &Shared,
     sub: &mut Subtask,
     id: u64,
     watermark: i64,
-) -> Result<SubtaskAck, WorkerError> {
+) -> Result<Option<SubtaskAck>, WorkerError> {
+    let cut = {
+        let mut ledger = s.ledger.lock().await;
+        match ledger.take_cut(id) {
+            Some(cut) => cut,
+            None if ledger.is_aborted(id) => return Ok(None),
+            None => {
+                return Err(WorkerError::Fatal(format!(
+                    "barrier {id} was not injected here"
+                )));
+            }
+        }
+    };
     let BarrierCut {
         kind,
         positions,
         at: started,
         last_committed,
-    } = s
-        .barrier_positions
-        .lock()
-        .await
-        .remove(&id)
-        .ok_or_else(|| WorkerError::Fatal(format!("barrier {id} was not injected here")))?;
+    } = cut;
     // Non-windowed results go out with each checkpoint (windowed ones when windows fire): the
     // changed keys are drained in the same pass that encodes the state (on
     // KEYSHIFT_ENCODE_THREADS threads, 1 by default), and are on stdout (log sink) or in the sink
@@ -1355,11 +1521,69 @@ async fn snapshot(
     s.metrics.checkpoint_bytes.set(snapshot.file.size as i64);
     s.metrics.keys.set(sub.agg.key_count() as i64);
     s.status.lock().await.keys_per_group = keys_per_group;
-    Ok(SubtaskAck {
+    Ok(Some(SubtaskAck {
         snapshot,
         source_positions: positions,
         source_partitions: sub.source_partitions.clone(),
         watermark,
         duration_ms,
-    })
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn accepted(superseded: Option<u64>, aligned: bool) -> Barrier {
+        Barrier::Accepted {
+            superseded,
+            aligned,
+        }
+    }
+
+    #[test]
+    fn a_barrier_aligns_once_every_input_delivered_it() {
+        let mut a = Alignment::new(3);
+        assert_eq!(a.barrier(0, 1, 0), accepted(None, false));
+        assert_eq!(a.blocked(), [true, false, false]);
+        assert_eq!(a.barrier(2, 1, 0), accepted(None, false));
+        assert_eq!(a.barrier(1, 1, 0), accepted(None, true));
+        assert_eq!((a.blocked(), a.aligning()), (&[false; 3][..], None));
+        // Its barriers are done with: a late copy is stale.
+        assert_eq!(a.barrier(0, 1, 0), Barrier::Stale);
+    }
+
+    /// The trigger of 5 reached only the source of input 0: 6 supersedes 5, unblocks input 0,
+    /// and aligns on its own; 5's barriers still on their way are ignored.
+    #[test]
+    fn a_higher_barrier_supersedes_the_one_aligning() {
+        let mut a = Alignment::new(3);
+        assert_eq!(a.barrier(0, 5, 0), accepted(None, false));
+        assert_eq!(a.barrier(1, 6, 0), accepted(Some(5), false));
+        assert_eq!(a.blocked(), [false, true, false]);
+        assert_eq!(a.aligning(), Some(6));
+        assert_eq!(
+            a.barrier(2, 5, 0),
+            Barrier::Stale,
+            "older than the one aligning"
+        );
+        assert_eq!(a.barrier(0, 6, 0), accepted(None, false));
+        assert_eq!(a.barrier(2, 6, 0), accepted(None, true));
+        assert_eq!(a.barrier(2, 5, 0), Barrier::Stale, "superseded");
+        assert_eq!(a.barrier(0, 7, 0), accepted(None, false));
+    }
+
+    #[test]
+    fn an_abort_unblocks_the_inputs_and_its_barriers_are_stale() {
+        let mut a = Alignment::new(2);
+        assert_eq!(a.barrier(0, 3, 0), accepted(None, false));
+        assert_eq!(a.abandon_through(2), None, "an older abort changes nothing");
+        assert_eq!(a.abandon_through(3), Some(3));
+        assert_eq!((a.blocked(), a.aligning()), (&[false; 2][..], None));
+        assert_eq!(a.barrier(1, 3, 3), Barrier::Stale);
+        // Aborted before any of its barriers arrived: never aligned.
+        assert_eq!(a.barrier(0, 4, 4), Barrier::Stale);
+        assert_eq!(a.barrier(0, 5, 4), accepted(None, false));
+        assert_eq!(a.barrier(1, 5, 4), accepted(None, true));
+    }
 }

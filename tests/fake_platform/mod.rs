@@ -13,6 +13,8 @@
 //! * `fail_savepoints = true`: subtask 0 reports every savepoint triggered from then on as
 //!   `Failed` (as a worker whose state upload failed does). The real worker did take the barrier
 //!   (its sources are stopped if the savepoint stops them), so the orchestration must resume it.
+//! * `refuse_triggers_of = Some(i)`: the proxy of subtask `i` answers every checkpoint trigger
+//!   with HTTP 503 without passing it on, so a trigger reaches only the other workers.
 
 #![allow(dead_code)]
 
@@ -42,6 +44,10 @@ pub struct Faults {
     pub fail_checkpoints: bool,
     /// How many checkpoints were made to fail.
     pub checkpoints_failed: u32,
+    /// The proxy of this subtask refuses checkpoint triggers (HTTP 503, not passed on).
+    pub refuse_triggers_of: Option<u32>,
+    /// Ids of the checkpoint triggers refused, in order.
+    pub triggers_refused: Vec<u64>,
 }
 
 /// One in-process worker: its runtime (its tasks and sockets live and die with it).
@@ -337,6 +343,20 @@ async fn forward(
                 SnapshotKind::Savepoint => f.savepoints_failed += 1,
                 SnapshotKind::Checkpoint => f.checkpoints_failed += 1,
             }
+        }
+    }
+    if post
+        && path == "/v1/checkpoints"
+        && let Ok(r) = serde_json::from_slice::<CheckpointRequest>(&bytes)
+        && r.kind == SnapshotKind::Checkpoint
+    {
+        let mut f = p.faults.lock().expect("faults lock");
+        if f.refuse_triggers_of == Some(p.subtask) {
+            f.triggers_refused.push(r.id);
+            return json(
+                503,
+                &serde_json::json!({"error": "trigger refused by the fake platform"}),
+            );
         }
     }
     if !post
