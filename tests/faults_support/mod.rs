@@ -161,7 +161,8 @@ fn rewrite_head(head: &[String], length: Option<usize>) -> Vec<u8> {
     let mut out = String::new();
     for line in head.iter().filter(|l| {
         let l = l.to_ascii_lowercase();
-        !l.starts_with("connection:") && !(length.is_some() && l.starts_with("content-length:"))
+        let replaced = length.is_some() && l.starts_with("content-length:");
+        !l.starts_with("connection:") && !replaced
     }) {
         out.push_str(line);
         out.push_str("\r\n");
