@@ -186,17 +186,20 @@ async fn restore_under_object_store_faults_is_exact_or_refused() {
         assert_eq!(keys, total_keys, "{what}: every key restored");
     };
 
-    // Transient errors (503 three times, then 500 twice) on one state file: retried, the start
-    // succeeds at a new parallelism (two new subtasks read that file).
+    // Transient errors (503 three times, then 500 twice) on one state file, and twice on the
+    // manifest: retried, the start succeeds at a new parallelism (two new subtasks read that
+    // file).
+    let manifest = [tag.as_str(), sp_dir.as_str(), "_manifest.json"];
     let e503 = relay.inject("GET", &file1, Fault::Status(503), 3);
     let e500 = relay.inject("GET", &file1, Fault::Status(500), 2);
+    let manifest503 = relay.inject("GET", &manifest, Fault::Status(503), 2);
     let r = local
         .launch(3, Some(sp.url.clone()))
         .await
         .expect("a start through transient errors succeeds");
     assert_eq!(
-        (e503.count(), e500.count()),
-        (3, 2),
+        (e503.count(), e500.count(), manifest503.count()),
+        (3, 2, 2),
         "every error was answered"
     );
     restored_everything(&r, "transient errors");
@@ -268,7 +271,6 @@ async fn restore_under_object_store_faults_is_exact_or_refused() {
 
     // A manifest changed in transit (one digit of a source position: still JSON, still adds up)
     // is refused by its own checksum, before any state is read.
-    let manifest = [tag.as_str(), sp_dir.as_str(), "_manifest.json"];
     let flipped = relay.inject(
         "GET",
         &manifest,
@@ -489,6 +491,27 @@ async fn a_full_disk_fails_the_checkpoint_and_keeps_the_last_good_one() {
             "{what}: every worker runs on: {statuses:?}"
         );
         assert!(local.failed_worker().is_none(), "{what}: no worker died");
+        if room == 0 {
+            // A stop-with-savepoint (a rescale's first step) fails too, and the sources it
+            // stopped at its barrier read on.
+            let e = local
+                .savepoint(true)
+                .await
+                .expect_err("a savepoint on a full disk fails")
+                .to_string();
+            assert!(e.contains("os error 28"), "{e}");
+            let read = |st: &[keyshift::runtime::protocol::WorkerStatus]| {
+                st.iter().map(|s| s.records_in).sum::<u64>()
+            };
+            let before = read(&local.status().await.expect("status"));
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            let statuses = local.status().await.expect("status");
+            assert!(
+                statuses.iter().all(|s| s.state == WorkerState::Running),
+                "{what}: the sources were resumed: {statuses:?}"
+            );
+            assert!(read(&statuses) > before, "{what}: the sources read on");
+        }
         // The last good checkpoint is still the newest committed snapshot, intact and exact.
         assert_eq!(
             local.latest_snapshot().await.expect("listing"),
