@@ -26,6 +26,7 @@ use keyshift::keygroup::Key;
 use keyshift::local::LocalJob;
 use keyshift::runtime::protocol::WorkerState;
 use keyshift::snapshot;
+use object_store::ObjectStoreExt;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -647,4 +648,64 @@ async fn a_corrupted_manifest_is_refused_not_restored() {
     let c = local.checkpoint().await.expect("checkpoint");
     assert_exact(&spec, &c.url).await;
     local.stop().await;
+}
+
+/// A state file that goes up in parts (the path of states over one part) on a disk that fills
+/// up mid-file: the write fails with ENOSPC and leaves neither the file nor a partial staging
+/// file; with the space back, the same file is written whole and reads back block for block.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_file_upload_that_fills_the_disk_leaves_nothing() {
+    let Some(fs) = Tmpfs::mount(4 << 20) else {
+        eprintln!(
+            "SKIPPED a_state_file_upload_that_fills_the_disk_leaves_nothing: mounting a tmpfs needs root"
+        );
+        return;
+    };
+    let url = format!("file://{}", fs.path().join("state").display());
+    let (store, base) = snapshot::open_store(&url).expect("store");
+    let dir = base.clone().join("test/upload/checkpoints/chk-1");
+    let assignment = keyshift::keygroup::Assignment::new(1, 8).expect("assignment");
+    let blocks: Vec<bytes::Bytes> = (0..8u8).map(|g| vec![g; 256 << 10].into()).collect();
+    let write = |store: std::sync::Arc<dyn snapshot::ObjectStore>| {
+        let (dir, blocks) = (dir.clone(), blocks.clone());
+        async move {
+            // 64 KiB parts: a multipart upload from the first block on.
+            let mut w =
+                snapshot::SnapshotWriter::new(store, &dir, assignment, 0)?.with_parts(64 << 10, 2);
+            for (g, b) in blocks.into_iter().enumerate() {
+                w.write_group(g as u32, b, 1).await?;
+            }
+            w.finish().await
+        }
+    };
+    // 1 MiB of room for a 2 MiB file.
+    let filler = fs.path().join("filler");
+    fs.fill(&filler, fs.available().saturating_sub(1 << 20));
+    let e = write(store.clone())
+        .await
+        .expect_err("a state file larger than the free space fails")
+        .to_string();
+    assert!(e.contains("os error 28"), "{e}");
+    assert!(
+        e.contains("state-0-of-1.bin"),
+        "the error names the file: {e}"
+    );
+    assert_eq!(
+        files_containing(fs.path(), "state-0-of-1.bin"),
+        Vec::<String>::new(),
+        "no file and no partial staging file is left"
+    );
+    std::fs::remove_file(&filler).expect("free the space");
+    let written = write(store.clone())
+        .await
+        .expect("with space the file is written");
+    assert_eq!(written.file.size, 8 * (256 << 10));
+    let path = dir.clone().join("state-0-of-1.bin");
+    for (g, entry) in written.groups.iter().enumerate() {
+        let got = store
+            .get_range(&path, entry.byte_range())
+            .await
+            .expect("range read");
+        assert_eq!(got, blocks[g], "block {g} reads back");
+    }
 }
