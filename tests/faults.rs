@@ -272,6 +272,7 @@ async fn restore_under_object_store_faults_is_exact_or_refused() {
 
     // A manifest changed in transit (one digit of a source position: still JSON, still adds up)
     // is refused by its own checksum, before any state is read.
+    let state_reads = relay.forwarded("GET", &state_files);
     let flipped = relay.inject(
         "GET",
         &manifest,
@@ -290,6 +291,11 @@ async fn restore_under_object_store_faults_is_exact_or_refused() {
         "{e}"
     );
     assert_not_running(&local, "a manifest changed in transit");
+    assert_eq!(
+        relay.forwarded("GET", &state_files),
+        state_reads,
+        "no state was read from a snapshot whose manifest is corrupt"
+    );
 
     // The faults are gone: the same savepoint restores, and the job runs on exactly.
     let r = local
