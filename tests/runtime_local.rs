@@ -341,6 +341,10 @@ async fn corrupt_or_foreign_snapshots_are_refused() {
     let original = std::fs::read_to_string(&manifest_path).expect("manifest");
     let foreign = original.replace("\"keyshift.agg.v1\"", "\"acme.sessions.v3\"");
     assert_ne!(foreign, original, "the manifest names its state schema");
+    // Sealed with its own checksum again, as a writer of that schema would.
+    let foreign = snapshot::Manifest::from_json(foreign.as_bytes(), "edited manifest")
+        .expect("the edited manifest parses");
+    let foreign = snapshot::sealed_manifest_json(&foreign).expect("manifest JSON");
     std::fs::write(&manifest_path, &foreign).expect("write");
     let e = local
         .launch(2, Some(sp.url.clone()))

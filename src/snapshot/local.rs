@@ -11,6 +11,10 @@
 //! * **Range reads** ([`ObjectStore::get_ranges`]) read into uninitialised buffers
 //!   (`LocalFileSystem` zero-fills each buffer before reading into it).
 //!
+//! * **Failed writes** (a full disk) remove the directory of the object again when they leave
+//!   it empty, so a snapshot whose first write failed leaves no empty directory that retention
+//!   (which deletes objects) could never remove.
+//!
 //! Everything else (single puts, create-only manifests, gets, lists, deletes, copies) is
 //! `LocalFileSystem`'s.
 
@@ -42,6 +46,25 @@ impl LocalStore {
     pub(crate) fn new(inner: LocalFileSystem) -> Self {
         LocalStore { inner }
     }
+}
+
+impl LocalStore {
+    /// The directory holding `location` when it lies below the store's root (a snapshot
+    /// directory for a state file or a manifest): removed again, if empty, after a failed write
+    /// into it, so that a write that failed on a full disk leaves no empty directory behind.
+    fn own_dir(&self, location: &Path) -> Option<PathBuf> {
+        if location.parts().count() < 2 {
+            return None;
+        }
+        let path = self.inner.path_to_filesystem(location).ok()?;
+        path.parent().map(std::path::Path::to_path_buf)
+    }
+}
+
+/// Removes `dir` if it is empty (`rmdir(2)` refuses any other); a writer that is creating a
+/// file in it at the same moment creates it again.
+fn remove_dir_if_empty(dir: &std::path::Path) {
+    let _ = std::fs::remove_dir(dir);
 }
 
 impl std::fmt::Display for LocalStore {
@@ -82,7 +105,17 @@ impl ObjectStore for LocalStore {
         payload: PutPayload,
         opts: PutOptions,
     ) -> object_store::Result<PutResult> {
-        self.inner.put_opts(location, payload, opts).await
+        let result = self.inner.put_opts(location, payload, opts).await;
+        if result.is_err()
+            && let Some(dir) = self.own_dir(location)
+        {
+            let _ = blocking(move || {
+                remove_dir_if_empty(&dir);
+                Ok(())
+            })
+            .await;
+        }
+        result
     }
 
     async fn put_multipart_opts(
@@ -95,12 +128,14 @@ impl ObjectStore for LocalStore {
             return self.inner.put_multipart_opts(location, opts).await;
         }
         let dest = self.inner.path_to_filesystem(location)?;
+        let own_dir = self.own_dir(location);
         let upload = blocking(move || {
             let (file, staging) = new_staging_file(&dest)?;
             Ok(LocalUpload {
                 file: Arc::new(file),
                 staging: Some(staging),
                 dest,
+                own_dir,
                 offset: 0,
             })
         })
@@ -217,11 +252,15 @@ fn read_range(
     Ok(Bytes::from(buf))
 }
 
+/// Times the parent directories of a staging file are created before giving up (another
+/// writer's failed write may remove an empty directory in between).
+const DIR_ATTEMPTS: u32 = 3;
+
 /// Creates the staging file of `dest` (`<dest>#<n>`, the first free `n`), creating (and
 /// fsyncing) missing parent directories.
 fn new_staging_file(dest: &std::path::Path) -> object_store::Result<(File, PathBuf)> {
     let mut n = 1u32;
-    let mut created_dirs = false;
+    let mut created_dirs = 0;
     loop {
         let mut staging = dest.as_os_str().to_owned();
         staging.push(format!("#{n}"));
@@ -234,8 +273,8 @@ fn new_staging_file(dest: &std::path::Path) -> object_store::Result<(File, PathB
         {
             Ok(f) => return Ok((f, staging)),
             Err(e) if e.kind() == ErrorKind::AlreadyExists => n += 1,
-            Err(e) if e.kind() == ErrorKind::NotFound && !created_dirs => {
-                created_dirs = true;
+            Err(e) if e.kind() == ErrorKind::NotFound && created_dirs < DIR_ATTEMPTS => {
+                created_dirs += 1;
                 create_parent_dirs(dest)?;
             }
             Err(e) => return Err(io_error("creating", &staging, e)),
@@ -292,6 +331,9 @@ struct LocalUpload {
     /// The staging file, until completed or aborted.
     staging: Option<PathBuf>,
     dest: PathBuf,
+    /// `dest`'s directory, removed if empty when the upload is abandoned
+    /// ([`LocalStore::own_dir`]).
+    own_dir: Option<PathBuf>,
     /// Where the next part goes.
     offset: u64,
 }
@@ -354,8 +396,13 @@ impl MultipartUpload for LocalUpload {
 
     async fn abort(&mut self) -> object_store::Result<()> {
         let staging = self.staging.take().ok_or_else(|| self.aborted())?;
+        let own_dir = self.own_dir.take();
         blocking(move || {
-            std::fs::remove_file(&staging).map_err(|e| io_error("removing", &staging, e))
+            std::fs::remove_file(&staging).map_err(|e| io_error("removing", &staging, e))?;
+            if let Some(dir) = own_dir {
+                remove_dir_if_empty(&dir);
+            }
+            Ok(())
         })
         .await
     }
@@ -363,9 +410,12 @@ impl MultipartUpload for LocalUpload {
 
 impl Drop for LocalUpload {
     fn drop(&mut self) {
-        // Abandoned: remove the staging file (best effort).
+        // Abandoned: remove the staging file (best effort), and its directory if now empty.
         if let Some(staging) = self.staging.take() {
             let _ = std::fs::remove_file(staging);
+            if let Some(dir) = self.own_dir.take() {
+                remove_dir_if_empty(&dir);
+            }
         }
     }
 }
@@ -453,6 +503,12 @@ mod tests {
         drop(up);
         assert!(staging_files(tmp.path()).is_empty());
         assert!(s.head(&path).await.is_err());
+        // The directory they created is gone with them; one that holds a file stays.
+        assert!(!tmp.path().join("x").exists());
+        s.put(&Path::from("y/kept"), "k".into()).await.unwrap();
+        let mut up = s.put_multipart(&Path::from("y/state.bin")).await.unwrap();
+        up.abort().await.unwrap();
+        assert!(tmp.path().join("y/kept").exists());
         // Create-only puts are LocalFileSystem's.
         let m = Path::from("x/_manifest.json");
         let create = PutOptions::from(object_store::PutMode::Create);

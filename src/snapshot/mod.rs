@@ -93,9 +93,10 @@ pub use manifest::{
 pub use object_store::ObjectStore;
 pub use object_store::path::Path;
 pub use reader::{
-    MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup, STREAM_REQUEST_BYTES, VerifyReport,
-    commit_manifest, open_snapshot, plan_stream_reads, read_groups, read_groups_stream,
-    read_manifest, verify,
+    MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
+    STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, open_snapshot, parse_manifest,
+    plan_stream_reads, read_groups, read_groups_stream, read_manifest, sealed_manifest_json,
+    verify,
 };
 pub use store::open_store;
 pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

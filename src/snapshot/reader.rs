@@ -20,11 +20,66 @@ const FILES_AT_ONCE: usize = 4;
 /// Bytes per read while verifying a file.
 const VERIFY_WINDOW: u64 = 8 * 1024 * 1024;
 
+/// The field of `_manifest.json` that holds the manifest's own CRC-32C: the checksum of the
+/// manifest's content as [`Manifest::to_json`] writes it (without this field).
+/// [`commit_manifest`] writes it as the last field and [`read_manifest`] checks it, so a changed
+/// byte anywhere in a manifest is found, also where the manifest still parses and adds up (a
+/// digit of a source position, an offset or a checksum of a block). Manifests written before
+/// this field existed have none and are read as before.
+pub const MANIFEST_CHECKSUM_FIELD: &str = "manifestChecksum";
+
+/// A manifest with its own checksum as the last field (see [`MANIFEST_CHECKSUM_FIELD`]).
+#[derive(serde::Serialize)]
+struct Sealed<'a> {
+    #[serde(flatten)]
+    manifest: &'a Manifest,
+    #[serde(rename = "manifestChecksum")]
+    checksum: Crc32c,
+}
+
+/// The checksum field of a manifest, if it has one.
+#[derive(serde::Deserialize)]
+struct Seal {
+    #[serde(rename = "manifestChecksum", default)]
+    checksum: Option<Crc32c>,
+}
+
+/// The bytes [`commit_manifest`] writes: the manifest as pretty JSON with its own checksum (see
+/// [`MANIFEST_CHECKSUM_FIELD`]) as the last field.
+pub fn sealed_manifest_json(manifest: &Manifest) -> Result<Vec<u8>, serde_json::Error> {
+    let checksum = Crc32c::of(&manifest.to_json()?);
+    serde_json::to_vec_pretty(&Sealed { manifest, checksum })
+}
+
+/// Parses the bytes of `_manifest.json` (at `path`, for errors): [`Manifest::from_json`], then
+/// the manifest's own checksum, if it has one, must match its content.
+pub fn parse_manifest(bytes: &[u8], path: &str) -> Result<Manifest> {
+    let manifest = Manifest::from_json(bytes, path)?;
+    let corrupt = |source| SnapshotError::ManifestCorrupt {
+        path: path.to_owned(),
+        source,
+    };
+    let seal: Seal = serde_json::from_slice(bytes).map_err(corrupt)?;
+    if let Some(expected) = seal.checksum {
+        let actual = Crc32c::of(&manifest.to_json().map_err(corrupt)?);
+        if actual != expected {
+            return Err(SnapshotError::ManifestInconsistent {
+                path: path.to_owned(),
+                reason: format!(
+                    "its content does not match its own checksum ({MANIFEST_CHECKSUM_FIELD} {expected}, content {actual}): it was changed or corrupted after it was written"
+                ),
+            });
+        }
+    }
+    Ok(manifest)
+}
+
 /// Reads and checks the manifest of the snapshot in `dir`.
 ///
 /// Errors: [`SnapshotError::ManifestMissing`] (no committed snapshot there),
 /// [`SnapshotError::ManifestCorrupt`] (not JSON of the right shape, e.g. truncated),
-/// [`SnapshotError::UnsupportedFormat`], [`SnapshotError::ManifestInconsistent`].
+/// [`SnapshotError::UnsupportedFormat`], [`SnapshotError::ManifestInconsistent`] (also when
+/// its content does not match its own checksum, see [`MANIFEST_CHECKSUM_FIELD`]).
 pub async fn read_manifest(store: &dyn ObjectStore, dir: &Path) -> Result<Manifest> {
     let path = manifest_path(dir);
     let read_error = |e| match e {
@@ -50,7 +105,7 @@ pub async fn read_manifest(store: &dyn ObjectStore, dir: &Path) -> Result<Manife
             limit: MAX_MANIFEST_BYTES,
         });
     }
-    Manifest::from_json(&bytes, path.as_ref())
+    parse_manifest(&bytes, path.as_ref())
 }
 
 /// Opens the store of a snapshot directory URL (e.g.
@@ -63,7 +118,8 @@ pub async fn open_snapshot(url: &str) -> Result<(Arc<dyn ObjectStore>, Path, Man
 
 /// Commits the snapshot in `dir` by writing its manifest, create-only: after checking the manifest
 /// and that every state file it names is in the store with the right size. A snapshot exists iff
-/// its manifest exists, so this is the last write of a snapshot.
+/// its manifest exists, so this is the last write of a snapshot. The manifest carries its own
+/// checksum ([`MANIFEST_CHECKSUM_FIELD`]).
 ///
 /// A second commit of the same directory fails with [`SnapshotError::AlreadyExists`].
 pub async fn commit_manifest(
@@ -83,12 +139,10 @@ pub async fn commit_manifest(
         .buffer_unordered(FILES_AT_ONCE)
         .try_collect::<Vec<()>>()
         .await?;
-    let json = manifest
-        .to_json()
-        .map_err(|source| SnapshotError::ManifestCorrupt {
-            path: path.to_string(),
-            source,
-        })?;
+    let json = sealed_manifest_json(manifest).map_err(|source| SnapshotError::ManifestCorrupt {
+        path: path.to_string(),
+        source,
+    })?;
     let opts = PutOptions {
         mode: PutMode::Create,
         ..Default::default()
@@ -475,5 +529,96 @@ async fn get_one_range(
             store: "snapshot reader",
             source: format!("range {range:?} of {path}: the store did not return one piece").into(),
         }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::keygroup::Assignment;
+    use crate::snapshot::manifest::{FileLayout, JobIdentity, SnapshotMeta};
+
+    fn manifest() -> Manifest {
+        let a = Assignment::new(2, 4).unwrap();
+        let parts = (0..2)
+            .map(|i| {
+                let mut layout = FileLayout::new(a, i).unwrap();
+                for g in a.range(i).iter() {
+                    let block = vec![g as u8; 3 + g as usize];
+                    layout
+                        .push(g, block.len() as u64, Crc32c::of(&block), 2)
+                        .unwrap();
+                }
+                layout.finish()
+            })
+            .collect();
+        let meta = SnapshotMeta {
+            job: JobIdentity {
+                namespace: "ns".into(),
+                name: "job".into(),
+                job_fingerprint: "fp".into(),
+                layout: None,
+            },
+            snapshot_id: 7,
+            kind: SnapshotKind::Savepoint,
+            completed_at: chrono::Utc::now(),
+            state_schema: "keyshift.agg.v1".into(),
+            source_positions: BTreeMap::from([(0, 10), (1, 20)]),
+            watermark: None,
+        };
+        Manifest::assemble(meta, a, parts).unwrap()
+    }
+
+    #[test]
+    fn a_manifest_carries_its_own_checksum() {
+        let m = manifest();
+        let sealed = sealed_manifest_json(&m).unwrap();
+        let text = String::from_utf8(sealed.clone()).unwrap();
+        let own = Crc32c::of(&m.to_json().unwrap());
+        assert!(text.starts_with("{\n  \"formatVersion\": 1,"), "{text}");
+        assert!(
+            text.ends_with(&format!(",\n  \"manifestChecksum\": \"{own}\"\n}}")),
+            "{text}"
+        );
+        assert_eq!(parse_manifest(&sealed, "p/_manifest.json").unwrap(), m);
+        // Re-formatted, same content: accepted.
+        let v: serde_json::Value = serde_json::from_slice(&sealed).unwrap();
+        let compact = serde_json::to_vec(&v).unwrap();
+        assert_eq!(parse_manifest(&compact, "p/_manifest.json").unwrap(), m);
+        // Written before manifests carried a checksum: read as before.
+        assert_eq!(
+            parse_manifest(&m.to_json().unwrap(), "p/_manifest.json").unwrap(),
+            m
+        );
+    }
+
+    #[test]
+    fn a_changed_digit_that_still_adds_up_is_refused() {
+        let m = manifest();
+        let text = String::from_utf8(sealed_manifest_json(&m).unwrap()).unwrap();
+        // Partition 0's position 10 -> 11: valid JSON, a consistent manifest, another history.
+        let flipped = text.replacen("\"0\": 10", "\"0\": 11", 1);
+        assert_ne!(flipped, text);
+        let lax = Manifest::from_json(flipped.as_bytes(), "p/_manifest.json").unwrap();
+        assert_eq!(lax.source_positions[&0], 11);
+        let err = parse_manifest(flipped.as_bytes(), "p/_manifest.json").unwrap_err();
+        assert!(
+            matches!(err, SnapshotError::ManifestInconsistent { .. }),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(
+            msg.contains("p/_manifest.json") && msg.contains("own checksum"),
+            "{msg}"
+        );
+        // A checksum that is not one is a corrupt manifest.
+        let garbled = text.replace(
+            &format!("\"{}\"\n}}", Crc32c::of(&m.to_json().unwrap())),
+            "\"xyz\"\n}",
+        );
+        assert!(matches!(
+            parse_manifest(garbled.as_bytes(), "p/_manifest.json"),
+            Err(SnapshotError::ManifestCorrupt { .. })
+        ));
     }
 }
