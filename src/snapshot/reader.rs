@@ -564,6 +564,7 @@ mod tests {
             completed_at: chrono::Utc::now(),
             state_schema: "keyshift.agg.v1".into(),
             source_positions: BTreeMap::from([(0, 10), (1, 20)]),
+            source_partitions: BTreeMap::new(),
             watermark: None,
         };
         Manifest::assemble(meta, a, parts).unwrap()
