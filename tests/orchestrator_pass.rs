@@ -1334,3 +1334,113 @@ async fn failing_checkpoints_show_in_a_condition_and_the_job_keeps_running() {
     })
     .await;
 }
+
+/// A restore that runs shows its progress in status while it runs (status.restore and the
+/// Reconciling condition's message), for a recovery's restore and for a rescale's; status shows
+/// a new value at most every `pass::RESTORE_STATUS_EVERY`, and nothing of it once the run
+/// started. The restores are slowed by the test hook (after their state is read).
+#[cfg(feature = "test-hooks")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_restore_shows_its_progress_in_status() {
+    use keyshift::orchestrator::hooks::slow_restores_of;
+    const NAME: &str = "restore-progress";
+
+    /// Drives passes until `done`, recording every value status.restore took and when.
+    async fn watch_restore(
+        d: &mut Driver,
+        what: &str,
+        done: impl Fn(&Driver) -> bool,
+    ) -> Vec<(Instant, keyshift::crd::RestoreStatus)> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seen: Vec<(Instant, keyshift::crd::RestoreStatus)> = Vec::new();
+        loop {
+            d.pass().await;
+            if let Some(r) = &d.status.restore
+                && seen.last().is_none_or(|(_, last)| last != r)
+            {
+                seen.push((Instant::now(), r.clone()));
+            }
+            if done(d) {
+                return seen;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not {what} within 30 s\nstatus: {:#?}",
+                d.status
+            );
+            d.sleep().await;
+        }
+    }
+
+    bounded(async {
+        let mut d = Driver::new(NAME, 2, "1s");
+        d.until_running(2).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        slow_restores_of(NS, NAME, Some(Duration::from_secs(4)));
+
+        // A recovery: the newest checkpoint is restored.
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("restoring", Duration::from_secs(30), |d| {
+            d.status.restore.is_some()
+        })
+        .await;
+        let r = d.status.restore.clone().expect("status.restore");
+        let from = r.snapshot.clone().expect("the snapshot restored");
+        assert!(from.contains("/checkpoints/chk-"), "{r:?}");
+        assert_eq!(r.subtasks, 2, "{r:?}");
+        assert!(r.subtasks_done < 2, "{r:?}");
+        assert!(r.bytes_total > 0 && r.bytes_read <= r.bytes_total, "{r:?}");
+        assert!(r.key_groups_total > 0 && r.key_groups_total <= 32, "{r:?}");
+        let (reason, message) = d.condition("Reconciling").expect("Reconciling");
+        assert_eq!(reason, "Restoring", "{message}");
+        assert!(
+            message.contains(&from)
+                && message.contains("restoring: ")
+                && message.contains(" read (")
+                && message.contains(&format!("{}/2 subtasks done", r.subtasks_done)),
+            "{message}"
+        );
+        assert!(d.condition("Ready").is_none(), "Ready while restoring");
+        let seen = watch_restore(&mut d, "running again", |d| d.running_at(2)).await;
+        assert!(d.status.restore.is_none(), "{:?}", d.status.restore);
+        assert!(d.condition("Reconciling").is_none());
+        for pair in seen.windows(2) {
+            let apart = pair[1].0 - pair[0].0;
+            assert!(
+                apart >= pass::RESTORE_STATUS_EVERY - Duration::from_millis(100),
+                "status.restore changed {apart:?} after the last change: {seen:#?}"
+            );
+        }
+        let started = &d.events_named("Started").last().expect("Started").1.note;
+        assert!(started.contains(&from), "{started}");
+
+        // A rescale: its Restoring step shows the progress.
+        d.spec.replicas = 3;
+        d.until("restoring at 3", Duration::from_secs(30), |d| {
+            d.status.restore.is_some() && d.step() == Some(Step::Restoring)
+        })
+        .await;
+        let r = d.status.restore.clone().expect("status.restore");
+        assert_eq!(r.snapshot, d.rescale().savepoint, "{r:?}");
+        assert_eq!(r.subtasks, 3, "{r:?}");
+        let (reason, message) = d.condition("Reconciling").expect("Reconciling");
+        assert_eq!(reason, "Restoring", "{message}");
+        assert!(
+            message.starts_with("rescaling 2 -> 3: step Restoring")
+                && message.contains(": restoring: ")
+                && message.contains("/3 subtasks done"),
+            "{message}"
+        );
+        watch_restore(&mut d, "rescaled", |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        assert!(d.status.restore.is_none(), "{:?}", d.status.restore);
+        slow_restores_of(NS, NAME, None);
+        d.suspend_and_check().await;
+    })
+    .await;
+}

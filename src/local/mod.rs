@@ -234,6 +234,15 @@ fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingE
             c.size_bytes.unwrap_or_default()
         ));
     }
+    if let Some(r) = &after.restore
+        && before.restore.as_ref() != Some(r)
+    {
+        say(format_args!(
+            "{} from {}",
+            r.summary,
+            r.snapshot.as_deref().unwrap_or("nothing")
+        ));
+    }
     let was = before.rescale.as_ref();
     if let Some(r) = &after.rescale
         && was.is_none_or(|w| w.started != r.started || w.step != r.step)

@@ -586,7 +586,7 @@ async fn start_subtask(
             resp.groups_restored = restored.groups;
             resp.bytes_read = restored.bytes_read;
         }
-        crate::orchestrator::hooks::slow_restore().await;
+        crate::orchestrator::hooks::slow_restore(&req.namespace, &req.name).await;
         positions = manifest.source_positions.clone();
         if let Some(wm) = manifest.watermark {
             watermark = wm;
