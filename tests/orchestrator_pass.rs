@@ -1444,3 +1444,99 @@ async fn a_running_restore_shows_its_progress_in_status() {
     })
     .await;
 }
+
+/// The newest snapshot a recovery restored, from its Started Event.
+fn restored_by_last_start(d: &Driver) -> String {
+    d.events_named("Started")
+        .last()
+        .expect("a Started event")
+        .1
+        .note
+        .clone()
+}
+
+/// A rescale whose new parallelism fails to restore rolls back to the old one from the
+/// rescale's savepoint. A worker that dies then, before the next checkpoint commits, restarts
+/// the job from that savepoint (the newest snapshot), never from the checkpoints taken before
+/// the rescale (the state before the rollback); one that dies after the next checkpoint restarts
+/// it from that checkpoint. The state stays exact throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_rollback_restores_the_newest_snapshot() {
+    bounded(async {
+        let mut d = Driver::new("rollback-crash", 2, "1s");
+        d.until_running(2).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        d.workers.faults().refuse_start_at = Some(3);
+        d.spec.replicas = 3;
+        // No checkpoint commits after the rollback until the first crash.
+        d.until("restoring at 3", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Restoring)
+        })
+        .await;
+        d.workers.faults().fail_checkpoints = true;
+        d.until("rolled back", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::RolledBack) && d.running_at(2)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the rescale's savepoint");
+        let before = d.status.last_checkpoint.clone().expect("a checkpoint");
+        assert!(restored_by_last_start(&d).contains(&sp));
+        // The edit is reverted (the rescale is not retried) and 3 would work again.
+        d.spec.replicas = 2;
+        d.workers.faults().refuse_start_at = None;
+        d.assert_processing().await;
+
+        // A crash before the next checkpoint: the savepoint is the newest snapshot.
+        let started = d.events_named("Started").len();
+        d.workers.kill(1).expect("worker 1 exists");
+        d.until("recovered", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started && d.running_at(2)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(
+            note.contains(&sp) && !note.contains(&before.path),
+            "the recovery after the rollback restored {note}, not the rescale's savepoint {sp}"
+        );
+        assert_exact(&d.spec, &sp).await;
+
+        // A crash after the next checkpoint: that checkpoint is the newest snapshot.
+        d.workers.faults().fail_checkpoints = false;
+        let sp_id: i64 = sp
+            .rsplit("sp-")
+            .next()
+            .and_then(|id| id.parse().ok())
+            .expect("a savepoint id");
+        d.until(
+            "checkpointed after the rollback",
+            Duration::from_secs(30),
+            |d| {
+                d.status
+                    .last_checkpoint
+                    .as_ref()
+                    .is_some_and(|c| c.id > sp_id)
+            },
+        )
+        .await;
+        let checkpoint = d.status.last_checkpoint.clone().expect("a checkpoint");
+        let started = d.events_named("Started").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("recovered again", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started && d.running_at(2)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        let newest = d.status.last_checkpoint.clone().expect("a checkpoint");
+        assert!(
+            note.contains(&newest.path) && newest.id >= checkpoint.id,
+            "the recovery restored {note}, not the newest checkpoint {}",
+            newest.path
+        );
+        assert_exact(&d.spec, &newest.path).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
