@@ -1540,3 +1540,94 @@ async fn a_crash_after_a_rollback_restores_the_newest_snapshot() {
     })
     .await;
 }
+
+/// A restore from spec.restoreFrom at a new parallelism fails and rolls back (the job runs at
+/// the old parallelism from the transition's savepoint, its own history). A worker that dies
+/// then, with the spec still asking for the restore, never brings the job back silently on its
+/// own history (the state the restore is to replace): only spec.restoreFrom is started, and a
+/// crash of that run before its first checkpoint restores spec.restoreFrom again. Exact state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_rolled_back_restore_from_restores_only_the_restore_source() {
+    bounded(async {
+        let mut d = Driver::new("restore-from-rollback", 2, "1s");
+        d.until_running(2).await;
+        d.spec.savepoint_trigger_nonce = Some(1);
+        d.until("savepoint taken", Duration::from_secs(20), |d| {
+            d.status.last_savepoint_nonce == Some(1)
+        })
+        .await;
+        let target = d.status.last_savepoint.clone().expect("a savepoint");
+        d.until("checkpointed after it", Duration::from_secs(20), |d| {
+            d.status
+                .last_checkpoint
+                .as_ref()
+                .is_some_and(|c| c.id > target.id)
+        })
+        .await;
+        d.workers.faults().refuse_start_at = Some(3);
+        d.spec.replicas = 3;
+        d.spec.restore_from = Some(target.path.clone());
+        d.until("restoring at 3", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Restoring)
+        })
+        .await;
+        d.workers.faults().fail_checkpoints = true;
+        d.until("rolled back", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::RolledBack) && d.running_at(2)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the transition's savepoint");
+        assert!(restored_by_last_start(&d).contains(&sp));
+        assert_eq!(d.status.restored_from, None);
+
+        // A crash while the spec still asks for the restore at 3 (which still fails).
+        let started = d.events_named("Started").len();
+        let refused = d.workers.faults().starts_refused;
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("a start refused", Duration::from_secs(30), |d| {
+            d.workers.faults().starts_refused > refused
+        })
+        .await;
+        d.for_a_while(Duration::from_secs(2), |d| {
+            assert_eq!(
+                d.events_named("Started").len(),
+                started,
+                "a run started while the restore at 3 fails:\n{}",
+                d.event_log()
+            );
+        })
+        .await;
+        d.workers.faults().refuse_start_at = None;
+        d.until("restored", Duration::from_secs(40), |d| {
+            d.running_at(3) && d.status.restored_from.as_deref() == Some(&target.path)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(note.contains(&target.path), "{note}");
+        let replaced = d.status.replaced_history_up_to.expect("replaced history");
+        let sp_id: i64 = sp
+            .rsplit("sp-")
+            .next()
+            .and_then(|id| id.parse().ok())
+            .expect("a savepoint id");
+        assert!(replaced >= sp_id, "{replaced} < {sp_id}");
+
+        // Its first checkpoints fail; a crash restores spec.restoreFrom again.
+        let started = d.events_named("Started").len();
+        d.workers.kill(2).expect("worker 2 exists");
+        d.until("recovered", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started && d.running_at(3)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(
+            note.contains(&target.path) && !note.contains(&sp),
+            "the recovery restored {note}, not spec.restoreFrom {}",
+            target.path
+        );
+        d.workers.faults().fail_checkpoints = false;
+        assert_exact(&d.spec, &target.path).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
