@@ -246,11 +246,11 @@ pub fn checkpoint_interval(spec: &StreamJobSpec) -> Duration {
 /// What the worker pods depend on besides their parallelism: the job and the image. Pods carry
 /// it as a label; a running job whose pods carry another value is upgraded.
 pub fn spec_hash(spec: &StreamJobSpec) -> String {
-    let text = serde_json::to_string(&(&spec.job, &spec.image)).unwrap_or_default();
-    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    format!("{h:016x}")
+    super::run::fnv(
+        serde_json::to_string(&(&spec.job, &spec.image))
+            .unwrap_or_default()
+            .as_bytes(),
+    )
 }
 
 /// The parallelism a rescale restores: its target, or its origin once rolled back.

@@ -85,13 +85,21 @@ pub fn data_plane_run_id(name: &str, run: &str) -> String {
     format!("{name}-{run}")
 }
 
-/// Identity of a job's dataflow, recorded in snapshots (a stable hash of `spec.job`).
-pub fn fingerprint(spec: &StreamJobSpec) -> String {
-    let text = serde_json::to_string(&spec.job).unwrap_or_default();
-    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+/// The 64-bit FNV-1a hash of `bytes`, as 16 hex digits: the stable hash behind the job's
+/// fingerprint ([`fingerprint`]) and the pods' spec hash (`decide::spec_hash`). Values are
+/// recorded in snapshots and pod labels, so it never changes.
+pub fn fnv(bytes: &[u8]) -> String {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
     });
     format!("{h:016x}")
+}
+
+/// Identity of a job's dataflow, recorded in snapshots (a stable hash of `spec.job`).
+pub fn fingerprint(spec: &StreamJobSpec) -> String {
+    fnv(serde_json::to_string(&spec.job)
+        .unwrap_or_default()
+        .as_bytes())
 }
 
 /// The job as its snapshots name it.
@@ -327,6 +335,22 @@ mod tests {
         assert_eq!(pick(128, Some(5)), None);
         assert_eq!(pick(128, Some(4)), Some(5));
         assert_eq!(pick(512, None), None);
+    }
+
+    /// Pods carry the spec hash in a label and snapshots the fingerprint: both stay what they
+    /// were for the same spec.
+    #[test]
+    fn the_spec_hash_and_the_job_fingerprint_keep_their_values() {
+        let spec = job("image: registry.example/keyshift:1.2");
+        assert_eq!(
+            crate::orchestrator::decide::spec_hash(&spec),
+            "13cc790f97ee5ddd"
+        );
+        assert_eq!(fingerprint(&spec), "99bbc2078d3c77bb");
+        // FNV-1a (64 bits) as 16 hex digits.
+        assert_eq!(fnv(b""), "cbf29ce484222325");
+        assert_eq!(fnv(b"a"), "af63dc4c8601ec8c");
+        assert_eq!(fnv(br#"{"key":"user"}"#), "8eef443076dc45dd");
     }
 
     #[test]
