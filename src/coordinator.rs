@@ -1012,36 +1012,47 @@ pub async fn restore_source(
     }
 }
 
-/// The newest committed snapshot of a job (checkpoint or savepoint, by id), if any.
-pub async fn latest_snapshot(
-    storage: &str,
-    namespace: &str,
-    job: &str,
-) -> Result<Option<(String, snapshot::SnapshotInfo)>, CoordinatorError> {
-    latest_snapshot_with(storage, namespace, job, None).await
+/// The newest snapshot of a job that a resume can restore, and the newer ones it passed over.
+#[derive(Debug, Clone, Default)]
+pub struct Newest {
+    /// Its URL and summary (with the job identity its manifest records).
+    pub found: Option<(String, snapshot::SnapshotInfo)>,
+    /// Snapshots of the same history newer than it whose manifest cannot be used (never
+    /// deleted; the caller reports them).
+    pub skipped: Vec<snapshot::UnreadableSnapshot>,
 }
 
-/// The newest committed snapshot of a job taken under `max_parallelism` key groups (any, with
-/// `None`): after a restore from a rewritten savepoint, the job's older snapshots have the old
-/// key-group count and can no longer be restored by it.
-pub async fn latest_snapshot_with(
+/// The newest committed snapshot (checkpoint or savepoint, by id) of a job whose manifest can be
+/// used, taken under `max_parallelism` key groups (any, with `None`: after a restore from a
+/// rewritten savepoint the job's older snapshots have the old key-group count and can no longer
+/// be restored by it) and above `replaced_up_to` (see `status.replacedHistoryUpTo`). A snapshot
+/// whose manifest is corrupt, inconsistent or too large is passed over (and named in
+/// [`Newest::skipped`]), never an error: what every resume, adoption and `keyshift local` start
+/// asks, in one place ([`snapshot::SnapshotScan::newest`]).
+pub async fn newest_snapshot(
     storage: &str,
     namespace: &str,
     job: &str,
     max_parallelism: Option<u32>,
-) -> Result<Option<(String, snapshot::SnapshotInfo)>, CoordinatorError> {
+    replaced_up_to: Option<u64>,
+) -> Result<Newest, CoordinatorError> {
     let (store, base) = snapshot::open_store(storage)?;
     let job_dir = snapshot::job_dir(&base, namespace, job);
-    let all = snapshot::list_snapshots(store.as_ref(), &job_dir).await?;
-    Ok(all
-        .into_iter()
-        .filter(|s| max_parallelism.is_none_or(|g| s.max_parallelism == g))
-        .max_by_key(|s| s.id)
-        .map(|s| (snapshot_url(storage, namespace, job, s.kind, s.id), s)))
+    let scan = snapshot::scan_snapshots(store.as_ref(), &job_dir).await?;
+    let (newest, skipped) = scan.newest(max_parallelism, replaced_up_to);
+    Ok(Newest {
+        found: newest.map(|s| {
+            (
+                snapshot_url(storage, namespace, job, s.kind, s.id),
+                s.clone(),
+            )
+        }),
+        skipped: skipped.into_iter().cloned().collect(),
+    })
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::job::sink::{Committed, StagingSink, WriterId};
     use crate::sink::testing::Flaky;
@@ -1098,7 +1109,7 @@ mod tests {
         );
     }
 
-    fn identity(name: &str) -> JobIdentity {
+    pub(crate) fn identity(name: &str) -> JobIdentity {
         JobIdentity {
             namespace: "team".into(),
             name: name.into(),
@@ -1111,8 +1122,14 @@ mod tests {
         Assignment::new(1, 8).unwrap()
     }
 
-    /// Writes and commits snapshot `id` of `job` (one subtask) in `storage`.
-    async fn commit(storage: &str, job: &JobIdentity, kind: SnapshotKind, id: u64) -> String {
+    /// Writes and commits snapshot `id` of `job` (one subtask, 8 key groups) in `storage`;
+    /// returns its URL.
+    pub(crate) async fn commit(
+        storage: &str,
+        job: &JobIdentity,
+        kind: SnapshotKind,
+        id: u64,
+    ) -> String {
         let (store, base) = snapshot::open_store(storage).unwrap();
         let dir = snapshot::snapshot_dir(
             &snapshot::job_dir(&base, &job.namespace, &job.name),

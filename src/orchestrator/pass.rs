@@ -990,11 +990,8 @@ impl<'a> Pass<'a> {
             self.identity(),
         );
         async move {
-            let Some((url, _)) = coordinator::latest_snapshot(&storage, &ns, &name).await? else {
-                return Ok(own);
-            };
-            let (_, _, manifest) = snapshot::open_snapshot(&url).await?;
-            Ok(manifest.job)
+            let newest = coordinator::newest_snapshot(&storage, &ns, &name, None, None).await?;
+            Ok(newest.found.map_or(own, |(_, info)| info.job))
         }
     }
 
@@ -1685,6 +1682,8 @@ impl<'a> Pass<'a> {
             Utc::now()
         };
         let resumes_history = restore == Restore::Latest;
+        // The job identity the snapshot records, when known without reading its manifest again.
+        let mut restored_job = None;
         let restore_from = match restore {
             Restore::Url(u) => Some(u),
             Restore::Empty => None,
@@ -1713,6 +1712,7 @@ impl<'a> Pass<'a> {
                     }
                 };
                 self.progress.restored_newest = Some(newest);
+                restored_job = found.job;
                 found.url
             }
         };
@@ -1769,11 +1769,26 @@ impl<'a> Pass<'a> {
         // worker reads it (an upgrade or restoreFrom that would mix histories is refused before
         // anything stops; this also covers a resume of a suspended job whose spec changed).
         if let Some(url) = &work.restore_from {
-            let (_, _, manifest) = snapshot::open_snapshot(url)
-                .await
-                .map_err(|e| PassError::FindSnapshot(e.into()))?;
+            // Known from the scan that found it, or (spec.restoreFrom) from the pass that read
+            // its key-group count; else (a transition's savepoint) read here.
+            let cached = self
+                .mem
+                .restore_source
+                .as_ref()
+                .filter(|(u, ..)| u == url)
+                .map(|(_, _, job)| job.clone());
+            let job = match restored_job.or(cached) {
+                Some(job) => job,
+                None => {
+                    snapshot::open_snapshot(url)
+                        .await
+                        .map_err(|e| PassError::FindSnapshot(e.into()))?
+                        .2
+                        .job
+                }
+            };
             if let Some((reason, message)) =
-                run::restore_refusal(&self.ns, &self.name, self.spec, url, &manifest.job)
+                run::restore_refusal(&self.ns, &self.name, self.spec, url, &job)
             {
                 let refused = StartError::Refused { reason, message };
                 return self.start_done(work, coordinator, Err(refused)).await;
