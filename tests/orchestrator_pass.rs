@@ -1631,3 +1631,46 @@ async fn a_crash_after_a_rolled_back_restore_from_restores_only_the_restore_sour
     })
     .await;
 }
+
+/// An orchestrator that restarts while the spec changed finds the old run's workers stale and
+/// coordinates them under the identity of the job's newest snapshot. A corrupt manifest of the
+/// newest snapshot is passed over there as a resume passes over it (the newest good one names
+/// the job), so the workers are adopted and the upgrade goes on, instead of every pass failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_workers_are_adopted_past_a_corrupt_newest_snapshot() {
+    bounded(async {
+        let mut d = Driver::new("adopt-bad-manifest", 2, "1h");
+        d.until_running(2).await;
+        let mut savepoints = Vec::new();
+        for nonce in [1, 2] {
+            d.spec.savepoint_trigger_nonce = Some(nonce);
+            d.until("savepoint taken", Duration::from_secs(20), |d| {
+                d.status.last_savepoint_nonce == Some(nonce)
+            })
+            .await;
+            savepoints.push(d.status.last_savepoint.clone().expect("a savepoint").path);
+        }
+        let (store, dir) = snapshot::open_store(&savepoints[1]).expect("store");
+        object_store::ObjectStoreExt::put(
+            store.as_ref(),
+            &snapshot::manifest_path(&dir),
+            object_store::PutPayload::from_static(b"{\"formatVersion\": 1, \"job\": "),
+        )
+        .await
+        .expect("corrupt the manifest");
+        let workers = d.workers.names();
+        d.restart();
+        if let Some(g) = d.spec.job.source.generator.as_mut() {
+            g.records_per_second = Some(2500);
+        }
+        d.until("adopted", Duration::from_secs(20), |d| d.mem.coordinating())
+            .await;
+        assert_eq!(d.workers.names(), workers, "the old run was adopted");
+        d.until("upgraded", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(2)
+        })
+        .await;
+        assert_ne!(d.workers.names(), workers, "upgraded to new workers");
+    })
+    .await;
+}
