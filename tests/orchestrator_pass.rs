@@ -1674,3 +1674,40 @@ async fn stale_workers_are_adopted_past_a_corrupt_newest_snapshot() {
     })
     .await;
 }
+
+/// A rescale rolled back, and the spec still asks for the parallelism that failed to restore
+/// (which still fails). A worker that dies then does not keep the job down while that
+/// parallelism fails: the job comes back at the parallelism it ran at, from the newest snapshot
+/// (the rescale's savepoint), and the rescale is retried from the running job after its backoff
+/// (it succeeds once the new parallelism can start). Exact state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_rollback_brings_the_job_back_at_the_parallelism_that_ran() {
+    bounded(async {
+        let mut d = Driver::new("rollback-crash-stay", 2, "1h");
+        d.until_running(2).await;
+        d.workers.faults().refuse_start_at = Some(3);
+        d.spec.replicas = 3;
+        d.until("rolled back", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::RolledBack) && d.running_at(2)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the rescale's savepoint");
+        let started = d.events_named("Started").len();
+        d.workers.kill(1).expect("worker 1 exists");
+        d.until("back at 2", Duration::from_secs(20), |d| {
+            d.events_named("Started").len() > started && d.running_at(2)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(note.contains(&sp), "{note}");
+        assert_exact(&d.spec, &sp).await;
+        d.assert_processing().await;
+        d.workers.faults().refuse_start_at = None;
+        d.until("rescaled to 3", Duration::from_secs(40), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
