@@ -156,9 +156,80 @@ pub struct Coordinator {
     retained: usize,
     /// The object-store sink whose staged output is published after each commit.
     sink: Option<Sink>,
+    /// How far the restore of the run's start got ([`Coordinator::restore_progress`]).
+    restore: tokio::sync::watch::Sender<Option<StartProgress>>,
+}
+
+/// How far the restore of a run's start got, summed over its workers.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StartProgress {
+    /// Bytes of the snapshot's state read so far.
+    pub bytes_read: u64,
+    /// Bytes the workers read in all.
+    pub bytes_total: u64,
+    /// Key groups read so far.
+    pub groups_read: u64,
+    /// Key groups the workers read in all.
+    pub groups_total: u64,
+    /// Subtasks whose restore is done.
+    pub subtasks_done: u32,
+    /// Subtasks of the run.
+    pub subtasks: u32,
+}
+
+impl StartProgress {
+    /// The sum over a run's workers of what each accepted to read (`accepted`, from
+    /// `/v1/start`), how far each reports it got (`reported`, from `/v1/status` while it
+    /// restores) and what each restored once done (`done`); all in subtask order. Pure.
+    pub fn sum(
+        accepted: &[StartAccepted],
+        reported: &[Option<RestoreProgress>],
+        done: &[Option<StartResponse>],
+    ) -> StartProgress {
+        let mut sum = StartProgress {
+            subtasks: accepted.len() as u32,
+            ..StartProgress::default()
+        };
+        for (i, a) in accepted.iter().enumerate() {
+            let (read, total, groups_read, groups_total) = match (
+                done.get(i).and_then(Option::as_ref),
+                reported.get(i).copied().flatten(),
+            ) {
+                (Some(d), _) => {
+                    sum.subtasks_done += 1;
+                    let groups = u64::from(d.groups_restored);
+                    (
+                        d.bytes_read,
+                        a.bytes_total.max(d.bytes_read),
+                        groups,
+                        u64::from(a.groups_total).max(groups),
+                    )
+                }
+                (None, Some(p)) => (
+                    p.bytes_read,
+                    p.bytes_total,
+                    u64::from(p.groups_read),
+                    u64::from(p.groups_total),
+                ),
+                (None, None) => (0, a.bytes_total, 0, u64::from(a.groups_total)),
+            };
+            sum.bytes_read += read;
+            sum.bytes_total += total;
+            sum.groups_read += groups_read;
+            sum.groups_total += groups_total;
+        }
+        sum
+    }
 }
 
 impl Coordinator {
+    /// How far the restore of the run's start got: `None` until [`Coordinator::start`] asked
+    /// the workers for the first time, then updated with every round of status requests (the
+    /// last value stays once the start ended). Every receiver sees the same values.
+    pub fn restore_progress(&self) -> tokio::sync::watch::Receiver<Option<StartProgress>> {
+        self.restore.subscribe()
+    }
+
     /// The job as this coordinator's snapshots name it.
     pub fn identity(&self) -> &JobIdentity {
         &self.identity
@@ -211,6 +282,7 @@ impl Coordinator {
             worker_ids_checked: false,
             retained,
             sink: None,
+            restore: tokio::sync::watch::channel(None).0,
         })
     }
 
@@ -429,12 +501,17 @@ impl Coordinator {
             let text = resp.text().await.unwrap_or_default();
             return Err(self.fail(subtask, format!("{path}: HTTP {status}: {text}")));
         }
-        if status == reqwest::StatusCode::ACCEPTED || status == reqwest::StatusCode::NO_CONTENT {
+        if status == reqwest::StatusCode::NO_CONTENT {
             return Ok(None);
         }
         let bytes = resp.bytes().await.map_err(|e| self.fail(subtask, e))?;
         if bytes.is_empty() {
             return Ok(None);
+        }
+        // An accepted request's body is informative (what a start reads in all): one that
+        // cannot be read is no failure.
+        if status == reqwest::StatusCode::ACCEPTED {
+            return Ok(serde_json::from_slice(&bytes).ok());
         }
         serde_json::from_slice(&bytes)
             .map(Some)
@@ -477,19 +554,20 @@ impl Coordinator {
     ) -> Result<Vec<StartResponse>, CoordinatorError> {
         let began = Instant::now();
         let peers: Vec<String> = self.workers.iter().map(|w| w.data.clone()).collect();
-        // Each worker checks its request and answers at once; the restores run on.
-        try_join_all((0..self.workers.len()).map(|i| {
+        // Each worker checks its request and answers at once (with what it reads in all); the
+        // restores run on.
+        let accepted = try_join_all((0..self.workers.len()).map(|i| {
             let mut req = template.clone();
             req.subtask = i as u32;
             req.peers = peers.clone();
             async move {
                 self.post::<_, StartAccepted>(i, "/v1/start", &req)
                     .await
-                    .map(drop)
+                    .map(Option::unwrap_or_default)
             }
         }))
         .await?;
-        let responses = self.wait_restored(began, ready_timeout).await?;
+        let responses = self.wait_restored(&accepted, began, ready_timeout).await?;
         self.wait_ready(ready_timeout.saturating_sub(began.elapsed()))
             .await?;
         if let Some(url) = &template.restore_from {
@@ -500,9 +578,11 @@ impl Coordinator {
 
     /// Polls every worker's `/v1/status` until each has restored its state (what it reports
     /// then, in subtask order), one reports that its start failed, or `timeout` (counted from
-    /// `began`) passes.
+    /// `began`) passes. Each round's progress (over `accepted`, what each worker said it reads)
+    /// goes to [`Coordinator::restore_progress`].
     async fn wait_restored(
         &self,
+        accepted: &[StartAccepted],
         began: Instant,
         timeout: Duration,
     ) -> Result<Vec<StartResponse>, CoordinatorError> {
@@ -543,14 +623,13 @@ impl Coordinator {
                     }
                 }
             }
+            let sum = StartProgress::sum(accepted, &progress, &done);
+            self.restore.send_replace(Some(sum));
             let waiting: Vec<usize> = (0..n).filter(|i| done[*i].is_none()).collect();
             if waiting.is_empty() {
                 return Ok(done.into_iter().map(Option::unwrap_or_default).collect());
             }
-            let (read, total) = progress
-                .iter()
-                .flatten()
-                .fold((0, 0), |(r, t), p| (r + p.bytes_read, t + p.bytes_total));
+            let (read, total) = (sum.bytes_read, sum.bytes_total);
             if began.elapsed() > timeout {
                 return Err(CoordinatorError::NotReady(
                     timeout.as_secs(),
@@ -563,6 +642,7 @@ impl Coordinator {
                     subtasks = ?waiting,
                     bytes_read = read,
                     bytes_total = total,
+                    subtasks_done = sum.subtasks_done,
                     "restoring"
                 );
             }
@@ -1002,41 +1082,104 @@ pub async fn restore_source(
     }
 }
 
-/// The newest committed snapshot of a job (checkpoint or savepoint, by id), if any.
-pub async fn latest_snapshot(
-    storage: &str,
-    namespace: &str,
-    job: &str,
-) -> Result<Option<(String, snapshot::SnapshotInfo)>, CoordinatorError> {
-    latest_snapshot_with(storage, namespace, job, None).await
+/// The newest snapshot of a job that a resume can restore, and the newer ones it passed over.
+#[derive(Debug, Clone, Default)]
+pub struct Newest {
+    /// Its URL and summary (with the job identity its manifest records).
+    pub found: Option<(String, snapshot::SnapshotInfo)>,
+    /// Snapshots of the same history newer than it whose manifest cannot be used (never
+    /// deleted; the caller reports them).
+    pub skipped: Vec<snapshot::UnreadableSnapshot>,
 }
 
-/// The newest committed snapshot of a job taken under `max_parallelism` key groups (any, with
-/// `None`): after a restore from a rewritten savepoint, the job's older snapshots have the old
-/// key-group count and can no longer be restored by it.
-pub async fn latest_snapshot_with(
+/// The newest committed snapshot (checkpoint or savepoint, by id) of a job whose manifest can be
+/// used, taken under `max_parallelism` key groups (any, with `None`: after a restore from a
+/// rewritten savepoint the job's older snapshots have the old key-group count and can no longer
+/// be restored by it) and above `replaced_up_to` (see `status.replacedHistoryUpTo`). A snapshot
+/// whose manifest is corrupt, inconsistent or too large is passed over (and named in
+/// [`Newest::skipped`]), never an error: what every resume, adoption and `keyshift local` start
+/// asks, in one place ([`snapshot::SnapshotScan::newest`]).
+pub async fn newest_snapshot(
     storage: &str,
     namespace: &str,
     job: &str,
     max_parallelism: Option<u32>,
-) -> Result<Option<(String, snapshot::SnapshotInfo)>, CoordinatorError> {
+    replaced_up_to: Option<u64>,
+) -> Result<Newest, CoordinatorError> {
     let (store, base) = snapshot::open_store(storage)?;
     let job_dir = snapshot::job_dir(&base, namespace, job);
-    let all = snapshot::list_snapshots(store.as_ref(), &job_dir).await?;
-    Ok(all
-        .into_iter()
-        .filter(|s| max_parallelism.is_none_or(|g| s.max_parallelism == g))
-        .max_by_key(|s| s.id)
-        .map(|s| (snapshot_url(storage, namespace, job, s.kind, s.id), s)))
+    let scan = snapshot::scan_snapshots(store.as_ref(), &job_dir).await?;
+    let (newest, skipped) = scan.newest(max_parallelism, replaced_up_to);
+    Ok(Newest {
+        found: newest.map(|s| {
+            (
+                snapshot_url(storage, namespace, job, s.kind, s.id),
+                s.clone(),
+            )
+        }),
+        skipped: skipped.into_iter().cloned().collect(),
+    })
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::job::sink::{Committed, StagingSink, WriterId};
     use crate::sink::testing::Flaky;
 
-    fn identity(name: &str) -> JobIdentity {
+    #[test]
+    fn start_progress_sums_what_each_worker_accepted_reported_and_restored() {
+        let accepted =
+            [(100, 4), (60, 3), (40, 2)].map(|(bytes_total, groups_total)| StartAccepted {
+                bytes_total,
+                groups_total,
+            });
+        let none = StartProgress::sum(&accepted, &[None; 3], &[None, None, None]);
+        assert_eq!(
+            none,
+            StartProgress {
+                bytes_read: 0,
+                bytes_total: 200,
+                groups_read: 0,
+                groups_total: 9,
+                subtasks_done: 0,
+                subtasks: 3,
+            }
+        );
+        let reported = [
+            Some(RestoreProgress {
+                bytes_read: 50,
+                bytes_total: 100,
+                groups_read: 2,
+                groups_total: 4,
+            }),
+            None,
+            None,
+        ];
+        let done = [
+            None,
+            Some(StartResponse {
+                groups_restored: 3,
+                keys_restored: 10,
+                bytes_read: 60,
+                restore_ms: 1,
+            }),
+            None,
+        ];
+        assert_eq!(
+            StartProgress::sum(&accepted, &reported, &done),
+            StartProgress {
+                bytes_read: 110,
+                bytes_total: 200,
+                groups_read: 5,
+                groups_total: 9,
+                subtasks_done: 1,
+                subtasks: 3,
+            }
+        );
+    }
+
+    pub(crate) fn identity(name: &str) -> JobIdentity {
         JobIdentity {
             namespace: "team".into(),
             name: name.into(),
@@ -1049,8 +1192,14 @@ mod tests {
         Assignment::new(1, 8).unwrap()
     }
 
-    /// Writes and commits snapshot `id` of `job` (one subtask) in `storage`.
-    async fn commit(storage: &str, job: &JobIdentity, kind: SnapshotKind, id: u64) -> String {
+    /// Writes and commits snapshot `id` of `job` (one subtask, 8 key groups) in `storage`;
+    /// returns its URL.
+    pub(crate) async fn commit(
+        storage: &str,
+        job: &JobIdentity,
+        kind: SnapshotKind,
+        id: u64,
+    ) -> String {
         let (store, base) = snapshot::open_store(storage).unwrap();
         let dir = snapshot::snapshot_dir(
             &snapshot::job_dir(&base, &job.namespace, &job.name),

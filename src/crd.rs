@@ -512,6 +512,11 @@ pub struct StreamJobStatus {
     /// The rescale or upgrade in progress (or the last one), step by step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rescale: Option<RescaleStatus>,
+    /// The restore of the run being started (a rescale's or upgrade's new run, a rollback, a
+    /// recovery or resume), while it runs: how much of its snapshot the workers have read so
+    /// far. Updated every few seconds; removed once the run started or its start failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restore: Option<RestoreStatus>,
     /// The spec.savepointTriggerNonce the operator last acted on: when the spec's nonce differs
     /// (and the job runs), a savepoint is taken without stopping the job and recorded in
     /// lastSavepoint, then this is set to the spec's value.
@@ -520,6 +525,31 @@ pub struct StreamJobStatus {
     /// Conditions in the kstatus convention: Ready, Reconciling, Stalled, plus KeyGroupsBalanced.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// A run's restore in progress, summed over its subtasks.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RestoreStatus {
+    /// The snapshot being restored (unset: the run starts with empty state).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
+    /// When the start began (RFC 3339).
+    pub started: String,
+    /// Bytes of state read so far, over all subtasks.
+    pub bytes_read: i64,
+    /// Bytes of state the subtasks read in all.
+    pub bytes_total: i64,
+    /// Key groups read so far, over all subtasks.
+    pub key_groups_read: i64,
+    /// Key groups the subtasks read in all.
+    pub key_groups_total: i64,
+    /// Subtasks whose restore is done.
+    pub subtasks_done: i32,
+    /// Subtasks of the run being started.
+    pub subtasks: i32,
+    /// The progress in words, as the Reconciling condition shows it.
+    pub summary: String,
 }
 
 /// Lifecycle phase of a StreamJob.

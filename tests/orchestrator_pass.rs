@@ -1394,3 +1394,380 @@ async fn a_trigger_that_reaches_only_some_workers_is_aborted_and_the_next_checkp
     })
     .await;
 }
+
+/// A restore that runs shows its progress in status while it runs (status.restore and the
+/// Reconciling condition's message), for a recovery's restore and for a rescale's; status shows
+/// a new value at most every `pass::RESTORE_STATUS_EVERY`, and nothing of it once the run
+/// started. The restores are slowed by the test hook (after their state is read).
+#[cfg(feature = "test-hooks")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_running_restore_shows_its_progress_in_status() {
+    use keyshift::orchestrator::hooks::slow_restores_of;
+    const NAME: &str = "restore-progress";
+
+    /// Drives passes until `done`, recording every value status.restore took and when.
+    async fn watch_restore(
+        d: &mut Driver,
+        what: &str,
+        done: impl Fn(&Driver) -> bool,
+    ) -> Vec<(Instant, keyshift::crd::RestoreStatus)> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let mut seen: Vec<(Instant, keyshift::crd::RestoreStatus)> = Vec::new();
+        loop {
+            d.pass().await;
+            if let Some(r) = &d.status.restore
+                && seen.last().is_none_or(|(_, last)| last != r)
+            {
+                seen.push((Instant::now(), r.clone()));
+            }
+            if done(d) {
+                return seen;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "not {what} within 30 s\nstatus: {:#?}",
+                d.status
+            );
+            d.sleep().await;
+        }
+    }
+
+    bounded(async {
+        let mut d = Driver::new(NAME, 2, "1s");
+        d.until_running(2).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        slow_restores_of(NS, NAME, Some(Duration::from_secs(4)));
+
+        // A recovery: the newest checkpoint is restored.
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("restoring", Duration::from_secs(30), |d| {
+            d.status.restore.is_some()
+        })
+        .await;
+        let r = d.status.restore.clone().expect("status.restore");
+        let from = r.snapshot.clone().expect("the snapshot restored");
+        assert!(from.contains("/checkpoints/chk-"), "{r:?}");
+        assert_eq!(r.subtasks, 2, "{r:?}");
+        assert!(r.subtasks_done < 2, "{r:?}");
+        assert!(r.bytes_total > 0 && r.bytes_read <= r.bytes_total, "{r:?}");
+        assert!(r.key_groups_total > 0 && r.key_groups_total <= 32, "{r:?}");
+        let (reason, message) = d.condition("Reconciling").expect("Reconciling");
+        assert_eq!(reason, "Restoring", "{message}");
+        assert!(
+            message.contains(&from)
+                && message.contains("restoring: ")
+                && message.contains(" read (")
+                && message.contains(&format!("{}/2 subtasks done", r.subtasks_done)),
+            "{message}"
+        );
+        assert!(d.condition("Ready").is_none(), "Ready while restoring");
+        let seen = watch_restore(&mut d, "running again", |d| d.running_at(2)).await;
+        assert!(d.status.restore.is_none(), "{:?}", d.status.restore);
+        assert!(d.condition("Reconciling").is_none());
+        for pair in seen.windows(2) {
+            let apart = pair[1].0 - pair[0].0;
+            assert!(
+                apart >= pass::RESTORE_STATUS_EVERY - Duration::from_millis(100),
+                "status.restore changed {apart:?} after the last change: {seen:#?}"
+            );
+        }
+        let started = &d.events_named("Started").last().expect("Started").1.note;
+        assert!(started.contains(&from), "{started}");
+
+        // A rescale: its Restoring step shows the progress.
+        d.spec.replicas = 3;
+        d.until("restoring at 3", Duration::from_secs(30), |d| {
+            d.status.restore.is_some() && d.step() == Some(Step::Restoring)
+        })
+        .await;
+        let r = d.status.restore.clone().expect("status.restore");
+        assert_eq!(r.snapshot, d.rescale().savepoint, "{r:?}");
+        assert_eq!(r.subtasks, 3, "{r:?}");
+        let (reason, message) = d.condition("Reconciling").expect("Reconciling");
+        assert_eq!(reason, "Restoring", "{message}");
+        assert!(
+            message.starts_with("rescaling 2 -> 3: step Restoring")
+                && message.contains(": restoring: ")
+                && message.contains("/3 subtasks done"),
+            "{message}"
+        );
+        watch_restore(&mut d, "rescaled", |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        assert!(d.status.restore.is_none(), "{:?}", d.status.restore);
+        slow_restores_of(NS, NAME, None);
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// The newest snapshot a recovery restored, from its Started Event.
+fn restored_by_last_start(d: &Driver) -> String {
+    d.events_named("Started")
+        .last()
+        .expect("a Started event")
+        .1
+        .note
+        .clone()
+}
+
+/// A rescale whose new parallelism fails to restore rolls back to the old one from the
+/// rescale's savepoint. A worker that dies then, before the next checkpoint commits, restarts
+/// the job from that savepoint (the newest snapshot), never from the checkpoints taken before
+/// the rescale (the state before the rollback); one that dies after the next checkpoint restarts
+/// it from that checkpoint. The state stays exact throughout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_rollback_restores_the_newest_snapshot() {
+    bounded(async {
+        let mut d = Driver::new("rollback-crash", 2, "1s");
+        d.until_running(2).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        d.workers.faults().refuse_start_at = Some(3);
+        d.spec.replicas = 3;
+        // No checkpoint commits after the rollback until the first crash.
+        d.until("restoring at 3", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Restoring)
+        })
+        .await;
+        d.workers.faults().fail_checkpoints = true;
+        d.until("rolled back", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::RolledBack) && d.running_at(2)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the rescale's savepoint");
+        let before = d.status.last_checkpoint.clone().expect("a checkpoint");
+        assert!(restored_by_last_start(&d).contains(&sp));
+        // The edit is reverted (the rescale is not retried) and 3 would work again.
+        d.spec.replicas = 2;
+        d.workers.faults().refuse_start_at = None;
+        d.assert_processing().await;
+
+        // A crash before the next checkpoint: the savepoint is the newest snapshot.
+        let started = d.events_named("Started").len();
+        d.workers.kill(1).expect("worker 1 exists");
+        d.until("recovered", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started && d.running_at(2)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(
+            note.contains(&sp) && !note.contains(&before.path),
+            "the recovery after the rollback restored {note}, not the rescale's savepoint {sp}"
+        );
+        assert_exact(&d.spec, &sp).await;
+
+        // A crash after the next checkpoint: that checkpoint is the newest snapshot.
+        d.workers.faults().fail_checkpoints = false;
+        let sp_id: i64 = sp
+            .rsplit("sp-")
+            .next()
+            .and_then(|id| id.parse().ok())
+            .expect("a savepoint id");
+        d.until(
+            "checkpointed after the rollback",
+            Duration::from_secs(30),
+            |d| {
+                d.status
+                    .last_checkpoint
+                    .as_ref()
+                    .is_some_and(|c| c.id > sp_id)
+            },
+        )
+        .await;
+        let checkpoint = d.status.last_checkpoint.clone().expect("a checkpoint");
+        let started = d.events_named("Started").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("recovered again", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started && d.running_at(2)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        let newest = d.status.last_checkpoint.clone().expect("a checkpoint");
+        assert!(
+            note.contains(&newest.path) && newest.id >= checkpoint.id,
+            "the recovery restored {note}, not the newest checkpoint {}",
+            newest.path
+        );
+        assert_exact(&d.spec, &newest.path).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// A restore from spec.restoreFrom at a new parallelism fails and rolls back (the job runs at
+/// the old parallelism from the transition's savepoint, its own history). A worker that dies
+/// then, with the spec still asking for the restore, never brings the job back silently on its
+/// own history (the state the restore is to replace): only spec.restoreFrom is started, and a
+/// crash of that run before its first checkpoint restores spec.restoreFrom again. Exact state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_rolled_back_restore_from_restores_only_the_restore_source() {
+    bounded(async {
+        let mut d = Driver::new("restore-from-rollback", 2, "1s");
+        d.until_running(2).await;
+        d.spec.savepoint_trigger_nonce = Some(1);
+        d.until("savepoint taken", Duration::from_secs(20), |d| {
+            d.status.last_savepoint_nonce == Some(1)
+        })
+        .await;
+        let target = d.status.last_savepoint.clone().expect("a savepoint");
+        d.until("checkpointed after it", Duration::from_secs(20), |d| {
+            d.status
+                .last_checkpoint
+                .as_ref()
+                .is_some_and(|c| c.id > target.id)
+        })
+        .await;
+        d.workers.faults().refuse_start_at = Some(3);
+        d.spec.replicas = 3;
+        d.spec.restore_from = Some(target.path.clone());
+        d.until("restoring at 3", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Restoring)
+        })
+        .await;
+        d.workers.faults().fail_checkpoints = true;
+        d.until("rolled back", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::RolledBack) && d.running_at(2)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the transition's savepoint");
+        assert!(restored_by_last_start(&d).contains(&sp));
+        assert_eq!(d.status.restored_from, None);
+
+        // A crash while the spec still asks for the restore at 3 (which still fails).
+        let started = d.events_named("Started").len();
+        let refused = d.workers.faults().starts_refused;
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("a start refused", Duration::from_secs(30), |d| {
+            d.workers.faults().starts_refused > refused
+        })
+        .await;
+        d.for_a_while(Duration::from_secs(2), |d| {
+            assert_eq!(
+                d.events_named("Started").len(),
+                started,
+                "a run started while the restore at 3 fails:\n{}",
+                d.event_log()
+            );
+        })
+        .await;
+        d.workers.faults().refuse_start_at = None;
+        d.until("restored", Duration::from_secs(40), |d| {
+            d.running_at(3) && d.status.restored_from.as_deref() == Some(&target.path)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(note.contains(&target.path), "{note}");
+        let replaced = d.status.replaced_history_up_to.expect("replaced history");
+        let sp_id: i64 = sp
+            .rsplit("sp-")
+            .next()
+            .and_then(|id| id.parse().ok())
+            .expect("a savepoint id");
+        assert!(replaced >= sp_id, "{replaced} < {sp_id}");
+
+        // Its first checkpoints fail; a crash restores spec.restoreFrom again.
+        let started = d.events_named("Started").len();
+        d.workers.kill(2).expect("worker 2 exists");
+        d.until("recovered", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started && d.running_at(3)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(
+            note.contains(&target.path) && !note.contains(&sp),
+            "the recovery restored {note}, not spec.restoreFrom {}",
+            target.path
+        );
+        d.workers.faults().fail_checkpoints = false;
+        assert_exact(&d.spec, &target.path).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// An orchestrator that restarts while the spec changed finds the old run's workers stale and
+/// coordinates them under the identity of the job's newest snapshot. A corrupt manifest of the
+/// newest snapshot is passed over there as a resume passes over it (the newest good one names
+/// the job), so the workers are adopted and the upgrade goes on, instead of every pass failing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stale_workers_are_adopted_past_a_corrupt_newest_snapshot() {
+    bounded(async {
+        let mut d = Driver::new("adopt-bad-manifest", 2, "1h");
+        d.until_running(2).await;
+        let mut savepoints = Vec::new();
+        for nonce in [1, 2] {
+            d.spec.savepoint_trigger_nonce = Some(nonce);
+            d.until("savepoint taken", Duration::from_secs(20), |d| {
+                d.status.last_savepoint_nonce == Some(nonce)
+            })
+            .await;
+            savepoints.push(d.status.last_savepoint.clone().expect("a savepoint").path);
+        }
+        let (store, dir) = snapshot::open_store(&savepoints[1]).expect("store");
+        object_store::ObjectStoreExt::put(
+            store.as_ref(),
+            &snapshot::manifest_path(&dir),
+            object_store::PutPayload::from_static(b"{\"formatVersion\": 1, \"job\": "),
+        )
+        .await
+        .expect("corrupt the manifest");
+        let workers = d.workers.names();
+        d.restart();
+        if let Some(g) = d.spec.job.source.generator.as_mut() {
+            g.records_per_second = Some(2500);
+        }
+        d.until("adopted", Duration::from_secs(20), |d| d.mem.coordinating())
+            .await;
+        assert_eq!(d.workers.names(), workers, "the old run was adopted");
+        d.until("upgraded", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(2)
+        })
+        .await;
+        assert_ne!(d.workers.names(), workers, "upgraded to new workers");
+    })
+    .await;
+}
+
+/// A rescale rolled back, and the spec still asks for the parallelism that failed to restore
+/// (which still fails). A worker that dies then does not keep the job down while that
+/// parallelism fails: the job comes back at the parallelism it ran at, from the newest snapshot
+/// (the rescale's savepoint), and the rescale is retried from the running job after its backoff
+/// (it succeeds once the new parallelism can start). Exact state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_after_a_rollback_brings_the_job_back_at_the_parallelism_that_ran() {
+    bounded(async {
+        let mut d = Driver::new("rollback-crash-stay", 2, "1h");
+        d.until_running(2).await;
+        d.workers.faults().refuse_start_at = Some(3);
+        d.spec.replicas = 3;
+        d.until("rolled back", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::RolledBack) && d.running_at(2)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the rescale's savepoint");
+        let started = d.events_named("Started").len();
+        d.workers.kill(1).expect("worker 1 exists");
+        d.until("back at 2", Duration::from_secs(20), |d| {
+            d.events_named("Started").len() > started && d.running_at(2)
+        })
+        .await;
+        let note = restored_by_last_start(&d);
+        assert!(note.contains(&sp), "{note}");
+        assert_exact(&d.spec, &sp).await;
+        d.assert_processing().await;
+        d.workers.faults().refuse_start_at = None;
+        d.until("rescaled to 3", Duration::from_secs(40), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}

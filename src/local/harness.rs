@@ -166,13 +166,15 @@ impl LocalJob {
     /// What a (re)start restores: the newest committed snapshot under the job's key-group
     /// count, else spec.restoreFrom, else nothing.
     pub async fn latest_snapshot(&self) -> Result<Option<String>, LocalError> {
-        let own = coordinator::latest_snapshot_with(
+        let own = coordinator::newest_snapshot(
             &self.storage,
             &self.namespace,
             &self.name,
             Some(self.max_parallelism),
+            None,
         )
         .await?
+        .found
         .map(|(url, _)| url);
         Ok(own.or_else(|| self.restore_from.clone()))
     }

@@ -114,13 +114,14 @@ pub async fn resume_status(
             status.max_parallelism = Some(groups as i32);
             status.max_parallelism_origin = Some(validation::ceiling_origin_snapshot(url));
             let own =
-                coordinator::latest_snapshot_with(storage, namespace, name, Some(groups)).await?;
-            if own.is_some() {
+                coordinator::newest_snapshot(storage, namespace, name, Some(groups), None).await?;
+            if own.found.is_some() {
                 status.restored_from = Some(url.clone());
             }
         }
         None => {
-            if let Some((url, s)) = coordinator::latest_snapshot(storage, namespace, name).await? {
+            let newest = coordinator::newest_snapshot(storage, namespace, name, None, None).await?;
+            if let Some((url, s)) = newest.found {
                 status.max_parallelism = Some(s.max_parallelism as i32);
                 status.max_parallelism_origin = Some(validation::ceiling_origin_snapshot(&url));
             }
@@ -232,6 +233,15 @@ fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingE
             "checkpoint {} committed ({} bytes)",
             c.id,
             c.size_bytes.unwrap_or_default()
+        ));
+    }
+    if let Some(r) = &after.restore
+        && before.restore.as_ref() != Some(r)
+    {
+        say(format_args!(
+            "{} from {}",
+            r.summary,
+            r.snapshot.as_deref().unwrap_or("nothing")
         ));
     }
     let was = before.rescale.as_ref();
@@ -495,5 +505,46 @@ fn print_groups(parallelism: u32, max_parallelism: u32) {
             ranges.join(" "),
             a.skew().summary()
         ));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::coordinator::tests::{commit, identity};
+    use crate::snapshot::SnapshotKind;
+
+    /// A corrupt manifest of the newest snapshot does not stop `keyshift local` from resuming:
+    /// the key-group count comes from the newest good snapshot, as the resume itself passes over
+    /// the bad one.
+    #[tokio::test]
+    async fn a_resume_passes_over_a_corrupt_newest_snapshot() {
+        let storage = "memory://local-resume-corrupt/state";
+        let job = identity("j");
+        let good = commit(storage, &job, SnapshotKind::Checkpoint, 1).await;
+        let bad = commit(storage, &job, SnapshotKind::Savepoint, 2).await;
+        let (store, dir) = snapshot::open_store(&bad).unwrap();
+        object_store::ObjectStoreExt::put(
+            store.as_ref(),
+            &snapshot::manifest_path(&dir),
+            object_store::PutPayload::from_static(b"{\"formatVersion\": 1, \"job\": "),
+        )
+        .await
+        .unwrap();
+        let spec = crate::operator::desired::tests_support::job().spec;
+        let status = resume_status(&spec, storage, &job.namespace, &job.name)
+            .await
+            .expect("the resume passes over the corrupt manifest");
+        assert_eq!(status.max_parallelism, Some(8));
+        assert_eq!(
+            status.max_parallelism_origin,
+            Some(validation::ceiling_origin_snapshot(&good))
+        );
+        let found = run::latest_restorable(&spec, storage, &job.namespace, &job.name, 8, None)
+            .await
+            .unwrap();
+        assert_eq!(found.url.as_deref(), Some(good.as_str()));
+        assert_eq!(found.job, Some(job.clone()));
+        assert_eq!(found.skipped.len(), 1);
     }
 }

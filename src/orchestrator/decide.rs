@@ -246,11 +246,11 @@ pub fn checkpoint_interval(spec: &StreamJobSpec) -> Duration {
 /// What the worker pods depend on besides their parallelism: the job and the image. Pods carry
 /// it as a label; a running job whose pods carry another value is upgraded.
 pub fn spec_hash(spec: &StreamJobSpec) -> String {
-    let text = serde_json::to_string(&(&spec.job, &spec.image)).unwrap_or_default();
-    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-    });
-    format!("{h:016x}")
+    super::run::fnv(
+        serde_json::to_string(&(&spec.job, &spec.image))
+            .unwrap_or_default()
+            .as_bytes(),
+    )
 }
 
 /// The parallelism a rescale restores: its target, or its origin once rolled back.
@@ -440,7 +440,31 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         Some(p) => Restore::Url(p.url.clone()),
         None => Restore::Latest,
     };
-    bring_up(&obs.pods, desired, restore, &obs.new_run, obs.now)
+    let parallelism = recovery_parallelism(status, desired, pending.is_some());
+    bring_up(&obs.pods, parallelism, restore, &obs.new_run, obs.now)
+}
+
+/// The parallelism a job that runs no coordinated run is brought up at: the desired one, except
+/// after a rescale to it rolled back (that parallelism failed to restore) while the job still
+/// ran at the rescale's old parallelism: then the old one, so that a crash does not keep the job
+/// down while the new parallelism fails; the rescale begins again from the running job after
+/// its backoff (savepoint, and a rollback if it fails again). A pending spec.restoreFrom is
+/// started as asked (the job's own history is what it replaces). Pure.
+pub fn recovery_parallelism(status: &StreamJobStatus, desired: u32, restoring_from: bool) -> u32 {
+    match &status.rescale {
+        Some(r)
+            if !restoring_from
+                && r.step == Step::RolledBack
+                && r.upgrade_mode.is_none()
+                && r.from > 0
+                && r.to > 0
+                && r.to as u32 == desired
+                && status.replicas == Some(r.from) =>
+        {
+            r.from as u32
+        }
+        _ => desired,
+    }
 }
 
 fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
@@ -804,6 +828,38 @@ mod tests {
                 restore: Restore::Latest
             }
         );
+    }
+
+    #[test]
+    fn after_a_rolled_back_rescale_a_recovery_brings_the_job_up_at_the_old_parallelism() {
+        let s = spec(8);
+        let mut st = rescaling(Step::RolledBack, Some("sp-3"));
+        st.replicas = Some(4);
+        if let Some(r) = st.rescale.as_mut() {
+            r.rolled_back = Some("restore failed".into());
+        }
+        let a = decide(&s, &st, &obs(vec![], None));
+        assert_eq!(
+            a,
+            Action::CreatePods {
+                run: "new".into(),
+                parallelism: 4,
+                subtasks: vec![0, 1, 2, 3]
+            }
+        );
+        assert_eq!(recovery_parallelism(&st, 8, false), 4);
+        // Another parallelism asked for since, a pending restoreFrom, a rescale that succeeded,
+        // or a job that no longer ran at the old parallelism: the desired one.
+        assert_eq!(recovery_parallelism(&st, 6, false), 6);
+        assert_eq!(recovery_parallelism(&st, 8, true), 8);
+        let mut done = st.clone();
+        if let Some(r) = done.rescale.as_mut() {
+            r.step = Step::Done;
+        }
+        assert_eq!(recovery_parallelism(&done, 8, false), 8);
+        let mut moved = st.clone();
+        moved.replicas = Some(8);
+        assert_eq!(recovery_parallelism(&moved, 8, false), 8);
     }
 
     #[test]

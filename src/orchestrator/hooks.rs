@@ -71,17 +71,55 @@ pub const CONTROL_REQUEST_ENV: &str = "KEYSHIFT_TEST_CONTROL_REQUEST_MS";
 
 /// With `KEYSHIFT_TEST_SLOW_RESTORE_MS=<ms>` in a worker's environment, its restore from a
 /// snapshot takes `ms` longer (after the state is read, before the subtask runs), so a test can
-/// make a restore outlast the control requests' timeout.
-pub async fn slow_restore() {
+/// make a restore outlast the control requests' timeout. Workers run in a test's own process
+/// (the fake platform) are slowed per job instead, by [`slow_restores_of`].
+pub async fn slow_restore(namespace: &str, name: &str) {
     #[cfg(feature = "test-hooks")]
     {
-        let ms = env_ms(SLOW_RESTORE_ENV);
-        if let Some(ms) = ms {
-            tracing::warn!("{SLOW_RESTORE_ENV}: slowing the restore by {ms} ms (test only)");
-            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        let of_job = SLOW_RESTORES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .copied();
+        let delay = env_ms(SLOW_RESTORE_ENV)
+            .map(std::time::Duration::from_millis)
+            .or(of_job);
+        if let Some(delay) = delay {
+            tracing::warn!(
+                job = %format!("{namespace}/{name}"),
+                ms = delay.as_millis() as u64,
+                "slowing the restore (test only)"
+            );
+            tokio::time::sleep(delay).await;
         }
     }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (namespace, name);
 }
+
+/// Restores of job `namespace/name` by workers of this process take `delay` longer (`None`:
+/// no longer), like [`SLOW_RESTORE_ENV`] for a whole worker process: for tests whose workers
+/// run in their own process, where an environment variable would slow every test's workers.
+pub fn slow_restores_of(namespace: &str, name: &str, delay: Option<std::time::Duration>) {
+    #[cfg(feature = "test-hooks")]
+    {
+        let mut slow = SLOW_RESTORES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let job = (namespace.to_owned(), name.to_owned());
+        match delay {
+            Some(d) => slow.insert(job, d),
+            None => slow.remove(&job),
+        };
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (namespace, name, delay);
+}
+
+#[cfg(feature = "test-hooks")]
+static SLOW_RESTORES: std::sync::Mutex<
+    std::collections::BTreeMap<(String, String), std::time::Duration>,
+> = std::sync::Mutex::new(std::collections::BTreeMap::new());
 
 /// The coordinator's timeout of one control request: `KEYSHIFT_TEST_CONTROL_REQUEST_MS=<ms>` if
 /// set (test only), else `default`.

@@ -43,6 +43,10 @@ pub mod requeue {
     pub const STALLED: Duration = Duration::from_secs(60);
 }
 
+/// How often, at most, status shows a new value of a running restore's progress (each is a
+/// status write).
+pub const RESTORE_STATUS_EVERY: Duration = Duration::from_secs(2);
+
 /// A failed pass, named by what it was doing.
 #[derive(Debug, thiserror::Error)]
 pub enum PassError {
@@ -189,6 +193,55 @@ struct Background {
     rx: tokio::sync::oneshot::Receiver<Ended>,
     /// Once ended: its outcome (`None`: the task panicked and the run's coordinator is lost).
     ended: Option<Option<Ended>>,
+    /// A start that restores a snapshot: what status shows of it while it runs.
+    restore: Option<RestoreView>,
+}
+
+/// What status shows of a start's restore while it runs in the background (status.restore and
+/// the Reconciling condition), at most every [`RESTORE_STATUS_EVERY`].
+struct RestoreView {
+    /// The coordinator's progress, as it polls the workers.
+    progress: tokio::sync::watch::Receiver<Option<coordinator::StartProgress>>,
+    /// The snapshot restored.
+    snapshot: Option<String>,
+    /// When the start began (RFC 3339, and as an instant).
+    started: String,
+    began: Instant,
+    /// What the pass that began the start learned: the conditions show it, with the progress.
+    pass: Option<Progress>,
+    /// The progress status shows, and when it was put there.
+    shown: Option<(Instant, coordinator::StartProgress)>,
+}
+
+impl RestoreView {
+    /// `status` with the restore's progress, when there is news to show and the last was shown
+    /// long enough ago (a start shorter than that shows nothing).
+    fn show(
+        &mut self,
+        spec: &StreamJobSpec,
+        generation: Option<i64>,
+        status: &StreamJobStatus,
+    ) -> Option<StreamJobStatus> {
+        let progress = (*self.progress.borrow())?;
+        let pass = self.pass.as_ref()?;
+        if self.began.elapsed() < RESTORE_STATUS_EVERY {
+            return None;
+        }
+        if let Some((at, last)) = self.shown
+            && (last == progress || at.elapsed() < RESTORE_STATUS_EVERY)
+        {
+            return None;
+        }
+        self.shown = Some((Instant::now(), progress));
+        let mut status = status.clone();
+        status.restore = Some(status::restore_status(
+            &progress,
+            self.snapshot.as_deref(),
+            &self.started,
+        ));
+        status::finish(spec, generation, &mut status, None, pass, Timestamp::now());
+        Some(status)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -340,8 +393,14 @@ pub async fn run_pass(
         http,
     } = shell;
     if mem.background_running() {
+        // A start's restore shows its progress while it runs.
+        let shown = mem
+            .background
+            .as_mut()
+            .and_then(|bg| bg.restore.as_mut())
+            .and_then(|view| view.show(spec, generation, &status0));
         return Ok(PassOutput {
-            status: status0,
+            status: shown.unwrap_or(status0),
             events: Vec::new(),
             requeue: requeue::BACKGROUND_BACKSTOP,
         });
@@ -451,6 +510,8 @@ pub async fn run_pass(
         run_groups,
         events: Vec::new(),
     };
+    // status.restore is the restore running now: none runs while a pass does.
+    pass.status.restore = None;
     let requeue = match background {
         Some(bg) => pass.record_background(bg).await,
         None => {
@@ -493,6 +554,11 @@ pub async fn run_pass(
     let mut status = pass.status;
     let progress = pass.progress;
     let events = pass.events;
+    let view = pass
+        .mem
+        .background
+        .as_mut()
+        .and_then(|bg| bg.restore.as_mut());
     let analysis = decide::check_spec(name, spec, &decide::effective_status(&status, &obs)).ok();
     status::finish(
         spec,
@@ -502,6 +568,11 @@ pub async fn run_pass(
         &progress,
         Timestamp::now(),
     );
+    if let Some(view) = view
+        && view.pass.is_none()
+    {
+        view.pass = Some(progress);
+    }
     Ok(PassOutput {
         status,
         events,
@@ -919,11 +990,8 @@ impl<'a> Pass<'a> {
             self.identity(),
         );
         async move {
-            let Some((url, _)) = coordinator::latest_snapshot(&storage, &ns, &name).await? else {
-                return Ok(own);
-            };
-            let (_, _, manifest) = snapshot::open_snapshot(&url).await?;
-            Ok(manifest.job)
+            let newest = coordinator::newest_snapshot(&storage, &ns, &name, None, None).await?;
+            Ok(newest.found.map_or(own, |(_, info)| info.job))
         }
     }
 
@@ -1341,6 +1409,7 @@ impl<'a> Pass<'a> {
             work,
             rx,
             ended: None,
+            restore: None,
         });
     }
 
@@ -1613,6 +1682,8 @@ impl<'a> Pass<'a> {
             Utc::now()
         };
         let resumes_history = restore == Restore::Latest;
+        // The job identity the snapshot records, when known without reading its manifest again.
+        let mut restored_job = None;
         let restore_from = match restore {
             Restore::Url(u) => Some(u),
             Restore::Empty => None,
@@ -1641,6 +1712,7 @@ impl<'a> Pass<'a> {
                     }
                 };
                 self.progress.restored_newest = Some(newest);
+                restored_job = found.job;
                 found.url
             }
         };
@@ -1697,11 +1769,26 @@ impl<'a> Pass<'a> {
         // worker reads it (an upgrade or restoreFrom that would mix histories is refused before
         // anything stops; this also covers a resume of a suspended job whose spec changed).
         if let Some(url) = &work.restore_from {
-            let (_, _, manifest) = snapshot::open_snapshot(url)
-                .await
-                .map_err(|e| PassError::FindSnapshot(e.into()))?;
+            // Known from the scan that found it, or (spec.restoreFrom) from the pass that read
+            // its key-group count; else (a transition's savepoint) read here.
+            let cached = self
+                .mem
+                .restore_source
+                .as_ref()
+                .filter(|(u, ..)| u == url)
+                .map(|(_, _, job)| job.clone());
+            let job = match restored_job.or(cached) {
+                Some(job) => job,
+                None => {
+                    snapshot::open_snapshot(url)
+                        .await
+                        .map_err(|e| PassError::FindSnapshot(e.into()))?
+                        .2
+                        .job
+                }
+            };
             if let Some((reason, message)) =
-                run::restore_refusal(&self.ns, &self.name, self.spec, url, &manifest.job)
+                run::restore_refusal(&self.ns, &self.name, self.spec, url, &job)
             {
                 let refused = StartError::Refused { reason, message };
                 return self.start_done(work, coordinator, Err(refused)).await;
@@ -1734,10 +1821,22 @@ impl<'a> Pass<'a> {
         // The workers answer at once and restore their key groups; waiting for them runs in the
         // background.
         let timeout = run::timeouts::start(self.spec);
+        let snapshot = work.restore_from.clone();
+        let progress = coordinator.restore_progress();
         self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {
             let result = handle.block_on(coordinator.start(&template, timeout));
             Ended::Start(Box::new((coordinator, result)))
         });
+        if let (Some(bg), Some(_)) = (self.mem.background.as_mut(), &snapshot) {
+            bg.restore = Some(RestoreView {
+                progress,
+                snapshot,
+                started: Utc::now().to_rfc3339(),
+                began: Instant::now(),
+                pass: None,
+                shown: None,
+            });
+        }
         Ok(requeue::BACKGROUND_BACKSTOP)
     }
 
@@ -1928,6 +2027,7 @@ mod tests {
             work: BackgroundWork::Verify { url: "u".into() },
             rx,
             ended: None,
+            restore: None,
         };
         assert!(bg.running());
         assert!(bg.running(), "asking again changes nothing");
@@ -1948,6 +2048,7 @@ mod tests {
             work: BackgroundWork::Checkpoint { parallelism: 2 },
             rx,
             ended: None,
+            restore: None,
         };
         drop(tx); // the thread panicked
         assert!(!bg.running());

@@ -7,7 +7,7 @@ use crate::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{SinkType, StreamJobSpec};
 use crate::keygroup::Assignment;
 use crate::runtime::protocol::StartRequest;
-use crate::snapshot::{self, JobIdentity, SnapshotInfo, StateLayout};
+use crate::snapshot::{self, JobIdentity, StateLayout};
 /// How long each long step of a run may take before it counts as failed.
 pub mod timeouts {
     use std::time::Duration;
@@ -85,13 +85,21 @@ pub fn data_plane_run_id(name: &str, run: &str) -> String {
     format!("{name}-{run}")
 }
 
-/// Identity of a job's dataflow, recorded in snapshots (a stable hash of `spec.job`).
-pub fn fingerprint(spec: &StreamJobSpec) -> String {
-    let text = serde_json::to_string(&spec.job).unwrap_or_default();
-    let h = text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+/// The 64-bit FNV-1a hash of `bytes`, as 16 hex digits: the stable hash behind the job's
+/// fingerprint ([`fingerprint`]) and the pods' spec hash (`decide::spec_hash`). Values are
+/// recorded in snapshots and pod labels, so it never changes.
+pub fn fnv(bytes: &[u8]) -> String {
+    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
     });
     format!("{h:016x}")
+}
+
+/// Identity of a job's dataflow, recorded in snapshots (a stable hash of `spec.job`).
+pub fn fingerprint(spec: &StreamJobSpec) -> String {
+    fnv(serde_json::to_string(&spec.job)
+        .unwrap_or_default()
+        .as_bytes())
 }
 
 /// The job as its snapshots name it.
@@ -177,35 +185,23 @@ pub fn sink_url(spec: &StreamJobSpec) -> Option<&str> {
     }
 }
 
-/// Which of a job's snapshots a resume restores: the newest one under `max_parallelism` key
-/// groups (snapshots taken before a restore from a rewritten savepoint have another count) whose
-/// id is above `replaced_up_to` (the job's snapshots at or below it hold the history a restore from
-/// `spec.restoreFrom` replaced). Pure.
-pub fn newest_restorable(
-    snapshots: &[SnapshotInfo],
-    max_parallelism: u32,
-    replaced_up_to: Option<u64>,
-) -> Option<&SnapshotInfo> {
-    snapshots
-        .iter()
-        .filter(|s| s.max_parallelism == max_parallelism)
-        .filter(|s| replaced_up_to.is_none_or(|b| s.id > b))
-        .max_by_key(|s| s.id)
-}
-
 /// What a resume restores, and which newer snapshots it had to pass over.
 #[derive(Debug, Default)]
 pub struct Restorable {
     /// The snapshot to restore, if any.
     pub url: Option<String>,
+    /// The job identity its manifest records, when it is one of the job's own snapshots (read
+    /// while looking for it; `None` for spec.restoreFrom).
+    pub job: Option<JobIdentity>,
     /// Snapshots of the job's current history newer than `url` whose manifest cannot be used
     /// (never deleted; reported in a condition and an Event).
     pub skipped: Vec<snapshot::UnreadableSnapshot>,
 }
 
-/// What a run restores when it resumes the job's own history: [`newest_restorable`] among the
-/// job's snapshots in storage (passing over newer ones whose manifest is corrupt), else
-/// `spec.restoreFrom`, else nothing.
+/// What a run restores when it resumes the job's own history: the newest of the job's
+/// snapshots under its key-group count after the history a restore replaced
+/// ([`crate::coordinator::newest_snapshot`], passing over newer ones whose manifest is corrupt),
+/// else `spec.restoreFrom`, else nothing.
 pub async fn latest_restorable(
     spec: &StreamJobSpec,
     storage: &str,
@@ -214,20 +210,23 @@ pub async fn latest_restorable(
     max_parallelism: u32,
     replaced_up_to: Option<u64>,
 ) -> Result<Restorable, CoordinatorError> {
-    let (store, base) = snapshot::open_store(storage)?;
-    let job_dir = snapshot::job_dir(&base, namespace, name);
-    let scan = snapshot::scan_snapshots(store.as_ref(), &job_dir).await?;
-    let own = newest_restorable(&scan.snapshots, max_parallelism, replaced_up_to);
-    let floor = own.map(|s| s.id).or(replaced_up_to);
-    let skipped = scan
-        .unreadable
-        .into_iter()
-        .filter(|u| floor.is_none_or(|f| u.id > f))
-        .collect();
-    let url = own
-        .map(|s| crate::coordinator::snapshot_url(storage, namespace, name, s.kind, s.id))
-        .or_else(|| spec.restore_from.clone());
-    Ok(Restorable { url, skipped })
+    let newest = crate::coordinator::newest_snapshot(
+        storage,
+        namespace,
+        name,
+        Some(max_parallelism),
+        replaced_up_to,
+    )
+    .await?;
+    let (url, job) = match newest.found {
+        Some((url, info)) => (Some(url), Some(info.job)),
+        None => (spec.restore_from.clone(), None),
+    };
+    Ok(Restorable {
+        url,
+        job,
+        skipped: newest.skipped,
+    })
 }
 
 /// What a condition and an Event say about snapshots a resume passed over. Pure.
@@ -306,27 +305,20 @@ impl StartPlan<'_> {
 mod tests {
     use super::*;
 
+    /// Pods carry the spec hash in a label and snapshots the fingerprint: both stay what they
+    /// were for the same spec.
     #[test]
-    fn a_resume_skips_other_key_group_counts_and_history_a_restore_replaced() {
-        let snap = |id: u64, groups: u32| SnapshotInfo {
-            kind: crate::snapshot::SnapshotKind::Checkpoint,
-            id,
-            dir: format!("ns/j/checkpoints/chk-{id}").into(),
-            completed_at: chrono::Utc::now(),
-            parallelism: 2,
-            max_parallelism: groups,
-            total_bytes: 0,
-            total_keys: 0,
-        };
-        let all = [snap(3, 128), snap(5, 128), snap(6, 1024), snap(4, 128)];
-        let pick = |g, after| newest_restorable(&all, g, after).map(|s| s.id);
-        assert_eq!(pick(128, None), Some(5));
-        assert_eq!(pick(1024, None), Some(6));
-        // Restored from spec.restoreFrom when the newest id was 5: 3, 4 and 5 are the old
-        // history; until a new snapshot commits there is nothing of the job's own to resume.
-        assert_eq!(pick(128, Some(5)), None);
-        assert_eq!(pick(128, Some(4)), Some(5));
-        assert_eq!(pick(512, None), None);
+    fn the_spec_hash_and_the_job_fingerprint_keep_their_values() {
+        let spec = job("image: registry.example/keyshift:1.2");
+        assert_eq!(
+            crate::orchestrator::decide::spec_hash(&spec),
+            "13cc790f97ee5ddd"
+        );
+        assert_eq!(fingerprint(&spec), "99bbc2078d3c77bb");
+        // FNV-1a (64 bits) as 16 hex digits.
+        assert_eq!(fnv(b""), "cbf29ce484222325");
+        assert_eq!(fnv(b"a"), "af63dc4c8601ec8c");
+        assert_eq!(fnv(br#"{"key":"user"}"#), "8eef443076dc45dd");
     }
 
     #[test]

@@ -2,7 +2,10 @@
 //! observedGeneration) plus the domain conditions `KeyGroupsBalanced` and
 //! `AllSubtasksHavePartitions`, from the status the shell arrived at.
 
-use crate::crd::{KeyGroupsStatus, Phase, StateDistribution, StreamJobSpec, StreamJobStatus};
+use crate::coordinator::StartProgress;
+use crate::crd::{
+    KeyGroupsStatus, Phase, RestoreStatus, StateDistribution, StreamJobSpec, StreamJobStatus,
+};
 use crate::keygroup::Assignment;
 use crate::validation::Analysis;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
@@ -171,10 +174,39 @@ pub fn human_bytes(n: u64) -> String {
     format!("{v:.1} {}", UNITS[unit])
 }
 
+/// status.restore for a start's restore `progress` (of `snapshot`, begun at `started`). Pure.
+pub fn restore_status(
+    progress: &StartProgress,
+    snapshot: Option<&str>,
+    started: &str,
+) -> RestoreStatus {
+    let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    let summary = format!(
+        "restoring: {} of {} read ({} of {} key groups), {}/{} subtasks done",
+        human_bytes(progress.bytes_read),
+        human_bytes(progress.bytes_total),
+        progress.groups_read,
+        progress.groups_total,
+        progress.subtasks_done,
+        progress.subtasks,
+    );
+    RestoreStatus {
+        snapshot: snapshot.map(str::to_owned),
+        started: started.to_owned(),
+        bytes_read: i(progress.bytes_read),
+        bytes_total: i(progress.bytes_total),
+        key_groups_read: i(progress.groups_read),
+        key_groups_total: i(progress.groups_total),
+        subtasks_done: progress.subtasks_done as i32,
+        subtasks: progress.subtasks as i32,
+        summary,
+    }
+}
+
 /// Whether the job runs as its spec asks.
 pub fn is_ready(spec: &StreamJobSpec, status: &StreamJobStatus, progress: &Progress) -> bool {
     let rescaling = status.rescale.as_ref().is_some_and(|r| r.step.active());
-    if progress.stalled.is_some() || rescaling {
+    if progress.stalled.is_some() || rescaling || status.restore.is_some() {
         return false;
     }
     if spec.suspend {
@@ -209,6 +241,8 @@ pub fn finish(
         status.phase = Some(Phase::Pending);
     }
     let ready = is_ready(spec, status, progress);
+    let restore = status.restore.clone();
+    let restoring = restore.as_ref().map(|r| r.summary.clone());
     let conds = &mut status.conditions;
     match &progress.stalled {
         Some((reason, message)) => {
@@ -271,10 +305,22 @@ pub fn finish(
                         if let Some((_, n)) = note {
                             m.push_str(&format!(": {n}"));
                         }
+                        if let Some(restoring) = &restoring {
+                            m.push_str(&format!(": {restoring}"));
+                        }
                         if let Some((_, f)) = failure {
                             m.push_str(&format!(" (retrying after: {f})"));
                         }
                         (r.step.as_str().to_owned(), m)
+                    }
+                    (None, failure, _) if restore.is_some() => {
+                        let r = restore.clone().unwrap_or_default();
+                        let from = r.snapshot.as_deref().unwrap_or("nothing (empty state)");
+                        let mut m = format!("starting the run from {from}: {}", r.summary);
+                        if let Some((_, f)) = failure {
+                            m.push_str(&format!(" (retrying after: {f})"));
+                        }
+                        ("Restoring".to_owned(), m)
                     }
                     (None, Some((reason, message)), _) => (reason.clone(), message.clone()),
                     (None, None, Some((reason, message))) => (reason.clone(), message.clone()),
@@ -660,5 +706,89 @@ mod tests {
             "{}",
             idle.message
         );
+    }
+
+    #[test]
+    fn a_running_restore_shows_in_reconciling_and_the_job_is_not_ready() {
+        let spec = job().spec;
+        let progress = StartProgress {
+            bytes_read: 1288490189,
+            bytes_total: 4 << 30,
+            groups_read: 40,
+            groups_total: 128,
+            subtasks_done: 37,
+            subtasks: 64,
+        };
+        let url = "s3://b/ns/j/checkpoints/chk-9";
+        let r = restore_status(&progress, Some(url), "2026-01-01T00:00:00Z");
+        assert_eq!(
+            r.summary,
+            "restoring: 1.2 GiB of 4.0 GiB read (40 of 128 key groups), 37/64 subtasks done"
+        );
+        assert_eq!(
+            (
+                r.bytes_read,
+                r.bytes_total,
+                r.key_groups_read,
+                r.key_groups_total
+            ),
+            (1288490189, 4 << 30, 40, 128)
+        );
+        assert_eq!((r.subtasks_done, r.subtasks), (37, 64));
+        // A recovery (no transition): the job would otherwise count as ready.
+        let mut st = StreamJobStatus {
+            phase: Some(Phase::Running),
+            replicas: Some(4),
+            max_parallelism: Some(128),
+            restore: Some(r.clone()),
+            ..Default::default()
+        };
+        let failed = Progress {
+            failure: Some(("WorkerFailed".into(), "worker 1 exited".into())),
+            ..Default::default()
+        };
+        finish(&spec, Some(1), &mut st, None, &failed, Timestamp::now());
+        assert_eq!(cond(&st, READY).status, "False");
+        assert_eq!(cond(&st, RECONCILING).status, "True");
+        assert_eq!(cond(&st, RECONCILING).reason, "Restoring");
+        assert_eq!(
+            cond(&st, RECONCILING).message,
+            format!(
+                "starting the run from {url}: {} (retrying after: worker 1 exited)",
+                r.summary
+            )
+        );
+        // A rescale's Restoring step.
+        st.rescale = Some(RescaleStatus {
+            from: 4,
+            to: 64,
+            step: Step::Restoring,
+            ..Default::default()
+        });
+        finish(
+            &spec,
+            Some(1),
+            &mut st,
+            None,
+            &Progress::default(),
+            Timestamp::now(),
+        );
+        assert_eq!(
+            cond(&st, RECONCILING).message,
+            format!("rescaling 4 -> 64: step Restoring: {}", r.summary)
+        );
+        // Once the run started, status.restore is gone and so is the progress.
+        st.rescale = None;
+        st.restore = None;
+        st.phase = Some(Phase::Running);
+        finish(
+            &spec,
+            Some(1),
+            &mut st,
+            None,
+            &Progress::default(),
+            Timestamp::now(),
+        );
+        assert_eq!(cond(&st, READY).status, "True");
     }
 }

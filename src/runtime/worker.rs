@@ -689,7 +689,7 @@ async fn start_subtask(
             resp.groups_restored = restored.groups;
             resp.bytes_read = restored.bytes_read;
         }
-        crate::orchestrator::hooks::slow_restore().await;
+        crate::orchestrator::hooks::slow_restore(&req.namespace, &req.name).await;
         if let Some(wm) = manifest.watermark {
             watermark = wm;
             agg.restore_watermark(wm);

@@ -2,7 +2,7 @@
 
 use super::error::{Result, SnapshotError};
 use super::layout::{SnapshotKind, manifest_path, parse_snapshot_dir_name};
-use super::manifest::Manifest;
+use super::manifest::{JobIdentity, Manifest};
 use super::reader::read_manifest;
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
@@ -31,6 +31,9 @@ pub struct SnapshotInfo {
     pub total_bytes: u64,
     /// Keyed entries.
     pub total_keys: u64,
+    /// The job (and state layout) the manifest records, so that a restore's checks need not
+    /// read it again.
+    pub job: JobIdentity,
 }
 
 impl SnapshotInfo {
@@ -45,6 +48,7 @@ impl SnapshotInfo {
             max_parallelism: m.max_parallelism,
             total_bytes: m.stats.total_bytes,
             total_keys: m.stats.total_keys,
+            job: m.job.clone(),
         }
     }
 }
@@ -92,6 +96,33 @@ pub struct SnapshotScan {
     pub snapshots: Vec<SnapshotInfo>,
     /// In the same order.
     pub unreadable: Vec<UnreadableSnapshot>,
+}
+
+impl SnapshotScan {
+    /// The snapshot a resume restores: the newest one under `max_parallelism` key groups (any
+    /// count with `None`; snapshots taken before a restore from a rewritten savepoint have
+    /// another count) whose id is above `replaced_up_to` (the job's snapshots at or below it hold
+    /// the history a restore from `spec.restoreFrom` replaced), with the snapshots of the same
+    /// history newer than it whose manifest cannot be used (passed over). Pure.
+    pub fn newest(
+        &self,
+        max_parallelism: Option<u32>,
+        replaced_up_to: Option<u64>,
+    ) -> (Option<&SnapshotInfo>, Vec<&UnreadableSnapshot>) {
+        let newest = self
+            .snapshots
+            .iter()
+            .filter(|s| max_parallelism.is_none_or(|g| s.max_parallelism == g))
+            .filter(|s| replaced_up_to.is_none_or(|b| s.id > b))
+            .max_by_key(|s| s.id);
+        let floor = newest.map(|s| s.id).or(replaced_up_to);
+        let skipped = self
+            .unreadable
+            .iter()
+            .filter(|u| floor.is_none_or(|f| u.id > f))
+            .collect();
+        (newest, skipped)
+    }
 }
 
 /// The snapshots of the job stored under `job_dir`: the committed ones (with a manifest) and
@@ -279,4 +310,56 @@ async fn delete_prefix(store: &dyn ObjectStore, dir: &Path) -> Result<usize> {
         }
     }
     Ok(deleted)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_newest_skips_other_key_group_counts_replaced_history_and_passes_over_bad_ones() {
+        let job = JobIdentity {
+            namespace: "ns".into(),
+            name: "j".into(),
+            job_fingerprint: String::new(),
+            layout: None,
+        };
+        let snap = |id: u64, groups: u32| SnapshotInfo {
+            kind: SnapshotKind::Checkpoint,
+            id,
+            dir: format!("ns/j/checkpoints/chk-{id}").into(),
+            completed_at: chrono::Utc::now(),
+            parallelism: 2,
+            max_parallelism: groups,
+            total_bytes: 0,
+            total_keys: 0,
+            job: job.clone(),
+        };
+        let bad = |id: u64| UnreadableSnapshot {
+            kind: SnapshotKind::Savepoint,
+            id,
+            dir: format!("ns/j/savepoints/sp-{id}").into(),
+            error: "corrupt".into(),
+        };
+        let scan = SnapshotScan {
+            snapshots: vec![snap(3, 128), snap(5, 128), snap(6, 1024), snap(4, 128)],
+            unreadable: vec![bad(2), bad(7)],
+        };
+        let pick = |g, after| {
+            let (newest, skipped) = scan.newest(g, after);
+            (
+                newest.map(|s| s.id),
+                skipped.iter().map(|u| u.id).collect::<Vec<_>>(),
+            )
+        };
+        assert_eq!(pick(Some(128), None), (Some(5), vec![7]));
+        assert_eq!(pick(Some(1024), None), (Some(6), vec![7]));
+        assert_eq!(pick(None, None), (Some(6), vec![7]));
+        // Restored from spec.restoreFrom when the newest id was 5: 3, 4 and 5 are the old
+        // history; until a new snapshot commits there is nothing of the job's own to resume.
+        assert_eq!(pick(Some(128), Some(5)), (None, vec![7]));
+        assert_eq!(pick(Some(128), Some(4)), (Some(5), vec![7]));
+        assert_eq!(pick(Some(512), None), (None, vec![2, 7]));
+        assert_eq!(pick(Some(512), Some(7)), (None, vec![]));
+    }
 }
