@@ -286,7 +286,12 @@ fn file_partition_names_are_shown_and_carried_by_rewrite() {
     let names = serde_json::json!({"0": "a.jsonl", "1": "b.jsonl", "2": "c.jsonl"});
     m["sourcePartitions"] = names.clone();
     // Edited by hand: without its own checksum, as manifests from before the field are read.
-    assert!(m.as_object_mut().unwrap().remove("manifestChecksum").is_some());
+    assert!(
+        m.as_object_mut()
+            .unwrap()
+            .remove("manifestChecksum")
+            .is_some()
+    );
     std::fs::write(&manifest, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
 
     let table = ok(&["savepoint", "inspect", src, "--top", "3"]);
