@@ -1,0 +1,859 @@
+//! Executing the action [`decide::decide`] chose, and recording the outcome of each kind of
+//! step (snapshots, verification, a run's start) once it ended.
+
+use super::*;
+
+impl Pass<'_> {
+    pub(super) async fn execute(&mut self, action: Action) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        match action {
+            Action::Stall { reason, message } => {
+                self.stall(reason, message);
+                Ok(requeue::STALLED)
+            }
+            Action::PinMaxParallelism { groups: g, origin } => {
+                self.status.max_parallelism = Some(g as i32);
+                self.status.max_parallelism_origin = Some(origin);
+                self.event(
+                    false,
+                    "KeyGroupsPinned",
+                    format!("key-group count (max parallelism) pinned at {g}"),
+                );
+                Ok(short)
+            }
+            Action::BeginRescale { from, to } => {
+                let groups_moved = match (self.assignment(from), self.assignment(to.max(1))) {
+                    (Ok(a), Ok(b)) if to > 0 => keygroup::rescale_plan(a, b)
+                        .ok()
+                        .map(|p| p.moved_groups as i32),
+                    _ => None,
+                };
+                self.begin(RescaleStatus {
+                    from: from as i32,
+                    to: to as i32,
+                    step: Step::Savepointing,
+                    started: Utc::now().to_rfc3339(),
+                    groups_moved,
+                    ..Default::default()
+                });
+                let what = if to == 0 {
+                    format!("suspending (parallelism {from}) with a savepoint")
+                } else {
+                    format!(
+                        "rescaling {from} -> {to}: stop with a savepoint, verify, move key groups, restart"
+                    )
+                };
+                self.event(
+                    false,
+                    if to == 0 {
+                        "Suspending"
+                    } else {
+                        "RescaleStarted"
+                    },
+                    what,
+                );
+                Ok(short)
+            }
+            Action::BeginRestore {
+                from,
+                to,
+                url,
+                max_parallelism,
+            } => {
+                self.begin(RescaleStatus {
+                    from: from as i32,
+                    to: to as i32,
+                    step: Step::Savepointing,
+                    started: Utc::now().to_rfc3339(),
+                    restore_from: Some(url.clone()),
+                    max_parallelism: Some(max_parallelism as i32),
+                    ..Default::default()
+                });
+                self.event(
+                    false,
+                    "RestoreStarted",
+                    format!(
+                        "spec.restoreFrom changed: keeping the current state in a savepoint, then restarting at parallelism {to} from {url} ({max_parallelism} key groups)"
+                    ),
+                );
+                Ok(short)
+            }
+            Action::BeginUpgrade { parallelism, mode } => {
+                let p = parallelism as i32;
+                self.begin(RescaleStatus {
+                    from: p,
+                    to: p,
+                    step: Step::first_of_upgrade(mode),
+                    started: Utc::now().to_rfc3339(),
+                    groups_moved: Some(0),
+                    upgrade_mode: Some(mode),
+                    ..Default::default()
+                });
+                let how = match mode {
+                    crate::crd::UpgradeMode::Savepoint => {
+                        "stop with a savepoint, verify, restart with the new spec from it"
+                    }
+                    crate::crd::UpgradeMode::LastState => {
+                        "stop, restart with the new spec from the latest checkpoint"
+                    }
+                    crate::crd::UpgradeMode::Stateless => {
+                        "stop, restart with the new spec and empty state"
+                    }
+                };
+                self.event(
+                    false,
+                    "UpgradeStarted",
+                    format!("spec.job or spec.image changed (parallelism {parallelism}): {how}"),
+                );
+                Ok(short)
+            }
+            Action::Savepoint => self.savepoint().await,
+            Action::Verify { url } => {
+                let work = BackgroundWork::Verify { url: url.clone() };
+                self.in_background(work, move |handle| {
+                    Ended::Verify(handle.block_on(async {
+                        let (store, dir) = snapshot::open_store(&url)?;
+                        snapshot::verify(store.as_ref(), &dir).await
+                    }))
+                });
+                Ok(requeue::BACKGROUND_BACKSTOP)
+            }
+            Action::DeletePods { reason } => {
+                let n = self.delete_all().await?;
+                if n > 0 {
+                    self.event(
+                        false,
+                        "DeletingPods",
+                        format!("{reason}: deleting {n} worker(s)"),
+                    );
+                }
+                self.progress.note = Some((reason.to_owned(), format!("deleting {n} worker(s)")));
+                Ok(requeue::WORKERS_CHANGING)
+            }
+            Action::Advance(outcome) => {
+                self.transition(outcome)?;
+                Ok(short)
+            }
+            Action::Abandon { message } => {
+                self.abandon(message).await?;
+                Ok(short)
+            }
+            Action::CreatePods {
+                run,
+                parallelism,
+                subtasks,
+            } => {
+                let assignment = self.assignment(parallelism)?;
+                // The workers read the token from its source (the Secret): make sure it
+                // (still) exists.
+                if self.token_from_cache {
+                    let token = self.workers.token().await.map_err(PassError::Token)?;
+                    self.mem.token = Some(token.clone());
+                    self.token = token;
+                    self.token_from_cache = false;
+                }
+                self.workers
+                    .create(&run, assignment, &subtasks, &self.token)
+                    .await
+                    .map_err(PassError::Create)?;
+                self.event(
+                    false,
+                    "CreatedPods",
+                    format!(
+                        "run {run}: created {} of {parallelism} worker(s)",
+                        subtasks.len()
+                    ),
+                );
+                self.progress.note = Some((
+                    "CreatingPods".into(),
+                    format!("run {run}: {parallelism} worker(s)"),
+                ));
+                Ok(requeue::WORKERS_CHANGING)
+            }
+            Action::Wait { reason } => {
+                self.progress.note = Some(("Waiting".into(), reason));
+                Ok(requeue::WORKERS_CHANGING)
+            }
+            Action::Start {
+                run,
+                parallelism,
+                restore,
+            } => self.start(run, parallelism, restore).await,
+            Action::Adopt { run, parallelism } => {
+                let Some(endpoints) = self.endpoints(parallelism) else {
+                    return Ok(short);
+                };
+                // The workers run under the key-group count they were started with.
+                let assignment = match self.run_groups.get(&run) {
+                    Some(g) => Assignment::new(i64::from(parallelism), i64::from(*g))?,
+                    None => self.assignment(parallelism)?,
+                };
+                // Workers created for another spec.job run the logic they were started with:
+                // their snapshots keep saying so (the identity of the job's newest snapshot), so
+                // that an upgrade that would mix histories is still refused.
+                let want = decide::spec_hash(self.spec);
+                let spec_hash = self
+                    .pods
+                    .iter()
+                    .find(|p| p.run == run)
+                    .and_then(|p| p.spec_hash.clone());
+                let stale = spec_hash.as_ref().is_some_and(|h| *h != want);
+                let identity = match stale {
+                    true => self.newest_identity().await.map_err(PassError::Adopt)?,
+                    false => self.identity(),
+                };
+                let coordinator = self
+                    .coordinator(assignment, endpoints, identity)
+                    .await
+                    .map_err(PassError::Adopt)?;
+                if self
+                    .pods
+                    .iter()
+                    .any(|p| p.worker == Some(WorkerState::Stopped))
+                {
+                    coordinator.resume().await;
+                }
+                self.mem.run = Some(RunHandle {
+                    run: run.clone(),
+                    parallelism,
+                    coordinator,
+                    started: Utc::now(),
+                    spec_hash,
+                });
+                let rescaling = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .is_some_and(|r| r.step.active());
+                if !rescaling {
+                    self.set_running(parallelism)?;
+                }
+                tracing::info!(job = %self.name, run, parallelism, "adopted running workers");
+                Ok(short)
+            }
+            Action::Recover { message } => {
+                self.delete_all().await?;
+                self.progress.phase = Some(Phase::Pending);
+                self.fail(
+                    "WorkerFailed",
+                    format!("{message}; restarting from the last checkpoint"),
+                );
+                self.metrics
+                    .worker_restarts
+                    .get_or_create(&OperatorMetrics::job(&self.ns, &self.name))
+                    .inc();
+                self.event(
+                    true,
+                    "WorkerFailed",
+                    format!("{message}; restarting the job from its last checkpoint"),
+                );
+                Ok(requeue::WORKERS_CHANGING)
+            }
+            Action::FinishRescale => {
+                let (to, rolled_back) = self.status.rescale.as_ref().map_or((0, false), |r| {
+                    (decide::restore_target(r), r.rolled_back.is_some())
+                });
+                self.finish_restoring(rolled_back)?;
+                if to == 0 {
+                    self.status.replicas = Some(0);
+                    self.progress.phase = Some(Phase::Suspended);
+                    self.status.key_groups = None;
+                } else {
+                    self.set_running(to)?;
+                }
+                let r = self.status.rescale.clone().unwrap_or_default();
+                self.event(
+                    rolled_back,
+                    if to == 0 {
+                        "Suspended"
+                    } else if rolled_back {
+                        "RescaleRolledBack"
+                    } else {
+                        "Rescaled"
+                    },
+                    format!(
+                        "{} -> {} done: {} key groups moved, {} bytes read; {}",
+                        r.from,
+                        r.to,
+                        r.groups_moved.unwrap_or_default(),
+                        r.bytes_to_read.unwrap_or_default(),
+                        step_times(&r)
+                    ),
+                );
+                Ok(short)
+            }
+            Action::Checkpoint => Ok(self.checkpoint()),
+            Action::TriggerSavepoint { nonce } => Ok(self.triggered_savepoint(nonce)),
+            Action::MarkSuspended => {
+                self.progress.phase = Some(Phase::Suspended);
+                self.status.replicas = Some(0);
+                self.status.key_groups = None;
+                Ok(short)
+            }
+            Action::Idle { requeue } => Ok(requeue),
+        }
+    }
+
+    /// The new run of a rescale is up: step Done, or RolledBack when it runs at the old
+    /// parallelism after a failed restore (the failure, its condition and its backoff stay, so
+    /// the rescale is retried later).
+    pub(super) fn finish_restoring(&mut self, rolled_back: bool) -> Result<(), PassError> {
+        if rolled_back {
+            self.transition(Outcome::RestoredAfterRollback)?;
+            // The same rescale is retried, but not at once: it just failed.
+            let retry = backoff(self.mem.failures).max(chrono::Duration::seconds(10));
+            self.mem.backoff_until = Some(Utc::now() + retry);
+            if let Some((reason, message)) = self.mem.last_failure.clone() {
+                self.progress.failure = Some((reason, message));
+            }
+        } else {
+            self.transition(Outcome::Restored)?;
+            self.succeeded();
+        }
+        Ok(())
+    }
+
+    pub(super) async fn abandon(&mut self, message: String) -> Result<(), PassError> {
+        self.transition(Outcome::GaveUp)?;
+        if let Some(run) = &self.mem.run {
+            run.coordinator.resume().await;
+            // The old run goes on: the job runs (at its old parallelism), it is not rescaling.
+            let parallelism = run.parallelism;
+            self.set_running(parallelism)?;
+        }
+        self.fail("RescaleAbandoned", message.clone());
+        self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
+        Ok(())
+    }
+
+    pub(super) fn kind_labels(&self, kind: &str) -> KindLabels {
+        KindLabels {
+            namespace: self.ns.clone(),
+            job: self.name.clone(),
+            kind: kind.to_owned(),
+        }
+    }
+
+    /// Snapshot metrics: duration and size of a committed snapshot, or one more failure.
+    pub(super) fn record_snapshot(&mut self, labels: &KindLabels, completed: Option<&Completed>) {
+        let m = &self.metrics;
+        match completed {
+            Some(c) => {
+                if let Some(d) = status::state_distribution(&c.manifest) {
+                    self.status.state_distribution = Some(d);
+                }
+                m.snapshot_seconds
+                    .get_or_create(labels)
+                    .observe(c.duration.as_secs_f64());
+                m.snapshot_bytes
+                    .get_or_create(labels)
+                    .set(c.manifest.stats.total_bytes as i64);
+                m.snapshot_timestamp
+                    .get_or_create(labels)
+                    .set(c.manifest.completed_at.timestamp());
+            }
+            None => {
+                m.snapshot_failures.get_or_create(labels).inc();
+            }
+        }
+    }
+
+    pub(super) async fn savepoint(&mut self) -> Result<Duration, PassError> {
+        let Some(run) = self.mem.run.take() else {
+            return Ok(requeue::SOON);
+        };
+        if self
+            .pods
+            .iter()
+            .any(|p| p.worker == Some(WorkerState::Stopped))
+        {
+            // A savepoint taken by an operator that died before recording it: the sources are
+            // stopped at its barrier. Take a new one (the old one stays valid in storage).
+            run.coordinator.resume().await;
+        }
+        let work = BackgroundWork::Savepoint {
+            parallelism: run.parallelism,
+        };
+        self.snapshot_in_background(
+            work,
+            run,
+            SnapshotKind::Savepoint,
+            true,
+            run::timeouts::savepoint(self.spec),
+        );
+        Ok(requeue::BACKGROUND_BACKSTOP)
+    }
+
+    pub(super) async fn savepoint_done(
+        &mut self,
+        parallelism: u32,
+        (run, result): (RunHandle, Result<Completed, CoordinatorError>),
+    ) -> Result<Duration, PassError> {
+        let labels = self.kind_labels("savepoint");
+        self.mem.run = Some(run);
+        match result {
+            Ok(c) => {
+                self.record_snapshot(&labels, Some(&c));
+                self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
+                if let Some(r) = self.rescale_mut() {
+                    r.savepoint = Some(c.url.clone());
+                    r.bytes_to_read = Some(c.manifest.stats.total_bytes as i64);
+                }
+                self.transition(Outcome::SavepointTaken)?;
+                self.event(
+                    false,
+                    "SavepointTaken",
+                    format!(
+                        "savepoint {} ({} bytes) in {} ms; sources stopped at its barrier",
+                        c.url,
+                        c.manifest.stats.total_bytes,
+                        c.duration.as_millis()
+                    ),
+                );
+                Ok(requeue::RECORDED)
+            }
+            Err(e) => {
+                self.record_snapshot(&labels, None);
+                self.abandon(format!("savepoint failed: {e}")).await?;
+                Ok(requeue::WORKERS_CHANGING)
+            }
+        }
+    }
+
+    /// A savepoint asked for with spec.savepointTriggerNonce: the job keeps running.
+    pub(super) fn triggered_savepoint(&mut self, nonce: i64) -> Duration {
+        let Some(run) = self.mem.run.take() else {
+            return requeue::SOON;
+        };
+        let work = BackgroundWork::TriggeredSavepoint {
+            parallelism: run.parallelism,
+            nonce,
+        };
+        self.snapshot_in_background(
+            work,
+            run,
+            SnapshotKind::Savepoint,
+            false,
+            run::timeouts::savepoint(self.spec),
+        );
+        requeue::BACKGROUND_BACKSTOP
+    }
+
+    pub(super) fn triggered_savepoint_done(
+        &mut self,
+        parallelism: u32,
+        nonce: i64,
+        (run, result): (RunHandle, Result<Completed, CoordinatorError>),
+    ) -> Duration {
+        let labels = self.kind_labels("savepoint");
+        self.mem.run = Some(run);
+        match result {
+            Ok(c) => {
+                self.record_snapshot(&labels, Some(&c));
+                self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
+                self.status.last_savepoint_nonce = Some(nonce);
+                self.succeeded();
+                self.event(
+                    false,
+                    "SavepointTaken",
+                    format!(
+                        "savepoint {} ({} bytes) in {} ms for savepointTriggerNonce {nonce}; the job keeps running",
+                        c.url,
+                        c.manifest.stats.total_bytes,
+                        c.duration.as_millis()
+                    ),
+                );
+                requeue::SOON
+            }
+            Err(e) => {
+                self.record_snapshot(&labels, None);
+                let message = format!(
+                    "savepoint for savepointTriggerNonce {nonce} failed: {e}; retrying with backoff"
+                );
+                self.fail("SavepointFailed", message.clone());
+                self.event(true, "SavepointFailed", message);
+                requeue::AFTER_FAILURE
+            }
+        }
+    }
+
+    pub(super) fn checkpoint(&mut self) -> Duration {
+        let Some(run) = self.mem.run.take() else {
+            return decide::checkpoint_interval(self.spec);
+        };
+        let work = BackgroundWork::Checkpoint {
+            parallelism: run.parallelism,
+        };
+        self.snapshot_in_background(
+            work,
+            run,
+            SnapshotKind::Checkpoint,
+            false,
+            run::timeouts::checkpoint(self.spec),
+        );
+        requeue::BACKGROUND_BACKSTOP
+    }
+
+    pub(super) fn checkpoint_done(
+        &mut self,
+        parallelism: u32,
+        (run, result): (RunHandle, Result<Completed, CoordinatorError>),
+    ) -> Duration {
+        let interval = decide::checkpoint_interval(self.spec);
+        let labels = self.kind_labels("checkpoint");
+        let run = self.mem.run.insert(run);
+        match result {
+            Ok(c) => {
+                self.record_snapshot(&labels, Some(&c));
+                self.status.last_checkpoint = Some(snapshot_ref(&c, parallelism));
+                self.mem.checkpoint_failures = None;
+                self.succeeded();
+                interval
+            }
+            Err(e) => {
+                // Try again after a fraction of the interval; a dead worker shows up as a pod
+                // exit and restarts the job.
+                run.started = Utc::now();
+                self.record_snapshot(&labels, None);
+                let failed = self.mem.checkpoint_failures.take().map_or(0, |(n, _)| n) + 1;
+                self.mem.checkpoint_failures = Some((failed, e.to_string()));
+                self.event(
+                    true,
+                    "CheckpointFailed",
+                    format!("{e}; the previous checkpoint stays usable"),
+                );
+                interval / 2
+            }
+        }
+    }
+
+    pub(super) async fn start(
+        &mut self,
+        run: String,
+        parallelism: u32,
+        restore: Restore,
+    ) -> Result<Duration, PassError> {
+        let Some(endpoints) = self.endpoints(parallelism) else {
+            return Ok(requeue::SOON);
+        };
+        // A run started empty (a `stateless` upgrade) checkpoints at once, so that a recovery
+        // restores its new state rather than the job's older snapshots.
+        // So does a run restored from spec.restoreFrom: the job's own storage then holds a
+        // snapshot under its (possibly new) key-group count.
+        let transition_source = self
+            .restore_transition()
+            .and_then(|r| r.restore_from.clone());
+        let restored_source = match &restore {
+            Restore::Url(u)
+                if self.spec.restore_from.as_ref() == Some(u)
+                    || transition_source.as_ref() == Some(u) =>
+            {
+                Some(u.clone())
+            }
+            _ => None,
+        };
+        let from_restore_from = restored_source.is_some();
+        let run_started = if restore == Restore::Empty || from_restore_from {
+            DateTime::UNIX_EPOCH
+        } else {
+            Utc::now()
+        };
+        let resumes_history = restore == Restore::Latest;
+        // The job identity the snapshot records, when known without reading its manifest again.
+        let mut restored_job = None;
+        let restore_from = match restore {
+            Restore::Url(u) => Some(u),
+            Restore::Empty => None,
+            // The job's newest own snapshot under its current key-group count (snapshots taken
+            // before a restore from a rewritten savepoint have another count and are skipped),
+            // else the snapshot it was restored from.
+            Restore::Latest => {
+                let found = run::latest_restorable(
+                    self.spec,
+                    &self.storage,
+                    &self.ns,
+                    &self.name,
+                    self.max_parallelism(),
+                    self.status
+                        .replaced_history_up_to
+                        .and_then(|b| u64::try_from(b).ok()),
+                )
+                .await
+                .map_err(PassError::FindSnapshot)?;
+                let newest = match found.skipped.is_empty() {
+                    true => Ok(()),
+                    false => {
+                        let message = run::skipped_message(&found.skipped, found.url.as_deref());
+                        self.event(true, "UnreadableSnapshotSkipped", message.clone());
+                        Err(message)
+                    }
+                };
+                self.progress.restored_newest = Some(newest);
+                restored_job = found.job;
+                found.url
+            }
+        };
+        // A run restored from spec.restoreFrom replaces the job's history up to its newest
+        // snapshot now: recorded once the run starts, so that no later resume goes back to it.
+        let replaced_up_to = match &restored_source {
+            Some(_) => {
+                let (store, base) = snapshot::open_store(&self.storage)
+                    .map_err(|e| PassError::FindSnapshot(e.into()))?;
+                let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
+                let next = coordinator::next_snapshot_id(store.as_ref(), &job_dir)
+                    .await
+                    .map_err(PassError::FindSnapshot)?;
+                Some(next.saturating_sub(1))
+            }
+            None => None,
+        };
+        let assignment = self.assignment(parallelism)?;
+        let coordinator = self
+            .coordinator(assignment, endpoints, self.identity())
+            .await
+            .map_err(PassError::Start)?;
+        let template = run::StartPlan {
+            namespace: &self.ns,
+            name: &self.name,
+            spec: self.spec,
+            assignment,
+            storage: &self.storage,
+            restore_from: restore_from.clone(),
+            run: &run,
+            state_payload_bytes: hooks::state_payload_bytes(),
+        }
+        .request()?;
+        let work = StartWork {
+            run,
+            parallelism,
+            groups: assignment.max_parallelism(),
+            restore_from,
+            restored_source,
+            replaced_up_to,
+            run_started,
+            started: Instant::now(),
+            spec_hash: decide::spec_hash(self.spec),
+        };
+        // A job that has committed snapshots resumes one of them, never nothing.
+        let recorded = self
+            .status
+            .last_checkpoint
+            .iter()
+            .chain(&self.status.last_savepoint)
+            .map(|s| s.path.clone())
+            .max();
+        // What the snapshot says about its job and state is compared with this job before a
+        // worker reads it (an upgrade or restoreFrom that would mix histories is refused before
+        // anything stops; this also covers a resume of a suspended job whose spec changed).
+        if let Some(url) = &work.restore_from {
+            // Known from the scan that found it, or (spec.restoreFrom) from the pass that read
+            // its key-group count; else (a transition's savepoint) read here.
+            let cached = self
+                .mem
+                .restore_source
+                .as_ref()
+                .filter(|(u, ..)| u == url)
+                .map(|(_, _, job)| job.clone());
+            let job = match restored_job.or(cached) {
+                Some(job) => job,
+                None => {
+                    snapshot::open_snapshot(url)
+                        .await
+                        .map_err(|e| PassError::FindSnapshot(e.into()))?
+                        .2
+                        .job
+                }
+            };
+            if let Some((reason, message)) =
+                run::restore_refusal(&self.ns, &self.name, self.spec, url, &job)
+            {
+                let refused = StartError::Refused { reason, message };
+                return self.start_done(work, coordinator, Err(refused)).await;
+            }
+        }
+        if resumes_history
+            && work.restore_from.is_none()
+            && let Some(recorded) = recorded
+        {
+            let refused = StartError::NothingToRestore {
+                groups: work.groups,
+                storage: self.storage.clone(),
+                recorded,
+            };
+            return self.start_done(work, coordinator, Err(refused)).await;
+        }
+        let restoring_rescale = self
+            .status
+            .rescale
+            .as_ref()
+            .is_some_and(|r| r.step == Step::Restoring && r.rolled_back.is_none());
+        if restoring_rescale && hooks::fail_restore_at(work.parallelism) {
+            let injected = StartError::Injected(format!(
+                "{}={}: restore failure injected (test only)",
+                hooks::FAIL_RESTORE_ENV,
+                work.parallelism
+            ));
+            return self.start_done(work, coordinator, Err(injected)).await;
+        }
+        // The workers answer at once and restore their key groups; waiting for them runs in the
+        // background.
+        let timeout = run::timeouts::start(self.spec);
+        let snapshot = work.restore_from.clone();
+        let progress = coordinator.restore_progress();
+        self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {
+            let result = handle.block_on(coordinator.start(&template, timeout));
+            Ended::Start(Box::new((coordinator, result)))
+        });
+        if let (Some(bg), Some(_)) = (self.mem.background.as_mut(), &snapshot) {
+            bg.restore = Some(RestoreView {
+                progress,
+                snapshot,
+                started: Utc::now().to_rfc3339(),
+                began: Instant::now(),
+                pass: None,
+                shown: None,
+            });
+        }
+        Ok(requeue::BACKGROUND_BACKSTOP)
+    }
+
+    /// Records how starting a run ended.
+    pub(super) async fn start_done(
+        &mut self,
+        work: StartWork,
+        coordinator: Coordinator,
+        result: Result<Vec<StartResponse>, StartError>,
+    ) -> Result<Duration, PassError> {
+        let StartWork {
+            run,
+            parallelism,
+            groups: key_groups,
+            restore_from,
+            restored_source,
+            replaced_up_to,
+            run_started,
+            started,
+            spec_hash,
+        } = work;
+        let from_restore_from = restored_source.is_some();
+        match result {
+            Ok(responses) => {
+                let bytes: u64 = responses.iter().map(|r| r.bytes_read).sum();
+                let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
+                if from_restore_from {
+                    let g = key_groups as i32;
+                    if self.status.max_parallelism != Some(g) {
+                        self.status.max_parallelism_origin = restore_from
+                            .as_deref()
+                            .map(validation::ceiling_origin_snapshot);
+                        self.event(
+                            false,
+                            "KeyGroupsPinned",
+                            format!(
+                                "key-group count (max parallelism) is now {g}, from {}",
+                                restore_from.as_deref().unwrap_or_default()
+                            ),
+                        );
+                    }
+                    self.status.max_parallelism = Some(g);
+                    self.status.restored_from = restored_source.clone();
+                    self.status.replaced_history_up_to =
+                        replaced_up_to.and_then(|b| i64::try_from(b).ok());
+                }
+                self.mem.run = Some(RunHandle {
+                    run: run.clone(),
+                    parallelism,
+                    coordinator,
+                    started: run_started,
+                    spec_hash: Some(spec_hash),
+                });
+                let restoring = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .is_some_and(|r| r.step == Step::Restoring);
+                let rolled_back = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .is_some_and(|r| restoring && r.rolled_back.is_some());
+                if restoring {
+                    if let Some(r) = self.rescale_mut() {
+                        r.bytes_to_read = Some(bytes as i64);
+                    }
+                    self.finish_restoring(rolled_back)?;
+                } else {
+                    self.succeeded();
+                }
+                self.set_running(parallelism)?;
+                self.event(false, "Started", format!(
+                    "run {run}: {parallelism} worker(s) running in {} ms, restored {groups} key groups ({bytes} bytes) from {}",
+                    started.elapsed().as_millis(),
+                    restore_from.as_deref().unwrap_or("nothing (empty state)")
+                ));
+                if restoring {
+                    let r = self.status.rescale.clone().unwrap_or_default();
+                    self.event(
+                        rolled_back,
+                        match (rolled_back, r.upgrade_mode) {
+                            (true, _) => "RescaleRolledBack",
+                            (false, None) => "Rescaled",
+                            (false, Some(_)) => "Upgraded",
+                        },
+                        format!(
+                            "{}{} -> {} {}: {} key groups moved, {} bytes read; {}",
+                            r.upgrade_mode
+                                .map_or(String::new(), |m| format!("upgrade ({m:?}), ")),
+                            r.from,
+                            r.to,
+                            if rolled_back {
+                                "rolled back (running at the old parallelism)"
+                            } else {
+                                "done"
+                            },
+                            r.groups_moved.unwrap_or_default(),
+                            bytes,
+                            step_times(&r)
+                        ),
+                    );
+                }
+                Ok(requeue::SOON)
+            }
+            Err(e) => {
+                self.delete_all().await?;
+                let message = format!(
+                    "starting run {run} at parallelism {parallelism} from {} failed: {e}",
+                    restore_from.as_deref().unwrap_or("empty state")
+                );
+                let rollback = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .and_then(decide::rollback_on_restore_failure);
+                if let Some(old) = rollback {
+                    let why = format!(
+                        "{message}; rolling back: restoring the old parallelism {old} from the same savepoint"
+                    );
+                    self.transition(Outcome::RestoreFailed)?;
+                    if let Some(r) = self.rescale_mut() {
+                        r.rolled_back = Some(why.clone());
+                    }
+                    self.fail("RescaleRolledBack", why.clone());
+                    self.event(true, "RescaleRollingBack", why);
+                    return Ok(requeue::AFTER_FAILURE);
+                }
+                let reason = match &e {
+                    StartError::Refused { reason, .. } => reason,
+                    _ => "StartFailed",
+                };
+                self.fail(reason, message.clone());
+                self.event(
+                    true,
+                    reason,
+                    format!("{message}; retrying with backoff (the snapshot is intact)"),
+                );
+                Ok(requeue::AFTER_FAILURE)
+            }
+        }
+    }
+}
