@@ -16,6 +16,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::*;
 
+mod faults_support;
+use faults_support::{Applied, Fault, FaultyS3};
+
 /// Tests share one control plane and run in parallel; a test that takes the API server away
 /// holds this exclusively, so no other test in this binary sees its outage.
 static PLANE: std::sync::RwLock<()> = std::sync::RwLock::new(());
@@ -1312,16 +1315,19 @@ fn oracle(ns: &str, name: &str, positions: &BTreeMap<u32, u64>) -> Expected {
     expected_results(&spec.spec.job, positions).expect("oracle")
 }
 
-/// An HTTP relay from the operator to the S3 test server that answers 403 to the writes whose
-/// path contains one of the patterns set ([`RefusingS3::refuse`]), and forwards everything else;
-/// one request per connection (it closes both sides after each answer).
+/// The S3 test server behind a fault relay ([`FaultyS3`]) that answers 403 to the writes (PUT
+/// and POST) whose path contains one of the patterns set ([`RefusingS3::refuse`]), and forwards
+/// everything else.
 struct RefusingS3 {
-    addr: std::net::SocketAddr,
-    patterns: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
-    refused: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    relay: FaultyS3,
+    /// The patterns refused now.
+    refusing: std::sync::Mutex<Vec<String>>,
+    /// Every refusal rule set so far (their counts add up to the refused requests).
+    applied: std::sync::Mutex<Vec<Applied>>,
 }
 
 impl RefusingS3 {
+    /// A relay on the host's loopback (for the operator).
     fn start() -> RefusingS3 {
         RefusingS3::start_on(std::net::Ipv4Addr::LOCALHOST)
     }
@@ -1336,127 +1342,41 @@ impl RefusingS3 {
     }
 
     fn start_on(ip: std::net::Ipv4Addr) -> RefusingS3 {
-        use std::sync::Arc;
-        use std::sync::atomic::AtomicUsize;
-        let upstream = std::env::var("AWS_ENDPOINT")
-            .expect("AWS_ENDPOINT (hack/s3-server.sh)")
-            .trim_start_matches("http://")
-            .to_owned();
-        let listener = std::net::TcpListener::bind((ip, 0)).expect("relay binds");
-        let addr = listener.local_addr().expect("relay address");
-        let patterns: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
-        let refused = Arc::new(AtomicUsize::new(0));
-        let (p, r) = (patterns.clone(), refused.clone());
-        std::thread::spawn(move || {
-            for conn in listener.incoming().map_while(Result::ok) {
-                let (upstream, p, r) = (upstream.clone(), p.clone(), r.clone());
-                std::thread::spawn(move || {
-                    let _ = RefusingS3::serve(conn, &upstream, &p, &r);
-                });
-            }
-        });
+        let upstream = std::env::var("AWS_ENDPOINT").expect("AWS_ENDPOINT (hack/s3-server.sh)");
         RefusingS3 {
-            addr,
-            patterns,
-            refused,
+            relay: FaultyS3::start_on(ip, upstream.trim_start_matches("http://")),
+            refusing: Default::default(),
+            applied: Default::default(),
         }
     }
 
     fn url(&self) -> String {
-        format!("http://{}", self.addr)
+        self.relay.url()
     }
 
     /// From now on, refuse PUTs and POSTs whose path contains one of `patterns` (none: forward
     /// everything).
     fn refuse(&self, patterns: &[&str]) {
-        *self.patterns.lock().unwrap_or_else(|e| e.into_inner()) =
-            patterns.iter().map(|p| p.to_string()).collect();
+        let mut refusing = self.refusing.lock().unwrap_or_else(|e| e.into_inner());
+        for p in refusing.drain(..) {
+            self.relay.clear(&p);
+        }
+        let mut applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
+        for p in patterns {
+            for method in ["PUT", "POST"] {
+                applied.push(
+                    self.relay
+                        .inject(method, &[p], Fault::Status(403), usize::MAX),
+                );
+            }
+            refusing.push(p.to_string());
+        }
     }
 
     /// Requests refused so far.
     fn refused(&self) -> usize {
-        self.refused.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// Reads one HTTP head (up to and with the blank line); `None` at EOF.
-    fn read_head(r: &mut impl std::io::BufRead) -> std::io::Result<Option<Vec<String>>> {
-        let mut lines = Vec::new();
-        loop {
-            let mut line = String::new();
-            if r.read_line(&mut line)? == 0 {
-                return Ok(None);
-            }
-            let line = line.trim_end_matches(['\r', '\n']).to_owned();
-            if line.is_empty() {
-                return Ok(Some(lines));
-            }
-            lines.push(line);
-        }
-    }
-
-    /// The head with `Connection: close` instead of any Connection header.
-    fn closing(head: &[String]) -> Vec<u8> {
-        let mut out = String::new();
-        for line in head
-            .iter()
-            .filter(|l| !l.to_ascii_lowercase().starts_with("connection:"))
-        {
-            out.push_str(line);
-            out.push_str("\r\n");
-        }
-        out.push_str("Connection: close\r\n\r\n");
-        out.into_bytes()
-    }
-
-    fn serve(
-        client: std::net::TcpStream,
-        upstream: &str,
-        patterns: &std::sync::Mutex<Vec<String>>,
-        refused: &std::sync::atomic::AtomicUsize,
-    ) -> std::io::Result<()> {
-        use std::io::{Read, Write};
-        let mut reader = std::io::BufReader::new(client.try_clone()?);
-        let Some(head) = RefusingS3::read_head(&mut reader)? else {
-            return Ok(());
-        };
-        let length: usize = head
-            .iter()
-            .filter_map(|l| l.split_once(':'))
-            .find(|(k, _)| k.trim().eq_ignore_ascii_case("content-length"))
-            .and_then(|(_, v)| v.trim().parse().ok())
-            .unwrap_or(0);
-        let mut body = vec![0u8; length];
-        reader.read_exact(&mut body)?;
-        let mut words = head.first().map(String::as_str).unwrap_or("").split(' ');
-        let (method, path) = (words.next().unwrap_or(""), words.next().unwrap_or(""));
-        let refuse = matches!(method, "PUT" | "POST")
-            && patterns
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .iter()
-                .any(|p| path.contains(p.as_str()));
-        let mut client = client;
-        if refuse {
-            refused.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let xml = "<Error><Code>AccessDenied</Code><Message>refused by the test relay</Message></Error>";
-            write!(
-                client,
-                "HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{xml}",
-                xml.len()
-            )?;
-            return client.flush();
-        }
-        let mut up = std::net::TcpStream::connect(upstream)?;
-        up.write_all(&RefusingS3::closing(&head))?;
-        up.write_all(&body)?;
-        up.flush()?;
-        let mut answer = std::io::BufReader::new(up);
-        let Some(head) = RefusingS3::read_head(&mut answer)? else {
-            return Ok(());
-        };
-        client.write_all(&RefusingS3::closing(&head))?;
-        std::io::copy(&mut answer, &mut client)?;
-        client.flush()
+        let applied = self.applied.lock().unwrap_or_else(|e| e.into_inner());
+        applied.iter().map(Applied::count).sum()
     }
 }
 

@@ -66,9 +66,15 @@ pub struct FaultyS3 {
 }
 
 impl FaultyS3 {
-    /// Starts a relay to `upstream` (`host:port`); it runs until the process ends.
+    /// Starts a relay on the loopback to `upstream` (`host:port`); it runs until the process
+    /// ends.
     pub fn start(upstream: &str) -> FaultyS3 {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("relay binds");
+        FaultyS3::start_on(std::net::Ipv4Addr::LOCALHOST, upstream)
+    }
+
+    /// Starts a relay on `ip` (any free port) to `upstream` (`host:port`).
+    pub fn start_on(ip: std::net::Ipv4Addr, upstream: &str) -> FaultyS3 {
+        let listener = TcpListener::bind((ip, 0)).expect("relay binds");
         let addr = listener.local_addr().expect("relay address");
         let shared = Arc::new(Shared::default());
         let s = shared.clone();
