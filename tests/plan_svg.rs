@@ -115,13 +115,11 @@ fn parse(svg: &str) -> Vec<Element> {
                     "undefined entity &{name};"
                 );
             }
-            Event::Text(t) => {
-                if stack.is_empty() {
-                    assert!(
-                        t.decode().unwrap().trim().is_empty(),
-                        "text outside the root"
-                    );
-                }
+            Event::Text(t) if stack.is_empty() => {
+                assert!(
+                    t.decode().unwrap().trim().is_empty(),
+                    "text outside the root"
+                );
             }
             Event::Eof => break,
             _ => {}
