@@ -71,6 +71,12 @@ cargo test --locked --all-features
 step "cargo test --test cli (default features: the product binary)"
 cargo test --locked --test cli
 
+# The key-group lab (docs/lab/) in headless Chromium (installed from Debian when missing): its
+# numbers against Flink's vectors and `keyshift plan -o json` (the binary just built), its buttons,
+# no console errors.
+step "browser test of docs/lab (hack/lab-test.sh)"
+hack/lab-test.sh
+
 # ---- end to end: a real cluster -- etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler and a real node (kubelet, containerd, runc, CNI), all built from their upstream
 # Go modules by hack/build-control-plane.sh and hack/build-node.sh on first use -- running the

@@ -207,6 +207,19 @@ pub enum Output {
     Json,
 }
 
+/// Output formats of `keyshift plan`: [`Output`]'s and a picture.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum PlanOutput {
+    /// A table for people.
+    #[default]
+    Table,
+    /// One JSON object, for programs.
+    Json,
+    /// An SVG picture: each subtask's range in its own colour, the old strip above the new one
+    /// with the groups that change owner marked (with --from-parallelism), groups per subtask.
+    Svg,
+}
+
 #[derive(clap::Args, Debug)]
 pub struct PlanArgs {
     /// Parallelism (number of subtasks) to plan for.
@@ -220,8 +233,8 @@ pub struct PlanArgs {
     #[arg(long, allow_negative_numbers = true)]
     pub from_parallelism: Option<i64>,
     /// Output format.
-    #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
-    pub output: Output,
+    #[arg(long, short = 'o', value_enum, default_value_t = PlanOutput::Table)]
+    pub output: PlanOutput,
 }
 
 #[derive(clap::Args, Debug)]
@@ -428,7 +441,7 @@ struct SubtaskRow {
     count: u32,
 }
 
-/// Renders `keyshift plan` (table or JSON) or explains which bound is violated.
+/// Renders `keyshift plan` (table, JSON or SVG) or explains which bound is violated.
 pub fn plan(args: &PlanArgs) -> Result<String, CliError> {
     let (g, defaulted) = resolve_ceiling(args)?;
     let default_base = args.from_parallelism.unwrap_or(args.parallelism);
@@ -446,13 +459,19 @@ pub fn plan(args: &PlanArgs) -> Result<String, CliError> {
     let rescale = from.map(|f| keygroup::rescale_plan(f, to)).transpose()?;
     let skew = to.skew();
     match args.output {
-        Output::Json => Ok(plan_json(&to, defaulted, &skew, rescale.as_ref()).to_string() + "\n"),
-        Output::Table => Ok(plan_table(
+        PlanOutput::Json => {
+            Ok(plan_json(&to, defaulted, &skew, rescale.as_ref()).to_string() + "\n")
+        }
+        PlanOutput::Table => Ok(plan_table(
             &to,
             defaulted,
             default_base,
             &skew,
             rescale.as_ref(),
+        )),
+        PlanOutput::Svg => Ok(crate::plan_svg::plan_svg(
+            &to,
+            from.as_ref().zip(rescale.as_ref()),
         )),
     }
 }
@@ -649,7 +668,7 @@ pub fn keygroup_line(
 mod tests {
     use super::*;
 
-    fn args(p: i64, g: Option<i64>, from: Option<i64>, output: Output) -> PlanArgs {
+    fn args(p: i64, g: Option<i64>, from: Option<i64>, output: PlanOutput) -> PlanArgs {
         PlanArgs {
             parallelism: p,
             max_parallelism: g,
@@ -660,7 +679,7 @@ mod tests {
 
     #[test]
     fn plan_json_contract() {
-        let text = plan(&args(100, Some(128), None, Output::Json)).unwrap();
+        let text = plan(&args(100, Some(128), None, PlanOutput::Json)).unwrap();
         let v: serde_json::Value = serde_json::from_str(&text).unwrap();
         assert_eq!(v["maxParallelism"], 128);
         assert_eq!(v["maxParallelismDefaulted"], false);
@@ -680,12 +699,13 @@ mod tests {
     #[test]
     fn plan_defaults_from_the_starting_parallelism() {
         let v: serde_json::Value =
-            serde_json::from_str(&plan(&args(8, None, Some(4), Output::Json)).unwrap()).unwrap();
+            serde_json::from_str(&plan(&args(8, None, Some(4), PlanOutput::Json)).unwrap())
+                .unwrap();
         assert_eq!(v["maxParallelism"], 128);
         assert_eq!(v["maxParallelismDefaulted"], true);
         assert_eq!(v["rescale"]["movedGroups"], 64);
         assert_eq!(v["rescale"]["subtasks"].as_array().unwrap().len(), 8);
-        let table = plan(&args(8, None, Some(4), Output::Table)).unwrap();
+        let table = plan(&args(8, None, Some(4), PlanOutput::Table)).unwrap();
         assert!(
             table.contains("defaulted by Flink's rule for parallelism 4"),
             "{table}"
@@ -695,7 +715,7 @@ mod tests {
 
     #[test]
     fn plan_table_explains_skew() {
-        let table = plan(&args(100, Some(128), None, Output::Table)).unwrap();
+        let table = plan(&args(100, Some(128), None, PlanOutput::Table)).unwrap();
         assert!(table.contains(
             "28 subtasks own 2 groups and 72 own 1: the busiest carries 2.00x the lightest; \
              divisors of 128 near 100: 64, 128"
@@ -705,17 +725,17 @@ mod tests {
 
     #[test]
     fn plan_refuses_bounds_with_the_fix() {
-        let e = plan(&args(0, Some(128), None, Output::Table)).unwrap_err();
+        let e = plan(&args(0, Some(128), None, PlanOutput::Table)).unwrap_err();
         assert!(e.to_string().contains("at least 1"), "{e}");
-        let e = plan(&args(200, Some(128), None, Output::Table)).unwrap_err();
+        let e = plan(&args(200, Some(128), None, PlanOutput::Table)).unwrap_err();
         assert!(
             e.to_string().contains("exceeds the key-group ceiling"),
             "{e}"
         );
-        let e = plan(&args(4, Some(40000), None, Output::Table)).unwrap_err();
+        let e = plan(&args(4, Some(40000), None, PlanOutput::Table)).unwrap_err();
         assert!(e.to_string().contains("upper bound 32768"), "{e}");
         // A job started at 24 has the default ceiling 128, so 200 is refused.
-        let e = plan(&args(200, None, Some(24), Output::Table)).unwrap_err();
+        let e = plan(&args(200, None, Some(24), PlanOutput::Table)).unwrap_err();
         assert!(
             e.to_string().contains("ceiling (max parallelism) 128"),
             "{e}"

@@ -27,6 +27,7 @@ pub mod leader;
 pub mod local;
 pub mod operator;
 pub mod orchestrator;
+pub mod plan_svg;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;
