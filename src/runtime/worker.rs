@@ -530,11 +530,16 @@ struct Prepared {
     totals: (u64, u32),
 }
 
-/// Checks a start request: its layout, its dataflow, and the manifest of the snapshot it
-/// restores (key-group count, state schema). Reads nothing but that manifest.
+/// Checks a start request: its bounds, its layout, its dataflow (by the CRD's rules,
+/// [`crate::validation::validate_job`], then by what it takes to run it), and the manifest of
+/// the snapshot it restores (key-group count, state schema). Reads nothing but that manifest
+/// (and a file source's directory listing).
 async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
     req.check_bounds()
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
+    // The dataflow by the CRD's rules, as a manifest's (a start request may come from any
+    // caller holding the token, not only from a spec the API server checked).
+    crate::validation::validate_job(&req.job).map_err(|e| WorkerError::BadStart(e.0.join("; ")))?;
     let assignment = Assignment::new(i64::from(req.parallelism), i64::from(req.max_parallelism))
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
     if req.subtask >= req.parallelism || req.peers.len() != req.parallelism as usize {
