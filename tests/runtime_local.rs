@@ -1363,11 +1363,29 @@ async fn own_coordinator(
     .expect("coordinator")
 }
 
+/// The start request of a fresh run of `spec` (namespace `test`) at its replicas, empty state.
+fn own_template(spec: &StreamJob, env: &Env) -> keyshift::runtime::protocol::StartRequest {
+    use keyshift::orchestrator::run;
+    let name = spec.metadata.name.clone().expect("a name");
+    let run_id = run::new_run_id().expect("run id");
+    run::StartPlan {
+        namespace: "test",
+        name: &name,
+        spec: &spec.spec,
+        assignment: own_assignment(spec),
+        storage: &env.storage,
+        restore_from: None,
+        run: &run_id,
+        state_payload_bytes: 0,
+    }
+    .request()
+    .expect("start request")
+}
+
 impl OwnRun {
     /// Starts `spec` (namespace `test`) at its replicas with empty state.
     async fn start(spec: &StreamJob, env: &Env) -> OwnRun {
         use keyshift::orchestrator::run;
-        let name = spec.metadata.name.clone().expect("a name");
         let assignment = own_assignment(spec);
         let token = run::new_token().expect("token");
         let mut workers = keyshift::local::harness::LocalWorkers::new(bin(), env.logs.clone());
@@ -1376,21 +1394,8 @@ impl OwnRun {
             .await
             .expect("workers spawn");
         let coordinator = own_coordinator(spec, env, &endpoints, &token).await;
-        let run_id = run::new_run_id().expect("run id");
-        let template = run::StartPlan {
-            namespace: "test",
-            name: &name,
-            spec: &spec.spec,
-            assignment,
-            storage: &env.storage,
-            restore_from: None,
-            run: &run_id,
-            state_payload_bytes: 0,
-        }
-        .request()
-        .expect("start request");
         coordinator
-            .start(&template, Duration::from_secs(60))
+            .start(&own_template(spec, env), Duration::from_secs(60))
             .await
             .expect("the run starts");
         OwnRun {
@@ -1606,4 +1611,71 @@ async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
     assert!(ids.contains(&(n + 1)), "{ids:?}");
     let (open, positions, _) = snapshot_state_windows(&sp.url).await;
     assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "published");
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// A file appears in the source directory while a run starts, after subtask 0 listed the
+/// directory and before subtask 1 did (subtask 1 is paused while the start requests go out): the
+/// workers would read different partition lists (partition 1 would be `part-1.jsonl` for one and
+/// the new file for the other: a file read twice, another never). The start is refused, naming
+/// both lists' sizes; started again with the directory stable, the run reads every record of
+/// every file exactly once. Before, the start succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_whose_workers_listed_different_files_is_refused_and_a_stable_retry_is_exact() {
+    use keyshift::orchestrator::run;
+    let env = env(None);
+    let input = env._dir.path().join("input");
+    std::fs::create_dir_all(&input).expect("input dir");
+    append_lines(&input, "part-0.jsonl", 0, 700, 0);
+    append_lines(&input, "part-1.jsonl", 0, 900, 1);
+    append_lines(&input, "part-2.jsonl", 0, 500, 2);
+    let spec = file_sum_job("listing", &input);
+    let token = run::new_token().expect("token");
+    let mut workers = keyshift::local::harness::LocalWorkers::new(bin(), env.logs.clone());
+    let endpoints = workers.spawn(2, &token, 1).await.expect("workers spawn");
+    let paused = workers.pids()[1];
+    let coordinator = own_coordinator(&spec, &env, &endpoints, &token).await;
+    let template = own_template(&spec, &env);
+    signal(paused, "-STOP");
+    let (result, ()) = tokio::join!(
+        coordinator.start(&template, Duration::from_secs(60)),
+        async {
+            // Subtask 0 lists three files; then one more appears, sorting among them.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            append_lines(&input, "part-0a.jsonl", 0, 400, 4);
+            signal(paused, "-CONT");
+        }
+    );
+    let text = result
+        .expect_err("a start whose workers listed different files is refused")
+        .to_string();
+    assert!(
+        text.contains("listed different source partitions")
+            && text.contains("subtask 0 3 files")
+            && text.contains("subtask 1 4 files"),
+        "{text}"
+    );
+    workers.stop_all().await;
+
+    // Started again, the directory stable: every record of every file once.
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("the retry starts");
+    let sp = read_to_end_and_suspend(&mut local, &input).await;
+    let (state, _, m) = snapshot_state(&sp).await;
+    assert_eq!(positions_by_name(&m), file_lengths(&input));
+    let expected = oracle_over_all_files(&spec, &input);
+    assert!(
+        state == expected,
+        "the sums equal the oracle over every record of every file"
+    );
 }

@@ -452,6 +452,10 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
     let accepted = StartAccepted {
         bytes_total: prepared.totals.0,
         groups_total: prepared.totals.1,
+        source_partitions: match prepared.compiled.current_partitions() {
+            job::CurrentPartitions::Named(names) => Some(PartitionList::of(names)),
+            job::CurrentPartitions::Indexed(_) => None,
+        },
     };
     let progress = Arc::new(restore::Progress::default());
     *s.restore_progress.lock().await = progress.clone();
