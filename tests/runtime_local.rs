@@ -1679,3 +1679,144 @@ async fn a_start_whose_workers_listed_different_files_is_refused_and_a_stable_re
         "the sums equal the oracle over every record of every file"
     );
 }
+
+/// `n` workers served by this test process (so that a test hook reaches each of them): their
+/// endpoints, in subtask order. They run until the test's runtime ends.
+#[cfg(feature = "test-hooks")]
+async fn in_process_workers(n: u32, token: &str) -> Vec<keyshift::coordinator::WorkerEndpoint> {
+    use keyshift::runtime::worker::{self, WorkerConfig};
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("loopback");
+    let mut endpoints = Vec::new();
+    for _ in 0..n {
+        let bound = worker::bind(WorkerConfig {
+            control_addr: loopback,
+            data_addr: loopback,
+            token: token.to_owned(),
+        })
+        .await
+        .expect("bind");
+        endpoints.push(keyshift::coordinator::WorkerEndpoint {
+            control: format!("http://{}", bound.control_addr),
+            data: bound.data_addr.to_string(),
+        });
+        tokio::spawn(bound.serve(std::future::pending()));
+    }
+    endpoints
+}
+
+/// The checkpoint timeout: subtask 1's state write of one checkpoint takes longer than the
+/// checkpoint's timeout (a test hook) while the others acknowledge it. The coordinator times
+/// out naming subtask 1, aborts the checkpoint on every worker (each reports it failed,
+/// aborted; none pending, none completed), nothing is committed, the job keeps running, and the
+/// next checkpoint commits with every key exact.
+#[cfg(feature = "test-hooks")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_one_worker_never_acknowledges_times_out_and_is_aborted_everywhere() {
+    use keyshift::orchestrator::hooks::slow_snapshots_of;
+    use keyshift::orchestrator::run;
+    use keyshift::runtime::protocol::{CheckpointStatus, WorkerState, WorkerStatus};
+    let env = env(None);
+    let spec = generator_job("stalled", "", 3, 128, "{function: count}");
+    let token = run::new_token().expect("token");
+    let endpoints = in_process_workers(3, &token).await;
+    let mut coordinator = own_coordinator(&spec, &env, &endpoints, &token).await;
+    coordinator
+        .start(&own_template(&spec, &env), Duration::from_secs(60))
+        .await
+        .expect("the run starts");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .no_proxy()
+        .build()
+        .expect("client");
+    let get = |i: usize, path: String| {
+        let http = http.clone();
+        let url = format!("{}{path}", endpoints[i].control);
+        let token = token.clone();
+        async move {
+            http.get(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .expect("answered")
+                .text()
+                .await
+                .expect("a body")
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let first = coordinator
+        .snapshot(
+            snapshot::SnapshotKind::Checkpoint,
+            false,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("the first checkpoint commits");
+
+    // Subtask 1 writes its state 6 s late; the checkpoint's timeout is 2 s.
+    slow_snapshots_of("test", "stalled", 1, Some(Duration::from_secs(6)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stalled = first.id + 1;
+    let e = coordinator
+        .snapshot(
+            snapshot::SnapshotKind::Checkpoint,
+            false,
+            Duration::from_secs(2),
+        )
+        .await
+        .expect_err("a checkpoint that subtask 1 does not acknowledge in time fails");
+    slow_snapshots_of("test", "stalled", 1, None);
+    assert!(
+        matches!(
+            &e,
+            keyshift::coordinator::CoordinatorError::SnapshotTimeout { id, missing, .. }
+                if *id == stalled && missing.contains(&1)
+        ),
+        "{e}"
+    );
+    for i in 0..3 {
+        let status: CheckpointStatus =
+            serde_json::from_str(&get(i, format!("/v1/checkpoints/{stalled}")).await)
+                .expect("a checkpoint status");
+        assert!(
+            matches!(&status, CheckpointStatus::Failed { error } if error.starts_with("aborted")),
+            "worker {i}: snapshot {stalled} is {status:?}, not aborted"
+        );
+    }
+    let state = PathBuf::from(env.storage.trim_start_matches("file://"));
+    assert!(
+        !state
+            .join(format!(
+                "test/stalled/checkpoints/chk-{stalled}/_manifest.json"
+            ))
+            .exists(),
+        "nothing committed"
+    );
+
+    // The job keeps running, and the next checkpoint (once subtask 1's write is done) commits.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let next = coordinator
+        .snapshot(
+            snapshot::SnapshotKind::Checkpoint,
+            false,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("the next checkpoint commits");
+    assert_eq!(next.id, stalled + 1);
+    assert_exact(&spec, &next.url).await;
+    for i in 0..3 {
+        let st: WorkerStatus =
+            serde_json::from_str(&get(i, "/v1/status".into()).await).expect("a status");
+        assert_eq!(st.state, WorkerState::Running, "worker {i}");
+        // Still aborted after its write finished.
+        let status: CheckpointStatus =
+            serde_json::from_str(&get(i, format!("/v1/checkpoints/{stalled}")).await)
+                .expect("a checkpoint status");
+        assert!(
+            matches!(&status, CheckpointStatus::Failed { .. }),
+            "worker {i}: {status:?}"
+        );
+    }
+}

@@ -498,6 +498,8 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
 
 /// Everything the operator task of a running subtask owns.
 struct Subtask {
+    /// The job's namespace and name.
+    job: (String, String),
     subtask: u32,
     assignment: Assignment,
     agg: KeyedAggregator,
@@ -881,6 +883,7 @@ async fn start_subtask(
         .collect();
     let source_partitions = compiled.partition_names(&my_partitions);
     let sub = Subtask {
+        job: (req.namespace.clone(), req.name.clone()),
         subtask: req.subtask,
         assignment,
         agg,
@@ -1480,6 +1483,7 @@ async fn snapshot(
     } else {
         Updates::Keep
     };
+    crate::orchestrator::hooks::slow_snapshot(&sub.job.0, &sub.job.1, sub.subtask, id).await;
     let dir = snapshot::snapshot_dir(&sub.job_dir, kind, id);
     let writer = SnapshotWriter::new(sub.store.clone(), &dir, sub.assignment, sub.subtask)?;
     let opts = StateWriteOptions {
