@@ -54,6 +54,17 @@ pub enum CoordinatorError {
     #[error("workers not ready after {0}s: {1}")]
     NotReady(u64, String),
     #[error(
+        "the workers listed different source partitions: subtask 0 {first}, subtask {subtask} {other} (a file appeared in or vanished from the source directory while the run started); the start is refused so that no file is read twice or never: start again"
+    )]
+    PartitionsDiffer {
+        /// The first subtask whose list differs from subtask 0's.
+        subtask: usize,
+        /// Subtask 0's list ([`PartitionList::describe`]).
+        first: String,
+        /// That subtask's list.
+        other: String,
+    },
+    #[error(
         "snapshot {id}: committing the manifest failed ({error}) and whether it was written is unknown ({check}); it is checked again before the next snapshot"
     )]
     CommitInDoubt {
@@ -86,6 +97,23 @@ pub struct Completed {
     pub manifest: Manifest,
     /// Trigger to commit.
     pub duration: Duration,
+}
+
+/// Refuses a start whose workers (`accepted`, in subtask order) listed different source
+/// partitions. Pure.
+fn check_partition_lists(accepted: &[StartAccepted]) -> Result<(), CoordinatorError> {
+    let lists: Vec<Option<&PartitionList>> = accepted
+        .iter()
+        .map(|a| a.source_partitions.as_ref())
+        .collect();
+    match PartitionList::first_difference(&lists) {
+        None => Ok(()),
+        Some(subtask) => Err(CoordinatorError::PartitionsDiffer {
+            subtask,
+            first: PartitionList::describe(lists[0]),
+            other: PartitionList::describe(lists[subtask]),
+        }),
+    }
 }
 
 /// The URL of a snapshot directory under a storage root.
@@ -539,7 +567,10 @@ impl Coordinator {
     }
 
     /// Starts every worker with its subtask index and waits until all are connected.
-    /// `template.subtask` is overwritten per worker; `template.peers` is filled in. Then, with a
+    /// `template.subtask` is overwritten per worker; `template.peers` is filled in. Every worker
+    /// lists a file source's directory itself when it checks its request: a start whose workers
+    /// listed different partitions is refused ([`CoordinatorError::PartitionsDiffer`]; the
+    /// platform starts again as after any failed start), so that none reads another list. Then, with a
     /// sink, publishes the output of what the run restored from (`template.restore_from`) and of
     /// the job's committed snapshots before it, unless already published (the crash may have
     /// come between commit and publish) -- only when the restored snapshot is this job's own
@@ -567,6 +598,7 @@ impl Coordinator {
             }
         }))
         .await?;
+        check_partition_lists(&accepted)?;
         let responses = self.wait_restored(&accepted, began, ready_timeout).await?;
         self.wait_ready(ready_timeout.saturating_sub(began.elapsed()))
             .await?;
@@ -1128,11 +1160,53 @@ pub(crate) mod tests {
     use crate::sink::testing::Flaky;
 
     #[test]
+    fn a_start_whose_workers_listed_different_partitions_is_refused_naming_both_lists() {
+        let names = |n: usize| -> Vec<String> { (0..n).map(|i| format!("part-{i}")).collect() };
+        let accepted = |lists: Vec<Option<Vec<String>>>| -> Vec<StartAccepted> {
+            lists
+                .into_iter()
+                .map(|l| StartAccepted {
+                    source_partitions: l.map(|l| PartitionList::of(&l)),
+                    ..StartAccepted::default()
+                })
+                .collect()
+        };
+        // Generator runs (no lists) and file runs that agree start.
+        assert!(check_partition_lists(&accepted(vec![None, None])).is_ok());
+        assert!(check_partition_lists(&[]).is_ok());
+        assert!(check_partition_lists(&accepted(vec![Some(names(3)); 3])).is_ok());
+        // One more file, the same count with another name, or no list at all: refused.
+        let e = check_partition_lists(&accepted(vec![
+            Some(names(3)),
+            Some(names(3)),
+            Some(names(4)),
+        ]))
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("the workers listed different source partitions: subtask 0 3 files")
+                && e.contains("subtask 2 4 files"),
+            "{e}"
+        );
+        let mut renamed = names(3);
+        renamed[1] = "part-1b".into();
+        let e = check_partition_lists(&accepted(vec![Some(names(3)), Some(renamed)]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("subtask 1 3 files"), "{e}");
+        let e = check_partition_lists(&accepted(vec![Some(names(2)), None]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("subtask 1 no partition list"), "{e}");
+    }
+
+    #[test]
     fn start_progress_sums_what_each_worker_accepted_reported_and_restored() {
         let accepted =
             [(100, 4), (60, 3), (40, 2)].map(|(bytes_total, groups_total)| StartAccepted {
                 bytes_total,
                 groups_total,
+                source_partitions: None,
             });
         let none = StartProgress::sum(&accepted, &[None; 3], &[None, None, None]);
         assert_eq!(

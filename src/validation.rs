@@ -9,7 +9,8 @@
 //! idle subtasks) and reports what the operator turns into conditions.
 
 use crate::crd::{
-    AggregateFunction, KeyGroupPolicy, PodTemplateOverrides, StreamJobSpec, StreamJobStatus,
+    AggregateFunction, JobSpec, KeyGroupPolicy, PodTemplateOverrides, StreamJobSpec,
+    StreamJobStatus,
 };
 use crate::keygroup::{self, Assignment, BoundsError, Skew};
 use crate::operator::desired::{RESERVED_ENV, SCRATCH_PATH, SCRATCH_VOLUME};
@@ -856,7 +857,38 @@ pub fn validate(
         fail(MSG_RETAINED);
     }
 
-    if let Some(window) = &spec.job.window {
+    job_rules(&spec.job, &mut fail);
+    if let Some(template) = &spec.pod_template {
+        pod_template_bounds(template, &mut fail);
+        pod_template_rules(template, &mut fail);
+    }
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ValidationErrors(errors))
+    }
+}
+
+/// The CEL rules of `spec.job` alone, with the same messages as [`validate`] (which applies
+/// them to a manifest): for a dataflow that reaches a worker without passing the API server or
+/// [`validate`], such as a start request on the control API.
+pub fn validate_job(job: &JobSpec) -> Result<(), ValidationErrors> {
+    let mut errors: Vec<String> = Vec::new();
+    job_rules(job, &mut |m: &str| {
+        if !errors.iter().any(|e| e == m) {
+            errors.push(m.to_owned());
+        }
+    });
+    if errors.is_empty() {
+        Ok(())
+    } else {
+        Err(ValidationErrors(errors))
+    }
+}
+
+/// The rules of `spec.job` ([`validate`], [`validate_job`]).
+fn job_rules(job: &JobSpec, fail: &mut impl FnMut(&str)) {
+    if let Some(window) = &job.window {
         if window.size.len() > 64 || parse_duration(&window.size).is_none() {
             fail(MSG_WINDOW_SIZE);
         }
@@ -866,7 +898,7 @@ pub fn validate(
             fail(MSG_OUT_OF_ORDERNESS);
         }
     }
-    let source = &spec.job.source;
+    let source = &job.source;
     if source.generator.is_some() == source.file.is_some() {
         fail(MSG_SOURCE_ONE_OF);
     }
@@ -878,22 +910,11 @@ pub fn validate(
             fail(MSG_KEYS);
         }
     }
-    if spec.job.aggregation.function != AggregateFunction::Count
-        && spec.job.aggregation.field.is_none()
-    {
+    if job.aggregation.function != AggregateFunction::Count && job.aggregation.field.is_none() {
         fail(MSG_AGG_FIELD);
     }
-    if spec.job.sink.sink_type == crate::crd::SinkType::ObjectStore && spec.job.sink.url.is_none() {
+    if job.sink.sink_type == crate::crd::SinkType::ObjectStore && job.sink.url.is_none() {
         fail(MSG_SINK_URL);
-    }
-    if let Some(template) = &spec.pod_template {
-        pod_template_bounds(template, &mut fail);
-        pod_template_rules(template, &mut fail);
-    }
-    if errors.is_empty() {
-        Ok(())
-    } else {
-        Err(ValidationErrors(errors))
     }
 }
 
@@ -1111,5 +1132,26 @@ mod tests {
         let err =
             check_pod_policy(&with(Some("bad/x"), Some("bad")), &p, OPERATOR_IMAGE).unwrap_err();
         assert_eq!(err.reason(), "ImageNotAllowed");
+    }
+
+    #[test]
+    fn the_job_rules_alone_say_what_the_manifest_s_validation_says() {
+        let mut spec = job().spec;
+        assert_eq!(validate_job(&spec.job), Ok(()));
+        spec.replicas = 0;
+        // Rules outside spec.job are not the job's.
+        assert_eq!(validate_job(&spec.job), Ok(()));
+        let generator = spec.job.source.generator.as_mut().expect("a generator job");
+        generator.partitions = 0;
+        generator.keys = MAX_GENERATOR_KEYS + 1;
+        spec.job.sink.sink_type = crate::crd::SinkType::ObjectStore;
+        spec.job.sink.url = None;
+        let job_errors = validate_job(&spec.job).unwrap_err().0;
+        assert_eq!(job_errors, [MSG_PARTITIONS, MSG_KEYS, MSG_SINK_URL]);
+        let all = validate(&spec, None, None).unwrap_err().0;
+        assert_eq!(
+            all,
+            [MSG_REPLICAS_MIN, MSG_PARTITIONS, MSG_KEYS, MSG_SINK_URL]
+        );
     }
 }

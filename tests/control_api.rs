@@ -397,3 +397,67 @@ async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
         .expect("trigger answered");
     assert_eq!(r.status().as_u16(), 409);
 }
+
+/// A start request's dataflow is checked by the CRD's rules, as a manifest is: one the API
+/// server would refuse is refused with 422 and the API server's message naming the field (before,
+/// a generator with 70000 partitions or 10^13 keys, or an object-store sink without a URL, was
+/// accepted, and other faults got the runtime's own words); the worker can still be started
+/// after.
+#[tokio::test]
+async fn a_start_request_s_job_is_checked_by_the_crd_rules() {
+    use keyshift::validation;
+    let (url, data) = worker().await;
+    let c = http();
+    let job = |yaml: &str| -> keyshift::crd::JobSpec { serde_yaml::from_str(yaml).expect("job") };
+    let cases = [
+        (
+            "{source: {generator: {partitions: 70000, keys: 5}}, key: {field: key}, aggregation: {function: count}}",
+            validation::MSG_PARTITIONS,
+        ),
+        (
+            "{source: {generator: {partitions: 0, keys: 5}}, key: {field: key}, aggregation: {function: count}}",
+            validation::MSG_PARTITIONS,
+        ),
+        (
+            "{source: {generator: {partitions: 1, keys: 10000000000000}}, key: {field: key}, aggregation: {function: count}}",
+            validation::MSG_KEYS,
+        ),
+        (
+            "{source: {generator: {partitions: 1, keys: 5}}, key: {field: key}, aggregation: {function: count}, sink: {type: objectStore}}",
+            validation::MSG_SINK_URL,
+        ),
+        (
+            "{source: {generator: {partitions: 1, keys: 5}}, key: {field: key}, aggregation: {function: count}, window: {size: 5 minutes}}",
+            validation::MSG_WINDOW_SIZE,
+        ),
+    ];
+    for (yaml, message) in cases {
+        let mut req = start_request(&data);
+        req.job = job(yaml);
+        // The manifest's validation says the same.
+        assert_eq!(
+            validation::validate_job(&req.job).map_err(|e| e.0),
+            Err(vec![message.to_owned()]),
+            "{yaml}"
+        );
+        let r = c
+            .post(format!("{url}/v1/start"))
+            .bearer_auth(TOKEN)
+            .json(&req)
+            .send()
+            .await
+            .expect("start answered");
+        let status = r.status().as_u16();
+        let body = r.text().await.expect("body");
+        assert_eq!(status, 422, "{yaml}: {body}");
+        assert!(body.contains(message), "{body} does not say {message}");
+    }
+    let r = c
+        .post(format!("{url}/v1/start"))
+        .bearer_auth(TOKEN)
+        .json(&start_request(&data))
+        .send()
+        .await
+        .expect("start answered");
+    assert_eq!(r.status().as_u16(), 202, "a valid start after the refusals");
+}

@@ -1363,11 +1363,29 @@ async fn own_coordinator(
     .expect("coordinator")
 }
 
+/// The start request of a fresh run of `spec` (namespace `test`) at its replicas, empty state.
+fn own_template(spec: &StreamJob, env: &Env) -> keyshift::runtime::protocol::StartRequest {
+    use keyshift::orchestrator::run;
+    let name = spec.metadata.name.clone().expect("a name");
+    let run_id = run::new_run_id().expect("run id");
+    run::StartPlan {
+        namespace: "test",
+        name: &name,
+        spec: &spec.spec,
+        assignment: own_assignment(spec),
+        storage: &env.storage,
+        restore_from: None,
+        run: &run_id,
+        state_payload_bytes: 0,
+    }
+    .request()
+    .expect("start request")
+}
+
 impl OwnRun {
     /// Starts `spec` (namespace `test`) at its replicas with empty state.
     async fn start(spec: &StreamJob, env: &Env) -> OwnRun {
         use keyshift::orchestrator::run;
-        let name = spec.metadata.name.clone().expect("a name");
         let assignment = own_assignment(spec);
         let token = run::new_token().expect("token");
         let mut workers = keyshift::local::harness::LocalWorkers::new(bin(), env.logs.clone());
@@ -1376,21 +1394,8 @@ impl OwnRun {
             .await
             .expect("workers spawn");
         let coordinator = own_coordinator(spec, env, &endpoints, &token).await;
-        let run_id = run::new_run_id().expect("run id");
-        let template = run::StartPlan {
-            namespace: "test",
-            name: &name,
-            spec: &spec.spec,
-            assignment,
-            storage: &env.storage,
-            restore_from: None,
-            run: &run_id,
-            state_payload_bytes: 0,
-        }
-        .request()
-        .expect("start request");
         coordinator
-            .start(&template, Duration::from_secs(60))
+            .start(&own_template(spec, env), Duration::from_secs(60))
             .await
             .expect("the run starts");
         OwnRun {
@@ -1606,4 +1611,212 @@ async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
     assert!(ids.contains(&(n + 1)), "{ids:?}");
     let (open, positions, _) = snapshot_state_windows(&sp.url).await;
     assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "published");
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`) to process `pid`.
+fn signal(pid: u32, signal: &str) {
+    let status = std::process::Command::new("kill")
+        .args([signal, &pid.to_string()])
+        .status()
+        .expect("kill runs");
+    assert!(status.success(), "kill {signal} {pid}");
+}
+
+/// A file appears in the source directory while a run starts, after subtask 0 listed the
+/// directory and before subtask 1 did (subtask 1 is paused while the start requests go out): the
+/// workers would read different partition lists (partition 1 would be `part-1.jsonl` for one and
+/// the new file for the other: a file read twice, another never). The start is refused, naming
+/// both lists' sizes; started again with the directory stable, the run reads every record of
+/// every file exactly once. Before, the start succeeded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_whose_workers_listed_different_files_is_refused_and_a_stable_retry_is_exact() {
+    use keyshift::orchestrator::run;
+    let env = env(None);
+    let input = env._dir.path().join("input");
+    std::fs::create_dir_all(&input).expect("input dir");
+    append_lines(&input, "part-0.jsonl", 0, 700, 0);
+    append_lines(&input, "part-1.jsonl", 0, 900, 1);
+    append_lines(&input, "part-2.jsonl", 0, 500, 2);
+    let spec = file_sum_job("listing", &input);
+    let token = run::new_token().expect("token");
+    let mut workers = keyshift::local::harness::LocalWorkers::new(bin(), env.logs.clone());
+    let endpoints = workers.spawn(2, &token, 1).await.expect("workers spawn");
+    let paused = workers.pids()[1];
+    let coordinator = own_coordinator(&spec, &env, &endpoints, &token).await;
+    let template = own_template(&spec, &env);
+    signal(paused, "-STOP");
+    let (result, ()) = tokio::join!(
+        coordinator.start(&template, Duration::from_secs(60)),
+        async {
+            // Subtask 0 lists three files; then one more appears, sorting among them.
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            append_lines(&input, "part-0a.jsonl", 0, 400, 4);
+            signal(paused, "-CONT");
+        }
+    );
+    let text = result
+        .expect_err("a start whose workers listed different files is refused")
+        .to_string();
+    assert!(
+        text.contains("listed different source partitions")
+            && text.contains("subtask 0 3 files")
+            && text.contains("subtask 1 4 files"),
+        "{text}"
+    );
+    workers.stop_all().await;
+
+    // Started again, the directory stable: every record of every file once.
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("the retry starts");
+    let sp = read_to_end_and_suspend(&mut local, &input).await;
+    let (state, _, m) = snapshot_state(&sp).await;
+    assert_eq!(positions_by_name(&m), file_lengths(&input));
+    let expected = oracle_over_all_files(&spec, &input);
+    assert!(
+        state == expected,
+        "the sums equal the oracle over every record of every file"
+    );
+}
+
+/// `n` workers served by this test process (so that a test hook reaches each of them): their
+/// endpoints, in subtask order. They run until the test's runtime ends.
+#[cfg(feature = "test-hooks")]
+async fn in_process_workers(n: u32, token: &str) -> Vec<keyshift::coordinator::WorkerEndpoint> {
+    use keyshift::runtime::worker::{self, WorkerConfig};
+    let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("loopback");
+    let mut endpoints = Vec::new();
+    for _ in 0..n {
+        let bound = worker::bind(WorkerConfig {
+            control_addr: loopback,
+            data_addr: loopback,
+            token: token.to_owned(),
+        })
+        .await
+        .expect("bind");
+        endpoints.push(keyshift::coordinator::WorkerEndpoint {
+            control: format!("http://{}", bound.control_addr),
+            data: bound.data_addr.to_string(),
+        });
+        tokio::spawn(bound.serve(std::future::pending()));
+    }
+    endpoints
+}
+
+/// The checkpoint timeout: subtask 1's state write of one checkpoint takes longer than the
+/// checkpoint's timeout (a test hook) while the others acknowledge it. The coordinator times
+/// out naming subtask 1, aborts the checkpoint on every worker (each reports it failed,
+/// aborted; none pending, none completed), nothing is committed, the job keeps running, and the
+/// next checkpoint commits with every key exact.
+#[cfg(feature = "test-hooks")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_one_worker_never_acknowledges_times_out_and_is_aborted_everywhere() {
+    use keyshift::orchestrator::hooks::slow_snapshots_of;
+    use keyshift::orchestrator::run;
+    use keyshift::runtime::protocol::{CheckpointStatus, WorkerState, WorkerStatus};
+    let env = env(None);
+    let spec = generator_job("stalled", "", 3, 128, "{function: count}");
+    let token = run::new_token().expect("token");
+    let endpoints = in_process_workers(3, &token).await;
+    let mut coordinator = own_coordinator(&spec, &env, &endpoints, &token).await;
+    coordinator
+        .start(&own_template(&spec, &env), Duration::from_secs(60))
+        .await
+        .expect("the run starts");
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(10))
+        .no_proxy()
+        .build()
+        .expect("client");
+    let get = |i: usize, path: String| {
+        let http = http.clone();
+        let url = format!("{}{path}", endpoints[i].control);
+        let token = token.clone();
+        async move {
+            http.get(url)
+                .bearer_auth(token)
+                .send()
+                .await
+                .expect("answered")
+                .text()
+                .await
+                .expect("a body")
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let first = coordinator
+        .snapshot(
+            snapshot::SnapshotKind::Checkpoint,
+            false,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("the first checkpoint commits");
+
+    // Subtask 1 writes its state 6 s late; the checkpoint's timeout is 2 s.
+    slow_snapshots_of("test", "stalled", 1, Some(Duration::from_secs(6)));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let stalled = first.id + 1;
+    let e = coordinator
+        .snapshot(
+            snapshot::SnapshotKind::Checkpoint,
+            false,
+            Duration::from_secs(2),
+        )
+        .await
+        .expect_err("a checkpoint that subtask 1 does not acknowledge in time fails");
+    slow_snapshots_of("test", "stalled", 1, None);
+    assert!(
+        matches!(
+            &e,
+            keyshift::coordinator::CoordinatorError::SnapshotTimeout { id, missing, .. }
+                if *id == stalled && missing.contains(&1)
+        ),
+        "{e}"
+    );
+    for i in 0..3 {
+        let status: CheckpointStatus =
+            serde_json::from_str(&get(i, format!("/v1/checkpoints/{stalled}")).await)
+                .expect("a checkpoint status");
+        assert!(
+            matches!(&status, CheckpointStatus::Failed { error } if error.starts_with("aborted")),
+            "worker {i}: snapshot {stalled} is {status:?}, not aborted"
+        );
+    }
+    let state = PathBuf::from(env.storage.trim_start_matches("file://"));
+    assert!(
+        !state
+            .join(format!(
+                "test/stalled/checkpoints/chk-{stalled}/_manifest.json"
+            ))
+            .exists(),
+        "nothing committed"
+    );
+
+    // The job keeps running, and the next checkpoint (once subtask 1's write is done) commits.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let next = coordinator
+        .snapshot(
+            snapshot::SnapshotKind::Checkpoint,
+            false,
+            Duration::from_secs(30),
+        )
+        .await
+        .expect("the next checkpoint commits");
+    assert_eq!(next.id, stalled + 1);
+    assert_exact(&spec, &next.url).await;
+    for i in 0..3 {
+        let st: WorkerStatus =
+            serde_json::from_str(&get(i, "/v1/status".into()).await).expect("a status");
+        assert_eq!(st.state, WorkerState::Running, "worker {i}");
+        // Still aborted after its write finished.
+        let status: CheckpointStatus =
+            serde_json::from_str(&get(i, format!("/v1/checkpoints/{stalled}")).await)
+                .expect("a checkpoint status");
+        assert!(
+            matches!(&status, CheckpointStatus::Failed { .. }),
+            "worker {i}: {status:?}"
+        );
+    }
 }

@@ -8,7 +8,11 @@
 //! Snapshots record each partition's name beside its position, and a restore lays positions onto
 //! the files by name ([`super::positions`]): files added to or removed from the directory between
 //! runs shift indexes but never move an offset onto another file. The list of files is taken when
-//! the job starts; a file added while it runs is read from the next start (restore) on.
+//! the job starts; a file added while it runs is read from the next start (restore) on. Each
+//! worker lists the directory itself: a start whose workers listed different files (one appeared
+//! or vanished meanwhile) is refused by the coordinator and started again, so that no file is
+//! read by two subtasks or by none (see
+//! [`StartAccepted::source_partitions`](crate::runtime::protocol::StartAccepted::source_partitions)).
 //!
 //! A file must only grow. A file shorter than a position to read from (restored from a snapshot,
 //! or reached while running) is refused with [`FileSourceError::Shrunk`], naming the file: the

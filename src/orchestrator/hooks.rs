@@ -138,3 +138,58 @@ pub fn control_request_timeout(default: std::time::Duration) -> std::time::Durat
 fn env_ms(var: &str) -> Option<u64> {
     std::env::var(var).ok().and_then(|v| v.trim().parse().ok())
 }
+
+/// Subtask `subtask` of job `namespace/name`, run by a worker in this process, takes `delay`
+/// longer to write each snapshot's state (`None`: no longer), so that a test can make one
+/// worker miss a checkpoint's timeout while the others acknowledge it. A write under way when
+/// the delay is lifted still takes it.
+pub fn slow_snapshots_of(
+    namespace: &str,
+    name: &str,
+    subtask: u32,
+    delay: Option<std::time::Duration>,
+) {
+    #[cfg(feature = "test-hooks")]
+    {
+        let mut slow = SLOW_SNAPSHOTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let key = (namespace.to_owned(), name.to_owned(), subtask);
+        match delay {
+            Some(d) => slow.insert(key, d),
+            None => slow.remove(&key),
+        };
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (namespace, name, subtask, delay);
+}
+
+/// Delays the state write of snapshot `id` by subtask `subtask` of job `namespace/name` as
+/// [`slow_snapshots_of`] asked (not at all by default).
+pub async fn slow_snapshot(namespace: &str, name: &str, subtask: u32, id: u64) {
+    #[cfg(feature = "test-hooks")]
+    {
+        let delay = SLOW_SNAPSHOTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&(namespace.to_owned(), name.to_owned(), subtask))
+            .copied();
+        if let Some(delay) = delay {
+            tracing::warn!(
+                job = %format!("{namespace}/{name}"),
+                subtask,
+                id,
+                ms = delay.as_millis() as u64,
+                "slowing the snapshot's state write (test only)"
+            );
+            tokio::time::sleep(delay).await;
+        }
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (namespace, name, subtask, id);
+}
+
+#[cfg(feature = "test-hooks")]
+static SLOW_SNAPSHOTS: std::sync::Mutex<
+    std::collections::BTreeMap<(String, String, u32), std::time::Duration>,
+> = std::sync::Mutex::new(std::collections::BTreeMap::new());

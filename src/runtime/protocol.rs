@@ -19,8 +19,13 @@
 //! with [`WorkerStatus::started`] (the [`StartResponse`]) once restored; `idle` with
 //! [`WorkerStatus::last_start_error`] if it failed (the worker can be started again).
 //!
+//! A file source's directory is listed by every worker when it checks its request; the answer
+//! carries the list in brief ([`StartAccepted::source_partitions`]), and the coordinator refuses
+//! a start whose workers listed different files.
+//!
 //! A start request beyond the bounds of [`StartRequest::check_bounds`] gets a 422 naming the field
-//! and its bound.
+//! and its bound, and one whose `job` breaks a rule of the CRD a 422 with the API server's message
+//! for it ([`crate::validation::validate_job`]).
 //!
 //! `POST /v1/checkpoints` answers 409 for an id this worker does not know that is not above the
 //! newest one it finished or abandoned (ids only grow). The coordinator aborts a snapshot that
@@ -194,6 +199,55 @@ pub struct StartAccepted {
     pub bytes_total: u64,
     /// Key groups the restore reads in all.
     pub groups_total: u32,
+    /// The source partitions this worker listed when it checked the request (a file source
+    /// lists its directory then; absent for the generator, whose partitions are its spec's).
+    /// Every worker of a run must have listed the same partitions, or a file that appeared
+    /// during the start would be read by two subtasks or by none: the coordinator refuses a
+    /// start whose workers differ ([`PartitionList::first_difference`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_partitions: Option<PartitionList>,
+}
+
+/// A worker's list of source partitions in brief: how many, and a digest of every name in
+/// partition order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionList {
+    /// Number of partitions (files).
+    pub count: u32,
+    /// FNV-1a (64 bits, hex) over every name in partition order, each preceded by its length.
+    pub digest: String,
+}
+
+impl PartitionList {
+    /// The list of partition `names` (in partition order) in brief. Pure.
+    pub fn of(names: &[String]) -> PartitionList {
+        let mut bytes = Vec::new();
+        for name in names {
+            bytes.extend_from_slice(&(name.len() as u64).to_le_bytes());
+            bytes.extend_from_slice(name.as_bytes());
+        }
+        PartitionList {
+            count: names.len() as u32,
+            digest: crate::orchestrator::run::fnv(&bytes),
+        }
+    }
+
+    /// The first subtask whose list (`lists`, in subtask order, as each worker's
+    /// [`StartAccepted::source_partitions`]) differs from subtask 0's, if any. A worker that
+    /// reported no list differs from one that did. Pure.
+    pub fn first_difference(lists: &[Option<&PartitionList>]) -> Option<usize> {
+        let first = lists.first()?;
+        lists.iter().position(|l| l != first)
+    }
+
+    /// `3 files`, or what a worker without a list reported, for messages.
+    pub fn describe(list: Option<&PartitionList>) -> String {
+        match list {
+            Some(l) => format!("{} files (digest {})", l.count, l.digest),
+            None => "no partition list".to_owned(),
+        }
+    }
 }
 
 /// How far a running restore got.
@@ -441,6 +495,47 @@ mod tests {
             )
         );
         assert_eq!(refused(&|r| r.run_id.clear()), "runId must not be empty");
+    }
+
+    #[test]
+    fn partition_lists_tell_names_apart_and_are_absent_for_the_generator() {
+        let list = |names: &[&str]| {
+            PartitionList::of(&names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+        };
+        let ab_c = list(&["ab", "c"]);
+        assert_eq!(ab_c.count, 2);
+        assert_eq!(ab_c, list(&["ab", "c"]));
+        // Names are delimited, and order counts.
+        assert_ne!(ab_c.digest, list(&["a", "bc"]).digest);
+        assert_ne!(ab_c.digest, list(&["c", "ab"]).digest);
+        assert_eq!(ab_c.digest.len(), 16);
+        // An answer without the field (the generator, or a worker from before it) parses.
+        let old: StartAccepted =
+            serde_json::from_str(r#"{"bytesTotal":1,"groupsTotal":2}"#).unwrap();
+        assert!(old.source_partitions.is_none());
+        let text = serde_json::to_string(&StartAccepted::default()).unwrap();
+        assert!(!text.contains("sourcePartitions"), "{text}");
+        let text = serde_json::to_string(&StartAccepted {
+            source_partitions: Some(ab_c.clone()),
+            ..StartAccepted::default()
+        })
+        .unwrap();
+        assert!(
+            text.contains(&format!(
+                r#""sourcePartitions":{{"count":2,"digest":"{}"}}"#,
+                ab_c.digest
+            )),
+            "{text}"
+        );
+        let same = Some(&ab_c);
+        let other = list(&["ab"]);
+        assert_eq!(PartitionList::first_difference(&[same, same]), None);
+        assert_eq!(
+            PartitionList::first_difference(&[same, same, Some(&other)]),
+            Some(2)
+        );
+        assert_eq!(PartitionList::first_difference(&[None, same]), Some(1));
+        assert_eq!(PartitionList::first_difference(&[]), None);
     }
 
     #[test]

@@ -452,6 +452,10 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
     let accepted = StartAccepted {
         bytes_total: prepared.totals.0,
         groups_total: prepared.totals.1,
+        source_partitions: match prepared.compiled.current_partitions() {
+            job::CurrentPartitions::Named(names) => Some(PartitionList::of(names)),
+            job::CurrentPartitions::Indexed(_) => None,
+        },
     };
     let progress = Arc::new(restore::Progress::default());
     *s.restore_progress.lock().await = progress.clone();
@@ -494,6 +498,8 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
 
 /// Everything the operator task of a running subtask owns.
 struct Subtask {
+    /// The job's namespace and name.
+    job: (String, String),
     subtask: u32,
     assignment: Assignment,
     agg: KeyedAggregator,
@@ -530,11 +536,16 @@ struct Prepared {
     totals: (u64, u32),
 }
 
-/// Checks a start request: its layout, its dataflow, and the manifest of the snapshot it
-/// restores (key-group count, state schema). Reads nothing but that manifest.
+/// Checks a start request: its bounds, its layout, its dataflow (by the CRD's rules,
+/// [`crate::validation::validate_job`], then by what it takes to run it), and the manifest of
+/// the snapshot it restores (key-group count, state schema). Reads nothing but that manifest
+/// (and a file source's directory listing).
 async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
     req.check_bounds()
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
+    // The dataflow by the CRD's rules, as a manifest's (a start request may come from any
+    // caller holding the token, not only from a spec the API server checked).
+    crate::validation::validate_job(&req.job).map_err(|e| WorkerError::BadStart(e.0.join("; ")))?;
     let assignment = Assignment::new(i64::from(req.parallelism), i64::from(req.max_parallelism))
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
     if req.subtask >= req.parallelism || req.peers.len() != req.parallelism as usize {
@@ -872,6 +883,7 @@ async fn start_subtask(
         .collect();
     let source_partitions = compiled.partition_names(&my_partitions);
     let sub = Subtask {
+        job: (req.namespace.clone(), req.name.clone()),
         subtask: req.subtask,
         assignment,
         agg,
@@ -1471,6 +1483,7 @@ async fn snapshot(
     } else {
         Updates::Keep
     };
+    crate::orchestrator::hooks::slow_snapshot(&sub.job.0, &sub.job.1, sub.subtask, id).await;
     let dir = snapshot::snapshot_dir(&sub.job_dir, kind, id);
     let writer = SnapshotWriter::new(sub.store.clone(), &dir, sub.assignment, sub.subtask)?;
     let opts = StateWriteOptions {
