@@ -215,3 +215,87 @@ fn worker_exits_on_sigterm() {
     };
     assert_eq!(status.code(), Some(0), "exits 0, not killed by the signal");
 }
+
+const LOCAL_MANIFEST: &str = "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: typo
+spec:
+  replicas: 2
+  job:
+    source:
+      generator: {partitions: 4, keys: 100}
+    key: {field: key, type: string}
+    aggregation: {function: count}
+    sink: {type: log}
+";
+
+/// `keyshift local` refuses a manifest with fields the CRD does not declare, as `kubectl apply`
+/// does (strict field validation), naming every one by its path; nothing starts.
+#[test]
+fn local_refuses_unknown_fields_like_the_api_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("job.yaml");
+    let state = dir.path().join("state");
+    for (edit, fields) in [
+        (
+            ("kind: StreamJob", "kind: StreamJob\nspce: {replicas: 2}"),
+            vec!["spce"],
+        ),
+        (("  replicas: 2", "  replicsa: 2"), vec!["spec.replicsa"]),
+        (
+            ("    source:\n", "    source:\n      fle: {path: /tmp}\n"),
+            vec!["spec.job.source.fle"],
+        ),
+        (
+            ("keys: 100}", "keys: 100, sed: 4}\n    windw: {size: 1m}"),
+            vec!["spec.job.source.generator.sed", "spec.job.windw"],
+        ),
+    ] {
+        std::fs::write(&manifest, LOCAL_MANIFEST.replace(edit.0, edit.1)).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+            .args([
+                "local",
+                manifest.to_str().unwrap(),
+                "--state-dir",
+                state.to_str().unwrap(),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > std::time::Duration::from_secs(20) {
+                // SIGTERM twice: `keyshift local` stops its workers at once.
+                for _ in 0..2 {
+                    // SAFETY: kill(2) on the child this test started.
+                    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                }
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "{edit:?}: the job started despite the unknown fields: {}",
+                    text(&out.stdout)
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{edit:?}: {err}");
+        let listed: Vec<String> = fields
+            .iter()
+            .map(|f| format!("unknown field \"{f}\""))
+            .collect();
+        assert!(
+            err.contains(&format!(
+                "StreamJob in version \"v1alpha1\" cannot be handled as a StreamJob: strict decoding error: {}",
+                listed.join(", ")
+            )),
+            "{edit:?}: {err}"
+        );
+        assert!(!state.exists(), "nothing started: {err}");
+    }
+}

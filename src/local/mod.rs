@@ -6,6 +6,7 @@
 
 pub mod harness;
 pub mod processes;
+pub mod strict;
 
 pub use harness::{LaunchReport, LocalJob, LocalWorkers, RescaleReport};
 
@@ -33,6 +34,9 @@ pub enum LocalError {
     },
     #[error("{path} is not a StreamJob manifest: {reason}")]
     Parse { path: PathBuf, reason: String },
+    /// Fields the CRD does not declare (a typo): refused as `kubectl apply` refuses them.
+    #[error("{path}: {}", strict::strict_decoding_message(.fields))]
+    UnknownFields { path: PathBuf, fields: Vec<String> },
     #[error("{path} is invalid:\n{errors}")]
     Invalid { path: PathBuf, errors: String },
     #[error("{0}")]
@@ -59,12 +63,24 @@ pub enum LocalError {
     },
 }
 
-/// Reads and checks a manifest file the way the API server would (same messages).
+/// Reads and checks a manifest file the way the API server would (same messages), strict
+/// field validation included: a field the CRD does not declare is refused, not ignored.
 pub fn load_manifest(path: &Path) -> Result<StreamJob, LocalError> {
     let text = std::fs::read_to_string(path).map_err(|source| LocalError::Read {
         path: path.to_owned(),
         source,
     })?;
+    let value: serde_json::Value = serde_yaml::from_str(&text).map_err(|e| LocalError::Parse {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let fields = strict::unknown_fields(&value);
+    if !fields.is_empty() {
+        return Err(LocalError::UnknownFields {
+            path: path.to_owned(),
+            fields,
+        });
+    }
     let job: StreamJob = serde_yaml::from_str(&text).map_err(|e| LocalError::Parse {
         path: path.to_owned(),
         reason: e.to_string(),
