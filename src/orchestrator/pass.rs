@@ -17,6 +17,7 @@ use crate::keygroup::{self, Assignment};
 use crate::operator::metrics::{KindLabels, OperatorMetrics, StepLabels};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
+use crate::text;
 use crate::tools::catalog::{InUseEntry, InUseMarker};
 use crate::validation;
 use chrono::{DateTime, Utc};
@@ -930,8 +931,9 @@ impl<'a> Pass<'a> {
                 true,
                 "SinkPublishBehind",
                 format!(
-                    "output of committed snapshot(s) {:?} not published: {}; retried after every commit",
-                    backlog.pending,
+                    "output of committed {} {} not published: {}; retried after every commit",
+                    text::noun(backlog.pending.len() as u64, "snapshot"),
+                    text::list(&backlog.pending),
                     backlog.last_error.as_deref().unwrap_or("no attempt yet")
                 ),
             );
@@ -1154,10 +1156,13 @@ impl<'a> Pass<'a> {
                     self.event(
                         false,
                         "DeletingPods",
-                        format!("{reason}: deleting {n} worker(s)"),
+                        format!("{reason}: deleting {}", text::count(n as u64, "worker")),
                     );
                 }
-                self.progress.note = Some((reason.to_owned(), format!("deleting {n} worker(s)")));
+                self.progress.note = Some((
+                    reason.to_owned(),
+                    format!("deleting {}", text::count(n as u64, "worker")),
+                ));
                 Ok(requeue::WORKERS_CHANGING)
             }
             Action::Advance(outcome) => {
@@ -1190,13 +1195,17 @@ impl<'a> Pass<'a> {
                     false,
                     "CreatedPods",
                     format!(
-                        "run {run}: created {} of {parallelism} worker(s)",
-                        subtasks.len()
+                        "run {run}: created {} of {}",
+                        subtasks.len(),
+                        text::count(u64::from(parallelism), "worker")
                     ),
                 );
                 self.progress.note = Some((
                     "CreatingPods".into(),
-                    format!("run {run}: {parallelism} worker(s)"),
+                    format!(
+                        "run {run}: {}",
+                        text::count(u64::from(parallelism), "worker")
+                    ),
                 ));
                 Ok(requeue::WORKERS_CHANGING)
             }
@@ -1909,11 +1918,18 @@ impl<'a> Pass<'a> {
                     self.succeeded();
                 }
                 self.set_running(parallelism)?;
-                self.event(false, "Started", format!(
-                    "run {run}: {parallelism} worker(s) running in {} ms, restored {groups} key groups ({bytes} bytes) from {}",
-                    started.elapsed().as_millis(),
-                    restore_from.as_deref().unwrap_or("nothing (empty state)")
-                ));
+                self.event(
+                    false,
+                    "Started",
+                    format!(
+                        "run {run}: {} running in {} ms, restored {} ({}) from {}",
+                        text::count(u64::from(parallelism), "worker"),
+                        started.elapsed().as_millis(),
+                        text::count(u64::from(groups), "key group"),
+                        text::count(bytes, "byte"),
+                        restore_from.as_deref().unwrap_or("nothing (empty state)")
+                    ),
+                );
                 if restoring {
                     let r = self.status.rescale.clone().unwrap_or_default();
                     self.event(

@@ -46,3 +46,28 @@ pub use inspect::{GroupSize, InspectReport, KeyStat, SubtaskShare};
 pub use location::{SnapshotLocation, open_location, open_location_for_write, split_snapshot_url};
 pub use rewrite::{Phase, Progress, RewriteOptions, RewriteReport, Timings};
 pub use verify::{FileCheck, VerifyOutcome, verify_snapshot};
+
+/// An aggregate function as the manifest spells it (`count`, `sum`, ...).
+pub(crate) fn function_name(f: crate::crd::AggregateFunction) -> String {
+    serde_json::to_value(f)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// A window size as people read it: `60000 ms`, or `none` without a window.
+pub(crate) fn window_words(ms: Option<i64>) -> String {
+    ms.map_or_else(|| "none".to_owned(), |w| format!("{w} ms"))
+}
+
+#[cfg(test)]
+mod words_tests {
+    use super::*;
+
+    #[test]
+    fn no_debug_forms() {
+        assert_eq!(function_name(crate::crd::AggregateFunction::Count), "count");
+        assert_eq!(window_words(Some(60_000)), "60000 ms");
+        assert_eq!(window_words(None), "none");
+    }
+}
