@@ -40,12 +40,22 @@ pub use catalog::{
     DisposeOptions, DisposeReport, IN_USE_FILE, InUseEntry, InUseMarker, InUseReason, JobListing,
     Listed, dispose, list_job, read_in_use, write_in_use,
 };
-pub use dump::{DumpLine, DumpSummary, parse_key_groups};
+pub use dump::{DumpLine, DumpSummary, dump_with_progress, parse_key_groups};
 pub use error::{Result, ToolError};
 pub use inspect::{GroupSize, InspectReport, KeyStat, SubtaskShare};
 pub use location::{SnapshotLocation, open_location, open_location_for_write, split_snapshot_url};
 pub use rewrite::{Phase, Progress, RewriteOptions, RewriteReport, Timings};
-pub use verify::{FileCheck, VerifyOutcome, verify_snapshot};
+pub use verify::{FileCheck, VerifyOutcome, verify_snapshot, verify_snapshot_with_progress};
+
+/// How far a long offline pass (verify, dump) has got: `done` of `total` units (bytes for
+/// `verify`, key groups for `dump`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Advance {
+    /// Units done so far.
+    pub done: u64,
+    /// Units in all.
+    pub total: u64,
+}
 
 /// An aggregate function as the manifest spells it (`count`, `sum`, ...).
 pub(crate) fn function_name(f: crate::crd::AggregateFunction) -> String {
