@@ -5,7 +5,7 @@ use crate::keygroup::{
     self, Assignment, BoundsError, Key, KeyType, RescalePlan, Skew, key_group_for_key,
 };
 use crate::telemetry::{self, LogFormat};
-use clap::{Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
 use serde::Serialize;
 use serde_json::json;
 use std::fmt::Write as _;
@@ -33,18 +33,25 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Show the key-group assignment and skew for a parallelism, and what a rescale moves.
+    #[command(after_help = PLAN_EXAMPLES)]
     Plan(PlanArgs),
     /// Show which key group (and subtask) keys land in.
+    #[command(after_help = KEYGROUP_EXAMPLES)]
     Keygroup(KeygroupArgs),
     /// Print the StreamJob CustomResourceDefinition as YAML.
+    #[command(after_help = CRD_EXAMPLES)]
     Crd,
     /// Offline tools for checkpoints and savepoints: list, inspect, verify, dump, rewrite,
     /// dispose.
-    #[command(long_about = crate::tools::cli::SAVEPOINT_LONG_ABOUT)]
+    #[command(
+        long_about = crate::tools::cli::SAVEPOINT_LONG_ABOUT,
+        after_help = crate::tools::cli::SAVEPOINT_EXAMPLES
+    )]
     Savepoint(crate::tools::cli::SavepointArgs),
     /// Run a StreamJob manifest on this machine, no cluster: workers as local processes, state
     /// in a local directory. Edit `replicas` in the file to rescale; Ctrl-C stops with a
     /// savepoint and running again resumes from it.
+    #[command(after_help = LOCAL_EXAMPLES)]
     Local(LocalArgs),
     /// Run one subtask of a job (started and driven by the operator or `keyshift local` through
     /// its control API).
@@ -55,8 +62,62 @@ pub enum Command {
     Bench(crate::bench::BenchArgs),
     /// Run the Kubernetes operator: reconcile StreamJobs into worker pods, checkpoint them and
     /// rescale them through savepoints.
+    #[command(after_help = OPERATOR_EXAMPLES)]
     Operator(OperatorArgs),
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to stdout.
+    #[command(after_help = COMPLETION_EXAMPLES)]
+    Completion(CompletionArgs),
 }
+
+/// `keyshift completion SHELL`.
+#[derive(clap::Args, Debug)]
+pub struct CompletionArgs {
+    /// The shell to complete for.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
+}
+
+const PLAN_EXAMPLES: &str = "Examples:
+  # Key groups per subtask at parallelism 6 of 128 key groups, and the skew
+  keyshift plan -p 6 -g 128
+  # Which key groups move when a job at parallelism 4 is rescaled to 6
+  keyshift plan -p 6 --from-parallelism 4 -g 128
+  # The same as a document for programs (-o json or -o yaml)
+  keyshift plan -p 6 --from-parallelism 4 -g 128 -o yaml";
+
+const KEYGROUP_EXAMPLES: &str = "Examples:
+  # The key group and owning subtask of two keys
+  keyshift keygroup -g 128 -p 4 user-17 user-42
+  # Keys from stdin, one JSON object per line
+  printf 'user-17\\nuser-42\\n' | keyshift keygroup -g 128 -p 4 -o json
+  # Keys hashed as Java longs
+  keyshift keygroup -g 128 --key-type long 42 -7";
+
+const CRD_EXAMPLES: &str = "Examples:
+  # Install or update the CRD
+  keyshift crd | kubectl apply -f -";
+
+const LOCAL_EXAMPLES: &str = "Examples:
+  # Run the sample job; edit `replicas` in the file to rescale, Ctrl-C to stop with a savepoint
+  keyshift local config/samples/generator-count.yaml
+  # State somewhere else, a progress line every 10 s
+  keyshift local job.yaml --state-dir /var/tmp/keyshift-state --progress-every 10
+  # Then look at what it left
+  keyshift savepoint list file://$PWD/keyshift-state/default/clicks";
+
+const OPERATOR_EXAMPLES: &str = "Examples:
+  # In the cluster (the Helm chart passes these): watch two namespaces, default storage on S3
+  keyshift operator --namespaces team-a,team-b --default-storage s3://bucket/keyshift
+  # From a workstation against the current kubeconfig, without leader election
+  keyshift operator --leader-elect=false --metrics-addr 127.0.0.1:8080";
+
+const COMPLETION_EXAMPLES: &str = "Examples:
+  # bash, this shell only
+  source <(keyshift completion bash)
+  # zsh, for good (a directory on $fpath)
+  keyshift completion zsh > \"${fpath[1]}/_keyshift\"
+  # fish, for good
+  keyshift completion fish > ~/.config/fish/completions/keyshift.fish";
 
 #[derive(clap::Args, Debug)]
 pub struct OperatorArgs {
@@ -205,6 +266,13 @@ pub enum Output {
     Table,
     /// One JSON object (per key for `keygroup`), for programs.
     Json,
+    /// The same document as `json`, as YAML (one YAML document per key for `keygroup`).
+    Yaml,
+}
+
+/// `value` as YAML: the same document as its JSON.
+pub fn yaml<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_yaml::Error> {
+    serde_yaml::to_string(value)
 }
 
 /// Output formats of `keyshift plan`: [`Output`]'s and a picture.
@@ -215,6 +283,8 @@ pub enum PlanOutput {
     Table,
     /// One JSON object, for programs.
     Json,
+    /// The same document as `json`, as YAML.
+    Yaml,
     /// An SVG picture: each subtask's range in its own colour, the old strip above the new one
     /// with the groups that change owner marked (with --from-parallelism), groups per subtask.
     Svg,
@@ -278,7 +348,7 @@ pub enum CliError {
     Stdin(std::io::Error),
     #[error("writing output: {0}")]
     Stdout(std::io::Error),
-    #[error("rendering the CRD: {0}")]
+    #[error("rendering YAML: {0}")]
     Yaml(#[from] serde_yaml::Error),
     #[error("{0}")]
     Local(#[from] Box<crate::local::LocalError>),
@@ -403,6 +473,11 @@ fn run(command: Command) -> Result<(), CliError> {
             Ok(())
         }
         Command::Savepoint(args) => Ok(crate::tools::cli::run(args, &mut out)?),
+        Command::Completion(args) => {
+            let mut buf = Vec::new();
+            completion(args.shell, &mut buf);
+            out.write_all(&buf).map_err(CliError::Stdout)
+        }
         #[cfg(feature = "bench")]
         Command::Bench(args) => {
             drop(out);
@@ -416,6 +491,11 @@ fn tokio_runtime() -> Result<tokio::runtime::Runtime, CliError> {
         .enable_all()
         .build()
         .map_err(CliError::Runtime)
+}
+
+/// Writes the completion script of `keyshift` for `shell`.
+pub fn completion(shell: clap_complete::Shell, out: &mut Vec<u8>) {
+    clap_complete::generate(shell, &mut Cli::command(), "keyshift", out);
 }
 
 /// The key-group count for a plan and whether it was derived by default.
@@ -462,6 +542,7 @@ pub fn plan(args: &PlanArgs) -> Result<String, CliError> {
         PlanOutput::Json => {
             Ok(plan_json(&to, defaulted, &skew, rescale.as_ref()).to_string() + "\n")
         }
+        PlanOutput::Yaml => Ok(yaml(&plan_json(&to, defaulted, &skew, rescale.as_ref()))?),
         PlanOutput::Table => Ok(plan_table(
             &to,
             defaulted,
@@ -618,7 +699,7 @@ fn keygroup_cmd(args: &KeygroupArgs, out: &mut impl Write) -> Result<(), CliErro
     };
     let g = args.max_parallelism as u32;
     let mut emit = |key: Key| -> Result<(), CliError> {
-        let line = keygroup_line(&key, g, assignment.as_ref(), args.output);
+        let line = keygroup_line(&key, g, assignment.as_ref(), args.output)?;
         out.write_all(line.as_bytes()).map_err(CliError::Stdout)
     };
     if args.keys.is_empty() {
@@ -640,28 +721,31 @@ fn keygroup_cmd(args: &KeygroupArgs, out: &mut impl Write) -> Result<(), CliErro
     Ok(())
 }
 
-/// One output line of `keyshift keygroup` (with its newline).
+/// One output of `keyshift keygroup` for one key: a line (with its newline) for a table or
+/// JSON, a document starting with `---` for YAML.
 pub fn keygroup_line(
     key: &Key,
     max_parallelism: u32,
     assignment: Option<&Assignment>,
     output: Output,
-) -> String {
+) -> Result<String, CliError> {
     let group = key_group_for_key(key, max_parallelism);
     let subtask = assignment.map(|a| a.owner(group));
-    match output {
-        Output::Json => {
-            let mut v = json!({ "key": key, "keyGroup": group });
-            if let Some(s) = subtask {
-                v["subtask"] = json!(s);
-            }
-            v.to_string() + "\n"
+    let document = || {
+        let mut v = json!({ "key": key, "keyGroup": group });
+        if let Some(s) = subtask {
+            v["subtask"] = json!(s);
         }
+        v
+    };
+    Ok(match output {
+        Output::Json => document().to_string() + "\n",
+        Output::Yaml => format!("---\n{}", yaml(&document())?),
         Output::Table => match subtask {
             Some(s) => format!("{key}\t{group}\t{s}\n"),
             None => format!("{key}\t{group}\n"),
         },
-    }
+    })
 }
 
 #[cfg(test)]
@@ -724,6 +808,63 @@ mod tests {
     }
 
     #[test]
+    fn plan_skew_agrees_in_number() {
+        let table = plan(&args(3, Some(4), None, PlanOutput::Table)).unwrap();
+        assert!(
+            table.contains("skew: 1 subtask owns 2 groups and 2 own 1:"),
+            "{table}"
+        );
+        let table = plan(&args(3, Some(5), None, PlanOutput::Table)).unwrap();
+        assert!(
+            table.contains("skew: 2 subtasks own 2 groups and 1 owns 1:"),
+            "{table}"
+        );
+    }
+
+    #[test]
+    fn yaml_is_the_json_document() {
+        for output in [PlanOutput::Json, PlanOutput::Yaml] {
+            let text = plan(&args(6, Some(128), Some(4), output)).unwrap();
+            let v: serde_json::Value = match output {
+                PlanOutput::Json => serde_json::from_str(&text).unwrap(),
+                _ => serde_yaml::from_str(&text).unwrap(),
+            };
+            assert_eq!(v["rescale"]["fromParallelism"], 4, "{output:?}: {text}");
+        }
+        let json: serde_json::Value =
+            serde_json::from_str(&plan(&args(6, Some(128), Some(4), PlanOutput::Json)).unwrap())
+                .unwrap();
+        let yaml: serde_json::Value =
+            serde_yaml::from_str(&plan(&args(6, Some(128), Some(4), PlanOutput::Yaml)).unwrap())
+                .unwrap();
+        assert_eq!(json, yaml);
+    }
+
+    #[test]
+    fn completion_scripts_name_the_subcommands() {
+        for shell in [
+            clap_complete::Shell::Bash,
+            clap_complete::Shell::Zsh,
+            clap_complete::Shell::Fish,
+        ] {
+            let mut buf = Vec::new();
+            completion(shell, &mut buf);
+            let script = String::from_utf8(buf).unwrap();
+            for sub in [
+                "plan",
+                "keygroup",
+                "local",
+                "savepoint",
+                "operator",
+                "completion",
+            ] {
+                assert!(script.contains(sub), "{shell}: no {sub}");
+            }
+            assert!(script.contains("rewrite"), "{shell}: no nested subcommands");
+        }
+    }
+
+    #[test]
     fn plan_refuses_bounds_with_the_fix() {
         let e = plan(&args(0, Some(128), None, PlanOutput::Table)).unwrap_err();
         assert!(e.to_string().contains("at least 1"), "{e}");
@@ -746,14 +887,15 @@ mod tests {
     fn keygroup_json_line() {
         let a = Assignment::new(4, 128).unwrap();
         let key = Key::String("hello".into());
-        let line = keygroup_line(&key, 128, Some(&a), Output::Json);
+        let line = keygroup_line(&key, 128, Some(&a), Output::Json).unwrap();
         let v: serde_json::Value = serde_json::from_str(&line).unwrap();
         let group = key_group_for_key(&key, 128);
         assert_eq!(v["key"], "hello");
         assert_eq!(v["keyGroup"], group);
         assert_eq!(v["subtask"], a.owner(group));
         let v: serde_json::Value =
-            serde_json::from_str(&keygroup_line(&Key::Long(-5), 128, None, Output::Json)).unwrap();
+            serde_json::from_str(&keygroup_line(&Key::Long(-5), 128, None, Output::Json).unwrap())
+                .unwrap();
         assert_eq!(v["key"], -5);
         assert!(v.get("subtask").is_none());
     }

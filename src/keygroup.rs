@@ -414,12 +414,14 @@ impl Skew {
             )
         } else {
             format!(
-                "{} subtask{} own {} group{} and {} own {}: the busiest carries {:.2}x the lightest; divisors of {} near {}: {}, {}",
+                "{} subtask{} own{} {} group{} and {} own{} {}: the busiest carries {:.2}x the lightest; divisors of {} near {}: {}, {}",
                 self.busiest_subtasks,
                 plural(self.busiest_subtasks),
+                verb_s(self.busiest_subtasks),
                 self.max_groups,
                 plural(self.max_groups),
                 self.lightest_subtasks,
+                verb_s(self.lightest_subtasks),
                 self.min_groups,
                 self.ratio,
                 self.max_parallelism,
@@ -432,7 +434,12 @@ impl Skew {
 }
 
 fn plural(n: u32) -> &'static str {
-    if n == 1 { "" } else { "s" }
+    crate::text::plural(u64::from(n))
+}
+
+/// The verb's ending for a count as its subject: "1 owns", "2 own".
+fn verb_s(n: u32) -> &'static str {
+    if n == 1 { "s" } else { "" }
 }
 
 /// Groups one new subtask reads from one old subtask during a rescale.

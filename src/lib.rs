@@ -32,5 +32,6 @@ pub mod runtime;
 pub mod sink;
 pub mod snapshot;
 pub mod telemetry;
+pub mod text;
 pub mod tools;
 pub mod validation;

@@ -1,5 +1,7 @@
 //! The `keyshift` binary as a user runs it: exit codes, stdin handling, machine-readable output.
 
+mod pty_support;
+
 use std::io::Write;
 use std::process::{Command, Output, Stdio};
 
@@ -214,4 +216,280 @@ fn worker_exits_on_sigterm() {
         std::thread::sleep(std::time::Duration::from_millis(20));
     };
     assert_eq!(status.code(), Some(0), "exits 0, not killed by the signal");
+}
+
+const LOCAL_MANIFEST: &str = "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: typo
+spec:
+  replicas: 2
+  job:
+    source:
+      generator: {partitions: 4, keys: 100}
+    key: {field: key, type: string}
+    aggregation: {function: count}
+    sink: {type: log}
+";
+
+/// `keyshift local` refuses a manifest with fields the CRD does not declare, as `kubectl apply`
+/// does (strict field validation), naming every one by its path; nothing starts.
+#[test]
+fn local_refuses_unknown_fields_like_the_api_server() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("job.yaml");
+    let state = dir.path().join("state");
+    for (edit, fields) in [
+        (
+            ("kind: StreamJob", "kind: StreamJob\nspce: {replicas: 2}"),
+            vec!["spce"],
+        ),
+        (("  replicas: 2", "  replicsa: 2"), vec!["spec.replicsa"]),
+        (
+            ("    source:\n", "    source:\n      fle: {path: /tmp}\n"),
+            vec!["spec.job.source.fle"],
+        ),
+        (
+            ("keys: 100}", "keys: 100, sed: 4}\n    windw: {size: 1m}"),
+            vec!["spec.job.source.generator.sed", "spec.job.windw"],
+        ),
+    ] {
+        std::fs::write(&manifest, LOCAL_MANIFEST.replace(edit.0, edit.1)).unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+            .args([
+                "local",
+                manifest.to_str().unwrap(),
+                "--state-dir",
+                state.to_str().unwrap(),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let start = std::time::Instant::now();
+        while child.try_wait().unwrap().is_none() {
+            if start.elapsed() > std::time::Duration::from_secs(20) {
+                // SIGTERM twice: `keyshift local` stops its workers at once.
+                for _ in 0..2 {
+                    // SAFETY: kill(2) on the child this test started.
+                    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                    std::thread::sleep(std::time::Duration::from_millis(500));
+                }
+                let out = child.wait_with_output().unwrap();
+                panic!(
+                    "{edit:?}: the job started despite the unknown fields: {}",
+                    text(&out.stdout)
+                );
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        let out = child.wait_with_output().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{edit:?}: {err}");
+        let listed: Vec<String> = fields
+            .iter()
+            .map(|f| format!("unknown field \"{f}\""))
+            .collect();
+        assert!(
+            err.contains(&format!(
+                "StreamJob in version \"v1alpha1\" cannot be handled as a StreamJob: strict decoding error: {}",
+                listed.join(", ")
+            )),
+            "{edit:?}: {err}"
+        );
+        assert!(!state.exists(), "nothing started: {err}");
+    }
+}
+
+/// What a worker writes to stderr from its start to its stop on SIGTERM, with stderr on a
+/// terminal (a pseudo-terminal) or a pipe, and `NO_COLOR` as given.
+fn worker_stderr(no_color: Option<&str>, terminal: bool) -> Vec<u8> {
+    use std::io::{BufRead, Read};
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_keyshift"));
+    cmd.args([
+        "worker",
+        "--control-addr",
+        "127.0.0.1:0",
+        "--data-addr",
+        "127.0.0.1:0",
+    ])
+    .env("KEYSHIFT_TOKEN", "a-test-token-of-enough-length")
+    .env_remove("NO_COLOR")
+    .env_remove("KEYSHIFT_LOG_FORMAT")
+    .env("RUST_LOG", "info")
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped());
+    if let Some(v) = no_color {
+        cmd.env("NO_COLOR", v);
+    }
+    let master = if terminal {
+        Some(pty_support::stderr_on_terminal(&mut cmd))
+    } else {
+        cmd.stderr(Stdio::piped());
+        None
+    };
+    let mut child = cmd.spawn().unwrap();
+    // Our copy of the terminal's other end closes here, so reading it ends with the child.
+    drop(cmd);
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    // SAFETY: kill(2) on the child this test started.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let out = match master {
+        Some(m) => pty_support::read_terminal(m),
+        None => {
+            let mut out = Vec::new();
+            child.stderr.take().unwrap().read_to_end(&mut out).unwrap();
+            out
+        }
+    };
+    child.wait().unwrap();
+    assert!(
+        String::from_utf8_lossy(&out).contains("worker stopping"),
+        "{}",
+        String::from_utf8_lossy(&out)
+    );
+    out
+}
+
+/// Log lines carry colour only on a terminal, and not even there under `NO_COLOR` (any
+/// non-empty value, per no-color.org); through a pipe there is never an escape byte.
+#[test]
+fn logs_colour_only_on_a_terminal_without_no_color() {
+    const ESC: u8 = 0x1b;
+    assert!(
+        worker_stderr(None, true).contains(&ESC),
+        "a terminal gets colour (the test sees it)"
+    );
+    for value in ["1", "true"] {
+        let out = worker_stderr(Some(value), true);
+        assert!(
+            !out.contains(&ESC),
+            "NO_COLOR={value}: {}",
+            String::from_utf8_lossy(&out)
+        );
+    }
+    assert!(
+        worker_stderr(Some(""), true).contains(&ESC),
+        "NO_COLOR= (empty) does not count"
+    );
+    assert!(
+        !worker_stderr(None, false).contains(&ESC),
+        "a pipe gets no colour"
+    );
+}
+
+/// `keyshift completion SHELL` prints a script for the shell that knows the subcommands.
+#[test]
+fn completion_scripts_for_each_shell() {
+    for (shell, marker) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef keyshift"),
+        ("fish", "complete -c keyshift"),
+    ] {
+        let out = keyshift(&["completion", shell], None);
+        assert!(out.status.success(), "{shell}: {}", text(&out.stderr));
+        let script = text(&out.stdout);
+        assert!(script.contains(marker), "{shell}: {script}");
+        for sub in [
+            "plan",
+            "keygroup",
+            "local",
+            "savepoint",
+            "operator",
+            "rewrite",
+        ] {
+            assert!(script.contains(sub), "{shell} script lacks {sub}");
+        }
+    }
+    assert_eq!(
+        keyshift(&["completion", "tcsh"], None).status.code(),
+        Some(2)
+    );
+}
+
+/// `-o yaml` is the document of `-o json`, as YAML: `plan` one document, `keygroup` one per key.
+#[test]
+fn yaml_output_of_plan_and_keygroup() {
+    let plan = |o: &str| {
+        let out = keyshift(
+            &[
+                "plan",
+                "-p",
+                "6",
+                "--from-parallelism",
+                "4",
+                "-g",
+                "128",
+                "-o",
+                o,
+            ],
+            None,
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let json: serde_json::Value = serde_json::from_str(&plan("json")).unwrap();
+    let yaml: serde_json::Value = serde_yaml::from_str(&plan("yaml")).unwrap();
+    assert_eq!(yaml, json);
+    assert_eq!(yaml["rescale"]["toParallelism"], 6);
+
+    let keys = "user-17\nuser-42\n\n";
+    let run = |o: &str| {
+        let out = keyshift(&["keygroup", "-g", "128", "-p", "4", "-o", o], Some(keys));
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    let json: Vec<serde_json::Value> = run("json")
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let yaml: Vec<serde_json::Value> = serde_yaml::Deserializer::from_str(&run("yaml"))
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect();
+    assert_eq!(json.len(), 3);
+    assert_eq!(yaml, json);
+}
+
+/// Every command users run shows examples under `--help` (and `-h`).
+#[test]
+fn help_shows_examples() {
+    for args in [
+        vec!["plan"],
+        vec!["keygroup"],
+        vec!["local"],
+        vec!["operator"],
+        vec!["completion"],
+        vec!["savepoint"],
+        vec!["savepoint", "list"],
+        vec!["savepoint", "inspect"],
+        vec!["savepoint", "verify"],
+        vec!["savepoint", "dump"],
+        vec!["savepoint", "rewrite"],
+        vec!["savepoint", "dispose"],
+    ] {
+        for flag in ["--help", "-h"] {
+            let out = keyshift(&[&args[..], &[flag]].concat(), None);
+            assert!(out.status.success(), "{args:?} {flag}");
+            let help = text(&out.stdout);
+            let examples = help
+                .split_once("Examples:")
+                .map(|(_, e)| e)
+                .unwrap_or_else(|| panic!("{args:?} {flag} has no examples:\n{help}"));
+            let command = format!("keyshift {}", args.join(" "));
+            let runs = examples
+                .lines()
+                .filter(|l| {
+                    l.trim_start().starts_with(&command) || l.contains(&format!("| {command}"))
+                })
+                .count();
+            assert!(
+                runs >= 2,
+                "{args:?} {flag}: {runs} examples of `{command}`:\n{examples}"
+            );
+        }
+    }
 }

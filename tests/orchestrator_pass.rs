@@ -623,7 +623,7 @@ async fn restore_failure_rolls_back_to_the_old_parallelism_and_retries_later() {
         let started = d.events_named("Started");
         let last = &started.last().expect("a Started event").1;
         assert!(
-            last.note.contains(&sp) && last.note.contains("2 worker(s)"),
+            last.note.contains(&sp) && last.note.contains("2 workers"),
             "the rollback did not restore the old parallelism from the same savepoint {sp}: {}",
             last.note
         );

@@ -892,9 +892,9 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritt
     let refused = cli.wait_line("replicas 200 exceeds 128", Duration::from_secs(30));
     assert!(refused.contains("nothing was changed"), "{refused}");
     assert!(refused.contains("--max-parallelism 1024"), "{refused}");
-    let progress_before = cli.count("p=24 ");
+    let progress_before = cli.count("parallelism 24: ");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while cli.count("p=24 ") < progress_before + 2 {
+    while cli.count("parallelism 24: ") < progress_before + 2 {
         assert!(
             std::time::Instant::now() < deadline,
             "the job kept running at 24"

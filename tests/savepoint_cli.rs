@@ -1,5 +1,6 @@
 //! `keyshift savepoint ...` as a user runs it: exit codes, messages naming files, JSON output.
 
+mod pty_support;
 mod savepoint_support;
 
 use keyshift::keygroup::{Key, key_group_for_key};
@@ -336,4 +337,155 @@ fn file_partition_names_are_shown_and_carried_by_rewrite() {
     m["sourcePartitions"] = serde_json::json!({"0": "a.jsonl", "1": "b.jsonl"});
     std::fs::write(&manifest, serde_json::to_vec_pretty(&m).unwrap()).unwrap();
     fails(&["savepoint", "inspect", src], "sourcePartitions");
+}
+
+/// Whether two documents are the same, floats within 1e-12 relative (serde_json's default float
+/// parser may be one ulp off the exact value, which the YAML parser reads).
+fn same(a: &Value, b: &Value) -> bool {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            x.len() == y.len() && x.iter().all(|(k, v)| y.get(k).is_some_and(|w| same(v, w)))
+        }
+        (Value::Array(x), Value::Array(y)) => {
+            x.len() == y.len() && x.iter().zip(y).all(|(v, w)| same(v, w))
+        }
+        (Value::Number(x), Value::Number(y)) if x.is_f64() || y.is_f64() => {
+            let (x, y) = (x.as_f64().unwrap(), y.as_f64().unwrap());
+            (x - y).abs() <= 1e-12 * x.abs().max(y.abs())
+        }
+        _ => a == b,
+    }
+}
+
+/// The YAML of `-o yaml` parsed back into a JSON value.
+fn yaml_value(text: &str) -> Value {
+    serde_yaml::from_str(text).unwrap_or_else(|e| panic!("not YAML ({e}):\n{text}"))
+}
+
+/// Every subcommand with `-o json` also has `-o yaml`: the same document, as YAML.
+#[test]
+fn yaml_output_is_the_json_document() {
+    let (_tmp, job, built) = build_file_job(JobShape::default());
+    let src = built.url.as_str();
+    for args in [
+        vec!["savepoint", "list", job.as_str()],
+        vec!["savepoint", "inspect", src, "--top", "3"],
+        vec!["savepoint", "verify", src],
+        vec!["savepoint", "dispose", src, "--dry-run", "--force"],
+    ] {
+        let json: Value =
+            serde_json::from_str(&ok(&[&args[..], &["-o", "json"]].concat())).unwrap();
+        let yaml = yaml_value(&ok(&[&args[..], &["-o", "yaml"]].concat()));
+        assert!(same(&yaml, &json), "{args:?}:\n{yaml}\n{json}");
+        assert!(json.as_object().is_some_and(|o| !o.is_empty()), "{args:?}");
+    }
+    // rewrite: two runs, so only the timings may differ.
+    let run = |n: u32, output: &str| -> String {
+        ok(&[
+            "savepoint",
+            "rewrite",
+            src,
+            "-g",
+            "256",
+            "--to",
+            &format!("{job}/savepoints/sp-{n}"),
+            "-q",
+            "-o",
+            output,
+        ])
+    };
+    let json: Value = serde_json::from_str(&run(2, "json")).unwrap();
+    let yaml = yaml_value(&run(3, "yaml"));
+    let keys = |v: &Value| v.as_object().unwrap().keys().cloned().collect::<Vec<_>>();
+    assert_eq!(keys(&yaml), keys(&json));
+    for field in [
+        "keys",
+        "maxParallelism",
+        "parallelism",
+        "bytesRead",
+        "source",
+    ] {
+        assert_eq!(yaml[field], json[field], "{field}");
+    }
+}
+
+/// Piped (not a terminal), `verify`, `dump` and `rewrite` draw no progress bar: no escape byte
+/// anywhere, and `dump`'s stdout is only its JSON lines.
+#[test]
+fn no_escapes_through_a_pipe() {
+    let (_tmp, job, built) = build_file_job(JobShape::default());
+    let src = built.url.as_str();
+    let target = format!("{job}/savepoints/sp-2");
+    for args in [
+        vec!["savepoint", "verify", src],
+        vec!["savepoint", "dump", src],
+        vec![
+            "savepoint",
+            "rewrite",
+            src,
+            "-g",
+            "64",
+            "--to",
+            target.as_str(),
+        ],
+        vec!["savepoint", "inspect", src],
+    ] {
+        let out = keyshift(&args);
+        assert!(out.status.success(), "{args:?}: {}", text(&out.stderr));
+        assert!(
+            !out.stdout.contains(&0x1b) && !out.stderr.contains(&0x1b),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+    let dumped = ok(&["savepoint", "dump", src]);
+    assert!(
+        dumped
+            .lines()
+            .all(|l| serde_json::from_str::<Value>(l).is_ok())
+    );
+}
+
+/// On a terminal, `rewrite` and `verify` draw a progress bar on stderr (redrawn in place, so
+/// escapes); under `NO_COLOR` they fall back to plain lines, with no escape.
+#[test]
+fn progress_bars_on_a_terminal_only() {
+    let (_tmp, job, built) = build_file_job(JobShape::default());
+    let src = built.url.as_str();
+    let run = |args: &[&str], no_color: bool| -> Vec<u8> {
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_keyshift"));
+        cmd.args(args).env_remove("NO_COLOR");
+        if no_color {
+            cmd.env("NO_COLOR", "1");
+        }
+        let master = pty_support::stderr_on_terminal(&mut cmd);
+        let mut child = cmd.stdout(std::process::Stdio::piped()).spawn().unwrap();
+        drop(cmd);
+        let stdout = child.stdout.take().unwrap();
+        let reader = std::thread::spawn(move || {
+            let mut out = Vec::new();
+            std::io::Read::read_to_end(&mut { stdout }, &mut out).unwrap();
+            out
+        });
+        let err = pty_support::read_terminal(master);
+        assert!(child.wait().unwrap().success(), "{args:?}: {}", text(&err));
+        reader.join().unwrap();
+        err
+    };
+    let to = |n: u32| format!("{job}/savepoints/sp-{n}");
+    let (t2, t3) = (to(2), to(3));
+    let bar = run(
+        &["savepoint", "rewrite", src, "-g", "64", "--to", &t2],
+        false,
+    );
+    assert!(bar.contains(&0x1b), "a bar is drawn: {}", text(&bar));
+    let plain = run(
+        &["savepoint", "rewrite", src, "-g", "64", "--to", &t3],
+        true,
+    );
+    assert!(!plain.contains(&0x1b), "NO_COLOR: {}", text(&plain));
+    assert!(text(&plain).contains("assemble"), "{}", text(&plain));
+    let bar = run(&["savepoint", "verify", src], false);
+    assert!(bar.contains(&0x1b), "a bar is drawn: {}", text(&bar));
+    assert!(!run(&["savepoint", "verify", src], true).contains(&0x1b));
 }

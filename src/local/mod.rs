@@ -6,6 +6,7 @@
 
 pub mod harness;
 pub mod processes;
+pub mod strict;
 
 pub use harness::{LaunchReport, LocalJob, LocalWorkers, RescaleReport};
 
@@ -18,6 +19,7 @@ use crate::orchestrator::pass::{self, JobMemory, PassInput, PendingEvent, Shell}
 use crate::orchestrator::run;
 use crate::orchestrator::step::Step;
 use crate::snapshot;
+use crate::text;
 use crate::validation;
 use processes::ProcessWorkers;
 use std::path::{Path, PathBuf};
@@ -33,6 +35,9 @@ pub enum LocalError {
     },
     #[error("{path} is not a StreamJob manifest: {reason}")]
     Parse { path: PathBuf, reason: String },
+    /// Fields the CRD does not declare (a typo): refused as `kubectl apply` refuses them.
+    #[error("{path}: {}", strict::strict_decoding_message(.fields))]
+    UnknownFields { path: PathBuf, fields: Vec<String> },
     #[error("{path} is invalid:\n{errors}")]
     Invalid { path: PathBuf, errors: String },
     #[error("{0}")]
@@ -59,12 +64,24 @@ pub enum LocalError {
     },
 }
 
-/// Reads and checks a manifest file the way the API server would (same messages).
+/// Reads and checks a manifest file the way the API server would (same messages), strict
+/// field validation included: a field the CRD does not declare is refused, not ignored.
 pub fn load_manifest(path: &Path) -> Result<StreamJob, LocalError> {
     let text = std::fs::read_to_string(path).map_err(|source| LocalError::Read {
         path: path.to_owned(),
         source,
     })?;
+    let value: serde_json::Value = serde_yaml::from_str(&text).map_err(|e| LocalError::Parse {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let fields = strict::unknown_fields(&value);
+    if !fields.is_empty() {
+        return Err(LocalError::UnknownFields {
+            path: path.to_owned(),
+            fields,
+        });
+    }
     let job: StreamJob = serde_yaml::from_str(&text).map_err(|e| LocalError::Parse {
         path: path.to_owned(),
         reason: e.to_string(),
@@ -230,9 +247,9 @@ fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingE
         && before.last_checkpoint.as_ref().map(|b| b.id) != Some(c.id)
     {
         say(format_args!(
-            "checkpoint {} committed ({} bytes)",
+            "checkpoint {} committed ({})",
             c.id,
-            c.size_bytes.unwrap_or_default()
+            text::count(c.size_bytes.unwrap_or_default().max(0) as u64, "byte")
         ));
     }
     if let Some(r) = &after.restore
@@ -260,12 +277,15 @@ fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingE
             Step::Done if r.to > 0 => {
                 let total: f64 = r.step_seconds.values().sum();
                 say(format_args!(
-                    "rescaled {} -> {} in {:.0} ms: {} key groups moved, {} state bytes read ({}); savepoint {}",
+                    "rescaled {} -> {} in {:.0} ms: {} moved, {} of state read ({}); savepoint {}",
                     r.from,
                     r.to,
                     total * 1000.0,
-                    r.groups_moved.unwrap_or_default(),
-                    r.bytes_to_read.unwrap_or_default(),
+                    text::count(
+                        r.groups_moved.unwrap_or_default().max(0) as u64,
+                        "key group"
+                    ),
+                    text::count(r.bytes_to_read.unwrap_or_default().max(0) as u64, "byte"),
                     pass::step_times(r),
                     r.savepoint.as_deref().unwrap_or("none")
                 ));
@@ -317,8 +337,9 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
             .max_parallelism(),
     };
     say(format_args!(
-        "job {namespace}/{name}: {} subtasks, {groups} key groups, state in {storage}, worker logs in {}",
-        spec.replicas,
+        "job {namespace}/{name}: {}, {}, state in {storage}, worker logs in {}",
+        text::count(spec.replicas.max(0) as u64, "subtask"),
+        text::count(u64::from(groups), "key group"),
         log_dir.display()
     ));
     let resume = match &spec.restore_from {
@@ -395,9 +416,8 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
                     let rps = rate(total - since, now - last.0);
                     last = (now, total);
                     let bp: u64 = st.iter().map(|s| s.backpressure_ms).sum();
-                    let checkpoint = st.iter().filter_map(|s| s.last_checkpoint).min()
-                        .map_or_else(|| "none yet".to_owned(), |c| c.to_string());
-                    say(format_args!("p={} records={total} ({rps:.0}/s) keys={keys} backpressure={bp}ms last checkpoint {checkpoint}", st.len()));
+                    let checkpoint = st.iter().filter_map(|s| s.last_checkpoint).min();
+                    say(progress_line(st.len(), total, rps, keys, bp, checkpoint));
                 }
                 continue;
             }
@@ -497,6 +517,27 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
     }
 }
 
+/// The periodic progress line of a running job, e.g. `parallelism 4: 195349 records
+/// (20010/s), 10000 keys, backpressure 129 ms, last checkpoint 3`.
+fn progress_line(
+    parallelism: usize,
+    records: u64,
+    records_per_sec: f64,
+    keys: u64,
+    backpressure_ms: u64,
+    checkpoint: Option<u64>,
+) -> String {
+    format!(
+        "parallelism {parallelism}: {} ({records_per_sec:.0}/s), {}, backpressure {backpressure_ms} ms, {}",
+        text::count(records, "record"),
+        text::count(keys, "key"),
+        checkpoint.map_or_else(
+            || "no checkpoint yet".to_owned(),
+            |c| format!("last checkpoint {c}")
+        )
+    )
+}
+
 fn print_groups(parallelism: u32, max_parallelism: u32) {
     if let Ok(a) = Assignment::new(i64::from(parallelism), i64::from(max_parallelism)) {
         let ranges: Vec<String> = a.ranges().iter().map(|r| r.to_string()).collect();
@@ -513,6 +554,20 @@ mod tests {
     use super::*;
     use crate::coordinator::tests::{commit, identity};
     use crate::snapshot::SnapshotKind;
+
+    #[test]
+    fn progress_reads_as_words() {
+        assert_eq!(
+            progress_line(4, 195_349, 20_010.4, 10_000, 129, Some(3)),
+            "parallelism 4: 195349 records (20010/s), 10000 keys, backpressure 129 ms, last checkpoint 3"
+        );
+        let line = progress_line(1, 1, 0.4, 1, 0, None);
+        assert_eq!(
+            line,
+            "parallelism 1: 1 record (0/s), 1 key, backpressure 0 ms, no checkpoint yet"
+        );
+        assert!(!line.contains("Some(") && !line.contains("None"));
+    }
 
     /// A corrupt manifest of the newest snapshot does not stop `keyshift local` from resuming:
     /// the key-group count comes from the newest good snapshot, as the resume itself passes over

@@ -237,8 +237,8 @@ pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Optio
         .collect::<Vec<_>>()
         .join("; ");
     format!(
-        "passed over {} snapshot(s) whose manifest cannot be used: {names}; restored {} instead. Nothing was deleted: check the bad snapshot with `keyshift savepoint verify`, and dispose of it once it is no longer needed",
-        skipped.len(),
+        "passed over {} whose manifest cannot be used: {names}; restored {} instead. Nothing was deleted: check the bad snapshot with `keyshift savepoint verify`, and dispose of it once it is no longer needed",
+        crate::text::count(skipped.len() as u64, "snapshot"),
         restored.unwrap_or("nothing")
     )
 }

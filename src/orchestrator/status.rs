@@ -394,8 +394,9 @@ pub fn finish(
                 false,
                 "PublishBehind",
                 format!(
-                    "the output of committed snapshot(s) {:?} is not published yet ({}); it is retried after every commit, in order, and nothing is published twice",
-                    backlog.pending,
+                    "the output of committed {} {} is not published yet ({}); it is retried after every commit, in order, and nothing is published twice",
+                    crate::text::noun(backlog.pending.len() as u64, "snapshot"),
+                    crate::text::list(&backlog.pending),
                     backlog.last_error.as_deref().unwrap_or("no attempt yet")
                 ),
             )
@@ -581,7 +582,8 @@ mod tests {
             ("False", "PublishBehind")
         );
         assert!(
-            c.message.contains("[8, 9]") && c.message.contains("403 Forbidden"),
+            c.message.contains("committed snapshots 8, 9 is")
+                && c.message.contains("403 Forbidden"),
             "{}",
             c.message
         );

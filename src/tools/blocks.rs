@@ -229,15 +229,15 @@ pub fn check_header(
             if s.function != header.info.function {
                 return Err(mixed(
                     "aggregate function",
-                    format!("{:?}", header.info.function).to_lowercase(),
-                    format!("{:?}", s.function).to_lowercase(),
+                    super::function_name(header.info.function),
+                    super::function_name(s.function),
                 ));
             }
             if s.window_size_ms != header.info.window_size_ms {
                 return Err(mixed(
-                    "window size (ms)",
-                    format!("{:?}", header.info.window_size_ms),
-                    format!("{:?}", s.window_size_ms),
+                    "window size",
+                    super::window_words(header.info.window_size_ms),
+                    super::window_words(s.window_size_ms),
                 ));
             }
         }

@@ -3,14 +3,14 @@
 #[cfg(feature = "bench")]
 use super::bench::{BenchOptions, BenchReport, bench_rewrite};
 use super::catalog::{DisposeOptions, DisposeReport, JobListing, dispose, list_job};
-use super::dump::{dump, parse_key_groups};
+use super::dump::{dump_with_progress, parse_key_groups};
 use super::error::{Result, ToolError};
 use super::inspect::{InspectReport, inspect};
 use super::location::open_location;
 use super::rewrite::{
     DEFAULT_MEMORY_BUDGET, Phase, Progress, RewriteOptions, RewriteReport, rewrite,
 };
-use super::verify::{VerifyOutcome, verify_snapshot};
+use super::verify::{VerifyOutcome, verify_snapshot_with_progress};
 use crate::cli::Output;
 use clap::{Args, Subcommand};
 use std::fmt::Write as _;
@@ -34,6 +34,50 @@ pub const SAVEPOINT_LONG_ABOUT: &str = "Offline tools for a job's snapshots (che
                   s3://bucket/prefix/default/clicks/checkpoints/chk-42 (S3/GCS/Azure credentials \
                   come from the usual AWS_*, GOOGLE_*, AZURE_* environment variables).";
 
+/// Examples under `keyshift savepoint --help`.
+pub const SAVEPOINT_EXAMPLES: &str = "Examples:
+  # What a local run left, newest last
+  keyshift savepoint list file://$PWD/keyshift-state/default/clicks
+  # Check a savepoint completely before restoring it
+  keyshift savepoint verify s3://bucket/keyshift/default/clicks/savepoints/sp-7
+  # Move it to 256 key groups as a new savepoint
+  keyshift savepoint rewrite s3://bucket/keyshift/default/clicks/savepoints/sp-7 -g 256 \\
+      --to s3://bucket/keyshift/default/clicks/savepoints/sp-1007";
+
+const LIST_EXAMPLES: &str = "Examples:
+  keyshift savepoint list file://$PWD/keyshift-state/default/clicks
+  keyshift savepoint list s3://bucket/keyshift/default/clicks -o json";
+
+const INSPECT_EXAMPLES: &str = "Examples:
+  keyshift savepoint inspect file://$PWD/keyshift-state/default/clicks/savepoints/sp-3
+  # The 20 largest groups and keys, and every group
+  keyshift savepoint inspect s3://bucket/keyshift/default/clicks/checkpoints/chk-42 --top 20 --groups
+  keyshift savepoint inspect s3://bucket/keyshift/default/clicks/checkpoints/chk-42 -o yaml";
+
+const VERIFY_EXAMPLES: &str = "Examples:
+  keyshift savepoint verify file://$PWD/keyshift-state/default/clicks/savepoints/sp-3
+  # In a script: the exit code says whether it is good
+  keyshift savepoint verify s3://bucket/keyshift/default/clicks/checkpoints/chk-42 -o json > report.json";
+
+const DUMP_EXAMPLES: &str = "Examples:
+  keyshift savepoint dump file://$PWD/keyshift-state/default/clicks/savepoints/sp-3 | head
+  # Only key groups 0 to 15, keys with a count above 1000
+  keyshift savepoint dump s3://bucket/keyshift/default/clicks/savepoints/sp-7 --key-groups 0-15 \\
+      | jq -c 'select(.value > 1000)'";
+
+const REWRITE_EXAMPLES: &str = "Examples:
+  # 128 -> 256 key groups, as savepoint 1007 of the same job
+  keyshift savepoint rewrite s3://bucket/keyshift/default/clicks/savepoints/sp-7 -g 256 \\
+      --to s3://bucket/keyshift/default/clicks/savepoints/sp-1007
+  # Laid out for parallelism 8, spilling to a big disk, within 1 GiB of memory
+  keyshift savepoint rewrite file:///data/ks/default/clicks/savepoints/sp-7 -g 256 -p 8 \\
+      --to file:///data/ks/default/clicks/savepoints/sp-1007 --temp-dir /data/tmp --memory-mib 1024";
+
+const DISPOSE_EXAMPLES: &str = "Examples:
+  # What would go
+  keyshift savepoint dispose s3://bucket/keyshift/default/clicks/checkpoints/chk-40 --dry-run
+  keyshift savepoint dispose s3://bucket/keyshift/default/clicks/checkpoints/chk-40";
+
 #[derive(Subcommand, Debug)]
 pub enum SavepointCommand {
     /// List a job's committed checkpoints and savepoints (id, kind, time, parallelism, size).
@@ -43,6 +87,8 @@ pub enum SavepointCommand {
                       (newest checkpoint, newest snapshot, or pinned by the in-use marker \
                       <job>/_in_use.json). Directories without a manifest (aborted or in-progress \
                       snapshots) are not listed."
+    ,
+        after_help = LIST_EXAMPLES
     )]
     List(ListArgs),
     /// Show a snapshot's layout, source positions, watermark and state distribution (largest
@@ -53,6 +99,8 @@ pub enum SavepointCommand {
                       watermark; then reads every block for the state distribution: keys and bytes per \
                       key group (spread, largest groups), the largest single keys by state bytes and, for \
                       count and sum jobs, the keys with the largest aggregate (a hot key shows there)."
+    ,
+        after_help = INSPECT_EXAMPLES
     )]
     Inspect(InspectArgs),
     /// Check every file, checksum and block of a snapshot, down to every key's group; exit 0 only
@@ -63,6 +111,8 @@ pub enum SavepointCommand {
                       decodes with a header matching the manifest (schema, max parallelism, key group, \
                       entry count) and keys that all hash to its key group. Every problem names its file. \
                       Exit code 0 only if all is good."
+    ,
+        after_help = VERIFY_EXAMPLES
     )]
     Verify(VerifyArgs),
     /// Print every key's state as JSON lines.
@@ -72,6 +122,8 @@ pub enum SavepointCommand {
                       {\"key\":..,\"keyType\":..,\"keyGroup\":..,\"windows\":[{\"start\":..,\"end\":..,\"value\":..}]} \
                       for windowed jobs (one accumulator per open window). Keys are typed as stored \
                       (JSON strings, or numbers for long and int keys)."
+    ,
+        after_help = DUMP_EXAMPLES
     )]
     Dump(DumpArgs),
     /// Re-hash a snapshot into a new key-group count (max parallelism) as a new savepoint.
@@ -85,6 +137,8 @@ pub enum SavepointCommand {
                       Memory stays near --memory-mib whatever the state size: entries are spilled to local \
                       files by new key group (--temp-dir needs about the state's size), then each new \
                       group's block is built and written in order. Progress and throughput go to stderr."
+    ,
+        after_help = REWRITE_EXAMPLES
     )]
     Rewrite(RewriteArgs),
     /// Delete a snapshot the job no longer needs (manifest first, then its files).
@@ -95,6 +149,8 @@ pub enum SavepointCommand {
                       it is listed in the in-use marker STORAGE/NAMESPACE/JOB/_in_use.json \
                       ({\"formatVersion\":1,\"snapshots\":[{\"path\":\"savepoints/sp-7\",\"holder\":..,\"reason\":..}]}); \
                       also refused when that marker is unreadable, or the directory has no manifest."
+    ,
+        after_help = DISPOSE_EXAMPLES
     )]
     Dispose(DisposeArgs),
     /// Benchmark `rewrite` against a raw copy of the same state (builds the state first; only
@@ -247,32 +303,41 @@ fn json<T: serde::Serialize>(v: &T) -> String {
     serde_json::to_string_pretty(v).unwrap_or_default() + "\n"
 }
 
+/// A report as `output` asks: `table` for people, or the document as JSON or YAML.
+fn render<T: serde::Serialize>(
+    report: &T,
+    output: Output,
+    table: impl FnOnce(&T) -> String,
+) -> Result<String> {
+    Ok(match output {
+        Output::Table => table(report),
+        Output::Json => json(report),
+        Output::Yaml => crate::cli::yaml(report)?,
+    })
+}
+
 async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> {
     match command {
         SavepointCommand::List(a) => {
             let listing = list_job(&a.job_url).await?;
-            let text = match a.output {
-                Output::Json => json(&listing),
-                Output::Table => list_table(&listing),
-            };
+            let text = render(&listing, a.output, list_table)?;
             emit(out, &text)
         }
         SavepointCommand::Inspect(a) => {
             let loc = open_location(&a.url)?;
             let report = inspect(&loc, a.top).await?;
-            let text = match a.output {
-                Output::Json => json(&report),
-                Output::Table => inspect_table(&report, a.groups),
-            };
+            let text = render(&report, a.output, |r| inspect_table(r, a.groups))?;
             emit(out, &text)
         }
         SavepointCommand::Verify(a) => {
             let loc = open_location(&a.url)?;
-            let outcome = verify_snapshot(&loc).await?;
-            let text = match a.output {
-                Output::Json => json(&outcome),
-                Output::Table => verify_table(&outcome),
-            };
+            let (report, bar) = meter(Unit::Bytes, "verify");
+            let outcome = verify_snapshot_with_progress(&loc, &report).await;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            let outcome = outcome?;
+            let text = render(&outcome, a.output, verify_table)?;
             emit(out, &text)?;
             if outcome.ok() {
                 Ok(())
@@ -286,7 +351,12 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
         SavepointCommand::Dump(a) => {
             let range = a.key_groups.as_deref().map(parse_key_groups).transpose()?;
             let loc = open_location(&a.url)?;
-            dump(&loc, range, out).await.map(|_| ())
+            let (report, bar) = meter(Unit::KeyGroups, "dump");
+            let done = dump_with_progress(&loc, range, out, &report).await;
+            if let Some(bar) = bar {
+                bar.finish_and_clear();
+            }
+            done.map(|_| ())
         }
         SavepointCommand::Rewrite(a) => {
             let bound = |v: i64| u32::try_from(v).unwrap_or(if v < 0 { 0 } else { u32::MAX });
@@ -295,7 +365,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
             opts.memory_budget = mib(a.memory_mib);
             opts.temp_dir = a.temp_dir;
             if !a.quiet {
-                opts.progress = Some(progress_printer());
+                opts.progress = Some(rewrite_progress());
             }
             // Bounds checks with the user's numbers (negative, huge) before anything is read.
             crate::keygroup::Assignment::new(a.parallelism.unwrap_or(1), a.max_parallelism)
@@ -304,10 +374,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
                     source,
                 })?;
             let report = rewrite(&a.url, &a.to, opts).await?;
-            let text = match a.output {
-                Output::Json => json(&report),
-                Output::Table => rewrite_table(&report),
-            };
+            let text = render(&report, a.output, rewrite_table)?;
             emit(out, &text)
         }
         SavepointCommand::Dispose(a) => {
@@ -319,10 +386,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
                 },
             )
             .await?;
-            let text = match a.output {
-                Output::Json => json(&report),
-                Output::Table => dispose_text(&report),
-            };
+            let text = render(&report, a.output, dispose_text)?;
             emit(out, &text)
         }
         #[cfg(feature = "bench")]
@@ -339,10 +403,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
                 runs: a.runs,
             })
             .await?;
-            let text = match a.output {
-                Output::Json => json(&report),
-                Output::Table => bench_text(&report),
-            };
+            let text = render(&report, a.output, bench_text)?;
             emit(out, &text)
         }
     }
@@ -350,6 +411,117 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
 
 fn mib(n: u64) -> usize {
     usize::try_from(n.saturating_mul(1024 * 1024)).unwrap_or(usize::MAX)
+}
+
+/// Whether progress is drawn as a bar: stderr is a terminal and escapes are allowed there
+/// (no `NO_COLOR`).
+fn bar_wanted() -> bool {
+    crate::telemetry::color_allowed(
+        std::env::var_os("NO_COLOR").as_deref(),
+        std::io::IsTerminal::is_terminal(&std::io::stderr()),
+    )
+}
+
+/// What a progress bar counts.
+#[derive(Clone, Copy)]
+enum Unit {
+    Bytes,
+    KeyGroups,
+}
+
+/// A progress bar on stderr for `verify`, `dump` and `rewrite` (only on a terminal: see
+/// [`bar_wanted`]; stdout keeps the data).
+fn progress_bar(unit: Unit, label: &str) -> indicatif::ProgressBar {
+    let template = match unit {
+        Unit::Bytes => "{msg} [{bar:30}] {bytes} of {total_bytes} ({bytes_per_sec}, {eta} left)",
+        Unit::KeyGroups => "{msg} [{bar:30}] {pos} of {len} key groups ({eta} left)",
+    };
+    let style = indicatif::ProgressStyle::with_template(template)
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+        .progress_chars("=> ");
+    let bar =
+        indicatif::ProgressBar::with_draw_target(Some(0), indicatif::ProgressDrawTarget::stderr())
+            .with_style(style);
+    bar.set_message(label.to_owned());
+    bar
+}
+
+/// Progress of `verify` or `dump` on stderr: a bar on a terminal, otherwise a plain line every
+/// 5 s (a short run prints none; its result says it all). Clear the bar with
+/// `finish_and_clear` when done.
+fn meter(
+    unit: Unit,
+    label: &'static str,
+) -> (
+    impl Fn(super::Advance) + Sync,
+    Option<indicatif::ProgressBar>,
+) {
+    let bar = bar_wanted().then(|| progress_bar(unit, label));
+    let shown = bar.clone();
+    let last = Mutex::new(Instant::now());
+    let report = move |a: super::Advance| {
+        if let Some(bar) = &bar {
+            bar.set_length(a.total);
+            bar.set_position(a.done);
+            return;
+        }
+        let mut last = last
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if last.elapsed() < Duration::from_secs(5) {
+            return;
+        }
+        *last = Instant::now();
+        let _ = writeln!(std::io::stderr(), "{}", plain_progress(label, unit, a));
+    };
+    (report, shown)
+}
+
+/// A plain progress line: `verify: 45.0% (1.2 GiB of 2.6 GiB)`, `dump: 45.0% (58 of 128 key
+/// groups)`.
+fn plain_progress(label: &str, unit: Unit, a: super::Advance) -> String {
+    let pct = if a.total == 0 {
+        100.0
+    } else {
+        a.done as f64 * 100.0 / a.total as f64
+    };
+    let amount = match unit {
+        Unit::Bytes => format!("{} of {}", human_bytes(a.done), human_bytes(a.total)),
+        Unit::KeyGroups => format!("{} of {} key groups", a.done, a.total),
+    };
+    format!("{label}: {pct:.1}% ({amount})")
+}
+
+/// `rewrite`'s progress on stderr: a bar per pass on a terminal ([`bar_wanted`]), else
+/// [`progress_printer`]'s lines.
+fn rewrite_progress() -> Arc<dyn Fn(&Progress) + Send + Sync> {
+    if !bar_wanted() {
+        return progress_printer();
+    }
+    let bar = progress_bar(Unit::Bytes, "");
+    let phase: Mutex<Option<Phase>> = Mutex::new(None);
+    Arc::new(move |p: &Progress| {
+        let mut phase = phase
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if *phase != Some(p.phase) {
+            *phase = Some(p.phase);
+            bar.reset();
+            bar.set_message(phase_words(p.phase));
+        }
+        bar.set_length(p.total);
+        bar.set_position(p.done);
+        if p.done >= p.total && p.phase == Phase::Assemble {
+            bar.finish_and_clear();
+        }
+    })
+}
+
+fn phase_words(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Scatter => "scatter (read source, spill by new group)",
+        Phase::Assemble => "assemble (build new blocks, write target)",
+    }
 }
 
 /// Prints a progress line to stderr at most twice a second (and at the end of each pass).
@@ -365,10 +537,7 @@ fn progress_printer() -> Arc<dyn Fn(&Progress) + Send + Sync> {
             return;
         }
         *last = Some(now);
-        let phase = match p.phase {
-            Phase::Scatter => "scatter (read source, spill by new group)",
-            Phase::Assemble => "assemble (build new blocks, write target)",
-        };
+        let phase = phase_words(p.phase);
         let pct = if p.total == 0 {
             100.0
         } else {
@@ -377,10 +546,10 @@ fn progress_printer() -> Arc<dyn Fn(&Progress) + Send + Sync> {
         let secs = p.elapsed.as_secs_f64().max(1e-9);
         let _ = writeln!(
             std::io::stderr(),
-            "{phase}: {pct:5.1}%  {} of {}  {} keys  [{:.0}s elapsed]",
+            "{phase}: {pct:5.1}%  {} of {}  {}  [{:.0}s elapsed]",
             human_bytes(p.done),
             human_bytes(p.total),
-            p.keys,
+            crate::text::count(p.keys, "key"),
             secs
         );
     })
@@ -463,11 +632,8 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
     let _ = writeln!(s, "parallelism:      {}", r.parallelism);
     let state = match (r.function, r.window_size_ms) {
         (None, _) => "no state".to_owned(),
-        (Some(f), None) => format!("{f:?}, no window").to_lowercase(),
-        (Some(f), Some(w)) => format!(
-            "{}, tumbling {w} ms windows",
-            format!("{f:?}").to_lowercase()
-        ),
+        (Some(f), None) => format!("{}, no window", super::function_name(f)),
+        (Some(f), Some(w)) => format!("{}, tumbling {w} ms windows", super::function_name(f)),
     };
     let _ = writeln!(s, "state:            {state} (schema {})", r.state_schema);
     let wm = r.watermark.map_or_else(
@@ -648,7 +814,11 @@ fn verify_table(v: &VerifyOutcome) -> String {
             v.keys_checked
         );
     } else {
-        let _ = writeln!(s, "FAILED: {} problem(s)", v.problems.len());
+        let _ = writeln!(
+            s,
+            "FAILED: {}",
+            crate::text::count(v.problems.len() as u64, "problem")
+        );
     }
     s
 }
@@ -703,14 +873,14 @@ fn dispose_text(r: &DisposeReport) -> String {
     let verb = if r.dry_run { "would delete" } else { "deleted" };
     let _ = writeln!(
         s,
-        "{verb} {} ({}): {} object(s), {}{}",
+        "{verb} {} ({}): {}, {}{}",
         r.url,
         if r.committed {
             "committed"
         } else {
             "uncommitted"
         },
-        r.objects,
+        crate::text::count(r.objects as u64, "object"),
         human_bytes(r.bytes),
         if r.committed { ", manifest first" } else { "" }
     );
@@ -787,6 +957,26 @@ fn bench_text(b: &BenchReport) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_progress_reads_as_words() {
+        let a = super::super::Advance {
+            done: 58,
+            total: 128,
+        };
+        assert_eq!(
+            plain_progress("dump", Unit::KeyGroups, a),
+            "dump: 45.3% (58 of 128 key groups)"
+        );
+        let a = super::super::Advance {
+            done: 1536,
+            total: 3072,
+        };
+        assert_eq!(
+            plain_progress("verify", Unit::Bytes, a),
+            "verify: 50.0% (1.5 KiB of 3.0 KiB)"
+        );
+    }
 
     #[test]
     fn bytes_are_human() {

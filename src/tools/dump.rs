@@ -150,6 +150,17 @@ pub async fn dump(
     range: Option<KeyGroupRange>,
     out: &mut dyn Write,
 ) -> Result<DumpSummary> {
+    dump_with_progress(loc, range, out, &|_| {}).await
+}
+
+/// [`dump()`], calling `progress` after every key group written with the key groups written so
+/// far and in all (those of the range that hold state).
+pub async fn dump_with_progress(
+    loc: &SnapshotLocation,
+    range: Option<KeyGroupRange>,
+    out: &mut dyn Write,
+    progress: &(dyn Fn(super::Advance) + Sync),
+) -> Result<DumpSummary> {
     let manifest = Arc::new(read_manifest(loc.store.as_ref(), &loc.dir).await?);
     let all = KeyGroupRange {
         start: 0,
@@ -177,6 +188,11 @@ pub async fn dump(
     );
     let mut summary = DumpSummary::default();
     let mut shape: Option<Shape> = None;
+    let total = manifest
+        .key_groups
+        .iter()
+        .filter(|g| g.group >= range.start && g.group <= range.end)
+        .count() as u64;
     while let Some(fetched) = rx.recv().await {
         let blocks = fetched?;
         let m = manifest.clone();
@@ -198,6 +214,10 @@ pub async fn dump(
             }
             summary.keys += n;
             summary.groups += 1;
+            progress(super::Advance {
+                done: u64::from(summary.groups).min(total),
+                total,
+            });
         }
     }
     match out.flush() {

@@ -95,7 +95,8 @@ pub enum ToolError {
 
     /// A snapshot directory without a manifest (uncommitted, or a disposal that was interrupted).
     #[error(
-        "{url} has no manifest but {objects} leftover object(s) (an uncommitted snapshot, possibly still being written, or an interrupted disposal): pass --force to delete them"
+        "{url} has no manifest but {} (an uncommitted snapshot, possibly still being written, or an interrupted disposal): pass --force to delete them",
+        crate::text::count(*.objects as u64, "leftover object")
     )]
     Uncommitted { url: String, objects: usize },
 
@@ -104,7 +105,10 @@ pub enum ToolError {
     NothingThere { url: String },
 
     /// Objects remained after a disposal.
-    #[error("{url}: {remaining} object(s) are still there after deleting, e.g. {example}")]
+    #[error(
+        "{url}: {} still there after deleting, e.g. {example}",
+        if *.remaining == 1 { "1 object is".to_owned() } else { format!("{} objects are", .remaining) }
+    )]
     NotDeleted {
         url: String,
         remaining: usize,
@@ -150,12 +154,16 @@ pub enum ToolError {
     BadRange { text: String, reason: String },
 
     /// `verify` found problems (listed in its report).
-    #[error("{url}: verification failed with {problems} problem(s)")]
+    #[error("{url}: verification failed with {}", crate::text::count(*.problems as u64, "problem"))]
     VerifyFailed { url: String, problems: usize },
 
     /// Writing to stdout (or another output) failed.
     #[error("writing output: {0}")]
     Output(#[source] std::io::Error),
+
+    /// A report could not be rendered as YAML.
+    #[error("rendering YAML: {0}")]
+    Yaml(#[from] serde_yaml::Error),
 
     /// The async runtime could not start.
     #[error("cannot start the async runtime: {0}")]

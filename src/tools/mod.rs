@@ -40,9 +40,44 @@ pub use catalog::{
     DisposeOptions, DisposeReport, IN_USE_FILE, InUseEntry, InUseMarker, InUseReason, JobListing,
     Listed, dispose, list_job, read_in_use, write_in_use,
 };
-pub use dump::{DumpLine, DumpSummary, parse_key_groups};
+pub use dump::{DumpLine, DumpSummary, dump_with_progress, parse_key_groups};
 pub use error::{Result, ToolError};
 pub use inspect::{GroupSize, InspectReport, KeyStat, SubtaskShare};
 pub use location::{SnapshotLocation, open_location, open_location_for_write, split_snapshot_url};
 pub use rewrite::{Phase, Progress, RewriteOptions, RewriteReport, Timings};
-pub use verify::{FileCheck, VerifyOutcome, verify_snapshot};
+pub use verify::{FileCheck, VerifyOutcome, verify_snapshot, verify_snapshot_with_progress};
+
+/// How far a long offline pass (verify, dump) has got: `done` of `total` units (bytes for
+/// `verify`, key groups for `dump`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Advance {
+    /// Units done so far.
+    pub done: u64,
+    /// Units in all.
+    pub total: u64,
+}
+
+/// An aggregate function as the manifest spells it (`count`, `sum`, ...).
+pub(crate) fn function_name(f: crate::crd::AggregateFunction) -> String {
+    serde_json::to_value(f)
+        .ok()
+        .and_then(|v| v.as_str().map(str::to_owned))
+        .unwrap_or_default()
+}
+
+/// A window size as people read it: `60000 ms`, or `none` without a window.
+pub(crate) fn window_words(ms: Option<i64>) -> String {
+    ms.map_or_else(|| "none".to_owned(), |w| format!("{w} ms"))
+}
+
+#[cfg(test)]
+mod words_tests {
+    use super::*;
+
+    #[test]
+    fn no_debug_forms() {
+        assert_eq!(function_name(crate::crd::AggregateFunction::Count), "count");
+        assert_eq!(window_words(Some(60_000)), "60000 ms");
+        assert_eq!(window_words(None), "none");
+    }
+}

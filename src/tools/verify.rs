@@ -72,6 +72,15 @@ impl VerifyOutcome {
 /// Fully verifies the snapshot at `loc`. A missing or unreadable manifest is an error; problems
 /// in state files are collected in the outcome (see [`VerifyOutcome::ok`]).
 pub async fn verify_snapshot(loc: &SnapshotLocation) -> Result<VerifyOutcome> {
+    verify_snapshot_with_progress(loc, &|_| {}).await
+}
+
+/// [`verify_snapshot`], calling `progress` as the work advances (after every window of blocks
+/// read and every file) with the state bytes checked so far and in all.
+pub async fn verify_snapshot_with_progress(
+    loc: &SnapshotLocation,
+    progress: &(dyn Fn(super::Advance) + Sync),
+) -> Result<VerifyOutcome> {
     let manifest = Arc::new(read_manifest(loc.store.as_ref(), &loc.dir).await?);
     let mut problems = Vec::new();
     if let Some((kind, id)) = loc.named
@@ -86,8 +95,21 @@ pub async fn verify_snapshot(loc: &SnapshotLocation) -> Result<VerifyOutcome> {
     }
     let mut shape: Option<Shape> = None;
     let mut files = Vec::with_capacity(manifest.files.len());
+    let total: u64 = manifest.files.iter().map(|f| f.size).sum();
+    let mut files_done = 0u64;
     for f in &manifest.files {
-        let check = check_file(loc, &manifest, f, &mut shape).await?;
+        let mut tick = |in_file: u64| {
+            progress(super::Advance {
+                done: (files_done + in_file).min(total),
+                total,
+            })
+        };
+        let check = check_file(loc, &manifest, f, &mut shape, &mut tick).await?;
+        files_done += f.size;
+        progress(super::Advance {
+            done: files_done.min(total),
+            total,
+        });
         if let Some(p) = &check.problem {
             problems.push(p.clone());
         }
@@ -114,6 +136,7 @@ async fn check_file(
     manifest: &Arc<Manifest>,
     f: &FileEntry,
     shape: &mut Option<Shape>,
+    progress: &mut (dyn FnMut(u64) + Send),
 ) -> Result<FileCheck> {
     let mut check = FileCheck {
         name: f.name.clone(),
@@ -188,6 +211,7 @@ async fn check_file(
                 check.blocks_checked += n;
                 check.keys_checked += keys;
                 check.bytes_checked += bytes;
+                progress(check.bytes_checked);
             }
             Err(e) => {
                 check.problem = Some(e.to_string());

@@ -124,10 +124,13 @@ impl Pass<'_> {
                     self.event(
                         false,
                         "DeletingPods",
-                        format!("{reason}: deleting {n} worker(s)"),
+                        format!("{reason}: deleting {}", text::count(n as u64, "worker")),
                     );
                 }
-                self.progress.note = Some((reason.to_owned(), format!("deleting {n} worker(s)")));
+                self.progress.note = Some((
+                    reason.to_owned(),
+                    format!("deleting {}", text::count(n as u64, "worker")),
+                ));
                 Ok(requeue::WORKERS_CHANGING)
             }
             Action::Advance(outcome) => {
@@ -160,13 +163,17 @@ impl Pass<'_> {
                     false,
                     "CreatedPods",
                     format!(
-                        "run {run}: created {} of {parallelism} worker(s)",
-                        subtasks.len()
+                        "run {run}: created {} of {}",
+                        subtasks.len(),
+                        text::count(u64::from(parallelism), "worker")
                     ),
                 );
                 self.progress.note = Some((
                     "CreatingPods".into(),
-                    format!("run {run}: {parallelism} worker(s)"),
+                    format!(
+                        "run {run}: {}",
+                        text::count(u64::from(parallelism), "worker")
+                    ),
                 ));
                 Ok(requeue::WORKERS_CHANGING)
             }
@@ -786,11 +793,18 @@ impl Pass<'_> {
                     self.succeeded();
                 }
                 self.set_running(parallelism)?;
-                self.event(false, "Started", format!(
-                    "run {run}: {parallelism} worker(s) running in {} ms, restored {groups} key groups ({bytes} bytes) from {}",
-                    started.elapsed().as_millis(),
-                    restore_from.as_deref().unwrap_or("nothing (empty state)")
-                ));
+                self.event(
+                    false,
+                    "Started",
+                    format!(
+                        "run {run}: {} running in {} ms, restored {} ({}) from {}",
+                        text::count(u64::from(parallelism), "worker"),
+                        started.elapsed().as_millis(),
+                        text::count(u64::from(groups), "key group"),
+                        text::count(bytes, "byte"),
+                        restore_from.as_deref().unwrap_or("nothing (empty state)")
+                    ),
+                );
                 if restoring {
                     let r = self.status.rescale.clone().unwrap_or_default();
                     self.event(

@@ -24,6 +24,7 @@ use crate::keygroup::{self, Assignment};
 use crate::operator::metrics::{KindLabels, OperatorMetrics, StepLabels};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
+use crate::text;
 use crate::tools::catalog::{InUseEntry, InUseMarker};
 use crate::validation;
 use chrono::{DateTime, Utc};
@@ -701,8 +702,9 @@ impl<'a> Pass<'a> {
                 true,
                 "SinkPublishBehind",
                 format!(
-                    "output of committed snapshot(s) {:?} not published: {}; retried after every commit",
-                    backlog.pending,
+                    "output of committed {} {} not published: {}; retried after every commit",
+                    text::noun(backlog.pending.len() as u64, "snapshot"),
+                    text::list(&backlog.pending),
                     backlog.last_error.as_deref().unwrap_or("no attempt yet")
                 ),
             );
