@@ -123,6 +123,8 @@
   }
 
   const plural = (n) => (n === 1 ? "" : "s");
+  /** The verb's ending for a count as its subject: "1 owns", "2 own". */
+  const verbS = (n) => (n === 1 ? "s" : "");
 
   /** Assignment::skew and Skew::summary. */
   function skew(p, g) {
@@ -144,8 +146,8 @@
     };
     s.summary = s.divides
       ? `${p} divides ${g} evenly: every subtask owns ${minGroups} group${plural(minGroups)} (no skew)`
-      : `${s.busiestSubtasks} subtask${plural(s.busiestSubtasks)} own ${maxGroups} group${plural(maxGroups)} ` +
-        `and ${s.lightestSubtasks} own ${minGroups}: the busiest carries ${s.ratio.toFixed(2)}x the lightest; ` +
+      : `${s.busiestSubtasks} subtask${plural(s.busiestSubtasks)} own${verbS(s.busiestSubtasks)} ${maxGroups} group${plural(maxGroups)} ` +
+        `and ${s.lightestSubtasks} own${verbS(s.lightestSubtasks)} ${minGroups}: the busiest carries ${s.ratio.toFixed(2)}x the lightest; ` +
         `divisors of ${g} near ${p}: ${below}, ${above}`;
     return s;
   }

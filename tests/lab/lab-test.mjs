@@ -166,7 +166,7 @@ check("ranges for G=128, p=3 as the owner formula gives them, with the skew", as
   assertEq(rects, [["new", "0", "42"], ["new", "43", "85"], ["new", "86", "127"]], "strip");
   assertEq(
     await text("skew"),
-    "2 subtasks own 43 groups and 1 own 42: the busiest carries 1.02x the lightest; divisors of 128 near 3: 2, 4",
+    "2 subtasks own 43 groups and 1 owns 42: the busiest carries 1.02x the lightest; divisors of 128 near 3: 2, 4",
     "skew",
   );
 });
