@@ -116,6 +116,10 @@ fn check_partition_lists(accepted: &[StartAccepted]) -> Result<(), CoordinatorEr
     }
 }
 
+/// The most a worker's answer to the coordinator may hold: a subtask's acknowledgement is part of
+/// a snapshot's manifest, which is bounded the same ([`snapshot::MAX_MANIFEST_BYTES`]).
+pub const MAX_WORKER_ANSWER_BYTES: u64 = snapshot::MAX_MANIFEST_BYTES;
+
 /// The URL of a snapshot directory under a storage root.
 pub fn snapshot_url(
     storage: &str,
@@ -509,6 +513,39 @@ impl Coordinator {
         }
     }
 
+    /// The body of a worker's answer, read up to a bound: a worker never makes the coordinator
+    /// buffer more than [`MAX_WORKER_ANSWER_BYTES`] (checked on `Content-Length` before reading,
+    /// then as the body streams).
+    async fn body(
+        &self,
+        subtask: usize,
+        path: &str,
+        mut resp: reqwest::Response,
+    ) -> Result<Vec<u8>, CoordinatorError> {
+        let too_large = |n: u64| {
+            self.fail(
+                subtask,
+                format!(
+                    "{path}: the answer is larger than {MAX_WORKER_ANSWER_BYTES} bytes ({n} or more); refused"
+                ),
+            )
+        };
+        if let Some(n) = resp.content_length()
+            && n > MAX_WORKER_ANSWER_BYTES
+        {
+            return Err(too_large(n));
+        }
+        let mut out = Vec::new();
+        while let Some(chunk) = resp.chunk().await.map_err(|e| self.fail(subtask, e))? {
+            let n = (out.len() + chunk.len()) as u64;
+            if n > MAX_WORKER_ANSWER_BYTES {
+                return Err(too_large(n));
+            }
+            out.extend_from_slice(&chunk);
+        }
+        Ok(out)
+    }
+
     async fn post<T: serde::Serialize, R: serde::de::DeserializeOwned>(
         &self,
         subtask: usize,
@@ -526,13 +563,16 @@ impl Coordinator {
             .map_err(|e| self.fail(subtask, e))?;
         let status = resp.status();
         if !status.is_success() {
-            let text = resp.text().await.unwrap_or_default();
+            let text = match self.body(subtask, path, resp).await {
+                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+                Err(e) => e.to_string(),
+            };
             return Err(self.fail(subtask, format!("{path}: HTTP {status}: {text}")));
         }
         if status == reqwest::StatusCode::NO_CONTENT {
             return Ok(None);
         }
-        let bytes = resp.bytes().await.map_err(|e| self.fail(subtask, e))?;
+        let bytes = self.body(subtask, path, resp).await?;
         if bytes.is_empty() {
             return Ok(None);
         }
@@ -563,7 +603,8 @@ impl Coordinator {
         if !status.is_success() {
             return Err(self.fail(subtask, format!("{path}: HTTP {status}")));
         }
-        resp.json().await.map_err(|e| self.fail(subtask, e))
+        let bytes = self.body(subtask, path, resp).await?;
+        serde_json::from_slice(&bytes).map_err(|e| self.fail(subtask, format!("{path}: {e}")))
     }
 
     /// Starts every worker with its subtask index and waits until all are connected.
@@ -1572,5 +1613,64 @@ pub(crate) mod tests {
             err.contains("operator's log") && err.contains(&foreign),
             "{err}"
         );
+    }
+
+    /// Serves one HTTP answer: `head` (status line and headers), then `body` in 1 MiB writes.
+    async fn answer_once(head: String, body: Vec<u8>) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut request = [0u8; 4096];
+            let _ = conn.read(&mut request).await;
+            let _ = conn.write_all(head.as_bytes()).await;
+            for part in body.chunks(1 << 20) {
+                if conn.write_all(part).await.is_err() {
+                    return;
+                }
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    #[tokio::test]
+    async fn a_worker_answer_larger_than_the_bound_is_refused_unread() {
+        let dir = tempfile::tempdir().unwrap();
+        let storage = format!("file://{}", dir.path().display());
+        let over = MAX_WORKER_ANSWER_BYTES + 1;
+        // Declared too large: refused before anything is read.
+        let declared = answer_once(
+            format!("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {over}\r\n\r\n"),
+            b"{}".to_vec(),
+        )
+        .await;
+        // Streamed without a length, past the bound.
+        let streamed = answer_once(
+            "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n"
+                .to_owned(),
+            vec![b' '; over as usize],
+        )
+        .await;
+        for control in [declared, streamed] {
+            let c = Coordinator::new(
+                &storage,
+                identity("big"),
+                Assignment::new(1, 128).unwrap(),
+                vec![WorkerEndpoint {
+                    control: control.clone(),
+                    data: "127.0.0.1:1".into(),
+                }],
+                "token".into(),
+                2,
+            )
+            .await
+            .unwrap();
+            let e = c.status().await.expect_err("refused").to_string();
+            assert!(
+                e.contains("larger than") && e.contains("refused"),
+                "{control}: {e}"
+            );
+        }
     }
 }
