@@ -9,14 +9,15 @@
 mod support;
 
 use keyshift::crd::StreamJob;
-use keyshift::job::{AccValue, Expected, decode_group, expected_results};
-use keyshift::keygroup::{Key, KeyGroupRange};
+use keyshift::job::{Expected, expected_results};
+use keyshift::keygroup::Key;
 use std::collections::BTreeMap;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use support::*;
 
 mod faults_support;
+mod snapshot_support;
 use faults_support::{Applied, Fault, FaultyS3};
 
 /// Tests share one control plane and run in parallel; a test that takes the API server away
@@ -314,35 +315,8 @@ fn set_suspend(ns: &str, name: &str, suspend: bool, log: &std::path::Path) {
 
 /// Per-key values of a snapshot, decoded from its state files; and its source positions.
 fn snapshot_values(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
-    let rt = tokio::runtime::Runtime::new().expect("runtime");
-    rt.block_on(async {
-        let (store, dir, manifest) = keyshift::snapshot::open_snapshot(url)
-            .await
-            .expect("savepoint readable");
-        let range = KeyGroupRange {
-            start: 0,
-            end: manifest.max_parallelism - 1,
-        };
-        let restore = keyshift::snapshot::read_groups(store.as_ref(), &dir, &manifest, range)
-            .await
-            .expect("every group readable");
-        let mut values = BTreeMap::new();
-        for g in restore.groups {
-            if g.bytes.is_empty() {
-                continue;
-            }
-            let decoded = decode_group(&g.bytes).expect("block decodes");
-            for (key, v) in decoded.entries {
-                match v.acc {
-                    AccValue::Scalar(x) => {
-                        assert!(values.insert(key, x).is_none(), "a key in two groups");
-                    }
-                    AccValue::Windows(_) => panic!("no window in this job"),
-                }
-            }
-        }
-        (values, manifest.source_positions.clone())
-    })
+    let s = snapshot_support::read_state_blocking(url);
+    (s.scalars(), s.positions)
 }
 
 fn check_against_oracle(ns: &str, name: &str) {
@@ -1281,31 +1255,13 @@ fn published_parts(url: &str) -> Vec<(u64, String, String)> {
 
 /// The windows still open in a snapshot (key -> window start -> sum) and its source positions.
 fn snapshot_windows(url: &str) -> (BTreeMap<Key, BTreeMap<i64, i64>>, BTreeMap<u32, u64>) {
-    let rt = tokio::runtime::Runtime::new().expect("runtime");
-    rt.block_on(async {
-        let (store, dir, manifest) = keyshift::snapshot::open_snapshot(url)
-            .await
-            .expect("savepoint readable");
-        let range = KeyGroupRange {
-            start: 0,
-            end: manifest.max_parallelism - 1,
-        };
-        let restore = keyshift::snapshot::read_groups(store.as_ref(), &dir, &manifest, range)
-            .await
-            .expect("every group readable");
-        let mut open: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();
-        for g in restore.groups.iter().filter(|g| !g.bytes.is_empty()) {
-            for (key, v) in decode_group(&g.bytes).expect("block decodes").entries {
-                match v.acc {
-                    AccValue::Windows(w) => {
-                        assert!(open.insert(key, w.into_iter().collect()).is_none());
-                    }
-                    AccValue::Scalar(_) => panic!("a windowed job keeps windows"),
-                }
-            }
-        }
-        (open, manifest.source_positions.clone())
-    })
+    let s = snapshot_support::read_state_blocking(url);
+    let open = s
+        .windows()
+        .into_iter()
+        .map(|(k, w)| (k, w.into_iter().collect()))
+        .collect();
+    (open, s.positions)
 }
 
 /// The oracle for a job as it is declared in the cluster, at `positions`.
@@ -1334,11 +1290,7 @@ impl RefusingS3 {
 
     /// A relay that pods reach: on the host side of the test network's veth pair.
     fn start_for_pods() -> RefusingS3 {
-        let subnet: u8 = std::env::var("KEYSHIFT_SUBNET")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(213);
-        RefusingS3::start_on(std::net::Ipv4Addr::new(10, subnet, 0, 1))
+        RefusingS3::start_on(host_veth_ip())
     }
 
     fn start_on(ip: std::net::Ipv4Addr) -> RefusingS3 {

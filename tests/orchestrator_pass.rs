@@ -10,10 +10,11 @@
 //! result computed independently from the generator (`job::expected_results`).
 
 mod fake_platform;
+mod snapshot_support;
 
 use fake_platform::FakeWorkers;
 use keyshift::crd::{Phase, RescaleStatus, StreamJob, StreamJobSpec, StreamJobStatus};
-use keyshift::job::{self, AccValue, Expected};
+use keyshift::job::{self, Expected};
 use keyshift::keygroup::Key;
 use keyshift::operator::metrics::OperatorMetrics;
 use keyshift::orchestrator::decide;
@@ -439,24 +440,8 @@ impl Driver {
 
 /// Every key's count in a committed snapshot, and its source positions.
 async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
-    let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
-    let all = manifest.assignment().expect("manifest assignment");
-    let mut state = BTreeMap::new();
-    for i in 0..all.parallelism() {
-        let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
-            .await
-            .expect("groups read");
-        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
-            for (key, value) in job::decode_group(&g.bytes).expect("block decodes").entries {
-                let AccValue::Scalar(v) = value.acc else {
-                    panic!("unexpected windowed state");
-                };
-                assert!(state.insert(key, v).is_none(), "a key in two groups");
-            }
-        }
-    }
-    assert_eq!(manifest.stats.total_keys as usize, state.len());
-    (state, manifest.source_positions.clone())
+    let s = snapshot_support::read_state(url).await;
+    (s.scalars(), s.positions)
 }
 
 /// The state in snapshot `url` is exactly the count of every key over the records before its

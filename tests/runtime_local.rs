@@ -4,6 +4,7 @@
 //! independently from the generator's definition (`job::expected_results`) at the snapshot's
 //! source positions.
 
+mod snapshot_support;
 mod support;
 
 use keyshift::crd::StreamJob;
@@ -76,36 +77,14 @@ async fn read_state(
     BTreeMap<u32, u64>,
     snapshot::Manifest,
 ) {
-    let (store, dir, manifest) = snapshot::open_snapshot(url).await.expect("snapshot opens");
-    let all = manifest.assignment().expect("manifest assignment");
-    let mut state = BTreeMap::new();
-    for i in 0..all.parallelism() {
-        let restored = snapshot::read_groups(store.as_ref(), &dir, &manifest, all.range(i))
-            .await
-            .expect("groups read");
-        for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
-            for (key, value) in job::decode_group(&g.bytes).expect("block decodes").entries {
-                assert!(
-                    state.insert(key, value.acc).is_none(),
-                    "a key in two groups"
-                );
-            }
-        }
-    }
-    (state, manifest.source_positions.clone(), manifest)
+    let s = snapshot_support::read_state(url).await;
+    (s.values, s.positions, s.manifest)
 }
 
 /// Every key's scalar value in a committed snapshot, and its source positions.
 async fn snapshot_state(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>, snapshot::Manifest) {
-    let (state, positions, manifest) = read_state(url).await;
-    let scalars = state
-        .into_iter()
-        .map(|(k, acc)| match acc {
-            AccValue::Scalar(v) => (k, v),
-            AccValue::Windows(_) => panic!("unexpected windowed state"),
-        })
-        .collect();
-    (scalars, positions, manifest)
+    let s = snapshot_support::read_state(url).await;
+    (s.scalars(), s.positions, s.manifest)
 }
 
 async fn assert_exact(spec: &StreamJob, url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
@@ -499,15 +478,8 @@ async fn snapshot_state_windows(
     BTreeMap<u32, u64>,
     snapshot::Manifest,
 ) {
-    let (state, positions, manifest) = read_state(url).await;
-    let windows = state
-        .into_iter()
-        .map(|(k, acc)| match acc {
-            AccValue::Windows(w) => (k, w),
-            AccValue::Scalar(_) => panic!("unexpected scalar state"),
-        })
-        .collect();
-    (windows, positions, manifest)
+    let s = snapshot_support::read_state(url).await;
+    (s.windows(), s.positions, s.manifest)
 }
 
 /// Published (committed) sink output under `out`: per key and window start, failing on a window

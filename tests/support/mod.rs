@@ -251,16 +251,22 @@ pub fn image() -> String {
         .expect("KEYSHIFT_IMAGE (hack/testenv.sh up prints it)")
 }
 
+/// The host's side of the test network's veth pair, 10.<KEYSHIFT_SUBNET>.0.1 (hack/testenv.sh's
+/// layout; subnet 213 unless the environment names another): the address pods reach the host at.
+pub fn host_veth_ip() -> std::net::Ipv4Addr {
+    let subnet: u8 = std::env::var("KEYSHIFT_SUBNET")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(213);
+    std::net::Ipv4Addr::new(10, subnet, 0, 1)
+}
+
 /// A TCP relay on the host side of the test network's veth pair (10.<KEYSHIFT_SUBNET>.0.1,
 /// which pods reach through the node's bridge) to `target` on the host's loopback; runs until
 /// the test process ends.
 pub fn relay_to(target: &str) -> std::net::SocketAddr {
     use std::net::{TcpListener, TcpStream};
-    let subnet: u8 = std::env::var("KEYSHIFT_SUBNET")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(213);
-    let listener = TcpListener::bind((std::net::Ipv4Addr::new(10, subnet, 0, 1), 0))
+    let listener = TcpListener::bind((host_veth_ip(), 0))
         .expect("relay binds on the host side of the veth pair");
     let addr = listener.local_addr().expect("relay address");
     let target = target.to_owned();
