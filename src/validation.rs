@@ -51,6 +51,8 @@ pub const MSG_KEYS: &str = "spec.job.source.generator.keys must be between 1 and
 pub const MAX_GENERATOR_PARTITIONS: i32 = 65_536;
 /// The most distinct generator keys (10^12): beyond any state a worker can hold.
 pub const MAX_GENERATOR_KEYS: i64 = 1_000_000_000_000;
+pub const MSG_KEY_FIELD: &str =
+    "spec.job.key.field must name the record field to key by; it is empty";
 pub const MSG_SINK_URL: &str = "spec.job.sink.url is required when spec.job.sink.type is objectStore: give an object store URL such as s3://bucket/results";
 pub const MSG_TMP_VOLUME: &str = "spec.podTemplate.volumes must not contain a volume named tmp: that name is reserved for the worker's scratch emptyDir at /tmp; give the volume another name";
 pub const MSG_TMP_MOUNT: &str = "spec.podTemplate.volumeMounts must not mount at /tmp: the worker's scratch emptyDir is mounted there; mount the volume at another path, such as /data";
@@ -296,6 +298,12 @@ fn rules() -> Vec<CelRule> {
             &["spec", "job", "source", "generator", "keys"],
             "self >= 1 && self <= 1000000000000",
             MSG_KEYS,
+            None,
+        ),
+        r(
+            &["spec", "job", "key", "field"],
+            "size(self) > 0",
+            MSG_KEY_FIELD,
             None,
         ),
         r(
@@ -910,6 +918,9 @@ fn job_rules(job: &JobSpec, fail: &mut impl FnMut(&str)) {
             fail(MSG_KEYS);
         }
     }
+    if job.key.field.is_empty() {
+        fail(MSG_KEY_FIELD);
+    }
     if job.aggregation.function != AggregateFunction::Count && job.aggregation.field.is_none() {
         fail(MSG_AGG_FIELD);
     }
@@ -1146,12 +1157,22 @@ mod tests {
         generator.keys = MAX_GENERATOR_KEYS + 1;
         spec.job.sink.sink_type = crate::crd::SinkType::ObjectStore;
         spec.job.sink.url = None;
+        spec.job.key.field = String::new();
         let job_errors = validate_job(&spec.job).unwrap_err().0;
-        assert_eq!(job_errors, [MSG_PARTITIONS, MSG_KEYS, MSG_SINK_URL]);
+        assert_eq!(
+            job_errors,
+            [MSG_PARTITIONS, MSG_KEYS, MSG_KEY_FIELD, MSG_SINK_URL]
+        );
         let all = validate(&spec, None, None).unwrap_err().0;
         assert_eq!(
             all,
-            [MSG_REPLICAS_MIN, MSG_PARTITIONS, MSG_KEYS, MSG_SINK_URL]
+            [
+                MSG_REPLICAS_MIN,
+                MSG_PARTITIONS,
+                MSG_KEYS,
+                MSG_KEY_FIELD,
+                MSG_SINK_URL
+            ]
         );
     }
 }

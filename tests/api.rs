@@ -73,6 +73,7 @@ fn crd_has_scale_status_and_every_rule() {
         MSG_CHECKPOINT_TIMEOUT,
         MSG_SAVEPOINT_TIMEOUT,
         MSG_SINK_URL,
+        MSG_KEY_FIELD,
         MSG_TMP_VOLUME,
         MSG_TMP_MOUNT,
         MSG_MOUNT_VOLUME,

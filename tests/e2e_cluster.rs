@@ -133,6 +133,11 @@ fn cel_rules_refuse_bad_manifests_with_their_messages() {
         ),
         MSG_CHECKPOINT_INTERVAL,
     );
+    refused(
+        ns,
+        &job("nokey", 2, "").replace("key: {field: key}", "key: {field: \"\"}"),
+        MSG_KEY_FIELD,
+    );
 
     // maxParallelism is immutable once set.
     let r = apply(ns, &job("fixed", 4, "  maxParallelism: 128"));
