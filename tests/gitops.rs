@@ -25,6 +25,28 @@ fn sample() -> StreamJob {
     job
 }
 
+/// The status the API server fills in from the CRD's default before the operator wrote one.
+fn crd_default_status() -> StreamJobStatus {
+    let crd = keyshift::crd::crd();
+    let default = crd
+        .spec
+        .versions
+        .iter()
+        .find_map(|v| {
+            v.schema
+                .as_ref()?
+                .open_api_v3_schema
+                .as_ref()?
+                .properties
+                .as_ref()?
+                .get("status")?
+                .default
+                .clone()
+        })
+        .expect("the CRD defaults status");
+    serde_json::from_value(default.0).expect("a StreamJobStatus")
+}
+
 /// The job at metadata.generation `generation` with `spec` and `status`, as the API server
 /// returns it.
 fn document(spec: &StreamJobSpec, generation: i64, status: Option<&StreamJobStatus>) -> String {
@@ -70,11 +92,21 @@ fn expect(h: &GitopsHealth, kstatus: &str, argocd: &str, message: &str) {
 #[test]
 fn health_through_start_rescale_suspend_and_resume() {
     let mut spec = sample().spec;
-    // Applied, before the operator's first status: kstatus judges an object without conditions
-    // Current (its rule for resources it knows nothing about; docs/gitops.md), Argo CD waits.
-    let h = gitops_health_of_json(&document(&spec, 1, None));
-    assert_eq!(h.kstatus.0, "Current", "{h:?}");
-    assert_eq!(h.argocd.0, "Progressing", "{h:?}");
+    // Applied, before the operator's first status write: the API server returns the CRD's
+    // default status, which kstatus reads as a generation not observed yet.
+    let h = gitops_health_of_json(&document(&spec, 1, Some(&crd_default_status())));
+    expect(
+        &h,
+        "InProgress",
+        "Progressing",
+        "Waiting for the keyshift operator to report",
+    );
+    assert!(
+        h.kstatus
+            .1
+            .contains("generation is 1, but latest observed generation is 0"),
+        "{h:?}"
+    );
 
     // The first pass pins the key groups and starts the workers: in progress.
     let mut st = StreamJobStatus {

@@ -28,7 +28,8 @@ local function describe(c)
   return c.reason
 end
 
-if obj.status == nil or obj.status.observedGeneration == nil then
+-- The CRD defaults status to {observedGeneration: 0} until the operator first writes it.
+if obj.status == nil or obj.status.observedGeneration == nil or obj.status.observedGeneration == 0 then
   hs.status = "Progressing"
   hs.message = "Waiting for the keyshift operator to report the job's status"
   return hs
