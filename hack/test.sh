@@ -11,6 +11,12 @@ python3 -c 'import prometheus_client' 2>/dev/null || python3 -m pip install --qu
 # Helm for the chart checks (tests/chart.rs) and the e2e suite; cached after the first run.
 KEYSHIFT_HELM="$(hack/get-helm.sh)"
 export KEYSHIFT_HELM="${KEYSHIFT_HELM#HELM=}"
+# The GitOps health tool (hack/gitops-health: kstatus from sigs.k8s.io/cli-utils, the Argo CD
+# health check docs/gitops/streamjob-health.lua in gopher-lua), built from its pinned Go modules and
+# cached by source hash: tests/gitops.rs runs it on StreamJob documents our status code wrote, and
+# the e2e step on live jobs (e2e_operator's gitops_health_* test).
+KEYSHIFT_GITOPS_HEALTH="$(hack/build-gitops-health.sh)"
+export KEYSHIFT_GITOPS_HEALTH="${KEYSHIFT_GITOPS_HEALTH#GITOPS_HEALTH=}"
 
 # The cluster's Go binaries (control plane, kubelet, containerd, runc, CNI, crictl) build in the
 # background while the Rust tiers run, so on a fresh machine their module downloads and the idle

@@ -683,8 +683,17 @@ pub struct RescaleStatus {
     pub upgrade_mode: Option<UpgradeMode>,
 }
 
-/// The StreamJob CRD, with the CEL validation rules attached.
+/// The status.observedGeneration a StreamJob has before the operator first wrote its status:
+/// the CRD's default for `status`, which the API server fills in whenever it returns an object
+/// without one. Generations start at 1, so kstatus (Flux) and `kubectl wait` judge a job just
+/// applied as not yet observed (InProgress) rather than as a resource without conditions
+/// (Current) until the operator reports on it (docs/gitops.md).
+pub const UNOBSERVED_GENERATION: i64 = 0;
+
+/// The StreamJob CRD, with the CEL validation rules attached and `status` defaulted to
+/// `{observedGeneration: UNOBSERVED_GENERATION}`.
 pub fn crd() -> CustomResourceDefinition {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON;
     let mut crd = StreamJob::crd();
     for version in &mut crd.spec.versions {
         if let Some(schema) = version
@@ -693,6 +702,11 @@ pub fn crd() -> CustomResourceDefinition {
             .and_then(|s| s.open_api_v3_schema.as_mut())
         {
             crate::validation::attach_cel_rules(schema);
+            if let Some(status) = schema.properties.as_mut().and_then(|p| p.get_mut("status")) {
+                status.default = Some(JSON(
+                    serde_json::json!({ "observedGeneration": UNOBSERVED_GENERATION }),
+                ));
+            }
         }
     }
     crd

@@ -399,3 +399,108 @@ pub fn list_objects(url: &str) -> Vec<String> {
 pub fn tag_image(reference: &str) {
     ctr(&["images", "tag", "--force", &image(), reference]);
 }
+
+/// The GitOps health tool (`hack/gitops-health`): `KEYSHIFT_GITOPS_HEALTH` (set by `hack/test.sh`),
+/// else what `hack/build-gitops-health.sh` builds or finds in its cache.
+pub fn gitops_health_bin() -> PathBuf {
+    static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("KEYSHIFT_GITOPS_HEALTH").filter(|p| !p.is_empty()) {
+            return PathBuf::from(p);
+        }
+        let out = Command::new(root().join("hack/build-gitops-health.sh"))
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("hack/build-gitops-health.sh runs");
+        assert!(out.status.success(), "hack/build-gitops-health.sh failed");
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let path = stdout
+            .lines()
+            .find_map(|l| l.strip_prefix("GITOPS_HEALTH="))
+            .expect("GITOPS_HEALTH=<path> on stdout");
+        PathBuf::from(path)
+    })
+    .clone()
+}
+
+/// A StreamJob's health as Flux (kstatus) and Argo CD (our Lua health check) see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GitopsHealth {
+    /// kstatus' status (`InProgress`, `Current`, `Failed`, ...) and message.
+    pub kstatus: (String, String),
+    /// The Argo CD health check's `hs.status` and `hs.message`.
+    pub argocd: (String, String),
+}
+
+/// The Argo CD health check we ship.
+pub fn argocd_health_script() -> PathBuf {
+    root().join("docs/gitops/streamjob-health.lua")
+}
+
+fn gitops_health(args: &[&str], stdin: Option<&str>) -> GitopsHealth {
+    let script = argocd_health_script();
+    let mut child = Command::new(gitops_health_bin())
+        .arg("--lua")
+        .arg(&script)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("gitops-health starts");
+    let mut input = child.stdin.take().expect("stdin is piped");
+    if let Some(text) = stdin {
+        input.write_all(text.as_bytes()).expect("writing its stdin");
+    }
+    drop(input);
+    let out = child.wait_with_output().expect("gitops-health runs");
+    assert!(
+        out.status.success(),
+        "gitops-health {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("gitops-health JSON");
+    let pair = |k: &str| {
+        (
+            v[k]["status"].as_str().unwrap_or_default().to_owned(),
+            v[k]["message"].as_str().unwrap_or_default().to_owned(),
+        )
+    };
+    GitopsHealth {
+        kstatus: pair("kstatus"),
+        argocd: pair("argocd"),
+    }
+}
+
+/// The health of a StreamJob given as its JSON document.
+pub fn gitops_health_of_json(json: &str) -> GitopsHealth {
+    gitops_health(&[], Some(json))
+}
+
+/// The health of the live StreamJob `ns/name` on the test control plane (read by the tool's own
+/// client).
+pub fn gitops_health_of(ns: &str, name: &str) -> GitopsHealth {
+    let kubeconfig = kubeconfig();
+    let kubeconfig = kubeconfig.to_str().expect("a UTF-8 kubeconfig path");
+    gitops_health(
+        &["--kubeconfig", kubeconfig, "-n", ns, "--name", name],
+        None,
+    )
+}
+
+/// The Argo CD health docs/gitops.md's table pairs with a kstatus result: Failed is Degraded,
+/// InProgress is Progressing, Current is Healthy (Suspended for a suspended job). Panics when the
+/// two tools disagree.
+pub fn assert_gitops_agree(h: &GitopsHealth, suspended: bool) {
+    let expected = match h.kstatus.0.as_str() {
+        "Failed" => "Degraded",
+        "InProgress" => "Progressing",
+        "Current" if suspended => "Suspended",
+        "Current" => "Healthy",
+        other => panic!("kstatus {other} is not in docs/gitops.md's table: {h:?}"),
+    };
+    assert_eq!(
+        h.argocd.0, expected,
+        "Argo CD disagrees with kstatus: {h:?}"
+    );
+}
