@@ -77,7 +77,7 @@ pub fn chart_svg(chart: &Chart) -> String {
         .fold(0.0_f64, f64::max)
         .max(1e-9);
     let left = svg::MARGIN + LABEL_W;
-    let axis_w = WIDTH - left - 110.0;
+    let axis_w = WIDTH - left - 230.0;
     let mut s = Svg::new(WIDTH);
     let mut y = 32.0;
     s.text(
@@ -134,6 +134,8 @@ pub fn chart_svg(chart: &Chart) -> String {
             r#"font-weight="bold" font-size="12""#,
         );
         y += 6.0;
+        // The group's baseline, for each of ours as a ratio to it.
+        let baseline = g.bars.iter().find(|b| !b.ours).map(|b| b.value);
         for b in &g.bars {
             let w = axis_w * b.value / max;
             s.text(
@@ -155,10 +157,16 @@ pub fn chart_svg(chart: &Chart) -> String {
                 ),
                 &format!("{}: {} {}", b.label, b.value, chart.unit),
             );
+            let ratio = match baseline {
+                Some(base) if b.ours && base > 0.0 => {
+                    format!(" ({:.2}x the baseline)", b.value / base)
+                }
+                _ => String::new(),
+            };
             s.text(
                 left + w + 5.0,
                 y + 13.0,
-                &format!("{} {}", b.value, chart.unit),
+                &format!("{} {}{ratio}", b.value, chart.unit),
                 r#"font-size="11""#,
             );
             y += BAR_H + 4.0;
@@ -237,6 +245,7 @@ mod tests {
         assert!((width("4") - 2.0 * width("2")).abs() < 0.02, "{svg}");
         assert!(svg.contains(r#"data-ours="true" data-value="4""#));
         assert!(svg.contains(r#"data-ours="false" data-value="2""#));
+        assert!(svg.contains(">4 s (2.00x the baseline)</text>"), "{svg}");
     }
 
     #[test]
