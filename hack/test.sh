@@ -69,6 +69,10 @@ eval "$(hack/s3-server.sh start)"
 # contract (no wildcards, Roles only in namespaced mode), restricted pod security, refused values
 # and the chart's CRD being crds/streamjob.yaml. With all features: the benchmarks' own tests
 # run, and the e2e tier below reuses this build (its operator needs the test hooks).
+# Also the documentation checks: tests/pictures.rs (the committed pictures under docs/ are what
+# src/pictures/ draws from docs/data/), tests/docs_images.rs (every picture parses, has a title
+# and shapes and is shown; every shown image exists), tests/docs_reasons.rs (docs/troubleshooting.md
+# lists exactly the condition types and reasons of the code).
 step "cargo test --all-features"
 cargo test --locked --all-features
 

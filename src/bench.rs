@@ -111,6 +111,10 @@ pub struct RescaleBench {
     /// Keep the snapshots and worker logs.
     #[arg(long)]
     pub keep: bool,
+    /// Also write the rescale's steps, their seconds and the raw baseline as JSON to this file
+    /// (the data of the timeline picture, `docs/data/rescale-timeline.json`).
+    #[arg(long)]
+    pub record: Option<PathBuf>,
 }
 
 #[derive(Args, Debug)]
@@ -975,6 +979,37 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
         secs(raw)
     );
     println!("machine at the end: load average {}", loadavg());
+    if let Some(path) = &args.record {
+        let record = crate::pictures::timeline::RescaleRecord {
+            command: std::env::args()
+                .skip(1)
+                .fold("keyshift".to_owned(), |acc, a| acc + " " + &a),
+            recorded_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            machine: format!("{ctx_start}; load average {} at the end", loadavg()),
+            release_build: !cfg!(debug_assertions),
+            from: report.from,
+            to: report.to,
+            max_parallelism: args.max_parallelism,
+            groups_moved: report.groups_moved,
+            state_bytes: bytes,
+            bytes_read: report.bytes_read,
+            keys: keys_restored,
+            steps: report
+                .steps
+                .iter()
+                .map(|(step, d)| crate::pictures::timeline::StepTime {
+                    step: *step,
+                    seconds: round3(d.as_secs_f64()),
+                })
+                .collect(),
+            restore_seconds_per_subtask: restore_ms.iter().map(|ms| *ms as f64 / 1000.0).collect(),
+            raw_write_seconds: round3(best_w.get().as_secs_f64()),
+            raw_read_seconds: round3(best_r.get().as_secs_f64()),
+        };
+        let json = serde_json::to_string_pretty(&record)?;
+        std::fs::write(path, json + "\n").with_context(|| format!("writing {}", path.display()))?;
+        println!("recorded the rescale's steps in {}", path.display());
+    }
     println!();
     println!(
         "| rescale | state | keys | pause | pause / raw write+read | bytes read / state bytes | groups moved | steps |"
@@ -999,6 +1034,11 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
             .join(", ")
     );
     Ok(())
+}
+
+/// Seconds to the millisecond (what the recorded JSON keeps).
+fn round3(secs: f64) -> f64 {
+    (secs * 1000.0).round() / 1000.0
 }
 
 async fn processed(local: &mut LocalJob) -> Result<(u64, u64)> {

@@ -1,6 +1,6 @@
 //! `keyshift plan -o svg`: the key-group assignment (and a rescale) as an SVG picture.
 //!
-//! Pure: the picture is drawn from [`Assignment`] and [`RescalePlan`] (src/keygroup.rs owns all the
+//! Drawn with the shared writer of [`crate::svg`]. Pure: the picture is drawn from [`Assignment`] and [`RescalePlan`] (src/keygroup.rs owns all the
 //! math; nothing here derives a range or a move on its own) into a `String`. The output is
 //! deterministic (fixed decimals, no clock), so the committed pictures under `docs/` can be checked
 //! against what the binary renders now.
@@ -9,12 +9,13 @@
 //! group count) so tests and readers can check the picture against the plan without measuring it.
 
 use crate::keygroup::{Assignment, KeyGroupRange, RescalePlan};
+use crate::svg::{self, escape, plural};
 use std::fmt::Write as _;
 
 /// Width of the whole picture.
 const WIDTH: f64 = 960.0;
 /// Left and right margin around the strips.
-const MARGIN: f64 = 30.0;
+const MARGIN: f64 = svg::MARGIN;
 /// Height of one strip of key groups.
 const STRIP_H: f64 = 44.0;
 /// Height of the tallest bar of the groups-per-subtask chart.
@@ -198,25 +199,14 @@ pub fn plan_svg(to: &Assignment, rescale: Option<(&Assignment, &RescalePlan)>) -
     );
     y += 16.0;
 
-    let height = y.ceil();
-    let mut s = String::new();
-    let _ = writeln!(s, r##"<?xml version="1.0" encoding="UTF-8"?>"##);
-    let _ = writeln!(
-        s,
-        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" viewBox="0 0 {WIDTH} {height}" font-family="Helvetica, Arial, sans-serif" font-size="12" fill="#222">"##
-    );
-    let _ = writeln!(s, "  <title>{}</title>", escape(&title));
-    let _ = writeln!(
-        s,
-        r##"  <defs><pattern id="moved" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="6" height="6" fill="#ffffff" fill-opacity="0.15"/><line x1="0" y1="0" x2="0" y2="6" stroke="#c0392b" stroke-width="2.5" stroke-opacity="0.6"/></pattern></defs>"##
-    );
-    let _ = writeln!(
-        s,
-        r##"  <rect x="0" y="0" width="{WIDTH}" height="{height}" fill="#ffffff"/>"##
-    );
-    s.push_str(&body);
-    s.push_str("</svg>\n");
-    s
+    svg::document(
+        WIDTH,
+        y,
+        &title,
+        "",
+        r##"<pattern id="moved" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)"><rect width="6" height="6" fill="#ffffff" fill-opacity="0.15"/><line x1="0" y1="0" x2="0" y2="6" stroke="#c0392b" stroke-width="2.5" stroke-opacity="0.6"/></pattern>"##,
+        &body,
+    )
 }
 
 /// One strip: a rect per subtask's range, labelled with the subtask and its groups where it fits.
@@ -272,35 +262,10 @@ fn colour(subtask: usize) -> &'static str {
     PALETTE[subtask % PALETTE.len()]
 }
 
-fn plural(n: u32) -> &'static str {
-    if n == 1 { "" } else { "s" }
-}
-
-/// Escapes text for XML character data and attribute values.
-fn escape(text: &str) -> String {
-    let mut out = String::with_capacity(text.len());
-    for c in text.chars() {
-        match c {
-            '&' => out.push_str("&amp;"),
-            '<' => out.push_str("&lt;"),
-            '>' => out.push_str("&gt;"),
-            '"' => out.push_str("&quot;"),
-            '\'' => out.push_str("&apos;"),
-            c => out.push(c),
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::keygroup::rescale_plan;
-
-    #[test]
-    fn escape_covers_markup() {
-        assert_eq!(escape(r##"a<b>&"c'"##), "a&lt;b&gt;&amp;&quot;c&apos;");
-    }
 
     #[test]
     fn one_range_rect_per_subtask_and_no_moves_without_a_rescale() {

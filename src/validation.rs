@@ -91,10 +91,11 @@ pub enum PolicyError {
 
 impl PolicyError {
     /// The reason of the Stalled condition.
-    pub fn reason(&self) -> &'static str {
+    pub fn reason(&self) -> crate::orchestrator::reason::Reason {
+        use crate::orchestrator::reason::Reason;
         match self {
-            PolicyError::ImageNotAllowed { .. } => "ImageNotAllowed",
-            PolicyError::ServiceAccountNotAllowed { .. } => "ServiceAccountNotAllowed",
+            PolicyError::ImageNotAllowed { .. } => Reason::ImageNotAllowed,
+            PolicyError::ServiceAccountNotAllowed { .. } => Reason::ServiceAccountNotAllowed,
         }
     }
 }
@@ -1038,6 +1039,7 @@ pub fn analyse(
 mod tests {
     use super::*;
     use crate::operator::desired::tests_support::job;
+    use crate::orchestrator::reason::Reason;
 
     fn policy(images: &[&str], accounts: &[&str]) -> PodPolicy {
         PodPolicy {
@@ -1090,7 +1092,7 @@ mod tests {
             "",
         ] {
             let err = check_pod_policy(&with(Some(bad), None), &p, OPERATOR_IMAGE).unwrap_err();
-            assert_eq!(err.reason(), "ImageNotAllowed", "{bad}");
+            assert_eq!(err.reason(), Reason::ImageNotAllowed, "{bad}");
             assert_eq!(
                 err,
                 PolicyError::ImageNotAllowed {
@@ -1129,7 +1131,7 @@ mod tests {
         }
         let err =
             check_pod_policy(&with(None, Some("ci-deployer")), &p, OPERATOR_IMAGE).unwrap_err();
-        assert_eq!(err.reason(), "ServiceAccountNotAllowed");
+        assert_eq!(err.reason(), Reason::ServiceAccountNotAllowed);
         assert_eq!(
             err.to_string(),
             "spec.podTemplate.serviceAccountName `ci-deployer` is not allowed here: this operator runs workers only as `stream-workers` (or the namespace's default); name one of them, remove the field to use the default ServiceAccount, or ask the cluster admin to extend policy.allowedServiceAccounts"
@@ -1142,7 +1144,7 @@ mod tests {
         let p = policy(&["ok/"], &["stream-workers"]);
         let err =
             check_pod_policy(&with(Some("bad/x"), Some("bad")), &p, OPERATOR_IMAGE).unwrap_err();
-        assert_eq!(err.reason(), "ImageNotAllowed");
+        assert_eq!(err.reason(), Reason::ImageNotAllowed);
     }
 
     #[test]

@@ -2,12 +2,14 @@
 //! src/keygroup.rs (one range per subtask and strip, the moved groups marked), and the pictures
 //! committed under docs/ are what the binary renders now and are referenced from the docs.
 
+mod svg_support;
+
 use keyshift::keygroup::{Assignment, rescale_plan};
 use keyshift::plan_svg::plan_svg;
-use quick_xml::events::Event;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
+use svg_support::{Element, parse};
 
 /// The pictures under docs/ and the `keyshift` arguments that draw them. Regenerate with e.g.
 /// `cargo run -- plan -g 128 -p 8 --from-parallelism 4 -o svg > docs/plan-4-to-8.svg`.
@@ -41,94 +43,6 @@ const PICTURES: &[(&str, &[&str])] = &[
         ],
     ),
 ];
-
-/// One element of the picture with its attributes.
-#[derive(Debug)]
-struct Element {
-    name: String,
-    attrs: BTreeMap<String, String>,
-}
-
-impl Element {
-    fn attr(&self, key: &str) -> &str {
-        self.attrs
-            .get(key)
-            .unwrap_or_else(|| panic!("{} has no {key}: {:?}", self.name, self.attrs))
-    }
-
-    fn num(&self, key: &str) -> u32 {
-        self.attr(key).parse().unwrap()
-    }
-
-    fn class(&self) -> Option<&str> {
-        self.attrs.get("class").map(String::as_str)
-    }
-}
-
-/// Parses the whole document strictly (matching end tags, one root `svg`, only the predefined
-/// entities, every attribute well-formed) and returns its elements in document order.
-fn parse(svg: &str) -> Vec<Element> {
-    let mut reader = quick_xml::Reader::from_str(svg);
-    reader.config_mut().check_end_names = true;
-    let mut stack: Vec<String> = Vec::new();
-    let mut elements = Vec::new();
-    let mut roots = 0;
-    loop {
-        let event = reader
-            .read_event()
-            .unwrap_or_else(|e| panic!("not well-formed at {}: {e}", reader.buffer_position()));
-        match event {
-            Event::Start(ref e) | Event::Empty(ref e) => {
-                let name = String::from_utf8(e.name().as_ref().to_vec()).unwrap();
-                if stack.is_empty() {
-                    roots += 1;
-                    assert_eq!(name, "svg", "the root element");
-                }
-                let attrs = e
-                    .attributes()
-                    .map(|a| {
-                        let a = a.expect("a well-formed attribute");
-                        (
-                            String::from_utf8(a.key.as_ref().to_vec()).unwrap(),
-                            a.normalized_value(quick_xml::XmlVersion::Explicit1_0)
-                                .expect("escaped value")
-                                .into_owned(),
-                        )
-                    })
-                    .collect();
-                elements.push(Element {
-                    name: name.clone(),
-                    attrs,
-                });
-                if matches!(event, Event::Start(_)) {
-                    stack.push(name);
-                }
-            }
-            Event::End(e) => {
-                let name = String::from_utf8(e.name().as_ref().to_vec()).unwrap();
-                assert_eq!(stack.pop().as_deref(), Some(name.as_str()));
-            }
-            Event::GeneralRef(r) => {
-                let name = r.decode().unwrap();
-                assert!(
-                    r.is_char_ref() || ["amp", "lt", "gt", "quot", "apos"].contains(&&*name),
-                    "undefined entity &{name};"
-                );
-            }
-            Event::Text(t) if stack.is_empty() => {
-                assert!(
-                    t.decode().unwrap().trim().is_empty(),
-                    "text outside the root"
-                );
-            }
-            Event::Eof => break,
-            _ => {}
-        }
-    }
-    assert!(stack.is_empty(), "unclosed elements: {stack:?}");
-    assert_eq!(roots, 1, "one root element");
-    elements
-}
 
 fn asg(p: i64, g: i64) -> Assignment {
     Assignment::new(p, g).unwrap()

@@ -10,6 +10,7 @@ use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerE
 use crate::crd::{StreamJob, StreamJobSpec};
 use crate::keygroup::{self, Assignment};
 use crate::orchestrator::run;
+use crate::orchestrator::step::Step;
 use crate::runtime::protocol::{StartResponse, WorkerStatus};
 use crate::snapshot::{self, SnapshotKind};
 use crate::validation;
@@ -109,7 +110,7 @@ pub struct RescaleReport {
     /// Time from the savepoint trigger until every new subtask runs.
     pub pause: Duration,
     /// Per step: savepoint, verify, stop, restore.
-    pub steps: Vec<(&'static str, Duration)>,
+    pub steps: Vec<(Step, Duration)>,
     /// What starting the new subtasks reported (per-subtask restore times and bytes).
     pub launch: LaunchReport,
 }
@@ -343,7 +344,7 @@ impl LocalJob {
                 "the job keeps running at the old parallelism",
             )
         })?;
-        steps.push(("Savepointing", t0.elapsed()));
+        steps.push((Step::Savepointing, t0.elapsed()));
 
         // 2. Verify every file of it before anything stops.
         let t = Instant::now();
@@ -358,12 +359,12 @@ impl LocalJob {
                 "the job keeps running at the old parallelism",
             ));
         }
-        steps.push(("Verifying", t.elapsed()));
+        steps.push((Step::Verifying, t.elapsed()));
 
         // 3. Stop the old workers.
         let t = Instant::now();
         self.stop().await;
-        steps.push(("Stopping", t.elapsed()));
+        steps.push((Step::Stopping, t.elapsed()));
 
         // 4. Start the new ones from the savepoint.
         let t = Instant::now();
@@ -384,7 +385,7 @@ impl LocalJob {
                 ));
             }
         };
-        steps.push(("Restoring", t.elapsed()));
+        steps.push((Step::Restoring, t.elapsed()));
         Ok(RescaleReport {
             from,
             to,

@@ -16,6 +16,7 @@ use crate::keygroup::{self, Assignment};
 use crate::operator::metrics::OperatorMetrics;
 use crate::orchestrator::decide;
 use crate::orchestrator::pass::{self, JobMemory, PassInput, PendingEvent, Shell};
+use crate::orchestrator::reason::Reason;
 use crate::orchestrator::run;
 use crate::orchestrator::step::Step;
 use crate::snapshot;
@@ -232,14 +233,22 @@ fn rate(n: u64, d: Duration) -> f64 {
 /// the pass's Events.
 fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingEvent]) {
     for e in events {
+        // Said below, from status, in the words `keyshift local` has always used.
+        const SAID_FROM_STATUS: [Reason; 7] = [
+            Reason::Started,
+            Reason::Rescaled,
+            Reason::RescaleStarted,
+            Reason::Suspending,
+            Reason::Suspended,
+            Reason::CreatedPods,
+            Reason::DeletingPods,
+        ];
         match e.reason.as_str() {
-            // Said below, from status, in the words `keyshift local` has always used.
-            "Started" | "Rescaled" | "RescaleStarted" | "Suspending" | "Suspended"
-            | "CreatedPods" | "DeletingPods" => {}
+            r if SAID_FROM_STATUS.iter().any(|s| r == *s) => {}
             _ if e.warning => say(format_args!("warning: {}: {}", e.reason, e.note)),
             _ => say(format_args!("{}: {}", e.reason, e.note)),
         }
-        if e.reason == "Started" {
+        if e.reason == Reason::Started {
             say(format_args!("started: {}", e.note));
         }
     }
@@ -302,7 +311,8 @@ fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingE
                 after
                     .conditions
                     .iter()
-                    .find(|c| c.reason == "RescaleAbandoned" || c.reason == "RescaleRolledBack")
+                    .find(|c| c.reason == Reason::RescaleAbandoned
+                        || c.reason == Reason::RescaleRolledBack)
                     .map_or("see the warning above", |c| c.message.as_str())
             )),
             _ => {}

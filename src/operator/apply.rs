@@ -8,6 +8,7 @@ use super::error::OperatorError;
 use super::pods::PodWorkers;
 use crate::crd::{StreamJob, StreamJobStatus};
 use crate::orchestrator::pass::{self, PassInput, Shell, requeue};
+use crate::orchestrator::reason::Reason;
 use crate::validation;
 use kube::ResourceExt;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -65,7 +66,7 @@ pub(super) async fn apply(
             spec,
             job.metadata.generation,
             &status0,
-            "NoStorage",
+            Reason::NoStorage,
             "no snapshot storage: set spec.state.storage, or start the operator with --default-storage",
         );
         write_status(&api, &name, &status0, &status).await?;

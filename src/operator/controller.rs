@@ -9,6 +9,7 @@ use super::pods::delete_pod;
 use crate::crd::StreamJob;
 use crate::orchestrator::pass::requeue;
 use crate::orchestrator::port::PortError;
+use crate::orchestrator::reason::Reason;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, ListParams, Patch, PatchParams};
@@ -276,7 +277,7 @@ async fn cleanup(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Oper
     ctx.event(
         &job,
         false,
-        "Deleted",
+        Reason::Deleted.as_str(),
         "worker pods removed; snapshots are kept in storage".into(),
     )
     .await;

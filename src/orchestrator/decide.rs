@@ -4,6 +4,7 @@
 //! resumes from status.
 
 use crate::crd::{StreamJobSpec, StreamJobStatus, UpgradeMode};
+use crate::orchestrator::reason::Reason;
 use crate::orchestrator::step::{Outcome, Step};
 use crate::runtime::protocol::WorkerState;
 use crate::validation::{self, Analysis};
@@ -77,11 +78,11 @@ pub struct Observed {
     /// spec.restoreFrom when it differs from status.restoredFrom (not yet acted on): the
     /// snapshot's key-group count as read from its manifest, or why it cannot be used (reason,
     /// message).
-    pub pending_restore: Option<Result<PendingRestore, (&'static str, String)>>,
+    pub pending_restore: Option<Result<PendingRestore, (Reason, String)>>,
     /// Why the job's changed spec.job must not be applied to the state of its running workers
     /// (reason, message; see [`run::restore_refusal`](super::run::restore_refusal)): the
     /// upgrade is not begun, and the job keeps running and checkpointing under its old logic.
-    pub upgrade_refused: Option<(&'static str, String)>,
+    pub upgrade_refused: Option<(Reason, String)>,
 }
 
 /// A spec.restoreFrom the job has not been started from yet.
@@ -108,10 +109,7 @@ pub enum Restore {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Action {
     /// The spec cannot be run as is: say so (Stalled), leave the workers as they are.
-    Stall {
-        reason: &'static str,
-        message: String,
-    },
+    Stall { reason: Reason, message: String },
     /// Record the key-group count (and where it came from) in status before anything is
     /// snapshotted.
     PinMaxParallelism { groups: u32, origin: String },
@@ -134,7 +132,7 @@ pub enum Action {
     /// Verify the recorded savepoint; on success record step Stopping.
     Verify { url: String },
     /// Delete every pod of the job (stopping a run; a rescale's Stopping step).
-    DeletePods { reason: &'static str },
+    DeletePods { reason: Reason },
     /// A step's work is done (nothing ran in the background): record the step that follows.
     Advance(Outcome),
     /// Give up the rescale in flight: the job keeps (or returns to) its old parallelism.
@@ -177,26 +175,26 @@ pub fn check_spec(
     name: &str,
     spec: &StreamJobSpec,
     status: &StreamJobStatus,
-) -> Result<Analysis, (&'static str, String)> {
+) -> Result<Analysis, (Reason, String)> {
     if let Some(pinned) = status.max_parallelism {
         let rewriting =
             spec.restore_from.is_some() && spec.max_parallelism.is_some_and(|g| g > pinned);
         if spec.replicas > pinned && !rewriting {
             let context = validation::ceiling_context(name, spec, status, pinned);
             return Err((
-                "AboveKeyGroupCeiling",
+                Reason::AboveKeyGroupCeiling,
                 validation::ceiling_guidance(&context),
             ));
         }
     }
     if let Err(e) = validation::validate(spec, None, Some(status)) {
-        return Err(("InvalidSpec", e.to_string()));
+        return Err((Reason::InvalidSpec, e.to_string()));
     }
     validation::analyse(spec, Some(status)).map_err(|e| {
         let reason = match e {
-            validation::AnalysisError::AboveCeiling { .. } => "AboveKeyGroupCeiling",
-            validation::AnalysisError::StrictNonDivisor { .. } => "StrictNonDivisor",
-            validation::AnalysisError::Bounds(_) => "InvalidSpec",
+            validation::AnalysisError::AboveCeiling { .. } => Reason::AboveKeyGroupCeiling,
+            validation::AnalysisError::StrictNonDivisor { .. } => Reason::StrictNonDivisor,
+            validation::AnalysisError::Bounds(_) => Reason::InvalidSpec,
         };
         (reason, e.to_string())
     })
@@ -283,12 +281,12 @@ pub fn effective_status(status: &StreamJobStatus, obs: &Observed) -> StreamJobSt
 /// Whether a pending restoreFrom can run with this spec: (reason, message) if not.
 fn check_pending_restore(
     spec: &StreamJobSpec,
-    pending: &Result<PendingRestore, (&'static str, String)>,
-) -> Result<(), (&'static str, String)> {
+    pending: &Result<PendingRestore, (Reason, String)>,
+) -> Result<(), (Reason, String)> {
     let p = pending.as_ref().map_err(Clone::clone)?;
     match spec.max_parallelism {
         Some(g) if g as u32 != p.max_parallelism => Err((
-            "RestoreFromKeyGroupMismatch",
+            Reason::RestoreFromKeyGroupMismatch,
             format!(
                 "{}; nothing was stopped",
                 validation::restore_from_mismatch(&p.url, p.max_parallelism, g)
@@ -422,7 +420,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         return match adoptable(&obs.pods) {
             Some((run, parallelism)) => Action::Adopt { run, parallelism },
             None => Action::DeletePods {
-                reason: "Suspended",
+                reason: Reason::Suspended,
             },
         };
     }
@@ -505,7 +503,9 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
                     reason: waiting_for_termination(&obs.pods, obs.now),
                 }
             } else {
-                Action::DeletePods { reason: "Stopping" }
+                Action::DeletePods {
+                    reason: Reason::Stopping,
+                }
             }
         }
         Step::Restoring => {
@@ -657,11 +657,13 @@ fn bring_up(
         .iter()
         .any(|p| p.run != run || p.parallelism != parallelism || p.subtask >= parallelism);
     if foreign {
-        return Action::DeletePods { reason: "StaleRun" };
+        return Action::DeletePods {
+            reason: Reason::StaleRun,
+        };
     }
     if pods.iter().any(|p| p.phase == PodPhase::Exited) {
         return Action::DeletePods {
-            reason: "WorkerExited",
+            reason: Reason::WorkerExited,
         };
     }
     let present: Vec<u32> = pods.iter().map(|p| p.subtask).collect();
@@ -697,7 +699,7 @@ fn bring_up(
     }) {
         // Started by an earlier attempt whose outcome is unknown: start clean.
         return Action::DeletePods {
-            reason: "UnknownRunState",
+            reason: Reason::UnknownRunState,
         };
     }
     Action::Wait {
@@ -967,7 +969,9 @@ mod tests {
         let st = rescaling(Step::Stopping, Some("file:///s/sp-3"));
         assert_eq!(
             decide(&spec(8), &st, &obs(running.clone(), None)),
-            Action::DeletePods { reason: "Stopping" }
+            Action::DeletePods {
+                reason: Reason::Stopping
+            }
         );
         let mut going = running.clone();
         for (i, p) in going.iter_mut().enumerate() {
@@ -1065,7 +1069,7 @@ mod tests {
         let running = pods("r", 24, PodPhase::Running, Some(WorkerState::Running));
         match decide(&s, &st, &obs(running, Some(("r", 24)))) {
             Action::Stall { reason, message } => {
-                assert_eq!(reason, "AboveKeyGroupCeiling");
+                assert_eq!(reason, Reason::AboveKeyGroupCeiling);
                 assert!(
                     message.starts_with("spec.replicas 200 exceeds 128, the key-group ceiling"),
                     "{message}"
@@ -1097,7 +1101,7 @@ mod tests {
             ..Default::default()
         };
         let (reason, message) = check_spec("clicks", &s, &st).unwrap_err();
-        assert_eq!(reason, "AboveKeyGroupCeiling");
+        assert_eq!(reason, Reason::AboveKeyGroupCeiling);
         assert!(
             message.contains("(status.maxParallelism: set by spec.maxParallelism)"),
             "{message}"
@@ -1119,7 +1123,7 @@ mod tests {
         assert!(a.is_ok(), "default ceiling follows replicas: {a:?}");
     }
 
-    fn pending(url: &str, groups: u32) -> Option<Result<PendingRestore, (&'static str, String)>> {
+    fn pending(url: &str, groups: u32) -> Option<Result<PendingRestore, (Reason, String)>> {
         Some(Ok(PendingRestore {
             url: url.into(),
             max_parallelism: groups,
@@ -1229,7 +1233,7 @@ mod tests {
         o.pending_restore = pending("file:///x/sp-3-mp1024", 1024);
         match decide(&s, &status(), &o) {
             Action::Stall { reason, message } => {
-                assert_eq!(reason, "RestoreFromKeyGroupMismatch");
+                assert_eq!(reason, Reason::RestoreFromKeyGroupMismatch);
                 assert!(message.contains("has 1024 key groups"), "{message}");
                 assert!(
                     message.contains("set spec.maxParallelism to 1024"),
@@ -1238,11 +1242,11 @@ mod tests {
             }
             a => panic!("{a:?}"),
         }
-        o.pending_restore = Some(Err(("RestoreFromUnusable", "cannot read it".into())));
+        o.pending_restore = Some(Err((Reason::RestoreFromUnusable, "cannot read it".into())));
         assert_eq!(
             decide(&s, &status(), &o),
             Action::Stall {
-                reason: "RestoreFromUnusable",
+                reason: Reason::RestoreFromUnusable,
                 message: "cannot read it".into()
             }
         );
@@ -1468,7 +1472,9 @@ mod tests {
         let st = upgrading(UpgradeMode::LastState, Step::Stopping, None);
         assert_eq!(
             decide(&s, &st, &obs(running, None)),
-            Action::DeletePods { reason: "Stopping" }
+            Action::DeletePods {
+                reason: Reason::Stopping
+            }
         );
     }
 

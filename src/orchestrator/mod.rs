@@ -6,6 +6,7 @@ pub mod decide;
 pub mod hooks;
 pub mod pass;
 pub mod port;
+pub mod reason;
 pub mod run;
 pub mod status;
 pub mod step;

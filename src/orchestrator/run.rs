@@ -6,6 +6,7 @@
 use crate::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{SinkType, StreamJobSpec};
 use crate::keygroup::Assignment;
+use crate::orchestrator::reason::Reason;
 use crate::runtime::protocol::StartRequest;
 use crate::snapshot::{self, JobIdentity, StateLayout};
 /// How long each long step of a run may take before it counts as failed.
@@ -142,12 +143,12 @@ pub fn restore_refusal(
     spec: &StreamJobSpec,
     url: &str,
     snapshot: &JobIdentity,
-) -> Option<(&'static str, String)> {
+) -> Option<(Reason, String)> {
     if (snapshot.namespace.as_str(), snapshot.name.as_str()) != (namespace, name)
         && !spec.allow_restore_from_another_job
     {
         return Some((
-            "SnapshotOfAnotherJob",
+            Reason::SnapshotOfAnotherJob,
             format!(
                 "{url} holds the state of StreamJob {}/{}, not of {namespace}/{name}; refusing to restore another job's history. Set spec.allowRestoreFromAnotherJob: true if this job is meant to continue it",
                 snapshot.namespace, snapshot.name
@@ -170,7 +171,7 @@ pub fn restore_refusal(
         "Revert the change, or set spec.upgradeMode: stateless to start empty (state under another aggregate function or window cannot be kept)"
     };
     Some((
-        "StateLayoutChanged",
+        Reason::StateLayoutChanged,
         format!(
             "the state in {url} was written by another version of this job's logic ({what}); restoring it would mix two histories. {how}"
         ),
@@ -363,7 +364,7 @@ mod tests {
         // Another job, or the same name in another namespace.
         for (ns, name) in [("ns", "other"), ("team-b", "j")] {
             let (reason, message) = restore_refusal(ns, name, &spec, url, &own).unwrap();
-            assert_eq!(reason, "SnapshotOfAnotherJob");
+            assert_eq!(reason, Reason::SnapshotOfAnotherJob);
             assert!(
                 message.contains("ns/j") && message.contains("allowRestoreFromAnotherJob"),
                 "{message}"
@@ -379,7 +380,7 @@ mod tests {
         changed.job.key.field = "account".into();
         changed.job.key.key_type = crate::keygroup::KeyType::Long;
         let (reason, message) = restore_refusal("ns", "j", &changed, url, &own).unwrap();
-        assert_eq!(reason, "StateLayoutChanged");
+        assert_eq!(reason, Reason::StateLayoutChanged);
         for needle in [
             r#"spec.job.key.field is "user" in the snapshot, "account" in the job"#,
             r#"spec.job.key.type is "string" in the snapshot, "long" in the job"#,

@@ -7,6 +7,7 @@ use crate::crd::{
     KeyGroupsStatus, Phase, RestoreStatus, StateDistribution, StreamJobSpec, StreamJobStatus,
 };
 use crate::keygroup::Assignment;
+use crate::orchestrator::reason::Reason;
 use crate::validation::Analysis;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -23,6 +24,17 @@ pub const SINK_PUBLISHED: &str = "SinkPublished";
 pub const NEWEST_SNAPSHOT_RESTORED: &str = "NewestSnapshotRestored";
 /// Whether the running job's periodic checkpoints succeed (False after two failures in a row).
 pub const CHECKPOINTS_HEALTHY: &str = "CheckpointsHealthy";
+/// Every condition type the operator sets (docs/troubleshooting.md lists each one; a test checks).
+pub const ALL_CONDITIONS: [&str; 8] = [
+    READY,
+    RECONCILING,
+    STALLED,
+    KEY_GROUPS_BALANCED,
+    ALL_SUBTASKS_HAVE_PARTITIONS,
+    SINK_PUBLISHED,
+    NEWEST_SNAPSHOT_RESTORED,
+    CHECKPOINTS_HEALTHY,
+];
 /// Consecutive checkpoint failures from which CheckpointsHealthy is False.
 pub const CHECKPOINT_FAILURES_UNHEALTHY: u32 = 2;
 
@@ -263,7 +275,7 @@ pub fn finish(
                 conds,
                 STALLED,
                 false,
-                "SpecValid",
+                Reason::SpecValid.as_str(),
                 "the spec can run",
                 generation,
                 now,
@@ -271,12 +283,12 @@ pub fn finish(
             if ready {
                 let (reason, message) = if spec.suspend {
                     (
-                        "Suspended".to_owned(),
+                        String::from(Reason::Suspended),
                         "suspended with a savepoint".to_owned(),
                     )
                 } else {
                     (
-                        "Running".to_owned(),
+                        String::from(Reason::Running),
                         format!("running at parallelism {}", spec.replicas),
                     )
                 };
@@ -320,12 +332,12 @@ pub fn finish(
                         if let Some((_, f)) = failure {
                             m.push_str(&format!(" (retrying after: {f})"));
                         }
-                        ("Restoring".to_owned(), m)
+                        (String::from(Reason::Restoring), m)
                     }
                     (None, Some((reason, message)), _) => (reason.clone(), message.clone()),
                     (None, None, Some((reason, message))) => (reason.clone(), message.clone()),
                     (None, None, None) => (
-                        "Progressing".to_owned(),
+                        String::from(Reason::Progressing),
                         format!("bringing the job to parallelism {}", spec.replicas),
                     ),
                 };
@@ -347,7 +359,7 @@ pub fn finish(
             );
             (
                 false,
-                "CheckpointsFailing",
+                Reason::CheckpointsFailing.as_str(),
                 format!(
                     "{failed} checkpoints in a row failed, the last with: {error}; {last}, and a recovery would replay from it. Check the storage and the workers' logs; spec.state.checkpointTimeout bounds each attempt"
                 ),
@@ -355,7 +367,7 @@ pub fn finish(
         } else {
             (
                 true,
-                "Checkpointing",
+                Reason::Checkpointing.as_str(),
                 "the job's periodic checkpoints commit".to_owned(),
             )
         };
@@ -373,10 +385,14 @@ pub fn finish(
         let (ok, reason, message) = match newest {
             Ok(()) => (
                 true,
-                "Restored",
+                Reason::Restored.as_str(),
                 "the last resume restored the job's newest snapshot",
             ),
-            Err(m) => (false, "UnreadableSnapshotSkipped", m.as_str()),
+            Err(m) => (
+                false,
+                Reason::UnreadableSnapshotSkipped.as_str(),
+                m.as_str(),
+            ),
         };
         set_condition(
             conds,
@@ -392,7 +408,7 @@ pub fn finish(
         let (ok, reason, message) = if backlog.is_behind() {
             (
                 false,
-                "PublishBehind",
+                Reason::PublishBehind.as_str(),
                 format!(
                     "the output of committed {} {} is not published yet ({}); it is retried after every commit, in order, and nothing is published twice",
                     crate::text::noun(backlog.pending.len() as u64, "snapshot"),
@@ -403,7 +419,7 @@ pub fn finish(
         } else {
             (
                 true,
-                "Published",
+                Reason::Published.as_str(),
                 "every committed snapshot's output is published".to_owned(),
             )
         };
@@ -412,9 +428,9 @@ pub fn finish(
     if let Some(a) = analysis {
         let skew = &a.skew;
         let (ok, reason) = if skew.divides {
-            (true, "EvenSpread")
+            (true, Reason::EvenSpread.as_str())
         } else {
-            (false, "UnevenKeyGroups")
+            (false, Reason::UnevenKeyGroups.as_str())
         };
         set_condition(
             conds,
@@ -434,7 +450,7 @@ pub fn finish(
         let (ok, reason, message) = if a.idle_subtasks > 0 {
             (
                 false,
-                "MoreSubtasksThanPartitions",
+                Reason::MoreSubtasksThanPartitions.as_str(),
                 format!(
                     "{} of {} subtasks read no source partition (the source has {} partitions); they still own key groups and process shuffled records",
                     a.idle_subtasks,
@@ -445,7 +461,7 @@ pub fn finish(
         } else {
             (
                 true,
-                "EverySubtaskReads",
+                Reason::EverySubtaskReads.as_str(),
                 "every subtask reads at least one source partition".to_owned(),
             )
         };
@@ -579,7 +595,7 @@ mod tests {
         let c = cond(&st, SINK_PUBLISHED);
         assert_eq!(
             (c.status.as_str(), c.reason.as_str()),
-            ("False", "PublishBehind")
+            ("False", Reason::PublishBehind.as_str())
         );
         assert!(
             c.message.contains("committed snapshots 8, 9 is")
@@ -649,7 +665,7 @@ mod tests {
         );
         assert_eq!(st.phase, Some(Phase::Rescaling));
         assert_eq!(cond(&st, READY).status, "False");
-        assert_eq!(cond(&st, READY).reason, "Savepointing");
+        assert_eq!(cond(&st, READY).reason, Reason::Savepointing);
         assert_eq!(cond(&st, RECONCILING).status, "True");
         assert_eq!(
             cond(&st, RECONCILING).message,
@@ -661,7 +677,7 @@ mod tests {
         }
         let waiting = Progress {
             note: Some((
-                "Waiting".into(),
+                Reason::Waiting.into(),
                 "waiting for 4 old pod(s) to terminate".into(),
             )),
             ..Default::default()
@@ -693,7 +709,7 @@ mod tests {
         };
         let a = analyse(&spec, Some(&st)).unwrap();
         let p = Progress {
-            stalled: Some(("AboveKeyGroupCeiling".into(), "too many".into())),
+            stalled: Some((Reason::AboveKeyGroupCeiling.into(), "too many".into())),
             ..Default::default()
         };
         finish(&spec, Some(1), &mut st, Some(&a), &p, Timestamp::now());
@@ -746,13 +762,13 @@ mod tests {
             ..Default::default()
         };
         let failed = Progress {
-            failure: Some(("WorkerFailed".into(), "worker 1 exited".into())),
+            failure: Some((Reason::WorkerFailed.into(), "worker 1 exited".into())),
             ..Default::default()
         };
         finish(&spec, Some(1), &mut st, None, &failed, Timestamp::now());
         assert_eq!(cond(&st, READY).status, "False");
         assert_eq!(cond(&st, RECONCILING).status, "True");
-        assert_eq!(cond(&st, RECONCILING).reason, "Restoring");
+        assert_eq!(cond(&st, RECONCILING).reason, Reason::Restoring);
         assert_eq!(
             cond(&st, RECONCILING).message,
             format!(

@@ -2,6 +2,7 @@
 //! hold no reconcile slot, and the pass that records how they ended.
 
 use super::*;
+use crate::orchestrator::reason::Reason;
 
 /// A long step that runs outside the pass, so that it holds no reconcile slot: a checkpoint
 /// stuck on a storage outage (up to its timeout) then delays its own job only, not every job
@@ -121,10 +122,7 @@ pub(super) enum StartError {
     /// The snapshot to restore must not be restored into this job (another job's, or state
     /// under another layout): see [`run::restore_refusal`].
     #[error("{message}")]
-    Refused {
-        reason: &'static str,
-        message: String,
-    },
+    Refused { reason: Reason, message: String },
     /// Test only (`test-hooks`).
     #[error("{0}")]
     Injected(String),
@@ -223,7 +221,7 @@ impl Pass<'_> {
                         self.transition(Outcome::Verified)?;
                         self.event(
                             false,
-                            "SavepointVerified",
+                            Reason::SavepointVerified,
                             format!(
                                 "{url}: {} files, {} key groups, {} bytes and {} keys checked",
                                 report.files,

@@ -16,7 +16,7 @@ impl Pass<'_> {
                 self.status.max_parallelism_origin = Some(origin);
                 self.event(
                     false,
-                    "KeyGroupsPinned",
+                    Reason::KeyGroupsPinned,
                     format!("key-group count (max parallelism) pinned at {g}"),
                 );
                 Ok(short)
@@ -46,9 +46,9 @@ impl Pass<'_> {
                 self.event(
                     false,
                     if to == 0 {
-                        "Suspending"
+                        Reason::Suspending
                     } else {
-                        "RescaleStarted"
+                        Reason::RescaleStarted
                     },
                     what,
                 );
@@ -71,7 +71,7 @@ impl Pass<'_> {
                 });
                 self.event(
                     false,
-                    "RestoreStarted",
+                    Reason::RestoreStarted,
                     format!(
                         "spec.restoreFrom changed: keeping the current state in a savepoint, then restarting at parallelism {to} from {url} ({max_parallelism} key groups)"
                     ),
@@ -102,7 +102,7 @@ impl Pass<'_> {
                 };
                 self.event(
                     false,
-                    "UpgradeStarted",
+                    Reason::UpgradeStarted,
                     format!("spec.job or spec.image changed (parallelism {parallelism}): {how}"),
                 );
                 Ok(short)
@@ -123,12 +123,12 @@ impl Pass<'_> {
                 if n > 0 {
                     self.event(
                         false,
-                        "DeletingPods",
+                        Reason::DeletingPods,
                         format!("{reason}: deleting {}", text::count(n as u64, "worker")),
                     );
                 }
                 self.progress.note = Some((
-                    reason.to_owned(),
+                    reason.into(),
                     format!("deleting {}", text::count(n as u64, "worker")),
                 ));
                 Ok(requeue::WORKERS_CHANGING)
@@ -161,7 +161,7 @@ impl Pass<'_> {
                     .map_err(PassError::Create)?;
                 self.event(
                     false,
-                    "CreatedPods",
+                    Reason::CreatedPods,
                     format!(
                         "run {run}: created {} of {}",
                         subtasks.len(),
@@ -169,7 +169,7 @@ impl Pass<'_> {
                     ),
                 );
                 self.progress.note = Some((
-                    "CreatingPods".into(),
+                    Reason::CreatingPods.into(),
                     format!(
                         "run {run}: {}",
                         text::count(u64::from(parallelism), "worker")
@@ -178,7 +178,7 @@ impl Pass<'_> {
                 Ok(requeue::WORKERS_CHANGING)
             }
             Action::Wait { reason } => {
-                self.progress.note = Some(("Waiting".into(), reason));
+                self.progress.note = Some((Reason::Waiting.into(), reason));
                 Ok(requeue::WORKERS_CHANGING)
             }
             Action::Start {
@@ -242,7 +242,7 @@ impl Pass<'_> {
                 self.delete_all().await?;
                 self.progress.phase = Some(Phase::Pending);
                 self.fail(
-                    "WorkerFailed",
+                    Reason::WorkerFailed,
                     format!("{message}; restarting from the last checkpoint"),
                 );
                 self.metrics
@@ -251,7 +251,7 @@ impl Pass<'_> {
                     .inc();
                 self.event(
                     true,
-                    "WorkerFailed",
+                    Reason::WorkerFailed,
                     format!("{message}; restarting the job from its last checkpoint"),
                 );
                 Ok(requeue::WORKERS_CHANGING)
@@ -272,11 +272,11 @@ impl Pass<'_> {
                 self.event(
                     rolled_back,
                     if to == 0 {
-                        "Suspended"
+                        Reason::Suspended
                     } else if rolled_back {
-                        "RescaleRolledBack"
+                        Reason::RescaleRolledBack
                     } else {
-                        "Rescaled"
+                        Reason::Rescaled
                     },
                     format!(
                         "{} -> {} done: {} key groups moved, {} bytes read; {}",
@@ -328,8 +328,8 @@ impl Pass<'_> {
             let parallelism = run.parallelism;
             self.set_running(parallelism)?;
         }
-        self.fail("RescaleAbandoned", message.clone());
-        self.event(true, "RescaleAbandoned", format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
+        self.fail(Reason::RescaleAbandoned, message.clone());
+        self.event(true, Reason::RescaleAbandoned, format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
         Ok(())
     }
 
@@ -409,7 +409,7 @@ impl Pass<'_> {
                 self.transition(Outcome::SavepointTaken)?;
                 self.event(
                     false,
-                    "SavepointTaken",
+                    Reason::SavepointTaken,
                     format!(
                         "savepoint {} ({} bytes) in {} ms; sources stopped at its barrier",
                         c.url,
@@ -462,7 +462,7 @@ impl Pass<'_> {
                 self.succeeded();
                 self.event(
                     false,
-                    "SavepointTaken",
+                    Reason::SavepointTaken,
                     format!(
                         "savepoint {} ({} bytes) in {} ms for savepointTriggerNonce {nonce}; the job keeps running",
                         c.url,
@@ -477,8 +477,8 @@ impl Pass<'_> {
                 let message = format!(
                     "savepoint for savepointTriggerNonce {nonce} failed: {e}; retrying with backoff"
                 );
-                self.fail("SavepointFailed", message.clone());
-                self.event(true, "SavepointFailed", message);
+                self.fail(Reason::SavepointFailed, message.clone());
+                self.event(true, Reason::SavepointFailed, message);
                 requeue::AFTER_FAILURE
             }
         }
@@ -526,7 +526,7 @@ impl Pass<'_> {
                 self.mem.checkpoint_failures = Some((failed, e.to_string()));
                 self.event(
                     true,
-                    "CheckpointFailed",
+                    Reason::CheckpointFailed,
                     format!("{e}; the previous checkpoint stays usable"),
                 );
                 interval / 2
@@ -591,7 +591,7 @@ impl Pass<'_> {
                     true => Ok(()),
                     false => {
                         let message = run::skipped_message(&found.skipped, found.url.as_deref());
-                        self.event(true, "UnreadableSnapshotSkipped", message.clone());
+                        self.event(true, Reason::UnreadableSnapshotSkipped, message.clone());
                         Err(message)
                     }
                 };
@@ -755,7 +755,7 @@ impl Pass<'_> {
                             .map(validation::ceiling_origin_snapshot);
                         self.event(
                             false,
-                            "KeyGroupsPinned",
+                            Reason::KeyGroupsPinned,
                             format!(
                                 "key-group count (max parallelism) is now {g}, from {}",
                                 restore_from.as_deref().unwrap_or_default()
@@ -795,7 +795,7 @@ impl Pass<'_> {
                 self.set_running(parallelism)?;
                 self.event(
                     false,
-                    "Started",
+                    Reason::Started,
                     format!(
                         "run {run}: {} running in {} ms, restored {} ({}) from {}",
                         text::count(u64::from(parallelism), "worker"),
@@ -810,9 +810,9 @@ impl Pass<'_> {
                     self.event(
                         rolled_back,
                         match (rolled_back, r.upgrade_mode) {
-                            (true, _) => "RescaleRolledBack",
-                            (false, None) => "Rescaled",
-                            (false, Some(_)) => "Upgraded",
+                            (true, _) => Reason::RescaleRolledBack,
+                            (false, None) => Reason::Rescaled,
+                            (false, Some(_)) => Reason::Upgraded,
                         },
                         format!(
                             "{}{} -> {} {}: {} key groups moved, {} bytes read; {}",
@@ -852,13 +852,13 @@ impl Pass<'_> {
                     if let Some(r) = self.rescale_mut() {
                         r.rolled_back = Some(why.clone());
                     }
-                    self.fail("RescaleRolledBack", why.clone());
-                    self.event(true, "RescaleRollingBack", why);
+                    self.fail(Reason::RescaleRolledBack, why.clone());
+                    self.event(true, Reason::RescaleRollingBack, why);
                     return Ok(requeue::AFTER_FAILURE);
                 }
                 let reason = match &e {
-                    StartError::Refused { reason, .. } => reason,
-                    _ => "StartFailed",
+                    StartError::Refused { reason, .. } => *reason,
+                    _ => Reason::StartFailed,
                 };
                 self.fail(reason, message.clone());
                 self.event(

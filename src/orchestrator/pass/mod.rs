@@ -15,6 +15,7 @@ pub use error::{ErrorKind, PassError};
 use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore};
 use super::hooks;
 use super::port::{PortError, Workers};
+use super::reason::Reason;
 use super::run::{self, RandomError};
 use super::status::{self, Progress};
 use super::step::{self, Outcome, Step};
@@ -404,12 +405,12 @@ pub fn stalled_status(
     spec: &StreamJobSpec,
     generation: Option<i64>,
     status: &StreamJobStatus,
-    reason: &str,
+    reason: Reason,
     message: &str,
 ) -> StreamJobStatus {
     let mut status = status.clone();
     let progress = Progress {
-        stalled: Some((reason.to_owned(), message.to_owned())),
+        stalled: Some((reason.into(), message.to_owned())),
         ..Default::default()
     };
     status::finish(
@@ -503,7 +504,7 @@ async fn pending_restore(
     status: &StreamJobStatus,
     mem: &mut JobMemory,
     (storage, namespace, name): (&str, &str, &str),
-) -> Option<Result<decide::PendingRestore, (&'static str, String)>> {
+) -> Option<Result<decide::PendingRestore, (Reason, String)>> {
     let url = spec.restore_from.as_ref()?;
     if status.restored_from.as_ref() == Some(url) {
         return None;
@@ -522,7 +523,7 @@ async fn pending_restore(
             }
             Err(e) => {
                 return Some(Err((
-                    "RestoreFromUnusable",
+                    Reason::RestoreFromUnusable,
                     format!("{e}; nothing was stopped"),
                 )));
             }
@@ -545,7 +546,7 @@ fn upgrade_refusal(
     spec: &StreamJobSpec,
     mem: &JobMemory,
     (namespace, name): (&str, &str),
-) -> Option<(&'static str, String)> {
+) -> Option<(Reason, String)> {
     let r = mem.run.as_ref()?;
     let changed = r
         .spec_hash
@@ -613,7 +614,7 @@ impl<'a> Pass<'a> {
 
     /// The spec cannot be carried out: Stalled with `reason`/`message`, and a warning Event
     /// when the message is new.
-    fn stall(&mut self, reason: &str, message: String) {
+    fn stall(&mut self, reason: Reason, message: String) {
         let previous = self
             .status
             .conditions
@@ -623,14 +624,14 @@ impl<'a> Pass<'a> {
         if !previous {
             self.event(true, reason, message.clone());
         }
-        self.progress.stalled = Some((reason.to_owned(), message));
+        self.progress.stalled = Some((reason.into(), message));
     }
 
-    fn fail(&mut self, reason: &str, message: String) {
+    fn fail(&mut self, reason: Reason, message: String) {
         self.mem.failures += 1;
         self.mem.backoff_until = Some(Utc::now() + backoff(self.mem.failures));
-        self.mem.last_failure = Some((reason.to_owned(), message.clone()));
-        self.progress.failure = Some((reason.to_owned(), message));
+        self.mem.last_failure = Some((reason.into(), message.clone()));
+        self.progress.failure = Some((reason.into(), message));
     }
 
     fn succeeded(&mut self) {
@@ -700,7 +701,7 @@ impl<'a> Pass<'a> {
         if backlog.is_behind() && !was_behind {
             self.event(
                 true,
-                "SinkPublishBehind",
+                Reason::SinkPublishBehind,
                 format!(
                     "output of committed {} {} not published: {}; retried after every commit",
                     text::noun(backlog.pending.len() as u64, "snapshot"),
@@ -781,10 +782,10 @@ impl<'a> Pass<'a> {
         Ok(())
     }
 
-    fn event(&mut self, warning: bool, reason: &str, note: String) {
+    fn event(&mut self, warning: bool, reason: Reason, note: String) {
         self.events.push(PendingEvent {
             warning,
-            reason: reason.to_owned(),
+            reason: reason.into(),
             note,
         });
     }

@@ -1,0 +1,150 @@
+//! Every reason the orchestration writes: the `reason` of a status condition (`Ready`,
+//! `Reconciling`, `Stalled`, `CheckpointsHealthy`, ...) and of a Kubernetes Event. One typed
+//! list, so `docs/troubleshooting.md` can be checked against it (tests/docs_reasons.rs): each
+//! reason is in the doc's table and the table names no other.
+
+use std::fmt;
+
+macro_rules! reasons {
+    ($($(#[$doc:meta])* $name:ident),+ $(,)?) => {
+        /// A condition or Event reason.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+        pub enum Reason {
+            $($(#[$doc])* $name,)+
+        }
+
+        impl Reason {
+            /// Every reason, in declaration order.
+            pub const ALL: &'static [Reason] = &[$(Reason::$name,)+];
+
+            /// The string written into conditions and Events.
+            pub const fn as_str(self) -> &'static str {
+                match self {
+                    $(Reason::$name => stringify!($name),)+
+                }
+            }
+        }
+    };
+}
+
+reasons! {
+    // Ready / Reconciling.
+    /// Ready: the job runs at spec.replicas.
+    Running,
+    /// Ready: suspended with a savepoint; also the reason workers are deleted for a suspend and
+    /// the Event when the suspend completed.
+    Suspended,
+    /// Reconciling: nothing more specific to say; the job is being brought to spec.replicas.
+    Progressing,
+    /// Reconciling: a transition's step, or a run starting from a snapshot.
+    Savepointing,
+    Verifying,
+    Stopping,
+    Restoring,
+    /// Reconciling: waiting for workers (a message says for what).
+    Waiting,
+    /// Reconciling: worker pods were just created.
+    CreatingPods,
+    /// Reconciling: pods of an older run are removed.
+    StaleRun,
+    /// Reconciling: a worker exited; the run is restarted from the last snapshot.
+    WorkerExited,
+    /// Reconciling: the run's state could not be read after an operator restart.
+    UnknownRunState,
+    /// Stalled False.
+    SpecValid,
+    // Stalled True (and a warning Event).
+    AboveKeyGroupCeiling,
+    StrictNonDivisor,
+    InvalidSpec,
+    RestoreFromKeyGroupMismatch,
+    RestoreFromUnusable,
+    SnapshotOfAnotherJob,
+    StateLayoutChanged,
+    NoStorage,
+    ImageNotAllowed,
+    ServiceAccountNotAllowed,
+    // Failures being retried (Reconciling, and a warning Event).
+    WorkerFailed,
+    StartFailed,
+    SavepointFailed,
+    RescaleAbandoned,
+    RescaleRolledBack,
+    // CheckpointsHealthy.
+    Checkpointing,
+    CheckpointsFailing,
+    // NewestSnapshotRestored.
+    Restored,
+    UnreadableSnapshotSkipped,
+    // SinkPublished.
+    Published,
+    PublishBehind,
+    // KeyGroupsBalanced.
+    EvenSpread,
+    UnevenKeyGroups,
+    // AllSubtasksHavePartitions.
+    EverySubtaskReads,
+    MoreSubtasksThanPartitions,
+    // Events only.
+    KeyGroupsPinned,
+    RescaleStarted,
+    Suspending,
+    RestoreStarted,
+    UpgradeStarted,
+    DeletingPods,
+    CreatedPods,
+    Started,
+    Rescaled,
+    Upgraded,
+    RescaleRollingBack,
+    SavepointTaken,
+    SavepointVerified,
+    CheckpointFailed,
+    SinkPublishBehind,
+    Deleted,
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl From<Reason> for String {
+    fn from(r: Reason) -> String {
+        r.as_str().to_owned()
+    }
+}
+
+impl PartialEq<Reason> for String {
+    fn eq(&self, other: &Reason) -> bool {
+        self == other.as_str()
+    }
+}
+
+impl PartialEq<Reason> for &str {
+    fn eq(&self, other: &Reason) -> bool {
+        *self == other.as_str()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_unique_camel_case_words() {
+        let mut seen = std::collections::BTreeSet::new();
+        for r in Reason::ALL {
+            let s = r.as_str();
+            assert!(seen.insert(s), "{s} twice");
+            assert!(
+                s.chars().next().is_some_and(|c| c.is_ascii_uppercase()),
+                "{s}"
+            );
+            assert!(s.chars().all(|c| c.is_ascii_alphanumeric()), "{s}");
+        }
+        assert_eq!(seen.len(), Reason::ALL.len());
+        assert_eq!(Reason::RescaleRolledBack.to_string(), "RescaleRolledBack");
+    }
+}
