@@ -11,6 +11,7 @@ mod support;
 use k8s_openapi::jiff::Timestamp;
 use keyshift::crd::{Phase, RescaleStatus, StreamJob, StreamJobSpec, StreamJobStatus};
 use keyshift::orchestrator::pass::stalled_status;
+use keyshift::orchestrator::reason::Reason;
 use keyshift::orchestrator::status::{Progress, finish};
 use keyshift::orchestrator::step::Step;
 use support::*;
@@ -246,7 +247,7 @@ fn a_refused_restore_and_a_spec_that_cannot_run_are_failed_and_degraded() {
         &restore,
         Some(2),
         &st,
-        "RestoreFromUnusable",
+        Reason::RestoreFromUnusable,
         "no snapshot at s3://bucket/gitops/clicks/savepoints/sp-404; nothing was stopped",
     );
     let h = gitops_health_of_json(&document(&restore, 2, Some(&st2)));
@@ -285,7 +286,7 @@ fn a_refused_restore_and_a_spec_that_cannot_run_are_failed_and_degraded() {
         &spec,
         Some(1),
         &StreamJobStatus::default(),
-        "NoStorage",
+        Reason::NoStorage,
         "no spec.state.storage and the operator has no --default-storage",
     );
     assert_eq!(st3.phase, Some(Phase::Failed));
