@@ -4,7 +4,7 @@
 use super::context::{Context, OperatorConfig};
 use super::desired;
 use super::error::OperatorError;
-use super::metrics::{ErrorLabels, OperatorMetrics};
+use super::metrics::OperatorMetrics;
 use super::pods::delete_pod;
 use crate::crd::StreamJob;
 use crate::orchestrator::pass::requeue;
@@ -157,11 +157,8 @@ fn watch_backoff()
 /// A failed pass is counted by its kind and retried after its kind's delay.
 fn error_policy(job: Arc<StreamJob>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
     let kind = error.kind();
-    let labels = ErrorLabels {
-        namespace: job.namespace().unwrap_or_default(),
-        job: job.name_any(),
-        kind: kind.label().to_owned(),
-    };
+    let labels =
+        OperatorMetrics::error(&job.namespace().unwrap_or_default(), &job.name_any(), kind);
     ctx.metrics.reconcile_errors.get_or_create(&labels).inc();
     tracing::warn!(job = %job.name_any(), error = %error, kind = kind.label(), "reconcile failed; retrying");
     Requeue::requeue(kind.retry_after())
@@ -273,6 +270,8 @@ async fn cleanup(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Oper
             .map_err(OperatorError::Cleanup)?;
     }
     ctx.forget(&ns, &name);
+    // The job's series go with it (a deleted job's last values are no one's business).
+    ctx.metrics.forget_job(&ns, &name);
     ctx.event(
         &job,
         false,
