@@ -168,6 +168,15 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
     let started = Instant::now();
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
+    // A job on its way out that no longer carries our finalizer was cleaned up (or someone
+    // removed the finalizer): nothing to do, and counting a pass would bring back the series its
+    // cleanup removed.
+    if job.metadata.deletion_timestamp.is_some()
+        && !job.finalizers().iter().any(|f| f == desired::FINALIZER)
+    {
+        ctx.metrics.forget_job(&ns, &name);
+        return Ok(Requeue::await_change());
+    }
     // Not a pass (neither counted nor timed): the job waits for its background step. A deletion
     // goes ahead (its pods go, so the step fails and ends).
     if job.metadata.deletion_timestamp.is_none() && ctx.background_running(&ns, &name).await {
