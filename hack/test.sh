@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 
-# Prometheus' reference parser checks the metrics endpoints in the e2e tests.
+# Prometheus' reference parser checks the metrics endpoints (tests/metrics_exposition.rs and the
+# e2e tests, through tests/monitoring/check_exposition.py).
 python3 -c 'import prometheus_client' 2>/dev/null || python3 -m pip install --quiet 'prometheus_client>=0.20'
 # Helm for the chart checks (tests/chart.rs) and the e2e suite; cached after the first run.
 KEYSHIFT_HELM="$(hack/get-helm.sh)"
