@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 step() { printf '\n==> %s\n' "$*" >&2; }
 
-# Prometheus' reference parser checks the metrics endpoints in the e2e tests.
+# Prometheus' reference parser checks the metrics endpoints (tests/metrics_exposition.rs and the
+# e2e tests, through tests/monitoring/check_exposition.py).
 python3 -c 'import prometheus_client' 2>/dev/null || python3 -m pip install --quiet 'prometheus_client>=0.20'
 # Helm for the chart checks (tests/chart.rs) and the e2e suite; cached after the first run.
 KEYSHIFT_HELM="$(hack/get-helm.sh)"
@@ -18,12 +19,13 @@ export KEYSHIFT_HELM="${KEYSHIFT_HELM#HELM=}"
 KEYSHIFT_GITOPS_HEALTH="$(hack/build-gitops-health.sh)"
 export KEYSHIFT_GITOPS_HEALTH="${KEYSHIFT_GITOPS_HEALTH#GITOPS_HEALTH=}"
 
-# The cluster's Go binaries (control plane, kubelet, containerd, runc, CNI, crictl) build in the
+# The Go binaries (promtool and the monitoring checker first, then the cluster's: control plane,
+# kubelet, containerd, runc, CNI, crictl) build in the
 # background while the Rust tiers run, so on a fresh machine their module downloads and the idle
 # core of cargo's serial phases overlap; `testenv up` waits for them (the build scripts take a
 # lock and find their cache). On a warm machine both finish in about a second.
 PREBUILD_LOG="$(mktemp /tmp/keyshift-prebuild.XXXXXX)"
-setsid bash -c 'hack/build-control-plane.sh >/dev/null && hack/build-node.sh >/dev/null' \
+setsid bash -c 'hack/build-promtool.sh >/dev/null && hack/build-control-plane.sh >/dev/null && hack/build-node.sh >/dev/null' \
   >"$PREBUILD_LOG" 2>&1 </dev/null &
 PREBUILD_PID=$!
 prebuild_stop() {
@@ -80,6 +82,15 @@ cargo test --locked --all-features
 # commands (the run above checked that the features' build has them).
 step "cargo test --test cli (default features: the product binary)"
 cargo test --locked --test cli
+
+# The chart's monitoring objects with Prometheus' own tools, built from the Prometheus Go module
+# (hack/build-promtool.sh; the background build above has usually finished it): the dashboard's
+# JSON and every PromQL expression in it and in the alerts parse, use only metrics keyshift
+# exposes (tests/monitoring/metric-names.txt, checked against the code by the cargo tests above),
+# `promtool check rules`, and `promtool test rules` proving each alert fires on its condition and
+# not on healthy series.
+step "chart monitoring: dashboard and alerts (hack/check-monitoring.sh: promtool)"
+hack/check-monitoring.sh
 
 # The key-group lab (docs/lab/) in headless Chromium (installed from Debian when missing): its
 # numbers against Flink's vectors and `keyshift plan -o json` (the binary just built), its buttons,

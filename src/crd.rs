@@ -553,7 +553,7 @@ pub struct RestoreStatus {
 }
 
 /// Lifecycle phase of a StreamJob.
-#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
 pub enum Phase {
     /// Accepted, workers not yet running.
     Pending,

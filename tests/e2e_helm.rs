@@ -491,28 +491,45 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
 }
 
 /// Fetches a metrics endpoint and parses it with the Prometheus client library's parser
-/// (`prometheus_client` for Python, installed by hack/test.sh); returns the family names.
+/// (`prometheus_client` for Python, installed by hack/test.sh) through
+/// tests/monitoring/check_exposition.py, which also checks the names and types against
+/// Prometheus' conventions (counters end in `_total`, base units, nothing in milliseconds);
+/// returns the family names.
 fn parse_metrics(url: &str) -> Vec<String> {
-    let script = r#"
-import sys, urllib.request
-from prometheus_client.openmetrics.parser import text_string_to_metric_families
-text = urllib.request.urlopen(sys.argv[1], timeout=10).read().decode()
-for family in text_string_to_metric_families(text):
-    print(family.name)
-"#;
+    let script = root().join("tests/monitoring/check_exposition.py");
     let out = std::process::Command::new("python3")
-        .args(["-c", script, url])
+        .arg(&script)
+        .arg(url)
         .output()
         .expect("python3 runs");
     assert!(
         out.status.success(),
-        "the Prometheus parser refused {url}: {}",
+        "{url} failed the Prometheus parser or the naming checks: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout)
         .lines()
+        .filter_map(|l| l.split(' ').next())
         .map(str::to_owned)
         .collect()
+}
+
+/// The text a URL serves (Python's urllib: no HTTP client in the test's dependencies).
+fn fetch_text(url: &str) -> String {
+    let out = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())",
+            url,
+        ])
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "GET {url}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
 /// The sample job `clicks` (4 replicas, max parallelism 128).
@@ -721,14 +738,36 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     for name in [
         "keyshift_operator_reconciles",
         "keyshift_operator_reconcile_duration_seconds",
-        "keyshift_operator_rescale_step_duration_seconds",
-        "keyshift_operator_snapshot_duration_seconds",
+        "keyshift_job_rescale_step_duration_seconds",
+        "keyshift_job_snapshot_duration_seconds",
+        "keyshift_job_last_checkpoint_timestamp_seconds",
+        "keyshift_job_phase",
     ] {
         assert!(
             families.iter().any(|f| f == name),
             "metric family {name} missing: {families:?}"
         );
     }
+    // A worker's endpoint (the control port; the test node's CNI does not enforce the
+    // NetworkPolicy) passes the same checks.
+    let worker_ip = kubectl_ok(&[
+        "get",
+        "pods",
+        "-n",
+        jobs,
+        "-l",
+        "keyshift.dev/job=clicks",
+        "--field-selector=status.phase=Running",
+        "-o",
+        "jsonpath={.items[0].status.podIP}",
+    ]);
+    let worker_families = parse_metrics(&format!("http://{worker_ip}:9090/metrics"));
+    assert!(
+        worker_families
+            .iter()
+            .any(|f| f == "keyshift_worker_records_in"),
+        "{worker_families:?}"
+    );
 
     // The chart's RBAC sufficed: no operator pod ever got a Forbidden from the API server.
     logs.extend(operator_logs(system, release));
@@ -756,6 +795,12 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
         "--wait=true",
         "--timeout=120s",
     ]);
+    // The deleted job's series went with it.
+    let text = fetch_text(&format!("http://{ip}:8080/metrics"));
+    assert!(
+        !text.contains("streamjob=\"clicks\""),
+        "the operator still exports series of the deleted job:\n{text}"
+    );
     helm_ok(&[
         "uninstall",
         release,

@@ -38,6 +38,9 @@ pub(super) async fn apply(
     };
     let spec = &job.spec;
     let status0 = job.status.clone().unwrap_or_default();
+    if let Some(uid) = &job.metadata.uid {
+        ctx.metrics.observe_uid(&ns, &name, uid);
+    }
 
     // The operator's own policy (allowed images and ServiceAccounts), before anything else acts:
     // a refused job gets no pod. It stalls the way a job without storage does, with the field
@@ -53,6 +56,7 @@ pub(super) async fn apply(
             &refused.to_string(),
         );
         write_status(&api, &name, &status0, &status).await?;
+        ctx.metrics.observe_status(&ns, &name, spec, &status);
         return Ok(Requeue::requeue(requeue::STALLED));
     }
 
@@ -70,6 +74,7 @@ pub(super) async fn apply(
             "no snapshot storage: set spec.state.storage, or start the operator with --default-storage",
         );
         write_status(&api, &name, &status0, &status).await?;
+        ctx.metrics.observe_status(&ns, &name, spec, &status);
         return Ok(Requeue::requeue(requeue::STALLED));
     };
     let mut list = ListParams::default().labels(&desired::selector(&name));
@@ -117,6 +122,7 @@ pub(super) async fn apply(
     if let Some(version) = written? {
         entry.written_version = Some(version);
     }
+    ctx.metrics.observe_status(&ns, &name, spec, &status);
     Ok(Requeue::requeue(out.requeue))
 }
 

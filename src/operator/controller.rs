@@ -4,7 +4,7 @@
 use super::context::{Context, OperatorConfig};
 use super::desired;
 use super::error::OperatorError;
-use super::metrics::{ErrorLabels, OperatorMetrics};
+use super::metrics::OperatorMetrics;
 use super::pods::delete_pod;
 use crate::crd::StreamJob;
 use crate::orchestrator::pass::requeue;
@@ -158,11 +158,8 @@ fn watch_backoff()
 /// A failed pass is counted by its kind and retried after its kind's delay.
 fn error_policy(job: Arc<StreamJob>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
     let kind = error.kind();
-    let labels = ErrorLabels {
-        namespace: job.namespace().unwrap_or_default(),
-        job: job.name_any(),
-        kind: kind.label().to_owned(),
-    };
+    let labels =
+        OperatorMetrics::error(&job.namespace().unwrap_or_default(), &job.name_any(), kind);
     ctx.metrics.reconcile_errors.get_or_create(&labels).inc();
     tracing::warn!(job = %job.name_any(), error = %error, kind = kind.label(), "reconcile failed; retrying");
     Requeue::requeue(kind.retry_after())
@@ -172,6 +169,15 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
     let started = Instant::now();
     let ns = job.namespace().unwrap_or_default();
     let name = job.name_any();
+    // A job on its way out that no longer carries our finalizer was cleaned up (or someone
+    // removed the finalizer): nothing to do, and counting a pass would bring back the series its
+    // cleanup removed.
+    if job.metadata.deletion_timestamp.is_some()
+        && !job.finalizers().iter().any(|f| f == desired::FINALIZER)
+    {
+        ctx.metrics.forget_job(&ns, &name);
+        return Ok(Requeue::await_change());
+    }
     // Not a pass (neither counted nor timed): the job waits for its background step. A deletion
     // goes ahead (its pods go, so the step fails and ends).
     if job.metadata.deletion_timestamp.is_none() && ctx.background_running(&ns, &name).await {
@@ -274,6 +280,8 @@ async fn cleanup(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Oper
             .map_err(OperatorError::Cleanup)?;
     }
     ctx.forget(&ns, &name);
+    // The job's series go with it (a deleted job's last values are no one's business).
+    ctx.metrics.forget_job(&ns, &name);
     ctx.event(
         &job,
         false,

@@ -1,45 +1,166 @@
 //! The operator's Prometheus metrics and its `/metrics`, `/healthz`, `/readyz` server.
+//!
+//! Names follow Prometheus' conventions: the base unit is in the name (`_seconds`, `_bytes`),
+//! counters end in `_total` (the encoder appends it to the registered name), points in time are
+//! Unix seconds (`_timestamp_seconds`). `keyshift_operator_*` describe the operator's own work;
+//! `keyshift_job_*` describe one StreamJob each. Per-job series are labelled `namespace` and
+//! `streamjob` (not `job`, which Prometheus gives every series as the scrape job's name) and at
+//! most one typed label more: a [`Step`], a [`SnapshotKind`], an [`ErrorKind`] or a [`Phase`].
+//! A job therefore has at most [`max_series_per_job`] series, and
+//! [`OperatorMetrics::forget_job`] removes every one of them when the job is deleted or replaced
+//! by a new object of the same name (docs/operations.md, "Metrics", has the table and the count).
 
-use prometheus_client::encoding::EncodeLabelSet;
+use crate::crd::{Phase, StreamJobSpec, StreamJobStatus};
+use crate::orchestrator::decide;
+use crate::orchestrator::pass::ErrorKind;
+use crate::orchestrator::step::{ALL_STEPS, Step};
+use crate::snapshot::SnapshotKind;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Registry;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
+/// A gauge holding a float (seconds, timestamps).
+pub type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// The series of one job.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct JobLabels {
     pub namespace: String,
-    pub job: String,
+    pub streamjob: String,
 }
 
+/// A job's series for one step of a rescale or upgrade.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StepLabels {
     pub namespace: String,
-    pub job: String,
-    pub step: String,
+    pub streamjob: String,
+    pub step: Step,
 }
 
-/// A failed reconcile pass: the job and what kind of failure it was
-/// (`crate::orchestrator::pass::ErrorKind::label`).
+/// A job's series for one kind of snapshot (`checkpoint`, `savepoint`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SnapshotLabels {
+    pub namespace: String,
+    pub streamjob: String,
+    pub kind: SnapshotKind,
+}
+
+/// A failed reconcile pass: the job and what kind of failure it was ([`ErrorKind::label`]).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub namespace: String,
-    pub job: String,
-    pub kind: String,
+    pub streamjob: String,
+    pub kind: ErrorKind,
 }
 
+/// A job's series for one lifecycle phase.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct KindLabels {
+pub struct PhaseLabels {
     pub namespace: String,
-    pub job: String,
-    pub kind: String,
+    pub streamjob: String,
+    pub phase: Phase,
 }
 
-fn seconds_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.001, 2.0, 20))
+impl EncodeLabelValue for Step {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.as_str())
+    }
+}
+
+impl EncodeLabelValue for SnapshotKind {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        write!(encoder, "{self}")
+    }
+}
+
+impl EncodeLabelValue for ErrorKind {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(self.label())
+    }
+}
+
+impl EncodeLabelValue for Phase {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        encoder.write_str(phase_name(*self))
+    }
+}
+
+/// Every phase, in lifecycle order (the `phase` label's values).
+pub const ALL_PHASES: [Phase; 6] = [
+    Phase::Pending,
+    Phase::Running,
+    Phase::Rescaling,
+    Phase::Upgrading,
+    Phase::Suspended,
+    Phase::Failed,
+];
+
+/// The phase as status shows it (the CRD's enum value).
+fn phase_name(phase: Phase) -> &'static str {
+    match phase {
+        Phase::Pending => "Pending",
+        Phase::Running => "Running",
+        Phase::Rescaling => "Rescaling",
+        Phase::Upgrading => "Upgrading",
+        Phase::Suspended => "Suspended",
+        Phase::Failed => "Failed",
+    }
+}
+
+/// Both snapshot kinds (the `kind` label's values).
+pub const ALL_SNAPSHOT_KINDS: [SnapshotKind; 2] =
+    [SnapshotKind::Checkpoint, SnapshotKind::Savepoint];
+
+/// Upper bounds (seconds) of the per-job duration histograms (steps, snapshots): from a tenth of
+/// a second to an hour, few enough that 500 jobs stay affordable.
+pub const JOB_SECONDS_BUCKETS: [f64; 10] =
+    [0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0];
+
+/// Buckets of the reconcile-duration histogram (1 ms doubling to ~9 minutes).
+const RECONCILE_BUCKETS: usize = 20;
+
+fn job_seconds_histogram() -> Histogram {
+    Histogram::new(JOB_SECONDS_BUCKETS)
+}
+
+/// Sample lines of one histogram series with `buckets` finite buckets: those, `+Inf`, `_sum`
+/// and `_count`.
+const fn histogram_lines(buckets: usize) -> usize {
+    buckets + 3
+}
+
+/// The most series (sample lines of the exposition) one job can have: the formula that
+/// docs/operations.md states, from the label types' sizes. Rescale-step durations exist only for
+/// the steps that end while active (Savepointing, Verifying, Stopping, Restoring); the current
+/// step's gauge for one step at a time.
+pub fn max_series_per_job() -> usize {
+    let active_steps = ALL_STEPS.iter().filter(|s| s.active()).count();
+    let kinds = ALL_SNAPSHOT_KINDS.len();
+    let job_hist = histogram_lines(JOB_SECONDS_BUCKETS.len());
+    1 // reconciles_total
+        + ErrorKind::ALL.len() // reconcile_errors_total
+        + active_steps * job_hist // rescale_step_duration_seconds
+        + 1 // rescale_step
+        + kinds * job_hist // snapshot_duration_seconds
+        + kinds // snapshot_failures_total
+        + 1 // restarts_total
+        + 4 // last checkpoint and savepoint: timestamp and size
+        + 1 // checkpoint_interval_seconds
+        + ALL_PHASES.len() // phase
+        + 2 // ready, stalled
+        + 2 // parallelism, desired_parallelism
+}
+
+/// Series of the operator itself, whatever the number of jobs: the reconcile histogram.
+pub fn operator_series() -> usize {
+    histogram_lines(RECONCILE_BUCKETS)
 }
 
 /// Everything the operator counts.
@@ -49,13 +170,23 @@ pub struct OperatorMetrics {
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub reconcile_seconds: Histogram,
     pub rescale_step_seconds: Family<StepLabels, Histogram>,
-    pub snapshot_seconds: Family<KindLabels, Histogram>,
-    pub snapshot_bytes: Family<KindLabels, Gauge>,
-    /// When the latest checkpoint or savepoint of a job completed (Unix seconds): its age is
-    /// `time() - keyshift_operator_last_snapshot_timestamp_seconds`.
-    pub snapshot_timestamp: Family<KindLabels, Gauge>,
-    pub snapshot_failures: Family<KindLabels, Counter>,
-    pub worker_restarts: Family<JobLabels, Counter>,
+    rescale_step: Family<StepLabels, Gauge>,
+    pub snapshot_seconds: Family<SnapshotLabels, Histogram>,
+    pub snapshot_failures: Family<SnapshotLabels, Counter>,
+    pub restarts: Family<JobLabels, Counter>,
+    last_checkpoint_timestamp: Family<JobLabels, FloatGauge>,
+    last_checkpoint_bytes: Family<JobLabels, Gauge>,
+    last_savepoint_timestamp: Family<JobLabels, FloatGauge>,
+    last_savepoint_bytes: Family<JobLabels, Gauge>,
+    checkpoint_interval: Family<JobLabels, FloatGauge>,
+    phase: Family<PhaseLabels, Gauge>,
+    job_ready: Family<JobLabels, Gauge>,
+    job_stalled: Family<JobLabels, Gauge>,
+    parallelism: Family<JobLabels, Gauge>,
+    desired_parallelism: Family<JobLabels, Gauge>,
+    /// The uid of the object each job's series describe (a new object of the same name starts
+    /// them afresh).
+    uids: Mutex<HashMap<JobLabels, String>>,
     /// Set once the controller watches (readiness).
     pub ready: Arc<AtomicBool>,
 }
@@ -68,65 +199,132 @@ impl Default for OperatorMetrics {
 
 impl OperatorMetrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("keyshift_operator");
         let m = OperatorMetrics {
             reconciles: Family::default(),
             reconcile_errors: Family::default(),
-            reconcile_seconds: seconds_histogram(),
-            rescale_step_seconds: Family::new_with_constructor(seconds_histogram),
-            snapshot_seconds: Family::new_with_constructor(seconds_histogram),
-            snapshot_bytes: Family::default(),
-            snapshot_timestamp: Family::default(),
+            reconcile_seconds: Histogram::new(exponential_buckets(
+                0.001,
+                2.0,
+                RECONCILE_BUCKETS as u16,
+            )),
+            rescale_step_seconds: Family::new_with_constructor(job_seconds_histogram),
+            rescale_step: Family::default(),
+            snapshot_seconds: Family::new_with_constructor(job_seconds_histogram),
             snapshot_failures: Family::default(),
-            worker_restarts: Family::default(),
+            restarts: Family::default(),
+            last_checkpoint_timestamp: Family::default(),
+            last_checkpoint_bytes: Family::default(),
+            last_savepoint_timestamp: Family::default(),
+            last_savepoint_bytes: Family::default(),
+            checkpoint_interval: Family::default(),
+            phase: Family::default(),
+            job_ready: Family::default(),
+            job_stalled: Family::default(),
+            parallelism: Family::default(),
+            desired_parallelism: Family::default(),
+            uids: Mutex::default(),
             ready: Arc::new(AtomicBool::new(false)),
             registry: Registry::default(),
         };
-        registry.register("reconciles", "Reconcile passes", m.reconciles.clone());
-        registry.register(
-            "reconcile_errors",
-            "Reconcile passes that failed (retried with backoff)",
-            m.reconcile_errors.clone(),
-        );
-        registry.register(
-            "reconcile_duration_seconds",
-            "Duration of a reconcile pass",
-            m.reconcile_seconds.clone(),
-        );
-        registry.register(
+        let mut registry = Registry::default();
+        {
+            let op = registry.sub_registry_with_prefix("keyshift_operator");
+            op.register(
+                "reconciles",
+                "Reconcile passes, per job",
+                m.reconciles.clone(),
+            );
+            op.register(
+                "reconcile_errors",
+                "Reconcile passes that failed (retried with backoff), per job and kind of failure",
+                m.reconcile_errors.clone(),
+            );
+            op.register(
+                "reconcile_duration_seconds",
+                "Duration of a reconcile pass",
+                m.reconcile_seconds.clone(),
+            );
+        }
+        let job = registry.sub_registry_with_prefix("keyshift_job");
+        job.register(
             "rescale_step_duration_seconds",
-            "Duration of each rescale step (Savepointing, Verifying, Stopping, Restoring)",
+            "Duration of each finished step of a rescale or upgrade (Savepointing, Verifying, Stopping, Restoring)",
             m.rescale_step_seconds.clone(),
         );
-        registry.register(
+        job.register(
+            "rescale_step",
+            "1 while the job's rescale or upgrade is in this step (absent when none is in flight)",
+            m.rescale_step.clone(),
+        );
+        job.register(
             "snapshot_duration_seconds",
             "Trigger-to-commit duration of checkpoints and savepoints",
             m.snapshot_seconds.clone(),
         );
-        registry.register(
-            "snapshot_size_bytes",
-            "State bytes of the latest checkpoint or savepoint",
-            m.snapshot_bytes.clone(),
-        );
-        registry.register(
-            "last_snapshot_timestamp_seconds",
-            "When the latest checkpoint or savepoint of the job completed, in Unix seconds",
-            m.snapshot_timestamp.clone(),
-        );
-        registry.register(
+        job.register(
             "snapshot_failures",
             "Checkpoints and savepoints that failed",
             m.snapshot_failures.clone(),
         );
-        registry.register(
-            "job_restarts",
-            "Restarts of a job from its last checkpoint after a worker failure",
-            m.worker_restarts.clone(),
+        job.register(
+            "restarts",
+            "Restarts of the job from its last checkpoint after a worker failure",
+            m.restarts.clone(),
+        );
+        job.register(
+            "last_checkpoint_timestamp_seconds",
+            "When the newest snapshot the job would restart from (status.lastCheckpoint or status.lastSavepoint, whichever is newer) completed, in Unix seconds; its age is time() minus this",
+            m.last_checkpoint_timestamp.clone(),
+        );
+        job.register(
+            "last_checkpoint_size_bytes",
+            "State bytes of that snapshot",
+            m.last_checkpoint_bytes.clone(),
+        );
+        job.register(
+            "last_savepoint_timestamp_seconds",
+            "When status.lastSavepoint completed, in Unix seconds",
+            m.last_savepoint_timestamp.clone(),
+        );
+        job.register(
+            "last_savepoint_size_bytes",
+            "State bytes of status.lastSavepoint",
+            m.last_savepoint_bytes.clone(),
+        );
+        job.register(
+            "checkpoint_interval_seconds",
+            "spec.state.checkpointInterval",
+            m.checkpoint_interval.clone(),
+        );
+        job.register(
+            "phase",
+            "1 for the job's phase (status.phase), 0 for the others",
+            m.phase.clone(),
+        );
+        job.register(
+            "ready",
+            "1 while the job's Ready condition is True",
+            m.job_ready.clone(),
+        );
+        job.register(
+            "stalled",
+            "1 while the job's Stalled condition is True: it cannot run until its spec or environment is fixed",
+            m.job_stalled.clone(),
+        );
+        job.register(
+            "parallelism",
+            "The parallelism the job runs at (status.replicas)",
+            m.parallelism.clone(),
+        );
+        job.register(
+            "desired_parallelism",
+            "The parallelism the spec asks for (spec.replicas; 0 while suspended)",
+            m.desired_parallelism.clone(),
         );
         OperatorMetrics { registry, ..m }
     }
 
-    /// Prometheus text exposition.
+    /// OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         if prometheus_client::encoding::text::encode(&mut out, &self.registry).is_err() {
@@ -138,7 +336,216 @@ impl OperatorMetrics {
     pub fn job(namespace: &str, job: &str) -> JobLabels {
         JobLabels {
             namespace: namespace.to_owned(),
-            job: job.to_owned(),
+            streamjob: job.to_owned(),
+        }
+    }
+
+    pub fn step(namespace: &str, job: &str, step: Step) -> StepLabels {
+        StepLabels {
+            namespace: namespace.to_owned(),
+            streamjob: job.to_owned(),
+            step,
+        }
+    }
+
+    pub fn snapshot(namespace: &str, job: &str, kind: SnapshotKind) -> SnapshotLabels {
+        SnapshotLabels {
+            namespace: namespace.to_owned(),
+            streamjob: job.to_owned(),
+            kind,
+        }
+    }
+
+    pub fn error(namespace: &str, job: &str, kind: ErrorKind) -> ErrorLabels {
+        ErrorLabels {
+            namespace: namespace.to_owned(),
+            streamjob: job.to_owned(),
+            kind,
+        }
+    }
+
+    /// Records the object the job's series describe. A different uid than before means the job
+    /// was deleted and created again (while this operator did not see it go): the old object's
+    /// series (its counters above all) are removed first.
+    pub fn observe_uid(&self, namespace: &str, job: &str, uid: &str) {
+        let key = Self::job(namespace, job);
+        let replaced = {
+            let mut uids = self.uids.lock().unwrap_or_else(|p| p.into_inner());
+            match uids.insert(key, uid.to_owned()) {
+                Some(old) => old != uid,
+                None => false,
+            }
+        };
+        if replaced {
+            self.remove_series(namespace, job);
+        }
+    }
+
+    /// Sets the job's gauges from its spec and the status just written: phase, conditions,
+    /// parallelism, checkpoint interval, the newest snapshots and the step of a rescale or
+    /// upgrade in flight. Taken from status, so an operator that restarts shows them at once.
+    pub fn observe_status(
+        &self,
+        namespace: &str,
+        job: &str,
+        spec: &StreamJobSpec,
+        status: &StreamJobStatus,
+    ) {
+        let labels = Self::job(namespace, job);
+        // The job's counters exist at 0 from its first pass, so that increase() and rate() see
+        // their first step (a series that appears at 1 shows no increase).
+        drop(self.restarts.get_or_create(&labels));
+        for kind in ALL_SNAPSHOT_KINDS {
+            drop(
+                self.snapshot_failures
+                    .get_or_create(&Self::snapshot(namespace, job, kind)),
+            );
+        }
+        for p in ALL_PHASES {
+            self.phase
+                .get_or_create(&PhaseLabels {
+                    namespace: namespace.to_owned(),
+                    streamjob: job.to_owned(),
+                    phase: p,
+                })
+                .set(i64::from(status.phase == Some(p)));
+        }
+        let condition = |kind: &str| {
+            status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == kind && c.status == "True")
+        };
+        self.job_ready
+            .get_or_create(&labels)
+            .set(i64::from(condition("Ready")));
+        self.job_stalled
+            .get_or_create(&labels)
+            .set(i64::from(condition("Stalled")));
+        self.parallelism
+            .get_or_create(&labels)
+            .set(i64::from(status.replicas.unwrap_or(0)));
+        self.desired_parallelism
+            .get_or_create(&labels)
+            .set(i64::from(decide::desired_parallelism(spec)));
+        self.checkpoint_interval
+            .get_or_create(&labels)
+            .set(decide::checkpoint_interval(spec).as_secs_f64());
+        let completed = |r: &crate::crd::SnapshotRef| {
+            chrono::DateTime::parse_from_rfc3339(&r.time)
+                .ok()
+                .map(|t| (t.timestamp_millis() as f64 / 1000.0, r.size_bytes))
+        };
+        let checkpoint = status.last_checkpoint.as_ref().and_then(completed);
+        let savepoint = status.last_savepoint.as_ref().and_then(completed);
+        let newest = match (checkpoint, savepoint) {
+            (Some(c), Some(s)) => Some(if s.0 > c.0 { s } else { c }),
+            (c, s) => c.or(s),
+        };
+        set_or_remove(
+            &self.last_checkpoint_timestamp,
+            &labels,
+            newest.map(|n| n.0),
+        );
+        set_or_remove(
+            &self.last_checkpoint_bytes,
+            &labels,
+            newest.and_then(|n| n.1),
+        );
+        set_or_remove(
+            &self.last_savepoint_timestamp,
+            &labels,
+            savepoint.map(|s| s.0),
+        );
+        set_or_remove(
+            &self.last_savepoint_bytes,
+            &labels,
+            savepoint.and_then(|s| s.1),
+        );
+        let current = status
+            .rescale
+            .as_ref()
+            .map(|r| r.step)
+            .filter(|s| s.active());
+        for step in ALL_STEPS {
+            let l = Self::step(namespace, job, step);
+            if current == Some(step) {
+                self.rescale_step.get_or_create(&l).set(1);
+            } else {
+                self.rescale_step.remove(&l);
+            }
+        }
+    }
+
+    /// Removes every series of the job: it was deleted (or is no longer this operator's).
+    pub fn forget_job(&self, namespace: &str, job: &str) {
+        self.uids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&Self::job(namespace, job));
+        self.remove_series(namespace, job);
+    }
+
+    fn remove_series(&self, namespace: &str, job: &str) {
+        let labels = Self::job(namespace, job);
+        for family in [
+            &self.last_checkpoint_timestamp,
+            &self.last_savepoint_timestamp,
+            &self.checkpoint_interval,
+        ] {
+            family.remove(&labels);
+        }
+        for family in [
+            &self.last_checkpoint_bytes,
+            &self.last_savepoint_bytes,
+            &self.job_ready,
+            &self.job_stalled,
+            &self.parallelism,
+            &self.desired_parallelism,
+        ] {
+            family.remove(&labels);
+        }
+        self.reconciles.remove(&labels);
+        self.restarts.remove(&labels);
+        for kind in ErrorKind::ALL {
+            self.reconcile_errors
+                .remove(&Self::error(namespace, job, kind));
+        }
+        for step in ALL_STEPS {
+            let l = Self::step(namespace, job, step);
+            self.rescale_step_seconds.remove(&l);
+            self.rescale_step.remove(&l);
+        }
+        for kind in ALL_SNAPSHOT_KINDS {
+            let l = Self::snapshot(namespace, job, kind);
+            self.snapshot_seconds.remove(&l);
+            self.snapshot_failures.remove(&l);
+        }
+        for phase in ALL_PHASES {
+            self.phase.remove(&PhaseLabels {
+                namespace: namespace.to_owned(),
+                streamjob: job.to_owned(),
+                phase,
+            });
+        }
+    }
+}
+
+/// A gauge that exists only while its value is known.
+fn set_or_remove<N, A>(
+    family: &Family<JobLabels, Gauge<N, A>>,
+    labels: &JobLabels,
+    value: Option<N>,
+) where
+    A: prometheus_client::metrics::gauge::Atomic<N> + Default,
+    Gauge<N, A>: Default,
+{
+    match value {
+        Some(v) => {
+            family.get_or_create(labels).set(v);
+        }
+        None => {
+            family.remove(labels);
         }
     }
 }
@@ -189,28 +596,351 @@ pub async fn serve(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::crd::{RescaleStatus, SnapshotRef};
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+
+    fn spec() -> StreamJobSpec {
+        serde_yaml::from_str(
+            "replicas: 4\njob:\n  source: {generator: {partitions: 4, keys: 10}}\n  key: {field: key, type: string}\n  aggregation: {function: count}\n  sink: {type: log}\nstate:\n  checkpointInterval: 45s\n",
+        )
+        .expect("a valid spec")
+    }
+
+    fn snapshot(time: &str, size: i64) -> SnapshotRef {
+        SnapshotRef {
+            id: 1,
+            path: "file:///s".into(),
+            time: time.into(),
+            parallelism: 4,
+            size_bytes: Some(size),
+        }
+    }
+
+    fn condition(kind: &str, status: &str) -> Condition {
+        Condition {
+            type_: kind.into(),
+            status: status.into(),
+            reason: "R".into(),
+            message: String::new(),
+            last_transition_time: k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+                k8s_openapi::jiff::Timestamp::UNIX_EPOCH,
+            ),
+            observed_generation: None,
+        }
+    }
+
+    /// A status with every status-derived series present: both snapshots, a rescale in
+    /// `step`, Ready.
+    fn busy_status(step: Step) -> StreamJobStatus {
+        StreamJobStatus {
+            phase: Some(Phase::Rescaling),
+            replicas: Some(4),
+            last_checkpoint: Some(snapshot("2026-01-01T00:00:10Z", 100)),
+            last_savepoint: Some(snapshot("2026-01-01T00:00:20.500Z", 250)),
+            rescale: Some(RescaleStatus {
+                step,
+                ..Default::default()
+            }),
+            conditions: vec![condition("Ready", "True"), condition("Stalled", "False")],
+            ..Default::default()
+        }
+    }
+
+    /// Every series the code can make for one job: each error kind, each active step's
+    /// duration, both snapshot kinds, every status-derived gauge.
+    fn fill_job(m: &OperatorMetrics, ns: &str, job: &str) {
+        m.reconciles
+            .get_or_create(&OperatorMetrics::job(ns, job))
+            .inc();
+        m.restarts
+            .get_or_create(&OperatorMetrics::job(ns, job))
+            .inc();
+        for kind in ErrorKind::ALL {
+            m.reconcile_errors
+                .get_or_create(&OperatorMetrics::error(ns, job, kind))
+                .inc();
+        }
+        for step in ALL_STEPS.into_iter().filter(|s| s.active()) {
+            m.rescale_step_seconds
+                .get_or_create(&OperatorMetrics::step(ns, job, step))
+                .observe(2.0);
+        }
+        for kind in ALL_SNAPSHOT_KINDS {
+            let l = OperatorMetrics::snapshot(ns, job, kind);
+            m.snapshot_seconds.get_or_create(&l).observe(0.3);
+            m.snapshot_failures.get_or_create(&l).inc();
+        }
+        m.observe_status(ns, job, &spec(), &busy_status(Step::Verifying));
+    }
+
+    /// Sample lines (series) of the exposition whose labels name `job`.
+    fn series_of(text: &str, job: &str) -> Vec<String> {
+        let needle = format!("streamjob=\"{job}\"");
+        text.lines()
+            .filter(|l| !l.starts_with('#') && l.contains(&needle))
+            .map(str::to_owned)
+            .collect()
+    }
 
     #[test]
-    fn encodes_families() {
+    fn names_follow_prometheus_conventions() {
         let m = OperatorMetrics::new();
-        m.reconciles
-            .get_or_create(&OperatorMetrics::job("ns", "j"))
-            .inc();
-        m.rescale_step_seconds
-            .get_or_create(&StepLabels {
-                namespace: "ns".into(),
-                job: "j".into(),
-                step: "Savepointing".into(),
-            })
-            .observe(0.5);
+        fill_job(&m, "ns", "j");
+        m.reconcile_seconds.observe(0.01);
         let text = m.encode();
         assert!(
-            text.contains("keyshift_operator_reconciles_total{namespace=\"ns\",job=\"j\"} 1"),
+            text.contains("keyshift_operator_reconciles_total{namespace=\"ns\",streamjob=\"j\"} 1"),
             "{text}"
         );
         assert!(
-            text.contains("keyshift_operator_rescale_step_duration_seconds_bucket"),
+            text.contains(
+                "keyshift_operator_reconcile_errors_total{namespace=\"ns\",streamjob=\"j\",kind=\"storage\"} 1"
+            ),
             "{text}"
         );
+        assert!(
+            text.contains("keyshift_job_rescale_step_duration_seconds_bucket{le=\"5.0\",namespace=\"ns\",streamjob=\"j\",step=\"Savepointing\"} 1")
+                || text.contains("keyshift_job_rescale_step_duration_seconds_bucket{namespace=\"ns\",streamjob=\"j\",step=\"Savepointing\",le=\"5.0\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("keyshift_job_snapshot_failures_total{namespace=\"ns\",streamjob=\"j\",kind=\"savepoint\"} 1"),
+            "{text}"
+        );
+        // The newest snapshot is the savepoint (20.5 s after the epoch of the day).
+        assert!(
+            text.contains("keyshift_job_last_checkpoint_timestamp_seconds{namespace=\"ns\",streamjob=\"j\"} 1767225620.5"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "keyshift_job_last_checkpoint_size_bytes{namespace=\"ns\",streamjob=\"j\"} 250"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "keyshift_job_checkpoint_interval_seconds{namespace=\"ns\",streamjob=\"j\"} 45.0"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "keyshift_job_phase{namespace=\"ns\",streamjob=\"j\",phase=\"Rescaling\"} 1"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "keyshift_job_phase{namespace=\"ns\",streamjob=\"j\",phase=\"Running\"} 0"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("keyshift_job_ready{namespace=\"ns\",streamjob=\"j\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("keyshift_job_stalled{namespace=\"ns\",streamjob=\"j\"} 0"),
+            "{text}"
+        );
+        // Every counter's samples end in _total; nothing is in milliseconds.
+        for line in text.lines() {
+            if let Some(name) = line.strip_prefix("# TYPE ") {
+                let mut parts = name.split(' ');
+                let (family, kind) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
+                assert!(
+                    family.starts_with("keyshift_operator_") || family.starts_with("keyshift_job_"),
+                    "{line}"
+                );
+                assert!(
+                    !family.contains("millis") && !family.ends_with("_ms"),
+                    "{line}"
+                );
+                if kind == "counter" {
+                    let samples: Vec<&str> = text
+                        .lines()
+                        .filter(|l| !l.starts_with('#') && l.starts_with(family))
+                        .collect();
+                    assert!(
+                        samples
+                            .iter()
+                            .all(|s| s.starts_with(&format!("{family}_total"))),
+                        "{samples:?}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_rescale_step_gauge_shows_only_the_step_in_flight() {
+        let m = OperatorMetrics::new();
+        m.observe_status("ns", "j", &spec(), &busy_status(Step::Stopping));
+        m.observe_status("ns", "j", &spec(), &busy_status(Step::Restoring));
+        let text = m.encode();
+        let steps: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("keyshift_job_rescale_step{"))
+            .collect();
+        assert_eq!(
+            steps,
+            ["keyshift_job_rescale_step{namespace=\"ns\",streamjob=\"j\",step=\"Restoring\"} 1"]
+        );
+        m.observe_status("ns", "j", &spec(), &busy_status(Step::Done));
+        assert!(!m.encode().contains("keyshift_job_rescale_step{"));
+    }
+
+    #[test]
+    fn a_deleted_job_loses_every_series_and_others_keep_theirs() {
+        let m = OperatorMetrics::new();
+        fill_job(&m, "ns", "gone");
+        fill_job(&m, "ns", "kept");
+        let before = m.encode();
+        assert_eq!(
+            series_of(&before, "gone").len(),
+            max_series_per_job(),
+            "{before}"
+        );
+        m.forget_job("ns", "gone");
+        let after = m.encode();
+        assert_eq!(series_of(&after, "gone"), Vec::<String>::new());
+        assert_eq!(series_of(&after, "kept"), series_of(&before, "kept"));
+    }
+
+    #[test]
+    fn a_job_created_again_under_its_name_starts_its_series_afresh() {
+        let m = OperatorMetrics::new();
+        m.observe_uid("ns", "j", "uid-1");
+        fill_job(&m, "ns", "j");
+        // The same object again: nothing is reset.
+        m.observe_uid("ns", "j", "uid-1");
+        assert_eq!(series_of(&m.encode(), "j").len(), max_series_per_job());
+        // A new object of the same name (the old one deleted while unseen): its counters start
+        // at zero, not at the old object's counts.
+        m.observe_uid("ns", "j", "uid-2");
+        assert_eq!(series_of(&m.encode(), "j"), Vec::<String>::new());
+        m.restarts
+            .get_or_create(&OperatorMetrics::job("ns", "j"))
+            .inc();
+        assert!(
+            m.encode()
+                .contains("keyshift_job_restarts_total{namespace=\"ns\",streamjob=\"j\"} 1")
+        );
+    }
+
+    /// The count docs/operations.md states: the series of 500 jobs, each with every series the
+    /// code can make, counted in the exposition.
+    #[test]
+    fn five_hundred_jobs_make_a_bounded_number_of_series() {
+        let m = OperatorMetrics::new();
+        m.reconcile_seconds.observe(0.01);
+        for i in 0..500 {
+            fill_job(&m, &format!("ns{}", i % 7), &format!("job-{i}"));
+        }
+        let text = m.encode();
+        let series = text
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .count();
+        assert_eq!(series, 500 * max_series_per_job() + operator_series());
+        let docs = std::fs::read_to_string(
+            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operations.md"),
+        )
+        .expect("docs/operations.md");
+        let stated = format!("500 jobs make at most {series} series");
+        assert!(
+            docs.contains(&stated),
+            "docs/operations.md must say: {stated}"
+        );
+        let per_job = format!("{} series per job", max_series_per_job());
+        assert!(
+            docs.contains(&per_job),
+            "docs/operations.md must say: {per_job}"
+        );
+        // Removing them all leaves the operator's own.
+        for i in 0..500 {
+            m.forget_job(&format!("ns{}", i % 7), &format!("job-{i}"));
+        }
+        let left = m.encode();
+        assert_eq!(
+            left.lines()
+                .filter(|l| !l.starts_with('#') && !l.is_empty())
+                .count(),
+            operator_series()
+        );
+    }
+
+    #[test]
+    fn the_phase_label_is_the_crd_value() {
+        for p in ALL_PHASES {
+            assert_eq!(
+                serde_json::to_value(p).expect("serializes"),
+                serde_json::Value::String(phase_name(p).into())
+            );
+        }
+    }
+
+    /// The sample names (what PromQL can select) of a fully populated exposition.
+    fn sample_names(text: &str) -> std::collections::BTreeSet<String> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| l.split(['{', ' ']).next())
+            .map(str::to_owned)
+            .collect()
+    }
+
+    /// tests/monitoring/metric-names.txt is every sample name the operator and a worker expose:
+    /// hack/check-monitoring.sh checks that the chart's dashboard and alerts use no other. With
+    /// `KEYSHIFT_BLESS=1` the file is written instead. docs/operations.md's table names every
+    /// family too.
+    #[test]
+    fn the_committed_metric_names_are_what_keyshift_exposes() {
+        let m = OperatorMetrics::new();
+        fill_job(&m, "ns", "j");
+        m.reconcile_seconds.observe(0.01);
+        let worker = crate::runtime::metrics::WorkerMetrics::new();
+        let mut names = sample_names(&m.encode());
+        names.extend(sample_names(&worker.encode().expect("encodes")));
+        let mut text = String::from(
+            "# Every sample name keyshift exposes (operator and worker), kept by\n# src/operator/metrics.rs's test (KEYSHIFT_BLESS=1 rewrites it); read by hack/check-monitoring.sh.\n",
+        );
+        for n in &names {
+            text.push_str(n);
+            text.push('\n');
+        }
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let path = root.join("tests/monitoring/metric-names.txt");
+        if std::env::var_os("KEYSHIFT_BLESS").is_some() {
+            std::fs::write(&path, &text).expect("writes the names");
+        }
+        let committed = std::fs::read_to_string(&path).unwrap_or_default();
+        assert_eq!(
+            committed,
+            text,
+            "{} is stale: run this test with KEYSHIFT_BLESS=1",
+            path.display()
+        );
+        let docs = std::fs::read_to_string(root.join("docs/operations.md")).expect("docs");
+        let families: std::collections::BTreeSet<String> = m
+            .encode()
+            .lines()
+            .chain(worker.encode().expect("encodes").lines())
+            .filter_map(|l| l.strip_prefix("# TYPE "))
+            .filter_map(|l| l.split_once(' '))
+            .map(|(name, kind)| {
+                if kind == "counter" {
+                    format!("{name}_total")
+                } else {
+                    name.to_owned()
+                }
+            })
+            .collect();
+        for f in &families {
+            assert!(
+                docs.contains(&format!("| `{f}` |")),
+                "docs/operations.md's table lacks {f}"
+            );
+        }
     }
 }

@@ -352,10 +352,10 @@ async fn status(State(s): State<Arc<Shared>>) -> Response {
     st.records_in = m.records_in.get();
     st.records_processed = m.records_processed.get();
     st.records_out = m.records_out.get();
-    st.late_records = m.late_records.get() as u64;
+    st.late_records = m.late_records.get();
     st.keys = m.keys.get() as u64;
-    st.watermark = m.watermark.get();
-    st.backpressure_ms = m.backpressure_ms.get();
+    st.watermark = m.watermark_ms();
+    st.backpressure_ms = (m.backpressure_seconds.get() * 1000.0).round() as u64;
     st.newest_snapshot = s.ledger.lock().await.newest_id();
     if s.stopped.load(Ordering::Acquire) {
         st.state = WorkerState::Stopped;
@@ -705,8 +705,11 @@ async fn start_subtask(
             watermark = wm;
             agg.restore_watermark(wm);
         }
-        s.metrics.restore_bytes.inc_by(resp.bytes_read);
     }
+    s.metrics.restore_bytes.set(resp.bytes_read as i64);
+    s.metrics
+        .restore_seconds
+        .set(started.elapsed().as_secs_f64());
     resp.restore_ms = started.elapsed().as_millis() as u64;
     s.metrics.keys.set(agg.key_count() as i64);
     tracing::info!(
@@ -956,8 +959,8 @@ impl Outputs {
                 let t = Instant::now();
                 let r = tx.send(msg).await;
                 metrics
-                    .backpressure_ms
-                    .inc_by(t.elapsed().as_millis() as u64);
+                    .backpressure_seconds
+                    .inc_by(t.elapsed().as_secs_f64());
                 r.map_err(|_| WorkerError::Fatal("an output channel closed".into()))
             }
             Err(mpsc::error::TrySendError::Closed(_)) => {
@@ -1224,6 +1227,8 @@ async fn operator_loop(
     let mut align = Alignment::new(n);
     let mut start = 0usize;
     let mut batches = 0u64;
+    // Late records of this run's keyed operator already counted in the metric.
+    let mut late_seen = 0u64;
     loop {
         // An abort of the snapshot being aligned unblocks its inputs even while the others
         // are idle.
@@ -1254,13 +1259,13 @@ async fn operator_loop(
                 batches += 1;
                 if batches.is_multiple_of(64) {
                     s.metrics.keys.set(sub.agg.key_count() as i64);
-                    s.metrics.late_records.set(sub.agg.late_records() as i64);
+                    s.metrics.count_late(sub.agg.late_records(), &mut late_seen);
                 }
             }
             Msg::Watermark(wm) => {
                 if let Some(new) = tracker.update(i, wm) {
                     let rows = sub.agg.advance_watermark(new);
-                    s.metrics.watermark.set(new);
+                    s.metrics.set_watermark_ms(new);
                     emit(&s, &mut sub, &rows);
                 }
             }
@@ -1530,7 +1535,9 @@ async fn snapshot(
     let keys_per_group = written.keys_per_group;
     let snapshot = written.snapshot;
     let duration_ms = started.elapsed().as_millis() as u64;
-    s.metrics.checkpoint_ms.set(duration_ms as i64);
+    s.metrics
+        .checkpoint_seconds
+        .set(started.elapsed().as_secs_f64());
     s.metrics.checkpoint_bytes.set(snapshot.file.size as i64);
     s.metrics.keys.set(sub.agg.key_count() as i64);
     s.status.lock().await.keys_per_group = keys_per_group;

@@ -30,7 +30,7 @@ pub enum PassError {
 
 /// What kind of failure a pass had: the label of the reconcile-error metric, and what decides
 /// how soon it is retried.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
     /// The platform (the Kubernetes API, process spawning) refused or was unreachable.
     Platform,
@@ -45,6 +45,15 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// Every kind (the metric's label values; a deleted job's series are removed for each).
+    pub const ALL: [ErrorKind; 5] = [
+        ErrorKind::Platform,
+        ErrorKind::Storage,
+        ErrorKind::Workers,
+        ErrorKind::Config,
+        ErrorKind::Bug,
+    ];
+
     /// The metric label.
     pub fn label(self) -> &'static str {
         match self {

@@ -246,7 +246,7 @@ impl Pass<'_> {
                     format!("{message}; restarting from the last checkpoint"),
                 );
                 self.metrics
-                    .worker_restarts
+                    .restarts
                     .get_or_create(&OperatorMetrics::job(&self.ns, &self.name))
                     .inc();
                 self.event(
@@ -333,16 +333,17 @@ impl Pass<'_> {
         Ok(())
     }
 
-    pub(super) fn kind_labels(&self, kind: &str) -> KindLabels {
-        KindLabels {
-            namespace: self.ns.clone(),
-            job: self.name.clone(),
-            kind: kind.to_owned(),
-        }
+    pub(super) fn kind_labels(&self, kind: SnapshotKind) -> SnapshotLabels {
+        OperatorMetrics::snapshot(&self.ns, &self.name, kind)
     }
 
-    /// Snapshot metrics: duration and size of a committed snapshot, or one more failure.
-    pub(super) fn record_snapshot(&mut self, labels: &KindLabels, completed: Option<&Completed>) {
+    /// Snapshot metrics: the duration of a committed snapshot, or one more failure (its time and
+    /// size are status's, and the metrics take them from there).
+    pub(super) fn record_snapshot(
+        &mut self,
+        labels: &SnapshotLabels,
+        completed: Option<&Completed>,
+    ) {
         let m = &self.metrics;
         match completed {
             Some(c) => {
@@ -352,12 +353,6 @@ impl Pass<'_> {
                 m.snapshot_seconds
                     .get_or_create(labels)
                     .observe(c.duration.as_secs_f64());
-                m.snapshot_bytes
-                    .get_or_create(labels)
-                    .set(c.manifest.stats.total_bytes as i64);
-                m.snapshot_timestamp
-                    .get_or_create(labels)
-                    .set(c.manifest.completed_at.timestamp());
             }
             None => {
                 m.snapshot_failures.get_or_create(labels).inc();
@@ -396,7 +391,7 @@ impl Pass<'_> {
         parallelism: u32,
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
     ) -> Result<Duration, PassError> {
-        let labels = self.kind_labels("savepoint");
+        let labels = self.kind_labels(SnapshotKind::Savepoint);
         self.mem.run = Some(run);
         match result {
             Ok(c) => {
@@ -452,7 +447,7 @@ impl Pass<'_> {
         nonce: i64,
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
     ) -> Duration {
-        let labels = self.kind_labels("savepoint");
+        let labels = self.kind_labels(SnapshotKind::Savepoint);
         self.mem.run = Some(run);
         match result {
             Ok(c) => {
@@ -507,7 +502,7 @@ impl Pass<'_> {
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
     ) -> Duration {
         let interval = decide::checkpoint_interval(self.spec);
-        let labels = self.kind_labels("checkpoint");
+        let labels = self.kind_labels(SnapshotKind::Checkpoint);
         let run = self.mem.run.insert(run);
         match result {
             Ok(c) => {

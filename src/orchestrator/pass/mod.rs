@@ -22,7 +22,7 @@ use super::step::{self, Outcome, Step};
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::keygroup::{self, Assignment};
-use crate::operator::metrics::{KindLabels, OperatorMetrics, StepLabels};
+use crate::operator::metrics::{OperatorMetrics, SnapshotLabels};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
 use crate::text;
@@ -600,11 +600,7 @@ impl<'a> Pass<'a> {
             .insert(r.step.as_str().to_owned(), (secs * 1000.0).round() / 1000.0);
         self.metrics
             .rescale_step_seconds
-            .get_or_create(&StepLabels {
-                namespace: self.ns.clone(),
-                job: self.name.clone(),
-                step: r.step.as_str().to_owned(),
-            })
+            .get_or_create(&OperatorMetrics::step(&self.ns, &self.name, r.step))
             .observe(secs);
         tracing::info!(job = %self.name, from = %r.step, to = %next, ?outcome, "step");
         r.step = next;
