@@ -28,6 +28,8 @@ pub enum Fault {
     /// Changes the first number after `needle` in the body ([`flip_digit_after`]): the bytes
     /// stay well-formed JSON, only a number changes.
     FlipDigitAfter(String),
+    /// Waits this long, then applies the inner fault (so other requests get ahead of it).
+    After(Duration, Box<Fault>),
 }
 
 /// One fault: for requests with `method` whose path contains every one of `path`, up to
@@ -195,7 +197,13 @@ fn serve(client: TcpStream, upstream: &str, shared: &Shared) -> std::io::Result<
         words.next().unwrap_or("").to_owned(),
         words.next().unwrap_or("").to_owned(),
     );
-    let fault = take_fault(shared, &method, &path);
+    let fault = match take_fault(shared, &method, &path) {
+        Some(Fault::After(wait, inner)) => {
+            std::thread::sleep(wait);
+            Some(*inner)
+        }
+        other => other,
+    };
     let mut client = client;
     if let Some(Fault::Status(code)) = fault {
         let (code_name, reason) = match code {
@@ -262,7 +270,9 @@ fn serve(client: TcpStream, upstream: &str, shared: &Shared) -> std::io::Result<
                     client.write_all(&rewrite_head(&head, None))?;
                     client.write_all(&body)?;
                 }
-                Fault::Status(_) | Fault::Delay(_) => unreachable!("handled above"),
+                Fault::Status(_) | Fault::Delay(_) | Fault::After(..) => {
+                    unreachable!("handled above")
+                }
             }
         }
         _ => {
