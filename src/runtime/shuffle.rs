@@ -144,6 +144,7 @@ pub async fn connect(
     secret: &RunSecret,
     deadline: tokio::time::Instant,
 ) -> Result<TcpStream, ShuffleError> {
+    let mut delays = crate::backoff::peer_connect();
     loop {
         match TcpStream::connect(addr).await {
             Ok(mut s) => {
@@ -165,7 +166,11 @@ pub async fn connect(
             }
             Err(e) if tokio::time::Instant::now() < deadline => {
                 tracing::debug!(%addr, error = %e, "peer not reachable yet");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                let delay = delays
+                    .next()
+                    .unwrap_or(std::time::Duration::from_millis(200));
+                // The last attempt is made at the deadline, not after it.
+                tokio::time::sleep_until((tokio::time::Instant::now() + delay).min(deadline)).await;
             }
             Err(e) => return Err(e.into()),
         }
