@@ -403,24 +403,28 @@ fn is_ready(job: &StreamJob) -> bool {
 }
 
 /// Runs an API call, retrying what a loaded test control plane fails with a 5xx or 429 (e.g.
-/// "resource quota evaluation timed out") up to 4 times.
-async fn retry<T, F, Fut>(what: &str, mut call: F) -> Result<T>
+/// "resource quota evaluation timed out") up to 4 times, after 0.5 s, 1 s, 2 s and 4 s, each
+/// jittered (backon).
+async fn retry<T, F, Fut>(what: &str, call: F) -> Result<T>
 where
     F: FnMut() -> Fut,
     Fut: std::future::Future<Output = kube::Result<T>>,
 {
-    let mut attempt = 0u32;
-    loop {
-        match call().await {
-            Ok(v) => return Ok(v),
-            Err(kube::Error::Api(s)) if (s.code >= 500 || s.code == 429) && attempt < 4 => {
-                attempt += 1;
+    use backon::Retryable;
+    let policy = backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(500))
+        .with_factor(2.0)
+        .with_max_times(4)
+        .with_jitter();
+    call.retry(policy)
+        .when(|e| matches!(e, kube::Error::Api(s) if s.code >= 500 || s.code == 429))
+        .notify(|e, _| {
+            if let kube::Error::Api(s) = e {
                 println!("  {what}: {} {}; retrying", s.code, s.message);
-                tokio::time::sleep(Duration::from_millis(250 << attempt)).await;
             }
-            Err(e) => return Err(e).with_context(|| what.to_owned()),
-        }
-    }
+        })
+        .await
+        .with_context(|| what.to_owned())
 }
 
 fn job_from_yaml(yaml: &str) -> Result<StreamJob> {

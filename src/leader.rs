@@ -49,6 +49,7 @@
 //! # Ok(()) }
 //! ```
 
+use crate::backoff;
 use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::Timestamp;
@@ -628,14 +629,19 @@ impl Candidate {
                 }
                 Ok(Ok(Round::Contended)) => {
                     tracing::debug!("lost a race for the lease; looking again");
-                    Instant::now() + Duration::from_millis(100)
+                    // Jittered, so two replicas that raced do not race again in step.
+                    Instant::now() + backoff::jittered_within(Duration::from_millis(100))
                 }
                 Ok(Err(e)) => {
                     tracing::warn!(error = %e, "leader election round failed; retrying");
-                    // A leader retries soon (its deadline runs); a candidate at its pace.
+                    // A leader retries soon (its deadline runs); a candidate at its pace. Both
+                    // jittered, never later than these bounds.
                     match leading_since {
-                        Some(_) => Instant::now() + interval.min(Duration::from_secs(1)),
-                        None => Instant::now() + interval,
+                        Some(_) => {
+                            Instant::now()
+                                + backoff::jittered_within(interval.min(Duration::from_secs(1)))
+                        }
+                        None => Instant::now() + backoff::jittered_within(interval),
                     }
                 }
                 Err(_) => {

@@ -14,6 +14,7 @@
 //! * `test-hooks`: test-only fault injection, the orchestration's `KEYSHIFT_TEST_*` environment
 //!   hooks (`orchestrator::hooks`). The test suite (hack/test.sh) builds with it.
 
+pub mod backoff;
 #[cfg(feature = "bench")]
 pub mod bench;
 #[cfg(feature = "bench")]

@@ -44,6 +44,15 @@ pub const AGG_SCHEMA: &str = "keyshift.agg.v1";
 
 const FLAG_WINDOWED: u8 = 1;
 
+/// The block trailer's checksum: CRC-32 (IEEE 802.3, the zlib / gzip polynomial; crc-fast calls it
+/// ISO-HDLC). Computed with crc-fast, the crate behind the manifests' CRC-32C
+/// (`snapshot::checksum`), so the build has one CRC crate; the algorithm is the one blocks have
+/// always carried (crc32fast computed it before), so existing snapshots still verify.
+#[inline]
+fn block_crc(data: &[u8]) -> u32 {
+    crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32IsoHdlc, data) as u32
+}
+
 /// An aggregate's accumulator: one value, or one per open window.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum AccValue {
@@ -248,7 +257,7 @@ impl BlockWriter {
     /// Patches the entry count, appends the checksum and returns `(block, entries)`.
     pub fn finish(mut self) -> (Vec<u8>, u64) {
         self.buf[self.count_at..self.count_at + 8].copy_from_slice(&self.entries.to_le_bytes());
-        let crc = crc32fast::hash(&self.buf[self.start..]);
+        let crc = block_crc(&self.buf[self.start..]);
         self.buf.extend_from_slice(&crc.to_le_bytes());
         (self.buf, self.entries)
     }
@@ -282,7 +291,7 @@ fn open(block: &[u8]) -> Result<(BlockHeader, Reader<'_>), CodecError> {
     let mut stored = [0u8; 4];
     stored.copy_from_slice(crc);
     let stored = u32::from_le_bytes(stored);
-    let computed = crc32fast::hash(body);
+    let computed = block_crc(body);
     if stored != computed {
         return Err(CodecError::Checksum { stored, computed });
     }
@@ -692,9 +701,41 @@ mod tests {
         }
     }
 
+    /// The trailer is CRC-32 (IEEE): the standard check value, and a block written before the
+    /// checksum moved from crc32fast to crc-fast (its bytes built by hand from the layout above,
+    /// its trailer computed by zlib's crc32) still decodes.
+    #[test]
+    fn block_crc_is_crc32_ieee_and_old_blocks_verify() {
+        assert_eq!(block_crc(b"123456789"), 0xcbf4_3926);
+        assert_eq!(block_crc(b""), 0);
+        let hex = "4b534b4701000f6b657973686966742e6167672e76310100000000000000000080000000\
+                   05000000010000000000000000016b2a00000000000000004eaf19c8";
+        let old: Vec<u8> = (0..hex.len() / 2)
+            .map(|i| u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).unwrap())
+            .collect();
+        assert_eq!(old.len(), 64);
+        let d = decode_group(&old).unwrap();
+        assert_eq!(d.header.info.key_group, 5);
+        assert_eq!(d.header.info.max_parallelism, 128);
+        assert_eq!(d.header.info.function, AggregateFunction::Sum);
+        assert_eq!(
+            d.entries,
+            vec![(
+                Key::String("k".into()),
+                StateValue {
+                    acc: AccValue::Scalar(42),
+                    payload: vec![]
+                }
+            )]
+        );
+        // And this build writes the same bytes for it.
+        let (again, n) = encode_entries(&d.header.info, d.entries.iter().map(|(k, v)| (k, v)));
+        assert_eq!((again, n), (old, 1));
+    }
+
     /// Re-signs a tampered block so the checks behind the checksum are exercised.
     fn resign(mut body: Vec<u8>) -> Vec<u8> {
-        let crc = crc32fast::hash(&body);
+        let crc = block_crc(&body);
         body.extend_from_slice(&crc.to_le_bytes());
         body
     }

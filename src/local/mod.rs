@@ -492,7 +492,8 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
             }
             Err(e) => {
                 say(format_args!("{e}; retrying"));
-                next = tokio::time::Instant::now() + e.kind().retry_after();
+                next =
+                    tokio::time::Instant::now() + crate::backoff::jittered(e.kind().retry_after());
             }
         }
         if stopping && status.phase == Some(Phase::Suspended) && workers.is_empty() {

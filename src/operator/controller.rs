@@ -155,14 +155,16 @@ fn watch_backoff()
     )
 }
 
-/// A failed pass is counted by its kind and retried after its kind's delay.
+/// A failed pass is counted by its kind and retried after its kind's delay (plus jitter).
 fn error_policy(job: Arc<StreamJob>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
     let kind = error.kind();
     let labels =
         OperatorMetrics::error(&job.namespace().unwrap_or_default(), &job.name_any(), kind);
     ctx.metrics.reconcile_errors.get_or_create(&labels).inc();
     tracing::warn!(job = %job.name_any(), error = %error, kind = kind.label(), "reconcile failed; retrying");
-    Requeue::requeue(kind.retry_after())
+    // Jittered: when the API server or the store fails, every job fails at once; their retries
+    // should not arrive at once too.
+    Requeue::requeue(crate::backoff::jittered(kind.retry_after()))
 }
 
 async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, OperatorError> {

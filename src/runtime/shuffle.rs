@@ -21,6 +21,7 @@
 use super::protocol::RunSecret;
 use crate::job::Record;
 use crate::job::record::{decode_record, encode_record};
+use aws_lc_rs::hmac;
 use std::io;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::TcpStream;
@@ -63,8 +64,8 @@ const CHALLENGE: usize = 16;
 /// Bytes of a hello's proof (HMAC-SHA256).
 const PROOF: usize = 32;
 
-fn proof_key(secret: &RunSecret) -> ring::hmac::Key {
-    ring::hmac::Key::new(ring::hmac::HMAC_SHA256, secret.0.as_bytes())
+fn proof_key(secret: &RunSecret) -> hmac::Key {
+    hmac::Key::new(hmac::HMAC_SHA256, secret.0.as_bytes())
 }
 
 fn proof_message(challenge: &[u8], from: u32, run_id: &str) -> Vec<u8> {
@@ -143,6 +144,7 @@ pub async fn connect(
     secret: &RunSecret,
     deadline: tokio::time::Instant,
 ) -> Result<TcpStream, ShuffleError> {
+    let mut delays = crate::backoff::peer_connect();
     loop {
         match TcpStream::connect(addr).await {
             Ok(mut s) => {
@@ -152,8 +154,7 @@ pub async fn connect(
                     .map_err(|_| {
                         io::Error::new(io::ErrorKind::TimedOut, "no challenge from the peer")
                     })??;
-                let tag =
-                    ring::hmac::sign(&proof_key(secret), &proof_message(&challenge, from, run_id));
+                let tag = hmac::sign(&proof_key(secret), &proof_message(&challenge, from, run_id));
                 let mut hello = Vec::with_capacity(8 + PROOF + run_id.len());
                 hello.extend_from_slice(&((5 + PROOF + run_id.len()) as u32).to_le_bytes());
                 hello.push(3);
@@ -165,7 +166,11 @@ pub async fn connect(
             }
             Err(e) if tokio::time::Instant::now() < deadline => {
                 tracing::debug!(%addr, error = %e, "peer not reachable yet");
-                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                let delay = delays
+                    .next()
+                    .unwrap_or(std::time::Duration::from_millis(200));
+                // The last attempt is made at the deadline, not after it.
+                tokio::time::sleep_until((tokio::time::Instant::now() + delay).min(deadline)).await;
             }
             Err(e) => return Err(e.into()),
         }
@@ -224,7 +229,7 @@ pub async fn accept_hello(
             expected: run_id.to_owned(),
         });
     }
-    ring::hmac::verify(
+    hmac::verify(
         &proof_key(secret),
         &proof_message(&challenge, from, run_id),
         proof,
@@ -282,6 +287,26 @@ pub async fn recv_loop(
 mod tests {
     use super::*;
     use crate::job::RecordKey;
+
+    /// The proof is standard HMAC-SHA256 (RFC 4231 test case 2), whichever crypto crate computes
+    /// it: workers built with another provider (ring, before) interoperate during an upgrade.
+    #[test]
+    fn proof_is_standard_hmac_sha256() {
+        let key = hmac::Key::new(hmac::HMAC_SHA256, b"Jefe");
+        let tag = hmac::sign(&key, b"what do ya want for nothing?");
+        let hex: String = tag.as_ref().iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(
+            hex,
+            "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"
+        );
+        assert_eq!(tag.as_ref().len(), PROOF);
+        let secret = RunSecret("s3cret".into());
+        let msg = proof_message(&[7; CHALLENGE], 3, "run-1");
+        let proof = hmac::sign(&proof_key(&secret), &msg);
+        assert!(hmac::verify(&proof_key(&secret), &msg, proof.as_ref()).is_ok());
+        let other = RunSecret("other".into());
+        assert!(hmac::verify(&proof_key(&other), &msg, proof.as_ref()).is_err());
+    }
 
     #[test]
     fn frames_round_trip() {

@@ -493,8 +493,11 @@ fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
     }
 }
 
+/// How long the job waits after `failures` failed passes in a row: [`crate::backoff::pass_failure`]
+/// (1 s doubling to 64 s, jittered), as a time to add to now.
 fn backoff(failures: u32) -> chrono::Duration {
-    chrono::Duration::seconds(1i64 << failures.saturating_sub(1).min(6))
+    let wait = crate::backoff::pass_failure(failures);
+    chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::seconds(128))
 }
 
 /// spec.restoreFrom when the job has not been started from it yet: its manifest's key-group
