@@ -28,6 +28,7 @@ pub mod local;
 pub mod operator;
 pub mod orchestrator;
 pub mod plan_svg;
+pub mod probe;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;
