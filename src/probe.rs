@@ -78,7 +78,11 @@ pub fn endpoint_urls(
 ) -> Result<Vec<String>, ResolveError> {
     let mut urls = Vec::new();
     let mut port_seen = false;
+    let mut endpoints_seen = false;
     for slice in slices {
+        // A Service without endpoints keeps a placeholder slice with neither endpoints nor
+        // ports: that is "no ready endpoint", not a wrong port.
+        endpoints_seen |= slice.endpoints.iter().flatten().next().is_some();
         let number = slice.ports.iter().flatten().find_map(|p| {
             let by_name = p.name.as_deref() == Some(port);
             let by_number = p.port.is_some_and(|n| n.to_string() == port);
@@ -106,7 +110,7 @@ pub fn endpoint_urls(
         }
     }
     if urls.is_empty() {
-        return Err(if port_seen || slices.is_empty() {
+        return Err(if port_seen || !endpoints_seen {
             ResolveError::NoReadyEndpoint {
                 service: service.to_owned(),
             }
@@ -290,6 +294,17 @@ mod tests {
         );
         assert_eq!(
             endpoint_urls("ns/svc", &[], "metrics", &paths()),
+            Err(ResolveError::NoReadyEndpoint {
+                service: "ns/svc".into()
+            })
+        );
+        // What the EndpointSlice controller keeps for a Service with no pod behind it.
+        let placeholder = EndpointSlice {
+            address_type: "IPv4".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            endpoint_urls("ns/svc", &[placeholder], "metrics", &paths()),
             Err(ResolveError::NoReadyEndpoint {
                 service: "ns/svc".into()
             })
