@@ -9,6 +9,8 @@ step() { printf '\n==> %s\n' "$*" >&2; }
 # Prometheus' reference parser checks the metrics endpoints (tests/metrics_exposition.rs and the
 # e2e tests, through tests/monitoring/check_exposition.py).
 python3 -c 'import prometheus_client' 2>/dev/null || python3 -m pip install --quiet 'prometheus_client>=0.20'
+# PyYAML reads values.yaml for the chart README's values table (hack/chart-values-table.py).
+python3 -c 'import yaml' 2>/dev/null || python3 -m pip install --quiet 'PyYAML>=6'
 # Helm for the chart checks (tests/chart.rs) and the e2e suite; cached after the first run.
 KEYSHIFT_HELM="$(hack/get-helm.sh)"
 export KEYSHIFT_HELM="${KEYSHIFT_HELM#HELM=}"
@@ -50,6 +52,12 @@ step "helm lint --strict (default values and each charts/keyshift/ci/*.yaml)"
 for values in charts/keyshift/ci/*.yaml; do
   "$KEYSHIFT_HELM" lint --strict charts/keyshift -f "$values"
 done
+
+# The chart README's values table is generated from values.yaml and values.schema.json; this
+# fails when it is stale (naming the command that regenerates it) or a schema key has no
+# description.
+step "chart README values table up to date (hack/chart-values-table.py --check)"
+python3 hack/chart-values-table.py --check
 
 step "S3 test server (moto) for the snapshot tests"
 # A state dir of this run's own (unless given), so concurrent runs from other checkouts neither

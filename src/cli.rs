@@ -67,7 +67,39 @@ pub enum Command {
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell) to stdout.
     #[command(after_help = COMPLETION_EXAMPLES)]
     Completion(CompletionArgs),
+    /// Check that HTTP endpoints answer with a 2xx status (retrying until --timeout), e.g.
+    /// every ready pod behind a Service: the chart's `helm test` runs it against the operator.
+    #[command(after_help = PROBE_EXAMPLES)]
+    Probe(ProbeArgs),
 }
+
+/// `keyshift probe`.
+#[derive(clap::Args, Debug)]
+pub struct ProbeArgs {
+    /// URLs to GET (http://HOST:PORT/PATH); with --service, paths (/readyz) to GET on each of
+    /// its ready endpoints.
+    #[arg(required = true)]
+    pub targets: Vec<String>,
+    /// Resolve the paths against this Service's ready endpoints (its EndpointSlices, read with
+    /// the pod's ServiceAccount), pod to pod: no Service proxy or DNS needed.
+    #[arg(long)]
+    pub service: Option<String>,
+    /// Namespace of --service (default: the pod's own, or the kubeconfig's).
+    #[arg(long, env = "POD_NAMESPACE")]
+    pub namespace: Option<String>,
+    /// Port of --service, by name or endpoint port number.
+    #[arg(long, default_value = "metrics")]
+    pub port: String,
+    /// Seconds to keep retrying until every target answers.
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+}
+
+const PROBE_EXAMPLES: &str = "Examples:
+  # The operator answers on every ready pod of its metrics Service (what `helm test` runs)
+  keyshift probe --service keyshift-metrics --port metrics /readyz /metrics
+  # Plain URLs
+  keyshift probe http://127.0.0.1:8080/healthz --timeout 10";
 
 /// `keyshift completion SHELL`.
 #[derive(clap::Args, Debug)]
@@ -362,6 +394,8 @@ pub enum CliError {
     Runtime(std::io::Error),
     #[error(transparent)]
     Savepoint(#[from] crate::tools::ToolError),
+    #[error("probe: {0}")]
+    Probe(#[from] crate::probe::ProbeError),
     #[cfg(feature = "bench")]
     #[error("bench: {0:#}")]
     Bench(anyhow::Error),
@@ -477,6 +511,22 @@ fn run(command: Command) -> Result<(), CliError> {
             let mut buf = Vec::new();
             completion(args.shell, &mut buf);
             out.write_all(&buf).map_err(CliError::Stdout)
+        }
+        Command::Probe(args) => {
+            let config = crate::probe::ProbeConfig {
+                targets: args.targets,
+                service: args.service.map(|name| crate::probe::ServiceTarget {
+                    name,
+                    namespace: args.namespace.filter(|n| !n.is_empty()),
+                    port: args.port,
+                }),
+                timeout: std::time::Duration::from_secs(args.timeout),
+                request_timeout: std::time::Duration::from_secs(5),
+            };
+            let answered = tokio_runtime()?.block_on(crate::probe::probe(&config))?;
+            let mut text = answered.join("\n");
+            text.push('\n');
+            out.write_all(text.as_bytes()).map_err(CliError::Stdout)
         }
         #[cfg(feature = "bench")]
         Command::Bench(args) => {

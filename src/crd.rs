@@ -41,7 +41,10 @@ pub use crate::keygroup::KeyType;
     printcolumn = r#"{"name":"Phase","type":"string","description":"Lifecycle phase","jsonPath":".status.phase"}"#,
     printcolumn = r#"{"name":"Ready","type":"string","description":"Whether the job runs at the requested spec","jsonPath":".status.conditions[?(@.type==\"Ready\")].status"}"#,
     printcolumn = r#"{"name":"Balanced","type":"string","priority":1,"description":"Whether key groups spread evenly over subtasks","jsonPath":".status.conditions[?(@.type==\"KeyGroupsBalanced\")].status"}"#,
-    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+    printcolumn = r#"{"name":"Step","type":"string","description":"Step of the rescale or upgrade in progress (status.step)","jsonPath":".status.step"}"#,
+    printcolumn = r#"{"name":"Checkpoint","type":"date","description":"Time since the last completed checkpoint (status.lastCheckpoint.time)","jsonPath":".status.lastCheckpoint.time"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#,
+    printcolumn = r#"{"name":"Message","type":"string","description":"What the job is doing, in one short line (status.message; the Ready condition has all of it)","jsonPath":".status.message"}"#
 )]
 #[serde(rename_all = "camelCase")]
 pub struct StreamJobSpec {
@@ -512,6 +515,17 @@ pub struct StreamJobStatus {
     /// The rescale or upgrade in progress (or the last one), step by step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rescale: Option<RescaleStatus>,
+    /// The step of the rescale or upgrade in progress (Savepointing, Verifying, Stopping or
+    /// Restoring; status.rescale has the whole transition); absent when none runs. The STEP
+    /// column of `kubectl get streamjobs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(with = "Option<String>")]
+    pub step: Option<crate::orchestrator::step::Step>,
+    /// What the job is doing, in one line of at most 80 characters: the Ready condition's
+    /// message, shortened (the condition holds all of it). The MESSAGE column of `kubectl get
+    /// streamjobs`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
     /// The restore of the run being started (a rescale's or upgrade's new run, a rollback, a
     /// recovery or resume), while it runs: how much of its snapshot the workers have read so
     /// far. Updated every few seconds; removed once the run started or its start failed.

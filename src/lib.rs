@@ -30,6 +30,7 @@ pub mod operator;
 pub mod orchestrator;
 pub mod pictures;
 pub mod plan_svg;
+pub mod probe;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;

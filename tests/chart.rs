@@ -19,6 +19,7 @@ const RELEASE: &str = "ks";
 const NAMESPACE: &str = "keyshift-system";
 const NAMESPACED_VALUES: &str = "charts/keyshift/ci/namespaced-values.yaml";
 const SERVICE_MONITOR_API: &str = "monitoring.coreos.com/v1/ServiceMonitor";
+const OPTIONS_VALUES: &str = "charts/keyshift/ci/options-values.yaml";
 
 fn helm() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("KEYSHIFT_HELM").filter(|p| !p.is_empty()) {
@@ -85,8 +86,25 @@ fn namespaced(helm: &PathBuf) -> Vec<Value> {
     )
 }
 
+/// A `helm test` hook (rendered by `helm template` too).
+fn is_test_hook(doc: &Value) -> bool {
+    doc["metadata"]["annotations"]["helm.sh/hook"] == "test"
+}
+
+/// A ClusterRole aggregated into Kubernetes' built-in user-facing roles.
+fn is_aggregated(doc: &Value) -> bool {
+    doc["metadata"]["labels"].as_object().is_some_and(|l| {
+        l.keys()
+            .any(|k| k.starts_with("rbac.authorization.k8s.io/aggregate-to-"))
+    })
+}
+
+/// The operator's own objects of `kind`: neither test hooks nor the user-facing aggregated
+/// roles (their own tests check those).
 fn of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
-    docs.iter().filter(|d| d["kind"] == kind).collect()
+    docs.iter()
+        .filter(|d| d["kind"] == kind && !is_test_hook(d) && !is_aggregated(d))
+        .collect()
 }
 
 fn one<'a>(docs: &'a [Value], kind: &str) -> &'a Value {
@@ -251,7 +269,11 @@ fn rendered_crd_equals_the_committed_crd() {
 fn default_values_grant_the_contract_cluster_wide() {
     with_helm(|helm| {
         let docs = defaults(helm);
-        let kinds: BTreeSet<&str> = docs.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+        let kinds: BTreeSet<&str> = docs
+            .iter()
+            .filter(|d| !is_test_hook(d))
+            .map(|d| d["kind"].as_str().unwrap())
+            .collect();
         assert_eq!(
             kinds,
             BTreeSet::from([
@@ -263,7 +285,7 @@ fn default_values_grant_the_contract_cluster_wide() {
                 "Service",
                 "Deployment"
             ]),
-            "no ServiceMonitor by default"
+            "no ServiceMonitor by default, no PodDisruptionBudget for one replica"
         );
         let sa = one(&docs, "ServiceAccount");
         assert_eq!(namespace(sa), NAMESPACE);
@@ -346,6 +368,11 @@ fn namespaced_values_grant_nothing_cluster_wide() {
         let docs = namespaced(helm);
         assert!(of_kind(&docs, "ClusterRole").is_empty());
         assert!(of_kind(&docs, "ClusterRoleBinding").is_empty());
+        // The only cluster-scoped objects are the user-facing aggregated roles, bound by nobody.
+        for d in docs.iter().filter(|d| d["kind"] == "ClusterRole") {
+            assert!(is_aggregated(d), "{}", name(d));
+        }
+        assert!(docs.iter().all(|d| d["kind"] != "ClusterRoleBinding"));
         let sa = one(&docs, "ServiceAccount");
 
         // One Role + RoleBinding per watched namespace, with the contract's rules; the Lease
@@ -545,7 +572,10 @@ fn other_values_render_as_documented() {
                 "serviceAccount.name=mine",
             ],
         );
-        assert!(rbac_strings(&docs).is_empty());
+        // Nothing but the `helm test` hook's own Role (made only while `helm test` runs).
+        let non_hooks: Vec<Value> = docs.iter().filter(|d| !is_test_hook(d)).cloned().collect();
+        assert!(rbac_strings(&non_hooks).is_empty());
+        assert!(!non_hooks.iter().any(is_aggregated));
         assert!(of_kind(&docs, "ServiceAccount").is_empty());
         assert_eq!(
             one(&docs, "Deployment")["spec"]["template"]["spec"]["serviceAccountName"],
@@ -720,6 +750,48 @@ fn bad_values_are_refused_with_a_reason() {
                 &["--kube-version", "1.29.0"],
                 "chart requires kubeVersion: >= 1.30.0-0",
             ),
+            (
+                &[
+                    "--set-json",
+                    r#"extraVolumes=[{"name":"tmp","emptyDir":{}}]"#,
+                ],
+                "/extraVolumes/0/name",
+            ),
+            (
+                &[
+                    "--set-json",
+                    r#"extraVolumeMounts=[{"name":"ca","mountPath":"/etc/ca"}]"#,
+                ],
+                "mounts volume \"ca\", which extraVolumes does not declare",
+            ),
+            (
+                &[
+                    "--set-json",
+                    r#"extraVolumes=[{"name":"scratch","emptyDir":{}}]"#,
+                    "--set-json",
+                    r#"extraVolumeMounts=[{"name":"scratch","mountPath":"/tmp/"}]"#,
+                ],
+                "/tmp is the chart's own mount",
+            ),
+            (
+                &[
+                    "--set-json",
+                    r#"extraVolumeMounts=[{"name":"tmp","mountPath":"relative"}]"#,
+                ],
+                "/extraVolumeMounts/0/mountPath",
+            ),
+            (
+                &["--set", "podDisruptionBudget.maxUnavailable=half"],
+                "/podDisruptionBudget/maxUnavailable",
+            ),
+            (
+                &["--set", "tests.timeoutSeconds=0"],
+                "/tests/timeoutSeconds",
+            ),
+            (
+                &["--set", "rbac.aggregateToDefaultRoles=yes"],
+                "/rbac/aggregateToDefaultRoles",
+            ),
         ];
         for (args, message) in cases {
             match render(helm, args) {
@@ -860,5 +932,327 @@ fn monitoring_objects_are_opt_in_and_select_the_workers() {
         )
         .expect_err("refused");
         assert!(err.contains("restartWindow"), "{err}");
+/// The one aggregated ClusterRole whose name ends in `suffix`.
+fn aggregated_role<'a>(docs: &'a [Value], suffix: &str) -> &'a Value {
+    let found: Vec<&Value> = docs
+        .iter()
+        .filter(|d| d["kind"] == "ClusterRole" && is_aggregated(d) && name(d).ends_with(suffix))
+        .collect();
+    assert_eq!(found.len(), 1, "one aggregated ClusterRole *{suffix}");
+    found[0]
+}
+
+fn aggregates_to(role: &Value) -> BTreeSet<String> {
+    role["metadata"]["labels"]
+        .as_object()
+        .expect("labels")
+        .iter()
+        .filter_map(|(k, v)| {
+            let target = k.strip_prefix("rbac.authorization.k8s.io/aggregate-to-")?;
+            assert_eq!(v, "true", "{k}");
+            Some(target.to_owned())
+        })
+        .collect()
+}
+
+/// A namespace `view` user reads StreamJobs (and their status and scale); `edit` and `admin`
+/// also create, change, delete and `kubectl scale` them; nobody but the operator writes status.
+#[test]
+fn aggregated_roles_add_streamjobs_to_view_edit_and_admin() {
+    with_helm(|helm| {
+        for docs in [defaults(helm), namespaced(helm)] {
+            let all_aggregated: Vec<&Value> = docs.iter().filter(|d| is_aggregated(d)).collect();
+            assert_eq!(all_aggregated.len(), 2);
+            let view = aggregated_role(&docs, "-streamjobs-view");
+            assert_eq!(
+                aggregates_to(view),
+                BTreeSet::from(["view".into(), "edit".into(), "admin".into()])
+            );
+            assert_eq!(
+                rules(view),
+                expect_rules(&[
+                    ("keyshift.dev", "streamjobs", &["get", "list", "watch"]),
+                    (
+                        "keyshift.dev",
+                        "streamjobs/status",
+                        &["get", "list", "watch"]
+                    ),
+                    (
+                        "keyshift.dev",
+                        "streamjobs/scale",
+                        &["get", "list", "watch"]
+                    ),
+                ])
+            );
+            let edit = aggregated_role(&docs, "-streamjobs-edit");
+            assert_eq!(
+                aggregates_to(edit),
+                BTreeSet::from(["edit".into(), "admin".into()]),
+                "view must not gain write access"
+            );
+            assert_eq!(
+                rules(edit),
+                expect_rules(&[
+                    (
+                        "keyshift.dev",
+                        "streamjobs",
+                        &["create", "update", "patch", "delete", "deletecollection"]
+                    ),
+                    ("keyshift.dev", "streamjobs/scale", &["update", "patch"]),
+                ])
+            );
+            // They grant through the built-in roles only: nothing binds them.
+            for b in docs
+                .iter()
+                .filter(|d| d["kind"] == "ClusterRoleBinding" || d["kind"] == "RoleBinding")
+            {
+                assert!(
+                    b["roleRef"]["name"] != name(view) && b["roleRef"]["name"] != name(edit),
+                    "{} binds an aggregated role",
+                    name(b)
+                );
+            }
+        }
+        let docs = render_ok(helm, &["--set", "rbac.aggregateToDefaultRoles=false"]);
+        assert!(!docs.iter().any(is_aggregated));
+    });
+}
+
+#[test]
+fn pod_disruption_budget_only_for_several_replicas() {
+    with_helm(|helm| {
+        assert!(docs_of_kind(&defaults(helm), "PodDisruptionBudget").is_empty());
+        let docs = render_ok(helm, &["--set", "replicas=2"]);
+        let pdb = one(&docs, "PodDisruptionBudget");
+        assert_eq!(pdb["apiVersion"], "policy/v1");
+        assert_eq!(namespace(pdb), NAMESPACE);
+        assert_eq!(pdb["spec"]["maxUnavailable"], 1);
+        assert!(pdb["spec"].get("minAvailable").is_none());
+        assert_eq!(
+            pdb["spec"]["selector"],
+            one(&docs, "Deployment")["spec"]["selector"],
+            "the PDB covers exactly the operator's pods"
+        );
+        let docs = render_ok(
+            helm,
+            &[
+                "--set",
+                "replicas=4",
+                "--set",
+                "podDisruptionBudget.maxUnavailable=50%",
+            ],
+        );
+        assert_eq!(
+            one(&docs, "PodDisruptionBudget")["spec"]["maxUnavailable"],
+            "50%"
+        );
+        let docs = render_ok(
+            helm,
+            &[
+                "--set",
+                "replicas=2",
+                "--set",
+                "podDisruptionBudget.enabled=false",
+            ],
+        );
+        assert!(docs_of_kind(&docs, "PodDisruptionBudget").is_empty());
+        for docs in [namespaced(helm), options(helm)] {
+            one(&docs, "PodDisruptionBudget");
+        }
+        // Zero replicas (RBAC only): no PDB either.
+        let docs = render_ok(helm, &["--set", "replicas=0"]);
+        assert!(docs_of_kind(&docs, "PodDisruptionBudget").is_empty());
+    });
+}
+
+fn docs_of_kind<'a>(docs: &'a [Value], kind: &str) -> Vec<&'a Value> {
+    docs.iter().filter(|d| d["kind"] == kind).collect()
+}
+
+fn options(helm: &PathBuf) -> Vec<Value> {
+    render_ok(helm, &["-f", OPTIONS_VALUES])
+}
+
+/// ci/options-values.yaml: the CA bundle is mounted and named, the credentials reach the
+/// container, pull secrets, annotations, labels and probe timings reach the pod.
+#[test]
+fn extra_volumes_env_pull_secrets_annotations_and_probes_reach_the_pod() {
+    with_helm(|helm| {
+        let docs = options(helm);
+        let deploy = one(&docs, "Deployment");
+        let pod = &deploy["spec"]["template"];
+        let spec = &pod["spec"];
+        assert_eq!(
+            spec["volumes"],
+            json!([
+                {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                {"name": "ca", "configMap": {"name": "keyshift-ca"}},
+            ])
+        );
+        let c = container(&docs);
+        assert_eq!(
+            c["volumeMounts"],
+            json!([
+                {"name": "tmp", "mountPath": "/tmp"},
+                {"name": "ca", "mountPath": "/etc/keyshift-ca", "readOnly": true},
+            ])
+        );
+        assert_eq!(
+            env(&docs, "SSL_CERT_FILE")["value"],
+            "/etc/keyshift-ca/ca.crt"
+        );
+        assert_eq!(
+            c["envFrom"],
+            json!([{"secretRef": {"name": "keyshift-s3"}}])
+        );
+        assert_eq!(spec["imagePullSecrets"], json!([{"name": "regcred"}]));
+        assert_eq!(
+            pod["metadata"]["annotations"],
+            json!({"example.com/team": "streaming"})
+        );
+        let labels = &pod["metadata"]["labels"];
+        assert_eq!(labels["azure.workload.identity/use"], "true");
+        for (k, v) in deploy["spec"]["selector"]["matchLabels"]
+            .as_object()
+            .unwrap()
+        {
+            assert_eq!(&labels[k], v, "the selector still matches the pod");
+        }
+        assert_eq!(
+            one(&docs, "ServiceAccount")["metadata"]["annotations"],
+            json!({"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/keyshift-operator"})
+        );
+        assert_eq!(
+            c["livenessProbe"],
+            json!({"httpGet": {"path": "/healthz", "port": 8080}, "initialDelaySeconds": 10,
+                   "periodSeconds": 30, "timeoutSeconds": 3, "failureThreshold": 4})
+        );
+        assert_eq!(
+            c["readinessProbe"],
+            json!({"httpGet": {"path": "/readyz", "port": 8080}, "initialDelaySeconds": 1,
+                   "periodSeconds": 5, "timeoutSeconds": 2, "failureThreshold": 2})
+        );
+
+        // podLabels cannot take the selector's labels over.
+        let docs = render_ok(
+            helm,
+            &[
+                "--set-json",
+                r#"podLabels={"app.kubernetes.io/instance":"other","x":"y"}"#,
+            ],
+        );
+        let labels = &one(&docs, "Deployment")["spec"]["template"]["metadata"]["labels"];
+        assert_eq!(labels["app.kubernetes.io/instance"], RELEASE);
+        assert_eq!(labels["x"], "y");
+
+        // Defaults: nothing extra.
+        let docs = defaults(helm);
+        let spec = &one(&docs, "Deployment")["spec"]["template"]["spec"];
+        assert_eq!(spec["volumes"].as_array().map(Vec::len), Some(1));
+        assert!(spec.get("imagePullSecrets").is_none());
+        assert!(container(&docs).get("envFrom").is_none());
+    });
+}
+
+/// `helm test`: a restricted Pod from the operator's image probes every ready endpoint of the
+/// metrics Service; its ServiceAccount may only list EndpointSlices; all of it goes away once
+/// it passes.
+#[test]
+fn test_hook_is_restricted_and_probes_the_operator() {
+    with_helm(|helm| {
+        for docs in [defaults(helm), namespaced(helm), options(helm)] {
+            let hooks: Vec<&Value> = docs.iter().filter(|d| is_test_hook(d)).collect();
+            let kinds: BTreeSet<&str> = hooks.iter().map(|d| d["kind"].as_str().unwrap()).collect();
+            assert_eq!(
+                kinds,
+                BTreeSet::from(["Pod", "ServiceAccount", "Role", "RoleBinding"])
+            );
+            assert_eq!(hooks.len(), 4);
+            for h in &hooks {
+                assert_eq!(namespace(h), NAMESPACE);
+                let policy = h["metadata"]["annotations"]["helm.sh/hook-delete-policy"]
+                    .as_str()
+                    .unwrap_or_default();
+                assert!(
+                    policy.contains("hook-succeeded") && policy.contains("before-hook-creation"),
+                    "{}: {policy}",
+                    name(h)
+                );
+            }
+            let of = |kind: &str| *hooks.iter().find(|d| d["kind"] == kind).unwrap();
+            let (pod, sa, role, binding) = (
+                of("Pod"),
+                of("ServiceAccount"),
+                of("Role"),
+                of("RoleBinding"),
+            );
+            assert_eq!(
+                rules(role),
+                expect_rules(&[("discovery.k8s.io", "endpointslices", &["list"])])
+            );
+            assert!(role["rules"][0].get("resourceNames").is_none());
+            assert_eq!(binding["roleRef"]["name"], name(role));
+            assert_eq!(
+                binding["subjects"],
+                json!([{"kind": "ServiceAccount", "name": name(sa), "namespace": NAMESPACE}])
+            );
+            let spec = &pod["spec"];
+            assert_eq!(spec["serviceAccountName"], name(sa));
+            assert_eq!(spec["restartPolicy"], "Never");
+            // Pod Security `restricted`.
+            let psc = &spec["securityContext"];
+            assert_eq!(psc["runAsNonRoot"], true);
+            assert_eq!(psc["runAsUser"], 65532);
+            assert_eq!(psc["seccompProfile"]["type"], "RuntimeDefault");
+            assert!(spec.get("hostNetwork").is_none() && spec.get("volumes").is_none());
+            let containers = spec["containers"].as_array().unwrap();
+            assert_eq!(containers.len(), 1);
+            let c = &containers[0];
+            let sc = &c["securityContext"];
+            assert_eq!(sc["runAsNonRoot"], true);
+            assert_eq!(sc["readOnlyRootFilesystem"], true);
+            assert_eq!(sc["allowPrivilegeEscalation"], false);
+            assert_eq!(sc["capabilities"]["drop"], json!(["ALL"]));
+            assert!(sc["capabilities"].get("add").is_none());
+            assert_eq!(sc["seccompProfile"]["type"], "RuntimeDefault");
+            // The operator's image, probing the metrics Service's port by name.
+            assert_eq!(c["image"], container(&docs)["image"]);
+            let svc = one(&docs, "Service");
+            assert_eq!(svc["spec"]["ports"][0]["name"], "metrics");
+            let a: Vec<&str> = c["args"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|v| v.as_str().unwrap())
+                .collect();
+            assert_eq!(a[0], "probe");
+            for want in [
+                format!("--service={}", name(svc)),
+                format!("--namespace={NAMESPACE}"),
+                "--port=metrics".to_owned(),
+                "/readyz".to_owned(),
+                "/metrics".to_owned(),
+            ] {
+                assert!(a.contains(&want.as_str()), "{want} in {a:?}");
+            }
+        }
+        let docs = options(helm);
+        let pod = docs
+            .iter()
+            .find(|d| is_test_hook(d) && d["kind"] == "Pod")
+            .unwrap();
+        assert_eq!(
+            pod["spec"]["imagePullSecrets"],
+            json!([{"name": "regcred"}])
+        );
+        assert!(
+            pod["spec"]["containers"][0]["args"]
+                .as_array()
+                .unwrap()
+                .contains(&json!("--timeout=30"))
+        );
+
+        let docs = render_ok(helm, &["--set", "tests.enabled=false"]);
+        assert!(!docs.iter().any(is_test_hook));
     });
 }

@@ -493,3 +493,93 @@ fn help_shows_examples() {
         }
     }
 }
+
+/// A real HTTP server on loopback for `keyshift probe`: `/ok` answers 200, `/down` 503, and
+/// `/later` 503 to its first two requests, then 200.
+fn probe_server() -> String {
+    use std::io::{BufRead, BufReader};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    std::thread::spawn(move || {
+        let mut later = 0;
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut reader = BufReader::new(stream.try_clone().expect("clone"));
+            let mut request = String::new();
+            if reader.read_line(&mut request).is_err() {
+                continue;
+            }
+            // Skip the headers.
+            let mut line = String::new();
+            while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                line.clear();
+            }
+            let path = request.split_whitespace().nth(1).unwrap_or_default();
+            let status = match path {
+                "/ok" => "200 OK",
+                "/later" => {
+                    later += 1;
+                    if later > 2 {
+                        "200 OK"
+                    } else {
+                        "503 Service Unavailable"
+                    }
+                }
+                _ => "503 Service Unavailable",
+            };
+            let _ = stream.write_all(
+                format!("HTTP/1.1 {status}\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok")
+                    .as_bytes(),
+            );
+        }
+    });
+    format!("http://{addr}")
+}
+
+#[test]
+fn probe_passes_only_when_every_url_answers() {
+    let base = probe_server();
+    let ok = format!("{base}/ok");
+    let later = format!("{base}/later");
+    let out = keyshift(&["probe", &ok, &later, "--timeout", "20"], None);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(&format!("{ok}: 200 OK")) && stdout.contains(&format!("{later}: 200 OK")),
+        "{stdout}"
+    );
+
+    // One URL that keeps failing fails the probe, named with its status.
+    let down = format!("{base}/down");
+    let out = keyshift(&["probe", &ok, &down, "--timeout", "2"], None);
+    assert!(!out.status.success());
+    let stderr = text(&out.stderr);
+    assert!(
+        stderr.contains("not every target answered within 2 s")
+            && stderr.contains(&format!("{down}: 503 Service Unavailable")),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains(&format!("{ok}:")),
+        "only failures are listed: {stderr}"
+    );
+
+    // Nothing listening.
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        l.local_addr().expect("addr")
+    };
+    let url = format!("http://{closed}/readyz");
+    let out = keyshift(&["probe", &url, "--timeout", "1"], None);
+    assert!(!out.status.success());
+    assert!(text(&out.stderr).contains(&url), "{}", text(&out.stderr));
+
+    // A path without --service is refused before anything is dialled.
+    let out = keyshift(&["probe", "/readyz", "--timeout", "1"], None);
+    assert!(!out.status.success());
+    assert!(
+        text(&out.stderr).contains("\"/readyz\" is not an http:// or https:// URL"),
+        "{}",
+        text(&out.stderr)
+    );
+}

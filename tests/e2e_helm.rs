@@ -70,6 +70,12 @@ fn release_objects(release: &str, kinds: &str, ns: Option<&str>) -> Vec<String> 
         .collect()
 }
 
+/// The chart's user-facing ClusterRoles (aggregated into view, edit and admin), release "ks".
+const AGGREGATED_ROLES: [&str; 2] = [
+    "clusterrole.rbac.authorization.k8s.io/ks-keyshift-streamjobs-edit",
+    "clusterrole.rbac.authorization.k8s.io/ks-keyshift-streamjobs-view",
+];
+
 const NAMESPACED_KINDS: &str =
     "deployments,replicasets,pods,serviceaccounts,services,roles,rolebindings,configmaps,secrets";
 
@@ -141,9 +147,10 @@ fn install_upgrade_uninstall() {
             "in {ns}"
         );
     }
-    assert!(
-        release_objects(release, "clusterroles,clusterrolebindings", None).is_empty(),
-        "namespaced mode has nothing cluster-wide"
+    assert_eq!(
+        release_objects(release, "clusterroles,clusterrolebindings", None),
+        AGGREGATED_ROLES,
+        "namespaced mode has nothing cluster-wide for the operator: only the user-facing roles"
     );
 
     // The Deployment's pod (made by kube-controller-manager) is scheduled and started by the
@@ -265,6 +272,187 @@ fn install_upgrade_uninstall() {
     );
     assert_cannot(sa, &["create", "leases.coordination.k8s.io", "-n", a]);
 
+    // ---- people: the built-in roles carry StreamJobs (the controller manager aggregates the
+    // chart's ClusterRoles into them). alice has `edit` in namespace a, bob `view`.
+    kubectl_ok(&[
+        "create",
+        "rolebinding",
+        "alice-edit",
+        "--clusterrole=edit",
+        "--user=alice",
+        "-n",
+        a,
+    ]);
+    kubectl_ok(&[
+        "create",
+        "rolebinding",
+        "bob-view",
+        "--clusterrole=view",
+        "--user=bob",
+        "-n",
+        a,
+    ]);
+    wait_for(Duration::from_secs(60), || {
+        can(
+            "alice",
+            &[
+                "patch",
+                "streamjobs.keyshift.dev",
+                "--subresource=scale",
+                "-n",
+                a,
+            ],
+        ) && can("bob", &["watch", "streamjobs.keyshift.dev", "-n", a])
+    });
+    for verb in [
+        "create", "update", "patch", "delete", "get", "list", "watch",
+    ] {
+        assert_can("alice", &[verb, "streamjobs.keyshift.dev", "-n", a]);
+    }
+    for verb in ["get", "list", "watch"] {
+        assert_can("bob", &[verb, "streamjobs.keyshift.dev", "-n", a]);
+        assert_can(
+            "bob",
+            &[
+                verb,
+                "streamjobs.keyshift.dev",
+                "--subresource=status",
+                "-n",
+                a,
+            ],
+        );
+    }
+    for verb in ["create", "update", "patch", "delete"] {
+        assert_cannot("bob", &[verb, "streamjobs.keyshift.dev", "-n", a]);
+    }
+    assert_cannot(
+        "bob",
+        &[
+            "patch",
+            "streamjobs.keyshift.dev",
+            "--subresource=scale",
+            "-n",
+            a,
+        ],
+    );
+    // Status stays the operator's; nothing outside the bound namespace.
+    for who in ["alice", "bob"] {
+        assert_cannot(
+            who,
+            &[
+                "patch",
+                "streamjobs.keyshift.dev",
+                "--subresource=status",
+                "-n",
+                a,
+            ],
+        );
+        assert_cannot(who, &["get", "streamjobs.keyshift.dev", "-n", b]);
+    }
+    // What alice does as a user: create a StreamJob, `kubectl scale` it, delete it.
+    let r = kubectl_in(
+        &["apply", "-n", a, "--as", "alice", "-f", "-"],
+        Some(&sample_job()),
+    );
+    assert!(r.ok, "alice creates a StreamJob: {}{}", r.stdout, r.stderr);
+    kubectl_ok(&[
+        "scale",
+        "-n",
+        a,
+        "--as",
+        "alice",
+        "streamjob/clicks",
+        "--replicas=2",
+    ]);
+    assert_eq!(jsonpath(a, "streamjob/clicks", "{.spec.replicas}"), "2");
+    let r = kubectl(&[
+        "scale",
+        "-n",
+        a,
+        "--as",
+        "bob",
+        "streamjob/clicks",
+        "--replicas=3",
+    ]);
+    assert!(
+        !r.ok && r.stderr.contains("forbidden"),
+        "bob may not scale: {}",
+        r.stderr
+    );
+    assert!(
+        kubectl(&["get", "-n", a, "--as", "bob", "streamjob/clicks"]).ok,
+        "bob reads it"
+    );
+    kubectl_ok(&[
+        "delete",
+        "-n",
+        a,
+        "--as",
+        "alice",
+        "streamjob/clicks",
+        "--timeout=90s",
+    ]);
+
+    // ---- helm test: the hook Pod (the chart's image, Pod Security restricted) finds the
+    // operator pods through the metrics Service's EndpointSlices and GETs /readyz and /metrics
+    // from each. First with no operator pod: it must fail, naming why.
+    let test_pod = "pod/ks-keyshift-test";
+    kubectl_ok(&[
+        "scale",
+        "-n",
+        system,
+        "deployment/ks-keyshift",
+        "--replicas=0",
+    ]);
+    wait_for(Duration::from_secs(90), || pods(system, release).is_empty());
+    let r = helm(&["test", release, "-n", system, "--timeout=180s"]);
+    assert!(!r.ok, "helm test passed with no operator pod: {}", r.stdout);
+    let logs = kubectl(&["logs", "-n", system, test_pod]).stdout;
+    assert!(
+        logs.contains("has no ready endpoint"),
+        "the failed test says why: {logs}"
+    );
+    kubectl_ok(&[
+        "scale",
+        "-n",
+        system,
+        "deployment/ks-keyshift",
+        "--replicas=1",
+    ]);
+    wait_for(Duration::from_secs(120), || {
+        pods(system, release).iter().any(|p| {
+            jsonpath(
+                system,
+                p,
+                "{.status.conditions[?(@.type==\"Ready\")].status}",
+            ) == "True"
+        })
+    });
+    let r = helm(&["test", release, "-n", system, "--timeout=180s"]);
+    let logs = kubectl(&["logs", "-n", system, test_pod]);
+    assert!(
+        r.ok && r.stdout.contains("Succeeded"),
+        "helm test: {}{}\ntest pod log: {}{}",
+        r.stdout,
+        r.stderr,
+        logs.stdout,
+        logs.stderr
+    );
+    // Passed: the hook's Pod, ServiceAccount, Role and RoleBinding are deleted.
+    wait_for(Duration::from_secs(60), || {
+        !kubectl(&["get", "-n", system, test_pod]).ok
+    });
+    for what in [
+        "serviceaccount/ks-keyshift-test",
+        "role/ks-keyshift-test",
+        "rolebinding/ks-keyshift-test",
+    ] {
+        assert!(
+            !kubectl(&["get", "-n", system, what]).ok,
+            "{what} is deleted"
+        );
+    }
+
     // The documented CRD upgrade step works on a Helm-installed CRD.
     kubectl_ok(&[
         "apply",
@@ -315,13 +503,16 @@ fn install_upgrade_uninstall() {
         ),
         "--reuse-values kept the tag"
     );
-    assert_eq!(
-        release_objects(release, "clusterroles,clusterrolebindings", None),
-        [
-            "clusterrole.rbac.authorization.k8s.io/ks-keyshift",
-            "clusterrolebinding.rbac.authorization.k8s.io/ks-keyshift"
-        ]
-    );
+    let mut want = vec![
+        "clusterrole.rbac.authorization.k8s.io/ks-keyshift",
+        "clusterrole.rbac.authorization.k8s.io/ks-keyshift-streamjobs-edit",
+        "clusterrole.rbac.authorization.k8s.io/ks-keyshift-streamjobs-view",
+        "clusterrolebinding.rbac.authorization.k8s.io/ks-keyshift",
+    ];
+    want.sort();
+    let mut have = release_objects(release, "clusterroles,clusterrolebindings", None);
+    have.sort();
+    assert_eq!(have, want);
     for ns in [a, b] {
         assert!(
             release_objects(release, "roles,rolebindings", Some(ns)).is_empty(),

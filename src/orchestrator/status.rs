@@ -475,6 +475,37 @@ pub fn finish(
             now,
         );
     }
+    status.step = status
+        .rescale
+        .as_ref()
+        .map(|r| r.step)
+        .filter(|s| s.active());
+    status.message = status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == READY)
+        .map(|c| short_message(&c.message));
+}
+
+/// Longest status.message, in characters.
+pub const SHORT_MESSAGE_CHARS: usize = 80;
+
+/// `message` as one line of at most [`SHORT_MESSAGE_CHARS`] characters: line breaks become
+/// spaces, and a longer text is cut at a word boundary (when one is near) and ends in "...".
+pub fn short_message(message: &str) -> String {
+    let line = message.split_whitespace().collect::<Vec<_>>().join(" ");
+    if line.chars().count() <= SHORT_MESSAGE_CHARS {
+        return line;
+    }
+    const ELLIPSIS: &str = "...";
+    let keep = SHORT_MESSAGE_CHARS - ELLIPSIS.len();
+    let cut: String = line.chars().take(keep).collect();
+    // Prefer a cut at a space in the last quarter of the line over one inside a word.
+    let cut = match cut.rfind(' ') {
+        Some(i) if cut[..i].chars().count() >= keep * 3 / 4 => &cut[..i],
+        _ => cut.as_str(),
+    };
+    format!("{}{ELLIPSIS}", cut.trim_end_matches([' ', ',', ';', ':']))
 }
 
 #[cfg(test)]
@@ -697,6 +728,94 @@ mod tests {
         let kg = cond(&st, KEY_GROUPS_BALANCED);
         assert_eq!(kg.status, "False");
         assert!(kg.message.contains("divisors of 128"), "{}", kg.message);
+    }
+
+    #[test]
+    fn step_and_message_columns_follow_the_transition() {
+        let mut spec = job().spec;
+        let mut st = StreamJobStatus {
+            phase: Some(Phase::Running),
+            replicas: Some(4),
+            max_parallelism: Some(128),
+            ..Default::default()
+        };
+        let a = analyse(&spec, Some(&st)).unwrap();
+        let pass = |spec: &StreamJobSpec, st: &mut StreamJobStatus, p: &Progress| {
+            finish(spec, Some(1), st, Some(&a), p, Timestamp::now())
+        };
+        pass(&spec, &mut st, &Progress::default());
+        assert_eq!(st.step, None);
+        assert_eq!(st.message.as_deref(), Some("running at parallelism 4"));
+
+        spec.replicas = 8;
+        st.rescale = Some(RescaleStatus {
+            from: 4,
+            to: 8,
+            step: Step::Stopping,
+            ..Default::default()
+        });
+        let waiting = Progress {
+            note: Some((
+                "Waiting".into(),
+                "waiting for 4 old pod(s) to terminate: ks-clicks-0 is 45 s past its grace period"
+                    .into(),
+            )),
+            ..Default::default()
+        };
+        pass(&spec, &mut st, &waiting);
+        assert_eq!(st.step, Some(Step::Stopping));
+        let full = &cond(&st, READY).message;
+        let short = st.message.clone().unwrap_or_default();
+        assert!(full.chars().count() > SHORT_MESSAGE_CHARS, "{full}");
+        assert!(short.chars().count() <= SHORT_MESSAGE_CHARS, "{short}");
+        assert!(short.ends_with("..."), "{short}");
+        assert!(
+            full.starts_with(short.trim_end_matches("...")),
+            "{short} is the start of {full}"
+        );
+
+        // Done: no step in progress any more (status.rescale keeps the last transition).
+        if let Some(r) = st.rescale.as_mut() {
+            r.step = Step::Done;
+        }
+        st.replicas = Some(8);
+        let started = Progress {
+            phase: Some(Phase::Running),
+            ..Default::default()
+        };
+        pass(&spec, &mut st, &started);
+        assert_eq!(st.step, None);
+        assert_eq!(st.message.as_deref(), Some("running at parallelism 8"));
+
+        // A spec that cannot run: the column says why.
+        let stalled = Progress {
+            stalled: Some((
+                "ImageNotAllowed".into(),
+                "spec.image x is not allowed".into(),
+            )),
+            ..Default::default()
+        };
+        pass(&spec, &mut st, &stalled);
+        assert_eq!(st.message.as_deref(), Some("spec.image x is not allowed"));
+    }
+
+    #[test]
+    fn short_message_is_one_bounded_line() {
+        assert_eq!(
+            short_message("running at parallelism 4"),
+            "running at parallelism 4"
+        );
+        assert_eq!(short_message("two\nlines  here"), "two lines here");
+        let long = "word ".repeat(40);
+        let s = short_message(&long);
+        assert!(s.chars().count() <= SHORT_MESSAGE_CHARS, "{s}");
+        assert!(s.ends_with("word..."), "cut at a word boundary: {s}");
+        // No space to cut at: cut inside the word, on a char boundary (multi-byte text).
+        let s = short_message(&"ü".repeat(200));
+        assert_eq!(s.chars().count(), SHORT_MESSAGE_CHARS);
+        assert!(s.ends_with("üüü..."), "{s}");
+        let exact = "x".repeat(SHORT_MESSAGE_CHARS);
+        assert_eq!(short_message(&exact), exact);
     }
 
     #[test]

@@ -108,6 +108,21 @@ watched namespace
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail "replicas > 1 needs leaderElection.enabled: true (only one operator may reconcile at a time)" }}
 {{- end }}
+{{- range .Values.extraVolumes }}
+{{- if eq .name "tmp" }}
+{{- fail "extraVolumes: the name \"tmp\" is the chart's own (the operator's /tmp); choose another name" }}
+{{- end }}
+{{- end }}
+{{- $volumes := list "tmp" }}
+{{- range .Values.extraVolumes }}{{ $volumes = append $volumes .name }}{{ end }}
+{{- range .Values.extraVolumeMounts }}
+{{- if not (has .name $volumes) }}
+{{- fail (printf "extraVolumeMounts: %q mounts volume %q, which extraVolumes does not declare" .mountPath .name) }}
+{{- end }}
+{{- if eq (clean .mountPath) "/tmp" }}
+{{- fail "extraVolumeMounts: /tmp is the chart's own mount (a writable emptyDir on the read-only root filesystem); mount elsewhere" }}
+{{- end }}
+{{- end }}
 {{- if and .Values.serviceMonitor.enabled (not (.Capabilities.APIVersions.Has "monitoring.coreos.com/v1/ServiceMonitor")) }}
 {{- fail "serviceMonitor.enabled is true but the cluster does not serve monitoring.coreos.com/v1 ServiceMonitor: install the Prometheus Operator CRDs first (with `helm template`, pass --api-versions monitoring.coreos.com/v1/ServiceMonitor)" }}
 {{- end }}
