@@ -804,134 +804,6 @@ fn bad_values_are_refused_with_a_reason() {
     });
 }
 
-const MONITORING_VALUES: &str = "charts/keyshift/ci/monitoring-values.yaml";
-const MONITORING_APIS: [&str; 6] = [
-    "--api-versions",
-    "monitoring.coreos.com/v1/ServiceMonitor",
-    "--api-versions",
-    "monitoring.coreos.com/v1/PodMonitor",
-    "--api-versions",
-    "monitoring.coreos.com/v1/PrometheusRule",
-];
-
-/// Prometheus' name for a pod label in service discovery (`__meta_kubernetes_pod_label_<name>`,
-/// every character outside `[a-zA-Z0-9_]` an underscore).
-fn pod_label_meta(label: &str) -> String {
-    let sanitized: String = label
-        .chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .collect();
-    format!("__meta_kubernetes_pod_label_{sanitized}")
-}
-
-/// The monitoring objects are opt-in; when on, the PodMonitor selects the worker pods the
-/// operator creates (their labels and control port as `src/operator/desired.rs` names them) and
-/// turns their job and subtask labels into `streamjob` and `subtask`; the dashboard ConfigMap
-/// carries the sidecar label and the committed dashboard; the PrometheusRule has the four
-/// alerts; each needs its API served.
-#[test]
-fn monitoring_objects_are_opt_in_and_select_the_workers() {
-    use keyshift::operator::desired::{LABEL_JOB, LABEL_SUBTASK};
-    with_helm(|helm| {
-        let docs = defaults(helm);
-        for kind in ["PodMonitor", "PrometheusRule"] {
-            assert!(of_kind(&docs, kind).is_empty(), "no {kind} by default");
-        }
-        assert!(
-            of_kind(&docs, "ConfigMap").is_empty(),
-            "no dashboard by default"
-        );
-
-        let mut args = vec!["-f", MONITORING_VALUES];
-        args.extend(MONITORING_APIS);
-        let docs = render_ok(helm, &args);
-        let pm = one(&docs, "PodMonitor");
-        assert_eq!(namespace(pm), NAMESPACE);
-        assert_eq!(
-            pm["spec"]["selector"],
-            json!({
-                "matchLabels": {"app.kubernetes.io/managed-by": "keyshift"},
-                "matchExpressions": [{"key": LABEL_JOB, "operator": "Exists"}]
-            })
-        );
-        assert_eq!(pm["spec"]["namespaceSelector"], json!({"any": true}));
-        let endpoint = &pm["spec"]["podMetricsEndpoints"][0];
-        assert_eq!(endpoint["port"], "control");
-        assert_eq!(endpoint["path"], "/metrics");
-        assert_eq!(
-            endpoint["relabelings"],
-            json!([
-                {"sourceLabels": [pod_label_meta(LABEL_JOB)], "targetLabel": "streamjob"},
-                {"sourceLabels": [pod_label_meta(LABEL_SUBTASK)], "targetLabel": "subtask"}
-            ])
-        );
-        let rule = one(&docs, "PrometheusRule");
-        let alerts: Vec<&str> = rule["spec"]["groups"][0]["rules"]
-            .as_array()
-            .expect("rules")
-            .iter()
-            .filter_map(|r| r["alert"].as_str())
-            .collect();
-        assert_eq!(
-            alerts,
-            [
-                "KeyshiftCheckpointTooOld",
-                "KeyshiftRescaleStuck",
-                "KeyshiftJobRestartLoop",
-                "KeyshiftJobStalled"
-            ]
-        );
-        let cm = one(&docs, "ConfigMap");
-        assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
-        let committed: Value = serde_json::from_str(
-            &std::fs::read_to_string(root().join("charts/keyshift/dashboards/keyshift.json"))
-                .expect("dashboard"),
-        )
-        .expect("the dashboard is JSON");
-        let shipped: Value = serde_json::from_str(
-            cm["data"]["keyshift.json"]
-                .as_str()
-                .expect("dashboard data"),
-        )
-        .expect("the shipped dashboard is JSON");
-        assert_eq!(shipped, committed);
-        // The operator's ServiceMonitor keeps the job's namespace label.
-        assert_eq!(
-            one(&docs, "ServiceMonitor")["spec"]["endpoints"][0]["honorLabels"],
-            true
-        );
-        // The watched namespaces bound the PodMonitor.
-        let mut args = vec![
-            "-f",
-            MONITORING_VALUES,
-            "--set-json",
-            r#"watchNamespaces=["team-a","team-b"]"#,
-        ];
-        args.extend(MONITORING_APIS);
-        let docs = render_ok(helm, &args);
-        assert_eq!(
-            one(&docs, "PodMonitor")["spec"]["namespaceSelector"],
-            json!({"matchNames": ["team-a", "team-b"]})
-        );
-
-        // Without the Prometheus Operator's APIs, rendering says what is missing.
-        for (set, api) in [
-            ("monitoring.podMonitor.enabled=true", "PodMonitor"),
-            ("monitoring.prometheusRule.enabled=true", "PrometheusRule"),
-        ] {
-            let err = render(helm, &["--set", set]).expect_err("refused without the CRDs");
-            assert!(
-                err.contains(&format!("does not serve monitoring.coreos.com/v1 {api}")),
-                "{err}"
-            );
-        }
-        // Thresholds are checked by the schema.
-        let err = render(
-            helm,
-            &["--set", "monitoring.prometheusRule.restartWindow=soon"],
-        )
-        .expect_err("refused");
-        assert!(err.contains("restartWindow"), "{err}");
 /// The one aggregated ClusterRole whose name ends in `suffix`.
 fn aggregated_role<'a>(docs: &'a [Value], suffix: &str) -> &'a Value {
     let found: Vec<&Value> = docs
@@ -1254,5 +1126,136 @@ fn test_hook_is_restricted_and_probes_the_operator() {
 
         let docs = render_ok(helm, &["--set", "tests.enabled=false"]);
         assert!(!docs.iter().any(is_test_hook));
+    });
+}
+
+const MONITORING_VALUES: &str = "charts/keyshift/ci/monitoring-values.yaml";
+const MONITORING_APIS: [&str; 6] = [
+    "--api-versions",
+    "monitoring.coreos.com/v1/ServiceMonitor",
+    "--api-versions",
+    "monitoring.coreos.com/v1/PodMonitor",
+    "--api-versions",
+    "monitoring.coreos.com/v1/PrometheusRule",
+];
+
+/// Prometheus' name for a pod label in service discovery (`__meta_kubernetes_pod_label_<name>`,
+/// every character outside `[a-zA-Z0-9_]` an underscore).
+fn pod_label_meta(label: &str) -> String {
+    let sanitized: String = label
+        .chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect();
+    format!("__meta_kubernetes_pod_label_{sanitized}")
+}
+
+/// The monitoring objects are opt-in; when on, the PodMonitor selects the worker pods the
+/// operator creates (their labels and control port as `src/operator/desired.rs` names them) and
+/// turns their job and subtask labels into `streamjob` and `subtask`; the dashboard ConfigMap
+/// carries the sidecar label and the committed dashboard; the PrometheusRule has the four
+/// alerts; each needs its API served.
+#[test]
+fn monitoring_objects_are_opt_in_and_select_the_workers() {
+    use keyshift::operator::desired::{LABEL_JOB, LABEL_SUBTASK};
+    with_helm(|helm| {
+        let docs = defaults(helm);
+        for kind in ["PodMonitor", "PrometheusRule"] {
+            assert!(of_kind(&docs, kind).is_empty(), "no {kind} by default");
+        }
+        assert!(
+            of_kind(&docs, "ConfigMap").is_empty(),
+            "no dashboard by default"
+        );
+
+        let mut args = vec!["-f", MONITORING_VALUES];
+        args.extend(MONITORING_APIS);
+        let docs = render_ok(helm, &args);
+        let pm = one(&docs, "PodMonitor");
+        assert_eq!(namespace(pm), NAMESPACE);
+        assert_eq!(
+            pm["spec"]["selector"],
+            json!({
+                "matchLabels": {"app.kubernetes.io/managed-by": "keyshift"},
+                "matchExpressions": [{"key": LABEL_JOB, "operator": "Exists"}]
+            })
+        );
+        assert_eq!(pm["spec"]["namespaceSelector"], json!({"any": true}));
+        let endpoint = &pm["spec"]["podMetricsEndpoints"][0];
+        assert_eq!(endpoint["port"], "control");
+        assert_eq!(endpoint["path"], "/metrics");
+        assert_eq!(
+            endpoint["relabelings"],
+            json!([
+                {"sourceLabels": [pod_label_meta(LABEL_JOB)], "targetLabel": "streamjob"},
+                {"sourceLabels": [pod_label_meta(LABEL_SUBTASK)], "targetLabel": "subtask"}
+            ])
+        );
+        let rule = one(&docs, "PrometheusRule");
+        let alerts: Vec<&str> = rule["spec"]["groups"][0]["rules"]
+            .as_array()
+            .expect("rules")
+            .iter()
+            .filter_map(|r| r["alert"].as_str())
+            .collect();
+        assert_eq!(
+            alerts,
+            [
+                "KeyshiftCheckpointTooOld",
+                "KeyshiftRescaleStuck",
+                "KeyshiftJobRestartLoop",
+                "KeyshiftJobStalled"
+            ]
+        );
+        let cm = one(&docs, "ConfigMap");
+        assert_eq!(cm["metadata"]["labels"]["grafana_dashboard"], "1");
+        let committed: Value = serde_json::from_str(
+            &std::fs::read_to_string(root().join("charts/keyshift/dashboards/keyshift.json"))
+                .expect("dashboard"),
+        )
+        .expect("the dashboard is JSON");
+        let shipped: Value = serde_json::from_str(
+            cm["data"]["keyshift.json"]
+                .as_str()
+                .expect("dashboard data"),
+        )
+        .expect("the shipped dashboard is JSON");
+        assert_eq!(shipped, committed);
+        // The operator's ServiceMonitor keeps the job's namespace label.
+        assert_eq!(
+            one(&docs, "ServiceMonitor")["spec"]["endpoints"][0]["honorLabels"],
+            true
+        );
+        // The watched namespaces bound the PodMonitor.
+        let mut args = vec![
+            "-f",
+            MONITORING_VALUES,
+            "--set-json",
+            r#"watchNamespaces=["team-a","team-b"]"#,
+        ];
+        args.extend(MONITORING_APIS);
+        let docs = render_ok(helm, &args);
+        assert_eq!(
+            one(&docs, "PodMonitor")["spec"]["namespaceSelector"],
+            json!({"matchNames": ["team-a", "team-b"]})
+        );
+
+        // Without the Prometheus Operator's APIs, rendering says what is missing.
+        for (set, api) in [
+            ("monitoring.podMonitor.enabled=true", "PodMonitor"),
+            ("monitoring.prometheusRule.enabled=true", "PrometheusRule"),
+        ] {
+            let err = render(helm, &["--set", set]).expect_err("refused without the CRDs");
+            assert!(
+                err.contains(&format!("does not serve monitoring.coreos.com/v1 {api}")),
+                "{err}"
+            );
+        }
+        // Thresholds are checked by the schema.
+        let err = render(
+            helm,
+            &["--set", "monitoring.prometheusRule.restartWindow=soon"],
+        )
+        .expect_err("refused");
+        assert!(err.contains("restartWindow"), "{err}");
     });
 }
