@@ -687,22 +687,7 @@ fn chart_rbac_suffices_for_leader_election_with_real_processes() {
 /// Prometheus' conventions (counters end in `_total`, base units, nothing in milliseconds);
 /// returns the family names.
 fn parse_metrics(url: &str) -> Vec<String> {
-    let script = root().join("tests/monitoring/check_exposition.py");
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg(url)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "{url} failed the Prometheus parser or the naming checks: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split(' ').next())
-        .map(str::to_owned)
-        .collect()
+    check_exposition(url).into_keys().collect()
 }
 
 /// The text a URL serves (Python's urllib: no HTTP client in the test's dependencies).

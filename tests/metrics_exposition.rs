@@ -4,6 +4,8 @@
 //! Prometheus' conventions: counters end in `_total`, base units, nothing in milliseconds, no
 //! `job`/`instance` label. tests/e2e_helm.rs runs the same check on a deployed operator.
 
+mod support;
+
 use keyshift::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus};
 use keyshift::operator::metrics::OperatorMetrics;
 use keyshift::orchestrator::pass::ErrorKind;
@@ -11,29 +13,12 @@ use keyshift::orchestrator::step::Step;
 use keyshift::runtime::worker::{self, WorkerConfig};
 use keyshift::snapshot::SnapshotKind;
 use std::collections::BTreeMap;
-use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The families of the endpoint at `url` by name, with their types; panics with the parser's
-/// or the checker's complaint.
+/// The families of the endpoint at `url` by name, with their types.
 fn check(url: &str) -> BTreeMap<String, String> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/monitoring/check_exposition.py");
-    let out = std::process::Command::new("python3")
-        .arg(&script)
-        .arg(url)
-        .output()
-        .expect("python3 runs");
-    assert!(
-        out.status.success(),
-        "{url} failed Prometheus' parser or the naming checks:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_once(' '))
-        .map(|(n, t)| (n.to_owned(), t.to_owned()))
-        .collect()
+    support::check_exposition(url)
 }
 
 fn spec() -> StreamJobSpec {

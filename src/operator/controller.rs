@@ -158,9 +158,12 @@ fn watch_backoff()
 /// A failed pass is counted by its kind and retried after its kind's delay (plus jitter).
 fn error_policy(job: Arc<StreamJob>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
     let kind = error.kind();
-    let labels =
-        OperatorMetrics::error(&job.namespace().unwrap_or_default(), &job.name_any(), kind);
-    ctx.metrics.reconcile_errors.get_or_create(&labels).inc();
+    ctx.metrics.record_error(
+        &job.namespace().unwrap_or_default(),
+        &job.name_any(),
+        job.metadata.deletion_timestamp.is_some(),
+        kind,
+    );
     tracing::warn!(job = %job.name_any(), error = %error, kind = kind.label(), "reconcile failed; retrying");
     // Jittered: when the API server or the store fails, every job fails at once; their retries
     // should not arrive at once too.

@@ -477,6 +477,26 @@ impl OperatorMetrics {
         }
     }
 
+    /// Whether the job's series are kept: its object was seen by a pass and not forgotten since.
+    pub fn tracks(&self, namespace: &str, job: &str) -> bool {
+        self.uids
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .contains_key(&Self::job(namespace, job))
+    }
+
+    /// Counts a failed pass of the job, by kind. A job on its way out whose series its cleanup
+    /// already removed is not counted: a pass failing after the cleanup (removing the finalizer,
+    /// say) would otherwise bring back a series of the deleted job for good.
+    pub fn record_error(&self, namespace: &str, job: &str, deleting: bool, kind: ErrorKind) {
+        if deleting && !self.tracks(namespace, job) {
+            return;
+        }
+        self.reconcile_errors
+            .get_or_create(&Self::error(namespace, job, kind))
+            .inc();
+    }
+
     /// Removes every series of the job: it was deleted (or is no longer this operator's).
     pub fn forget_job(&self, namespace: &str, job: &str) {
         self.uids
@@ -806,6 +826,24 @@ mod tests {
         let after = m.encode();
         assert_eq!(series_of(&after, "gone"), Vec::<String>::new());
         assert_eq!(series_of(&after, "kept"), series_of(&before, "kept"));
+    }
+
+    #[test]
+    fn a_pass_failing_after_the_cleanup_brings_no_series_back() {
+        let m = OperatorMetrics::new();
+        m.observe_uid("ns", "j", "uid-1");
+        // A failed pass while the job runs, and one while it is being deleted (before its
+        // cleanup), are counted.
+        m.record_error("ns", "j", false, ErrorKind::Storage);
+        m.record_error("ns", "j", true, ErrorKind::Platform);
+        assert_eq!(series_of(&m.encode(), "j").len(), 2, "{}", m.encode());
+        m.forget_job("ns", "j");
+        // After the cleanup: a failure of the deleting job's last pass is not.
+        m.record_error("ns", "j", true, ErrorKind::Platform);
+        assert_eq!(series_of(&m.encode(), "j"), Vec::<String>::new());
+        // A job of the same name created again counts its failures from the start.
+        m.record_error("ns", "j", false, ErrorKind::Platform);
+        assert_eq!(series_of(&m.encode(), "j").len(), 1);
     }
 
     #[test]

@@ -504,3 +504,27 @@ pub fn assert_gitops_agree(h: &GitopsHealth, suspended: bool) {
         "Argo CD disagrees with kstatus: {h:?}"
     );
 }
+
+/// Parses the metrics endpoint at `url` with Prometheus' reference parser (`prometheus_client`
+/// for Python, installed by hack/test.sh) through tests/monitoring/check_exposition.py, which
+/// also checks names and types against Prometheus' conventions (counters end in `_total`, base
+/// units, nothing in milliseconds, no `job`/`instance` label); returns each family's type by
+/// name, and panics with the parser's or the checker's complaint.
+pub fn check_exposition(url: &str) -> std::collections::BTreeMap<String, String> {
+    let script = root().join("tests/monitoring/check_exposition.py");
+    let out = std::process::Command::new("python3")
+        .arg(&script)
+        .arg(url)
+        .output()
+        .expect("python3 runs");
+    assert!(
+        out.status.success(),
+        "{url} failed Prometheus' parser or the naming checks:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once(' '))
+        .map(|(n, t)| (n.to_owned(), t.to_owned()))
+        .collect()
+}
