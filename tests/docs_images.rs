@@ -10,7 +10,11 @@ use std::collections::BTreeSet;
 use std::path::{Component, Path, PathBuf};
 
 fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    // At run time first: a test binary cargo reused from another checkout's build (a shared
+    // target dir) would otherwise read, and here rewrite, that checkout's files.
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
 /// Files under `dir` whose name ends with `ext`, skipping hidden and build directories.
