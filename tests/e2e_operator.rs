@@ -1737,16 +1737,7 @@ fn health_until(
 /// says `message`.
 fn assert_health(ns: &str, name: &str, kstatus: &str, argocd: &str, message: &str) {
     let h = gitops_health_of(ns, name);
-    assert_eq!(
-        (h.kstatus.0.as_str(), h.argocd.0.as_str()),
-        (kstatus, argocd),
-        "sj/{name}: {h:?}"
-    );
-    assert!(
-        h.argocd.1.contains(message),
-        "sj/{name}: Argo CD's message should say {message:?}: {h:?}"
-    );
-    assert_gitops_agree(&h, argocd == "Suspended");
+    assert_gitops_health(&h, &format!("sj/{name}"), kstatus, argocd, message);
 }
 
 fn patch_spec(ns: &str, name: &str, spec: &str) {

@@ -78,16 +78,7 @@ fn pass(
 }
 
 fn expect(h: &GitopsHealth, kstatus: &str, argocd: &str, message: &str) {
-    assert_eq!(
-        (h.kstatus.0.as_str(), h.argocd.0.as_str()),
-        (kstatus, argocd),
-        "{h:?}"
-    );
-    assert!(
-        h.argocd.1.contains(message),
-        "Argo CD's message should say {message:?}: {h:?}"
-    );
-    assert_gitops_agree(h, argocd == "Suspended");
+    assert_gitops_health(h, "StreamJob", kstatus, argocd, message);
 }
 
 #[test]

@@ -488,6 +488,27 @@ pub fn gitops_health_of(ns: &str, name: &str) -> GitopsHealth {
     )
 }
 
+/// `h` is `kstatus` in Flux's terms and `argocd` in Argo CD's, Argo CD's message says `message`,
+/// and the two tools agree as docs/gitops.md's table says; `what` names the object in a failure.
+pub fn assert_gitops_health(
+    h: &GitopsHealth,
+    what: &str,
+    kstatus: &str,
+    argocd: &str,
+    message: &str,
+) {
+    assert_eq!(
+        (h.kstatus.0.as_str(), h.argocd.0.as_str()),
+        (kstatus, argocd),
+        "{what}: {h:?}"
+    );
+    assert!(
+        h.argocd.1.contains(message),
+        "{what}: Argo CD's message should say {message:?}: {h:?}"
+    );
+    assert_gitops_agree(h, argocd == "Suspended");
+}
+
 /// The Argo CD health docs/gitops.md's table pairs with a kstatus result: Failed is Degraded,
 /// InProgress is Progressing, Current is Healthy (Suspended for a suspended job). Panics when the
 /// two tools disagree.
