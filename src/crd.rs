@@ -515,8 +515,8 @@ pub struct StreamJobStatus {
     /// The rescale or upgrade in progress (or the last one), step by step.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rescale: Option<RescaleStatus>,
-    /// The step of the rescale or upgrade in progress (Savepointing, Verifying, Stopping or
-    /// Restoring; status.rescale has the whole transition); absent when none runs. The STEP
+    /// The step of the rescale or upgrade in progress (Savepointing, Verifying, Stopping,
+    /// Rewriting, VerifyingRewrite or Restoring; status.rescale has the whole transition); absent when none runs. The STEP
     /// column of `kubectl get streamjobs`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(with = "Option<String>")]
@@ -536,9 +536,43 @@ pub struct StreamJobStatus {
     /// lastSavepoint, then this is set to the spec's value.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_savepoint_nonce: Option<i64>,
+    /// The last managed change of the key-group count (spec.maxParallelism): where the job's
+    /// state came from, whether the change can still be undone by setting spec.maxParallelism
+    /// back, and what undoing it later would lose. Kept until the next such change; nothing
+    /// it names is deleted automatically.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_group_change: Option<KeyGroupChangeStatus>,
     /// Conditions in the kstatus convention: Ready, Reconciling, Stalled, plus KeyGroupsBalanced.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// A managed change of the key-group count, once its new run is up.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KeyGroupChangeStatus {
+    /// The key-group count before the change.
+    pub from_max_parallelism: i32,
+    /// The key-group count after it.
+    pub to_max_parallelism: i32,
+    /// The parallelism the job ran at before the change.
+    pub from_replicas: i32,
+    /// The savepoint taken before the change, under the old key-group count: never modified
+    /// or deleted by keyshift.
+    pub original_savepoint: String,
+    /// The savepoint rewritten from it to the new key-group count (the new run restored it).
+    pub rewritten_savepoint: String,
+    /// When the new run started (RFC 3339).
+    pub finished: String,
+    /// The first checkpoint the new run committed (its id): from then on the job has state
+    /// and output the original savepoint does not hold. Unset while the change is reversible.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point_of_no_return: Option<i64>,
+    /// When that checkpoint committed (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub point_of_no_return_time: Option<String>,
+    /// What setting spec.maxParallelism back does now, in words.
+    pub message: String,
 }
 
 /// A run's restore in progress, summed over its subtasks.
@@ -660,7 +694,8 @@ pub struct RescaleStatus {
     pub from: i32,
     /// Parallelism after.
     pub to: i32,
-    /// Current step: Savepointing, Verifying, Stopping, Restoring, Done, Abandoned or RolledBack.
+    /// Current step: Savepointing, Verifying, Stopping, Rewriting, VerifyingRewrite, Restoring,
+    /// Done, Abandoned or RolledBack.
     #[schemars(with = "String")]
     pub step: crate::orchestrator::step::Step,
     /// When the rescale started (RFC 3339).
@@ -682,6 +717,20 @@ pub struct RescaleStatus {
     /// rewritten savepoint).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_parallelism: Option<i32>,
+    /// Set when this transition changes the key-group count itself (spec.maxParallelism
+    /// changed): the count before. The savepoint is rewritten from it to maxParallelism.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_max_parallelism: Option<i32>,
+    /// The rewritten savepoint (under maxParallelism key groups) that the new run restores;
+    /// recorded before the Rewriting step writes it. The savepoint above is only read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rewritten: Option<String>,
+    /// Keys the rewrite moved into the new key groups (equal to the savepoint's key count).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rewritten_keys: Option<i64>,
+    /// State bytes the rewrite read from the savepoint and wrote to the rewritten one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rewritten_bytes: Option<i64>,
     /// Seconds spent in each completed step.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub step_seconds: BTreeMap<String, f64>,
@@ -695,6 +744,13 @@ pub struct RescaleStatus {
     /// checkpoint or nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upgrade_mode: Option<UpgradeMode>,
+}
+
+impl RescaleStatus {
+    /// Whether this transition changes the key-group count by rewriting its savepoint.
+    pub fn rewrites(&self) -> bool {
+        self.from_max_parallelism.is_some()
+    }
 }
 
 /// The status.observedGeneration a StreamJob has before the operator first wrote its status:

@@ -224,6 +224,23 @@ pub fn suggested_max_parallelism(parallelism: u32) -> u32 {
     ) as u32
 }
 
+/// Below this many bytes of state per key group on average, groups are "tiny": each costs a
+/// block header, a manifest entry and a checksum, and a restore reads them in more, smaller
+/// pieces, for no gain in how finely state can move.
+pub const TINY_GROUP_BYTES: u64 = 64 * 1024;
+
+/// A warning when `groups` key groups would split `state_bytes` of state into tiny groups
+/// (see [`TINY_GROUP_BYTES`]), naming the average and the largest count that avoids it. Pure.
+pub fn tiny_groups(groups: u32, state_bytes: u64) -> Option<String> {
+    if groups == 0 || state_bytes / u64::from(groups) >= TINY_GROUP_BYTES {
+        return None;
+    }
+    let avg = state_bytes / u64::from(groups);
+    Some(format!(
+        "{groups} key groups over {state_bytes} bytes of state make tiny groups of {avg} bytes on average (below {TINY_GROUP_BYTES}): harmless but wasteful; a smaller power of two still at least the parallelism you need keeps groups larger"
+    ))
+}
+
 /// An inclusive, non-empty range of key groups `[start, end]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KeyGroupRange {
@@ -664,5 +681,18 @@ mod tests {
             Key::parse("", KeyType::String).unwrap(),
             Key::String(String::new())
         );
+    }
+
+    #[test]
+    fn tiny_groups_warns_only_below_the_threshold() {
+        assert_eq!(tiny_groups(1024, 1024 * TINY_GROUP_BYTES), None);
+        let w = tiny_groups(1024, 1024 * TINY_GROUP_BYTES - 1).unwrap();
+        assert!(w.contains("1024 key groups"), "{w}");
+        assert!(
+            w.contains(&format!("{} bytes on average", TINY_GROUP_BYTES - 1)),
+            "{w}"
+        );
+        assert_eq!(tiny_groups(0, 10), None);
+        assert!(tiny_groups(128, 0).is_some());
     }
 }

@@ -23,9 +23,7 @@ use std::time::Duration;
 pub const MSG_REPLICAS_MIN: &str = "spec.replicas must be at least 1: set it to the number of parallel subtasks (to stop the job, set spec.suspend: true instead)";
 pub const MSG_MAXP_RANGE: &str = "spec.maxParallelism must be between 1 and 32768: choose a key-group count in that range, ideally a power of two 4-8x the largest parallelism you foresee";
 pub const MSG_REPLICAS_LE_MAXP: &str = "spec.replicas must not exceed spec.maxParallelism (the key-group ceiling): lower replicas, or raise maxParallelism before the job's first snapshot";
-pub const MSG_MAXP_IMMUTABLE: &str = "spec.maxParallelism cannot change once set, because it fixes the key group of every key in the job's state: to change it, rewrite a savepoint with `keyshift savepoint rewrite --max-parallelism N` and set spec.restoreFrom to the rewritten savepoint in the same change";
-pub const MSG_MAXP_PINNED: &str = "spec.maxParallelism must equal status.maxParallelism, the key-group count pinned at the job's first snapshot: remove the field or set it to the pinned value (to change it, rewrite a savepoint with `keyshift savepoint rewrite --max-parallelism N` and set spec.restoreFrom to it)";
-pub const MSG_REPLICAS_LE_PINNED: &str = "spec.replicas must not exceed status.maxParallelism, the key-group ceiling pinned at the job's first snapshot: lower replicas, or raise the ceiling offline with `keyshift savepoint rewrite --max-parallelism N` and restore from the rewritten savepoint (spec.restoreFrom together with the new spec.maxParallelism)";
+pub const MSG_REPLICAS_LE_PINNED: &str = "spec.replicas must not exceed status.maxParallelism, the key-group ceiling pinned at the job's first snapshot: lower replicas, or raise the ceiling in the same change by setting spec.maxParallelism to the new key-group count (keyshift then takes a savepoint, rewrites it to the new count, verifies it and restores it; the original savepoint is kept)";
 pub const MSG_STRICT_DIVISOR: &str = "spec.replicas must divide the key-group count (maxParallelism) evenly because spec.keyGroupPolicy is Strict: choose a divisor (`keyshift plan` lists the nearest ones) or set keyGroupPolicy: Warn to accept the skew";
 pub const MSG_STORAGE_URL: &str = "spec.state.storage must be an object store URL: file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix (also abfs://, abfss://, memory://, http(s)://)";
 pub const MSG_RESTORE_URL: &str = "spec.restoreFrom must be the object store URL of a snapshot directory, e.g. s3://bucket/prefix/ns/job/savepoints/sp-7 or file:///path/savepoints/sp-7";
@@ -192,12 +190,6 @@ fn rules() -> Vec<CelRule> {
         ),
         r(
             &["spec"],
-            "!has(oldSelf.maxParallelism) || (has(self.maxParallelism) && self.maxParallelism == oldSelf.maxParallelism) || (has(self.restoreFrom) && (!has(oldSelf.restoreFrom) || self.restoreFrom != oldSelf.restoreFrom))",
-            MSG_MAXP_IMMUTABLE,
-            Some(".maxParallelism"),
-        ),
-        r(
-            &["spec"],
             "!has(self.keyGroupPolicy) || self.keyGroupPolicy != 'Strict' || !has(self.maxParallelism) || self.replicas < 1 || self.maxParallelism % self.replicas == 0",
             MSG_STRICT_DIVISOR,
             Some(".replicas"),
@@ -206,20 +198,14 @@ fn rules() -> Vec<CelRule> {
             message_expression: Some(render_cel(&ceiling_guidance_parts())),
             ..r(
                 &[],
-                "!has(self.status) || !has(self.status.maxParallelism) || self.spec.replicas <= self.status.maxParallelism || (has(self.spec.restoreFrom) && has(self.spec.maxParallelism) && self.spec.maxParallelism > self.status.maxParallelism)",
+                "!has(self.status) || !has(self.status.maxParallelism) || self.spec.replicas <= self.status.maxParallelism || (has(self.spec.maxParallelism) && self.spec.maxParallelism != self.status.maxParallelism)",
                 MSG_REPLICAS_LE_PINNED,
                 Some(".spec.replicas"),
             )
         },
         r(
             &[],
-            "!has(self.status) || !has(self.status.maxParallelism) || !has(self.spec.maxParallelism) || self.spec.maxParallelism == self.status.maxParallelism || has(self.spec.restoreFrom)",
-            MSG_MAXP_PINNED,
-            Some(".spec.maxParallelism"),
-        ),
-        r(
-            &[],
-            "!has(self.status) || !has(self.status.maxParallelism) || !has(self.spec.keyGroupPolicy) || self.spec.keyGroupPolicy != 'Strict' || self.spec.replicas < 1 || (has(self.spec.restoreFrom) && has(self.spec.maxParallelism)) || self.status.maxParallelism % self.spec.replicas == 0",
+            "!has(self.status) || !has(self.status.maxParallelism) || !has(self.spec.keyGroupPolicy) || self.spec.keyGroupPolicy != 'Strict' || self.spec.replicas < 1 || has(self.spec.maxParallelism) || self.status.maxParallelism % self.spec.replicas == 0",
             MSG_STRICT_DIVISOR,
             Some(".spec.replicas"),
         ),
@@ -402,6 +388,13 @@ pub fn ceiling_origin_snapshot(url: &str) -> String {
     format!("the key-group count of {url}, restored through spec.restoreFrom")
 }
 
+/// The origin recorded when a managed change of spec.maxParallelism restored `url` (its
+/// rewritten savepoint, or the original one when the change was undone).
+pub fn ceiling_origin_change(url: &str) -> String {
+    let url: String = url.chars().take(400).collect();
+    format!("the key-group count of {url}, restored by a managed change of spec.maxParallelism")
+}
+
 /// spec.restoreFrom names a snapshot of `groups` key groups while spec.maxParallelism is `spec_g`.
 pub fn restore_from_mismatch(url: &str, groups: u32, spec_g: i32) -> String {
     format!(
@@ -420,9 +413,6 @@ pub struct CeilingContext<'a> {
     pub ceiling: i32,
     /// status.maxParallelismOrigin.
     pub origin: Option<&'a str>,
-    /// status.lastSavepoint.path when the job is suspended (that savepoint holds all of its
-    /// state); otherwise the user takes one first.
-    pub suspended_savepoint: Option<&'a str>,
 }
 
 /// A piece of the ceiling guidance: rendered in Rust for the operator's Stalled condition and as
@@ -433,14 +423,10 @@ enum Part {
     Replicas,
     Ceiling,
     Origin,
-    Savepoint,
     Suggested,
-    /// Only said when the job is not suspended with a savepoint.
-    UnlessSuspended(Vec<Part>),
 }
 
 const ORIGIN_UNKNOWN: &str = "fixed at the job's first snapshot";
-const SAVEPOINT_PLACEHOLDER: &str = "<status.lastSavepoint.path>";
 
 fn ceiling_guidance_parts() -> Vec<Part> {
     use Part::*;
@@ -452,32 +438,18 @@ fn ceiling_guidance_parts() -> Vec<Part> {
         Text(", the key-group ceiling of this job's state (status.maxParallelism: "),
         Origin,
         Text(
-            "); nothing was changed and the job keeps running as it was. To run more subtasks, raise the ceiling offline: ",
+            "); nothing was changed and the job keeps running as it was. To run more subtasks, raise the ceiling in the same change: `kubectl patch streamjob ",
         ),
-        UnlessSuspended(vec![
-            Text("stop the job with a savepoint (`kubectl patch streamjob "),
-            Name,
-            Text(" --type merge -p '{\"spec\":{\"suspend\":true}}'`), then "),
-        ]),
-        Text("rewrite the savepoint with `keyshift savepoint rewrite "),
-        Savepoint,
-        Text(" --max-parallelism "),
-        Suggested,
-        Text(" --to "),
-        Savepoint,
-        Text("-mp"),
-        Suggested,
-        Text("` and restore from it: `kubectl patch streamjob "),
         Name,
-        Text(" --type merge -p '{\"spec\":{\"suspend\":false,\"maxParallelism\":"),
+        Text(" --type merge -p '{\"spec\":{\"maxParallelism\":"),
         Suggested,
-        Text(",\"restoreFrom\":\""),
-        Savepoint,
-        Text("-mp"),
-        Suggested,
-        Text("\",\"replicas\":"),
+        Text(",\"replicas\":"),
         Replicas,
-        Text("}}'`"),
+        Text(
+            "}}'`. keyshift then stops the job with a savepoint, rewrites it to the new key-group count, verifies every key and restores it at the new parallelism; the original savepoint is kept, and setting maxParallelism back to ",
+        ),
+        Ceiling,
+        Text(" before the new run's first checkpoint restores it"),
     ]
 }
 
@@ -489,21 +461,15 @@ fn render(parts: &[Part], c: &CeilingContext<'_>, out: &mut String) {
             Part::Replicas => out.push_str(&c.replicas.to_string()),
             Part::Ceiling => out.push_str(&c.ceiling.to_string()),
             Part::Origin => out.push_str(c.origin.unwrap_or(ORIGIN_UNKNOWN)),
-            Part::Savepoint => out.push_str(c.suspended_savepoint.unwrap_or(SAVEPOINT_PLACEHOLDER)),
             Part::Suggested => out.push_str(
                 &keygroup::suggested_max_parallelism(c.replicas.max(1) as u32).to_string(),
             ),
-            Part::UnlessSuspended(inner) => {
-                if c.suspended_savepoint.is_none() {
-                    render(inner, c, out);
-                }
-            }
         }
     }
 }
 
 /// The guidance for `replicas` above the pinned key-group ceiling: what the ceiling is, where it
-/// came from, that nothing was changed, and the exact commands that raise it.
+/// came from, that nothing was changed, and the one edit that raises it.
 pub fn ceiling_guidance(c: &CeilingContext<'_>) -> String {
     let mut out = String::new();
     render(&ceiling_guidance_parts(), c, &mut out);
@@ -517,17 +483,11 @@ pub fn ceiling_context<'a>(
     status: &'a StreamJobStatus,
     ceiling: i32,
 ) -> CeilingContext<'a> {
-    let suspended = status.phase == Some(crate::crd::Phase::Suspended);
     CeilingContext {
         name,
         replicas: spec.replicas,
         ceiling,
         origin: status.max_parallelism_origin.as_deref(),
-        suspended_savepoint: status
-            .last_savepoint
-            .as_ref()
-            .filter(|_| suspended)
-            .map(|s| s.path.as_str()),
     }
 }
 
@@ -560,7 +520,6 @@ fn cel_suggested() -> String {
 /// `string(int)` results makes the API server's cost estimate treat every piece as unbounded;
 /// `format` is estimated from its arguments.)
 fn render_cel(parts: &[Part]) -> String {
-    let suspended = "(has(self.status.phase) && self.status.phase == 'Suspended' && has(self.status.lastSavepoint))";
     let mut format = String::new();
     let mut args: Vec<String> = Vec::new();
     for part in parts {
@@ -579,18 +538,7 @@ fn render_cel(parts: &[Part]) -> String {
                     cel_string(ORIGIN_UNKNOWN)
                 ),
             ),
-            Part::Savepoint => (
-                "%s",
-                format!(
-                    "({suspended} ? self.status.lastSavepoint.path : {})",
-                    cel_string(SAVEPOINT_PLACEHOLDER)
-                ),
-            ),
             Part::Suggested => ("%d", cel_suggested()),
-            Part::UnlessSuspended(inner) => (
-                "%s",
-                format!("({suspended} ? \"\" : {})", render_cel(inner)),
-            ),
         };
         format.push_str(placeholder);
         args.push(arg);
@@ -797,28 +745,19 @@ pub fn validate(
             fail(MSG_STRICT_DIVISOR);
         }
     }
-    if let Some(old) = old {
-        let restore_changed = spec.restore_from.is_some() && spec.restore_from != old.restore_from;
-        if old.max_parallelism.is_some()
-            && spec.max_parallelism != old.max_parallelism
-            && !restore_changed
-        {
-            fail(MSG_MAXP_IMMUTABLE);
-        }
-    }
+    // spec.maxParallelism may change: a change of a pinned count is carried out as a managed
+    // rewrite of the job's state (README: "Raising the key-group ceiling"), so `old` constrains nothing here.
+    let _ = old;
     if let Some(pinned) = status.and_then(|s| s.max_parallelism) {
-        let rewriting =
-            spec.restore_from.is_some() && spec.max_parallelism.is_some_and(|g| g > pinned);
-        if spec.replicas > pinned && !rewriting {
+        // A spec.maxParallelism other than the pinned one is the job's next ceiling (the rules
+        // above check replicas against it).
+        let changing = spec.max_parallelism.is_some_and(|g| g != pinned);
+        if spec.replicas > pinned && !changing {
             fail(MSG_REPLICAS_LE_PINNED);
         }
-        if spec.max_parallelism.is_some_and(|g| g != pinned) && spec.restore_from.is_none() {
-            fail(MSG_MAXP_PINNED);
-        }
-        let rewritten = spec.restore_from.is_some() && spec.max_parallelism.is_some();
         if spec.key_group_policy == KeyGroupPolicy::Strict
             && spec.replicas >= 1
-            && !rewritten
+            && spec.max_parallelism.is_none()
             && pinned % spec.replicas != 0
         {
             fail(MSG_STRICT_DIVISOR);
@@ -981,9 +920,10 @@ pub fn analyse(
     status: Option<&StreamJobStatus>,
 ) -> Result<Analysis, AnalysisError> {
     let pinned = status.and_then(|s| s.max_parallelism);
-    let rewriting = spec.restore_from.is_some() && spec.max_parallelism.is_some();
     let (ceiling, ceiling_source) = match (pinned, spec.max_parallelism) {
-        (Some(_), Some(g)) if rewriting => (i64::from(g), CeilingSource::Spec),
+        // A count other than the pinned one is where the job goes (a managed change of the
+        // key-group count, or a restore of a rewritten savepoint).
+        (Some(p), Some(g)) if g != p => (i64::from(g), CeilingSource::Spec),
         (Some(p), _) => (i64::from(p), CeilingSource::Pinned),
         (None, Some(g)) => (i64::from(g), CeilingSource::Spec),
         (None, None) => (

@@ -139,28 +139,45 @@ fn cel_rules_refuse_bad_manifests_with_their_messages() {
         MSG_KEY_FIELD,
     );
 
-    // maxParallelism is immutable once set.
-    let r = apply(ns, &job("fixed", 4, "  maxParallelism: 128"));
+    // maxParallelism may change (the operator rewrites the job's state to the new count), but
+    // replicas must still fit under the new count, and the count stays in 1..32768.
+    let r = apply(ns, &job("changes", 4, "  maxParallelism: 128"));
     assert!(r.ok, "{}", r.stderr);
+    let r = apply(ns, &job("changes", 4, "  maxParallelism: 256"));
+    assert!(r.ok, "a new maxParallelism is accepted: {}", r.stderr);
     refused(
         ns,
-        &job("fixed", 4, "  maxParallelism: 256"),
-        MSG_MAXP_IMMUTABLE,
+        &job("changes", 300, "  maxParallelism: 256"),
+        MSG_REPLICAS_LE_MAXP,
     );
-    // ... except together with a restore from a (rewritten) savepoint.
-    let r = apply(
+    refused(
         ns,
-        &job(
-            "fixed",
-            4,
-            "  maxParallelism: 256\n  restoreFrom: file:///savepoints/sp-1-rewritten",
-        ),
+        &job("changes", 4, "  maxParallelism: 40000"),
+        MSG_MAXP_RANGE,
     );
-    assert!(
-        r.ok,
-        "restoreFrom with a new maxParallelism is allowed: {}",
-        r.stderr
-    );
+    // A pinned ceiling: replicas above it only with a new count in the same change.
+    kubectl_ok(&[
+        "patch",
+        "-n",
+        ns,
+        "sj/changes",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        r#"{"status":{"maxParallelism":256}}"#,
+    ]);
+    let r = kubectl(&["scale", "-n", ns, "sj/changes", "--replicas=300"]);
+    assert!(!r.ok, "replicas above the spec's count");
+    let r = kubectl(&[
+        "patch",
+        "-n",
+        ns,
+        "sj/changes",
+        "--type=merge",
+        "-p",
+        r#"{"spec":{"maxParallelism":1024,"replicas":300}}"#,
+    ]);
+    assert!(r.ok, "a new count with replicas under it: {}", r.stderr);
 
     // The same rules, mirrored in Rust, agree with what the API server accepted and refused.
     let ok: keyshift::crd::StreamJob =
@@ -240,7 +257,6 @@ fn scale_subresource_and_printer_columns() {
         replicas: 200,
         ceiling: 128,
         origin: None,
-        suspended_savepoint: None,
     });
     assert!(
         r.stderr.contains(&guidance),

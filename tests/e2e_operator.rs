@@ -490,7 +490,41 @@ fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
         );
     }
 
-    // Nothing was lost or counted twice across the four kills.
+    // The same inside the steps of a key-group change (one patch each: the new count and the
+    // replicas), which rewrite the state in the operator.
+    for (step, groups, to) in [("Rewriting", 256, 2), ("VerifyingRewrite", 512, 4)] {
+        op.kill();
+        let mut dying = Operator::start_env(ns, &dir, Some(step));
+        kubectl_ok(&[
+            "patch",
+            "-n",
+            ns,
+            &format!("sj/{name}"),
+            "--type",
+            "merge",
+            "-p",
+            &format!(r#"{{"spec":{{"maxParallelism":{groups},"replicas":{to}}}}}"#),
+        ]);
+        let code = dying.wait_exit(Duration::from_secs(120));
+        assert_eq!(code, Some(3), "the operator exits inside {step}");
+        assert_eq!(get(ns, name, "{.status.rescale.step}"), step);
+        op = Operator::start(ns, &dir);
+        wait_for(Duration::from_secs(120), || {
+            get(ns, name, "{.status.rescale.step}") == "Done"
+                && get(ns, name, "{.status.replicas}") == to.to_string()
+        });
+        wait_ready(ns, name, &log);
+        assert_eq!(
+            get(ns, name, "{.status.maxParallelism}"),
+            groups.to_string()
+        );
+        eprintln!(
+            "killed inside {step} of a key-group change to {groups}: {}",
+            get(ns, name, "{.status.rescale}")
+        );
+    }
+
+    // Nothing was lost or counted twice across the six kills.
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);
     delete_job(ns, name, &log);
@@ -789,12 +823,13 @@ fn wide_job_yaml(name: &str) -> String {
 }
 
 /// The issue's scenario on the real control plane: a job at 24 subtasks with no maxParallelism
-/// (128 groups by Flink's rule) asked for 200 is refused with the exact commands, nothing
-/// stops; the user suspends, rewrites the savepoint to 1024 groups with the printed command,
-/// applies the printed patch, and the job runs at 200 with every key and position intact.
+/// (128 groups by Flink's rule) asked for 200 alone is refused with the one edit that works,
+/// nothing stops; that edit (maxParallelism 1024 with replicas 200, one `kubectl patch`) runs
+/// savepoint -> rewrite -> verify -> restore in the operator, and the job runs at 200 with every
+/// key and position intact and the original savepoint kept.
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
-fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
+fn scale_past_the_ceiling_24_to_200_in_one_patch() {
     let _plane = shared_plane();
     use keyshift::validation::{CeilingContext, ceiling_guidance};
     let (ns, _dir, op) = setup("e2e-op-ceiling", "ceiling");
@@ -820,52 +855,31 @@ fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
     let pods_before = worker_pods(ns, name);
     assert_eq!(pods_before.len(), 24);
 
-    // Refused by the API server with the ceiling, where it came from and what to run.
+    // Refused by the API server with the ceiling, where it came from and the edit that works.
     let r = kubectl(&["scale", "-n", ns, &format!("sj/{name}"), "--replicas=200"]);
     assert!(!r.ok, "a scale past the pinned ceiling is refused");
-    let running = ceiling_guidance(&CeilingContext {
+    let guidance = ceiling_guidance(&CeilingContext {
         name,
         replicas: 200,
         ceiling: 128,
         origin: Some(&origin),
-        suspended_savepoint: None,
     });
     assert!(
-        r.stderr.contains(&running),
-        "{}\nexpected: {running}",
+        r.stderr.contains(&guidance),
+        "{}\nexpected: {guidance}",
         r.stderr
     );
     assert_eq!(get(ns, name, "{.spec.replicas}"), "24");
     assert_eq!(worker_pods(ns, name), pods_before, "nothing was stopped");
     assert_eq!(get(ns, name, "{.status.replicas}"), "24");
 
-    // Suspended, the message names the savepoint and the exact commands.
-    set_suspend(ns, name, true, &log);
-    let sp = get(ns, name, "{.status.lastSavepoint.path}");
-    let r = kubectl(&["scale", "-n", ns, &format!("sj/{name}"), "--replicas=200"]);
-    assert!(!r.ok);
-    let suspended = ceiling_guidance(&CeilingContext {
-        name,
-        replicas: 200,
-        ceiling: 128,
-        origin: Some(&origin),
-        suspended_savepoint: Some(&sp),
-    });
-    assert!(
-        r.stderr.contains(&suspended),
-        "{}\nexpected: {suspended}",
-        r.stderr
-    );
-    let target = format!("{sp}-mp1024");
-    let rewrite = format!("keyshift savepoint rewrite {sp} --max-parallelism 1024 --to {target}");
-    assert!(suspended.contains(&rewrite), "{suspended}");
-    rewrite_savepoint(&sp, 1024, &target);
-    // The printed patch, applied as printed.
-    let patch = suspended
+    // The printed patch, applied as printed, while the job runs.
+    let patch = guidance
         .rsplit("-p '")
         .next()
         .and_then(|p| p.split("'`").next())
         .expect("a patch in the guidance");
+    assert_eq!(patch, r#"{"spec":{"maxParallelism":1024,"replicas":200}}"#);
     kubectl_ok(&[
         "patch",
         "-n",
@@ -876,22 +890,79 @@ fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
         "-p",
         patch,
     ]);
+    wait_for(Duration::from_secs(420), || {
+        get(ns, name, "{.status.rescale.step}") == "Done"
+            && get(ns, name, "{.status.replicas}") == "200"
+    });
     wait_ready_within(ns, name, &log, 420);
-    assert_eq!(get(ns, name, "{.status.replicas}"), "200");
     assert_eq!(get(ns, name, "{.status.maxParallelism}"), "1024");
-    assert_eq!(get(ns, name, "{.status.restoredFrom}"), target);
-    assert!(get(ns, name, "{.status.maxParallelismOrigin}").contains(&target));
+    assert_eq!(get(ns, name, "{.status.rescale.fromMaxParallelism}"), "128");
     assert_eq!(worker_pods(ns, name).len(), 200);
+    let original = get(ns, name, "{.status.keyGroupChange.originalSavepoint}");
+    let rewritten = get(ns, name, "{.status.keyGroupChange.rewrittenSavepoint}");
+    assert_eq!(get(ns, name, "{.status.rescale.savepoint}"), original);
+    assert_eq!(get(ns, name, "{.status.rescale.rewritten}"), rewritten);
+    assert!(
+        get(ns, name, "{.status.maxParallelismOrigin}").contains(&rewritten),
+        "the ceiling's origin names the rewritten savepoint"
+    );
+    assert_eq!(get(ns, name, "{.status.restoredFrom}"), "");
+    let steps = get(ns, name, "{.status.rescale.stepSeconds}");
+    for step in [
+        "Savepointing",
+        "Verifying",
+        "Stopping",
+        "Rewriting",
+        "VerifyingRewrite",
+        "Restoring",
+    ] {
+        assert!(steps.contains(step), "no time for {step}: {steps}");
+    }
+    let events = kubectl(&[
+        "get",
+        "events",
+        "-n",
+        ns,
+        "--field-selector",
+        &format!("involvedObject.name={name}"),
+        "-o",
+        "jsonpath={.items[*].reason}",
+    ]);
+    for reason in [
+        "KeyGroupChangeStarted",
+        "SavepointRewritten",
+        "RewriteVerified",
+        "KeyGroupsChanged",
+    ] {
+        assert!(
+            events.stdout.contains(reason),
+            "no {reason} Event: {}",
+            events.stdout
+        );
+    }
 
-    // Every key and position came through the rewrite, and the job went on exactly.
-    let (before, before_pos) = snapshot_values(&sp);
-    let (rewritten, rewritten_pos) = snapshot_values(&target);
+    // Every key and position came through the rewrite, the original is untouched, and the job
+    // went on exactly.
+    let (before, before_pos) = snapshot_values(&original);
+    let (after_rewrite, rewritten_pos) = snapshot_values(&rewritten);
     assert!(!before.is_empty());
-    assert!(before == rewritten, "the rewrite keeps every key's value");
+    assert!(
+        before == after_rewrite,
+        "the rewrite keeps every key's value"
+    );
     assert_eq!(before_pos, rewritten_pos);
     wait_for(Duration::from_secs(180), || {
         get(ns, name, "{.status.stateDistribution.parallelism}") == "200"
     });
+    // Past its first checkpoint the change is no longer reversible, and status says so.
+    wait_for(Duration::from_secs(120), || {
+        !get(ns, name, "{.status.keyGroupChange.pointOfNoReturn}").is_empty()
+    });
+    assert!(
+        get(ns, name, "{.status.keyGroupChange.message}").contains("would lose"),
+        "{}",
+        get(ns, name, "{.status.keyGroupChange.message}")
+    );
     set_suspend(ns, name, true, &log);
     let sp2 = get(ns, name, "{.status.lastSavepoint.path}");
     let (after, after_pos) = snapshot_values(&sp2);
@@ -908,6 +979,9 @@ fn scale_past_the_ceiling_24_to_200_through_a_rewritten_savepoint() {
         after == want,
         "per-key totals at 200 under 1024 groups equal the oracle"
     );
+    // The original savepoint is still there, still under 128 groups.
+    let (again, _) = snapshot_values(&original);
+    assert!(again == before, "the original savepoint was not touched");
     eprintln!(
         "24 -> 200: {} keys exact at {after_pos:?} after {}",
         after.len(),

@@ -17,11 +17,11 @@ use keyshift::crd::{Phase, RescaleStatus, StreamJob, StreamJobSpec, StreamJobSta
 use keyshift::job::{self, Expected};
 use keyshift::keygroup::Key;
 use keyshift::operator::metrics::OperatorMetrics;
-use keyshift::orchestrator::decide;
 use keyshift::orchestrator::pass::{
     self, ErrorKind, JobMemory, PassInput, PassOutput, PendingEvent, Shell, run_pass,
 };
 use keyshift::orchestrator::step::{self, ALL_OUTCOMES, Step};
+use keyshift::orchestrator::{decide, hooks};
 use keyshift::runtime::protocol::WorkerState;
 use keyshift::snapshot;
 use std::collections::BTreeMap;
@@ -99,9 +99,12 @@ fn check_change(
                     b.step
                 ));
             }
-            let first = a
-                .upgrade_mode
-                .map_or(Step::Savepointing, step::Step::first_of_upgrade);
+            // A key-group change of a stopped job starts by verifying its newest snapshot.
+            let first = match a.upgrade_mode {
+                _ if a.rewrites() && a.step == Step::Verifying => Step::Verifying,
+                None => Step::Savepointing,
+                Some(mode) => step::Step::first_of_upgrade(mode),
+            };
             if a.step != first {
                 return Err(format!("a new transition began at {}, not {first}", a.step));
             }
@@ -125,7 +128,11 @@ fn check_change(
         (changed_to(Step::RolledBack), "RescaleRolledBack"),
         (
             a.rolled_back.is_some() && same.is_some_and(|b| b.rolled_back.is_none()),
-            "RescaleRollingBack",
+            if a.rewrites() {
+                "KeyGroupChangeRolledBack"
+            } else {
+                "RescaleRollingBack"
+            },
         ),
         (
             changed_to(Step::Done) && a.to > 0 && a.upgrade_mode.is_none(),
@@ -1752,6 +1759,389 @@ async fn a_crash_after_a_rollback_brings_the_job_back_at_the_parallelism_that_ra
             d.step() == Some(Step::Done) && d.running_at(3)
         })
         .await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+// ---- A managed change of the key-group count (spec.maxParallelism) ----
+
+/// Every step of a key-group change of a running job, in order.
+const CHANGE_STEPS: [Step; 7] = [
+    Step::Savepointing,
+    Step::Verifying,
+    Step::Stopping,
+    Step::Rewriting,
+    Step::VerifyingRewrite,
+    Step::Restoring,
+    Step::Done,
+];
+
+/// The key-group count of the snapshot at `url`.
+async fn groups_of(url: &str) -> u32 {
+    snapshot::open_snapshot(url)
+        .await
+        .expect("snapshot opens")
+        .2
+        .max_parallelism
+}
+
+/// A job at parallelism 2 under 32 key groups asked for 128 groups at parallelism 3.
+async fn changing(name: &str) -> Driver {
+    let mut d = Driver::new(name, 2, "1h");
+    d.until_running(2).await;
+    assert_eq!(d.status.max_parallelism, Some(32));
+    d.spec.max_parallelism = Some(128);
+    d.spec.replicas = 3;
+    d
+}
+
+/// After a key-group change to 128 at parallelism 3: the original savepoint holds the exact
+/// state under 32 groups, the rewritten one the same state under 128, the job runs from it.
+async fn assert_changed(d: &mut Driver) {
+    assert_eq!(d.status.max_parallelism, Some(128));
+    let r = d.rescale();
+    assert_eq!(r.from_max_parallelism, Some(32));
+    assert!(r.rolled_back.is_none(), "{}", d.event_log());
+    let original = r.savepoint.clone().expect("the change's savepoint");
+    let rewritten = r.rewritten.clone().expect("the rewritten savepoint");
+    assert_ne!(original, rewritten);
+    assert_eq!(groups_of(&original).await, 32, "the original is untouched");
+    assert_eq!(groups_of(&rewritten).await, 128);
+    let before = assert_exact(&d.spec, &original).await;
+    let after = assert_exact(&d.spec, &rewritten).await;
+    assert_eq!(before, after, "the rewrite covers the same records");
+    assert_eq!(
+        snapshot_state(&original).await,
+        snapshot_state(&rewritten).await,
+        "every key's value and every source position carried over"
+    );
+    assert_eq!(r.rewritten_keys, Some(500), "{r:?}");
+    let change = d
+        .status
+        .key_group_change
+        .clone()
+        .expect("the change is recorded");
+    assert_eq!(change.original_savepoint, original);
+    assert_eq!(change.rewritten_savepoint, rewritten);
+    assert_eq!(
+        (change.from_max_parallelism, change.to_max_parallelism),
+        (32, 128)
+    );
+    for reason in [
+        "KeyGroupChangeStarted",
+        "SavepointRewritten",
+        "RewriteVerified",
+        "KeyGroupsChanged",
+    ] {
+        assert!(
+            !d.events_named(reason).is_empty(),
+            "no {reason} event:\n{}",
+            d.event_log()
+        );
+    }
+    let started = d.events_named("Started");
+    let last = &started.last().expect("a Started event").1;
+    assert!(
+        last.note.contains(&rewritten) && last.note.contains("3 workers"),
+        "{}",
+        last.note
+    );
+}
+
+/// One edit of spec.maxParallelism (with the replicas wanted) runs savepoint -> rewrite ->
+/// verify -> restore; every key and position carries over; the change is reversible until the
+/// new run's first snapshot commits, and status says so, then says what undoing would lose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_group_change_rewrites_the_state_and_keeps_every_key() {
+    bounded(async {
+        let mut d = changing("kg-change").await;
+        d.until("changed", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        assert_eq!(
+            d.steps.last().map(|(_, s)| s.as_slice()),
+            Some(&CHANGE_STEPS[..]),
+            "{}",
+            d.event_log()
+        );
+        assert_changed(&mut d).await;
+        let change = d.status.key_group_change.clone().expect("recorded");
+        assert_eq!(change.point_of_no_return, None);
+        assert!(
+            change.message.starts_with("reversible"),
+            "{}",
+            change.message
+        );
+        let r = d.rescale();
+        for s in &CHANGE_STEPS[..6] {
+            assert!(r.step_seconds.contains_key(s.as_str()), "{s}: {r:?}");
+        }
+        // The original savepoint is pinned while the change can be undone.
+        let pins = pass::in_use(&d.spec, &d.status, &d.storage, NS, &d.name);
+        assert!(
+            pins.iter()
+                .any(|p| change.original_savepoint.ends_with(&p.path)),
+            "{pins:?}"
+        );
+        d.assert_processing().await;
+
+        // The new run's first committed snapshot is the point of no return.
+        d.spec.savepoint_trigger_nonce = Some(1);
+        d.until(
+            "past the point of no return",
+            Duration::from_secs(20),
+            |d| {
+                d.status
+                    .key_group_change
+                    .as_ref()
+                    .is_some_and(|c| c.point_of_no_return.is_some())
+            },
+        )
+        .await;
+        let change = d.status.key_group_change.clone().expect("recorded");
+        assert!(change.message.contains("would lose"), "{}", change.message);
+        assert_eq!(d.events_named("KeyGroupChangeIrreversible").len(), 1);
+        let pins = pass::in_use(&d.spec, &d.status, &d.storage, NS, &d.name);
+        assert!(
+            !pins
+                .iter()
+                .any(|p| change.original_savepoint.ends_with(&p.path)),
+            "{pins:?}"
+        );
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// Setting spec.maxParallelism back before the point of no return restores the original
+/// savepoint at the old parallelism and key-group count, exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn undoing_a_key_group_change_restores_the_original_savepoint() {
+    bounded(async {
+        let mut d = changing("kg-undo").await;
+        d.until("changed", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        let original = d.rescale().savepoint.expect("the change's savepoint");
+        d.spec.max_parallelism = Some(32);
+        d.spec.replicas = 2;
+        d.until("undone", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(2) && d.status.max_parallelism == Some(32)
+        })
+        .await;
+        let r = d.rescale();
+        assert_eq!(r.restore_from.as_deref(), Some(original.as_str()));
+        assert_eq!(d.status.key_group_change, None, "the change is forgotten");
+        assert!(
+            d.events_named("KeyGroupsChanged")
+                .iter()
+                .any(|(_, e)| e.note.contains("undone")),
+            "{}",
+            d.event_log()
+        );
+        let started = d.events_named("Started");
+        assert!(
+            started
+                .last()
+                .is_some_and(|(_, e)| e.note.contains(&original)),
+            "{}",
+            d.event_log()
+        );
+        // spec.restoreFrom was never set: nothing is recorded as restored from it.
+        assert_eq!(d.status.restored_from, None);
+        d.assert_processing().await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// The orchestrator restarts as soon as a key-group change records `step`: a fresh one resumes
+/// it from status and the state is exact.
+async fn change_restart_in(step: Step, name: &str) {
+    bounded(async {
+        let mut d = changing(name).await;
+        d.until(&format!("in {step}"), Duration::from_secs(30), |d| {
+            d.step() == Some(step)
+        })
+        .await;
+        // A background step of the step may be running: let it end first (its outcome is then
+        // lost with the memory, as in a crash after the work).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while d.mem.background_running() {
+            assert!(Instant::now() < deadline, "{step}'s work did not end");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        d.restart();
+        d.until("changed after a restart", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        assert_eq!(
+            d.steps.last().map(|(_, s)| s.as_slice()),
+            Some(&CHANGE_STEPS[..]),
+            "{}",
+            d.event_log()
+        );
+        assert_changed(&mut d).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_rewriting_resumes_the_key_group_change() {
+    change_restart_in(Step::Rewriting, "kg-restart-rewrite").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_verifying_rewrite_resumes_the_key_group_change() {
+    change_restart_in(Step::VerifyingRewrite, "kg-restart-verify").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_stopping_resumes_the_key_group_change() {
+    change_restart_in(Step::Stopping, "kg-restart-stop").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_restoring_resumes_the_key_group_change() {
+    change_restart_in(Step::Restoring, "kg-restart-restore").await;
+}
+
+/// The orchestrator dies after the rewrite committed but before a pass recorded it: the next
+/// one finds the committed target, verifies it and goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_after_an_unrecorded_rewrite_resumes_the_key_group_change() {
+    bounded(async {
+        let mut d = changing("kg-unrecorded").await;
+        d.until(
+            "rewriting in the background",
+            Duration::from_secs(30),
+            |d| {
+                d.step() == Some(Step::Rewriting)
+                    && d.requeue == Some(pass::requeue::BACKGROUND_BACKSTOP)
+            },
+        )
+        .await;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while d.mem.background_running() {
+            assert!(Instant::now() < deadline, "the rewrite did not end");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        d.restart();
+        d.until("changed after a restart", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        assert!(
+            d.events_named("SavepointRewritten")
+                .iter()
+                .any(|(_, e)| e.note.contains("already committed")),
+            "{}",
+            d.event_log()
+        );
+        assert_changed(&mut d).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// A rewrite that fails (its memory budget, or a corrupt rewritten block found by the
+/// verification) rolls the change back: the original savepoint is restored at the old
+/// parallelism under the old key-group count, exactly, and status says why.
+async fn a_failed_rewrite_rolls_back(name: &str, fault: hooks::RewriteFault, why: &str) {
+    bounded(async {
+        hooks::rewrite_fault_of(NS, name, Some(fault));
+        let mut d = changing(name).await;
+        d.until("rolled back", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::RolledBack) && d.running_at(2)
+        })
+        .await;
+        hooks::rewrite_fault_of(NS, name, None);
+        assert_eq!(
+            d.status.max_parallelism,
+            Some(32),
+            "back at the old ceiling"
+        );
+        let r = d.rescale();
+        let why_recorded = r.rolled_back.clone().expect("why it rolled back");
+        assert!(why_recorded.contains(why), "{why_recorded}");
+        let original = r.savepoint.clone().expect("the change's savepoint");
+        assert_eq!(groups_of(&original).await, 32);
+        let events = d.events_named("KeyGroupChangeRolledBack");
+        assert_eq!(events.len(), 1, "{}", d.event_log());
+        assert!(events[0].1.warning);
+        assert_eq!(d.status.key_group_change, None);
+        let ready = d.condition("Ready");
+        assert!(ready.is_some(), "running again: {:#?}", d.status.conditions);
+        assert_exact(&d.spec, &original).await;
+        d.assert_processing().await;
+        // Not retried at once: the job keeps running at its old ceiling.
+        d.for_a_while(Duration::from_millis(500), |d| {
+            assert_eq!(d.step(), Some(Step::RolledBack));
+        })
+        .await;
+        d.spec.max_parallelism = Some(32);
+        d.spec.replicas = 2;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rewrite_over_its_memory_budget_rolls_back() {
+    a_failed_rewrite_rolls_back(
+        "kg-memory",
+        hooks::RewriteFault::MemoryBudget(64),
+        "more than half its memory budget",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_corrupt_rewrite_fails_verification_and_rolls_back() {
+    a_failed_rewrite_rolls_back(
+        "kg-corrupt",
+        hooks::RewriteFault::CorruptOutput,
+        "failed verification",
+    )
+    .await;
+}
+
+/// A suspended job whose key-group count is changed has its newest snapshot rewritten before it
+/// resumes (no savepoint to take: it starts by verifying the snapshot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_suspended_job_is_rewritten_before_it_resumes() {
+    bounded(async {
+        let mut d = Driver::new("kg-suspended", 2, "1h");
+        d.until_running(2).await;
+        d.spec.suspend = true;
+        d.until("suspended", Duration::from_secs(20), |d| {
+            d.status.phase == Some(Phase::Suspended) && d.workers.names().is_empty()
+        })
+        .await;
+        let suspended_at = d.rescale().savepoint.expect("the suspend's savepoint");
+        d.spec.suspend = false;
+        d.spec.max_parallelism = Some(128);
+        d.spec.replicas = 3;
+        d.until("changed", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        assert_eq!(
+            d.steps.last().map(|(_, s)| s.as_slice()),
+            Some(&CHANGE_STEPS[1..]),
+            "{}",
+            d.event_log()
+        );
+        assert_eq!(
+            d.rescale().savepoint.as_deref(),
+            Some(suspended_at.as_str())
+        );
+        assert_changed(&mut d).await;
         d.suspend_and_check().await;
     })
     .await;

@@ -849,7 +849,7 @@ spec:
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritten_savepoint() {
+async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_in_one_edit() {
     let dir = tempfile::tempdir().expect("temp dir");
     let manifest = dir.path().join("wide.yaml");
     let state = dir.path().join("state");
@@ -859,11 +859,14 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritt
     cli.wait_line("running at parallelism 24", Duration::from_secs(180));
     cli.wait_line("checkpoint 1 committed", Duration::from_secs(120));
 
-    // Asking for 200 is refused with the guidance; nothing stops.
+    // Asking for 200 alone is refused with the one edit that works; nothing stops.
     std::fs::write(&manifest, ceiling_manifest(200, "")).expect("manifest edited");
     let refused = cli.wait_line("replicas 200 exceeds 128", Duration::from_secs(30));
     assert!(refused.contains("nothing was changed"), "{refused}");
-    assert!(refused.contains("--max-parallelism 1024"), "{refused}");
+    assert!(
+        refused.contains("set `maxParallelism: 1024` and `replicas: 200`"),
+        "{refused}"
+    );
     let progress_before = cli.count("parallelism 24: ");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while cli.count("parallelism 24: ") < progress_before + 2 {
@@ -875,53 +878,45 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritt
     }
     assert_eq!(cli.count("rescaling"), 0, "no rescale was attempted");
 
-    // Ctrl-C stops with a savepoint and prints the exact rewrite command for it.
-    let (sp, cli) = cli.interrupt();
-    let command =
-        format!("keyshift savepoint rewrite {sp} --max-parallelism 1024 --to {sp}-mp1024");
-    let guidance = cli.wait_line(&command, Duration::from_secs(5));
-    assert!(
-        guidance.contains(&format!("restoreFrom: {sp}-mp1024")),
-        "{guidance}"
+    // The edit the guidance names, while the job runs: savepoint, rewrite, verify, restore.
+    std::fs::write(&manifest, ceiling_manifest(200, "\n  maxParallelism: 1024"))
+        .expect("manifest edited");
+    cli.wait_line(
+        "changing the key-group count 128 -> 1024 (parallelism 24 -> 200)",
+        Duration::from_secs(30),
     );
-    drop(cli);
-
-    // The user runs it.
-    let target = format!("{sp}-mp1024");
-    support::rewrite_savepoint(&sp, 1024, &target);
+    for step in [
+        "step Verifying",
+        "step Stopping",
+        "step Rewriting",
+        "step VerifyingRewrite",
+        "step Restoring",
+    ] {
+        cli.wait_line(step, Duration::from_secs(120));
+    }
+    let rewrote = cli.wait_line("SavepointRewritten: ", Duration::from_secs(120));
+    let (sp, target) = rewrote
+        .split_once("SavepointRewritten: ")
+        .and_then(|(_, rest)| rest.split_once(" rewritten to 1024 key groups as "))
+        .map(|(sp, rest)| {
+            (
+                sp.to_owned(),
+                rest.split_once(": ").map_or(rest, |(t, _)| t).to_owned(),
+            )
+        })
+        .expect("the rewrite names its source and target");
+    cli.wait_line("RewriteVerified: ", Duration::from_secs(120));
+    cli.wait_line("running at parallelism 200", Duration::from_secs(300));
+    let changed = cli.wait_line("KeyGroupsChanged: ", Duration::from_secs(30));
+    assert!(changed.contains("reversible"), "{changed}");
     let (before, before_pos, m0) = snapshot_state(&sp).await;
     let (rewritten, rewritten_pos, m1) = snapshot_state(&target).await;
     assert_eq!((m0.max_parallelism, m1.max_parallelism), (128, 1024));
+    assert_eq!(m1.parallelism, 200);
     assert!(!before.is_empty());
     assert!(before == rewritten, "the rewrite keeps every key's value");
     assert_eq!(before_pos, rewritten_pos, "and every source position");
-
-    // Restore from it at 200 under 1024 groups, as the guidance says.
-    std::fs::write(
-        &manifest,
-        ceiling_manifest(
-            200,
-            &format!("\n  maxParallelism: 1024\n  restoreFrom: {target}"),
-        ),
-    )
-    .expect("manifest edited");
-    let cli = LocalCli::start(&manifest, &state);
-    cli.wait_line(&format!("resuming from {target}"), Duration::from_secs(30));
-    cli.wait_line("running at parallelism 200", Duration::from_secs(300));
-    // The snapshot it restored is pinned in the job's in-use marker, so `dispose` refuses it.
-    let job_url = sp.rsplit_once("/savepoints/").expect("a savepoint URL").0;
-    let (store, job_dir) = keyshift::snapshot::open_store(job_url).expect("job dir");
-    let marker = keyshift::tools::catalog::read_in_use(store.as_ref(), &job_dir)
-        .await
-        .expect("marker readable")
-        .expect("the job has an in-use marker");
-    let pinned = target.rsplit_once("/savepoints/").expect("target").1;
-    assert_eq!(
-        marker.pins(&format!("savepoints/{pinned}")).count(),
-        1,
-        "{marker:?}"
-    );
-    cli.wait_line("checkpoint", Duration::from_secs(180));
+    cli.wait_line("KeyGroupChangeIrreversible: ", Duration::from_secs(180));
     let (sp2, _cli) = cli.interrupt();
     let spec = job(&ceiling_manifest(200, "\n  maxParallelism: 1024"));
     let (after, after_pos, m2) = snapshot_state(&sp2).await;
@@ -943,8 +938,11 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_through_a_rewritt
         after == expected,
         "every key exact at 200 under 1024 groups"
     );
+    // The original savepoint is untouched.
+    let (again, again_pos, _) = snapshot_state(&sp).await;
+    assert!(again == before && again_pos == before_pos);
 
-    // Running again resumes the job's own newest state, not the rewritten savepoint.
+    // Running again resumes the job's own newest state under 1024 groups.
     let cli = LocalCli::start(&manifest, &state);
     let resumed = cli.wait_line("resuming from ", Duration::from_secs(30));
     assert!(

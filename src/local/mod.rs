@@ -148,25 +148,17 @@ pub async fn resume_status(
     Ok(status)
 }
 
-/// What `keyshift local` says when an edit asks for more subtasks than the key-group ceiling:
-/// nothing changes, and how to raise the ceiling (`savepoint`: the URL once stopped).
+/// What `keyshift local` says when an edit asks for more subtasks than the key-group ceiling
+/// without raising it: nothing changes, and the one edit that raises it.
 pub fn local_ceiling_guidance(
     manifest: &Path,
     running: u32,
     replicas: i32,
     ceiling: u32,
-    savepoint: Option<&str>,
 ) -> String {
     let g = keygroup::suggested_max_parallelism(replicas.max(1) as u32);
-    let sp = savepoint.unwrap_or("<the savepoint printed when it stops>");
-    let stop = if savepoint.is_none() {
-        "stop it with Ctrl-C (it stops with a savepoint), then "
-    } else {
-        ""
-    };
     format!(
-        "replicas {replicas} exceeds {ceiling}, the key-group ceiling of this job's state (fixed by its first snapshot); nothing was changed and the job keeps running at parallelism {running}. To run more subtasks, raise the ceiling offline: {stop}run `keyshift savepoint rewrite {sp} --max-parallelism {g} --to {sp}-mp{g}`, set `maxParallelism: {g}`, `restoreFrom: {sp}-mp{g}` and `replicas: {replicas}` in {}, and run `keyshift local {}` again",
-        manifest.display(),
+        "replicas {replicas} exceeds {ceiling}, the key-group ceiling of this job's state (fixed by its first snapshot); nothing was changed and the job keeps running at parallelism {running}. To run more subtasks, raise the ceiling in the same edit: set `maxParallelism: {g}` and `replicas: {replicas}` in {}; keyshift local then stops the job with a savepoint, rewrites it to {g} key groups, verifies every key and restores it (the original savepoint is kept; setting maxParallelism back to {ceiling} before the new run's first checkpoint restores it)",
         manifest.display()
     )
 }
@@ -276,6 +268,14 @@ fn narrate(before: &StreamJobStatus, after: &StreamJobStatus, events: &[PendingE
     {
         let new = was.is_none_or(|w| w.started != r.started);
         match r.step {
+            _ if new && r.rewrites() => say(format_args!(
+                "changing the key-group count {} -> {} (parallelism {} -> {}): savepoint, rewrite, verify, restore ...",
+                r.from_max_parallelism.unwrap_or_default(),
+                r.max_parallelism.unwrap_or_default(),
+                r.from,
+                r.to
+            )),
+            step if r.rewrites() && step.active() => say(format_args!("step {step}")),
             _ if new && r.to > 0 && r.upgrade_mode.is_none() => {
                 say(format_args!("rescaling {} -> {} ...", r.from, r.to));
             }
@@ -393,8 +393,6 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
         .and_then(|m| m.modified())
         .ok();
     let mut last = (Instant::now(), 0u64);
-    // The last edit refused for exceeding the key-group ceiling: its replicas.
-    let mut above_ceiling: Option<i32> = None;
     let mut stopping = false;
     let mut next = tokio::time::Instant::now();
     let ctrl_c = stop_signal();
@@ -445,8 +443,7 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
                     let running = status.replicas.unwrap_or_default().max(0) as u32;
                     let ceiling = status.max_parallelism.unwrap_or_default().max(0) as u32;
                     if matches!(e, validation::AnalysisError::AboveCeiling { .. }) {
-                        above_ceiling = Some(edited.spec.replicas);
-                        say(local_ceiling_guidance(&opts.manifest, running, edited.spec.replicas, ceiling, None));
+                        say(local_ceiling_guidance(&opts.manifest, running, edited.spec.replicas, ceiling));
                     } else {
                         say(format_args!("ignoring the edit: {e}"));
                     }
@@ -509,17 +506,6 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
                         sp.path,
                         sp.size_bytes.unwrap_or_default()
                     ));
-                    if let Some(replicas) = above_ceiling {
-                        let running = before.replicas.unwrap_or_default().max(0) as u32;
-                        let ceiling = status.max_parallelism.unwrap_or_default().max(0) as u32;
-                        say(local_ceiling_guidance(
-                            &opts.manifest,
-                            running,
-                            replicas,
-                            ceiling,
-                            Some(&sp.path),
-                        ));
-                    }
                 }
                 _ => say("stopped (nothing was running, so no savepoint was taken)"),
             }

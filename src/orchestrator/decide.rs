@@ -127,6 +127,30 @@ pub enum Action {
         url: String,
         max_parallelism: u32,
     },
+    /// spec.maxParallelism differs from the pinned key-group count: record a key-group change
+    /// from parallelism `from` to `to` under `groups` key groups. With the job `running`, its
+    /// first step takes a savepoint; otherwise the newest snapshot is the one rewritten, and
+    /// the change starts by verifying it.
+    BeginKeyGroupChange {
+        from: u32,
+        to: u32,
+        groups: u32,
+        running: bool,
+    },
+    /// Rewrite savepoint `source` into `target` under `groups` key groups at `parallelism`
+    /// (in the background); on success record step VerifyingRewrite.
+    Rewrite {
+        source: String,
+        target: String,
+        groups: u32,
+        parallelism: u32,
+    },
+    /// Verify the rewritten savepoint `target` down to every key, and its key count against
+    /// `source`'s; on success record step Restoring.
+    VerifyRewrite { source: String, target: String },
+    /// A key-group change cannot go on (or spec.maxParallelism was set back): restore the
+    /// original savepoint at the old parallelism and key-group count.
+    RollBackRewrite { message: String },
     /// Take a savepoint stopping the sources; on success record step Verifying with its URL.
     Savepoint,
     /// Verify the recorded savepoint; on success record step Stopping.
@@ -177,14 +201,23 @@ pub fn check_spec(
     status: &StreamJobStatus,
 ) -> Result<Analysis, (Reason, String)> {
     if let Some(pinned) = status.max_parallelism {
-        let rewriting =
-            spec.restore_from.is_some() && spec.max_parallelism.is_some_and(|g| g > pinned);
-        if spec.replicas > pinned && !rewriting {
+        // Another spec.maxParallelism is the ceiling the job moves to.
+        let changing = spec.max_parallelism.is_some_and(|g| g != pinned);
+        if spec.replicas > pinned && !changing {
             let context = validation::ceiling_context(name, spec, status, pinned);
-            return Err((
-                Reason::AboveKeyGroupCeiling,
-                validation::ceiling_guidance(&context),
-            ));
+            let mut message = validation::ceiling_guidance(&context);
+            let suggested = crate::keygroup::suggested_max_parallelism(spec.replicas.max(1) as u32);
+            if let Some(note) = status
+                .last_checkpoint
+                .iter()
+                .chain(&status.last_savepoint)
+                .filter_map(|s| s.size_bytes)
+                .max()
+                .and_then(|bytes| crate::keygroup::tiny_groups(suggested, bytes.max(0) as u64))
+            {
+                message = format!("{message}. Note: {note}");
+            }
+            return Err((Reason::AboveKeyGroupCeiling, message));
         }
     }
     if let Err(e) = validation::validate(spec, None, Some(status)) {
@@ -264,8 +297,11 @@ pub fn restore_target(r: &crate::crd::RescaleStatus) -> u32 {
 /// restored from the same savepoint), or `None` to retry the same start with backoff (already
 /// rolled back, or there is no old parallelism to return to).
 pub fn rollback_on_restore_failure(r: &crate::crd::RescaleStatus) -> Option<u32> {
-    (r.step == Step::Restoring && r.rolled_back.is_none() && r.from > 0 && r.from != r.to)
-        .then_some(r.from as u32)
+    (r.step == Step::Restoring
+        && r.rolled_back.is_none()
+        && r.from > 0
+        && (r.from != r.to || r.rewrites()))
+    .then_some(r.from as u32)
 }
 
 /// The status the spec is checked against: while a spec.restoreFrom is pending, its snapshot's
@@ -293,6 +329,36 @@ fn check_pending_restore(
             ),
         )),
         _ => Ok(()),
+    }
+}
+
+/// What a spec.maxParallelism other than the pinned key-group count asks for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CeilingChange {
+    /// Rewrite the job's state to `groups` key groups.
+    Rewrite { groups: u32 },
+    /// Undo the last change, which has not passed its point of no return: restore its
+    /// original savepoint, under its `groups` key groups.
+    Revert { url: String, groups: u32 },
+}
+
+/// The key-group change the spec asks for, if any (none while a spec.restoreFrom is pending:
+/// that restore sets the count). Pure.
+pub fn ceiling_change(spec: &StreamJobSpec, status: &StreamJobStatus) -> Option<CeilingChange> {
+    let pinned = status.max_parallelism?;
+    let g = spec.max_parallelism.filter(|g| *g != pinned && *g >= 1)?;
+    match &status.key_group_change {
+        Some(last)
+            if last.point_of_no_return.is_none()
+                && last.from_max_parallelism == g
+                && last.to_max_parallelism == pinned =>
+        {
+            Some(CeilingChange::Revert {
+                url: last.original_savepoint.clone(),
+                groups: g as u32,
+            })
+        }
+        _ => Some(CeilingChange::Rewrite { groups: g as u32 }),
     }
 }
 
@@ -334,8 +400,12 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
     }
 
     if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
-        return rescale_step(r, obs);
+        return rescale_step(spec, r, obs);
     }
+    let change = match pending {
+        Some(_) => None,
+        None => ceiling_change(spec, status),
+    };
 
     let desired = desired_parallelism(spec);
     let backoff = obs.backoff_until.filter(|t| *t > obs.now).map(|t| {
@@ -360,6 +430,27 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
                 to: desired,
                 url: p.url.clone(),
                 max_parallelism: p.max_parallelism,
+            };
+        }
+        if let Some(change) = &change
+            && desired > 0
+        {
+            if let Some(requeue) = backoff {
+                return Action::Idle { requeue };
+            }
+            return match change {
+                CeilingChange::Rewrite { groups } => Action::BeginKeyGroupChange {
+                    from: active.parallelism,
+                    to: desired,
+                    groups: *groups,
+                    running: true,
+                },
+                CeilingChange::Revert { url, groups } => Action::BeginRestore {
+                    from: active.parallelism,
+                    to: desired,
+                    url: url.clone(),
+                    max_parallelism: *groups,
+                },
             };
         }
         if desired != active.parallelism {
@@ -434,6 +525,20 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
     if let Some((run, parallelism)) = adoptable(&obs.pods) {
         return Action::Adopt { run, parallelism };
     }
+    // A stopped job whose key-group count changed: its newest snapshot is rewritten before
+    // anything runs. (Undoing a change that has not passed its point of no return rewrites the
+    // newest snapshot back as well: it holds the same state as the original savepoint.)
+    if let Some(change) = &change
+        && obs.pods.is_empty()
+    {
+        let (CeilingChange::Rewrite { groups } | CeilingChange::Revert { groups, .. }) = change;
+        return Action::BeginKeyGroupChange {
+            from: status.replicas.unwrap_or_default().max(0) as u32,
+            to: desired,
+            groups: *groups,
+            running: false,
+        };
+    }
     let restore = match pending {
         Some(p) => Restore::Url(p.url.clone()),
         None => Restore::Latest,
@@ -465,7 +570,7 @@ pub fn recovery_parallelism(status: &StreamJobStatus, desired: u32, restoring_fr
     }
 }
 
-fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
+fn rescale_step(spec: &StreamJobSpec, r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
     match r.step {
         Step::Savepointing => {
             if obs.active.is_some() {
@@ -497,7 +602,11 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
         },
         Step::Stopping => {
             if obs.pods.is_empty() {
-                Action::Advance(Outcome::Stopped)
+                Action::Advance(if r.rewrites() {
+                    Outcome::StoppedForRewrite
+                } else {
+                    Outcome::Stopped
+                })
             } else if obs.pods.iter().all(|p| p.deleting) {
                 Action::Wait {
                     reason: waiting_for_termination(&obs.pods, obs.now),
@@ -506,6 +615,32 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
                 Action::DeletePods {
                     reason: Reason::Stopping,
                 }
+            }
+        }
+        Step::Rewriting | Step::VerifyingRewrite => {
+            if let Some(old) = r.from_max_parallelism
+                && spec.max_parallelism == Some(old)
+            {
+                return Action::RollBackRewrite {
+                    message: format!("spec.maxParallelism was set back to {old} during the change"),
+                };
+            }
+            match (&r.savepoint, &r.rewritten, r.max_parallelism) {
+                (Some(source), Some(target), Some(g)) if r.step == Step::Rewriting => {
+                    Action::Rewrite {
+                        source: source.clone(),
+                        target: target.clone(),
+                        groups: g.max(1) as u32,
+                        parallelism: r.to.max(1) as u32,
+                    }
+                }
+                (Some(source), Some(target), Some(_)) => Action::VerifyRewrite {
+                    source: source.clone(),
+                    target: target.clone(),
+                },
+                _ => Action::RollBackRewrite {
+                    message: "no savepoint, rewrite target or key-group count was recorded for this change".into(),
+                },
             }
         }
         Step::Restoring => {
@@ -535,6 +670,9 @@ fn rescale_step(r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
             let restore = match (&r.savepoint, r.upgrade_mode) {
                 _ if r.rolled_back.is_none() && r.restore_from.is_some() => {
                     Restore::Url(r.restore_from.clone().unwrap_or_default())
+                }
+                _ if r.rolled_back.is_none() && r.rewritten.is_some() => {
+                    Restore::Url(r.rewritten.clone().unwrap_or_default())
                 }
                 (_, Some(UpgradeMode::Stateless)) => Restore::Empty,
                 (_, Some(UpgradeMode::LastState)) => Restore::Latest,
@@ -1075,27 +1213,24 @@ mod tests {
                     "{message}"
                 );
                 assert!(message.contains("nothing was changed"), "{message}");
-                // Not suspended: first a savepoint, then the rewrite to 4x200 -> 1024 groups.
+                // The one edit that raises it: 4x200 -> 1024 groups with the replicas.
                 assert!(
                     message.contains(
-                        "kubectl patch streamjob clicks --type merge -p '{\"spec\":{\"suspend\":true}}'"
+                        "kubectl patch streamjob clicks --type merge -p '{\"spec\":{\"maxParallelism\":1024,\"replicas\":200}}'"
                     ),
                     "{message}"
                 );
-                assert!(
-                    message.contains("keyshift savepoint rewrite <status.lastSavepoint.path> --max-parallelism 1024 --to <status.lastSavepoint.path>-mp1024"),
-                    "{message}"
-                );
+                assert!(message.contains("the original savepoint is kept"), "{message}");
+                assert!(!message.contains("Note:"), "no state size known: {message}");
             }
             a => panic!("{a:?}"),
         }
-        // Suspended with a savepoint: the guidance names it and skips the first step.
+        // With the state's size known, tiny groups are warned about.
         let st = StreamJobStatus {
             max_parallelism: Some(128),
-            phase: Some(crate::crd::Phase::Suspended),
             max_parallelism_origin: Some("set by spec.maxParallelism".into()),
-            last_savepoint: Some(crate::crd::SnapshotRef {
-                path: "file:///s/default/clicks/savepoints/sp-9".into(),
+            last_checkpoint: Some(crate::crd::SnapshotRef {
+                size_bytes: Some(1 << 20),
                 ..Default::default()
             }),
             ..Default::default()
@@ -1106,13 +1241,8 @@ mod tests {
             message.contains("(status.maxParallelism: set by spec.maxParallelism)"),
             "{message}"
         );
-        assert!(!message.contains("suspend\":true"), "{message}");
         assert!(
-            message.contains("keyshift savepoint rewrite file:///s/default/clicks/savepoints/sp-9 --max-parallelism 1024 --to file:///s/default/clicks/savepoints/sp-9-mp1024"),
-            "{message}"
-        );
-        assert!(
-            message.contains("\"maxParallelism\":1024,\"restoreFrom\":\"file:///s/default/clicks/savepoints/sp-9-mp1024\",\"replicas\":200"),
+            message.contains("Note: 1024 key groups over 1048576 bytes of state make tiny groups"),
             "{message}"
         );
         // The derived default ceiling (no spec.maxParallelism) is reported with its origin.
@@ -1480,4 +1610,182 @@ mod tests {
 
     #[allow(dead_code)]
     fn _uses(_: StreamJob) {}
+
+    fn changing(step: Step) -> crate::crd::RescaleStatus {
+        crate::crd::RescaleStatus {
+            from: 24,
+            to: 200,
+            step,
+            max_parallelism: Some(1024),
+            from_max_parallelism: Some(128),
+            savepoint: Some("file:///s/sp-3".into()),
+            rewritten: Some("file:///s/sp-4".into()),
+            ..Default::default()
+        }
+    }
+
+    fn changed(point_of_no_return: Option<i64>) -> crate::crd::KeyGroupChangeStatus {
+        crate::crd::KeyGroupChangeStatus {
+            from_max_parallelism: 128,
+            to_max_parallelism: 1024,
+            from_replicas: 24,
+            original_savepoint: "file:///s/sp-3".into(),
+            rewritten_savepoint: "file:///s/sp-4".into(),
+            point_of_no_return,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_new_max_parallelism_on_a_running_job_begins_a_key_group_change() {
+        let mut s = spec(200);
+        s.max_parallelism = Some(1024);
+        let running = pods("r", 24, PodPhase::Running, Some(WorkerState::Running));
+        assert_eq!(
+            decide(&s, &status(), &obs(running.clone(), Some(("r", 24)))),
+            Action::BeginKeyGroupChange {
+                from: 24,
+                to: 200,
+                groups: 1024,
+                running: true
+            }
+        );
+        // At the same parallelism too (only the count changes).
+        s.replicas = 24;
+        assert!(matches!(
+            decide(&s, &status(), &obs(running.clone(), Some(("r", 24)))),
+            Action::BeginKeyGroupChange { from: 24, to: 24, groups: 1024, .. }
+        ));
+        // Not while a spec.restoreFrom is pending: that restore sets the count.
+        let mut o = obs(running, Some(("r", 24)));
+        o.pending_restore = pending("file:///s/other", 1024);
+        assert!(matches!(
+            decide(&s, &status(), &o),
+            Action::BeginRestore { max_parallelism: 1024, .. }
+        ));
+        // A stopped job: its newest snapshot is rewritten before anything runs.
+        assert_eq!(
+            decide(&s, &status(), &obs(Vec::new(), None)),
+            Action::BeginKeyGroupChange {
+                from: 0,
+                to: 24,
+                groups: 1024,
+                running: false
+            }
+        );
+    }
+
+    #[test]
+    fn setting_the_count_back_before_the_point_of_no_return_restores_the_original() {
+        let mut s = spec(24);
+        s.max_parallelism = Some(128);
+        let st = StreamJobStatus {
+            max_parallelism: Some(1024),
+            key_group_change: Some(changed(None)),
+            ..Default::default()
+        };
+        let running = pods("r", 200, PodPhase::Running, Some(WorkerState::Running));
+        assert_eq!(
+            decide(&s, &st, &obs(running.clone(), Some(("r", 200)))),
+            Action::BeginRestore {
+                from: 200,
+                to: 24,
+                url: "file:///s/sp-3".into(),
+                max_parallelism: 128
+            }
+        );
+        // Past it, the current state is rewritten back instead (nothing it produced is lost).
+        let st = StreamJobStatus {
+            key_group_change: Some(changed(Some(7))),
+            ..st
+        };
+        assert!(matches!(
+            decide(&s, &st, &obs(running, Some(("r", 200)))),
+            Action::BeginKeyGroupChange { groups: 128, running: true, .. }
+        ));
+    }
+
+    #[test]
+    fn the_steps_of_a_key_group_change_act_in_order() {
+        let mut s = spec(200);
+        s.max_parallelism = Some(1024);
+        let at = |step| StreamJobStatus {
+            max_parallelism: Some(128),
+            rescale: Some(changing(step)),
+            ..Default::default()
+        };
+        assert_eq!(
+            decide(&s, &at(Step::Stopping), &obs(Vec::new(), None)),
+            Action::Advance(Outcome::StoppedForRewrite)
+        );
+        assert_eq!(
+            decide(&s, &at(Step::Rewriting), &obs(Vec::new(), None)),
+            Action::Rewrite {
+                source: "file:///s/sp-3".into(),
+                target: "file:///s/sp-4".into(),
+                groups: 1024,
+                parallelism: 200
+            }
+        );
+        assert_eq!(
+            decide(&s, &at(Step::VerifyingRewrite), &obs(Vec::new(), None)),
+            Action::VerifyRewrite {
+                source: "file:///s/sp-3".into(),
+                target: "file:///s/sp-4".into()
+            }
+        );
+        // The rewritten savepoint is restored at the new parallelism...
+        match decide(&s, &at(Step::Restoring), &obs(Vec::new(), None)) {
+            Action::CreatePods { parallelism, .. } => assert_eq!(parallelism, 200),
+            a => panic!("{a:?}"),
+        }
+        let up = pods("new", 200, PodPhase::Running, Some(WorkerState::Idle));
+        match decide(&s, &at(Step::Restoring), &obs(up, None)) {
+            Action::Start {
+                parallelism,
+                restore,
+                ..
+            } => {
+                assert_eq!(parallelism, 200);
+                assert_eq!(restore, Restore::Url("file:///s/sp-4".into()));
+            }
+            a => panic!("{a:?}"),
+        }
+        // ... or, rolled back, the original at the old parallelism.
+        let mut back = at(Step::Restoring);
+        if let Some(r) = back.rescale.as_mut() {
+            r.rolled_back = Some("the rewrite failed".into());
+        }
+        let up = pods("new", 24, PodPhase::Running, Some(WorkerState::Idle));
+        match decide(&s, &back, &obs(up, None)) {
+            Action::Start {
+                parallelism,
+                restore,
+                ..
+            } => {
+                assert_eq!(parallelism, 24);
+                assert_eq!(restore, Restore::Url("file:///s/sp-3".into()));
+            }
+            a => panic!("{a:?}"),
+        }
+        // Setting the count back while the rewrite runs rolls the change back.
+        s.max_parallelism = Some(128);
+        s.replicas = 24;
+        for step in [Step::Rewriting, Step::VerifyingRewrite] {
+            assert!(
+                matches!(
+                    decide(&s, &at(step), &obs(Vec::new(), None)),
+                    Action::RollBackRewrite { .. }
+                ),
+                "{step}"
+            );
+        }
+        // A failed restore of the new run rolls back even at the same parallelism.
+        let mut same = changing(Step::Restoring);
+        same.to = 24;
+        assert_eq!(rollback_on_restore_failure(&same), Some(24));
+        let mut plain = same.clone();
+        plain.from_max_parallelism = None;
+        assert_eq!(rollback_on_restore_failure(&plain), None);
+    }
 }

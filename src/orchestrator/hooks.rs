@@ -193,3 +193,89 @@ pub async fn slow_snapshot(namespace: &str, name: &str, subtask: u32, id: u64) {
 static SLOW_SNAPSHOTS: std::sync::Mutex<
     std::collections::BTreeMap<(String, String, u32), std::time::Duration>,
 > = std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// A fault a test injects into the rewrite of a key-group change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RewriteFault {
+    /// The rewrite runs with this memory budget (bytes) instead of the configured one.
+    MemoryBudget(usize),
+    /// A byte of the rewritten savepoint's first state file is flipped once it committed, so
+    /// that its verification fails.
+    CorruptOutput,
+}
+
+/// Makes the rewrites of job `namespace/name` in this process meet `fault` (`None`: none).
+/// Operators run as their own process take [`CORRUPT_REWRITE_ENV`] instead.
+pub fn rewrite_fault_of(namespace: &str, name: &str, fault: Option<RewriteFault>) {
+    #[cfg(feature = "test-hooks")]
+    {
+        let mut faults = REWRITE_FAULTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let job = (namespace.to_owned(), name.to_owned());
+        match fault {
+            Some(f) => faults.insert(job, f),
+            None => faults.remove(&job),
+        };
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    let _ = (namespace, name, fault);
+}
+
+/// With `KEYSHIFT_TEST_CORRUPT_REWRITE=1`, every rewrite's output is corrupted once it
+/// committed ([`RewriteFault::CorruptOutput`]).
+pub const CORRUPT_REWRITE_ENV: &str = "KEYSHIFT_TEST_CORRUPT_REWRITE";
+
+/// The fault injected into rewrites of job `namespace/name`, if any.
+pub fn rewrite_fault(namespace: &str, name: &str) -> Option<RewriteFault> {
+    #[cfg(feature = "test-hooks")]
+    {
+        if std::env::var(CORRUPT_REWRITE_ENV).is_ok_and(|v| v.trim() == "1") {
+            return Some(RewriteFault::CorruptOutput);
+        }
+        REWRITE_FAULTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&(namespace.to_owned(), name.to_owned()))
+            .copied()
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        let _ = (namespace, name);
+        None
+    }
+}
+
+#[cfg(feature = "test-hooks")]
+static REWRITE_FAULTS: std::sync::Mutex<
+    std::collections::BTreeMap<(String, String), RewriteFault>,
+> = std::sync::Mutex::new(std::collections::BTreeMap::new());
+
+/// Flips one byte in the middle of the first state file of the snapshot at `url` (for
+/// [`RewriteFault::CorruptOutput`]).
+pub async fn corrupt_snapshot(url: &str) -> Result<(), String> {
+    use object_store::ObjectStoreExt;
+    let (store, dir, manifest) = crate::snapshot::open_snapshot(url)
+        .await
+        .map_err(|e| e.to_string())?;
+    let Some(file) = manifest.files.iter().find(|f| f.size > 0) else {
+        return Err("no state file to corrupt".into());
+    };
+    let path = dir.clone().join(file.name.as_str());
+    let mut bytes = store
+        .get(&path)
+        .await
+        .map_err(|e| e.to_string())?
+        .bytes()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_vec();
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0x5a;
+    store
+        .put(&path, bytes.into())
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::warn!(%url, file = %file.name, "corrupted a byte of the rewritten savepoint (test only)");
+    Ok(())
+}

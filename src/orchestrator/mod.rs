@@ -2,6 +2,7 @@
 //! start request, its identities and timeouts). `keyshift operator` (pods) and `keyshift local`
 //! (processes) build runs only through here, so they cannot drift apart.
 
+pub mod ceiling;
 pub mod decide;
 pub mod hooks;
 pub mod pass;

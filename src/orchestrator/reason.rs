@@ -40,6 +40,8 @@ reasons! {
     Savepointing,
     Verifying,
     Stopping,
+    Rewriting,
+    VerifyingRewrite,
     Restoring,
     /// Reconciling: waiting for workers (a message says for what).
     Waiting,
@@ -70,6 +72,9 @@ reasons! {
     SavepointFailed,
     RescaleAbandoned,
     RescaleRolledBack,
+    /// A change of spec.maxParallelism was rolled back: the job runs from its original
+    /// savepoint at the old key-group count.
+    KeyGroupChangeRolledBack,
     // CheckpointsHealthy.
     Checkpointing,
     CheckpointsFailing,
@@ -97,6 +102,11 @@ reasons! {
     Rescaled,
     Upgraded,
     RescaleRollingBack,
+    KeyGroupChangeStarted,
+    SavepointRewritten,
+    RewriteVerified,
+    KeyGroupsChanged,
+    KeyGroupChangeIrreversible,
     SavepointTaken,
     SavepointVerified,
     CheckpointFailed,

@@ -312,7 +312,13 @@ pub fn finish(
                         } else {
                             "rescaling"
                         };
-                        let mut m = format!("{what} {} -> {}: step {}", r.from, r.to, r.step);
+                        let mut m = match (r.from_max_parallelism, r.max_parallelism) {
+                            (Some(g0), Some(g)) => format!(
+                                "changing the key-group count {g0} -> {g} (parallelism {} -> {}): step {}",
+                                r.from, r.to, r.step
+                            ),
+                            _ => format!("{what} {} -> {}: step {}", r.from, r.to, r.step),
+                        };
                         // What the step waits for (pods to terminate, to start, ...).
                         if let Some((_, n)) = note {
                             m.push_str(&format!(": {n}"));

@@ -7,11 +7,21 @@
 //!
 //! ```text
 //! Savepointing --SavepointTaken--> Verifying --Verified--> Stopping --Stopped--> Restoring
-//!      |                              |                                           |  ^
-//!      +--Abandoned--> Abandoned <----+                   RestoreFailed (rollback) +--+
-//!                                                                                   |
-//!                        Done <--Restored--+--RestoredAfterRollback--> RolledBack <-+
+//!      |                              |                       |                   |  ^
+//!      +--Abandoned--> Abandoned <----+      StoppedForRewrite|  RestoreFailed (rollback) +--+
+//!                                                             v                    |
+//!                                      Rewriting --Rewritten--> VerifyingRewrite   |
+//!                                          |                      |   |            |
+//!                                          +--RewriteFailed-------+   +--RewriteVerified--> Restoring
+//!                                             (rollback: Restoring the original savepoint
+//!                                              at the old parallelism and key-group count)
+//!
+//!                        Done <--Restored--+--RestoredAfterRollback--> RolledBack
 //! ```
+//!
+//! A change of the key-group count (spec.maxParallelism) takes the savepoint, stops the old
+//! workers, rewrites the savepoint to the new count (a new savepoint; the original is never
+//! touched), verifies the rewritten one down to every key, and restores it.
 
 use crate::crd::UpgradeMode;
 use serde::{Deserialize, Serialize};
@@ -29,6 +39,12 @@ pub enum Step {
     Verifying,
     /// Remove the old workers.
     Stopping,
+    /// Re-hash the savepoint's keys into the new key-group count, into a new savepoint (a
+    /// change of spec.maxParallelism; the original savepoint is only read).
+    Rewriting,
+    /// Check the rewritten savepoint fully: every block, every key's new group, and as many
+    /// keys as the original.
+    VerifyingRewrite,
     /// Start the new workers, restoring their key groups.
     Restoring,
     /// Finished: the job runs at the new parallelism (or is suspended).
@@ -41,10 +57,12 @@ pub enum Step {
 }
 
 /// Every step, in protocol order (for tables and tests).
-pub const ALL_STEPS: [Step; 7] = [
+pub const ALL_STEPS: [Step; 9] = [
     Step::Savepointing,
     Step::Verifying,
     Step::Stopping,
+    Step::Rewriting,
+    Step::VerifyingRewrite,
     Step::Restoring,
     Step::Done,
     Step::Abandoned,
@@ -58,6 +76,8 @@ impl Step {
             Step::Savepointing => "Savepointing",
             Step::Verifying => "Verifying",
             Step::Stopping => "Stopping",
+            Step::Rewriting => "Rewriting",
+            Step::VerifyingRewrite => "VerifyingRewrite",
             Step::Restoring => "Restoring",
             Step::Done => "Done",
             Step::Abandoned => "Abandoned",
@@ -69,7 +89,12 @@ impl Step {
     pub fn active(self) -> bool {
         matches!(
             self,
-            Step::Savepointing | Step::Verifying | Step::Stopping | Step::Restoring
+            Step::Savepointing
+                | Step::Verifying
+                | Step::Stopping
+                | Step::Rewriting
+                | Step::VerifyingRewrite
+                | Step::Restoring
         )
     }
 
@@ -104,6 +129,16 @@ pub enum Outcome {
     Verified,
     /// Every old worker is gone.
     Stopped,
+    /// Every old worker is gone, and the savepoint must be rewritten to a new key-group count
+    /// before anything restores it.
+    StoppedForRewrite,
+    /// The rewritten savepoint committed.
+    Rewritten,
+    /// The rewritten savepoint checked out (every block and key, the key count).
+    RewriteVerified,
+    /// The rewrite failed or its result did not verify (or spec.maxParallelism was set back):
+    /// the original savepoint is restored at the old parallelism and key-group count.
+    RewriteFailed,
     /// The new run started at the transition's target.
     Restored,
     /// Starting the new run failed; the old parallelism is restored next, from the same
@@ -117,10 +152,14 @@ pub enum Outcome {
 }
 
 /// Every outcome (for tables and tests).
-pub const ALL_OUTCOMES: [Outcome; 7] = [
+pub const ALL_OUTCOMES: [Outcome; 11] = [
     Outcome::SavepointTaken,
     Outcome::Verified,
     Outcome::Stopped,
+    Outcome::StoppedForRewrite,
+    Outcome::Rewritten,
+    Outcome::RewriteVerified,
+    Outcome::RewriteFailed,
     Outcome::Restored,
     Outcome::RestoreFailed,
     Outcome::RestoredAfterRollback,
@@ -143,6 +182,11 @@ pub fn next(step: Step, outcome: Outcome) -> Result<Step, IllegalTransition> {
         (S::Savepointing, O::SavepointTaken) => Ok(S::Verifying),
         (S::Verifying, O::Verified) => Ok(S::Stopping),
         (S::Stopping, O::Stopped) => Ok(S::Restoring),
+        (S::Stopping, O::StoppedForRewrite) => Ok(S::Rewriting),
+        (S::Rewriting, O::Rewritten) => Ok(S::VerifyingRewrite),
+        (S::VerifyingRewrite, O::RewriteVerified) => Ok(S::Restoring),
+        // The old workers are gone: back is a restore of the untouched original savepoint.
+        (S::Rewriting | S::VerifyingRewrite, O::RewriteFailed) => Ok(S::Restoring),
         (S::Restoring, O::Restored) => Ok(S::Done),
         (S::Restoring, O::RestoreFailed) => Ok(S::Restoring),
         (S::Restoring, O::RestoredAfterRollback) => Ok(S::RolledBack),
@@ -169,6 +213,11 @@ mod tests {
             (S::Verifying, O::Verified, S::Stopping),
             (S::Verifying, O::GaveUp, S::Abandoned),
             (S::Stopping, O::Stopped, S::Restoring),
+            (S::Stopping, O::StoppedForRewrite, S::Rewriting),
+            (S::Rewriting, O::Rewritten, S::VerifyingRewrite),
+            (S::Rewriting, O::RewriteFailed, S::Restoring),
+            (S::VerifyingRewrite, O::RewriteVerified, S::Restoring),
+            (S::VerifyingRewrite, O::RewriteFailed, S::Restoring),
             (S::Restoring, O::Restored, S::Done),
             (S::Restoring, O::RestoreFailed, S::Restoring),
             (S::Restoring, O::RestoredAfterRollback, S::RolledBack),

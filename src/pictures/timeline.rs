@@ -79,6 +79,8 @@ fn step_colour(step: Step) -> &'static str {
         Step::Savepointing => "#8fb8de",
         Step::Verifying => "#a9d18e",
         Step::Stopping => "#f4b183",
+        Step::Rewriting => "#ffd966",
+        Step::VerifyingRewrite => "#c5e0b4",
         Step::Restoring => "#c5a3d9",
         Step::Done | Step::Abandoned | Step::RolledBack => "#c9c9c9",
     }
@@ -90,6 +92,8 @@ fn step_words(step: Step) -> &'static str {
         Step::Savepointing => "stop the sources with a savepoint",
         Step::Verifying => "check every file of the savepoint",
         Step::Stopping => "remove the old workers",
+        Step::Rewriting => "rewrite the savepoint to the new key groups",
+        Step::VerifyingRewrite => "check every key of the rewritten savepoint",
         Step::Restoring => "start the new workers, restore their groups",
         Step::Done => "done",
         Step::Abandoned => "given up",

@@ -17,6 +17,17 @@ pub enum ToolError {
     #[error(transparent)]
     Snapshot(#[from] SnapshotError),
 
+    /// One new key group of a rewrite holds more than its memory budget allows (a group's block
+    /// is built in memory). Nothing was written to the target.
+    #[error(
+        "the rewrite needs {needed} bytes in memory for {groups} at once, more than half its memory budget of {budget} bytes; nothing was written to the target. Raise the budget (--memory-mib, or KEYSHIFT_REWRITE_MEMORY for the operator and keyshift local), or choose a key-group count that spreads this hot key group's keys less unevenly"
+    )]
+    MemoryBudget {
+        groups: String,
+        needed: u64,
+        budget: u64,
+    },
+
     /// A key-group block does not decode.
     #[error("state file {file}: key group {group}: {source}")]
     Block {

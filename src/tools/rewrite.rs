@@ -789,6 +789,21 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
     timings.split = split_started.elapsed().as_secs_f64();
     let bucket_count = buckets.len();
     let largest_bucket_bytes = buckets.iter().map(|b| b.size).max().unwrap_or(0);
+    // After the split only a single new group can exceed the bucket limit; its block is built
+    // in memory (its entries and the block), so more than half the budget cannot be honoured.
+    if let Some(b) = buckets
+        .iter()
+        .find(|b| b.size > opts.memory_budget as u64 / 2)
+    {
+        return Err(ToolError::MemoryBudget {
+            groups: match b.range.len() {
+                1 => format!("key group {}", b.range.start),
+                _ => format!("key groups {}..={}", b.range.start, b.range.end),
+            },
+            needed: b.size,
+            budget: opts.memory_budget as u64,
+        });
+    }
 
     // Pass 2: build each bucket's blocks (the next bucket while this one is written).
     let assemble_started = Instant::now();

@@ -81,6 +81,17 @@ pub(super) enum BackgroundWork {
     Verify {
         url: String,
     },
+    /// Rewriting a key-group change's savepoint to the new count.
+    Rewrite {
+        source: String,
+        target: String,
+        groups: u32,
+    },
+    /// Verifying the rewritten savepoint (`target`) against its source.
+    VerifyRewrite {
+        source: String,
+        target: String,
+    },
     /// Starting a run: the workers restore their key groups, then connect.
     Start(Box<StartWork>),
 }
@@ -132,6 +143,10 @@ pub(super) enum StartError {
 pub(super) enum Ended {
     Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),
     Verify(Result<snapshot::VerifyReport, snapshot::SnapshotError>),
+    /// `None`: the target had already committed (the orchestrator restarted after the rewrite).
+    Rewrite(Result<Option<crate::tools::rewrite::RewriteReport>, crate::tools::ToolError>),
+    /// What was checked, or why the rewritten savepoint must not be restored.
+    VerifyRewrite(Result<String, String>),
     Start(Box<(Coordinator, Result<Vec<StartResponse>, CoordinatorError>)>),
 }
 
@@ -235,6 +250,36 @@ impl Pass<'_> {
                         self.abandon(format!("savepoint {url} failed verification: {e}"))
                             .await?;
                     }
+                }
+                Ok(requeue::SOON)
+            }
+            (
+                BackgroundWork::Rewrite {
+                    source,
+                    target,
+                    groups,
+                },
+                Some(Ended::Rewrite(result)),
+            ) => {
+                self.rewrite_done(&source, &target, groups, result)?;
+                Ok(requeue::SOON)
+            }
+            (
+                BackgroundWork::VerifyRewrite { source, target },
+                Some(Ended::VerifyRewrite(result)),
+            ) => {
+                match result {
+                    Ok(checked) => {
+                        self.transition(Outcome::RewriteVerified)?;
+                        self.event(
+                            false,
+                            Reason::RewriteVerified,
+                            format!("{target} (rewritten from {source}): {checked}"),
+                        );
+                    }
+                    Err(why) => self.roll_back_rewrite(format!(
+                        "the rewritten savepoint {target} failed verification: {why}"
+                    ))?,
                 }
                 Ok(requeue::SOON)
             }

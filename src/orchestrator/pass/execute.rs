@@ -3,6 +3,36 @@
 
 use super::*;
 
+/// The least time before a rolled-back key-group change is tried again.
+const KEY_GROUP_CHANGE_RETRY: chrono::Duration = chrono::Duration::minutes(5);
+
+/// Verifies a rewritten savepoint down to every key and compares it with its source
+/// ([`ceiling::check_rewrite`](crate::orchestrator::ceiling::check_rewrite)).
+async fn verify_rewrite(
+    source: String,
+    target: String,
+    groups: u32,
+    parallelism: u32,
+) -> Result<String, String> {
+    let src = snapshot::open_snapshot(&source)
+        .await
+        .map_err(|e| format!("reading the source savepoint: {e}"))?
+        .2;
+    let loc = crate::tools::open_location(&target).map_err(|e| e.to_string())?;
+    let outcome = crate::tools::verify_snapshot(&loc)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !outcome.ok() {
+        return Err(outcome.problems.join("; "));
+    }
+    let dst = snapshot::open_snapshot(&target)
+        .await
+        .map_err(|e| e.to_string())?
+        .2;
+    let decoded: u64 = outcome.files.iter().map(|f| f.keys_checked).sum();
+    crate::orchestrator::ceiling::check_rewrite(&src, &dst, groups, parallelism, decoded)
+}
+
 impl Pass<'_> {
     pub(super) async fn execute(&mut self, action: Action) -> Result<Duration, PassError> {
         let short = requeue::SOON;
@@ -133,8 +163,114 @@ impl Pass<'_> {
                 ));
                 Ok(requeue::WORKERS_CHANGING)
             }
+            Action::Advance(Outcome::StoppedForRewrite) => {
+                // Where the rewrite goes is recorded with the step, before the step acts: a
+                // new savepoint id of the job, so that a resume before the new run's first
+                // checkpoint finds it as the job's newest snapshot under the new count.
+                let (store, base) = snapshot::open_store(&self.storage)
+                    .map_err(|e| PassError::FindSnapshot(e.into()))?;
+                let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
+                let id = coordinator::next_snapshot_id(store.as_ref(), &job_dir)
+                    .await
+                    .map_err(PassError::FindSnapshot)?;
+                let target = coordinator::snapshot_url(
+                    &self.storage,
+                    &self.ns,
+                    &self.name,
+                    SnapshotKind::Savepoint,
+                    id,
+                );
+                self.transition(Outcome::StoppedForRewrite)?;
+                if let Some(r) = self.rescale_mut() {
+                    r.rewritten = Some(target);
+                }
+                Ok(short)
+            }
             Action::Advance(outcome) => {
                 self.transition(outcome)?;
+                Ok(short)
+            }
+            Action::BeginKeyGroupChange {
+                from,
+                to,
+                groups,
+                running,
+            } => self.begin_key_group_change(from, to, groups, running).await,
+            Action::Rewrite {
+                source,
+                target,
+                groups,
+                parallelism,
+            } => {
+                let (memory, spill) = match super::super::ceiling::rewrite_settings() {
+                    Ok(s) => s,
+                    Err(e) => {
+                        self.roll_back_rewrite(e.to_string())?;
+                        return Ok(short);
+                    }
+                };
+                let fault = hooks::rewrite_fault(&self.ns, &self.name);
+                let memory = match fault {
+                    Some(hooks::RewriteFault::MemoryBudget(m)) => m,
+                    _ => memory,
+                };
+                let work = BackgroundWork::Rewrite {
+                    source: source.clone(),
+                    target: target.clone(),
+                    groups,
+                };
+                self.in_background(work, move |handle| {
+                    Ended::Rewrite(handle.block_on(async {
+                        let mut opts = crate::tools::RewriteOptions::new(groups);
+                        opts.parallelism = Some(parallelism);
+                        opts.memory_budget = memory;
+                        opts.temp_dir = spill;
+                        match crate::tools::rewrite::rewrite(&source, &target, opts).await {
+                            Ok(report) => {
+                                if fault == Some(hooks::RewriteFault::CorruptOutput)
+                                    && let Err(e) = hooks::corrupt_snapshot(&target).await
+                                {
+                                    tracing::error!(%target, "could not corrupt it: {e}");
+                                }
+                                Ok(Some(report))
+                            }
+                            // Committed before the orchestrator restarted: verified next.
+                            Err(crate::tools::ToolError::TargetExists { .. }) => Ok(None),
+                            Err(e) => Err(e),
+                        }
+                    }))
+                });
+                Ok(requeue::BACKGROUND_BACKSTOP)
+            }
+            Action::VerifyRewrite { source, target } => {
+                let groups = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .and_then(|r| r.max_parallelism)
+                    .unwrap_or_default()
+                    .max(0) as u32;
+                let parallelism = self
+                    .status
+                    .rescale
+                    .as_ref()
+                    .map_or(0, |r| r.to.max(0) as u32);
+                let work = BackgroundWork::VerifyRewrite {
+                    source: source.clone(),
+                    target: target.clone(),
+                };
+                self.in_background(work, move |handle| {
+                    Ended::VerifyRewrite(handle.block_on(verify_rewrite(
+                        source,
+                        target,
+                        groups,
+                        parallelism,
+                    )))
+                });
+                Ok(requeue::BACKGROUND_BACKSTOP)
+            }
+            Action::RollBackRewrite { message } => {
+                self.roll_back_rewrite(message)?;
                 Ok(short)
             }
             Action::Abandon { message } => {
@@ -307,8 +443,14 @@ impl Pass<'_> {
     pub(super) fn finish_restoring(&mut self, rolled_back: bool) -> Result<(), PassError> {
         if rolled_back {
             self.transition(Outcome::RestoredAfterRollback)?;
-            // The same rescale is retried, but not at once: it just failed.
-            let retry = backoff(self.mem.failures).max(chrono::Duration::seconds(10));
+            // The same rescale is retried, but not at once: it just failed. A key-group change
+            // costs a full rewrite of the state, and what made it fail (memory, a corrupt
+            // block) rarely goes away by itself: it waits longer.
+            let floor = match self.status.rescale.as_ref().is_some_and(|r| r.rewrites()) {
+                true => KEY_GROUP_CHANGE_RETRY,
+                false => chrono::Duration::seconds(10),
+            };
+            let retry = backoff(self.mem.failures).max(floor);
             self.mem.backoff_until = Some(Utc::now() + retry);
             if let Some((reason, message)) = self.mem.last_failure.clone() {
                 self.progress.failure = Some((reason, message));
@@ -317,6 +459,203 @@ impl Pass<'_> {
             self.transition(Outcome::Restored)?;
             self.succeeded();
         }
+        Ok(())
+    }
+
+    /// Records a key-group change. A running job takes its savepoint first; a stopped one has its
+    /// newest snapshot verified and rewritten (or, with no snapshot at all, no state to
+    /// rewrite: the new count is simply pinned).
+    pub(super) async fn begin_key_group_change(
+        &mut self,
+        from: u32,
+        to: u32,
+        groups: u32,
+        running: bool,
+    ) -> Result<Duration, PassError> {
+        let old = self.status.max_parallelism.unwrap_or_default().max(1);
+        let mut change = RescaleStatus {
+            from: from as i32,
+            to: to as i32,
+            step: Step::Savepointing,
+            started: Utc::now().to_rfc3339(),
+            max_parallelism: Some(groups as i32),
+            from_max_parallelism: Some(old),
+            ..Default::default()
+        };
+        if !running {
+            let found = run::latest_restorable(
+                self.spec,
+                &self.storage,
+                &self.ns,
+                &self.name,
+                old as u32,
+                self.status
+                    .replaced_history_up_to
+                    .and_then(|b| u64::try_from(b).ok()),
+            )
+            .await
+            .map_err(PassError::FindSnapshot)?;
+            let Some(url) = found.url else {
+                self.status.max_parallelism = Some(groups as i32);
+                self.status.max_parallelism_origin = Some(validation::ceiling_origin(
+                    validation::CeilingSource::Spec,
+                    0,
+                ));
+                self.event(
+                    false,
+                    Reason::KeyGroupsPinned,
+                    format!(
+                        "key-group count (max parallelism) is now {groups}: the job had no snapshot under {old}, so there was no state to rewrite"
+                    ),
+                );
+                return Ok(requeue::SOON);
+            };
+            let manifest = snapshot::open_snapshot(&url)
+                .await
+                .map_err(|e| PassError::FindSnapshot(e.into()))?
+                .2;
+            change.from = manifest.parallelism as i32;
+            change.step = Step::Verifying;
+            change.savepoint = Some(url);
+        }
+        let what = format!(
+            "spec.maxParallelism changed {old} -> {groups}: {}verify it, stop the old workers, rewrite it to {groups} key groups, verify every key of the rewrite, restore it at parallelism {to}; the original savepoint is kept",
+            match &change.savepoint {
+                Some(url) =>
+                    format!("the job is stopped, so its newest snapshot {url} is rewritten: "),
+                None => format!("stop the job (parallelism {from}) with a savepoint, "),
+            }
+        );
+        self.begin(change);
+        self.event(false, Reason::KeyGroupChangeStarted, what);
+        Ok(requeue::SOON)
+    }
+
+    /// A run restored by a transition that changed the key-group count started: a rewrite's
+    /// new run records the change (reversible until its first checkpoint), an undo of a change
+    /// forgets it.
+    fn record_key_group_change(&mut self, restored: Option<&str>) {
+        let undone = self
+            .status
+            .key_group_change
+            .as_ref()
+            .is_some_and(|c| Some(c.original_savepoint.as_str()) == restored);
+        if undone {
+            if let Some(c) = self.status.key_group_change.take() {
+                self.event(
+                    false,
+                    Reason::KeyGroupsChanged,
+                    format!(
+                        "the change to {} key groups was undone: the job runs from the original savepoint {} under {} key groups again",
+                        c.to_max_parallelism, c.original_savepoint, c.from_max_parallelism
+                    ),
+                );
+            }
+            return;
+        }
+        let Some(r) = self
+            .status
+            .rescale
+            .as_ref()
+            .filter(|r| r.rewrites() && r.rolled_back.is_none())
+        else {
+            return;
+        };
+        let mut change = crate::crd::KeyGroupChangeStatus {
+            from_max_parallelism: r.from_max_parallelism.unwrap_or_default(),
+            to_max_parallelism: r.max_parallelism.unwrap_or_default(),
+            from_replicas: r.from,
+            original_savepoint: r.savepoint.clone().unwrap_or_default(),
+            rewritten_savepoint: r.rewritten.clone().unwrap_or_default(),
+            finished: Utc::now().to_rfc3339(),
+            point_of_no_return: None,
+            point_of_no_return_time: None,
+            message: String::new(),
+        };
+        change.message = crate::orchestrator::ceiling::change_message(&change);
+        let note = format!(
+            "key-group count {} -> {} at parallelism {}: {}",
+            change.from_max_parallelism, change.to_max_parallelism, r.to, change.message
+        );
+        self.status.key_group_change = Some(change);
+        self.event(false, Reason::KeyGroupsChanged, note);
+    }
+
+    /// A snapshot of the job committed: the first one after a key-group change is its point of
+    /// no return (its output becomes visible; the original savepoint no longer holds it).
+    pub(super) fn pass_point_of_no_return(&mut self, c: &Completed) {
+        let Some(change) = self
+            .status
+            .key_group_change
+            .as_mut()
+            .filter(|k| k.point_of_no_return.is_none())
+        else {
+            return;
+        };
+        if c.manifest.max_parallelism as i32 != change.to_max_parallelism
+            || c.url == change.rewritten_savepoint
+        {
+            return;
+        }
+        change.point_of_no_return = Some(c.id as i64);
+        change.point_of_no_return_time = Some(Utc::now().to_rfc3339());
+        change.message = crate::orchestrator::ceiling::change_message(change);
+        let note = change.message.clone();
+        self.event(false, Reason::KeyGroupChangeIrreversible, note);
+    }
+
+    /// How the rewrite of a key-group change ended.
+    pub(super) fn rewrite_done(
+        &mut self,
+        source: &str,
+        target: &str,
+        groups: u32,
+        result: Result<Option<crate::tools::RewriteReport>, crate::tools::ToolError>,
+    ) -> Result<(), PassError> {
+        match result {
+            Ok(report) => {
+                let detail = match &report {
+                    Some(r) => {
+                        if let Some(s) = self.rescale_mut() {
+                            s.rewritten_keys = Some(r.keys as i64);
+                            s.rewritten_bytes = Some(r.bytes_written as i64);
+                        }
+                        format!(
+                            "{} keys, {} bytes read and {} written ({} spilled to local disk) in {:.3} s",
+                            r.keys, r.bytes_read, r.bytes_written, r.spill_bytes, r.total_secs
+                        )
+                    }
+                    None => "it had already committed before the orchestrator restarted".into(),
+                };
+                self.transition(Outcome::Rewritten)?;
+                self.event(
+                    false,
+                    Reason::SavepointRewritten,
+                    format!("{source} rewritten to {groups} key groups as {target}: {detail}"),
+                );
+            }
+            Err(e) => self.roll_back_rewrite(format!(
+                "rewriting {source} to {groups} key groups failed: {e}"
+            ))?,
+        }
+        Ok(())
+    }
+
+    /// A key-group change goes back: the original savepoint is restored at the old parallelism
+    /// and key-group count (step Restoring, rolled back).
+    pub(super) fn roll_back_rewrite(&mut self, message: String) -> Result<(), PassError> {
+        let (from, old) = self.status.rescale.as_ref().map_or((0, 0), |r| {
+            (r.from, r.from_max_parallelism.unwrap_or_default())
+        });
+        let why = format!(
+            "{message}; rolling back: restoring the original savepoint at parallelism {from} under {old} key groups (the rewritten savepoint, if any, is left for inspection)"
+        );
+        self.transition(Outcome::RewriteFailed)?;
+        if let Some(r) = self.rescale_mut() {
+            r.rolled_back = Some(why.clone());
+        }
+        self.fail(Reason::KeyGroupChangeRolledBack, why.clone());
+        self.event(true, Reason::KeyGroupChangeRolledBack, why);
         Ok(())
     }
 
@@ -344,6 +683,9 @@ impl Pass<'_> {
         labels: &SnapshotLabels,
         completed: Option<&Completed>,
     ) {
+        if let Some(c) = completed {
+            self.pass_point_of_no_return(c);
+        }
         let m = &self.metrics;
         match completed {
             Some(c) => {
@@ -544,7 +886,13 @@ impl Pass<'_> {
         // snapshot under its (possibly new) key-group count.
         let transition_source = self
             .restore_transition()
-            .and_then(|r| r.restore_from.clone());
+            .and_then(|r| r.restore_from.clone().or_else(|| r.rewritten.clone()));
+        // A key-group change's rewritten savepoint lies in the job's own storage under the new
+        // count: the job's history goes on from it (no history is replaced, and no checkpoint
+        // is taken at once, so the change stays reversible until the new run's first one).
+        let rewrite = self
+            .restore_transition()
+            .is_some_and(|r| r.rewritten.is_some() && r.restore_from.is_none());
         let restored_source = match &restore {
             Restore::Url(u)
                 if self.spec.restore_from.as_ref() == Some(u)
@@ -555,7 +903,7 @@ impl Pass<'_> {
             _ => None,
         };
         let from_restore_from = restored_source.is_some();
-        let run_started = if restore == Restore::Empty || from_restore_from {
+        let run_started = if restore == Restore::Empty || (from_restore_from && !rewrite) {
             DateTime::UNIX_EPOCH
         } else {
             Utc::now()
@@ -598,7 +946,7 @@ impl Pass<'_> {
         // A run restored from spec.restoreFrom replaces the job's history up to its newest
         // snapshot now: recorded once the run starts, so that no later resume goes back to it.
         let replaced_up_to = match &restored_source {
-            Some(_) => {
+            Some(_) if !rewrite => {
                 let (store, base) = snapshot::open_store(&self.storage)
                     .map_err(|e| PassError::FindSnapshot(e.into()))?;
                 let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
@@ -607,7 +955,7 @@ impl Pass<'_> {
                     .map_err(PassError::FindSnapshot)?;
                 Some(next.saturating_sub(1))
             }
-            None => None,
+            _ => None,
         };
         let assignment = self.assignment(parallelism)?;
         let coordinator = self
@@ -744,10 +1092,17 @@ impl Pass<'_> {
                 let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
                 if from_restore_from {
                     let g = key_groups as i32;
+                    let from_spec = restored_source.is_some()
+                        && restored_source.as_ref() == self.spec.restore_from.as_ref();
                     if self.status.max_parallelism != Some(g) {
-                        self.status.max_parallelism_origin = restore_from
-                            .as_deref()
-                            .map(validation::ceiling_origin_snapshot);
+                        self.status.max_parallelism_origin = match from_spec {
+                            true => restore_from
+                                .as_deref()
+                                .map(validation::ceiling_origin_snapshot),
+                            false => restore_from
+                                .as_deref()
+                                .map(validation::ceiling_origin_change),
+                        };
                         self.event(
                             false,
                             Reason::KeyGroupsPinned,
@@ -758,9 +1113,15 @@ impl Pass<'_> {
                         );
                     }
                     self.status.max_parallelism = Some(g);
-                    self.status.restored_from = restored_source.clone();
-                    self.status.replaced_history_up_to =
-                        replaced_up_to.and_then(|b| i64::try_from(b).ok());
+                    // Only spec.restoreFrom is recorded as acted on (a key-group change's
+                    // snapshots are the orchestrator's own choice, not a request in the spec).
+                    if from_spec {
+                        self.status.restored_from = restored_source.clone();
+                    }
+                    if let Some(b) = replaced_up_to.and_then(|b| i64::try_from(b).ok()) {
+                        self.status.replaced_history_up_to = Some(b);
+                    }
+                    self.record_key_group_change(restored_source.as_deref());
                 }
                 self.mem.run = Some(RunHandle {
                     run: run.clone(),

@@ -392,6 +392,24 @@ pub fn in_use(
             r.restore_from.as_ref(),
             format!("restoring {namespace}/{name} from it"),
         );
+        pin(
+            r.rewritten.as_ref(),
+            format!("the rewrite of a key-group change of {namespace}/{name}"),
+        );
+    }
+    // While a key-group change can be undone, its original savepoint is what undoing restores.
+    if let Some(c) = status
+        .key_group_change
+        .as_ref()
+        .filter(|c| c.point_of_no_return.is_none())
+    {
+        pin(
+            Some(&c.original_savepoint),
+            format!(
+                "the original savepoint of the change to {} key groups (reversible until the first checkpoint after it)",
+                c.to_max_parallelism
+            ),
+        );
     }
     pin(
         spec.restore_from.as_ref(),
@@ -643,7 +661,9 @@ impl<'a> Pass<'a> {
     /// A transition to spec.restoreFrom whose new run is being started (not rolled back).
     fn restore_transition(&self) -> Option<&RescaleStatus> {
         self.status.rescale.as_ref().filter(|r| {
-            r.step == Step::Restoring && r.rolled_back.is_none() && r.restore_from.is_some()
+            r.step == Step::Restoring
+                && r.rolled_back.is_none()
+                && (r.restore_from.is_some() || r.rewritten.is_some())
         })
     }
 
