@@ -71,6 +71,9 @@ pub struct Observed {
     pub last_snapshot_at: Option<DateTime<Utc>>,
     /// No new attempt (restart, rescale) before this time (backoff after a failure).
     pub backoff_until: Option<DateTime<Utc>>,
+    /// No new attempt at a key-group change before this time (one rolled back: a rewrite
+    /// costs the whole state, and what made it fail rarely goes away at once).
+    pub change_retry_at: Option<DateTime<Utc>>,
     /// A fresh run id, used when new pods must be created and no run exists.
     pub new_run: String,
     /// metadata.name of the job (for messages that name commands).
@@ -362,6 +365,17 @@ pub fn ceiling_change(spec: &StreamJobSpec, status: &StreamJobStatus) -> Option<
     }
 }
 
+/// How long a key-group rewrite must still wait after one rolled back (an undo never waits).
+fn change_wait(change: &CeilingChange, obs: &Observed) -> Option<Duration> {
+    match change {
+        CeilingChange::Revert { .. } => None,
+        CeilingChange::Rewrite { .. } => obs
+            .change_retry_at
+            .filter(|t| *t > obs.now)
+            .map(|t| (t - obs.now).to_std().unwrap_or(Duration::from_secs(1))),
+    }
+}
+
 /// What to do next.
 pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) -> Action {
     let in_flight = status
@@ -435,7 +449,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         if let Some(change) = &change
             && desired > 0
         {
-            if let Some(requeue) = backoff {
+            if let Some(requeue) = backoff.or_else(|| change_wait(change, obs)) {
                 return Action::Idle { requeue };
             }
             return match change {
@@ -530,6 +544,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
     // newest snapshot back as well: it holds the same state as the original savepoint.)
     if let Some(change) = &change
         && obs.pods.is_empty()
+        && change_wait(change, obs).is_none()
     {
         let (CeilingChange::Rewrite { groups } | CeilingChange::Revert { groups, .. }) = change;
         return Action::BeginKeyGroupChange {
@@ -877,6 +892,7 @@ mod tests {
             }),
             last_snapshot_at: Some(now()),
             backoff_until: None,
+            change_retry_at: None,
             new_run: "new".into(),
             name: "clicks".into(),
             pending_restore: None,

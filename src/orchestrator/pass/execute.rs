@@ -445,12 +445,12 @@ impl Pass<'_> {
             self.transition(Outcome::RestoredAfterRollback)?;
             // The same rescale is retried, but not at once: it just failed. A key-group change
             // costs a full rewrite of the state, and what made it fail (memory, a corrupt
-            // block) rarely goes away by itself: it waits longer.
-            let floor = match self.status.rescale.as_ref().is_some_and(|r| r.rewrites()) {
-                true => KEY_GROUP_CHANGE_RETRY,
-                false => chrono::Duration::seconds(10),
-            };
-            let retry = backoff(self.mem.failures).max(floor);
+            // block) rarely goes away by itself: it waits longer (other transitions, a suspend
+            // say, do not).
+            if self.status.rescale.as_ref().is_some_and(|r| r.rewrites()) {
+                self.mem.change_retry_at = Some(Utc::now() + KEY_GROUP_CHANGE_RETRY);
+            }
+            let retry = backoff(self.mem.failures).max(chrono::Duration::seconds(10));
             self.mem.backoff_until = Some(Utc::now() + retry);
             if let Some((reason, message)) = self.mem.last_failure.clone() {
                 self.progress.failure = Some((reason, message));

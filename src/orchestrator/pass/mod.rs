@@ -73,6 +73,8 @@ pub struct JobMemory {
     run: Option<RunHandle>,
     failures: u32,
     backoff_until: Option<DateTime<Utc>>,
+    /// No key-group rewrite before this time (one rolled back).
+    change_retry_at: Option<DateTime<Utc>>,
     last_failure: Option<(String, String)>,
     step_started: Option<(Step, Instant)>,
     /// The key-group count of a spec.restoreFrom snapshot, by URL (read once: committed
@@ -256,6 +258,7 @@ pub async fn run_pass(
         }),
         last_snapshot_at,
         backoff_until: mem.backoff_until,
+        change_retry_at: mem.change_retry_at,
         new_run: run::new_run_id()?,
     };
     // A background step that ended is recorded first; what to do next is decided in the pass
