@@ -115,6 +115,13 @@ pub struct RescaleBench {
     /// (the data of the timeline picture, `docs/data/rescale-timeline.json`).
     #[arg(long)]
     pub record: Option<PathBuf>,
+    /// Change the key-group count to this in the same transition (savepoint, verify, stop,
+    /// rewrite, verify the rewrite, restore), as a change of spec.maxParallelism does.
+    #[arg(long)]
+    pub to_max_parallelism: Option<u32>,
+    /// The rewrite's memory budget, MiB (with --to-max-parallelism).
+    #[arg(long, default_value_t = 256)]
+    pub rewrite_memory_mib: usize,
 }
 
 #[derive(Args, Debug)]
@@ -1019,7 +1026,10 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
         "| {} -> {} ({} groups) | {:.0} MiB | {keys_restored} | {} | {:.2} ({}) | {:.3} | {} | {} |",
         report.from,
         report.to,
-        args.max_parallelism,
+        args.to_max_parallelism.map_or_else(
+            || args.max_parallelism.to_string(),
+            |g| format!("{} -> {g}", args.max_parallelism)
+        ),
         mib(bytes),
         secs(pause),
         pause.as_secs_f64() / raw.as_secs_f64().max(1e-9),
@@ -1075,7 +1085,29 @@ async fn rescale_steps(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let build = t.elapsed();
-    let report = local.rescale(args.to).await?;
+    let report = match args.to_max_parallelism {
+        Some(groups) => {
+            let (report, rewrite) = local
+                .change_key_groups(args.to, groups, args.rewrite_memory_mib * 1024 * 1024)
+                .await?;
+            println!(
+                "rewrite {} -> {} key groups: {} keys, {} MiB read, {} MiB written, {} MiB spilled, {} buckets (largest {} MiB): scatter {}, assemble {}, commit {}",
+                args.max_parallelism,
+                groups,
+                rewrite.keys,
+                mib(rewrite.bytes_read) as u64,
+                mib(rewrite.bytes_written) as u64,
+                mib(rewrite.spill_bytes) as u64,
+                rewrite.buckets,
+                mib(rewrite.largest_bucket_bytes) as u64,
+                secs(Duration::from_secs_f64(rewrite.scatter_secs)),
+                secs(Duration::from_secs_f64(rewrite.assemble_secs)),
+                secs(Duration::from_secs_f64(rewrite.commit_secs)),
+            );
+            report
+        }
+        None => local.rescale(args.to).await?,
+    };
     Ok((report, build))
 }
 

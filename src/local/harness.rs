@@ -398,4 +398,85 @@ impl LocalJob {
             launch: report,
         })
     }
+
+    /// A key-group change as the orchestration runs it (the steps' I/O through the same
+    /// functions): savepoint -> verify -> stop -> rewrite to `groups` -> verify the rewrite ->
+    /// start `to` workers from it. For the benchmarks; no rollback (an error says where it
+    /// stopped; the original savepoint is intact).
+    pub async fn change_key_groups(
+        &mut self,
+        to: u32,
+        groups: u32,
+        memory: usize,
+    ) -> Result<(RescaleReport, crate::tools::RewriteReport), LocalError> {
+        let from = self.parallelism().unwrap_or(to);
+        let fail = |step, reason: String| LocalError::Rescale {
+            from,
+            to,
+            step,
+            reason,
+            outcome: "the original savepoint is intact".into(),
+        };
+        let t0 = Instant::now();
+        let mut steps = Vec::new();
+        let sp = self
+            .savepoint(true)
+            .await
+            .map_err(|e| fail("Savepointing", e.to_string()))?;
+        steps.push((Step::Savepointing, t0.elapsed()));
+        let t = Instant::now();
+        let (store, dir) = snapshot::open_store(&sp.url)?;
+        snapshot::verify(store.as_ref(), &dir)
+            .await
+            .map_err(|e| fail("Verifying", e.to_string()))?;
+        steps.push((Step::Verifying, t.elapsed()));
+        let t = Instant::now();
+        self.stop().await;
+        steps.push((Step::Stopping, t.elapsed()));
+        let t = Instant::now();
+        let (store, base) = snapshot::open_store(&self.storage)?;
+        let id = coordinator::next_snapshot_id(
+            store.as_ref(),
+            &snapshot::job_dir(&base, &self.namespace, &self.name),
+        )
+        .await?;
+        let target = coordinator::snapshot_url(
+            &self.storage,
+            &self.namespace,
+            &self.name,
+            SnapshotKind::Savepoint,
+            id,
+        );
+        let rewrite = run::rewrite_savepoint(&sp.url, &target, groups, to, memory, None)
+            .await
+            .map_err(|e| fail("Rewriting", e.to_string()))?
+            .ok_or_else(|| fail("Rewriting", format!("{target} already exists")))?;
+        steps.push((Step::Rewriting, t.elapsed()));
+        let t = Instant::now();
+        run::verify_rewrite(&sp.url, &target, groups, to)
+            .await
+            .map_err(|e| fail("VerifyingRewrite", e))?;
+        steps.push((Step::VerifyingRewrite, t.elapsed()));
+        let t = Instant::now();
+        self.max_parallelism = groups;
+        let report = self
+            .launch(to, Some(target.clone()))
+            .await
+            .map_err(|e| fail("Restoring", e.to_string()))?;
+        steps.push((Step::Restoring, t.elapsed()));
+        Ok((
+            RescaleReport {
+                from,
+                to,
+                savepoint: sp.url,
+                groups_moved: groups,
+                bytes_read: report.bytes_read(),
+                state_bytes: sp.manifest.stats.total_bytes,
+                pause: t0.elapsed(),
+                steps,
+                launch: report,
+            },
+            rewrite,
+        ))
+    }
 }

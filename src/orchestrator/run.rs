@@ -230,6 +230,57 @@ pub async fn latest_restorable(
     })
 }
 
+/// Rewrites savepoint `source` into `target` under `groups` key groups at `parallelism`, with
+/// `memory` bytes of budget and spill files in `spill` (the system temp directory if `None`):
+/// the Rewriting step of a key-group change. `Ok(None)`: the target had already committed (a
+/// restarted orchestrator; its verification follows anyway).
+pub async fn rewrite_savepoint(
+    source: &str,
+    target: &str,
+    groups: u32,
+    parallelism: u32,
+    memory: usize,
+    spill: Option<std::path::PathBuf>,
+) -> Result<Option<crate::tools::RewriteReport>, crate::tools::ToolError> {
+    let mut opts = crate::tools::RewriteOptions::new(groups);
+    opts.parallelism = Some(parallelism);
+    opts.memory_budget = memory;
+    opts.temp_dir = spill;
+    match crate::tools::rewrite::rewrite(source, target, opts).await {
+        Ok(report) => Ok(Some(report)),
+        Err(crate::tools::ToolError::TargetExists { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Verifies a rewritten savepoint down to every key and compares it with its source
+/// ([`check_rewrite`](super::ceiling::check_rewrite)): the VerifyingRewrite step. What was
+/// checked, or why it must not be restored.
+pub async fn verify_rewrite(
+    source: &str,
+    target: &str,
+    groups: u32,
+    parallelism: u32,
+) -> Result<String, String> {
+    let src = snapshot::open_snapshot(source)
+        .await
+        .map_err(|e| format!("reading the source savepoint: {e}"))?
+        .2;
+    let loc = crate::tools::open_location(target).map_err(|e| e.to_string())?;
+    let outcome = crate::tools::verify_snapshot(&loc)
+        .await
+        .map_err(|e| e.to_string())?;
+    if !outcome.ok() {
+        return Err(outcome.problems.join("; "));
+    }
+    let dst = snapshot::open_snapshot(target)
+        .await
+        .map_err(|e| e.to_string())?
+        .2;
+    let decoded: u64 = outcome.files.iter().map(|f| f.keys_checked).sum();
+    super::ceiling::check_rewrite(&src, &dst, groups, parallelism, decoded)
+}
+
 /// What a condition and an Event say about snapshots a resume passed over. Pure.
 pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Option<&str>) -> String {
     let names = skipped

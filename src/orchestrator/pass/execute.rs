@@ -6,33 +6,6 @@ use super::*;
 /// The least time before a rolled-back key-group change is tried again.
 const KEY_GROUP_CHANGE_RETRY: chrono::Duration = chrono::Duration::minutes(5);
 
-/// Verifies a rewritten savepoint down to every key and compares it with its source
-/// ([`ceiling::check_rewrite`](crate::orchestrator::ceiling::check_rewrite)).
-async fn verify_rewrite(
-    source: String,
-    target: String,
-    groups: u32,
-    parallelism: u32,
-) -> Result<String, String> {
-    let src = snapshot::open_snapshot(&source)
-        .await
-        .map_err(|e| format!("reading the source savepoint: {e}"))?
-        .2;
-    let loc = crate::tools::open_location(&target).map_err(|e| e.to_string())?;
-    let outcome = crate::tools::verify_snapshot(&loc)
-        .await
-        .map_err(|e| e.to_string())?;
-    if !outcome.ok() {
-        return Err(outcome.problems.join("; "));
-    }
-    let dst = snapshot::open_snapshot(&target)
-        .await
-        .map_err(|e| e.to_string())?
-        .2;
-    let decoded: u64 = outcome.files.iter().map(|f| f.keys_checked).sum();
-    crate::orchestrator::ceiling::check_rewrite(&src, &dst, groups, parallelism, decoded)
-}
-
 impl Pass<'_> {
     pub(super) async fn execute(&mut self, action: Action) -> Result<Duration, PassError> {
         let short = requeue::SOON;
@@ -221,23 +194,22 @@ impl Pass<'_> {
                 };
                 self.in_background(work, move |handle| {
                     Ended::Rewrite(handle.block_on(async {
-                        let mut opts = crate::tools::RewriteOptions::new(groups);
-                        opts.parallelism = Some(parallelism);
-                        opts.memory_budget = memory;
-                        opts.temp_dir = spill;
-                        match crate::tools::rewrite::rewrite(&source, &target, opts).await {
-                            Ok(report) => {
-                                if fault == Some(hooks::RewriteFault::CorruptOutput)
-                                    && let Err(e) = hooks::corrupt_snapshot(&target).await
-                                {
-                                    tracing::error!(%target, "could not corrupt it: {e}");
-                                }
-                                Ok(Some(report))
-                            }
-                            // Committed before the orchestrator restarted: verified next.
-                            Err(crate::tools::ToolError::TargetExists { .. }) => Ok(None),
-                            Err(e) => Err(e),
+                        let done = run::rewrite_savepoint(
+                            &source,
+                            &target,
+                            groups,
+                            parallelism,
+                            memory,
+                            spill,
+                        )
+                        .await;
+                        if matches!(done, Ok(Some(_)))
+                            && fault == Some(hooks::RewriteFault::CorruptOutput)
+                            && let Err(e) = hooks::corrupt_snapshot(&target).await
+                        {
+                            tracing::error!(%target, "could not corrupt it: {e}");
                         }
+                        done
                     }))
                 });
                 Ok(requeue::BACKGROUND_BACKSTOP)
@@ -260,9 +232,9 @@ impl Pass<'_> {
                     target: target.clone(),
                 };
                 self.in_background(work, move |handle| {
-                    Ended::VerifyRewrite(handle.block_on(verify_rewrite(
-                        source,
-                        target,
+                    Ended::VerifyRewrite(handle.block_on(run::verify_rewrite(
+                        &source,
+                        &target,
                         groups,
                         parallelism,
                     )))
