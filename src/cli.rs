@@ -337,6 +337,10 @@ pub struct PlanArgs {
     /// Output format.
     #[arg(long, short = 'o', value_enum, default_value_t = PlanOutput::Table)]
     pub output: PlanOutput,
+    /// The job's state size in MiB, if known: the table warns when the key-group count would
+    /// make tiny groups of it.
+    #[arg(long)]
+    pub state_mib: Option<u64>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -593,13 +597,15 @@ pub fn plan(args: &PlanArgs) -> Result<String, CliError> {
             Ok(plan_json(&to, defaulted, &skew, rescale.as_ref()).to_string() + "\n")
         }
         PlanOutput::Yaml => Ok(yaml(&plan_json(&to, defaulted, &skew, rescale.as_ref()))?),
-        PlanOutput::Table => Ok(plan_table(
-            &to,
-            defaulted,
-            default_base,
-            &skew,
-            rescale.as_ref(),
-        )),
+        PlanOutput::Table => {
+            let mut table = plan_table(&to, defaulted, default_base, &skew, rescale.as_ref());
+            if let Some(note) = args.state_mib.and_then(|m| {
+                keygroup::tiny_groups(to.max_parallelism(), m.saturating_mul(1 << 20))
+            }) {
+                table.push_str(&format!("\nnote: {note}\n"));
+            }
+            Ok(table)
+        }
         PlanOutput::Svg => Ok(crate::plan_svg::plan_svg(
             &to,
             from.as_ref().zip(rescale.as_ref()),
@@ -808,7 +814,22 @@ mod tests {
             max_parallelism: g,
             from_parallelism: from,
             output,
+            state_mib: None,
         }
+    }
+
+    #[test]
+    fn plan_warns_of_tiny_groups_when_the_state_size_is_given() {
+        let mut a = args(200, Some(1024), None, PlanOutput::Table);
+        assert!(!plan(&a).unwrap().contains("tiny groups"));
+        a.state_mib = Some(16);
+        let t = plan(&a).unwrap();
+        assert!(
+            t.contains("note: 1024 key groups over 16777216 bytes of state make tiny groups"),
+            "{t}"
+        );
+        a.state_mib = Some(1024);
+        assert!(!plan(&a).unwrap().contains("tiny groups"));
     }
 
     #[test]
@@ -931,6 +952,13 @@ mod tests {
             e.to_string().contains("ceiling (max parallelism) 128"),
             "{e}"
         );
+        // ... naming the managed change and the suggested count.
+        assert!(
+            e.to_string()
+                .contains("set spec.maxParallelism to the new count together with replicas"),
+            "{e}"
+        );
+        assert!(e.to_string().contains("e.g. 1024"), "{e}");
     }
 
     #[test]

@@ -31,7 +31,7 @@ pub enum BoundsError {
     )]
     MaxParallelismTooLarge(i64),
     #[error(
-        "parallelism {parallelism} exceeds the key-group ceiling (max parallelism) {max_parallelism}: lower the parallelism to at most {max_parallelism}, or use a larger max parallelism (once a job has a snapshot its ceiling is fixed; raise it offline with `keyshift savepoint rewrite`)"
+        "parallelism {parallelism} exceeds the key-group ceiling (max parallelism) {max_parallelism}: lower the parallelism to at most {max_parallelism}, or use a larger max parallelism (for a job with state, set spec.maxParallelism to the new count together with replicas: keyshift rewrites the job's state to it; a power of two at least 4x the parallelism, e.g. {}, is suggested)", suggested_max_parallelism(u32::try_from(*parallelism).unwrap_or(u32::MAX))
     )]
     ParallelismAboveCeiling {
         parallelism: i64,

@@ -958,6 +958,7 @@ fn extra_volumes_env_pull_secrets_annotations_and_probes_reach_the_pod() {
             spec["volumes"],
             json!([
                 {"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}},
+                {"name": "rewrite-spill", "emptyDir": {}},
                 {"name": "ca", "configMap": {"name": "keyshift-ca"}},
             ])
         );
@@ -966,8 +967,22 @@ fn extra_volumes_env_pull_secrets_annotations_and_probes_reach_the_pod() {
             c["volumeMounts"],
             json!([
                 {"name": "tmp", "mountPath": "/tmp"},
+                {"name": "rewrite-spill", "mountPath": "/var/lib/keyshift/rewrite"},
                 {"name": "ca", "mountPath": "/etc/keyshift-ca", "readOnly": true},
             ])
+        );
+        // The rewrite of a key-group change: its budget and spill directory.
+        assert_eq!(env(&docs, "KEYSHIFT_REWRITE_MEMORY")["value"], "64Mi");
+        assert_eq!(
+            env(&docs, "KEYSHIFT_REWRITE_SPILL_DIR")["value"],
+            "/var/lib/keyshift/rewrite"
+        );
+        let limited = render_ok(helm, &["--set", "rewrite.spillSizeLimit=20Gi"]);
+        let volumes = &one(&limited, "Deployment")["spec"]["template"]["spec"]["volumes"];
+        assert!(
+            volumes.as_array().is_some_and(|v| v
+                .contains(&json!({"name": "rewrite-spill", "emptyDir": {"sizeLimit": "20Gi"}}))),
+            "{volumes}"
         );
         assert_eq!(
             env(&docs, "SSL_CERT_FILE")["value"],

@@ -1236,7 +1236,10 @@ mod tests {
                     ),
                     "{message}"
                 );
-                assert!(message.contains("the original savepoint is kept"), "{message}");
+                assert!(
+                    message.contains("the original savepoint is kept"),
+                    "{message}"
+                );
                 assert!(!message.contains("Note:"), "no state size known: {message}");
             }
             a => panic!("{a:?}"),
@@ -1670,14 +1673,22 @@ mod tests {
         s.replicas = 24;
         assert!(matches!(
             decide(&s, &status(), &obs(running.clone(), Some(("r", 24)))),
-            Action::BeginKeyGroupChange { from: 24, to: 24, groups: 1024, .. }
+            Action::BeginKeyGroupChange {
+                from: 24,
+                to: 24,
+                groups: 1024,
+                ..
+            }
         ));
         // Not while a spec.restoreFrom is pending: that restore sets the count.
         let mut o = obs(running, Some(("r", 24)));
         o.pending_restore = pending("file:///s/other", 1024);
         assert!(matches!(
             decide(&s, &status(), &o),
-            Action::BeginRestore { max_parallelism: 1024, .. }
+            Action::BeginRestore {
+                max_parallelism: 1024,
+                ..
+            }
         ));
         // A stopped job: its newest snapshot is rewritten before anything runs.
         assert_eq!(
@@ -1717,7 +1728,11 @@ mod tests {
         };
         assert!(matches!(
             decide(&s, &st, &obs(running, Some(("r", 200)))),
-            Action::BeginKeyGroupChange { groups: 128, running: true, .. }
+            Action::BeginKeyGroupChange {
+                groups: 128,
+                running: true,
+                ..
+            }
         ));
     }
 
