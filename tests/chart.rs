@@ -1032,10 +1032,10 @@ fn extra_volumes_env_pull_secrets_annotations_and_probes_reach_the_pod() {
         assert_eq!(labels["app.kubernetes.io/instance"], RELEASE);
         assert_eq!(labels["x"], "y");
 
-        // Defaults: nothing extra.
+        // Defaults: nothing extra (/tmp and the rewrite spill directory).
         let docs = defaults(helm);
         let spec = &one(&docs, "Deployment")["spec"]["template"]["spec"];
-        assert_eq!(spec["volumes"].as_array().map(Vec::len), Some(1));
+        assert_eq!(spec["volumes"].as_array().map(Vec::len), Some(2));
         assert!(spec.get("imagePullSecrets").is_none());
         assert!(container(&docs).get("envFrom").is_none());
     });
