@@ -1024,6 +1024,8 @@ async fn source_loop(
     let rate = match &compiled.source {
         job::SourceKind::Generator(g) => g.records_per_second(),
         job::SourceKind::File(_) => None,
+        #[cfg(feature = "kafka")]
+        job::SourceKind::Kafka(_) => None,
     };
     let paced_from: BTreeMap<u32, u64> = pos.clone();
     let t0 = Instant::now();
