@@ -178,7 +178,7 @@ pub enum UpgradeMode {
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct JobSpec {
-    /// The partitioned, replayable source. Set exactly one of `generator` or `file`.
+    /// The partitioned, replayable source. Set exactly one of `generator`, `file` or `kafka`.
     pub source: SourceSpec,
     /// The record field to key by, and how it is hashed.
     pub key: KeySpec,
@@ -204,6 +204,174 @@ pub struct SourceSpec {
     /// a byte offset.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub file: Option<FileSource>,
+    /// Apache Kafka topics: every topic-partition is a source partition, read by exactly one
+    /// subtask; the position is the partition's next offset, kept in the job's snapshots (never
+    /// in a consumer group).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kafka: Option<KafkaSource>,
+}
+
+/// A Kafka source: the topics a job reads, where a job without state starts, and how records
+/// become keyed, timestamped records.
+///
+/// Partitions are assigned to subtasks deterministically (by topic and partition number, as
+/// Flink's Kafka source does), read with manual assignment and seeked to the offsets of the
+/// snapshot a job restores, so a rescale or recovery resumes each partition exactly where the
+/// snapshot cut it. Partitions added to a topic while the job runs are found by a periodic
+/// metadata refresh (metadataRefreshInterval) and read from their earliest offset, so none of
+/// their records is skipped.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaSource {
+    /// Comma-separated `host:port` list of brokers to bootstrap from (librdkafka's
+    /// `bootstrap.servers`), e.g. `kafka-0.kafka:9092,kafka-1.kafka:9092`.
+    pub bootstrap_servers: String,
+    /// The topics to read (at least one, at most 64). Each must exist when the job starts.
+    pub topics: Vec<String>,
+    /// Where the key comes from: `value` (default: the JSON field spec.job.key.field of the
+    /// record's value) or `recordKey` (the Kafka record key, as UTF-8 text: taken as is for
+    /// key type `string`, parsed as a decimal number for `long` and `int`). Either way it is
+    /// hashed by spec.job.key.type exactly as the other sources' keys.
+    #[serde(default)]
+    pub key_from: KafkaKeyFrom,
+    /// The JSON field of the record's value holding the event time (milliseconds since the
+    /// epoch). Unset: the Kafka record's timestamp (CreateTime or LogAppendTime, as the topic
+    /// keeps it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timestamp_field: Option<String>,
+    /// Where a job without state (its first start, or an upgrade with upgradeMode `stateless`)
+    /// starts reading each partition: `earliest` (default), `latest` (only records produced
+    /// after the start) or `timestamp` (the first record at or after startingTimestamp). A job
+    /// restoring a snapshot always resumes from the snapshot's offsets.
+    #[serde(default)]
+    pub starting_position: KafkaStartingPosition,
+    /// Milliseconds since the epoch; required with startingPosition `timestamp`. A partition
+    /// with no record at or after it starts at its end.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub starting_timestamp: Option<i64>,
+    /// Consumer group the job commits its offsets to after each completed checkpoint, for lag
+    /// tools (`kafka-consumer-groups.sh --describe`). The job never reads offsets from it:
+    /// restores use the snapshot. Default `keyshift.<namespace>.<job name>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub group_id: Option<String>,
+    /// How long a partition may go without a record before it stops holding the watermark
+    /// back, as a duration such as `30s` (default) or `5m`. An idle partition's next record
+    /// makes it count again. Only matters with a window.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub idle_timeout: Option<String>,
+    /// How often the source asks the brokers for the topics' partitions, to pick up partitions
+    /// added while the job runs, as a duration. Default `5m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata_refresh_interval: Option<String>,
+    /// Further librdkafka consumer properties (e.g. `fetch.max.bytes`, `client.rack`,
+    /// `security.protocol`, `ssl.endpoint.identification.algorithm`), applied after the
+    /// operator's own. Refused: the ones keyshift sets itself (`bootstrap.servers`, `group.id`,
+    /// `enable.auto.commit`, `enable.auto.offset.store`, `enable.partition.eof`) and secrets
+    /// (`sasl.password`, `ssl.key.password`, `ssl.key.pem`, `sasl.oauthbearer.client.secret`):
+    /// put those in the credentials Secret. Default isolation: `isolation.level:
+    /// read_committed`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub properties: BTreeMap<String, String>,
+    /// TLS and SASL credentials from a Secret in the job's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<KafkaCredentials>,
+}
+
+/// Where a Kafka record's key comes from.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum KafkaKeyFrom {
+    /// The JSON field spec.job.key.field of the record's value.
+    #[default]
+    Value,
+    /// The Kafka record key (UTF-8 text).
+    RecordKey,
+}
+
+/// Where a Kafka source without state starts reading.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum KafkaStartingPosition {
+    /// The earliest offset each partition still holds.
+    #[default]
+    Earliest,
+    /// The end of each partition at the start: only newer records are read.
+    Latest,
+    /// The first offset whose timestamp is at or after startingTimestamp.
+    Timestamp,
+}
+
+/// Kafka TLS and SASL credentials, read from a Secret in the job's namespace. The worker pods
+/// get the Secret's keys as environment variables (never the whole Secret). With `sasl` and
+/// `tls` the client speaks `SASL_SSL`, with `sasl` alone `SASL_PLAINTEXT`, with `tls` alone
+/// `SSL` (properties may override `security.protocol`).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaCredentials {
+    /// Name of the Secret (in the job's namespace) holding the keys below.
+    pub secret_name: String,
+    /// SASL authentication (username and password from the Secret).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sasl: Option<KafkaSasl>,
+    /// TLS: a CA bundle to trust and optionally a client certificate and key, as PEM, from the
+    /// Secret.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tls: Option<KafkaTls>,
+}
+
+/// SASL credentials.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaSasl {
+    /// `PLAIN`, `SCRAM-SHA-256` (default) or `SCRAM-SHA-512`.
+    #[serde(default)]
+    pub mechanism: KafkaSaslMechanism,
+    /// Key of the Secret holding the username. Default `username`.
+    #[serde(default = "default_username_key")]
+    pub username_key: String,
+    /// Key of the Secret holding the password. Default `password`.
+    #[serde(default = "default_password_key")]
+    pub password_key: String,
+}
+
+fn default_username_key() -> String {
+    "username".into()
+}
+
+fn default_password_key() -> String {
+    "password".into()
+}
+
+/// A SASL mechanism librdkafka supports without Kerberos.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum KafkaSaslMechanism {
+    /// Username and password in clear (use it with TLS).
+    #[serde(rename = "PLAIN")]
+    Plain,
+    /// Salted challenge-response with SHA-256.
+    #[default]
+    #[serde(rename = "SCRAM-SHA-256")]
+    ScramSha256,
+    /// Salted challenge-response with SHA-512.
+    #[serde(rename = "SCRAM-SHA-512")]
+    ScramSha512,
+}
+
+/// TLS material (PEM) from the credentials Secret.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaTls {
+    /// Key of the Secret holding the CA certificates to trust (PEM). Unset: the system's
+    /// trust store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ca_key: Option<String>,
+    /// Key of the Secret holding the client certificate (PEM), for mutual TLS; set keyKey too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cert_key: Option<String>,
+    /// Key of the Secret holding the client certificate's private key (PEM), for mutual TLS;
+    /// set certKey too.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key_key: Option<String>,
 }
 
 /// A deterministic record generator. Each record has the fields `key`, `value` (an integer) and
@@ -319,13 +487,62 @@ pub struct WindowSpec {
 #[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct SinkSpec {
-    /// `log` (default: results printed to the worker's log) or `objectStore` (files under `url`,
-    /// visible only once the checkpoint covering them completes: exactly once).
+    /// `log` (default: results printed to the worker's log), `objectStore` (files under `url`,
+    /// visible only once the checkpoint covering them completes: exactly once) or `kafka`
+    /// (records of the topic in `kafka`).
     #[serde(default, rename = "type")]
     pub sink_type: SinkType,
     /// Object store URL results are written under (for `objectStore`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
+    /// The Kafka topic results are written to (for `kafka`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kafka: Option<KafkaSink>,
+}
+
+/// A Kafka sink: results as records of one topic, keyed by the result's key, with JSON values
+/// in the object-store sink's shape.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct KafkaSink {
+    /// Comma-separated `host:port` list of brokers to bootstrap from (librdkafka's
+    /// `bootstrap.servers`).
+    pub bootstrap_servers: String,
+    /// The topic to write to. It must exist; records go to partitions by librdkafka's default
+    /// partitioner on the record key (murmur2, as the Java client), so one key's results stay
+    /// in order in one partition.
+    pub topic: String,
+    /// `exactlyOnce` (default): results are written in Kafka transactions tied to checkpoints,
+    /// visible to `read_committed` consumers only once the checkpoint that covers them
+    /// completes. `atLeastOnce`: written at once without transactions (cheaper, lower latency);
+    /// after a failure, results since the last checkpoint are written again.
+    #[serde(default)]
+    pub delivery_guarantee: KafkaDeliveryGuarantee,
+    /// Prefix of the transactional ids (exactlyOnce). Default `keyshift.<namespace>.<job
+    /// name>`; every writer appends its own suffix. Two jobs must never share it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transactional_id_prefix: Option<String>,
+    /// Further librdkafka producer properties (e.g. `compression.type`, `linger.ms`,
+    /// `security.protocol`), applied after the operator's own. Refused: the ones keyshift sets
+    /// itself (`bootstrap.servers`, `transactional.id`, `enable.idempotence`) and secrets
+    /// (`sasl.password`, `ssl.key.password`, `ssl.key.pem`, `sasl.oauthbearer.client.secret`):
+    /// put those in the credentials Secret.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub properties: BTreeMap<String, String>,
+    /// TLS and SASL credentials from a Secret in the job's namespace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub credentials: Option<KafkaCredentials>,
+}
+
+/// What a Kafka sink guarantees.
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub enum KafkaDeliveryGuarantee {
+    /// Transactions committed with checkpoints: every result exactly once.
+    #[default]
+    ExactlyOnce,
+    /// No transactions: every result at least once.
+    AtLeastOnce,
 }
 
 /// A kind of sink.
@@ -337,6 +554,8 @@ pub enum SinkType {
     Log,
     /// Write results to an object store, committed with checkpoints.
     ObjectStore,
+    /// Write results to a Kafka topic (see `kafka`).
+    Kafka,
 }
 
 /// Where and how often state is snapshotted.
@@ -684,6 +903,11 @@ pub struct SnapshotRef {
     /// Total bytes of state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<i64>,
+    /// Source partitions the snapshot holds positions for, when the source lists them at run
+    /// time (the files of a file source, the topic-partitions of a Kafka source as the brokers
+    /// reported them): the partition count behind AllSubtasksHavePartitions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_partitions: Option<i32>,
 }
 
 /// Progress of a rescale or stateful upgrade.

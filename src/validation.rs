@@ -41,7 +41,47 @@ pub const MSG_RESTORE_TIMEOUT: &str = "spec.state.restoreTimeout must be a durat
 pub const RESTORE_TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
     Duration::from_secs(30)..=Duration::from_secs(24 * 3600);
 pub const MSG_RETAINED: &str = "spec.state.retainedCheckpoints must be at least 1: the newest completed checkpoint is always kept";
-pub const MSG_SOURCE_ONE_OF: &str = "spec.job.source must set exactly one of generator or file";
+pub const MSG_SOURCE_ONE_OF: &str =
+    "spec.job.source must set exactly one of generator, file or kafka";
+pub const MSG_KAFKA_SOURCE_BOOTSTRAP: &str = "spec.job.source.kafka.bootstrapServers must be a comma-separated list of host:port, such as kafka-0.kafka:9092,kafka-1.kafka:9092";
+pub const MSG_KAFKA_SOURCE_TOPICS: &str = "spec.job.source.kafka.topics must list 1 to 64 topic names, each of 1-249 letters, digits, '.', '_' or '-'";
+pub const MSG_KAFKA_STARTING_TIMESTAMP: &str = "spec.job.source.kafka.startingTimestamp (milliseconds since the epoch, at least 0) is required when startingPosition is timestamp";
+pub const MSG_KAFKA_IDLE_TIMEOUT: &str =
+    "spec.job.source.kafka.idleTimeout must be a duration such as 30s or 5m (units: ms, s, m, h)";
+pub const MSG_KAFKA_REFRESH: &str = "spec.job.source.kafka.metadataRefreshInterval must be a duration of at least 1s, such as 5m (units: ms, s, m, h)";
+pub const MSG_KAFKA_SOURCE_PROPERTIES: &str = "spec.job.source.kafka.properties must not set bootstrap.servers, group.id, enable.auto.commit, enable.auto.offset.store, enable.partition.eof (keyshift sets them: use bootstrapServers and groupId) nor secrets (sasl.password, ssl.key.password, ssl.key.pem, sasl.oauthbearer.client.secret: put them in the credentials Secret)";
+pub const MSG_KAFKA_SOURCE_CREDENTIALS: &str = "spec.job.source.kafka.credentials must name a Secret (secretName) and set sasl, tls or both; tls.certKey and tls.keyKey go together (mutual TLS needs both)";
+pub const MSG_KAFKA_SINK_REQUIRED: &str = "spec.job.sink.kafka is required when spec.job.sink.type is kafka (and only then): give bootstrapServers and topic, or choose another sink type";
+pub const MSG_KAFKA_SINK_BOOTSTRAP: &str = "spec.job.sink.kafka.bootstrapServers must be a comma-separated list of host:port, such as kafka-0.kafka:9092,kafka-1.kafka:9092";
+pub const MSG_KAFKA_SINK_TOPIC: &str =
+    "spec.job.sink.kafka.topic must be a topic name of 1-249 letters, digits, '.', '_' or '-'";
+pub const MSG_KAFKA_SINK_PROPERTIES: &str = "spec.job.sink.kafka.properties must not set bootstrap.servers, transactional.id, enable.idempotence (keyshift sets them: use bootstrapServers, transactionalIdPrefix and deliveryGuarantee) nor secrets (sasl.password, ssl.key.password, ssl.key.pem, sasl.oauthbearer.client.secret: put them in the credentials Secret)";
+pub const MSG_KAFKA_SINK_CREDENTIALS: &str = "spec.job.sink.kafka.credentials must name a Secret (secretName) and set sasl, tls or both; tls.certKey and tls.keyKey go together (mutual TLS needs both)";
+/// Properties neither Kafka client may take from spec.job.*.kafka.properties: secrets.
+pub const KAFKA_SECRET_PROPERTIES: &[&str] = &[
+    "sasl.password",
+    "ssl.key.password",
+    "ssl.key.pem",
+    "sasl.oauthbearer.client.secret",
+];
+/// Consumer properties the Kafka source sets itself.
+pub const KAFKA_SOURCE_RESERVED: &[&str] = &[
+    "bootstrap.servers",
+    "group.id",
+    "enable.auto.commit",
+    "enable.auto.offset.store",
+    "enable.partition.eof",
+];
+/// Producer properties the Kafka sink sets itself.
+pub const KAFKA_SINK_RESERVED: &[&str] = &[
+    "bootstrap.servers",
+    "transactional.id",
+    "enable.idempotence",
+];
+const KAFKA_BOOTSTRAP_RE: &str = "^[^, ]+:[0-9]{1,5}(,[^, ]+:[0-9]{1,5})*$";
+const KAFKA_TOPIC_RE: &str = "^[a-zA-Z0-9._-]{1,249}$";
+/// At most this many topics per Kafka source.
+pub const MAX_KAFKA_TOPICS: usize = 64;
 pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum, min and max: name the numeric record field to aggregate";
 pub const MSG_PARTITIONS: &str = "spec.job.source.generator.partitions must be between 1 and 65536";
 pub const MSG_KEYS: &str = "spec.job.source.generator.keys must be between 1 and 1000000000000";
@@ -271,8 +311,86 @@ fn rules() -> Vec<CelRule> {
         ),
         r(
             &["spec", "job", "source"],
-            "has(self.generator) != has(self.file)",
+            "(has(self.generator) ? 1 : 0) + (has(self.file) ? 1 : 0) + (has(self.kafka) ? 1 : 0) == 1",
             MSG_SOURCE_ONE_OF,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "kafka", "bootstrapServers"],
+            &format!("self.matches('{KAFKA_BOOTSTRAP_RE}')"),
+            MSG_KAFKA_SOURCE_BOOTSTRAP,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "kafka", "topics"],
+            &format!("size(self) >= 1 && self.all(t, t.matches('{KAFKA_TOPIC_RE}'))"),
+            MSG_KAFKA_SOURCE_TOPICS,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "kafka"],
+            "!has(self.startingPosition) || self.startingPosition != 'timestamp' || (has(self.startingTimestamp) && self.startingTimestamp >= 0)",
+            MSG_KAFKA_STARTING_TIMESTAMP,
+            Some(".startingTimestamp"),
+        ),
+        r(
+            &["spec", "job", "source", "kafka", "idleTimeout"],
+            &format!("self.matches('{DURATION_RE}')"),
+            MSG_KAFKA_IDLE_TIMEOUT,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "kafka", "metadataRefreshInterval"],
+            &format!("self.matches('{DURATION_RE}') && duration(self) >= duration('1s')"),
+            MSG_KAFKA_REFRESH,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "kafka", "properties"],
+            &format!(
+                "self.all(k, !(k in [{}]))",
+                cel_list(&[KAFKA_SOURCE_RESERVED, KAFKA_SECRET_PROPERTIES])
+            ),
+            MSG_KAFKA_SOURCE_PROPERTIES,
+            None,
+        ),
+        r(
+            &["spec", "job", "source", "kafka", "credentials"],
+            KAFKA_CREDENTIALS_RULE,
+            MSG_KAFKA_SOURCE_CREDENTIALS,
+            None,
+        ),
+        r(
+            &["spec", "job", "sink"],
+            "(has(self.type) && self.type == 'kafka') == has(self.kafka)",
+            MSG_KAFKA_SINK_REQUIRED,
+            Some(".kafka"),
+        ),
+        r(
+            &["spec", "job", "sink", "kafka", "bootstrapServers"],
+            &format!("self.matches('{KAFKA_BOOTSTRAP_RE}')"),
+            MSG_KAFKA_SINK_BOOTSTRAP,
+            None,
+        ),
+        r(
+            &["spec", "job", "sink", "kafka", "topic"],
+            &format!("self.matches('{KAFKA_TOPIC_RE}')"),
+            MSG_KAFKA_SINK_TOPIC,
+            None,
+        ),
+        r(
+            &["spec", "job", "sink", "kafka", "properties"],
+            &format!(
+                "self.all(k, !(k in [{}]))",
+                cel_list(&[KAFKA_SINK_RESERVED, KAFKA_SECRET_PROPERTIES])
+            ),
+            MSG_KAFKA_SINK_PROPERTIES,
+            None,
+        ),
+        r(
+            &["spec", "job", "sink", "kafka", "credentials"],
+            KAFKA_CREDENTIALS_RULE,
+            MSG_KAFKA_SINK_CREDENTIALS,
             None,
         ),
         r(
@@ -339,6 +457,18 @@ fn rules() -> Vec<CelRule> {
     ]
 }
 
+/// A CEL list literal of the names.
+fn cel_list(lists: &[&[&str]]) -> String {
+    lists
+        .iter()
+        .flat_map(|l| l.iter())
+        .map(|n| format!("'{n}'"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+const KAFKA_CREDENTIALS_RULE: &str = "size(self.secretName) > 0 && (has(self.sasl) || has(self.tls)) && (!has(self.tls) || has(self.tls.certKey) == has(self.tls.keyKey))";
+
 /// String fields that CEL rules read get a length bound, so the API server's cost estimate of a
 /// regex match stays within budget.
 const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
@@ -350,6 +480,33 @@ const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["spec", "state", "restoreTimeout"], 64),
     (&["spec", "job", "window", "size"], 64),
     (&["spec", "job", "window", "maxOutOfOrderness"], 64),
+    (
+        &["spec", "job", "source", "kafka", "bootstrapServers"],
+        4096,
+    ),
+    (&["spec", "job", "source", "kafka", "topics", "[]"], 249),
+    (&["spec", "job", "source", "kafka", "idleTimeout"], 64),
+    (
+        &["spec", "job", "source", "kafka", "metadataRefreshInterval"],
+        64,
+    ),
+    (
+        &[
+            "spec",
+            "job",
+            "source",
+            "kafka",
+            "credentials",
+            "secretName",
+        ],
+        253,
+    ),
+    (&["spec", "job", "sink", "kafka", "bootstrapServers"], 4096),
+    (&["spec", "job", "sink", "kafka", "topic"], 249),
+    (
+        &["spec", "job", "sink", "kafka", "credentials", "secretName"],
+        253,
+    ),
     // Read by the pinned-ceiling rule's message expression.
     (&["status", "maxParallelismOrigin"], 512),
     (&["status", "lastSavepoint", "path"], 2048),
@@ -370,6 +527,16 @@ const BOUNDED_LISTS: &[(&[&str], i64)] = &[
     (&["spec", "podTemplate", "volumes"], 64),
     (&["spec", "podTemplate", "volumeMounts"], 64),
     (&["spec", "podTemplate", "env"], 128),
+    (
+        &["spec", "job", "source", "kafka", "topics"],
+        MAX_KAFKA_TOPICS as i64,
+    ),
+];
+
+/// Maps that CEL rules iterate get a property bound, for the same reason.
+const BOUNDED_MAPS: &[(&[&str], i64)] = &[
+    (&["spec", "job", "source", "kafka", "properties"], 256),
+    (&["spec", "job", "sink", "kafka", "properties"], 256),
 ];
 
 /// Where the key-group ceiling of a job's state came from, for status.maxParallelismOrigin.
@@ -589,6 +756,7 @@ pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
     };
     set(BOUNDED_STRINGS, |n| &mut n.max_length);
     set(BOUNDED_LISTS, |n| &mut n.max_items);
+    set(BOUNDED_MAPS, |n| &mut n.max_properties);
 }
 
 fn bound(path: &[&str], table: &[(&[&str], i64)]) -> usize {
@@ -847,8 +1015,22 @@ fn job_rules(job: &JobSpec, fail: &mut impl FnMut(&str)) {
         }
     }
     let source = &job.source;
-    if source.generator.is_some() == source.file.is_some() {
+    let kinds = [
+        source.generator.is_some(),
+        source.file.is_some(),
+        source.kafka.is_some(),
+    ];
+    if kinds.iter().filter(|k| **k).count() != 1 {
         fail(MSG_SOURCE_ONE_OF);
+    }
+    if let Some(k) = &source.kafka {
+        kafka_source_rules(k, fail);
+    }
+    if (job.sink.sink_type == crate::crd::SinkType::Kafka) != job.sink.kafka.is_some() {
+        fail(MSG_KAFKA_SINK_REQUIRED);
+    }
+    if let Some(k) = &job.sink.kafka {
+        kafka_sink_rules(k, fail);
     }
     if let Some(g) = &source.generator {
         if !(1..=MAX_GENERATOR_PARTITIONS).contains(&g.partitions) {
@@ -866,6 +1048,102 @@ fn job_rules(job: &JobSpec, fail: &mut impl FnMut(&str)) {
     }
     if job.sink.sink_type == crate::crd::SinkType::ObjectStore && job.sink.url.is_none() {
         fail(MSG_SINK_URL);
+    }
+}
+
+/// The CEL rules' bootstrap list: `host:port[,host:port...]`, no spaces.
+fn valid_bootstrap(text: &str) -> bool {
+    text.len() <= 4096
+        && !text.is_empty()
+        && text.split(',').all(|server| {
+            server.rsplit_once(':').is_some_and(|(host, port)| {
+                !host.is_empty()
+                    && !host.contains(' ')
+                    && (1..=5).contains(&port.len())
+                    && port.bytes().all(|b| b.is_ascii_digit())
+            })
+        })
+}
+
+/// A legal Kafka topic name.
+pub fn valid_topic(name: &str) -> bool {
+    (1..=249).contains(&name.len())
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+fn valid_credentials(c: &crate::crd::KafkaCredentials) -> bool {
+    !c.secret_name.is_empty()
+        && c.secret_name.len() <= 253
+        && (c.sasl.is_some() || c.tls.is_some())
+        && c.tls
+            .as_ref()
+            .is_none_or(|t| t.cert_key.is_some() == t.key_key.is_some())
+}
+
+fn reserved_property(
+    properties: &std::collections::BTreeMap<String, String>,
+    reserved: &[&str],
+) -> bool {
+    properties.len() > 256
+        || properties.keys().any(|k| {
+            reserved.contains(&k.as_str()) || KAFKA_SECRET_PROPERTIES.contains(&k.as_str())
+        })
+}
+
+fn kafka_source_rules(k: &crate::crd::KafkaSource, fail: &mut impl FnMut(&str)) {
+    use crate::crd::KafkaStartingPosition;
+    if !valid_bootstrap(&k.bootstrap_servers) {
+        fail(MSG_KAFKA_SOURCE_BOOTSTRAP);
+    }
+    if k.topics.is_empty()
+        || k.topics.len() > MAX_KAFKA_TOPICS
+        || !k.topics.iter().all(|t| valid_topic(t))
+    {
+        fail(MSG_KAFKA_SOURCE_TOPICS);
+    }
+    if k.starting_position == KafkaStartingPosition::Timestamp
+        && k.starting_timestamp.is_none_or(|t| t < 0)
+    {
+        fail(MSG_KAFKA_STARTING_TIMESTAMP);
+    }
+    if let Some(t) = &k.idle_timeout
+        && (t.len() > 64 || parse_duration(t).is_none())
+    {
+        fail(MSG_KAFKA_IDLE_TIMEOUT);
+    }
+    if let Some(t) = &k.metadata_refresh_interval
+        && (t.len() > 64 || parse_duration(t).is_none_or(|d| d < Duration::from_secs(1)))
+    {
+        fail(MSG_KAFKA_REFRESH);
+    }
+    if reserved_property(&k.properties, KAFKA_SOURCE_RESERVED) {
+        fail(MSG_KAFKA_SOURCE_PROPERTIES);
+    }
+    if k.credentials
+        .as_ref()
+        .is_some_and(|c| !valid_credentials(c))
+    {
+        fail(MSG_KAFKA_SOURCE_CREDENTIALS);
+    }
+}
+
+fn kafka_sink_rules(k: &crate::crd::KafkaSink, fail: &mut impl FnMut(&str)) {
+    if !valid_bootstrap(&k.bootstrap_servers) {
+        fail(MSG_KAFKA_SINK_BOOTSTRAP);
+    }
+    if !valid_topic(&k.topic) {
+        fail(MSG_KAFKA_SINK_TOPIC);
+    }
+    if reserved_property(&k.properties, KAFKA_SINK_RESERVED) {
+        fail(MSG_KAFKA_SINK_PROPERTIES);
+    }
+    if k.credentials
+        .as_ref()
+        .is_some_and(|c| !valid_credentials(c))
+    {
+        fail(MSG_KAFKA_SINK_CREDENTIALS);
     }
 }
 
@@ -888,6 +1166,8 @@ pub struct Analysis {
     pub skew: Skew,
     /// Subtasks that will read no source partition (they still own key groups).
     pub idle_subtasks: u32,
+    /// The source's partition count, when known (see [`snapshot_partitions`]).
+    pub source_partitions: Option<u32>,
 }
 
 /// Problems only visible with the derived key-group count; each becomes a Stalled condition.
@@ -911,6 +1191,17 @@ pub enum AnalysisError {
     },
     #[error("{0}")]
     Bounds(#[from] BoundsError),
+}
+
+/// The partition count recorded with the newest of the job's latest checkpoint and savepoint,
+/// if it recorded one ([`crate::crd::SnapshotRef::source_partitions`]).
+pub fn snapshot_partitions(status: &StreamJobStatus) -> Option<u32> {
+    [&status.last_checkpoint, &status.last_savepoint]
+        .into_iter()
+        .flatten()
+        .max_by_key(|s| s.id)
+        .and_then(|s| s.source_partitions)
+        .and_then(|n| u32::try_from(n).ok())
 }
 
 /// Resolves the key-group count and checks what CEL cannot: the derived default ceiling, Strict
@@ -960,14 +1251,18 @@ pub fn analyse(
             summary: skew.summary(),
         });
     }
+    // The generator's partitions are its spec's; a file or Kafka source's are what its latest
+    // snapshot listed (the brokers' metadata for Kafka), unknown before the first one.
     let partitions = spec
         .job
         .source
         .generator
         .as_ref()
-        .map(|g| g.partitions.max(0) as u32);
+        .map(|g| g.partitions.max(0) as u32)
+        .or_else(|| status.and_then(snapshot_partitions));
     let idle_subtasks = partitions.map_or(0, |n| assignment.parallelism().saturating_sub(n));
     Ok(Analysis {
+        source_partitions: partitions,
         assignment,
         ceiling_source,
         skew,
@@ -1116,5 +1411,172 @@ mod tests {
                 MSG_SINK_URL
             ]
         );
+    }
+
+    fn kafka_job() -> JobSpec {
+        let mut spec = job().spec.job;
+        spec.source.generator = None;
+        spec.source.kafka = Some(crate::crd::KafkaSource {
+            bootstrap_servers: "kafka-0.kafka:9092,10.0.0.1:9093".into(),
+            topics: vec!["orders".into(), "orders.v2_eu-1".into()],
+            key_from: Default::default(),
+            timestamp_field: None,
+            starting_position: Default::default(),
+            starting_timestamp: None,
+            group_id: None,
+            idle_timeout: Some("30s".into()),
+            metadata_refresh_interval: Some("1m".into()),
+            properties: [("fetch.max.bytes".to_owned(), "1048576".to_owned())].into(),
+            credentials: None,
+        });
+        spec
+    }
+
+    fn kafka_sink() -> crate::crd::KafkaSink {
+        crate::crd::KafkaSink {
+            bootstrap_servers: "k:9092".into(),
+            topic: "counts".into(),
+            delivery_guarantee: Default::default(),
+            transactional_id_prefix: None,
+            properties: Default::default(),
+            credentials: None,
+        }
+    }
+
+    #[test]
+    fn a_kafka_source_is_one_of_the_sources_and_its_fields_are_checked() {
+        let ok = kafka_job();
+        assert_eq!(validate_job(&ok), Ok(()));
+        let mut both = ok.clone();
+        both.source.generator = job().spec.job.source.generator;
+        assert_eq!(validate_job(&both).unwrap_err().0, [MSG_SOURCE_ONE_OF]);
+
+        let mut bad = ok.clone();
+        let k = bad.source.kafka.as_mut().unwrap();
+        k.bootstrap_servers = "kafka:9092, other:9092".into();
+        k.topics = vec!["ok".into(), "not/ok".into()];
+        k.starting_position = crate::crd::KafkaStartingPosition::Timestamp;
+        k.idle_timeout = Some("30".into());
+        k.metadata_refresh_interval = Some("500ms".into());
+        k.properties
+            .insert("enable.auto.commit".into(), "true".into());
+        k.credentials = Some(crate::crd::KafkaCredentials {
+            secret_name: "creds".into(),
+            sasl: None,
+            tls: Some(crate::crd::KafkaTls {
+                ca_key: None,
+                cert_key: Some("tls.crt".into()),
+                key_key: None,
+            }),
+        });
+        assert_eq!(
+            validate_job(&bad).unwrap_err().0,
+            [
+                MSG_KAFKA_SOURCE_BOOTSTRAP,
+                MSG_KAFKA_SOURCE_TOPICS,
+                MSG_KAFKA_STARTING_TIMESTAMP,
+                MSG_KAFKA_IDLE_TIMEOUT,
+                MSG_KAFKA_REFRESH,
+                MSG_KAFKA_SOURCE_PROPERTIES,
+                MSG_KAFKA_SOURCE_CREDENTIALS,
+            ]
+        );
+        let mut secret = ok.clone();
+        secret
+            .source
+            .kafka
+            .as_mut()
+            .unwrap()
+            .properties
+            .insert("sasl.password".into(), "x".into());
+        assert_eq!(
+            validate_job(&secret).unwrap_err().0,
+            [MSG_KAFKA_SOURCE_PROPERTIES]
+        );
+        let mut none = ok;
+        none.source.kafka.as_mut().unwrap().topics.clear();
+        assert_eq!(
+            validate_job(&none).unwrap_err().0,
+            [MSG_KAFKA_SOURCE_TOPICS]
+        );
+    }
+
+    #[test]
+    fn a_kafka_sink_needs_its_type_and_its_fields() {
+        let mut j = kafka_job();
+        j.sink.sink_type = crate::crd::SinkType::Kafka;
+        assert_eq!(validate_job(&j).unwrap_err().0, [MSG_KAFKA_SINK_REQUIRED]);
+        j.sink.kafka = Some(kafka_sink());
+        assert_eq!(validate_job(&j), Ok(()));
+        j.sink.sink_type = crate::crd::SinkType::Log;
+        assert_eq!(validate_job(&j).unwrap_err().0, [MSG_KAFKA_SINK_REQUIRED]);
+        j.sink.sink_type = crate::crd::SinkType::Kafka;
+        let k = j.sink.kafka.as_mut().unwrap();
+        k.bootstrap_servers = "nohostport".into();
+        k.topic = String::new();
+        k.properties.insert("transactional.id".into(), "x".into());
+        k.credentials = Some(crate::crd::KafkaCredentials {
+            secret_name: "creds".into(),
+            sasl: None,
+            tls: None,
+        });
+        assert_eq!(
+            validate_job(&j).unwrap_err().0,
+            [
+                MSG_KAFKA_SINK_BOOTSTRAP,
+                MSG_KAFKA_SINK_TOPIC,
+                MSG_KAFKA_SINK_PROPERTIES,
+                MSG_KAFKA_SINK_CREDENTIALS,
+            ]
+        );
+    }
+
+    #[test]
+    fn bootstrap_lists_and_topic_names_follow_the_cel_rules() {
+        for ok in [
+            "k:9092",
+            "a:1,b:65535",
+            "[::1]:9092",
+            "k.ns.svc.cluster.local:9092",
+        ] {
+            assert!(valid_bootstrap(ok), "{ok}");
+        }
+        for bad in [
+            "", "k", "k:", ":9092", "k:123456", "a:1,", "a:1 ,b:2", "k:90a",
+        ] {
+            assert!(!valid_bootstrap(bad), "{bad}");
+        }
+        assert!(valid_topic("a.b_c-D9"));
+        assert!(valid_topic(&"t".repeat(249)));
+        assert!(!valid_topic(&"t".repeat(250)));
+        assert!(!valid_topic("a b"));
+        assert!(!valid_topic(""));
+    }
+
+    #[test]
+    fn a_kafka_job_s_idle_subtasks_come_from_its_latest_snapshot_s_partitions() {
+        let mut spec = job().spec;
+        spec.job = kafka_job();
+        spec.replicas = 6;
+        spec.max_parallelism = Some(64);
+        // Unknown before the first snapshot: no subtask is reported idle.
+        let a = analyse(&spec, None).unwrap();
+        assert_eq!((a.source_partitions, a.idle_subtasks), (None, 0));
+        let snap = |id, n| crate::crd::SnapshotRef {
+            id,
+            source_partitions: n,
+            ..Default::default()
+        };
+        let mut status = StreamJobStatus {
+            last_checkpoint: Some(snap(7, Some(4))),
+            last_savepoint: Some(snap(5, Some(2))),
+            ..Default::default()
+        };
+        let a = analyse(&spec, Some(&status)).unwrap();
+        assert_eq!((a.source_partitions, a.idle_subtasks), (Some(4), 2));
+        // The newest snapshot counts (a savepoint taken after the checkpoint).
+        status.last_savepoint = Some(snap(8, Some(8)));
+        let a = analyse(&spec, Some(&status)).unwrap();
+        assert_eq!((a.source_partitions, a.idle_subtasks), (Some(8), 0));
     }
 }

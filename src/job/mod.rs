@@ -29,6 +29,7 @@
 pub mod aggregate;
 pub mod file_source;
 pub mod generator;
+pub mod kafka;
 pub mod oracle;
 pub mod positions;
 pub mod record;
@@ -71,8 +72,19 @@ pub struct JobOptions {
 /// A job spec that cannot run.
 #[derive(Debug, thiserror::Error)]
 pub enum JobError {
-    #[error("spec.job.source must set exactly one of generator or file")]
+    #[error("spec.job.source must set exactly one of generator, file or kafka")]
     SourceOneOf,
+    #[error(
+        "spec.job.source.kafka: this keyshift binary was built without Kafka support (cargo feature `kafka`); use an image built with it"
+    )]
+    KafkaNotBuilt,
+    #[error(
+        "the oracle cannot replay a Kafka source: compute expected results from the records produced"
+    )]
+    OracleKafka,
+    #[cfg(feature = "kafka")]
+    #[error(transparent)]
+    Kafka(#[from] kafka::source::KafkaSourceError),
     #[error("spec.job.window.size {0:?} is not a positive duration such as 10s, 1m or 1h")]
     WindowSize(String),
     #[error("spec.job.window.maxOutOfOrderness {0:?} is not a duration such as 0s, 500ms or 2s")]
@@ -106,6 +118,9 @@ pub enum SourceKind {
     Generator(Generator),
     /// JSON-lines files (position = byte offset).
     File(FileSourceReader),
+    /// Kafka topics (position = the partition's next offset).
+    #[cfg(feature = "kafka")]
+    Kafka(std::sync::Arc<kafka::source::KafkaSourceReader>),
 }
 
 /// What one source read returned.
@@ -150,6 +165,18 @@ pub fn compile(
     max_parallelism: u32,
     options: &JobOptions,
 ) -> Result<CompiledJob, JobError> {
+    compile_for(spec, max_parallelism, options, "", "")
+}
+
+/// [`compile`] for the job `namespace/name` (a Kafka source's default consumer group names it).
+/// A Kafka source connects to its brokers and lists its partitions here (blocking).
+pub fn compile_for(
+    spec: &JobSpec,
+    max_parallelism: u32,
+    options: &JobOptions,
+    namespace: &str,
+    name: &str,
+) -> Result<CompiledJob, JobError> {
     if !(1..=UPPER_BOUND_MAX_PARALLELISM).contains(&max_parallelism) {
         return Err(JobError::MaxParallelism(max_parallelism));
     }
@@ -167,10 +194,57 @@ pub fn compile(
         }
     };
     let key_type = spec.key.key_type;
+    if spec.source.kafka.is_some()
+        && (spec.source.generator.is_some() || spec.source.file.is_some())
+    {
+        return Err(JobError::SourceOneOf);
+    }
+    let needs_value = spec.aggregation.function != AggregateFunction::Count;
+    if let Some(k) = &spec.source.kafka {
+        if needs_value && spec.aggregation.field.is_none() {
+            return Err(JobError::AggregationField);
+        }
+        #[cfg(feature = "kafka")]
+        {
+            let fields = kafka::source::KafkaFields {
+                key_from: k.key_from,
+                key_field: spec.key.field.clone(),
+                key_type,
+                value_field: if needs_value {
+                    spec.aggregation.field.clone()
+                } else {
+                    None
+                },
+                timestamp_field: k.timestamp_field.clone(),
+            };
+            let job = kafka::source::JobIdentity {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+            };
+            let reader = kafka::source::KafkaSourceReader::open(k, fields, &job)?;
+            return Ok(CompiledJob {
+                source: SourceKind::Kafka(std::sync::Arc::new(reader)),
+                key_type,
+                agg: AggConfig {
+                    function: spec.aggregation.function,
+                    window_size_ms,
+                    max_parallelism,
+                    state_payload_bytes: options.state_payload_bytes,
+                },
+                window_size_ms,
+                max_out_of_orderness_ms,
+                sink: spec.sink.clone(),
+            });
+        }
+        #[cfg(not(feature = "kafka"))]
+        {
+            let _ = (k, namespace, name);
+            return Err(JobError::KafkaNotBuilt);
+        }
+    }
     let source = match (&spec.source.generator, &spec.source.file) {
         (Some(g), None) => SourceKind::Generator(Generator::new(g, key_type)?),
         (None, Some(f)) => {
-            let needs_value = spec.aggregation.function != AggregateFunction::Count;
             if needs_value && spec.aggregation.field.is_none() {
                 return Err(JobError::AggregationField);
             }
@@ -217,6 +291,8 @@ impl CompiledJob {
         match &self.source {
             SourceKind::Generator(g) => g.partitions(),
             SourceKind::File(f) => f.partitions(),
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => k.partitions(),
         }
     }
 
@@ -226,6 +302,8 @@ impl CompiledJob {
         match &self.source {
             SourceKind::Generator(g) => CurrentPartitions::Indexed(g.partitions()),
             SourceKind::File(f) => CurrentPartitions::Named(f.names()),
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => CurrentPartitions::Named(k.names()),
         }
     }
 
@@ -247,6 +325,8 @@ impl CompiledJob {
         match &self.source {
             SourceKind::Generator(_) => Ok(()),
             SourceKind::File(f) => Ok(f.check_position(partition, position)?),
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(_) => Ok(()),
         }
     }
 
@@ -279,6 +359,26 @@ impl CompiledJob {
                     finished: false,
                 })
             }
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => {
+                let (records, next_position, at_end) = k.read(partition, position, out, max)?;
+                Ok(SourceBatch {
+                    records,
+                    next_position,
+                    at_end,
+                    finished: false,
+                })
+            }
+        }
+    }
+
+    /// How long a source partition may go without records before it stops holding the
+    /// watermark back (Kafka's idleTimeout); None: never.
+    pub fn idle_timeout(&self) -> Option<std::time::Duration> {
+        match &self.source {
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => Some(k.idle_timeout()),
+            _ => None,
         }
     }
 

@@ -28,6 +28,7 @@ fn spec(
                 records_per_partition: Some(6_000),
             }),
             file: None,
+            kafka: None,
         },
         key: KeySpec {
             field: "key".into(),

@@ -182,7 +182,7 @@ pub fn restore_refusal(
 pub fn sink_url(spec: &StreamJobSpec) -> Option<&str> {
     match spec.job.sink.sink_type {
         SinkType::ObjectStore => spec.job.sink.url.as_deref(),
-        SinkType::Log => None,
+        SinkType::Log | SinkType::Kafka => None,
     }
 }
 

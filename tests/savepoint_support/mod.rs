@@ -86,6 +86,7 @@ pub fn spec(shape: &JobShape) -> JobSpec {
                 records_per_partition: Some(shape.records_per_partition as i64),
             }),
             file: None,
+            kafka: None,
         },
         key: KeySpec {
             field: "key".into(),
