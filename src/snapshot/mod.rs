@@ -77,24 +77,26 @@ mod store;
 mod writer;
 
 pub use catalog::{
-    RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, latest_checkpoint,
-    list_snapshots, retain, scan_snapshots,
+    RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, delete_unreferenced,
+    latest_checkpoint, list_snapshots, referenced_files, retain, scan_snapshots,
 };
 pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};
 pub use layout::{
-    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, job_dir, manifest_path,
+    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, file_path, job_dir, manifest_path,
     parse_snapshot_dir_name, snapshot_dir, state_file_name,
 };
 pub use manifest::{
-    CHECKSUM_ALGORITHM, FORMAT_VERSION, FileEntry, GroupEntry, JobIdentity, LayoutChange, Manifest,
-    ReadRequest, SnapshotMeta, StateLayout, Stats, SubtaskSnapshot,
+    CHECKSUM_ALGORITHM, DeltaBlock, FORMAT_VERSION, FULL_FORMAT_VERSION, FileEntry, GroupEntry,
+    JobIdentity, LayoutChange, Manifest, ReadRequest, SnapshotMeta, StateLayout, Stats,
+    SubtaskSnapshot, is_referenced_file, referenced_file_name, split_referenced_file,
 };
 pub use object_store::ObjectStore;
 pub use object_store::path::Path;
 pub use reader::{
     MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
-    STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, open_snapshot, parse_manifest,
+    STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, fetch_deltas, open_snapshot,
+    parse_manifest,
     plan_stream_reads, read_groups, read_groups_stream, read_manifest, sealed_manifest_json,
     verify,
 };
