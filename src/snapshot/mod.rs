@@ -96,7 +96,7 @@ pub use object_store::path::Path;
 pub use reader::{
     MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
     STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, fetch_deltas, open_snapshot,
-    parse_manifest,
+    open_snapshot_dir, parse_manifest,
     plan_stream_reads, read_groups, read_groups_stream, read_manifest, sealed_manifest_json,
     verify,
 };

@@ -110,10 +110,44 @@ pub async fn read_manifest(store: &dyn ObjectStore, dir: &Path) -> Result<Manife
 
 /// Opens the store of a snapshot directory URL (e.g.
 /// `s3://bucket/prefix/ns/job/savepoints/sp-7`) and reads its manifest.
+///
+/// A URL that follows the layout (`.../<job>/checkpoints/chk-<id>` or `.../savepoints/sp-<id>`)
+/// opens the store at the job directory, so that the files of the job's other snapshots that an
+/// incremental checkpoint reads are inside it (a `file://` store is rooted at its URL).
 pub async fn open_snapshot(url: &str) -> Result<(Arc<dyn ObjectStore>, Path, Manifest)> {
-    let (store, dir) = open_store(url)?;
+    let (store, dir) = open_snapshot_dir(url)?;
     let manifest = read_manifest(store.as_ref(), &dir).await?;
     Ok((store, dir, manifest))
+}
+
+/// The store and directory of a snapshot URL, as [`open_snapshot`] opens them (at the job
+/// directory when the URL follows the layout), without reading anything: for [`verify`] and
+/// other readers of a snapshot that may be an incremental checkpoint.
+pub fn open_snapshot_dir(url: &str) -> Result<(Arc<dyn ObjectStore>, Path)> {
+    match split_layout_url(url) {
+        Some((job, kind, id)) => {
+            let (store, job_dir) = open_store(job)?;
+            Ok((store, super::layout::snapshot_dir(&job_dir, kind, id)))
+        }
+        None => open_store(url),
+    }
+}
+
+/// Splits `<job URL>/checkpoints/chk-<id>` (or `savepoints/sp-<id>`) into the job URL, the kind
+/// and the id; `None` for any other URL (or one whose job part names no location).
+fn split_layout_url(url: &str) -> Option<(&str, SnapshotKind, u64)> {
+    let trimmed = url.trim().trim_end_matches('/');
+    let (rest, name) = trimmed.rsplit_once('/')?;
+    let (job, folder) = rest.rsplit_once('/')?;
+    let kind = [SnapshotKind::Checkpoint, SnapshotKind::Savepoint]
+        .into_iter()
+        .find(|k| k.folder() == folder)?;
+    let id = parse_snapshot_dir_name(kind, name)?;
+    let after_scheme = job.split_once("://").map_or(job, |(_, r)| r);
+    if after_scheme.trim_matches('/').is_empty() {
+        return None;
+    }
+    Some((job, kind, id))
 }
 
 /// Commits the snapshot in `dir` by writing its manifest, create-only: after checking the manifest
