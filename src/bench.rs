@@ -264,7 +264,9 @@ async fn checkpoint_bench(args: CheckpointBench) -> Result<()> {
     let assignment = Assignment::new(i64::from(args.parallelism), i64::from(args.max_parallelism))?;
     let keys = keys_for(args.state_mib);
     // Every `stride`-th key changes, shifted each round: spread over every key group.
-    let stride = (100.0 / args.changed_percent.clamp(0.001, 100.0)).round().max(1.0) as u64;
+    let stride = (100.0 / args.changed_percent.clamp(0.001, 100.0))
+        .round()
+        .max(1.0) as u64;
     println!(
         "keyshift bench checkpoint: {} MiB target, {keys} string keys x {} B payload, {} key groups, {} subtasks, 1 key in {stride} changed between checkpoints, {} rounds, in {}",
         args.state_mib,

@@ -29,7 +29,11 @@ fn config() -> AggConfig {
 #[derive(Debug, Clone)]
 enum Op {
     /// Records on keys `0..keys`, each adding `value`.
-    Records { keys: i64, first: i64, value: i64 },
+    Records {
+        keys: i64,
+        first: i64,
+        value: i64,
+    },
     Checkpoint,
     Savepoint,
     /// Restore every subtask from the newest snapshot at this parallelism.
@@ -186,7 +190,10 @@ impl Job {
         }
         let manifest = Manifest::assemble(meta(id, kind), self.assignment, acks).unwrap();
         if kind == SnapshotKind::Savepoint {
-            assert!(manifest.is_self_contained(), "savepoints are self-contained");
+            assert!(
+                manifest.is_self_contained(),
+                "savepoints are self-contained"
+            );
         }
         match commit_manifest(self.store.as_ref(), &dir, &manifest).await {
             Ok(()) => {
@@ -235,7 +242,12 @@ impl Job {
             self.chains.push(chain);
         }
         self.model = self.taken[&newest.id].clone();
-        assert_eq!(state_of(&self.ops), self.model, "restart from {}", newest.id);
+        assert_eq!(
+            state_of(&self.ops),
+            self.model,
+            "restart from {}",
+            newest.id
+        );
         // Like a new coordinator: the newest committed snapshot of any kind.
         self.last_committed = newest.id;
     }
@@ -250,9 +262,14 @@ impl Job {
                 .await
                 .unwrap_or_else(|e| panic!("{} {}: {e}", s.kind, s.id));
             let manifest = read_manifest(self.store.as_ref(), &s.dir).await.unwrap();
-            let mut op =
-                KeyedAggregator::new(config(), KeyGroupRange { start: 0, end: MAX_P - 1 })
-                    .unwrap();
+            let mut op = KeyedAggregator::new(
+                config(),
+                KeyGroupRange {
+                    start: 0,
+                    end: MAX_P - 1,
+                },
+            )
+            .unwrap();
             keyshift::runtime::restore::restore_state(
                 &mut op,
                 self.store.as_ref(),
@@ -270,12 +287,8 @@ impl Job {
                 s.id
             );
             // The savepoint tools read it too (chains merged).
-            let loc = keyshift::tools::open_location(&format!(
-                "{}/{}",
-                self.url,
-                s.dir.as_ref()
-            ))
-            .unwrap();
+            let loc = keyshift::tools::open_location(&format!("{}/{}", self.url, s.dir.as_ref()))
+                .unwrap();
             let v = keyshift::tools::verify_snapshot(&loc).await.unwrap();
             assert!(v.problems.is_empty(), "{:?}", v.problems);
             assert_eq!(v.keys_checked, self.taken[&s.id].len() as u64);
@@ -421,7 +434,8 @@ fn dispose_keeps_files_a_newer_checkpoint_reads() {
         assert_eq!(report.deleted, vec![2]);
         assert_eq!(report.orphans_deleted, vec![1]);
         let left: Vec<_> = futures::TryStreamExt::try_collect::<Vec<_>>(
-            job.store.list(Some(&job.job_dir.clone().join("checkpoints"))),
+            job.store
+                .list(Some(&job.job_dir.clone().join("checkpoints"))),
         )
         .await
         .unwrap();
@@ -430,6 +444,37 @@ fn dispose_keeps_files_a_newer_checkpoint_reads() {
             "{left:?}"
         );
         job.taken.remove(&2);
+        job.check_all().await;
+    });
+}
+
+/// A run restored from one of the job's own checkpoints builds its next checkpoint on it, at
+/// another parallelism too; one restored from a savepoint writes its first checkpoint in full.
+#[test]
+fn a_checkpoint_after_a_restore_builds_on_the_restored_checkpoint() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut job = Job::new("after-restore", 2);
+        job.records(300, 0, 1);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        job.restart(3).await;
+        job.records(2, 0, 1);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        let newest = |job: &Job, kind, id| {
+            let dir = snapshot_dir(&job.job_dir, kind, id);
+            let store = job.store.clone();
+            async move { read_manifest(store.as_ref(), &dir).await.unwrap() }
+        };
+        let m = newest(&job, SnapshotKind::Checkpoint, 2).await;
+        assert!(!m.is_self_contained(), "built on the restored checkpoint");
+        assert!(m.stats.written_bytes.unwrap() * 10 < m.stats.total_bytes);
+        job.check_all().await;
+        job.snapshot(SnapshotKind::Savepoint).await;
+        job.restart(2).await;
+        job.records(2, 0, 1);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        let m = newest(&job, SnapshotKind::Checkpoint, 4).await;
+        assert!(m.is_self_contained(), "restored from a savepoint: full");
         job.check_all().await;
     });
 }

@@ -32,7 +32,12 @@ pub const INCREMENTAL_ENV: &str = "KEYSHIFT_INCREMENTAL_CHECKPOINTS";
 /// Whether incremental checkpoints are on, from [`INCREMENTAL_ENV`].
 pub fn enabled_from_env() -> bool {
     std::env::var(INCREMENTAL_ENV)
-        .map(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "false" | "0" | "off"))
+        .map(|v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "false" | "0" | "off"
+            )
+        })
         .unwrap_or(true)
 }
 
@@ -120,13 +125,7 @@ impl Base {
                 .iter()
                 .map(|f| {
                     let name = referenced_file_name(kind, id, &f.name);
-                    (
-                        name.clone(),
-                        FileEntry {
-                            name,
-                            ..f.clone()
-                        },
-                    )
+                    (name.clone(), FileEntry { name, ..f.clone() })
                 })
                 .collect(),
         }
@@ -264,11 +263,19 @@ mod tests {
     fn a_base_is_the_newest_committed_checkpoint_written_here() {
         let mut c = Chain::new(true);
         assert!(c.base_for(Some(0)).is_none());
-        c.written(Base::written(3, 1, &ack(vec![entry(0, "state-0-of-1.bin", 10, 0)])));
+        c.written(Base::written(
+            3,
+            1,
+            &ack(vec![entry(0, "state-0-of-1.bin", 10, 0)]),
+        ));
         // 3 did not commit (the newest committed is 2): no base, and 3 is forgotten.
         assert!(c.base_for(Some(2)).is_none());
         c.written(Base::written(3, 1, &ack(vec![])));
-        c.written(Base::written(4, 2, &ack(vec![entry(0, "state-0-of-1.bin", 10, 0)])));
+        c.written(Base::written(
+            4,
+            2,
+            &ack(vec![entry(0, "state-0-of-1.bin", 10, 0)]),
+        ));
         let b = c.base_for(Some(4)).unwrap();
         assert_eq!((b.id, b.cut), (4, 2));
         let b = b.clone();
@@ -334,7 +341,11 @@ mod tests {
         assert_eq!(long.mode(&agg, 1, p), GroupMode::Full, "16 deltas");
         let mut big = base.clone();
         big.groups.insert(1, entry(1, "f", 10, 5));
-        assert_eq!(big.mode(&agg, 1, p), GroupMode::Full, "deltas half the block");
+        assert_eq!(
+            big.mode(&agg, 1, p),
+            GroupMode::Full,
+            "deltas half the block"
+        );
         agg.clear_group(0).unwrap();
         assert_eq!(base.mode(&agg, 0, p), GroupMode::Full, "lost keys");
     }

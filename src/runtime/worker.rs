@@ -1387,7 +1387,10 @@ async fn settle(
         _ => None,
     };
     if !s.ledger.lock().await.finish(id, status) {
-        tracing::info!(id, "snapshot written after it was aborted: it stays aborted");
+        tracing::info!(
+            id,
+            "snapshot written after it was aborted: it stays aborted"
+        );
         return Ok(None);
     }
     if written.is_some() {
@@ -1581,12 +1584,9 @@ async fn snapshot(
             .iter()
             .map(|g| base.mode(&sub.agg, g, policy))
             .collect();
-        let taken = checkpoint::encode_cut(
-            &mut sub.agg,
-            |g| modes[(g - range.start) as usize],
-            updates,
-        )
-        .await;
+        let taken =
+            checkpoint::encode_cut(&mut sub.agg, |g| modes[(g - range.start) as usize], updates)
+                .await;
         s.metrics.records_out.inc_by(taken.rows);
         let keys_per_group = taken.keys_per_group();
         let cut_bytes = taken.bytes();
@@ -1606,7 +1606,13 @@ async fn snapshot(
         let groups = taken.groups;
         let source_partitions = sub.source_partitions.clone();
         let shared = s.clone();
-        tracing::debug!(id, base = base.id, bytes = cut_bytes, blocked_ms, "incremental checkpoint cut taken");
+        tracing::debug!(
+            id,
+            base = base.id,
+            bytes = cut_bytes,
+            blocked_ms,
+            "incremental checkpoint cut taken"
+        );
         let task = tokio::spawn(async move {
             let result: Result<Option<SubtaskAck>, WorkerError> = async {
                 let snapshot = checkpoint::upload_cut(groups, writer, &base).await?;
@@ -1614,8 +1620,14 @@ async fn snapshot(
                     stage_output(store.as_ref(), sink_base, id, output).await?;
                 }
                 let duration = started.elapsed();
-                shared.metrics.checkpoint_seconds.set(duration.as_secs_f64());
-                shared.metrics.checkpoint_bytes.set(snapshot.file.size as i64);
+                shared
+                    .metrics
+                    .checkpoint_seconds
+                    .set(duration.as_secs_f64());
+                shared
+                    .metrics
+                    .checkpoint_bytes
+                    .set(snapshot.file.size as i64);
                 Ok(Some(SubtaskAck {
                     snapshot,
                     source_positions: positions,

@@ -3,12 +3,12 @@
 use super::error::{Result, SnapshotError};
 use super::layout::{SnapshotKind, file_path, manifest_path, parse_snapshot_dir_name};
 use super::manifest::{JobIdentity, Manifest, is_referenced_file};
-use std::collections::BTreeSet;
 use super::reader::read_manifest;
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
+use std::collections::BTreeSet;
 
 /// Manifests read at once while listing.
 const MANIFESTS_AT_ONCE: usize = 8;

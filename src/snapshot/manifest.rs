@@ -590,8 +590,7 @@ impl Manifest {
             }
         }
         key_groups.sort_by_key(|g| g.group);
-        let incremental =
-            !referenced.is_empty() || key_groups.iter().any(|g| !g.deltas.is_empty());
+        let incremental = !referenced.is_empty() || key_groups.iter().any(|g| !g.deltas.is_empty());
         let written: u64 = files.iter().fold(0u64, |sum, f| sum.saturating_add(f.size));
         files.extend(referenced.into_values());
         let stats = Stats {
@@ -776,7 +775,12 @@ impl Manifest {
 
         // Files: unique names; plain (own files) or, in formatVersion 2, files of other
         // snapshots of the job.
-        let own_dir = format!("{}/{}{}/", self.kind.folder(), self.kind.dir_prefix(), self.snapshot_id);
+        let own_dir = format!(
+            "{}/{}{}/",
+            self.kind.folder(),
+            self.kind.dir_prefix(),
+            self.snapshot_id
+        );
         let mut cursor: BTreeMap<&str, (u64, Crc32c)> = BTreeMap::new();
         for f in &self.files {
             if is_referenced_file(&f.name) {

@@ -83,8 +83,8 @@ pub use catalog::{
 pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};
 pub use layout::{
-    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, file_path, job_dir, manifest_path,
-    parse_snapshot_dir_name, snapshot_dir, state_file_name,
+    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, file_path, job_dir,
+    manifest_path, parse_snapshot_dir_name, snapshot_dir, state_file_name,
 };
 pub use manifest::{
     CHECKSUM_ALGORITHM, DeltaBlock, FORMAT_VERSION, FULL_FORMAT_VERSION, FileEntry, GroupEntry,
@@ -96,9 +96,8 @@ pub use object_store::path::Path;
 pub use reader::{
     MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
     STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, fetch_deltas, open_snapshot,
-    open_snapshot_dir, parse_manifest,
-    plan_stream_reads, read_groups, read_groups_stream, read_manifest, sealed_manifest_json,
-    verify,
+    open_snapshot_dir, parse_manifest, plan_stream_reads, read_groups, read_groups_stream,
+    read_manifest, sealed_manifest_json, verify,
 };
 pub use store::open_store;
 pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

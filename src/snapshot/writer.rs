@@ -3,11 +3,11 @@
 use super::checksum::Crc32c;
 use super::error::{Result, SnapshotError};
 use super::manifest::{FileEntry, FileLayout, GroupEntry, SubtaskSnapshot};
-use std::collections::BTreeMap;
 use crate::keygroup::Assignment;
 use bytes::{Bytes, BytesMut};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Default size of one upload part (S3 requires at least 5 MiB for all parts but the last).

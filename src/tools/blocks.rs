@@ -128,11 +128,13 @@ async fn fetch_window(
     let (_, mut deltas) = crate::snapshot::fetch_deltas(store, dir, &chained).await?;
     for b in &mut blocks {
         if let Some(d) = deltas.remove(&b.group) {
-            let (merged, entries) = crate::job::state_codec::merge_chain(&b.bytes, &d)
-                .map_err(|e| SnapshotError::ChainUnreadable {
-                    path: path.to_string(),
-                    group: b.group,
-                    reason: e.to_string(),
+            let (merged, entries) =
+                crate::job::state_codec::merge_chain(&b.bytes, &d).map_err(|e| {
+                    SnapshotError::ChainUnreadable {
+                        path: path.to_string(),
+                        group: b.group,
+                        reason: e.to_string(),
+                    }
                 })?;
             b.bytes = Bytes::from(merged);
             b.entries = entries;

@@ -434,8 +434,9 @@ pub async fn dispose(url: &str, opts: DisposeOptions) -> Result<DisposeReport> {
     // Files another snapshot of the job reads stay (incremental checkpoints).
     let leaving = std::collections::BTreeSet::from([&loc.dir]);
     let keep = crate::snapshot::referenced_files(loc.store.as_ref(), &job_dir, &leaving).await?;
-    let (kept, objects): (Vec<_>, Vec<_>) =
-        objects.into_iter().partition(|m| keep.contains(&m.location));
+    let (kept, objects): (Vec<_>, Vec<_>) = objects
+        .into_iter()
+        .partition(|m| keep.contains(&m.location));
     let report = DisposeReport {
         url: loc.url.clone(),
         committed,
