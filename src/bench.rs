@@ -210,7 +210,7 @@ async fn checkpoint_subtask(
     agg: SharedAgg,
     base: Option<crate::runtime::incremental::Base>,
 ) -> Result<SubtaskCheckpoint> {
-    let writer = SnapshotWriter::new(store, &dir, assignment, subtask)?;
+    let writer = SnapshotWriter::new(store.clone(), &dir, assignment, subtask)?;
     let mut agg = agg.lock().await;
     let started = Instant::now();
     let cut = agg.cut();
@@ -234,7 +234,7 @@ async fn checkpoint_subtask(
         Some(base) => {
             let policy = crate::runtime::incremental::ChainPolicy::default();
             let range = agg.range();
-            let modes: Vec<_> = range.iter().map(|g| base.mode(&agg, g, policy)).collect();
+            let modes: Vec<_> = range.iter().map(|g| base.mode(&agg, g)).collect();
             let taken = checkpoint::encode_cut(
                 &mut agg,
                 |g| modes[(g - range.start) as usize],
@@ -243,7 +243,9 @@ async fn checkpoint_subtask(
             .await;
             let held = started.elapsed();
             drop(agg);
-            let ack = checkpoint::upload_cut(taken.groups, writer, &base).await?;
+            let ack =
+                checkpoint::upload_cut(taken.groups, writer, &base, policy, store.as_ref(), &dir)
+                    .await?;
             Ok(SubtaskCheckpoint {
                 held,
                 write: started.elapsed(),

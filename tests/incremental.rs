@@ -99,7 +99,9 @@ fn state_of(ops: &[KeyedAggregator]) -> Model {
 
 impl Job {
     fn new(name: &str, p: u32) -> Job {
-        let url = format!("memory://incremental-{name}");
+        static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let url = format!("memory://incremental-{name}-{run}");
         let (store, base) = open_store(&url).unwrap();
         let job_dir = job_dir(&base, "ns", "job");
         let assignment = Assignment::new(i64::from(p), i64::from(MAX_P)).unwrap();
@@ -145,6 +147,7 @@ impl Job {
         self.next_id += 1;
         let dir = snapshot_dir(&self.job_dir, kind, id);
         let mut acks = Vec::new();
+        let mut failed = false;
         for i in 0..self.ops.len() {
             let writer =
                 SnapshotWriter::new(self.store.clone(), &dir, self.assignment, i as u32).unwrap();
@@ -160,7 +163,7 @@ impl Job {
                 Some(base) => {
                     let policy = self.chains[i].policy;
                     let range = op.range();
-                    let modes: Vec<_> = range.iter().map(|g| base.mode(op, g, policy)).collect();
+                    let modes: Vec<_> = range.iter().map(|g| base.mode(op, g)).collect();
                     let taken = checkpoint::encode_cut(
                         op,
                         |g| modes[(g - range.start) as usize],
@@ -168,25 +171,46 @@ impl Job {
                     )
                     .await;
                     self.incremental_written += 1;
-                    checkpoint::upload_cut(taken.groups, writer, &base)
-                        .await
-                        .unwrap()
+                    checkpoint::upload_cut(
+                        taken.groups,
+                        writer,
+                        &base,
+                        policy,
+                        self.store.as_ref(),
+                        &dir,
+                    )
+                    .await
                 }
                 None => {
                     let opts = StateWriteOptions {
                         threads: 1,
                         updates: Updates::Skip,
                     };
-                    checkpoint::write_state(op, writer, opts)
+                    Ok(checkpoint::write_state(op, writer, opts)
                         .await
                         .unwrap()
-                        .snapshot
+                        .snapshot)
                 }
             };
-            if kind == SnapshotKind::Checkpoint {
-                self.chains[i].written(Base::written(id, cut, &ack));
+            match ack {
+                Ok(ack) => {
+                    if kind == SnapshotKind::Checkpoint {
+                        self.chains[i].written(Base::written(id, cut, &ack));
+                    }
+                    acks.push(ack);
+                }
+                // A compaction read its chain back and found a file gone (its checkpoint was
+                // disposed of, forced): the checkpoint fails, and the worker starts over.
+                Err(SnapshotError::MissingFile { .. }) => {
+                    self.chains[i].reset();
+                    failed = true;
+                }
+                Err(e) => panic!("snapshot {id}, subtask {i}: {e}"),
             }
-            acks.push(ack);
+        }
+        if failed {
+            self.failed_commits += 1;
+            return;
         }
         let manifest = Manifest::assemble(meta(id, kind), self.assignment, acks).unwrap();
         if kind == SnapshotKind::Savepoint {

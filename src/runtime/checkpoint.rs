@@ -15,8 +15,9 @@
 //! their keys' change marks are cleared, so a failed write hands the lines back
 //! ([`StateWriteFailed::lines`]) for the caller to keep for the next snapshot.
 
-use super::incremental::Base;
+use super::incremental::{Base, ChainPolicy};
 use crate::job::{EncodedGroup, GroupMode, GroupSnapshot, KeyedAggregator};
+use crate::snapshot::{self, ObjectStore, Path};
 use crate::snapshot::{SnapshotError, SnapshotWriter, SubtaskSnapshot};
 use bytes::Bytes;
 use std::collections::BTreeMap;
@@ -160,51 +161,77 @@ pub async fn encode_cut(
 }
 
 /// Writes a [`Cut`] through `writer` on top of `base` (the checkpoint the cut's modes were
-/// taken against) and finishes the file: durable when this returns.
+/// taken against) and finishes the file: durable when this returns. A delta of a group that
+/// `base` says to compact ([`Base::compacts`]) is merged here with the group's chain, read back
+/// from `store` (`dir` is the new snapshot's directory), and written as the whole group.
 pub async fn upload_cut(
     groups: Vec<EncodedGroup>,
     mut writer: SnapshotWriter,
     base: &Base,
+    policy: ChainPolicy,
+    store: &dyn ObjectStore,
+    dir: &Path,
 ) -> Result<SubtaskSnapshot, SnapshotError> {
     for e in groups {
-        let prior = || {
-            base.groups.get(&e.group).cloned().ok_or_else(|| {
-                SnapshotError::Assemble(format!(
-                    "key group {} is not in the checkpoint this one builds on",
-                    e.group
-                ))
-            })
-        };
-        let r = match e.mode {
-            GroupMode::Full => {
-                writer
-                    .write_group(e.group, Bytes::from(e.block), e.entries)
-                    .await
-            }
-            GroupMode::Delta { .. } => match prior() {
-                Ok(p) => {
-                    writer
-                        .write_on(
-                            p,
-                            Some((Bytes::from(e.block), e.entries)),
-                            e.keys,
-                            &base.files,
-                        )
-                        .await
-                }
-                Err(err) => Err(err),
-            },
-            GroupMode::Unchanged => match prior() {
-                Ok(p) => writer.write_on(p, None, e.keys, &base.files).await,
-                Err(err) => Err(err),
-            },
-        };
+        let r = write_cut_group(e, &mut writer, base, policy, store, dir).await;
         if let Err(err) = r {
             let _ = writer.abort().await;
             return Err(err);
         }
     }
     writer.finish().await
+}
+
+async fn write_cut_group(
+    e: EncodedGroup,
+    writer: &mut SnapshotWriter,
+    base: &Base,
+    policy: ChainPolicy,
+    store: &dyn ObjectStore,
+    dir: &Path,
+) -> Result<(), SnapshotError> {
+    let prior = || {
+        base.groups.get(&e.group).cloned().ok_or_else(|| {
+            SnapshotError::Assemble(format!(
+                "key group {} is not in the checkpoint this one builds on",
+                e.group
+            ))
+        })
+    };
+    match e.mode {
+        GroupMode::Full => {
+            writer
+                .write_group(e.group, Bytes::from(e.block), e.entries)
+                .await
+        }
+        GroupMode::Delta { .. } if base.compacts(e.group, policy) => {
+            let prior = prior()?;
+            let (first, mut deltas) = snapshot::read_chain(store, dir, &prior).await?;
+            deltas.push(Bytes::from(e.block));
+            let (merged, entries) =
+                crate::job::state_codec::merge_chain(&first, &deltas).map_err(|err| {
+                    SnapshotError::ChainUnreadable {
+                        path: snapshot::file_path(dir, &prior.file).to_string(),
+                        group: e.group,
+                        reason: err.to_string(),
+                    }
+                })?;
+            writer
+                .write_group(e.group, Bytes::from(merged), entries)
+                .await
+        }
+        GroupMode::Delta { .. } => {
+            writer
+                .write_on(
+                    prior()?,
+                    Some((Bytes::from(e.block), e.entries)),
+                    e.keys,
+                    &base.files,
+                )
+                .await
+        }
+        GroupMode::Unchanged => writer.write_on(prior()?, None, e.keys, &base.files).await,
+    }
 }
 
 /// Groups an encoder may run ahead of the writer, per encoder thread.

@@ -7,10 +7,13 @@
 //!   to the same blocks ([`GroupMode::Unchanged`]);
 //! * a delta block of the keys changed since, appended to the group's chain of blocks
 //!   ([`GroupMode::Delta`]);
-//! * the whole group ([`GroupMode::Full`]), when it lost keys since (a delta cannot say so),
-//!   when its chain is long ([`ChainPolicy::max_deltas`]) or its deltas add up to a large part
-//!   of its first block ([`ChainPolicy::max_delta_share`]): that bounds what a restore reads
-//!   beyond the state itself and how long old files stay referenced (compaction).
+//! * the whole group ([`GroupMode::Full`]), when it lost keys since (a delta cannot say so).
+//!
+//! A group whose chain is long ([`ChainPolicy::max_deltas`]) or whose deltas add up to a large
+//! part of its first block ([`ChainPolicy::max_delta_share`]) is compacted: the upload, after
+//! the cut and while records flow, reads its chain back, merges the new delta into it and
+//! writes the group whole ([`Base::compacts`]). That bounds what a restore reads beyond the
+//! state itself and how long old files stay referenced, without holding records up.
 //!
 //! Otherwise (the first checkpoint of a run that did not restore one of the job's own
 //! checkpoints, after a savepoint committed, after a checkpoint failed) it writes every group.
@@ -131,25 +134,31 @@ impl Base {
         }
     }
 
-    /// How the next checkpoint writes `group` on top of this one.
-    pub fn mode(&self, agg: &KeyedAggregator, group: u32, policy: ChainPolicy) -> GroupMode {
-        let Some(prior) = self.groups.get(&group) else {
-            return GroupMode::Full;
-        };
-        if prior.length == 0 {
-            return GroupMode::Full;
-        }
-        match agg.group_mode(group, self.cut) {
-            GroupMode::Delta { .. } if long_chain(prior, policy) => GroupMode::Full,
-            mode => mode,
+    /// How the next checkpoint's cut takes `group` on top of this one.
+    pub fn mode(&self, agg: &KeyedAggregator, group: u32) -> GroupMode {
+        match self.groups.get(&group) {
+            Some(prior) if prior.length > 0 => agg.group_mode(group, self.cut),
+            _ => GroupMode::Full,
         }
     }
-}
 
-fn long_chain(g: &GroupEntry, policy: ChainPolicy) -> bool {
-    let deltas: u64 = g.deltas.iter().map(|d| d.length).sum();
-    g.deltas.len() >= policy.max_deltas
-        || deltas.saturating_mul(100) >= g.length.saturating_mul(policy.max_delta_share)
+    /// Whether a delta of `group` on top of this checkpoint is written as the group's whole
+    /// state instead (compaction: its chain is long, or its deltas add up to a large share of
+    /// its first block). The upload merges the chain it reads back from storage with the new
+    /// delta, so the cut stays as cheap as any delta's. Groups reach the length limit at
+    /// different checkpoints (the limit is staggered by group), so compaction spreads out.
+    pub fn compacts(&self, group: u32, policy: ChainPolicy) -> bool {
+        let Some(g) = self.groups.get(&group) else {
+            return false;
+        };
+        let deltas: u64 = g.deltas.iter().map(|d| d.length).sum();
+        let max = policy
+            .max_deltas
+            .saturating_sub((group % 8) as usize)
+            .max(1);
+        g.deltas.len() >= max
+            || deltas.saturating_mul(100) >= g.length.saturating_mul(policy.max_delta_share)
+    }
 }
 
 /// What a subtask's checkpoints can build on: the committed one, and those written but not yet
@@ -203,6 +212,14 @@ impl Chain {
             self.base = None;
         }
         self.base.as_ref()
+    }
+
+    /// A checkpoint this subtask took did not complete here (its write failed, or it was
+    /// aborted): the next one is written in full, whatever its base was (a write that failed
+    /// reading the base back would fail again).
+    pub fn reset(&mut self) {
+        self.base = None;
+        self.pending.clear();
     }
 
     /// Checkpoint `base.id` was written (not yet committed).
@@ -300,7 +317,7 @@ mod tests {
     }
 
     #[test]
-    fn groups_are_written_in_full_when_their_chain_is_long_or_they_lost_keys() {
+    fn groups_are_written_in_full_when_they_lost_keys_and_compacted_when_their_chain_is_long() {
         let config = AggConfig {
             function: AggregateFunction::Count,
             window_size_ms: None,
@@ -332,21 +349,22 @@ mod tests {
             files: BTreeMap::new(),
         };
         let p = ChainPolicy::default();
-        assert_eq!(base.mode(&agg, 0, p), GroupMode::Unchanged);
-        assert_eq!(base.mode(&agg, 1, p), GroupMode::Delta { since: cut });
-        assert_eq!(base.mode(&agg, 2, p), GroupMode::Full, "empty first block");
-        assert_eq!(base.mode(&agg, 3, p), GroupMode::Full, "not in the base");
+        assert_eq!(base.mode(&agg, 0), GroupMode::Unchanged);
+        assert_eq!(base.mode(&agg, 1), GroupMode::Delta { since: cut });
+        assert_eq!(base.mode(&agg, 2), GroupMode::Full, "empty first block");
+        assert_eq!(base.mode(&agg, 3), GroupMode::Full, "not in the base");
+        assert!(!base.compacts(1, p));
         let mut long = base.clone();
-        long.groups.insert(1, entry(1, "f", 100, 16));
-        assert_eq!(long.mode(&agg, 1, p), GroupMode::Full, "16 deltas");
+        long.groups.insert(1, entry(1, "f", 100, 14));
+        assert!(!long.compacts(1, p), "group 1 compacts at 15 deltas");
+        long.groups.insert(1, entry(1, "f", 100, 15));
+        assert!(long.compacts(1, p));
+        long.groups.insert(0, entry(0, "f", 100, 15));
+        assert!(!long.compacts(0, p), "group 0 compacts at 16 deltas");
         let mut big = base.clone();
         big.groups.insert(1, entry(1, "f", 10, 5));
-        assert_eq!(
-            big.mode(&agg, 1, p),
-            GroupMode::Full,
-            "deltas half the block"
-        );
+        assert!(big.compacts(1, p), "deltas half the block");
         agg.clear_group(0).unwrap();
-        assert_eq!(base.mode(&agg, 0, p), GroupMode::Full, "lost keys");
+        assert_eq!(base.mode(&agg, 0), GroupMode::Full, "lost keys");
     }
 }

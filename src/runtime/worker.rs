@@ -1534,9 +1534,12 @@ async fn snapshot(
             .task
             .await
             .map_err(|e| WorkerError::Fatal(format!("checkpoint upload task: {e}")))??;
-        if let Some(w) = written {
-            sub.chain
-                .written(incremental::Base::written(u.id, u.cut, &w));
+        match written {
+            Some(w) => sub
+                .chain
+                .written(incremental::Base::written(u.id, u.cut, &w)),
+            // It failed or was aborted: the next checkpoint is full.
+            None => sub.chain.reset(),
         }
     }
     let cut = {
@@ -1580,10 +1583,7 @@ async fn snapshot(
     if let Some(base) = base {
         let policy = sub.chain.policy;
         let range = sub.agg.range();
-        let modes: Vec<job::GroupMode> = range
-            .iter()
-            .map(|g| base.mode(&sub.agg, g, policy))
-            .collect();
+        let modes: Vec<job::GroupMode> = range.iter().map(|g| base.mode(&sub.agg, g)).collect();
         let taken =
             checkpoint::encode_cut(&mut sub.agg, |g| modes[(g - range.start) as usize], updates)
                 .await;
@@ -1606,6 +1606,7 @@ async fn snapshot(
         let groups = taken.groups;
         let source_partitions = sub.source_partitions.clone();
         let shared = s.clone();
+        let store = sub.store.clone();
         tracing::debug!(
             id,
             base = base.id,
@@ -1615,7 +1616,9 @@ async fn snapshot(
         );
         let task = tokio::spawn(async move {
             let result: Result<Option<SubtaskAck>, WorkerError> = async {
-                let snapshot = checkpoint::upload_cut(groups, writer, &base).await?;
+                let snapshot =
+                    checkpoint::upload_cut(groups, writer, &base, policy, store.as_ref(), &dir)
+                        .await?;
                 if let Some((store, sink_base, output)) = &output {
                     stage_output(store.as_ref(), sink_base, id, output).await?;
                 }

@@ -223,6 +223,30 @@ pub struct RestoredGroup {
     pub deltas: Vec<Bytes>,
 }
 
+/// Reads one key group's blocks (its first block and its deltas, incremental checkpoints) from
+/// the snapshot in `dir` that `entry` describes, each checked against its length and checksum:
+/// what a background compaction merges into one block.
+pub async fn read_chain(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    entry: &GroupEntry,
+) -> Result<(Bytes, Vec<Bytes>)> {
+    let path = file_path(dir, &entry.file);
+    let first = if entry.length == 0 {
+        Bytes::new()
+    } else {
+        let buf = get_one_range(store, &path, entry.byte_range())
+            .await
+            .map_err(|e| SnapshotError::store("range read", &path, e))?;
+        split_blocks(&path, entry.offset, std::slice::from_ref(entry), buf)?
+            .pop()
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    };
+    let (_, mut deltas) = fetch_deltas(store, dir, std::slice::from_ref(entry)).await?;
+    Ok((first, deltas.remove(&entry.group).unwrap_or_default()))
+}
+
 /// Fetches the delta blocks of `groups` (incremental checkpoints; adjacent blocks of one file
 /// in one request), checking each block's length and checksum; returns the bytes fetched and
 /// each group's deltas in order.
