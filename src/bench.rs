@@ -7,6 +7,8 @@
 //!   the state's bytes.
 //! * `throughput`: steady-state records/s of a keyed count through `LocalJob`, and the workers'
 //!   peak memory.
+//! * `checkpoint`: bytes an incremental checkpoint writes after a share of the keys changed,
+//!   against the full one before it, and how long its cut holds records up against its write.
 //!
 //! Results and how to reproduce them: `docs/benchmarks.md`. Build with `--release`.
 
