@@ -15,11 +15,17 @@
 //!
 //! A state file holds one subtask's key groups as contiguous blocks in group order, no header, no
 //! padding: a block is exactly the bytes the worker handed over for that group (its own encoding).
-//! The manifest (JSON, `formatVersion: 1`) says for every group `0..maxParallelism` which file,
+//! The manifest (JSON, `formatVersion: 1` when self-contained) says for every group `0..maxParallelism` which file,
 //! offset, length, CRC-32C and entry count; for every file its size and CRC-32C; plus job
 //! identity, id, kind, completion time, parallelism, source positions, watermark, state schema and
 //! totals. **A snapshot exists iff its manifest exists**: the manifest is written last,
 //! create-only.
+//!
+//! An incremental checkpoint (`formatVersion: 2`) also names files of earlier checkpoints of the
+//! job (`checkpoints/chk-<id>/<file>`, relative to the job directory: [`file_path`]) whose blocks
+//! it reads, and per group a chain of delta blocks applied in order over the first
+//! ([`GroupEntry::deltas`]). Retention and disposal keep every file a kept manifest names
+//! ([`referenced_files`]); savepoints are always self-contained (`formatVersion: 1`).
 //!
 //! # Use
 //!
