@@ -15,8 +15,9 @@
 //!
 //! A state file holds one subtask's key groups as contiguous blocks in group order, no header, no
 //! padding: a block is exactly the bytes the worker handed over for that group (its own encoding).
-//! The manifest (JSON, `formatVersion: 1` when self-contained) says for every group `0..maxParallelism` which file,
-//! offset, length, CRC-32C and entry count; for every file its size and CRC-32C; plus job
+//! The manifest (JSON, `formatVersion: 1` when self-contained) says for every group
+//! `0..maxParallelism` which file, offset, length, CRC-32C and entry count; for every file its
+//! size and CRC-32C; plus job
 //! identity, id, kind, completion time, parallelism, source positions, watermark, state schema and
 //! totals. **A snapshot exists iff its manifest exists**: the manifest is written last,
 //! create-only.
