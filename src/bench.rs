@@ -7,6 +7,8 @@
 //!   the state's bytes.
 //! * `throughput`: steady-state records/s of a keyed count through `LocalJob`, and the workers'
 //!   peak memory.
+//! * `checkpoint`: bytes an incremental checkpoint writes after a share of the keys changed,
+//!   against the full one before it, and how long its cut holds records up against its write.
 //!
 //! Results and how to reproduce them: `docs/benchmarks.md`. Build with `--release`.
 
@@ -47,6 +49,9 @@ pub enum BenchCommand {
     Rescale(RescaleBench),
     /// Steady-state keyed-count throughput through worker processes, and peak memory.
     Throughput(ThroughputBench),
+    /// Incremental checkpoints: bytes an incremental checkpoint writes after a share of the keys
+    /// changed, against a full one, and how long its cut holds records up against its write.
+    Checkpoint(CheckpointBench),
     /// The operator on a real API server: many StreamJobs (memory, reconcile latency, idle
     /// CPU) and `kubectl scale` with large state (src/bench_operator.rs).
     Operator(crate::bench_operator::OperatorBench),
@@ -125,6 +130,31 @@ pub struct RescaleBench {
 }
 
 #[derive(Args, Debug)]
+pub struct CheckpointBench {
+    /// State size in MiB (about 400 bytes per key).
+    #[arg(long, default_value_t = 1024)]
+    pub state_mib: u64,
+    /// Percent of the keys changed between checkpoints (spread over every key group).
+    #[arg(long, default_value_t = 1.0)]
+    pub changed_percent: f64,
+    /// Subtasks (one state file each, written concurrently, like a job's workers).
+    #[arg(long, default_value_t = 4)]
+    pub parallelism: u32,
+    /// Key groups.
+    #[arg(long, default_value_t = 128)]
+    pub max_parallelism: u32,
+    /// Opaque bytes of state per key besides the key and the accumulator.
+    #[arg(long, default_value_t = 360)]
+    pub payload: usize,
+    /// Incremental checkpoints measured (each after its own changes).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Directory for the files (a local filesystem; created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+}
+
+#[derive(Args, Debug)]
 pub struct ThroughputBench {
     /// Distinct keys (comma-separated for several runs).
     #[arg(long, value_delimiter = ',', default_value = "100000")]
@@ -161,9 +191,252 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Snapshot(a) => snapshot_bench(a).await,
             BenchCommand::Rescale(a) => rescale_bench(a).await,
             BenchCommand::Throughput(a) => throughput_bench(a).await,
+            BenchCommand::Checkpoint(a) => checkpoint_bench(a).await,
             BenchCommand::Operator(a) => crate::bench_operator::run(a).await,
         }
     })
+}
+
+// ---------------------------------------------------------------------------------------------
+// checkpoint
+
+/// What one subtask's checkpoint took: how long it held records up (the cut), its whole write
+/// (cut + upload, durable), and its acknowledgement.
+struct SubtaskCheckpoint {
+    held: Duration,
+    write: Duration,
+    ack: snapshot::SubtaskSnapshot,
+    cut: u32,
+}
+
+/// One subtask's checkpoint as a worker takes it: in full through `write_state` (records held
+/// for all of it), or, with a base, the incremental cut and then the upload.
+async fn checkpoint_subtask(
+    store: Arc<dyn snapshot::ObjectStore>,
+    dir: snapshot::Path,
+    assignment: Assignment,
+    subtask: u32,
+    agg: SharedAgg,
+    base: Option<crate::runtime::incremental::Base>,
+) -> Result<SubtaskCheckpoint> {
+    let writer = SnapshotWriter::new(store.clone(), &dir, assignment, subtask)?;
+    let mut agg = agg.lock().await;
+    let started = Instant::now();
+    let cut = agg.cut();
+    match base {
+        None => {
+            let opts = StateWriteOptions {
+                threads: StateWriteOptions::threads_for(agg.key_count()),
+                updates: Updates::Keep,
+            };
+            let written = checkpoint::write_state(&mut agg, writer, opts)
+                .await
+                .map_err(|f| f.error)?;
+            let took = started.elapsed();
+            Ok(SubtaskCheckpoint {
+                held: took,
+                write: took,
+                ack: written.snapshot,
+                cut,
+            })
+        }
+        Some(base) => {
+            let policy = crate::runtime::incremental::ChainPolicy::default();
+            let range = agg.range();
+            let modes: Vec<_> = range.iter().map(|g| base.mode(&agg, g)).collect();
+            let taken = checkpoint::encode_cut(
+                &mut agg,
+                |g| modes[(g - range.start) as usize],
+                Updates::Keep,
+            )
+            .await;
+            let held = started.elapsed();
+            drop(agg);
+            let ack =
+                checkpoint::upload_cut(taken.groups, writer, &base, policy, store.as_ref(), &dir)
+                    .await?;
+            Ok(SubtaskCheckpoint {
+                held,
+                write: started.elapsed(),
+                ack,
+                cut,
+            })
+        }
+    }
+}
+
+async fn checkpoint_bench(args: CheckpointBench) -> Result<()> {
+    use crate::runtime::incremental::Base;
+    let ctx_start = context_line();
+    let run = prepare_dir(&args.dir, "checkpoint")?;
+    let root = run.join("store");
+    let (store, base) = snapshot::open_store(&format!("file://{}", root.display()))?;
+    let job = snapshot::job_dir(&base, "bench", "checkpoint");
+    let assignment = Assignment::new(i64::from(args.parallelism), i64::from(args.max_parallelism))?;
+    let keys = keys_for(args.state_mib);
+    // Every `stride`-th key changes, shifted each round: spread over every key group.
+    let stride = (100.0 / args.changed_percent.clamp(0.001, 100.0))
+        .round()
+        .max(1.0) as u64;
+    println!(
+        "keyshift bench checkpoint: {} MiB target, {keys} string keys x {} B payload, {} key groups, {} subtasks, 1 key in {stride} changed between checkpoints, {} rounds, in {}",
+        args.state_mib,
+        args.payload,
+        args.max_parallelism,
+        args.parallelism,
+        args.rounds,
+        run.display()
+    );
+    println!("machine: {ctx_start}");
+    let config = AggConfig {
+        function: AggregateFunction::Count,
+        window_size_ms: None,
+        max_parallelism: args.max_parallelism,
+        state_payload_bytes: args.payload,
+    };
+    let mut aggs = (0..args.parallelism)
+        .map(|i| KeyedAggregator::new(config, assignment.range(i)))
+        .collect::<Result<Vec<_>, _>>()?;
+    let t = Instant::now();
+    let touch = |aggs: &mut [KeyedAggregator], i: u64| -> Result<()> {
+        let key = string_key(i);
+        let owner = assignment.owner(key.key_group(args.max_parallelism)) as usize;
+        aggs[owner].process(&Record {
+            key,
+            value: 1,
+            ts: 0,
+        })?;
+        Ok(())
+    };
+    for i in 0..keys {
+        touch(&mut aggs, i)?;
+    }
+    println!("state built in {}", secs(t.elapsed()));
+    let aggs: Vec<SharedAgg> = aggs
+        .into_iter()
+        .map(|a| Arc::new(tokio::sync::Mutex::new(a)))
+        .collect();
+
+    let handle = tokio::runtime::Handle::current();
+    let mut bases: Vec<Option<Base>> = vec![None; args.parallelism as usize];
+    let mut rows = Vec::new();
+    for round in 0..=args.rounds {
+        let id = u64::from(round) + 1;
+        if round > 0 {
+            let mut locked = Vec::new();
+            for a in &aggs {
+                locked.push(a.lock().await);
+            }
+            let mut changed = 0u64;
+            for i in (u64::from(round) % stride..keys).step_by(stride as usize) {
+                let key = string_key(i);
+                let owner = assignment.owner(key.key_group(args.max_parallelism)) as usize;
+                locked[owner].process(&Record {
+                    key,
+                    value: 1,
+                    ts: 0,
+                })?;
+                changed += 1;
+            }
+            drop(locked);
+            println!("round {round}: {changed} keys changed");
+        }
+        let dir = snapshot::snapshot_dir(&job, SnapshotKind::Checkpoint, id);
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..args.parallelism)
+            .map(|i| {
+                let task = checkpoint_subtask(
+                    store.clone(),
+                    dir.clone(),
+                    assignment,
+                    i,
+                    aggs[i as usize].clone(),
+                    bases[i as usize].clone(),
+                );
+                let handle = handle.clone();
+                tokio::task::spawn_blocking(move || handle.block_on(task))
+            })
+            .collect();
+        let mut done = Vec::new();
+        for t in tasks {
+            done.push(t.await??);
+        }
+        let wall = started.elapsed();
+        let held = done.iter().map(|d| d.held).max().unwrap_or_default();
+        let write = done.iter().map(|d| d.write).max().unwrap_or_default();
+        for (i, d) in done.iter().enumerate() {
+            bases[i] = Some(Base::written(id, d.cut, &d.ack));
+        }
+        let manifest = Manifest::assemble(
+            meta(id),
+            assignment,
+            done.into_iter().map(|d| d.ack).collect(),
+        )?;
+        snapshot::commit_manifest(store.as_ref(), &dir, &manifest).await?;
+        let written = manifest
+            .stats
+            .written_bytes
+            .unwrap_or(manifest.stats.total_bytes);
+        println!(
+            "checkpoint {id} ({}): wrote {written} of {} bytes of state ({:.2}%), records held up {:.1} ms of a {:.1} ms write ({:.1}%), {:.1} ms in all",
+            if round == 0 { "full" } else { "incremental" },
+            manifest.stats.total_bytes,
+            100.0 * written as f64 / manifest.stats.total_bytes.max(1) as f64,
+            held.as_secs_f64() * 1e3,
+            write.as_secs_f64() * 1e3,
+            100.0 * held.as_secs_f64() / write.as_secs_f64().max(1e-9),
+            wall.as_secs_f64() * 1e3,
+        );
+        rows.push((written, manifest.stats.total_bytes, held, write));
+        // Every checkpoint restores the state: the last one is read back below.
+        if round == args.rounds {
+            let report = snapshot::verify(store.as_ref(), &dir).await?;
+            let t = Instant::now();
+            let manifest = Arc::new(manifest);
+            let mut restored = 0u64;
+            for i in 0..args.parallelism {
+                let mut agg = KeyedAggregator::new(config, assignment.range(i))?;
+                let r = restore::restore_state(
+                    &mut agg,
+                    store.as_ref(),
+                    &dir,
+                    &manifest,
+                    RestoreOptions::default(),
+                )
+                .await?;
+                let expect = aggs[i as usize].lock().await.results();
+                if agg.results() != expect {
+                    bail!("subtask {i}: the restored state differs from the state checkpointed");
+                }
+                restored += r.bytes_read;
+            }
+            println!(
+                "checkpoint {id} verified ({} bytes checked) and restored exactly: {restored} bytes read in {} (state {} bytes)",
+                report.bytes_checked,
+                secs(t.elapsed()),
+                manifest.stats.total_bytes
+            );
+        }
+    }
+    let full = rows.first().map_or(1, |r| r.0).max(1);
+    let incr: Vec<_> = rows.iter().skip(1).collect();
+    if let (Some(worst_bytes), Some(worst_hold)) = (
+        incr.iter().map(|r| r.0).max(),
+        incr.iter()
+            .map(|r| r.2.as_secs_f64() / r.3.as_secs_f64().max(1e-9))
+            .max_by(f64::total_cmp),
+    ) {
+        println!(
+            "summary: incremental checkpoint writes {:.2}% of a full one (worst of {} rounds; target <= 5%); records held up {:.1}% of its write time (worst; target <= 10%); full checkpoint held records {:.1} ms",
+            100.0 * worst_bytes as f64 / full as f64,
+            incr.len(),
+            100.0 * worst_hold,
+            rows[0].2.as_secs_f64() * 1e3
+        );
+    }
+    std::fs::remove_dir_all(&run)?;
+    println!("machine after: {}", context_line());
+    Ok(())
 }
 
 // ---------------------------------------------------------------------------------------------

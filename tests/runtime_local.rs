@@ -258,7 +258,22 @@ async fn crash_and_recover(storage: Option<String>) {
         .expect("job prepares");
     local.launch(3, None).await.expect("launch");
     tokio::time::sleep(Duration::from_millis(600)).await;
+    let first = local.checkpoint().await.expect("checkpoint");
+    assert!(
+        first.manifest.is_self_contained(),
+        "the first checkpoint is full"
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The second one builds on the first (incremental checkpoints are on by default): what a
+    // restart then restores.
     let good = local.checkpoint().await.expect("checkpoint");
+    assert_eq!(
+        good.manifest.format_version,
+        snapshot::FORMAT_VERSION,
+        "the second checkpoint is incremental"
+    );
+    assert!(!good.manifest.is_self_contained());
+    assert_exact(&spec, &good.url).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     local.kill_worker(1).await;
     // A checkpoint with a dead worker fails and leaves the previous one usable.
@@ -268,7 +283,7 @@ async fn crash_and_recover(storage: Option<String>) {
         local.latest_snapshot().await.expect("listing"),
         Some(good.url.clone())
     );
-    let (store, dir) = snapshot::open_store(&good.url).expect("store");
+    let (store, dir) = snapshot::open_snapshot_dir(&good.url).expect("store");
     snapshot::verify(store.as_ref(), &dir)
         .await
         .expect("the last good checkpoint verifies");
@@ -280,7 +295,19 @@ async fn crash_and_recover(storage: Option<String>) {
     let r = local.recover(3).await.expect("recover");
     assert_eq!(r.restored_from.as_deref(), Some(good.url.as_str()));
     tokio::time::sleep(Duration::from_millis(600)).await;
+    // The restored checkpoint is the base of the next one (whose groups are deltas or, where
+    // most keys changed since, whole again: tests/incremental.rs checks which).
+    let after = local
+        .checkpoint()
+        .await
+        .expect("checkpoint after the restart");
+    assert_exact(&spec, &after.url).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
     let sp = local.shutdown().await.expect("stop");
+    assert!(
+        sp.manifest.is_self_contained(),
+        "savepoints are self-contained"
+    );
     assert_exact(&spec, &sp.url).await;
 }
 

@@ -96,6 +96,19 @@ struct Slot {
     /// restored from (no copy, no allocation per key).
     payload: Bytes,
     dirty: bool,
+    /// The cut epoch of the key's last change ([`KeyedAggregator::cut`]; 0: restored).
+    epoch: u32,
+}
+
+/// How a snapshot writes one key group (incremental checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupMode {
+    /// The whole group.
+    Full,
+    /// Only the keys changed after cut `since` (a delta over the snapshot taken at that cut).
+    Delta { since: u32 },
+    /// Nothing: the group has not changed since the snapshot it builds on.
+    Unchanged,
 }
 
 /// The keyed aggregation operator of one subtask.
@@ -111,6 +124,20 @@ pub struct KeyedAggregator {
     open_windows: BTreeMap<i64, u64>,
     late_records: u64,
     records: u64,
+    /// The current cut epoch: changes are stamped with it; [`KeyedAggregator::cut`] ends it.
+    epoch: u32,
+    /// Per group, the epoch of its last change.
+    changed: Vec<u32>,
+    /// Per group, the epoch it last lost keys or was replaced (a delta cannot say that).
+    reset: Vec<u32>,
+    /// Per group, the keys changed since the last cut (each once), so that a delta is
+    /// encoded without scanning the group; `None` once too many changed to be worth it.
+    touched: Vec<Option<Vec<RecordKey>>>,
+    /// The lists of the last cut, for the snapshot taken at it, and the cut before it (the
+    /// deltas they can write are those since that cut).
+    cut_lists: Option<(u32, Vec<Option<Vec<RecordKey>>>)>,
+    /// The epoch of the last cut (0: none since the state was created or restored).
+    last_cut: u32,
 }
 
 #[inline(always)]
@@ -205,7 +232,37 @@ impl KeyedAggregator {
             open_windows: BTreeMap::new(),
             late_records: 0,
             records: 0,
+            epoch: 1,
+            changed: vec![0; range.len() as usize],
+            reset: vec![0; range.len() as usize],
+            touched: (0..range.len()).map(|_| Some(Vec::new())).collect(),
+            cut_lists: None,
+            last_cut: 0,
         })
+    }
+
+    /// Ends the current cut epoch at a snapshot's barrier and returns it: every change so far
+    /// is stamped with it or an earlier one, every later change with a later one. The state as
+    /// restored is epoch 0.
+    pub fn cut(&mut self) -> u32 {
+        let e = self.epoch;
+        let fresh = (0..self.touched.len()).map(|_| Some(Vec::new())).collect();
+        let lists = std::mem::replace(&mut self.touched, fresh);
+        self.cut_lists = Some((self.last_cut, lists));
+        self.last_cut = e;
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        e
+    }
+
+    /// How a snapshot building on the one taken at cut `since` must write `group`: in full if
+    /// it lost keys (or was replaced) since, not at all if nothing changed, else a delta.
+    pub fn group_mode(&self, group: u32, since: u32) -> GroupMode {
+        match self.group_index(group) {
+            None => GroupMode::Full,
+            Some(i) if self.reset[i] > since => GroupMode::Full,
+            Some(i) if self.changed[i] <= since => GroupMode::Unchanged,
+            Some(_) => GroupMode::Delta { since },
+        }
     }
 
     /// The configuration.
@@ -243,6 +300,19 @@ impl KeyedAggregator {
         self.group_index(group).map_or(0, |i| self.groups[i].len())
     }
 
+    /// Notes that `key` of group `index` changed for the first time since the last cut.
+    #[inline]
+    fn note_touched(touched: &mut Option<Vec<RecordKey>>, key: &RecordKey, group_keys: usize) {
+        if let Some(list) = touched {
+            // Past a quarter of the group, a scan costs less than the list.
+            if list.len() > 64 && list.len() > group_keys / 4 {
+                *touched = None;
+            } else {
+                list.push(key.clone());
+            }
+        }
+    }
+
     #[inline]
     fn group_index(&self, group: u32) -> Option<usize> {
         self.range
@@ -262,15 +332,22 @@ impl KeyedAggregator {
             });
         };
         let f = self.config.function;
+        let epoch = self.epoch;
         let map = &mut self.groups[index];
         match self.config.window_size_ms {
             None => {
+                self.changed[index] = epoch;
                 if let Some(slot) = map.get_mut(&record.key) {
                     if let AccValue::Scalar(acc) = &mut slot.acc {
                         *acc = combine(f, *acc, record.value);
                     }
                     slot.dirty = true;
+                    if slot.epoch != epoch {
+                        slot.epoch = epoch;
+                        Self::note_touched(&mut self.touched[index], &record.key, map.len());
+                    }
                 } else {
+                    Self::note_touched(&mut self.touched[index], &record.key, map.len());
                     let payload = self.arenas[index]
                         .payload_for(&record.key, self.config.state_payload_bytes);
                     map.insert(
@@ -279,6 +356,7 @@ impl KeyedAggregator {
                             acc: AccValue::Scalar(initial(f, record.value)),
                             payload,
                             dirty: true,
+                            epoch,
                         },
                     );
                 }
@@ -289,19 +367,27 @@ impl KeyedAggregator {
                     self.late_records += 1;
                     return Ok(());
                 }
+                self.changed[index] = epoch;
+                let n = map.len();
                 let slot = match map.get_mut(&record.key) {
                     Some(slot) => slot,
                     None => {
+                        Self::note_touched(&mut self.touched[index], &record.key, n);
                         let payload = self.arenas[index]
                             .payload_for(&record.key, self.config.state_payload_bytes);
                         map.entry(record.key.clone()).or_insert(Slot {
                             acc: AccValue::Windows(Vec::new()),
                             payload,
                             dirty: true,
+                            epoch,
                         })
                     }
                 };
                 slot.dirty = true;
+                if slot.epoch != epoch {
+                    slot.epoch = epoch;
+                    Self::note_touched(&mut self.touched[index], &record.key, n);
+                }
                 if let AccValue::Windows(ws) = &mut slot.acc {
                     // Few windows are open per key, and the newest is the likeliest: search
                     // from the back.
@@ -342,10 +428,22 @@ impl KeyedAggregator {
             _ => return Vec::new(),
         }
         let mut out = Vec::new();
-        for map in &mut self.groups {
+        let epoch = self.epoch;
+        for (i, map) in self.groups.iter_mut().enumerate() {
+            let before = map.len();
+            let mut touched = false;
+            let list = &mut self.touched[i];
+            let group_keys = map.len();
             map.retain(|key, slot| {
                 if let AccValue::Windows(ws) = &mut slot.acc {
                     let n = ws.partition_point(|(s, _)| fires(*s));
+                    if n > 0 {
+                        if slot.epoch != epoch {
+                            Self::note_touched(list, key, group_keys);
+                        }
+                        slot.epoch = epoch;
+                        touched = true;
+                    }
                     for (start, v) in ws.drain(..n) {
                         out.push(ResultRow {
                             key: key.clone(),
@@ -361,6 +459,12 @@ impl KeyedAggregator {
                     true
                 }
             });
+            if touched {
+                self.changed[i] = epoch;
+            }
+            if map.len() != before {
+                self.reset[i] = epoch;
+            }
         }
         self.open_windows.retain(|start, _| !fires(*start));
         out.sort_by(|a, b| a.window.cmp(&b.window).then_with(|| a.key.cmp(&b.key)));
@@ -406,10 +510,13 @@ impl KeyedAggregator {
     /// Marks every key changed, as if each had just received a record (benchmarks and tests:
     /// the next drain reports them all).
     pub fn mark_all_changed(&mut self) {
-        for map in &mut self.groups {
+        for (i, map) in self.groups.iter_mut().enumerate() {
             for slot in map.values_mut() {
                 slot.dirty = true;
+                slot.epoch = self.epoch;
             }
+            self.changed[i] = self.epoch;
+            self.touched[i] = None;
         }
     }
 
@@ -441,12 +548,35 @@ impl KeyedAggregator {
     /// Every owned group, in group order, detached for one snapshot: each can be encoded
     /// ([`GroupSnapshot::encode`]) on its own thread, since it borrows only its group's state.
     pub fn snapshot_groups(&mut self) -> Vec<GroupSnapshot<'_>> {
+        self.snapshot_groups_as(|_| GroupMode::Full)
+    }
+
+    /// [`snapshot_groups`](Self::snapshot_groups), each group written as `mode(group)` says
+    /// (see [`group_mode`](Self::group_mode); a mode that cannot describe the group's changes
+    /// is the caller's error).
+    pub fn snapshot_groups_as(
+        &mut self,
+        mode: impl Fn(u32) -> GroupMode,
+    ) -> Vec<GroupSnapshot<'_>> {
         let (config, start) = (self.config, self.range.start);
         let per_entry = 40 + config.state_payload_bytes;
+        // The keys changed since the cut before this snapshot's: enough for a delta since that
+        // cut without a scan.
+        let (lists_since, mut lists) = match self.cut_lists.take() {
+            Some((since, lists)) => (Some(since), lists),
+            None => (None, Vec::new()),
+        };
         self.groups
             .iter_mut()
             .enumerate()
             .map(|(i, map)| GroupSnapshot {
+                changed_keys: match mode(start + i as u32) {
+                    GroupMode::Delta { since } if Some(since) == lists_since => {
+                        lists.get_mut(i).and_then(Option::take)
+                    }
+                    _ => None,
+                },
+                mode: mode(start + i as u32),
                 info: BlockInfo {
                     function: config.function,
                     window_size_ms: config.window_size_ms,
@@ -480,7 +610,9 @@ impl KeyedAggregator {
     }
 
     /// Replaces one owned group's state with a decoded one (from this operator's
-    /// [`decoder`](Self::decoder) or one of the same configuration and range).
+    /// [`decoder`](Self::decoder) or one of the same configuration and range). The installed
+    /// state is what a restore read: it counts as unchanged since the snapshot it came from
+    /// (epoch 0), so a checkpoint building on that snapshot writes only what changes later.
     pub fn install_group(&mut self, state: DecodedGroupState) -> Result<(), AggregateError> {
         let group = state.group;
         let index = self.group_index(group).ok_or(AggregateError::NotOwned {
@@ -493,6 +625,8 @@ impl KeyedAggregator {
         }
         self.groups[index] = state.map;
         self.arenas[index] = PayloadArena::default();
+        // What was restored is no change.
+        self.touched[index] = Some(Vec::new());
         Ok(())
     }
 
@@ -505,6 +639,9 @@ impl KeyedAggregator {
         self.forget_windows(index);
         self.groups[index].clear();
         self.arenas[index] = PayloadArena::default();
+        self.touched[index] = None;
+        self.reset[index] = self.epoch;
+        self.changed[index] = self.epoch;
         Ok(())
     }
 
@@ -581,12 +718,48 @@ impl GroupDecoder {
     /// size and key-group count, be for `group` (owned), and hold only keys of that group. Keys'
     /// payloads are slices of `block` (its memory lives as long as one of them does).
     pub fn decode(&self, group: u32, block: &Bytes) -> Result<DecodedGroupState, AggregateError> {
+        self.decode_chain(group, block, &[])
+    }
+
+    /// Decodes the block of `group` and then its delta blocks (incremental checkpoints) in
+    /// order: a key in a delta replaces the same key's state. Each block is checked like
+    /// [`decode`](Self::decode)'s.
+    pub fn decode_chain(
+        &self,
+        group: u32,
+        block: &Bytes,
+        deltas: &[Bytes],
+    ) -> Result<DecodedGroupState, AggregateError> {
         if !self.range.contains(group) {
             return Err(AggregateError::NotOwned {
                 group,
                 range: self.range,
             });
         }
+        let mut map = KeyMap::default();
+        if !block.is_empty() || deltas.is_empty() {
+            self.decode_into(group, block, &mut map)?;
+        }
+        for d in deltas {
+            self.decode_into(group, d, &mut map)?;
+        }
+        let mut opened: Vec<i64> = Vec::new();
+        if self.config.window_size_ms.is_some() {
+            for slot in map.values() {
+                if let AccValue::Windows(ws) = &slot.acc {
+                    opened.extend(ws.iter().map(|(s, _)| *s));
+                }
+            }
+        }
+        Ok(DecodedGroupState { group, map, opened })
+    }
+
+    fn decode_into(
+        &self,
+        group: u32,
+        block: &Bytes,
+        map: &mut KeyMap<Slot>,
+    ) -> Result<(), AggregateError> {
         // Checksum and header, once; then the entries.
         let entries = state_codec::shared_entries(block)
             .map_err(|source| AggregateError::Codec { group, source })?;
@@ -626,10 +799,8 @@ impl GroupDecoder {
             ));
         }
         let maxp = self.config.max_parallelism;
-        let mut map = KeyMap::default();
         map.reserve(entries.header().entries.min(block.len() as u64 / 10) as usize);
         let mut wrong: Option<AggregateError> = None;
-        let mut opened: Vec<i64> = Vec::new();
         entries
             .for_each(|key, acc, payload| {
                 let actual = key.key_group(maxp);
@@ -640,11 +811,11 @@ impl GroupDecoder {
                         actual,
                     });
                 }
-                if let AccValue::Windows(ws) = &acc {
-                    if ws.is_empty() {
-                        return Ok(());
-                    }
-                    opened.extend(ws.iter().map(|(s, _)| *s));
+                if let AccValue::Windows(ws) = &acc
+                    && ws.is_empty()
+                {
+                    map.remove(&key);
+                    return Ok(());
                 }
                 map.insert(
                     key,
@@ -652,6 +823,7 @@ impl GroupDecoder {
                         acc,
                         payload,
                         dirty: false,
+                        epoch: 0,
                     },
                 );
                 Ok(())
@@ -660,13 +832,16 @@ impl GroupDecoder {
         if let Some(e) = wrong {
             return Err(e);
         }
-        Ok(DecodedGroupState { group, map, opened })
+        Ok(())
     }
 }
 
 /// One key group's state, borrowed from its operator for a snapshot
 /// ([`KeyedAggregator::snapshot_groups`]).
 pub struct GroupSnapshot<'a> {
+    mode: GroupMode,
+    /// For a delta: the keys changed since its cut, if known (else the group is scanned).
+    changed_keys: Option<Vec<RecordKey>>,
     info: BlockInfo,
     per_entry: usize,
     map: &'a mut KeyMap<Slot>,
@@ -683,6 +858,11 @@ pub struct EncodedGroup {
     pub entries: u64,
     /// Result rows appended to the caller's buffer (0 without one).
     pub rows: u64,
+    /// How the block was written: the whole group, a delta (only changed keys), or nothing
+    /// (an unchanged group: `block` is empty).
+    pub mode: GroupMode,
+    /// Keys in the group.
+    pub keys: u64,
 }
 
 impl GroupSnapshot<'_> {
@@ -707,24 +887,80 @@ impl GroupSnapshot<'_> {
     /// a sink JSON line ([`super::sink::format_json_row`]) and clears its change mark. Rows come
     /// in the map's order, not sorted.
     pub fn encode(self, mut updates: Option<&mut Vec<u8>>) -> EncodedGroup {
-        let mut w = BlockWriter::new(&self.info, 64 + self.map.len() * self.per_entry);
+        let keys = self.map.len() as u64;
+        let group = self.info.key_group;
+        let since = match self.mode {
+            GroupMode::Unchanged => {
+                return EncodedGroup {
+                    group,
+                    block: Vec::new(),
+                    entries: 0,
+                    rows: 0,
+                    mode: GroupMode::Unchanged,
+                    keys,
+                };
+            }
+            GroupMode::Full => None,
+            GroupMode::Delta { since } => Some(since),
+        };
+        let hint = match since {
+            None => 64 + self.map.len() * self.per_entry,
+            Some(_) => 4096,
+        };
+        let mut w = BlockWriter::new(&self.info, hint);
         let size = self.info.window_size_ms;
         let mut rows = 0u64;
-        for (key, slot) in self.map.iter_mut() {
-            w.push(key, &slot.acc, &slot.payload);
-            if let Some(out) = updates.as_deref_mut()
-                && slot.dirty
-            {
-                slot.dirty = false;
-                rows += format_rows(out, key, &slot.acc, size);
+        match (since, self.changed_keys) {
+            // Only the changed keys (every key changed and marked for the sink since the last
+            // cut is in the list).
+            (Some(since), Some(keys)) => {
+                for key in &keys {
+                    let Some(slot) = self.map.get_mut(key) else {
+                        continue;
+                    };
+                    if slot.epoch > since {
+                        w.push(key, &slot.acc, &slot.payload);
+                    }
+                    if let Some(out) = updates.as_deref_mut()
+                        && slot.dirty
+                    {
+                        slot.dirty = false;
+                        rows += format_rows(out, key, &slot.acc, size);
+                    }
+                }
+            }
+            _ => {
+                for (key, slot) in self.map.iter_mut() {
+                    if since.is_none_or(|s| slot.epoch > s) {
+                        w.push(key, &slot.acc, &slot.payload);
+                    }
+                    if let Some(out) = updates.as_deref_mut()
+                        && slot.dirty
+                    {
+                        slot.dirty = false;
+                        rows += format_rows(out, key, &slot.acc, size);
+                    }
+                }
             }
         }
         let (block, entries) = w.finish();
+        if since.is_some() && entries == 0 {
+            return EncodedGroup {
+                group,
+                block: Vec::new(),
+                entries: 0,
+                rows,
+                mode: GroupMode::Unchanged,
+                keys,
+            };
+        }
         EncodedGroup {
-            group: self.info.key_group,
+            group,
             block,
             entries,
             rows,
+            mode: self.mode,
+            keys,
         }
     }
 }

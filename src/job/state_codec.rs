@@ -508,6 +508,42 @@ pub fn for_each_raw_entry<'a>(
     Ok(header)
 }
 
+/// The whole state of a group whose blocks are a chain (incremental checkpoints): `base`, then
+/// each of `deltas` in order, a key in a later block replacing the same key's state (and a
+/// windowed key with no windows left removing it), encoded as one block with `base`'s header.
+/// For tools, which then treat the group like any other; returns `(block, entries)`.
+pub fn merge_chain(base: &[u8], deltas: &[Bytes]) -> Result<(Vec<u8>, u64), CodecError> {
+    let first = decode_group(base)?;
+    let info = first.header.info;
+    let mut index: std::collections::HashMap<Key, usize> =
+        std::collections::HashMap::with_capacity(first.entries.len());
+    let mut entries: Vec<Option<(Key, StateValue)>> = Vec::with_capacity(first.entries.len());
+    let mut overlay = |entries: &mut Vec<Option<(Key, StateValue)>>, k: Key, v: StateValue| {
+        let gone = matches!(&v.acc, AccValue::Windows(ws) if ws.is_empty());
+        match index.get(&k) {
+            Some(&i) if gone => entries[i] = None,
+            Some(&i) => entries[i] = Some((k, v)),
+            None if gone => {}
+            None => {
+                index.insert(k.clone(), entries.len());
+                entries.push(Some((k, v)));
+            }
+        }
+    };
+    for (k, v) in first.entries {
+        overlay(&mut entries, k, v);
+    }
+    for d in deltas {
+        for (k, v) in decode_group(d)?.entries {
+            overlay(&mut entries, k, v);
+        }
+    }
+    Ok(encode_entries(
+        &info,
+        entries.iter().flatten().map(|(k, v)| (k, v)),
+    ))
+}
+
 /// Decodes a whole block without any job spec.
 pub fn decode_group(block: &[u8]) -> Result<DecodedGroup, CodecError> {
     let (header, mut r) = open(block)?;

@@ -550,6 +550,7 @@ mod tests {
                     length: *length,
                     checksum: Crc32c::EMPTY,
                     entries: *entries,
+                    deltas: Vec::new(),
                 })
                 .collect(),
         }

@@ -15,7 +15,9 @@
 //! their keys' change marks are cleared, so a failed write hands the lines back
 //! ([`StateWriteFailed::lines`]) for the caller to keep for the next snapshot.
 
-use crate::job::{EncodedGroup, GroupSnapshot, KeyedAggregator};
+use super::incremental::{Base, ChainPolicy};
+use crate::job::{EncodedGroup, GroupMode, GroupSnapshot, KeyedAggregator};
+use crate::snapshot::{self, ObjectStore, Path};
 use crate::snapshot::{SnapshotError, SnapshotWriter, SubtaskSnapshot};
 use bytes::Bytes;
 use std::collections::BTreeMap;
@@ -106,6 +108,130 @@ pub struct StateWriteFailed {
     pub lines: Vec<u8>,
     /// Rows in `lines`, or written to stdout.
     pub rows: u64,
+}
+
+/// A subtask's state taken at a barrier for an incremental checkpoint ([`encode_cut`]): each
+/// group's block (whole, delta, or none when unchanged), already encoded, so that records flow
+/// again while [`upload_cut`] writes it.
+#[derive(Debug)]
+pub struct Cut {
+    /// Every owned group, in group order.
+    pub groups: Vec<EncodedGroup>,
+    /// The drained result lines with [`Updates::Keep`] (empty otherwise), in group order.
+    pub lines: Vec<u8>,
+    /// Result rows drained (written to stdout or in `lines`).
+    pub rows: u64,
+}
+
+impl Cut {
+    /// Entries of every owned group, in group order.
+    pub fn keys_per_group(&self) -> Vec<u64> {
+        self.groups.iter().map(|g| g.keys).collect()
+    }
+
+    /// Bytes of the blocks to write.
+    pub fn bytes(&self) -> u64 {
+        self.groups.iter().map(|g| g.block.len() as u64).sum()
+    }
+}
+
+/// Takes the consistent cut of an incremental checkpoint on the calling thread: encodes each
+/// owned group as `mode` says (see [`crate::runtime::incremental`]) and drains the changed keys'
+/// results as `updates` says. Only changed groups are visited and only changed keys encoded, so
+/// this is what a checkpoint holds records up for; the upload ([`upload_cut`]) runs after.
+pub async fn encode_cut(
+    agg: &mut KeyedAggregator,
+    mode: impl Fn(u32) -> GroupMode,
+    updates: Updates,
+) -> Cut {
+    let mut lines = Lines::new(updates);
+    let mut groups = Vec::with_capacity(agg.range().len() as usize);
+    for g in agg.snapshot_groups_as(mode) {
+        let mut buf = lines.drains().then(Vec::new);
+        let e = g.encode(buf.as_mut());
+        lines.add(buf.unwrap_or_default(), e.rows);
+        groups.push(e);
+    }
+    let (lines, rows) = lines.finish().await;
+    Cut {
+        groups,
+        lines,
+        rows,
+    }
+}
+
+/// Writes a [`Cut`] through `writer` on top of `base` (the checkpoint the cut's modes were
+/// taken against) and finishes the file: durable when this returns. A delta of a group that
+/// `base` says to compact ([`Base::compacts`]) is merged here with the group's chain, read back
+/// from `store` (`dir` is the new snapshot's directory), and written as the whole group.
+pub async fn upload_cut(
+    groups: Vec<EncodedGroup>,
+    mut writer: SnapshotWriter,
+    base: &Base,
+    policy: ChainPolicy,
+    store: &dyn ObjectStore,
+    dir: &Path,
+) -> Result<SubtaskSnapshot, SnapshotError> {
+    for e in groups {
+        let r = write_cut_group(e, &mut writer, base, policy, store, dir).await;
+        if let Err(err) = r {
+            let _ = writer.abort().await;
+            return Err(err);
+        }
+    }
+    writer.finish().await
+}
+
+async fn write_cut_group(
+    e: EncodedGroup,
+    writer: &mut SnapshotWriter,
+    base: &Base,
+    policy: ChainPolicy,
+    store: &dyn ObjectStore,
+    dir: &Path,
+) -> Result<(), SnapshotError> {
+    let prior = || {
+        base.groups.get(&e.group).cloned().ok_or_else(|| {
+            SnapshotError::Assemble(format!(
+                "key group {} is not in the checkpoint this one builds on",
+                e.group
+            ))
+        })
+    };
+    match e.mode {
+        GroupMode::Full => {
+            writer
+                .write_group(e.group, Bytes::from(e.block), e.entries)
+                .await
+        }
+        GroupMode::Delta { .. } if base.compacts(e.group, policy) => {
+            let prior = prior()?;
+            let (first, mut deltas) = snapshot::read_chain(store, dir, &prior).await?;
+            deltas.push(Bytes::from(e.block));
+            let (merged, entries) =
+                crate::job::state_codec::merge_chain(&first, &deltas).map_err(|err| {
+                    SnapshotError::ChainUnreadable {
+                        path: snapshot::file_path(dir, &prior.file).to_string(),
+                        group: e.group,
+                        reason: err.to_string(),
+                    }
+                })?;
+            writer
+                .write_group(e.group, Bytes::from(merged), entries)
+                .await
+        }
+        GroupMode::Delta { .. } => {
+            writer
+                .write_on(
+                    prior()?,
+                    Some((Bytes::from(e.block), e.entries)),
+                    e.keys,
+                    &base.files,
+                )
+                .await
+        }
+        GroupMode::Unchanged => writer.write_on(prior()?, None, e.keys, &base.files).await,
+    }
 }
 
 /// Groups an encoder may run ahead of the writer, per encoder thread.

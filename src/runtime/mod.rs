@@ -3,6 +3,7 @@
 //! it does not care whether they are local processes or pods.
 
 pub mod checkpoint;
+pub mod incremental;
 pub mod ledger;
 pub mod metrics;
 pub mod protocol;

@@ -316,6 +316,11 @@ pub struct SubtaskAck {
     pub watermark: i64,
     /// Milliseconds from trigger to durable state.
     pub duration_ms: u64,
+    /// Milliseconds the keyed operator held records up for this snapshot: the whole write for
+    /// a full one, only the consistent cut for an incremental one whose upload ran while
+    /// records flowed (absent from workers before incremental checkpoints).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub blocked_ms: Option<u64>,
 }
 
 /// A worker's state, as its control API reports it.
@@ -551,6 +556,7 @@ mod tests {
             source_partitions: BTreeMap::from([(0, "part-0.jsonl".into())]),
             watermark: i64::MIN,
             duration_ms: 3,
+            blocked_ms: Some(1),
         };
         for st in [
             CheckpointStatus::Pending,

@@ -81,7 +81,7 @@ pub fn restore_totals(manifest: &Manifest, range: crate::keygroup::KeyGroupRange
     range
         .iter()
         .filter_map(|g| manifest.group(g))
-        .fold((0, 0), |(b, n), e| (b + e.length, n + 1))
+        .fold((0, 0), |(b, n), e| (b + e.stored_bytes(), n + 1))
 }
 
 type Decoding = tokio::task::JoinHandle<Result<Vec<DecodedGroupState>, AggregateError>>;
@@ -144,7 +144,7 @@ pub async fn restore_state_reporting(
                 piece
                     .groups
                     .iter()
-                    .map(|g| decoder.decode(g.group, &g.bytes))
+                    .map(|g| decoder.decode_chain(g.group, &g.bytes, &g.deltas))
                     .collect()
             }));
         }

@@ -10,6 +10,7 @@
 //!   to the object store and acknowledges the snapshot.
 
 use super::checkpoint::{self, StateWriteOptions, Updates};
+use super::incremental;
 use super::ledger::{BarrierCut, Ledger, Trigger};
 use super::metrics::WorkerMetrics;
 use super::protocol::*;
@@ -510,6 +511,18 @@ struct Subtask {
     sink: Option<ObjectSink>,
     /// The names of the source partitions it reads (file sources), for its acks.
     source_partitions: BTreeMap<u32, String>,
+    /// What its next checkpoint builds on (incremental checkpoints).
+    chain: incremental::Chain,
+    /// An incremental checkpoint whose cut was taken and whose state is still being written.
+    uploading: Option<Uploading>,
+}
+
+/// An incremental checkpoint being written while records flow: it settles its snapshot in the
+/// ledger itself, and hands back what it wrote for the next checkpoint to build on.
+struct Uploading {
+    id: u64,
+    cut: u32,
+    task: tokio::task::JoinHandle<Result<Option<snapshot::SubtaskSnapshot>, WorkerError>>,
 }
 
 /// The object-store sink of a subtask: where it stages, and what (every result since the job's
@@ -693,6 +706,7 @@ async fn start_subtask(
     let started = Instant::now();
     let mut resp = StartResponse::default();
     let mut watermark = i64::MIN;
+    let mut chain = incremental::Chain::new(incremental::enabled_from_env());
     if let Some((rstore, dir, manifest)) = snap {
         if manifest.state_schema == job::AGG_SCHEMA {
             // Decoded while the next blocks are read; installed once every block is checked.
@@ -708,6 +722,23 @@ async fn start_subtask(
             resp.keys_restored = restored.keys;
             resp.groups_restored = restored.groups;
             resp.bytes_read = restored.bytes_read;
+        }
+        // One of the job's own checkpoints: the next checkpoint may build on it.
+        let own = crate::coordinator::snapshot_url(
+            &req.storage,
+            &req.namespace,
+            &req.name,
+            snapshot::SnapshotKind::Checkpoint,
+            manifest.snapshot_id,
+        );
+        if manifest.kind == snapshot::SnapshotKind::Checkpoint
+            && manifest.state_schema == job::AGG_SCHEMA
+            && req
+                .restore_from
+                .as_deref()
+                .is_some_and(|u| u.trim().trim_end_matches('/') == own)
+        {
+            chain.restored_from(incremental::Base::restored(&manifest, range));
         }
         crate::orchestrator::hooks::slow_restore(&req.namespace, &req.name).await;
         if let Some(wm) = manifest.watermark {
@@ -922,6 +953,8 @@ async fn start_subtask(
         sink_log: matches!(req.job.sink.sink_type, crate::crd::SinkType::Log),
         sink,
         source_partitions,
+        chain,
+        uploading: None,
     };
     let compiled = Arc::new(compiled);
     let s_src = s.clone();
@@ -1412,49 +1445,81 @@ async fn operator_loop(
                         continue;
                     }
                     let result = snapshot(&s, &mut sub, id, tracker.current()).await;
-                    let status = match result {
-                        Ok(Some(ack)) => {
-                            tracing::info!(
-                                id,
-                                bytes = ack.snapshot.file.size,
-                                ms = ack.duration_ms,
-                                "snapshot written"
-                            );
-                            CheckpointStatus::Completed(Box::new(ack))
-                        }
-                        Ok(None) => {
-                            tracing::info!(id, "snapshot aborted before it was written");
+                    let result = match result {
+                        Ok(Some(Written::Uploading(u))) => {
+                            sub.uploading = Some(u);
                             continue;
                         }
-                        Err(e) if e.stops_the_worker() => {
-                            s.ledger.lock().await.finish(
-                                id,
-                                CheckpointStatus::Failed {
-                                    error: e.to_string(),
-                                },
-                            );
-                            return Err(e);
-                        }
-                        Err(e) => {
-                            tracing::error!(id, error = %e, "snapshot failed");
-                            CheckpointStatus::Failed {
-                                error: e.to_string(),
-                            }
-                        }
+                        Ok(Some(Written::Done(ack))) => Ok(Some(*ack)),
+                        Ok(None) => Ok(None),
+                        Err(e) => Err(e),
                     };
-                    let completed = matches!(status, CheckpointStatus::Completed(_));
-                    if !s.ledger.lock().await.finish(id, status) {
-                        tracing::info!(
-                            id,
-                            "snapshot written after it was aborted: it stays aborted"
-                        );
-                    } else if completed {
-                        s.status.lock().await.last_checkpoint = Some(id);
-                    }
+                    settle(&s, id, result).await?;
                 }
             },
         }
     }
+}
+
+/// Records the outcome of snapshot `id` in the ledger (and the status); returns what was
+/// written if it completed. A failure that must stop the worker is returned as the error.
+async fn settle(
+    s: &Shared,
+    id: u64,
+    result: Result<Option<SubtaskAck>, WorkerError>,
+) -> Result<Option<snapshot::SubtaskSnapshot>, WorkerError> {
+    let status = match result {
+        Ok(Some(ack)) => {
+            tracing::info!(
+                id,
+                bytes = ack.snapshot.file.size,
+                ms = ack.duration_ms,
+                blocked_ms = ?ack.blocked_ms,
+                "snapshot written"
+            );
+            CheckpointStatus::Completed(Box::new(ack))
+        }
+        Ok(None) => {
+            tracing::info!(id, "snapshot aborted before it was written");
+            return Ok(None);
+        }
+        Err(e) if e.stops_the_worker() => {
+            s.ledger.lock().await.finish(
+                id,
+                CheckpointStatus::Failed {
+                    error: e.to_string(),
+                },
+            );
+            return Err(e);
+        }
+        Err(e) => {
+            tracing::error!(id, error = %e, "snapshot failed");
+            CheckpointStatus::Failed {
+                error: e.to_string(),
+            }
+        }
+    };
+    let written = match &status {
+        CheckpointStatus::Completed(ack) => Some(ack.snapshot.clone()),
+        _ => None,
+    };
+    if !s.ledger.lock().await.finish(id, status) {
+        tracing::info!(
+            id,
+            "snapshot written after it was aborted: it stays aborted"
+        );
+        return Ok(None);
+    }
+    if written.is_some() {
+        s.status.lock().await.last_checkpoint = Some(id);
+    }
+    Ok(written)
+}
+
+/// A snapshot written at its barrier, or still being written (an incremental checkpoint).
+enum Written {
+    Done(Box<SubtaskAck>),
+    Uploading(Uploading),
 }
 
 /// What a barrier does to the keyed operator's alignment.
@@ -1570,12 +1635,30 @@ fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64) {
 
 /// Writes snapshot `id` at its aligned barrier; `None` if it was aborted before it began
 /// (nothing is written or drained then: this subtask's output rides with the next snapshot).
+///
+/// A checkpoint that builds on the previous one ([`incremental`]) holds records up only for
+/// its cut (the changed keys encoded, the results drained and staged in memory): its upload
+/// runs in a task while records flow, and it is acknowledged when the upload is durable. A
+/// snapshot waits for the upload before it takes its own cut.
 async fn snapshot(
-    s: &Shared,
+    s: &Arc<Shared>,
     sub: &mut Subtask,
     id: u64,
     watermark: i64,
-) -> Result<Option<SubtaskAck>, WorkerError> {
+) -> Result<Option<Written>, WorkerError> {
+    if let Some(u) = sub.uploading.take() {
+        let written = u
+            .task
+            .await
+            .map_err(|e| WorkerError::Fatal(format!("checkpoint upload task: {e}")))??;
+        match written {
+            Some(w) => sub
+                .chain
+                .written(incremental::Base::written(u.id, u.cut, &w)),
+            // It failed or was aborted: the next checkpoint is full.
+            None => sub.chain.reset(),
+        }
+    }
     let cut = {
         let mut ledger = s.ledger.lock().await;
         match ledger.take_cut(id) {
@@ -1608,6 +1691,81 @@ async fn snapshot(
     crate::orchestrator::hooks::slow_snapshot(&sub.job.0, &sub.job.1, sub.subtask, id).await;
     let dir = snapshot::snapshot_dir(&sub.job_dir, kind, id);
     let writer = SnapshotWriter::new(sub.store.clone(), &dir, sub.assignment, sub.subtask)?;
+    let base = match kind {
+        snapshot::SnapshotKind::Checkpoint => sub.chain.base_for(last_committed).cloned(),
+        // Savepoints are self-contained.
+        snapshot::SnapshotKind::Savepoint => None,
+    };
+    let cut_epoch = sub.agg.cut();
+    if let Some(base) = base {
+        let policy = sub.chain.policy;
+        let range = sub.agg.range();
+        let modes: Vec<job::GroupMode> = range.iter().map(|g| base.mode(&sub.agg, g)).collect();
+        let taken =
+            checkpoint::encode_cut(&mut sub.agg, |g| modes[(g - range.start) as usize], updates)
+                .await;
+        s.metrics.records_out.inc_by(taken.rows);
+        let keys_per_group = taken.keys_per_group();
+        let cut_bytes = taken.bytes();
+        emit_lines(sub, taken.lines, taken.rows);
+        let output = match &mut sub.sink {
+            Some(sink) => Some((
+                sink.store.clone(),
+                sink.base.clone(),
+                sink.staging
+                    .on_barrier(id, job::sink::Committed::from_wire(last_committed))?,
+            )),
+            None => None,
+        };
+        s.metrics.keys.set(sub.agg.key_count() as i64);
+        s.status.lock().await.keys_per_group = keys_per_group;
+        let blocked_ms = started.elapsed().as_millis() as u64;
+        let groups = taken.groups;
+        let source_partitions = sub.source_partitions.clone();
+        let shared = s.clone();
+        let store = sub.store.clone();
+        tracing::debug!(
+            id,
+            base = base.id,
+            bytes = cut_bytes,
+            blocked_ms,
+            "incremental checkpoint cut taken"
+        );
+        let task = tokio::spawn(async move {
+            let result: Result<Option<SubtaskAck>, WorkerError> = async {
+                let snapshot =
+                    checkpoint::upload_cut(groups, writer, &base, policy, store.as_ref(), &dir)
+                        .await?;
+                if let Some((store, sink_base, output)) = &output {
+                    stage_output(store.as_ref(), sink_base, id, output).await?;
+                }
+                let duration = started.elapsed();
+                shared
+                    .metrics
+                    .checkpoint_seconds
+                    .set(duration.as_secs_f64());
+                shared
+                    .metrics
+                    .checkpoint_bytes
+                    .set(snapshot.file.size as i64);
+                Ok(Some(SubtaskAck {
+                    snapshot,
+                    source_positions: positions,
+                    source_partitions,
+                    watermark,
+                    duration_ms: duration.as_millis() as u64,
+                    blocked_ms: Some(blocked_ms),
+                }))
+            }
+            .await;
+            settle(&shared, id, result).await
+        });
+        return Ok(Some(Written::Uploading(Uploading {
+            id,
+            cut: cut_epoch,
+            task,
+        })));
+    }
     let opts = StateWriteOptions {
         threads: StateWriteOptions::threads_for(sub.agg.key_count()),
         updates,
@@ -1631,26 +1789,14 @@ async fn snapshot(
         let output = sink
             .staging
             .on_barrier(id, job::sink::Committed::from_wire(last_committed))?;
-        let path = crate::sink::stage(sink.store.as_ref(), &sink.base, &output).await?;
-        tracing::debug!(
-            id,
-            %path,
-            rows = output.rows,
-            bytes = output.len(),
-            carried = ?output.carried,
-            "sink output staged"
-        );
-        if !output.carried.is_empty() {
-            tracing::info!(
-                id,
-                carried = ?output.carried,
-                rows = output.rows,
-                "sink output of snapshots that did not commit staged again with this one"
-            );
-        }
+        stage_output(sink.store.as_ref(), &sink.base, id, &output).await?;
     }
     let keys_per_group = written.keys_per_group;
     let snapshot = written.snapshot;
+    if kind == snapshot::SnapshotKind::Checkpoint {
+        sub.chain
+            .written(incremental::Base::written(id, cut_epoch, &snapshot));
+    }
     let duration_ms = started.elapsed().as_millis() as u64;
     s.metrics
         .checkpoint_seconds
@@ -1658,13 +1804,41 @@ async fn snapshot(
     s.metrics.checkpoint_bytes.set(snapshot.file.size as i64);
     s.metrics.keys.set(sub.agg.key_count() as i64);
     s.status.lock().await.keys_per_group = keys_per_group;
-    Ok(Some(SubtaskAck {
+    Ok(Some(Written::Done(Box::new(SubtaskAck {
         snapshot,
         source_positions: positions,
         source_partitions: sub.source_partitions.clone(),
         watermark,
         duration_ms,
-    }))
+        blocked_ms: Some(duration_ms),
+    }))))
+}
+
+/// Stages a snapshot's sink output (see [`crate::sink::stage`]).
+async fn stage_output(
+    store: &dyn ObjectStore,
+    base: &StorePath,
+    id: u64,
+    output: &job::Output,
+) -> Result<(), WorkerError> {
+    let path = crate::sink::stage(store, base, output).await?;
+    tracing::debug!(
+        id,
+        %path,
+        rows = output.rows,
+        bytes = output.len(),
+        carried = ?output.carried,
+        "sink output staged"
+    );
+    if !output.carried.is_empty() {
+        tracing::info!(
+            id,
+            carried = ?output.carried,
+            rows = output.rows,
+            "sink output of snapshots that did not commit staged again with this one"
+        );
+    }
+    Ok(())
 }
 
 #[cfg(test)]

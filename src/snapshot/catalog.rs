@@ -1,13 +1,14 @@
 //! Listing a job's snapshots and deleting old checkpoints.
 
 use super::error::{Result, SnapshotError};
-use super::layout::{SnapshotKind, manifest_path, parse_snapshot_dir_name};
-use super::manifest::{JobIdentity, Manifest};
+use super::layout::{SnapshotKind, file_path, manifest_path, parse_snapshot_dir_name};
+use super::manifest::{JobIdentity, Manifest, is_referenced_file};
 use super::reader::read_manifest;
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
+use std::collections::BTreeSet;
 
 /// Manifests read at once while listing.
 const MANIFESTS_AT_ONCE: usize = 8;
@@ -224,7 +225,10 @@ pub struct RetentionReport {
 /// are uncommitted directories newer than the newest checkpoint (they may be in progress).
 ///
 /// A checkpoint's manifest is deleted first, then its files, so an interrupted deletion leaves an
-/// orphan (cleaned up next time), never a snapshot that looks valid but lacks files.
+/// orphan (cleaned up next time), never a snapshot that looks valid but lacks files. A file that
+/// a kept snapshot (checkpoint or savepoint) reads from the deleted checkpoint's directory
+/// (incremental checkpoints, [`referenced_files`]) stays; it goes with the orphan directory once
+/// no kept snapshot refers to it.
 pub async fn retain(
     store: &dyn ObjectStore,
     job_dir: &Path,
@@ -257,6 +261,9 @@ pub async fn retain(
         return Ok(report);
     };
     let mut committed_seen = 0usize;
+    // Decide first, delete after: what is deleted must not hold a file that a snapshot kept
+    // refers to (incremental checkpoints).
+    let mut doomed: Vec<(u64, &Path, bool)> = Vec::new();
     for ((id, dir), is_committed) in dirs.iter().zip(&committed).rev() {
         if *is_committed {
             // Only usable checkpoints count towards the ones kept, and one whose manifest
@@ -276,13 +283,29 @@ pub async fn retain(
                 report.kept.push(*id);
                 continue;
             }
+            doomed.push((*id, dir, true));
+        } else if *id < newest_committed {
+            doomed.push((*id, dir, false));
+        }
+    }
+    if doomed.is_empty() {
+        return Ok(report);
+    }
+    let leaving: BTreeSet<&Path> = doomed
+        .iter()
+        .filter(|(_, _, committed)| *committed)
+        .map(|(_, dir, _)| *dir)
+        .collect();
+    let kept_refs = referenced_files(store, job_dir, &leaving).await?;
+    for (id, dir, is_committed) in doomed {
+        if is_committed {
             // Manifest first: from here on the snapshot no longer exists.
             delete_object(store, &manifest_path(dir)).await?;
-            report.objects_deleted += 1 + delete_prefix(store, dir).await?;
-            report.deleted.push(*id);
-        } else if *id < newest_committed {
-            report.objects_deleted += delete_prefix(store, dir).await?;
-            report.orphans_deleted.push(*id);
+            report.objects_deleted += 1 + delete_unreferenced(store, dir, &kept_refs).await?;
+            report.deleted.push(id);
+        } else {
+            report.objects_deleted += delete_unreferenced(store, dir, &kept_refs).await?;
+            report.orphans_deleted.push(id);
         }
     }
     report.deleted.reverse();
@@ -290,16 +313,47 @@ pub async fn retain(
     Ok(report)
 }
 
-async fn delete_object(store: &dyn ObjectStore, path: &Path) -> Result<()> {
-    match store.delete(path).await {
-        Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-        Err(e) => Err(SnapshotError::store("delete", path, e)),
+/// Every file that a committed snapshot of the job under `job_dir` (other than those in
+/// `leaving`) reads from another snapshot's directory (incremental checkpoints), as store
+/// paths. Those files must stay while such a snapshot is kept, even when the snapshot that
+/// wrote them is deleted. Manifests that cannot be used are passed over (their snapshots
+/// cannot be restored anyway); a store error is an error.
+pub async fn referenced_files(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+    leaving: &BTreeSet<&Path>,
+) -> Result<BTreeSet<Path>> {
+    let mut out = BTreeSet::new();
+    for (_, _, dir, manifest) in read_manifests(store, job_dir).await? {
+        if leaving.contains(&dir) {
+            continue;
+        }
+        match manifest {
+            Ok(m) => {
+                for f in m.files.iter().filter(|f| is_referenced_file(&f.name)) {
+                    out.insert(file_path(&dir, &f.name));
+                }
+            }
+            Err(SnapshotError::ManifestMissing { .. }) => {}
+            Err(e) if e.is_bad_manifest() => {}
+            Err(e) => return Err(e),
+        }
     }
+    Ok(out)
 }
 
-/// Deletes every object under `dir`; returns how many.
-async fn delete_prefix(store: &dyn ObjectStore, dir: &Path) -> Result<usize> {
-    let locations = store.list(Some(dir)).map_ok(|m| m.location).boxed();
+/// Deletes every object under `dir` but those in `keep`; returns how many it deleted.
+pub async fn delete_unreferenced(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    keep: &BTreeSet<Path>,
+) -> Result<usize> {
+    let keep = keep.clone();
+    let locations = store
+        .list(Some(dir))
+        .map_ok(|m| m.location)
+        .try_filter(move |p| futures::future::ready(!keep.contains(p)))
+        .boxed();
     let results: Vec<_> = store.delete_stream(locations).collect().await;
     let mut deleted = 0;
     for r in results {
@@ -310,6 +364,13 @@ async fn delete_prefix(store: &dyn ObjectStore, dir: &Path) -> Result<usize> {
         }
     }
     Ok(deleted)
+}
+
+async fn delete_object(store: &dyn ObjectStore, path: &Path) -> Result<()> {
+    match store.delete(path).await {
+        Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+        Err(e) => Err(SnapshotError::store("delete", path, e)),
+    }
 }
 
 #[cfg(test)]

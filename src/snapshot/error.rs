@@ -70,7 +70,7 @@ pub enum SnapshotError {
 
     /// The manifest was written in a format this build does not read.
     #[error(
-        "{path} has formatVersion {found}, this build reads formatVersion {supported}: use a keyshift version that supports it"
+        "{path} has formatVersion {found}, this build reads formatVersion 1 to {supported}: use a keyshift version that supports it"
     )]
     UnsupportedFormat {
         path: String,
@@ -121,6 +121,14 @@ pub enum SnapshotError {
         group: u32,
         expected: String,
         actual: String,
+    },
+
+    /// The blocks of a key group's chain (incremental checkpoints) cannot be merged into one.
+    #[error("state file {path}: key group {group}'s blocks cannot be merged: {reason}")]
+    ChainUnreadable {
+        path: String,
+        group: u32,
+        reason: String,
     },
 
     /// A whole state file does not match its checksum.

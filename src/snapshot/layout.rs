@@ -80,6 +80,22 @@ pub fn state_file_name(subtask: u32, parallelism: u32) -> String {
     format!("state-{subtask}-of-{parallelism}.bin")
 }
 
+/// Where the file a manifest in `dir` names lies: a plain name in `dir` itself; a file of another
+/// snapshot of the job (`checkpoints/chk-<id>/<file>`, incremental checkpoints) relative to the
+/// job directory, the parent of `dir`'s parent.
+pub fn file_path(dir: &Path, name: &str) -> Path {
+    if !name.contains('/') {
+        return dir.clone().join(name);
+    }
+    let parts: Vec<_> = dir.parts().collect();
+    let job = parts.len().saturating_sub(2);
+    let mut path: Path = parts.into_iter().take(job).collect();
+    for part in name.split('/') {
+        path = path.join(part);
+    }
+    path
+}
+
 /// Reads the id out of a snapshot directory name of the given kind (`chk-17` -> 17).
 pub fn parse_snapshot_dir_name(kind: SnapshotKind, name: &str) -> Option<u64> {
     let digits = name.strip_prefix(kind.dir_prefix())?;
@@ -118,6 +134,18 @@ mod tests {
             "ns/j/checkpoints/chk-1"
         );
         assert_eq!(state_file_name(3, 8), "state-3-of-8.bin");
+        assert_eq!(
+            file_path(&chk, "state-0-of-2.bin").as_ref(),
+            "bucket-prefix/keyshift/team-a/clicks/checkpoints/chk-42/state-0-of-2.bin"
+        );
+        assert_eq!(
+            file_path(&chk, "checkpoints/chk-40/state-1-of-2.bin").as_ref(),
+            "bucket-prefix/keyshift/team-a/clicks/checkpoints/chk-40/state-1-of-2.bin"
+        );
+        assert_eq!(
+            file_path(&Path::from("checkpoints/chk-3"), "checkpoints/chk-2/a.bin").as_ref(),
+            "checkpoints/chk-2/a.bin"
+        );
     }
 
     #[test]

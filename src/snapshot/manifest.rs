@@ -13,8 +13,12 @@ use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::ops::Range;
 
-/// The manifest format this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+/// The newest manifest format this build writes and reads: 2 adds incremental checkpoints
+/// (blocks in other snapshots' files, and per-group delta blocks). A self-contained snapshot is
+/// still written as [`FULL_FORMAT_VERSION`], so older builds read it.
+pub const FORMAT_VERSION: u32 = 2;
+/// The format of a self-contained manifest (every block in its own files, no deltas).
+pub const FULL_FORMAT_VERSION: u32 = 1;
 /// The checksum algorithm of every block and file checksum in a v1 manifest.
 pub const CHECKSUM_ALGORITHM: &str = "crc32c";
 
@@ -144,8 +148,39 @@ pub struct GroupEntry {
     pub length: u64,
     /// CRC-32C of the block's bytes.
     pub checksum: Crc32c,
-    /// Number of keyed entries in the block (as reported by the writer).
+    /// Number of keyed entries in the block (as reported by the writer); with `deltas`, the
+    /// group's keys once they are applied.
     pub entries: u64,
+    /// Incremental checkpoints (formatVersion 2): blocks written after the first one, each
+    /// holding the keys of the group changed since the block before it, with their whole state.
+    /// A restore applies them in order over the first block (a key in a later block replaces the
+    /// same key's state). Empty: the first block is the whole group.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub deltas: Vec<DeltaBlock>,
+}
+
+/// A delta block of a key group (see [`GroupEntry::deltas`]): `length` bytes at `offset` in
+/// `file` (named like [`GroupEntry::file`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeltaBlock {
+    /// The state file (see [`GroupEntry::file`]).
+    pub file: String,
+    /// Byte offset of the block in the file.
+    pub offset: u64,
+    /// Byte length of the block (never 0).
+    pub length: u64,
+    /// CRC-32C of the block's bytes.
+    pub checksum: Crc32c,
+    /// Keyed entries in this block.
+    pub entries: u64,
+}
+
+impl DeltaBlock {
+    /// The block's byte range in its file.
+    pub fn byte_range(&self) -> Range<u64> {
+        self.offset..self.offset + self.length
+    }
 }
 
 impl GroupEntry {
@@ -153,6 +188,54 @@ impl GroupEntry {
     pub fn byte_range(&self) -> Range<u64> {
         self.offset..self.offset + self.length
     }
+
+    /// Bytes a restore of this group reads: its block and its deltas.
+    pub fn stored_bytes(&self) -> u64 {
+        self.deltas
+            .iter()
+            .fold(self.length, |sum, d| sum.saturating_add(d.length))
+    }
+
+    /// Every block of the group in the order a restore applies them: `(file, offset, length,
+    /// checksum)`; the first block may be empty.
+    pub fn blocks(&self) -> impl Iterator<Item = (&str, u64, u64, Crc32c)> {
+        std::iter::once((self.file.as_str(), self.offset, self.length, self.checksum)).chain(
+            self.deltas
+                .iter()
+                .map(|d| (d.file.as_str(), d.offset, d.length, d.checksum)),
+        )
+    }
+}
+
+/// Whether a manifest's file name names a file of another snapshot of the same job (incremental
+/// checkpoints): `checkpoints/chk-<id>/<name>` or `savepoints/sp-<id>/<name>`, relative to the
+/// job directory. Plain names are files of the snapshot's own directory.
+pub fn is_referenced_file(name: &str) -> bool {
+    name.contains('/')
+}
+
+/// Splits a referenced file name (see [`is_referenced_file`]) into the snapshot it lies in and
+/// its plain name; `None` unless it has exactly that form.
+pub fn split_referenced_file(name: &str) -> Option<(SnapshotKind, u64, &str)> {
+    let mut parts = name.split('/');
+    let (folder, dir, file) = (parts.next()?, parts.next()?, parts.next()?);
+    if parts.next().is_some() || !is_plain_file_name(file) {
+        return None;
+    }
+    let kind = [SnapshotKind::Checkpoint, SnapshotKind::Savepoint]
+        .into_iter()
+        .find(|k| k.folder() == folder)?;
+    let id = super::layout::parse_snapshot_dir_name(kind, dir)?;
+    Some((kind, id, file))
+}
+
+/// The name by which a later snapshot refers to `file` of snapshot `kind`/`id` (already a
+/// referenced name: kept as it is).
+pub fn referenced_file_name(kind: SnapshotKind, id: u64, file: &str) -> String {
+    if is_referenced_file(file) {
+        return file.to_owned();
+    }
+    format!("{}/{}{id}/{file}", kind.folder(), kind.dir_prefix())
 }
 
 /// One state file of the snapshot.
@@ -177,6 +260,10 @@ pub struct Stats {
     pub total_keys: u64,
     /// Key groups holding at least one byte.
     pub non_empty_groups: u32,
+    /// Bytes in the snapshot's own files (formatVersion 2; in a self-contained snapshot it is
+    /// `totalBytes`): what the snapshot wrote.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
     /// Anything else (free-form), kept on read and re-written as is.
     #[serde(flatten)]
     pub extra: BTreeMap<String, serde_json::Value>,
@@ -259,6 +346,10 @@ pub struct SubtaskSnapshot {
     pub file: FileEntry,
     /// Every group of its range, in order (empty groups have length 0).
     pub groups: Vec<GroupEntry>,
+    /// Files of earlier snapshots its groups' blocks lie in (incremental checkpoints), named as
+    /// [`referenced_file_name`] says, with their size and checksum.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub referenced: Vec<FileEntry>,
 }
 
 impl SubtaskSnapshot {
@@ -294,6 +385,7 @@ pub(crate) struct FileLayout {
     offset: u64,
     file_checksum: Crc32c,
     groups: Vec<GroupEntry>,
+    referenced: BTreeMap<String, FileEntry>,
 }
 
 impl FileLayout {
@@ -315,6 +407,7 @@ impl FileLayout {
             offset: 0,
             file_checksum: Crc32c::EMPTY,
             groups: Vec::with_capacity(range.len() as usize),
+            referenced: BTreeMap::new(),
         })
     }
 
@@ -353,9 +446,54 @@ impl FileLayout {
             length,
             checksum,
             entries,
+            deltas: Vec::new(),
         });
         self.offset += length;
         self.file_checksum = self.file_checksum.combine(checksum, length);
+        self.next_group = group + 1;
+        Ok(())
+    }
+
+    /// Records a group whose blocks lie (at least partly) in earlier snapshots' files: `prior`
+    /// (its entry in the snapshot this one builds on, files named as [`referenced_file_name`]
+    /// says, which lie in `files`), followed, if `delta` is given, by a new delta block
+    /// `(length, checksum, entries in it)` at the next offset of this file; `keys` is the
+    /// group's key count. Call [`check_next`](Self::check_next) first.
+    pub(crate) fn push_on(
+        &mut self,
+        mut prior: GroupEntry,
+        delta: Option<(u64, Crc32c, u64)>,
+        keys: u64,
+        files: &BTreeMap<String, FileEntry>,
+    ) -> Result<()> {
+        let group = prior.group;
+        self.check_next(group)?;
+        let mut names: Vec<&str> = prior.deltas.iter().map(|d| d.file.as_str()).collect();
+        if prior.length > 0 || !prior.deltas.is_empty() {
+            names.push(prior.file.as_str());
+        }
+        for name in names {
+            let entry = files.get(name).filter(|_| is_referenced_file(name)).ok_or_else(|| {
+                SnapshotError::Assemble(format!(
+                    "key group {group} builds on file {name:?}, which is not a known file of an earlier snapshot"
+                ))
+            })?;
+            self.referenced.insert(name.to_owned(), entry.clone());
+        }
+        self.fill_empty_until(group);
+        if let Some((length, checksum, entries)) = delta.filter(|d| d.0 > 0) {
+            prior.deltas.push(DeltaBlock {
+                file: self.file.clone(),
+                offset: self.offset,
+                length,
+                checksum,
+                entries,
+            });
+            self.offset += length;
+            self.file_checksum = self.file_checksum.combine(checksum, length);
+        }
+        prior.entries = keys;
+        self.groups.push(prior);
         self.next_group = group + 1;
         Ok(())
     }
@@ -369,6 +507,7 @@ impl FileLayout {
                 length: 0,
                 checksum: Crc32c::EMPTY,
                 entries: 0,
+                deltas: Vec::new(),
             });
             self.next_group += 1;
         }
@@ -387,6 +526,7 @@ impl FileLayout {
                 checksum: self.file_checksum,
             },
             groups: self.groups,
+            referenced: self.referenced.into_values().collect(),
         }
     }
 }
@@ -431,24 +571,46 @@ impl Manifest {
 
         let mut files = Vec::with_capacity(subtasks.len());
         let mut key_groups = Vec::with_capacity(max_p as usize);
+        let mut referenced: BTreeMap<String, FileEntry> = BTreeMap::new();
         for s in subtasks {
             files.push(s.file);
             key_groups.extend(s.groups);
+            for f in s.referenced {
+                match referenced.get(&f.name) {
+                    Some(seen) if *seen != f => {
+                        return Err(SnapshotError::Assemble(format!(
+                            "subtasks describe file {} differently ({} bytes, {} and {} bytes, {})",
+                            f.name, seen.size, seen.checksum, f.size, f.checksum
+                        )));
+                    }
+                    _ => {
+                        referenced.insert(f.name.clone(), f);
+                    }
+                }
+            }
         }
         key_groups.sort_by_key(|g| g.group);
+        let incremental = !referenced.is_empty() || key_groups.iter().any(|g| !g.deltas.is_empty());
+        let written: u64 = files.iter().fold(0u64, |sum, f| sum.saturating_add(f.size));
+        files.extend(referenced.into_values());
         let stats = Stats {
             // Saturating: an absurd count from a worker fails check() below, never panics.
             total_bytes: key_groups
                 .iter()
-                .fold(0u64, |sum, g| sum.saturating_add(g.length)),
+                .fold(0u64, |sum, g| sum.saturating_add(g.stored_bytes())),
             total_keys: key_groups
                 .iter()
                 .fold(0u64, |sum, g| sum.saturating_add(g.entries)),
-            non_empty_groups: key_groups.iter().filter(|g| g.length > 0).count() as u32,
+            non_empty_groups: key_groups.iter().filter(|g| g.stored_bytes() > 0).count() as u32,
+            written_bytes: incremental.then_some(written),
             extra: BTreeMap::new(),
         };
         let manifest = Manifest {
-            format_version: FORMAT_VERSION,
+            format_version: if incremental {
+                FORMAT_VERSION
+            } else {
+                FULL_FORMAT_VERSION
+            },
             job: meta.job,
             snapshot_id: meta.snapshot_id,
             kind: meta.kind,
@@ -482,7 +644,7 @@ impl Manifest {
         };
         let probe: Probe = serde_json::from_slice(bytes).map_err(corrupt)?;
         match probe.format_version {
-            Some(FORMAT_VERSION) => {}
+            Some(FULL_FORMAT_VERSION | FORMAT_VERSION) => {}
             Some(found) => {
                 return Err(SnapshotError::UnsupportedFormat {
                     path: path.to_owned(),
@@ -533,13 +695,30 @@ impl Manifest {
         self.files.iter().find(|f| f.name == name)
     }
 
-    /// Sum of the block lengths of the groups in `range` (what a restore of that range reads).
+    /// Sum of the block lengths (deltas included) of the groups in `range` (what a restore of
+    /// that range reads).
     pub fn bytes_in(&self, range: KeyGroupRange) -> u64 {
         range
             .iter()
             .filter_map(|g| self.group(g))
-            .map(|g| g.length)
+            .map(GroupEntry::stored_bytes)
             .sum()
+    }
+
+    /// Whether every block lies in the snapshot's own files (formatVersion 1): it can be copied,
+    /// moved or kept on its own.
+    pub fn is_self_contained(&self) -> bool {
+        self.files.iter().all(|f| !is_referenced_file(&f.name))
+            && self.key_groups.iter().all(|g| g.deltas.is_empty())
+    }
+
+    /// The files of other snapshots this one needs (incremental checkpoints), as
+    /// `(kind, id, plain file name)`.
+    pub fn referenced_files(&self) -> Vec<(SnapshotKind, u64, &str)> {
+        self.files
+            .iter()
+            .filter_map(|f| split_referenced_file(&f.name))
+            .collect()
     }
 
     /// Checks the manifest's self-consistency; the reason names the first problem found.
@@ -548,9 +727,9 @@ impl Manifest {
     /// each file's blocks tile it exactly in group order (so they are inside it and never overlap);
     /// the file checksum equals the combination of its block checksums; the stats add up.
     pub fn check(&self) -> std::result::Result<(), String> {
-        if self.format_version != FORMAT_VERSION {
+        if self.format_version != FORMAT_VERSION && self.format_version != FULL_FORMAT_VERSION {
             return Err(format!(
-                "formatVersion {} is not {FORMAT_VERSION}",
+                "formatVersion {} is not {FULL_FORMAT_VERSION} or {FORMAT_VERSION}",
                 self.format_version
             ));
         }
@@ -594,10 +773,30 @@ impl Manifest {
             ));
         }
 
-        // Files: unique, plain names.
+        // Files: unique names; plain (own files) or, in formatVersion 2, files of other
+        // snapshots of the job.
+        let own_dir = format!(
+            "{}/{}{}/",
+            self.kind.folder(),
+            self.kind.dir_prefix(),
+            self.snapshot_id
+        );
         let mut cursor: BTreeMap<&str, (u64, Crc32c)> = BTreeMap::new();
         for f in &self.files {
-            if !is_plain_file_name(&f.name) {
+            if is_referenced_file(&f.name) {
+                if split_referenced_file(&f.name).is_none() || f.name.starts_with(&own_dir) {
+                    return Err(format!(
+                        "file name {:?} is not a plain file name in the snapshot directory, nor a file of another snapshot of the job (checkpoints/chk-<id>/<file> or savepoints/sp-<id>/<file>)",
+                        f.name
+                    ));
+                }
+                if self.format_version == FULL_FORMAT_VERSION {
+                    return Err(format!(
+                        "file {:?} lies in another snapshot, which formatVersion {FULL_FORMAT_VERSION} does not allow",
+                        f.name
+                    ));
+                }
+            } else if !is_plain_file_name(&f.name) {
                 return Err(format!(
                     "file name {:?} is not a plain file name in the snapshot directory",
                     f.name
@@ -608,34 +807,79 @@ impl Manifest {
             }
         }
 
-        // Blocks tile their file in group order.
+        // Blocks, in group order (a group's deltas in their order), lie in their files in
+        // order without overlaps; in the snapshot's own files they tile the file exactly.
+        let mut written = 0u64;
         for g in &self.key_groups {
-            let (pos, crc) = cursor.get_mut(g.file.as_str()).ok_or_else(|| {
-                format!(
-                    "key group {} names file {:?}, which is not in files",
-                    g.group, g.file
-                )
-            })?;
-            if g.offset != *pos {
+            if !g.deltas.is_empty() && self.format_version == FULL_FORMAT_VERSION {
                 return Err(format!(
-                    "key group {} starts at offset {} of {}, expected {} (blocks must be contiguous, in group order, without overlaps)",
-                    g.group, g.offset, g.file, pos
+                    "key group {} has delta blocks, which formatVersion {FULL_FORMAT_VERSION} does not allow",
+                    g.group
                 ));
             }
-            if g.length == 0 && g.checksum != Crc32c::EMPTY {
+            if g.length == 0 && !g.deltas.is_empty() {
                 return Err(format!(
-                    "key group {} is empty but has checksum {}",
-                    g.group, g.checksum
+                    "key group {} has delta blocks over an empty first block",
+                    g.group
                 ));
             }
-            *pos = g
-                .offset
-                .checked_add(g.length)
-                .ok_or_else(|| format!("key group {} length overflows", g.group))?;
-            *crc = crc.combine(g.checksum, g.length);
+            for (n, (file, offset, length, checksum)) in g.blocks().enumerate() {
+                let (pos, crc) = cursor.get_mut(file).ok_or_else(|| {
+                    format!(
+                        "key group {} names file {:?}, which is not in files",
+                        g.group, file
+                    )
+                })?;
+                let own = !is_referenced_file(file);
+                if n > 0 && length == 0 {
+                    return Err(format!("key group {} has an empty delta block", g.group));
+                }
+                if length == 0 && checksum != Crc32c::EMPTY {
+                    return Err(format!(
+                        "key group {} is empty but has checksum {}",
+                        g.group, checksum
+                    ));
+                }
+                if own && length == 0 && offset != *pos {
+                    return Err(format!(
+                        "key group {} starts at offset {offset} of {file}, expected {pos} (blocks must be contiguous, in group order, without overlaps)",
+                        g.group
+                    ));
+                }
+                if length == 0 {
+                    continue;
+                }
+                if (own && offset != *pos) || offset < *pos {
+                    let (expected, how) = if own {
+                        (format!("{pos}"), "contiguous")
+                    } else {
+                        (format!("at least {pos}"), "in order")
+                    };
+                    return Err(format!(
+                        "key group {} starts at offset {offset} of {file}, expected {expected} (blocks must be {how}, in group order, without overlaps)",
+                        g.group
+                    ));
+                }
+                *pos = offset
+                    .checked_add(length)
+                    .ok_or_else(|| format!("key group {} length overflows", g.group))?;
+                if own {
+                    *crc = crc.combine(checksum, length);
+                }
+            }
         }
         for f in &self.files {
             let (end, crc) = cursor[f.name.as_str()];
+            if is_referenced_file(&f.name) {
+                if end > f.size {
+                    return Err(format!(
+                        "blocks of {} end at byte {end}, but its size is {} (blocks outside the file)",
+                        f.name, f.size
+                    ));
+                }
+                continue;
+            }
+            written = written.saturating_add(f.size);
             if end != f.size {
                 return Err(format!(
                     "blocks of {} end at byte {end}, but its size is {} (blocks outside the file or a gap)",
@@ -649,6 +893,13 @@ impl Manifest {
                 ));
             }
         }
+        if let Some(w) = self.stats.written_bytes
+            && w != written
+        {
+            return Err(format!(
+                "stats say {w} bytes written, the snapshot's own files hold {written}"
+            ));
+        }
 
         // Checked: the counts are read from storage (found by tests/fuzz.rs).
         let total = |what: &str, f: fn(&GroupEntry) -> u64| {
@@ -657,7 +908,7 @@ impl Manifest {
                 .try_fold(0u64, |sum, g| sum.checked_add(f(g)))
                 .ok_or_else(|| format!("the key groups' {what} overflow"))
         };
-        let total_bytes = total("lengths", |g| g.length)?;
+        let total_bytes = total("lengths", GroupEntry::stored_bytes)?;
         let total_keys = total("entry counts", |g| g.entries)?;
         if self.stats.total_bytes != total_bytes || self.stats.total_keys != total_keys {
             return Err(format!(
@@ -852,6 +1103,79 @@ mod tests {
         );
     }
 
+    /// An incremental checkpoint: subtask 0 builds on checkpoint 1 (a delta on group 0, group 1
+    /// unchanged), subtask 1 writes in full. It is formatVersion 2, round-trips, and its checks
+    /// catch blocks outside or across another snapshot's file and unknown files.
+    #[test]
+    fn an_incremental_manifest_refers_to_earlier_files() {
+        let a = Assignment::new(2, 4).unwrap();
+        let first = build(a, &[3, 4, 0, 6]);
+        assert_eq!(first.format_version, FULL_FORMAT_VERSION);
+        assert!(first.is_self_contained());
+        let rename = |name: &str| referenced_file_name(SnapshotKind::Checkpoint, 1, name);
+        let files: BTreeMap<String, FileEntry> = first
+            .files
+            .iter()
+            .map(|f| {
+                let name = rename(&f.name);
+                (name.clone(), FileEntry { name, ..f.clone() })
+            })
+            .collect();
+        let prior = |g: u32| {
+            let mut e = first.key_groups[g as usize].clone();
+            e.file = rename(&e.file);
+            e
+        };
+        let mut l0 = FileLayout::new(a, 0).unwrap();
+        let delta = vec![9u8; 2];
+        l0.push_on(prior(0), Some((2, Crc32c::of(&delta), 1)), 7, &files)
+            .unwrap();
+        l0.push_on(prior(1), None, 1, &files).unwrap();
+        let s0 = l0.finish();
+        assert_eq!(s0.file.size, 2);
+        assert_eq!(s0.referenced.len(), 1);
+        let mut l1 = FileLayout::new(a, 1).unwrap();
+        l1.push(3, 5, Crc32c::of(&[1u8; 5]), 2).unwrap();
+        let m = Manifest::assemble(meta(2), a, vec![s0, l1.finish()]).unwrap();
+        assert_eq!(m.format_version, FORMAT_VERSION);
+        assert!(!m.is_self_contained());
+        assert_eq!(m.stats.written_bytes, Some(7));
+        assert_eq!(m.stats.total_bytes, 3 + 2 + 4 + 5);
+        assert_eq!(m.bytes_in(KeyGroupRange { start: 0, end: 0 }), 5);
+        assert_eq!(m.key_groups[0].entries, 7);
+        assert_eq!(
+            m.referenced_files(),
+            vec![(SnapshotKind::Checkpoint, 1, "state-0-of-2.bin")]
+        );
+        let back = Manifest::from_json(&m.to_json().unwrap(), "x/_manifest.json").unwrap();
+        assert_eq!(back, m);
+        let bad = |f: &dyn Fn(&mut Manifest), needle: &str| {
+            let mut x = m.clone();
+            f(&mut x);
+            let reason = x.check().unwrap_err();
+            assert!(reason.contains(needle), "{reason:?} lacks {needle:?}");
+        };
+        bad(&|m| m.key_groups[1].offset = 1, "at least");
+        bad(&|m| m.key_groups[1].length = 40, "outside the file");
+        bad(&|m| m.format_version = 1, "formatVersion 1 does not allow");
+        bad(&|m| m.key_groups[0].deltas[0].offset = 1, "expected 0");
+        bad(&|m| m.key_groups[0].deltas[0].length = 0, "empty delta");
+        bad(&|m| m.stats.written_bytes = Some(1), "bytes written");
+        bad(
+            &|m| {
+                let f = m.files.last_mut().unwrap();
+                f.name = "checkpoints/chk-2/state-0-of-2.bin".into();
+                m.key_groups[1].file = f.name.clone();
+                m.key_groups[0].file = f.name.clone();
+            },
+            "not a plain file name",
+        );
+        bad(
+            &|m| m.key_groups[1].file = "checkpoints/chk-1/other.bin".into(),
+            "not in files",
+        );
+    }
+
     /// Manifests written before partition names were recorded still parse (index identity), and
     /// a manifest without names writes none.
     #[test]
@@ -893,10 +1217,10 @@ mod tests {
             "{err:?}"
         );
         assert!(err.to_string().contains("a/_manifest.json"));
-        let err = Manifest::from_json(b"{\"formatVersion\": 2}", "a/_manifest.json").unwrap_err();
+        let err = Manifest::from_json(b"{\"formatVersion\": 3}", "a/_manifest.json").unwrap_err();
         assert!(matches!(
             err,
-            SnapshotError::UnsupportedFormat { found: 2, .. }
+            SnapshotError::UnsupportedFormat { found: 3, .. }
         ));
     }
 

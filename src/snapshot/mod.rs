@@ -15,11 +15,18 @@
 //!
 //! A state file holds one subtask's key groups as contiguous blocks in group order, no header, no
 //! padding: a block is exactly the bytes the worker handed over for that group (its own encoding).
-//! The manifest (JSON, `formatVersion: 1`) says for every group `0..maxParallelism` which file,
-//! offset, length, CRC-32C and entry count; for every file its size and CRC-32C; plus job
+//! The manifest (JSON, `formatVersion: 1` when self-contained) says for every group
+//! `0..maxParallelism` which file, offset, length, CRC-32C and entry count; for every file its
+//! size and CRC-32C; plus job
 //! identity, id, kind, completion time, parallelism, source positions, watermark, state schema and
 //! totals. **A snapshot exists iff its manifest exists**: the manifest is written last,
 //! create-only.
+//!
+//! An incremental checkpoint (`formatVersion: 2`) also names files of earlier checkpoints of the
+//! job (`checkpoints/chk-<id>/<file>`, relative to the job directory: [`file_path`]) whose blocks
+//! it reads, and per group a chain of delta blocks applied in order over the first
+//! ([`GroupEntry::deltas`]). Retention and disposal keep every file a kept manifest names
+//! ([`referenced_files`]); savepoints are always self-contained (`formatVersion: 1`).
 //!
 //! # Use
 //!
@@ -77,26 +84,27 @@ mod store;
 mod writer;
 
 pub use catalog::{
-    RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, latest_checkpoint,
-    list_snapshots, retain, scan_snapshots,
+    RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, delete_unreferenced,
+    latest_checkpoint, list_snapshots, referenced_files, retain, scan_snapshots,
 };
 pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};
 pub use layout::{
-    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, job_dir, manifest_path,
-    parse_snapshot_dir_name, snapshot_dir, state_file_name,
+    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, file_path, job_dir,
+    manifest_path, parse_snapshot_dir_name, snapshot_dir, state_file_name,
 };
 pub use manifest::{
-    CHECKSUM_ALGORITHM, FORMAT_VERSION, FileEntry, GroupEntry, JobIdentity, LayoutChange, Manifest,
-    ReadRequest, SnapshotMeta, StateLayout, Stats, SubtaskSnapshot,
+    CHECKSUM_ALGORITHM, DeltaBlock, FORMAT_VERSION, FULL_FORMAT_VERSION, FileEntry, GroupEntry,
+    JobIdentity, LayoutChange, Manifest, ReadRequest, SnapshotMeta, StateLayout, Stats,
+    SubtaskSnapshot, is_referenced_file, referenced_file_name, split_referenced_file,
 };
 pub use object_store::ObjectStore;
 pub use object_store::path::Path;
 pub use reader::{
     MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
-    STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, open_snapshot, parse_manifest,
-    plan_stream_reads, read_groups, read_groups_stream, read_manifest, sealed_manifest_json,
-    verify,
+    STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, fetch_deltas, open_snapshot,
+    open_snapshot_dir, parse_manifest, plan_stream_reads, read_chain, read_groups,
+    read_groups_stream, read_manifest, sealed_manifest_json, verify,
 };
 pub use store::open_store;
 pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

@@ -2,8 +2,8 @@
 
 use super::checksum::{Crc32c, Crc32cHasher};
 use super::error::{Result, SnapshotError};
-use super::layout::{SnapshotKind, manifest_path, parse_snapshot_dir_name};
-use super::manifest::{FileEntry, GroupEntry, Manifest};
+use super::layout::{SnapshotKind, file_path, manifest_path, parse_snapshot_dir_name};
+use super::manifest::{DeltaBlock, FileEntry, GroupEntry, Manifest, is_referenced_file};
 use super::store::open_store;
 use crate::keygroup::KeyGroupRange;
 use bytes::{Buf, Bytes};
@@ -110,10 +110,44 @@ pub async fn read_manifest(store: &dyn ObjectStore, dir: &Path) -> Result<Manife
 
 /// Opens the store of a snapshot directory URL (e.g.
 /// `s3://bucket/prefix/ns/job/savepoints/sp-7`) and reads its manifest.
+///
+/// A URL that follows the layout (`.../<job>/checkpoints/chk-<id>` or `.../savepoints/sp-<id>`)
+/// opens the store at the job directory, so that the files of the job's other snapshots that an
+/// incremental checkpoint reads are inside it (a `file://` store is rooted at its URL).
 pub async fn open_snapshot(url: &str) -> Result<(Arc<dyn ObjectStore>, Path, Manifest)> {
-    let (store, dir) = open_store(url)?;
+    let (store, dir) = open_snapshot_dir(url)?;
     let manifest = read_manifest(store.as_ref(), &dir).await?;
     Ok((store, dir, manifest))
+}
+
+/// The store and directory of a snapshot URL, as [`open_snapshot`] opens them (at the job
+/// directory when the URL follows the layout), without reading anything: for [`verify`] and
+/// other readers of a snapshot that may be an incremental checkpoint.
+pub fn open_snapshot_dir(url: &str) -> Result<(Arc<dyn ObjectStore>, Path)> {
+    match split_layout_url(url) {
+        Some((job, kind, id)) => {
+            let (store, job_dir) = open_store(job)?;
+            Ok((store, super::layout::snapshot_dir(&job_dir, kind, id)))
+        }
+        None => open_store(url),
+    }
+}
+
+/// Splits `<job URL>/checkpoints/chk-<id>` (or `savepoints/sp-<id>`) into the job URL, the kind
+/// and the id; `None` for any other URL (or one whose job part names no location).
+fn split_layout_url(url: &str) -> Option<(&str, SnapshotKind, u64)> {
+    let trimmed = url.trim().trim_end_matches('/');
+    let (rest, name) = trimmed.rsplit_once('/')?;
+    let (job, folder) = rest.rsplit_once('/')?;
+    let kind = [SnapshotKind::Checkpoint, SnapshotKind::Savepoint]
+        .into_iter()
+        .find(|k| k.folder() == folder)?;
+    let id = parse_snapshot_dir_name(kind, name)?;
+    let after_scheme = job.split_once("://").map_or(job, |(_, r)| r);
+    if after_scheme.trim_matches('/').is_empty() {
+        return None;
+    }
+    Some((job, kind, id))
 }
 
 /// Commits the snapshot in `dir` by writing its manifest, create-only: after checking the manifest
@@ -161,7 +195,7 @@ pub async fn commit_manifest(
 }
 
 async fn check_file_size(store: &dyn ObjectStore, dir: &Path, f: &FileEntry) -> Result<()> {
-    let path = dir.clone().join(f.name.as_str());
+    let path = file_path(dir, &f.name);
     let meta = store
         .head(&path)
         .await
@@ -185,6 +219,100 @@ pub struct RestoredGroup {
     pub entries: u64,
     /// Its block, exactly as handed to the writer (empty for a group without state).
     pub bytes: Bytes,
+    /// Its delta blocks (incremental checkpoints), in the order they apply over `bytes`.
+    pub deltas: Vec<Bytes>,
+}
+
+/// Reads one key group's blocks (its first block and its deltas, incremental checkpoints) from
+/// the snapshot in `dir` that `entry` describes, each checked against its length and checksum:
+/// what a background compaction merges into one block.
+pub async fn read_chain(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    entry: &GroupEntry,
+) -> Result<(Bytes, Vec<Bytes>)> {
+    let path = file_path(dir, &entry.file);
+    let first = if entry.length == 0 {
+        Bytes::new()
+    } else {
+        let buf = get_one_range(store, &path, entry.byte_range())
+            .await
+            .map_err(|e| SnapshotError::store("range read", &path, e))?;
+        split_blocks(&path, entry.offset, std::slice::from_ref(entry), buf)?
+            .pop()
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    };
+    let (_, mut deltas) = fetch_deltas(store, dir, std::slice::from_ref(entry)).await?;
+    Ok((first, deltas.remove(&entry.group).unwrap_or_default()))
+}
+
+/// Fetches the delta blocks of `groups` (incremental checkpoints; adjacent blocks of one file
+/// in one request), checking each block's length and checksum; returns the bytes fetched and
+/// each group's deltas in order.
+pub async fn fetch_deltas(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    groups: &[GroupEntry],
+) -> Result<(u64, BTreeMap<u32, Vec<Bytes>>)> {
+    // Per file: (range, [(group, delta index, block)]) of adjacent blocks.
+    type Piece<'a> = (std::ops::Range<u64>, Vec<(u32, usize, &'a DeltaBlock)>);
+    let mut by_file: BTreeMap<&str, Vec<Piece<'_>>> = BTreeMap::new();
+    for g in groups {
+        for (i, d) in g.deltas.iter().enumerate() {
+            let pieces = by_file.entry(d.file.as_str()).or_default();
+            match pieces.last_mut() {
+                Some((r, blocks)) if r.end == d.offset => {
+                    r.end += d.length;
+                    blocks.push((g.group, i, d));
+                }
+                _ => pieces.push((d.byte_range(), vec![(g.group, i, d)])),
+            }
+        }
+    }
+    let mut read = 0u64;
+    let mut out: BTreeMap<u32, Vec<(usize, Bytes)>> = BTreeMap::new();
+    for (file, pieces) in by_file {
+        let path = file_path(dir, file);
+        let ranges: Vec<_> = pieces.iter().map(|(r, _)| r.clone()).collect();
+        let data = store
+            .get_ranges(&path, &ranges)
+            .await
+            .map_err(|e| SnapshotError::store("range read", &path, e))?;
+        for ((range, blocks), buf) in pieces.iter().zip(data) {
+            read += buf.len() as u64;
+            for (group, i, d) in blocks {
+                let (from, to) = (d.offset - range.start, d.offset - range.start + d.length);
+                if (buf.len() as u64) < to {
+                    return Err(SnapshotError::BlockLength {
+                        path: path.to_string(),
+                        group: *group,
+                        expected: d.length,
+                        actual: (buf.len() as u64).saturating_sub(from),
+                    });
+                }
+                let block = buf.slice(from as usize..to as usize);
+                let actual = Crc32c::of(&block);
+                if actual != d.checksum {
+                    return Err(SnapshotError::BlockChecksum {
+                        path: path.to_string(),
+                        group: *group,
+                        expected: d.checksum.to_string(),
+                        actual: actual.to_string(),
+                    });
+                }
+                out.entry(*group).or_default().push((*i, block));
+            }
+        }
+    }
+    let out = out
+        .into_iter()
+        .map(|(g, mut blocks)| {
+            blocks.sort_by_key(|(i, _)| *i);
+            (g, blocks.into_iter().map(|(_, b)| b).collect())
+        })
+        .collect();
+    Ok((read, out))
 }
 
 /// The state of a key-group range read back from a snapshot.
@@ -222,7 +350,7 @@ pub async fn read_groups(
     // Fetch and check each file's requests; nothing is handed out until all succeed.
     let fetched: Vec<(u64, Vec<(u32, Bytes)>)> = futures::stream::iter(by_file)
         .map(|(file, reqs)| async move {
-            let path = dir.clone().join(file.as_str());
+            let path = file_path(dir, &file);
             let ranges: Vec<_> = reqs.iter().map(|r| r.range.clone()).collect();
             let data = store
                 .get_ranges(&path, &ranges)
@@ -240,7 +368,9 @@ pub async fn read_groups(
         .try_collect()
         .await?;
 
-    let bytes_read = fetched.iter().map(|(received, _)| received).sum();
+    let in_range = &manifest.key_groups[range.start as usize..=range.end as usize];
+    let (delta_bytes, mut deltas) = fetch_deltas(store, dir, in_range).await?;
+    let bytes_read = fetched.iter().map(|(received, _)| received).sum::<u64>() + delta_bytes;
     let mut blocks: BTreeMap<u32, Bytes> = fetched.into_iter().flat_map(|(_, b)| b).collect();
     let groups = range
         .iter()
@@ -249,6 +379,7 @@ pub async fn read_groups(
             group: g.group,
             entries: g.entries,
             bytes: blocks.remove(&g.group).unwrap_or_default(),
+            deltas: deltas.remove(&g.group).unwrap_or_default(),
         })
         .collect();
     Ok(Restore {
@@ -324,20 +455,26 @@ pub fn read_groups_stream<'a>(
     let plan = plan_stream_reads(manifest, range, request_bytes)?;
     Ok(futures::stream::iter(plan)
         .map(move |req| async move {
-            let path = dir.clone().join(req.file.as_str());
+            let path = file_path(dir, &req.file);
             let buf = get_one_range(store, &path, req.range.clone())
                 .await
                 .map_err(|e| SnapshotError::store("range read", &path, e))?;
-            let bytes_read = buf.len() as u64;
             let groups = &manifest.key_groups[req.groups.clone()];
-            let blocks = split_blocks(&path, req.range.start, groups, buf)?;
-            Ok(RestoredChunk {
-                groups: blocks
+            let (delta_bytes, mut deltas) = fetch_deltas(store, dir, groups).await?;
+            let bytes_read = buf.len() as u64 + delta_bytes;
+            let mut blocks: BTreeMap<u32, Bytes> =
+                split_blocks(&path, req.range.start, groups, buf)?
                     .into_iter()
-                    .map(|(group, bytes)| RestoredGroup {
-                        group,
-                        entries: manifest.group(group).map_or(0, |g| g.entries),
-                        bytes,
+                    .collect();
+            Ok(RestoredChunk {
+                groups: groups
+                    .iter()
+                    .filter(|g| g.stored_bytes() > 0)
+                    .map(|g| RestoredGroup {
+                        group: g.group,
+                        entries: g.entries,
+                        bytes: blocks.remove(&g.group).unwrap_or_default(),
+                        deltas: deltas.remove(&g.group).unwrap_or_default(),
                     })
                     .collect(),
                 bytes_read,
@@ -445,7 +582,7 @@ async fn verify_file(
     manifest: &Manifest,
     f: &FileEntry,
 ) -> Result<u64> {
-    let path = dir.clone().join(f.name.as_str());
+    let path = file_path(dir, &f.name);
     let size_mismatch = |actual| SnapshotError::SizeMismatch {
         path: path.to_string(),
         expected: f.size,
@@ -458,11 +595,45 @@ async fn verify_file(
     if meta.size != f.size {
         return Err(size_mismatch(meta.size));
     }
-    let blocks: Vec<&GroupEntry> = manifest
+    // Every block in this file, in file order (group order, a group's deltas in their order).
+    let blocks: Vec<(u32, u64, u64, Crc32c)> = manifest
         .key_groups
         .iter()
-        .filter(|g| g.file == f.name && g.length > 0)
+        .flat_map(|g| {
+            g.blocks()
+                .filter(|(file, _, length, _)| *file == f.name && *length > 0)
+                .map(|(_, offset, length, checksum)| (g.group, offset, length, checksum))
+        })
         .collect();
+    if is_referenced_file(&f.name) {
+        // A file of an earlier snapshot: only the blocks this one uses are checked (the rest
+        // may be state that later blocks replaced).
+        let mut checked = 0u64;
+        for (group, offset, length, checksum) in blocks {
+            let buf = get_one_range(store, &path, offset..offset + length)
+                .await
+                .map_err(|e| SnapshotError::store("read", &path, e))?;
+            if buf.len() as u64 != length {
+                return Err(SnapshotError::BlockLength {
+                    path: path.to_string(),
+                    group,
+                    expected: length,
+                    actual: buf.len() as u64,
+                });
+            }
+            let actual = Crc32c::of(&buf);
+            if actual != checksum {
+                return Err(SnapshotError::BlockChecksum {
+                    path: path.to_string(),
+                    group,
+                    expected: checksum.to_string(),
+                    actual: actual.to_string(),
+                });
+            }
+            checked += length;
+        }
+        return Ok(checked);
+    }
     // Read the file in large windows, two in flight: big sequential reads on every store, and
     // memory bounded by two windows per file.
     let windows = (0..f.size)
@@ -483,16 +654,23 @@ async fn verify_file(
         }
         while chunk.has_remaining() {
             // The blocks tile the file (checked with the manifest), so one is always current.
-            let Some(g) = blocks.get(block) else {
+            let Some(&(group, _, length, checksum)) = blocks.get(block) else {
                 return Err(size_mismatch(pos));
             };
-            let n = (g.length - block_hash.bytes_hashed()).min(chunk.len() as u64) as usize;
+            let n = (length - block_hash.bytes_hashed()).min(chunk.len() as u64) as usize;
             block_hash.update(&chunk[..n]);
             chunk.advance(n);
-            if block_hash.bytes_hashed() == g.length {
+            if block_hash.bytes_hashed() == length {
                 let crc = block_hash.finish();
-                check_block(&path, g, crc)?;
-                file_crc = file_crc.combine(crc, g.length);
+                if crc != checksum {
+                    return Err(SnapshotError::BlockChecksum {
+                        path: path.to_string(),
+                        group,
+                        expected: checksum.to_string(),
+                        actual: crc.to_string(),
+                    });
+                }
+                file_crc = file_crc.combine(crc, length);
                 block_hash = Crc32cHasher::new();
                 block += 1;
             }

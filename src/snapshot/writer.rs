@@ -2,11 +2,12 @@
 
 use super::checksum::Crc32c;
 use super::error::{Result, SnapshotError};
-use super::manifest::{FileLayout, SubtaskSnapshot};
+use super::manifest::{FileEntry, FileLayout, GroupEntry, SubtaskSnapshot};
 use crate::keygroup::Assignment;
 use bytes::{Bytes, BytesMut};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload, WriteMultipart};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Default size of one upload part (S3 requires at least 5 MiB for all parts but the last).
@@ -109,6 +110,35 @@ impl SnapshotWriter {
             return Ok(());
         }
         if let Err(e) = self.gather(bytes).await {
+            self.abort_quietly().await;
+            return Err(e);
+        }
+        Ok(())
+    }
+
+    /// Records a group that builds on an earlier snapshot's blocks (incremental checkpoints):
+    /// `prior` is its entry there (file names as
+    /// [`referenced_file_name`](super::referenced_file_name) gives them, each described in
+    /// `files`), followed by `delta` (the block of the keys changed since, and their number),
+    /// if any, which is appended to this file. `keys` is the group's key count. Groups must come
+    /// in order, as for [`write_group`](Self::write_group).
+    pub async fn write_on(
+        &mut self,
+        prior: GroupEntry,
+        delta: Option<(Bytes, u64)>,
+        keys: u64,
+        files: &BTreeMap<String, FileEntry>,
+    ) -> Result<()> {
+        if matches!(self.sink, Sink::Failed) {
+            return Err(self.failed());
+        }
+        let described = delta
+            .as_ref()
+            .map(|(bytes, entries)| (bytes.len() as u64, Crc32c::of(bytes), *entries));
+        self.layout.push_on(prior, described, keys, files)?;
+        if let Some((bytes, _)) = delta.filter(|(b, _)| !b.is_empty())
+            && let Err(e) = self.gather(bytes).await
+        {
             self.abort_quietly().await;
             return Err(e);
         }

@@ -107,12 +107,40 @@ async fn fetch_window(
     manifest: &Manifest,
     w: Window,
 ) -> Result<Vec<Block>, SnapshotError> {
-    let path = dir.clone().join(&*w.file);
+    let path = crate::snapshot::file_path(dir, &w.file);
     let data = store
         .get_range(&path, w.range.clone())
         .await
         .map_err(|e| SnapshotError::store("range read", &path, e))?;
-    split_window(&path, manifest, &w, data)
+    let mut blocks = split_window(&path, manifest, &w, data)?;
+    // Groups of an incremental checkpoint with delta blocks: merged into one block each, so
+    // that every tool sees a group as one block of its whole state.
+    let chained: Vec<GroupEntry> = w
+        .groups
+        .iter()
+        .filter_map(|g| manifest.group(*g))
+        .filter(|e| !e.deltas.is_empty())
+        .cloned()
+        .collect();
+    if chained.is_empty() {
+        return Ok(blocks);
+    }
+    let (_, mut deltas) = crate::snapshot::fetch_deltas(store, dir, &chained).await?;
+    for b in &mut blocks {
+        if let Some(d) = deltas.remove(&b.group) {
+            let (merged, entries) =
+                crate::job::state_codec::merge_chain(&b.bytes, &d).map_err(|e| {
+                    SnapshotError::ChainUnreadable {
+                        path: path.to_string(),
+                        group: b.group,
+                        reason: e.to_string(),
+                    }
+                })?;
+            b.bytes = Bytes::from(merged);
+            b.entries = entries;
+        }
+    }
+    Ok(blocks)
 }
 
 /// Cuts a fetched window into its blocks, checking each block's length and CRC-32C.
@@ -270,6 +298,7 @@ mod tests {
                     length: *len,
                     checksum: Crc32c::EMPTY,
                     entries: 0,
+                    deltas: Vec::new(),
                 };
                 *off += len;
                 e

@@ -347,6 +347,9 @@ pub struct DisposeReport {
     pub bytes: u64,
     /// Reasons to keep it that `--force` overrode.
     pub forced_over: Vec<String>,
+    /// Its files that other snapshots of the job still read (incremental checkpoints): kept
+    /// (retention deletes them once no snapshot refers to them).
+    pub kept_referenced: usize,
     /// Nothing was deleted.
     pub dry_run: bool,
 }
@@ -428,18 +431,25 @@ pub async fn dispose(url: &str, opts: DisposeOptions) -> Result<DisposeReport> {
             forced_over = reasons;
         }
     }
+    // Files another snapshot of the job reads stay (incremental checkpoints).
+    let leaving = std::collections::BTreeSet::from([&loc.dir]);
+    let keep = crate::snapshot::referenced_files(loc.store.as_ref(), &job_dir, &leaving).await?;
+    let (kept, objects): (Vec<_>, Vec<_>) = objects
+        .into_iter()
+        .partition(|m| keep.contains(&m.location));
     let report = DisposeReport {
         url: loc.url.clone(),
         committed,
         objects: objects.len(),
         bytes: objects.iter().map(|m| m.size).sum(),
         forced_over,
+        kept_referenced: kept.len(),
         dry_run: opts.dry_run,
     };
     if opts.dry_run {
         return Ok(report);
     }
-    delete_snapshot(&loc, objects).await?;
+    delete_snapshot(&loc, objects, &keep).await?;
     Ok(report)
 }
 
@@ -447,6 +457,7 @@ pub async fn dispose(url: &str, opts: DisposeOptions) -> Result<DisposeReport> {
 async fn delete_snapshot(
     loc: &SnapshotLocation,
     objects: Vec<object_store::ObjectMeta>,
+    keep: &std::collections::BTreeSet<Path>,
 ) -> Result<()> {
     let manifest = manifest_path(&loc.dir);
     match loc.store.delete(&manifest).await {
@@ -472,6 +483,7 @@ async fn delete_snapshot(
     let left: Vec<object_store::ObjectMeta> = loc
         .store
         .list(Some(&loc.dir))
+        .try_filter(|m| futures::future::ready(!keep.contains(&m.location)))
         .try_collect()
         .await
         .map_err(|e| SnapshotError::store("list", &loc.dir, e))?;

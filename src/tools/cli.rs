@@ -884,6 +884,13 @@ fn dispose_text(r: &DisposeReport) -> String {
         human_bytes(r.bytes),
         if r.committed { ", manifest first" } else { "" }
     );
+    if r.kept_referenced > 0 {
+        let _ = writeln!(
+            s,
+            "kept {} that other snapshots of the job still read (checkpoint retention deletes them once none does)",
+            crate::text::count(r.kept_referenced as u64, "file")
+        );
+    }
     s
 }
 

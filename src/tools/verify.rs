@@ -146,7 +146,7 @@ async fn check_file(
         bytes_checked: 0,
         problem: None,
     };
-    let path = loc.dir.clone().join(f.name.as_str());
+    let path = crate::snapshot::file_path(&loc.dir, &f.name);
     match loc.store.head(&path).await {
         Ok(meta) if meta.size != f.size => {
             check.problem = Some(

@@ -26,7 +26,15 @@ pub async fn read_state(url: &str) -> SnapshotState {
             .await
             .expect("groups read");
         for g in restored.groups.iter().filter(|g| !g.bytes.is_empty()) {
-            for (key, value) in job::decode_group(&g.bytes).expect("block decodes").entries {
+            // An incremental checkpoint's group: its block and its deltas, merged.
+            let block = if g.deltas.is_empty() {
+                g.bytes.to_vec()
+            } else {
+                job::state_codec::merge_chain(&g.bytes, &g.deltas)
+                    .expect("chain merges")
+                    .0
+            };
+            for (key, value) in job::decode_group(&block).expect("block decodes").entries {
                 assert!(
                     values.insert(key, value.acc).is_none(),
                     "a key in two groups in {url}"

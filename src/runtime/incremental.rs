@@ -1,0 +1,370 @@
+//! Incremental checkpoints: what a subtask's next checkpoint builds on (pure, no I/O).
+//!
+//! A checkpoint builds on the job's newest committed snapshot when that is a checkpoint this
+//! subtask wrote (or restored from) in this run: each of its key groups is then written as
+//!
+//! * nothing new, when it has not changed since that checkpoint's cut: the new manifest refers
+//!   to the same blocks ([`GroupMode::Unchanged`]);
+//! * a delta block of the keys changed since, appended to the group's chain of blocks
+//!   ([`GroupMode::Delta`]);
+//! * the whole group ([`GroupMode::Full`]), when it lost keys since (a delta cannot say so).
+//!
+//! A group whose chain is long ([`ChainPolicy::max_deltas`]) or whose deltas add up to a large
+//! part of its first block ([`ChainPolicy::max_delta_share`]) is compacted: the upload, after
+//! the cut and while records flow, reads its chain back, merges the new delta into it and
+//! writes the group whole ([`Base::compacts`]). That bounds what a restore reads beyond the
+//! state itself and how long old files stay referenced, without holding records up.
+//!
+//! Otherwise (the first checkpoint of a run that did not restore one of the job's own
+//! checkpoints, after a savepoint committed, after a checkpoint failed) it writes every group.
+//! The newest committed snapshot is never deleted by retention, and retention keeps every file a
+//! kept manifest refers to, so the blocks a checkpoint builds on are there when it commits (and
+//! the coordinator checks that they are, with their sizes, before it commits).
+
+use crate::job::{GroupMode, KeyedAggregator};
+use crate::keygroup::KeyGroupRange;
+use crate::snapshot::{
+    FileEntry, GroupEntry, Manifest, SnapshotKind, SubtaskSnapshot, referenced_file_name,
+};
+use std::collections::BTreeMap;
+
+/// Environment variable that turns incremental checkpoints off in a worker (`false` or `0`);
+/// they are on by default.
+pub const INCREMENTAL_ENV: &str = "KEYSHIFT_INCREMENTAL_CHECKPOINTS";
+
+/// Whether incremental checkpoints are on, from [`INCREMENTAL_ENV`].
+pub fn enabled_from_env() -> bool {
+    std::env::var(INCREMENTAL_ENV)
+        .map(|v| {
+            !matches!(
+                v.trim().to_ascii_lowercase().as_str(),
+                "false" | "0" | "off"
+            )
+        })
+        .unwrap_or(true)
+}
+
+/// When a group's chain of blocks is written out in full again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ChainPolicy {
+    /// Deltas a group may have before its next change writes it in full.
+    pub max_deltas: usize,
+    /// Bytes of deltas, as a share of the group's first block (percent), past which its next
+    /// change writes it in full.
+    pub max_delta_share: u64,
+}
+
+impl Default for ChainPolicy {
+    fn default() -> Self {
+        ChainPolicy {
+            max_deltas: 16,
+            max_delta_share: 50,
+        }
+    }
+}
+
+/// A checkpoint as a later one of this subtask can build on it: where each of the subtask's
+/// groups lies (file names relative to the job directory) and the cut it was taken at.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Base {
+    /// The checkpoint's id.
+    pub id: u64,
+    /// The keyed operator's cut epoch at its barrier ([`KeyedAggregator::cut`]; 0: restored).
+    pub cut: u32,
+    /// The subtask's groups.
+    pub groups: BTreeMap<u32, GroupEntry>,
+    /// Every file those groups' blocks lie in.
+    pub files: BTreeMap<String, FileEntry>,
+}
+
+fn rename(kind: SnapshotKind, id: u64, mut g: GroupEntry) -> GroupEntry {
+    g.file = referenced_file_name(kind, id, &g.file);
+    for d in &mut g.deltas {
+        d.file = referenced_file_name(kind, id, &d.file);
+    }
+    g
+}
+
+impl Base {
+    /// The checkpoint `id` this subtask wrote at cut `cut` (its acknowledgement).
+    pub fn written(id: u64, cut: u32, ack: &SubtaskSnapshot) -> Base {
+        let kind = SnapshotKind::Checkpoint;
+        let mut files: BTreeMap<String, FileEntry> = ack
+            .referenced
+            .iter()
+            .map(|f| (f.name.clone(), f.clone()))
+            .collect();
+        let own = FileEntry {
+            name: referenced_file_name(kind, id, &ack.file.name),
+            ..ack.file.clone()
+        };
+        files.insert(own.name.clone(), own);
+        Base {
+            id,
+            cut,
+            groups: ack
+                .groups
+                .iter()
+                .map(|g| (g.group, rename(kind, id, g.clone())))
+                .collect(),
+            files,
+        }
+    }
+
+    /// The checkpoint a subtask of key groups `range` restored from (its manifest): the state as
+    /// restored is cut 0.
+    pub fn restored(manifest: &Manifest, range: KeyGroupRange) -> Base {
+        let (kind, id) = (manifest.kind, manifest.snapshot_id);
+        Base {
+            id,
+            cut: 0,
+            groups: range
+                .iter()
+                .filter_map(|g| manifest.group(g))
+                .map(|g| (g.group, rename(kind, id, g.clone())))
+                .collect(),
+            files: manifest
+                .files
+                .iter()
+                .map(|f| {
+                    let name = referenced_file_name(kind, id, &f.name);
+                    (name.clone(), FileEntry { name, ..f.clone() })
+                })
+                .collect(),
+        }
+    }
+
+    /// How the next checkpoint's cut takes `group` on top of this one.
+    pub fn mode(&self, agg: &KeyedAggregator, group: u32) -> GroupMode {
+        match self.groups.get(&group) {
+            Some(prior) if prior.length > 0 => agg.group_mode(group, self.cut),
+            _ => GroupMode::Full,
+        }
+    }
+
+    /// Whether a delta of `group` on top of this checkpoint is written as the group's whole
+    /// state instead (compaction: its chain is long, or its deltas add up to a large share of
+    /// its first block). The upload merges the chain it reads back from storage with the new
+    /// delta, so the cut stays as cheap as any delta's. Groups reach the length limit at
+    /// different checkpoints (the limit is staggered by group), so compaction spreads out.
+    pub fn compacts(&self, group: u32, policy: ChainPolicy) -> bool {
+        let Some(g) = self.groups.get(&group) else {
+            return false;
+        };
+        let deltas: u64 = g.deltas.iter().map(|d| d.length).sum();
+        let max = policy
+            .max_deltas
+            .saturating_sub((group % 8) as usize)
+            .max(1);
+        g.deltas.len() >= max
+            || deltas.saturating_mul(100) >= g.length.saturating_mul(policy.max_delta_share)
+    }
+}
+
+/// What a subtask's checkpoints can build on: the committed one, and those written but not yet
+/// known to be committed.
+#[derive(Debug, Clone, Default)]
+pub struct Chain {
+    base: Option<Base>,
+    pending: BTreeMap<u64, Base>,
+    /// Whether incremental checkpoints are on.
+    pub enabled: bool,
+    /// When groups are written in full again.
+    pub policy: ChainPolicy,
+}
+
+/// Checkpoints written and not yet known committed that a subtask remembers.
+const PENDING_KEPT: usize = 4;
+
+impl Chain {
+    /// No checkpoint to build on yet.
+    pub fn new(enabled: bool) -> Self {
+        Chain {
+            enabled,
+            ..Chain::default()
+        }
+    }
+
+    /// The checkpoint the subtask restored from builds the next one.
+    pub fn restored_from(&mut self, base: Base) {
+        self.base = Some(base);
+    }
+
+    /// The base of the next checkpoint, given the trigger's newest committed snapshot
+    /// (`None`: a coordinator that does not say): a checkpoint this subtask wrote or restored
+    /// from, and the newest committed snapshot of the job; otherwise none (a full checkpoint).
+    pub fn base_for(&mut self, last_committed: Option<u64>) -> Option<&Base> {
+        if !self.enabled {
+            return None;
+        }
+        let Some(last) = last_committed else {
+            self.base = None;
+            return None;
+        };
+        if let Some(b) = self.pending.remove(&last) {
+            self.base = Some(b);
+        }
+        // A checkpoint written here after the newest committed one did not commit (it failed
+        // elsewhere, or its commit found a file it reads gone): start over with a full one.
+        let failed = self.pending.keys().any(|id| *id > last);
+        self.pending.clear();
+        if failed || self.base.as_ref().is_some_and(|b| b.id != last) {
+            self.base = None;
+        }
+        self.base.as_ref()
+    }
+
+    /// A checkpoint this subtask took did not complete here (its write failed, or it was
+    /// aborted): the next one is written in full, whatever its base was (a write that failed
+    /// reading the base back would fail again).
+    pub fn reset(&mut self) {
+        self.base = None;
+        self.pending.clear();
+    }
+
+    /// Checkpoint `base.id` was written (not yet committed).
+    pub fn written(&mut self, base: Base) {
+        if !self.enabled {
+            return;
+        }
+        self.pending.insert(base.id, base);
+        while self.pending.len() > PENDING_KEPT {
+            self.pending.pop_first();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::crd::AggregateFunction;
+    use crate::job::{AggConfig, Record, RecordKey};
+    use crate::snapshot::Crc32c;
+
+    fn entry(group: u32, file: &str, length: u64, deltas: usize) -> GroupEntry {
+        GroupEntry {
+            group,
+            file: file.into(),
+            offset: 0,
+            length,
+            checksum: Crc32c(1),
+            entries: 1,
+            deltas: (0..deltas)
+                .map(|_| crate::snapshot::DeltaBlock {
+                    file: file.into(),
+                    offset: 0,
+                    length: 1,
+                    checksum: Crc32c(1),
+                    entries: 1,
+                })
+                .collect(),
+        }
+    }
+
+    fn ack(groups: Vec<GroupEntry>) -> SubtaskSnapshot {
+        SubtaskSnapshot {
+            subtask: 0,
+            parallelism: 1,
+            max_parallelism: 4,
+            file: FileEntry {
+                name: "state-0-of-1.bin".into(),
+                size: 10,
+                checksum: Crc32c(2),
+            },
+            groups,
+            referenced: vec![],
+        }
+    }
+
+    #[test]
+    fn a_base_is_the_newest_committed_checkpoint_written_here() {
+        let mut c = Chain::new(true);
+        assert!(c.base_for(Some(0)).is_none());
+        c.written(Base::written(
+            3,
+            1,
+            &ack(vec![entry(0, "state-0-of-1.bin", 10, 0)]),
+        ));
+        // 3 did not commit (the newest committed is 2): no base, and 3 is forgotten.
+        assert!(c.base_for(Some(2)).is_none());
+        c.written(Base::written(3, 1, &ack(vec![])));
+        c.written(Base::written(
+            4,
+            2,
+            &ack(vec![entry(0, "state-0-of-1.bin", 10, 0)]),
+        ));
+        let b = c.base_for(Some(4)).unwrap();
+        assert_eq!((b.id, b.cut), (4, 2));
+        let b = b.clone();
+        assert_eq!(b.groups[&0].file, "checkpoints/chk-4/state-0-of-1.bin");
+        assert!(b.files.contains_key("checkpoints/chk-4/state-0-of-1.bin"));
+        // Still the newest committed: still the base.
+        assert_eq!(c.base_for(Some(4)).unwrap().id, 4);
+        // A checkpoint built on it (7) did not commit: no base, a full one next.
+        c.written(Base::written(7, 3, &ack(vec![])));
+        assert!(c.base_for(Some(4)).is_none());
+        c.restored_from(b);
+        // A savepoint (5) committed since: no base (it would have to be the newest).
+        assert!(c.base_for(Some(5)).is_none());
+        assert!(c.base_for(Some(4)).is_none(), "forgotten");
+        // Off: never a base.
+        let mut off = Chain::new(false);
+        off.written(Base::written(1, 1, &ack(vec![])));
+        assert!(off.base_for(Some(1)).is_none());
+        // An old coordinator that does not say what committed: no base.
+        c.written(Base::written(6, 3, &ack(vec![])));
+        assert!(c.base_for(None).is_none());
+    }
+
+    #[test]
+    fn groups_are_written_in_full_when_they_lost_keys_and_compacted_when_their_chain_is_long() {
+        let config = AggConfig {
+            function: AggregateFunction::Count,
+            window_size_ms: None,
+            max_parallelism: 4,
+            state_payload_bytes: 0,
+        };
+        let range = KeyGroupRange { start: 0, end: 3 };
+        let mut agg = KeyedAggregator::new(config, range).unwrap();
+        let key = (0..100)
+            .map(RecordKey::long)
+            .find(|k| k.key_group(4) == 1)
+            .unwrap();
+        let cut = agg.cut();
+        agg.process(&Record {
+            key,
+            value: 1,
+            ts: 0,
+        })
+        .unwrap();
+        let base = Base {
+            id: 1,
+            cut,
+            groups: [
+                (0, entry(0, "f", 100, 0)),
+                (1, entry(1, "f", 100, 0)),
+                (2, entry(2, "f", 0, 0)),
+            ]
+            .into(),
+            files: BTreeMap::new(),
+        };
+        let p = ChainPolicy::default();
+        assert_eq!(base.mode(&agg, 0), GroupMode::Unchanged);
+        assert_eq!(base.mode(&agg, 1), GroupMode::Delta { since: cut });
+        assert_eq!(base.mode(&agg, 2), GroupMode::Full, "empty first block");
+        assert_eq!(base.mode(&agg, 3), GroupMode::Full, "not in the base");
+        assert!(!base.compacts(1, p));
+        let mut long = base.clone();
+        long.groups.insert(1, entry(1, "f", 100, 14));
+        assert!(!long.compacts(1, p), "group 1 compacts at 15 deltas");
+        long.groups.insert(1, entry(1, "f", 100, 15));
+        assert!(long.compacts(1, p));
+        long.groups.insert(0, entry(0, "f", 100, 15));
+        assert!(!long.compacts(0, p), "group 0 compacts at 16 deltas");
+        let mut big = base.clone();
+        big.groups.insert(1, entry(1, "f", 10, 5));
+        assert!(big.compacts(1, p), "deltas half the block");
+        agg.clear_group(0).unwrap();
+        assert_eq!(base.mode(&agg, 0), GroupMode::Full, "lost keys");
+    }
+}
