@@ -399,8 +399,8 @@ async fn the_newest_value_of_every_key_is_its_total_across_a_crash_and_a_rescale
     );
     let hot = Key::String("key-0".into());
     assert!(
-        expected[&hot] * 5 > expected.values().sum::<i64>() / 10,
-        "the hot key carries a good share"
+        expected[&hot] * 10 > expected.values().sum::<i64>(),
+        "the hot key carries more than a tenth of the records"
     );
     assert_nothing_staged(&env, "kcount");
     eprintln!(
@@ -468,6 +468,7 @@ async fn a_sink_that_cannot_reach_its_brokers_fails_with_their_error_and_keeps_t
         .await
         .expect_err("no snapshot id is handed out while the sink's marker cannot be read");
     let text = e.to_string();
+    eprintln!("unreachable brokers: {text}");
     assert!(text.contains("kafka sink"), "{text}");
     assert!(
         text.contains("127.0.0.1:9") || text.contains("Connection refused"),

@@ -286,7 +286,7 @@ mod io {
     fn broker_note(broker: &Option<String>) -> String {
         broker
             .as_deref()
-            .map(|b| format!(" (last client error: {b})"))
+            .map(|b| format!(" (client errors: {b})"))
             .unwrap_or_default()
     }
 
@@ -311,20 +311,30 @@ mod io {
     }
 
     /// Counts failed deliveries (and keeps the first error) for a flush to report, and keeps the
-    /// client's last error report (a broker it cannot reach, say) for the errors it returns.
+    /// client's last few distinct error reports (why it cannot reach a broker, say) for the
+    /// errors it returns.
     #[derive(Default)]
     pub struct DeliveryTracker {
         failed: Mutex<(u64, Option<String>)>,
-        last_error: Mutex<Option<String>>,
+        client_errors: Mutex<Vec<String>>,
     }
+
+    /// Distinct client error reports kept ([`DeliveryTracker`]).
+    const CLIENT_ERRORS_KEPT: usize = 3;
 
     impl ClientContext for DeliveryTracker {
         fn error(&self, error: KafkaError, reason: &str) {
             tracing::warn!(%error, reason, "kafka sink client error");
-            *self
-                .last_error
+            let text = format!("{error}: {reason}");
+            let mut kept = self
+                .client_errors
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner) = Some(format!("{error}: {reason}"));
+                .unwrap_or_else(PoisonError::into_inner);
+            kept.retain(|e| *e != text);
+            kept.push(text);
+            if kept.len() > CLIENT_ERRORS_KEPT {
+                kept.remove(0);
+            }
         }
     }
 
@@ -342,12 +352,13 @@ mod io {
     }
 
     impl DeliveryTracker {
-        /// The client's last error report.
+        /// The client's last distinct error reports, oldest first.
         fn last_error(&self) -> Option<String> {
-            self.last_error
+            let kept = self
+                .client_errors
                 .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .clone()
+                .unwrap_or_else(PoisonError::into_inner);
+            (!kept.is_empty()).then(|| kept.join("; "))
         }
 
         /// Failed deliveries since the last call, and the first error.
