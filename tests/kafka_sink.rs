@@ -481,3 +481,87 @@ async fn a_sink_that_cannot_reach_its_brokers_fails_with_their_error_and_keeps_t
     );
     local.stop().await;
 }
+
+/// The publisher alone, on staged output in memory: a publisher that restarts between its
+/// transaction's commit and the clean-up of the staged parts (a coordinator killed there) reads
+/// the marker and produces nothing twice; the next snapshot is produced as usual.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_restarted_between_its_commit_and_its_clean_up_produces_nothing_twice() {
+    use keyshift::job::kafka::sink::KafkaPublisher;
+    use keyshift::job::sink::{Committed, StagingSink, WriterId};
+    use keyshift::job::{RecordKey, ResultRow};
+    let test = "a_publisher_restarted_between_its_commit_and_its_clean_up_produces_nothing_twice";
+    let Some(bootstrap) = bootstrap(test) else {
+        return;
+    };
+    let topic = unique("ks-sink-publisher");
+    create_topic(&bootstrap, &topic).await;
+    let store = object_store::memory::InMemory::new();
+    let base = keyshift::snapshot::Path::from("job/sink");
+    let stage = |id: u64, values: &[i64]| {
+        let mut outs = Vec::new();
+        for subtask in 0..2u32 {
+            let mut s = StagingSink::new(WriterId {
+                subtask,
+                parallelism: 2,
+            });
+            let rows: Vec<ResultRow> = values
+                .iter()
+                .map(|v| ResultRow {
+                    key: RecordKey::string(format!("key-{subtask}-{v}").as_str()),
+                    window: None,
+                    value: *v,
+                })
+                .collect();
+            s.emit(&rows);
+            outs.push(s.on_barrier(id, Committed::Through(id - 1)).expect("barrier"));
+        }
+        outs
+    };
+    let props: BTreeMap<String, String> =
+        [("bootstrap.servers".to_owned(), bootstrap.clone())].into();
+    let tid = unique("publisher");
+    let first = KafkaPublisher::new(props.clone(), topic.clone(), tid.clone());
+    assert_eq!(first.marker().await.expect("marker"), None);
+    for out in stage(1, &[1, 2, 3]) {
+        keyshift::sink::stage(&store, &base, &out).await.expect("stage");
+    }
+    let p = first.publish(&store, &base, 1).await.expect("publish 1");
+    assert_eq!((p.parts, p.records, p.already), (2, 6, false));
+    // Snapshot 2 is produced, then its staged parts are back as if the clean-up never ran.
+    let two = stage(2, &[4, 5]);
+    for out in &two {
+        keyshift::sink::stage(&store, &base, out).await.expect("stage");
+    }
+    first.publish(&store, &base, 2).await.expect("publish 2");
+    for out in &two {
+        keyshift::sink::stage(&store, &base, out).await.expect("stage again");
+    }
+    drop(first);
+    let second = KafkaPublisher::new(props, topic.clone(), tid);
+    let marker = second.marker().await.expect("marker").expect("a marker");
+    assert_eq!((marker.snapshot, marker.records), (2, 4));
+    let p = second.publish(&store, &base, 2).await.expect("publish 2 again");
+    assert!(p.already && p.records == 0, "{p:?}");
+    for out in stage(3, &[6]) {
+        keyshift::sink::stage(&store, &base, &out).await.expect("stage");
+    }
+    let p = second.publish(&store, &base, 3).await.expect("publish 3");
+    assert_eq!((p.records, p.already), (2, false));
+    assert_eq!(
+        keyshift::sink::max_snapshot_id(&store, &base).await.expect("ids"),
+        0,
+        "nothing is left staged"
+    );
+    let records = read_topic(&bootstrap, &topic, true);
+    let mut keys: Vec<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    keys.sort_unstable();
+    assert_eq!(
+        keys,
+        [
+            "key-0-1", "key-0-2", "key-0-3", "key-0-4", "key-0-5", "key-0-6", "key-1-1",
+            "key-1-2", "key-1-3", "key-1-4", "key-1-5", "key-1-6"
+        ],
+        "every row once"
+    );
+}
