@@ -379,6 +379,16 @@ impl CompiledJob {
         }
     }
 
+    /// How long a source partition may go without records before it stops holding the
+    /// watermark back (Kafka's idleTimeout); None: never.
+    pub fn idle_timeout(&self) -> Option<std::time::Duration> {
+        match &self.source {
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => Some(k.idle_timeout()),
+            _ => None,
+        }
+    }
+
     /// A keyed aggregation operator for the groups in `range`.
     pub fn new_aggregator(&self, range: KeyGroupRange) -> Result<KeyedAggregator, JobError> {
         Ok(KeyedAggregator::new(self.agg, range)?)

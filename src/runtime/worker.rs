@@ -569,7 +569,14 @@ async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
     let options = JobOptions {
         state_payload_bytes: req.state_payload_bytes,
     };
-    let compiled = job::compile(&req.job, req.max_parallelism, &options)?;
+    // A Kafka source asks its brokers for the topics' partitions here: off the runtime threads.
+    let compiled = {
+        let (spec, maxp) = (req.job.clone(), req.max_parallelism);
+        let (ns, name) = (req.namespace.clone(), req.name.clone());
+        tokio::task::spawn_blocking(move || job::compile_for(&spec, maxp, &options, &ns, &name))
+            .await
+            .map_err(|e| WorkerError::Fatal(format!("compiling the job: {e}")))??
+    };
     let range = assignment.range(req.subtask);
     let agg = compiled.new_aggregator(range)?;
     let (store, base) = snapshot::open_store(&req.storage)?;
@@ -689,6 +696,8 @@ async fn start_subtask(
         totals: _,
     } = prepared;
     let range = assignment.range(req.subtask);
+    #[cfg(feature = "kafka")]
+    let from_snapshot = snap.is_some();
 
     // Restore: exactly this subtask's key groups, checksummed before anything is applied.
     let started = Instant::now();
@@ -917,6 +926,24 @@ async fn start_subtask(
         .filter(|p| p % req.parallelism == req.subtask)
         .collect();
     let source_partitions = compiled.partition_names(&my_partitions);
+    // A Kafka source: its partitions assigned at their snapshot offsets (or where a job without
+    // state starts), resolved before any record is read; new partitions watched for.
+    #[cfg(feature = "kafka")]
+    let positions = match &compiled.source {
+        job::SourceKind::Kafka(k) => {
+            let (k2, mine) = (k.clone(), my_partitions.clone());
+            let resolved =
+                tokio::task::spawn_blocking(move || k2.assign(&mine, &positions, from_snapshot))
+                    .await
+                    .map_err(|e| {
+                        WorkerError::Fatal(format!("assigning the Kafka partitions: {e}"))
+                    })?
+                    .map_err(job::JobError::from)?;
+            spawn_kafka_partition_watch(s.clone(), k.clone());
+            resolved
+        }
+        _ => positions,
+    };
     let sub = Subtask {
         job: (req.namespace.clone(), req.name.clone()),
         subtask: req.subtask,
@@ -970,6 +997,37 @@ async fn start_subtask(
         })
         .map_err(|e| WorkerError::Fatal(format!("starting the keyed operator thread: {e}")))?;
     Ok(resp)
+}
+
+/// Fails the run when a Kafka topic's partition count changes (checked every
+/// metadataRefreshInterval): the job restarts from its latest checkpoint, whose start lists the
+/// new partitions and reads them from their earliest offset (see [`job::kafka::source`]).
+#[cfg(feature = "kafka")]
+fn spawn_kafka_partition_watch(s: Arc<Shared>, k: Arc<job::kafka::source::KafkaSourceReader>) {
+    tokio::spawn(async move {
+        let every = k.refresh_interval();
+        loop {
+            tokio::time::sleep(every).await;
+            let k2 = k.clone();
+            let changed = match tokio::task::spawn_blocking(move || k2.changed_topics()).await {
+                Ok(Ok(changed)) => changed,
+                Ok(Err(e)) => {
+                    // Brokers unreachable: the reads wait and retry; so does this check.
+                    tracing::warn!(error = %e, "refreshing the Kafka topics' partitions");
+                    continue;
+                }
+                Err(_) => return,
+            };
+            if let Some((topic, then, now)) = changed.into_iter().next() {
+                let message = format!(
+                    "Kafka topic {topic:?} has {now} partitions now, {then} when this run started: restarting from the latest checkpoint to read the new partitions from their earliest offset"
+                );
+                tracing::warn!("{message}");
+                let _ = s.fatal.send(Some(message));
+                return;
+            }
+        }
+    });
 }
 
 /// Per-output buffers of the source.
@@ -1055,6 +1113,12 @@ async fn source_loop(
         .map(|p| (*p, compiled.partition_watermark()))
         .collect();
     let mut finished: BTreeMap<u32, bool> = partitions.iter().map(|p| (*p, false)).collect();
+    // When each partition last gave a record: one quiet for the source's idle timeout (Kafka)
+    // stops holding the watermark back until its next record.
+    let idle_after = compiled.idle_timeout();
+    let mut last_record: BTreeMap<u32, Instant> =
+        partitions.iter().map(|p| (*p, Instant::now())).collect();
+    let mut commits = OffsetCommits::new(&compiled);
     let rate = match &compiled.source {
         job::SourceKind::Generator(g) => g.records_per_second(),
         job::SourceKind::File(_) => None,
@@ -1089,7 +1153,7 @@ async fn source_loop(
                     Err(mpsc::error::TryRecvError::Disconnected) => return Ok(()),
                 }
             };
-            handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped).await?;
+            handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped, &mut commits).await?;
         }
         if stopped {
             continue;
@@ -1119,6 +1183,7 @@ async fn source_loop(
                 continue;
             }
             read_any = true;
+            last_record.insert(*p, Instant::now());
             pos.insert(*p, b.next_position);
             s.metrics.records_in.inc_by(b.records as u64);
             let mut wm = wms.get_mut(p);
@@ -1135,18 +1200,27 @@ async fn source_loop(
         }
         router.flush_all(&s.metrics).await?;
 
-        // Source watermark: the slowest of our partitions (finished ones do not hold back).
-        let wm = partitions
+        // Source watermark: the slowest of our partitions (finished ones do not hold back, nor
+        // idle ones while another is active; all idle: the most advanced).
+        let now = Instant::now();
+        let live: Vec<u32> = partitions
             .iter()
-            .map(|p| {
-                if finished[p] {
-                    i64::MAX
-                } else {
-                    wms[p].watermark()
-                }
-            })
-            .min()
-            .unwrap_or(i64::MAX);
+            .copied()
+            .filter(|p| !finished[p])
+            .collect();
+        let active = live
+            .iter()
+            .filter(|p| idle_after.is_none_or(|d| now.duration_since(last_record[*p]) < d))
+            .map(|p| wms[p].watermark())
+            .min();
+        let wm = match active {
+            Some(w) => w,
+            None => live
+                .iter()
+                .map(|p| wms[p].watermark())
+                .max()
+                .unwrap_or(i64::MAX),
+        };
         // Watermarks go to every downstream subtask, so they are sent periodically (as
         // Flink's autoWatermarkInterval does), not after every batch: at parallelism n each
         // source would otherwise send n messages per batch.
@@ -1162,20 +1236,70 @@ async fn source_loop(
         if partitions.is_empty() {
             // No partition to read (more subtasks than partitions): only commands matter.
             match cmds.recv().await {
-                Some(cmd) => handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped).await?,
+                Some(cmd) => {
+                    handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped, &mut commits)
+                        .await?
+                }
                 None => return Ok(()),
             }
         } else if !read_any {
             // Idle (paced, or at the end of input): wait a little or for a command.
             tokio::select! {
                 c = cmds.recv() => match c {
-                    Some(cmd) => handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped).await?,
+                    Some(cmd) => {
+                    handle_source_cmd(&s, &mut router, &pos, cmd, &mut stopped, &mut commits).await?
+                }
                     None => return Ok(()),
                 },
                 _ = tokio::time::sleep(Duration::from_millis(if rate.is_some() { 5 } else { 50 })) => {}
             }
         } else {
             tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// A Kafka source's offsets at each barrier, committed to its consumer group once the barrier's
+/// snapshot has committed (the worker learns that from a later barrier's `last_committed`), for
+/// lag tools only. Nothing for other sources.
+struct OffsetCommits {
+    #[cfg(feature = "kafka")]
+    source: Option<Arc<job::kafka::source::KafkaSourceReader>>,
+    #[cfg(feature = "kafka")]
+    cuts: BTreeMap<u64, BTreeMap<u32, u64>>,
+}
+
+impl OffsetCommits {
+    fn new(compiled: &CompiledJob) -> OffsetCommits {
+        #[cfg(not(feature = "kafka"))]
+        let _ = compiled;
+        OffsetCommits {
+            #[cfg(feature = "kafka")]
+            source: match &compiled.source {
+                job::SourceKind::Kafka(k) => Some(k.clone()),
+                _ => None,
+            },
+            #[cfg(feature = "kafka")]
+            cuts: BTreeMap::new(),
+        }
+    }
+
+    fn on_barrier(&mut self, id: u64, last_committed: Option<u64>, pos: &BTreeMap<u32, u64>) {
+        #[cfg(not(feature = "kafka"))]
+        let _ = (id, last_committed, pos);
+        #[cfg(feature = "kafka")]
+        if let Some(k) = &self.source {
+            self.cuts.insert(id, pos.clone());
+            if let Some(done) = last_committed {
+                if let Some(p) = self.cuts.get(&done) {
+                    k.commit(p);
+                }
+                // Older cuts never commit after a newer one did; bound the map either way.
+                self.cuts.retain(|c, _| *c > done);
+            }
+            while self.cuts.len() > 64 {
+                self.cuts.pop_first();
+            }
         }
     }
 }
@@ -1189,6 +1313,7 @@ async fn handle_source_cmd(
     pos: &BTreeMap<u32, u64>,
     cmd: SourceCmd,
     stopped: &mut bool,
+    commits: &mut OffsetCommits,
 ) -> Result<(), WorkerError> {
     match cmd {
         SourceCmd::Barrier(req) => {
@@ -1205,6 +1330,7 @@ async fn handle_source_cmd(
             }
             router.broadcast(Msg::Barrier(req.id), &s.metrics).await?;
             tracing::debug!(id = req.id, "barrier injected");
+            commits.on_barrier(req.id, req.last_committed, pos);
             if req.stop {
                 *stopped = true;
                 s.stopped.store(true, Ordering::Release);

@@ -1,0 +1,479 @@
+//! The Kafka source end to end on one machine, against a real broker (hack/kafka.sh: Apache
+//! Kafka in KRaft mode): real `keyshift worker` processes, the real coordinator, snapshots on
+//! `file://`. The test produces a known set of records (string keys with a hot key, four
+//! partitions, each record's partition chosen by the test), so the exact per-key totals of any
+//! snapshot follow from its per-partition offsets; it checks them at every snapshot through
+//! rescales up and down (past the partition count), a killed worker and a broker restart, and
+//! that the consumer group holds the offsets of committed snapshots (for lag tools).
+//!
+//! Needs KEYSHIFT_KAFKA_BOOTSTRAP (`eval "$(hack/kafka.sh start)"`; hack/test.sh does it);
+//! without it the tests pass after saying they were skipped. The broker restart needs
+//! KEYSHIFT_KAFKA_STATE too (the state dir hack/kafka.sh prints).
+#![cfg(feature = "kafka")]
+
+mod snapshot_support;
+
+use keyshift::crd::StreamJob;
+use keyshift::keygroup::Key;
+use keyshift::local::LocalJob;
+use rdkafka::ClientConfig;
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::client::DefaultClientContext;
+use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
+use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+const PARTITIONS: i32 = 4;
+
+fn bin() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_keyshift"))
+}
+
+fn root() -> PathBuf {
+    PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"))
+}
+
+fn bootstrap() -> Option<String> {
+    match std::env::var("KEYSHIFT_KAFKA_BOOTSTRAP") {
+        Ok(b) if !b.is_empty() => Some(b),
+        _ => {
+            eprintln!(
+                "SKIPPED: KEYSHIFT_KAFKA_BOOTSTRAP is not set; start a broker with `eval \"$(hack/kafka.sh start)\"` (hack/test.sh does)"
+            );
+            None
+        }
+    }
+}
+
+/// A topic name no other run uses.
+fn unique_topic(name: &str) -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or_default();
+    format!("ks-{name}-{}-{nanos}", std::process::id())
+}
+
+async fn create_topic(bootstrap: &str, topic: &str, partitions: i32) {
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .create()
+        .expect("admin client");
+    let r = admin
+        .create_topics(
+            &[NewTopic::new(topic, partitions, TopicReplication::Fixed(1))],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .expect("create topics");
+    for t in r {
+        t.expect("topic created");
+    }
+}
+
+/// The records the test produced, per partition in offset order: (user, amount).
+#[derive(Default)]
+struct Produced {
+    by_partition: BTreeMap<i32, Vec<(String, i64)>>,
+}
+
+impl Produced {
+    /// The exact per-key count and sum of the first `positions[p]` records of each partition.
+    fn totals_at(
+        &self,
+        positions: &BTreeMap<i32, u64>,
+    ) -> (BTreeMap<String, i64>, BTreeMap<String, i64>) {
+        let mut counts = BTreeMap::new();
+        let mut sums = BTreeMap::new();
+        for (p, records) in &self.by_partition {
+            let end = positions.get(p).copied().unwrap_or(0) as usize;
+            assert!(
+                end <= records.len(),
+                "partition {p}: position {end} is past the {} records produced",
+                records.len()
+            );
+            for (user, amount) in &records[..end] {
+                *counts.entry(user.clone()).or_insert(0) += 1;
+                *sums.entry(user.clone()).or_insert(0) += amount;
+            }
+        }
+        (counts, sums)
+    }
+
+    fn ends(&self) -> BTreeMap<i32, u64> {
+        (0..PARTITIONS)
+            .map(|p| (p, self.by_partition.get(&p).map_or(0, |r| r.len()) as u64))
+            .collect()
+    }
+}
+
+/// Produces `n` records: a hot key on about a third of them, the rest over 200 users, each to a
+/// partition the test picks (not by key, so the hot key spreads over every partition), with the
+/// user as record key too. Waits until the broker acknowledged them all. Offsets are contiguous
+/// from 0 (an idempotent, non-transactional producer), so the i-th record of a partition has
+/// offset i.
+fn produce(bootstrap: &str, topic: &str, seq: &mut u64, n: u64, out: &mut Produced) {
+    let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    for _ in 0..n {
+        let i = *seq;
+        *seq += 1;
+        let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let user = if h % 3 == 0 {
+            "hot".to_owned()
+        } else {
+            format!("user-{}", (h >> 20) % 200)
+        };
+        let amount = (i % 17) as i64 + 1;
+        let partition = ((h >> 40) % PARTITIONS as u64) as i32;
+        let payload = format!("{{\"user\":\"{user}\",\"amount\":{amount},\"seq\":{i}}}");
+        let mut record = BaseRecord::to(topic)
+            .key(user.as_str())
+            .payload(payload.as_str())
+            .partition(partition);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((e, r)) => {
+                    // Queue full: let it drain.
+                    assert!(
+                        matches!(
+                            e.rdkafka_error_code(),
+                            Some(rdkafka::types::RDKafkaErrorCode::QueueFull)
+                        ),
+                        "produce: {e}"
+                    );
+                    record = r;
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+            }
+        }
+        out.by_partition
+            .entry(partition)
+            .or_default()
+            .push((user, amount));
+    }
+    producer
+        .flush(Duration::from_secs(60))
+        .expect("every record acknowledged");
+}
+
+fn job_yaml(
+    name: &str,
+    bootstrap: &str,
+    topic: &str,
+    replicas: u32,
+    agg: &str,
+    extra: &str,
+) -> StreamJob {
+    serde_yaml::from_str(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: {name}, namespace: test}}
+spec:
+  replicas: {replicas}
+  maxParallelism: 64
+  job:
+    source:
+      kafka:
+        bootstrapServers: '{bootstrap}'
+        topics: [{topic}]
+        metadataRefreshInterval: 2s
+{extra}
+    key: {{field: user, type: string}}
+    aggregation: {agg}
+  state:
+    checkpointInterval: 1h
+"
+    ))
+    .expect("test manifest parses")
+}
+
+/// A snapshot's per-key values and its positions by partition number (from the names the
+/// snapshot records, `<topic>/<partition>`).
+async fn snapshot(url: &str, topic: &str) -> (BTreeMap<String, i64>, BTreeMap<i32, u64>) {
+    let s = snapshot_support::read_state(url).await;
+    let values = s
+        .scalars()
+        .into_iter()
+        .map(|(k, v)| match k {
+            Key::String(s) => (s, v),
+            other => panic!("a string key, got {other:?}"),
+        })
+        .collect();
+    let mut positions = BTreeMap::new();
+    for (index, offset) in &s.positions {
+        let name = s
+            .manifest
+            .source_partitions
+            .get(index)
+            .unwrap_or_else(|| panic!("snapshot {url} names source partition {index}"));
+        let (t, p) = name.rsplit_once('/').expect("<topic>/<partition>");
+        assert_eq!(t, topic);
+        positions.insert(p.parse::<i32>().expect("partition number"), *offset);
+    }
+    (values, positions)
+}
+
+/// Checks a snapshot's state against the exact totals at its positions; returns its positions.
+async fn assert_exact(
+    url: &str,
+    topic: &str,
+    produced: &Produced,
+    sum: bool,
+) -> BTreeMap<i32, u64> {
+    let (values, positions) = snapshot(url, topic).await;
+    assert_eq!(
+        positions.keys().copied().collect::<Vec<_>>(),
+        (0..PARTITIONS).collect::<Vec<_>>(),
+        "every partition has a position in {url}"
+    );
+    let (counts, sums) = produced.totals_at(&positions);
+    let expected = if sum { sums } else { counts };
+    assert_eq!(values.len(), expected.len(), "key count in {url}");
+    assert!(
+        values == expected,
+        "state in {url} differs from the exact totals at {positions:?}: hot {:?} vs {:?}",
+        values.get("hot"),
+        expected.get("hot")
+    );
+    positions
+}
+
+/// Checkpoints until the job has read everything produced (or panics after `timeout`).
+async fn checkpoint_when_caught_up(
+    local: &mut LocalJob,
+    topic: &str,
+    produced: &Produced,
+    timeout: Duration,
+) -> String {
+    let start = Instant::now();
+    loop {
+        let c = local.checkpoint().await.expect("checkpoint");
+        let (_, positions) = snapshot(&c.url, topic).await;
+        if positions == produced.ends() {
+            return c.url;
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "not caught up within {timeout:?}: at {positions:?}, produced {:?}",
+            produced.ends()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+/// The consumer group's committed offsets of the topic, by partition.
+fn committed(bootstrap: &str, group: &str, topic: &str) -> BTreeMap<i32, u64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", group)
+        .set("enable.auto.commit", "false")
+        .create()
+        .expect("consumer");
+    let mut tpl = TopicPartitionList::new();
+    for p in 0..PARTITIONS {
+        tpl.add_partition(topic, p);
+    }
+    let got = c
+        .committed_offsets(tpl, Duration::from_secs(10))
+        .expect("committed offsets");
+    got.elements()
+        .iter()
+        .filter_map(|e| match e.offset() {
+            Offset::Offset(o) if o >= 0 => Some((e.partition(), o as u64)),
+            _ => None,
+        })
+        .collect()
+}
+
+fn restart_broker() -> bool {
+    if std::env::var("KEYSHIFT_KAFKA_STATE").is_err() {
+        eprintln!("KEYSHIFT_KAFKA_STATE is not set: the broker restart step is skipped");
+        return false;
+    }
+    let status = std::process::Command::new("bash")
+        .arg(root().join("hack/kafka.sh"))
+        .arg("restart")
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("hack/kafka.sh restart runs");
+    assert!(status.success(), "hack/kafka.sh restart: {status}");
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_source_exact_through_rescales_a_killed_worker_and_a_broker_restart() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let topic = unique_topic("count");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce(&bootstrap, &topic, &mut seq, 6000, &mut produced);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml(
+        "kcount",
+        &bootstrap,
+        &topic,
+        2,
+        "{function: sum, field: amount}",
+        "",
+    );
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch at 2");
+
+    // Everything produced so far is read; the state is exact.
+    let first =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
+    let first_positions = assert_exact(&first, &topic, &produced, true).await;
+
+    // Up past the partition count (5 subtasks, 4 partitions: one reads nothing) while records
+    // arrive: the savepoint is exact at whatever offsets it cut.
+    produce(&bootstrap, &topic, &mut seq, 3000, &mut produced);
+    let r = local.rescale(5).await.expect("rescale 2 -> 5");
+    assert_exact(&r.savepoint, &topic, &produced, true).await;
+
+    // The consumer group holds the offsets of a committed checkpoint (committed when the next
+    // barrier tells the workers it committed): never used to restore, only for lag tools.
+    let c1 = local.checkpoint().await.expect("checkpoint");
+    let (_, c1_positions) = snapshot(&c1.url, &topic).await;
+    let _ = local.checkpoint().await.expect("checkpoint after");
+    let group = "keyshift.test.kcount";
+    let start = Instant::now();
+    loop {
+        let got = committed(&bootstrap, group, &topic);
+        if got == c1_positions {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "group {group} holds {got:?}, expected the committed checkpoint's {c1_positions:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_ne!(c1_positions, first_positions, "the job moved on");
+
+    // A killed worker: the job recovers from the last checkpoint and reads on exactly.
+    produce(&bootstrap, &topic, &mut seq, 2000, &mut produced);
+    local.kill_worker(1).await;
+    assert!(
+        local.checkpoint().await.is_err(),
+        "no checkpoint without worker 1"
+    );
+    let rec = local.recover(5).await.expect("recover at 5");
+    assert!(rec.restored_from.is_some(), "restored from a checkpoint");
+    let caught =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
+    assert_exact(&caught, &topic, &produced, true).await;
+
+    // The broker restarts mid-run (clean stop, same port and data) while records keep coming.
+    if restart_broker() {
+        produce(&bootstrap, &topic, &mut seq, 2000, &mut produced);
+    }
+
+    // Down to 1 while the rest arrives.
+    produce(&bootstrap, &topic, &mut seq, 1000, &mut produced);
+    let r = local.rescale(1).await.expect("rescale 5 -> 1");
+    assert_exact(&r.savepoint, &topic, &produced, true).await;
+    produce(&bootstrap, &topic, &mut seq, 1000, &mut produced);
+    let done =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(90)).await;
+    assert_exact(&done, &topic, &produced, true).await;
+
+    let sp = local.shutdown().await.expect("stop with savepoint");
+    let positions = assert_exact(&sp.url, &topic, &produced, true).await;
+    assert_eq!(positions, produced.ends(), "every record read, none twice");
+    let (values, _) = snapshot(&sp.url, &topic).await;
+    let total: i64 = values.values().sum();
+    let want: i64 = produced
+        .by_partition
+        .values()
+        .flatten()
+        .map(|(_, a)| a)
+        .sum();
+    assert_eq!(total, want);
+    assert!(
+        values["hot"]
+            > values
+                .iter()
+                .filter(|(k, _)| *k != "hot")
+                .map(|(_, v)| *v)
+                .max()
+                .unwrap_or(0)
+                * 10,
+        "the hot key is hot"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_source_keys_from_the_record_key_and_starts_at_latest() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let topic = unique_topic("latest");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut old = Produced::default();
+    let mut seq = 0;
+    // Produced before the job starts: a job starting at `latest` never reads them.
+    produce(&bootstrap, &topic, &mut seq, 500, &mut old);
+    let before = old.ends();
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml(
+        "klatest",
+        &bootstrap,
+        &topic,
+        2,
+        "{function: count}",
+        "        keyFrom: recordKey\n        startingPosition: latest",
+    );
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    // A checkpoint before any new record holds the resolved end offsets, not "latest": a restore
+    // from it must not skip what arrives next.
+    let c = local.checkpoint().await.expect("checkpoint");
+    let (values, positions) = snapshot(&c.url, &topic).await;
+    assert!(
+        values.is_empty(),
+        "nothing before the start is read: {values:?}"
+    );
+    assert_eq!(positions, before, "the start's end offsets");
+
+    let mut new = Produced::default();
+    produce(&bootstrap, &topic, &mut seq, 1500, &mut new);
+    // Everything is produced to the same topic: the job's totals are those of the records after
+    // `before`.
+    let mut all = old;
+    for (p, r) in new.by_partition {
+        all.by_partition.entry(p).or_default().extend(r);
+    }
+    let url = checkpoint_when_caught_up(&mut local, &topic, &all, Duration::from_secs(60)).await;
+    let (values, positions) = snapshot(&url, &topic).await;
+    let (all_counts, _) = all.totals_at(&positions);
+    let (old_counts, _) = all.totals_at(&before);
+    let expected: BTreeMap<String, i64> = all_counts
+        .into_iter()
+        .map(|(k, v)| {
+            let v = v - old_counts.get(&k).copied().unwrap_or(0);
+            (k, v)
+        })
+        .filter(|(_, v)| *v > 0)
+        .collect();
+    assert_eq!(
+        values, expected,
+        "exact counts of the records after the start, keyed by record key"
+    );
+    local.shutdown().await.expect("stop");
+}
