@@ -188,11 +188,7 @@ impl Sink {
                 "{} parts, {} records produced{}",
                 p.parts,
                 p.records,
-                if p.already {
-                    " (in Kafka already)"
-                } else {
-                    ""
-                }
+                if p.already { " (in Kafka already)" } else { "" }
             ));
         }
         let p = crate::sink::publish(self.store.as_ref(), &self.base, id).await?;

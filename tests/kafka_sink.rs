@@ -56,11 +56,7 @@ async fn create_topic(bootstrap: &str, topic: &str) {
         .expect("admin client");
     let results = admin
         .create_topics(
-            &[NewTopic::new(
-                topic,
-                PARTITIONS,
-                TopicReplication::Fixed(1),
-            )],
+            &[NewTopic::new(topic, PARTITIONS, TopicReplication::Fixed(1))],
             &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
         )
         .await
@@ -106,7 +102,8 @@ fn read_topic(bootstrap: &str, topic: &str, committed: bool) -> Vec<Rec> {
     let mut idle_since = Instant::now();
     // Every record is in the topic already (the job has stopped): read until nothing comes for
     // a while.
-    while idle_since.elapsed() < Duration::from_secs(4) && started.elapsed() < Duration::from_secs(90)
+    while idle_since.elapsed() < Duration::from_secs(4)
+        && started.elapsed() < Duration::from_secs(90)
     {
         match consumer.poll(Duration::from_millis(200)) {
             Some(Ok(m)) => {
@@ -263,14 +260,20 @@ fn assert_nothing_staged(env: &Env, job: &str) {
         .iter()
         .flat_map(|d| std::fs::read_dir(d).into_iter().flatten())
         .collect();
-    assert!(files.is_empty(), "staged output left in {staging:?}: {files:?}");
+    assert!(
+        files.is_empty(),
+        "staged output left in {staging:?}: {files:?}"
+    );
 }
 
 /// Every key lands in the partition Java's producer would pick, and nothing of the zombie's
 /// aborted transaction is visible to `read_committed` (though it is in the log).
 fn assert_partitioned_and_no_zombie(bootstrap: &str, topic: &str, records: &[Rec]) {
     for r in records {
-        assert_ne!(r.key, "zombie", "a record of an aborted transaction is visible");
+        assert_ne!(
+            r.key, "zombie",
+            "a record of an aborted transaction is visible"
+        );
         assert_eq!(
             r.partition,
             java_partition(&r.key),
@@ -278,7 +281,11 @@ fn assert_partitioned_and_no_zombie(bootstrap: &str, topic: &str, records: &[Rec
             r.key,
             r.partition
         );
-        assert_eq!(r.value["key"], serde_json::json!(r.key), "value and key agree");
+        assert_eq!(
+            r.value["key"],
+            serde_json::json!(r.key),
+            "value and key agree"
+        );
     }
     let raw = read_topic(bootstrap, topic, false);
     assert_eq!(
@@ -307,9 +314,14 @@ async fn windowed_results_appear_exactly_once_across_a_crash_and_a_rescale() {
     // A publisher of this job that crashed inside a transaction: the job's own publisher fences
     // it before it publishes anything, which aborts its records.
     let zombie = zombie(&bootstrap, &topic, "keyshift.test.kwin.sink");
-    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.dir.path().join("logs"))
-        .await
-        .expect("job prepares");
+    let mut local = LocalJob::new(
+        &spec,
+        env.storage.clone(),
+        bin(),
+        env.dir.path().join("logs"),
+    )
+    .await
+    .expect("job prepares");
     let sp = crash_and_rescale(&mut local, 2).await;
     assert!(
         zombie.commit_transaction(Duration::from_secs(10)).is_err(),
@@ -327,7 +339,11 @@ async fn windowed_results_appear_exactly_once_across_a_crash_and_a_rescale() {
             .entry(Key::String(r.key.clone()))
             .or_default()
             .insert(start, value);
-        assert!(prev.is_none(), "window {start} of {} published twice", r.key);
+        assert!(
+            prev.is_none(),
+            "window {start} of {} published twice",
+            r.key
+        );
     }
     // What was published plus the windows still open in the final savepoint are exactly the
     // expected windows at its positions.
@@ -336,7 +352,10 @@ async fn windowed_results_appear_exactly_once_across_a_crash_and_a_rescale() {
     for (key, windows) in state.windows() {
         for (start, acc) in windows {
             let prev = seen.entry(key.clone()).or_default().insert(start, acc);
-            assert!(prev.is_none(), "window {start} of {key:?} both published and open");
+            assert!(
+                prev.is_none(),
+                "window {start} of {key:?} both published and open"
+            );
         }
     }
     let Expected::Windowed(expected) =
@@ -367,9 +386,14 @@ async fn the_newest_value_of_every_key_is_its_total_across_a_crash_and_a_rescale
     create_topic(&bootstrap, &topic).await;
     let spec = kafka_job("kcount", &bootstrap, &topic, "{function: count}", "");
     let zombie = zombie(&bootstrap, &topic, "keyshift.test.kcount.sink");
-    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.dir.path().join("logs"))
-        .await
-        .expect("job prepares");
+    let mut local = LocalJob::new(
+        &spec,
+        env.storage.clone(),
+        bin(),
+        env.dir.path().join("logs"),
+    )
+    .await
+    .expect("job prepares");
     let sp = crash_and_rescale(&mut local, 4).await;
     drop(zombie);
 
@@ -425,14 +449,22 @@ async fn at_least_once_loses_nothing_across_a_crash() {
     if let Some(k) = spec.spec.job.sink.kafka.as_mut() {
         k.delivery_guarantee = keyshift::crd::KafkaDeliveryGuarantee::AtLeastOnce;
     }
-    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.dir.path().join("logs"))
-        .await
-        .expect("job prepares");
+    let mut local = LocalJob::new(
+        &spec,
+        env.storage.clone(),
+        bin(),
+        env.dir.path().join("logs"),
+    )
+    .await
+    .expect("job prepares");
     let sp = crash_and_rescale(&mut local, 2).await;
     let records = read_topic(&bootstrap, &topic, true);
     let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
     for r in &records {
-        newest.insert(Key::String(r.key.clone()), r.value["value"].as_i64().expect("value"));
+        newest.insert(
+            Key::String(r.key.clone()),
+            r.value["value"].as_i64().expect("value"),
+        );
     }
     let state = snapshot_support::read_state(&sp).await;
     let Expected::Global(expected) =
@@ -452,16 +484,15 @@ async fn at_least_once_loses_nothing_across_a_crash() {
 async fn a_sink_that_cannot_reach_its_brokers_fails_with_their_error_and_keeps_the_snapshot() {
     let env = env();
     // Nothing listens on port 9 of localhost.
-    let spec = kafka_job(
-        "kdown",
-        "127.0.0.1:9",
-        "nowhere",
-        "{function: count}",
-        "",
-    );
-    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.dir.path().join("logs"))
-        .await
-        .expect("job prepares");
+    let spec = kafka_job("kdown", "127.0.0.1:9", "nowhere", "{function: count}", "");
+    let mut local = LocalJob::new(
+        &spec,
+        env.storage.clone(),
+        bin(),
+        env.dir.path().join("logs"),
+    )
+    .await
+    .expect("job prepares");
     local.launch(2, None).await.expect("launch");
     let e = local
         .checkpoint()
@@ -514,7 +545,10 @@ async fn a_publisher_restarted_between_its_commit_and_its_clean_up_produces_noth
                 })
                 .collect();
             s.emit(&rows);
-            outs.push(s.on_barrier(id, Committed::Through(id - 1)).expect("barrier"));
+            outs.push(
+                s.on_barrier(id, Committed::Through(id - 1))
+                    .expect("barrier"),
+            );
         }
         outs
     };
@@ -524,32 +558,45 @@ async fn a_publisher_restarted_between_its_commit_and_its_clean_up_produces_noth
     let first = KafkaPublisher::new(props.clone(), topic.clone(), tid.clone());
     assert_eq!(first.marker().await.expect("marker"), None);
     for out in stage(1, &[1, 2, 3]) {
-        keyshift::sink::stage(&store, &base, &out).await.expect("stage");
+        keyshift::sink::stage(&store, &base, &out)
+            .await
+            .expect("stage");
     }
     let p = first.publish(&store, &base, 1).await.expect("publish 1");
     assert_eq!((p.parts, p.records, p.already), (2, 6, false));
     // Snapshot 2 is produced, then its staged parts are back as if the clean-up never ran.
     let two = stage(2, &[4, 5]);
     for out in &two {
-        keyshift::sink::stage(&store, &base, out).await.expect("stage");
+        keyshift::sink::stage(&store, &base, out)
+            .await
+            .expect("stage");
     }
     first.publish(&store, &base, 2).await.expect("publish 2");
     for out in &two {
-        keyshift::sink::stage(&store, &base, out).await.expect("stage again");
+        keyshift::sink::stage(&store, &base, out)
+            .await
+            .expect("stage again");
     }
     drop(first);
     let second = KafkaPublisher::new(props, topic.clone(), tid);
     let marker = second.marker().await.expect("marker").expect("a marker");
     assert_eq!((marker.snapshot, marker.records), (2, 4));
-    let p = second.publish(&store, &base, 2).await.expect("publish 2 again");
+    let p = second
+        .publish(&store, &base, 2)
+        .await
+        .expect("publish 2 again");
     assert!(p.already && p.records == 0, "{p:?}");
     for out in stage(3, &[6]) {
-        keyshift::sink::stage(&store, &base, &out).await.expect("stage");
+        keyshift::sink::stage(&store, &base, &out)
+            .await
+            .expect("stage");
     }
     let p = second.publish(&store, &base, 3).await.expect("publish 3");
     assert_eq!((p.records, p.already), (2, false));
     assert_eq!(
-        keyshift::sink::max_snapshot_id(&store, &base).await.expect("ids"),
+        keyshift::sink::max_snapshot_id(&store, &base)
+            .await
+            .expect("ids"),
         0,
         "nothing is left staged"
     );
@@ -559,9 +606,166 @@ async fn a_publisher_restarted_between_its_commit_and_its_clean_up_produces_noth
     assert_eq!(
         keys,
         [
-            "key-0-1", "key-0-2", "key-0-3", "key-0-4", "key-0-5", "key-0-6", "key-1-1",
-            "key-1-2", "key-1-3", "key-1-4", "key-1-5", "key-1-6"
+            "key-0-1", "key-0-2", "key-0-3", "key-0-4", "key-0-5", "key-0-6", "key-1-1", "key-1-2",
+            "key-1-3", "key-1-4", "key-1-5", "key-1-6"
         ],
         "every row once"
+    );
+}
+
+/// Produces `n` records to `topic` (key and JSON value name the user; about a third go to the
+/// hot user `hot`, the rest over 200 users; partitions picked round the topic, not by key) and
+/// counts them per user into `counts`. Waits until the broker acknowledged them all.
+fn produce_clicks(
+    bootstrap: &str,
+    topic: &str,
+    from: u64,
+    n: u64,
+    counts: &mut BTreeMap<Key, i64>,
+) {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    for i in from..from + n {
+        let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        let user = if h % 3 == 0 {
+            "hot".to_owned()
+        } else {
+            format!("user-{}", (h >> 20) % 200)
+        };
+        let payload = format!("{{\"user\":\"{user}\",\"seq\":{i}}}");
+        let mut record = BaseRecord::to(topic)
+            .key(user.as_str())
+            .payload(payload.as_str())
+            .partition((i % PARTITIONS as u64) as i32);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((_, r)) => {
+                    record = r;
+                    producer.poll(Duration::from_millis(10));
+                }
+            }
+        }
+        *counts.entry(Key::String(user)).or_insert(0) += 1;
+    }
+    producer
+        .flush(Duration::from_secs(60))
+        .expect("every record acknowledged");
+}
+
+/// Kafka to Kafka: a count per user read from a topic (the Kafka source) and written exactly
+/// once to another, through a killed worker, more records, a rescale and a final savepoint taken
+/// once every produced record is read: the newest count of every user in the output topic is
+/// the number of records produced for that user.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kafka_to_kafka_counts_are_exact_across_a_crash_and_a_rescale() {
+    let test = "kafka_to_kafka_counts_are_exact_across_a_crash_and_a_rescale";
+    let Some(bootstrap) = bootstrap(test) else {
+        return;
+    };
+    let env = env();
+    let input = unique("ks-k2k-in");
+    let output = unique("ks-k2k-out");
+    create_topic(&bootstrap, &input).await;
+    create_topic(&bootstrap, &output).await;
+    let mut totals = BTreeMap::new();
+    produce_clicks(&bootstrap, &input, 0, 6000, &mut totals);
+    let spec: StreamJob = serde_yaml::from_str(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: k2k, namespace: test}}
+spec:
+  replicas: 2
+  maxParallelism: 64
+  job:
+    source:
+      kafka: {{bootstrapServers: '{bootstrap}', topics: [{input}]}}
+    key: {{field: user, type: string}}
+    aggregation: {{function: count}}
+    sink:
+      type: kafka
+      kafka: {{bootstrapServers: '{bootstrap}', topic: {output}}}
+  state:
+    checkpointInterval: 1h
+"
+    ))
+    .expect("manifest parses");
+    let mut local = LocalJob::new(
+        &spec,
+        env.storage.clone(),
+        bin(),
+        env.dir.path().join("logs"),
+    )
+    .await
+    .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let good = local.checkpoint().await.expect("checkpoint");
+    local.kill_worker(1).await;
+    assert!(
+        local.checkpoint().await.is_err(),
+        "a checkpoint without worker 1 fails"
+    );
+    let r = local.recover(2).await.expect("recover");
+    assert_eq!(r.restored_from.as_deref(), Some(good.url.as_str()));
+    produce_clicks(&bootstrap, &input, 6000, 6000, &mut totals);
+    local.rescale(3).await.expect("rescale 2 -> 3");
+    // Offsets start at 0 (a plain idempotent producer): caught up when they add up to 12000.
+    let started = Instant::now();
+    loop {
+        let c = local.checkpoint().await.expect("checkpoint");
+        let read: u64 = snapshot_support::read_state(&c.url)
+            .await
+            .positions
+            .values()
+            .sum();
+        if read == 12_000 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(90),
+            "not caught up: {read} of 12000 read"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    let sp = local.shutdown().await.expect("stop with a savepoint");
+    let state = snapshot_support::read_state(&sp.url).await;
+    assert_eq!(
+        state.scalars(),
+        totals,
+        "the final savepoint holds the exact counts"
+    );
+
+    let records = read_topic(&bootstrap, &output, true);
+    let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
+    for r in &records {
+        assert_eq!(
+            r.partition,
+            java_partition(&r.key),
+            "key {} misplaced",
+            r.key
+        );
+        let v = r.value["value"].as_i64().expect("value");
+        let prev = newest.insert(Key::String(r.key.clone()), v);
+        assert!(
+            prev.is_none_or(|p| p <= v),
+            "the count of {} went down from {prev:?} to {v}",
+            r.key
+        );
+    }
+    assert!(
+        newest == totals,
+        "the newest count of some user in the output topic differs from the records produced"
+    );
+    assert_nothing_staged(&env, "k2k");
+    eprintln!(
+        "{test}: 12000 records in, {} records out for {} users, hot user {}",
+        records.len(),
+        newest.len(),
+        totals[&Key::String("hot".into())]
     );
 }

@@ -914,12 +914,10 @@ async fn start_subtask(
     };
     #[cfg(feature = "kafka")]
     let kafka = match (&req.job.sink.sink_type, &req.job.sink.kafka) {
-        (crate::crd::SinkType::Kafka, Some(k)) if !job::kafka::sink::stages(&req.job.sink) => {
-            Some(
-                job::kafka::sink::AtLeastOnceSink::from_spec(k)
-                    .map_err(|e| WorkerError::KafkaSink(e.to_string()))?,
-            )
-        }
+        (crate::crd::SinkType::Kafka, Some(k)) if !job::kafka::sink::stages(&req.job.sink) => Some(
+            job::kafka::sink::AtLeastOnceSink::from_spec(k)
+                .map_err(|e| WorkerError::KafkaSink(e.to_string()))?,
+        ),
         _ => None,
     };
     let my_partitions: Vec<u32> = (0..compiled.partitions())
@@ -1688,7 +1686,8 @@ async fn snapshot(
     // could not be delivered stops the worker (its snapshot must never commit past it).
     #[cfg(feature = "kafka")]
     if let Some(k) = &mut sub.kafka {
-        k.flush().map_err(|e| WorkerError::KafkaSink(e.to_string()))?;
+        k.flush()
+            .map_err(|e| WorkerError::KafkaSink(e.to_string()))?;
     }
     // Every result since the job's last committed snapshot is staged for this one (results
     // staged for snapshots that did not commit ride along); the coordinator publishes them once

@@ -140,7 +140,10 @@ pub fn records(text: &[u8]) -> Result<Vec<(Vec<u8>, &[u8])>, LineError> {
         if line.is_empty() {
             continue;
         }
-        let err = |reason: String| LineError { line: i + 1, reason };
+        let err = |reason: String| LineError {
+            line: i + 1,
+            reason,
+        };
         let row: Row = serde_json::from_slice(line).map_err(|e| err(e.to_string()))?;
         let raw = row.key.get();
         let key = if raw.starts_with('"') {
@@ -240,16 +243,18 @@ pub use io::*;
 #[cfg(feature = "kafka")]
 mod io {
     use super::*;
+    use crate::crd::KafkaSink;
+    use crate::job::kafka::{Credentials, Role, client_config, producer_properties};
     use crate::sink::staged_dir;
     use crate::snapshot::{ObjectStore, Path};
     use futures::TryStreamExt;
     use object_store::ObjectStoreExt;
-    use crate::crd::KafkaSink;
-    use crate::job::kafka::{Credentials, Role, client_config, producer_properties};
     use rdkafka::ClientConfig;
     use rdkafka::consumer::{BaseConsumer, Consumer};
     use rdkafka::error::KafkaError;
-    use rdkafka::producer::{BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer};
+    use rdkafka::producer::{
+        BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer,
+    };
     use rdkafka::{ClientContext, Offset, TopicPartitionList};
     use std::collections::BTreeMap;
     use std::sync::{Arc, Mutex, PoisonError};
@@ -714,7 +719,8 @@ mod io {
         let Some(e) = got.find_partition(topic, 0) else {
             return Ok(None);
         };
-        e.error().map_err(kafka("reading the bookkeeping group's marker"))?;
+        e.error()
+            .map_err(kafka("reading the bookkeeping group's marker"))?;
         let offset = match e.offset() {
             Offset::Offset(o) => o,
             _ => -1,
@@ -800,10 +806,12 @@ mod io {
             if self.failed.is_some() {
                 return;
             }
-            let sent = records(lines).map_err(KafkaSinkError::from).and_then(|recs| {
-                recs.iter()
-                    .try_for_each(|(key, value)| send(&self.producer, &self.topic, key, value))
-            });
+            let sent = records(lines)
+                .map_err(KafkaSinkError::from)
+                .and_then(|recs| {
+                    recs.iter()
+                        .try_for_each(|(key, value)| send(&self.producer, &self.topic, key, value))
+                });
             if let Err(e) = sent {
                 self.failed = Some(e);
             }
@@ -815,10 +823,9 @@ mod io {
             if let Some(e) = self.failed.take() {
                 return Err(e);
             }
-            self.producer.flush(KAFKA_TIMEOUT).map_err(kafka_at(
-                "flushing at the barrier",
-                self.producer.context(),
-            ))?;
+            self.producer
+                .flush(KAFKA_TIMEOUT)
+                .map_err(kafka_at("flushing at the barrier", self.producer.context()))?;
             let (failed, first) = self.producer.context().take();
             if failed > 0 {
                 return Err(KafkaSinkError::Delivery {
