@@ -631,7 +631,7 @@ fn produce_clicks(
         .expect("producer");
     for i in from..from + n {
         let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let user = if h % 3 == 0 {
+        let user = if h.is_multiple_of(3) {
             "hot".to_owned()
         } else {
             format!("user-{}", (h >> 20) % 200)

@@ -126,10 +126,13 @@ pub struct LineError {
     pub reason: String,
 }
 
+/// A Kafka record of a result: its key bytes and its value (a JSON line without the newline).
+pub type KafkaRecord<'a> = (Vec<u8>, &'a [u8]);
+
 /// The Kafka records of staged JSON lines (the object-store sink's format): per line, the key
 /// ([`record_key`] of the row's `key`) and the value (the line without its newline). Empty lines
 /// are skipped.
-pub fn records(text: &[u8]) -> Result<Vec<(Vec<u8>, &[u8])>, LineError> {
+pub fn records(text: &[u8]) -> Result<Vec<KafkaRecord<'_>>, LineError> {
     #[derive(serde::Deserialize)]
     struct Row<'a> {
         #[serde(borrow)]
