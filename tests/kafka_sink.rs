@@ -49,6 +49,9 @@ fn unique(tag: &str) -> String {
 
 const PARTITIONS: i32 = 4;
 
+/// Tests hold it shared while they use the broker; the one that stops the broker holds it alone.
+static BROKER: tokio::sync::RwLock<()> = tokio::sync::RwLock::const_new(());
+
 async fn create_topic(bootstrap: &str, topic: &str) {
     let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
@@ -301,6 +304,7 @@ async fn windowed_results_appear_exactly_once_across_a_crash_and_a_rescale() {
     let Some(bootstrap) = bootstrap(test) else {
         return;
     };
+    let _broker = BROKER.read().await;
     let env = env();
     let topic = unique("ks-sink-windows");
     create_topic(&bootstrap, &topic).await;
@@ -381,6 +385,7 @@ async fn the_newest_value_of_every_key_is_its_total_across_a_crash_and_a_rescale
     let Some(bootstrap) = bootstrap(test) else {
         return;
     };
+    let _broker = BROKER.read().await;
     let env = env();
     let topic = unique("ks-sink-counts");
     create_topic(&bootstrap, &topic).await;
@@ -442,6 +447,7 @@ async fn at_least_once_loses_nothing_across_a_crash() {
     let Some(bootstrap) = bootstrap(test) else {
         return;
     };
+    let _broker = BROKER.read().await;
     let env = env();
     let topic = unique("ks-sink-alo");
     create_topic(&bootstrap, &topic).await;
@@ -525,6 +531,7 @@ async fn a_publisher_restarted_between_its_commit_and_its_clean_up_produces_noth
     let Some(bootstrap) = bootstrap(test) else {
         return;
     };
+    let _broker = BROKER.read().await;
     let topic = unique("ks-sink-publisher");
     create_topic(&bootstrap, &topic).await;
     let store = object_store::memory::InMemory::new();
@@ -667,6 +674,7 @@ async fn kafka_to_kafka_counts_are_exact_across_a_crash_and_a_rescale() {
     let Some(bootstrap) = bootstrap(test) else {
         return;
     };
+    let _broker = BROKER.read().await;
     let env = env();
     let input = unique("ks-k2k-in");
     let output = unique("ks-k2k-out");
@@ -767,5 +775,91 @@ spec:
         records.len(),
         newest.len(),
         totals[&Key::String("hot".into())]
+    );
+}
+
+/// `hack/kafka.sh ARGS` on the test broker (`KEYSHIFT_KAFKA_STATE`).
+fn kafka_sh(args: &[&str]) {
+    let root = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let status = std::process::Command::new("bash")
+        .arg(root.join("hack/kafka.sh"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("hack/kafka.sh runs");
+    assert!(status.success(), "hack/kafka.sh {args:?}: {status}");
+}
+
+/// The broker is down while a checkpoint commits: its publish fails (the snapshot stays
+/// committed, its output pending), the job runs on, and once the broker is back the next commit
+/// publishes the pending output first. Nothing is lost or doubled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn output_committed_while_the_broker_is_down_is_published_once_it_is_back() {
+    let test = "output_committed_while_the_broker_is_down_is_published_once_it_is_back";
+    let Some(bootstrap) = bootstrap(test) else {
+        return;
+    };
+    if std::env::var("KEYSHIFT_KAFKA_STATE").is_err() {
+        eprintln!("SKIPPED {test}: set KEYSHIFT_KAFKA_STATE (hack/kafka.sh start prints it)");
+        return;
+    }
+    let _broker = BROKER.write().await;
+    let env = env();
+    let topic = unique("ks-sink-restart");
+    create_topic(&bootstrap, &topic).await;
+    let spec = kafka_job("kdown2", &bootstrap, &topic, "{function: count}", "");
+    let mut local = LocalJob::new(
+        &spec,
+        env.storage.clone(),
+        bin(),
+        env.dir.path().join("logs"),
+    )
+    .await
+    .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    local.checkpoint().await.expect("checkpoint, published");
+    kafka_sh(&["stop"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The snapshot commits; producing its output fails (after the client's timeout) and waits.
+    let down = local
+        .checkpoint()
+        .await
+        .expect("a checkpoint commits without the broker");
+    kafka_sh(&["start"]);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let after = local
+        .checkpoint()
+        .await
+        .expect("checkpoint after the restart");
+    assert!(after.id > down.id);
+    let sp = local.shutdown().await.expect("stop with a savepoint");
+    let records = read_topic(&bootstrap, &topic, true);
+    let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
+    for r in &records {
+        let v = r.value["value"].as_i64().expect("value");
+        let prev = newest.insert(Key::String(r.key.clone()), v);
+        assert!(
+            prev.is_none_or(|p| p <= v),
+            "the count of {} went down from {prev:?} to {v}",
+            r.key
+        );
+    }
+    let state = snapshot_support::read_state(&sp.url).await;
+    let Expected::Global(expected) =
+        job::expected_results(&spec.spec.job, &state.positions).expect("oracle")
+    else {
+        panic!("expected a global aggregate");
+    };
+    assert!(
+        newest == expected,
+        "the newest value of some key differs from its exact total"
+    );
+    assert_nothing_staged(&env, "kdown2");
+    eprintln!(
+        "{test}: {} records read_committed for {} keys; snapshot {} committed while the broker was down",
+        records.len(),
+        newest.len(),
+        down.id
     );
 }
