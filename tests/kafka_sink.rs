@@ -826,6 +826,15 @@ async fn output_committed_while_the_broker_is_down_is_published_once_it_is_back(
         .checkpoint()
         .await
         .expect("a checkpoint commits without the broker");
+    let staged = env
+        .dir
+        .path()
+        .join(format!("state/test/kdown2/sink/_staging/snap-{}", down.id));
+    assert!(
+        std::fs::read_dir(&staged).is_ok_and(|d| d.count() == 2),
+        "the output of snapshot {} waits, staged, in {staged:?}",
+        down.id
+    );
     kafka_sh(&["start"]);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = local
