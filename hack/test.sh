@@ -11,6 +11,15 @@ step() { printf '\n==> %s\n' "$*" >&2; }
 python3 -c 'import prometheus_client' 2>/dev/null || python3 -m pip install --quiet 'prometheus_client>=0.20'
 # PyYAML reads values.yaml for the chart README's values table (hack/chart-values-table.py).
 python3 -c 'import yaml' 2>/dev/null || python3 -m pip install --quiet 'PyYAML>=6'
+# The `kafka` feature builds librdkafka from source against OpenSSL and zlib (their headers and
+# pkg-config), and hack/kafka.sh resolves the broker's jars with Maven and runs them on Java 17+.
+missing_debs=()
+for deb in libssl-dev zlib1g-dev pkg-config maven; do
+  dpkg -s "$deb" >/dev/null 2>&1 || missing_debs+=("$deb")
+done
+if ((${#missing_debs[@]})); then
+  apt-get update -qq && apt-get install -y -qq "${missing_debs[@]}" >/dev/null
+fi
 # Helm for the chart checks (tests/chart.rs) and the e2e suite; cached after the first run.
 KEYSHIFT_HELM="$(hack/get-helm.sh)"
 export KEYSHIFT_HELM="${KEYSHIFT_HELM#HELM=}"
@@ -75,6 +84,22 @@ s3_stop() {
 trap 's3_stop || true; prebuild_stop' EXIT
 eval "$(hack/s3-server.sh start)"
 
+step "Kafka broker (hack/kafka.sh: Apache Kafka, KRaft, one node) for tests/kafka_local.rs"
+# Its own state dir too; the tests restart it mid-run through hack/kafka.sh (KEYSHIFT_KAFKA_STATE).
+KAFKA_STATE_OWNED=""
+if [[ -z "${KEYSHIFT_KAFKA_STATE:-}" ]]; then
+  KEYSHIFT_KAFKA_STATE="$(mktemp -d /tmp/keyshift-kafka.XXXXXX)"
+  KAFKA_STATE_OWNED=1
+fi
+export KEYSHIFT_KAFKA_STATE
+kafka_stop() {
+  hack/kafka.sh stop || return 1
+  if [[ -n "$KAFKA_STATE_OWNED" ]]; then rm -rf -- "$KEYSHIFT_KAFKA_STATE"; fi
+}
+trap 'kafka_stop || true; s3_stop || true; prebuild_stop' EXIT
+kafka_env="$(hack/kafka.sh start)"
+eval "$kafka_env"
+
 # Includes tests/chart.rs: `helm template` with default and CI values, checked for the RBAC
 # contract (no wildcards, Roles only in namespaced mode), restricted pod security, refused values
 # and the chart's CRD being crds/streamjob.yaml. With all features: the benchmarks' own tests
@@ -117,6 +142,7 @@ export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e
 cleanup() {
   local rc=$?
   prebuild_stop
+  kafka_stop || rc=1
   s3_stop || rc=1
   step "testenv down"
   hack/testenv.sh down || rc=1

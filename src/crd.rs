@@ -871,6 +871,11 @@ pub struct SnapshotRef {
     /// Total bytes of state.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub size_bytes: Option<i64>,
+    /// Source partitions the snapshot holds positions for, when the source lists them at run
+    /// time (the files of a file source, the topic-partitions of a Kafka source as the brokers
+    /// reported them): the partition count behind AllSubtasksHavePartitions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_partitions: Option<i32>,
 }
 
 /// Progress of a rescale or stateful upgrade.

@@ -1227,6 +1227,8 @@ pub struct Analysis {
     pub skew: Skew,
     /// Subtasks that will read no source partition (they still own key groups).
     pub idle_subtasks: u32,
+    /// The source's partition count, when known (see [`snapshot_partitions`]).
+    pub source_partitions: Option<u32>,
 }
 
 /// Problems only visible with the derived key-group count; each becomes a Stalled condition.
@@ -1250,6 +1252,17 @@ pub enum AnalysisError {
     },
     #[error("{0}")]
     Bounds(#[from] BoundsError),
+}
+
+/// The partition count recorded with the newest of the job's latest checkpoint and savepoint,
+/// if it recorded one ([`crate::crd::SnapshotRef::source_partitions`]).
+pub fn snapshot_partitions(status: &StreamJobStatus) -> Option<u32> {
+    [&status.last_checkpoint, &status.last_savepoint]
+        .into_iter()
+        .flatten()
+        .max_by_key(|s| s.id)
+        .and_then(|s| s.source_partitions)
+        .and_then(|n| u32::try_from(n).ok())
 }
 
 /// Resolves the key-group count and checks what CEL cannot: the derived default ceiling, Strict
@@ -1298,14 +1311,18 @@ pub fn analyse(
             summary: skew.summary(),
         });
     }
+    // The generator's partitions are its spec's; a file or Kafka source's are what its latest
+    // snapshot listed (the brokers' metadata for Kafka), unknown before the first one.
     let partitions = spec
         .job
         .source
         .generator
         .as_ref()
-        .map(|g| g.partitions.max(0) as u32);
+        .map(|g| g.partitions.max(0) as u32)
+        .or_else(|| status.and_then(snapshot_partitions));
     let idle_subtasks = partitions.map_or(0, |n| assignment.parallelism().saturating_sub(n));
     Ok(Analysis {
+        source_partitions: partitions,
         assignment,
         ceiling_source,
         skew,
@@ -1594,5 +1611,32 @@ mod tests {
         assert!(!valid_topic(&"t".repeat(250)));
         assert!(!valid_topic("a b"));
         assert!(!valid_topic(""));
+    }
+
+    #[test]
+    fn a_kafka_job_s_idle_subtasks_come_from_its_latest_snapshot_s_partitions() {
+        let mut spec = job().spec;
+        spec.job = kafka_job();
+        spec.replicas = 6;
+        spec.max_parallelism = Some(64);
+        // Unknown before the first snapshot: no subtask is reported idle.
+        let a = analyse(&spec, None).unwrap();
+        assert_eq!((a.source_partitions, a.idle_subtasks), (None, 0));
+        let snap = |id, n| crate::crd::SnapshotRef {
+            id,
+            source_partitions: n,
+            ..Default::default()
+        };
+        let mut status = StreamJobStatus {
+            last_checkpoint: Some(snap(7, Some(4))),
+            last_savepoint: Some(snap(5, Some(2))),
+            ..Default::default()
+        };
+        let a = analyse(&spec, Some(&status)).unwrap();
+        assert_eq!((a.source_partitions, a.idle_subtasks), (Some(4), 2));
+        // The newest snapshot counts (a savepoint taken after the checkpoint).
+        status.last_savepoint = Some(snap(8, Some(8)));
+        let a = analyse(&spec, Some(&status)).unwrap();
+        assert_eq!((a.source_partitions, a.idle_subtasks), (Some(8), 0));
     }
 }

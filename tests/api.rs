@@ -418,16 +418,17 @@ fn samples() -> Vec<(String, StreamJob)> {
 fn samples_parse_and_validate() {
     let samples = samples();
     assert!(samples.len() >= 2, "expected at least two samples");
-    let mut sources = (false, false);
+    let mut sources = (false, false, false);
     for (path, job) in samples {
         validate(&job.spec, None, None).unwrap_or_else(|e| panic!("{path}: {e}"));
         analyse(&job.spec, None).unwrap_or_else(|e| panic!("{path}: {e}"));
         sources.0 |= job.spec.job.source.generator.is_some();
         sources.1 |= job.spec.job.source.file.is_some();
+        sources.2 |= job.spec.job.source.kafka.is_some();
     }
     assert!(
-        sources.0 && sources.1,
-        "samples cover generator and file sources"
+        sources.0 && sources.1 && sources.2,
+        "samples cover generator, file and kafka sources"
     );
 }
 

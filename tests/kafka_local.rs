@@ -28,6 +28,10 @@ use std::time::{Duration, Instant};
 
 const PARTITIONS: i32 = 4;
 
+/// One test at a time: one of them restarts the broker, which the others would see as an
+/// outage at a random step.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn bin() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_keyshift"))
 }
@@ -116,6 +120,18 @@ impl Produced {
 /// from 0 (an idempotent, non-transactional producer), so the i-th record of a partition has
 /// offset i.
 fn produce(bootstrap: &str, topic: &str, seq: &mut u64, n: u64, out: &mut Produced) {
+    produce_to(bootstrap, topic, PARTITIONS, seq, n, out)
+}
+
+/// [`produce`] over the first `partitions` partitions.
+fn produce_to(
+    bootstrap: &str,
+    topic: &str,
+    partitions: i32,
+    seq: &mut u64,
+    n: u64,
+    out: &mut Produced,
+) {
     let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
         .set("bootstrap.servers", bootstrap)
         .set("enable.idempotence", "true")
@@ -126,13 +142,13 @@ fn produce(bootstrap: &str, topic: &str, seq: &mut u64, n: u64, out: &mut Produc
         let i = *seq;
         *seq += 1;
         let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let user = if h % 3 == 0 {
+        let user = if h.is_multiple_of(3) {
             "hot".to_owned()
         } else {
             format!("user-{}", (h >> 20) % 200)
         };
         let amount = (i % 17) as i64 + 1;
-        let partition = ((h >> 40) % PARTITIONS as u64) as i32;
+        let partition = ((h >> 40) % partitions as u64) as i32;
         let payload = format!("{{\"user\":\"{user}\",\"amount\":{amount},\"seq\":{i}}}");
         let mut record = BaseRecord::to(topic)
             .key(user.as_str())
@@ -142,11 +158,15 @@ fn produce(bootstrap: &str, topic: &str, seq: &mut u64, n: u64, out: &mut Produc
             match producer.send(record) {
                 Ok(()) => break,
                 Err((e, r)) => {
-                    // Queue full: let it drain.
+                    // Queue full: let it drain. Unknown partition: one just added, which the
+                    // producer's metadata does not show yet.
                     assert!(
                         matches!(
                             e.rdkafka_error_code(),
-                            Some(rdkafka::types::RDKafkaErrorCode::QueueFull)
+                            Some(
+                                rdkafka::types::RDKafkaErrorCode::QueueFull
+                                    | rdkafka::types::RDKafkaErrorCode::UnknownPartition
+                            )
                         ),
                         "produce: {e}"
                     );
@@ -312,6 +332,7 @@ fn restart_broker() -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_source_exact_through_rescales_a_killed_worker_and_a_broker_restart() {
     let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
     let topic = unique_topic("count");
     create_topic(&bootstrap, &topic, PARTITIONS).await;
     let mut produced = Produced::default();
@@ -419,6 +440,7 @@ async fn kafka_source_exact_through_rescales_a_killed_worker_and_a_broker_restar
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kafka_source_keys_from_the_record_key_and_starts_at_latest() {
     let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
     let topic = unique_topic("latest");
     create_topic(&bootstrap, &topic, PARTITIONS).await;
     let mut old = Produced::default();
@@ -475,5 +497,107 @@ async fn kafka_source_keys_from_the_record_key_and_starts_at_latest() {
         values, expected,
         "exact counts of the records after the start, keyed by record key"
     );
+    local.shutdown().await.expect("stop");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partitions_added_while_the_job_runs_are_read_from_their_start() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("grow");
+    create_topic(&bootstrap, &topic, 2).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce_to(&bootstrap, &topic, 2, &mut seq, 2000, &mut produced);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml("kgrow", &bootstrap, &topic, 2, "{function: count}", "");
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    let start = Instant::now();
+    let checkpoint = loop {
+        let c = local.checkpoint().await.expect("checkpoint");
+        let (_, positions) = snapshot(&c.url, &topic).await;
+        if positions == BTreeMap::from([(0, produced.ends()[&0]), (1, produced.ends()[&1])]) {
+            break c.url;
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "caught up");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+
+    // Two more partitions, written to before the job notices them.
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .expect("admin client");
+    for r in admin
+        .create_partitions(
+            &[rdkafka::admin::NewPartitions::new(
+                &topic,
+                PARTITIONS as usize,
+            )],
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .expect("create partitions")
+    {
+        r.expect("partitions added");
+    }
+    produce(&bootstrap, &topic, &mut seq, 3000, &mut produced);
+
+    // The metadata refresh (2 s here) notices them: the run fails, saying why.
+    let start = Instant::now();
+    let (index, reason) = loop {
+        if let Some(f) = local.failed_worker() {
+            break f;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "no worker noticed the new partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    eprintln!("worker {index} stopped: {reason}");
+
+    // Restarting from the latest checkpoint lists all four partitions and reads the new ones
+    // from their first offset: exact counts over everything, nothing skipped.
+    let r = local.recover(2).await.expect("recover");
+    assert_eq!(r.restored_from.as_deref(), Some(checkpoint.as_str()));
+    // A run that started while the brokers' metadata still showed two partitions fails again at
+    // its next refresh and is recovered again (as the operator would), from its own checkpoint.
+    let start = Instant::now();
+    let mut recoveries = 1;
+    let url = loop {
+        match local.checkpoint().await {
+            Ok(c) => {
+                let (_, positions) = snapshot(&c.url, &topic).await;
+                if positions == produced.ends() {
+                    break c.url;
+                }
+            }
+            Err(e) => {
+                assert!(
+                    recoveries < 3,
+                    "checkpoint after {recoveries} recoveries: {e}"
+                );
+                let f = local.failed_worker();
+                assert!(
+                    f.is_some(),
+                    "a checkpoint failed without a failed worker: {e}"
+                );
+                local.recover(2).await.expect("recover again");
+                recoveries += 1;
+            }
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(90),
+            "not caught up with the four partitions"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    assert_exact(&url, &topic, &produced, false).await;
     local.shutdown().await.expect("stop");
 }

@@ -62,6 +62,7 @@ async fn the_operator_endpoint_parses_and_follows_the_conventions() {
         time: time.into(),
         parallelism: 2,
         size_bytes: Some(4096),
+        source_partitions: None,
     };
     let status = StreamJobStatus {
         phase: Some(Phase::Rescaling),

@@ -151,6 +151,37 @@ impl WatermarkTracker {
     }
 }
 
+/// What one source partition contributes to its subtask's watermark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartitionProgress {
+    /// The partition's own watermark ([`PartitionWatermark::watermark`]).
+    pub watermark: i64,
+    /// No record will ever come (a bounded partition at its end).
+    pub finished: bool,
+    /// No record came for the source's idle timeout.
+    pub idle: bool,
+}
+
+/// A source subtask's watermark over its partitions: the slowest of those neither finished nor
+/// idle; when every unfinished partition is idle, the most advanced of them (an idle partition
+/// does not hold the others back, and the subtask's watermark never waits on idleness alone);
+/// [`MAX_WATERMARK`] when every partition is finished or there are none. Pure.
+pub fn source_watermark(parts: impl IntoIterator<Item = PartitionProgress>) -> i64 {
+    let mut active: Option<i64> = None;
+    let mut idle: Option<i64> = None;
+    for p in parts {
+        if p.finished {
+            continue;
+        }
+        if p.idle {
+            idle = Some(idle.map_or(p.watermark, |w| w.max(p.watermark)));
+        } else {
+            active = Some(active.map_or(p.watermark, |w| w.min(p.watermark)));
+        }
+    }
+    active.or(idle).unwrap_or(MAX_WATERMARK)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -194,5 +225,35 @@ mod tests {
         assert_eq!(idle.mark_idle(0), None, "all idle holds the watermark");
         let r = WatermarkTracker::restored(2, 1000);
         assert_eq!(r.current(), 1000);
+    }
+
+    #[test]
+    fn idle_partitions_do_not_hold_the_source_back() {
+        let p = |watermark, finished, idle| PartitionProgress {
+            watermark,
+            finished,
+            idle,
+        };
+        assert_eq!(source_watermark([]), MAX_WATERMARK);
+        assert_eq!(source_watermark([p(5, true, false)]), MAX_WATERMARK);
+        assert_eq!(
+            source_watermark([p(5, false, false), p(9, false, false)]),
+            5,
+            "the slowest active partition"
+        );
+        assert_eq!(
+            source_watermark([p(MIN_WATERMARK, false, true), p(9, false, false)]),
+            9,
+            "a partition that never had a record, idle, holds nothing back"
+        );
+        assert_eq!(
+            source_watermark([p(3, false, true), p(7, false, true), p(1, true, false)]),
+            7,
+            "all idle: the most advanced"
+        );
+        assert_eq!(
+            source_watermark([p(MIN_WATERMARK, false, true)]),
+            MIN_WATERMARK
+        );
     }
 }

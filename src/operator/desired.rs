@@ -279,6 +279,45 @@ pub fn pod(
         value: Some(subtask.to_string()),
         ..Default::default()
     });
+    // Kafka credentials: one variable per key of the credentials Secret a Kafka client uses
+    // (crate::job::kafka::credential_env), never the whole Secret.
+    let kafka_credentials = [
+        (
+            crate::job::kafka::Role::Source,
+            spec.job
+                .source
+                .kafka
+                .as_ref()
+                .and_then(|k| k.credentials.as_ref()),
+        ),
+        (
+            crate::job::kafka::Role::Sink,
+            spec.job
+                .sink
+                .kafka
+                .as_ref()
+                .and_then(|k| k.credentials.as_ref()),
+        ),
+    ];
+    for (role, creds) in kafka_credentials {
+        for e in creds
+            .map(|c| crate::job::kafka::credential_env(role, c))
+            .unwrap_or_default()
+        {
+            env.push(EnvVar {
+                name: e.env,
+                value_from: Some(EnvVarSource {
+                    secret_key_ref: Some(SecretKeySelector {
+                        name: e.secret,
+                        key: e.key,
+                        optional: Some(false),
+                    }),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            });
+        }
+    }
     // The user's extra variables come after the operator's (validation refuses reserved
     // names), so their values may reference $(POD_IP).
     env.extend(overrides.env.iter().cloned());
@@ -581,6 +620,40 @@ mod tests {
         ] {
             assert!(!unset);
         }
+    }
+
+    #[test]
+    fn kafka_credentials_reach_the_worker_as_single_secret_keys() {
+        let mut j = job();
+        j.spec.job.source.generator = None;
+        j.spec.job.source.kafka = Some(
+            serde_yaml::from_str(
+                "{bootstrapServers: 'k:9093', topics: [in], credentials: {secretName: kc, sasl: {passwordKey: pw}, tls: {caKey: ca.crt}}}",
+            )
+            .unwrap(),
+        );
+        let a = Assignment::new(4, 128).unwrap();
+        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let env = p.spec.unwrap().containers[0].env.clone().unwrap();
+        let refs: Vec<(String, String, String)> = env
+            .iter()
+            .filter(|e| e.name.starts_with("KEYSHIFT_KAFKA_"))
+            .map(|e| {
+                let r = e
+                    .value_from
+                    .as_ref()
+                    .and_then(|v| v.secret_key_ref.as_ref())
+                    .unwrap();
+                (e.name.clone(), r.name.clone(), r.key.clone())
+            })
+            .collect();
+        let want = [
+            ("KEYSHIFT_KAFKA_SOURCE_SASL_USERNAME", "kc", "username"),
+            ("KEYSHIFT_KAFKA_SOURCE_SASL_PASSWORD", "kc", "pw"),
+            ("KEYSHIFT_KAFKA_SOURCE_TLS_CA", "kc", "ca.crt"),
+        ]
+        .map(|(a, b, c)| (a.to_owned(), b.to_owned(), c.to_owned()));
+        assert_eq!(refs, want);
     }
 
     #[test]

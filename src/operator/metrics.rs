@@ -633,6 +633,7 @@ mod tests {
             time: time.into(),
             parallelism: 4,
             size_bytes: Some(size),
+            source_partitions: None,
         }
     }
 

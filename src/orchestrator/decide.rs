@@ -901,6 +901,7 @@ mod tests {
             time: (now() + chrono::Duration::hours(1)).to_rfc3339(),
             parallelism: 4,
             size_bytes: None,
+            source_partitions: None,
         });
         let started = now() - chrono::Duration::seconds(40);
         let mut o = obs(running, Some(("r", 4)));

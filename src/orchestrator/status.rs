@@ -441,12 +441,7 @@ pub fn finish(
             generation,
             now,
         );
-        let partitions = spec
-            .job
-            .source
-            .generator
-            .as_ref()
-            .map(|g| g.partitions.max(0));
+        let partitions = a.source_partitions;
         let (ok, reason, message) = if a.idle_subtasks > 0 {
             (
                 false,

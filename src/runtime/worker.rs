@@ -1201,24 +1201,13 @@ async fn source_loop(
         // Source watermark: the slowest of our partitions (finished ones do not hold back, nor
         // idle ones while another is active; all idle: the most advanced).
         let now = Instant::now();
-        let live: Vec<u32> = partitions
-            .iter()
-            .copied()
-            .filter(|p| !finished[p])
-            .collect();
-        let active = live
-            .iter()
-            .filter(|p| idle_after.is_none_or(|d| now.duration_since(last_record[*p]) < d))
-            .map(|p| wms[p].watermark())
-            .min();
-        let wm = match active {
-            Some(w) => w,
-            None => live
-                .iter()
-                .map(|p| wms[p].watermark())
-                .max()
-                .unwrap_or(i64::MAX),
-        };
+        let wm = job::watermark::source_watermark(partitions.iter().map(|p| {
+            job::watermark::PartitionProgress {
+                watermark: wms[p].watermark(),
+                finished: finished[p],
+                idle: idle_after.is_some_and(|d| now.duration_since(last_record[p]) >= d),
+            }
+        }));
         // Watermarks go to every downstream subtask, so they are sent periodically (as
         // Flink's autoWatermarkInterval does), not after every batch: at parallelism n each
         // source would otherwise send n messages per batch.

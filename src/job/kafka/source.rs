@@ -247,6 +247,9 @@ const KEY_PLACEHOLDER: &str = "\u{0}keyshift-record-key";
 struct Assigned {
     /// Per source partition this subtask reads: its queue.
     queues: BTreeMap<u32, rdkafka::consumer::base_consumer::PartitionQueue<DefaultConsumerContext>>,
+    /// Messages fetched into the consumer's main queue before the partition queues were split
+    /// off (librdkafka starts fetching at `assign`): read before the partition's queue, in order.
+    early: BTreeMap<u32, std::collections::VecDeque<rdkafka::message::OwnedMessage>>,
 }
 
 /// A Kafka source of one worker: its consumer and the partitions it listed at the start.
@@ -386,13 +389,14 @@ impl KafkaSourceReader {
                     continue;
                 }
                 Err(at) => {
-                    let (low, high) = self
-                        .consumer
-                        .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
-                        .map_err(|e| KafkaSourceError::Offsets {
-                            partition: name(),
-                            error: e.to_string(),
-                        })?;
+                    let (low, high) = retrying(|| {
+                        self.consumer
+                            .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
+                    })
+                    .map_err(|e| KafkaSourceError::Offsets {
+                        partition: name(),
+                        error: e.to_string(),
+                    })?;
                     let o = if at == StartAt::Latest { high } else { low };
                     o.max(0) as u64
                 }
@@ -400,13 +404,14 @@ impl KafkaSourceReader {
             starts.insert(p, offset);
         }
         if !timed.is_empty() {
-            let found = self
-                .consumer
-                .offsets_for_times(by_time, REQUEST_TIMEOUT)
-                .map_err(|e| KafkaSourceError::Offsets {
-                    partition: "the partitions of startingTimestamp".into(),
-                    error: e.to_string(),
-                })?;
+            let found = retrying(|| {
+                self.consumer
+                    .offsets_for_times(by_time.clone(), REQUEST_TIMEOUT)
+            })
+            .map_err(|e| KafkaSourceError::Offsets {
+                partition: "the partitions of startingTimestamp".into(),
+                error: e.to_string(),
+            })?;
             for p in timed {
                 let tp = self.partition(p)?;
                 let at = found
@@ -416,13 +421,14 @@ impl KafkaSourceReader {
                     Some(Offset::Offset(o)) if o >= 0 => o as u64,
                     // No record at or after the time: the partition's end.
                     _ => {
-                        let (_, high) = self
-                            .consumer
-                            .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
-                            .map_err(|e| KafkaSourceError::Offsets {
-                                partition: partition_name(&tp.topic, tp.partition),
-                                error: e.to_string(),
-                            })?;
+                        let (_, high) = retrying(|| {
+                            self.consumer
+                                .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
+                        })
+                        .map_err(|e| KafkaSourceError::Offsets {
+                            partition: partition_name(&tp.topic, tp.partition),
+                            error: e.to_string(),
+                        })?;
                         high.max(0) as u64
                     }
                 };
@@ -452,7 +458,10 @@ impl KafkaSourceReader {
             queues.insert(p, q);
         }
         if let Ok(mut a) = self.assigned.lock() {
-            *a = Some(Assigned { queues });
+            *a = Some(Assigned {
+                queues,
+                early: BTreeMap::new(),
+            });
         }
         for (p, o) in &starts {
             tracing::info!(partition = %self.names[*p as usize], offset = o, "Kafka partition assigned");
@@ -469,22 +478,44 @@ impl KafkaSourceReader {
         out: &mut Vec<Record>,
         max: usize,
     ) -> Result<(usize, u64, bool), KafkaSourceError> {
-        // Serve the consumer's events (errors, statistics); its messages come through the
-        // partition queues.
-        if let Some(Err(e)) = self.consumer.poll(Duration::ZERO) {
-            tracing::warn!(error = %e, "Kafka consumer");
-        }
-        let guard = self.assigned.lock().map_err(|_| KafkaSourceError::Read {
+        let mut guard = self.assigned.lock().map_err(|_| KafkaSourceError::Read {
             partition: p.to_string(),
             error: "the consumer's lock is poisoned".into(),
         })?;
-        let queue = guard
-            .as_ref()
-            .and_then(|a| a.queues.get(&p))
+        let assigned = guard
+            .as_mut()
             .ok_or(KafkaSourceError::UnknownPartition(p))?;
+        // Serve the consumer's events (errors, statistics). Its messages come through the
+        // partition queues, except those fetched before the queues were split: keep them.
+        while let Some(polled) = self.consumer.poll(Duration::ZERO) {
+            match polled {
+                Err(e) => tracing::warn!(error = %e, "Kafka consumer"),
+                Ok(m) => {
+                    let index = self
+                        .partitions
+                        .iter()
+                        .position(|tp| tp.topic == m.topic() && tp.partition == m.partition());
+                    if let Some(index) = index {
+                        assigned
+                            .early
+                            .entry(index as u32)
+                            .or_default()
+                            .push_back(m.detach());
+                    }
+                }
+            }
+        }
         let mut next = at;
         let mut n = 0;
         while n < max {
+            if let Some(m) = assigned.early.get_mut(&p).and_then(|q| q.pop_front()) {
+                self.take(p, &m, &mut next, &mut n, out);
+                continue;
+            }
+            let queue = assigned
+                .queues
+                .get(&p)
+                .ok_or(KafkaSourceError::UnknownPartition(p))?;
             match queue.poll(Duration::ZERO) {
                 None => return Ok((n, next, true)),
                 Some(Err(e)) => {
@@ -493,37 +524,41 @@ impl KafkaSourceReader {
                     tracing::warn!(partition = %self.names[p as usize], error = %e, "Kafka fetch");
                     return Ok((n, next, true));
                 }
-                Some(Ok(m)) => {
-                    let offset = m.offset();
-                    if offset < 0 || (offset as u64) < next {
-                        continue;
-                    }
-                    next = offset as u64 + 1;
-                    match to_record(
-                        m.key(),
-                        m.payload(),
-                        m.timestamp().to_millis(),
-                        &self.fields,
-                    ) {
-                        Ok(r) => {
-                            out.push(r);
-                            n += 1;
-                        }
-                        Err(reason) => {
-                            let skipped = self.skipped.fetch_add(1, Ordering::Relaxed) + 1;
-                            tracing::warn!(
-                                partition = %self.names[p as usize],
-                                offset,
-                                skipped,
-                                reason,
-                                "Kafka record skipped: it does not parse"
-                            );
-                        }
-                    }
-                }
+                Some(Ok(m)) => self.take(p, &m, &mut next, &mut n, out),
             }
         }
         Ok((n, next, false))
+    }
+
+    /// Appends message `m` of partition `p` to `out` (unless it is before `next`, or does not
+    /// parse: then it is skipped with a warning), moving `next` past it.
+    fn take(&self, p: u32, m: &impl Message, next: &mut u64, n: &mut usize, out: &mut Vec<Record>) {
+        let offset = m.offset();
+        if offset < 0 || (offset as u64) < *next {
+            return;
+        }
+        *next = offset as u64 + 1;
+        match to_record(
+            m.key(),
+            m.payload(),
+            m.timestamp().to_millis(),
+            &self.fields,
+        ) {
+            Ok(r) => {
+                out.push(r);
+                *n += 1;
+            }
+            Err(reason) => {
+                let skipped = self.skipped.fetch_add(1, Ordering::Relaxed) + 1;
+                tracing::warn!(
+                    partition = %self.names[p as usize],
+                    offset,
+                    skipped,
+                    reason,
+                    "Kafka record skipped: it does not parse"
+                );
+            }
+        }
     }
 
     /// Commits `positions` (of a committed snapshot) to the consumer group, for lag tools.
@@ -574,6 +609,30 @@ impl KafkaSourceReader {
     }
 }
 
+/// How long [`retrying`] keeps trying.
+const RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// Runs a broker request until it succeeds or [`RETRY_FOR`] has passed, with growing pauses:
+/// errors such as "not leader for partition" (a partition just created, a broker restarting)
+/// pass within seconds. Blocking.
+fn retrying<T>(
+    mut request: impl FnMut() -> rdkafka::error::KafkaResult<T>,
+) -> rdkafka::error::KafkaResult<T> {
+    let start = std::time::Instant::now();
+    let mut pause = Duration::from_millis(100);
+    loop {
+        match request() {
+            Ok(v) => return Ok(v),
+            Err(e) if start.elapsed() + pause < RETRY_FOR => {
+                tracing::debug!(error = %e, "Kafka request failed; retrying");
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(2));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
 /// Partition count of each of the spec's topics (spec order). Blocking.
 fn topic_partition_counts(
     consumer: &BaseConsumer,
@@ -581,12 +640,13 @@ fn topic_partition_counts(
 ) -> Result<Vec<i32>, KafkaSourceError> {
     let mut counts = Vec::with_capacity(spec.topics.len());
     for topic in &spec.topics {
-        let md = consumer
-            .fetch_metadata(Some(topic), REQUEST_TIMEOUT)
-            .map_err(|e| KafkaSourceError::Metadata {
-                bootstrap: spec.bootstrap_servers.clone(),
-                topic: topic.clone(),
-                error: e.to_string(),
+        let md =
+            retrying(|| consumer.fetch_metadata(Some(topic), REQUEST_TIMEOUT)).map_err(|e| {
+                KafkaSourceError::Metadata {
+                    bootstrap: spec.bootstrap_servers.clone(),
+                    topic: topic.clone(),
+                    error: e.to_string(),
+                }
             })?;
         let t = md.topics().iter().find(|t| t.name() == topic);
         let n = match t {
@@ -614,4 +674,103 @@ fn topic_partition_counts(
         counts.push(n);
     }
     Ok(counts)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(position: KafkaStartingPosition, ts: Option<i64>) -> KafkaSource {
+        KafkaSource {
+            bootstrap_servers: "k:9092".into(),
+            topics: vec!["a".into(), "b".into()],
+            key_from: KafkaKeyFrom::Value,
+            timestamp_field: None,
+            starting_position: position,
+            starting_timestamp: ts,
+            group_id: None,
+            idle_timeout: None,
+            metadata_refresh_interval: None,
+            properties: BTreeMap::new(),
+            credentials: None,
+        }
+    }
+
+    fn fields(key_from: KafkaKeyFrom, key_type: KeyType) -> KafkaFields {
+        KafkaFields {
+            key_from,
+            key_field: "user".into(),
+            key_type,
+            value_field: None,
+            timestamp_field: None,
+        }
+    }
+
+    #[test]
+    fn partitions_are_listed_by_topic_order_then_number_and_named_back() {
+        let names = list_partitions(&["b".into(), "a.x".into()], &[2, 3]);
+        assert_eq!(names, ["b/0", "b/1", "a.x/0", "a.x/1", "a.x/2"]);
+        for (i, n) in names.iter().enumerate() {
+            let (t, p) = parse_partition_name(n).unwrap();
+            assert_eq!(partition_name(t, p), *n, "{i}");
+        }
+        assert_eq!(parse_partition_name("t/x"), None);
+        assert_eq!(parse_partition_name("/1"), None);
+        assert_eq!(parse_partition_name("t/-1"), None);
+    }
+
+    #[test]
+    fn a_restored_offset_wins_then_earliest_after_a_restore_then_the_spec() {
+        let latest = spec(KafkaStartingPosition::Latest, None);
+        assert_eq!(start_at(Some(42), true, &latest), Ok(42));
+        assert_eq!(start_at(Some(42), false, &latest), Ok(42));
+        // A partition the snapshot does not know: new since, read from its start.
+        assert_eq!(start_at(None, true, &latest), Err(StartAt::Earliest));
+        assert_eq!(start_at(None, false, &latest), Err(StartAt::Latest));
+        let at = spec(KafkaStartingPosition::Timestamp, Some(1_700_000_000_000));
+        assert_eq!(
+            start_at(None, false, &at),
+            Err(StartAt::Timestamp(1_700_000_000_000))
+        );
+        let earliest = spec(KafkaStartingPosition::Earliest, None);
+        assert_eq!(start_at(None, false, &earliest), Err(StartAt::Earliest));
+    }
+
+    #[test]
+    fn records_take_their_key_from_the_value_or_the_record_key() {
+        let v = br#"{"user":"ann","amount":7,"ts":1000}"#;
+        let f = fields(KafkaKeyFrom::Value, KeyType::String);
+        let r = to_record(Some(b"ignored"), Some(v), Some(5), &f).unwrap();
+        assert_eq!(r.key, RecordKey::string("ann"));
+        assert_eq!(r.ts, 5, "the record timestamp by default");
+
+        let mut f = fields(KafkaKeyFrom::RecordKey, KeyType::Long);
+        f.value_field = Some("amount".into());
+        f.timestamp_field = Some("ts".into());
+        let r = to_record(Some(b" 123 "), Some(v), Some(5), &f).unwrap();
+        assert_eq!(r.key, RecordKey::long(123));
+        assert_eq!((r.value, r.ts), (7, 1000));
+
+        // Count keyed by the record key: the value is not even parsed.
+        let f = fields(KafkaKeyFrom::RecordKey, KeyType::Int);
+        let r = to_record(Some(b"-5"), Some(b"not json"), None, &f).unwrap();
+        assert_eq!(r.key, RecordKey::int(-5));
+        assert_eq!(r.ts, 0);
+
+        let f = fields(KafkaKeyFrom::RecordKey, KeyType::Int);
+        assert!(
+            to_record(None, Some(v), None, &f)
+                .unwrap_err()
+                .contains("no key")
+        );
+        assert!(to_record(Some(b"x"), Some(v), None, &f).is_err());
+        let f = fields(KafkaKeyFrom::Value, KeyType::String);
+        assert!(
+            to_record(None, None, None, &f)
+                .unwrap_err()
+                .contains("tombstone")
+        );
+        assert!(to_record(None, Some(b"[1]"), None, &f).is_err());
+        assert!(to_record(None, Some(br#"{"other":1}"#), None, &f).is_err());
+    }
 }

@@ -490,6 +490,8 @@ fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
         time: Utc::now().to_rfc3339(),
         parallelism: parallelism as i32,
         size_bytes: Some(c.manifest.stats.total_bytes as i64),
+        source_partitions: (!c.manifest.source_partitions.is_empty())
+            .then(|| i32::try_from(c.manifest.source_partitions.len()).unwrap_or(i32::MAX)),
     }
 }
 
