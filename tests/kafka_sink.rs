@@ -819,7 +819,15 @@ async fn output_committed_while_the_broker_is_down_is_published_once_it_is_back(
     local.launch(2, None).await.expect("launch");
     tokio::time::sleep(Duration::from_millis(800)).await;
     local.checkpoint().await.expect("checkpoint, published");
+    /// Starts the broker again however the test ends (it is shared with the tests after it).
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            kafka_sh(&["start"]);
+        }
+    }
     kafka_sh(&["stop"]);
+    let restart = Restart;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // The snapshot commits; producing its output fails (after the client's timeout) and waits.
     let down = local
@@ -835,7 +843,7 @@ async fn output_committed_while_the_broker_is_down_is_published_once_it_is_back(
         "the output of snapshot {} waits, staged, in {staged:?}",
         down.id
     );
-    kafka_sh(&["start"]);
+    drop(restart);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = local
         .checkpoint()
