@@ -165,6 +165,35 @@ struct Sink {
     /// Committed ids not published yet (a lock: publishing runs behind `&self`, e.g. in
     /// [`Coordinator::start`]; never held across an await).
     backlog: Mutex<(BTreeSet<u64>, Option<String>)>,
+    /// For a Kafka sink: the publisher that produces the staged output (instead of copying it
+    /// to published objects; see [`crate::job::kafka::sink`]).
+    #[cfg(feature = "kafka")]
+    kafka: Option<Arc<crate::job::kafka::sink::KafkaPublisher>>,
+    /// Whether snapshot ids were raised above the Kafka sink's marker yet.
+    #[cfg(feature = "kafka")]
+    marker_checked: bool,
+}
+
+impl Sink {
+    /// Makes snapshot `id`'s staged output visible: published objects, or records of a Kafka
+    /// transaction. A summary for the log.
+    async fn publish_one(&self, id: u64) -> Result<String, crate::sink::SinkError> {
+        #[cfg(feature = "kafka")]
+        if let Some(k) = &self.kafka {
+            let p = k
+                .publish(self.store.as_ref(), &self.base, id)
+                .await
+                .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
+            return Ok(format!(
+                "{} parts, {} records produced{}",
+                p.parts,
+                p.records,
+                if p.already { " (in Kafka already)" } else { "" }
+            ));
+        }
+        let p = crate::sink::publish(self.store.as_ref(), &self.base, id).await?;
+        Ok(format!("{} parts, {} copied", p.parts, p.copied))
+    }
 }
 
 /// Coordinates one run of a job (one set of workers at one parallelism).
@@ -337,8 +366,27 @@ impl Coordinator {
             ids_checked: false,
             caught_up: false,
             backlog: Mutex::new((BTreeSet::new(), None)),
+            #[cfg(feature = "kafka")]
+            kafka: None,
+            #[cfg(feature = "kafka")]
+            marker_checked: false,
         });
         self
+    }
+
+    /// Publishes the output the workers stage for an exactly-once Kafka sink (in the job's
+    /// snapshot storage, [`crate::job::kafka::sink::staging_base`]) to Kafka after every commit,
+    /// one transaction per snapshot. Before its first trigger the coordinator reads the sink's
+    /// marker (which fences earlier publishers of the job) and continues snapshot ids above it.
+    #[cfg(feature = "kafka")]
+    pub fn with_kafka_sink(self, publisher: crate::job::kafka::sink::KafkaPublisher) -> Self {
+        let base = crate::job::kafka::sink::staging_base(&self.job_dir);
+        let store = self.store.clone();
+        let mut me = self.with_sink_store(store, base);
+        if let Some(sink) = me.sink.as_mut() {
+            sink.kafka = Some(Arc::new(publisher));
+        }
+        me
     }
 
     /// Makes the sink output of snapshot `id`, which must be a committed snapshot of this job,
@@ -373,20 +421,15 @@ impl Coordinator {
             let Some(id) = next else {
                 return Ok(());
             };
-            let result = crate::sink::publish(sink.store.as_ref(), &sink.base, id).await;
+            let result = sink.publish_one(id).await;
             let mut backlog = sink.backlog.lock().unwrap_or_else(PoisonError::into_inner);
             match result {
-                Ok(p) => {
+                Ok(summary) => {
                     backlog.0.remove(&id);
                     if backlog.0.is_empty() {
                         backlog.1 = None;
                     }
-                    tracing::info!(
-                        id,
-                        parts = p.parts,
-                        copied = p.copied,
-                        "sink output published"
-                    );
+                    tracing::info!(id, %summary, "sink output published");
                 }
                 Err(e) => {
                     tracing::warn!(
@@ -843,6 +886,29 @@ impl Coordinator {
                 self.next_id = max + 1;
             }
             sink.ids_checked = true;
+        }
+        #[cfg(feature = "kafka")]
+        if let Some(sink) = &mut self.sink
+            && let Some(k) = &sink.kafka
+            && !sink.marker_checked
+        {
+            // Fails the trigger while the brokers cannot be reached: a snapshot id at or below
+            // the marker would never be published.
+            let marker = k
+                .marker()
+                .await
+                .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
+            if let Some(m) = marker
+                && m.snapshot >= self.next_id
+            {
+                tracing::warn!(
+                    marker = m.snapshot,
+                    next = self.next_id,
+                    "the Kafka sink's marker names snapshot ids this job's storage does not know (storage replaced?): ids continue above them"
+                );
+                self.next_id = m.snapshot + 1;
+            }
+            sink.marker_checked = true;
         }
         if !self.worker_ids_checked {
             // Workers taken over from an earlier coordinator may know ids that left nothing in

@@ -508,18 +508,20 @@ pub struct KafkaSink {
     /// Comma-separated `host:port` list of brokers to bootstrap from (librdkafka's
     /// `bootstrap.servers`).
     pub bootstrap_servers: String,
-    /// The topic to write to. It must exist; records go to partitions by librdkafka's default
-    /// partitioner on the record key (murmur2, as the Java client), so one key's results stay
-    /// in order in one partition.
+    /// The topic to write to. It must exist; records go to partitions by murmur2 of the record
+    /// key (librdkafka's `murmur2_random`, set unless properties name another partitioner: the
+    /// Java client's default), so one key's results stay in order in one partition.
     pub topic: String,
-    /// `exactlyOnce` (default): results are written in Kafka transactions tied to checkpoints,
-    /// visible to `read_committed` consumers only once the checkpoint that covers them
-    /// completes. `atLeastOnce`: written at once without transactions (cheaper, lower latency);
-    /// after a failure, results since the last checkpoint are written again.
+    /// `exactlyOnce` (default): results are staged with each checkpoint and, once it completes,
+    /// written in one Kafka transaction per checkpoint, so `read_committed` consumers see each
+    /// exactly once, only after the checkpoint that covers them completes. `atLeastOnce`:
+    /// written at once by the workers without transactions (cheaper, lower latency); after a
+    /// failure, results since the last checkpoint are written again.
     #[serde(default)]
     pub delivery_guarantee: KafkaDeliveryGuarantee,
-    /// Prefix of the transactional ids (exactlyOnce). Default `keyshift.<namespace>.<job
-    /// name>`; every writer appends its own suffix. Two jobs must never share it.
+    /// Prefix of the job's transactional id (exactlyOnce): the job writes as `<prefix>.sink`,
+    /// which is also the consumer group recording the newest checkpoint written. Default
+    /// `keyshift.<namespace>.<job name>`. Two jobs must never share it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transactional_id_prefix: Option<String>,
     /// Further librdkafka producer properties (e.g. `compression.type`, `linger.ms`,

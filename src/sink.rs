@@ -32,6 +32,9 @@ pub enum SinkError {
         path: String,
         source: object_store::Error,
     },
+    /// A Kafka sink's publish failed (the broker's error).
+    #[error("{0}")]
+    Kafka(String),
 }
 
 impl SinkError {

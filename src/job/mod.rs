@@ -79,6 +79,10 @@ pub enum JobError {
     )]
     KafkaNotBuilt,
     #[error(
+        "spec.job.sink.kafka: this keyshift binary was built without Kafka support (cargo feature `kafka`); use an image built with it"
+    )]
+    KafkaSinkNotBuilt,
+    #[error(
         "the oracle cannot replay a Kafka source: compute expected results from the records produced"
     )]
     OracleKafka,
@@ -193,6 +197,9 @@ pub fn compile_for(
             (Some(size), ooo)
         }
     };
+    if spec.sink.sink_type == crate::crd::SinkType::Kafka && !cfg!(feature = "kafka") {
+        return Err(JobError::KafkaSinkNotBuilt);
+    }
     let key_type = spec.key.key_type;
     if spec.source.kafka.is_some()
         && (spec.source.generator.is_some() || spec.source.file.is_some())

@@ -305,7 +305,9 @@ pub async fn coordinator(
     workers: Vec<WorkerEndpoint>,
     token: String,
 ) -> Result<Coordinator, CoordinatorError> {
-    Coordinator::new(
+    #[cfg(feature = "kafka")]
+    let job = (identity.namespace.clone(), identity.name.clone());
+    let coordinator = Coordinator::new(
         storage,
         identity,
         assignment,
@@ -314,7 +316,23 @@ pub async fn coordinator(
         spec.state.retained_checkpoints.max(1) as usize,
     )
     .await?
-    .with_sink(sink_url(spec))
+    .with_sink(sink_url(spec))?;
+    // An exactly-once Kafka sink: the workers stage, the coordinator produces after each commit.
+    #[cfg(feature = "kafka")]
+    if let Some(k) = &spec.job.sink.kafka
+        && crate::job::kafka::sink::stages(&spec.job.sink)
+    {
+        let publisher = crate::job::kafka::sink::KafkaPublisher::from_spec(k, &job.0, &job.1)
+            .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
+        return Ok(coordinator.with_kafka_sink(publisher));
+    }
+    Ok(coordinator)
+}
+
+/// Whether the job's coordinator publishes sink output after each commit (an object-store sink,
+/// or an exactly-once Kafka sink), so that the `SinkPublished` condition applies.
+pub fn publishes_sink(spec: &StreamJobSpec) -> bool {
+    sink_url(spec).is_some() || crate::job::kafka::sink::stages(&spec.job.sink)
 }
 
 /// What a run's workers are started with (the coordinator fills in each subtask and the peers).

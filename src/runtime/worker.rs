@@ -60,6 +60,10 @@ pub enum WorkerError {
     Sink(#[from] job::SinkError),
     #[error("staging sink output: {0}")]
     SinkStore(#[from] crate::sink::SinkError),
+    /// The Kafka sink (at least once) could not deliver or flush its records: the worker
+    /// stops, and the job restarts from its last committed snapshot.
+    #[error("{0}")]
+    KafkaSink(String),
     #[error("{0}")]
     Fatal(String),
 }
@@ -68,7 +72,10 @@ impl WorkerError {
     /// Whether a failed snapshot must stop the worker (so that the job restarts from its last
     /// committed snapshot) rather than only fail that snapshot.
     fn stops_the_worker(&self) -> bool {
-        matches!(self, WorkerError::Sink(job::SinkError::Backlog { .. }))
+        matches!(
+            self,
+            WorkerError::Sink(job::SinkError::Backlog { .. }) | WorkerError::KafkaSink(_)
+        )
     }
 }
 
@@ -507,8 +514,11 @@ struct Subtask {
     store: Arc<dyn ObjectStore>,
     job_dir: StorePath,
     sink_log: bool,
-    /// The object-store sink.
+    /// The object-store sink, or the staging of an exactly-once Kafka sink.
     sink: Option<ObjectSink>,
+    /// The Kafka sink at least once: rows are produced as they come, flushed at barriers.
+    #[cfg(feature = "kafka")]
+    kafka: Option<job::kafka::sink::AtLeastOnceSink>,
     /// The names of the source partitions it reads (file sources), for its acks.
     source_partitions: BTreeMap<u32, String>,
     /// What its next checkpoint builds on (incremental checkpoints).
@@ -919,6 +929,26 @@ async fn start_subtask(
                 staging: job::StagingSink::new(writer),
             })
         }
+        // Exactly-once Kafka: staged in the job's storage like the object-store sink's output;
+        // the coordinator produces it once its snapshot commits (see job::kafka::sink).
+        (crate::crd::SinkType::Kafka, _) if job::kafka::sink::stages(&req.job.sink) => {
+            Some(ObjectSink {
+                store: store.clone(),
+                base: job::kafka::sink::staging_base(&job_dir),
+                staging: job::StagingSink::new(job::WriterId {
+                    subtask: req.subtask,
+                    parallelism: req.parallelism,
+                }),
+            })
+        }
+        _ => None,
+    };
+    #[cfg(feature = "kafka")]
+    let kafka = match (&req.job.sink.sink_type, &req.job.sink.kafka) {
+        (crate::crd::SinkType::Kafka, Some(k)) if !job::kafka::sink::stages(&req.job.sink) => Some(
+            job::kafka::sink::AtLeastOnceSink::from_spec(k)
+                .map_err(|e| WorkerError::KafkaSink(e.to_string()))?,
+        ),
         _ => None,
     };
     let my_partitions: Vec<u32> = (0..compiled.partitions())
@@ -952,6 +982,8 @@ async fn start_subtask(
         job_dir,
         sink_log: matches!(req.job.sink.sink_type, crate::crd::SinkType::Log),
         sink,
+        #[cfg(feature = "kafka")]
+        kafka,
         source_partitions,
         chain,
         uploading: None,
@@ -1608,6 +1640,15 @@ fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
         return;
     }
     s.metrics.records_out.inc_by(rows.len() as u64);
+    #[cfg(feature = "kafka")]
+    if let Some(k) = &mut sub.kafka {
+        let mut lines = Vec::with_capacity(rows.len() * 48);
+        for r in rows {
+            job::sink::format_json_line(r, &mut lines);
+        }
+        k.send_lines(&lines);
+        return;
+    }
     if let Some(sink) = &mut sub.sink {
         sink.staging.emit(rows);
     } else if sub.sink_log {
@@ -1626,6 +1667,13 @@ fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
 /// Adds result lines drained at a barrier to the object-store sink (they are output all the
 /// same when the snapshot fails: they ride with the next one).
 fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64) {
+    #[cfg(feature = "kafka")]
+    if let Some(k) = &mut sub.kafka
+        && rows > 0
+    {
+        k.send_lines(&lines);
+        return;
+    }
     if let Some(sink) = &mut sub.sink
         && rows > 0
     {
@@ -1781,6 +1829,13 @@ async fn snapshot(
     };
     s.metrics.records_out.inc_by(written.rows);
     emit_lines(sub, written.lines, written.rows);
+    // At least once: every row so far is acknowledged by the brokers before the ack. A row that
+    // could not be delivered stops the worker (its snapshot must never commit past it).
+    #[cfg(feature = "kafka")]
+    if let Some(k) = &mut sub.kafka {
+        k.flush()
+            .map_err(|e| WorkerError::KafkaSink(e.to_string()))?;
+    }
     // Every result since the job's last committed snapshot is staged for this one (results
     // staged for snapshots that did not commit ride along); the coordinator publishes them once
     // this snapshot is committed (exactly once). If staging fails, the snapshot fails, and they

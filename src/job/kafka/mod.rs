@@ -16,6 +16,7 @@ use crate::crd::{KafkaCredentials, KafkaSaslMechanism, KafkaSink, KafkaSource};
 use crate::validation::{KAFKA_SECRET_PROPERTIES, KAFKA_SINK_RESERVED, KAFKA_SOURCE_RESERVED};
 use std::collections::BTreeMap;
 
+pub mod sink;
 #[cfg(feature = "kafka")]
 pub mod source;
 

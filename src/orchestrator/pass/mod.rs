@@ -706,7 +706,7 @@ impl<'a> Pass<'a> {
     /// For a job with an object-store sink: whether the coordinated run's published output is
     /// behind its commits (a condition, and a warning Event when it falls behind).
     fn observe_sink(&mut self) {
-        if run::sink_url(self.spec).is_none() {
+        if !run::publishes_sink(self.spec) {
             return;
         }
         let Some(backlog) = self
