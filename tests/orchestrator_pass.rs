@@ -271,6 +271,16 @@ impl Driver {
         self.mem = JobMemory::default();
     }
 
+    /// Waits (without passes) until the background step that runs, if any, has ended: its
+    /// outcome then waits in the memory a restart loses, as in a crash right after the work.
+    async fn await_background(&mut self, what: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while self.mem.background_running() {
+            assert!(Instant::now() < deadline, "{what} did not end");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
     /// One pass; its result checked against the step table and recorded.
     async fn pass(&mut self) {
         self.passes += 1;
@@ -720,11 +730,7 @@ async fn restart_unrecorded(step: Step, name: &str) {
             |d| d.step() == Some(step) && d.requeue == Some(pass::requeue::BACKGROUND_BACKSTOP),
         )
         .await;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while d.mem.background_running() {
-            assert!(Instant::now() < deadline, "{step}'s work did not end");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        d.await_background(&format!("{step}'s work")).await;
         // Its outcome waits in the memory that is now lost.
         d.restart();
         d.until(
@@ -1973,11 +1979,7 @@ async fn change_restart_in(step: Step, name: &str) {
         .await;
         // A background step of the step may be running: let it end first (its outcome is then
         // lost with the memory, as in a crash after the work).
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while d.mem.background_running() {
-            assert!(Instant::now() < deadline, "{step}'s work did not end");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        d.await_background(&format!("{step}'s work")).await;
         d.restart();
         d.until("changed after a restart", Duration::from_secs(30), |d| {
             d.step() == Some(Step::Done) && d.running_at(3)
@@ -2030,11 +2032,7 @@ async fn a_restart_after_an_unrecorded_rewrite_resumes_the_key_group_change() {
             },
         )
         .await;
-        let deadline = Instant::now() + Duration::from_secs(20);
-        while d.mem.background_running() {
-            assert!(Instant::now() < deadline, "the rewrite did not end");
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
+        d.await_background("the rewrite").await;
         d.restart();
         d.until("changed after a restart", Duration::from_secs(30), |d| {
             d.step() == Some(Step::Done) && d.running_at(3)
