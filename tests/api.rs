@@ -416,7 +416,14 @@ fn samples_parse_and_validate() {
     let samples = samples();
     assert!(samples.len() >= 2, "expected at least two samples");
     let mut sources = (false, false, false);
+    // Each sample is its own StreamJob: applied together (as the e2e tier does), two with one
+    // name would be one object.
+    let mut names = std::collections::BTreeMap::new();
     for (path, job) in samples {
+        let name = job.metadata.name.clone().unwrap_or_default();
+        if let Some(other) = names.insert(name.clone(), path.clone()) {
+            panic!("{path} and {other} both name the StreamJob {name:?}");
+        }
         validate(&job.spec, None, None).unwrap_or_else(|e| panic!("{path}: {e}"));
         analyse(&job.spec, None).unwrap_or_else(|e| panic!("{path}: {e}"));
         sources.0 |= job.spec.job.source.generator.is_some();
