@@ -36,8 +36,8 @@ die() { log "ERROR: $*"; exit 1; }
 
 t0=$SECONDS
 # --target keeps RUSTFLAGS off build scripts and proc macros (they run on the host).
-(cd "$ROOT" && RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$TARGET_DIR" \
-  cargo build --locked --profile "$PROFILE" --target "$TRIPLE" --bin keyshift) \
+(cd "$ROOT" && OPENSSL_STATIC=1 LIBZ_SYS_STATIC=1 RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$TARGET_DIR" \
+  cargo build --locked --profile "$PROFILE" --target "$TRIPLE" --features kafka --bin keyshift) \
   || die "cargo build of the static binary failed"
 profile_dir="$PROFILE"; [[ "$PROFILE" == dev ]] && profile_dir=debug
 bin="$TARGET_DIR/$TRIPLE/$profile_dir/keyshift"

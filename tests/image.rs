@@ -216,3 +216,37 @@ fn the_tested_image_is_the_dockerfile_image() {
         "hack/build-image.sh and the Dockerfile's final stage disagree"
     );
 }
+
+/// The `--features` of a `cargo build` command in `text` (continuation lines joined), in order.
+fn build_features(text: &str) -> Vec<String> {
+    let joined = text.replace("\\\n", " ");
+    let line = joined
+        .lines()
+        .find(|l| l.contains("cargo build"))
+        .expect("a cargo build command");
+    let words: Vec<&str> = line.split_whitespace().collect();
+    let mut features: Vec<String> = words
+        .windows(2)
+        .filter(|w| w[0] == "--features")
+        .flat_map(|w| w[1].split(','))
+        .map(str::to_owned)
+        .collect();
+    features.sort();
+    features
+}
+
+/// The binary of the image the tests run and the Dockerfile's are built with the same cargo
+/// features (the Kafka client included), against static OpenSSL and zlib in both.
+#[test]
+fn the_dockerfile_and_the_test_image_build_the_same_features() {
+    let root = support::root();
+    let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).expect("Dockerfile");
+    let script =
+        std::fs::read_to_string(root.join("hack/build-image.sh")).expect("hack/build-image.sh");
+    let (docker, test) = (build_features(&dockerfile), build_features(&script));
+    assert_eq!(docker, test, "Dockerfile vs hack/build-image.sh");
+    assert!(docker.contains(&"kafka".to_owned()), "{docker:?}");
+    for text in [&dockerfile, &script] {
+        assert!(text.contains("OPENSSL_STATIC=1") && text.contains("LIBZ_SYS_STATIC=1"));
+    }
+}

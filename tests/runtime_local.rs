@@ -1356,6 +1356,7 @@ async fn own_coordinator(
         own_assignment(spec),
         endpoints.to_vec(),
         token.to_owned(),
+        &run::sink_credentials_from_env(&spec.spec).expect("credentials"),
     )
     .await
     .expect("coordinator")

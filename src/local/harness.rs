@@ -215,6 +215,7 @@ impl LocalJob {
             assignment,
             endpoints,
             self.token.clone(),
+            &run::sink_credentials_from_env(&self.spec)?,
         )
         .await?;
         let template = run::StartPlan {

@@ -55,6 +55,8 @@ pub enum LocalError {
     RestoreFrom(String),
     #[error(transparent)]
     Random(#[from] crate::orchestrator::run::RandomError),
+    #[error(transparent)]
+    Credentials(#[from] crate::job::kafka::MissingCredential),
     #[error("rescale {from} -> {to} failed at step {step}: {reason}; {outcome}")]
     Rescale {
         from: u32,

@@ -4,7 +4,8 @@
 use super::context::Context;
 use super::desired::{self, LABEL_PARALLELISM, LABEL_RUN, LABEL_SUBTASK, MANAGER};
 use crate::coordinator::WorkerEndpoint;
-use crate::crd::StreamJob;
+use crate::crd::{KafkaCredentials, StreamJob};
+use crate::job::kafka::{Credentials, Role};
 use crate::keygroup::Assignment;
 use crate::orchestrator::decide::{ObservedPod, PodPhase};
 use crate::orchestrator::port::{Listed, PortError, Waker, Workers};
@@ -245,6 +246,48 @@ impl Workers for PodWorkers<'_> {
 
     async fn token(&mut self) -> Result<String, PortError> {
         ensure_secret(self.ctx, self.job, self.ns, self.name).await
+    }
+
+    /// From the job's Secret through the API (the operator's own environment has no job's
+    /// credentials), read on every call so a rotated Secret is used by the next run.
+    async fn kafka_credentials(
+        &mut self,
+        role: Role,
+        creds: &KafkaCredentials,
+    ) -> Result<Credentials, PortError> {
+        let what = format!(
+            "reading the Kafka credentials of Secret {}",
+            creds.secret_name
+        );
+        let secrets: Api<Secret> = Api::namespaced(self.ctx.client.clone(), self.ns);
+        let secret = secrets
+            .get_opt(&creds.secret_name)
+            .await
+            .map_err(|e| kube_error(what.clone(), e))?
+            .ok_or_else(|| {
+                PortError::new(
+                    what.clone(),
+                    format!(
+                        "Secret {} does not exist in namespace {}: create it, or fix credentials.secretName",
+                        creds.secret_name, self.ns
+                    ),
+                    false,
+                )
+            })?;
+        let data: std::collections::BTreeMap<String, Vec<u8>> = secret
+            .data
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(k, v)| (k, v.0))
+            .chain(
+                secret
+                    .string_data
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|(k, v)| (k, v.into_bytes())),
+            )
+            .collect();
+        Credentials::from_secret(role, creds, &data).map_err(|e| PortError::new(what, e, false))
     }
 
     fn waker(&self) -> Waker {

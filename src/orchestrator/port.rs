@@ -5,6 +5,8 @@
 
 use super::decide::ObservedPod;
 use crate::coordinator::WorkerEndpoint;
+use crate::crd::KafkaCredentials;
+use crate::job::kafka::{Credentials, Role};
 use crate::keygroup::Assignment;
 use std::sync::Arc;
 
@@ -70,4 +72,26 @@ pub trait Workers: Send {
 
     /// What wakes the job's driver when a background step ends.
     fn waker(&self) -> Waker;
+
+    /// The Kafka credentials `creds` names, for a client of `role` that the orchestration itself
+    /// runs (the exactly-once sink's publisher runs beside the coordinator). By default from this
+    /// process's environment, under the names the workers get them ([`Credentials::from_env`]):
+    /// `keyshift local` passes its environment to its workers as well. The operator reads the
+    /// job's Secret instead.
+    async fn kafka_credentials(
+        &mut self,
+        role: Role,
+        creds: &KafkaCredentials,
+    ) -> Result<Credentials, PortError> {
+        Credentials::from_env(role, Some(creds)).map_err(|e| {
+            PortError::new(
+                format!(
+                    "reading the Kafka credentials of Secret {}",
+                    creds.secret_name
+                ),
+                e,
+                false,
+            )
+        })
+    }
 }

@@ -296,7 +296,9 @@ pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Optio
 }
 
 /// The coordinator of a run: snapshots in `storage`, the job's retention, its sink attached (so
-/// every committed snapshot's output is published, on every platform).
+/// every committed snapshot's output is published, on every platform). `sink_credentials`: what
+/// the publisher of an exactly-once Kafka sink logs in with (the platform reads them,
+/// `port::Workers::kafka_credentials`; [`sink_credentials_from_env`] off any platform).
 pub async fn coordinator(
     spec: &StreamJobSpec,
     storage: &str,
@@ -304,6 +306,7 @@ pub async fn coordinator(
     assignment: Assignment,
     workers: Vec<WorkerEndpoint>,
     token: String,
+    sink_credentials: &crate::job::kafka::Credentials,
 ) -> Result<Coordinator, CoordinatorError> {
     #[cfg(feature = "kafka")]
     let job = (identity.namespace.clone(), identity.name.clone());
@@ -322,11 +325,28 @@ pub async fn coordinator(
     if let Some(k) = &spec.job.sink.kafka
         && crate::job::kafka::sink::stages(&spec.job.sink)
     {
-        let publisher = crate::job::kafka::sink::KafkaPublisher::from_spec(k, &job.0, &job.1)
-            .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
+        let publisher =
+            crate::job::kafka::sink::KafkaPublisher::from_spec(k, &job.0, &job.1, sink_credentials);
         return Ok(coordinator.with_kafka_sink(publisher));
     }
+    #[cfg(not(feature = "kafka"))]
+    let _ = sink_credentials;
     Ok(coordinator)
+}
+
+/// The Kafka sink's credentials a coordinator needs ([`coordinator`]), from this process's
+/// environment under the workers' names (`keyshift local` and its harness pass the same
+/// environment to their workers). None when the job has no Kafka sink with credentials.
+pub fn sink_credentials_from_env(
+    spec: &StreamJobSpec,
+) -> Result<crate::job::kafka::Credentials, crate::job::kafka::MissingCredential> {
+    let creds = spec
+        .job
+        .sink
+        .kafka
+        .as_ref()
+        .and_then(|k| k.credentials.as_ref());
+    crate::job::kafka::Credentials::from_env(crate::job::kafka::Role::Sink, creds)
 }
 
 /// Whether the job's coordinator publishes sink output after each commit (an object-store sink,

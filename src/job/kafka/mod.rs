@@ -144,6 +144,17 @@ pub struct MissingCredential {
     pub key: String,
 }
 
+/// A key of the Kafka credentials Secret that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "key {key:?} of Secret {secret:?} {problem}: the Kafka credentials (spec.job.*.kafka.credentials) name it; add it to the Secret in the job's namespace, or change the key the spec names"
+)]
+pub struct SecretKeyError {
+    pub secret: String,
+    pub key: String,
+    pub problem: &'static str,
+}
+
 impl Credentials {
     /// Reads the parts `creds` uses through `lookup` (the environment, in a worker).
     pub fn read(
@@ -169,6 +180,39 @@ impl Credentials {
             parts.insert(part.suffix(), value);
         }
         Ok(Credentials { parts })
+    }
+
+    /// [`Credentials::read`] from the data of the Secret `creds` names (`data`: its keys and
+    /// values, as the API server returns them): how the operator gets the credentials of the
+    /// clients it runs itself. A key the spec names that the Secret lacks, or that is not UTF-8,
+    /// is refused with the key's name.
+    pub fn from_secret(
+        role: Role,
+        creds: &KafkaCredentials,
+        data: &BTreeMap<String, Vec<u8>>,
+    ) -> Result<Credentials, SecretKeyError> {
+        let wanted = credential_env(role, creds);
+        let mut by_env = BTreeMap::new();
+        for e in &wanted {
+            let value = data.get(&e.key).ok_or_else(|| SecretKeyError {
+                secret: e.secret.clone(),
+                key: e.key.clone(),
+                problem: "is missing",
+            })?;
+            let value = String::from_utf8(value.clone()).map_err(|_| SecretKeyError {
+                secret: e.secret.clone(),
+                key: e.key.clone(),
+                problem: "is not UTF-8 text",
+            })?;
+            by_env.insert(e.env.clone(), value);
+        }
+        Credentials::read(role, Some(creds), |name| by_env.get(name).cloned()).map_err(|e| {
+            SecretKeyError {
+                secret: e.secret,
+                key: e.key,
+                problem: "is missing",
+            }
+        })
     }
 
     /// [`Credentials::read`] from the process environment.
@@ -427,6 +471,36 @@ mod tests {
         assert_eq!(shown["sasl.password"], "<redacted>");
         assert_eq!(shown["ssl.key.pem"], "<redacted>");
         assert_eq!(shown["sasl.username"], "value-of-user");
+    }
+
+    #[test]
+    fn the_operator_reads_the_same_credentials_from_the_secret() {
+        let c = creds(true, true);
+        let mut data: BTreeMap<String, Vec<u8>> = BTreeMap::new();
+        for e in credential_env(Role::Sink, &c) {
+            data.insert(e.key.clone(), format!("value of {}", e.key).into_bytes());
+        }
+        let from_secret = Credentials::from_secret(Role::Sink, &c, &data).unwrap();
+        // The same as a worker gets through its environment from the same Secret.
+        let env: BTreeMap<String, String> = credential_env(Role::Sink, &c)
+            .into_iter()
+            .map(|e| (e.env, format!("value of {}", e.key)))
+            .collect();
+        let from_env = Credentials::read(Role::Sink, Some(&c), |n| env.get(n).cloned()).unwrap();
+        assert_eq!(from_secret, from_env);
+        assert!(!from_secret.parts.is_empty());
+
+        let missing = credential_env(Role::Sink, &c)[1].key.clone();
+        data.remove(&missing);
+        let e = Credentials::from_secret(Role::Sink, &c, &data).unwrap_err();
+        assert_eq!(
+            (e.secret.as_str(), e.key.as_str()),
+            ("kafka-creds", missing.as_str())
+        );
+        assert!(e.to_string().contains("is missing"), "{e}");
+        data.insert(missing, vec![0xff, 0xfe]);
+        let e = Credentials::from_secret(Role::Sink, &c, &data).unwrap_err();
+        assert!(e.to_string().contains("not UTF-8"), "{e}");
     }
 
     #[test]

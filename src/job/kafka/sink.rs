@@ -486,18 +486,17 @@ mod io {
             }
         }
 
-        /// The publisher of job `namespace/name`'s sink `spec`, with the credentials in this
-        /// process's environment (`KEYSHIFT_KAFKA_SINK_*`, see [`crate::job::kafka`]).
+        /// The publisher of job `namespace/name`'s sink `spec`, with the credentials the
+        /// platform read for it (`crate::orchestrator::port::Workers::kafka_credentials`).
         pub fn from_spec(
             spec: &KafkaSink,
             namespace: &str,
             name: &str,
-        ) -> Result<Self, KafkaSinkError> {
-            let creds = Credentials::from_env(Role::Sink, spec.credentials.as_ref())
-                .map_err(|e| KafkaSinkError::Task(e.to_string()))?;
+            creds: &Credentials,
+        ) -> KafkaPublisher {
             let id = transactional_id(namespace, name, spec.transactional_id_prefix.as_deref());
-            let props = producer_properties(spec, None, &creds);
-            Ok(KafkaPublisher::new(props, spec.topic.clone(), id))
+            let props = producer_properties(spec, None, creds);
+            KafkaPublisher::new(props, spec.topic.clone(), id)
         }
 
         /// The transactional id (also the bookkeeping group).

@@ -26,6 +26,8 @@ pub enum PassError {
     Transition(String),
     #[error("making a run id: {0}")]
     Random(#[from] RandomError),
+    #[error("reading the credentials of the Kafka sink's publisher: {0}")]
+    Credentials(#[source] PortError),
 }
 
 /// What kind of failure a pass had: the label of the reconcile-error metric, and what decides
@@ -93,7 +95,8 @@ impl PassError {
             PassError::Adopt(e) | PassError::FindSnapshot(e) | PassError::Start(e) => {
                 coordinator_kind(e)
             }
-            PassError::Bounds(_) => ErrorKind::Config,
+            PassError::Credentials(e) if e.transient => ErrorKind::Platform,
+            PassError::Bounds(_) | PassError::Credentials(_) => ErrorKind::Config,
             PassError::Transition(_) => ErrorKind::Bug,
         }
     }

@@ -318,9 +318,8 @@ impl Pass<'_> {
                     false => self.identity(),
                 };
                 let coordinator = self
-                    .coordinator(assignment, endpoints, identity)
-                    .await
-                    .map_err(PassError::Adopt)?;
+                    .coordinator(assignment, endpoints, identity, PassError::Adopt)
+                    .await?;
                 if self
                     .pods
                     .iter()
@@ -930,10 +929,10 @@ impl Pass<'_> {
             _ => None,
         };
         let assignment = self.assignment(parallelism)?;
+        let identity = self.identity();
         let coordinator = self
-            .coordinator(assignment, endpoints, self.identity())
-            .await
-            .map_err(PassError::Start)?;
+            .coordinator(assignment, endpoints, identity, PassError::Start)
+            .await?;
         let template = run::StartPlan {
             namespace: &self.ns,
             name: &self.name,

@@ -761,16 +761,42 @@ impl<'a> Pass<'a> {
         }
     }
 
-    /// The coordinator of a run of this job with these workers (the future borrows no part of
-    /// the pass: the platform port it holds need not be `Sync`).
-    fn coordinator(
-        &self,
+    /// The coordinator of a run of this job with these workers. The credentials of the Kafka
+    /// sink's publisher (which runs beside the coordinator) are read from the platform first.
+    async fn coordinator(
+        &mut self,
         assignment: Assignment,
         endpoints: Vec<WorkerEndpoint>,
         identity: JobIdentity,
-    ) -> impl Future<Output = Result<Coordinator, CoordinatorError>> + Send + 'a {
+        failed: fn(CoordinatorError) -> PassError,
+    ) -> Result<Coordinator, PassError> {
+        let sink_credentials = match self
+            .spec
+            .job
+            .sink
+            .kafka
+            .as_ref()
+            .and_then(|k| k.credentials.as_ref())
+        {
+            Some(creds) => self
+                .workers
+                .kafka_credentials(crate::job::kafka::Role::Sink, creds)
+                .await
+                .map_err(PassError::Credentials)?,
+            None => crate::job::kafka::Credentials::default(),
+        };
         let (spec, storage, token) = (self.spec, self.storage.clone(), self.token.clone());
-        async move { run::coordinator(spec, &storage, identity, assignment, endpoints, token).await }
+        run::coordinator(
+            spec,
+            &storage,
+            identity,
+            assignment,
+            endpoints,
+            token,
+            &sink_credentials,
+        )
+        .await
+        .map_err(failed)
     }
 
     fn identity(&self) -> JobIdentity {
