@@ -21,7 +21,12 @@
 # removes it.
 # Settings (env): KEYSHIFT_KAFKA_STATE (state dir, default ${TMPDIR:-/tmp}/keyshift-kafka),
 # KEYSHIFT_KAFKA_PORT (default: a free port; kept across restarts), KEYSHIFT_KAFKA_HOST (address to
-# listen on and advertise, default 127.0.0.1), KEYSHIFT_CACHE (cache root, default
+# listen on and advertise, default 127.0.0.1), KEYSHIFT_KAFKA_POD_HOST (optional: a second
+# listener on all addresses, advertised at this address, for clients in another network namespace
+# such as the test cluster's pods; it requires SASL PLAIN, so the credentials path from a Secret
+# is exercised; exported as KEYSHIFT_KAFKA_POD_BOOTSTRAP, KEYSHIFT_KAFKA_POD_USERNAME and
+# KEYSHIFT_KAFKA_POD_PASSWORD),
+# KEYSHIFT_CACHE (cache root, default
 # ~/.cache/keyshift), KEYSHIFT_KAFKA_HEAP (default 512m), JAVA (default java), MVN (default mvn).
 set -euo pipefail
 
@@ -31,6 +36,7 @@ CACHE="${KEYSHIFT_CACHE:-$HOME/.cache/keyshift}"
 JARS="$CACHE/kafka-$KAFKA_VERSION/libs"
 state="${KEYSHIFT_KAFKA_STATE:-${TMPDIR:-/tmp}/keyshift-kafka}"
 host="${KEYSHIFT_KAFKA_HOST:-127.0.0.1}"
+pod_host="${KEYSHIFT_KAFKA_POD_HOST:-}"
 java="${JAVA:-java}"
 mvn="${MVN:-mvn}"
 heap="${KEYSHIFT_KAFKA_HEAP:-512m}"
@@ -44,6 +50,11 @@ exports() {
 export KEYSHIFT_KAFKA_BOOTSTRAP=${host}:${port}
 export KEYSHIFT_KAFKA_STATE=${state}
 EOF
+  if [[ -s "$state/pod-bootstrap" ]]; then
+    echo "export KEYSHIFT_KAFKA_POD_BOOTSTRAP=$(cat "$state/pod-bootstrap")"
+    echo "export KEYSHIFT_KAFKA_POD_USERNAME=keyshift"
+    echo "export KEYSHIFT_KAFKA_POD_PASSWORD=$(cat "$state/pod-password")"
+  fi
 }
 
 # ---- fetch: the broker's jars, resolved by Maven from a generated pom, cached by version.
@@ -113,18 +124,34 @@ free_port() {
   python3 -c 'import socket, sys; s=socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$host"
 }
 
-# Writes server.properties for the port pair (client port, controller port).
+# Writes server.properties for the ports (client port, controller port, pod listener port or
+# empty).
 write_config() {
-  local port="$1" cport="$2"
+  local port="$1" cport="$2" pport="${3:-}"
+  local listeners="PLAINTEXT://${host}:${port},CONTROLLER://${host}:${cport}"
+  local advertised="PLAINTEXT://${host}:${port}"
+  local pods_sasl=""
+  if [[ -n "$pport" ]]; then
+    # The pods' listener: every address, advertised at the host's address in their network;
+    # SASL PLAIN with one user, whose password is made once per state dir.
+    listeners+=",PODS://0.0.0.0:${pport}"
+    advertised+=",PODS://${pod_host}:${pport}"
+    [[ -s "$state/pod-password" ]] || od -An -tx1 -N12 /dev/urandom | tr -d ' \n' >"$state/pod-password"
+    local pw
+    pw="$(cat "$state/pod-password")"
+    pods_sasl="listener.name.pods.sasl.enabled.mechanisms=PLAIN
+listener.name.pods.plain.sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required user_keyshift=\"${pw}\";"
+  fi
   cat >"$state/server.properties" <<EOF
 process.roles=broker,controller
 node.id=1
 controller.quorum.bootstrap.servers=${host}:${cport}
-listeners=PLAINTEXT://${host}:${port},CONTROLLER://${host}:${cport}
-advertised.listeners=PLAINTEXT://${host}:${port}
+listeners=${listeners}
+advertised.listeners=${advertised}
 controller.listener.names=CONTROLLER
 inter.broker.listener.name=PLAINTEXT
-listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT
+listener.security.protocol.map=PLAINTEXT:PLAINTEXT,CONTROLLER:PLAINTEXT,PODS:SASL_PLAINTEXT
+${pods_sasl}
 log.dirs=${state}/data
 num.partitions=1
 default.replication.factor=1
@@ -212,17 +239,26 @@ start() {
   fi
   command -v "$java" >/dev/null || die "Java 17+ ($java) is needed for the broker"
   ( fetch )
-  local port cport
+  local port cport pport=""
   # A restarted broker keeps its ports: clients reconnect to the same bootstrap address.
   if [[ -f "$state/ports" ]]; then
-    read -r port cport <"$state/ports"
+    read -r port cport pport <"$state/ports"
+    # The pods' listener keeps its advertised address across restarts too.
+    if [[ -n "$pport" && -s "$state/pod-bootstrap" ]]; then
+      pod_host="$(cut -d: -f1 "$state/pod-bootstrap")"
+    fi
   else
     port="${KEYSHIFT_KAFKA_PORT:-$(free_port)}"
     cport="$(free_port)"
     while [[ "$cport" == "$port" ]]; do cport="$(free_port)"; done
-    echo "$port $cport" >"$state/ports"
+    if [[ -n "$pod_host" ]]; then
+      pport="$(free_port)"
+      while [[ "$pport" == "$port" || "$pport" == "$cport" ]]; do pport="$(free_port)"; done
+      echo "${pod_host}:${pport}" >"$state/pod-bootstrap"
+    fi
+    echo "$port $cport $pport" >"$state/ports"
   fi
-  write_config "$port" "$cport"
+  write_config "$port" "$cport" "$pport"
   write_log4j
   if [[ ! -f "$state/data/meta.properties" ]]; then
     local cluster_id

@@ -92,6 +92,9 @@ if [[ -z "${KEYSHIFT_KAFKA_STATE:-}" ]]; then
   KAFKA_STATE_OWNED=1
 fi
 export KEYSHIFT_KAFKA_STATE
+# A second listener for the test cluster's pods (tests/e2e_operator.rs), advertised at the host's
+# side of the testenv's veth: hack/testenv.sh's HOST_IP, 10.$KEYSHIFT_SUBNET.0.1 (default 213).
+export KEYSHIFT_KAFKA_POD_HOST="10.${KEYSHIFT_SUBNET:-213}.0.1"
 kafka_stop() {
   hack/kafka.sh stop || return 1
   if [[ -n "$KAFKA_STATE_OWNED" ]]; then rm -rf -- "$KEYSHIFT_KAFKA_STATE"; fi
@@ -134,7 +137,9 @@ hack/lab-test.sh
 # ---- end to end: a real cluster -- etcd, kube-apiserver, kube-controller-manager,
 # kube-scheduler and a real node (kubelet, containerd, runc, CNI), all built from their upstream
 # Go modules by hack/build-control-plane.sh and hack/build-node.sh on first use -- running the
-# keyshift image built from this checkout (hack/build-image.sh: the product build, no features).
+# keyshift image built from this checkout (hack/build-image.sh: the product build, with the Kafka
+# client). tests/e2e_kafka.rs runs a Kafka job there against the broker started above (its pods'
+# listener).
 # The operator under test is a host process, `CARGO_BIN_EXE_keyshift` of the e2e tier's own
 # (all-features) build.
 export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e2e.XXXXXX)}"
@@ -171,7 +176,7 @@ eval "$testenv_env"
 source "$KEYSHIFT_TESTENV_DIR/env"
 
 step "e2e tests"
-cargo test --locked --all-features --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator -- --ignored --test-threads=4 --skip scale_past_the_ceiling
+cargo test --locked --all-features --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator --test e2e_kafka -- --ignored --test-threads=4 --skip scale_past_the_ceiling
 # The 200-pod ceiling scenario alone: beside the other tests it loaded the 2-core node so far (load
 # average 100) that the kubelet took minutes to terminate pods and three tests timed out waiting.
 step "e2e: the 200-pod ceiling scenario"

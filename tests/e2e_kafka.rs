@@ -1,0 +1,221 @@
+//! End to end with Kafka: `keyshift operator` (a host process) runs a Kafka -> keyed count ->
+//! Kafka job on the test cluster's real node (the keyshift image, Pod Security `restricted`),
+//! against the Kafka test broker (`hack/kafka.sh`). The workers reach the broker on its pods'
+//! listener, which requires SASL PLAIN: the workers get the username and password from a Secret
+//! through their environment, and the operator, whose coordinator publishes the sink's
+//! transactions, reads the same Secret through the API. The test produces click records with
+//! known per-user counts and checks, as a `read_committed` consumer of the output topic, that the
+//! newest count of every user is exactly the number of records produced for that user, after
+//! `kubectl scale` up and down, a killed worker, an operator restart and a broker restart, with
+//! records arriving throughout.
+//!
+//! Run by `hack/test.sh` (which starts the broker with its pods' listener, then the cluster).
+#![cfg(feature = "kafka")]
+
+mod kafka_support;
+mod operator_support;
+mod snapshot_support;
+mod support;
+
+use kafka_support::*;
+use keyshift::keygroup::Key;
+use operator_support::*;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+use support::*;
+
+/// The broker as the test process reaches it (loopback, no authentication), and as pods reach
+/// it (the host's address in the test network, SASL PLAIN): bootstrap, username, password.
+fn broker() -> (String, String, String, String) {
+    let var = |k: &str| std::env::var(k).unwrap_or_else(|_| panic!("{k} (hack/test.sh)"));
+    (
+        var("KEYSHIFT_KAFKA_BOOTSTRAP"),
+        var("KEYSHIFT_KAFKA_POD_BOOTSTRAP"),
+        var("KEYSHIFT_KAFKA_POD_USERNAME"),
+        var("KEYSHIFT_KAFKA_POD_PASSWORD"),
+    )
+}
+
+const CREDENTIALS: &str = "kafka-creds";
+
+fn kafka_job_yaml(name: &str, pods: &str, input: &str, output: &str) -> String {
+    let creds = format!("{{secretName: {CREDENTIALS}, sasl: {{mechanism: PLAIN}}}}");
+    format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+spec:
+  replicas: 2
+  maxParallelism: 64
+  job:
+    source:
+      kafka: {{bootstrapServers: '{pods}', topics: [{input}], credentials: {creds}}}
+    key: {{field: user, type: string}}
+    aggregation: {{function: count}}
+    sink:
+      type: kafka
+      kafka: {{bootstrapServers: '{pods}', topic: {output}, credentials: {creds}}}
+  state:
+    checkpointInterval: 3s
+    credentialsSecret: {S3_SECRET}
+  resources:
+    requests: {{cpu: 5m, memory: 32Mi}}
+"
+    )
+}
+
+/// Records read so far by the job, as its consumer group has them committed (after snapshots).
+fn read_by_job(bootstrap: &str, ns: &str, name: &str, input: &str) -> u64 {
+    committed(
+        bootstrap,
+        &keyshift::job::kafka::default_group_id(ns, name),
+        input,
+    )
+    .values()
+    .sum()
+}
+
+#[test]
+#[ignore = "needs the test control plane and the Kafka test broker (hack/test.sh starts both)"]
+fn kafka_to_kafka_is_exact_through_scale_a_killed_worker_and_operator_and_broker_restarts() {
+    let _plane = shared_plane();
+    let (host, pods, username, password) = broker();
+    let (ns, dir, mut op) = setup("e2e-kafka", "kafka");
+    let ns = &ns.0;
+    let log = op.log.clone();
+    let name = "clicks-kafka";
+    kubectl_ok(&[
+        "create",
+        "secret",
+        "generic",
+        CREDENTIALS,
+        "-n",
+        ns,
+        &format!("--from-literal=username={username}"),
+        &format!("--from-literal=password={password}"),
+    ]);
+    let input = unique("e2e-in");
+    let output = unique("e2e-out");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(create_topic(&host, &input));
+    rt.block_on(create_topic(&host, &output));
+
+    let mut totals: BTreeMap<Key, i64> = BTreeMap::new();
+    let mut produced = 0u64;
+    let mut produce = |n: u64, totals: &mut BTreeMap<Key, i64>| {
+        produce_clicks(&host, &input, produced, n, totals);
+        produced += n;
+    };
+    produce(4000, &mut totals);
+    let r = apply(ns, &kafka_job_yaml(name, &pods, &input, &output));
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    assert_eq!(
+        get(
+            ns,
+            name,
+            "{.status.conditions[?(@.type==\"AllSubtasksHavePartitions\")].status}"
+        ),
+        "True",
+        "4 partitions for 2 subtasks (from the broker's metadata)"
+    );
+
+    // Up while records arrive.
+    produce(3000, &mut totals);
+    scale(ns, name, 3, &log);
+    produce(3000, &mut totals);
+
+    // A killed worker: the job restarts from its last checkpoint at the same parallelism.
+    let before = worker_pods(ns, name);
+    kill_container(ns, &before[1]);
+    wait_for(Duration::from_secs(90), || {
+        let now = worker_pods(ns, name);
+        now.len() == 3 && now.iter().all(|p| !before.contains(p))
+    });
+    wait_ready(ns, name, &log);
+    produce(3000, &mut totals);
+
+    // The operator restarts: it adopts the running workers and goes on publishing.
+    op.kill();
+    let adopted = worker_pods(ns, name);
+    let mut op = Operator::start(ns, &dir);
+    std::thread::sleep(Duration::from_secs(3));
+    wait_ready(ns, name, &log);
+    assert_eq!(worker_pods(ns, name), adopted, "workers were adopted");
+
+    // The broker restarts (a clean stop and start on the same ports and data) mid-run.
+    kafka_sh(&["restart"]);
+    produce(3000, &mut totals);
+
+    // Down to 1 while records arrive.
+    scale(ns, name, 1, &log);
+    produce(2000, &mut totals);
+
+    // Every record read and committed by a snapshot, then a final savepoint (suspend): its
+    // output is the last the sink publishes.
+    let started = Instant::now();
+    loop {
+        let read = read_by_job(&host, ns, name, &input);
+        if read == produced {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the job read {read} of {produced} records\n{}",
+            diagnostics(ns, name, &log)
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    set_suspend(ns, name, true, &log);
+    let url = get(ns, name, "{.status.lastSavepoint.path}");
+    let state = snapshot_support::read_state_blocking(&url);
+    assert_eq!(
+        state.positions.values().sum::<u64>(),
+        produced,
+        "the final savepoint's offsets cover every record"
+    );
+    assert!(
+        state.scalars() == totals,
+        "the final savepoint's counts differ from the records produced"
+    );
+
+    // The output topic, read_committed: each user's newest count is its total; counts only grow
+    // (nothing duplicated or from an aborted transaction); every key in its Java partition.
+    let records = read_topic(&host, &output, true);
+    let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
+    for r in &records {
+        assert_eq!(
+            r.partition,
+            java_partition(&r.key),
+            "key {} misplaced",
+            r.key
+        );
+        let v = r.value["value"].as_i64().expect("a count");
+        let prev = newest.insert(Key::String(r.key.clone()), v);
+        assert!(
+            prev.is_none_or(|p| p <= v),
+            "the count of {} went down from {prev:?} to {v}",
+            r.key
+        );
+    }
+    let wrong: Vec<_> = totals
+        .iter()
+        .filter(|(k, v)| newest.get(*k) != Some(*v))
+        .take(5)
+        .map(|(k, v)| (k, v, newest.get(k)))
+        .collect();
+    assert!(
+        wrong.is_empty() && newest.len() == totals.len(),
+        "newest counts in the output topic differ from the records produced, e.g. {wrong:?}"
+    );
+    eprintln!(
+        "{produced} records in, {} records out for {} users (hot user {})",
+        records.len(),
+        newest.len(),
+        totals[&Key::String("hot".into())]
+    );
+    delete_job(ns, name, &log);
+    op.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
