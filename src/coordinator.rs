@@ -1548,6 +1548,7 @@ pub(crate) mod tests {
             state_payload_bytes: 0,
             run_id: "r".into(),
             data_secret: RunSecret("s".into()),
+            incremental: Default::default(),
         }
     }
 

@@ -597,6 +597,35 @@ pub struct StateSpec {
     /// it for state that takes longer to read from its storage. Default `3m`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_timeout: Option<String>,
+    /// Incremental checkpoints: a checkpoint writes only the keys changed since the previous one
+    /// and refers to the earlier files for the rest (on by default; savepoints are always
+    /// written in full). Read when a run starts: a change applies from the next start (a
+    /// rescale, a restart, a resume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incremental_checkpoints: Option<IncrementalCheckpoints>,
+}
+
+/// How checkpoints build on earlier ones (`spec.state.incrementalCheckpoints`).
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct IncrementalCheckpoints {
+    /// Write only what changed since the previous checkpoint. `false` writes every checkpoint in
+    /// full (more bytes per checkpoint; a restore reads no deltas). Default `true`.
+    #[serde(default = "default_true")]
+    pub enabled: bool,
+    /// Deltas a key group may collect before its next change writes it whole again: 1 to 64.
+    /// Fewer make restores read less beyond the state; more make checkpoints write less.
+    /// Default 16.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_deltas: Option<u32>,
+    /// Size of a key group's deltas, as a percent of its last full block, past which its next
+    /// change writes it whole again: 10 to 400. Default 50.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_delta_percent: Option<u32>,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 impl Default for StateSpec {
@@ -609,6 +638,7 @@ impl Default for StateSpec {
             savepoint_timeout: None,
             credentials_secret: None,
             restore_timeout: None,
+            incremental_checkpoints: None,
         }
     }
 }

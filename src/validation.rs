@@ -14,6 +14,7 @@ use crate::crd::{
 };
 use crate::keygroup::{self, Assignment, BoundsError, Skew};
 use crate::operator::desired::{RESERVED_ENV, SCRATCH_PATH, SCRATCH_VOLUME};
+use crate::runtime::incremental::{MAX_DELTA_PERCENT_BOUNDS, MAX_DELTAS_BOUNDS};
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::{
     JSONSchemaProps, JSONSchemaPropsOrArray, ValidationRule,
 };
@@ -41,6 +42,8 @@ pub const MSG_RESTORE_TIMEOUT: &str = "spec.state.restoreTimeout must be a durat
 pub const RESTORE_TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
     Duration::from_secs(30)..=Duration::from_secs(24 * 3600);
 pub const MSG_RETAINED: &str = "spec.state.retainedCheckpoints must be at least 1: the newest completed checkpoint is always kept";
+pub const MSG_INCREMENTAL_MAX_DELTAS: &str = "spec.state.incrementalCheckpoints.maxDeltas must be between 1 and 64 (default 16): the deltas a key group collects before it is written whole again";
+pub const MSG_INCREMENTAL_DELTA_PERCENT: &str = "spec.state.incrementalCheckpoints.maxDeltaPercent must be between 10 and 400 (default 50): the size of a key group's deltas, in percent of its full block, past which it is written whole again";
 pub const MSG_SOURCE_ONE_OF: &str =
     "spec.job.source must set exactly one of generator, file or kafka";
 pub const MSG_KAFKA_SOURCE_BOOTSTRAP: &str = "spec.job.source.kafka.bootstrapServers must be a comma-separated list of host:port, such as kafka-0.kafka:9092,kafka-1.kafka:9092";
@@ -287,6 +290,26 @@ fn rules() -> Vec<CelRule> {
             &["spec", "state", "retainedCheckpoints"],
             "self >= 1",
             MSG_RETAINED,
+            None,
+        ),
+        r(
+            &["spec", "state", "incrementalCheckpoints", "maxDeltas"],
+            &format!(
+                "self >= {} && self <= {}",
+                MAX_DELTAS_BOUNDS.start(),
+                MAX_DELTAS_BOUNDS.end()
+            ),
+            MSG_INCREMENTAL_MAX_DELTAS,
+            None,
+        ),
+        r(
+            &["spec", "state", "incrementalCheckpoints", "maxDeltaPercent"],
+            &format!(
+                "self >= {} && self <= {}",
+                MAX_DELTA_PERCENT_BOUNDS.start(),
+                MAX_DELTA_PERCENT_BOUNDS.end()
+            ),
+            MSG_INCREMENTAL_DELTA_PERCENT,
             None,
         ),
         r(
@@ -971,6 +994,20 @@ pub fn validate(
     }
     if spec.state.retained_checkpoints < 1 {
         fail(MSG_RETAINED);
+    }
+    if let Some(inc) = &spec.state.incremental_checkpoints {
+        if inc
+            .max_deltas
+            .is_some_and(|n| !MAX_DELTAS_BOUNDS.contains(&n))
+        {
+            fail(MSG_INCREMENTAL_MAX_DELTAS);
+        }
+        if inc
+            .max_delta_percent
+            .is_some_and(|n| !MAX_DELTA_PERCENT_BOUNDS.contains(&n))
+        {
+            fail(MSG_INCREMENTAL_DELTA_PERCENT);
+        }
     }
 
     job_rules(&spec.job, &mut fail);

@@ -243,6 +243,8 @@ fn crd_has_scale_status_and_every_rule() {
         MSG_WINDOW_SIZE,
         MSG_OUT_OF_ORDERNESS,
         MSG_RETAINED,
+        MSG_INCREMENTAL_MAX_DELTAS,
+        MSG_INCREMENTAL_DELTA_PERCENT,
         MSG_RESTORE_TIMEOUT,
         MSG_SOURCE_ONE_OF,
         MSG_AGG_FIELD,
@@ -559,6 +561,34 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.state.retained_checkpoints = 0;
     fails_with(&s, None, None, MSG_RETAINED);
+    let chain = |max_deltas, max_delta_percent| {
+        let mut s = base();
+        s.state.incremental_checkpoints = Some(keyshift::crd::IncrementalCheckpoints {
+            enabled: true,
+            max_deltas,
+            max_delta_percent,
+        });
+        s
+    };
+    for bad in [0, 65, 1000] {
+        fails_with(
+            &chain(Some(bad), None),
+            None,
+            None,
+            MSG_INCREMENTAL_MAX_DELTAS,
+        );
+    }
+    for bad in [0, 9, 401] {
+        fails_with(
+            &chain(None, Some(bad)),
+            None,
+            None,
+            MSG_INCREMENTAL_DELTA_PERCENT,
+        );
+    }
+    for (d, p) in [(1, 10), (64, 400), (16, 50)] {
+        assert!(validate(&chain(Some(d), Some(p)), None, None).is_ok());
+    }
     for bad in ["0s", "29s", "25h", "30", "later"] {
         let mut s = base();
         s.state.restore_timeout = Some(bad.into());

@@ -159,6 +159,7 @@ async fn stray_and_forged_data_connections_neither_kill_nor_replace_a_peer() {
             state_payload_bytes: 0,
             run_id: run_id.into(),
             data_secret: RunSecret("the-run-secret".into()),
+            incremental: Default::default(),
         };
         c.post(format!("{url}/v1/start"))
             .bearer_auth(TOKEN)
@@ -243,6 +244,7 @@ fn start_request(peer: &str) -> keyshift::runtime::protocol::StartRequest {
         state_payload_bytes: 0,
         run_id: "job-abc123".into(),
         data_secret: keyshift::runtime::protocol::RunSecret("the-run-secret".into()),
+        incremental: Default::default(),
     }
 }
 

@@ -9,7 +9,7 @@ use keyshift::crd::AggregateFunction;
 use keyshift::job::{AggConfig, KeyedAggregator, Record, RecordKey};
 use keyshift::keygroup::{Assignment, KeyGroupRange};
 use keyshift::runtime::checkpoint::{self, StateWriteOptions, Updates};
-use keyshift::runtime::incremental::{Base, Chain};
+use keyshift::runtime::incremental::{Base, Chain, ChainSettings};
 use keyshift::snapshot::{self, *};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -116,7 +116,9 @@ impl Job {
             job_dir,
             assignment,
             ops,
-            chains: (0..p).map(|_| Chain::new(true)).collect(),
+            chains: (0..p)
+                .map(|_| Chain::new(ChainSettings::default()))
+                .collect(),
             model: Model::new(),
             next_id: 1,
             last_committed: 0,
@@ -258,7 +260,7 @@ impl Job {
             )
             .await
             .unwrap();
-            let mut chain = Chain::new(true);
+            let mut chain = Chain::new(ChainSettings::default());
             if manifest.kind == SnapshotKind::Checkpoint {
                 chain.restored_from(Base::restored(&manifest, r));
             }
@@ -451,7 +453,10 @@ fn dispose_keeps_files_a_newer_checkpoint_reads() {
         job.check_all().await;
         // A full checkpoint later: chk-2 goes with retention and the kept file with it.
         for c in &mut job.chains {
-            *c = Chain::new(false);
+            *c = Chain::new(ChainSettings {
+                enabled: false,
+                ..ChainSettings::default()
+            });
         }
         job.snapshot(SnapshotKind::Checkpoint).await;
         let report = retain(job.store.as_ref(), &job.job_dir, 1).await.unwrap();

@@ -311,6 +311,34 @@ async fn crash_and_recover(storage: Option<String>) {
     assert_exact(&spec, &sp.url).await;
 }
 
+/// `spec.state.incrementalCheckpoints: {enabled: false}` reaches the workers in the start
+/// request: every checkpoint is written in full (self-contained, format version 1), and exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn incremental_checkpoints_turned_off_in_the_spec_write_every_checkpoint_in_full() {
+    let env = env(None);
+    let mut spec = generator_job("full", "", 2, 128, "{function: count}");
+    spec.spec.state.incremental_checkpoints = Some(keyshift::crd::IncrementalCheckpoints {
+        enabled: false,
+        max_deltas: None,
+        max_delta_percent: None,
+    });
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    for _ in 0..3 {
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let c = local.checkpoint().await.expect("checkpoint");
+        assert!(
+            c.manifest.is_self_contained() && c.manifest.format_version < snapshot::FORMAT_VERSION,
+            "checkpoint {} is written in full",
+            c.url
+        );
+        assert_exact(&spec, &c.url).await;
+    }
+    local.shutdown().await.expect("stop");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_or_foreign_snapshots_are_refused() {
     let env = env(None);

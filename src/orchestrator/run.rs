@@ -387,6 +387,9 @@ impl StartPlan<'_> {
             state_payload_bytes: self.state_payload_bytes,
             run_id: data_plane_run_id(self.name, self.run),
             data_secret: crate::runtime::protocol::RunSecret(new_token()?),
+            incremental: crate::runtime::incremental::ChainSettings::from_spec(
+                self.spec.state.incremental_checkpoints.as_ref(),
+            ),
         })
     }
 }

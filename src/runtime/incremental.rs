@@ -28,29 +28,68 @@ use crate::snapshot::{
 };
 use std::collections::BTreeMap;
 
-/// Environment variable that turns incremental checkpoints off in a worker (`false` or `0`);
-/// they are on by default.
-pub const INCREMENTAL_ENV: &str = "KEYSHIFT_INCREMENTAL_CHECKPOINTS";
+/// The bounds of `spec.state.incrementalCheckpoints.maxDeltas`.
+pub const MAX_DELTAS_BOUNDS: std::ops::RangeInclusive<u32> = 1..=64;
+/// The bounds of `spec.state.incrementalCheckpoints.maxDeltaPercent`.
+pub const MAX_DELTA_PERCENT_BOUNDS: std::ops::RangeInclusive<u32> = 10..=400;
 
-/// Whether incremental checkpoints are on, from [`INCREMENTAL_ENV`].
-pub fn enabled_from_env() -> bool {
-    std::env::var(INCREMENTAL_ENV)
-        .map(|v| {
-            !matches!(
-                v.trim().to_ascii_lowercase().as_str(),
-                "false" | "0" | "off"
-            )
-        })
-        .unwrap_or(true)
+/// How a run's workers write checkpoints (`spec.state.incrementalCheckpoints`, sent in the start
+/// request).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ChainSettings {
+    /// Whether checkpoints build on earlier ones.
+    pub enabled: bool,
+    /// When a group is written whole again.
+    #[serde(flatten)]
+    pub policy: ChainPolicy,
+}
+
+impl Default for ChainSettings {
+    fn default() -> Self {
+        ChainSettings {
+            enabled: true,
+            policy: ChainPolicy::default(),
+        }
+    }
+}
+
+impl ChainSettings {
+    /// The settings of a job's spec (its defaults where it says nothing).
+    pub fn from_spec(spec: Option<&crate::crd::IncrementalCheckpoints>) -> Self {
+        let d = ChainSettings::default();
+        let Some(s) = spec else {
+            return d;
+        };
+        ChainSettings {
+            enabled: s.enabled,
+            policy: ChainPolicy {
+                max_deltas: s.max_deltas.map_or(d.policy.max_deltas, |n| n as usize),
+                max_delta_share: s
+                    .max_delta_percent
+                    .map_or(d.policy.max_delta_share, u64::from),
+            },
+        }
+    }
+
+    /// Whether the policy lies within the bounds the CRD allows (a start request is refused
+    /// otherwise).
+    pub fn in_bounds(&self) -> bool {
+        u32::try_from(self.policy.max_deltas).is_ok_and(|n| MAX_DELTAS_BOUNDS.contains(&n))
+            && u32::try_from(self.policy.max_delta_share)
+                .is_ok_and(|n| MAX_DELTA_PERCENT_BOUNDS.contains(&n))
+    }
 }
 
 /// When a group's chain of blocks is written out in full again.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub struct ChainPolicy {
     /// Deltas a group may have before its next change writes it in full.
     pub max_deltas: usize,
     /// Bytes of deltas, as a share of the group's first block (percent), past which its next
     /// change writes it in full.
+    #[serde(rename = "maxDeltaPercent")]
     pub max_delta_share: u64,
 }
 
@@ -178,9 +217,10 @@ const PENDING_KEPT: usize = 4;
 
 impl Chain {
     /// No checkpoint to build on yet.
-    pub fn new(enabled: bool) -> Self {
+    pub fn new(settings: ChainSettings) -> Self {
         Chain {
-            enabled,
+            enabled: settings.enabled,
+            policy: settings.policy,
             ..Chain::default()
         }
     }
@@ -239,6 +279,100 @@ mod tests {
     use super::*;
     use crate::crd::AggregateFunction;
     use crate::job::{AggConfig, Record, RecordKey};
+
+    #[test]
+    fn chain_settings_come_from_the_spec_with_its_defaults_and_travel_as_json() {
+        use crate::crd::IncrementalCheckpoints;
+        assert_eq!(ChainSettings::from_spec(None), ChainSettings::default());
+        assert!(ChainSettings::default().enabled && ChainSettings::default().in_bounds());
+        let off = IncrementalCheckpoints {
+            enabled: false,
+            max_deltas: None,
+            max_delta_percent: None,
+        };
+        let s = ChainSettings::from_spec(Some(&off));
+        assert!(!s.enabled);
+        assert_eq!(s.policy, ChainPolicy::default());
+        let set = IncrementalCheckpoints {
+            enabled: true,
+            max_deltas: Some(4),
+            max_delta_percent: Some(200),
+        };
+        let s = ChainSettings::from_spec(Some(&set));
+        assert_eq!((s.policy.max_deltas, s.policy.max_delta_share), (4, 200));
+        let json = serde_json::to_value(s).unwrap();
+        assert_eq!(
+            json,
+            serde_json::json!({"enabled": true, "maxDeltas": 4, "maxDeltaPercent": 200})
+        );
+        assert_eq!(serde_json::from_value::<ChainSettings>(json).unwrap(), s);
+        // A chain that never builds on anything when off.
+        let mut chain = Chain::new(ChainSettings::from_spec(Some(&off)));
+        assert!(chain.base_for(Some(1)).is_none());
+        for (d, p, ok) in [
+            (1, 10, true),
+            (64, 400, true),
+            (0, 50, false),
+            (16, 401, false),
+        ] {
+            let s = ChainSettings {
+                enabled: true,
+                policy: ChainPolicy {
+                    max_deltas: d,
+                    max_delta_share: p,
+                },
+            };
+            assert_eq!(s.in_bounds(), ok, "{d} deltas, {p}%");
+        }
+    }
+
+    /// The chain limit decides when a group is written whole again: after `maxDeltas` minus
+    /// the group's stagger (group % 8), or once the deltas reach `maxDeltaPercent` of the block.
+    #[test]
+    fn the_chain_limits_decide_when_a_group_is_compacted() {
+        let with_deltas = |group: u32, n: usize, each: u64| {
+            let mut groups = BTreeMap::new();
+            groups.insert(
+                group,
+                GroupEntry {
+                    group,
+                    file: "f".into(),
+                    offset: 0,
+                    length: 1000,
+                    checksum: Default::default(),
+                    entries: 10,
+                    deltas: (0..n)
+                        .map(|i| crate::snapshot::DeltaBlock {
+                            file: format!("d{i}"),
+                            offset: 0,
+                            length: each,
+                            checksum: Default::default(),
+                            entries: 1,
+                        })
+                        .collect(),
+                },
+            );
+            Base {
+                id: 1,
+                cut: 0,
+                groups,
+                files: BTreeMap::new(),
+            }
+        };
+        let policy = |max_deltas, max_delta_share| ChainPolicy {
+            max_deltas,
+            max_delta_share,
+        };
+        // Group 0 has no stagger: 4 deltas of 1 byte under a limit of 4 compact, 3 do not.
+        assert!(with_deltas(0, 4, 1).compacts(0, policy(4, 50)));
+        assert!(!with_deltas(0, 3, 1).compacts(0, policy(4, 50)));
+        // Group 3 is staggered by 3: 13 deltas reach the default 16.
+        assert!(with_deltas(3, 13, 1).compacts(3, policy(16, 50)));
+        assert!(!with_deltas(3, 12, 1).compacts(3, policy(16, 50)));
+        // Bytes: 2 deltas of 250 bytes are 50% of a 1000-byte block.
+        assert!(with_deltas(0, 2, 250).compacts(0, policy(64, 50)));
+        assert!(!with_deltas(0, 2, 250).compacts(0, policy(64, 51)));
+    }
     use crate::snapshot::Crc32c;
 
     fn entry(group: u32, file: &str, length: u64, deltas: usize) -> GroupEntry {
@@ -278,7 +412,7 @@ mod tests {
 
     #[test]
     fn a_base_is_the_newest_committed_checkpoint_written_here() {
-        let mut c = Chain::new(true);
+        let mut c = Chain::new(ChainSettings::default());
         assert!(c.base_for(Some(0)).is_none());
         c.written(Base::written(
             3,
@@ -308,7 +442,10 @@ mod tests {
         assert!(c.base_for(Some(5)).is_none());
         assert!(c.base_for(Some(4)).is_none(), "forgotten");
         // Off: never a base.
-        let mut off = Chain::new(false);
+        let mut off = Chain::new(ChainSettings {
+            enabled: false,
+            ..ChainSettings::default()
+        });
         off.written(Base::written(1, 1, &ack(vec![])));
         assert!(off.base_for(Some(1)).is_none());
         // An old coordinator that does not say what committed: no base.

@@ -78,6 +78,10 @@ pub struct StartRequest {
     /// accepted (see [`shuffle`](super::shuffle)). Fresh per run, sent only on the
     /// token-guarded control API, never logged.
     pub data_secret: RunSecret,
+    /// How checkpoints build on earlier ones (`spec.state.incrementalCheckpoints`; a request
+    /// without it gets the defaults).
+    #[serde(default)]
+    pub incremental: super::incremental::ChainSettings,
 }
 
 /// The longest `namespace` (a Kubernetes namespace is a DNS label).
@@ -115,6 +119,15 @@ pub enum StartBoundsError {
         value: u64,
         max: u64,
     },
+    /// Checkpoint chain limits outside the CRD's bounds.
+    #[error(
+        "incremental is {maxDeltas} deltas and {maxDeltaPercent}%: maxDeltas must lie in {deltas:?} and maxDeltaPercent in {percent:?}",
+        maxDeltas = .0.policy.max_deltas,
+        maxDeltaPercent = .0.policy.max_delta_share,
+        deltas = super::incremental::MAX_DELTAS_BOUNDS,
+        percent = super::incremental::MAX_DELTA_PERCENT_BOUNDS
+    )]
+    Chain(super::incremental::ChainSettings),
 }
 
 impl StartRequest {
@@ -161,6 +174,9 @@ impl StartRequest {
                 value: self.state_payload_bytes as u64,
                 max: MAX_STATE_PAYLOAD_BYTES as u64,
             });
+        }
+        if !self.incremental.in_bounds() {
+            return Err(StartBoundsError::Chain(self.incremental));
         }
         Ok(())
     }
@@ -464,6 +480,7 @@ mod tests {
             state_payload_bytes: MAX_STATE_PAYLOAD_BYTES,
             run_id: "clicks-abc123".into(),
             data_secret: RunSecret("s".into()),
+            incremental: Default::default(),
         };
         assert_eq!(ok.check_bounds(), Ok(()));
         let refused = |edit: &dyn Fn(&mut StartRequest)| {
@@ -500,6 +517,10 @@ mod tests {
             )
         );
         assert_eq!(refused(&|r| r.run_id.clear()), "runId must not be empty");
+        assert_eq!(
+            refused(&|r| r.incremental.policy.max_deltas = 0),
+            "incremental is 0 deltas and 50%: maxDeltas must lie in 1..=64 and maxDeltaPercent in 10..=400"
+        );
     }
 
     #[test]

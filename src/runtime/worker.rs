@@ -716,7 +716,7 @@ async fn start_subtask(
     let started = Instant::now();
     let mut resp = StartResponse::default();
     let mut watermark = i64::MIN;
-    let mut chain = incremental::Chain::new(incremental::enabled_from_env());
+    let mut chain = incremental::Chain::new(req.incremental);
     if let Some((rstore, dir, manifest)) = snap {
         if manifest.state_schema == job::AGG_SCHEMA {
             // Decoded while the next blocks are read; installed once every block is checked.
