@@ -435,19 +435,7 @@ impl LocalJob {
         self.stop().await;
         steps.push((Step::Stopping, t.elapsed()));
         let t = Instant::now();
-        let (store, base) = snapshot::open_store(&self.storage)?;
-        let id = coordinator::next_snapshot_id(
-            store.as_ref(),
-            &snapshot::job_dir(&base, &self.namespace, &self.name),
-        )
-        .await?;
-        let target = coordinator::snapshot_url(
-            &self.storage,
-            &self.namespace,
-            &self.name,
-            SnapshotKind::Savepoint,
-            id,
-        );
+        let target = run::rewrite_target(&self.storage, &self.namespace, &self.name).await?;
         let rewrite = run::rewrite_savepoint(&sp.url, &target, groups, to, memory, None)
             .await
             .map_err(|e| fail("Rewriting", e.to_string()))?

@@ -230,6 +230,26 @@ pub async fn latest_restorable(
     })
 }
 
+/// Where the Rewriting step of a key-group change writes: the job's next snapshot id, as a
+/// savepoint (so that a resume before the new run's first checkpoint finds it as the job's
+/// newest snapshot under the new count).
+pub async fn rewrite_target(
+    storage: &str,
+    ns: &str,
+    name: &str,
+) -> Result<String, CoordinatorError> {
+    let (store, base) = snapshot::open_store(storage)?;
+    let job_dir = snapshot::job_dir(&base, ns, name);
+    let id = crate::coordinator::next_snapshot_id(store.as_ref(), &job_dir).await?;
+    Ok(crate::coordinator::snapshot_url(
+        storage,
+        ns,
+        name,
+        snapshot::SnapshotKind::Savepoint,
+        id,
+    ))
+}
+
 /// Rewrites savepoint `source` into `target` under `groups` key groups at `parallelism`, with
 /// `memory` bytes of budget and spill files in `spill` (the system temp directory if `None`):
 /// the Rewriting step of a key-group change. `Ok(None)`: the target had already committed (a

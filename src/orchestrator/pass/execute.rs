@@ -137,22 +137,10 @@ impl Pass<'_> {
                 Ok(requeue::WORKERS_CHANGING)
             }
             Action::Advance(Outcome::StoppedForRewrite) => {
-                // Where the rewrite goes is recorded with the step, before the step acts: a
-                // new savepoint id of the job, so that a resume before the new run's first
-                // checkpoint finds it as the job's newest snapshot under the new count.
-                let (store, base) = snapshot::open_store(&self.storage)
-                    .map_err(|e| PassError::FindSnapshot(e.into()))?;
-                let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
-                let id = coordinator::next_snapshot_id(store.as_ref(), &job_dir)
+                // Where the rewrite goes is recorded with the step, before the step acts.
+                let target = run::rewrite_target(&self.storage, &self.ns, &self.name)
                     .await
                     .map_err(PassError::FindSnapshot)?;
-                let target = coordinator::snapshot_url(
-                    &self.storage,
-                    &self.ns,
-                    &self.name,
-                    SnapshotKind::Savepoint,
-                    id,
-                );
                 self.transition(Outcome::StoppedForRewrite)?;
                 if let Some(r) = self.rescale_mut() {
                     r.rewritten = Some(target);
