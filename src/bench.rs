@@ -1146,7 +1146,7 @@ spec:
 "#
     );
     let job: StreamJob = serde_yaml::from_str(&yaml).context("bench job manifest")?;
-    crate::validation::validate(&job.spec, None, None)
+    crate::validation::validate(&job.spec, None)
         .map_err(|e| anyhow::anyhow!("bench job manifest: {e}"))?;
     Ok(job)
 }

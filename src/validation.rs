@@ -903,11 +903,11 @@ fn valid_url(url: &str) -> bool {
         && url.len() <= 2048
 }
 
-/// The CEL rules in pure Rust, with the same messages. `old` is the previous spec on an update;
-/// `status` the object's current status.
+/// The CEL rules in pure Rust, with the same messages; `status` is the object's current status.
+/// No rule compares a spec with the previous one: a change of `spec.maxParallelism` is carried
+/// out as a managed rewrite of the job's state (README: "Raising the key-group ceiling").
 pub fn validate(
     spec: &StreamJobSpec,
-    old: Option<&StreamJobSpec>,
     status: Option<&StreamJobStatus>,
 ) -> Result<(), ValidationErrors> {
     let mut errors = Vec::new();
@@ -936,9 +936,6 @@ pub fn validate(
             fail(MSG_STRICT_DIVISOR);
         }
     }
-    // spec.maxParallelism may change: a change of a pinned count is carried out as a managed
-    // rewrite of the job's state (README: "Raising the key-group ceiling"), so `old` constrains nothing here.
-    let _ = old;
     if let Some(pinned) = status.and_then(|s| s.max_parallelism) {
         // A spec.maxParallelism other than the pinned one is the job's next ceiling (the rules
         // above check replicas against it).
@@ -1437,7 +1434,7 @@ mod tests {
             job_errors,
             [MSG_PARTITIONS, MSG_KEYS, MSG_KEY_FIELD, MSG_SINK_URL]
         );
-        let all = validate(&spec, None, None).unwrap_err().0;
+        let all = validate(&spec, None).unwrap_err().0;
         assert_eq!(
             all,
             [

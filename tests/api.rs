@@ -426,7 +426,7 @@ fn samples_parse_and_validate() {
         if let Some(other) = names.insert(name.clone(), path.clone()) {
             panic!("{path} and {other} both name the StreamJob {name:?}");
         }
-        validate(&job.spec, None, None).unwrap_or_else(|e| panic!("{path}: {e}"));
+        validate(&job.spec, None).unwrap_or_else(|e| panic!("{path}: {e}"));
         analyse(&job.spec, None).unwrap_or_else(|e| panic!("{path}: {e}"));
         sources.0 |= job.spec.job.source.generator.is_some();
         sources.1 |= job.spec.job.source.file.is_some();
@@ -484,13 +484,8 @@ fn base() -> StreamJobSpec {
         .spec
 }
 
-fn fails_with(
-    spec: &StreamJobSpec,
-    old: Option<&StreamJobSpec>,
-    status: Option<&StreamJobStatus>,
-    msg: &str,
-) {
-    match validate(spec, old, status) {
+fn fails_with(spec: &StreamJobSpec, status: Option<&StreamJobStatus>, msg: &str) {
+    match validate(spec, status) {
         Ok(()) => panic!("expected {msg:?}, got no error"),
         Err(e) => assert!(e.contains(msg), "expected {msg:?}, got {e}"),
     }
@@ -500,26 +495,25 @@ fn fails_with(
 fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.replicas = 0;
-    fails_with(&s, None, None, MSG_REPLICAS_MIN);
+    fails_with(&s, None, MSG_REPLICAS_MIN);
 
     let mut s = base();
     s.max_parallelism = Some(40000);
-    fails_with(&s, None, None, MSG_MAXP_RANGE);
+    fails_with(&s, None, MSG_MAXP_RANGE);
 
     let mut s = base();
     s.replicas = 200;
-    fails_with(&s, None, None, MSG_REPLICAS_LE_MAXP);
+    fails_with(&s, None, MSG_REPLICAS_LE_MAXP);
 
     let mut s = base();
     s.key_group_policy = keyshift::crd::KeyGroupPolicy::Strict;
     s.replicas = 3;
-    fails_with(&s, None, None, MSG_STRICT_DIVISOR);
+    fails_with(&s, None, MSG_STRICT_DIVISOR);
 
     // maxParallelism may change: the operator rewrites the job's state to the new count.
-    let old = base();
     let mut s = base();
     s.max_parallelism = Some(256);
-    validate(&s, Some(&old), None).unwrap();
+    validate(&s, None).unwrap();
 
     let pinned = StreamJobStatus {
         max_parallelism: Some(128),
@@ -528,39 +522,39 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.max_parallelism = None;
     s.replicas = 200;
-    fails_with(&s, None, Some(&pinned), MSG_REPLICAS_LE_PINNED);
+    fails_with(&s, Some(&pinned), MSG_REPLICAS_LE_PINNED);
     s.replicas = 3;
     s.key_group_policy = keyshift::crd::KeyGroupPolicy::Strict;
-    fails_with(&s, None, Some(&pinned), MSG_STRICT_DIVISOR);
+    fails_with(&s, Some(&pinned), MSG_STRICT_DIVISOR);
     // Another count than the pinned one is a managed change: replicas may then exceed the
     // pinned count (not the new one), and Strict is checked against the new count.
     let mut s = base();
     s.max_parallelism = Some(1024);
     s.replicas = 200;
-    validate(&s, None, Some(&pinned)).unwrap();
+    validate(&s, Some(&pinned)).unwrap();
     s.max_parallelism = Some(64);
     s.replicas = 3;
-    validate(&s, None, Some(&pinned)).unwrap();
+    validate(&s, Some(&pinned)).unwrap();
     s.replicas = 100;
-    fails_with(&s, None, Some(&pinned), MSG_REPLICAS_LE_MAXP);
+    fails_with(&s, Some(&pinned), MSG_REPLICAS_LE_MAXP);
 
     for bad in ["bucket/prefix", "ftp://x/y", "s3://", "/var/lib/keyshift"] {
         let mut s = base();
         s.state.storage = Some(bad.into());
-        fails_with(&s, None, None, MSG_STORAGE_URL);
+        fails_with(&s, None, MSG_STORAGE_URL);
     }
     let mut s = base();
     s.restore_from = Some("savepoints/sp-1".into());
-    fails_with(&s, None, None, MSG_RESTORE_URL);
+    fails_with(&s, None, MSG_RESTORE_URL);
 
     for bad in ["", "10", "5 s", "1d", "s", "-5s", "1.5s"] {
         let mut s = base();
         s.state.checkpoint_interval = bad.into();
-        fails_with(&s, None, None, MSG_CHECKPOINT_INTERVAL);
+        fails_with(&s, None, MSG_CHECKPOINT_INTERVAL);
     }
     let mut s = base();
     s.state.retained_checkpoints = 0;
-    fails_with(&s, None, None, MSG_RETAINED);
+    fails_with(&s, None, MSG_RETAINED);
     let chain = |max_deltas, max_delta_percent| {
         let mut s = base();
         s.state.incremental_checkpoints = Some(keyshift::crd::IncrementalCheckpoints {
@@ -571,34 +565,24 @@ fn each_rule_refuses_with_its_message() {
         s
     };
     for bad in [0, 65, 1000] {
-        fails_with(
-            &chain(Some(bad), None),
-            None,
-            None,
-            MSG_INCREMENTAL_MAX_DELTAS,
-        );
+        fails_with(&chain(Some(bad), None), None, MSG_INCREMENTAL_MAX_DELTAS);
     }
     for bad in [0, 9, 401] {
-        fails_with(
-            &chain(None, Some(bad)),
-            None,
-            None,
-            MSG_INCREMENTAL_DELTA_PERCENT,
-        );
+        fails_with(&chain(None, Some(bad)), None, MSG_INCREMENTAL_DELTA_PERCENT);
     }
     for (d, p) in [(1, 10), (64, 400), (16, 50)] {
-        assert!(validate(&chain(Some(d), Some(p)), None, None).is_ok());
+        assert!(validate(&chain(Some(d), Some(p)), None).is_ok());
     }
     for bad in ["0s", "29s", "25h", "30", "later"] {
         let mut s = base();
         s.state.restore_timeout = Some(bad.into());
-        fails_with(&s, None, None, MSG_RESTORE_TIMEOUT);
+        fails_with(&s, None, MSG_RESTORE_TIMEOUT);
     }
     for good in ["30s", "10m", "24h"] {
         let mut s = base();
         s.state.restore_timeout = Some(good.into());
         assert!(
-            validate(&s, None, None).is_ok(),
+            validate(&s, None).is_ok(),
             "restoreTimeout {good} is accepted"
         );
     }
@@ -614,25 +598,25 @@ fn each_rule_refuses_with_its_message() {
         path: "file:///in".into(),
         timestamp_field: None,
     });
-    fails_with(&s, None, None, MSG_SOURCE_ONE_OF);
+    fails_with(&s, None, MSG_SOURCE_ONE_OF);
 
     let mut s = base();
     s.job.aggregation.function = keyshift::crd::AggregateFunction::Sum;
-    fails_with(&s, None, None, MSG_AGG_FIELD);
+    fails_with(&s, None, MSG_AGG_FIELD);
 
     // Timeouts are durations within 1s..24h.
     for bad in ["0s", "500ms", "25h", "2", "soon"] {
         let mut s = base();
         s.state.checkpoint_timeout = Some(bad.into());
-        fails_with(&s, None, None, MSG_CHECKPOINT_TIMEOUT);
+        fails_with(&s, None, MSG_CHECKPOINT_TIMEOUT);
         let mut s = base();
         s.state.savepoint_timeout = Some(bad.into());
-        fails_with(&s, None, None, MSG_SAVEPOINT_TIMEOUT);
+        fails_with(&s, None, MSG_SAVEPOINT_TIMEOUT);
     }
     let mut s = base();
     s.state.checkpoint_timeout = Some("1s".into());
     s.state.savepoint_timeout = Some("24h".into());
-    validate(&s, None, None).unwrap();
+    validate(&s, None).unwrap();
     assert_eq!(
         keyshift::orchestrator::run::timeouts::checkpoint(&s),
         std::time::Duration::from_secs(1)
@@ -659,8 +643,8 @@ fn each_rule_refuses_with_its_message() {
             .expect("base has a generator");
         (g.partitions, g.keys) = (partitions, keys);
         match message {
-            Some(message) => fails_with(&s, None, None, message),
-            None => validate(&s, None, None).unwrap(),
+            Some(message) => fails_with(&s, None, message),
+            None => validate(&s, None).unwrap(),
         }
     }
 }
@@ -685,28 +669,28 @@ env:
 - {name: MY_POD_IP, valueFrom: {fieldRef: {fieldPath: status.podIP}}}
 ",
     );
-    validate(&ok, None, None).unwrap();
+    validate(&ok, None).unwrap();
 
     let s = with_template("volumes: [{name: tmp, emptyDir: {medium: Memory}}]");
-    fails_with(&s, None, None, MSG_TMP_VOLUME);
+    fails_with(&s, None, MSG_TMP_VOLUME);
 
     for path in ["/tmp", "/tmp/", "/tmp//"] {
         let s = with_template(&format!(
             "volumes: [{{name: data, emptyDir: {{}}}}]\nvolumeMounts: [{{name: data, mountPath: '{path}'}}]"
         ));
-        fails_with(&s, None, None, MSG_TMP_MOUNT);
+        fails_with(&s, None, MSG_TMP_MOUNT);
     }
 
     let s = with_template(
         "volumes: [{name: ca, configMap: {name: corp-ca}}]\nvolumeMounts: [{name: cert, mountPath: /etc/ca}]",
     );
-    fails_with(&s, None, None, MSG_MOUNT_VOLUME);
+    fails_with(&s, None, MSG_MOUNT_VOLUME);
     let s = with_template("volumeMounts: [{name: cert, mountPath: /etc/ca}]");
-    fails_with(&s, None, None, MSG_MOUNT_VOLUME);
+    fails_with(&s, None, MSG_MOUNT_VOLUME);
 
     for name in ["POD_IP", "KEYSHIFT_TOKEN", "KEYSHIFT_SUBTASK"] {
         let s = with_template(&format!("env: [{{name: {name}, value: x}}]"));
-        fails_with(&s, None, None, MSG_RESERVED_ENV);
+        fails_with(&s, None, MSG_RESERVED_ENV);
         assert!(MSG_RESERVED_ENV.contains(name));
     }
     // Every variable the operator sets is reserved.
@@ -723,7 +707,6 @@ env:
     fails_with(
         &s,
         None,
-        None,
         "spec.podTemplate.volumes: Too many: 65: must have at most 64 items",
     );
     let s = with_template(&format!(
@@ -732,7 +715,6 @@ env:
     ));
     fails_with(
         &s,
-        None,
         None,
         "spec.podTemplate.volumes[0].name: Too long: may not be more than 63 bytes",
     );
@@ -755,7 +737,7 @@ fn analysis_reports_what_cel_cannot() {
     s.max_parallelism = None;
     s.replicas = 3;
     s.key_group_policy = keyshift::crd::KeyGroupPolicy::Strict;
-    validate(&s, None, None).unwrap();
+    validate(&s, None).unwrap();
     let e = analyse(&s, None).unwrap_err();
     assert!(
         e.to_string().contains("divisors of 128 near 3: 2, 4"),

@@ -209,7 +209,7 @@ async fn hot_key_and_refused_parallelism() {
 
     // 10 key groups at 16 subtasks is refused with the reason.
     let small = generator_job("small", "", 16, 10, "{function: count}");
-    let e = keyshift::validation::validate(&small.spec, None, None).expect_err("refused");
+    let e = keyshift::validation::validate(&small.spec, None).expect_err("refused");
     assert!(
         e.contains(keyshift::validation::MSG_REPLICAS_LE_MAXP),
         "{e}"

@@ -89,7 +89,7 @@ pub fn load_manifest(path: &Path) -> Result<StreamJob, LocalError> {
         path: path.to_owned(),
         reason: e.to_string(),
     })?;
-    validation::validate(&job.spec, None, None).map_err(|e| LocalError::Invalid {
+    validation::validate(&job.spec, None).map_err(|e| LocalError::Invalid {
         path: path.to_owned(),
         errors: e.to_string(),
     })?;

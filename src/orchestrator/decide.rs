@@ -223,7 +223,7 @@ pub fn check_spec(
             return Err((Reason::AboveKeyGroupCeiling, message));
         }
     }
-    if let Err(e) = validation::validate(spec, None, Some(status)) {
+    if let Err(e) = validation::validate(spec, Some(status)) {
         return Err((Reason::InvalidSpec, e.to_string()));
     }
     validation::analyse(spec, Some(status)).map_err(|e| {
