@@ -736,6 +736,19 @@ fn bad_values_are_refused_with_a_reason() {
                 "does not serve monitoring.coreos.com/v1 ServiceMonitor",
             ),
             (
+                &["--set", "rewrite.memory=200Mi"],
+                "rewrite.memory (200Mi) must be at most half of resources.limits.memory (256Mi)",
+            ),
+            (
+                &[
+                    "--set",
+                    "rewrite.memory=3Gi",
+                    "--set",
+                    "resources.limits.memory=5000M",
+                ],
+                "rewrite.memory (3Gi) must be at most half of resources.limits.memory (5000M)",
+            ),
+            (
                 &["--set-json", r#"policy.allowedImagePrefixes=["a,b"]"#],
                 "/policy/allowedImagePrefixes/0",
             ),
@@ -977,6 +990,25 @@ fn extra_volumes_env_pull_secrets_annotations_and_probes_reach_the_pod() {
             env(&docs, "KEYSHIFT_REWRITE_SPILL_DIR")["value"],
             "/var/lib/keyshift/rewrite"
         );
+        // A budget of exactly half the memory limit, and one with no limit, render.
+        for ok in [
+            &["--set", "rewrite.memory=128Mi"][..],
+            &[
+                "--set",
+                "rewrite.memory=1Gi",
+                "--set",
+                "resources.limits.memory=2Gi",
+            ][..],
+            &[
+                "--set",
+                "rewrite.memory=1Gi",
+                "--set",
+                "resources.limits=null",
+            ][..],
+        ] {
+            let docs = render_ok(helm, ok);
+            assert!(env(&docs, "KEYSHIFT_REWRITE_MEMORY")["value"].is_string());
+        }
         let limited = render_ok(helm, &["--set", "rewrite.spillSizeLimit=20Gi"]);
         let volumes = &one(&limited, "Deployment")["spec"]["template"]["spec"]["volumes"];
         assert!(

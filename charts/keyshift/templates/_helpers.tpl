@@ -103,8 +103,25 @@ watched namespace
 {{- end }}
 {{- end }}
 
+{{/* A memory quantity in bytes ("64Mi", "1Gi", "500M", "1048576"), or "" when it is not a
+whole number with one of those suffixes (a fraction such as "1.5Gi" is not checked). */}}
+{{- define "keyshift.bytes" -}}
+{{- $q := toString . }}
+{{- if regexMatch "^[0-9]+(Ki|Mi|Gi|Ti|k|K|M|G|T)?$" $q }}
+{{- $n := regexFind "^[0-9]+" $q }}
+{{- $unit := trimPrefix $n $q }}
+{{- $mul := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "k" 1000 "K" 1000 "M" 1000000 "G" 1000000000 "T" 1000000000000 }}
+{{- mul (int64 $n) (get $mul $unit) }}
+{{- end }}
+{{- end }}
+
 {{/* Fails rendering on value combinations the schema cannot express. */}}
 {{- define "keyshift.validate" -}}
+{{- $limit := include "keyshift.bytes" (dig "limits" "memory" "" .Values.resources) }}
+{{- $budget := include "keyshift.bytes" .Values.rewrite.memory }}
+{{- if and $limit $budget (gt (mul (int64 $budget) 2) (int64 $limit)) }}
+{{- fail (printf "rewrite.memory (%s) must be at most half of resources.limits.memory (%s): a key-group rewrite holds up to rewrite.memory beside the operator's own memory, and a container over its limit is killed mid-rewrite. Raise resources.limits.memory or lower rewrite.memory" (toString .Values.rewrite.memory) (toString .Values.resources.limits.memory)) }}
+{{- end }}
 {{- if and (gt (int .Values.replicas) 1) (not .Values.leaderElection.enabled) }}
 {{- fail "replicas > 1 needs leaderElection.enabled: true (only one operator may reconcile at a time)" }}
 {{- end }}
