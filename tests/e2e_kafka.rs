@@ -183,22 +183,7 @@ fn kafka_to_kafka_is_exact_through_scale_a_killed_worker_and_operator_and_broker
     // The output topic, read_committed: each user's newest count is its total; counts only grow
     // (nothing duplicated or from an aborted transaction); every key in its Java partition.
     let records = read_topic(&host, &output, true);
-    let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
-    for r in &records {
-        assert_eq!(
-            r.partition,
-            java_partition(&r.key),
-            "key {} misplaced",
-            r.key
-        );
-        let v = r.value["value"].as_i64().expect("a count");
-        let prev = newest.insert(Key::String(r.key.clone()), v);
-        assert!(
-            prev.is_none_or(|p| p <= v),
-            "the count of {} went down from {prev:?} to {v}",
-            r.key
-        );
-    }
+    let newest = newest_counts(&records);
     let wrong: Vec<_> = totals
         .iter()
         .filter(|(k, v)| newest.get(*k) != Some(*v))

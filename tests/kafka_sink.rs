@@ -558,22 +558,7 @@ spec:
     );
 
     let records = read_topic(&bootstrap, &output, true);
-    let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
-    for r in &records {
-        assert_eq!(
-            r.partition,
-            java_partition(&r.key),
-            "key {} misplaced",
-            r.key
-        );
-        let v = r.value["value"].as_i64().expect("value");
-        let prev = newest.insert(Key::String(r.key.clone()), v);
-        assert!(
-            prev.is_none_or(|p| p <= v),
-            "the count of {} went down from {prev:?} to {v}",
-            r.key
-        );
-    }
+    let newest = newest_counts(&records);
     assert!(
         newest == totals,
         "the newest count of some user in the output topic differs from the records produced"

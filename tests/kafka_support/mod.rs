@@ -241,3 +241,26 @@ pub fn committed(bootstrap: &str, group: &str, topic: &str) -> BTreeMap<i32, u64
         })
         .collect()
 }
+
+/// The newest count of every key among `records` (an output topic of a keyed count, read in
+/// offset order), checking on the way that every key lies in its Java partition and that no
+/// key's count goes down (nothing doubled, nothing from an aborted transaction).
+pub fn newest_counts(records: &[Rec]) -> BTreeMap<Key, i64> {
+    let mut newest: BTreeMap<Key, i64> = BTreeMap::new();
+    for r in records {
+        assert_eq!(
+            r.partition,
+            java_partition(&r.key),
+            "key {} misplaced",
+            r.key
+        );
+        let v = r.value["value"].as_i64().expect("a count");
+        let prev = newest.insert(Key::String(r.key.clone()), v);
+        assert!(
+            prev.is_none_or(|p| p <= v),
+            "the count of {} went down from {prev:?} to {v}",
+            r.key
+        );
+    }
+    newest
+}
