@@ -363,16 +363,16 @@ fn savepoint_nonce_then_restore_from_into_a_new_job() {
     assert_eq!(get(ns, second, "{.status.replicas}"), "3");
     // Events are published beside the status write of the same pass: poll briefly.
     let started_events = || {
-        kubectl_ok(&[
-            "get",
-            "events",
-            "-n",
+        each(
             ns,
-            "--field-selector",
-            &format!("involvedObject.name={second},reason=Started"),
-            "-o",
-            "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
-        ])
+            &[
+                "events",
+                "--field-selector",
+                &format!("involvedObject.name={second},reason=Started"),
+            ],
+            "{.message}",
+        )
+        .join("\n")
     };
     wait_for(Duration::from_secs(10), || started_events().contains(&from));
     let events = started_events();
@@ -420,17 +420,12 @@ fn upgrade(ns: &str, name: &str, mode: &str, image: &str, log: &std::path::Path)
         after.iter().all(|p| !before.contains(p)),
         "new pods: {before:?} -> {after:?}"
     );
-    let images = kubectl_ok(&[
-        "get",
-        "pods",
-        "-n",
+    let images = each(
         ns,
-        "-l",
-        &format!("keyshift.dev/job={name}"),
-        "-o",
-        "jsonpath={range .items[*]}{.spec.containers[0].image}{\"\\n\"}{end}",
-    ]);
-    assert!(images.lines().all(|i| i == image), "{images}");
+        &["pods", "-l", &format!("keyshift.dev/job={name}")],
+        "{.spec.containers[0].image}",
+    );
+    assert!(images.iter().all(|i| i == image), "{images:?}");
     eprintln!(
         "upgraded ({mode}) in {:?}: {}",
         t.elapsed(),
@@ -521,16 +516,16 @@ fn a_failed_restore_rolls_back_to_the_old_parallelism_then_the_retry_succeeds() 
         "False",
         "running at the old parallelism is not the requested state"
     );
-    let events = kubectl_ok(&[
-        "get",
-        "events",
-        "-n",
+    let events = each(
         ns,
-        "--field-selector",
-        &format!("involvedObject.name={name},reason=RescaleRollingBack"),
-        "-o",
-        "jsonpath={range .items[*]}{.message}{\"\\n\"}{end}",
-    ]);
+        &[
+            "events",
+            "--field-selector",
+            &format!("involvedObject.name={name},reason=RescaleRollingBack"),
+        ],
+        "{.message}",
+    )
+    .join("\n");
     assert!(events.contains("rolling back"), "{events}");
     // Without the injected failure the retried rescale succeeds, and nothing was lost.
     let op = Operator::start(ns, &dir);
@@ -909,17 +904,11 @@ fn restart_apiserver(down_seconds: u32) {
 
 /// The worker pods' UIDs and restart counts, sorted by name.
 fn pod_identities(ns: &str, name: &str) -> Vec<String> {
-    let out = kubectl_ok(&[
-        "get",
-        "pods",
-        "-n",
+    let mut v = each(
         ns,
-        "-l",
-        &format!("keyshift.dev/job={name}"),
-        "-o",
-        "jsonpath={range .items[*]}{.metadata.name}/{.metadata.uid}/{.status.containerStatuses[0].restartCount}{\"\\n\"}{end}",
-    ]);
-    let mut v: Vec<String> = out.lines().map(str::to_owned).collect();
+        &["pods", "-l", &format!("keyshift.dev/job={name}")],
+        "{.metadata.name}/{.metadata.uid}/{.status.containerStatuses[0].restartCount}",
+    );
     v.sort();
     v
 }

@@ -209,19 +209,11 @@ pub fn get(ns: &str, name: &str, path: &str) -> String {
 }
 
 pub fn worker_pods(ns: &str, name: &str) -> Vec<String> {
-    kubectl_ok(&[
-        "get",
-        "pods",
-        "-n",
+    each(
         ns,
-        "-l",
-        &format!("keyshift.dev/job={name}"),
-        "-o",
-        "jsonpath={range .items[*]}{.metadata.name}{\"\\n\"}{end}",
-    ])
-    .lines()
-    .map(str::to_owned)
-    .collect()
+        &["pods", "-l", &format!("keyshift.dev/job={name}")],
+        "{.metadata.name}",
+    )
 }
 
 pub fn scale(ns: &str, name: &str, to: i32, log: &std::path::Path) {

@@ -151,6 +151,16 @@ pub fn jsonpath(ns: &str, what: &str, path: &str) -> String {
     kubectl(&["get", "-n", ns, what, "-o", &format!("jsonpath={path}")]).stdout
 }
 
+/// `field` (a JSONPath such as `{.metadata.name}`) of each object `kubectl get -n ns LIST...`
+/// lists (`LIST`: a kind and selectors, e.g. `["pods", "-l", "app=x"]`), one line each.
+pub fn each(ns: &str, list: &[&str], field: &str) -> Vec<String> {
+    let jsonpath = format!("jsonpath={{range .items[*]}}{field}{{\"\\n\"}}{{end}}");
+    let mut args = vec!["get", "-n", ns];
+    args.extend_from_slice(list);
+    args.extend_from_slice(&["-o", &jsonpath]);
+    kubectl_ok(&args).lines().map(str::to_owned).collect()
+}
+
 /// Installs the CRD from `crds/` (once per test process) and waits until it is Established.
 pub fn ensure_crd() {
     static ONCE: std::sync::Once = std::sync::Once::new();
