@@ -532,6 +532,21 @@ pub fn kafka_outages(
     outages
 }
 
+/// The line KafkaReachable shows for a failure being retried (a worker that stopped, a start
+/// that failed) when a Kafka client caused it: a worker's at-least-once sink that could not
+/// deliver (`kafka sink: ...`) or a source that could not ask its brokers. Pure.
+pub fn kafka_failure(message: &str) -> Option<String> {
+    const KAFKA: [&str; 3] = [
+        "kafka sink: ",
+        "cannot reach the Kafka brokers",
+        "asking the Kafka brokers",
+    ];
+    KAFKA
+        .iter()
+        .any(|k| message.contains(k))
+        .then(|| format!("the job's last failure (retried with backoff): {message}"))
+}
+
 /// The KafkaReachable condition for the job's Kafka clients that cannot reach their brokers
 /// (`outages`, one line each): (status, reason, message). Pure.
 pub fn kafka_reachable(
@@ -996,6 +1011,19 @@ mod tests {
             ]
         );
         assert!(kafka_outages(&[(0, &up)], None).is_empty());
+        assert_eq!(
+            kafka_failure(
+                "worker 1 exited: keyed operator: kafka sink: flushing: Local: Message timed out"
+            )
+            .as_deref(),
+            Some(
+                "the job's last failure (retried with backoff): worker 1 exited: keyed operator: kafka sink: flushing: Local: Message timed out"
+            )
+        );
+        assert!(
+            kafka_failure("starting worker 0: asking the Kafka brokers (k:9092) for topic \"in\": Local: Timed out").is_some()
+        );
+        assert_eq!(kafka_failure("checksum mismatch in state-0-of-2.bin"), None);
         let (ok, reason, message) = kafka_reachable(&[], None);
         assert!(ok);
         assert_eq!(reason, "KafkaReachable");

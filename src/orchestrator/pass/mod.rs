@@ -763,8 +763,20 @@ impl<'a> Pass<'a> {
     ) {
         let has_source = self.spec.job.source.kafka.is_some();
         let has_sink = self.spec.job.sink.sink_type == crate::crd::SinkType::Kafka;
+        // The failure being retried, when a Kafka client's (a worker's at-least-once sink, a
+        // source that could not list its partitions at its start).
+        let failed = self
+            .mem
+            .last_failure
+            .as_ref()
+            .and_then(|(_, m)| status::kafka_failure(m));
         if !self.mem.coordinating() {
             self.status.source = None;
+            if (has_source || has_sink)
+                && let Some(f) = failed
+            {
+                self.progress.kafka = Some(vec![f]);
+            }
             return;
         }
         if has_source && !asked_none {
@@ -786,7 +798,8 @@ impl<'a> Pass<'a> {
         let publisher: Option<String> = None;
         let lags: Vec<(u32, &crate::runtime::protocol::SourceLag)> =
             lags.iter().map(|(i, l)| (*i, l)).collect();
-        let outages = status::kafka_outages(&lags, publisher.as_deref());
+        let mut outages = status::kafka_outages(&lags, publisher.as_deref());
+        outages.extend(failed);
         if asked_none && outages.is_empty() {
             // Nothing new about the workers: the condition stays as it is.
             return;
