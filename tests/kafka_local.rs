@@ -11,6 +11,7 @@
 //! KEYSHIFT_KAFKA_STATE too (the state dir hack/kafka.sh prints).
 #![cfg(feature = "kafka")]
 
+mod fake_platform;
 mod snapshot_support;
 
 use keyshift::crd::StreamJob;
@@ -890,4 +891,135 @@ async fn a_source_that_cannot_reach_its_brokers_says_so_and_recovers_when_they_r
     )
     .await;
     local.shutdown().await.expect("stop");
+}
+
+/// The orchestration pass itself, over in-process workers (tests/fake_platform) reading a real
+/// topic: it writes status.source.lag from the workers' reports, sets KafkaReachable True, and
+/// the per-job lag series follow status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pass_writes_the_lag_to_status_and_the_job_series() {
+    use keyshift::orchestrator::pass::{JobMemory, PassInput, Shell, run_pass};
+    let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("pass");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce(&bootstrap, &topic, &mut seq, 1000, &mut produced);
+    let spec = job_yaml("kpass", &bootstrap, &topic, 2, "{function: count}", "").spec;
+    let mut workers = fake_platform::FakeWorkers::new(
+        "kafka-pass-token",
+        keyshift::orchestrator::decide::spec_hash(&spec),
+    );
+    let metrics = keyshift::operator::metrics::OperatorMetrics::new();
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("client");
+    let mut mem = JobMemory::default();
+    let mut status = keyshift::crd::StreamJobStatus::default();
+    let storage = format!("memory://{topic}/state");
+    // Passes until `done` holds of the status (or 60 s).
+    macro_rules! pass_until {
+        ($what:expr, $done:expr) => {{
+            let start = Instant::now();
+            loop {
+                let out = run_pass(
+                    PassInput {
+                        namespace: "test",
+                        name: "kpass",
+                        spec: &spec,
+                        status: status.clone(),
+                        storage: storage.clone(),
+                        generation: None,
+                    },
+                    &mut mem,
+                    Shell {
+                        workers: &mut workers,
+                        metrics: &metrics,
+                        http: &http,
+                    },
+                )
+                .await
+                .expect("pass");
+                status = out.status;
+                metrics.observe_status("test", "kpass", &spec, &status);
+                let reachable = status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "KafkaReachable")
+                    .cloned();
+                if let Some(found) = $done(&status, reachable) {
+                    break found;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(60),
+                    "{}: not within 60 s: {status:#?}",
+                    $what
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }};
+    }
+    type Cond = Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>;
+    let start = Instant::now();
+    let lag = pass_until!(
+        "lag 0 and KafkaReachable True",
+        |status: &keyshift::crd::StreamJobStatus, c: Cond| {
+            let reachable = c.map(|c| (c.status, c.reason));
+            if let Some(lag) = status.source.as_ref().and_then(|s| s.lag.clone())
+                && lag.partitions == PARTITIONS
+                && lag.records == 0
+                && reachable == Some(("True".into(), "KafkaReachable".into()))
+            {
+                return Some(lag);
+            }
+            None
+        }
+    );
+    assert_eq!(lag.seconds, Some(0));
+    assert_eq!(lag.summary, "4 partitions read to the end");
+    let text = metrics.encode();
+    for series in [
+        "keyshift_job_source_lag_records{namespace=\"test\",streamjob=\"kpass\"} 0",
+        "keyshift_job_source_lag_seconds{namespace=\"test\",streamjob=\"kpass\"} 0",
+    ] {
+        assert!(text.contains(series), "{series} in {text}");
+    }
+    eprintln!("status.source.lag after {:?}: {lag:?}", start.elapsed());
+
+    // The broker stops: the condition turns False, naming the brokers and the client's error;
+    // back to True once it is up again.
+    if std::env::var("KEYSHIFT_KAFKA_STATE").is_err() {
+        eprintln!("KEYSHIFT_KAFKA_STATE is not set: the broker outage step is skipped");
+        return;
+    }
+    /// Starts the broker again however the test ends (it is shared with the tests after it).
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            kafka_sh(&["start"]);
+        }
+    }
+    kafka_sh(&["stop"]);
+    let restart = Restart;
+    let down = pass_until!(
+        "KafkaReachable False",
+        |_: &keyshift::crd::StreamJobStatus, c: Cond| { c.filter(|c| c.status == "False") }
+    );
+    eprintln!("KafkaReachable {}: {}", down.reason, down.message);
+    assert_eq!(down.reason, "KafkaUnreachable");
+    assert!(
+        down.message.contains(&format!(
+            "cannot reach the Kafka brokers {bootstrap} of the source"
+        )),
+        "{}",
+        down.message
+    );
+    drop(restart);
+    pass_until!(
+        "KafkaReachable True again",
+        |_: &keyshift::crd::StreamJobStatus, c: Cond| { c.filter(|c| c.status == "True") }
+    );
 }

@@ -561,14 +561,14 @@ pub fn kafka_reachable(
         );
     }
     let kept = last_checkpoint.map_or_else(
-        || "the job has no checkpoint yet".to_owned(),
-        |c| format!("the job keeps its last checkpoint ({})", c.path),
+        || "it has no checkpoint yet".to_owned(),
+        |c| format!("it keeps its last checkpoint ({})", c.path),
     );
     (
         false,
         Reason::KafkaUnreachable.as_str(),
         format!(
-            "{}. Nothing is lost: {kept}, the source reads on from its position and pending output is published once the brokers answer. Check that the brokers run and that the workers and the operator can reach them (bootstrapServers, DNS, network policies, TLS/SASL credentials)",
+            "{}. Nothing is lost and the job keeps running: {kept}, the source reads on from its position and committed output is published once the brokers answer. Check that the brokers run and that the workers and the operator can reach them (bootstrapServers, DNS, network policies, TLS/SASL credentials)",
             outages.join("; ")
         ),
     )
