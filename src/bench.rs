@@ -55,6 +55,11 @@ pub enum BenchCommand {
     /// The operator on a real API server: many StreamJobs (memory, reconcile latency, idle
     /// CPU) and `kubectl scale` with large state (src/bench_operator.rs).
     Operator(crate::bench_operator::OperatorBench),
+    /// Kafka -> keyed count -> Kafka (exactly once) records/s against the broker's own
+    /// producer and consumer perf tools, and the rescale pause with a Kafka source
+    /// (src/bench_kafka.rs; needs the `kafka` feature and a broker).
+    #[cfg(feature = "kafka")]
+    Kafka(crate::bench_kafka::KafkaBench),
 }
 
 #[derive(Args, Debug)]
@@ -193,6 +198,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Throughput(a) => throughput_bench(a).await,
             BenchCommand::Checkpoint(a) => checkpoint_bench(a).await,
             BenchCommand::Operator(a) => crate::bench_operator::run(a).await,
+            #[cfg(feature = "kafka")]
+            BenchCommand::Kafka(a) => crate::bench_kafka::run(a).await,
         }
     })
 }

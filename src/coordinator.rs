@@ -445,6 +445,16 @@ impl Coordinator {
         }
     }
 
+    /// Why the exactly-once Kafka sink's publisher could not use its brokers at its last
+    /// attempt, while that lasts ([`crate::job::kafka::sink::KafkaPublisher::broker_error`]).
+    #[cfg(feature = "kafka")]
+    pub fn kafka_sink_error(&self) -> Option<String> {
+        self.sink
+            .as_ref()
+            .and_then(|s| s.kafka.as_ref())
+            .and_then(|k| k.broker_error())
+    }
+
     /// Committed snapshots whose sink output is not published yet, and the last failure.
     pub fn publish_backlog(&self) -> PublishBacklog {
         match &self.sink {

@@ -793,9 +793,51 @@ pub struct StreamJobStatus {
     /// it names is deleted automatically.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_group_change: Option<KeyGroupChangeStatus>,
+    /// What the job's source reports from its brokers (a Kafka source): its consumer lag.
+    /// Absent for other sources and while the job does not run.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<SourceStatus>,
     /// Conditions in the kstatus convention: Ready, Reconciling, Stalled, plus KeyGroupsBalanced.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
+}
+
+/// The job's source as its brokers see it.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceStatus {
+    /// The consumer lag of a Kafka source over every partition, from the running subtasks'
+    /// last measurements (each measures its own partitions every 2 s; status shows them at
+    /// every pass, at most 30 s apart while the job runs).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<SourceLagStatus>,
+}
+
+/// A Kafka source's consumer lag, summed over its partitions.
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceLagStatus {
+    /// Records behind: the sum over the partitions of the partition's high watermark (the
+    /// offset the next record written gets, as the brokers report it) minus the source's
+    /// position in it (the next offset it reads).
+    pub records: i64,
+    /// Seconds behind: the most of any partition. A partition read to its end is 0 behind;
+    /// otherwise it is now minus the later of the record timestamp of the newest record read
+    /// from it and the last time it was measured read to its end, which bounds from above how
+    /// long its oldest unread record has waited. Absent while no partition's is known.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<i64>,
+    /// Partitions measured.
+    pub partitions: i32,
+    /// Partitions with records behind.
+    pub partitions_behind: i32,
+    /// The partition with the most records behind (`<topic>/<partition>`), when any is behind.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub furthest_behind: Option<String>,
+    /// When the oldest of the measurements summed was taken (RFC 3339).
+    pub measured: String,
+    /// The lag in words.
+    pub summary: String,
 }
 
 /// A managed change of the key-group count, once its new run is up.

@@ -11,6 +11,7 @@
 //! KEYSHIFT_KAFKA_STATE too (the state dir hack/kafka.sh prints).
 #![cfg(feature = "kafka")]
 
+mod fake_platform;
 mod snapshot_support;
 
 use keyshift::crd::StreamJob;
@@ -600,4 +601,425 @@ async fn partitions_added_while_the_job_runs_are_read_from_their_start() {
     };
     assert_exact(&url, &topic, &produced, false).await;
     local.shutdown().await.expect("stop");
+}
+
+/// The partitions' high watermarks as the broker reports them, by partition number.
+fn high_watermarks(bootstrap: &str, topic: &str) -> BTreeMap<i32, u64> {
+    let c: BaseConsumer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("group.id", "keyshift-test-watermarks")
+        .create()
+        .expect("consumer");
+    (0..PARTITIONS)
+        .map(|p| {
+            let (_, high) = c
+                .fetch_watermarks(topic, p, Duration::from_secs(10))
+                .expect("watermarks");
+            (p, high as u64)
+        })
+        .collect()
+}
+
+/// The job's lag as its status would show it (the orchestration's own aggregation of the
+/// workers' reports), and every partition's (position, high watermark, records) by number.
+async fn job_lag(
+    local: &mut LocalJob,
+) -> (
+    Option<keyshift::crd::SourceLagStatus>,
+    BTreeMap<i32, (u64, u64, u64)>,
+) {
+    let statuses = local.status().await.expect("worker status");
+    let lags: Vec<_> = statuses
+        .iter()
+        .filter_map(|s| s.source_lag.as_ref())
+        .collect();
+    let mut partitions = BTreeMap::new();
+    for l in &lags {
+        for p in &l.partitions {
+            let (_, n) = p.partition.rsplit_once('/').expect("<topic>/<partition>");
+            partitions.insert(
+                n.parse::<i32>().expect("partition number"),
+                (p.position, p.high_watermark, p.records),
+            );
+        }
+    }
+    (
+        keyshift::orchestrator::status::source_lag(&lags),
+        partitions,
+    )
+}
+
+/// Waits until `ok` holds of the job's lag (or panics after `timeout`, showing the last).
+async fn wait_lag(
+    local: &mut LocalJob,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&keyshift::crd::SourceLagStatus, &BTreeMap<i32, (u64, u64, u64)>) -> bool,
+) -> (
+    keyshift::crd::SourceLagStatus,
+    BTreeMap<i32, (u64, u64, u64)>,
+) {
+    let start = Instant::now();
+    loop {
+        let (lag, partitions) = job_lag(local).await;
+        if let Some(lag) = lag
+            && ok(&lag, &partitions)
+        {
+            return (lag, partitions);
+        }
+        assert!(
+            start.elapsed() < timeout,
+            "{what}: not within {timeout:?}; last {lag:?}, partitions {partitions:?}",
+            lag = job_lag(local).await.0
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Consumer lag from the brokers' offsets: 0 once the job read everything; exactly what the
+/// broker says (high watermark - position, per partition and summed) while its sources are
+/// stopped and records arrive; 0 again once they read on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn consumer_lag_is_what_the_broker_says_and_drops_to_zero_once_read() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("lag");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce(&bootstrap, &topic, &mut seq, 2000, &mut produced);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml("klag", &bootstrap, &topic, 2, "{function: count}", "");
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
+    let (caught_up, _) = wait_lag(&mut local, "lag 0", Duration::from_secs(20), |l, _| {
+        l.partitions == PARTITIONS && l.records == 0
+    })
+    .await;
+    assert_eq!(caught_up.seconds, Some(0), "{caught_up:?}");
+
+    // The sources stop at a savepoint's barrier; records arrive.
+    let sp = local.savepoint(true).await.expect("stop-with-savepoint");
+    let (_, stopped_at) = snapshot(&sp.url, &topic).await;
+    assert_eq!(stopped_at, produced.ends(), "stopped with everything read");
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    const N: u64 = 3000;
+    produce(&bootstrap, &topic, &mut seq, N, &mut produced);
+    let high = high_watermarks(&bootstrap, &topic);
+    let broker: BTreeMap<i32, u64> = high.iter().map(|(p, h)| (*p, h - stopped_at[p])).collect();
+    assert_eq!(
+        broker.values().sum::<u64>(),
+        N,
+        "the broker's lag: {broker:?}"
+    );
+    let (behind, partitions) = wait_lag(
+        &mut local,
+        "lag of the records produced while stopped",
+        Duration::from_secs(20),
+        |l, _| l.records as u64 == N,
+    )
+    .await;
+    for (p, (position, hw, records)) in &partitions {
+        assert_eq!(
+            (*position, *hw, *records),
+            (stopped_at[p], high[p], broker[p]),
+            "partition {p}: (position, high watermark, records behind)"
+        );
+    }
+    let seconds = behind.seconds.expect("seconds behind are known");
+    assert!(
+        (1..60).contains(&seconds),
+        "seconds behind since the partitions were last read to their end: {behind:?}"
+    );
+    assert_eq!(behind.partitions_behind, PARTITIONS);
+    let furthest = behind
+        .furthest_behind
+        .clone()
+        .expect("a partition is behind");
+    let (_, n) = furthest.rsplit_once('/').expect("<topic>/<partition>");
+    let n: i32 = n.parse().expect("partition number");
+    assert_eq!(
+        broker[&n],
+        broker.values().max().copied().unwrap_or(0),
+        "furthest behind {furthest}, broker {broker:?}"
+    );
+    eprintln!("lag while stopped: {} (broker: {broker:?})", behind.summary);
+
+    // Reading on: back to 0 records and 0 seconds.
+    local.resume().await.expect("resume");
+    let start = Instant::now();
+    let (after, _) = wait_lag(
+        &mut local,
+        "lag 0 again",
+        Duration::from_secs(30),
+        |l, _| l.records == 0 && l.seconds == Some(0),
+    )
+    .await;
+    eprintln!("caught up in {:?}: {}", start.elapsed(), after.summary);
+    let url =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(30)).await;
+    assert_exact(&url, &topic, &produced, false).await;
+    local.shutdown().await.expect("stop");
+}
+
+/// `hack/kafka.sh ARGS` on the test broker (`KEYSHIFT_KAFKA_STATE`).
+fn kafka_sh(args: &[&str]) {
+    let status = std::process::Command::new("bash")
+        .arg(root().join("hack/kafka.sh"))
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .status()
+        .expect("hack/kafka.sh runs");
+    assert!(status.success(), "hack/kafka.sh {args:?}: {status}");
+}
+
+/// A source whose brokers go away says so (the KafkaReachable condition's lines: the bootstrap
+/// servers and the client's error), keeps checkpointing its position (nothing lost, nothing
+/// read twice) and reads on when they are back, with exact state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_that_cannot_reach_its_brokers_says_so_and_recovers_when_they_return() {
+    let Some(bootstrap) = bootstrap() else { return };
+    if std::env::var("KEYSHIFT_KAFKA_STATE").is_err() {
+        eprintln!("SKIPPED: KEYSHIFT_KAFKA_STATE is not set (hack/kafka.sh start prints it)");
+        return;
+    }
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("down");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce(&bootstrap, &topic, &mut seq, 1500, &mut produced);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml(
+        "kdown",
+        &bootstrap,
+        &topic,
+        2,
+        "{function: sum, field: amount}",
+        "",
+    );
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    let before =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
+    let before_positions = assert_exact(&before, &topic, &produced, true).await;
+    wait_lag(&mut local, "lag 0", Duration::from_secs(20), |l, _| {
+        l.records == 0
+    })
+    .await;
+    assert!(
+        local.kafka_outages().await.expect("outages").is_empty(),
+        "the brokers are reachable"
+    );
+
+    /// Starts the broker again however the test ends (it is shared with the tests after it).
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            kafka_sh(&["start"]);
+        }
+    }
+    kafka_sh(&["stop"]);
+    let restart = Restart;
+    let start = Instant::now();
+    let outages = loop {
+        let o = local.kafka_outages().await.expect("outages");
+        if o.len() == 1 && o[0].starts_with("the source of subtasks 0, 1: ") {
+            break o;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "no outage reported by both subtasks: {o:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let (ok, reason, message) = keyshift::orchestrator::status::kafka_reachable(&outages, None);
+    eprintln!("KafkaReachable {ok} {reason}: {message}");
+    assert!(!ok);
+    assert_eq!(reason, "KafkaUnreachable");
+    assert!(
+        message.contains(&format!(
+            "cannot reach the Kafka brokers {bootstrap} of the source"
+        )),
+        "{message}"
+    );
+    let port = bootstrap.rsplit(':').next().unwrap_or_default();
+    assert!(
+        message.contains("Connection refused") || message.contains(port),
+        "the client's own report names what failed: {message}"
+    );
+    // The job runs on: checkpoints commit at the same positions (nothing lost, nothing new).
+    let during = local
+        .checkpoint()
+        .await
+        .expect("a checkpoint without the brokers");
+    let during_positions = assert_exact(&during.url, &topic, &produced, true).await;
+    assert_eq!(during_positions, before_positions);
+
+    drop(restart);
+    produce(&bootstrap, &topic, &mut seq, 1500, &mut produced);
+    let start = Instant::now();
+    loop {
+        let o = local.kafka_outages().await.expect("outages");
+        if o.is_empty() {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "still unreachable after the broker returned: {o:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    eprintln!("reachable again after {:?}", start.elapsed());
+    let url =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(90)).await;
+    assert_exact(&url, &topic, &produced, true).await;
+    wait_lag(
+        &mut local,
+        "lag 0 after the outage",
+        Duration::from_secs(20),
+        |l, _| l.records == 0,
+    )
+    .await;
+    local.shutdown().await.expect("stop");
+}
+
+/// The orchestration pass itself, over in-process workers (tests/fake_platform) reading a real
+/// topic: it writes status.source.lag from the workers' reports, sets KafkaReachable True, and
+/// the per-job lag series follow status.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pass_writes_the_lag_to_status_and_the_job_series() {
+    use keyshift::orchestrator::pass::{JobMemory, PassInput, Shell, run_pass};
+    let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("pass");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce(&bootstrap, &topic, &mut seq, 1000, &mut produced);
+    let spec = job_yaml("kpass", &bootstrap, &topic, 2, "{function: count}", "").spec;
+    let mut workers = fake_platform::FakeWorkers::new(
+        "kafka-pass-token",
+        keyshift::orchestrator::decide::spec_hash(&spec),
+    );
+    let metrics = keyshift::operator::metrics::OperatorMetrics::new();
+    let http = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(5))
+        .build()
+        .expect("client");
+    let mut mem = JobMemory::default();
+    let mut status = keyshift::crd::StreamJobStatus::default();
+    let storage = format!("memory://{topic}/state");
+    // Passes until `done` holds of the status (or 60 s).
+    macro_rules! pass_until {
+        ($what:expr, $done:expr) => {{
+            let start = Instant::now();
+            loop {
+                let out = run_pass(
+                    PassInput {
+                        namespace: "test",
+                        name: "kpass",
+                        spec: &spec,
+                        status: status.clone(),
+                        storage: storage.clone(),
+                        generation: None,
+                    },
+                    &mut mem,
+                    Shell {
+                        workers: &mut workers,
+                        metrics: &metrics,
+                        http: &http,
+                    },
+                )
+                .await
+                .expect("pass");
+                status = out.status;
+                metrics.observe_status("test", "kpass", &spec, &status);
+                let reachable = status
+                    .conditions
+                    .iter()
+                    .find(|c| c.type_ == "KafkaReachable")
+                    .cloned();
+                if let Some(found) = $done(&status, reachable) {
+                    break found;
+                }
+                assert!(
+                    start.elapsed() < Duration::from_secs(60),
+                    "{}: not within 60 s: {status:#?}",
+                    $what
+                );
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }};
+    }
+    type Cond = Option<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>;
+    let start = Instant::now();
+    let lag = pass_until!(
+        "lag 0 and KafkaReachable True",
+        |status: &keyshift::crd::StreamJobStatus, c: Cond| {
+            let reachable = c.map(|c| (c.status, c.reason));
+            if let Some(lag) = status.source.as_ref().and_then(|s| s.lag.clone())
+                && lag.partitions == PARTITIONS
+                && lag.records == 0
+                && reachable == Some(("True".into(), "KafkaReachable".into()))
+            {
+                return Some(lag);
+            }
+            None
+        }
+    );
+    assert_eq!(lag.seconds, Some(0));
+    assert_eq!(lag.summary, "4 partitions read to the end");
+    let text = metrics.encode();
+    for series in [
+        "keyshift_job_source_lag_records{namespace=\"test\",streamjob=\"kpass\"} 0",
+        "keyshift_job_source_lag_seconds{namespace=\"test\",streamjob=\"kpass\"} 0",
+    ] {
+        assert!(text.contains(series), "{series} in {text}");
+    }
+    eprintln!("status.source.lag after {:?}: {lag:?}", start.elapsed());
+
+    // The broker stops: the condition turns False, naming the brokers and the client's error;
+    // back to True once it is up again.
+    if std::env::var("KEYSHIFT_KAFKA_STATE").is_err() {
+        eprintln!("KEYSHIFT_KAFKA_STATE is not set: the broker outage step is skipped");
+        return;
+    }
+    /// Starts the broker again however the test ends (it is shared with the tests after it).
+    struct Restart;
+    impl Drop for Restart {
+        fn drop(&mut self) {
+            kafka_sh(&["start"]);
+        }
+    }
+    kafka_sh(&["stop"]);
+    let restart = Restart;
+    let down = pass_until!(
+        "KafkaReachable False",
+        |_: &keyshift::crd::StreamJobStatus, c: Cond| { c.filter(|c| c.status == "False") }
+    );
+    eprintln!("KafkaReachable {}: {}", down.reason, down.message);
+    assert_eq!(down.reason, "KafkaUnreachable");
+    assert!(
+        down.message.contains(&format!(
+            "cannot reach the Kafka brokers {bootstrap} of the source"
+        )),
+        "{}",
+        down.message
+    );
+    drop(restart);
+    pass_until!(
+        "KafkaReachable True again",
+        |_: &keyshift::crd::StreamJobStatus, c: Cond| { c.filter(|c| c.status == "True") }
+    );
 }

@@ -364,6 +364,13 @@ async fn a_sink_that_cannot_reach_its_brokers_fails_with_their_error_and_keeps_t
         text.contains("127.0.0.1:9") || text.contains("Connection refused"),
         "the error says what the client saw: {text}"
     );
+    // The KafkaReachable condition names the publisher, its brokers and their error.
+    let outages = local.kafka_outages().await.expect("outages");
+    assert_eq!(outages.len(), 1, "{outages:?}");
+    assert!(
+        outages[0].starts_with("the sink's publisher (bootstrap 127.0.0.1:9): kafka sink: "),
+        "{outages:?}"
+    );
     assert_eq!(
         local.latest_snapshot().await.expect("listing"),
         None,
@@ -625,6 +632,16 @@ async fn output_committed_while_the_broker_is_down_is_published_once_it_is_back(
         "the output of snapshot {} waits, staged, in {staged:?}",
         down.id
     );
+    // KafkaReachable is False, naming the publisher and the brokers' error.
+    let outages = local.kafka_outages().await.expect("outages");
+    eprintln!("{test}: outages while down: {outages:?}");
+    assert_eq!(outages.len(), 1, "{outages:?}");
+    assert!(
+        outages[0].starts_with(&format!(
+            "the sink's publisher (bootstrap {bootstrap}): kafka sink: "
+        )),
+        "{outages:?}"
+    );
     drop(restart);
     tokio::time::sleep(Duration::from_millis(500)).await;
     let after = local
@@ -632,6 +649,11 @@ async fn output_committed_while_the_broker_is_down_is_published_once_it_is_back(
         .await
         .expect("checkpoint after the restart");
     assert!(after.id > down.id);
+    // Published: the publisher reaches its brokers again.
+    assert_eq!(
+        local.kafka_outages().await.expect("outages"),
+        Vec::<String>::new()
+    );
     let sp = local.shutdown().await.expect("stop with a savepoint");
     let records = read_topic(&bootstrap, &topic, true);
     let mut newest: BTreeMap<Key, i64> = BTreeMap::new();

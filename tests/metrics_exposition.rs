@@ -73,6 +73,13 @@ async fn the_operator_endpoint_parses_and_follows_the_conventions() {
             step: Step::Verifying,
             ..Default::default()
         }),
+        source: Some(keyshift::crd::SourceStatus {
+            lag: Some(keyshift::crd::SourceLagStatus {
+                records: 1200,
+                seconds: Some(7),
+                ..Default::default()
+            }),
+        }),
         ..Default::default()
     };
     m.observe_status(ns, job, &spec(), &status);
@@ -121,6 +128,8 @@ async fn the_operator_endpoint_parses_and_follows_the_conventions() {
         ("keyshift_job_stalled", "gauge"),
         ("keyshift_job_parallelism", "gauge"),
         ("keyshift_job_desired_parallelism", "gauge"),
+        ("keyshift_job_source_lag_records", "gauge"),
+        ("keyshift_job_source_lag_seconds", "gauge"),
     ] {
         assert_eq!(
             families.get(name).map(String::as_str),
@@ -158,6 +167,8 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
         ("keyshift_worker_last_restore_duration_seconds", "gauge"),
         ("keyshift_worker_last_checkpoint_duration_seconds", "gauge"),
         ("keyshift_worker_last_checkpoint_size_bytes", "gauge"),
+        ("keyshift_worker_source_lag_records", "gauge"),
+        ("keyshift_worker_source_lag_seconds", "gauge"),
     ] {
         assert_eq!(
             families.get(name).map(String::as_str),
@@ -165,5 +176,5 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
             "{name}: {families:?}"
         );
     }
-    assert_eq!(families.len(), 11, "{families:?}");
+    assert_eq!(families.len(), 13, "{families:?}");
 }

@@ -280,6 +280,32 @@ impl LocalJob {
         Ok(self.coordinator()?.status().await?)
     }
 
+    /// Lets the sources read again after a savepoint that stopped them ([`Self::savepoint`]
+    /// with `stop`).
+    pub async fn resume(&mut self) -> Result<(), LocalError> {
+        self.coordinator()?.resume().await;
+        Ok(())
+    }
+
+    /// The job's Kafka clients that cannot reach their brokers now, as the KafkaReachable
+    /// condition names them ([`crate::orchestrator::status::kafka_outages`]): the workers'
+    /// sources (from their status) and the sink's publisher.
+    pub async fn kafka_outages(&mut self) -> Result<Vec<String>, LocalError> {
+        let statuses = self.status().await?;
+        let lags: Vec<(u32, &crate::runtime::protocol::SourceLag)> = statuses
+            .iter()
+            .filter_map(|s| s.source_lag.as_ref().map(|l| (s.subtask, l)))
+            .collect();
+        #[cfg(feature = "kafka")]
+        let publisher = self.coordinator()?.kafka_sink_error();
+        #[cfg(not(feature = "kafka"))]
+        let publisher: Option<String> = None;
+        Ok(crate::orchestrator::status::kafka_outages(
+            &lags,
+            publisher.as_deref(),
+        ))
+    }
+
     /// A worker that died, if any.
     pub fn failed_worker(&mut self) -> Option<(usize, String)> {
         self.workers.exited()

@@ -156,6 +156,7 @@ pub fn max_series_per_job() -> usize {
         + ALL_PHASES.len() // phase
         + 2 // ready, stalled
         + 2 // parallelism, desired_parallelism
+        + 2 // source_lag_records, source_lag_seconds
 }
 
 /// Series of the operator itself, whatever the number of jobs: the reconcile histogram.
@@ -184,6 +185,8 @@ pub struct OperatorMetrics {
     job_stalled: Family<JobLabels, Gauge>,
     parallelism: Family<JobLabels, Gauge>,
     desired_parallelism: Family<JobLabels, Gauge>,
+    source_lag_records: Family<JobLabels, Gauge>,
+    source_lag_seconds: Family<JobLabels, Gauge>,
     /// The uid of the object each job's series describe (a new object of the same name starts
     /// them afresh).
     uids: Mutex<HashMap<JobLabels, String>>,
@@ -222,6 +225,8 @@ impl OperatorMetrics {
             job_stalled: Family::default(),
             parallelism: Family::default(),
             desired_parallelism: Family::default(),
+            source_lag_records: Family::default(),
+            source_lag_seconds: Family::default(),
             uids: Mutex::default(),
             ready: Arc::new(AtomicBool::new(false)),
             registry: Registry::default(),
@@ -320,6 +325,16 @@ impl OperatorMetrics {
             "desired_parallelism",
             "The parallelism the spec asks for (spec.replicas; 0 while suspended)",
             m.desired_parallelism.clone(),
+        );
+        job.register(
+            "source_lag_records",
+            "A Kafka source's records behind over all its partitions (status.source.lag.records; absent for other sources)",
+            m.source_lag_records.clone(),
+        );
+        job.register(
+            "source_lag_seconds",
+            "A Kafka source's seconds behind, the most of its partitions (status.source.lag.seconds; absent for other sources and while unknown)",
+            m.source_lag_seconds.clone(),
         );
         OperatorMetrics { registry, ..m }
     }
@@ -462,6 +477,13 @@ impl OperatorMetrics {
             &labels,
             savepoint.and_then(|s| s.1),
         );
+        let lag = status.source.as_ref().and_then(|s| s.lag.as_ref());
+        set_or_remove(&self.source_lag_records, &labels, lag.map(|l| l.records));
+        set_or_remove(
+            &self.source_lag_seconds,
+            &labels,
+            lag.and_then(|l| l.seconds),
+        );
         let current = status
             .rescale
             .as_ref()
@@ -522,6 +544,8 @@ impl OperatorMetrics {
             &self.job_stalled,
             &self.parallelism,
             &self.desired_parallelism,
+            &self.source_lag_records,
+            &self.source_lag_seconds,
         ] {
             family.remove(&labels);
         }
@@ -663,6 +687,13 @@ mod tests {
                 ..Default::default()
             }),
             conditions: vec![condition("Ready", "True"), condition("Stalled", "False")],
+            source: Some(crate::crd::SourceStatus {
+                lag: Some(crate::crd::SourceLagStatus {
+                    records: 1200,
+                    seconds: Some(7),
+                    ..Default::default()
+                }),
+            }),
             ..Default::default()
         }
     }

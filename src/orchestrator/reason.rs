@@ -84,6 +84,9 @@ reasons! {
     // SinkPublished.
     Published,
     PublishBehind,
+    // KafkaReachable.
+    KafkaReachable,
+    KafkaUnreachable,
     // KeyGroupsBalanced.
     EvenSpread,
     UnevenKeyGroups,

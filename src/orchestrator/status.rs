@@ -24,8 +24,11 @@ pub const SINK_PUBLISHED: &str = "SinkPublished";
 pub const NEWEST_SNAPSHOT_RESTORED: &str = "NewestSnapshotRestored";
 /// Whether the running job's periodic checkpoints succeed (False after two failures in a row).
 pub const CHECKPOINTS_HEALTHY: &str = "CheckpointsHealthy";
+/// Jobs with a Kafka source or sink: whether every Kafka client of the job (the workers'
+/// source consumers, the coordinator's exactly-once publisher) reaches its brokers.
+pub const KAFKA_REACHABLE: &str = "KafkaReachable";
 /// Every condition type the operator sets (docs/troubleshooting.md lists each one; a test checks).
-pub const ALL_CONDITIONS: [&str; 8] = [
+pub const ALL_CONDITIONS: [&str; 9] = [
     READY,
     RECONCILING,
     STALLED,
@@ -34,6 +37,7 @@ pub const ALL_CONDITIONS: [&str; 8] = [
     SINK_PUBLISHED,
     NEWEST_SNAPSHOT_RESTORED,
     CHECKPOINTS_HEALTHY,
+    KAFKA_REACHABLE,
 ];
 /// Consecutive checkpoint failures from which CheckpointsHealthy is False.
 pub const CHECKPOINT_FAILURES_UNHEALTHY: u32 = 2;
@@ -59,6 +63,10 @@ pub struct Progress {
     /// For a running job: the periodic checkpoints that failed in a row (0 when the last one
     /// committed) and the last error.
     pub checkpoint_failures: Option<(u32, String)>,
+    /// For a job with a Kafka source or sink whose run is coordinated: what cannot reach its
+    /// brokers now, one line each naming the client, its bootstrap servers and the client's
+    /// error (empty: every client reached them at its last attempt).
+    pub kafka: Option<Vec<String>>,
 }
 
 /// Sets `type_` in `conditions`, keeping lastTransitionTime when the status does not change.
@@ -431,6 +439,18 @@ pub fn finish(
         };
         set_condition(conds, SINK_PUBLISHED, ok, reason, &message, generation, now);
     }
+    if let Some(outages) = &progress.kafka {
+        let (ok, reason, message) = kafka_reachable(outages, status.last_checkpoint.as_ref());
+        set_condition(
+            conds,
+            KAFKA_REACHABLE,
+            ok,
+            reason,
+            &message,
+            generation,
+            now,
+        );
+    }
     if let Some(a) = analysis {
         let skew = &a.skew;
         let (ok, reason) = if skew.divides {
@@ -486,6 +506,130 @@ pub fn finish(
         .iter()
         .find(|c| c.type_ == READY)
         .map(|c| short_message(&c.message));
+}
+
+/// The job's Kafka clients that cannot reach their brokers, one line each (what the
+/// KafkaReachable condition says): the source of the subtasks whose last lag measurement failed
+/// (`lags`, by subtask), and the exactly-once sink's publisher (its last broker error). Pure.
+pub fn kafka_outages(
+    lags: &[(u32, &crate::runtime::protocol::SourceLag)],
+    publisher: Option<&str>,
+) -> Vec<String> {
+    let mut outages = Vec::new();
+    let failing: Vec<_> = lags.iter().filter(|(_, l)| l.error.is_some()).collect();
+    if let Some((_, first)) = failing.first() {
+        let subtasks: Vec<u64> = failing.iter().map(|(i, _)| u64::from(*i)).collect();
+        outages.push(format!(
+            "the source of {} {}: {}",
+            crate::text::noun(subtasks.len() as u64, "subtask"),
+            crate::text::list(&subtasks),
+            first.error.as_deref().unwrap_or_default()
+        ));
+    }
+    if let Some(e) = publisher {
+        outages.push(e.to_owned());
+    }
+    outages
+}
+
+/// The line KafkaReachable shows for a failure being retried (a worker that stopped, a start
+/// that failed) when a Kafka client caused it: a worker's at-least-once sink that could not
+/// deliver (`kafka sink: ...`) or a source that could not ask its brokers. Pure.
+pub fn kafka_failure(message: &str) -> Option<String> {
+    const KAFKA: [&str; 3] = [
+        "kafka sink: ",
+        "cannot reach the Kafka brokers",
+        "asking the Kafka brokers",
+    ];
+    KAFKA
+        .iter()
+        .any(|k| message.contains(k))
+        .then(|| format!("the job's last failure (retried with backoff): {message}"))
+}
+
+/// The KafkaReachable condition for the job's Kafka clients that cannot reach their brokers
+/// (`outages`, one line each): (status, reason, message). Pure.
+pub fn kafka_reachable(
+    outages: &[String],
+    last_checkpoint: Option<&crate::crd::SnapshotRef>,
+) -> (bool, &'static str, String) {
+    if outages.is_empty() {
+        return (
+            true,
+            Reason::KafkaReachable.as_str(),
+            "every Kafka client of the job reaches its brokers".to_owned(),
+        );
+    }
+    let kept = last_checkpoint.map_or_else(
+        || "it has no checkpoint yet".to_owned(),
+        |c| format!("it keeps its last checkpoint ({})", c.path),
+    );
+    (
+        false,
+        Reason::KafkaUnreachable.as_str(),
+        format!(
+            "{}. Nothing is lost and the job keeps running: {kept}, the source reads on from its position and committed output is published once the brokers answer. Check that the brokers run and that the workers and the operator can reach them (bootstrapServers, DNS, network policies, TLS/SASL credentials)",
+            outages.join("; ")
+        ),
+    )
+}
+
+/// The Kafka source's lag over the whole job from the running subtasks' last measurements (a
+/// subtask without one counts nothing); `None` when none has measured. Pure.
+pub fn source_lag(
+    lags: &[&crate::runtime::protocol::SourceLag],
+) -> Option<crate::crd::SourceLagStatus> {
+    let measured: Vec<_> = lags.iter().filter(|l| l.measured_ms > 0).collect();
+    if measured.is_empty() {
+        return None;
+    }
+    let mut records = 0u64;
+    let mut seconds: Option<f64> = None;
+    let mut partitions = 0usize;
+    let mut behind = 0usize;
+    let mut furthest: Option<(&str, u64)> = None;
+    let mut oldest = i64::MAX;
+    for l in &measured {
+        oldest = oldest.min(l.measured_ms);
+        for p in &l.partitions {
+            partitions += 1;
+            records += p.records;
+            if p.records > 0 {
+                behind += 1;
+                if furthest.is_none_or(|(_, r)| p.records > r) {
+                    furthest = Some((&p.partition, p.records));
+                }
+            }
+            if let Some(s) = p.seconds {
+                seconds = Some(seconds.map_or(s, |m: f64| m.max(s)));
+            }
+        }
+    }
+    let seconds = seconds.map(|s| s.floor() as i64);
+    let measured_at = Timestamp::from_millisecond(oldest)
+        .map(|t| t.to_string())
+        .unwrap_or_default();
+    let summary = match furthest {
+        None => format!(
+            "{partitions} {} read to the end",
+            crate::text::noun(partitions as u64, "partition")
+        ),
+        Some((name, most)) => format!(
+            "{records} {} behind over {behind} of {partitions} partitions{}; furthest behind: {name} ({most})",
+            crate::text::noun(records, "record"),
+            seconds.map_or_else(String::new, |s| format!(", up to {s} s")),
+        ),
+    };
+    let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+    Some(crate::crd::SourceLagStatus {
+        records: i(records),
+        seconds,
+        partitions: i32::try_from(partitions).unwrap_or(i32::MAX),
+        partitions_behind: i32::try_from(behind).unwrap_or(i32::MAX),
+        furthest_behind: furthest.map(|(n, _)| n.to_owned()),
+        measured: measured_at,
+        summary,
+    })
 }
 
 /// Longest status.message, in characters.
@@ -799,6 +943,145 @@ mod tests {
         };
         pass(&spec, &mut st, &stalled);
         assert_eq!(st.message.as_deref(), Some("spec.image x is not allowed"));
+    }
+
+    #[test]
+    fn source_lag_sums_records_and_takes_the_most_seconds() {
+        use crate::runtime::protocol::{PartitionLag, SourceLag};
+        let part = |name: &str, position, high, seconds| PartitionLag {
+            partition: name.into(),
+            position,
+            high_watermark: high,
+            records: high - position,
+            seconds,
+        };
+        let a = SourceLag {
+            measured_ms: 1_767_225_600_000,
+            records: 30,
+            seconds: Some(4.0),
+            partitions: vec![part("t/0", 10, 40, Some(4.9)), part("t/2", 5, 5, Some(0.0))],
+            ..Default::default()
+        };
+        let b = SourceLag {
+            measured_ms: 1_767_225_601_000,
+            partitions: vec![part("t/1", 0, 100, None), part("t/3", 7, 7, Some(0.0))],
+            ..Default::default()
+        };
+        // A worker that never measured counts nothing.
+        let none = SourceLag::default();
+        let lag = source_lag(&[&a, &b, &none]).expect("measured");
+        assert_eq!(lag.records, 130);
+        assert_eq!(lag.seconds, Some(4));
+        assert_eq!((lag.partitions, lag.partitions_behind), (4, 2));
+        assert_eq!(lag.furthest_behind.as_deref(), Some("t/1"));
+        assert_eq!(lag.measured, "2026-01-01T00:00:00Z");
+        assert_eq!(
+            lag.summary,
+            "130 records behind over 2 of 4 partitions, up to 4 s; furthest behind: t/1 (100)"
+        );
+        let caught_up = SourceLag {
+            measured_ms: 1,
+            partitions: vec![part("t/0", 3, 3, Some(0.0))],
+            ..Default::default()
+        };
+        let lag = source_lag(&[&caught_up]).expect("measured");
+        assert_eq!((lag.records, lag.seconds), (0, Some(0)));
+        assert_eq!(lag.summary, "1 partition read to the end");
+        assert_eq!(lag.furthest_behind, None);
+        assert_eq!(source_lag(&[&none]), None);
+        assert_eq!(source_lag(&[]), None);
+    }
+
+    #[test]
+    fn kafka_reachable_names_every_outage_and_what_is_kept() {
+        use crate::runtime::protocol::SourceLag;
+        let down = SourceLag {
+            error: Some("cannot reach the Kafka brokers k:9092 of the source: x".into()),
+            ..Default::default()
+        };
+        let up = SourceLag::default();
+        assert_eq!(
+            kafka_outages(
+                &[(0, &down), (1, &up), (2, &down)],
+                Some("the sink's publisher (bootstrap k:9092): kafka sink: y")
+            ),
+            [
+                "the source of subtasks 0, 2: cannot reach the Kafka brokers k:9092 of the source: x",
+                "the sink's publisher (bootstrap k:9092): kafka sink: y"
+            ]
+        );
+        assert!(kafka_outages(&[(0, &up)], None).is_empty());
+        assert_eq!(
+            kafka_failure(
+                "worker 1 exited: keyed operator: kafka sink: flushing: Local: Message timed out"
+            )
+            .as_deref(),
+            Some(
+                "the job's last failure (retried with backoff): worker 1 exited: keyed operator: kafka sink: flushing: Local: Message timed out"
+            )
+        );
+        assert!(
+            kafka_failure("starting worker 0: asking the Kafka brokers (k:9092) for topic \"in\": Local: Timed out").is_some()
+        );
+        assert_eq!(kafka_failure("checksum mismatch in state-0-of-2.bin"), None);
+        let (ok, reason, message) = kafka_reachable(&[], None);
+        assert!(ok);
+        assert_eq!(reason, "KafkaReachable");
+        assert!(message.contains("reaches its brokers"), "{message}");
+        let last = crate::crd::SnapshotRef {
+            id: 4,
+            path: "file:///s/ns/j/chk-4".into(),
+            ..Default::default()
+        };
+        let (ok, reason, message) = kafka_reachable(
+            &[
+                "the source of subtasks 0, 1: cannot reach the Kafka brokers k:9092 of the source: x".into(),
+                "the sink's publisher (bootstrap k:9092): kafka sink: y".into(),
+            ],
+            Some(&last),
+        );
+        assert!(!ok);
+        assert_eq!(reason, "KafkaUnreachable");
+        assert!(
+            message.starts_with("the source of subtasks 0, 1: cannot reach the Kafka brokers k:9092 of the source: x; the sink's publisher"),
+            "{message}"
+        );
+        assert!(
+            message.contains("keeps its last checkpoint (file:///s/ns/j/chk-4)"),
+            "{message}"
+        );
+        assert!(message.contains("Check that the brokers run"), "{message}");
+        let mut status = StreamJobStatus::default();
+        let progress = Progress {
+            kafka: Some(vec!["the sink's publisher (bootstrap k:9092): down".into()]),
+            ..Default::default()
+        };
+        finish(
+            &job().spec,
+            None,
+            &mut status,
+            None,
+            &progress,
+            Timestamp::UNIX_EPOCH,
+        );
+        let c = cond(&status, KAFKA_REACHABLE);
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "KafkaUnreachable")
+        );
+        let progress = Progress {
+            kafka: Some(Vec::new()),
+            ..Default::default()
+        };
+        finish(
+            &job().spec,
+            None,
+            &mut status,
+            None,
+            &progress,
+            Timestamp::UNIX_EPOCH,
+        );
+        assert_eq!(cond(&status, KAFKA_REACHABLE).status, "True");
     }
 
     #[test]

@@ -30,6 +30,10 @@ pub struct WorkerMetrics {
     pub restore_seconds: FloatGauge,
     pub checkpoint_seconds: FloatGauge,
     pub checkpoint_bytes: Gauge,
+    /// A Kafka source's records behind over this subtask's partitions.
+    pub source_lag_records: Gauge,
+    /// A Kafka source's seconds behind (the most of this subtask's partitions).
+    pub source_lag_seconds: FloatGauge,
 }
 
 impl Default for WorkerMetrics {
@@ -53,6 +57,8 @@ impl WorkerMetrics {
             restore_seconds: FloatGauge::default(),
             checkpoint_seconds: FloatGauge::default(),
             checkpoint_bytes: Gauge::default(),
+            source_lag_records: Gauge::default(),
+            source_lag_seconds: FloatGauge::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -105,6 +111,16 @@ impl WorkerMetrics {
             "last_checkpoint_size_bytes",
             "State bytes this subtask wrote in its last snapshot",
             m.checkpoint_bytes.clone(),
+        );
+        registry.register(
+            "source_lag_records",
+            "Records a Kafka source is behind over this subtask's partitions: the sum of each partition's high watermark minus the source's position, as last measured (0 for other sources)",
+            m.source_lag_records.clone(),
+        );
+        registry.register(
+            "source_lag_seconds",
+            "How far a Kafka source is behind in time: the most of this subtask's partitions, each 0 when read to its end, else now minus the later of the newest read record's timestamp and when it was last read to its end (0 for other sources)",
+            m.source_lag_seconds.clone(),
         );
         WorkerMetrics { registry, ..m }
     }

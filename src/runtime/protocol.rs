@@ -398,6 +398,52 @@ pub struct WorkerStatus {
     /// newest it finished or abandoned).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub newest_snapshot: Option<u64>,
+    /// A Kafka source's consumer lag over this subtask's partitions, as last measured against
+    /// the brokers (absent for other sources, and until the first measurement).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_lag: Option<SourceLag>,
+}
+
+/// How far a subtask's Kafka source is behind its partitions' ends, from the brokers' offsets
+/// (see [`crate::job::kafka::source`], "Lag").
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SourceLag {
+    /// When it was measured (Unix milliseconds).
+    pub measured_ms: i64,
+    /// Records behind, summed over the partitions measured.
+    pub records: u64,
+    /// Seconds behind: the most of any partition measured (absent when no partition's is known).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
+    /// Per partition this subtask reads.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub partitions: Vec<PartitionLag>,
+    /// The brokers could not be asked: the bootstrap servers, the request's error and the
+    /// client's own reports (why it cannot connect). The numbers are then those of the last
+    /// measurement that succeeded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    /// The source's bootstrap servers.
+    #[serde(default)]
+    pub bootstrap: String,
+}
+
+/// One partition's lag.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PartitionLag {
+    /// `<topic>/<partition>`.
+    pub partition: String,
+    /// The next offset the source reads.
+    pub position: u64,
+    /// The partition's high watermark (the offset the next record written gets).
+    pub high_watermark: u64,
+    /// `highWatermark - position` (0 if negative).
+    pub records: u64,
+    /// Seconds behind (absent while unknown: nothing read and never seen fully read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub seconds: Option<f64>,
 }
 
 #[cfg(test)]

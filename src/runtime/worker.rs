@@ -969,6 +969,7 @@ async fn start_subtask(
                     })?
                     .map_err(job::JobError::from)?;
             spawn_kafka_partition_watch(s.clone(), k.clone());
+            spawn_kafka_lag(s.clone(), k.clone());
             resolved
         }
         _ => positions,
@@ -1028,6 +1029,44 @@ async fn start_subtask(
         })
         .map_err(|e| WorkerError::Fatal(format!("starting the keyed operator thread: {e}")))?;
     Ok(resp)
+}
+
+/// Measures the lag of this subtask's Kafka partitions every [`LAG_INTERVAL`] (see
+/// [`job::kafka::source`], "Lag") into the status and the metrics. Brokers that do not answer
+/// leave the last numbers and put their error in the status.
+///
+/// [`LAG_INTERVAL`]: job::kafka::source::LAG_INTERVAL
+#[cfg(feature = "kafka")]
+fn spawn_kafka_lag(s: Arc<Shared>, k: Arc<job::kafka::source::KafkaSourceReader>) {
+    tokio::spawn(async move {
+        loop {
+            let positions = s.status.lock().await.source_positions.clone();
+            if !positions.is_empty() {
+                let k2 = k.clone();
+                let measured = match tokio::task::spawn_blocking(move || k2.lag(&positions)).await {
+                    Ok(m) => m,
+                    Err(_) => return,
+                };
+                let mut st = s.status.lock().await;
+                match measured {
+                    Ok(lag) => {
+                        s.metrics
+                            .source_lag_records
+                            .set(i64::try_from(lag.records).unwrap_or(i64::MAX));
+                        s.metrics.source_lag_seconds.set(lag.seconds.unwrap_or(0.0));
+                        st.source_lag = Some(lag);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "measuring the Kafka source's lag");
+                        let lag = st.source_lag.get_or_insert_with(Default::default);
+                        lag.error = Some(e.to_string());
+                        lag.bootstrap = k.bootstrap().to_owned();
+                    }
+                }
+            }
+            tokio::time::sleep(job::kafka::source::LAG_INTERVAL).await;
+        }
+    });
 }
 
 /// Fails the run when a Kafka topic's partition count changes (checked every

@@ -459,6 +459,8 @@ mod io {
         topic: String,
         transactional_id: String,
         live: Arc<Mutex<Option<Live>>>,
+        /// The last Kafka operation's failure, until one succeeds ([`Self::broker_error`]).
+        broker_error: Mutex<Option<String>>,
     }
 
     impl std::fmt::Debug for KafkaPublisher {
@@ -483,7 +485,40 @@ mod io {
                 topic,
                 transactional_id,
                 live: Arc::new(Mutex::new(None)),
+                broker_error: Mutex::new(None),
             }
+        }
+
+        /// Why the publisher's last attempt to use its brokers failed (naming the bootstrap
+        /// servers, the failed operation, the broker's error and the client's reports), until
+        /// an attempt succeeds. Failures of the snapshot storage are not counted.
+        pub fn broker_error(&self) -> Option<String> {
+            self.broker_error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        }
+
+        /// Records the outcome of an operation that used the brokers.
+        fn note<T>(&self, r: Result<T, KafkaSinkError>) -> Result<T, KafkaSinkError> {
+            let outage = match &r {
+                Ok(_) => None,
+                Err(e @ (KafkaSinkError::Kafka { .. } | KafkaSinkError::Delivery { .. })) => {
+                    Some(format!(
+                        "the sink's publisher (bootstrap {}): {e}",
+                        self.properties
+                            .get("bootstrap.servers")
+                            .map_or("?", String::as_str)
+                    ))
+                }
+                // Not the brokers' doing: what was known of them stays.
+                Err(_) => return r,
+            };
+            *self
+                .broker_error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = outage;
+            r
         }
 
         /// The publisher of job `namespace/name`'s sink `spec`, with the credentials the
@@ -508,11 +543,12 @@ mod io {
         /// (and so fences) the producer first if needed.
         pub async fn marker(&self) -> Result<Option<Marker>, KafkaSinkError> {
             let me = self.handle();
-            blocking(move || {
+            let r = blocking(move || {
                 let mut live = me.live.lock().unwrap_or_else(PoisonError::into_inner);
                 Ok(me.ensure(&mut live)?.marker)
             })
-            .await
+            .await;
+            self.note(r)
         }
 
         fn handle(&self) -> Handle {
@@ -558,7 +594,7 @@ mod io {
                 bodies.push(body);
             }
             let me = self.handle();
-            let done = blocking(move || me.publish_blocking(id, &bodies)).await?;
+            let done = self.note(blocking(move || me.publish_blocking(id, &bodies)).await)?;
             remove_staged_through(store, base, id).await?;
             Ok(KafkaPublished {
                 parts: metas.len(),

@@ -23,6 +23,21 @@
 //!   latest checkpoint, whose start lists the new partitions and reads them from their earliest
 //!   offset (none of their history is skipped; records since the checkpoint are read again,
 //!   as after any recovery, which the exactly-once sinks absorb).
+//! * **Lag** ([`KafkaSourceReader::lag`], asked every [`LAG_INTERVAL`] by each worker for its
+//!   own partitions, [`partition_lag`]): **records behind** a partition is its high watermark
+//!   (the offset the next record written gets, from the brokers' ListOffsets) minus the source's
+//!   position (the next offset it reads), never below 0. **Seconds behind** is 0 for a partition
+//!   read to its end, and otherwise `now` minus the later of the record timestamp of the newest
+//!   record the source read from it and the last moment it was measured read to its end: every
+//!   record still unread was written after that moment (or carries a later timestamp), so this
+//!   bounds from above how long the oldest unread record has waited. It is unknown (absent)
+//!   for a partition the run has read nothing from and never measured read to its end. The
+//!   high watermark counts every offset: records of transactions not yet committed (which a
+//!   `read_committed` source cannot read yet) and the marker of each committed transaction, so
+//!   a fully read partition of a transactional topic may show one record behind until its next
+//!   record. A measurement that cannot reach the brokers reports their error instead
+//!   ([`KafkaSourceError::Unreachable`]): the source keeps its position and reads on once they
+//!   answer again (librdkafka reconnects by itself).
 //! * **Records**: the key from the value's JSON field or the record key, the value field for
 //!   sum/min/max, the event time from a JSON field or the record timestamp. A record that does
 //!   not parse is skipped with a warning naming its topic, partition and offset (and counted),
@@ -33,12 +48,14 @@ use crate::crd::{KafkaKeyFrom, KafkaSource, KafkaStartingPosition};
 use crate::job::file_source::{FieldMapping, parse_line};
 use crate::job::record::{Record, RecordKey};
 use crate::keygroup::KeyType;
-use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, DefaultConsumerContext};
+use rdkafka::ClientContext;
+use rdkafka::config::RDKafkaLogLevel;
+use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
 use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::util::Timeout;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -48,6 +65,10 @@ pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Default of spec.job.source.kafka.metadataRefreshInterval.
 pub const DEFAULT_REFRESH_INTERVAL: Duration = Duration::from_secs(300);
+/// How often a worker measures its partitions' lag.
+pub const LAG_INTERVAL: Duration = Duration::from_secs(2);
+/// How long one lag measurement may wait for the brokers before it reports them unreachable.
+pub const LAG_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// A Kafka source that cannot start or read.
 #[derive(Debug, thiserror::Error)]
@@ -77,6 +98,116 @@ pub enum KafkaSourceError {
     Read { partition: String, error: String },
     #[error(transparent)]
     Credentials(#[from] super::MissingCredential),
+    #[error(
+        "cannot reach the Kafka brokers {bootstrap} of the source: {error}{}",
+        client_note(.client)
+    )]
+    Unreachable {
+        bootstrap: String,
+        /// The request that failed and its error.
+        error: String,
+        /// The client's recent reports of its own (why it cannot connect), oldest first.
+        client: Option<String>,
+    },
+}
+
+fn client_note(client: &Option<String>) -> String {
+    client
+        .as_deref()
+        .map(|c| format!(" (client reports: {c})"))
+        .unwrap_or_default()
+}
+
+/// Distinct client reports kept ([`SourceContext`]).
+const CLIENT_REPORTS_KEPT: usize = 3;
+
+/// The source consumer's context: forwards librdkafka's logs to tracing and keeps the client's
+/// last few distinct errors (a broker that refuses connections, a failed authentication, all
+/// brokers down) to name them when the brokers cannot be reached.
+#[derive(Default)]
+pub struct SourceContext {
+    reports: Mutex<Vec<String>>,
+}
+
+impl SourceContext {
+    fn keep(&self, text: String) {
+        let mut kept = self
+            .reports
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        kept.retain(|e| *e != text);
+        kept.push(text);
+        if kept.len() > CLIENT_REPORTS_KEPT {
+            kept.remove(0);
+        }
+    }
+
+    /// The last distinct reports, oldest first.
+    fn reports(&self) -> Option<String> {
+        let kept = self
+            .reports
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (!kept.is_empty()).then(|| kept.join("; "))
+    }
+
+    /// Forgets the reports (the brokers answered).
+    fn clear(&self) {
+        self.reports
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clear();
+    }
+}
+
+impl ClientContext for SourceContext {
+    fn log(&self, level: RDKafkaLogLevel, fac: &str, log_message: &str) {
+        match level {
+            RDKafkaLogLevel::Emerg
+            | RDKafkaLogLevel::Alert
+            | RDKafkaLogLevel::Critical
+            | RDKafkaLogLevel::Error
+            | RDKafkaLogLevel::Warning => {
+                // What a failure is about also comes through `error` (kept there, once).
+                tracing::warn!(facility = fac, "Kafka consumer: {log_message}")
+            }
+            _ => tracing::debug!(facility = fac, "Kafka consumer: {log_message}"),
+        }
+    }
+
+    fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
+        tracing::warn!(%error, reason, "Kafka consumer error");
+        self.keep(format!("{error}: {reason}"));
+    }
+}
+
+impl ConsumerContext for SourceContext {}
+
+type SourceConsumer = BaseConsumer<SourceContext>;
+
+/// A partition's lag: records behind (`high - position`, at least 0) and seconds behind (0 when
+/// none is behind; else `now` minus the later of the newest read record's timestamp and the
+/// last time the partition was measured read to its end; unknown without either). Times in
+/// Unix milliseconds. Pure.
+pub fn partition_lag(
+    position: u64,
+    high: i64,
+    newest_read_ms: Option<i64>,
+    caught_up_ms: Option<i64>,
+    now_ms: i64,
+) -> (u64, Option<f64>) {
+    let records = u64::try_from(high).unwrap_or(0).saturating_sub(position);
+    if records == 0 {
+        return (0, Some(0.0));
+    }
+    let since = match (newest_read_ms, caught_up_ms) {
+        (Some(a), Some(b)) => Some(a.max(b)),
+        (a, b) => a.or(b),
+    };
+    (
+        records,
+        since.map(|t| now_ms.saturating_sub(t).max(0) as f64 / 1000.0),
+    )
 }
 
 /// How records become keyed records.
@@ -246,7 +377,7 @@ const KEY_PLACEHOLDER: &str = "\u{0}keyshift-record-key";
 /// The state of a reading source: its partition queues.
 struct Assigned {
     /// Per source partition this subtask reads: its queue.
-    queues: BTreeMap<u32, rdkafka::consumer::base_consumer::PartitionQueue<DefaultConsumerContext>>,
+    queues: BTreeMap<u32, rdkafka::consumer::base_consumer::PartitionQueue<SourceContext>>,
     /// Messages fetched into the consumer's main queue before the partition queues were split
     /// off (librdkafka starts fetching at `assign`): read before the partition's queue, in order.
     early: BTreeMap<u32, std::collections::VecDeque<rdkafka::message::OwnedMessage>>,
@@ -256,13 +387,18 @@ struct Assigned {
 pub struct KafkaSourceReader {
     spec: KafkaSource,
     fields: KafkaFields,
-    consumer: Arc<BaseConsumer>,
+    consumer: Arc<SourceConsumer>,
     partitions: Vec<TopicPartition>,
     names: Vec<String>,
     /// Partition count per topic (spec order) at the start.
     counts: Vec<i32>,
     assigned: Mutex<Option<Assigned>>,
     skipped: AtomicU64,
+    /// Per partition: the record timestamp (ms) of the newest record read, [`i64::MIN`] if none.
+    newest_read_ms: Vec<AtomicI64>,
+    /// Per partition: when (ms) a lag measurement last found it read to its end, or
+    /// [`i64::MIN`].
+    caught_up_ms: Vec<AtomicI64>,
 }
 
 impl std::fmt::Debug for KafkaSourceReader {
@@ -290,13 +426,12 @@ impl KafkaSourceReader {
             .unwrap_or_else(|| default_group_id(&job.namespace, &job.name));
         let props = consumer_properties(spec, &group, &creds);
         tracing::debug!(properties = ?redacted(&props), "Kafka consumer");
-        let consumer: BaseConsumer =
-            super::client_config(&props)
-                .create()
-                .map_err(|error| KafkaSourceError::Client {
-                    bootstrap: spec.bootstrap_servers.clone(),
-                    error,
-                })?;
+        let consumer: SourceConsumer = super::client_config(&props)
+            .create_with_context(SourceContext::default())
+            .map_err(|error| KafkaSourceError::Client {
+                bootstrap: spec.bootstrap_servers.clone(),
+                error,
+            })?;
         let consumer = Arc::new(consumer);
         let counts = topic_partition_counts(&consumer, spec)?;
         let names = list_partitions(&spec.topics, &counts);
@@ -316,11 +451,18 @@ impl KafkaSourceReader {
             fields,
             consumer,
             partitions,
-            names,
             counts,
             assigned: Mutex::new(None),
             skipped: AtomicU64::new(0),
+            newest_read_ms: names.iter().map(|_| AtomicI64::new(i64::MIN)).collect(),
+            caught_up_ms: names.iter().map(|_| AtomicI64::new(i64::MIN)).collect(),
+            names,
         })
+    }
+
+    /// The source's bootstrap servers.
+    pub fn bootstrap(&self) -> &str {
+        &self.spec.bootstrap_servers
     }
 
     /// Number of source partitions listed at the start.
@@ -538,6 +680,12 @@ impl KafkaSourceReader {
             return;
         }
         *next = offset as u64 + 1;
+        if let (Some(ts), Some(newest)) = (
+            m.timestamp().to_millis(),
+            self.newest_read_ms.get(p as usize),
+        ) {
+            newest.fetch_max(ts, Ordering::Relaxed);
+        }
         match to_record(
             m.key(),
             m.payload(),
@@ -607,6 +755,71 @@ impl KafkaSourceReader {
                 error: e.to_string(),
             })
     }
+
+    /// The lag of the partitions at `positions` (source partition -> next offset), measured
+    /// now against the brokers' high watermarks ([`partition_lag`]); each request waits at
+    /// most [`LAG_TIMEOUT`]. Brokers that do not answer give
+    /// [`KafkaSourceError::Unreachable`] with the client's own reports. Blocking.
+    pub fn lag(
+        &self,
+        positions: &BTreeMap<u32, u64>,
+    ) -> Result<crate::runtime::protocol::SourceLag, KafkaSourceError> {
+        let mut out = crate::runtime::protocol::SourceLag {
+            bootstrap: self.spec.bootstrap_servers.clone(),
+            ..Default::default()
+        };
+        for (&p, &position) in positions {
+            let tp = self.partition(p)?;
+            let name = partition_name(&tp.topic, tp.partition);
+            let (_, high) = self
+                .consumer
+                .fetch_watermarks(&tp.topic, tp.partition, Timeout::After(LAG_TIMEOUT))
+                .map_err(|e| KafkaSourceError::Unreachable {
+                    bootstrap: self.spec.bootstrap_servers.clone(),
+                    error: format!("asking for the end offset of {name}: {e}"),
+                    client: self.consumer.context().reports(),
+                })?;
+            let now = now_ms();
+            let known = |v: Option<&AtomicI64>| {
+                v.map(|a| a.load(Ordering::Relaxed))
+                    .filter(|t| *t != i64::MIN)
+            };
+            let (records, seconds) = partition_lag(
+                position,
+                high,
+                known(self.newest_read_ms.get(p as usize)),
+                known(self.caught_up_ms.get(p as usize)),
+                now,
+            );
+            if records == 0
+                && let Some(c) = self.caught_up_ms.get(p as usize)
+            {
+                c.store(now, Ordering::Relaxed);
+            }
+            out.records += records;
+            out.seconds = match (out.seconds, seconds) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            out.partitions.push(crate::runtime::protocol::PartitionLag {
+                partition: name,
+                position,
+                high_watermark: u64::try_from(high).unwrap_or(0),
+                records,
+                seconds,
+            });
+        }
+        self.consumer.context().clear();
+        out.measured_ms = now_ms();
+        Ok(out)
+    }
+}
+
+/// Now, in Unix milliseconds.
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
 }
 
 /// How long [`retrying`] keeps trying.
@@ -635,7 +848,7 @@ fn retrying<T>(
 
 /// Partition count of each of the spec's topics (spec order). Blocking.
 fn topic_partition_counts(
-    consumer: &BaseConsumer,
+    consumer: &SourceConsumer,
     spec: &KafkaSource,
 ) -> Result<Vec<i32>, KafkaSourceError> {
     let mut counts = Vec::with_capacity(spec.topics.len());
@@ -717,6 +930,53 @@ mod tests {
         assert_eq!(parse_partition_name("t/x"), None);
         assert_eq!(parse_partition_name("/1"), None);
         assert_eq!(parse_partition_name("t/-1"), None);
+    }
+
+    #[test]
+    fn lag_is_high_minus_position_and_its_time_the_later_of_read_and_caught_up() {
+        let now = 1_000_000;
+        // Read to the end: nothing behind, 0 s, whatever is known of the past.
+        assert_eq!(partition_lag(50, 50, None, None, now), (0, Some(0.0)));
+        assert_eq!(partition_lag(50, 40, Some(1), None, now), (0, Some(0.0)));
+        // Behind, with nothing read and never caught up: the time is unknown.
+        assert_eq!(partition_lag(0, 30, None, None, now), (30, None));
+        // The newest read record 10 s ago.
+        assert_eq!(
+            partition_lag(10, 30, Some(now - 10_000), None, now),
+            (20, Some(10.0))
+        );
+        // Caught up 2.5 s ago (after the newest record read): the unread records are younger.
+        assert_eq!(
+            partition_lag(10, 30, Some(now - 10_000), Some(now - 2_500), now),
+            (20, Some(2.5))
+        );
+        // A record timestamp in the future (a producer's clock): never negative.
+        assert_eq!(
+            partition_lag(10, 11, Some(now + 5_000), None, now),
+            (1, Some(0.0))
+        );
+        // An empty partition (high -1 from a broker that knows nothing yet).
+        assert_eq!(partition_lag(0, -1, None, None, now), (0, Some(0.0)));
+    }
+
+    #[test]
+    fn an_unreachable_source_names_its_brokers_and_the_clients_reports() {
+        let e = KafkaSourceError::Unreachable {
+            bootstrap: "k0:9092,k1:9092".into(),
+            error: "asking for the end offset of t/0: Local: Timed out".into(),
+            client: Some("Connect to ipv4#10.0.0.1:9092 failed: Connection refused".into()),
+        };
+        assert_eq!(
+            e.to_string(),
+            "cannot reach the Kafka brokers k0:9092,k1:9092 of the source: asking for the end offset of t/0: Local: Timed out (client reports: Connect to ipv4#10.0.0.1:9092 failed: Connection refused)"
+        );
+        let ctx = SourceContext::default();
+        for m in ["a", "b", "a", "c", "d"] {
+            ctx.keep(m.into());
+        }
+        assert_eq!(ctx.reports().as_deref(), Some("a; c; d"));
+        ctx.clear();
+        assert_eq!(ctx.reports(), None);
     }
 
     #[test]

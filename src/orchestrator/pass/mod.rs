@@ -56,6 +56,10 @@ pub mod requeue {
 /// status write).
 pub const RESTORE_STATUS_EVERY: Duration = Duration::from_secs(2);
 
+/// How often, at most, status shows a new value of a running Kafka source's lag (each is a
+/// status write; the workers' own metrics are live).
+pub const SOURCE_LAG_EVERY: Duration = Duration::from_secs(30);
+
 /// The run the orchestrator coordinates for a job.
 pub struct RunHandle {
     run: String,
@@ -225,17 +229,24 @@ pub async fn run_pass(
         let token = &token;
         async move {
             match ask {
-                Some(control) => worker_state(http, &control, token).await.map(|s| s.state),
+                Some(control) => worker_state(http, &control, token).await,
                 None => None,
             }
         }
     }))
     .await;
+    // The source lag the coordinated run's workers measured (a Kafka source), by subtask.
+    let mut lags: Vec<(u32, crate::runtime::protocol::SourceLag)> = Vec::new();
     let mut pods: Vec<ObservedPod> = pods
         .into_iter()
         .zip(states)
         .map(|((mut p, _), state)| {
-            p.worker = state;
+            p.worker = state.as_ref().map(|s| s.state);
+            if let Some(lag) = state.and_then(|s| s.source_lag)
+                && mem.run.as_ref().is_some_and(|r| r.run == p.run)
+            {
+                lags.push((p.subtask, lag));
+            }
             p
         })
         .collect();
@@ -316,7 +327,11 @@ pub async fn run_pass(
     {
         pass.stall(reason, message);
     }
-    let requeue = requeue?;
+    let mut requeue = requeue?;
+    // A running Kafka source's lag reaches status at least this often.
+    if spec.job.source.kafka.is_some() && pass.mem.coordinating() {
+        requeue = requeue.min(SOURCE_LAG_EVERY);
+    }
     pass.progress.checkpoint_failures = pass
         .mem
         .checkpoint_failures
@@ -327,6 +342,7 @@ pub async fn run_pass(
     }
     pass.pin_in_use().await;
     pass.observe_sink();
+    pass.observe_kafka(&lags, recording);
     let mut status = pass.status;
     let progress = pass.progress;
     let events = pass.events;
@@ -735,6 +751,60 @@ impl<'a> Pass<'a> {
             );
         }
         self.progress.sink = Some(backlog);
+    }
+
+    /// For a job with a Kafka source or sink: status.source.lag from the coordinated run's
+    /// workers (`lags`, by subtask; kept from the last pass when this pass asked no worker),
+    /// and which Kafka clients cannot reach their brokers (the KafkaReachable condition).
+    fn observe_kafka(
+        &mut self,
+        lags: &[(u32, crate::runtime::protocol::SourceLag)],
+        asked_none: bool,
+    ) {
+        let has_source = self.spec.job.source.kafka.is_some();
+        let has_sink = self.spec.job.sink.sink_type == crate::crd::SinkType::Kafka;
+        // The failure being retried, when a Kafka client's (a worker's at-least-once sink, a
+        // source that could not list its partitions at its start).
+        let failed = self
+            .mem
+            .last_failure
+            .as_ref()
+            .and_then(|(_, m)| status::kafka_failure(m));
+        if !self.mem.coordinating() {
+            self.status.source = None;
+            if (has_source || has_sink)
+                && let Some(f) = failed
+            {
+                self.progress.kafka = Some(vec![f]);
+            }
+            return;
+        }
+        if has_source && !asked_none {
+            let measured: Vec<_> = lags.iter().map(|(_, l)| l).collect();
+            self.status.source = Some(crate::crd::SourceStatus {
+                lag: status::source_lag(&measured),
+            });
+        }
+        if !has_source && !has_sink {
+            return;
+        }
+        #[cfg(feature = "kafka")]
+        let publisher = self
+            .mem
+            .run
+            .as_ref()
+            .and_then(|r| r.coordinator.kafka_sink_error());
+        #[cfg(not(feature = "kafka"))]
+        let publisher: Option<String> = None;
+        let lags: Vec<(u32, &crate::runtime::protocol::SourceLag)> =
+            lags.iter().map(|(i, l)| (*i, l)).collect();
+        let mut outages = status::kafka_outages(&lags, publisher.as_deref());
+        outages.extend(failed);
+        if asked_none && outages.is_empty() {
+            // Nothing new about the workers: the condition stays as it is.
+            return;
+        }
+        self.progress.kafka = Some(outages);
     }
 
     /// Writes the job's in-use marker when what it pins changed ([`in_use`]). Best effort: a
