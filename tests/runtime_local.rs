@@ -1818,3 +1818,137 @@ async fn a_checkpoint_one_worker_never_acknowledges_times_out_and_is_aborted_eve
         );
     }
 }
+
+/// A pre-staged rescale (`LocalJob::rescale_prestaged`) 4 -> 8 -> 3: the new workers load the
+/// newest checkpoint while the old ones run, the old ones stop with an incremental checkpoint,
+/// the new ones read only what they lack of it. Exact after each, the stop checkpoint restores
+/// normally too, and the new run's checkpoints build on it.
+async fn prestaged_chain(storage: Option<String>) {
+    let env = env(storage);
+    let mut spec = generator_job("prestaged", "", 4, 128, "{function: count}");
+    // A light load, so that the deltas stay small against the state.
+    if let Some(g) = spec.spec.job.source.generator.as_mut() {
+        g.records_per_second = Some(600);
+    }
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(4, None).await.expect("launch at 4");
+    for to in [8, 3] {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let c = local.checkpoint().await.expect("checkpoint");
+        assert_exact(&spec, &c.url).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let r = local
+            .rescale_prestaged(to)
+            .await
+            .unwrap_or_else(|e| panic!("pre-staged rescale to {to}: {e}"));
+        assert_eq!(r.fallback, None, "no fallback to {to}");
+        let pre = r.prestage.as_ref().expect("pre-staged");
+        assert_eq!(
+            pre.base, c.url,
+            "the new workers loaded the newest checkpoint"
+        );
+        assert!(pre.loaded_bytes > 0);
+        assert_eq!(local.parallelism(), Some(to));
+        // The stop checkpoint builds on the loaded one: it refers to its files.
+        let (_, _, m) = snapshot::open_snapshot(&r.savepoint)
+            .await
+            .expect("manifest");
+        assert_eq!(m.kind, snapshot::SnapshotKind::Checkpoint);
+        assert!(
+            !m.is_self_contained(),
+            "the stop checkpoint writes only the delta"
+        );
+        assert!(
+            pre.delta_bytes < r.state_bytes,
+            "the stop checkpoint's own files ({}) are less than the state ({})",
+            pre.delta_bytes,
+            r.state_bytes
+        );
+        // Read through the normal restore path: exact.
+        assert_exact(&spec, &r.savepoint).await;
+        let (store, dir) = snapshot::open_snapshot_dir(&r.savepoint).expect("store");
+        snapshot::verify(store.as_ref(), &dir)
+            .await
+            .expect("the stop checkpoint verifies");
+        // The new run goes on exactly, and its checkpoints build on the stop checkpoint.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let after = local.checkpoint().await.expect("checkpoint after");
+        assert_exact(&spec, &after.url).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sp = local.shutdown().await.expect("stop with savepoint");
+    let (state, positions) = assert_exact(&spec, &sp.url).await;
+    assert_eq!(
+        state.values().sum::<i64>() as u64,
+        positions.values().sum::<u64>(),
+        "no record lost or applied twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_up_and_down_is_exact() {
+    prestaged_chain(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_up_and_down_is_exact_on_s3() {
+    if let Some(url) = s3_url("prestaged") {
+        prestaged_chain(Some(url)).await;
+    }
+}
+
+/// A pre-staged rescale whose old worker (`old`) or new worker (`new`) is killed while the new
+/// workers are pre-staged: the new workers are dropped and a normal restore happens, exactly.
+async fn prestage_with_a_kill(name: &str, kill_old: bool) {
+    let env = env(None);
+    let spec = generator_job(name, "", 4, 128, "{function: sum, field: value}");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(4, None).await.expect("launch at 4");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c = local.checkpoint().await.expect("checkpoint");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut p = local.prestage(8).await.expect("pre-staged");
+    assert_eq!(p.base, c.url);
+    assert_eq!(p.loaded.len(), 8);
+    if kill_old {
+        local.kill_worker(2).await;
+    } else {
+        p.kill_worker(5).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = local.finish_prestaged(p).await.expect("the rescale ends");
+    let why = r.fallback.as_deref().expect("it fell back");
+    assert!(
+        why.contains(if kill_old {
+            "old subtask"
+        } else {
+            "new subtask 5"
+        }),
+        "{why}"
+    );
+    assert_eq!(local.parallelism(), Some(8));
+    if kill_old {
+        // The newest committed snapshot was restored.
+        assert_eq!(r.savepoint, c.url);
+    }
+    assert_exact(&spec, &r.savepoint).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let after = local.checkpoint().await.expect("checkpoint after");
+    assert_exact(&spec, &after.url).await;
+    let sp = local.shutdown().await.expect("stop with savepoint");
+    assert_exact(&spec, &sp.url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_with_a_killed_old_worker_falls_back_exactly() {
+    prestage_with_a_kill("prestage-old", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_with_a_killed_new_worker_falls_back_exactly() {
+    prestage_with_a_kill("prestage-new", false).await;
+}
