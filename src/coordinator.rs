@@ -709,7 +709,9 @@ impl Coordinator {
         let mut failures = vec![0u32; n];
         let mut progress: Vec<Option<RestoreProgress>> = vec![None; n];
         let mut logged = Instant::now();
+        let mut round = 0u32;
         loop {
+            round = round.saturating_add(1);
             for i in 0..n {
                 if done[i].is_some() {
                     continue;
@@ -764,9 +766,12 @@ impl Coordinator {
                     "restoring"
                 );
             }
-            // Every 200 ms, and no more than 200 status requests a second in all (a 200-worker
-            // run on a small node polls once a second).
-            let pause = Duration::from_millis(200).max(Duration::from_millis(5) * n as u32);
+            // Every 200 ms (sooner in the first rounds: a pre-staged start or a small restore is
+            // done in a few milliseconds, and every poll interval is part of a rescale's pause),
+            // and no more than 200 status requests a second in all (a 200-worker run on a
+            // small node polls once a second).
+            let pause = Duration::from_millis((5u64 << round.min(6)).min(200))
+                .max(Duration::from_millis(5) * n as u32);
             tokio::time::sleep(pause).await;
         }
     }
@@ -835,7 +840,9 @@ impl Coordinator {
     /// Waits until every worker answers `/v1/readyz`.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), CoordinatorError> {
         let start = Instant::now();
+        let mut round = 0u32;
         loop {
+            round = round.saturating_add(1);
             let mut waiting = Vec::new();
             for (i, w) in self.workers.iter().enumerate() {
                 let ok = self
@@ -857,7 +864,8 @@ impl Coordinator {
                     format!("subtasks {waiting:?}"),
                 ));
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Every 100 ms, sooner at first (the peers usually connect in milliseconds).
+            tokio::time::sleep(Duration::from_millis((2u64 << round.min(6)).min(100))).await;
         }
     }
 

@@ -1825,15 +1825,23 @@ async fn a_checkpoint_one_worker_never_acknowledges_times_out_and_is_aborted_eve
 /// normally too, and the new run's checkpoints build on it.
 async fn prestaged_chain(storage: Option<String>) {
     let env = env(storage);
-    let mut spec = generator_job("prestaged", "", 4, 128, "{function: count}");
-    // A light load, so that the deltas stay small against the state.
-    if let Some(g) = spec.spec.job.source.generator.as_mut() {
-        g.records_per_second = Some(600);
-    }
+    let spec = generator_job("prestaged", "", 4, 128, "{function: count}");
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
         .expect("job prepares");
+    // Every key in the state first (30000 records a second over 3000 keys), then a light load
+    // (120 a second), so that the deltas stay small against the state. The records do not
+    // depend on the pace (but their timestamps, which a count does not read).
     local.launch(4, None).await.expect("launch at 4");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let built = local.shutdown().await.expect("savepoint");
+    if let Some(g) = local.spec.job.source.generator.as_mut() {
+        g.records_per_second = Some(20);
+    }
+    local
+        .launch(4, Some(built.url))
+        .await
+        .expect("launch at 4 under a light load");
     for to in [8, 3] {
         tokio::time::sleep(Duration::from_millis(500)).await;
         let c = local.checkpoint().await.expect("checkpoint");
@@ -1875,6 +1883,10 @@ async fn prestaged_chain(storage: Option<String>) {
         // The new run goes on exactly, and its checkpoints build on the stop checkpoint.
         tokio::time::sleep(Duration::from_millis(400)).await;
         let after = local.checkpoint().await.expect("checkpoint after");
+        assert!(
+            !after.manifest.is_self_contained(),
+            "the new run's checkpoint builds on the stop checkpoint"
+        );
         assert_exact(&spec, &after.url).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;

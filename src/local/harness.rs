@@ -178,6 +178,9 @@ pub struct LocalJob {
     restore_from: Option<String>,
     /// Opaque bytes kept with each key's state (benchmarks).
     pub state_payload_bytes: usize,
+    /// The old workers of a pre-staged rescale, stopping in the background (awaited by the
+    /// next stop).
+    retiring: Option<tokio::task::JoinHandle<()>>,
 }
 
 impl LocalJob {
@@ -208,6 +211,7 @@ impl LocalJob {
             runs: 0,
             restore_from: job.spec.restore_from.clone(),
             state_payload_bytes: 0,
+            retiring: None,
         })
     }
 
@@ -338,6 +342,9 @@ impl LocalJob {
 
     /// Stops the workers without a snapshot.
     pub async fn stop(&mut self) {
+        if let Some(old) = self.retiring.take() {
+            let _ = old.await;
+        }
         self.workers.stop_all().await;
         self.coordinator = None;
     }
@@ -651,11 +658,16 @@ impl LocalJob {
         // The new workers read the delta and run; the old ones go meanwhile.
         let t = Instant::now();
         let started = Instant::now();
-        let mut old = std::mem::replace(
+        let old = std::mem::replace(
             &mut self.workers,
             LocalWorkers::new(p.workers.bin.clone(), p.workers.log_dir.clone()),
         );
         self.coordinator = None;
+        // The old workers stopped at the barrier: they go in the background.
+        self.retiring = Some(tokio::spawn(async move {
+            let mut old = old;
+            old.stop_all().await
+        }));
         let result = async {
             let coordinator = run::coordinator(
                 &self.spec,
@@ -672,7 +684,7 @@ impl LocalJob {
                 .await?;
             Ok::<_, LocalError>((coordinator, responses))
         };
-        let (result, ()) = tokio::join!(result, old.stop_all());
+        let result = result.await;
         steps.push((Step::Restoring, t.elapsed()));
         let prestage = PrestageReport {
             base: p.base.clone(),

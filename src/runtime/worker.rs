@@ -123,6 +123,9 @@ struct Prestaged {
     agg: KeyedAggregator,
     /// The loaded checkpoint's manifest.
     manifest: snapshot::Manifest,
+    /// The compiled job of a generator source, its key table built (the start uses it instead
+    /// of building the table while the job waits for its first record).
+    compiled: Option<CompiledJob>,
 }
 
 impl Shared {
@@ -496,6 +499,9 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
                 );
                 prepared.totals = (plan.bytes, plan.groups.len() as u32);
                 prepared.agg = pre.agg;
+                if let Some(c) = pre.compiled {
+                    prepared.compiled = c;
+                }
                 prepared.delta = Some(plan);
             }
             Err(why) => tracing::warn!(
@@ -657,9 +663,22 @@ async fn prestage_handler(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
             req,
             mut agg,
             snapshot: snap,
+            compiled,
             ..
         } = prepared;
         let started = Instant::now();
+        // A generator's key table is built on its first record: built here instead.
+        let compiled = match compiled.source {
+            job::SourceKind::Generator(_) => tokio::task::spawn_blocking(move || {
+                if let job::SourceKind::Generator(g) = &compiled.source {
+                    let _ = g.key_for_index(0);
+                }
+                compiled
+            })
+            .await
+            .ok(),
+            _ => None,
+        };
         let result = match snap {
             Some((rstore, dir, manifest)) => restore::restore_state_reporting(
                 &mut agg,
@@ -690,7 +709,12 @@ async fn prestage_handler(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
                     ms = resp.restore_ms,
                     "pre-staged"
                 );
-                *s2.prestaged.lock().await = Some(Prestaged { req, agg, manifest });
+                *s2.prestaged.lock().await = Some(Prestaged {
+                    req,
+                    agg,
+                    manifest,
+                    compiled,
+                });
                 let mut st = s2.status.lock().await;
                 if let Some(p) = st.restore.as_mut() {
                     p.bytes_read = progress.bytes_read();
