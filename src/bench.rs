@@ -1291,10 +1291,11 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
         let loaded = pre.map_or(0, |p| p.loaded_bytes);
         let read = loaded + report.bytes_read;
         println!(
-            "pre-staged: {} read from {} in {} beside the running job (steady load {} records/s, about {:.2}% of the keys per second); the stop checkpoint wrote {:.1} MiB, {:.2} s of changes after the loaded checkpoint; the new subtasks then read {:.1} MiB",
+            "pre-staged: {} read up to {} in {} beside the running job ({} catch-up rounds; steady load {} records/s, about {:.2}% of the keys per second); the stop checkpoint wrote {:.1} MiB, {:.2} s of changes after the first loaded checkpoint; the new subtasks then read {:.1} MiB",
             format_args!("{:.1} MiB", mib(loaded)),
             pre.map_or("?", |p| p.base.as_str()),
             secs(pre.map_or(Duration::ZERO, |p| p.duration)),
+            pre.map_or(0, |p| p.catch_up_rounds),
             n.load_records_per_second,
             n.load_records_per_second as f64 * 100.0 / keys.max(1) as f64,
             mib(pre.map_or(0, |p| p.delta_bytes)),

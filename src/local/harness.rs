@@ -122,10 +122,12 @@ pub struct RescaleReport {
 /// What the pre-stage of a rescale did ([`LocalJob::prestage`]).
 #[derive(Debug, Clone)]
 pub struct PrestageReport {
-    /// The checkpoint the new workers loaded.
+    /// The checkpoint the new workers loaded last (the stop checkpoint's base).
     pub base: String,
-    /// Bytes they read from it.
+    /// Bytes they read from it (and from the checkpoints before it, over every round).
     pub loaded_bytes: u64,
+    /// Catch-up rounds ([`Prestage::catch_up_rounds`]).
+    pub catch_up_rounds: u32,
     /// From the spawn of the new workers until all had loaded their groups.
     pub duration: Duration,
     /// Bytes of the stop checkpoint's own files (the delta since `base`, or since a checkpoint
@@ -145,10 +147,19 @@ pub struct Prestage {
     coordinator: Coordinator,
     assignment: Assignment,
     run_id: String,
-    /// What each loaded.
+    /// What each loaded (bytes over every round).
     pub loaded: Vec<StartResponse>,
     pub duration: Duration,
+    /// Catch-up rounds after the first load (each an incremental checkpoint of the old job and
+    /// its delta read by the new workers).
+    pub catch_up_rounds: u32,
 }
+
+/// Catch-up rounds of a pre-stage at most.
+const CATCH_UP_ROUNDS: u32 = 3;
+/// A pre-stage round shorter than this ends the catch-up (the changes since are few), by
+/// default.
+const CATCH_UP_AFTER: Duration = Duration::from_millis(300);
 
 impl Prestage {
     /// Kills one of the new workers (failure tests).
@@ -181,6 +192,9 @@ pub struct LocalJob {
     /// The old workers of a pre-staged rescale, stopping in the background (awaited by the
     /// next stop).
     retiring: Option<tokio::task::JoinHandle<()>>,
+    /// A pre-stage round shorter than this ends its catch-up ([`LocalJob::prestage`]; 300 ms;
+    /// tests set 0 to run every round).
+    pub catch_up_after: Duration,
 }
 
 impl LocalJob {
@@ -212,6 +226,7 @@ impl LocalJob {
             restore_from: job.spec.restore_from.clone(),
             state_payload_bytes: 0,
             retiring: None,
+            catch_up_after: CATCH_UP_AFTER,
         })
     }
 
@@ -458,7 +473,9 @@ impl LocalJob {
     /// Starts `to` new workers beside the running ones and pre-stages them: each loads its key
     /// groups of the new assignment from the job's newest committed checkpoint (one is taken
     /// first if the newest committed snapshot is not a checkpoint), while the old workers keep
-    /// running. See [`crate::runtime::prestage`]. On failure the new workers are stopped and the
+    /// running. Then, while a round took [`LocalJob::catch_up_after`] or longer (at most 3
+    /// times), the old job takes an incremental checkpoint and the new workers read only its
+    /// delta, so that the stop's delta covers a short time. See [`crate::runtime::prestage`]. On failure the new workers are stopped and the
     /// job runs on as it was.
     pub async fn prestage(&mut self, to: u32) -> Result<Prestage, LocalError> {
         let from = self.parallelism().unwrap_or(to);
@@ -505,14 +522,34 @@ impl LocalJob {
             )
             .await?;
             let template = self.plan(assignment, Some(base.clone()), &run_id)?;
-            let loaded = coordinator
+            let mut round = Instant::now();
+            let mut loaded = coordinator
                 .prestage(&template, run::timeouts::start(&self.spec))
                 .await?;
-            Ok::<_, LocalError>((coordinator, loaded))
+            // Catch up: while a round took long enough for the old job to change much, it
+            // checkpoints (incrementally) and the new workers read only that delta, so that
+            // the delta its stop writes (inside the pause) covers a short time.
+            let mut base = base.clone();
+            let mut rounds = 0;
+            while rounds < CATCH_UP_ROUNDS && round.elapsed() >= self.catch_up_after {
+                round = Instant::now();
+                let c = self.checkpoint().await?;
+                let mut template = template.clone();
+                template.restore_from = Some(c.url.clone());
+                let more = coordinator
+                    .prestage(&template, run::timeouts::start(&self.spec))
+                    .await?;
+                for (l, m) in loaded.iter_mut().zip(more) {
+                    l.bytes_read += m.bytes_read;
+                }
+                base = c.url;
+                rounds += 1;
+            }
+            Ok::<_, LocalError>((coordinator, loaded, base, rounds))
         }
         .await;
         match result {
-            Ok((coordinator, loaded)) => Ok(Prestage {
+            Ok((coordinator, loaded, base, rounds)) => Ok(Prestage {
                 to,
                 base,
                 workers,
@@ -521,6 +558,7 @@ impl LocalJob {
                 run_id,
                 loaded,
                 duration: started.elapsed(),
+                catch_up_rounds: rounds,
             }),
             Err(e) => {
                 workers.stop_all().await;
@@ -689,6 +727,7 @@ impl LocalJob {
         let prestage = PrestageReport {
             base: p.base.clone(),
             loaded_bytes: p.loaded.iter().map(|r| r.bytes_read).sum(),
+            catch_up_rounds: p.catch_up_rounds,
             duration: p.duration,
             delta_bytes,
         };

@@ -612,13 +612,16 @@ fn prestage_fits(pre: &Prestaged, prepared: &Prepared) -> Result<prestage::Delta
 /// `POST /v1/prestage`: loads this subtask's key groups from the job's checkpoint the request
 /// names, and holds them for the start that follows (see [`prestage`]). Reads no source,
 /// connects to no peer, emits nothing. 202 once the request is checked; `/v1/status` says
-/// `restoring`, then `prestaged` (or `idle` with the error).
+/// `restoring`, then `prestaged` (or `idle` with the error). A worker already pre-staged and
+/// sent a later checkpoint of the job catches up: it reads only the blocks it lacks, as a start
+/// does, so that the delta the old run's stop writes stays small.
 async fn prestage_handler(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> Response {
     if s.started.load(Ordering::Acquire) {
         return err(StatusCode::CONFLICT, "the worker was already started");
     }
-    if s.prestaging.swap(true, Ordering::AcqRel) {
-        return err(StatusCode::CONFLICT, "the worker was already pre-staged");
+    let pre = s.prestaged.lock().await.take();
+    if s.prestaging.swap(true, Ordering::AcqRel) && pre.is_none() {
+        return err(StatusCode::CONFLICT, "the worker is still pre-staging");
     }
     let refuse = |e: String| async {
         tracing::error!(error = %e, "pre-stage refused");
@@ -639,9 +642,20 @@ async fn prestage_handler(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
         )
         .await;
     }
+    // Catching up: only what the pre-staged state lacks.
+    let catch_up = pre.and_then(|p| match prestage_fits(&p, &prepared) {
+        Ok(plan) => Some((p, plan)),
+        Err(why) => {
+            tracing::warn!(reason = %why, "the pre-staged state does not fit: loading in full");
+            None
+        }
+    });
+    let totals = catch_up.as_ref().map_or(prepared.totals, |(_, plan)| {
+        (plan.bytes, plan.groups.len() as u32)
+    });
     let accepted = StartAccepted {
-        bytes_total: prepared.totals.0,
-        groups_total: prepared.totals.1,
+        bytes_total: totals.0,
+        groups_total: totals.1,
         source_partitions: None,
     };
     let progress = Arc::new(restore::Progress::default());
@@ -667,6 +681,29 @@ async fn prestage_handler(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
             ..
         } = prepared;
         let started = Instant::now();
+        if let Some((pre, plan)) = catch_up {
+            let mut agg = pre.agg;
+            let result = match snap {
+                Some((rstore, dir, manifest)) => {
+                    prestage::apply(&mut agg, rstore.as_ref(), &dir, &plan, Some(&progress))
+                        .await
+                        .map(|a| (a, manifest))
+                }
+                None => Err(restore::RestoreError::Decoder("no snapshot".into())),
+            };
+            let restored = result.map(|(a, manifest)| {
+                (
+                    restore::Restored {
+                        groups: a.groups,
+                        keys: agg.key_count() as u64,
+                        bytes_read: a.bytes_read,
+                    },
+                    manifest,
+                )
+            });
+            prestaged(&s2, req, agg, pre.compiled, restored, started, &progress).await;
+            return;
+        }
         // A generator's key table is built on its first record: built here instead.
         let compiled = match compiled.source {
             job::SourceKind::Generator(_) => tokio::task::spawn_blocking(move || {
@@ -692,47 +729,61 @@ async fn prestage_handler(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
             .map(|r| (r, manifest)),
             None => Err(restore::RestoreError::Decoder("no snapshot".into())),
         };
-        match result {
-            Ok((r, manifest)) => {
-                let resp = StartResponse {
-                    groups_restored: r.groups,
-                    keys_restored: r.keys,
-                    bytes_read: r.bytes_read,
-                    restore_ms: started.elapsed().as_millis() as u64,
-                };
-                tracing::info!(
-                    subtask = req.subtask,
-                    parallelism = req.parallelism,
-                    checkpoint = manifest.snapshot_id,
-                    keys = r.keys,
-                    bytes = r.bytes_read,
-                    ms = resp.restore_ms,
-                    "pre-staged"
-                );
-                *s2.prestaged.lock().await = Some(Prestaged {
-                    req,
-                    agg,
-                    manifest,
-                    compiled,
-                });
-                let mut st = s2.status.lock().await;
-                if let Some(p) = st.restore.as_mut() {
-                    p.bytes_read = progress.bytes_read();
-                    p.groups_read = progress.groups_read();
-                }
-                st.state = WorkerState::Prestaged;
-                st.prestaged = Some(resp);
-            }
-            Err(e) => {
-                tracing::error!(error = %e, "pre-stage failed");
-                let mut st = s2.status.lock().await;
-                st.state = WorkerState::Idle;
-                st.last_start_error = Some(format!("pre-stage: {e}"));
-                s2.prestaging.store(false, Ordering::Release);
-            }
-        }
+        prestaged(&s2, req, agg, compiled, result, started, &progress).await;
     });
     (StatusCode::ACCEPTED, Json(accepted)).into_response()
+}
+
+/// A pre-stage's (or catch-up's) load ended: the state is held for the start, or the worker is
+/// idle again with the error.
+async fn prestaged(
+    s: &Shared,
+    req: StartRequest,
+    agg: KeyedAggregator,
+    compiled: Option<CompiledJob>,
+    result: Result<(restore::Restored, snapshot::Manifest), restore::RestoreError>,
+    started: Instant,
+    progress: &restore::Progress,
+) {
+    match result {
+        Ok((r, manifest)) => {
+            let resp = StartResponse {
+                groups_restored: r.groups,
+                keys_restored: r.keys,
+                bytes_read: r.bytes_read,
+                restore_ms: started.elapsed().as_millis() as u64,
+            };
+            tracing::info!(
+                subtask = req.subtask,
+                parallelism = req.parallelism,
+                checkpoint = manifest.snapshot_id,
+                keys = r.keys,
+                bytes = r.bytes_read,
+                ms = resp.restore_ms,
+                "pre-staged"
+            );
+            *s.prestaged.lock().await = Some(Prestaged {
+                req,
+                agg,
+                manifest,
+                compiled,
+            });
+            let mut st = s.status.lock().await;
+            if let Some(p) = st.restore.as_mut() {
+                p.bytes_read = progress.bytes_read();
+                p.groups_read = progress.groups_read();
+            }
+            st.state = WorkerState::Prestaged;
+            st.prestaged = Some(resp);
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "pre-stage failed");
+            let mut st = s.status.lock().await;
+            st.state = WorkerState::Idle;
+            st.last_start_error = Some(format!("pre-stage: {e}"));
+            s.prestaging.store(false, Ordering::Release);
+        }
+    }
 }
 
 /// Everything the operator task of a running subtask owns.
