@@ -6,7 +6,7 @@
 //! | `GET /v1/readyz` | - | 200 once started and connected to every peer (no token) |
 //! | `GET /metrics` | - | Prometheus text (no token) |
 //! | `POST /v1/start` | [`StartRequest`] | 202 [`StartAccepted`] once the request is checked; the restore runs on |
-//! | `POST /v1/prestage` | [`StartRequest`] naming one of the job's checkpoints | 202 [`StartAccepted`]; the worker loads its key groups from it and holds them (`prestaged`), reading no source and connecting to no peer, until a `/v1/start` that then reads only what changed since ([`super::prestage`]) |
+//! | `POST /v1/prestage` | [`StartRequest`] naming one of the job's checkpoints | 202 [`StartAccepted`]; the worker loads its key groups from it and holds them (`prestaged`), reading no source and connecting to no peer, until a `/v1/start` that then reads only what changed since ([`super::prestage`]); a second one naming a later checkpoint catches up the same way |
 //! | `POST /v1/checkpoints` | [`CheckpointRequest`] | 202; the barrier is injected at the sources |
 //! | `GET /v1/checkpoints/{id}` | - | [`CheckpointStatus`]: the subtask's acknowledgement |
 //! | `POST /v1/checkpoints/{id}/abort` | - | 200 [`CheckpointStatus`] (now failed); idempotent: the snapshot is abandoned |
