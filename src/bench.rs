@@ -132,6 +132,34 @@ pub struct RescaleBench {
     /// The rewrite's memory budget, MiB (with --to-max-parallelism).
     #[arg(long, default_value_t = 256)]
     pub rewrite_memory_mib: usize,
+    /// A pre-staged rescale: once the state is built, the job runs on under a steady load
+    /// (--load-percent), checkpoints, the new workers load the newest checkpoint beside the
+    /// old ones, and the old ones stop with a delta checkpoint. The pause is measured from the
+    /// stop checkpoint's trigger (the old job processes nothing after its barrier) to the first
+    /// record processed by every new subtask.
+    #[arg(long, conflicts_with = "to_max_parallelism")]
+    pub prestage: bool,
+    /// With --prestage: percent of the keys updated per second by the steady load.
+    #[arg(long, default_value_t = 1.0)]
+    pub load_percent: f64,
+    /// With --prestage: seconds of steady load between the checkpoint the new workers load and
+    /// the start of the pre-stage.
+    #[arg(long, default_value_t = 2.0)]
+    pub settle_secs: f64,
+}
+
+/// What a pre-staged rescale measured besides its report.
+struct PrestageNumbers {
+    /// Stop checkpoint trigger to the first record processed by every new subtask.
+    pause_to_first_record: Duration,
+    /// Keys updated per second by the steady load.
+    load_records_per_second: u64,
+    /// Resident memory of the old workers in steady state, KiB.
+    steady_rss_kib: u64,
+    /// Old workers' resident memory plus the new workers' peak, once pre-staged, KiB.
+    prestaged_rss_kib: u64,
+    /// Seconds from the loaded checkpoint's commit to the stop checkpoint's trigger.
+    since_checkpoint: Duration,
 }
 
 #[derive(Args, Debug)]
@@ -1194,9 +1222,9 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
     let bin = std::env::current_exe()?;
     let mut local = LocalJob::new(&job, storage, bin, run.join("logs")).await?;
     local.state_payload_bytes = args.payload;
-    let result = rescale_steps(&mut local, &args, total_records).await;
+    let result = rescale_steps(&mut local, &args, total_records, keys).await;
     local.stop().await;
-    let (report, build) = result?;
+    let (report, build, prestaged) = result?;
 
     // Raw baseline: write (fsync) then read the same number of bytes, best of N.
     let bytes = report.state_bytes;
@@ -1265,6 +1293,64 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
         secs(best_r.get()),
         secs(raw)
     );
+    if let Some(n) = &prestaged {
+        let pre = report.prestage.as_ref();
+        let loaded = pre.map_or(0, |p| p.loaded_bytes);
+        let read = loaded + report.bytes_read;
+        println!(
+            "pre-staged: {} read up to {} in {} beside the running job ({} catch-up rounds; steady load {} records/s, about {:.2}% of the keys per second); the stop checkpoint wrote {:.1} MiB, {:.2} s of changes after the first loaded checkpoint; the new subtasks then read {:.1} MiB",
+            format_args!("{:.1} MiB", mib(loaded)),
+            pre.map_or("?", |p| p.base.as_str()),
+            secs(pre.map_or(Duration::ZERO, |p| p.duration)),
+            pre.map_or(0, |p| p.catch_up_rounds),
+            n.load_records_per_second,
+            n.load_records_per_second as f64 * 100.0 / keys.max(1) as f64,
+            mib(pre.map_or(0, |p| p.delta_bytes)),
+            n.since_checkpoint.as_secs_f64(),
+            mib(report.bytes_read),
+        );
+        if let Some(why) = &report.fallback {
+            println!("FELL BACK: {why}");
+        }
+        println!(
+            "pause (stop checkpoint trigger -> first record of every new subtask): {} = {:.3}x the raw write+read {}",
+            secs(n.pause_to_first_record),
+            n.pause_to_first_record.as_secs_f64() / raw.as_secs_f64().max(1e-9),
+            secs(raw)
+        );
+        println!(
+            "restore bytes read / bytes the new subtasks need: ({:.1} + {:.1}) / {:.1} MiB = {:.3}",
+            mib(loaded),
+            mib(report.bytes_read),
+            mib(bytes),
+            read as f64 / bytes.max(1) as f64
+        );
+        println!(
+            "resident memory: steady {:.0} MiB (old workers), pre-staged {:.0} MiB (old + new workers' peak) = {:.2}x",
+            n.steady_rss_kib as f64 / 1024.0,
+            n.prestaged_rss_kib as f64 / 1024.0,
+            n.prestaged_rss_kib as f64 / n.steady_rss_kib.max(1) as f64
+        );
+        println!();
+        println!(
+            "| pre-staged rescale | state | keys | load | pause to first record | pause / raw write+read | restore read / needed | stop checkpoint written | peak RSS / steady |"
+        );
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        println!(
+            "| {} -> {} ({} groups) | {:.0} MiB | {keys_restored} | {:.2}%/s | {} | {:.3} ({}) | {:.3} | {:.1} MiB | {:.2} |",
+            report.from,
+            report.to,
+            args.max_parallelism,
+            mib(bytes),
+            n.load_records_per_second as f64 * 100.0 / keys.max(1) as f64,
+            secs(n.pause_to_first_record),
+            n.pause_to_first_record.as_secs_f64() / raw.as_secs_f64().max(1e-9),
+            secs(raw),
+            read as f64 / bytes.max(1) as f64,
+            mib(pre.map_or(0, |p| p.delta_bytes)),
+            n.prestaged_rss_kib as f64 / n.steady_rss_kib.max(1) as f64
+        );
+    }
     println!("machine at the end: load average {}", loadavg());
     if let Some(path) = &args.record {
         let record = crate::pictures::timeline::RescaleRecord {
@@ -1343,7 +1429,12 @@ async fn rescale_steps(
     local: &mut LocalJob,
     args: &RescaleBench,
     total_records: u64,
-) -> Result<(crate::local::RescaleReport, Duration)> {
+    keys: u64,
+) -> Result<(
+    crate::local::RescaleReport,
+    Duration,
+    Option<PrestageNumbers>,
+)> {
     let t = Instant::now();
     local.launch(args.from, None).await?;
     let mut last_print = Instant::now();
@@ -1365,6 +1456,10 @@ async fn rescale_steps(
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     let build = t.elapsed();
+    if args.prestage {
+        let (report, numbers) = prestaged_rescale(local, args, keys).await?;
+        return Ok((report, build, Some(numbers)));
+    }
     let report = match args.to_max_parallelism {
         Some(groups) => {
             let (report, rewrite) = local
@@ -1388,7 +1483,87 @@ async fn rescale_steps(
         }
         None => local.rescale(args.to).await?,
     };
-    Ok((report, build))
+    Ok((report, build, None))
+}
+
+/// Summed resident memory of processes, KiB: (peak, now).
+fn rss_kib(pids: &[u32]) -> (u64, u64) {
+    pids.iter()
+        .map(|p| memory_kib(*p))
+        .fold((0, 0), |(a, b), (p, n)| (a + p, b + n))
+}
+
+/// The pre-staged rescale of `bench rescale --prestage`, on the built state: the job is
+/// stopped with a savepoint and resumed under a steady paced load, checkpoints (a full one,
+/// then an incremental one after `settle_secs`), and after `settle_secs` more rescales
+/// pre-staged.
+async fn prestaged_rescale(
+    local: &mut LocalJob,
+    args: &RescaleBench,
+    keys: u64,
+) -> Result<(crate::local::RescaleReport, PrestageNumbers)> {
+    let built = local.shutdown().await?;
+    let partitions = args.partitions.unwrap_or(args.from.max(args.to));
+    let per_partition = ((keys as f64 * args.load_percent / 100.0) / f64::from(partitions))
+        .ceil()
+        .max(1.0) as i64;
+    if let Some(g) = local.spec.job.source.generator.as_mut() {
+        g.records_per_partition = None;
+        g.records_per_second = Some(per_partition);
+    }
+    let load = per_partition as u64 * u64::from(partitions);
+    println!(
+        "steady load: {load} records/s ({:.2}% of the keys per second), from the savepoint {}",
+        load as f64 * 100.0 / keys.max(1) as f64,
+        built.url
+    );
+    local.launch(args.from, Some(built.url.clone())).await?;
+    let settle = Duration::from_secs_f64(args.settle_secs.max(0.0));
+    let full = local.checkpoint().await?;
+    println!(
+        "checkpoint {} (full, after the restore): {}",
+        full.id,
+        secs(full.duration)
+    );
+    tokio::time::sleep(settle).await;
+    let base = local.checkpoint().await?;
+    let committed = Instant::now();
+    println!(
+        "checkpoint {} (incremental, {:.1} MiB written): {}",
+        base.id,
+        mib(base.manifest.stats.written_bytes.unwrap_or(0)),
+        secs(base.duration)
+    );
+    tokio::time::sleep(settle).await;
+    let (_, steady_rss_kib) = rss_kib(&local.worker_pids());
+    let p = local.prestage(args.to).await?;
+    let (_, old_now) = rss_kib(&local.worker_pids());
+    let (new_peak, _) = rss_kib(&p.worker_pids());
+    let since_checkpoint = committed.elapsed();
+    let trigger = Instant::now();
+    let report = local.finish_prestaged(p).await?;
+    // The first record processed by every new subtask.
+    loop {
+        let st = local.status().await?;
+        if st.iter().all(|w| w.records_processed > 0) {
+            break;
+        }
+        if trigger.elapsed() > Duration::from_secs(600) {
+            bail!("the new subtasks processed nothing for 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let pause_to_first_record = trigger.elapsed();
+    Ok((
+        report,
+        PrestageNumbers {
+            pause_to_first_record,
+            load_records_per_second: load,
+            steady_rss_kib,
+            prestaged_rss_kib: old_now + new_peak,
+            since_checkpoint,
+        },
+    ))
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -719,7 +719,9 @@ impl Coordinator {
         let mut failures = vec![0u32; n];
         let mut progress: Vec<Option<RestoreProgress>> = vec![None; n];
         let mut logged = Instant::now();
+        let mut round = 0u32;
         loop {
+            round = round.saturating_add(1);
             for i in 0..n {
                 if done[i].is_some() {
                     continue;
@@ -739,6 +741,8 @@ impl Coordinator {
                 };
                 match st.state {
                     WorkerState::Restoring => progress[i] = st.restore,
+                    // Pre-staged and not started yet: a moment later.
+                    WorkerState::Prestaged => {}
                     // Running before `started` is filled in: a moment later.
                     WorkerState::Running | WorkerState::Stopped => done[i] = st.started,
                     WorkerState::Idle => {
@@ -772,9 +776,73 @@ impl Coordinator {
                     "restoring"
                 );
             }
-            // Every 200 ms, and no more than 200 status requests a second in all (a 200-worker
-            // run on a small node polls once a second).
-            let pause = Duration::from_millis(200).max(Duration::from_millis(5) * n as u32);
+            // Every 200 ms (sooner in the first rounds: a pre-staged start or a small restore is
+            // done in a few milliseconds, and every poll interval is part of a rescale's pause),
+            // and no more than 200 status requests a second in all (a 200-worker run on a
+            // small node polls once a second).
+            let pause = Duration::from_millis((5u64 << round.min(6)).min(200))
+                .max(Duration::from_millis(5) * n as u32);
+            tokio::time::sleep(pause).await;
+        }
+    }
+
+    /// Pre-stages every worker (`POST /v1/prestage`, see [`crate::runtime::prestage`]): each
+    /// loads its key groups from `template.restore_from`, one of the job's checkpoints, and
+    /// holds them without reading any source or connecting to any peer. Waits until all are
+    /// `prestaged` (what each loaded, in subtask order), one failed, or `timeout` passed. A
+    /// later [`Coordinator::start`] of the same workers with a later checkpoint of the job then
+    /// reads only what changed since.
+    pub async fn prestage(
+        &self,
+        template: &StartRequest,
+        timeout: Duration,
+    ) -> Result<Vec<StartResponse>, CoordinatorError> {
+        let began = Instant::now();
+        let peers: Vec<String> = self.workers.iter().map(|w| w.data.clone()).collect();
+        try_join_all((0..self.workers.len()).map(|i| {
+            let mut req = template.clone();
+            req.subtask = i as u32;
+            req.peers = peers.clone();
+            async move {
+                self.post::<_, StartAccepted>(i, "/v1/prestage", &req)
+                    .await
+                    .map(Option::unwrap_or_default)
+            }
+        }))
+        .await?;
+        let n = self.workers.len();
+        let mut done: Vec<Option<StartResponse>> = vec![None; n];
+        loop {
+            for (i, slot) in done.iter_mut().enumerate() {
+                if slot.is_some() {
+                    continue;
+                }
+                let st = self.get::<WorkerStatus>(i, "/v1/status").await?;
+                match st.state {
+                    WorkerState::Prestaged => *slot = Some(st.prestaged.unwrap_or_default()),
+                    WorkerState::Restoring => {}
+                    WorkerState::Idle => {
+                        let reason = st
+                            .last_start_error
+                            .unwrap_or_else(|| "the worker is idle (it restarted?)".into());
+                        return Err(self.fail(i, format!("/v1/prestage: {reason}")));
+                    }
+                    other => {
+                        return Err(self.fail(i, format!("/v1/prestage: the worker is {other:?}")));
+                    }
+                }
+            }
+            if done.iter().all(Option::is_some) {
+                return Ok(done.into_iter().flatten().collect());
+            }
+            if began.elapsed() > timeout {
+                let waiting: Vec<usize> = (0..n).filter(|i| done[*i].is_none()).collect();
+                return Err(CoordinatorError::NotReady(
+                    timeout.as_secs(),
+                    format!("subtasks {waiting:?} still pre-staging"),
+                ));
+            }
+            let pause = Duration::from_millis(100).max(Duration::from_millis(5) * n as u32);
             tokio::time::sleep(pause).await;
         }
     }
@@ -782,7 +850,9 @@ impl Coordinator {
     /// Waits until every worker answers `/v1/readyz`.
     pub async fn wait_ready(&self, timeout: Duration) -> Result<(), CoordinatorError> {
         let start = Instant::now();
+        let mut round = 0u32;
         loop {
+            round = round.saturating_add(1);
             let mut waiting = Vec::new();
             for (i, w) in self.workers.iter().enumerate() {
                 let ok = self
@@ -804,7 +874,8 @@ impl Coordinator {
                     format!("subtasks {waiting:?}"),
                 ));
             }
-            tokio::time::sleep(Duration::from_millis(100)).await;
+            // Every 100 ms, sooner at first (the peers usually connect in milliseconds).
+            tokio::time::sleep(Duration::from_millis((2u64 << round.min(6)).min(100))).await;
         }
     }
 

@@ -1847,3 +1847,250 @@ async fn a_checkpoint_one_worker_never_acknowledges_times_out_and_is_aborted_eve
         );
     }
 }
+
+/// A pre-staged rescale (`LocalJob::rescale_prestaged`) 4 -> 8 -> 3: the new workers load the
+/// newest checkpoint while the old ones run, the old ones stop with an incremental checkpoint,
+/// the new ones read only what they lack of it. Exact after each, the stop checkpoint restores
+/// normally too, and the new run's checkpoints build on it.
+async fn prestaged_chain(storage: Option<String>) {
+    let env = env(storage);
+    let spec = generator_job("prestaged", "", 4, 128, "{function: count}");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    // Every key in the state first (30000 records a second over 3000 keys), then a light load
+    // (120 a second), so that the deltas stay small against the state. The records do not
+    // depend on the pace (but their timestamps, which a count does not read).
+    local.launch(4, None).await.expect("launch at 4");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let built = local.shutdown().await.expect("savepoint");
+    if let Some(g) = local.spec.job.source.generator.as_mut() {
+        g.records_per_second = Some(20);
+    }
+    local
+        .launch(4, Some(built.url))
+        .await
+        .expect("launch at 4 under a light load");
+    for to in [8, 3] {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let c = local.checkpoint().await.expect("checkpoint");
+        assert_exact(&spec, &c.url).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        // Down: every catch-up round (each an incremental checkpoint of the old job whose delta
+        // the new workers read).
+        local.catch_up_after = if to == 3 {
+            Duration::ZERO
+        } else {
+            Duration::from_millis(300)
+        };
+        let r = local
+            .rescale_prestaged(to)
+            .await
+            .unwrap_or_else(|e| panic!("pre-staged rescale to {to}: {e}"));
+        assert_eq!(r.fallback, None, "no fallback to {to}");
+        let pre = r.prestage.as_ref().expect("pre-staged");
+        eprintln!(
+            "pre-staged rescale to {to}: {} catch-up rounds",
+            pre.catch_up_rounds
+        );
+        if to == 3 {
+            assert_eq!(pre.catch_up_rounds, 3);
+        }
+        if pre.catch_up_rounds == 0 {
+            assert_eq!(
+                pre.base, c.url,
+                "the new workers loaded the newest checkpoint"
+            );
+        } else {
+            // They caught up with checkpoints of the old job taken after it.
+            assert!(checkpoint_id(&pre.base) > checkpoint_id(&c.url));
+        }
+        assert!(pre.loaded_bytes > 0);
+        assert_eq!(local.parallelism(), Some(to));
+        // The stop checkpoint builds on the loaded one: it refers to its files.
+        let (_, _, m) = snapshot::open_snapshot(&r.savepoint)
+            .await
+            .expect("manifest");
+        assert_eq!(m.kind, snapshot::SnapshotKind::Checkpoint);
+        assert!(
+            !m.is_self_contained(),
+            "the stop checkpoint writes only the delta"
+        );
+        assert!(
+            pre.delta_bytes < r.state_bytes,
+            "the stop checkpoint's own files ({}) are less than the state ({})",
+            pre.delta_bytes,
+            r.state_bytes
+        );
+        // Read through the normal restore path: exact.
+        assert_exact(&spec, &r.savepoint).await;
+        let (store, dir) = snapshot::open_snapshot_dir(&r.savepoint).expect("store");
+        snapshot::verify(store.as_ref(), &dir)
+            .await
+            .expect("the stop checkpoint verifies");
+        // The new run goes on exactly, and its checkpoints build on the stop checkpoint.
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        let after = local.checkpoint().await.expect("checkpoint after");
+        assert!(
+            !after.manifest.is_self_contained(),
+            "the new run's checkpoint builds on the stop checkpoint"
+        );
+        assert_exact(&spec, &after.url).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let sp = local.shutdown().await.expect("stop with savepoint");
+    let (state, positions) = assert_exact(&spec, &sp.url).await;
+    assert_eq!(
+        state.values().sum::<i64>() as u64,
+        positions.values().sum::<u64>(),
+        "no record lost or applied twice"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_up_and_down_is_exact() {
+    prestaged_chain(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_up_and_down_is_exact_on_s3() {
+    if let Some(url) = s3_url("prestaged") {
+        prestaged_chain(Some(url)).await;
+    }
+}
+
+/// A pre-staged rescale whose old worker (`old`) or new worker (`new`) is killed while the new
+/// workers are pre-staged: the new workers are dropped and a normal restore happens, exactly.
+async fn prestage_with_a_kill(name: &str, kill_old: bool) {
+    let env = env(None);
+    let spec = generator_job(name, "", 4, 128, "{function: sum, field: value}");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(4, None).await.expect("launch at 4");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let c = local.checkpoint().await.expect("checkpoint");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut p = local.prestage(8).await.expect("pre-staged");
+    assert!(checkpoint_id(&p.base) >= checkpoint_id(&c.url));
+    let base = p.base.clone();
+    assert_eq!(p.loaded.len(), 8);
+    if kill_old {
+        local.kill_worker(2).await;
+    } else {
+        p.kill_worker(5).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = local.finish_prestaged(p).await.expect("the rescale ends");
+    let why = r.fallback.as_deref().expect("it fell back");
+    assert!(
+        why.contains(if kill_old {
+            "old subtask"
+        } else {
+            "new subtask 5"
+        }),
+        "{why}"
+    );
+    assert_eq!(local.parallelism(), Some(8));
+    if kill_old {
+        // The newest committed snapshot was restored.
+        assert_eq!(r.savepoint, base);
+    }
+    assert_exact(&spec, &r.savepoint).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let after = local.checkpoint().await.expect("checkpoint after");
+    assert_exact(&spec, &after.url).await;
+    let sp = local.shutdown().await.expect("stop with savepoint");
+    assert_exact(&spec, &sp.url).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_with_a_killed_old_worker_falls_back_exactly() {
+    prestage_with_a_kill("prestage-old", true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_with_a_killed_new_worker_falls_back_exactly() {
+    prestage_with_a_kill("prestage-new", false).await;
+}
+
+/// Windows fired between the checkpoint the new workers loaded and the stop checkpoint leave
+/// the state by a delta (their keys' windows removed): a pre-staged rescale in the middle of
+/// windows fires each window exactly once, with the exact result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_across_fired_windows_emits_each_window_once_and_exactly() {
+    let env = env(None);
+    let spec = job("apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {name: prestaged-windows, namespace: test}
+spec:
+  replicas: 2
+  maxParallelism: 128
+  job:
+    source:
+      generator: {partitions: 4, keys: 3000, seed: 5, recordsPerSecond: 60}
+    key: {field: key}
+    aggregation: {function: sum, field: value}
+    window: {size: 1s, maxOutOfOrderness: 100ms}
+    sink: {type: log}
+  state:
+    checkpointInterval: 1h
+");
+    let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let c = local.checkpoint().await.expect("checkpoint");
+    // At least one window fires between the loaded checkpoint and the stop checkpoint.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    let r = local.rescale_prestaged(3).await.expect("pre-staged 2 -> 3");
+    assert_eq!(r.fallback, None);
+    let pre = r.prestage.as_ref().expect("pre-staged");
+    assert!(checkpoint_id(&pre.base) >= checkpoint_id(&c.url));
+    let (_, _, m) = snapshot::open_snapshot(&r.savepoint)
+        .await
+        .expect("manifest");
+    assert!(!m.is_self_contained(), "the stop checkpoint is a delta");
+    assert!(
+        m.watermark > c.manifest.watermark.map(|w| w + 1000),
+        "a window fired in between"
+    );
+    // Groups took the delta over what they loaded (not only whole again).
+    let applied: Vec<(u64, u64)> = worker_logs(&env.logs)
+        .lines()
+        .filter(|l| l.contains("reading only the delta"))
+        .map(|l| {
+            let field = |name: &str| {
+                l.split_whitespace()
+                    .find_map(|w| w.strip_prefix(name))
+                    .and_then(|v| v.trim_matches(|c: char| !c.is_ascii_digit()).parse().ok())
+                    .unwrap_or_else(|| panic!("{name} in {l}"))
+            };
+            (field("groups="), field("replaced="))
+        })
+        .collect();
+    assert_eq!(applied.len(), 3, "every new subtask started pre-staged");
+    assert!(
+        applied.iter().any(|(groups, replaced)| groups > replaced),
+        "some group applied a delta over its loaded state: {applied:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let sp = local.shutdown().await.expect("stop");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (open, positions, _) = snapshot_state_windows(&sp.url).await;
+    let seen = fired_windows(&env.logs);
+    assert!(
+        seen.values().map(BTreeMap::len).sum::<usize>() > 0,
+        "some windows fired"
+    );
+    assert_emitted_and_open_are_exact(&spec, seen, open, &positions, "fired");
+}
+
+/// The id of a checkpoint URL (`.../checkpoints/chk-<id>`).
+fn checkpoint_id(url: &str) -> u64 {
+    url.rsplit('/')
+        .next()
+        .and_then(|d| snapshot::parse_snapshot_dir_name(snapshot::SnapshotKind::Checkpoint, d))
+        .unwrap_or_else(|| panic!("{url} is no checkpoint"))
+}

@@ -630,6 +630,24 @@ impl KeyedAggregator {
         Ok(())
     }
 
+    /// Takes one owned group's state out of the operator (it is left empty), so that deltas
+    /// can be applied to it off the operator ([`GroupDecoder::decode_onto`]) and the result
+    /// installed again ([`install_group`](Self::install_group)): a pre-staged subtask applies
+    /// the delta since the checkpoint it loaded this way.
+    pub fn take_group(&mut self, group: u32) -> Result<DecodedGroupState, AggregateError> {
+        let index = self.group_index(group).ok_or(AggregateError::NotOwned {
+            group,
+            range: self.range,
+        })?;
+        self.forget_windows(index);
+        let map = std::mem::take(&mut self.groups[index]);
+        Ok(DecodedGroupState {
+            group,
+            map,
+            opened: Vec::new(),
+        })
+    }
+
     /// Drops one owned group's state (e.g. before handing it to another subtask).
     pub fn clear_group(&mut self, group: u32) -> Result<(), AggregateError> {
         let index = self.group_index(group).ok_or(AggregateError::NotOwned {
@@ -711,6 +729,12 @@ impl DecodedGroupState {
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
+
+    /// Drops every key (a group about to be read again from nothing).
+    pub fn clear(&mut self) {
+        self.map.clear();
+        self.opened.clear();
+    }
 }
 
 impl GroupDecoder {
@@ -752,6 +776,29 @@ impl GroupDecoder {
             }
         }
         Ok(DecodedGroupState { group, map, opened })
+    }
+
+    /// Applies delta blocks of `state`'s group in order over it (a key in a delta replaces the
+    /// same key's state; a windowed key without open windows leaves), each block checked like
+    /// [`decode`](Self::decode)'s. On an error the state is dropped with the group half applied:
+    /// the caller must not install anything of it.
+    pub fn decode_onto(
+        &self,
+        mut state: DecodedGroupState,
+        deltas: &[Bytes],
+    ) -> Result<DecodedGroupState, AggregateError> {
+        for d in deltas {
+            self.decode_into(state.group, d, &mut state.map)?;
+        }
+        state.opened.clear();
+        if self.config.window_size_ms.is_some() {
+            for slot in state.map.values() {
+                if let AccValue::Windows(ws) = &slot.acc {
+                    state.opened.extend(ws.iter().map(|(s, _)| *s));
+                }
+            }
+        }
+        Ok(state)
     }
 
     fn decode_into(

@@ -11,7 +11,7 @@ use crate::crd::{StreamJob, StreamJobSpec};
 use crate::keygroup::{self, Assignment};
 use crate::orchestrator::run;
 use crate::orchestrator::step::Step;
-use crate::runtime::protocol::{StartResponse, WorkerStatus};
+use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, SnapshotKind};
 use crate::validation;
 use std::path::PathBuf;
@@ -113,6 +113,64 @@ pub struct RescaleReport {
     pub steps: Vec<(Step, Duration)>,
     /// What starting the new subtasks reported (per-subtask restore times and bytes).
     pub launch: LaunchReport,
+    /// A pre-staged rescale ([`LocalJob::rescale_prestaged`]): what the pre-stage did.
+    pub prestage: Option<PrestageReport>,
+    /// Why a pre-staged rescale fell back to a stop-and-restore, if it did.
+    pub fallback: Option<String>,
+}
+
+/// What the pre-stage of a rescale did ([`LocalJob::prestage`]).
+#[derive(Debug, Clone)]
+pub struct PrestageReport {
+    /// The checkpoint the new workers loaded last (the stop checkpoint's base).
+    pub base: String,
+    /// Bytes they read from it (and from the checkpoints before it, over every round).
+    pub loaded_bytes: u64,
+    /// Catch-up rounds ([`Prestage::catch_up_rounds`]).
+    pub catch_up_rounds: u32,
+    /// From the spawn of the new workers until all had loaded their groups.
+    pub duration: Duration,
+    /// Bytes of the stop checkpoint's own files (the delta since `base`, or since a checkpoint
+    /// taken after it).
+    pub delta_bytes: u64,
+}
+
+/// New workers pre-staged beside a running job ([`LocalJob::prestage`]): started with the new
+/// assignment under a run id of their own, their key groups loaded from `base`, reading no
+/// source and connected to no one. [`LocalJob::finish_prestaged`] switches the job over to
+/// them.
+pub struct Prestage {
+    pub to: u32,
+    /// The checkpoint they loaded.
+    pub base: String,
+    workers: LocalWorkers,
+    coordinator: Coordinator,
+    assignment: Assignment,
+    run_id: String,
+    /// What each loaded (bytes over every round).
+    pub loaded: Vec<StartResponse>,
+    pub duration: Duration,
+    /// Catch-up rounds after the first load (each an incremental checkpoint of the old job and
+    /// its delta read by the new workers).
+    pub catch_up_rounds: u32,
+}
+
+/// Catch-up rounds of a pre-stage at most.
+const CATCH_UP_ROUNDS: u32 = 3;
+/// A pre-stage round shorter than this ends the catch-up (the changes since are few), by
+/// default.
+const CATCH_UP_AFTER: Duration = Duration::from_millis(300);
+
+impl Prestage {
+    /// Kills one of the new workers (failure tests).
+    pub async fn kill_worker(&mut self, index: usize) {
+        self.workers.kill(index).await;
+    }
+
+    /// Process ids of the new workers (benchmarks read their memory use).
+    pub fn worker_pids(&self) -> Vec<u32> {
+        self.workers.pids()
+    }
 }
 
 /// A StreamJob running on this machine.
@@ -131,6 +189,12 @@ pub struct LocalJob {
     restore_from: Option<String>,
     /// Opaque bytes kept with each key's state (benchmarks).
     pub state_payload_bytes: usize,
+    /// The old workers of a pre-staged rescale, stopping in the background (awaited by the
+    /// next stop).
+    retiring: Option<tokio::task::JoinHandle<()>>,
+    /// A pre-stage round shorter than this ends its catch-up ([`LocalJob::prestage`]; 300 ms;
+    /// tests set 0 to run every round).
+    pub catch_up_after: Duration,
 }
 
 impl LocalJob {
@@ -161,6 +225,8 @@ impl LocalJob {
             runs: 0,
             restore_from: job.spec.restore_from.clone(),
             state_payload_bytes: 0,
+            retiring: None,
+            catch_up_after: CATCH_UP_AFTER,
         })
     }
 
@@ -318,6 +384,9 @@ impl LocalJob {
 
     /// Stops the workers without a snapshot.
     pub async fn stop(&mut self) {
+        if let Some(old) = self.retiring.take() {
+            let _ = old.await;
+        }
         self.workers.stop_all().await;
         self.coordinator = None;
     }
@@ -423,7 +492,325 @@ impl LocalJob {
             pause: t0.elapsed(),
             steps,
             launch: report,
+            prestage: None,
+            fallback: None,
         })
+    }
+
+    /// Starts `to` new workers beside the running ones and pre-stages them: each loads its key
+    /// groups of the new assignment from the job's newest committed checkpoint (one is taken
+    /// first if the newest committed snapshot is not a checkpoint), while the old workers keep
+    /// running. Then, while a round took [`LocalJob::catch_up_after`] or longer (at most 3
+    /// times), the old job takes an incremental checkpoint and the new workers read only its
+    /// delta, so that the stop's delta covers a short time. See [`crate::runtime::prestage`]. On failure the new workers are stopped and the
+    /// job runs on as it was.
+    pub async fn prestage(&mut self, to: u32) -> Result<Prestage, LocalError> {
+        let from = self.parallelism().unwrap_or(to);
+        let fail = |reason: String| LocalError::Rescale {
+            from,
+            to,
+            step: "Prestaging",
+            reason,
+            outcome: "the job keeps running at the old parallelism".into(),
+        };
+        let started = Instant::now();
+        let assignment = Assignment::new(i64::from(to), i64::from(self.max_parallelism))?;
+        let newest = coordinator::newest_snapshot(
+            &self.storage,
+            &self.namespace,
+            &self.name,
+            Some(self.max_parallelism),
+            None,
+        )
+        .await?
+        .found;
+        let base = match newest {
+            Some((url, info)) if info.kind == SnapshotKind::Checkpoint => url,
+            _ => self.checkpoint().await?.url,
+        };
+        self.runs += 1;
+        let mut workers = LocalWorkers::new(self.workers.bin.clone(), self.workers.log_dir.clone());
+        let endpoints = match workers.spawn(to, &self.token, self.runs).await {
+            Ok(e) => e,
+            Err(e) => {
+                workers.stop_all().await;
+                return Err(e);
+            }
+        };
+        let run_id = run::new_run_id().map_err(|e| fail(e.to_string()))?;
+        let result = async {
+            let coordinator = run::coordinator(
+                &self.spec,
+                &self.storage,
+                run::identity(&self.namespace, &self.name, &self.spec),
+                assignment,
+                endpoints,
+                self.token.clone(),
+            )
+            .await?;
+            let template = self.plan(assignment, Some(base.clone()), &run_id)?;
+            let mut round = Instant::now();
+            let mut loaded = coordinator
+                .prestage(&template, run::timeouts::start(&self.spec))
+                .await?;
+            // Catch up: while a round took long enough for the old job to change much, it
+            // checkpoints (incrementally) and the new workers read only that delta, so that
+            // the delta its stop writes (inside the pause) covers a short time.
+            let mut base = base.clone();
+            let mut rounds = 0;
+            while rounds < CATCH_UP_ROUNDS && round.elapsed() >= self.catch_up_after {
+                round = Instant::now();
+                let c = self.checkpoint().await?;
+                let mut template = template.clone();
+                template.restore_from = Some(c.url.clone());
+                let more = coordinator
+                    .prestage(&template, run::timeouts::start(&self.spec))
+                    .await?;
+                for (l, m) in loaded.iter_mut().zip(more) {
+                    l.bytes_read += m.bytes_read;
+                }
+                base = c.url;
+                rounds += 1;
+            }
+            Ok::<_, LocalError>((coordinator, loaded, base, rounds))
+        }
+        .await;
+        match result {
+            Ok((coordinator, loaded, base, rounds)) => Ok(Prestage {
+                to,
+                base,
+                workers,
+                coordinator,
+                assignment,
+                run_id,
+                loaded,
+                duration: started.elapsed(),
+                catch_up_rounds: rounds,
+            }),
+            Err(e) => {
+                workers.stop_all().await;
+                Err(fail(e.to_string()))
+            }
+        }
+    }
+
+    fn plan(
+        &self,
+        assignment: Assignment,
+        restore_from: Option<String>,
+        run_id: &str,
+    ) -> Result<crate::runtime::protocol::StartRequest, LocalError> {
+        run::StartPlan {
+            namespace: &self.namespace,
+            name: &self.name,
+            spec: &self.spec,
+            assignment,
+            storage: &self.storage,
+            restore_from,
+            run: run_id,
+            state_payload_bytes: self.state_payload_bytes,
+        }
+        .request()
+        .map_err(|e| LocalError::Spawn {
+            index: 0,
+            reason: e.to_string(),
+        })
+    }
+
+    /// A pre-staged rescale: [`LocalJob::prestage`], then [`LocalJob::finish_prestaged`].
+    pub async fn rescale_prestaged(&mut self, to: u32) -> Result<RescaleReport, LocalError> {
+        let p = self.prestage(to).await?;
+        self.finish_prestaged(p).await
+    }
+
+    /// Switches the job over to pre-staged workers: the old workers stop with an incremental
+    /// checkpoint (only what changed since the loaded one is written; it refers to the rest,
+    /// and restores like any checkpoint), the new workers read only the blocks of it they do
+    /// not hold, apply them and run from its source positions, and the old workers go.
+    ///
+    /// Falls back to a stop-and-restore, and says so in [`RescaleReport::fallback`]: when a new
+    /// worker is gone or not pre-staged (the new workers are dropped, then [`LocalJob::rescale`]
+    /// from the running job); when an old worker is gone or the stop checkpoint fails (the new
+    /// workers are dropped, the old ones stopped, and `to` fresh workers restore the newest
+    /// committed snapshot); when the pre-staged start fails (fresh workers restore the stop
+    /// checkpoint in full).
+    pub async fn finish_prestaged(&mut self, mut p: Prestage) -> Result<RescaleReport, LocalError> {
+        let from = self.parallelism().unwrap_or(p.to);
+        let to = p.to;
+        // The new workers must all be there and pre-staged.
+        let new_ok = match p.workers.exited() {
+            Some((i, status)) => Err(format!("new subtask {i} exited ({status})")),
+            None => match p.coordinator.status().await {
+                Ok(st) => match st.iter().position(|w| w.state != WorkerState::Prestaged) {
+                    Some(i) => Err(format!("new subtask {i} is {:?}", st[i].state)),
+                    None => Ok(()),
+                },
+                Err(e) => Err(e.to_string()),
+            },
+        };
+        if let Err(why) = new_ok {
+            p.workers.stop_all().await;
+            let reason = format!("the pre-staged workers are not ready ({why}): stop-and-restore");
+            tracing::warn!(%reason, "pre-staged rescale falls back");
+            let mut r = self.rescale(to).await?;
+            r.fallback = Some(reason);
+            return Ok(r);
+        }
+        let t0 = Instant::now();
+        let mut steps = Vec::new();
+        // The old job stops with an incremental checkpoint.
+        let old_dead = self.failed_worker();
+        let stop = match old_dead {
+            Some((i, status)) => Err(format!("old subtask {i} exited ({status})")),
+            None => {
+                let timeout = run::timeouts::savepoint(&self.spec);
+                match self.coordinator() {
+                    Ok(c) => c
+                        .snapshot(SnapshotKind::Checkpoint, true, timeout)
+                        .await
+                        .map_err(|e| e.to_string()),
+                    Err(e) => Err(e.to_string()),
+                }
+            }
+        };
+        let sp = match stop {
+            Ok(sp) => sp,
+            Err(why) => {
+                p.workers.stop_all().await;
+                self.stop().await;
+                let reason = format!(
+                    "the old job could not stop with a checkpoint ({why}): the pre-staged workers are dropped, and the new parallelism restores the newest committed snapshot"
+                );
+                tracing::warn!(%reason, "pre-staged rescale falls back");
+                let restore = self.latest_snapshot().await?;
+                let launch = self.launch(to, restore.clone()).await?;
+                let (store, dir) = match &restore {
+                    Some(url) => snapshot::open_snapshot_dir(url).map(|(s, d)| (Some(s), d))?,
+                    None => (None, Default::default()),
+                };
+                let state_bytes = match store {
+                    Some(s) => {
+                        snapshot::read_manifest(s.as_ref(), &dir)
+                            .await?
+                            .stats
+                            .total_bytes
+                    }
+                    None => 0,
+                };
+                return Ok(RescaleReport {
+                    from,
+                    to,
+                    savepoint: restore.unwrap_or_default(),
+                    groups_moved: 0,
+                    bytes_read: launch.bytes_read(),
+                    state_bytes,
+                    pause: t0.elapsed(),
+                    steps,
+                    launch,
+                    prestage: None,
+                    fallback: Some(reason),
+                });
+            }
+        };
+        steps.push((Step::Savepointing, t0.elapsed()));
+        let delta_bytes = sp
+            .manifest
+            .files
+            .iter()
+            .filter(|f| !snapshot::is_referenced_file(&f.name))
+            .map(|f| f.size)
+            .sum();
+        // The new workers read the delta and run; the old ones go meanwhile.
+        let t = Instant::now();
+        let started = Instant::now();
+        let old = std::mem::replace(
+            &mut self.workers,
+            LocalWorkers::new(p.workers.bin.clone(), p.workers.log_dir.clone()),
+        );
+        self.coordinator = None;
+        // The old workers stopped at the barrier: they go in the background.
+        self.retiring = Some(tokio::spawn(async move {
+            let mut old = old;
+            old.stop_all().await
+        }));
+        let result = async {
+            let coordinator = run::coordinator(
+                &self.spec,
+                &self.storage,
+                run::identity(&self.namespace, &self.name, &self.spec),
+                p.assignment,
+                p.coordinator.workers().to_vec(),
+                self.token.clone(),
+            )
+            .await?;
+            let template = self.plan(p.assignment, Some(sp.url.clone()), &p.run_id)?;
+            let responses = coordinator
+                .start(&template, run::timeouts::start(&self.spec))
+                .await?;
+            Ok::<_, LocalError>((coordinator, responses))
+        };
+        let result = result.await;
+        steps.push((Step::Restoring, t.elapsed()));
+        let prestage = PrestageReport {
+            base: p.base.clone(),
+            loaded_bytes: p.loaded.iter().map(|r| r.bytes_read).sum(),
+            catch_up_rounds: p.catch_up_rounds,
+            duration: p.duration,
+            delta_bytes,
+        };
+        let plan = keygroup::rescale_plan(
+            Assignment::new(i64::from(from), i64::from(self.max_parallelism))?,
+            p.assignment,
+        )
+        .map(|pl| pl.moved_groups)
+        .unwrap_or(0);
+        match result {
+            Ok((coordinator, responses)) => {
+                self.workers = p.workers;
+                self.coordinator = Some(coordinator);
+                let launch = LaunchReport {
+                    parallelism: to,
+                    restored_from: Some(sp.url.clone()),
+                    responses,
+                    duration: started.elapsed(),
+                };
+                Ok(RescaleReport {
+                    from,
+                    to,
+                    savepoint: sp.url,
+                    groups_moved: plan,
+                    bytes_read: launch.bytes_read(),
+                    state_bytes: sp.manifest.stats.total_bytes,
+                    pause: t0.elapsed(),
+                    steps,
+                    launch,
+                    prestage: Some(prestage),
+                    fallback: None,
+                })
+            }
+            Err(e) => {
+                p.workers.stop_all().await;
+                let reason = format!(
+                    "the pre-staged start failed ({e}): fresh workers restore the stop checkpoint {} in full",
+                    sp.url
+                );
+                tracing::warn!(%reason, "pre-staged rescale falls back");
+                let launch = self.launch(to, Some(sp.url.clone())).await?;
+                Ok(RescaleReport {
+                    from,
+                    to,
+                    savepoint: sp.url,
+                    groups_moved: plan,
+                    bytes_read: launch.bytes_read(),
+                    state_bytes: sp.manifest.stats.total_bytes,
+                    pause: t0.elapsed(),
+                    steps,
+                    launch,
+                    prestage: Some(prestage),
+                    fallback: Some(reason),
+                })
+            }
+        }
     }
 
     /// A key-group change as the orchestration runs it (the steps' I/O through the same
@@ -490,6 +877,8 @@ impl LocalJob {
                 pause: t0.elapsed(),
                 steps,
                 launch: report,
+                prestage: None,
+                fallback: None,
             },
             rewrite,
         ))

@@ -8,7 +8,7 @@ pub mod harness;
 pub mod processes;
 pub mod strict;
 
-pub use harness::{LaunchReport, LocalJob, LocalWorkers, RescaleReport};
+pub use harness::{LaunchReport, LocalJob, LocalWorkers, Prestage, PrestageReport, RescaleReport};
 
 use crate::coordinator::{self, CoordinatorError};
 use crate::crd::{Phase, StreamJob, StreamJobSpec, StreamJobStatus};

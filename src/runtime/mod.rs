@@ -6,6 +6,7 @@ pub mod checkpoint;
 pub mod incremental;
 pub mod ledger;
 pub mod metrics;
+pub mod prestage;
 pub mod protocol;
 pub mod restore;
 pub mod shuffle;

@@ -6,6 +6,7 @@
 //! | `GET /v1/readyz` | - | 200 once started and connected to every peer (no token) |
 //! | `GET /metrics` | - | Prometheus text (no token) |
 //! | `POST /v1/start` | [`StartRequest`] | 202 [`StartAccepted`] once the request is checked; the restore runs on |
+//! | `POST /v1/prestage` | [`StartRequest`] naming one of the job's checkpoints | 202 [`StartAccepted`]; the worker loads its key groups from it and holds them (`prestaged`), reading no source and connecting to no peer, until a `/v1/start` that then reads only what changed since ([`super::prestage`]); a second one naming a later checkpoint catches up the same way |
 //! | `POST /v1/checkpoints` | [`CheckpointRequest`] | 202; the barrier is injected at the sources |
 //! | `GET /v1/checkpoints/{id}` | - | [`CheckpointStatus`]: the subtask's acknowledgement |
 //! | `POST /v1/checkpoints/{id}/abort` | - | 200 [`CheckpointStatus`] (now failed); idempotent: the snapshot is abandoned |
@@ -352,6 +353,9 @@ pub enum WorkerState {
     Running,
     /// Its sources stopped at a savepoint's barrier (until `/v1/resume` or the end of the run).
     Stopped,
+    /// Pre-staged: its key groups are loaded from a checkpoint (`/v1/prestage`); it waits for
+    /// `/v1/start`, reading no source and connected to no peer.
+    Prestaged,
 }
 
 /// A worker's view of itself.
@@ -390,6 +394,9 @@ pub struct WorkerStatus {
     /// What the start restored, once it has (`running` or `stopped`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub started: Option<StartResponse>,
+    /// What a pre-stage loaded, once it has (`prestaged`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prestaged: Option<StartResponse>,
     /// Why the last start failed (the worker is `idle` again and can be started anew).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_start_error: Option<String>,

@@ -73,6 +73,13 @@ impl Progress {
     pub fn groups_read(&self) -> u32 {
         self.groups_read.load(Ordering::Relaxed)
     }
+
+    /// Counts `bytes` and `groups` read (a restore that reads otherwise, e.g. a pre-staged
+    /// worker's delta, [`super::prestage::apply`]).
+    pub fn add(&self, bytes: u64, groups: u32) {
+        self.bytes_read.fetch_add(bytes, Ordering::Relaxed);
+        self.groups_read.fetch_add(groups, Ordering::Relaxed);
+    }
 }
 
 /// What a restore of `range` from `manifest` reads in all: (bytes, key groups the snapshot

@@ -13,6 +13,7 @@ use super::checkpoint::{self, StateWriteOptions, Updates};
 use super::incremental;
 use super::ledger::{BarrierCut, Ledger, Trigger};
 use super::metrics::WorkerMetrics;
+use super::prestage;
 use super::protocol::*;
 use super::restore::{self, RestoreOptions};
 use super::shuffle::{self, BATCH, CHANNEL_BATCHES, Msg};
@@ -108,6 +109,23 @@ struct Shared {
     restore_progress: Mutex<Arc<restore::Progress>>,
     metrics: WorkerMetrics,
     fatal: watch::Sender<Option<String>>,
+    /// Whether a pre-stage was asked for and has not been consumed by a start (it may still be
+    /// loading).
+    prestaging: AtomicBool,
+    /// The state a pre-stage loaded, once it has ([`prestage`]).
+    prestaged: Mutex<Option<Prestaged>>,
+}
+
+/// What a pre-staged worker holds until its start: the key groups of the checkpoint it loaded.
+struct Prestaged {
+    /// The pre-stage request (its start must match it, but for the snapshot it names).
+    req: StartRequest,
+    agg: KeyedAggregator,
+    /// The loaded checkpoint's manifest.
+    manifest: snapshot::Manifest,
+    /// The compiled job of a generator source, its key table built (the start uses it instead
+    /// of building the table while the job waits for its first record).
+    compiled: Option<CompiledJob>,
 }
 
 impl Shared {
@@ -238,10 +256,13 @@ impl BoundWorker {
             restore_progress: Mutex::new(Arc::new(restore::Progress::default())),
             metrics: WorkerMetrics::new(),
             fatal,
+            prestaging: AtomicBool::new(false),
+            prestaged: Mutex::new(None),
         });
         // Every control route needs the token, checked before its body is read or parsed.
         let guarded = Router::new()
             .route("/v1/start", post(start))
+            .route("/v1/prestage", post(prestage_handler))
             .route("/v1/checkpoints", post(trigger))
             .route("/v1/checkpoints/{id}", get(checkpoint_status))
             .route("/v1/checkpoints/{id}/abort", post(abort))
@@ -447,8 +468,17 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
     if s.started.swap(true, Ordering::AcqRel) {
         return err(StatusCode::CONFLICT, "the worker was already started");
     }
+    let pre = s.prestaged.lock().await.take();
+    if pre.is_none() && s.prestaging.load(Ordering::Acquire) {
+        s.started.store(false, Ordering::Release);
+        return err(
+            StatusCode::CONFLICT,
+            "the worker is still pre-staging: start it once it reports prestaged",
+        );
+    }
+    s.prestaging.store(false, Ordering::Release);
     // Checked before answering: a bad request fails at once.
-    let prepared = match prepare_subtask(req).await {
+    let mut prepared = match prepare_subtask(req).await {
         Ok(p) => p,
         Err(e) => {
             tracing::error!(error = %e, "start refused");
@@ -457,6 +487,29 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
             return err(StatusCode::UNPROCESSABLE_ENTITY, e);
         }
     };
+    if let Some(pre) = pre {
+        match prestage_fits(&pre, &prepared) {
+            Ok(plan) => {
+                tracing::info!(
+                    loaded = pre.manifest.snapshot_id,
+                    groups = plan.groups.len(),
+                    replaced = plan.replaced,
+                    bytes = plan.bytes,
+                    "starting from the pre-staged state: reading only the delta"
+                );
+                prepared.totals = (plan.bytes, plan.groups.len() as u32);
+                prepared.agg = pre.agg;
+                if let Some(c) = pre.compiled {
+                    prepared.compiled = c;
+                }
+                prepared.delta = Some(plan);
+            }
+            Err(why) => tracing::warn!(
+                reason = %why,
+                "the pre-staged state does not fit the start: dropped, restoring in full"
+            ),
+        }
+    }
     let accepted = StartAccepted {
         bytes_total: prepared.totals.0,
         groups_total: prepared.totals.1,
@@ -502,6 +555,235 @@ async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> R
         }
     });
     (StatusCode::ACCEPTED, Json(accepted)).into_response()
+}
+
+/// Whether the request's `restore_from` names the job's own checkpoint that `manifest` is
+/// (not a savepoint, nor another job's snapshot).
+fn own_checkpoint(req: &StartRequest, manifest: &snapshot::Manifest) -> bool {
+    let own = crate::coordinator::snapshot_url(
+        &req.storage,
+        &req.namespace,
+        &req.name,
+        manifest.kind,
+        manifest.snapshot_id,
+    );
+    manifest.kind == snapshot::SnapshotKind::Checkpoint
+        && req
+            .restore_from
+            .as_deref()
+            .is_some_and(|u| u.trim().trim_end_matches('/') == own)
+}
+
+/// Whether a start (`prepared`) may build on what a pre-stage loaded (`pre`): the same job,
+/// subtask, parallelism and key groups, and a snapshot that is a later checkpoint of the job;
+/// then what to read of it. Why not, otherwise.
+fn prestage_fits(pre: &Prestaged, prepared: &Prepared) -> Result<prestage::DeltaPlan, String> {
+    let (a, b) = (&pre.req, &prepared.req);
+    let same = a.namespace == b.namespace
+        && a.name == b.name
+        && a.storage == b.storage
+        && a.subtask == b.subtask
+        && a.parallelism == b.parallelism
+        && a.max_parallelism == b.max_parallelism
+        && a.state_payload_bytes == b.state_payload_bytes
+        && a.job == b.job;
+    if !same {
+        return Err("the start names another job, subtask or parallelism".into());
+    }
+    let Some((_, _, target)) = &prepared.snapshot else {
+        return Err("the start restores nothing".into());
+    };
+    if !own_checkpoint(b, target)
+        || target.snapshot_id <= pre.manifest.snapshot_id
+        || target.state_schema != job::AGG_SCHEMA
+    {
+        return Err(format!(
+            "the start restores snapshot {} ({:?}), not a later checkpoint of the job than the pre-staged {}",
+            target.snapshot_id, target.kind, pre.manifest.snapshot_id
+        ));
+    }
+    Ok(prestage::plan(
+        &pre.manifest,
+        target,
+        prepared.assignment.range(b.subtask),
+    ))
+}
+
+/// `POST /v1/prestage`: loads this subtask's key groups from the job's checkpoint the request
+/// names, and holds them for the start that follows (see [`prestage`]). Reads no source,
+/// connects to no peer, emits nothing. 202 once the request is checked; `/v1/status` says
+/// `restoring`, then `prestaged` (or `idle` with the error). A worker already pre-staged and
+/// sent a later checkpoint of the job catches up: it reads only the blocks it lacks, as a start
+/// does, so that the delta the old run's stop writes stays small.
+async fn prestage_handler(State(s): State<Arc<Shared>>, Json(req): Json<StartRequest>) -> Response {
+    if s.started.load(Ordering::Acquire) {
+        return err(StatusCode::CONFLICT, "the worker was already started");
+    }
+    let pre = s.prestaged.lock().await.take();
+    if s.prestaging.swap(true, Ordering::AcqRel) && pre.is_none() {
+        return err(StatusCode::CONFLICT, "the worker is still pre-staging");
+    }
+    let refuse = |e: String| async {
+        tracing::error!(error = %e, "pre-stage refused");
+        s.status.lock().await.last_start_error = Some(e.clone());
+        s.prestaging.store(false, Ordering::Release);
+        err(StatusCode::UNPROCESSABLE_ENTITY, e)
+    };
+    let prepared = match prepare_subtask(req).await {
+        Ok(p) => p,
+        Err(e) => return refuse(e.to_string()).await,
+    };
+    let own = prepared.snapshot.as_ref().is_some_and(|(_, _, m)| {
+        own_checkpoint(&prepared.req, m) && m.state_schema == job::AGG_SCHEMA
+    });
+    if !own {
+        return refuse(
+            "a pre-stage loads one of the job's own checkpoints: restoreFrom must name one".into(),
+        )
+        .await;
+    }
+    // Catching up: only what the pre-staged state lacks.
+    let catch_up = pre.and_then(|p| match prestage_fits(&p, &prepared) {
+        Ok(plan) => Some((p, plan)),
+        Err(why) => {
+            tracing::warn!(reason = %why, "the pre-staged state does not fit: loading in full");
+            None
+        }
+    });
+    let totals = catch_up.as_ref().map_or(prepared.totals, |(_, plan)| {
+        (plan.bytes, plan.groups.len() as u32)
+    });
+    let accepted = StartAccepted {
+        bytes_total: totals.0,
+        groups_total: totals.1,
+        source_partitions: None,
+    };
+    let progress = Arc::new(restore::Progress::default());
+    *s.restore_progress.lock().await = progress.clone();
+    {
+        let mut st = s.status.lock().await;
+        st.state = WorkerState::Restoring;
+        st.last_start_error = None;
+        st.prestaged = None;
+        st.restore = Some(RestoreProgress {
+            bytes_total: accepted.bytes_total,
+            groups_total: accepted.groups_total,
+            ..RestoreProgress::default()
+        });
+    }
+    let s2 = s.clone();
+    tokio::spawn(async move {
+        let Prepared {
+            req,
+            mut agg,
+            snapshot: snap,
+            compiled,
+            ..
+        } = prepared;
+        let started = Instant::now();
+        if let Some((pre, plan)) = catch_up {
+            let mut agg = pre.agg;
+            let result = match snap {
+                Some((rstore, dir, manifest)) => {
+                    prestage::apply(&mut agg, rstore.as_ref(), &dir, &plan, Some(&progress))
+                        .await
+                        .map(|a| (a, manifest))
+                }
+                None => Err(restore::RestoreError::Decoder("no snapshot".into())),
+            };
+            let restored = result.map(|(a, manifest)| {
+                (
+                    restore::Restored {
+                        groups: a.groups,
+                        keys: agg.key_count() as u64,
+                        bytes_read: a.bytes_read,
+                    },
+                    manifest,
+                )
+            });
+            prestaged(&s2, req, agg, pre.compiled, restored, started, &progress).await;
+            return;
+        }
+        // A generator's key table is built on its first record: built here instead.
+        let compiled = match compiled.source {
+            job::SourceKind::Generator(_) => tokio::task::spawn_blocking(move || {
+                if let job::SourceKind::Generator(g) = &compiled.source {
+                    let _ = g.key_for_index(0);
+                }
+                compiled
+            })
+            .await
+            .ok(),
+            _ => None,
+        };
+        let result = match snap {
+            Some((rstore, dir, manifest)) => restore::restore_state_reporting(
+                &mut agg,
+                rstore.as_ref(),
+                &dir,
+                &manifest,
+                RestoreOptions::default(),
+                Some(&progress),
+            )
+            .await
+            .map(|r| (r, manifest)),
+            None => Err(restore::RestoreError::Decoder("no snapshot".into())),
+        };
+        prestaged(&s2, req, agg, compiled, result, started, &progress).await;
+    });
+    (StatusCode::ACCEPTED, Json(accepted)).into_response()
+}
+
+/// A pre-stage's (or catch-up's) load ended: the state is held for the start, or the worker is
+/// idle again with the error.
+async fn prestaged(
+    s: &Shared,
+    req: StartRequest,
+    agg: KeyedAggregator,
+    compiled: Option<CompiledJob>,
+    result: Result<(restore::Restored, snapshot::Manifest), restore::RestoreError>,
+    started: Instant,
+    progress: &restore::Progress,
+) {
+    match result {
+        Ok((r, manifest)) => {
+            let resp = StartResponse {
+                groups_restored: r.groups,
+                keys_restored: r.keys,
+                bytes_read: r.bytes_read,
+                restore_ms: started.elapsed().as_millis() as u64,
+            };
+            tracing::info!(
+                subtask = req.subtask,
+                parallelism = req.parallelism,
+                checkpoint = manifest.snapshot_id,
+                keys = r.keys,
+                bytes = r.bytes_read,
+                ms = resp.restore_ms,
+                "pre-staged"
+            );
+            *s.prestaged.lock().await = Some(Prestaged {
+                req,
+                agg,
+                manifest,
+                compiled,
+            });
+            let mut st = s.status.lock().await;
+            if let Some(p) = st.restore.as_mut() {
+                p.bytes_read = progress.bytes_read();
+                p.groups_read = progress.groups_read();
+            }
+            st.state = WorkerState::Prestaged;
+            st.prestaged = Some(resp);
+        }
+        Err(e) => {
+            tracing::error!(error = %e, "pre-stage failed");
+            let mut st = s.status.lock().await;
+            st.state = WorkerState::Idle;
+            st.last_start_error = Some(format!("pre-stage: {e}"));
+            s.prestaging.store(false, Ordering::Release);
+        }
+    }
 }
 
 /// Everything the operator task of a running subtask owns.
@@ -557,6 +839,8 @@ struct Prepared {
     positions: BTreeMap<u32, u64>,
     /// What the restore reads in all: bytes, key groups.
     totals: (u64, u32),
+    /// With a pre-staged state in `agg`: what to read of the snapshot over it.
+    delta: Option<prestage::DeltaPlan>,
 }
 
 /// Checks a start request: its bounds, its layout, its dataflow (by the CRD's rules,
@@ -631,6 +915,7 @@ async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
         snapshot: snap,
         positions,
         totals,
+        delta: None,
     })
 }
 
@@ -707,6 +992,7 @@ async fn start_subtask(
         snapshot: snap,
         positions,
         totals: _,
+        delta,
     } = prepared;
     let range = assignment.range(req.subtask);
     #[cfg(feature = "kafka")]
@@ -718,7 +1004,13 @@ async fn start_subtask(
     let mut watermark = i64::MIN;
     let mut chain = incremental::Chain::new(req.incremental);
     if let Some((rstore, dir, manifest)) = snap {
-        if manifest.state_schema == job::AGG_SCHEMA {
+        if let Some(plan) = &delta {
+            let applied =
+                prestage::apply(&mut agg, rstore.as_ref(), &dir, plan, Some(progress)).await?;
+            resp.keys_restored = agg.key_count() as u64;
+            resp.groups_restored = applied.groups;
+            resp.bytes_read = applied.bytes_read;
+        } else if manifest.state_schema == job::AGG_SCHEMA {
             // Decoded while the next blocks are read; installed once every block is checked.
             let restored = restore::restore_state_reporting(
                 &mut agg,

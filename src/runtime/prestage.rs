@@ -1,0 +1,367 @@
+//! The pre-staged rescale, on the worker's side.
+//!
+//! A worker of the new run is pre-staged (`POST /v1/prestage`): it loads its key groups from
+//! the job's newest completed checkpoint (range reads, every block checked, as any restore)
+//! while the old run keeps going. It reads no source, emits nothing and connects to no peer.
+//! The old run then stops with an incremental checkpoint, which writes only what changed since
+//! (its manifest refers to the blocks it did not rewrite). The new worker's `/v1/start` names
+//! that checkpoint: the worker reads only the blocks of it that it did not load already
+//! ([`plan`]), applies them over its state ([`apply`]) and runs from the checkpoint's source
+//! positions. The stop checkpoint is an ordinary checkpoint of the job: a normal restore reads
+//! it whole, and retention keeps every file it refers to.
+//!
+//! [`plan`] is pure: per key group it compares the chain of blocks the new worker loaded with
+//! the chain the stop checkpoint names (file names taken relative to the job directory):
+//! * the same chain: nothing to read;
+//! * the loaded chain followed by more deltas: read those deltas and apply them over the group;
+//! * any other chain (the group was written whole, or compacted, since): read it whole and
+//!   replace the group.
+
+use super::restore::{Progress, RestoreError};
+use crate::job::KeyedAggregator;
+use crate::keygroup::KeyGroupRange;
+use crate::snapshot::{self, DeltaBlock, GroupEntry, Manifest, ObjectStore, Path};
+
+/// What one key group needs from the stop checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupApply {
+    /// The key group.
+    pub group: u32,
+    /// Whether the group's state is replaced (read from nothing) rather than added to.
+    pub replace: bool,
+    /// The blocks to apply in order (file names relative to the job directory); none with
+    /// `replace`: the group is empty.
+    pub blocks: Vec<DeltaBlock>,
+}
+
+/// What a pre-staged worker reads of the stop checkpoint ([`plan`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeltaPlan {
+    /// The groups that changed, in group order (unchanged ones are left out).
+    pub groups: Vec<GroupApply>,
+    /// Bytes to read in all.
+    pub bytes: u64,
+    /// Groups whose chain is not the loaded one plus deltas (read whole).
+    pub replaced: u32,
+}
+
+/// A group entry of snapshot `kind`/`id` with its file names relative to the job directory.
+fn job_relative(m: &Manifest, g: &GroupEntry) -> GroupEntry {
+    let mut g = g.clone();
+    g.file = snapshot::referenced_file_name(m.kind, m.snapshot_id, &g.file);
+    for d in &mut g.deltas {
+        d.file = snapshot::referenced_file_name(m.kind, m.snapshot_id, &d.file);
+    }
+    g
+}
+
+/// What a worker of key groups `range` that loaded `loaded` (a checkpoint of the job) reads of
+/// `target` (a later snapshot of the same job) to hold `target`'s state. Pure.
+pub fn plan(loaded: &Manifest, target: &Manifest, range: KeyGroupRange) -> DeltaPlan {
+    let mut out = DeltaPlan::default();
+    for group in range.iter() {
+        let to = target.group(group).map(|g| job_relative(target, g));
+        let from = loaded.group(group).map(|g| job_relative(loaded, g));
+        let apply = match (from, to) {
+            (Some(f), Some(t)) if f == t => continue,
+            (from, None) => {
+                if from.is_some_and(|f| f.stored_bytes() == 0) {
+                    continue;
+                }
+                GroupApply {
+                    group,
+                    replace: true,
+                    blocks: Vec::new(),
+                }
+            }
+            (Some(f), Some(t))
+                if (&f.file, f.offset, f.length, f.checksum)
+                    == (&t.file, t.offset, t.length, t.checksum)
+                    && t.deltas.starts_with(&f.deltas) =>
+            {
+                GroupApply {
+                    group,
+                    replace: false,
+                    blocks: t.deltas[f.deltas.len()..].to_vec(),
+                }
+            }
+            (_, Some(t)) => {
+                let first = (t.length > 0).then(|| DeltaBlock {
+                    file: t.file.clone(),
+                    offset: t.offset,
+                    length: t.length,
+                    checksum: t.checksum,
+                    entries: t.entries,
+                });
+                GroupApply {
+                    group,
+                    replace: true,
+                    blocks: first.into_iter().chain(t.deltas).collect(),
+                }
+            }
+        };
+        out.bytes += apply.blocks.iter().map(|b| b.length).sum::<u64>();
+        out.replaced += u32::from(apply.replace);
+        out.groups.push(apply);
+    }
+    out
+}
+
+/// What [`apply`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Applied {
+    /// Groups changed.
+    pub groups: u32,
+    /// Bytes read.
+    pub bytes_read: u64,
+}
+
+/// Reads the blocks of `plan` from the snapshot in `dir` (the stop checkpoint; file names are
+/// resolved against its job directory), checking each block's length and checksum, and only
+/// once all are read and decoded applies them to `agg`. On an error `agg` may hold groups half
+/// applied: the caller drops it (the worker fails its start and is started afresh).
+pub async fn apply(
+    agg: &mut KeyedAggregator,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    plan: &DeltaPlan,
+    progress: Option<&Progress>,
+) -> Result<Applied, RestoreError> {
+    let entries: Vec<GroupEntry> = plan
+        .groups
+        .iter()
+        .map(|g| GroupEntry {
+            group: g.group,
+            file: String::new(),
+            offset: 0,
+            length: 0,
+            checksum: snapshot::Crc32c(0),
+            entries: 0,
+            deltas: g.blocks.clone(),
+        })
+        .collect();
+    let (bytes_read, mut blocks) = snapshot::fetch_deltas(store, dir, &entries).await?;
+    if let Some(p) = progress {
+        p.add(bytes_read, plan.groups.len() as u32);
+    }
+    let mut work = Vec::with_capacity(plan.groups.len());
+    for g in &plan.groups {
+        // A replaced group is read again from nothing; it counts as restored (unchanged since
+        // the snapshot), like any restored group.
+        let mut state = agg.take_group(g.group)?;
+        if g.replace {
+            state.clear();
+        }
+        work.push((state, blocks.remove(&g.group).unwrap_or_default()));
+    }
+    let decoder = agg.decoder();
+    let decoded = tokio::task::spawn_blocking(move || {
+        work.into_iter()
+            .map(|(state, deltas)| decoder.decode_onto(state, &deltas))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await
+    .map_err(|e| RestoreError::Decoder(e.to_string()))??;
+    for state in decoded {
+        agg.install_group(state)?;
+    }
+    Ok(Applied {
+        groups: plan.groups.len() as u32,
+        bytes_read,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::snapshot::{Crc32c, SnapshotKind};
+
+    fn block(file: &str, offset: u64, length: u64, crc: u32) -> DeltaBlock {
+        DeltaBlock {
+            file: file.into(),
+            offset,
+            length,
+            checksum: Crc32c(crc),
+            entries: 1,
+        }
+    }
+
+    fn entry(group: u32, first: DeltaBlock, deltas: Vec<DeltaBlock>) -> GroupEntry {
+        GroupEntry {
+            group,
+            file: first.file,
+            offset: first.offset,
+            length: first.length,
+            checksum: first.checksum,
+            entries: first.entries,
+            deltas,
+        }
+    }
+
+    fn manifest(id: u64, groups: Vec<GroupEntry>) -> Manifest {
+        Manifest {
+            format_version: snapshot::FORMAT_VERSION,
+            job: snapshot::JobIdentity {
+                namespace: "ns".into(),
+                name: "j".into(),
+                job_fingerprint: "f".into(),
+                layout: None,
+            },
+            snapshot_id: id,
+            kind: SnapshotKind::Checkpoint,
+            completed_at: chrono::Utc::now(),
+            max_parallelism: 4,
+            parallelism: 1,
+            state_schema: "s".into(),
+            checksum_algorithm: snapshot::CHECKSUM_ALGORITHM.into(),
+            source_positions: Default::default(),
+            source_partitions: Default::default(),
+            watermark: None,
+            stats: Default::default(),
+            files: vec![],
+            key_groups: groups,
+        }
+    }
+
+    #[test]
+    fn only_what_the_loaded_checkpoint_lacks_is_read() {
+        let f5 = "state-0-of-1.bin";
+        let ref5 = |o| block("checkpoints/chk-5/state-0-of-1.bin", o, 10, o as u32);
+        // Checkpoint 5, loaded: groups 0..3 whole in its own file, group 3 empty.
+        let loaded = manifest(
+            5,
+            vec![
+                entry(0, block(f5, 0, 10, 0), vec![]),
+                entry(1, block(f5, 10, 10, 10), vec![]),
+                entry(2, block(f5, 20, 10, 20), vec![]),
+                entry(3, block(f5, 30, 0, 30), vec![]),
+            ],
+        );
+        // The stop checkpoint 6: group 0 unchanged, group 1 one delta more, group 2 written
+        // whole again, group 3 gained keys (whole).
+        let target = manifest(
+            6,
+            vec![
+                entry(0, ref5(0), vec![]),
+                entry(1, ref5(10), vec![block("state-0-of-2.bin", 0, 3, 7)]),
+                entry(2, block("state-0-of-2.bin", 3, 12, 8), vec![]),
+                entry(3, block("state-0-of-2.bin", 15, 4, 9), vec![]),
+            ],
+        );
+        let p = plan(&loaded, &target, KeyGroupRange { start: 0, end: 3 });
+        let own6 = |o, l, c| block("checkpoints/chk-6/state-0-of-2.bin", o, l, c);
+        assert_eq!(
+            p.groups,
+            vec![
+                GroupApply {
+                    group: 1,
+                    replace: false,
+                    blocks: vec![own6(0, 3, 7)]
+                },
+                GroupApply {
+                    group: 2,
+                    replace: true,
+                    blocks: vec![own6(3, 12, 8)]
+                },
+                GroupApply {
+                    group: 3,
+                    replace: true,
+                    blocks: vec![own6(15, 4, 9)]
+                },
+            ]
+        );
+        assert_eq!((p.bytes, p.replaced), (19, 2));
+        // Only the worker's own groups.
+        let p = plan(&loaded, &target, KeyGroupRange { start: 0, end: 1 });
+        assert_eq!(p.groups.len(), 1);
+        // The same snapshot: nothing.
+        assert_eq!(
+            plan(&loaded, &loaded, KeyGroupRange { start: 0, end: 3 }),
+            DeltaPlan::default()
+        );
+        // A chain that dropped a delta the loaded one had (compacted): whole.
+        let with_delta = manifest(
+            7,
+            vec![entry(
+                0,
+                block(f5, 0, 10, 0),
+                vec![block("state-0-of-3.bin", 0, 2, 1)],
+            )],
+        );
+        let compacted = manifest(8, vec![entry(0, ref5(0), vec![])]);
+        let p = plan(&with_delta, &compacted, KeyGroupRange { start: 0, end: 0 });
+        assert_eq!(p.replaced, 1);
+        assert_eq!(p.groups[0].blocks, vec![ref5(0)]);
+    }
+
+    #[test]
+    fn a_delta_applied_over_a_group_replaces_its_keys_and_the_group_counts_as_restored() {
+        use crate::crd::AggregateFunction;
+        use crate::job::{AccValue, AggConfig, GroupMode, Record, RecordKey};
+        use bytes::Bytes;
+        let config = AggConfig {
+            function: AggregateFunction::Count,
+            window_size_ms: None,
+            max_parallelism: 4,
+            state_payload_bytes: 0,
+        };
+        let range = KeyGroupRange { start: 0, end: 3 };
+        let keys: Vec<RecordKey> = (0..1000)
+            .map(RecordKey::long)
+            .filter(|k| k.key_group(4) == 1)
+            .take(3)
+            .collect();
+        let record = |k: &RecordKey| Record {
+            key: k.clone(),
+            value: 1,
+            ts: 0,
+        };
+        // The loaded checkpoint: three keys counted once.
+        let mut old = KeyedAggregator::new(config, range).unwrap();
+        for k in &keys {
+            old.process(&record(k)).unwrap();
+        }
+        let (base, _) = old.encode_group(1).unwrap();
+        // A delta: the first key, counted three times.
+        let mut changed = KeyedAggregator::new(config, range).unwrap();
+        for _ in 0..3 {
+            changed.process(&record(&keys[0])).unwrap();
+        }
+        let (delta, _) = changed.encode_group(1).unwrap();
+        let counts = |agg: &KeyedAggregator| -> Vec<(RecordKey, AccValue)> {
+            let mut v: Vec<_> = agg
+                .group_entries(1)
+                .into_iter()
+                .map(|(k, s)| (k, s.acc))
+                .collect();
+            v.sort_by_key(|(k, _)| keys.iter().position(|x| x == k));
+            v
+        };
+        let mut new = KeyedAggregator::new(config, range).unwrap();
+        new.restore_group(1, &base).unwrap();
+        let decoder = new.decoder();
+        let state = new.take_group(1).unwrap();
+        assert_eq!(new.group_key_count(1), 0);
+        let state = decoder
+            .decode_onto(state, &[Bytes::from(delta.clone())])
+            .unwrap();
+        new.install_group(state).unwrap();
+        assert_eq!(
+            counts(&new),
+            vec![
+                (keys[0].clone(), AccValue::Scalar(3)),
+                (keys[1].clone(), AccValue::Scalar(1)),
+                (keys[2].clone(), AccValue::Scalar(1)),
+            ]
+        );
+        // Applied state is restored state: a checkpoint building on the snapshot skips it.
+        assert_eq!(new.group_mode(1, 0), GroupMode::Unchanged);
+        // Replaced: read again from nothing.
+        let mut state = new.take_group(1).unwrap();
+        state.clear();
+        let state = decoder.decode_onto(state, &[Bytes::from(delta)]).unwrap();
+        new.install_group(state).unwrap();
+        assert_eq!(counts(&new), vec![(keys[0].clone(), AccValue::Scalar(3))]);
+        assert_eq!(new.group_mode(1, 0), GroupMode::Unchanged);
+    }
+}
