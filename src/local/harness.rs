@@ -258,6 +258,25 @@ impl LocalJob {
     }
 
     /// Starts workers at `parallelism`, restoring from `restore` if given.
+    /// The coordinator of a run of this job over `endpoints` (its sink's credentials from this
+    /// process's environment).
+    async fn run_coordinator(
+        &self,
+        assignment: Assignment,
+        endpoints: Vec<crate::coordinator::WorkerEndpoint>,
+    ) -> Result<Coordinator, LocalError> {
+        Ok(run::coordinator(
+            &self.spec,
+            &self.storage,
+            run::identity(&self.namespace, &self.name, &self.spec),
+            assignment,
+            endpoints,
+            self.token.clone(),
+            &run::sink_credentials_from_env(&self.spec)?,
+        )
+        .await?)
+    }
+
     pub async fn launch(
         &mut self,
         parallelism: u32,
@@ -274,16 +293,7 @@ impl LocalJob {
             index: 0,
             reason: e.to_string(),
         })?;
-        let coordinator = run::coordinator(
-            &self.spec,
-            &self.storage,
-            run::identity(&self.namespace, &self.name, &self.spec),
-            assignment,
-            endpoints,
-            self.token.clone(),
-            &run::sink_credentials_from_env(&self.spec)?,
-        )
-        .await?;
+        let coordinator = self.run_coordinator(assignment, endpoints).await?;
         let template = run::StartPlan {
             namespace: &self.namespace,
             name: &self.name,
@@ -539,15 +549,7 @@ impl LocalJob {
         };
         let run_id = run::new_run_id().map_err(|e| fail(e.to_string()))?;
         let result = async {
-            let coordinator = run::coordinator(
-                &self.spec,
-                &self.storage,
-                run::identity(&self.namespace, &self.name, &self.spec),
-                assignment,
-                endpoints,
-                self.token.clone(),
-            )
-            .await?;
+            let coordinator = self.run_coordinator(assignment, endpoints).await?;
             let template = self.plan(assignment, Some(base.clone()), &run_id)?;
             let mut round = Instant::now();
             let mut loaded = coordinator
@@ -734,15 +736,9 @@ impl LocalJob {
             old.stop_all().await
         }));
         let result = async {
-            let coordinator = run::coordinator(
-                &self.spec,
-                &self.storage,
-                run::identity(&self.namespace, &self.name, &self.spec),
-                p.assignment,
-                p.coordinator.workers().to_vec(),
-                self.token.clone(),
-            )
-            .await?;
+            let coordinator = self
+                .run_coordinator(p.assignment, p.coordinator.workers().to_vec())
+                .await?;
             let template = self.plan(p.assignment, Some(sp.url.clone()), &p.run_id)?;
             let responses = coordinator
                 .start(&template, run::timeouts::start(&self.spec))
