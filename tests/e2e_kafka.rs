@@ -167,6 +167,20 @@ fn kafka_to_kafka_is_exact_through_scale_a_killed_worker_and_operator_and_broker
         );
         std::thread::sleep(Duration::from_secs(1));
     }
+    // Caught up: the consumer lag in status comes from the broker's metadata (4 partitions, 0
+    // records behind), and the brokers are reachable.
+    wait_for(Duration::from_secs(90), || {
+        get(ns, name, "{.status.source.lag.records}") == "0"
+            && get(ns, name, "{.status.source.lag.partitions}") == "4"
+    });
+    assert_eq!(
+        get(
+            ns,
+            name,
+            "{.status.conditions[?(@.type==\"KafkaReachable\")].status}"
+        ),
+        "True"
+    );
     set_suspend(ns, name, true, &log);
     let url = get(ns, name, "{.status.lastSavepoint.path}");
     let state = snapshot_support::read_state_blocking(&url);
