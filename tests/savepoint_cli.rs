@@ -454,7 +454,9 @@ fn progress_bars_on_a_terminal_only() {
     let src = built.url.as_str();
     let run = |args: &[&str], no_color: bool| -> Vec<u8> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_keyshift"));
-        cmd.args(args).env_remove("NO_COLOR");
+        // A terminal that draws (the pseudo-terminal below is one), whatever TERM the suite
+        // itself runs under (CI may have none, or `dumb`).
+        cmd.args(args).env_remove("NO_COLOR").env("TERM", "xterm");
         if no_color {
             cmd.env("NO_COLOR", "1");
         }
