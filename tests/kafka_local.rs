@@ -12,8 +12,10 @@
 #![cfg(feature = "kafka")]
 
 mod fake_platform;
+mod kafka_support;
 mod snapshot_support;
 
+use kafka_support::committed;
 use keyshift::crd::StreamJob;
 use keyshift::keygroup::Key;
 use keyshift::local::LocalJob;
@@ -22,7 +24,6 @@ use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
 use rdkafka::producer::{BaseRecord, DefaultProducerContext, Producer, ThreadedProducer};
-use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
@@ -289,30 +290,6 @@ async fn checkpoint_when_caught_up(
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
-}
-
-/// The consumer group's committed offsets of the topic, by partition.
-fn committed(bootstrap: &str, group: &str, topic: &str) -> BTreeMap<i32, u64> {
-    let c: BaseConsumer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("group.id", group)
-        .set("enable.auto.commit", "false")
-        .create()
-        .expect("consumer");
-    let mut tpl = TopicPartitionList::new();
-    for p in 0..PARTITIONS {
-        tpl.add_partition(topic, p);
-    }
-    let got = c
-        .committed_offsets(tpl, Duration::from_secs(10))
-        .expect("committed offsets");
-    got.elements()
-        .iter()
-        .filter_map(|e| match e.offset() {
-            Offset::Offset(o) if o >= 0 => Some((e.partition(), o as u64)),
-            _ => None,
-        })
-        .collect()
 }
 
 fn restart_broker() -> bool {
