@@ -1878,7 +1878,7 @@ async fn prestaged_chain(storage: Option<String>) {
         tokio::time::sleep(Duration::from_millis(300)).await;
         // Down: every catch-up round (each an incremental checkpoint of the old job whose delta
         // the new workers read).
-        local.catch_up_after = if to == 3 {
+        local.catch_up.short_round = if to == 3 {
             Duration::ZERO
         } else {
             Duration::from_millis(300)

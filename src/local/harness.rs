@@ -155,12 +155,6 @@ pub struct Prestage {
     pub catch_up_rounds: u32,
 }
 
-/// Catch-up rounds of a pre-stage at most.
-const CATCH_UP_ROUNDS: u32 = 3;
-/// A pre-stage round shorter than this ends the catch-up (the changes since are few), by
-/// default.
-const CATCH_UP_AFTER: Duration = Duration::from_millis(300);
-
 impl Prestage {
     /// Kills one of the new workers (failure tests).
     pub async fn kill_worker(&mut self, index: usize) {
@@ -192,9 +186,9 @@ pub struct LocalJob {
     /// The old workers of a pre-staged rescale, stopping in the background (awaited by the
     /// next stop).
     retiring: Option<tokio::task::JoinHandle<()>>,
-    /// A pre-stage round shorter than this ends its catch-up ([`LocalJob::prestage`]; 300 ms;
-    /// tests set 0 to run every round).
-    pub catch_up_after: Duration,
+    /// When a pre-stage's catch-up ends ([`LocalJob::prestage`]; tests set a zero
+    /// `short_round` to run every round).
+    pub catch_up: crate::runtime::prestage::CatchUp,
 }
 
 impl LocalJob {
@@ -226,7 +220,7 @@ impl LocalJob {
             restore_from: job.spec.restore_from.clone(),
             state_payload_bytes: 0,
             retiring: None,
-            catch_up_after: CATCH_UP_AFTER,
+            catch_up: Default::default(),
         })
     }
 
@@ -510,10 +504,10 @@ impl LocalJob {
     /// Starts `to` new workers beside the running ones and pre-stages them: each loads its key
     /// groups of the new assignment from the job's newest committed checkpoint (one is taken
     /// first if the newest committed snapshot is not a checkpoint), while the old workers keep
-    /// running. Then, while a round took [`LocalJob::catch_up_after`] or longer (at most 3
-    /// times), the old job takes an incremental checkpoint and the new workers read only its
-    /// delta, so that the stop's delta covers a short time. See [`crate::runtime::prestage`]. On failure the new workers are stopped and the
-    /// job runs on as it was.
+    /// running. Then, while [`LocalJob::catch_up`] says so, the old job takes an incremental
+    /// checkpoint and the new workers read only its delta, so that the stop's delta covers a
+    /// short time. See [`crate::runtime::prestage`]. On failure the new workers are stopped
+    /// and the job runs on as it was.
     pub async fn prestage(&mut self, to: u32) -> Result<Prestage, LocalError> {
         let from = self.parallelism().unwrap_or(to);
         let fail = |reason: String| LocalError::Rescale {
@@ -560,7 +554,7 @@ impl LocalJob {
             // the delta its stop writes (inside the pause) covers a short time.
             let mut base = base.clone();
             let mut rounds = 0;
-            while rounds < CATCH_UP_ROUNDS && round.elapsed() >= self.catch_up_after {
+            while self.catch_up.again(rounds, round.elapsed()) {
                 round = Instant::now();
                 let c = self.checkpoint().await?;
                 let mut template = template.clone();

@@ -22,6 +22,36 @@ use crate::job::KeyedAggregator;
 use crate::keygroup::KeyGroupRange;
 use crate::snapshot::{self, DeltaBlock, GroupEntry, Manifest, ObjectStore, Path};
 
+/// When a pre-stage's catch-up ends: after the first load, while a round took
+/// [`CatchUp::short_round`] or longer (the old job changed much meanwhile), the old job takes an
+/// incremental checkpoint and the new workers read only its delta, at most
+/// [`CatchUp::max_rounds`] times, so that the delta its stop writes (inside the pause) covers a
+/// short time. One policy for every orchestrator (`keyshift local`, the operator). Pure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CatchUp {
+    /// Catch-up rounds at most.
+    pub max_rounds: u32,
+    /// A round shorter than this ends the catch-up.
+    pub short_round: std::time::Duration,
+}
+
+impl Default for CatchUp {
+    fn default() -> Self {
+        CatchUp {
+            max_rounds: 3,
+            short_round: std::time::Duration::from_millis(300),
+        }
+    }
+}
+
+impl CatchUp {
+    /// Whether another round follows, after `done` catch-up rounds, the last of which (or the
+    /// first load) took `last`.
+    pub fn again(&self, done: u32, last: std::time::Duration) -> bool {
+        done < self.max_rounds && last >= self.short_round
+    }
+}
+
 /// What one key group needs from the stop checkpoint.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupApply {
@@ -174,6 +204,24 @@ pub async fn apply(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn catch_up_goes_on_while_rounds_are_long_and_stops_after_its_rounds() {
+        use std::time::Duration;
+        let c = CatchUp::default();
+        assert!(c.again(0, Duration::from_secs(2)));
+        assert!(c.again(2, Duration::from_millis(300)));
+        assert!(!c.again(3, Duration::from_secs(2)), "at most max_rounds");
+        assert!(
+            !c.again(0, Duration::from_millis(299)),
+            "a short round ends it"
+        );
+        let every = CatchUp {
+            short_round: Duration::ZERO,
+            ..c
+        };
+        assert!(every.again(0, Duration::ZERO));
+    }
     use crate::snapshot::{Crc32c, SnapshotKind};
 
     fn block(file: &str, offset: u64, length: u64, crc: u32) -> DeltaBlock {
