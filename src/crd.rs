@@ -91,6 +91,19 @@ pub struct StreamJobSpec {
     #[serde(default)]
     pub upgrade_mode: UpgradeMode,
 
+    /// How a change of spec.replicas is carried out. `StopAndRestore` (default): the job stops
+    /// with a savepoint of its whole state and the new workers read it back (the pause grows
+    /// with the state). `Prestage`: the new workers start beside the old ones and load their key
+    /// groups from the newest checkpoint while the job keeps running; then the job stops with a
+    /// checkpoint that writes only what changed since, which the new workers apply before they
+    /// resume (the pause grows with the changes, not the state). Pre-staged workers read no
+    /// source and emit nothing. Needs room for both sets of workers for a while; when the new
+    /// ones are not ready within spec.state.prestageTimeout, the rescale falls back to
+    /// stop-and-restore (a condition and an Event say so). Suspends, upgrades, restores and
+    /// key-group changes always stop and restore.
+    #[serde(default, skip_serializing_if = "RescaleStrategy::is_default")]
+    pub rescale_strategy: RescaleStrategy,
+
     /// Stop the job with a savepoint and remove its pods while true; resume from that savepoint
     /// when set back to false.
     #[serde(default)]
@@ -156,6 +169,23 @@ pub enum KeyGroupPolicy {
     Warn,
     /// Refuse a replicas value that does not divide the key-group count.
     Strict,
+}
+
+/// How a rescale moves the job's state (spec.rescaleStrategy).
+#[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
+pub enum RescaleStrategy {
+    /// Stop with a savepoint of the whole state; the new workers restore it.
+    #[default]
+    StopAndRestore,
+    /// Pre-stage the new workers from the newest checkpoint while the job runs; stop with a
+    /// delta checkpoint they apply.
+    Prestage,
+}
+
+impl RescaleStrategy {
+    fn is_default(&self) -> bool {
+        *self == RescaleStrategy::StopAndRestore
+    }
 }
 
 /// How changes of image or job are rolled out.
@@ -597,6 +627,12 @@ pub struct StateSpec {
     /// it for state that takes longer to read from its storage. Default `3m`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_timeout: Option<String>,
+    /// With spec.rescaleStrategy `Prestage`: how long the new workers may take to be created,
+    /// scheduled and load their key groups beside the running job before the rescale falls back
+    /// to stop-and-restore (nothing is lost: the job has kept running). A duration between 1s
+    /// and 24h. Default `2m`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prestage_timeout: Option<String>,
     /// Incremental checkpoints: a checkpoint writes only the keys changed since the previous one
     /// and refers to the earlier files for the rest (on by default; savepoints are always
     /// written in full). Read when a run starts: a change applies from the next start (a
@@ -638,6 +674,7 @@ impl Default for StateSpec {
             savepoint_timeout: None,
             credentials_secret: None,
             restore_timeout: None,
+            prestage_timeout: None,
             incremental_checkpoints: None,
         }
     }
@@ -992,8 +1029,8 @@ pub struct RescaleStatus {
     pub from: i32,
     /// Parallelism after.
     pub to: i32,
-    /// Current step: Savepointing, Verifying, Stopping, Rewriting, VerifyingRewrite, Restoring,
-    /// Done, Abandoned or RolledBack.
+    /// Current step: Prestaging, Savepointing, Verifying, Stopping, Rewriting, VerifyingRewrite,
+    /// Restoring, Done, Abandoned or RolledBack.
     #[schemars(with = "String")]
     pub step: crate::orchestrator::step::Step,
     /// When the rescale started (RFC 3339).
@@ -1042,9 +1079,54 @@ pub struct RescaleStatus {
     /// checkpoint or nothing.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub upgrade_mode: Option<UpgradeMode>,
+    /// Set when this rescale pre-stages its new workers (spec.rescaleStrategy `Prestage`): the
+    /// new run and what it loaded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prestage: Option<PrestageStatus>,
+    /// Set when a pre-staged rescale fell back to stop-and-restore: why. The pre-staged workers
+    /// were removed; the rescale goes on by the savepoint's steps.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fallback: Option<String>,
+}
+
+/// The new workers of a pre-staged rescale (status.rescale.prestage).
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PrestageStatus {
+    /// The run id of the new workers (their pods carry it).
+    pub run: String,
+    /// When their pods were first asked for (RFC 3339): spec.state.prestageTimeout counts from
+    /// here.
+    pub since: String,
+    /// The checkpoint the new workers loaded last (the stop checkpoint builds on it), once they
+    /// have.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<String>,
+    /// Bytes the new workers read while the job kept running (the first load and every
+    /// catch-up).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub loaded_bytes: Option<i64>,
+    /// Catch-up rounds after the first load: each an incremental checkpoint of the running job
+    /// whose delta the new workers read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub catch_up_rounds: Option<i32>,
+    /// Bytes the stop checkpoint wrote itself (the delta since `base`), once taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delta_bytes: Option<i64>,
 }
 
 impl RescaleStatus {
+    /// The pre-stage of this rescale while it is in use (not fallen back).
+    pub fn prestaged(&self) -> Option<&PrestageStatus> {
+        self.prestage.as_ref().filter(|_| self.fallback.is_none())
+    }
+
+    /// The run id of this rescale's pre-staged workers, fallen back or not (their pods are
+    /// never taken for the old run's).
+    pub fn prestage_run(&self) -> Option<&str> {
+        self.prestage.as_ref().map(|p| p.run.as_str())
+    }
+
     /// Whether this transition changes the key-group count by rewriting its savepoint.
     pub fn rewrites(&self) -> bool {
         self.from_max_parallelism.is_some()

@@ -29,6 +29,7 @@ pub const MSG_STRICT_DIVISOR: &str = "spec.replicas must divide the key-group co
 pub const MSG_STORAGE_URL: &str = "spec.state.storage must be an object store URL: file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix (also abfs://, abfss://, memory://, http(s)://)";
 pub const MSG_RESTORE_URL: &str = "spec.restoreFrom must be the object store URL of a snapshot directory, e.g. s3://bucket/prefix/ns/job/savepoints/sp-7 or file:///path/savepoints/sp-7";
 pub const MSG_CHECKPOINT_TIMEOUT: &str = "spec.state.checkpointTimeout must be a duration between 1s and 24h, such as 2m (units: ms, s, m, h)";
+pub const MSG_PRESTAGE_TIMEOUT: &str = "spec.state.prestageTimeout must be a duration between 1s and 24h, such as 2m (units: ms, s, m, h)";
 pub const MSG_SAVEPOINT_TIMEOUT: &str = "spec.state.savepointTimeout must be a duration between 1s and 24h, such as 5m (units: ms, s, m, h)";
 /// The bounds of spec.state.checkpointTimeout and savepointTimeout.
 pub const TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
@@ -287,6 +288,14 @@ fn rules() -> Vec<CelRule> {
             None,
         ),
         r(
+            &["spec", "state", "prestageTimeout"],
+            &format!(
+                "self.matches('{DURATION_RE}') && duration(self) >= duration('1s') && duration(self) <= duration('24h')"
+            ),
+            MSG_PRESTAGE_TIMEOUT,
+            None,
+        ),
+        r(
             &["spec", "state", "retainedCheckpoints"],
             "self >= 1",
             MSG_RETAINED,
@@ -501,6 +510,7 @@ const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["spec", "state", "checkpointTimeout"], 64),
     (&["spec", "state", "savepointTimeout"], 64),
     (&["spec", "state", "restoreTimeout"], 64),
+    (&["spec", "state", "prestageTimeout"], 64),
     (&["spec", "job", "window", "size"], 64),
     (&["spec", "job", "window", "maxOutOfOrderness"], 64),
     (
@@ -981,6 +991,11 @@ pub fn validate(
             &spec.state.restore_timeout,
             MSG_RESTORE_TIMEOUT,
             RESTORE_TIMEOUT_BOUNDS,
+        ),
+        (
+            &spec.state.prestage_timeout,
+            MSG_PRESTAGE_TIMEOUT,
+            TIMEOUT_BOUNDS,
         ),
     ] {
         if let Some(text) = value

@@ -21,7 +21,7 @@ use keyshift::orchestrator::pass::{
     self, ErrorKind, JobMemory, PassInput, PassOutput, PendingEvent, Shell, run_pass,
 };
 use keyshift::orchestrator::step::{self, ALL_OUTCOMES, Step};
-use keyshift::orchestrator::{decide, hooks};
+use keyshift::orchestrator::{decide, hooks, status};
 use keyshift::runtime::protocol::WorkerState;
 use keyshift::snapshot;
 use std::collections::BTreeMap;
@@ -102,6 +102,7 @@ fn check_change(
             // A key-group change of a stopped job starts by verifying its newest snapshot.
             let first = match a.upgrade_mode {
                 _ if a.rewrites() && a.step == Step::Verifying => Step::Verifying,
+                None if a.prestage.is_some() => Step::Prestaging,
                 None => Step::Savepointing,
                 Some(mode) => step::Step::first_of_upgrade(mode),
             };
@@ -123,7 +124,15 @@ fn check_change(
         Some(_) => {}
     }
     let changed_to = |s: Step| a.step == s && same.is_none_or(|b| b.step != s);
-    let pairs: [(bool, &str); 5] = [
+    let pairs: [(bool, &str); 7] = [
+        (
+            a.fallback.is_some() && same.is_some_and(|b| b.fallback.is_none()),
+            "PrestageFellBack",
+        ),
+        (
+            changed_to(Step::Savepointing) && a.prestaged().is_some(),
+            "Prestaged",
+        ),
         (changed_to(Step::Abandoned), "RescaleAbandoned"),
         (changed_to(Step::RolledBack), "RescaleRolledBack"),
         (
@@ -2150,6 +2159,270 @@ async fn a_suspended_job_is_rewritten_before_it_resumes() {
         assert_changed(&mut d).await;
         // The first suspend's Event is not the one checked next.
         d.events.retain(|(_, e)| e.reason != "Suspended");
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+// --- Pre-staged rescales (spec.rescaleStrategy: Prestage) ---
+
+/// Every step of a pre-staged rescale that used its new workers.
+const PRESTAGE_STEPS: [Step; 6] = [
+    Step::Prestaging,
+    Step::Savepointing,
+    Step::Verifying,
+    Step::Stopping,
+    Step::Restoring,
+    Step::Done,
+];
+
+/// A driver whose job rescales with pre-staged workers, running at `replicas`.
+async fn prestaging(name: &str, replicas: u32) -> Driver {
+    prestaging_every(name, replicas, "1h").await
+}
+
+/// [`prestaging`], checkpointing every `interval`.
+async fn prestaging_every(name: &str, replicas: u32, interval: &str) -> Driver {
+    let mut d = Driver::new(name, replicas, interval);
+    // Few of the keys change between two snapshots taken a moment apart: a delta is a small
+    // part of the state (once most keys have been seen).
+    if let Some(g) = d.spec.job.source.generator.as_mut() {
+        g.keys = 2_000;
+        g.records_per_second = Some(1000);
+    }
+    d.spec.state.incremental_checkpoints = Some(keyshift::crd::IncrementalCheckpoints {
+        enabled: true,
+        max_deltas: None,
+        max_delta_percent: Some(400),
+    });
+    d.spec.rescale_strategy = keyshift::crd::RescaleStrategy::Prestage;
+    d.until_running(replicas as i32).await;
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while d.progress().await.0 < 4_000 {
+        assert!(
+            Instant::now() < deadline,
+            "4000 records not processed in 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    d
+}
+
+/// Rescales to `to` and checks the pre-stage was used: every step in order, the job runs on the
+/// pre-staged workers (none replaced), which loaded the state while the job ran, and the stop
+/// checkpoint (what they applied) is exact and wrote less than the state.
+async fn rescale_prestaged(d: &mut Driver, to: i32) {
+    d.spec.replicas = to;
+    d.until(
+        &format!("pre-staged rescale to {to}"),
+        Duration::from_secs(40),
+        |d| d.step() == Some(Step::Done) && d.running_at(to),
+    )
+    .await;
+    let r = d.rescale();
+    assert_eq!(
+        d.steps.last().map(|(_, s)| s.as_slice()),
+        Some(&PRESTAGE_STEPS[..]),
+        "{}",
+        d.event_log()
+    );
+    assert_eq!(r.fallback, None, "{}", d.event_log());
+    let p = r.prestage.clone().expect("the pre-stage is recorded");
+    let mut names = d.workers.names();
+    names.sort();
+    let want: Vec<String> = (0..to).map(|i| format!("{}-{i}", p.run)).collect();
+    assert_eq!(names, want, "the job runs on its pre-staged workers");
+    assert!(p.loaded_bytes.unwrap_or_default() > 0, "{p:?}");
+    let stop = r.savepoint.clone().expect("the stop checkpoint");
+    assert!(stop.contains("/checkpoints/"), "{stop}");
+    let state = snapshot::open_snapshot(&stop)
+        .await
+        .expect("the stop checkpoint opens")
+        .2
+        .stats
+        .total_bytes as i64;
+    let delta = p.delta_bytes.expect("the stop checkpoint's delta");
+    assert_eq!(
+        r.bytes_to_read,
+        Some(delta),
+        "the new workers read the delta"
+    );
+    assert!(
+        delta < state,
+        "the stop checkpoint wrote {delta} bytes of {state}: {p:?}\n{}",
+        d.event_log()
+    );
+    assert_eq!(d.events_named("Prestaged").len(), d.steps_prestaged());
+    assert_exact(&d.spec, &stop).await;
+    d.assert_processing().await;
+}
+
+impl Driver {
+    /// Transitions that went through Prestaging and used their new workers.
+    fn steps_prestaged(&self) -> usize {
+        self.steps
+            .iter()
+            .filter(|(_, s)| s.first() == Some(&Step::Prestaging) && s.contains(&Step::Verifying))
+            .count()
+    }
+}
+
+/// Up and down with pre-staged workers: exact state, each rescale on the workers that loaded it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_up_and_down_keeps_every_key() {
+    bounded(async {
+        let mut d = prestaging("pre-updown", 2).await;
+        rescale_prestaged(&mut d, 3).await;
+        rescale_prestaged(&mut d, 1).await;
+        assert!(d.events_named("PrestageFellBack").is_empty());
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// The orchestrator restarts as soon as each step of a pre-staged rescale is recorded: the
+/// fresh one coordinates the old workers again (Prestaging, Savepointing), and goes on with the
+/// same pre-staged workers to an exact state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_in_any_step_of_a_prestaged_rescale_resumes_it() {
+    bounded(async {
+        let mut d = prestaging("pre-restart", 2).await;
+        let mut to = 2;
+        for step in &PRESTAGE_STEPS[..5] {
+            to = if to == 2 { 3 } else { 2 };
+            d.spec.replicas = to;
+            d.until(&format!("in {step}"), Duration::from_secs(30), |d| {
+                d.step() == Some(*step)
+            })
+            .await;
+            d.await_background(step.as_str()).await;
+            d.restart();
+            rescale_prestaged(&mut d, to).await;
+        }
+        assert!(d.events_named("PrestageFellBack").is_empty());
+        assert!(d.events_named("RescaleAbandoned").is_empty());
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// A new worker killed while pre-staged (before the job stops), or right before its start
+/// (after the old workers are gone): the rescale falls back to a stop-and-restore, says so, and
+/// the state is exact either way.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_prestaged_worker_falls_back_to_stop_and_restore() {
+    bounded(async {
+        let mut d = prestaging("pre-lost", 2).await;
+        for (to, step) in [(3, Step::Savepointing), (2, Step::Restoring)] {
+            d.spec.replicas = to;
+            d.until(&format!("in {step}"), Duration::from_secs(30), |d| {
+                d.step() == Some(step) && d.rescale().prestaged().is_some()
+            })
+            .await;
+            d.await_background(step.as_str()).await;
+            let run = d.rescale().prestage.expect("pre-stage").run;
+            let killed = d
+                .workers
+                .kill_in(Some(&run), 1)
+                .expect("a pre-staged worker");
+            let falls_before = d.events_named("PrestageFellBack").len();
+            d.until(&format!("rescaled to {to}"), Duration::from_secs(40), |d| {
+                d.step() == Some(Step::Done) && d.running_at(to)
+            })
+            .await;
+            let r = d.rescale();
+            let why = r.fallback.clone().expect("the fallback is recorded");
+            assert!(why.contains("subtask 1"), "{why}");
+            let falls = d.events_named("PrestageFellBack");
+            assert_eq!(falls.len(), falls_before + 1, "{}", d.event_log());
+            assert!(falls[falls_before].1.warning);
+            assert!(
+                d.workers.names().iter().all(|n| !n.starts_with(&run)),
+                "{killed}: the pre-staged workers are gone"
+            );
+            let sp = r.savepoint.expect("the rescale's snapshot");
+            assert_exact(&d.spec, &sp).await;
+            d.assert_processing().await;
+        }
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// New workers that cannot start (pods stay Pending): after spec.state.prestageTimeout the
+/// rescale falls back to stop-and-restore while the job keeps running, and finishes once pods
+/// can start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_workers_that_never_start_make_the_rescale_fall_back_in_time() {
+    bounded(async {
+        let mut d = prestaging("pre-pending", 2).await;
+        d.spec.state.prestage_timeout = Some("1s".into());
+        d.workers.faults().pods_pending = true;
+        d.spec.replicas = 3;
+        d.until("fallen back", Duration::from_secs(20), |d| {
+            !d.events_named("PrestageFellBack").is_empty()
+        })
+        .await;
+        let why = d.rescale().fallback.expect("the fallback");
+        assert!(why.contains("prestageTimeout (1s)"), "{why}");
+        assert!(
+            d.condition(status::RECONCILING)
+                .is_some_and(|(_, m)| m.contains("fell back to stop-and-restore")),
+            "{:?}",
+            d.status.conditions
+        );
+        d.workers.faults().pods_pending = false;
+        d.until("rescaled to 3", Duration::from_secs(40), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the savepoint");
+        assert!(sp.contains("/savepoints/"), "a stop-and-restore: {sp}");
+        assert_exact(&d.spec, &sp).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
+/// An old worker killed while the new ones are pre-staged: the rescale is abandoned (the new
+/// workers go), and the job recovers from its last checkpoint at the new parallelism, exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_old_worker_lost_while_prestaging_abandons_and_recovers() {
+    bounded(async {
+        let mut d = prestaging_every("pre-oldlost", 2, "1s").await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        let old_run = d.mem.run_id().expect("a coordinated run").to_owned();
+        d.spec.replicas = 3;
+        d.until("pre-staging", Duration::from_secs(20), |d| {
+            d.step() == Some(Step::Prestaging)
+        })
+        .await;
+        d.workers.kill_in(Some(&old_run), 0).expect("an old worker");
+        d.until("abandoned", Duration::from_secs(20), |d| {
+            !d.events_named("RescaleAbandoned").is_empty()
+        })
+        .await;
+        // The recovery brings the job up at the parallelism asked for, from its last
+        // checkpoint; the pre-staged workers are gone.
+        d.until("running at 3", Duration::from_secs(60), |d| d.running_at(3))
+            .await;
+        let run = d.rescale().prestage.expect("the pre-stage").run;
+        assert!(
+            d.workers.names().iter().all(|n| !n.starts_with(&run)),
+            "{}",
+            d.event_log()
+        );
+        let before = d.status.last_checkpoint.clone().map(|c| c.id);
+        d.until("checkpointed at 3", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.as_ref().map(|c| c.id) != before
+        })
+        .await;
+        let cp = d.status.last_checkpoint.clone().expect("a checkpoint").path;
+        assert_exact(&d.spec, &cp).await;
+        d.assert_processing().await;
         d.suspend_and_check().await;
     })
     .await;

@@ -519,19 +519,6 @@ impl LocalJob {
         };
         let started = Instant::now();
         let assignment = Assignment::new(i64::from(to), i64::from(self.max_parallelism))?;
-        let newest = coordinator::newest_snapshot(
-            &self.storage,
-            &self.namespace,
-            &self.name,
-            Some(self.max_parallelism),
-            None,
-        )
-        .await?
-        .found;
-        let base = match newest {
-            Some((url, info)) if info.kind == SnapshotKind::Checkpoint => url,
-            _ => self.checkpoint().await?.url,
-        };
         self.runs += 1;
         let mut workers = LocalWorkers::new(self.workers.bin.clone(), self.workers.log_dir.clone());
         let endpoints = match workers.spawn(to, &self.token, self.runs).await {
@@ -544,44 +531,41 @@ impl LocalJob {
         let run_id = run::new_run_id().map_err(|e| fail(e.to_string()))?;
         let result = async {
             let coordinator = self.run_coordinator(assignment, endpoints).await?;
-            let template = self.plan(assignment, Some(base.clone()), &run_id)?;
-            let mut round = Instant::now();
-            let mut loaded = coordinator
-                .prestage(&template, run::timeouts::start(&self.spec))
-                .await?;
-            // Catch up: while a round took long enough for the old job to change much, it
-            // checkpoints (incrementally) and the new workers read only that delta, so that
-            // the delta its stop writes (inside the pause) covers a short time.
-            let mut base = base.clone();
-            let mut rounds = 0;
-            while self.catch_up.again(rounds, round.elapsed()) {
-                round = Instant::now();
-                let c = self.checkpoint().await?;
-                let mut template = template.clone();
-                template.restore_from = Some(c.url.clone());
-                let more = coordinator
-                    .prestage(&template, run::timeouts::start(&self.spec))
-                    .await?;
-                for (l, m) in loaded.iter_mut().zip(more) {
-                    l.bytes_read += m.bytes_read;
-                }
-                base = c.url;
-                rounds += 1;
-            }
-            Ok::<_, LocalError>((coordinator, loaded, base, rounds))
+            let template = self.plan(assignment, None, &run_id)?;
+            let (spec, storage, ns, name) = (
+                self.spec.clone(),
+                self.storage.clone(),
+                self.namespace.clone(),
+                self.name.clone(),
+            );
+            let (groups, catch_up) = (self.max_parallelism, self.catch_up);
+            let timeout = run::timeouts::start(&spec);
+            let done = run::prestage(
+                &spec,
+                (&storage, &ns, &name),
+                groups,
+                None,
+                self.coordinator()?,
+                &coordinator,
+                &template,
+                catch_up,
+                timeout,
+            )
+            .await?;
+            Ok::<_, LocalError>((coordinator, done))
         }
         .await;
         match result {
-            Ok((coordinator, loaded, base, rounds)) => Ok(Prestage {
+            Ok((coordinator, done)) => Ok(Prestage {
                 to,
-                base,
+                base: done.base,
                 workers,
                 coordinator,
                 assignment,
                 run_id,
-                loaded,
+                loaded: done.loaded,
                 duration: started.elapsed(),
-                catch_up_rounds: rounds,
+                catch_up_rounds: done.rounds,
             }),
             Err(e) => {
                 workers.stop_all().await;
@@ -709,13 +693,7 @@ impl LocalJob {
             }
         };
         steps.push((Step::Savepointing, t0.elapsed()));
-        let delta_bytes = sp
-            .manifest
-            .files
-            .iter()
-            .filter(|f| !snapshot::is_referenced_file(&f.name))
-            .map(|f| f.size)
-            .sum();
+        let delta_bytes = sp.manifest.written_bytes();
         // The new workers read the delta and run; the old ones go meanwhile.
         let t = Instant::now();
         let started = Instant::now();

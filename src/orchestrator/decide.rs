@@ -3,7 +3,7 @@
 //! the step of a rescale is always in status before the step acts, so a restarted operator
 //! resumes from status.
 
-use crate::crd::{StreamJobSpec, StreamJobStatus, UpgradeMode};
+use crate::crd::{RescaleStatus, RescaleStrategy, StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::orchestrator::reason::Reason;
 use crate::orchestrator::step::{Outcome, Step};
 use crate::runtime::protocol::WorkerState;
@@ -116,8 +116,26 @@ pub enum Action {
     /// Record the key-group count (and where it came from) in status before anything is
     /// snapshotted.
     PinMaxParallelism { groups: u32, origin: String },
-    /// Record a new rescale (step Savepointing) in status; nothing else happens in this pass.
-    BeginRescale { from: u32, to: u32 },
+    /// Record a new rescale in status (step Savepointing; with `prestage`, the run id of its
+    /// new workers, step Prestaging); nothing else happens in this pass.
+    BeginRescale {
+        from: u32,
+        to: u32,
+        prestage: Option<String>,
+    },
+    /// Pre-stage the new workers of run `run` (all running and idle or pre-staged) beside the
+    /// running job: they load their key groups from its newest checkpoint and catch up (in the
+    /// background); on success record step Savepointing.
+    Prestage { run: String, parallelism: u32 },
+    /// A pre-staged rescale cannot use its new workers: record why (status.rescale.fallback)
+    /// and go on as a stop-and-restore.
+    FallBack { message: String },
+    /// Delete the pods of run `run` only (a pre-staged rescale's new workers that are not
+    /// used; or, with `retire`, the old workers once the pre-staged ones hold the state).
+    DeleteRun { run: String, reason: Reason },
+    /// Delete every pod of the job except those of run `keep` (the Stopping step of a
+    /// pre-staged rescale: the old workers go, the new ones stay).
+    DeleteAllBut { keep: String },
     /// spec.job or spec.image changed: record an upgrade at the same parallelism in status
     /// (step Savepointing for `savepoint`, Stopping otherwise).
     BeginUpgrade { parallelism: u32, mode: UpgradeMode },
@@ -413,6 +431,13 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         };
     }
 
+    if let Some((run, reason)) = status
+        .rescale
+        .as_ref()
+        .and_then(|r| unused_prestage(r, obs))
+    {
+        return Action::DeleteRun { run, reason };
+    }
     if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
         return rescale_step(spec, r, obs);
     }
@@ -471,9 +496,12 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
             if let Some(requeue) = backoff {
                 return Action::Idle { requeue };
             }
+            let prestage = (spec.rescale_strategy == RescaleStrategy::Prestage && desired > 0)
+                .then(|| obs.new_run.clone());
             return Action::BeginRescale {
                 from: active.parallelism,
                 to: desired,
+                prestage,
             };
         }
         let want = spec_hash(spec);
@@ -585,23 +613,46 @@ pub fn recovery_parallelism(status: &StreamJobStatus, desired: u32, restoring_fr
     }
 }
 
-fn rescale_step(spec: &StreamJobSpec, r: &crate::crd::RescaleStatus, obs: &Observed) -> Action {
+fn rescale_step(spec: &StreamJobSpec, r: &RescaleStatus, obs: &Observed) -> Action {
+    // The old run's pods: never a pre-staged rescale's new workers.
+    let old: Vec<ObservedPod> = match r.prestage_run() {
+        Some(run) => obs.pods.iter().filter(|p| p.run != run).cloned().collect(),
+        None => obs.pods.clone(),
+    };
     match r.step {
+        Step::Prestaging => prestaging(spec, r, obs, &old),
         Step::Savepointing => {
             if obs.active.is_some() {
                 if let Some(active) = &obs.active
-                    && let Some(message) = run_failure(&obs.pods, active)
+                    && let Some(message) = run_failure(&old, active)
                 {
                     return Action::Abandon {
                         message: format!("a worker failed before the savepoint: {message}"),
                     };
                 }
+                // The job stops only once its pre-staged workers are all still there.
+                if let Some(p) = r.prestaged() {
+                    match prestage_ready(&obs.pods, &p.run, r.to.max(0) as u32) {
+                        Readiness::Ready => {}
+                        Readiness::Lost(why) => {
+                            return Action::FallBack {
+                                message: format!("{why} before the job stopped"),
+                            };
+                        }
+                        Readiness::NotYet(why) => {
+                            if let Some(message) = prestage_overdue(spec, p, obs.now, &why) {
+                                return Action::FallBack { message };
+                            }
+                            return Action::Wait { reason: why };
+                        }
+                    }
+                }
                 return Action::Savepoint;
             }
             // The operator restarted in this step: coordinate the old workers again first.
-            match adoptable(&obs.pods) {
+            match adoptable(&old) {
                 Some((run, parallelism)) => Action::Adopt { run, parallelism },
-                None if starting(&obs.pods) => Action::Wait {
+                None if starting(&old) => Action::Wait {
                     reason: "waiting for the workers to answer before the savepoint".into(),
                 },
                 None => Action::Abandon {
@@ -615,6 +666,18 @@ fn rescale_step(spec: &StreamJobSpec, r: &crate::crd::RescaleStatus, obs: &Obser
                 message: "no savepoint was recorded for this rescale".into(),
             },
         },
+        Step::Stopping if r.prestaged().is_some() => {
+            let keep = r.prestage_run().unwrap_or_default().to_owned();
+            if old.is_empty() {
+                Action::Advance(Outcome::Stopped)
+            } else if old.iter().all(|p| p.deleting) {
+                Action::Wait {
+                    reason: waiting_for_termination(&old, obs.now),
+                }
+            } else {
+                Action::DeleteAllBut { keep }
+            }
+        }
         Step::Stopping => {
             if obs.pods.is_empty() {
                 Action::Advance(if r.rewrites() {
@@ -682,6 +745,16 @@ fn rescale_step(spec: &StreamJobSpec, r: &crate::crd::RescaleStatus, obs: &Obser
             {
                 return Action::Adopt { run, parallelism };
             }
+            // Pre-staged workers start from the stop checkpoint, applying only its delta; if one
+            // is lost, fresh workers restore it in full.
+            if let Some(p) = r.prestaged()
+                && let Readiness::Lost(why) | Readiness::NotYet(why) =
+                    prestage_ready(&obs.pods, &p.run, to)
+            {
+                return Action::FallBack {
+                    message: format!("{why} before their start"),
+                };
+            }
             let restore = match (&r.savepoint, r.upgrade_mode) {
                 _ if r.rolled_back.is_none() && r.restore_from.is_some() => {
                     Restore::Url(r.restore_from.clone().unwrap_or_default())
@@ -700,6 +773,178 @@ fn rescale_step(spec: &StreamJobSpec, r: &crate::crd::RescaleStatus, obs: &Obser
             requeue: Duration::from_secs(1),
         },
     }
+}
+
+/// The Prestaging step: the old run goes on (coordinated again after an operator restart);
+/// the new run's pods are created and, once all run, pre-staged; if they are not ready within
+/// spec.state.prestageTimeout, or one is lost, the rescale falls back to stop-and-restore.
+fn prestaging(
+    spec: &StreamJobSpec,
+    r: &RescaleStatus,
+    obs: &Observed,
+    old: &[ObservedPod],
+) -> Action {
+    let Some(p) = r.prestage.as_ref() else {
+        return Action::FallBack {
+            message: "no run was recorded for the pre-staged workers".into(),
+        };
+    };
+    match &obs.active {
+        Some(active) => {
+            if let Some(message) = run_failure(old, active) {
+                return Action::Abandon {
+                    message: format!(
+                        "a worker failed while the new ones were pre-staged: {message}"
+                    ),
+                };
+            }
+        }
+        None => {
+            return match adoptable(old) {
+                Some((run, parallelism)) => Action::Adopt { run, parallelism },
+                None if starting(old) => Action::Wait {
+                    reason: "waiting for the workers to answer before pre-staging".into(),
+                },
+                None => Action::Abandon {
+                    message: "the workers are not running, so nothing can be pre-staged".into(),
+                },
+            };
+        }
+    }
+    let to = r.to.max(0) as u32;
+    let new: Vec<&ObservedPod> = obs.pods.iter().filter(|q| q.run == p.run).collect();
+    if let Some(q) = new
+        .iter()
+        .find(|q| q.deleting || q.phase == PodPhase::Exited)
+    {
+        return Action::FallBack {
+            message: format!(
+                "new worker pod {} (subtask {}) {} while pre-staging",
+                q.name,
+                q.subtask,
+                if q.deleting {
+                    "is being deleted"
+                } else {
+                    "exited"
+                }
+            ),
+        };
+    }
+    let missing: Vec<u32> = (0..to)
+        .filter(|i| !new.iter().any(|q| q.subtask == *i))
+        .collect();
+    let not_up = new
+        .iter()
+        .filter(|q| q.phase != PodPhase::Running || q.ip.is_none())
+        .count();
+    let why = if !missing.is_empty() {
+        format!("{} of {to} new worker pod(s) missing", missing.len())
+    } else if not_up > 0 {
+        format!("{not_up} of {to} new worker pod(s) not running yet")
+    } else if new.iter().any(|q| q.worker == Some(WorkerState::Restoring)) {
+        "the new workers are loading their key groups".to_owned()
+    } else if new
+        .iter()
+        .all(|q| matches!(q.worker, Some(WorkerState::Idle | WorkerState::Prestaged)))
+    {
+        return Action::Prestage {
+            run: p.run.clone(),
+            parallelism: to,
+        };
+    } else {
+        "waiting for the new workers' control API".to_owned()
+    };
+    if let Some(message) = prestage_overdue(spec, p, obs.now, &why) {
+        return Action::FallBack { message };
+    }
+    if !missing.is_empty() {
+        return Action::CreatePods {
+            run: p.run.clone(),
+            parallelism: to,
+            subtasks: missing,
+        };
+    }
+    Action::Wait {
+        reason: format!("pre-staging: {why}"),
+    }
+}
+
+/// Whether a pre-staged rescale's new workers can be used now.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Readiness {
+    /// Every one runs and holds its key groups.
+    Ready,
+    /// Not yet known (a worker did not answer).
+    NotYet(String),
+    /// One is gone, exited, being deleted, or lost what it loaded.
+    Lost(String),
+}
+
+/// Whether the `to` workers of run `run` are all there and pre-staged.
+fn prestage_ready(pods: &[ObservedPod], run: &str, to: u32) -> Readiness {
+    for i in 0..to {
+        let Some(q) = pods.iter().find(|q| q.run == run && q.subtask == i) else {
+            return Readiness::Lost(format!("the pre-staged worker of subtask {i} is gone"));
+        };
+        if q.deleting || q.phase == PodPhase::Exited {
+            return Readiness::Lost(format!(
+                "the pre-staged worker {} (subtask {i}) {}",
+                q.name,
+                if q.deleting {
+                    "is being deleted"
+                } else {
+                    "exited"
+                }
+            ));
+        }
+        match q.worker {
+            Some(WorkerState::Prestaged) => {}
+            None => {
+                return Readiness::NotYet(format!(
+                    "waiting for the pre-staged worker {} (subtask {i}) to answer",
+                    q.name
+                ));
+            }
+            Some(other) => {
+                return Readiness::Lost(format!(
+                    "the pre-staged worker {} (subtask {i}) is {other:?} (it restarted and lost what it loaded)",
+                    q.name
+                ));
+            }
+        }
+    }
+    Readiness::Ready
+}
+
+/// Why a pre-stage that waits for `why` falls back now: spec.state.prestageTimeout has passed
+/// since its pods were first asked for.
+fn prestage_overdue(
+    spec: &StreamJobSpec,
+    p: &crate::crd::PrestageStatus,
+    now: DateTime<Utc>,
+    why: &str,
+) -> Option<String> {
+    let timeout = super::run::timeouts::prestage(spec);
+    let since = DateTime::parse_from_rfc3339(&p.since)
+        .ok()?
+        .with_timezone(&Utc);
+    let deadline = since + chrono::Duration::from_std(timeout).unwrap_or_default();
+    (now >= deadline).then(|| {
+        format!(
+            "the new workers were not ready within spec.state.prestageTimeout ({}s): {why} (no room on the nodes, or a quota? `kubectl describe pod` the new workers)",
+            timeout.as_secs()
+        )
+    })
+}
+
+/// The pods of a pre-staged rescale's new run that must go because the run will not be used (the
+/// rescale fell back, was abandoned or rolled back): `(run, reason)`, while one is not on its
+/// way out already.
+fn unused_prestage(r: &RescaleStatus, obs: &Observed) -> Option<(String, Reason)> {
+    let run = r.prestage_run()?;
+    let unused = r.fallback.is_some() || matches!(r.step, Step::Abandoned | Step::RolledBack);
+    (unused && obs.pods.iter().any(|p| p.run == run && !p.deleting))
+        .then(|| (run.to_owned(), Reason::PrestageFellBack))
 }
 
 /// Why the active run is broken, if it is.
@@ -837,7 +1082,12 @@ fn bring_up(
             reason: format!("{not_up} of {parallelism} worker pod(s) not running yet"),
         };
     }
-    if pods.iter().all(|p| p.worker == Some(WorkerState::Idle)) {
+    // Pre-staged workers (a pre-staged rescale's) start as idle ones do: each applies only what
+    // it does not hold yet.
+    if pods
+        .iter()
+        .all(|p| matches!(p.worker, Some(WorkerState::Idle | WorkerState::Prestaged)))
+    {
         return Action::Start {
             run,
             parallelism,
@@ -1096,7 +1346,14 @@ mod tests {
     fn a_scale_begins_a_rescale_and_each_step_follows_from_status() {
         let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         let a = decide(&spec(8), &status(), &obs(running.clone(), Some(("r", 4))));
-        assert_eq!(a, Action::BeginRescale { from: 4, to: 8 });
+        assert_eq!(
+            a,
+            Action::BeginRescale {
+                from: 4,
+                to: 8,
+                prestage: None
+            }
+        );
 
         let st = rescaling(Step::Savepointing, None);
         assert_eq!(
@@ -1443,7 +1700,11 @@ mod tests {
         let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
         assert_eq!(
             decide(&s, &status(), &obs(running, Some(("r", 4)))),
-            Action::BeginRescale { from: 4, to: 0 }
+            Action::BeginRescale {
+                from: 4,
+                to: 0,
+                prestage: None
+            }
         );
         let mut st = rescaling(Step::Restoring, Some("u"));
         if let Some(r) = st.rescale.as_mut() {
@@ -1537,7 +1798,11 @@ mod tests {
         let o8 = obs(running, Some(("r", 4)));
         assert_eq!(
             decide(&spec(8), &done, &o8),
-            Action::BeginRescale { from: 4, to: 8 }
+            Action::BeginRescale {
+                from: 4,
+                to: 8,
+                prestage: None
+            }
         );
     }
 
@@ -1819,5 +2084,208 @@ mod tests {
         let mut plain = same.clone();
         plain.from_max_parallelism = None;
         assert_eq!(rollback_on_restore_failure(&plain), None);
+    }
+
+    /// A pre-staged rescale 4 -> 8 in `step`, its new run "new" asked for at `now()`.
+    fn prestaging(step: Step) -> StreamJobStatus {
+        let mut st = rescaling(step, Some("s3://b/ns/j/checkpoints/chk-9"));
+        if let Some(r) = st.rescale.as_mut() {
+            r.prestage = Some(crate::crd::PrestageStatus {
+                run: "new".into(),
+                since: now().to_rfc3339(),
+                ..Default::default()
+            });
+        }
+        st
+    }
+
+    fn prestage_spec() -> StreamJobSpec {
+        let mut s = spec(8);
+        s.rescale_strategy = RescaleStrategy::Prestage;
+        s
+    }
+
+    fn later(mut o: Observed, secs: i64) -> Observed {
+        o.now += chrono::Duration::seconds(secs);
+        o
+    }
+
+    #[test]
+    fn a_prestage_rescale_begins_at_prestaging_but_a_suspend_does_not() {
+        let old = pods("old", 4, PodPhase::Running, Some(WorkerState::Running));
+        let st = StreamJobStatus {
+            replicas: Some(4),
+            ..status()
+        };
+        let a = decide(&prestage_spec(), &st, &obs(old.clone(), Some(("old", 4))));
+        assert_eq!(
+            a,
+            Action::BeginRescale {
+                from: 4,
+                to: 8,
+                prestage: Some("new".into())
+            }
+        );
+        let mut suspend = prestage_spec();
+        suspend.suspend = true;
+        let a = decide(&suspend, &st, &obs(old, Some(("old", 4))));
+        assert_eq!(
+            a,
+            Action::BeginRescale {
+                from: 4,
+                to: 0,
+                prestage: None
+            }
+        );
+    }
+
+    #[test]
+    fn prestaging_creates_waits_loads_and_falls_back_when_late() {
+        let s = prestage_spec();
+        let st = prestaging(Step::Prestaging);
+        let old = pods("old", 4, PodPhase::Running, Some(WorkerState::Running));
+        let with = |new: Vec<ObservedPod>| {
+            let mut all = old.clone();
+            all.extend(new);
+            obs(all, Some(("old", 4)))
+        };
+        assert_eq!(
+            decide(&s, &st, &with(vec![])),
+            Action::CreatePods {
+                run: "new".into(),
+                parallelism: 8,
+                subtasks: (0..8).collect()
+            }
+        );
+        let pending = pods("new", 8, PodPhase::Pending, None);
+        assert!(matches!(
+            decide(&s, &st, &with(pending.clone())),
+            Action::Wait { reason } if reason.contains("8 of 8 new worker pod(s) not running")
+        ));
+        // spec.state.prestageTimeout (2m by default) passed: fall back, the job still runs.
+        match decide(&s, &st, &later(with(pending), 120)) {
+            Action::FallBack { message } => {
+                assert!(message.contains("prestageTimeout (120s)"), "{message}");
+                assert!(message.contains("not running yet"), "{message}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let idle = pods("new", 8, PodPhase::Running, Some(WorkerState::Idle));
+        assert_eq!(
+            decide(&s, &st, &with(idle.clone())),
+            Action::Prestage {
+                run: "new".into(),
+                parallelism: 8
+            }
+        );
+        let loading = pods("new", 8, PodPhase::Running, Some(WorkerState::Restoring));
+        assert!(matches!(
+            decide(&s, &st, &with(loading)),
+            Action::Wait { reason } if reason.contains("loading")
+        ));
+        let mut exited = idle.clone();
+        exited[3].phase = PodPhase::Exited;
+        assert!(matches!(
+            decide(&s, &st, &with(exited)),
+            Action::FallBack { message } if message.contains("subtask 3") && message.contains("exited")
+        ));
+        // An old worker lost: the rescale is abandoned (the job recovers as it would anyway).
+        let mut broken = old.clone();
+        broken[1].phase = PodPhase::Exited;
+        broken.extend(idle.clone());
+        assert!(matches!(
+            decide(&s, &st, &obs(broken, Some(("old", 4)))),
+            Action::Abandon { .. }
+        ));
+        // After an operator restart: the old workers are adopted, the new ones left aside.
+        let mut all = old.clone();
+        all.extend(idle);
+        assert_eq!(
+            decide(&s, &st, &obs(all, None)),
+            Action::Adopt {
+                run: "old".into(),
+                parallelism: 4
+            }
+        );
+    }
+
+    #[test]
+    fn a_prestaged_job_stops_only_with_every_new_worker_loaded() {
+        let s = prestage_spec();
+        let st = prestaging(Step::Savepointing);
+        let old = pods("old", 4, PodPhase::Running, Some(WorkerState::Running));
+        let with = |new: Vec<ObservedPod>| {
+            let mut all = old.clone();
+            all.extend(new);
+            obs(all, Some(("old", 4)))
+        };
+        let loaded = pods("new", 8, PodPhase::Running, Some(WorkerState::Prestaged));
+        assert_eq!(decide(&s, &st, &with(loaded.clone())), Action::Savepoint);
+        let mut silent = loaded.clone();
+        silent[2].worker = None;
+        assert!(matches!(
+            decide(&s, &st, &with(silent.clone())),
+            Action::Wait { reason } if reason.contains("subtask 2")
+        ));
+        assert!(matches!(
+            decide(&s, &st, &later(with(silent), 121)),
+            Action::FallBack { .. }
+        ));
+        let mut restarted = loaded.clone();
+        restarted[5].worker = Some(WorkerState::Idle);
+        assert!(matches!(
+            decide(&s, &st, &with(restarted)),
+            Action::FallBack { message } if message.contains("subtask 5") && message.contains("before the job stopped")
+        ));
+        // Fallen back: the savepoint is taken as in a stop-and-restore, and the new workers go.
+        let mut fell = st.clone();
+        if let Some(r) = fell.rescale.as_mut() {
+            r.fallback = Some("late".into());
+        }
+        assert_eq!(
+            decide(&s, &fell, &with(loaded.clone())),
+            Action::DeleteRun {
+                run: "new".into(),
+                reason: Reason::PrestageFellBack
+            }
+        );
+        let mut going = loaded;
+        for p in &mut going {
+            p.deleting = true;
+        }
+        assert_eq!(decide(&s, &fell, &with(going)), Action::Savepoint);
+    }
+
+    #[test]
+    fn a_prestaged_rescale_removes_only_the_old_workers_then_starts_the_new_ones() {
+        let s = prestage_spec();
+        let old = pods("old", 4, PodPhase::Running, Some(WorkerState::Stopped));
+        let loaded = pods("new", 8, PodPhase::Running, Some(WorkerState::Prestaged));
+        let mut all = old.clone();
+        all.extend(loaded.clone());
+        let st = prestaging(Step::Stopping);
+        assert_eq!(
+            decide(&s, &st, &obs(all, None)),
+            Action::DeleteAllBut { keep: "new".into() }
+        );
+        assert_eq!(
+            decide(&s, &st, &obs(loaded.clone(), None)),
+            Action::Advance(Outcome::Stopped)
+        );
+        let st = prestaging(Step::Restoring);
+        assert_eq!(
+            decide(&s, &st, &obs(loaded.clone(), None)),
+            Action::Start {
+                run: "new".into(),
+                parallelism: 8,
+                restore: Restore::Url("s3://b/ns/j/checkpoints/chk-9".into())
+            }
+        );
+        let mut lost = loaded;
+        lost.remove(6);
+        assert!(matches!(
+            decide(&s, &st, &obs(lost, None)),
+            Action::FallBack { message } if message.contains("subtask 6") && message.contains("before their start")
+        ));
     }
 }

@@ -37,6 +37,7 @@ reasons! {
     /// Reconciling: nothing more specific to say; the job is being brought to spec.replicas.
     Progressing,
     /// Reconciling: a transition's step, or a run starting from a snapshot.
+    Prestaging,
     Savepointing,
     Verifying,
     Stopping,
@@ -72,6 +73,9 @@ reasons! {
     SavepointFailed,
     RescaleAbandoned,
     RescaleRolledBack,
+    /// A pre-staged rescale fell back to stop-and-restore (its new workers were not ready in
+    /// time, or one was lost); also the reason its new workers are deleted.
+    PrestageFellBack,
     /// A change of spec.maxParallelism was rolled back: the job runs from its original
     /// savepoint at the old key-group count.
     KeyGroupChangeRolledBack,
@@ -96,6 +100,8 @@ reasons! {
     // Events only.
     KeyGroupsPinned,
     RescaleStarted,
+    /// The new workers of a pre-staged rescale loaded their key groups.
+    Prestaged,
     Suspending,
     RestoreStarted,
     UpgradeStarted,

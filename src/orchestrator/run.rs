@@ -21,6 +21,16 @@ pub mod timeouts {
     /// (spec.state.savepointTimeout by default).
     pub const SAVEPOINT: Duration = Duration::from_secs(300);
 
+    /// The new workers of a pre-staged rescale are created, scheduled and loaded
+    /// (spec.state.prestageTimeout by default).
+    pub const PRESTAGE: Duration = Duration::from_secs(120);
+
+    /// How long the new workers of a pre-staged rescale may take to be ready:
+    /// spec.state.prestageTimeout within its bounds, else [`PRESTAGE`].
+    pub fn prestage(spec: &crate::crd::StreamJobSpec) -> Duration {
+        configured(spec.state.prestage_timeout.as_deref()).unwrap_or(PRESTAGE)
+    }
+
     /// The job's checkpoint timeout: spec.state.checkpointTimeout within its bounds, else
     /// [`CHECKPOINT`].
     pub fn checkpoint(spec: &crate::crd::StreamJobSpec) -> Duration {
@@ -299,6 +309,91 @@ pub async fn verify_rewrite(
         .2;
     let decoded: u64 = outcome.files.iter().map(|f| f.keys_checked).sum();
     super::ceiling::check_rewrite(&src, &dst, groups, parallelism, decoded)
+}
+
+/// What pre-staging a run's new workers did ([`prestage`]).
+#[derive(Debug)]
+pub struct Prestaged {
+    /// The checkpoint they loaded last (the stop checkpoint builds on it).
+    pub base: String,
+    /// What each loaded, bytes summed over every round, in subtask order.
+    pub loaded: Vec<crate::runtime::protocol::StartResponse>,
+    /// Catch-up rounds after the first load.
+    pub rounds: u32,
+    /// Checkpoints of the running job taken for the pre-stage, in order (for the caller's
+    /// records).
+    pub checkpoints: Vec<crate::coordinator::Completed>,
+}
+
+impl Prestaged {
+    /// Bytes the new workers read in all.
+    pub fn loaded_bytes(&self) -> u64 {
+        self.loaded.iter().map(|r| r.bytes_read).sum()
+    }
+}
+
+/// Pre-stages the workers `new` coordinates (see [`crate::runtime::prestage`]) beside the
+/// running job that `old` coordinates, the same way on every platform: they load their key
+/// groups from the job's newest committed checkpoint under `groups` key groups (after
+/// `replaced_up_to`, the history a restore replaced; the running job takes one first when its
+/// newest snapshot is not a checkpoint), then, while `catch_up` says so, the running job takes an
+/// incremental checkpoint and they read only its delta. `template` is the new run's start
+/// request (its `restore_from` is set here); each load may take `timeout`.
+#[allow(clippy::too_many_arguments)]
+pub async fn prestage(
+    spec: &StreamJobSpec,
+    (storage, namespace, name): (&str, &str, &str),
+    groups: u32,
+    replaced_up_to: Option<u64>,
+    old: &mut Coordinator,
+    new: &Coordinator,
+    template: &StartRequest,
+    catch_up: crate::runtime::prestage::CatchUp,
+    timeout: std::time::Duration,
+) -> Result<Prestaged, CoordinatorError> {
+    use crate::snapshot::SnapshotKind;
+    let checkpoint_timeout = timeouts::checkpoint(spec);
+    let newest =
+        crate::coordinator::newest_snapshot(storage, namespace, name, Some(groups), replaced_up_to)
+            .await?
+            .found;
+    let mut checkpoints = Vec::new();
+    let mut base = match newest {
+        Some((url, info)) if info.kind == SnapshotKind::Checkpoint => url,
+        _ => {
+            let c = old
+                .snapshot(SnapshotKind::Checkpoint, false, checkpoint_timeout)
+                .await?;
+            let url = c.url.clone();
+            checkpoints.push(c);
+            url
+        }
+    };
+    let mut request = template.clone();
+    request.restore_from = Some(base.clone());
+    let mut round = std::time::Instant::now();
+    let mut loaded = new.prestage(&request, timeout).await?;
+    let mut rounds = 0;
+    while catch_up.again(rounds, round.elapsed()) {
+        round = std::time::Instant::now();
+        let c = old
+            .snapshot(SnapshotKind::Checkpoint, false, checkpoint_timeout)
+            .await?;
+        request.restore_from = Some(c.url.clone());
+        let more = new.prestage(&request, timeout).await?;
+        for (l, m) in loaded.iter_mut().zip(more) {
+            l.bytes_read += m.bytes_read;
+        }
+        base = c.url.clone();
+        checkpoints.push(c);
+        rounds += 1;
+    }
+    Ok(Prestaged {
+        base,
+        loaded,
+        rounds,
+        checkpoints,
+    })
 }
 
 /// What a condition and an Event say about snapshots a resume passed over. Pure.

@@ -327,6 +327,9 @@ pub fn finish(
                             ),
                             _ => format!("{what} {} -> {}: step {}", r.from, r.to, r.step),
                         };
+                        if let Some(f) = &r.fallback {
+                            m.push_str(&format!(" (fell back to stop-and-restore: {f})"));
+                        }
                         // What the step waits for (pods to terminate, to start, ...).
                         if let Some((_, n)) = note {
                             m.push_str(&format!(": {n}"));

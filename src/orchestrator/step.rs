@@ -6,6 +6,9 @@
 //! `kubectl get/describe` (`Savepointing`, ...); the CRD keeps the field a string.
 //!
 //! ```text
+//! Prestaging --Prestaged / FellBack--> Savepointing      (spec.rescaleStrategy: Prestage)
+//!      +--GaveUp--> Abandoned
+//!
 //! Savepointing --SavepointTaken--> Verifying --Verified--> Stopping --Stopped--> Restoring
 //!      |                              |                       |                   |  ^
 //!      +--Abandoned--> Abandoned <----+      StoppedForRewrite|  RestoreFailed (rollback) +--+
@@ -18,6 +21,14 @@
 //!
 //!                        Done <--Restored--+--RestoredAfterRollback--> RolledBack
 //! ```
+//!
+//! A pre-staged rescale starts at Prestaging: the new workers are created beside the old ones
+//! and load their key groups from the newest checkpoint while the job runs. Its Savepointing
+//! step then stops the job with an incremental checkpoint (the delta since what they loaded),
+//! Verifying checks the files that checkpoint wrote, Stopping removes only the old workers and
+//! Restoring starts the pre-staged ones from the checkpoint. If the new workers are not ready
+//! in time, or one is lost before the start, the rescale falls back (`FellBack`): they are
+//! removed and the steps go on as a stop-and-restore.
 //!
 //! A change of the key-group count (spec.maxParallelism) takes the savepoint, stops the old
 //! workers, rewrites the savepoint to the new count (a new savepoint; the original is never
@@ -32,6 +43,9 @@ use std::fmt;
     Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize,
 )]
 pub enum Step {
+    /// Start the new workers beside the running job and load their key groups from its newest
+    /// checkpoint (spec.rescaleStrategy: Prestage).
+    Prestaging,
     /// Stop the sources with a savepoint (the job's state is kept in it).
     #[default]
     Savepointing,
@@ -57,7 +71,8 @@ pub enum Step {
 }
 
 /// Every step, in protocol order (for tables and tests).
-pub const ALL_STEPS: [Step; 9] = [
+pub const ALL_STEPS: [Step; 10] = [
+    Step::Prestaging,
     Step::Savepointing,
     Step::Verifying,
     Step::Stopping,
@@ -73,6 +88,7 @@ impl Step {
     /// The name users read (and status stores).
     pub fn as_str(self) -> &'static str {
         match self {
+            Step::Prestaging => "Prestaging",
             Step::Savepointing => "Savepointing",
             Step::Verifying => "Verifying",
             Step::Stopping => "Stopping",
@@ -89,7 +105,8 @@ impl Step {
     pub fn active(self) -> bool {
         matches!(
             self,
-            Step::Savepointing
+            Step::Prestaging
+                | Step::Savepointing
                 | Step::Verifying
                 | Step::Stopping
                 | Step::Rewriting
@@ -101,7 +118,7 @@ impl Step {
     /// Whether the old workers may already be gone: the transition must then go on to a started
     /// run (to its target, or back), never be abandoned.
     pub fn past_savepoint(self) -> bool {
-        self.active() && self != Step::Savepointing
+        self.active() && !matches!(self, Step::Prestaging | Step::Savepointing)
     }
 
     /// The first step of an upgrade in `mode`: `savepoint` keeps the state in a savepoint first;
@@ -123,6 +140,11 @@ impl fmt::Display for Step {
 /// What a step's work ended with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Outcome {
+    /// Every new worker of a pre-staged rescale loaded its key groups.
+    Prestaged,
+    /// A pre-staged rescale cannot use its new workers (not ready in time, or one was lost):
+    /// they are removed and the rescale goes on as a stop-and-restore.
+    FellBack,
     /// The savepoint committed (sources stopped at its barrier).
     SavepointTaken,
     /// Every file of the savepoint checked out.
@@ -152,7 +174,9 @@ pub enum Outcome {
 }
 
 /// Every outcome (for tables and tests).
-pub const ALL_OUTCOMES: [Outcome; 11] = [
+pub const ALL_OUTCOMES: [Outcome; 13] = [
+    Outcome::Prestaged,
+    Outcome::FellBack,
     Outcome::SavepointTaken,
     Outcome::Verified,
     Outcome::Stopped,
@@ -179,6 +203,11 @@ pub fn next(step: Step, outcome: Outcome) -> Result<Step, IllegalTransition> {
     use Outcome as O;
     use Step as S;
     match (step, outcome) {
+        (S::Prestaging, O::Prestaged | O::FellBack) => Ok(S::Savepointing),
+        // The new workers were lost before the stop (Savepointing) or before their start
+        // (Restoring): the same step goes on without them.
+        (S::Savepointing, O::FellBack) => Ok(S::Savepointing),
+        (S::Restoring, O::FellBack) => Ok(S::Restoring),
         (S::Savepointing, O::SavepointTaken) => Ok(S::Verifying),
         (S::Verifying, O::Verified) => Ok(S::Stopping),
         (S::Stopping, O::Stopped) => Ok(S::Restoring),
@@ -192,7 +221,7 @@ pub fn next(step: Step, outcome: Outcome) -> Result<Step, IllegalTransition> {
         (S::Restoring, O::RestoredAfterRollback) => Ok(S::RolledBack),
         // Only before the old workers stop: afterwards the only way is forward (or back by a
         // rollback), never "keep the old run", which no longer exists.
-        (S::Savepointing | S::Verifying, O::GaveUp) => Ok(S::Abandoned),
+        (S::Prestaging | S::Savepointing | S::Verifying, O::GaveUp) => Ok(S::Abandoned),
         _ => Err(IllegalTransition { step, outcome }),
     }
 }
@@ -208,6 +237,11 @@ mod tests {
         use Outcome as O;
         use Step as S;
         let legal: &[(Step, Outcome, Step)] = &[
+            (S::Prestaging, O::Prestaged, S::Savepointing),
+            (S::Prestaging, O::FellBack, S::Savepointing),
+            (S::Prestaging, O::GaveUp, S::Abandoned),
+            (S::Savepointing, O::FellBack, S::Savepointing),
+            (S::Restoring, O::FellBack, S::Restoring),
             (S::Savepointing, O::SavepointTaken, S::Verifying),
             (S::Savepointing, O::GaveUp, S::Abandoned),
             (S::Verifying, O::Verified, S::Stopping),
@@ -261,6 +295,24 @@ mod tests {
             assert_eq!(step.to_string(), step.as_str());
         }
         assert!(serde_json::from_str::<Step>("\"Paused\"").is_err());
+    }
+
+    #[test]
+    fn only_steps_after_the_savepoint_are_past_it() {
+        let past: Vec<Step> = ALL_STEPS
+            .into_iter()
+            .filter(|s| s.past_savepoint())
+            .collect();
+        assert_eq!(
+            past,
+            [
+                Step::Verifying,
+                Step::Stopping,
+                Step::Rewriting,
+                Step::VerifyingRewrite,
+                Step::Restoring
+            ]
+        );
     }
 
     #[test]

@@ -76,6 +76,7 @@ const BAR: f64 = 20.0;
 /// Colour of a step's bar.
 fn step_colour(step: Step) -> &'static str {
     match step {
+        Step::Prestaging => "#9dc3c1",
         Step::Savepointing => "#8fb8de",
         Step::Verifying => "#a9d18e",
         Step::Stopping => "#f4b183",
@@ -89,6 +90,7 @@ fn step_colour(step: Step) -> &'static str {
 /// What a step does, in a few words.
 fn step_words(step: Step) -> &'static str {
     match step {
+        Step::Prestaging => "load the new workers beside the running job",
         Step::Savepointing => "stop the sources with a savepoint",
         Step::Verifying => "check every file of the savepoint",
         Step::Stopping => "remove the old workers",

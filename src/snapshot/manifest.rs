@@ -532,6 +532,16 @@ impl FileLayout {
 }
 
 impl Manifest {
+    /// Bytes of the files this snapshot wrote itself (an incremental checkpoint's delta; all of
+    /// a self-contained snapshot), leaving out the files of earlier snapshots it refers to.
+    pub fn written_bytes(&self) -> u64 {
+        self.files
+            .iter()
+            .filter(|f| !is_referenced_file(&f.name))
+            .map(|f| f.size)
+            .sum()
+    }
+
     /// Builds the manifest of a snapshot from the coordinator's metadata and every subtask's ack.
     ///
     /// Fails unless the parts are exactly one per subtask `0..parallelism`, all at the given

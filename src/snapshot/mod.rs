@@ -104,7 +104,7 @@ pub use reader::{
     MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
     STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, fetch_deltas, open_snapshot,
     open_snapshot_dir, parse_manifest, plan_stream_reads, read_chain, read_groups,
-    read_groups_stream, read_manifest, sealed_manifest_json, verify,
+    read_groups_stream, read_manifest, sealed_manifest_json, verify, verify_written,
 };
 pub use store::open_store;
 pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

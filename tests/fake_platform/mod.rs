@@ -15,6 +15,8 @@
 //!   (its sources are stopped if the savepoint stops them), so the orchestration must resume it.
 //! * `refuse_triggers_of = Some(i)`: the proxy of subtask `i` answers every checkpoint trigger
 //!   with HTTP 503 without passing it on, so a trigger reaches only the other workers.
+//! * `pods_pending = true`: workers created from then on never start (their pods stay
+//!   Pending).
 
 #![allow(dead_code)]
 
@@ -48,6 +50,9 @@ pub struct Faults {
     pub refuse_triggers_of: Option<u32>,
     /// Ids of the checkpoint triggers refused, in order.
     pub triggers_refused: Vec<u64>,
+    /// Workers created while this is set never start: their pods stay Pending (no room on the
+    /// nodes, say).
+    pub pods_pending: bool,
 }
 
 /// One in-process worker: its runtime (its tasks and sockets live and die with it).
@@ -123,11 +128,11 @@ impl FakeWorkers {
         self.workers.keys().cloned().collect()
     }
 
-    /// The control endpoints (through the proxy) of the live workers, by subtask.
+    /// The control endpoints (through the proxy) of the live (started) workers, by subtask.
     pub fn live(&self) -> Vec<(u32, WorkerEndpoint)> {
         self.workers
             .values()
-            .filter(|w| !w.killed)
+            .filter(|w| !w.killed && w.runtime.is_some())
             .map(|w| (w.pod.subtask, w.endpoint.clone()))
             .collect()
     }
@@ -135,10 +140,17 @@ impl FakeWorkers {
     /// Kills the live worker of `subtask` (its process "exits"; it stays listed as exited until
     /// the orchestration deletes it). Returns its name.
     pub fn kill(&mut self, subtask: u32) -> Option<String> {
-        let w = self
-            .workers
-            .values_mut()
-            .find(|w| !w.killed && w.pod.subtask == subtask)?;
+        self.kill_in(None, subtask)
+    }
+
+    /// [`FakeWorkers::kill`], of run `run` when given (else of any run).
+    pub fn kill_in(&mut self, run: Option<&str>, subtask: u32) -> Option<String> {
+        let w = self.workers.values_mut().find(|w| {
+            !w.killed
+                && w.runtime.is_some()
+                && w.pod.subtask == subtask
+                && run.is_none_or(|r| w.pod.run == r)
+        })?;
         w.stop();
         w.killed = true;
         Some(w.pod.name.clone())
@@ -244,8 +256,35 @@ impl Workers for FakeWorkers {
         token: &str,
     ) -> Result<(), PortError> {
         let parallelism = assignment.parallelism();
+        let pending = self.faults().pods_pending;
         for &i in subtasks {
             let name = format!("{run}-{i}");
+            if pending {
+                let w = FakeWorker {
+                    runtime: None,
+                    pod: ObservedPod {
+                        name: name.clone(),
+                        run: run.to_owned(),
+                        subtask: i,
+                        parallelism,
+                        phase: PodPhase::Pending,
+                        ip: None,
+                        deleting: false,
+                        grace_deadline: None,
+                        worker: None,
+                        spec_hash: Some(self.spec_hash.clone()),
+                    },
+                    endpoint: WorkerEndpoint {
+                        control: "http://127.0.0.1:9".into(),
+                        data: "127.0.0.1:9".into(),
+                    },
+                    max_parallelism: assignment.max_parallelism(),
+                    killed: false,
+                };
+                self.workers.insert(name.clone(), w);
+                self.created.push(name);
+                continue;
+            }
             let mut w = self
                 .spawn(name.clone(), i, parallelism, token)
                 .await

@@ -94,6 +94,12 @@ pub(super) enum BackgroundWork {
     },
     /// Starting a run: the workers restore their key groups, then connect.
     Start(Box<StartWork>),
+    /// Pre-staging the new workers of a rescale (run `run`, of `parallelism`) beside the
+    /// running job, whose run moves to the background for its catch-up checkpoints.
+    Prestage {
+        run: String,
+        parallelism: u32,
+    },
 }
 
 /// A run being started, and what recording its start needs.
@@ -148,6 +154,8 @@ pub(super) enum Ended {
     /// What was checked, or why the rewritten savepoint must not be restored.
     VerifyRewrite(Result<String, String>),
     Start(Box<(Coordinator, Result<Vec<StartResponse>, CoordinatorError>)>),
+    /// The running job's run (back from the background) and what pre-staging did.
+    Prestage(Box<(RunHandle, Result<run::Prestaged, CoordinatorError>)>),
 }
 
 impl Background {
@@ -229,6 +237,10 @@ impl Pass<'_> {
                 let (coordinator, result) = *done;
                 self.start_done(*work, coordinator, result.map_err(StartError::from))
                     .await
+            }
+            (BackgroundWork::Prestage { run, parallelism }, Some(Ended::Prestage(done))) => {
+                let (old, result) = *done;
+                self.prestage_done(&run, parallelism, old, result)
             }
             (BackgroundWork::Verify { url }, Some(Ended::Verify(result))) => {
                 match result {

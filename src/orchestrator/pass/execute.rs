@@ -24,23 +24,39 @@ impl Pass<'_> {
                 );
                 Ok(short)
             }
-            Action::BeginRescale { from, to } => {
+            Action::BeginRescale { from, to, prestage } => {
                 let groups_moved = match (self.assignment(from), self.assignment(to.max(1))) {
                     (Ok(a), Ok(b)) if to > 0 => keygroup::rescale_plan(a, b)
                         .ok()
                         .map(|p| p.moved_groups as i32),
                     _ => None,
                 };
+                let now = Utc::now().to_rfc3339();
+                let prestage = prestage.map(|run| crate::crd::PrestageStatus {
+                    run,
+                    since: now.clone(),
+                    ..Default::default()
+                });
+                let prestaging = prestage.is_some();
                 self.begin(RescaleStatus {
                     from: from as i32,
                     to: to as i32,
-                    step: Step::Savepointing,
-                    started: Utc::now().to_rfc3339(),
+                    step: if prestaging {
+                        Step::Prestaging
+                    } else {
+                        Step::Savepointing
+                    },
+                    started: now,
                     groups_moved,
+                    prestage,
                     ..Default::default()
                 });
                 let what = if to == 0 {
                     format!("suspending (parallelism {from}) with a savepoint")
+                } else if prestaging {
+                    format!(
+                        "rescaling {from} -> {to}: pre-stage the new workers beside the running job, stop with a delta checkpoint, start them from it"
+                    )
                 } else {
                     format!(
                         "rescaling {from} -> {to}: stop with a savepoint, verify, move key groups, restart"
@@ -111,30 +127,51 @@ impl Pass<'_> {
                 Ok(short)
             }
             Action::Savepoint => self.savepoint().await,
+            Action::Prestage { run, parallelism } => self.prestage(run, parallelism).await,
+            Action::FallBack { message } => {
+                self.fall_back(message)?;
+                Ok(short)
+            }
+            Action::DeleteRun { run, reason } => {
+                let names: Vec<String> = self
+                    .pods
+                    .iter()
+                    .filter(|p| p.run == run && !p.deleting)
+                    .map(|p| p.name.clone())
+                    .collect();
+                self.delete_named(names, reason).await
+            }
+            Action::DeleteAllBut { keep } => {
+                let names: Vec<String> = self
+                    .pods
+                    .iter()
+                    .filter(|p| p.run != keep && !p.deleting)
+                    .map(|p| p.name.clone())
+                    .collect();
+                // The old run ends with its workers.
+                self.mem.run = None;
+                self.delete_named(names, Reason::Stopping).await
+            }
             Action::Verify { url } => {
                 let work = BackgroundWork::Verify { url: url.clone() };
+                // A pre-staged rescale's stop checkpoint: the files it wrote (its delta). The
+                // files it refers to are those the new workers loaded, every block checked.
+                let written_only = self.rescale_mut().is_some_and(|r| r.prestaged().is_some());
                 self.in_background(work, move |handle| {
                     Ended::Verify(handle.block_on(async {
                         let (store, dir) = snapshot::open_store(&url)?;
-                        snapshot::verify(store.as_ref(), &dir).await
+                        if written_only {
+                            snapshot::verify_written(store.as_ref(), &dir).await
+                        } else {
+                            snapshot::verify(store.as_ref(), &dir).await
+                        }
                     }))
                 });
                 Ok(requeue::BACKGROUND_BACKSTOP)
             }
             Action::DeletePods { reason } => {
                 let n = self.delete_all().await?;
-                if n > 0 {
-                    self.event(
-                        false,
-                        Reason::DeletingPods,
-                        format!("{reason}: deleting {}", text::count(n as u64, "worker")),
-                    );
-                }
-                self.progress.note = Some((
-                    reason.into(),
-                    format!("deleting {}", text::count(n as u64, "worker")),
-                ));
-                Ok(requeue::WORKERS_CHANGING)
+                Ok(self.deleted(n, reason))
             }
             Action::Advance(Outcome::StoppedForRewrite) => {
                 // Where the rewrite goes is recorded with the step, before the step acts.
@@ -374,12 +411,13 @@ impl Pass<'_> {
                         Reason::Rescaled
                     },
                     format!(
-                        "{} -> {} done: {} key groups moved, {} bytes read; {}",
+                        "{} -> {} done: {} key groups moved, {} bytes read; {}{}",
                         r.from,
                         r.to,
                         r.groups_moved.unwrap_or_default(),
                         r.bytes_to_read.unwrap_or_default(),
-                        step_times(&r)
+                        step_times(&r),
+                        prestage_summary(&r)
                     ),
                 );
                 Ok(short)
@@ -618,6 +656,158 @@ impl Pass<'_> {
         Ok(())
     }
 
+    /// Pre-stages the new workers of run `run_id` (see [`run::prestage`]) in the background; the
+    /// running job's run goes with it (for its catch-up checkpoints) and comes back.
+    pub(super) async fn prestage(
+        &mut self,
+        run_id: String,
+        parallelism: u32,
+    ) -> Result<Duration, PassError> {
+        let endpoints: Option<Vec<WorkerEndpoint>> = (0..parallelism)
+            .map(|i| self.prestage_endpoints.get(&i).cloned())
+            .collect();
+        let (Some(endpoints), true) = (endpoints, self.mem.run.is_some()) else {
+            return Ok(requeue::SOON);
+        };
+        let assignment = self.assignment(parallelism)?;
+        let identity = self.identity();
+        let new = self
+            .coordinator(assignment, endpoints, identity, PassError::Start)
+            .await?;
+        let template = run::StartPlan {
+            namespace: &self.ns,
+            name: &self.name,
+            spec: self.spec,
+            assignment,
+            storage: &self.storage,
+            restore_from: None,
+            run: &run_id,
+            state_payload_bytes: hooks::state_payload_bytes(),
+        }
+        .request()?;
+        let Some(mut old) = self.mem.run.take() else {
+            return Ok(requeue::SOON);
+        };
+        let spec = self.spec.clone();
+        let job = (self.storage.clone(), self.ns.clone(), self.name.clone());
+        let groups = self.max_parallelism();
+        let replaced_up_to = self
+            .status
+            .replaced_history_up_to
+            .and_then(|b| u64::try_from(b).ok());
+        let timeout = run::timeouts::prestage(self.spec);
+        let work = BackgroundWork::Prestage {
+            run: run_id,
+            parallelism,
+        };
+        self.in_background(work, move |handle| {
+            let result = handle.block_on(run::prestage(
+                &spec,
+                (&job.0, &job.1, &job.2),
+                groups,
+                replaced_up_to,
+                &mut old.coordinator,
+                &new,
+                &template,
+                crate::runtime::prestage::CatchUp::default(),
+                timeout,
+            ));
+            Ended::Prestage(Box::new((old, result)))
+        });
+        Ok(requeue::BACKGROUND_BACKSTOP)
+    }
+
+    /// Records how pre-staging ended: step Savepointing with what was loaded, or a fallback.
+    pub(super) fn prestage_done(
+        &mut self,
+        run_id: &str,
+        parallelism: u32,
+        old: RunHandle,
+        result: Result<run::Prestaged, CoordinatorError>,
+    ) -> Result<Duration, PassError> {
+        let old_parallelism = old.parallelism;
+        self.mem.run = Some(old);
+        match result {
+            Ok(done) => {
+                let labels = self.kind_labels(SnapshotKind::Checkpoint);
+                for c in &done.checkpoints {
+                    self.record_snapshot(&labels, Some(c));
+                    self.status.last_checkpoint = Some(snapshot_ref(c, old_parallelism));
+                }
+                let loaded = done.loaded_bytes();
+                if let Some(p) = self.rescale_mut().and_then(|r| r.prestage.as_mut()) {
+                    p.base = Some(done.base.clone());
+                    p.loaded_bytes = Some(loaded as i64);
+                    p.catch_up_rounds = Some(done.rounds as i32);
+                }
+                self.transition(Outcome::Prestaged)?;
+                self.event(
+                    false,
+                    Reason::Prestaged,
+                    format!(
+                        "run {run_id}: {} loaded {loaded} bytes of state from {} ({}) while the job kept running",
+                        text::count(u64::from(parallelism), "new worker"),
+                        done.base,
+                        text::count(u64::from(done.rounds), "catch-up round"),
+                    ),
+                );
+                Ok(requeue::RECORDED)
+            }
+            Err(e) => {
+                self.fall_back(format!("pre-staging the new workers failed: {e}"))?;
+                Ok(requeue::SOON)
+            }
+        }
+    }
+
+    /// A pre-staged rescale goes on as a stop-and-restore: why is recorded (status, a warning
+    /// Event); the next passes remove the pre-staged workers.
+    pub(super) fn fall_back(&mut self, message: String) -> Result<(), PassError> {
+        if let Some(r) = self.rescale_mut() {
+            r.fallback = Some(message.clone());
+        }
+        self.transition(Outcome::FellBack)?;
+        self.event(
+            true,
+            Reason::PrestageFellBack,
+            format!(
+                "{message}: the pre-staged workers are removed and the rescale goes on as a stop-and-restore"
+            ),
+        );
+        Ok(())
+    }
+
+    /// Deletes the pods `names` (the run's coordinator, if any, is left to the caller).
+    async fn delete_named(
+        &mut self,
+        names: Vec<String>,
+        reason: Reason,
+    ) -> Result<Duration, PassError> {
+        if !names.is_empty() {
+            self.workers
+                .delete(&names)
+                .await
+                .map_err(PassError::Delete)?;
+        }
+        Ok(self.deleted(names.len(), reason))
+    }
+
+    /// Records that `n` workers are being deleted, for `reason`.
+    fn deleted(&mut self, n: usize, reason: Reason) -> Duration {
+        if n > 0 {
+            self.event(
+                false,
+                Reason::DeletingPods,
+                format!("{reason}: deleting {}", text::count(n as u64, "worker")),
+            );
+        }
+        self.progress.note = Some((
+            reason.into(),
+            format!("deleting {}", text::count(n as u64, "worker")),
+        ));
+        requeue::WORKERS_CHANGING
+    }
+
     pub(super) async fn abandon(&mut self, message: String) -> Result<(), PassError> {
         self.transition(Outcome::GaveUp)?;
         if let Some(run) = &self.mem.run {
@@ -680,11 +870,20 @@ impl Pass<'_> {
         self.snapshot_in_background(
             work,
             run,
-            SnapshotKind::Savepoint,
+            self.stop_kind(),
             true,
             run::timeouts::savepoint(self.spec),
         );
         Ok(requeue::BACKGROUND_BACKSTOP)
+    }
+
+    /// What a transition's stop takes: a savepoint, or for a pre-staged rescale an incremental
+    /// checkpoint (the delta since what the new workers loaded).
+    fn stop_kind(&self) -> SnapshotKind {
+        match self.status.rescale.as_ref().and_then(|r| r.prestaged()) {
+            Some(_) => SnapshotKind::Checkpoint,
+            None => SnapshotKind::Savepoint,
+        }
     }
 
     pub(super) async fn savepoint_done(
@@ -692,12 +891,32 @@ impl Pass<'_> {
         parallelism: u32,
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
     ) -> Result<Duration, PassError> {
-        let labels = self.kind_labels(SnapshotKind::Savepoint);
+        let kind = self.stop_kind();
+        let labels = self.kind_labels(kind);
         self.mem.run = Some(run);
         match result {
             Ok(c) => {
                 self.record_snapshot(&labels, Some(&c));
-                self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
+                let what = match kind {
+                    SnapshotKind::Checkpoint => {
+                        self.status.last_checkpoint = Some(snapshot_ref(&c, parallelism));
+                        let delta = c.manifest.written_bytes();
+                        if let Some(p) = self.rescale_mut().and_then(|r| r.prestage.as_mut()) {
+                            p.delta_bytes = Some(delta as i64);
+                        }
+                        format!(
+                            "stop checkpoint {} ({delta} bytes written, {} bytes of state)",
+                            c.url, c.manifest.stats.total_bytes
+                        )
+                    }
+                    SnapshotKind::Savepoint => {
+                        self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
+                        format!(
+                            "savepoint {} ({} bytes)",
+                            c.url, c.manifest.stats.total_bytes
+                        )
+                    }
+                };
                 if let Some(r) = self.rescale_mut() {
                     r.savepoint = Some(c.url.clone());
                     r.bytes_to_read = Some(c.manifest.stats.total_bytes as i64);
@@ -707,9 +926,7 @@ impl Pass<'_> {
                     false,
                     Reason::SavepointTaken,
                     format!(
-                        "savepoint {} ({} bytes) in {} ms; sources stopped at its barrier",
-                        c.url,
-                        c.manifest.stats.total_bytes,
+                        "{what} in {} ms; sources stopped at its barrier",
                         c.duration.as_millis()
                     ),
                 );
@@ -1184,5 +1401,18 @@ impl Pass<'_> {
                 Ok(requeue::AFTER_FAILURE)
             }
         }
+    }
+}
+
+/// What a finished rescale's Event says of its pre-stage, if it had one. Pure.
+fn prestage_summary(r: &RescaleStatus) -> String {
+    match (&r.prestage, &r.fallback) {
+        (Some(_), Some(why)) => format!("; fell back to stop-and-restore ({why})"),
+        (Some(p), None) => format!(
+            "; pre-staged: {} bytes loaded while the job ran, {} bytes written by the stop checkpoint",
+            p.loaded_bytes.unwrap_or_default(),
+            p.delta_bytes.unwrap_or_default()
+        ),
+        (None, _) => String::new(),
     }
 }

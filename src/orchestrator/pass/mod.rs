@@ -106,6 +106,11 @@ impl JobMemory {
         self.run.is_some()
     }
 
+    /// The coordinated run's id.
+    pub fn run_id(&self) -> Option<&str> {
+        self.run.as_ref().map(|r| r.run.as_str())
+    }
+
     /// The coordinated run's parallelism and coordinator.
     pub fn coordinator(&mut self) -> Option<&mut Coordinator> {
         self.run.as_mut().map(|r| &mut r.coordinator)
@@ -207,15 +212,20 @@ pub async fn run_pass(
     };
     let mut pods = Vec::with_capacity(listed.len());
     let mut endpoints = HashMap::new();
+    let mut prestage_endpoints = HashMap::new();
     let mut run_groups = HashMap::new();
+    // A pre-staged rescale's new workers are kept apart until they are the job's run.
+    let beside = status0.rescale.as_ref().and_then(beside_the_job);
     for l in listed {
         if let Some(g) = l.max_parallelism {
             run_groups.insert(l.pod.run.clone(), g);
         }
-        if let Some(e) = &l.endpoint
-            && run_matches(mem, &l.pod.run)
-        {
-            endpoints.insert(l.pod.subtask, e.clone());
+        if let Some(e) = &l.endpoint {
+            if beside == Some(l.pod.run.as_str()) {
+                prestage_endpoints.insert(l.pod.subtask, e.clone());
+            } else if run_matches(mem, &l.pod.run) {
+                endpoints.insert(l.pod.subtask, e.clone());
+            }
         }
         pods.push((l.pod, l.endpoint));
     }
@@ -293,6 +303,7 @@ pub async fn run_pass(
         mem,
         pods,
         endpoints,
+        prestage_endpoints,
         pending: obs.pending_restore.clone().and_then(Result::ok),
         run_groups,
         events: Vec::new(),
@@ -415,6 +426,10 @@ pub fn in_use(
             r.rewritten.as_ref(),
             format!("the rewrite of a key-group change of {namespace}/{name}"),
         );
+        pin(
+            r.prestaged().and_then(|p| p.base.as_ref()),
+            format!("what the pre-staged workers of {namespace}/{name} loaded"),
+        );
     }
     // While a key-group change can be undone, its original savepoint is what undoing restores.
     if let Some(c) = status
@@ -495,12 +510,22 @@ struct Pass<'a> {
     pods: Vec<ObservedPod>,
     /// Control and data addresses of the coordinated run's workers, by subtask.
     endpoints: HashMap<u32, WorkerEndpoint>,
+    /// Those of a pre-staged rescale's new workers while they run beside the job.
+    prestage_endpoints: HashMap<u32, WorkerEndpoint>,
     /// The spec.restoreFrom not yet acted on, when its manifest could be read.
     pending: Option<decide::PendingRestore>,
     /// The key-group count each run's workers were created under, by run.
     run_groups: HashMap<String, u32>,
     /// Events of this pass, published when it ends (beside the status write, not before it).
     events: Vec<PendingEvent>,
+}
+
+/// The run of a pre-staged rescale's new workers while they are not (or will not become) the
+/// job's run: before the old workers are gone, or once the rescale fell back or ended without
+/// them. Pure.
+fn beside_the_job(r: &RescaleStatus) -> Option<&str> {
+    let the_job = r.fallback.is_none() && matches!(r.step, Step::Restoring | Step::Done);
+    r.prestage_run().filter(|_| !the_job)
 }
 
 fn run_matches(mem: &JobMemory, run: &str) -> bool {
