@@ -179,6 +179,71 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A rescale with `rescaleStrategy: Prestage` on the real node: the new worker pods start
+/// beside the old ones and load their key groups while the job runs, the job stops with a delta
+/// checkpoint, and the pre-staged pods become the job; up and down, exact totals.
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn a_prestaged_rescale_up_and_down_runs_on_the_pods_that_loaded_the_state() {
+    let _plane = shared_plane();
+    ensure_crd();
+    let ns = Namespace::new("e2e-op-prestage");
+    let ns = &ns.0;
+    let dir = scratch_dir().join(format!("keyshift-e2e-op-prestage-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("storage dir");
+    let mut op = Operator::start(ns, &dir);
+    let log = op.log.clone();
+    let name = "prestaged";
+    let yaml = count_job_yaml(
+        name,
+        2,
+        "\n  maxParallelism: 128\n  rescaleStrategy: Prestage",
+        "partitions: 4, keys: 20000, seed: 7, recordsPerSecond: 1500, recordsPerPartition: 60000",
+    );
+    let r = apply(ns, &yaml);
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    wait_for(Duration::from_secs(30), || {
+        !get(ns, name, "{.status.lastCheckpoint.path}").is_empty()
+    });
+    for to in [4, 1] {
+        scale(ns, name, to, &log);
+        let run = get(ns, name, "{.status.rescale.prestage.run}");
+        assert!(!run.is_empty(), "the rescale to {to} was pre-staged");
+        assert_eq!(
+            get(ns, name, "{.status.rescale.fallback}"),
+            "",
+            "no fallback to {to}"
+        );
+        assert_eq!(get(ns, name, "{.status.rescale.step}"), "Done");
+        assert!(
+            !get(ns, name, "{.status.rescale.stepSeconds.Prestaging}").is_empty(),
+            "Prestaging is timed in status"
+        );
+        let stop = get(ns, name, "{.status.rescale.savepoint}");
+        assert!(stop.contains("/checkpoints/chk-"), "a stop checkpoint: {stop}");
+        let delta: u64 = get(ns, name, "{.status.rescale.prestage.deltaBytes}")
+            .parse()
+            .expect("the delta's bytes");
+        let loaded: u64 = get(ns, name, "{.status.rescale.prestage.loadedBytes}")
+            .parse()
+            .expect("the loaded bytes");
+        assert!(loaded > 0, "the new workers loaded state while the job ran");
+        eprintln!("rescale to {to}: loaded {loaded} bytes beside the job, stop wrote {delta}");
+        let pods = worker_pods(ns, name);
+        assert_eq!(pods.len(), to as usize, "{pods:?}");
+        assert!(
+            pods.iter().all(|p| p.contains(&run)),
+            "the job runs on the pre-staged pods of run {run}: {pods:?}"
+        );
+    }
+    set_suspend(ns, name, true, &log);
+    check_against_oracle(ns, name);
+    delete_job(ns, name, &log);
+    op.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
