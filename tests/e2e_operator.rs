@@ -221,7 +221,10 @@ fn a_prestaged_rescale_up_and_down_runs_on_the_pods_that_loaded_the_state() {
             "Prestaging is timed in status"
         );
         let stop = get(ns, name, "{.status.rescale.savepoint}");
-        assert!(stop.contains("/checkpoints/chk-"), "a stop checkpoint: {stop}");
+        assert!(
+            stop.contains("/checkpoints/chk-"),
+            "a stop checkpoint: {stop}"
+        );
         let delta: u64 = get(ns, name, "{.status.rescale.prestage.deltaBytes}")
             .parse()
             .expect("the delta's bytes");
@@ -1064,6 +1067,7 @@ metadata:
 spec:
   replicas: 2
   maxParallelism: 128
+  rescaleStrategy: Prestage
   job:
     source:
       generator: {{partitions: 4, keys: 300, seed: 13, recordsPerSecond: 1500}}
@@ -1193,7 +1197,7 @@ impl RefusingS3 {
     }
 }
 
-/// The object-store sink under the operator, on S3, through a rescale up, one down, failed
+/// The object-store sink under the operator, on S3, through a pre-staged rescale up, one down, failed
 /// manifest commits and failed publishes (the operator's storage refuses them for a while),
 /// checkpoints that fail on one subtask only (its storage refuses its state file), an operator
 /// killed between commit and publish, and a killed worker: every window of a windowed job is published exactly once (or is still open
@@ -1227,9 +1231,16 @@ fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_
         wait_ready(ns, name, &log);
         wait_for(Duration::from_secs(60), || checkpoint_id(ns, name) >= 2);
     }
+    // Both jobs rescale with pre-staged workers: the old run's stop checkpoint (a delta)
+    // publishes what it staged, and the pre-staged run goes on from it.
     for to in [4, 3] {
         for (name, _) in jobs {
             scale(ns, name, to, &log);
+            assert!(
+                !get(ns, name, "{.status.rescale.prestage.run}").is_empty(),
+                "{name}: the rescale to {to} was pre-staged"
+            );
+            assert_eq!(get(ns, name, "{.status.rescale.fallback}"), "", "{name}");
         }
     }
     // The operator's storage refuses to commit manifests for a while: checkpoints fail after

@@ -565,3 +565,67 @@ fn the_savepoint_tools_read_an_incremental_checkpoint() {
         assert_eq!(state_of(std::slice::from_ref(&op)), job.model);
     });
 }
+
+/// `verify_written` checks the files an incremental checkpoint wrote and none it refers to
+/// (a pre-staged rescale's stop checkpoint, whose referenced blocks the new workers checked as
+/// they loaded them): damage in a referenced file is left to `verify`, damage in its own files
+/// is found.
+#[test]
+fn verify_written_checks_the_files_a_checkpoint_wrote_and_only_those() {
+    use object_store::ObjectStoreExt;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut job = Job::new("written", 2);
+        job.records(300, 0, 1);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        job.records(5, 10, 3);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        let dir = snapshot_dir(&job.job_dir, SnapshotKind::Checkpoint, 2);
+        let store = job.store.clone();
+        let m = read_manifest(store.as_ref(), &dir).await.unwrap();
+        assert!(!m.is_self_contained());
+        let own = m
+            .files
+            .iter()
+            .filter(|f| !is_referenced_file(&f.name))
+            .count();
+        let whole = verify(store.as_ref(), &dir).await.unwrap();
+        let written = verify_written(store.as_ref(), &dir).await.unwrap();
+        assert_eq!((whole.files, written.files), (m.files.len(), own));
+        assert_eq!(written.bytes_checked, m.written_bytes());
+        assert!(written.bytes_checked < whole.bytes_checked);
+        // One byte of a file of checkpoint 1 that checkpoint 2 refers to.
+        let flip = |store: Arc<dyn ObjectStore>, path: Path| async move {
+            let mut bytes = store
+                .get(&path)
+                .await
+                .unwrap()
+                .bytes()
+                .await
+                .unwrap()
+                .to_vec();
+            bytes[0] ^= 0xff;
+            store.put(&path, bytes.into()).await.unwrap();
+        };
+        let referenced = m
+            .files
+            .iter()
+            .find(|f| is_referenced_file(&f.name))
+            .unwrap();
+        let path = referenced
+            .name
+            .split('/')
+            .fold(job.job_dir.clone(), |p, part| p.join(part));
+        flip(store.clone(), path).await;
+        assert!(verify(store.as_ref(), &dir).await.is_err());
+        verify_written(store.as_ref(), &dir).await.unwrap();
+        let mine = m
+            .files
+            .iter()
+            .find(|f| !is_referenced_file(&f.name) && f.size > 0)
+            .unwrap();
+        flip(store.clone(), dir.clone().join(mine.name.as_str())).await;
+        let e = verify_written(store.as_ref(), &dir).await.unwrap_err();
+        assert!(e.to_string().contains(&mine.name), "{e}");
+    });
+}
