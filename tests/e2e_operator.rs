@@ -181,7 +181,8 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
 
 /// A rescale with `rescaleStrategy: Prestage` on the real node: the new worker pods start
 /// beside the old ones and load their key groups while the job runs, the job stops with a delta
-/// checkpoint, and the pre-staged pods become the job; up and down, exact totals.
+/// checkpoint, and the pre-staged pods become the job; up and down, and with the operator killed
+/// inside each of its steps; exact totals.
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn a_prestaged_rescale_up_and_down_runs_on_the_pods_that_loaded_the_state() {
@@ -239,6 +240,46 @@ fn a_prestaged_rescale_up_and_down_runs_on_the_pods_that_loaded_the_state() {
             pods.iter().all(|p| p.contains(&run)),
             "the job runs on the pre-staged pods of run {run}: {pods:?}"
         );
+    }
+    // An operator that dies inside each step of a pre-staged rescale: a fresh one adopts the
+    // old workers, tells the new ones apart by the run in status, and finishes with them.
+    for (step, to) in [
+        ("Prestaging", 3),
+        ("Savepointing", 2),
+        ("Verifying", 4),
+        ("Stopping", 2),
+        ("Restoring", 3),
+    ] {
+        op.kill();
+        let mut dying = Operator::start_env(ns, &dir, Some(step));
+        kubectl_ok(&[
+            "scale",
+            "-n",
+            ns,
+            &format!("sj/{name}"),
+            &format!("--replicas={to}"),
+        ]);
+        let code = dying.wait_exit(Duration::from_secs(120));
+        assert_eq!(code, Some(3), "the operator exits inside {step}");
+        assert_eq!(get(ns, name, "{.status.rescale.step}"), step);
+        op = Operator::start(ns, &dir);
+        wait_for(Duration::from_secs(120), || {
+            get(ns, name, "{.status.rescale.step}") == "Done"
+                && get(ns, name, "{.status.replicas}") == to.to_string()
+        });
+        wait_ready(ns, name, &log);
+        let run = get(ns, name, "{.status.rescale.prestage.run}");
+        assert_eq!(
+            get(ns, name, "{.status.rescale.fallback}"),
+            "",
+            "killed inside {step}: no fallback"
+        );
+        let pods = worker_pods(ns, name);
+        assert!(
+            pods.len() == to as usize && pods.iter().all(|p| p.contains(&run)),
+            "killed inside {step}: the job runs on the pre-staged pods of run {run}: {pods:?}"
+        );
+        eprintln!("killed inside {step}, resumed pre-staged to {to}");
     }
     set_suspend(ns, name, true, &log);
     check_against_oracle(ns, name);

@@ -2427,3 +2427,35 @@ async fn an_old_worker_lost_while_prestaging_abandons_and_recovers() {
     })
     .await;
 }
+
+/// Creating the new workers is refused for good (a quota): the rescale falls back at once,
+/// without waiting for spec.state.prestageTimeout, and finishes once pods can be created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_workers_refused_by_a_quota_make_the_rescale_fall_back_at_once() {
+    bounded(async {
+        let mut d = prestaging("pre-quota", 2).await;
+        d.workers.faults().refuse_creates = true;
+        d.spec.replicas = 3;
+        let asked = Instant::now();
+        d.until("fallen back", Duration::from_secs(20), |d| {
+            !d.events_named("PrestageFellBack").is_empty()
+        })
+        .await;
+        assert!(
+            asked.elapsed() < Duration::from_secs(10),
+            "fell back after {:?}, not at once",
+            asked.elapsed()
+        );
+        let why = d.rescale().fallback.expect("the fallback");
+        assert!(why.contains("exceeded quota"), "{why}");
+        d.workers.faults().refuse_creates = false;
+        d.until("rescaled to 3", Duration::from_secs(40), |d| {
+            d.step() == Some(Step::Done) && d.running_at(3)
+        })
+        .await;
+        let sp = d.rescale().savepoint.expect("the savepoint");
+        assert_exact(&d.spec, &sp).await;
+        d.suspend_and_check().await;
+    })
+    .await;
+}

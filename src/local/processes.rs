@@ -256,6 +256,7 @@ impl Workers for ProcessWorkers {
                 grace_deadline: None,
                 worker: None,
                 spec_hash: Some(self.spec_hash.clone()),
+                unschedulable: None,
             };
             self.processes.insert(
                 name,

@@ -90,10 +90,25 @@ fn listed(p: &Pod) -> Option<Listed> {
             }),
             worker: None,
             spec_hash: p.labels().get(desired::LABEL_SPEC_HASH).cloned(),
+            unschedulable: unschedulable(p),
         },
         endpoint,
         max_parallelism: label_u32(p, desired::LABEL_MAX_PARALLELISM),
     })
+}
+
+/// The scheduler's message when it cannot place the pod (condition PodScheduled False, reason
+/// Unschedulable).
+fn unschedulable(p: &Pod) -> Option<String> {
+    let c = p
+        .status
+        .as_ref()?
+        .conditions
+        .as_ref()?
+        .iter()
+        .find(|c| c.type_ == "PodScheduled")?;
+    (c.status == "False" && c.reason.as_deref() == Some("Unschedulable"))
+        .then(|| c.message.clone().unwrap_or_else(|| "Unschedulable".into()))
 }
 
 /// Deletes a pod; returns its resourceVersion once marked for deletion (`None` when it is gone
@@ -298,5 +313,31 @@ impl Workers for PodWorkers<'_> {
                 let _ = w.unbounded_send(job.clone());
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unschedulable_pod_says_why() {
+        let pod = |status: &str, reason: &str| -> Pod {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": "p"},
+                "status": {"phase": "Pending", "conditions": [{
+                    "type": "PodScheduled", "status": status, "reason": reason,
+                    "message": "0/1 nodes are available: 1 Insufficient cpu."
+                }]}
+            }))
+            .unwrap()
+        };
+        assert_eq!(
+            unschedulable(&pod("False", "Unschedulable")).as_deref(),
+            Some("0/1 nodes are available: 1 Insufficient cpu.")
+        );
+        assert_eq!(unschedulable(&pod("True", "")), None);
+        assert_eq!(unschedulable(&pod("False", "SchedulingGated")), None);
+        assert_eq!(unschedulable(&Pod::default()), None);
     }
 }

@@ -52,6 +52,9 @@ pub struct ObservedPod {
     pub worker: Option<WorkerState>,
     /// The spec hash (`spec_hash`) the pod was created for; `None` for pods without the label.
     pub spec_hash: Option<String>,
+    /// Why the scheduler cannot place the pod (its PodScheduled condition is False with reason
+    /// Unschedulable: no node has room, or none fits its constraints).
+    pub unschedulable: Option<String>,
 }
 
 /// The run the operator currently coordinates (its coordinator is in memory).
@@ -747,7 +750,7 @@ fn rescale_step(spec: &StreamJobSpec, r: &RescaleStatus, obs: &Observed) -> Acti
             }
             // Pre-staged workers start from the stop checkpoint, applying only its delta; if one
             // is lost, fresh workers restore it in full.
-            if let Some(p) = r.prestaged()
+            if let Some(p) = r.prestaged().filter(|_| r.rolled_back.is_none())
                 && let Readiness::Lost(why) | Readiness::NotYet(why) =
                     prestage_ready(&obs.pods, &p.run, to)
             {
@@ -813,6 +816,17 @@ fn prestaging(
     }
     let to = r.to.max(0) as u32;
     let new: Vec<&ObservedPod> = obs.pods.iter().filter(|q| q.run == p.run).collect();
+    if let Some((q, why)) = new
+        .iter()
+        .find_map(|q| q.unschedulable.as_ref().map(|why| (q, why)))
+    {
+        return Action::FallBack {
+            message: format!(
+                "new worker pod {} (subtask {}) cannot be scheduled: {why}",
+                q.name, q.subtask
+            ),
+        };
+    }
     if let Some(q) = new
         .iter()
         .find(|q| q.deleting || q.phase == PodPhase::Exited)
@@ -1163,6 +1177,7 @@ mod tests {
                 grace_deadline: None,
                 worker,
                 spec_hash: None,
+                unschedulable: None,
             })
             .collect()
     }
@@ -2178,6 +2193,13 @@ mod tests {
                 parallelism: 8
             }
         );
+        // A pod the scheduler cannot place: no need to wait for the timeout.
+        let mut unplaced = pods("new", 8, PodPhase::Pending, None);
+        unplaced[4].unschedulable = Some("0/1 nodes are available: 1 Insufficient cpu.".into());
+        assert!(matches!(
+            decide(&s, &st, &with(unplaced)),
+            Action::FallBack { message } if message.contains("(subtask 4) cannot be scheduled: 0/1 nodes")
+        ));
         let loading = pods("new", 8, PodPhase::Running, Some(WorkerState::Restoring));
         assert!(matches!(
             decide(&s, &st, &with(loading)),

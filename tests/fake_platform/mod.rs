@@ -17,6 +17,7 @@
 //!   with HTTP 503 without passing it on, so a trigger reaches only the other workers.
 //! * `pods_pending = true`: workers created from then on never start (their pods stay
 //!   Pending).
+//! * `refuse_creates = true`: creating workers fails for good (a quota).
 
 #![allow(dead_code)]
 
@@ -53,6 +54,8 @@ pub struct Faults {
     /// Workers created while this is set never start: their pods stay Pending (no room on the
     /// nodes, say).
     pub pods_pending: bool,
+    /// Creating workers is refused for good while this is set (a ResourceQuota, say).
+    pub refuse_creates: bool,
 }
 
 /// One in-process worker: its runtime (its tasks and sockets live and die with it).
@@ -220,6 +223,7 @@ impl FakeWorkers {
                 grace_deadline: None,
                 worker: None,
                 spec_hash: Some(self.spec_hash.clone()),
+                unschedulable: None,
             },
             endpoint: WorkerEndpoint { control, data },
             max_parallelism: 0,
@@ -256,6 +260,13 @@ impl Workers for FakeWorkers {
         token: &str,
     ) -> Result<(), PortError> {
         let parallelism = assignment.parallelism();
+        if self.faults().refuse_creates {
+            return Err(PortError::new(
+                format!("creating the workers of run {run}"),
+                "pods \"x\" is forbidden: exceeded quota: compute, requested: pods=1, used: pods=2, limited: pods=2",
+                false,
+            ));
+        }
         let pending = self.faults().pods_pending;
         for &i in subtasks {
             let name = format!("{run}-{i}");
@@ -273,6 +284,7 @@ impl Workers for FakeWorkers {
                         grace_deadline: None,
                         worker: None,
                         spec_hash: Some(self.spec_hash.clone()),
+                        unschedulable: None,
                     },
                     endpoint: WorkerEndpoint {
                         control: "http://127.0.0.1:9".into(),

@@ -288,10 +288,22 @@ impl Pass<'_> {
                     self.token = token;
                     self.token_from_cache = false;
                 }
-                self.workers
+                let created = self
+                    .workers
                     .create(&run, assignment, &subtasks, &self.token)
-                    .await
-                    .map_err(PassError::Create)?;
+                    .await;
+                if let Err(e) = created {
+                    // A pre-staged rescale's new workers refused for good (a quota, say): the
+                    // rescale goes on without them at once.
+                    let prestaging = self.status.rescale.as_ref().is_some_and(|r| {
+                        r.step == Step::Prestaging && r.prestage_run() == Some(run.as_str())
+                    });
+                    if prestaging && !e.transient {
+                        self.fall_back(format!("creating the new workers was refused: {e}"))?;
+                        return Ok(short);
+                    }
+                    return Err(PassError::Create(e));
+                }
                 self.event(
                     false,
                     Reason::CreatedPods,
