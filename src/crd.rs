@@ -91,16 +91,17 @@ pub struct StreamJobSpec {
     #[serde(default)]
     pub upgrade_mode: UpgradeMode,
 
-    /// How a change of spec.replicas is carried out. `StopAndRestore` (default): the job stops
-    /// with a savepoint of its whole state and the new workers read it back (the pause grows
-    /// with the state). `Prestage`: the new workers start beside the old ones and load their key
-    /// groups from the newest checkpoint while the job keeps running; then the job stops with a
-    /// checkpoint that writes only what changed since, which the new workers apply before they
-    /// resume (the pause grows with the changes, not the state). Pre-staged workers read no
-    /// source and emit nothing. Needs room for both sets of workers for a while; when the new
-    /// ones are not ready within spec.state.prestageTimeout, the rescale falls back to
-    /// stop-and-restore (a condition and an Event say so). Suspends, upgrades, restores and
-    /// key-group changes always stop and restore.
+    /// How a change of spec.replicas is carried out. `Prestage` (default): the new workers start
+    /// beside the old ones and load their key groups from the newest checkpoint while the job
+    /// keeps running; then the job stops with a checkpoint that writes only what changed since,
+    /// which the new workers apply before they resume (the pause grows with the changes, not
+    /// the state). Pre-staged workers read no source and emit nothing. Needs room for both sets
+    /// of workers for a while: when a new pod cannot be scheduled or is refused (a quota), or
+    /// the new workers are not ready within spec.state.prestageTimeout, the rescale falls back
+    /// to stop-and-restore (a condition and an Event say so). `StopAndRestore`: the job stops
+    /// with a savepoint of its whole state and the new workers read it back (no second set of
+    /// workers; the pause grows with the state). Suspends, upgrades, restores and key-group
+    /// changes always stop and restore.
     #[serde(default, skip_serializing_if = "RescaleStrategy::is_default")]
     pub rescale_strategy: RescaleStrategy,
 
@@ -174,17 +175,17 @@ pub enum KeyGroupPolicy {
 /// How a rescale moves the job's state (spec.rescaleStrategy).
 #[derive(Deserialize, Serialize, Clone, Copy, Debug, Default, PartialEq, Eq, JsonSchema)]
 pub enum RescaleStrategy {
-    /// Stop with a savepoint of the whole state; the new workers restore it.
-    #[default]
-    StopAndRestore,
     /// Pre-stage the new workers from the newest checkpoint while the job runs; stop with a
     /// delta checkpoint they apply.
+    #[default]
     Prestage,
+    /// Stop with a savepoint of the whole state; the new workers restore it.
+    StopAndRestore,
 }
 
 impl RescaleStrategy {
     fn is_default(&self) -> bool {
-        *self == RescaleStrategy::StopAndRestore
+        *self == RescaleStrategy::default()
     }
 }
 

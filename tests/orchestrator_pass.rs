@@ -47,6 +47,8 @@ metadata: {{name: {name}, namespace: {NS}}}
 spec:
   replicas: {replicas}
   maxParallelism: 32
+  # The stop-and-restore steps; pre-staged rescales have tests of their own below.
+  rescaleStrategy: StopAndRestore
   job:
     source:
       generator: {{partitions: 6, keys: 500, seed: 11, recordsPerSecond: 2000}}

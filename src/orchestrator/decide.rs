@@ -1129,9 +1129,11 @@ mod tests {
     use super::*;
     use crate::crd::{RescaleStatus, StreamJob};
 
+    /// A job that rescales by stop-and-restore (the pre-staged steps have tests of their own).
     fn spec(replicas: i32) -> StreamJobSpec {
         let mut j = crate::operator::desired::tests_support::job();
         j.spec.replicas = replicas;
+        j.spec.rescale_strategy = RescaleStrategy::StopAndRestore;
         j.spec
     }
 
@@ -2123,6 +2125,21 @@ mod tests {
     fn later(mut o: Observed, secs: i64) -> Observed {
         o.now += chrono::Duration::seconds(secs);
         o
+    }
+
+    #[test]
+    fn rescales_are_prestaged_by_default() {
+        let j = crate::operator::desired::tests_support::job();
+        assert_eq!(j.spec.rescale_strategy, RescaleStrategy::Prestage);
+        let yaml = serde_yaml::to_string(&j.spec).unwrap();
+        assert!(
+            !yaml.contains("rescaleStrategy"),
+            "the default is not written"
+        );
+        let mut s = j.spec.clone();
+        s.rescale_strategy = RescaleStrategy::StopAndRestore;
+        let yaml = serde_yaml::to_string(&s).unwrap();
+        assert!(yaml.contains("rescaleStrategy: StopAndRestore"), "{yaml}");
     }
 
     #[test]
