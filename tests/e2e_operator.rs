@@ -174,7 +174,9 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
         .iter()
         .filter(|o| o.ends_with("/_manifest.json"))
         .count();
-    assert!(kept >= 4, "savepoints kept in {savepoints}");
+    // The two suspends' savepoints (the rescales were pre-staged: each stopped the job with a
+    // checkpoint).
+    assert!(kept >= 2, "savepoints kept in {savepoints}");
     op.kill();
     let _ = std::fs::remove_dir_all(&dir);
 }
