@@ -181,6 +181,36 @@ fn apply_scale_4_8_3_suspend_kill_worker_resume_exact_totals() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Kills `op`, starts an operator that exits as soon as `step` is recorded, makes the change
+/// `change` (kubectl arguments) that begins a transition to `to` replicas, and checks the
+/// operator died inside `step`; then a fresh operator (returned) resumes from status until the
+/// transition is Done at `to` and the job is Ready.
+fn die_inside_then_resume(
+    ns: &str,
+    name: &str,
+    dir: &std::path::Path,
+    mut op: Operator,
+    step: &str,
+    change: &[&str],
+    to: i32,
+) -> Operator {
+    let log = op.log.clone();
+    op.kill();
+    let mut dying = Operator::start_env(ns, dir, Some(step));
+    kubectl_ok(change);
+    let code = dying.wait_exit(Duration::from_secs(120));
+    assert_eq!(code, Some(3), "the operator exits inside {step}");
+    assert_eq!(get(ns, name, "{.status.rescale.step}"), step);
+    assert_eq!(get(ns, name, "{.status.rescale.to}"), to.to_string());
+    let op = Operator::start(ns, dir);
+    wait_for(Duration::from_secs(120), || {
+        get(ns, name, "{.status.rescale.step}") == "Done"
+            && get(ns, name, "{.status.replicas}") == to.to_string()
+    });
+    wait_ready(ns, name, &log);
+    op
+}
+
 /// A rescale with `rescaleStrategy: Prestage` on the real node: the new worker pods start
 /// beside the old ones and load their key groups while the job runs, the job stops with a delta
 /// checkpoint, and the pre-staged pods become the job; up and down, and with the operator killed
@@ -252,24 +282,17 @@ fn a_prestaged_rescale_up_and_down_runs_on_the_pods_that_loaded_the_state() {
         ("Stopping", 2),
         ("Restoring", 3),
     ] {
-        op.kill();
-        let mut dying = Operator::start_env(ns, &dir, Some(step));
-        kubectl_ok(&[
-            "scale",
-            "-n",
+        let scale = format!("--replicas={to}");
+        let target = format!("sj/{name}");
+        op = die_inside_then_resume(
             ns,
-            &format!("sj/{name}"),
-            &format!("--replicas={to}"),
-        ]);
-        let code = dying.wait_exit(Duration::from_secs(120));
-        assert_eq!(code, Some(3), "the operator exits inside {step}");
-        assert_eq!(get(ns, name, "{.status.rescale.step}"), step);
-        op = Operator::start(ns, &dir);
-        wait_for(Duration::from_secs(120), || {
-            get(ns, name, "{.status.rescale.step}") == "Done"
-                && get(ns, name, "{.status.replicas}") == to.to_string()
-        });
-        wait_ready(ns, name, &log);
+            name,
+            &dir,
+            op,
+            step,
+            &["scale", "-n", ns, &target, &scale],
+            to,
+        );
         let run = get(ns, name, "{.status.rescale.prestage.run}");
         assert_eq!(
             get(ns, name, "{.status.rescale.fallback}"),
@@ -303,7 +326,14 @@ fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
     let log = op.log.clone();
     let name = "kills";
 
-    let r = apply(ns, &job_yaml(name, 2));
+    // The stop-and-restore steps (the pre-staged ones have a test of their own).
+    let yaml = count_job_yaml(
+        name,
+        2,
+        "\n  maxParallelism: 128\n  rescaleStrategy: StopAndRestore",
+        "partitions: 4, keys: 2000, seed: 7, recordsPerSecond: 3000, recordsPerPartition: 60000",
+    );
+    let r = apply(ns, &yaml);
     assert!(r.ok, "{}", r.stderr);
     wait_ready(ns, name, &log);
     assert_eq!(get(ns, name, "{.status.replicas}"), "2");
@@ -315,27 +345,18 @@ fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
         ("Restoring", 4),
     ] {
         let t = Instant::now();
-        // An operator that dies inside `step` of this rescale.
-        op.kill();
-        let mut dying = Operator::start_env(ns, &dir, Some(step));
-        kubectl_ok(&[
-            "scale",
-            "-n",
+        // An operator that dies inside `step` of this rescale; a fresh one resumes from status.
+        let scale = format!("--replicas={to}");
+        let target = format!("sj/{name}");
+        op = die_inside_then_resume(
             ns,
-            &format!("sj/{name}"),
-            &format!("--replicas={to}"),
-        ]);
-        let code = dying.wait_exit(Duration::from_secs(120));
-        assert_eq!(code, Some(3), "the operator exits inside {step}");
-        assert_eq!(get(ns, name, "{.status.rescale.step}"), step);
-        assert_eq!(get(ns, name, "{.status.rescale.to}"), to.to_string());
-        // A fresh operator resumes from status.
-        op = Operator::start(ns, &dir);
-        wait_for(Duration::from_secs(120), || {
-            get(ns, name, "{.status.rescale.step}") == "Done"
-                && get(ns, name, "{.status.replicas}") == to.to_string()
-        });
-        wait_ready(ns, name, &log);
+            name,
+            &dir,
+            op,
+            step,
+            &["scale", "-n", ns, &target, &scale],
+            to,
+        );
         assert_eq!(worker_pods(ns, name).len(), to as usize);
         eprintln!(
             "killed inside {step}, resumed to {to} in {:?}: {}",
@@ -347,27 +368,17 @@ fn operator_killed_inside_each_rescale_step_resumes_with_exact_totals() {
     // The same inside the steps of a key-group change (one patch each: the new count and the
     // replicas), which rewrite the state in the operator.
     for (step, groups, to) in [("Rewriting", 256, 2), ("VerifyingRewrite", 512, 4)] {
-        op.kill();
-        let mut dying = Operator::start_env(ns, &dir, Some(step));
-        kubectl_ok(&[
-            "patch",
-            "-n",
+        let patch = format!(r#"{{"spec":{{"maxParallelism":{groups},"replicas":{to}}}}}"#);
+        let target = format!("sj/{name}");
+        op = die_inside_then_resume(
             ns,
-            &format!("sj/{name}"),
-            "--type",
-            "merge",
-            "-p",
-            &format!(r#"{{"spec":{{"maxParallelism":{groups},"replicas":{to}}}}}"#),
-        ]);
-        let code = dying.wait_exit(Duration::from_secs(120));
-        assert_eq!(code, Some(3), "the operator exits inside {step}");
-        assert_eq!(get(ns, name, "{.status.rescale.step}"), step);
-        op = Operator::start(ns, &dir);
-        wait_for(Duration::from_secs(120), || {
-            get(ns, name, "{.status.rescale.step}") == "Done"
-                && get(ns, name, "{.status.replicas}") == to.to_string()
-        });
-        wait_ready(ns, name, &log);
+            name,
+            &dir,
+            op,
+            step,
+            &["patch", "-n", ns, &target, "--type", "merge", "-p", &patch],
+            to,
+        );
         assert_eq!(
             get(ns, name, "{.status.maxParallelism}"),
             groups.to_string()

@@ -668,6 +668,34 @@ impl Pass<'_> {
         Ok(())
     }
 
+    /// The coordinator of a new run `run` of `parallelism` workers at `endpoints`, and its start
+    /// request restoring `restore_from` (a start, or a pre-stage without it).
+    async fn new_run(
+        &mut self,
+        parallelism: u32,
+        endpoints: Vec<WorkerEndpoint>,
+        run: &str,
+        restore_from: Option<String>,
+    ) -> Result<(Coordinator, crate::runtime::protocol::StartRequest), PassError> {
+        let assignment = self.assignment(parallelism)?;
+        let identity = self.identity();
+        let coordinator = self
+            .coordinator(assignment, endpoints, identity, PassError::Start)
+            .await?;
+        let template = run::StartPlan {
+            namespace: &self.ns,
+            name: &self.name,
+            spec: self.spec,
+            assignment,
+            storage: &self.storage,
+            restore_from,
+            run,
+            state_payload_bytes: hooks::state_payload_bytes(),
+        }
+        .request()?;
+        Ok((coordinator, template))
+    }
+
     /// Pre-stages the new workers of run `run_id` (see [`run::prestage`]) in the background; the
     /// running job's run goes with it (for its catch-up checkpoints) and comes back.
     pub(super) async fn prestage(
@@ -681,22 +709,7 @@ impl Pass<'_> {
         let (Some(endpoints), true) = (endpoints, self.mem.run.is_some()) else {
             return Ok(requeue::SOON);
         };
-        let assignment = self.assignment(parallelism)?;
-        let identity = self.identity();
-        let new = self
-            .coordinator(assignment, endpoints, identity, PassError::Start)
-            .await?;
-        let template = run::StartPlan {
-            namespace: &self.ns,
-            name: &self.name,
-            spec: self.spec,
-            assignment,
-            storage: &self.storage,
-            restore_from: None,
-            run: &run_id,
-            state_payload_bytes: hooks::state_payload_bytes(),
-        }
-        .request()?;
+        let (new, template) = self.new_run(parallelism, endpoints, &run_id, None).await?;
         let Some(mut old) = self.mem.run.take() else {
             return Ok(requeue::SOON);
         };
@@ -1145,22 +1158,10 @@ impl Pass<'_> {
             }
             _ => None,
         };
-        let assignment = self.assignment(parallelism)?;
-        let identity = self.identity();
-        let coordinator = self
-            .coordinator(assignment, endpoints, identity, PassError::Start)
+        let (coordinator, template) = self
+            .new_run(parallelism, endpoints, &run, restore_from.clone())
             .await?;
-        let template = run::StartPlan {
-            namespace: &self.ns,
-            name: &self.name,
-            spec: self.spec,
-            assignment,
-            storage: &self.storage,
-            restore_from: restore_from.clone(),
-            run: &run,
-            state_payload_bytes: hooks::state_payload_bytes(),
-        }
-        .request()?;
+        let assignment = coordinator.assignment();
         let work = StartWork {
             run,
             parallelism,
