@@ -279,7 +279,7 @@ async fn checkpoint_subtask(
             let policy = crate::runtime::incremental::ChainPolicy::default();
             let range = agg.range();
             let modes: Vec<_> = range.iter().map(|g| base.mode(&agg, g)).collect();
-            let taken = checkpoint::encode_cut(
+            let taken = checkpoint::take_cut(
                 &mut agg,
                 |g| modes[(g - range.start) as usize],
                 Updates::Keep,
