@@ -70,6 +70,10 @@ struct Job {
     taken: BTreeMap<u64, Model>,
     incremental_written: usize,
     failed_commits: usize,
+    /// Records `(key, value)` processed by each subtask after an incremental checkpoint's cut and
+    /// before its upload (records that keep flowing while the checkpoint is written); cleared by
+    /// the checkpoint.
+    during_upload: Vec<(i64, i64)>,
 }
 
 fn meta(id: u64, kind: SnapshotKind) -> SnapshotMeta {
@@ -125,6 +129,7 @@ impl Job {
             taken: BTreeMap::new(),
             incremental_written: 0,
             failed_commits: 0,
+            during_upload: Vec::new(),
         }
     }
 
@@ -150,6 +155,9 @@ impl Job {
         let dir = snapshot_dir(&self.job_dir, kind, id);
         let mut acks = Vec::new();
         let mut failed = false;
+        // The state at the barrier, before any record processed during an upload.
+        let at_barrier = self.model.clone();
+        let during = std::mem::take(&mut self.during_upload);
         for i in 0..self.ops.len() {
             let writer =
                 SnapshotWriter::new(self.store.clone(), &dir, self.assignment, i as u32).unwrap();
@@ -166,13 +174,27 @@ impl Job {
                     let policy = self.chains[i].policy;
                     let range = op.range();
                     let modes: Vec<_> = range.iter().map(|g| base.mode(op, g)).collect();
-                    let taken = checkpoint::encode_cut(
+                    let taken = checkpoint::take_cut(
                         op,
                         |g| modes[(g - range.start) as usize],
                         Updates::Skip,
                     )
                     .await;
                     self.incremental_written += 1;
+                    // Records keep flowing between the cut and the upload.
+                    for (k, value) in &during {
+                        let key = RecordKey::long(*k);
+                        let owner = key.key_group(MAX_P) * self.assignment.parallelism() / MAX_P;
+                        if owner as usize == i {
+                            op.process(&Record {
+                                key: key.clone(),
+                                value: *value,
+                                ts: 0,
+                            })
+                            .unwrap();
+                            *self.model.entry(key.to_string()).or_insert(0) += value;
+                        }
+                    }
                     checkpoint::upload_cut(
                         taken.groups,
                         writer,
@@ -224,7 +246,7 @@ impl Job {
         match commit_manifest(self.store.as_ref(), &dir, &manifest).await {
             Ok(()) => {
                 self.last_committed = id;
-                self.taken.insert(id, self.model.clone());
+                self.taken.insert(id, at_barrier);
             }
             // A file it builds on was disposed of (forced): the commit refuses it, and the
             // next checkpoint is written in full.
@@ -416,6 +438,59 @@ proptest! {
     ) {
         run(&format!("prop-{case}"), p, &ops);
     }
+}
+
+/// Records processed while an incremental checkpoint is uploaded (after its cut) are not in it,
+/// whether they change keys of its delta, keys it does not write, or new keys: it restores the
+/// state at its barrier exactly, and the next checkpoint holds them.
+#[test]
+fn records_during_an_upload_are_in_the_next_checkpoint_not_this_one() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut job = Job::new("during-upload", 2);
+        job.records(200, 0, 1);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        // Keys 0..6 change before the barrier (the delta).
+        job.records(6, 0, 1);
+        let delta = [0i64, 1, 2, 3, 4, 5];
+        // Changed in the delta, unchanged since the base, new.
+        job.during_upload = delta
+            .iter()
+            .map(|k| (*k, 10))
+            .chain((100..106).map(|k| (k, 10)))
+            .chain((500..506).map(|k| (k, 10)))
+            .collect();
+        let before = job.incremental_written;
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        assert_eq!(
+            job.incremental_written,
+            before + 2,
+            "both subtasks incremental"
+        );
+        assert_eq!(job.last_committed, 2);
+        let m2 = read_manifest(
+            job.store.as_ref(),
+            &snapshot_dir(&job.job_dir, SnapshotKind::Checkpoint, 2),
+        )
+        .await
+        .unwrap();
+        assert!(!m2.is_self_contained());
+        let at_barrier = &job.taken[&2];
+        assert_eq!(at_barrier["0"], 2);
+        assert_eq!(at_barrier["100"], 1);
+        assert!(!at_barrier.contains_key("500"));
+        assert_eq!(job.model["0"], 12, "processed during the upload");
+        assert_eq!(job.model["500"], 10);
+        // chk-2 restores the state at its barrier (not the live one).
+        job.check_all().await;
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        assert_eq!(job.last_committed, 3);
+        assert_eq!(job.taken[&3], job.model);
+        assert_eq!(job.taken[&3]["100"], 11);
+        job.check_all().await;
+        job.restart(3).await;
+        assert_eq!(state_of(&job.ops)["500"], 10);
+    });
 }
 
 /// Dispose of an old checkpoint whose files a newer one reads: the files stay, the report

@@ -928,6 +928,44 @@ impl GroupSnapshot<'_> {
         self.map.is_empty()
     }
 
+    /// Takes the group for a checkpoint's cut at its barrier, like [`encode`](Self::encode)
+    /// (the same result lines drained, the same block in the end), but a delta whose changed
+    /// keys are known is not encoded here: their values are copied out (payloads shared, not
+    /// copied) and encoded later ([`FrozenGroup::encode`]), so that the record path waits only
+    /// for the copy. Other groups (whole, or a delta found by a scan) are encoded here.
+    pub fn freeze(self, mut updates: Option<&mut Vec<u8>>) -> FrozenGroup {
+        let since = match (self.mode, &self.changed_keys) {
+            (GroupMode::Delta { since }, Some(_)) => since,
+            _ => return FrozenGroup(Frozen::Encoded(self.encode(updates))),
+        };
+        let keys = self.map.len() as u64;
+        let size = self.info.window_size_ms;
+        let changed = self.changed_keys.unwrap_or_default();
+        let mut entries = Vec::with_capacity(changed.len());
+        let mut rows = 0u64;
+        for key in changed {
+            let Some(slot) = self.map.get_mut(&key) else {
+                continue;
+            };
+            if let Some(out) = updates.as_deref_mut()
+                && slot.dirty
+            {
+                slot.dirty = false;
+                rows += format_rows(out, &key, &slot.acc, size);
+            }
+            if slot.epoch > since {
+                entries.push((key, slot.acc.clone(), slot.payload.clone()));
+            }
+        }
+        FrozenGroup(Frozen::Delta {
+            info: self.info,
+            entries,
+            rows,
+            keys,
+            since,
+        })
+    }
+
     /// Encodes the group's block, the same bytes as [`KeyedAggregator::encode_group`]. With
     /// `updates`, in the same pass over the state, also drains the group's changed keys like
     /// [`KeyedAggregator::drain_updates`]: appends each one's current value (or open windows) as
@@ -1008,6 +1046,107 @@ impl GroupSnapshot<'_> {
             rows,
             mode: self.mode,
             keys,
+        }
+    }
+}
+
+/// One key group as a checkpoint's cut took it at its barrier ([`GroupSnapshot::freeze`]):
+/// either already encoded, or the changed keys' values (accumulators copied, payloads shared)
+/// to be encoded later, off the record path ([`FrozenGroup::encode`]). Records processed after
+/// the barrier do not change it.
+#[derive(Debug)]
+pub struct FrozenGroup(Frozen);
+
+#[derive(Debug)]
+enum Frozen {
+    Encoded(EncodedGroup),
+    Delta {
+        info: BlockInfo,
+        entries: Vec<(RecordKey, AccValue, Bytes)>,
+        rows: u64,
+        keys: u64,
+        since: u32,
+    },
+}
+
+impl FrozenGroup {
+    /// The key group.
+    pub fn group(&self) -> u32 {
+        match &self.0 {
+            Frozen::Encoded(e) => e.group,
+            Frozen::Delta { info, .. } => info.key_group,
+        }
+    }
+
+    /// Keys in the group at the barrier.
+    pub fn keys(&self) -> u64 {
+        match &self.0 {
+            Frozen::Encoded(e) => e.keys,
+            Frozen::Delta { keys, .. } => *keys,
+        }
+    }
+
+    /// Result rows drained at the barrier.
+    pub fn rows(&self) -> u64 {
+        match &self.0 {
+            Frozen::Encoded(e) => e.rows,
+            Frozen::Delta { rows, .. } => *rows,
+        }
+    }
+
+    /// Entries taken to be encoded later (0 for a group encoded at the barrier).
+    pub fn deferred_entries(&self) -> u64 {
+        match &self.0 {
+            Frozen::Encoded(_) => 0,
+            Frozen::Delta { entries, .. } => entries.len() as u64,
+        }
+    }
+
+    /// Bytes already encoded at the barrier.
+    pub fn encoded_bytes(&self) -> u64 {
+        match &self.0 {
+            Frozen::Encoded(e) => e.block.len() as u64,
+            Frozen::Delta { .. } => 0,
+        }
+    }
+
+    /// The group's block as of the barrier: the same bytes as [`GroupSnapshot::encode`] would
+    /// have produced there.
+    pub fn encode(self) -> EncodedGroup {
+        match self.0 {
+            Frozen::Encoded(e) => e,
+            Frozen::Delta {
+                info,
+                entries,
+                rows,
+                keys,
+                since,
+            } => {
+                if entries.is_empty() {
+                    return EncodedGroup {
+                        group: info.key_group,
+                        block: Vec::new(),
+                        entries: 0,
+                        rows,
+                        mode: GroupMode::Unchanged,
+                        keys,
+                    };
+                }
+                let hint = 64 + entries.iter().map(|e| 40 + e.2.len()).sum::<usize>();
+                let mut w = BlockWriter::new(&info, hint);
+                for (key, acc, payload) in &entries {
+                    w.push(key, acc, payload);
+                }
+                let (block, n) = w.finish();
+                EncodedGroup {
+                    group: info.key_group,
+                    block,
+                    entries: n,
+                    rows,
+                    mode: GroupMode::Delta { since },
+                    keys,
+                }
+            }
         }
     }
 }

@@ -561,6 +561,70 @@ fn snapshot_groups_encode_like_encode_group_and_drain_like_drain_updates() {
     }
 }
 
+/// A frozen cut is the state at its barrier: after more records changed the state (the same
+/// keys, new keys), its groups encode to exactly the blocks encoding at the barrier gives, and
+/// it drains the same result lines at the barrier.
+#[test]
+fn a_frozen_cut_encodes_the_state_at_its_barrier() {
+    for window in [None, Some(10_000)] {
+        let changed = |k: i64| RecordKey::long(k * 7 - 300);
+        let prepare = || {
+            let mut op = mixed_state(window, 9);
+            let since = op.cut();
+            for k in 0..50 {
+                op.process(&rec(changed(k), 3, 5_000)).unwrap();
+            }
+            // The barrier.
+            op.cut();
+            (op, since)
+        };
+        let (mut reference, since) = prepare();
+        let (mut op, _) = prepare();
+        let modes: Vec<GroupMode> = reference
+            .range()
+            .iter()
+            .map(|g| reference.group_mode(g, since))
+            .collect();
+        assert!(modes.iter().any(|m| matches!(m, GroupMode::Delta { .. })));
+        let mut want_lines = Vec::new();
+        let want: Vec<EncodedGroup> = reference
+            .snapshot_groups_as(|g| modes[g as usize])
+            .into_iter()
+            .map(|g| g.encode(Some(&mut want_lines)))
+            .collect();
+        let mut lines = Vec::new();
+        let frozen: Vec<FrozenGroup> = op
+            .snapshot_groups_as(|g| modes[g as usize])
+            .into_iter()
+            .map(|g| g.freeze(Some(&mut lines)))
+            .collect();
+        assert!(
+            frozen
+                .iter()
+                .map(FrozenGroup::deferred_entries)
+                .sum::<u64>()
+                >= 40
+        );
+        assert!(!want_lines.is_empty());
+        assert_eq!(lines, want_lines, "window {window:?}");
+        // Records after the barrier, before the encoding.
+        for k in 0..50 {
+            op.process(&rec(changed(k), 100, 6_000)).unwrap();
+            op.process(&rec(RecordKey::long(10_000 + k), 1, 6_000))
+                .unwrap();
+        }
+        assert_ne!(op.results(), reference.results());
+        for (f, w) in frozen.into_iter().zip(&want) {
+            let e = f.encode();
+            assert_eq!(
+                (e.group, &e.block, e.entries, e.mode, e.keys, e.rows),
+                (w.group, &w.block, w.entries, w.mode, w.keys, w.rows),
+                "window {window:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn decoded_groups_install_like_restore_group_and_share_the_block() {
     for window in [None, Some(10_000)] {

@@ -16,7 +16,7 @@
 //! ([`StateWriteFailed::lines`]) for the caller to keep for the next snapshot.
 
 use super::incremental::{Base, ChainPolicy};
-use crate::job::{EncodedGroup, GroupMode, GroupSnapshot, KeyedAggregator};
+use crate::job::{EncodedGroup, FrozenGroup, GroupMode, GroupSnapshot, KeyedAggregator};
 use crate::snapshot::{self, ObjectStore, Path};
 use crate::snapshot::{SnapshotError, SnapshotWriter, SubtaskSnapshot};
 use bytes::Bytes;
@@ -110,13 +110,14 @@ pub struct StateWriteFailed {
     pub rows: u64,
 }
 
-/// A subtask's state taken at a barrier for an incremental checkpoint ([`encode_cut`]): each
-/// group's block (whole, delta, or none when unchanged), already encoded, so that records flow
-/// again while [`upload_cut`] writes it.
+/// A subtask's state taken at a barrier for an incremental checkpoint ([`take_cut`]): each
+/// group as the barrier left it (whole groups encoded; the changed keys of a delta copied out,
+/// to be encoded by [`upload_cut`]; nothing for an unchanged group), so that records flow again
+/// while [`upload_cut`] encodes and writes it.
 #[derive(Debug)]
 pub struct Cut {
     /// Every owned group, in group order.
-    pub groups: Vec<EncodedGroup>,
+    pub groups: Vec<FrozenGroup>,
     /// The drained result lines with [`Updates::Keep`] (empty otherwise), in group order.
     pub lines: Vec<u8>,
     /// Result rows drained (written to stdout or in `lines`).
@@ -124,22 +125,29 @@ pub struct Cut {
 }
 
 impl Cut {
-    /// Entries of every owned group, in group order.
+    /// Keys of every owned group at the barrier, in group order.
     pub fn keys_per_group(&self) -> Vec<u64> {
-        self.groups.iter().map(|g| g.keys).collect()
+        self.groups.iter().map(FrozenGroup::keys).collect()
     }
 
-    /// Bytes of the blocks to write.
-    pub fn bytes(&self) -> u64 {
-        self.groups.iter().map(|g| g.block.len() as u64).sum()
+    /// Changed keys copied out to be encoded after the barrier.
+    pub fn deferred_entries(&self) -> u64 {
+        self.groups.iter().map(FrozenGroup::deferred_entries).sum()
+    }
+
+    /// Bytes of the blocks encoded at the barrier (whole groups, deltas found by a scan).
+    pub fn encoded_bytes(&self) -> u64 {
+        self.groups.iter().map(FrozenGroup::encoded_bytes).sum()
     }
 }
 
-/// Takes the consistent cut of an incremental checkpoint on the calling thread: encodes each
-/// owned group as `mode` says (see [`crate::runtime::incremental`]) and drains the changed keys'
-/// results as `updates` says. Only changed groups are visited and only changed keys encoded, so
-/// this is what a checkpoint holds records up for; the upload ([`upload_cut`]) runs after.
-pub async fn encode_cut(
+/// Takes the consistent cut of an incremental checkpoint on the calling thread: freezes each
+/// owned group as `mode` says (see [`crate::runtime::incremental`] and
+/// [`GroupSnapshot::freeze`](crate::job::GroupSnapshot::freeze)) and drains the changed keys'
+/// results as `updates` says. Only changed groups are visited, and a delta's changed keys are
+/// only copied (payloads shared), not encoded: this is what a checkpoint holds records up for.
+/// The encoding and the upload ([`upload_cut`]) run after, while records flow.
+pub async fn take_cut(
     agg: &mut KeyedAggregator,
     mode: impl Fn(u32) -> GroupMode,
     updates: Updates,
@@ -148,9 +156,9 @@ pub async fn encode_cut(
     let mut groups = Vec::with_capacity(agg.range().len() as usize);
     for g in agg.snapshot_groups_as(mode) {
         let mut buf = lines.drains().then(Vec::new);
-        let e = g.encode(buf.as_mut());
-        lines.add(buf.unwrap_or_default(), e.rows);
-        groups.push(e);
+        let f = g.freeze(buf.as_mut());
+        lines.add(buf.unwrap_or_default(), f.rows());
+        groups.push(f);
     }
     let (lines, rows) = lines.finish().await;
     Cut {
@@ -160,20 +168,21 @@ pub async fn encode_cut(
     }
 }
 
-/// Writes a [`Cut`] through `writer` on top of `base` (the checkpoint the cut's modes were
-/// taken against) and finishes the file: durable when this returns. A delta of a group that
-/// `base` says to compact ([`Base::compacts`]) is merged here with the group's chain, read back
-/// from `store` (`dir` is the new snapshot's directory), and written as the whole group.
+/// Encodes the groups of a [`Cut`] (the deltas [`take_cut`] left to encode) and writes them
+/// through `writer` on top of `base` (the checkpoint the cut's modes were taken against), then
+/// finishes the file: durable when this returns. A delta of a group that `base` says to compact
+/// ([`Base::compacts`]) is merged here with the group's chain, read back from `store` (`dir` is
+/// the new snapshot's directory), and written as the whole group.
 pub async fn upload_cut(
-    groups: Vec<EncodedGroup>,
+    groups: Vec<FrozenGroup>,
     mut writer: SnapshotWriter,
     base: &Base,
     policy: ChainPolicy,
     store: &dyn ObjectStore,
     dir: &Path,
 ) -> Result<SubtaskSnapshot, SnapshotError> {
-    for e in groups {
-        let r = write_cut_group(e, &mut writer, base, policy, store, dir).await;
+    for g in groups {
+        let r = write_cut_group(g.encode(), &mut writer, base, policy, store, dir).await;
         if let Err(err) = r {
             let _ = writer.abort().await;
             return Err(err);

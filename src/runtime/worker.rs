@@ -2016,7 +2016,7 @@ fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64) {
 /// (nothing is written or drained then: this subtask's output rides with the next snapshot).
 ///
 /// A checkpoint that builds on the previous one ([`incremental`]) holds records up only for
-/// its cut (the changed keys encoded, the results drained and staged in memory): its upload
+/// its cut (the changed keys' values copied out, the results drained and staged in memory): its upload
 /// runs in a task while records flow, and it is acknowledged when the upload is durable. A
 /// snapshot waits for the upload before it takes its own cut.
 async fn snapshot(
@@ -2081,11 +2081,11 @@ async fn snapshot(
         let range = sub.agg.range();
         let modes: Vec<job::GroupMode> = range.iter().map(|g| base.mode(&sub.agg, g)).collect();
         let taken =
-            checkpoint::encode_cut(&mut sub.agg, |g| modes[(g - range.start) as usize], updates)
+            checkpoint::take_cut(&mut sub.agg, |g| modes[(g - range.start) as usize], updates)
                 .await;
         s.metrics.records_out.inc_by(taken.rows);
         let keys_per_group = taken.keys_per_group();
-        let cut_bytes = taken.bytes();
+        let (encoded_bytes, deferred_entries) = (taken.encoded_bytes(), taken.deferred_entries());
         emit_lines(sub, taken.lines, taken.rows);
         let output = match &mut sub.sink {
             Some(sink) => Some((
@@ -2106,7 +2106,8 @@ async fn snapshot(
         tracing::debug!(
             id,
             base = base.id,
-            bytes = cut_bytes,
+            encoded_bytes,
+            deferred_entries,
             blocked_ms,
             "incremental checkpoint cut taken"
         );
