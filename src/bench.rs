@@ -1309,6 +1309,17 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
             n.since_checkpoint.as_secs_f64(),
             mib(report.bytes_read),
         );
+        if let Some(p) = pre {
+            println!(
+                "pre-stage rounds: first load {}{}",
+                secs(p.rounds.first().copied().unwrap_or_default()),
+                p.rounds
+                    .iter()
+                    .skip(1)
+                    .map(|d| format!(", catch-up {}", secs(*d)))
+                    .collect::<String>()
+            );
+        }
         if let Some(why) = &report.fallback {
             println!("FELL BACK: {why}");
         }
