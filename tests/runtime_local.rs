@@ -1882,7 +1882,7 @@ async fn prestaged_chain(storage: Option<String>) {
             keyshift::runtime::prestage::CatchUp {
                 max_rounds: 3,
                 short_round: Duration::ZERO,
-                shrink_percent: 100,
+                shrink_percent: None,
             }
         } else {
             Default::default()

@@ -44,9 +44,9 @@ pub struct CatchUp {
     /// A round (or first load) shorter than this ends the catch-up.
     pub short_round: std::time::Duration,
     /// A catch-up round that took more than this percentage of the round before it (of the
-    /// first load, for the first round) ends the catch-up. 100 or more: only
+    /// first load, for the first round) ends the catch-up. None: only
     /// [`CatchUp::short_round`] and [`CatchUp::max_rounds`] end it.
-    pub shrink_percent: u32,
+    pub shrink_percent: Option<u32>,
 }
 
 impl Default for CatchUp {
@@ -54,7 +54,7 @@ impl Default for CatchUp {
         CatchUp {
             max_rounds: 8,
             short_round: std::time::Duration::from_millis(150),
-            shrink_percent: 90,
+            shrink_percent: Some(90),
         }
     }
 }
@@ -78,11 +78,11 @@ impl CatchUp {
         if !self.again(done, last) {
             return false;
         }
-        match rounds.len().checked_sub(2).map(|i| rounds[i]) {
-            None => true,
-            Some(before) => {
-                last.as_nanos() * 100 <= before.as_nanos() * u128::from(self.shrink_percent)
+        match (rounds.len().checked_sub(2), self.shrink_percent) {
+            (Some(i), Some(percent)) => {
+                last.as_nanos() * 100 <= rounds[i].as_nanos() * u128::from(percent)
             }
+            _ => true,
         }
     }
 }
@@ -246,7 +246,7 @@ mod tests {
         let c = CatchUp {
             max_rounds: 3,
             short_round: Duration::from_millis(300),
-            shrink_percent: 90,
+            shrink_percent: Some(90),
         };
         assert!(c.again(0, Duration::from_secs(2)));
         assert!(c.again(2, Duration::from_millis(300)));
@@ -291,11 +291,11 @@ mod tests {
         // Without the shrink rule: every round up to max_rounds, as long as none is short.
         let every = CatchUp {
             short_round: Duration::ZERO,
-            shrink_percent: 100,
+            shrink_percent: None,
             max_rounds: 3,
         };
-        assert!(every.again_after(&ms(&[10, 10, 10])));
-        assert!(!every.again_after(&ms(&[10, 10, 10, 10])));
+        assert!(every.again_after(&ms(&[10, 20, 40])));
+        assert!(!every.again_after(&ms(&[10, 20, 40, 80])));
         // `again` is the same rule without the round before.
         for rounds in [ms(&[15_000, 4_000]), ms(&[300, 299]), ms(&[1, 2, 3, 4])] {
             let done = rounds.len() as u32 - 1;
