@@ -265,7 +265,11 @@ mod tests {
     #[test]
     fn catch_up_goes_on_while_the_rounds_get_shorter() {
         use std::time::Duration;
-        let ms = |v: &[u64]| v.iter().map(|m| Duration::from_millis(*m)).collect::<Vec<_>>();
+        let ms = |v: &[u64]| {
+            v.iter()
+                .map(|m| Duration::from_millis(*m))
+                .collect::<Vec<_>>()
+        };
         let c = CatchUp::default();
         assert!(c.again_after(&[]), "the first load is to come");
         assert!(c.again_after(&ms(&[15_000])), "a long first load");
@@ -273,7 +277,10 @@ mod tests {
         // Rounds converging towards a fixed time: on while each is at most 90% of the one
         // before.
         assert!(c.again_after(&ms(&[15_000, 4_000, 1_500, 800])));
-        assert!(c.again_after(&ms(&[15_000, 4_000, 1_000, 900])), "exactly 90%");
+        assert!(
+            c.again_after(&ms(&[15_000, 4_000, 1_000, 900])),
+            "exactly 90%"
+        );
         assert!(
             !c.again_after(&ms(&[15_000, 4_000, 1_000, 901])),
             "no longer shorter enough: another round would not shorten the stop's delta"
@@ -460,9 +467,10 @@ mod tests {
         let with_new = Bytes::from(changed.encode_group(1).unwrap().0);
         let mut new = KeyedAggregator::new(config, range).unwrap();
         let decoder = new.decoder();
-        new.install_group(decoder.decode(1, &base).unwrap()).unwrap();
+        new.install_group(decoder.decode(1, &base).unwrap())
+            .unwrap();
         let state = new.take_group(1).unwrap();
-        let state = decoder.decode_onto(state, &[held.clone()]).unwrap();
+        let state = decoder.decode_onto(state, std::slice::from_ref(&held)).unwrap();
         new.install_group(state).unwrap();
         assert!(
             held.is_unique(),
@@ -470,10 +478,13 @@ mod tests {
         );
         assert_eq!(new.group_key_count(1), 2);
         let state = new.take_group(1).unwrap();
-        let state = decoder.decode_onto(state, &[with_new.clone()]).unwrap();
+        let state = decoder.decode_onto(state, std::slice::from_ref(&with_new)).unwrap();
         new.install_group(state).unwrap();
         assert_eq!(new.group_key_count(1), 3);
-        assert!(!with_new.is_unique(), "a new key's payload is a slice of it");
+        assert!(
+            !with_new.is_unique(),
+            "a new key's payload is a slice of it"
+        );
         let payloads: Vec<_> = new
             .group_entries(1)
             .into_iter()
