@@ -664,6 +664,11 @@ impl KeyedAggregator {
     }
 
     fn forget_windows(&mut self, index: usize) {
+        // No window open (always so without windows): nothing to scan the group for (a large
+        // group's scan is most of what taking and installing it costs).
+        if self.open_windows.is_empty() {
+            return;
+        }
         for slot in self.groups[index].values() {
             if let AccValue::Windows(ws) = &slot.acc {
                 for (s, _) in ws {

@@ -181,9 +181,33 @@ pub struct Applied {
     pub bytes_read: u64,
 }
 
+/// Bytes of blocks [`apply`] reads and decodes at a time: a large delta (the first catch-up
+/// round's, after a long first load) is not held whole beside the state it is applied to.
+pub const APPLY_BATCH_BYTES: u64 = 16 << 20;
+
+/// `plan`'s groups in batches of consecutive groups whose blocks add up to at most `budget`
+/// bytes (a group larger than that alone). Pure.
+pub fn batches(plan: &DeltaPlan, budget: u64) -> Vec<&[GroupApply]> {
+    let mut out = Vec::new();
+    let (mut from, mut bytes) = (0, 0u64);
+    for (i, g) in plan.groups.iter().enumerate() {
+        let b: u64 = g.blocks.iter().map(|b| b.length).sum();
+        if i > from && bytes + b > budget {
+            out.push(&plan.groups[from..i]);
+            (from, bytes) = (i, 0);
+        }
+        bytes += b;
+    }
+    if from < plan.groups.len() {
+        out.push(&plan.groups[from..]);
+    }
+    out
+}
+
 /// Reads the blocks of `plan` from the snapshot in `dir` (the stop checkpoint; file names are
-/// resolved against its job directory), checking each block's length and checksum, and only
-/// once all are read and decoded applies them to `agg`. On an error `agg` may hold groups half
+/// resolved against its job directory), checking each block's length and checksum, and applies
+/// them to `agg`, [`APPLY_BATCH_BYTES`] of blocks at a time (each batch read and checked
+/// whole before any of it is applied). On an error `agg` may hold groups applied or half
 /// applied: the caller drops it (the worker fails its start and is started afresh).
 pub async fn apply(
     agg: &mut KeyedAggregator,
@@ -192,8 +216,24 @@ pub async fn apply(
     plan: &DeltaPlan,
     progress: Option<&Progress>,
 ) -> Result<Applied, RestoreError> {
-    let entries: Vec<GroupEntry> = plan
-        .groups
+    let mut bytes_read = 0;
+    for batch in batches(plan, APPLY_BATCH_BYTES) {
+        bytes_read += apply_batch(agg, store, dir, batch, progress).await?;
+    }
+    Ok(Applied {
+        groups: plan.groups.len() as u32,
+        bytes_read,
+    })
+}
+
+async fn apply_batch(
+    agg: &mut KeyedAggregator,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    groups: &[GroupApply],
+    progress: Option<&Progress>,
+) -> Result<u64, RestoreError> {
+    let entries: Vec<GroupEntry> = groups
         .iter()
         .map(|g| GroupEntry {
             group: g.group,
@@ -207,10 +247,10 @@ pub async fn apply(
         .collect();
     let (bytes_read, mut blocks) = snapshot::fetch_deltas(store, dir, &entries).await?;
     if let Some(p) = progress {
-        p.add(bytes_read, plan.groups.len() as u32);
+        p.add(bytes_read, groups.len() as u32);
     }
-    let mut work = Vec::with_capacity(plan.groups.len());
-    for g in &plan.groups {
+    let mut work = Vec::with_capacity(groups.len());
+    for g in groups {
         // A replaced group is read again from nothing; it counts as restored (unchanged since
         // the snapshot), like any restored group.
         let mut state = agg.take_group(g.group)?;
@@ -230,10 +270,7 @@ pub async fn apply(
     for state in decoded {
         agg.install_group(state)?;
     }
-    Ok(Applied {
-        groups: plan.groups.len() as u32,
-        bytes_read,
-    })
+    Ok(bytes_read)
 }
 
 #[cfg(test)]
@@ -433,6 +470,47 @@ mod tests {
     }
 
     #[test]
+    fn a_plan_is_applied_in_batches_of_a_byte_budget() {
+        let g = |group: u32, lengths: &[u64]| GroupApply {
+            group,
+            replace: false,
+            blocks: lengths.iter().map(|l| block("f", 0, *l, 0)).collect(),
+        };
+        let plan = DeltaPlan {
+            groups: vec![
+                g(0, &[4, 4]),
+                g(1, &[3]),
+                g(2, &[20]),
+                g(3, &[]),
+                g(4, &[1]),
+            ],
+            bytes: 32,
+            replaced: 0,
+        };
+        let groups = |b: Vec<&[GroupApply]>| -> Vec<Vec<u32>> {
+            b.iter()
+                .map(|s| s.iter().map(|g| g.group).collect())
+                .collect()
+        };
+        // 8 + 3 fit 11; 20 is alone (over the budget); the empty group and 1 follow it.
+        assert_eq!(
+            groups(batches(&plan, 11)),
+            vec![vec![0, 1], vec![2], vec![3, 4]]
+        );
+        assert_eq!(
+            groups(batches(&plan, 10)),
+            vec![vec![0], vec![1], vec![2], vec![3, 4]]
+        );
+        assert_eq!(groups(batches(&plan, u64::MAX)), vec![vec![0, 1, 2, 3, 4]]);
+        // Every group once, in order, whatever the budget.
+        for budget in 0..40 {
+            let all: Vec<u32> = groups(batches(&plan, budget)).concat();
+            assert_eq!(all, vec![0, 1, 2, 3, 4]);
+        }
+        assert!(batches(&DeltaPlan::default(), 5).is_empty());
+    }
+
+    #[test]
     fn a_delta_of_held_keys_is_not_kept_in_memory_once_applied() {
         use crate::crd::AggregateFunction;
         use crate::job::{AggConfig, Record, RecordKey};
@@ -470,7 +548,9 @@ mod tests {
         new.install_group(decoder.decode(1, &base).unwrap())
             .unwrap();
         let state = new.take_group(1).unwrap();
-        let state = decoder.decode_onto(state, std::slice::from_ref(&held)).unwrap();
+        let state = decoder
+            .decode_onto(state, std::slice::from_ref(&held))
+            .unwrap();
         new.install_group(state).unwrap();
         assert!(
             held.is_unique(),
@@ -478,7 +558,9 @@ mod tests {
         );
         assert_eq!(new.group_key_count(1), 2);
         let state = new.take_group(1).unwrap();
-        let state = decoder.decode_onto(state, std::slice::from_ref(&with_new)).unwrap();
+        let state = decoder
+            .decode_onto(state, std::slice::from_ref(&with_new))
+            .unwrap();
         new.install_group(state).unwrap();
         assert_eq!(new.group_key_count(1), 3);
         assert!(
