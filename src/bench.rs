@@ -158,6 +158,8 @@ struct PrestageNumbers {
     steady_rss_kib: u64,
     /// Old workers' resident memory plus the new workers' peak, once pre-staged, KiB.
     prestaged_rss_kib: u64,
+    /// The old workers' part of `prestaged_rss_kib` (their resident memory then), KiB.
+    old_rss_kib: u64,
     /// Seconds from the loaded checkpoint's commit to the stop checkpoint's trigger.
     since_checkpoint: Duration,
 }
@@ -1248,6 +1250,11 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
     let result = rescale_steps(&mut local, &args, total_records, keys).await;
     local.stop().await;
     let (report, build, prestaged) = result?;
+    // The snapshots are not read again: freed before the baseline writes as many bytes (a 4 GiB
+    // pre-staged run holds ~10 GiB of them).
+    if !args.keep {
+        let _ = std::fs::remove_dir_all(run.join("store"));
+    }
 
     // Raw baseline: write (fsync) then read the same number of bytes, best of N.
     let bytes = report.state_bytes;
@@ -1332,6 +1339,17 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
             n.since_checkpoint.as_secs_f64(),
             mib(report.bytes_read),
         );
+        if let Some(p) = pre {
+            println!(
+                "pre-stage rounds: first load {}{}",
+                secs(p.rounds.first().copied().unwrap_or_default()),
+                p.rounds
+                    .iter()
+                    .skip(1)
+                    .map(|d| format!(", catch-up {}", secs(*d)))
+                    .collect::<String>()
+            );
+        }
         if let Some(why) = &report.fallback {
             println!("FELL BACK: {why}");
         }
@@ -1349,9 +1367,11 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
             read as f64 / bytes.max(1) as f64
         );
         println!(
-            "resident memory: steady {:.0} MiB (old workers), pre-staged {:.0} MiB (old + new workers' peak) = {:.2}x",
+            "resident memory: steady {:.0} MiB (old workers), pre-staged {:.0} MiB (old + new workers' peak: {:.0} + {:.0}) = {:.2}x",
             n.steady_rss_kib as f64 / 1024.0,
             n.prestaged_rss_kib as f64 / 1024.0,
+            n.old_rss_kib as f64 / 1024.0,
+            (n.prestaged_rss_kib - n.old_rss_kib) as f64 / 1024.0,
             n.prestaged_rss_kib as f64 / n.steady_rss_kib.max(1) as f64
         );
         println!();
@@ -1584,6 +1604,7 @@ async fn prestaged_rescale(
             load_records_per_second: load,
             steady_rss_kib,
             prestaged_rss_kib: old_now + new_peak,
+            old_rss_kib: old_now,
             since_checkpoint,
         },
     ))

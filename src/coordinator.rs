@@ -780,8 +780,10 @@ impl Coordinator {
             // done in a few milliseconds, and every poll interval is part of a rescale's pause),
             // and no more than 200 status requests a second in all (a 200-worker run on a
             // small node polls once a second).
+            // (Counted over the subtasks still polled: a few slow ones are not polled as
+            // seldom as all.)
             let pause = Duration::from_millis((5u64 << round.min(6)).min(200))
-                .max(Duration::from_millis(5) * n as u32);
+                .max(Duration::from_millis(5) * waiting.len() as u32);
             tokio::time::sleep(pause).await;
         }
     }
@@ -812,7 +814,9 @@ impl Coordinator {
         .await?;
         let n = self.workers.len();
         let mut done: Vec<Option<StartResponse>> = vec![None; n];
+        let mut round = 0u32;
         loop {
+            round = round.saturating_add(1);
             for (i, slot) in done.iter_mut().enumerate() {
                 if slot.is_some() {
                     continue;
@@ -842,7 +846,13 @@ impl Coordinator {
                     format!("subtasks {waiting:?} still pre-staging"),
                 ));
             }
-            let pause = Duration::from_millis(100).max(Duration::from_millis(5) * n as u32);
+            // As a start's: sooner in the first rounds (a catch-up round's delta is read in a few
+            // milliseconds, and the stop's delta covers every millisecond of the last round),
+            // every 200 ms later, and no more than 200 status requests a second in all (over
+            // the subtasks still polled).
+            let waiting = done.iter().filter(|d| d.is_none()).count();
+            let pause = Duration::from_millis((5u64 << round.min(6)).min(200))
+                .max(Duration::from_millis(5) * waiting as u32);
             tokio::time::sleep(pause).await;
         }
     }

@@ -1878,10 +1878,14 @@ async fn prestaged_chain(storage: Option<String>) {
         tokio::time::sleep(Duration::from_millis(300)).await;
         // Down: every catch-up round (each an incremental checkpoint of the old job whose delta
         // the new workers read).
-        local.catch_up.short_round = if to == 3 {
-            Duration::ZERO
+        local.catch_up = if to == 3 {
+            keyshift::runtime::prestage::CatchUp {
+                max_rounds: 3,
+                short_round: Duration::ZERO,
+                shrink_percent: None,
+            }
         } else {
-            Duration::from_millis(300)
+            Default::default()
         };
         let r = local
             .rescale_prestaged(to)

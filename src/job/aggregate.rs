@@ -664,6 +664,11 @@ impl KeyedAggregator {
     }
 
     fn forget_windows(&mut self, index: usize) {
+        // No window open (always so without windows): nothing to scan the group for (a large
+        // group's scan is most of what taking and installing it costs).
+        if self.open_windows.is_empty() {
+            return;
+        }
         for slot in self.groups[index].values() {
             if let AccValue::Windows(ws) = &slot.acc {
                 for (s, _) in ws {
@@ -846,7 +851,11 @@ impl GroupDecoder {
             ));
         }
         let maxp = self.config.max_parallelism;
-        map.reserve(entries.header().entries.min(block.len() as u64 / 10) as usize);
+        // Sized for the first block; a delta's keys are mostly held already (reserving room for
+        // all of them could double a large group's table for nothing).
+        if map.is_empty() {
+            map.reserve(entries.header().entries.min(block.len() as u64 / 10) as usize);
+        }
         let mut wrong: Option<AggregateError> = None;
         entries
             .for_each(|key, acc, payload| {
@@ -864,15 +873,29 @@ impl GroupDecoder {
                     map.remove(&key);
                     return Ok(());
                 }
-                map.insert(
-                    key,
-                    Slot {
-                        acc,
-                        payload,
-                        dirty: false,
-                        epoch: 0,
-                    },
-                );
+                match map.entry(key) {
+                    // A key of a delta that the group holds already keeps its payload when
+                    // the delta's is the same bytes (a payload does not change once created):
+                    // then no key refers into the delta block, which is freed once applied,
+                    // and the earlier block's copy stays in use.
+                    std::collections::hash_map::Entry::Occupied(mut held) => {
+                        let slot = held.get_mut();
+                        slot.acc = acc;
+                        if slot.payload != payload {
+                            slot.payload = payload;
+                        }
+                        slot.dirty = false;
+                        slot.epoch = 0;
+                    }
+                    std::collections::hash_map::Entry::Vacant(new) => {
+                        new.insert(Slot {
+                            acc,
+                            payload,
+                            dirty: false,
+                            epoch: 0,
+                        });
+                    }
+                }
                 Ok(())
             })
             .map_err(|source| AggregateError::Codec { group, source })?;

@@ -128,6 +128,8 @@ pub struct PrestageReport {
     pub loaded_bytes: u64,
     /// Catch-up rounds ([`Prestage::catch_up_rounds`]).
     pub catch_up_rounds: u32,
+    /// How long the first load and each catch-up round took ([`Prestage::rounds`]).
+    pub rounds: Vec<Duration>,
     /// From the spawn of the new workers until all had loaded their groups.
     pub duration: Duration,
     /// Bytes of the stop checkpoint's own files (the delta since `base`, or since a checkpoint
@@ -153,6 +155,9 @@ pub struct Prestage {
     /// Catch-up rounds after the first load (each an incremental checkpoint of the old job and
     /// its delta read by the new workers).
     pub catch_up_rounds: u32,
+    /// How long the first load and then each catch-up round took (what
+    /// [`crate::runtime::prestage::CatchUp::again_after`] decided on).
+    pub rounds: Vec<Duration>,
 }
 
 impl Prestage {
@@ -557,6 +562,7 @@ impl LocalJob {
         .await;
         match result {
             Ok((coordinator, done)) => Ok(Prestage {
+                catch_up_rounds: done.catch_up_rounds(),
                 to,
                 base: done.base,
                 workers,
@@ -565,7 +571,7 @@ impl LocalJob {
                 run_id,
                 loaded: done.loaded,
                 duration: started.elapsed(),
-                catch_up_rounds: done.rounds,
+                rounds: done.rounds,
             }),
             Err(e) => {
                 workers.stop_all().await;
@@ -702,11 +708,6 @@ impl LocalJob {
             LocalWorkers::new(p.workers.bin.clone(), p.workers.log_dir.clone()),
         );
         self.coordinator = None;
-        // The old workers stopped at the barrier: they go in the background.
-        self.retiring = Some(tokio::spawn(async move {
-            let mut old = old;
-            old.stop_all().await
-        }));
         let result = async {
             let coordinator = self
                 .run_coordinator(p.assignment, p.coordinator.workers().to_vec())
@@ -719,10 +720,18 @@ impl LocalJob {
         };
         let result = result.await;
         steps.push((Step::Restoring, t.elapsed()));
+        // The old workers stopped at the barrier: they go in the background, once the new ones
+        // run (their exit frees their whole state, work that would slow the new workers' start
+        // on a small machine).
+        self.retiring = Some(tokio::spawn(async move {
+            let mut old = old;
+            old.stop_all().await
+        }));
         let prestage = PrestageReport {
             base: p.base.clone(),
             loaded_bytes: p.loaded.iter().map(|r| r.bytes_read).sum(),
             catch_up_rounds: p.catch_up_rounds,
+            rounds: p.rounds.clone(),
             duration: p.duration,
             delta_bytes,
         };

@@ -318,8 +318,9 @@ pub struct Prestaged {
     pub base: String,
     /// What each loaded, bytes summed over every round, in subtask order.
     pub loaded: Vec<crate::runtime::protocol::StartResponse>,
-    /// Catch-up rounds after the first load.
-    pub rounds: u32,
+    /// How long the first load and then each catch-up round took (what
+    /// [`crate::runtime::prestage::CatchUp::again_after`] decided on).
+    pub rounds: Vec<std::time::Duration>,
     /// Checkpoints of the running job taken for the pre-stage, in order (for the caller's
     /// records).
     pub checkpoints: Vec<crate::coordinator::Completed>,
@@ -330,6 +331,11 @@ impl Prestaged {
     pub fn loaded_bytes(&self) -> u64 {
         self.loaded.iter().map(|r| r.bytes_read).sum()
     }
+
+    /// Catch-up rounds after the first load.
+    pub fn catch_up_rounds(&self) -> u32 {
+        u32::try_from(self.rounds.len().saturating_sub(1)).unwrap_or(u32::MAX)
+    }
 }
 
 /// Pre-stages the workers `new` coordinates (see [`crate::runtime::prestage`]) beside the
@@ -337,7 +343,8 @@ impl Prestaged {
 /// groups from the job's newest committed checkpoint under `groups` key groups (after
 /// `replaced_up_to`, the history a restore replaced; the running job takes one first when its
 /// newest snapshot is not a checkpoint), then, while `catch_up` says so, the running job takes an
-/// incremental checkpoint and they read only its delta. `template` is the new run's start
+/// incremental checkpoint and they read only its delta (the rounds' durations decide:
+/// [`crate::runtime::prestage::CatchUp::again_after`]). `template` is the new run's start
 /// request (its `restore_from` is set here); each load may take `timeout`.
 #[allow(clippy::too_many_arguments)]
 pub async fn prestage(
@@ -371,11 +378,11 @@ pub async fn prestage(
     };
     let mut request = template.clone();
     request.restore_from = Some(base.clone());
-    let mut round = std::time::Instant::now();
+    let round = std::time::Instant::now();
     let mut loaded = new.prestage(&request, timeout).await?;
-    let mut rounds = 0;
-    while catch_up.again(rounds, round.elapsed()) {
-        round = std::time::Instant::now();
+    let mut rounds = vec![round.elapsed()];
+    while catch_up.again_after(&rounds) {
+        let round = std::time::Instant::now();
         let c = old
             .snapshot(SnapshotKind::Checkpoint, false, checkpoint_timeout)
             .await?;
@@ -384,9 +391,15 @@ pub async fn prestage(
         for (l, m) in loaded.iter_mut().zip(more) {
             l.bytes_read += m.bytes_read;
         }
+        rounds.push(round.elapsed());
+        tracing::debug!(
+            round = rounds.len() - 1,
+            ms = round.elapsed().as_millis() as u64,
+            delta_bytes = c.manifest.written_bytes(),
+            "catch-up round"
+        );
         base = c.url.clone();
         checkpoints.push(c);
-        rounds += 1;
     }
     Ok(Prestaged {
         base,

@@ -102,6 +102,22 @@ impl Default for ChainPolicy {
     }
 }
 
+impl ChainPolicy {
+    /// A policy that compacts no group.
+    pub const NO_COMPACTION: ChainPolicy = ChainPolicy {
+        max_deltas: usize::MAX,
+        max_delta_share: u64::MAX,
+    };
+
+    /// The policy a checkpoint's groups are written by: a stop checkpoint (the old run of a
+    /// pre-staged rescale stops with one, inside the pause, and the new run's workers read only
+    /// its delta: see [`crate::runtime::prestage`]) compacts nothing, so that it writes and the
+    /// new workers read only the changes; the new run's checkpoints compact what is then due.
+    pub fn for_checkpoint(self, stop: bool) -> ChainPolicy {
+        if stop { Self::NO_COMPACTION } else { self }
+    }
+}
+
 /// A checkpoint as a later one of this subtask can build on it: where each of the subtask's
 /// groups lies (file names relative to the job directory) and the cut it was taken at.
 #[derive(Debug, Clone, PartialEq)]
@@ -196,7 +212,8 @@ impl Base {
             .saturating_sub((group % 8) as usize)
             .max(1);
         g.deltas.len() >= max
-            || deltas.saturating_mul(100) >= g.length.saturating_mul(policy.max_delta_share)
+            || (policy.max_delta_share < u64::MAX
+                && deltas.saturating_mul(100) >= g.length.saturating_mul(policy.max_delta_share))
     }
 }
 
@@ -372,6 +389,14 @@ mod tests {
         // Bytes: 2 deltas of 250 bytes are 50% of a 1000-byte block.
         assert!(with_deltas(0, 2, 250).compacts(0, policy(64, 50)));
         assert!(!with_deltas(0, 2, 250).compacts(0, policy(64, 51)));
+        // A stop checkpoint compacts nothing, however long the chain or large its deltas.
+        let stop = policy(4, 50).for_checkpoint(true);
+        assert_eq!(stop, ChainPolicy::NO_COMPACTION);
+        assert_eq!(policy(4, 50).for_checkpoint(false), policy(4, 50));
+        for g in 0..16 {
+            assert!(!with_deltas(g, 64, 1).compacts(g, stop));
+            assert!(!with_deltas(g, 3, 1 << 40).compacts(g, stop));
+        }
     }
     use crate::snapshot::Crc32c;
 

@@ -41,6 +41,9 @@ pub struct BarrierCut {
     pub at: Instant,
     /// The trigger's [`super::protocol::CheckpointRequest::last_committed`].
     pub last_committed: Option<u64>,
+    /// Whether the sources stop at this barrier (a stop checkpoint compacts nothing:
+    /// [`super::incremental::ChainPolicy::for_checkpoint`]).
+    pub stop: bool,
 }
 
 /// What a trigger does to the ledger.
@@ -231,6 +234,7 @@ mod tests {
             positions: BTreeMap::from([(0, 1)]),
             at: Instant::now(),
             last_committed: Some(0),
+            stop: false,
         }
     }
 

@@ -1673,6 +1673,7 @@ async fn handle_source_cmd(
                 positions: pos.clone(),
                 at: Instant::now(),
                 last_committed: req.last_committed,
+                stop: req.stop,
             };
             if !s.ledger.lock().await.record_cut(req.id, cut) {
                 // Aborted before its barrier went out: nothing to inject (nor to stop at).
@@ -2055,6 +2056,7 @@ async fn snapshot(
         positions,
         at: started,
         last_committed,
+        stop,
     } = cut;
     // Non-windowed results go out with each checkpoint (windowed ones when windows fire): the
     // changed keys are drained in the same pass that encodes the state (on
@@ -2077,7 +2079,7 @@ async fn snapshot(
     };
     let cut_epoch = sub.agg.cut();
     if let Some(base) = base {
-        let policy = sub.chain.policy;
+        let policy = sub.chain.policy.for_checkpoint(stop);
         let range = sub.agg.range();
         let modes: Vec<job::GroupMode> = range.iter().map(|g| base.mode(&sub.agg, g)).collect();
         let taken =

@@ -763,7 +763,7 @@ impl Pass<'_> {
                 if let Some(p) = self.rescale_mut().and_then(|r| r.prestage.as_mut()) {
                     p.base = Some(done.base.clone());
                     p.loaded_bytes = Some(loaded as i64);
-                    p.catch_up_rounds = Some(done.rounds as i32);
+                    p.catch_up_rounds = Some(done.catch_up_rounds() as i32);
                 }
                 self.transition(Outcome::Prestaged)?;
                 self.event(
@@ -773,7 +773,7 @@ impl Pass<'_> {
                         "run {run_id}: {} loaded {loaded} bytes of state from {} ({}) while the job kept running",
                         text::count(u64::from(parallelism), "new worker"),
                         done.base,
-                        text::count(u64::from(done.rounds), "catch-up round"),
+                        text::count(u64::from(done.catch_up_rounds()), "catch-up round"),
                     ),
                 );
                 Ok(requeue::RECORDED)
