@@ -1092,9 +1092,16 @@ fn bring_up(
         .filter(|p| p.phase != PodPhase::Running || p.ip.is_none())
         .count();
     if not_up > 0 {
-        return Action::Wait {
-            reason: format!("{not_up} of {parallelism} worker pod(s) not running yet"),
-        };
+        let mut reason = format!("{not_up} of {parallelism} worker pod(s) not running yet");
+        // The scheduler's own words when it cannot place one (no room, a constraint).
+        if let Some(p) = pods.iter().find(|p| p.unschedulable.is_some()) {
+            reason.push_str(&format!(
+                "; pod {} cannot be scheduled: {}",
+                p.name,
+                p.unschedulable.as_deref().unwrap_or_default()
+            ));
+        }
+        return Action::Wait { reason };
     }
     // Pre-staged workers (a pre-staged rescale's) start as idle ones do: each applies only what
     // it does not hold yet.
@@ -2326,5 +2333,26 @@ mod tests {
             decide(&s, &st, &obs(lost, None)),
             Action::FallBack { message } if message.contains("subtask 6") && message.contains("before their start")
         ));
+    }
+
+    #[test]
+    fn a_start_waiting_for_an_unschedulable_pod_says_why() {
+        let s = spec(2);
+        let mut waiting = pods("r", 2, PodPhase::Pending, None);
+        let a = decide(&s, &status(), &obs(waiting.clone(), None));
+        assert_eq!(
+            a,
+            Action::Wait {
+                reason: "2 of 2 worker pod(s) not running yet".into()
+            }
+        );
+        waiting[1].unschedulable = Some("0/1 nodes are available: 1 Too many pods.".into());
+        let a = decide(&s, &status(), &obs(waiting, None));
+        assert_eq!(
+            a,
+            Action::Wait {
+                reason: "2 of 2 worker pod(s) not running yet; pod j-r-1 cannot be scheduled: 0/1 nodes are available: 1 Too many pods.".into()
+            }
+        );
     }
 }
