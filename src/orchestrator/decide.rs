@@ -134,7 +134,7 @@ pub enum Action {
     /// and go on as a stop-and-restore.
     FallBack { message: String },
     /// Delete the pods of run `run` only (a pre-staged rescale's new workers that are not
-    /// used; or, with `retire`, the old workers once the pre-staged ones hold the state).
+    /// used).
     DeleteRun { run: String, reason: Reason },
     /// Delete every pod of the job except those of run `keep` (the Stopping step of a
     /// pre-staged rescale: the old workers go, the new ones stay).
@@ -434,12 +434,15 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         };
     }
 
-    if let Some((run, reason)) = status
+    if let Some(run) = status
         .rescale
         .as_ref()
         .and_then(|r| unused_prestage(r, obs))
     {
-        return Action::DeleteRun { run, reason };
+        return Action::DeleteRun {
+            run,
+            reason: Reason::PrestageFellBack,
+        };
     }
     if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
         return rescale_step(spec, r, obs);
@@ -827,20 +830,11 @@ fn prestaging(
             ),
         };
     }
-    if let Some(q) = new
-        .iter()
-        .find(|q| q.deleting || q.phase == PodPhase::Exited)
-    {
+    if let Some((q, how)) = new.iter().find_map(|q| leaving(q).map(|how| (q, how))) {
         return Action::FallBack {
             message: format!(
-                "new worker pod {} (subtask {}) {} while pre-staging",
-                q.name,
-                q.subtask,
-                if q.deleting {
-                    "is being deleted"
-                } else {
-                    "exited"
-                }
+                "new worker pod {} (subtask {}) {how} while pre-staging",
+                q.name, q.subtask
             ),
         };
     }
@@ -900,15 +894,10 @@ fn prestage_ready(pods: &[ObservedPod], run: &str, to: u32) -> Readiness {
         let Some(q) = pods.iter().find(|q| q.run == run && q.subtask == i) else {
             return Readiness::Lost(format!("the pre-staged worker of subtask {i} is gone"));
         };
-        if q.deleting || q.phase == PodPhase::Exited {
+        if let Some(how) = leaving(q) {
             return Readiness::Lost(format!(
-                "the pre-staged worker {} (subtask {i}) {}",
-                q.name,
-                if q.deleting {
-                    "is being deleted"
-                } else {
-                    "exited"
-                }
+                "the pre-staged worker {} (subtask {i}) {how}",
+                q.name
             ));
         }
         match q.worker {
@@ -951,14 +940,24 @@ fn prestage_overdue(
     })
 }
 
-/// The pods of a pre-staged rescale's new run that must go because the run will not be used (the
-/// rescale fell back, was abandoned or rolled back): `(run, reason)`, while one is not on its
-/// way out already.
-fn unused_prestage(r: &RescaleStatus, obs: &Observed) -> Option<(String, Reason)> {
+/// The run of a pre-staged rescale's new workers when they must go because it will not be used
+/// (the rescale fell back, was abandoned or rolled back), while one is not on its way out
+/// already.
+fn unused_prestage(r: &RescaleStatus, obs: &Observed) -> Option<String> {
     let run = r.prestage_run()?;
     let unused = r.fallback.is_some() || matches!(r.step, Step::Abandoned | Step::RolledBack);
-    (unused && obs.pods.iter().any(|p| p.run == run && !p.deleting))
-        .then(|| (run.to_owned(), Reason::PrestageFellBack))
+    (unused && obs.pods.iter().any(|p| p.run == run && !p.deleting)).then(|| run.to_owned())
+}
+
+/// How a pod is on its way out, if it is: "is being deleted" or "exited".
+fn leaving(q: &ObservedPod) -> Option<&'static str> {
+    if q.deleting {
+        Some("is being deleted")
+    } else if q.phase == PodPhase::Exited {
+        Some("exited")
+    } else {
+        None
+    }
 }
 
 /// Why the active run is broken, if it is.
@@ -1094,12 +1093,11 @@ fn bring_up(
     if not_up > 0 {
         let mut reason = format!("{not_up} of {parallelism} worker pod(s) not running yet");
         // The scheduler's own words when it cannot place one (no room, a constraint).
-        if let Some(p) = pods.iter().find(|p| p.unschedulable.is_some()) {
-            reason.push_str(&format!(
-                "; pod {} cannot be scheduled: {}",
-                p.name,
-                p.unschedulable.as_deref().unwrap_or_default()
-            ));
+        if let Some((name, why)) = pods
+            .iter()
+            .find_map(|p| p.unschedulable.as_ref().map(|why| (&p.name, why)))
+        {
+            reason.push_str(&format!("; pod {name} cannot be scheduled: {why}"));
         }
         return Action::Wait { reason };
     }

@@ -133,24 +133,14 @@ impl Pass<'_> {
                 Ok(short)
             }
             Action::DeleteRun { run, reason } => {
-                let names: Vec<String> = self
-                    .pods
-                    .iter()
-                    .filter(|p| p.run == run && !p.deleting)
-                    .map(|p| p.name.clone())
-                    .collect();
-                self.delete_named(names, reason).await
+                let n = self.delete_where(|p| p.run == run).await?;
+                Ok(self.deleted(n, reason))
             }
             Action::DeleteAllBut { keep } => {
-                let names: Vec<String> = self
-                    .pods
-                    .iter()
-                    .filter(|p| p.run != keep && !p.deleting)
-                    .map(|p| p.name.clone())
-                    .collect();
                 // The old run ends with its workers.
                 self.mem.run = None;
-                self.delete_named(names, Reason::Stopping).await
+                let n = self.delete_where(|p| p.run != keep).await?;
+                Ok(self.deleted(n, Reason::Stopping))
             }
             Action::Verify { url } => {
                 let work = BackgroundWork::Verify { url: url.clone() };
@@ -703,9 +693,7 @@ impl Pass<'_> {
         run_id: String,
         parallelism: u32,
     ) -> Result<Duration, PassError> {
-        let endpoints: Option<Vec<WorkerEndpoint>> = (0..parallelism)
-            .map(|i| self.prestage_endpoints.get(&i).cloned())
-            .collect();
+        let endpoints = endpoints_of(&self.prestage_endpoints, parallelism);
         let (Some(endpoints), true) = (endpoints, self.mem.run.is_some()) else {
             return Ok(requeue::SOON);
         };
@@ -800,21 +788,6 @@ impl Pass<'_> {
             ),
         );
         Ok(())
-    }
-
-    /// Deletes the pods `names` (the run's coordinator, if any, is left to the caller).
-    async fn delete_named(
-        &mut self,
-        names: Vec<String>,
-        reason: Reason,
-    ) -> Result<Duration, PassError> {
-        if !names.is_empty() {
-            self.workers
-                .delete(&names)
-                .await
-                .map_err(PassError::Delete)?;
-        }
-        Ok(self.deleted(names.len(), reason))
     }
 
     /// Records that `n` workers are being deleted, for `reason`.

@@ -528,6 +528,16 @@ fn beside_the_job(r: &RescaleStatus) -> Option<&str> {
     r.prestage_run().filter(|_| !the_job)
 }
 
+/// The endpoints of subtasks `0..parallelism` in `by_subtask`, if every one has them.
+fn endpoints_of(
+    by_subtask: &HashMap<u32, WorkerEndpoint>,
+    parallelism: u32,
+) -> Option<Vec<WorkerEndpoint>> {
+    (0..parallelism)
+        .map(|i| by_subtask.get(&i).cloned())
+        .collect()
+}
+
 fn run_matches(mem: &JobMemory, run: &str) -> bool {
     mem.run.as_ref().is_none_or(|r| r.run == run)
 }
@@ -915,9 +925,7 @@ impl<'a> Pass<'a> {
     }
 
     fn endpoints(&self, parallelism: u32) -> Option<Vec<WorkerEndpoint>> {
-        (0..parallelism)
-            .map(|i| self.endpoints.get(&i).cloned())
-            .collect()
+        endpoints_of(&self.endpoints, parallelism)
     }
 
     fn set_running(&mut self, parallelism: u32) -> Result<(), PassError> {
@@ -937,10 +945,21 @@ impl<'a> Pass<'a> {
 
     /// Removes every worker of the job that is not on its way out already; ends the run.
     async fn delete_all(&mut self) -> Result<usize, PassError> {
+        let n = self.delete_where(|_| true).await?;
+        self.mem.run = None;
+        Ok(n)
+    }
+
+    /// Removes the workers `which` selects that are not on their way out already; how many
+    /// (a run's coordinator, if any, is left to the caller).
+    async fn delete_where(
+        &mut self,
+        which: impl Fn(&ObservedPod) -> bool,
+    ) -> Result<usize, PassError> {
         let names: Vec<String> = self
             .pods
             .iter()
-            .filter(|p| !p.deleting)
+            .filter(|p| !p.deleting && which(p))
             .map(|p| p.name.clone())
             .collect();
         if !names.is_empty() {
@@ -949,7 +968,6 @@ impl<'a> Pass<'a> {
                 .await
                 .map_err(PassError::Delete)?;
         }
-        self.mem.run = None;
         Ok(names.len())
     }
 }
