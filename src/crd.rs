@@ -652,7 +652,7 @@ pub struct IncrementalCheckpoints {
     pub enabled: bool,
     /// Deltas a key group may collect before its next change writes it whole again: 1 to 64.
     /// Fewer make restores read less beyond the state; more make checkpoints write less.
-    /// Default 16.
+    /// Default 32 (staggered by key group: a group is written whole after 25 to 32 deltas).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_deltas: Option<u32>,
     /// Size of a key group's deltas, as a percent of its last full block, past which its next

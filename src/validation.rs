@@ -43,7 +43,7 @@ pub const MSG_RESTORE_TIMEOUT: &str = "spec.state.restoreTimeout must be a durat
 pub const RESTORE_TIMEOUT_BOUNDS: std::ops::RangeInclusive<Duration> =
     Duration::from_secs(30)..=Duration::from_secs(24 * 3600);
 pub const MSG_RETAINED: &str = "spec.state.retainedCheckpoints must be at least 1: the newest completed checkpoint is always kept";
-pub const MSG_INCREMENTAL_MAX_DELTAS: &str = "spec.state.incrementalCheckpoints.maxDeltas must be between 1 and 64 (default 16): the deltas a key group collects before it is written whole again";
+pub const MSG_INCREMENTAL_MAX_DELTAS: &str = "spec.state.incrementalCheckpoints.maxDeltas must be between 1 and 64 (default 32): the deltas a key group collects before it is written whole again";
 pub const MSG_INCREMENTAL_DELTA_PERCENT: &str = "spec.state.incrementalCheckpoints.maxDeltaPercent must be between 10 and 400 (default 50): the size of a key group's deltas, in percent of its full block, past which it is written whole again";
 pub const MSG_SOURCE_ONE_OF: &str =
     "spec.job.source must set exactly one of generator, file or kafka";

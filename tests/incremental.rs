@@ -6,10 +6,10 @@
 //! kept snapshot reads).
 
 use keyshift::crd::AggregateFunction;
-use keyshift::job::{AggConfig, KeyedAggregator, Record, RecordKey};
+use keyshift::job::{AggConfig, GroupMode, KeyedAggregator, Record, RecordKey};
 use keyshift::keygroup::{Assignment, KeyGroupRange};
-use keyshift::runtime::checkpoint::{self, StateWriteOptions, Updates};
-use keyshift::runtime::incremental::{Base, Chain, ChainSettings};
+use keyshift::runtime::checkpoint::{self, Updates};
+use keyshift::runtime::incremental::{Base, Chain, ChainPolicy, ChainSettings};
 use keyshift::snapshot::{self, *};
 use proptest::prelude::*;
 use std::collections::BTreeMap;
@@ -101,6 +101,16 @@ fn state_of(ops: &[KeyedAggregator]) -> Model {
         .collect()
 }
 
+/// Shorter chains than the default (a group is written whole after 5-12 deltas, staggered by
+/// group), so that the short random sequences compact often.
+const CHAINS: ChainSettings = ChainSettings {
+    enabled: true,
+    policy: ChainPolicy {
+        max_deltas: 12,
+        max_delta_share: 50,
+    },
+};
+
 impl Job {
     fn new(name: &str, p: u32) -> Job {
         static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -120,9 +130,7 @@ impl Job {
             job_dir,
             assignment,
             ops,
-            chains: (0..p)
-                .map(|_| Chain::new(ChainSettings::default()))
-                .collect(),
+            chains: (0..p).map(|_| Chain::new(CHAINS)).collect(),
             model: Model::new(),
             next_id: 1,
             last_committed: 0,
@@ -169,53 +177,43 @@ impl Job {
             };
             let op = &mut self.ops[i];
             let cut = op.cut();
-            let ack = match base {
-                Some(base) => {
-                    let policy = self.chains[i].policy;
-                    let range = op.range();
-                    let modes: Vec<_> = range.iter().map(|g| base.mode(op, g)).collect();
-                    let taken = checkpoint::take_cut(
-                        op,
-                        |g| modes[(g - range.start) as usize],
-                        Updates::Skip,
-                    )
-                    .await;
-                    self.incremental_written += 1;
-                    // Records keep flowing between the cut and the upload.
-                    for (k, value) in &during {
-                        let key = RecordKey::long(*k);
-                        let owner = key.key_group(MAX_P) * self.assignment.parallelism() / MAX_P;
-                        if owner as usize == i {
-                            op.process(&Record {
-                                key: key.clone(),
-                                value: *value,
-                                ts: 0,
-                            })
-                            .unwrap();
-                            *self.model.entry(key.to_string()).or_insert(0) += value;
-                        }
-                    }
-                    checkpoint::upload_cut(
-                        taken.groups,
-                        writer,
-                        &base,
-                        policy,
-                        self.store.as_ref(),
-                        &dir,
-                    )
-                    .await
-                }
-                None => {
-                    let opts = StateWriteOptions {
-                        threads: 1,
-                        updates: Updates::Skip,
-                    };
-                    Ok(checkpoint::write_state(op, writer, opts)
-                        .await
-                        .unwrap()
-                        .snapshot)
-                }
+            // Every snapshot is cut at its barrier and uploaded while records flow, as the
+            // workers do (a checkpoint without a base, and a savepoint, in whole groups).
+            let policy = self.chains[i].policy;
+            let range = op.range();
+            let modes: Vec<_> = match &base {
+                Some(base) => range.iter().map(|g| base.mode(op, g)).collect(),
+                None => range.iter().map(|_| GroupMode::Full).collect(),
             };
+            let taken =
+                checkpoint::take_cut(op, |g| modes[(g - range.start) as usize], Updates::Skip)
+                    .await;
+            if base.is_some() {
+                self.incremental_written += 1;
+            }
+            // Records keep flowing between the cut and the upload.
+            for (k, value) in &during {
+                let key = RecordKey::long(*k);
+                let owner = key.key_group(MAX_P) * self.assignment.parallelism() / MAX_P;
+                if owner as usize == i {
+                    op.process(&Record {
+                        key: key.clone(),
+                        value: *value,
+                        ts: 0,
+                    })
+                    .unwrap();
+                    *self.model.entry(key.to_string()).or_insert(0) += value;
+                }
+            }
+            let ack = checkpoint::upload_cut(
+                taken.groups,
+                writer,
+                base.as_ref(),
+                policy,
+                self.store.as_ref(),
+                &dir,
+            )
+            .await;
             match ack {
                 Ok(ack) => {
                     if kind == SnapshotKind::Checkpoint {
@@ -282,7 +280,7 @@ impl Job {
             )
             .await
             .unwrap();
-            let mut chain = Chain::new(ChainSettings::default());
+            let mut chain = Chain::new(CHAINS);
             if manifest.kind == SnapshotKind::Checkpoint {
                 chain.restored_from(Base::restored(&manifest, r));
             }
@@ -490,6 +488,50 @@ fn records_during_an_upload_are_in_the_next_checkpoint_not_this_one() {
         job.check_all().await;
         job.restart(3).await;
         assert_eq!(state_of(&job.ops)["500"], 10);
+    });
+}
+
+/// The same for a snapshot written in whole groups (the first checkpoint, a savepoint): it is
+/// cut at its barrier and uploaded while records flow too, and holds the state at its barrier.
+#[test]
+fn records_during_a_whole_snapshots_upload_are_not_in_it() {
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut job = Job::new("during-whole-upload", 2);
+        job.records(200, 0, 1);
+        job.during_upload = (0..6).chain(400..406).map(|k| (k, 10)).collect();
+        let before = job.incremental_written;
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        assert_eq!(
+            job.incremental_written, before,
+            "the first checkpoint is whole"
+        );
+        assert_eq!(job.taken[&1]["0"], 1);
+        assert!(!job.taken[&1].contains_key("400"));
+        assert_eq!((job.model["0"], job.model["400"]), (11, 10));
+        job.check_all().await;
+        job.records(6, 0, 1);
+        job.during_upload = (0..3).chain(600..603).map(|k| (k, 5)).collect();
+        job.snapshot(SnapshotKind::Savepoint).await;
+        let id = job.last_committed;
+        let m = read_manifest(
+            job.store.as_ref(),
+            &snapshot_dir(&job.job_dir, SnapshotKind::Savepoint, id),
+        )
+        .await
+        .unwrap();
+        assert!(m.is_self_contained(), "a savepoint is self-contained");
+        assert_eq!(job.taken[&id]["0"], 12);
+        assert!(!job.taken[&id].contains_key("600"));
+        assert_eq!((job.model["0"], job.model["600"]), (17, 5));
+        job.check_all().await;
+        // The savepoint is no base: the next checkpoint builds on checkpoint 1 or is whole,
+        // and holds what flowed during the savepoint's upload.
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        assert_eq!(job.taken[&job.last_committed], job.model);
+        job.check_all().await;
+        job.restart(3).await;
+        assert_eq!(state_of(&job.ops)["600"], 5);
     });
 }
 

@@ -951,42 +951,61 @@ impl GroupSnapshot<'_> {
         self.map.is_empty()
     }
 
-    /// Takes the group for a checkpoint's cut at its barrier, like [`encode`](Self::encode)
-    /// (the same result lines drained, the same block in the end), but a delta whose changed
-    /// keys are known is not encoded here: their values are copied out (payloads shared, not
-    /// copied) and encoded later ([`FrozenGroup::encode`]), so that the record path waits only
-    /// for the copy. Other groups (whole, or a delta found by a scan) are encoded here.
+    /// Takes the group for a snapshot's cut at its barrier, like [`encode`](Self::encode)
+    /// (the same result lines drained, the same block in the end), but encodes nothing: the
+    /// entries the block will hold (every key for a whole group, the changed ones for a delta)
+    /// are copied out, payloads shared rather than copied, and encoded later
+    /// ([`FrozenGroup::encode`]), so that the record path waits only for the copy, not for
+    /// the encoding and the write. A delta whose changed keys are known visits only those.
     pub fn freeze(self, mut updates: Option<&mut Vec<u8>>) -> FrozenGroup {
-        let since = match (self.mode, &self.changed_keys) {
-            (GroupMode::Delta { since }, Some(_)) => since,
-            _ => return FrozenGroup(Frozen::Encoded(self.encode(updates))),
-        };
         let keys = self.map.len() as u64;
         let size = self.info.window_size_ms;
-        let changed = self.changed_keys.unwrap_or_default();
-        let mut entries = Vec::with_capacity(changed.len());
         let mut rows = 0u64;
-        for key in changed {
-            let Some(slot) = self.map.get_mut(&key) else {
-                continue;
-            };
+        let mut take = |key: &RecordKey, slot: &mut Slot, copy: bool, entries: &mut Vec<_>| {
             if let Some(out) = updates.as_deref_mut()
                 && slot.dirty
             {
                 slot.dirty = false;
-                rows += format_rows(out, &key, &slot.acc, size);
+                rows += format_rows(out, key, &slot.acc, size);
             }
-            if slot.epoch > since {
-                entries.push((key, slot.acc.clone(), slot.payload.clone()));
+            if copy {
+                entries.push((key.clone(), slot.acc.clone(), slot.payload.clone()));
+            }
+        };
+        let mut entries = Vec::new();
+        match (self.mode, self.changed_keys) {
+            // Nothing changed since the snapshot it builds on: no key is marked either.
+            (GroupMode::Unchanged, _) => {}
+            (GroupMode::Delta { since }, Some(changed)) => {
+                entries.reserve(changed.len());
+                for key in changed {
+                    if let Some(slot) = self.map.get_mut(&key) {
+                        let copy = slot.epoch > since;
+                        take(&key, slot, copy, &mut entries);
+                    }
+                }
+            }
+            (mode, _) => {
+                let since = match mode {
+                    GroupMode::Delta { since } => Some(since),
+                    _ => {
+                        entries.reserve(self.map.len());
+                        None
+                    }
+                };
+                for (key, slot) in self.map.iter_mut() {
+                    let copy = since.is_none_or(|s| slot.epoch > s);
+                    take(key, slot, copy, &mut entries);
+                }
             }
         }
-        FrozenGroup(Frozen::Delta {
+        FrozenGroup {
             info: self.info,
+            mode: self.mode,
             entries,
             rows,
             keys,
-            since,
-        })
+        }
     }
 
     /// Encodes the group's block, the same bytes as [`KeyedAggregator::encode_group`]. With
@@ -1073,103 +1092,77 @@ impl GroupSnapshot<'_> {
     }
 }
 
-/// One key group as a checkpoint's cut took it at its barrier ([`GroupSnapshot::freeze`]):
-/// either already encoded, or the changed keys' values (accumulators copied, payloads shared)
-/// to be encoded later, off the record path ([`FrozenGroup::encode`]). Records processed after
-/// the barrier do not change it.
+/// One key group as a snapshot's cut took it at its barrier ([`GroupSnapshot::freeze`]): the
+/// entries its block will hold (accumulators copied, payloads shared), to be encoded later, off
+/// the record path ([`FrozenGroup::encode`]). Records processed after the barrier do not
+/// change it.
 #[derive(Debug)]
-pub struct FrozenGroup(Frozen);
-
-#[derive(Debug)]
-enum Frozen {
-    Encoded(EncodedGroup),
-    Delta {
-        info: BlockInfo,
-        entries: Vec<(RecordKey, AccValue, Bytes)>,
-        rows: u64,
-        keys: u64,
-        since: u32,
-    },
+pub struct FrozenGroup {
+    info: BlockInfo,
+    mode: GroupMode,
+    entries: Vec<(RecordKey, AccValue, Bytes)>,
+    rows: u64,
+    keys: u64,
 }
 
 impl FrozenGroup {
     /// The key group.
     pub fn group(&self) -> u32 {
-        match &self.0 {
-            Frozen::Encoded(e) => e.group,
-            Frozen::Delta { info, .. } => info.key_group,
-        }
+        self.info.key_group
     }
 
     /// Keys in the group at the barrier.
     pub fn keys(&self) -> u64 {
-        match &self.0 {
-            Frozen::Encoded(e) => e.keys,
-            Frozen::Delta { keys, .. } => *keys,
-        }
+        self.keys
     }
 
     /// Result rows drained at the barrier.
     pub fn rows(&self) -> u64 {
-        match &self.0 {
-            Frozen::Encoded(e) => e.rows,
-            Frozen::Delta { rows, .. } => *rows,
-        }
+        self.rows
     }
 
-    /// Entries taken to be encoded later (0 for a group encoded at the barrier).
-    pub fn deferred_entries(&self) -> u64 {
-        match &self.0 {
-            Frozen::Encoded(_) => 0,
-            Frozen::Delta { entries, .. } => entries.len() as u64,
-        }
-    }
-
-    /// Bytes already encoded at the barrier.
-    pub fn encoded_bytes(&self) -> u64 {
-        match &self.0 {
-            Frozen::Encoded(e) => e.block.len() as u64,
-            Frozen::Delta { .. } => 0,
-        }
+    /// Entries copied out at the barrier, to be encoded later.
+    pub fn entries(&self) -> u64 {
+        self.entries.len() as u64
     }
 
     /// The group's block as of the barrier: the same bytes as [`GroupSnapshot::encode`] would
     /// have produced there.
     pub fn encode(self) -> EncodedGroup {
-        match self.0 {
-            Frozen::Encoded(e) => e,
-            Frozen::Delta {
-                info,
-                entries,
+        let FrozenGroup {
+            info,
+            mode,
+            entries,
+            rows,
+            keys,
+        } = self;
+        // A delta without a change is no block at all.
+        if mode == GroupMode::Unchanged
+            || (matches!(mode, GroupMode::Delta { .. }) && entries.is_empty())
+        {
+            return EncodedGroup {
+                group: info.key_group,
+                block: Vec::new(),
+                entries: 0,
                 rows,
+                mode: GroupMode::Unchanged,
                 keys,
-                since,
-            } => {
-                if entries.is_empty() {
-                    return EncodedGroup {
-                        group: info.key_group,
-                        block: Vec::new(),
-                        entries: 0,
-                        rows,
-                        mode: GroupMode::Unchanged,
-                        keys,
-                    };
-                }
-                let hint = 64 + entries.iter().map(|e| 40 + e.2.len()).sum::<usize>();
-                let mut w = BlockWriter::new(&info, hint);
-                for (key, acc, payload) in &entries {
-                    w.push(key, acc, payload);
-                }
-                let (block, n) = w.finish();
-                EncodedGroup {
-                    group: info.key_group,
-                    block,
-                    entries: n,
-                    rows,
-                    mode: GroupMode::Delta { since },
-                    keys,
-                }
-            }
+            };
+        }
+        let hint = 64 + entries.iter().map(|e| 40 + e.2.len()).sum::<usize>();
+        let mut w = BlockWriter::new(&info, hint);
+        for (key, acc, payload) in &entries {
+            w.push(key, acc, payload);
+        }
+        drop(entries);
+        let (block, n) = w.finish();
+        EncodedGroup {
+            group: info.key_group,
+            block,
+            entries: n,
+            rows,
+            mode,
+            keys,
         }
     }
 }

@@ -562,11 +562,14 @@ fn snapshot_groups_encode_like_encode_group_and_drain_like_drain_updates() {
 }
 
 /// A frozen cut is the state at its barrier: after more records changed the state (the same
-/// keys, new keys), its groups encode to exactly the blocks encoding at the barrier gives, and
-/// it drains the same result lines at the barrier.
+/// keys, new keys), its groups encode to exactly the blocks encoding at the barrier gives
+/// (deltas and whole groups), and it drains the same result lines at the barrier.
 #[test]
 fn a_frozen_cut_encodes_the_state_at_its_barrier() {
-    for window in [None, Some(10_000)] {
+    for (window, whole) in [None, Some(10_000)]
+        .into_iter()
+        .flat_map(|w| [(w, false), (w, true)])
+    {
         let changed = |k: i64| RecordKey::long(k * 7 - 300);
         let prepare = || {
             let mut op = mixed_state(window, 9);
@@ -580,12 +583,17 @@ fn a_frozen_cut_encodes_the_state_at_its_barrier() {
         };
         let (mut reference, since) = prepare();
         let (mut op, _) = prepare();
+        // Deltas over the cut before (a checkpoint building on it), or whole groups (the
+        // first checkpoint, a savepoint).
         let modes: Vec<GroupMode> = reference
             .range()
             .iter()
-            .map(|g| reference.group_mode(g, since))
+            .map(|g| match whole {
+                true => GroupMode::Full,
+                false => reference.group_mode(g, since),
+            })
             .collect();
-        assert!(modes.iter().any(|m| matches!(m, GroupMode::Delta { .. })));
+        assert!(whole || modes.iter().any(|m| matches!(m, GroupMode::Delta { .. })));
         let mut want_lines = Vec::new();
         let want: Vec<EncodedGroup> = reference
             .snapshot_groups_as(|g| modes[g as usize])
@@ -598,15 +606,9 @@ fn a_frozen_cut_encodes_the_state_at_its_barrier() {
             .into_iter()
             .map(|g| g.freeze(Some(&mut lines)))
             .collect();
-        assert!(
-            frozen
-                .iter()
-                .map(FrozenGroup::deferred_entries)
-                .sum::<u64>()
-                >= 40
-        );
+        assert!(frozen.iter().map(FrozenGroup::entries).sum::<u64>() >= 40);
         assert!(!want_lines.is_empty());
-        assert_eq!(lines, want_lines, "window {window:?}");
+        assert_eq!(lines, want_lines, "window {window:?}, whole {whole}");
         // Records after the barrier, before the encoding.
         for k in 0..50 {
             op.process(&rec(changed(k), 100, 6_000)).unwrap();
@@ -619,10 +621,18 @@ fn a_frozen_cut_encodes_the_state_at_its_barrier() {
             assert_eq!(
                 (e.group, &e.block, e.entries, e.mode, e.keys, e.rows),
                 (w.group, &w.block, w.entries, w.mode, w.keys, w.rows),
-                "window {window:?}"
+                "window {window:?}, whole {whole}"
             );
         }
     }
+}
+
+/// What a whole snapshot's cut copies per key (docs/architecture.md and docs/operations.md
+/// say "about 90 bytes per key"): the key, the accumulator and a handle on the payload.
+#[test]
+fn a_frozen_entry_is_at_most_90_bytes() {
+    let size = std::mem::size_of::<(RecordKey, state_codec::AccValue, bytes::Bytes)>();
+    assert!(size <= 90, "{size} bytes per frozen entry: update the docs");
 }
 
 #[test]

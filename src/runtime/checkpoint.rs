@@ -110,10 +110,10 @@ pub struct StateWriteFailed {
     pub rows: u64,
 }
 
-/// A subtask's state taken at a barrier for an incremental checkpoint ([`take_cut`]): each
-/// group as the barrier left it (whole groups encoded; the changed keys of a delta copied out,
-/// to be encoded by [`upload_cut`]; nothing for an unchanged group), so that records flow again
-/// while [`upload_cut`] encodes and writes it.
+/// A subtask's state taken at a barrier ([`take_cut`]): each group as the barrier left it (the
+/// entries of a whole group or of a delta copied out, to be encoded by [`upload_cut`]; nothing
+/// for an unchanged group), so that records flow again while [`upload_cut`] encodes and writes
+/// it.
 #[derive(Debug)]
 pub struct Cut {
     /// Every owned group, in group order.
@@ -130,23 +130,18 @@ impl Cut {
         self.groups.iter().map(FrozenGroup::keys).collect()
     }
 
-    /// Changed keys copied out to be encoded after the barrier.
-    pub fn deferred_entries(&self) -> u64 {
-        self.groups.iter().map(FrozenGroup::deferred_entries).sum()
-    }
-
-    /// Bytes of the blocks encoded at the barrier (whole groups, deltas found by a scan).
-    pub fn encoded_bytes(&self) -> u64 {
-        self.groups.iter().map(FrozenGroup::encoded_bytes).sum()
+    /// Entries copied out to be encoded after the barrier.
+    pub fn entries(&self) -> u64 {
+        self.groups.iter().map(FrozenGroup::entries).sum()
     }
 }
 
-/// Takes the consistent cut of an incremental checkpoint on the calling thread: freezes each
-/// owned group as `mode` says (see [`crate::runtime::incremental`] and
+/// Takes the consistent cut of a snapshot on the calling thread: freezes each owned group as
+/// `mode` says (see [`crate::runtime::incremental`] and
 /// [`GroupSnapshot::freeze`](crate::job::GroupSnapshot::freeze)) and drains the changed keys'
-/// results as `updates` says. Only changed groups are visited, and a delta's changed keys are
-/// only copied (payloads shared), not encoded: this is what a checkpoint holds records up for.
-/// The encoding and the upload ([`upload_cut`]) run after, while records flow.
+/// results as `updates` says. The entries are only copied (payloads shared), not encoded: this
+/// is what a snapshot holds records up for. The encoding and the upload ([`upload_cut`]) run
+/// after, while records flow.
 pub async fn take_cut(
     agg: &mut KeyedAggregator,
     mode: impl Fn(u32) -> GroupMode,
@@ -168,15 +163,15 @@ pub async fn take_cut(
     }
 }
 
-/// Encodes the groups of a [`Cut`] (the deltas [`take_cut`] left to encode) and writes them
-/// through `writer` on top of `base` (the checkpoint the cut's modes were taken against), then
+/// Encodes the groups of a [`Cut`] and writes them through `writer`, on top of `base` (the
+/// checkpoint the cut's modes were taken against; `None` for a cut of whole groups), then
 /// finishes the file: durable when this returns. A delta of a group that `base` says to compact
 /// ([`Base::compacts`]) is merged here with the group's chain, read back from `store` (`dir` is
 /// the new snapshot's directory), and written as the whole group.
 pub async fn upload_cut(
     groups: Vec<FrozenGroup>,
     mut writer: SnapshotWriter,
-    base: &Base,
+    base: Option<&Base>,
     policy: ChainPolicy,
     store: &dyn ObjectStore,
     dir: &Path,
@@ -194,13 +189,21 @@ pub async fn upload_cut(
 async fn write_cut_group(
     e: EncodedGroup,
     writer: &mut SnapshotWriter,
-    base: &Base,
+    base: Option<&Base>,
     policy: ChainPolicy,
     store: &dyn ObjectStore,
     dir: &Path,
 ) -> Result<(), SnapshotError> {
+    let base = || {
+        base.ok_or_else(|| {
+            SnapshotError::Assemble(format!(
+                "key group {} was cut as a delta or unchanged, but the snapshot builds on none",
+                e.group
+            ))
+        })
+    };
     let prior = || {
-        base.groups.get(&e.group).cloned().ok_or_else(|| {
+        base()?.groups.get(&e.group).cloned().ok_or_else(|| {
             SnapshotError::Assemble(format!(
                 "key group {} is not in the checkpoint this one builds on",
                 e.group
@@ -213,7 +216,7 @@ async fn write_cut_group(
                 .write_group(e.group, Bytes::from(e.block), e.entries)
                 .await
         }
-        GroupMode::Delta { .. } if base.compacts(e.group, policy) => {
+        GroupMode::Delta { .. } if base()?.compacts(e.group, policy) => {
             let prior = prior()?;
             let (first, mut deltas) = snapshot::read_chain(store, dir, &prior).await?;
             deltas.push(Bytes::from(e.block));
@@ -235,11 +238,15 @@ async fn write_cut_group(
                     prior()?,
                     Some((Bytes::from(e.block), e.entries)),
                     e.keys,
-                    &base.files,
+                    &base()?.files,
                 )
                 .await
         }
-        GroupMode::Unchanged => writer.write_on(prior()?, None, e.keys, &base.files).await,
+        GroupMode::Unchanged => {
+            writer
+                .write_on(prior()?, None, e.keys, &base()?.files)
+                .await
+        }
     }
 }
 

@@ -805,14 +805,16 @@ struct Subtask {
     source_partitions: BTreeMap<u32, String>,
     /// What its next checkpoint builds on (incremental checkpoints).
     chain: incremental::Chain,
-    /// An incremental checkpoint whose cut was taken and whose state is still being written.
+    /// A snapshot whose cut was taken and whose state is still being written.
     uploading: Option<Uploading>,
 }
 
-/// An incremental checkpoint being written while records flow: it settles its snapshot in the
-/// ledger itself, and hands back what it wrote for the next checkpoint to build on.
+/// A snapshot being written while records flow: it settles in the ledger itself, and hands
+/// back what it wrote for the next checkpoint to build on.
 struct Uploading {
     id: u64,
+    /// A savepoint is no base for a checkpoint (it is self-contained, and outlives them).
+    kind: snapshot::SnapshotKind,
     cut: u32,
     task: tokio::task::JoinHandle<Result<Option<snapshot::SubtaskSnapshot>, WorkerError>>,
 }
@@ -2013,13 +2015,29 @@ fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64) {
     }
 }
 
+/// The Kafka sink at least once: every row so far is acknowledged by the brokers before the
+/// snapshot that drained it may be acknowledged. A row that could not be delivered stops the
+/// worker (its snapshot must never commit past it).
+fn deliver_at_least_once(sub: &mut Subtask) -> Result<(), WorkerError> {
+    #[cfg(feature = "kafka")]
+    if let Some(k) = &mut sub.kafka {
+        k.flush()
+            .map_err(|e| WorkerError::KafkaSink(e.to_string()))?;
+    }
+    #[cfg(not(feature = "kafka"))]
+    let _ = sub;
+    Ok(())
+}
+
 /// Writes snapshot `id` at its aligned barrier; `None` if it was aborted before it began
 /// (nothing is written or drained then: this subtask's output rides with the next snapshot).
 ///
-/// A checkpoint that builds on the previous one ([`incremental`]) holds records up only for
-/// its cut (the changed keys' values copied out, the results drained and staged in memory): its upload
-/// runs in a task while records flow, and it is acknowledged when the upload is durable. A
-/// snapshot waits for the upload before it takes its own cut.
+/// A snapshot holds records up only for its cut (the entries it writes copied out: the changed
+/// keys' for a checkpoint that builds on the previous one ([`incremental`]), every key's
+/// otherwise; the results drained and staged in memory): its upload runs in a task while
+/// records flow, and it is acknowledged when the upload is durable. A snapshot waits for the
+/// upload before it takes its own cut. Only a savepoint that stops the job, with nothing to
+/// flow after it, is written on the spot.
 async fn snapshot(
     s: &Arc<Shared>,
     sub: &mut Subtask,
@@ -2031,12 +2049,13 @@ async fn snapshot(
             .task
             .await
             .map_err(|e| WorkerError::Fatal(format!("checkpoint upload task: {e}")))??;
-        match written {
-            Some(w) => sub
+        match (u.kind, written) {
+            (snapshot::SnapshotKind::Savepoint, _) => {}
+            (_, Some(w)) => sub
                 .chain
                 .written(incremental::Base::written(u.id, u.cut, &w)),
             // It failed or was aborted: the next checkpoint is full.
-            None => sub.chain.reset(),
+            (_, None) => sub.chain.reset(),
         }
     }
     let cut = {
@@ -2078,17 +2097,24 @@ async fn snapshot(
         snapshot::SnapshotKind::Savepoint => None,
     };
     let cut_epoch = sub.agg.cut();
-    if let Some(base) = base {
+    // Records flow while the state is written, except after a stop snapshot without a base
+    // (a savepoint that stops the job): nothing flows after it, so it is encoded and written
+    // on the spot, on the encoder threads, without copying the state first.
+    if base.is_some() || !stop {
         let policy = sub.chain.policy.for_checkpoint(stop);
         let range = sub.agg.range();
-        let modes: Vec<job::GroupMode> = range.iter().map(|g| base.mode(&sub.agg, g)).collect();
+        let modes: Vec<job::GroupMode> = match &base {
+            Some(base) => range.iter().map(|g| base.mode(&sub.agg, g)).collect(),
+            None => range.iter().map(|_| job::GroupMode::Full).collect(),
+        };
         let taken =
             checkpoint::take_cut(&mut sub.agg, |g| modes[(g - range.start) as usize], updates)
                 .await;
         s.metrics.records_out.inc_by(taken.rows);
         let keys_per_group = taken.keys_per_group();
-        let (encoded_bytes, deferred_entries) = (taken.encoded_bytes(), taken.deferred_entries());
+        let entries = taken.entries();
         emit_lines(sub, taken.lines, taken.rows);
+        deliver_at_least_once(sub)?;
         let output = match &mut sub.sink {
             Some(sink) => Some((
                 sink.store.clone(),
@@ -2107,17 +2133,22 @@ async fn snapshot(
         let store = sub.store.clone();
         tracing::debug!(
             id,
-            base = base.id,
-            encoded_bytes,
-            deferred_entries,
+            base = base.as_ref().map(|b| b.id),
+            entries,
             blocked_ms,
-            "incremental checkpoint cut taken"
+            "snapshot cut taken"
         );
         let task = tokio::spawn(async move {
             let result: Result<Option<SubtaskAck>, WorkerError> = async {
-                let snapshot =
-                    checkpoint::upload_cut(groups, writer, &base, policy, store.as_ref(), &dir)
-                        .await?;
+                let snapshot = checkpoint::upload_cut(
+                    groups,
+                    writer,
+                    base.as_ref(),
+                    policy,
+                    store.as_ref(),
+                    &dir,
+                )
+                .await?;
                 if let Some((store, sink_base, output)) = &output {
                     stage_output(store.as_ref(), sink_base, id, output).await?;
                 }
@@ -2144,6 +2175,7 @@ async fn snapshot(
         });
         return Ok(Some(Written::Uploading(Uploading {
             id,
+            kind,
             cut: cut_epoch,
             task,
         })));
@@ -2163,13 +2195,7 @@ async fn snapshot(
     };
     s.metrics.records_out.inc_by(written.rows);
     emit_lines(sub, written.lines, written.rows);
-    // At least once: every row so far is acknowledged by the brokers before the ack. A row that
-    // could not be delivered stops the worker (its snapshot must never commit past it).
-    #[cfg(feature = "kafka")]
-    if let Some(k) = &mut sub.kafka {
-        k.flush()
-            .map_err(|e| WorkerError::KafkaSink(e.to_string()))?;
-    }
+    deliver_at_least_once(sub)?;
     // Every result since the job's last committed snapshot is staged for this one (results
     // staged for snapshots that did not commit ride along); the coordinator publishes them once
     // this snapshot is committed (exactly once). If staging fails, the snapshot fails, and they
