@@ -185,14 +185,23 @@ impl Job {
                 Some(base) => range.iter().map(|g| base.mode(op, g)).collect(),
                 None => range.iter().map(|_| GroupMode::Full).collect(),
             };
-            let taken =
-                checkpoint::take_cut(op, |g| modes[(g - range.start) as usize], Updates::Skip)
-                    .await;
+            // Deltas' changed keys are copied after the barrier: some by a step, the others
+            // just before a record changes them, the rest when the cut is finished.
+            let mut taken = checkpoint::take_cut(
+                op,
+                |g| modes[(g - range.start) as usize],
+                Updates::Skip,
+                true,
+            )
+            .await;
             if base.is_some() {
                 self.incremental_written += 1;
             }
             // Records keep flowing between the cut and the upload.
-            for (k, value) in &during {
+            for (n, (k, value)) in during.iter().enumerate() {
+                if n % 3 == 1 {
+                    op.capture_step(2);
+                }
                 let key = RecordKey::long(*k);
                 let owner = key.key_group(MAX_P) * self.assignment.parallelism() / MAX_P;
                 if owner as usize == i {
@@ -205,6 +214,7 @@ impl Job {
                     *self.model.entry(key.to_string()).or_insert(0) += value;
                 }
             }
+            checkpoint::finish_cut(op, &mut taken).await;
             let ack = checkpoint::upload_cut(
                 taken.groups,
                 writer,

@@ -96,6 +96,9 @@ struct Slot {
     /// restored from (no copy, no allocation per key).
     payload: Bytes,
     dirty: bool,
+    /// Its value at the barrier of the capture running ([`KeyedAggregator::begin_capture`])
+    /// was copied by a step (cleared by the key's next change).
+    captured: bool,
     /// The cut epoch of the key's last change ([`KeyedAggregator::cut`]; 0: restored).
     epoch: u32,
 }
@@ -138,6 +141,87 @@ pub struct KeyedAggregator {
     cut_lists: Option<(u32, Vec<Option<Vec<RecordKey>>>)>,
     /// The epoch of the last cut (0: none since the state was created or restored).
     last_cut: u32,
+    /// The changed keys of the last cut still to be copied, if any ([`Self::begin_capture`]).
+    capture: Option<Capture>,
+}
+
+/// The deltas of a cut whose changed keys are copied after its barrier rather than at it
+/// ([`KeyedAggregator::begin_capture`]): each key's value at the barrier is copied either by a
+/// step between batches ([`KeyedAggregator::capture_step`]) or, if a record changes the key
+/// first, just before that change (copy on write). Either way exactly once: a step marks the
+/// key captured, a change moves it out of the cut's epoch.
+#[derive(Debug)]
+struct Capture {
+    /// The cut's epoch: its deltas hold the keys last changed in it.
+    epoch: u32,
+    /// Per owned group (by index): its delta being copied, if it is one.
+    groups: Vec<Option<Capturing>>,
+    /// Group indices with keys still to visit, in order, and how far the steps got.
+    order: Vec<usize>,
+    at: usize,
+    /// Drain the copied keys' results (their change marks cleared) into `lines`.
+    drain: bool,
+    lines: Vec<u8>,
+}
+
+#[derive(Debug)]
+struct Capturing {
+    frozen: FrozenGroup,
+    /// The keys changed in the cut's epoch, and the next one a step visits.
+    keys: Vec<RecordKey>,
+    next: usize,
+}
+
+impl Capture {
+    /// Copies `key`'s value as the cut's barrier left it, if it belongs to the cut and was not
+    /// copied yet: a record is about to change it (`slot.epoch` is not the current epoch).
+    #[inline]
+    fn copy_on_write(&mut self, index: usize, key: &RecordKey, slot: &mut Slot, size: Option<i64>) {
+        if slot.epoch != self.epoch || slot.captured {
+            return;
+        }
+        if let Some(Some(g)) = self.groups.get_mut(index) {
+            take_entry(
+                &mut g.frozen,
+                key,
+                slot,
+                self.drain.then_some(&mut self.lines),
+                size,
+            );
+        }
+    }
+}
+
+/// Copies a key's entry into a frozen group, draining its result if asked.
+#[inline]
+fn take_entry(
+    frozen: &mut FrozenGroup,
+    key: &RecordKey,
+    slot: &mut Slot,
+    lines: Option<&mut Vec<u8>>,
+    size: Option<i64>,
+) {
+    if let Some(out) = lines
+        && slot.dirty
+    {
+        slot.dirty = false;
+        frozen.rows += format_rows(out, key, &slot.acc, size);
+    }
+    frozen
+        .entries
+        .push((key.clone(), slot.acc.clone(), slot.payload.clone()));
+}
+
+/// A cut's deltas still being copied, as [`KeyedAggregator::take_captured`] hands them over
+/// once complete.
+#[derive(Debug)]
+pub struct Captured {
+    /// The groups, in group order.
+    pub groups: Vec<FrozenGroup>,
+    /// Their drained result lines.
+    pub lines: Vec<u8>,
+    /// Rows in `lines`.
+    pub rows: u64,
 }
 
 #[inline(always)]
@@ -238,6 +322,7 @@ impl KeyedAggregator {
             touched: (0..range.len()).map(|_| Some(Vec::new())).collect(),
             cut_lists: None,
             last_cut: 0,
+            capture: None,
         })
     }
 
@@ -245,6 +330,7 @@ impl KeyedAggregator {
     /// is stamped with it or an earlier one, every later change with a later one. The state as
     /// restored is epoch 0.
     pub fn cut(&mut self) -> u32 {
+        self.capture_all();
         let e = self.epoch;
         let fresh = (0..self.touched.len()).map(|_| Some(Vec::new())).collect();
         let lists = std::mem::replace(&mut self.touched, fresh);
@@ -337,15 +423,22 @@ impl KeyedAggregator {
         match self.config.window_size_ms {
             None => {
                 self.changed[index] = epoch;
+                let group_keys = map.len();
                 if let Some(slot) = map.get_mut(&record.key) {
+                    if slot.epoch != epoch {
+                        // The key's first change since the last cut: the cut still being
+                        // copied takes its value first.
+                        if let Some(c) = &mut self.capture {
+                            c.copy_on_write(index, &record.key, slot, None);
+                        }
+                        slot.epoch = epoch;
+                        slot.captured = false;
+                        Self::note_touched(&mut self.touched[index], &record.key, group_keys);
+                    }
                     if let AccValue::Scalar(acc) = &mut slot.acc {
                         *acc = combine(f, *acc, record.value);
                     }
                     slot.dirty = true;
-                    if slot.epoch != epoch {
-                        slot.epoch = epoch;
-                        Self::note_touched(&mut self.touched[index], &record.key, map.len());
-                    }
                 } else {
                     Self::note_touched(&mut self.touched[index], &record.key, map.len());
                     let payload = self.arenas[index]
@@ -356,6 +449,7 @@ impl KeyedAggregator {
                             acc: AccValue::Scalar(initial(f, record.value)),
                             payload,
                             dirty: true,
+                            captured: false,
                             epoch,
                         },
                     );
@@ -379,13 +473,16 @@ impl KeyedAggregator {
                             acc: AccValue::Windows(Vec::new()),
                             payload,
                             dirty: true,
+                            captured: false,
                             epoch,
                         })
                     }
                 };
                 slot.dirty = true;
                 if slot.epoch != epoch {
+                    // (A windowed job's cuts copy everything at the barrier: no capture runs.)
                     slot.epoch = epoch;
+                    slot.captured = false;
                     Self::note_touched(&mut self.touched[index], &record.key, n);
                 }
                 if let AccValue::Windows(ws) = &mut slot.acc {
@@ -415,6 +512,7 @@ impl KeyedAggregator {
     /// watermark), sorted by window then key; their state is dropped, and keys without open
     /// windows leave the state. Without a window it only records the watermark.
     pub fn advance_watermark(&mut self, watermark: i64) -> Vec<ResultRow> {
+        self.capture_all();
         if watermark <= self.watermark {
             return Vec::new();
         }
@@ -493,6 +591,7 @@ impl KeyedAggregator {
     /// Current values of the keys changed since the last call (all-time aggregation), or of
     /// their open windows (windowed); clears the change marks. Scans the whole state.
     pub fn drain_updates(&mut self) -> Vec<ResultRow> {
+        self.capture_all();
         let mut out = Vec::new();
         let size = self.config.window_size_ms;
         for map in &mut self.groups {
@@ -510,6 +609,7 @@ impl KeyedAggregator {
     /// Marks every key changed, as if each had just received a record (benchmarks and tests:
     /// the next drain reports them all).
     pub fn mark_all_changed(&mut self) {
+        self.capture_all();
         for (i, map) in self.groups.iter_mut().enumerate() {
             for slot in map.values_mut() {
                 slot.dirty = true;
@@ -518,6 +618,139 @@ impl KeyedAggregator {
             self.changed[i] = self.epoch;
             self.touched[i] = None;
         }
+    }
+
+    /// Starts copying the changed keys of deltas set aside at a cut ([`GroupSnapshot::defer`])
+    /// after its barrier, so that the barrier itself copies nothing of them: records flow at
+    /// once, [`capture_step`](Self::capture_step) copies a few keys at a time between batches,
+    /// and a record about to change a key not copied yet copies it first. Their results are
+    /// drained too if `drain` (each key's value at the barrier). Bulk changes (a window
+    /// firing, a group taken or replaced, the next cut) complete the copy first; so does
+    /// [`take_captured`](Self::take_captured).
+    ///
+    /// Only one capture is held at a time: if the last one was not taken yet, these deltas are
+    /// copied now and returned (the caller's bug, but nothing is lost).
+    pub fn begin_capture(&mut self, deferred: Vec<DeferredGroup>, drain: bool) -> Option<Captured> {
+        if self.capture.is_some() {
+            let size = self.config.window_size_ms;
+            let (epoch, mut lines) = (self.last_cut, Vec::new());
+            let mut groups = Vec::with_capacity(deferred.len());
+            for mut d in deferred {
+                if let Some(map) = self
+                    .group_index(d.frozen.group())
+                    .map(|i| &mut self.groups[i])
+                {
+                    for key in &d.keys {
+                        if let Some(slot) = map.get_mut(key)
+                            && slot.epoch == epoch
+                        {
+                            take_entry(&mut d.frozen, key, slot, drain.then_some(&mut lines), size);
+                        }
+                    }
+                }
+                groups.push(d.frozen);
+            }
+            let rows = groups.iter().map(|g| g.rows).sum();
+            return Some(Captured {
+                groups,
+                lines,
+                rows,
+            });
+        }
+        if deferred.is_empty() {
+            return None;
+        }
+        let mut groups: Vec<Option<Capturing>> = (0..self.groups.len()).map(|_| None).collect();
+        let mut order = Vec::with_capacity(deferred.len());
+        for d in deferred {
+            let Some(index) = self.group_index(d.frozen.group()) else {
+                continue;
+            };
+            order.push(index);
+            groups[index] = Some(Capturing {
+                frozen: d.frozen,
+                keys: d.keys,
+                next: 0,
+            });
+        }
+        self.capture = Some(Capture {
+            epoch: self.last_cut,
+            groups,
+            order,
+            at: 0,
+            drain,
+            lines: Vec::new(),
+        });
+        None
+    }
+
+    /// Copies up to `budget` more keys of the capture running; true once none is left to
+    /// copy (or none runs).
+    pub fn capture_step(&mut self, budget: usize) -> bool {
+        let Some(c) = &mut self.capture else {
+            return true;
+        };
+        let size = self.config.window_size_ms;
+        let mut left = budget;
+        while let Some(&index) = c.order.get(c.at) {
+            let (Some(Some(g)), Some(map)) = (c.groups.get_mut(index), self.groups.get_mut(index))
+            else {
+                c.at += 1;
+                continue;
+            };
+            while left > 0 && g.next < g.keys.len() {
+                let key = &g.keys[g.next];
+                g.next += 1;
+                left -= 1;
+                if let Some(slot) = map.get_mut(key)
+                    && slot.epoch == c.epoch
+                    && !slot.captured
+                {
+                    take_entry(
+                        &mut g.frozen,
+                        key,
+                        slot,
+                        c.drain.then_some(&mut c.lines),
+                        size,
+                    );
+                    slot.captured = true;
+                }
+            }
+            if g.next < g.keys.len() {
+                return false;
+            }
+            g.keys = Vec::new();
+            c.at += 1;
+        }
+        true
+    }
+
+    /// Whether a capture is running ([`begin_capture`](Self::begin_capture)) and not yet handed
+    /// over.
+    pub fn capturing(&self) -> bool {
+        self.capture.is_some()
+    }
+
+    /// Completes the capture running, if any (its result stays for
+    /// [`take_captured`](Self::take_captured)).
+    fn capture_all(&mut self) {
+        if self.capture.is_some() {
+            self.capture_step(usize::MAX);
+        }
+    }
+
+    /// Completes the capture running and hands over its groups (as of its barrier) and result
+    /// lines; `None` if none runs.
+    pub fn take_captured(&mut self) -> Option<Captured> {
+        self.capture_all();
+        let c = self.capture.take()?;
+        let groups: Vec<FrozenGroup> = c.groups.into_iter().flatten().map(|g| g.frozen).collect();
+        let rows = groups.iter().map(|g| g.rows).sum();
+        Some(Captured {
+            groups,
+            lines: c.lines,
+            rows,
+        })
     }
 
     fn block_info(&self, group: u32) -> BlockInfo {
@@ -558,6 +791,7 @@ impl KeyedAggregator {
         &mut self,
         mode: impl Fn(u32) -> GroupMode,
     ) -> Vec<GroupSnapshot<'_>> {
+        self.capture_all();
         let (config, start) = (self.config, self.range.start);
         let per_entry = 40 + config.state_payload_bytes;
         // The keys changed since the cut before this snapshot's: enough for a delta since that
@@ -614,6 +848,7 @@ impl KeyedAggregator {
     /// state is what a restore read: it counts as unchanged since the snapshot it came from
     /// (epoch 0), so a checkpoint building on that snapshot writes only what changes later.
     pub fn install_group(&mut self, state: DecodedGroupState) -> Result<(), AggregateError> {
+        self.capture_all();
         let group = state.group;
         let index = self.group_index(group).ok_or(AggregateError::NotOwned {
             group,
@@ -635,6 +870,7 @@ impl KeyedAggregator {
     /// installed again ([`install_group`](Self::install_group)): a pre-staged subtask applies
     /// the delta since the checkpoint it loaded this way.
     pub fn take_group(&mut self, group: u32) -> Result<DecodedGroupState, AggregateError> {
+        self.capture_all();
         let index = self.group_index(group).ok_or(AggregateError::NotOwned {
             group,
             range: self.range,
@@ -650,6 +886,7 @@ impl KeyedAggregator {
 
     /// Drops one owned group's state (e.g. before handing it to another subtask).
     pub fn clear_group(&mut self, group: u32) -> Result<(), AggregateError> {
+        self.capture_all();
         let index = self.group_index(group).ok_or(AggregateError::NotOwned {
             group,
             range: self.range,
@@ -885,6 +1122,7 @@ impl GroupDecoder {
                             slot.payload = payload;
                         }
                         slot.dirty = false;
+                        slot.captured = false;
                         slot.epoch = 0;
                     }
                     std::collections::hash_map::Entry::Vacant(new) => {
@@ -892,6 +1130,7 @@ impl GroupDecoder {
                             acc,
                             payload,
                             dirty: false,
+                            captured: false,
                             epoch: 0,
                         });
                     }
@@ -915,6 +1154,13 @@ pub struct GroupSnapshot<'a> {
     info: BlockInfo,
     per_entry: usize,
     map: &'a mut KeyMap<Slot>,
+}
+
+/// A delta set aside at a cut ([`GroupSnapshot::defer`]), for [`KeyedAggregator::begin_capture`].
+#[derive(Debug)]
+pub struct DeferredGroup {
+    frozen: FrozenGroup,
+    keys: Vec<RecordKey>,
 }
 
 /// What [`GroupSnapshot::encode`] produced.
@@ -949,6 +1195,27 @@ impl GroupSnapshot<'_> {
     /// Whether the group holds no keys.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
+    }
+
+    /// Sets a delta whose changed keys are known aside, to be copied after the barrier
+    /// ([`KeyedAggregator::begin_capture`]); any other group is handed back (to be frozen at
+    /// the barrier).
+    pub fn defer(self) -> Result<DeferredGroup, Self> {
+        let since = match (self.mode, &self.changed_keys) {
+            (GroupMode::Delta { since }, Some(_)) => since,
+            _ => return Err(self),
+        };
+        let keys = self.changed_keys.unwrap_or_default();
+        Ok(DeferredGroup {
+            frozen: FrozenGroup {
+                info: self.info,
+                mode: GroupMode::Delta { since },
+                entries: Vec::with_capacity(keys.len()),
+                rows: 0,
+                keys: self.map.len() as u64,
+            },
+            keys,
+        })
     }
 
     /// Takes the group for a snapshot's cut at its barrier, like [`encode`](Self::encode)

@@ -38,8 +38,8 @@ pub mod state_codec;
 pub mod watermark;
 
 pub use aggregate::{
-    AggConfig, AggregateError, DecodedGroupState, EncodedGroup, FrozenGroup, GroupDecoder,
-    GroupMode, GroupSnapshot, KeyedAggregator, ResultRow, Window,
+    AggConfig, AggregateError, Captured, DecodedGroupState, DeferredGroup, EncodedGroup,
+    FrozenGroup, GroupDecoder, GroupMode, GroupSnapshot, KeyedAggregator, ResultRow, Window,
 };
 pub use file_source::{FieldMapping, FileBatch, FileSourceError, FileSourceReader};
 pub use generator::{Generator, GeneratorError};

@@ -320,6 +320,15 @@ impl StagingSink {
         checkpoint_id: u64,
         committed: Committed,
     ) -> Result<Output, SinkError> {
+        self.seal(checkpoint_id, committed)?;
+        Ok(self.output(checkpoint_id))
+    }
+
+    /// The first half of [`on_barrier`](Self::on_barrier): applies what the trigger says about
+    /// commits and seals the rows since the last barrier as this barrier's. Rows of the same
+    /// barrier drained later (a cut copied after its barrier) are added with
+    /// [`add_sealed`](Self::add_sealed), and the output taken with [`output`](Self::output).
+    pub fn seal(&mut self, checkpoint_id: u64, committed: Committed) -> Result<(), SinkError> {
         if let Some(previous) = self.last_barrier
             && checkpoint_id <= previous
         {
@@ -344,6 +353,40 @@ impl StagingSink {
                 },
             );
         }
+        self.check_backlog(checkpoint_id)
+    }
+
+    /// Adds `rows` rows, formatted as JSON lines, to what barrier `checkpoint_id` (the last one
+    /// sealed) sealed: results of its cut drained after the barrier.
+    pub fn add_sealed(
+        &mut self,
+        checkpoint_id: u64,
+        lines: &[u8],
+        rows: u64,
+    ) -> Result<(), SinkError> {
+        if self.last_barrier != Some(checkpoint_id) {
+            return Err(SinkError::BarrierOrder {
+                previous: self.last_barrier.unwrap_or(0),
+                got: checkpoint_id,
+            });
+        }
+        if rows == 0 && lines.is_empty() {
+            return Ok(());
+        }
+        let sealed = self.uncommitted.entry(checkpoint_id).or_insert(Sealed {
+            rows: 0,
+            body: Bytes::new(),
+        });
+        let mut body = Vec::with_capacity(sealed.body.len() + lines.len());
+        body.extend_from_slice(&sealed.body);
+        body.extend_from_slice(lines);
+        sealed.rows += rows;
+        sealed.body = Bytes::from(body);
+        self.uncommitted_bytes += lines.len();
+        self.check_backlog(checkpoint_id)
+    }
+
+    fn check_backlog(&self, checkpoint_id: u64) -> Result<(), SinkError> {
         if self.uncommitted_bytes > self.limit {
             return Err(SinkError::Backlog {
                 bytes: self.uncommitted_bytes,
@@ -356,7 +399,13 @@ impl StagingSink {
                     .unwrap_or(checkpoint_id),
             });
         }
-        Ok(Output {
+        Ok(())
+    }
+
+    /// The output to stage for barrier `checkpoint_id` (the last one sealed): every row since
+    /// the last committed snapshot.
+    pub fn output(&self, checkpoint_id: u64) -> Output {
+        Output {
             checkpoint_id,
             writer: self.writer,
             rows: self.uncommitted.values().map(|s| s.rows).sum(),
@@ -367,7 +416,7 @@ impl StagingSink {
                 .copied()
                 .filter(|id| *id != checkpoint_id)
                 .collect(),
-        })
+        }
     }
 }
 
@@ -545,6 +594,36 @@ mod tests {
         let fourth = sink.on_barrier(8, Committed::Through(7)).unwrap();
         assert_eq!(lines(&fourth), [r#"{"key":3,"value":30}"#]);
         assert!(fourth.carried.is_empty());
+    }
+
+    /// Rows a cut drained after its barrier join that barrier's output (and ride with the next
+    /// one if it does not commit); rows emitted after the barrier do not.
+    #[test]
+    fn rows_drained_after_a_barrier_are_sealed_with_it() {
+        let mut sink = StagingSink::new(writer());
+        sink.emit(&[row(RecordKey::int(1), 10)]);
+        sink.seal(5, Committed::Through(4)).unwrap();
+        sink.emit(&[row(RecordKey::int(9), 90)]);
+        sink.add_sealed(5, b"{\"key\":2,\"value\":20}\n", 1)
+            .unwrap();
+        let five = sink.output(5);
+        assert_eq!(five.rows, 2);
+        assert_eq!(
+            lines(&five),
+            [r#"{"key":1,"value":10}"#, r#"{"key":2,"value":20}"#]
+        );
+        // Only to the last barrier sealed.
+        assert!(sink.add_sealed(4, b"x\n", 1).is_err());
+        // A barrier without rows of its own until its cut drained some.
+        let six_rows = sink.on_barrier(6, Committed::Through(4)).unwrap();
+        assert_eq!(lines(&six_rows).len(), 3, "5 carried, and the row after it");
+        sink.seal(7, Committed::Through(6)).unwrap();
+        sink.add_sealed(7, b"{\"key\":3,\"value\":30}\n", 1)
+            .unwrap();
+        let seven = sink.output(7);
+        assert_eq!(lines(&seven), [r#"{"key":3,"value":30}"#]);
+        assert!(seven.carried.is_empty());
+        assert_eq!(sink.uncommitted_bytes(), seven.len());
     }
 
     #[test]

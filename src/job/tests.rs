@@ -627,6 +627,120 @@ fn a_frozen_cut_encodes_the_state_at_its_barrier() {
     }
 }
 
+/// A cut whose deltas are copied after its barrier ([`KeyedAggregator::begin_capture`]) is the
+/// state at its barrier all the same, whichever way each key is copied: by a step, just before
+/// a record changes it (once, however many records follow), or when the cut is taken over;
+/// new keys after the barrier are not in it, and each changed key's result is drained once,
+/// with its value at the barrier. The next cut holds the changes after the barrier.
+#[test]
+fn a_cut_copied_after_its_barrier_is_the_state_at_its_barrier() {
+    let changed = |k: i64| RecordKey::long(k * 7 - 300);
+    let prepare = || {
+        let mut op = mixed_state(None, 9);
+        let since = op.cut();
+        for k in 0..80 {
+            op.process(&rec(changed(k), 3, 5_000)).unwrap();
+        }
+        let _ = op.drain_updates();
+        for k in 0..60 {
+            op.process(&rec(changed(k), 2, 5_000)).unwrap();
+        }
+        // The barrier.
+        op.cut();
+        (op, since)
+    };
+    let sorted = |lines: &[u8]| {
+        let mut v: Vec<Vec<u8>> = lines.split(|b| *b == b'\n').map(<[u8]>::to_vec).collect();
+        v.sort();
+        v
+    };
+    for steps in [0usize, 1, 7, 1000] {
+        let (mut reference, since) = prepare();
+        let (mut op, _) = prepare();
+        let modes: Vec<GroupMode> = reference
+            .range()
+            .iter()
+            .map(|g| reference.group_mode(g, since))
+            .collect();
+        let mut want_lines = Vec::new();
+        let want: Vec<EncodedGroup> = reference
+            .snapshot_groups_as(|g| modes[g as usize])
+            .into_iter()
+            .map(|g| g.encode(Some(&mut want_lines)))
+            .collect();
+        let mut deferred = Vec::new();
+        let mut lines = Vec::new();
+        let mut frozen = Vec::new();
+        for g in op.snapshot_groups_as(|g| modes[g as usize]) {
+            match g.defer() {
+                Ok(d) => deferred.push(d),
+                Err(g) => frozen.push(g.freeze(Some(&mut lines))),
+            }
+        }
+        assert!(deferred.len() > 10, "{} deltas deferred", deferred.len());
+        assert!(op.begin_capture(deferred, true).is_none());
+        assert!(op.capturing());
+        // After the barrier: keys of the cut changed (twice), new keys; steps in between.
+        for k in 0..60 {
+            if k % 10 == 0 {
+                op.capture_step(steps);
+            }
+            op.process(&rec(changed(k), 100, 6_000)).unwrap();
+            op.process(&rec(changed(k), 1, 6_000)).unwrap();
+            op.process(&rec(RecordKey::long(10_000 + k), 1, 6_000))
+                .unwrap();
+        }
+        assert_ne!(op.results(), reference.results());
+        let captured = op.take_captured().expect("a capture ran");
+        assert!(!op.capturing());
+        lines.extend_from_slice(&captured.lines);
+        frozen.extend(captured.groups);
+        frozen.sort_by_key(FrozenGroup::group);
+        assert_eq!(
+            captured.rows, 60,
+            "each key changed since the last drain, once (steps {steps})"
+        );
+        assert_eq!(sorted(&lines), sorted(&want_lines), "steps {steps}");
+        assert_eq!(frozen.len(), want.len());
+        for (f, w) in frozen.into_iter().zip(&want) {
+            let e = f.encode();
+            // Keys in another order than the map's: the same entries.
+            let entries = |block: &[u8]| {
+                if block.is_empty() {
+                    return Vec::new();
+                }
+                let mut v = state_codec::decode_group(block)
+                    .expect("a block the encoder wrote")
+                    .entries;
+                v.sort_by(|a, b| a.0.cmp(&b.0));
+                v
+            };
+            let (got, expect) = (entries(&e.block), entries(&w.block));
+            assert_eq!(
+                (e.group, e.entries, e.mode, e.keys),
+                (w.group, w.entries, w.mode, w.keys),
+                "steps {steps}"
+            );
+            assert_eq!(got, expect, "group {} steps {steps}", e.group);
+        }
+        // The next cut: the changes after the barrier (the 60 keys, the 60 new ones).
+        let next = op.cut();
+        let modes: Vec<GroupMode> = op
+            .range()
+            .iter()
+            .map(|g| op.group_mode(g, next - 1))
+            .collect();
+        let mut after = Vec::new();
+        let n: u64 = op
+            .snapshot_groups_as(|g| modes[g as usize])
+            .into_iter()
+            .map(|g| g.freeze(Some(&mut after)).entries())
+            .sum();
+        assert_eq!(n, 120, "steps {steps}");
+        assert_eq!(sorted(&after).len(), 121, "120 lines and the empty tail");
+    }
+}
+
 /// What a whole snapshot's cut copies per key (docs/architecture.md and docs/operations.md
 /// say "about 90 bytes per key"): the key, the accumulator and a handle on the payload.
 #[test]

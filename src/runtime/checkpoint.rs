@@ -113,19 +113,25 @@ pub struct StateWriteFailed {
 /// A subtask's state taken at a barrier ([`take_cut`]): each group as the barrier left it (the
 /// entries of a whole group or of a delta copied out, to be encoded by [`upload_cut`]; nothing
 /// for an unchanged group), so that records flow again while [`upload_cut`] encodes and writes
-/// it.
+/// it. The deltas whose changed keys are known may still be being copied after the barrier
+/// ([`KeyedAggregator::begin_capture`]): [`finish_cut`] adds them.
 #[derive(Debug)]
 pub struct Cut {
-    /// Every owned group, in group order.
+    /// Every owned group, in group order (once [`finish_cut`] added the deltas still being
+    /// copied).
     pub groups: Vec<FrozenGroup>,
-    /// The drained result lines with [`Updates::Keep`] (empty otherwise), in group order.
+    /// The drained result lines with [`Updates::Keep`] (empty otherwise).
     pub lines: Vec<u8>,
     /// Result rows drained (written to stdout or in `lines`).
     pub rows: u64,
+    /// Whether some deltas are still being copied ([`finish_cut`] completes them).
+    pub capturing: bool,
+    updates: Updates,
 }
 
 impl Cut {
-    /// Keys of every owned group at the barrier, in group order.
+    /// Keys of every owned group at the barrier, in group order (complete once
+    /// [`finish_cut`] added the deltas still being copied).
     pub fn keys_per_group(&self) -> Vec<u64> {
         self.groups.iter().map(FrozenGroup::keys).collect()
     }
@@ -139,28 +145,72 @@ impl Cut {
 /// Takes the consistent cut of a snapshot on the calling thread: freezes each owned group as
 /// `mode` says (see [`crate::runtime::incremental`] and
 /// [`GroupSnapshot::freeze`](crate::job::GroupSnapshot::freeze)) and drains the changed keys'
-/// results as `updates` says. The entries are only copied (payloads shared), not encoded: this
-/// is what a snapshot holds records up for. The encoding and the upload ([`upload_cut`]) run
-/// after, while records flow.
+/// results as `updates` says. The entries are only copied (payloads shared), not encoded; and
+/// with `after_barrier` (and no windows), a delta's changed keys are not even copied here, but
+/// after the barrier while records flow ([`KeyedAggregator::begin_capture`], completed by
+/// [`finish_cut`]): this is what a snapshot holds records up for. The encoding and the upload
+/// ([`upload_cut`]) run after.
 pub async fn take_cut(
     agg: &mut KeyedAggregator,
     mode: impl Fn(u32) -> GroupMode,
     updates: Updates,
+    after_barrier: bool,
 ) -> Cut {
+    // One capture at a time: a caller that did not finish the last cut gets this one whole.
+    let after_barrier = after_barrier && agg.config().window_size_ms.is_none() && !agg.capturing();
     let mut lines = Lines::new(updates);
     let mut groups = Vec::with_capacity(agg.range().len() as usize);
+    let mut deferred = Vec::new();
     for g in agg.snapshot_groups_as(mode) {
+        let g = match after_barrier {
+            true => match g.defer() {
+                Ok(d) => {
+                    deferred.push(d);
+                    continue;
+                }
+                Err(g) => g,
+            },
+            false => g,
+        };
         let mut buf = lines.drains().then(Vec::new);
         let f = g.freeze(buf.as_mut());
         lines.add(buf.unwrap_or_default(), f.rows());
         groups.push(f);
+    }
+    let capturing = !deferred.is_empty();
+    if let Some(now) = agg.begin_capture(deferred, lines.drains()) {
+        lines.add(now.lines, now.rows);
+        groups.extend(now.groups);
+        groups.sort_by_key(FrozenGroup::group);
     }
     let (lines, rows) = lines.finish().await;
     Cut {
         groups,
         lines,
         rows,
+        capturing: capturing && agg.capturing(),
+        updates,
     }
+}
+
+/// Completes a [`Cut`] whose deltas were still being copied after its barrier: finishes the
+/// copy ([`KeyedAggregator::take_captured`]) and adds the groups; returns their result lines
+/// (with [`Updates::Keep`]; written to stdout with [`Updates::Log`]) and rows, which belong to
+/// the cut's snapshot. Nothing to do (empty lines) for a cut taken whole at its barrier.
+pub async fn finish_cut(agg: &mut KeyedAggregator, cut: &mut Cut) -> (Vec<u8>, u64) {
+    if !std::mem::take(&mut cut.capturing) {
+        return (Vec::new(), 0);
+    }
+    let Some(captured) = agg.take_captured() else {
+        return (Vec::new(), 0);
+    };
+    cut.groups.extend(captured.groups);
+    cut.groups.sort_by_key(FrozenGroup::group);
+    let mut lines = Lines::new(cut.updates);
+    lines.add(captured.lines, captured.rows);
+    let (lines, rows) = lines.finish().await;
+    cut.rows += rows;
+    (lines, rows)
 }
 
 /// Encodes the groups of a [`Cut`] and writes them through `writer`, on top of `base` (the

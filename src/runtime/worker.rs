@@ -805,6 +805,9 @@ struct Subtask {
     source_partitions: BTreeMap<u32, String>,
     /// What its next checkpoint builds on (incremental checkpoints).
     chain: incremental::Chain,
+    /// A snapshot whose cut was taken at its barrier and whose deltas' changed keys are still
+    /// being copied, a step between batches ([`CAPTURE_STEP_KEYS`]).
+    capturing: Option<CutTaken>,
     /// A snapshot whose cut was taken and whose state is still being written.
     uploading: Option<Uploading>,
 }
@@ -1281,6 +1284,7 @@ async fn start_subtask(
         kafka,
         source_partitions,
         chain,
+        capturing: None,
         uploading: None,
     };
     let compiled = Arc::new(compiled);
@@ -1746,12 +1750,19 @@ async fn operator_loop(
     // Late records of this run's keyed operator already counted in the metric.
     let mut late_seen = 0u64;
     loop {
+        // A cut still being copied takes a step between two messages; once complete, its
+        // upload starts.
+        if sub.capturing.is_some() && sub.agg.capture_step(CAPTURE_STEP_KEYS) {
+            complete_capture(&s, &mut sub).await?;
+        }
+        let capturing = sub.capturing.is_some();
         // An abort of the snapshot being aligned unblocks its inputs even while the others
-        // are idle.
+        // are idle; a cut still being copied goes on while they are.
         let next = tokio::select! {
             biased;
             _ = aborts.changed(), if align.aligning().is_some() => None,
             m = next_input(&mut inputs, align.blocked(), &mut start) => Some(m),
+            _ = std::future::ready(()), if capturing => None,
         };
         let aborted_through = *aborts.borrow_and_update();
         if let Some(id) = align.abandon_through(aborted_through) {
@@ -1816,6 +1827,7 @@ async fn operator_loop(
                             sub.uploading = Some(u);
                             continue;
                         }
+                        Ok(Some(Written::Capturing)) => continue,
                         Ok(Some(Written::Done(ack))) => Ok(Some(*ack)),
                         Ok(None) => Ok(None),
                         Err(e) => Err(e),
@@ -1885,6 +1897,8 @@ async fn settle(
 /// A snapshot written at its barrier, or still being written (an incremental checkpoint).
 enum Written {
     Done(Box<SubtaskAck>),
+    /// The cut is still being copied ([`Subtask::capturing`]), then uploaded.
+    Capturing,
     Uploading(Uploading),
 }
 
@@ -2044,6 +2058,8 @@ async fn snapshot(
     id: u64,
     watermark: i64,
 ) -> Result<Option<Written>, WorkerError> {
+    // The snapshot before: its cut completed, its upload done.
+    complete_capture(s, sub).await?;
     if let Some(u) = sub.uploading.take() {
         let written = u
             .task
@@ -2107,78 +2123,52 @@ async fn snapshot(
             Some(base) => range.iter().map(|g| base.mode(&sub.agg, g)).collect(),
             None => range.iter().map(|_| job::GroupMode::Full).collect(),
         };
-        let taken =
-            checkpoint::take_cut(&mut sub.agg, |g| modes[(g - range.start) as usize], updates)
-                .await;
+        // A delta's changed keys are copied after the barrier while records flow, except for
+        // a stop snapshot (nothing flows after it).
+        let mut taken = checkpoint::take_cut(
+            &mut sub.agg,
+            |g| modes[(g - range.start) as usize],
+            updates,
+            !stop,
+        )
+        .await;
         s.metrics.records_out.inc_by(taken.rows);
-        let keys_per_group = taken.keys_per_group();
-        let entries = taken.entries();
-        emit_lines(sub, taken.lines, taken.rows);
-        deliver_at_least_once(sub)?;
-        let output = match &mut sub.sink {
-            Some(sink) => Some((
-                sink.store.clone(),
-                sink.base.clone(),
-                sink.staging
-                    .on_barrier(id, job::sink::Committed::from_wire(last_committed))?,
-            )),
-            None => None,
-        };
-        s.metrics.keys.set(sub.agg.key_count() as i64);
-        s.status.lock().await.keys_per_group = keys_per_group;
-        let blocked_ms = started.elapsed().as_millis() as u64;
-        let groups = taken.groups;
-        let source_partitions = sub.source_partitions.clone();
-        let shared = s.clone();
-        let store = sub.store.clone();
-        tracing::debug!(
-            id,
-            base = base.as_ref().map(|b| b.id),
-            entries,
-            blocked_ms,
-            "snapshot cut taken"
-        );
-        let task = tokio::spawn(async move {
-            let result: Result<Option<SubtaskAck>, WorkerError> = async {
-                let snapshot = checkpoint::upload_cut(
-                    groups,
-                    writer,
-                    base.as_ref(),
-                    policy,
-                    store.as_ref(),
-                    &dir,
-                )
-                .await?;
-                if let Some((store, sink_base, output)) = &output {
-                    stage_output(store.as_ref(), sink_base, id, output).await?;
-                }
-                let duration = started.elapsed();
-                shared
-                    .metrics
-                    .checkpoint_seconds
-                    .set(duration.as_secs_f64());
-                shared
-                    .metrics
-                    .checkpoint_bytes
-                    .set(snapshot.file.size as i64);
-                Ok(Some(SubtaskAck {
-                    snapshot,
-                    source_positions: positions,
-                    source_partitions,
-                    watermark,
-                    duration_ms: duration.as_millis() as u64,
-                    blocked_ms: Some(blocked_ms),
-                }))
-            }
-            .await;
-            settle(&shared, id, result).await
-        });
-        return Ok(Some(Written::Uploading(Uploading {
+        emit_lines(sub, std::mem::take(&mut taken.lines), taken.rows);
+        // The rows since the last barrier are this snapshot's: sealed now, before any record
+        // after the barrier can emit more (a cut still being copied adds its own later).
+        if let Some(sink) = &mut sub.sink {
+            sink.staging
+                .seal(id, job::sink::Committed::from_wire(last_committed))?;
+        }
+        let cut = CutTaken {
             id,
             kind,
-            cut: cut_epoch,
-            task,
-        })));
+            cut_epoch,
+            positions,
+            started,
+            blocked_ms: started.elapsed().as_millis() as u64,
+            watermark,
+            writer,
+            dir,
+            base,
+            policy,
+            taken,
+        };
+        tracing::debug!(
+            id,
+            base = cut.base.as_ref().map(|b| b.id),
+            entries = cut.taken.entries(),
+            capturing = cut.taken.capturing,
+            blocked_ms = cut.blocked_ms,
+            "snapshot cut taken"
+        );
+        if cut.taken.capturing {
+            sub.capturing = Some(cut);
+            return Ok(Some(Written::Capturing));
+        }
+        return complete_cut(s, sub, cut)
+            .await
+            .map(|u| Some(Written::Uploading(u)));
     }
     let opts = StateWriteOptions {
         threads: StateWriteOptions::threads_for(sub.agg.key_count()),
@@ -2227,6 +2217,143 @@ async fn snapshot(
         duration_ms,
         blocked_ms: Some(duration_ms),
     }))))
+}
+
+/// A snapshot whose cut was taken at its barrier: what it needs to complete its cut and
+/// upload it.
+struct CutTaken {
+    id: u64,
+    kind: snapshot::SnapshotKind,
+    cut_epoch: u32,
+    positions: BTreeMap<u32, u64>,
+    started: Instant,
+    blocked_ms: u64,
+    watermark: i64,
+    writer: SnapshotWriter,
+    dir: StorePath,
+    base: Option<incremental::Base>,
+    policy: incremental::ChainPolicy,
+    taken: checkpoint::Cut,
+}
+
+/// Keys a step of a cut still being copied copies between two batches
+/// ([`job::KeyedAggregator::capture_step`]): a fraction of a millisecond.
+pub const CAPTURE_STEP_KEYS: usize = 512;
+
+/// Completes a snapshot's cut (the deltas still being copied, and their results: sealed with
+/// the snapshot's output, sent to Kafka or written to stdout), delivers an at-least-once Kafka
+/// sink's rows, and starts the upload of the state and the sink output, which acknowledges
+/// the snapshot once durable.
+async fn complete_cut(
+    s: &Arc<Shared>,
+    sub: &mut Subtask,
+    mut cut: CutTaken,
+) -> Result<Uploading, WorkerError> {
+    let id = cut.id;
+    let (late, rows) = checkpoint::finish_cut(&mut sub.agg, &mut cut.taken).await;
+    s.metrics.records_out.inc_by(rows);
+    emit_sealed_lines(sub, id, late, rows)?;
+    deliver_at_least_once(sub)?;
+    let output = sub.sink.as_ref().map(|sink| {
+        (
+            sink.store.clone(),
+            sink.base.clone(),
+            sink.staging.output(id),
+        )
+    });
+    s.metrics.keys.set(sub.agg.key_count() as i64);
+    s.status.lock().await.keys_per_group = cut.taken.keys_per_group();
+    let CutTaken {
+        id,
+        kind,
+        cut_epoch,
+        positions,
+        started,
+        blocked_ms,
+        watermark,
+        writer,
+        dir,
+        base,
+        policy,
+        taken,
+    } = cut;
+    let groups = taken.groups;
+    let source_partitions = sub.source_partitions.clone();
+    let shared = s.clone();
+    let store = sub.store.clone();
+    let task = tokio::spawn(async move {
+        let result: Result<Option<SubtaskAck>, WorkerError> = async {
+            let snapshot =
+                checkpoint::upload_cut(groups, writer, base.as_ref(), policy, store.as_ref(), &dir)
+                    .await?;
+            if let Some((store, sink_base, output)) = &output {
+                stage_output(store.as_ref(), sink_base, id, output).await?;
+            }
+            let duration = started.elapsed();
+            shared
+                .metrics
+                .checkpoint_seconds
+                .set(duration.as_secs_f64());
+            shared
+                .metrics
+                .checkpoint_bytes
+                .set(snapshot.file.size as i64);
+            Ok(Some(SubtaskAck {
+                snapshot,
+                source_positions: positions,
+                source_partitions,
+                watermark,
+                duration_ms: duration.as_millis() as u64,
+                blocked_ms: Some(blocked_ms),
+            }))
+        }
+        .await;
+        settle(&shared, id, result).await
+    });
+    Ok(Uploading {
+        id,
+        kind,
+        cut: cut_epoch,
+        task,
+    })
+}
+
+/// Completes the cut still being copied, if any, and starts its upload; a failure settles
+/// its snapshot (and is returned if it must stop the worker).
+async fn complete_capture(s: &Arc<Shared>, sub: &mut Subtask) -> Result<(), WorkerError> {
+    let Some(cut) = sub.capturing.take() else {
+        return Ok(());
+    };
+    let id = cut.id;
+    match complete_cut(s, sub, cut).await {
+        Ok(u) => sub.uploading = Some(u),
+        Err(e) => {
+            settle(s, id, Err(e)).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Result lines of snapshot `id`'s cut drained after its barrier: to the at-least-once Kafka
+/// sink, or sealed with the snapshot's output.
+fn emit_sealed_lines(
+    sub: &mut Subtask,
+    id: u64,
+    lines: Vec<u8>,
+    rows: u64,
+) -> Result<(), WorkerError> {
+    if rows == 0 {
+        return Ok(());
+    }
+    #[cfg(feature = "kafka")]
+    if let Some(k) = &mut sub.kafka {
+        k.send_lines(&lines);
+        return Ok(());
+    }
+    if let Some(sink) = &mut sub.sink {
+        sink.staging.add_sealed(id, &lines, rows)?;
+    }
+    Ok(())
 }
 
 /// Stages a snapshot's sink output (see [`crate::sink::stage`]).
