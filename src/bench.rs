@@ -250,6 +250,8 @@ struct SubtaskCheckpoint {
     held_cpu: Duration,
     /// The longest step copying changed keys after the barrier (records wait for one step).
     step_max: Duration,
+    /// The most CPU time of one such step.
+    step_cpu_max: Duration,
     write: Duration,
     ack: snapshot::SubtaskSnapshot,
     cut: u32,
@@ -288,11 +290,12 @@ async fn checkpoint_subtask(
     let held = started.elapsed();
     let held_cpu = thread_cpu().saturating_sub(cpu0);
     // The changed keys still to copy, a step at a time as a worker does between batches.
-    let mut step_max = Duration::ZERO;
+    let (mut step_max, mut step_cpu_max) = (Duration::ZERO, Duration::ZERO);
     loop {
-        let t = Instant::now();
+        let (t, cpu) = (Instant::now(), thread_cpu());
         let done = agg.capture_step(crate::runtime::worker::CAPTURE_STEP_KEYS);
         step_max = step_max.max(t.elapsed());
+        step_cpu_max = step_cpu_max.max(thread_cpu().saturating_sub(cpu));
         if done {
             break;
         }
@@ -313,6 +316,7 @@ async fn checkpoint_subtask(
         held,
         held_cpu,
         step_max,
+        step_cpu_max,
         write: started.elapsed(),
         ack,
         cut,
@@ -424,6 +428,11 @@ async fn checkpoint_bench(args: CheckpointBench) -> Result<()> {
         let held = done.iter().map(|d| d.held).max().unwrap_or_default();
         let held_cpu = done.iter().map(|d| d.held_cpu).max().unwrap_or_default();
         let step_max = done.iter().map(|d| d.step_max).max().unwrap_or_default();
+        let step_cpu_max = done
+            .iter()
+            .map(|d| d.step_cpu_max)
+            .max()
+            .unwrap_or_default();
         let write = done.iter().map(|d| d.write).max().unwrap_or_default();
         for (i, d) in done.iter().enumerate() {
             bases[i] = Some(Base::written(id, d.cut, &d.ack));
@@ -439,13 +448,14 @@ async fn checkpoint_bench(args: CheckpointBench) -> Result<()> {
             .written_bytes
             .unwrap_or(manifest.stats.total_bytes);
         println!(
-            "checkpoint {id} ({}): wrote {written} of {} bytes of state ({:.2}%), records held up {:.1} ms (cut CPU {:.1} ms; then steps of up to {:.2} ms) of a {:.1} ms write ({:.1}%), {:.1} ms in all",
+            "checkpoint {id} ({}): wrote {written} of {} bytes of state ({:.2}%), records held up {:.1} ms (cut CPU {:.1} ms; then steps of up to {:.2} ms, CPU {:.2} ms) of a {:.1} ms write ({:.1}%), {:.1} ms in all",
             if round == 0 { "full" } else { "incremental" },
             manifest.stats.total_bytes,
             100.0 * written as f64 / manifest.stats.total_bytes.max(1) as f64,
             held.as_secs_f64() * 1e3,
             held_cpu.as_secs_f64() * 1e3,
             step_max.as_secs_f64() * 1e3,
+            step_cpu_max.as_secs_f64() * 1e3,
             write.as_secs_f64() * 1e3,
             100.0 * held.as_secs_f64() / write.as_secs_f64().max(1e-9),
             wall.as_secs_f64() * 1e3,
