@@ -561,6 +561,18 @@ fn snapshot_groups_encode_like_encode_group_and_drain_like_drain_updates() {
     }
 }
 
+/// Every group of `op` encoded as `modes` says, and the result lines drained with them: what
+/// a cut taken now must give.
+fn encoded_at(op: &mut KeyedAggregator, modes: &[GroupMode]) -> (Vec<EncodedGroup>, Vec<u8>) {
+    let mut lines = Vec::new();
+    let groups = op
+        .snapshot_groups_as(|g| modes[g as usize])
+        .into_iter()
+        .map(|g| g.encode(Some(&mut lines)))
+        .collect();
+    (groups, lines)
+}
+
 /// A frozen cut is the state at its barrier: after more records changed the state (the same
 /// keys, new keys), its groups encode to exactly the blocks encoding at the barrier gives
 /// (deltas and whole groups), and it drains the same result lines at the barrier.
@@ -594,12 +606,7 @@ fn a_frozen_cut_encodes_the_state_at_its_barrier() {
             })
             .collect();
         assert!(whole || modes.iter().any(|m| matches!(m, GroupMode::Delta { .. })));
-        let mut want_lines = Vec::new();
-        let want: Vec<EncodedGroup> = reference
-            .snapshot_groups_as(|g| modes[g as usize])
-            .into_iter()
-            .map(|g| g.encode(Some(&mut want_lines)))
-            .collect();
+        let (want, want_lines) = encoded_at(&mut reference, &modes);
         let mut lines = Vec::new();
         let frozen: Vec<FrozenGroup> = op
             .snapshot_groups_as(|g| modes[g as usize])
@@ -662,12 +669,7 @@ fn a_cut_copied_after_its_barrier_is_the_state_at_its_barrier() {
             .iter()
             .map(|g| reference.group_mode(g, since))
             .collect();
-        let mut want_lines = Vec::new();
-        let want: Vec<EncodedGroup> = reference
-            .snapshot_groups_as(|g| modes[g as usize])
-            .into_iter()
-            .map(|g| g.encode(Some(&mut want_lines)))
-            .collect();
+        let (want, want_lines) = encoded_at(&mut reference, &modes);
         let mut deferred = Vec::new();
         let mut lines = Vec::new();
         let mut frozen = Vec::new();
