@@ -813,7 +813,9 @@ fn scale_past_the_ceiling_24_to_200_in_one_patch() {
         "{}",
         get(ns, name, "{.status.keyGroupChange.message}")
     );
-    set_suspend(ns, name, true, &log);
+    // 200 pods to tear down on the one 2-core node: minutes (a run saw 194 still terminating
+    // 100 s after their deletion).
+    set_suspend_within(ns, name, true, &log, 420);
     let sp2 = get(ns, name, "{.status.lastSavepoint.path}");
     let (after, after_pos) = snapshot_values(&sp2);
     assert_eq!(after_pos.len(), 24, "every partition has a position");

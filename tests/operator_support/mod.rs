@@ -241,6 +241,18 @@ pub fn scale(ns: &str, name: &str, to: i32, log: &std::path::Path) {
 }
 
 pub fn set_suspend(ns: &str, name: &str, suspend: bool, log: &std::path::Path) {
+    set_suspend_within(ns, name, suspend, log, 120);
+}
+
+/// [`set_suspend`], waiting up to `seconds` for Ready (a job of hundreds of pods on the test's
+/// one small node: the kubelet takes minutes to tear them all down).
+pub fn set_suspend_within(
+    ns: &str,
+    name: &str,
+    suspend: bool,
+    log: &std::path::Path,
+    seconds: u32,
+) {
     kubectl_ok(&[
         "patch",
         "-n",
@@ -250,7 +262,7 @@ pub fn set_suspend(ns: &str, name: &str, suspend: bool, log: &std::path::Path) {
         "-p",
         &format!("{{\"spec\":{{\"suspend\":{suspend}}}}}"),
     ]);
-    wait_ready(ns, name, log);
+    wait_ready_within(ns, name, log, seconds);
     let phase = get(ns, name, "{.status.phase}");
     assert_eq!(phase, if suspend { "Suspended" } else { "Running" });
     if suspend {
