@@ -275,18 +275,7 @@ async fn checkpoint_subtask(
     let cpu0 = thread_cpu();
     let cut = agg.cut();
     let policy = crate::runtime::incremental::ChainPolicy::default();
-    let range = agg.range();
-    let modes: Vec<_> = match &base {
-        Some(base) => range.iter().map(|g| base.mode(&agg, g)).collect(),
-        None => range.iter().map(|_| crate::job::GroupMode::Full).collect(),
-    };
-    let mut taken = checkpoint::take_cut(
-        &mut agg,
-        |g| modes[(g - range.start) as usize],
-        updates,
-        true,
-    )
-    .await;
+    let mut taken = checkpoint::take_cut(&mut agg, base.as_ref(), updates, true).await;
     let held = started.elapsed();
     let held_cpu = thread_cpu().saturating_sub(cpu0);
     // The changed keys still to copy, a step at a time as a worker does between batches.

@@ -6,7 +6,7 @@
 //! kept snapshot reads).
 
 use keyshift::crd::AggregateFunction;
-use keyshift::job::{AggConfig, GroupMode, KeyedAggregator, Record, RecordKey};
+use keyshift::job::{AggConfig, KeyedAggregator, Record, RecordKey};
 use keyshift::keygroup::{Assignment, KeyGroupRange};
 use keyshift::runtime::checkpoint::{self, Updates};
 use keyshift::runtime::incremental::{Base, Chain, ChainPolicy, ChainSettings};
@@ -180,20 +180,9 @@ impl Job {
             // Every snapshot is cut at its barrier and uploaded while records flow, as the
             // workers do (a checkpoint without a base, and a savepoint, in whole groups).
             let policy = self.chains[i].policy;
-            let range = op.range();
-            let modes: Vec<_> = match &base {
-                Some(base) => range.iter().map(|g| base.mode(op, g)).collect(),
-                None => range.iter().map(|_| GroupMode::Full).collect(),
-            };
             // Deltas' changed keys are copied after the barrier: some by a step, the others
             // just before a record changes them, the rest when the cut is finished.
-            let mut taken = checkpoint::take_cut(
-                op,
-                |g| modes[(g - range.start) as usize],
-                Updates::Skip,
-                true,
-            )
-            .await;
+            let mut taken = checkpoint::take_cut(op, base.as_ref(), Updates::Skip, true).await;
             if base.is_some() {
                 self.incremental_written += 1;
             }

@@ -201,15 +201,49 @@ fn take_entry(
     lines: Option<&mut Vec<u8>>,
     size: Option<i64>,
 ) {
-    if let Some(out) = lines
-        && slot.dirty
-    {
-        slot.dirty = false;
-        frozen.rows += format_rows(out, key, &slot.acc, size);
-    }
+    frozen.rows += drain_row(lines, key, slot, size);
     frozen
         .entries
         .push((key.clone(), slot.acc.clone(), slot.payload.clone()));
+}
+
+/// Copies the listed keys last changed in cut `epoch` and not copied yet into a frozen group
+/// (marking them copied), draining their results if asked.
+fn copy_listed(
+    map: &mut KeyMap<Slot>,
+    keys: &[RecordKey],
+    epoch: u32,
+    frozen: &mut FrozenGroup,
+    mut lines: Option<&mut Vec<u8>>,
+    size: Option<i64>,
+) {
+    for key in keys {
+        if let Some(slot) = map.get_mut(key)
+            && slot.epoch == epoch
+            && !slot.captured
+        {
+            take_entry(frozen, key, slot, lines.as_deref_mut(), size);
+            slot.captured = true;
+        }
+    }
+}
+
+/// Drains a changed key's result into `out` (if asked): appends its rows as sink JSON lines and
+/// clears its change mark; returns how many rows.
+#[inline]
+fn drain_row(
+    out: Option<&mut Vec<u8>>,
+    key: &RecordKey,
+    slot: &mut Slot,
+    size: Option<i64>,
+) -> u64 {
+    match out {
+        Some(out) if slot.dirty => {
+            slot.dirty = false;
+            format_rows(out, key, &slot.acc, size)
+        }
+        _ => 0,
+    }
 }
 
 /// A cut's deltas still being copied, as [`KeyedAggregator::take_captured`] hands them over
@@ -640,13 +674,8 @@ impl KeyedAggregator {
                     .group_index(d.frozen.group())
                     .map(|i| &mut self.groups[i])
                 {
-                    for key in &d.keys {
-                        if let Some(slot) = map.get_mut(key)
-                            && slot.epoch == epoch
-                        {
-                            take_entry(&mut d.frozen, key, slot, drain.then_some(&mut lines), size);
-                        }
-                    }
+                    let lines = drain.then_some(&mut lines);
+                    copy_listed(map, &d.keys, epoch, &mut d.frozen, lines, size);
                 }
                 groups.push(d.frozen);
             }
@@ -698,24 +727,18 @@ impl KeyedAggregator {
                 c.at += 1;
                 continue;
             };
-            while left > 0 && g.next < g.keys.len() {
-                let key = &g.keys[g.next];
-                g.next += 1;
-                left -= 1;
-                if let Some(slot) = map.get_mut(key)
-                    && slot.epoch == c.epoch
-                    && !slot.captured
-                {
-                    take_entry(
-                        &mut g.frozen,
-                        key,
-                        slot,
-                        c.drain.then_some(&mut c.lines),
-                        size,
-                    );
-                    slot.captured = true;
-                }
-            }
+            let end = g.keys.len().min(g.next.saturating_add(left));
+            let lines = c.drain.then_some(&mut c.lines);
+            copy_listed(
+                map,
+                &g.keys[g.next..end],
+                c.epoch,
+                &mut g.frozen,
+                lines,
+                size,
+            );
+            left -= end - g.next;
+            g.next = end;
             if g.next < g.keys.len() {
                 return false;
             }
@@ -1229,12 +1252,7 @@ impl GroupSnapshot<'_> {
         let size = self.info.window_size_ms;
         let mut rows = 0u64;
         let mut take = |key: &RecordKey, slot: &mut Slot, copy: bool, entries: &mut Vec<_>| {
-            if let Some(out) = updates.as_deref_mut()
-                && slot.dirty
-            {
-                slot.dirty = false;
-                rows += format_rows(out, key, &slot.acc, size);
-            }
+            rows += drain_row(updates.as_deref_mut(), key, slot, size);
             if copy {
                 entries.push((key.clone(), slot.acc.clone(), slot.payload.clone()));
             }
@@ -1315,12 +1333,7 @@ impl GroupSnapshot<'_> {
                     if slot.epoch > since {
                         w.push(key, &slot.acc, &slot.payload);
                     }
-                    if let Some(out) = updates.as_deref_mut()
-                        && slot.dirty
-                    {
-                        slot.dirty = false;
-                        rows += format_rows(out, key, &slot.acc, size);
-                    }
+                    rows += drain_row(updates.as_deref_mut(), key, slot, size);
                 }
             }
             _ => {
@@ -1328,12 +1341,7 @@ impl GroupSnapshot<'_> {
                     if since.is_none_or(|s| slot.epoch > s) {
                         w.push(key, &slot.acc, &slot.payload);
                     }
-                    if let Some(out) = updates.as_deref_mut()
-                        && slot.dirty
-                    {
-                        slot.dirty = false;
-                        rows += format_rows(out, key, &slot.acc, size);
-                    }
+                    rows += drain_row(updates.as_deref_mut(), key, slot, size);
                 }
             }
         }

@@ -142,8 +142,8 @@ impl Cut {
     }
 }
 
-/// Takes the consistent cut of a snapshot on the calling thread: freezes each owned group as
-/// `mode` says (see [`crate::runtime::incremental`] and
+/// Takes the consistent cut of a snapshot on the calling thread: freezes each owned group as a
+/// checkpoint on top of `base` takes it, or whole without one (see [`crate::runtime::incremental`] and
 /// [`GroupSnapshot::freeze`](crate::job::GroupSnapshot::freeze)) and drains the changed keys'
 /// results as `updates` says. The entries are only copied (payloads shared), not encoded; and
 /// with `after_barrier` (and no windows), a delta's changed keys are not even copied here, but
@@ -152,16 +152,22 @@ impl Cut {
 /// ([`upload_cut`]) run after.
 pub async fn take_cut(
     agg: &mut KeyedAggregator,
-    mode: impl Fn(u32) -> GroupMode,
+    base: Option<&Base>,
     updates: Updates,
     after_barrier: bool,
 ) -> Cut {
+    // Each group on top of `base` (Base::mode), or whole without one.
+    let range = agg.range();
+    let modes: Vec<GroupMode> = range
+        .iter()
+        .map(|g| base.map_or(GroupMode::Full, |b| b.mode(agg, g)))
+        .collect();
     // One capture at a time: a caller that did not finish the last cut gets this one whole.
     let after_barrier = after_barrier && agg.config().window_size_ms.is_none() && !agg.capturing();
     let mut lines = Lines::new(updates);
     let mut groups = Vec::with_capacity(agg.range().len() as usize);
     let mut deferred = Vec::new();
-    for g in agg.snapshot_groups_as(mode) {
+    for g in agg.snapshot_groups_as(|g| modes[(g - range.start) as usize]) {
         let g = match after_barrier {
             true => match g.defer() {
                 Ok(d) => {

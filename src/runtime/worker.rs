@@ -2118,20 +2118,9 @@ async fn snapshot(
     // on the spot, on the encoder threads, without copying the state first.
     if base.is_some() || !stop {
         let policy = sub.chain.policy.for_checkpoint(stop);
-        let range = sub.agg.range();
-        let modes: Vec<job::GroupMode> = match &base {
-            Some(base) => range.iter().map(|g| base.mode(&sub.agg, g)).collect(),
-            None => range.iter().map(|_| job::GroupMode::Full).collect(),
-        };
         // A delta's changed keys are copied after the barrier while records flow, except for
         // a stop snapshot (nothing flows after it).
-        let mut taken = checkpoint::take_cut(
-            &mut sub.agg,
-            |g| modes[(g - range.start) as usize],
-            updates,
-            !stop,
-        )
-        .await;
+        let mut taken = checkpoint::take_cut(&mut sub.agg, base.as_ref(), updates, !stop).await;
         s.metrics.records_out.inc_by(taken.rows);
         emit_lines(sub, std::mem::take(&mut taken.lines), taken.rows);
         // The rows since the last barrier are this snapshot's: sealed now, before any record
