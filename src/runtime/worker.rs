@@ -2012,21 +2012,36 @@ fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
     }
 }
 
-/// Adds result lines drained at a barrier to the object-store sink (they are output all the
-/// same when the snapshot fails: they ride with the next one).
-fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64) {
+/// Where result lines drained by a cut go in the object-store sink.
+#[derive(Clone, Copy, Debug)]
+enum Lines {
+    /// Drained at the barrier, before the snapshot seals its output: staged with the rows
+    /// since the last barrier (they are output all the same when the snapshot fails: they
+    /// ride with the next one).
+    AtBarrier,
+    /// Drained after snapshot `id`'s barrier, while its cut was copied: sealed with that
+    /// snapshot's output.
+    SealedWith(u64),
+}
+
+/// Result lines drained by a cut: to the at-least-once Kafka sink, or staged in the
+/// object-store sink where `to` says.
+fn emit_lines(sub: &mut Subtask, lines: Vec<u8>, rows: u64, to: Lines) -> Result<(), WorkerError> {
+    if rows == 0 {
+        return Ok(());
+    }
     #[cfg(feature = "kafka")]
-    if let Some(k) = &mut sub.kafka
-        && rows > 0
-    {
+    if let Some(k) = &mut sub.kafka {
         k.send_lines(&lines);
-        return;
+        return Ok(());
     }
-    if let Some(sink) = &mut sub.sink
-        && rows > 0
-    {
-        sink.staging.emit_lines(lines, rows);
+    if let Some(sink) = &mut sub.sink {
+        match to {
+            Lines::AtBarrier => sink.staging.emit_lines(lines, rows),
+            Lines::SealedWith(id) => sink.staging.add_sealed(id, &lines, rows)?,
+        }
     }
+    Ok(())
 }
 
 /// The Kafka sink at least once: every row so far is acknowledged by the brokers before the
@@ -2122,7 +2137,12 @@ async fn snapshot(
         // a stop snapshot (nothing flows after it).
         let mut taken = checkpoint::take_cut(&mut sub.agg, base.as_ref(), updates, !stop).await;
         s.metrics.records_out.inc_by(taken.rows);
-        emit_lines(sub, std::mem::take(&mut taken.lines), taken.rows);
+        emit_lines(
+            sub,
+            std::mem::take(&mut taken.lines),
+            taken.rows,
+            Lines::AtBarrier,
+        )?;
         // The rows since the last barrier are this snapshot's: sealed now, before any record
         // after the barrier can emit more (a cut still being copied adds its own later).
         if let Some(sink) = &mut sub.sink {
@@ -2168,12 +2188,12 @@ async fn snapshot(
         Err(failed) => {
             // The drained rows are output all the same: they ride with the next snapshot.
             s.metrics.records_out.inc_by(failed.rows);
-            emit_lines(sub, failed.lines, failed.rows);
+            emit_lines(sub, failed.lines, failed.rows, Lines::AtBarrier)?;
             return Err(failed.error.into());
         }
     };
     s.metrics.records_out.inc_by(written.rows);
-    emit_lines(sub, written.lines, written.rows);
+    emit_lines(sub, written.lines, written.rows, Lines::AtBarrier)?;
     deliver_at_least_once(sub)?;
     // Every result since the job's last committed snapshot is staged for this one (results
     // staged for snapshots that did not commit ride along); the coordinator publishes them once
@@ -2241,7 +2261,7 @@ async fn complete_cut(
     let id = cut.id;
     let (late, rows) = checkpoint::finish_cut(&mut sub.agg, &mut cut.taken).await;
     s.metrics.records_out.inc_by(rows);
-    emit_sealed_lines(sub, id, late, rows)?;
+    emit_lines(sub, late, rows, Lines::SealedWith(id))?;
     deliver_at_least_once(sub)?;
     let output = sub.sink.as_ref().map(|sink| {
         (
@@ -2319,28 +2339,6 @@ async fn complete_capture(s: &Arc<Shared>, sub: &mut Subtask) -> Result<(), Work
         Err(e) => {
             settle(s, id, Err(e)).await?;
         }
-    }
-    Ok(())
-}
-
-/// Result lines of snapshot `id`'s cut drained after its barrier: to the at-least-once Kafka
-/// sink, or sealed with the snapshot's output.
-fn emit_sealed_lines(
-    sub: &mut Subtask,
-    id: u64,
-    lines: Vec<u8>,
-    rows: u64,
-) -> Result<(), WorkerError> {
-    if rows == 0 {
-        return Ok(());
-    }
-    #[cfg(feature = "kafka")]
-    if let Some(k) = &mut sub.kafka {
-        k.send_lines(&lines);
-        return Ok(());
-    }
-    if let Some(sink) = &mut sub.sink {
-        sink.staging.add_sealed(id, &lines, rows)?;
     }
     Ok(())
 }
