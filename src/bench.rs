@@ -160,6 +160,11 @@ struct PrestageNumbers {
     prestaged_rss_kib: u64,
     /// The old workers' part of `prestaged_rss_kib` (their resident memory then), KiB.
     old_rss_kib: u64,
+    /// Private memory ([`private_kib`]) of the old workers in steady state, KiB.
+    steady_private_kib: u64,
+    /// Peak private memory of all the workers, old and new, while pre-staged, KiB
+    /// ([`ChildrenPeak`]).
+    prestaged_private_kib: u64,
     /// Seconds from the loaded checkpoint's commit to the stop checkpoint's trigger.
     since_checkpoint: Duration,
 }
@@ -1389,13 +1394,19 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
             (n.prestaged_rss_kib - n.old_rss_kib) as f64 / 1024.0,
             n.prestaged_rss_kib as f64 / n.steady_rss_kib.max(1) as f64
         );
+        println!(
+            "private memory (resident without the binary's file pages, which every worker process shares): steady {:.0} MiB, pre-staged peak {:.0} MiB = {:.2}x",
+            n.steady_private_kib as f64 / 1024.0,
+            n.prestaged_private_kib as f64 / 1024.0,
+            n.prestaged_private_kib as f64 / n.steady_private_kib.max(1) as f64
+        );
         println!();
         println!(
-            "| pre-staged rescale | state | keys | load | pause to first record | pause / raw write+read | restore read / needed | stop checkpoint written | peak RSS / steady |"
+            "| pre-staged rescale | state | keys | load | pause to first record | pause / raw write+read | restore read / needed | stop checkpoint written | peak RSS / steady | peak private / steady |"
         );
-        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+        println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
         println!(
-            "| {} -> {} ({} groups) | {:.0} MiB | {keys_restored} | {:.2}%/s | {} | {:.3} ({}) | {:.3} | {:.1} MiB | {:.2} |",
+            "| {} -> {} ({} groups) | {:.0} MiB | {keys_restored} | {:.2}%/s | {} | {:.3} ({}) | {:.3} | {:.1} MiB | {:.2} | {:.2} |",
             report.from,
             report.to,
             args.max_parallelism,
@@ -1406,7 +1417,8 @@ async fn rescale_bench(args: RescaleBench) -> Result<()> {
             secs(raw),
             read as f64 / bytes.max(1) as f64,
             mib(pre.map_or(0, |p| p.delta_bytes)),
-            n.prestaged_rss_kib as f64 / n.steady_rss_kib.max(1) as f64
+            n.prestaged_rss_kib as f64 / n.steady_rss_kib.max(1) as f64,
+            n.prestaged_private_kib as f64 / n.steady_private_kib.max(1) as f64
         );
     }
     println!("machine at the end: load average {}", loadavg());
@@ -1594,9 +1606,24 @@ async fn prestaged_rescale(
     );
     tokio::time::sleep(settle).await;
     let (_, steady_rss_kib) = rss_kib(&local.worker_pids());
+    let steady_private_kib = local.worker_pids().into_iter().map(private_kib).sum();
+    let sampler = ChildrenPeak::start();
     let p = local.prestage(args.to).await?;
+    let sampled = sampler.finish();
     let (_, old_now) = rss_kib(&local.worker_pids());
     let (new_peak, _) = rss_kib(&p.worker_pids());
+    // A spike between two samples is not lost: each new worker's own peak (its resident peak
+    // less its file pages now) beside the old workers' private memory now.
+    let old_private: u64 = local.worker_pids().into_iter().map(private_kib).sum();
+    let new_private_peaks: u64 = p
+        .worker_pids()
+        .into_iter()
+        .map(|pid| {
+            let [hwm, file] = status_kib(pid, ["VmHWM:", "RssFile:"]);
+            hwm.saturating_sub(file)
+        })
+        .sum();
+    let prestaged_private_kib = sampled.max(old_private + new_private_peaks);
     let since_checkpoint = committed.elapsed();
     let trigger = Instant::now();
     let report = local.finish_prestaged(p).await?;
@@ -1620,6 +1647,8 @@ async fn prestaged_rescale(
             steady_rss_kib,
             prestaged_rss_kib: old_now + new_peak,
             old_rss_kib: old_now,
+            steady_private_kib,
+            prestaged_private_kib,
             since_checkpoint,
         },
     ))
@@ -1628,16 +1657,83 @@ async fn prestaged_rescale(
 // ---------------------------------------------------------------------------------------------
 // throughput
 
-/// Peak and current resident memory of a process, in KiB (`VmHWM`, `VmRSS`).
-pub(crate) fn memory_kib(pid: u32) -> (u64, u64) {
+/// Fields of a process's `/proc/PID/status`, in KiB (0 for a field missing, or a process gone).
+fn status_kib<const N: usize>(pid: u32, names: [&str; N]) -> [u64; N] {
     let text = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let field = |name: &str| {
+    names.map(|name| {
         text.lines()
             .find_map(|l| l.strip_prefix(name))
             .and_then(|v| v.split_whitespace().next()?.parse().ok())
             .unwrap_or(0)
+    })
+}
+
+/// Peak and current resident memory of a process, in KiB (`VmHWM`, `VmRSS`).
+pub(crate) fn memory_kib(pid: u32) -> (u64, u64) {
+    let [hwm, rss] = status_kib(pid, ["VmHWM:", "VmRSS:"]);
+    (hwm, rss)
+}
+
+/// Private memory of a process, in KiB: its resident anonymous and shared-memory pages
+/// (`RssAnon` + `RssShmem`), without the file pages it maps. Those are mostly the binary's
+/// code (about 17 MiB resident in each worker), which every worker process on the machine
+/// shares and the page cache holds once: summing resident memory over 12 workers counts it 12
+/// times.
+fn private_kib(pid: u32) -> u64 {
+    status_kib(pid, ["RssAnon:", "RssShmem:"]).iter().sum()
+}
+
+/// The processes whose parent is `parent` (from `/proc/PID/stat`).
+fn children_of(parent: u32) -> Vec<u32> {
+    let Ok(dir) = std::fs::read_dir("/proc") else {
+        return Vec::new();
     };
-    (field("VmHWM:"), field("VmRSS:"))
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/stat"))
+                .ok()
+                .and_then(|t| {
+                    // Fields after the command name (which may hold spaces): state, ppid, ...
+                    let rest = t.rsplit_once(')')?.1;
+                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
+                })
+                == Some(parent)
+        })
+        .collect()
+}
+
+/// The peak of the summed private memory ([`private_kib`]) of this process's children (the
+/// worker processes), sampled every 10 ms on a thread of its own until [`finish`](Self::finish).
+struct ChildrenPeak {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    thread: std::thread::JoinHandle<u64>,
+}
+
+impl ChildrenPeak {
+    fn start() -> Self {
+        use std::sync::atomic::Ordering;
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = stop.clone();
+        let me = std::process::id();
+        let thread = std::thread::spawn(move || {
+            let mut peak = 0;
+            loop {
+                let now = children_of(me).into_iter().map(private_kib).sum();
+                peak = u64::max(peak, now);
+                if flag.load(Ordering::Relaxed) {
+                    return peak;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        Self { stop, thread }
+    }
+
+    /// The peak seen, KiB (one last sample included).
+    fn finish(self) -> u64 {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.thread.join().unwrap_or(0)
+    }
 }
 
 /// CPU time (user + system) a process has used so far.
@@ -1795,4 +1891,45 @@ async fn throughput_bench(args: ThroughputBench) -> Result<()> {
         );
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The memory sampler sees a child process and its private memory, and leaves out the
+    /// child's file pages: its private memory is below its resident memory.
+    #[test]
+    fn a_child_and_its_private_memory_are_found() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .expect("sleep runs");
+        let pid = child.id();
+        let found = children_of(std::process::id()).contains(&pid);
+        let private = private_kib(pid);
+        let (_, rss) = memory_kib(pid);
+        let sampler = ChildrenPeak::start();
+        std::thread::sleep(Duration::from_millis(30));
+        let peak = sampler.finish();
+        let _ = child.kill();
+        let _ = child.wait();
+        assert!(
+            found,
+            "child {pid} not among {:?}",
+            children_of(std::process::id())
+        );
+        assert!(
+            private > 0 && private < rss,
+            "private {private} KiB, resident {rss} KiB"
+        );
+        assert!(
+            peak >= private,
+            "peak {peak} KiB below one child's {private} KiB"
+        );
+        assert!(
+            private_kib(u32::MAX) == 0,
+            "a process that is gone has none"
+        );
+    }
 }
