@@ -1039,7 +1039,10 @@ pub struct RescaleStatus {
     /// Key groups that change owner.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub groups_moved: Option<i32>,
-    /// Bytes the new subtasks read from the savepoint.
+    /// Bytes the new subtasks read from the savepoint: its size once it is taken (for a
+    /// pre-staged rescale, only what its stop checkpoint wrote: the new subtasks loaded the
+    /// rest while the job ran, see prestage.loadedBytes), then the bytes they actually read
+    /// once they run.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bytes_to_read: Option<i64>,
     /// The savepoint the rescale takes (and restores from, unless restoreFrom is set).

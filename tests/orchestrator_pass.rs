@@ -2297,6 +2297,13 @@ async fn a_restart_in_any_step_of_a_prestaged_rescale_resumes_it() {
                 d.step() == Some(*step)
             })
             .await;
+            let r = d.rescale();
+            if r.savepoint.is_some() {
+                // After the stop checkpoint: only its delta is to be read.
+                let delta = r.prestage.as_ref().and_then(|p| p.delta_bytes);
+                assert!(delta.is_some(), "in {step}: {r:?}");
+                assert_eq!(r.bytes_to_read, delta, "in {step}");
+            }
             d.await_background(step.as_str()).await;
             d.restart();
             rescale_prestaged(&mut d, to).await;

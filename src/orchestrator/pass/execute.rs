@@ -915,9 +915,15 @@ impl Pass<'_> {
                         )
                     }
                 };
+                // What the new subtasks will read: the whole snapshot, or for pre-staged ones
+                // only what the stop checkpoint wrote (they loaded the rest beforehand).
+                let to_read = match kind {
+                    SnapshotKind::Checkpoint => c.manifest.written_bytes(),
+                    SnapshotKind::Savepoint => c.manifest.stats.total_bytes,
+                };
                 if let Some(r) = self.rescale_mut() {
                     r.savepoint = Some(c.url.clone());
-                    r.bytes_to_read = Some(c.manifest.stats.total_bytes as i64);
+                    r.bytes_to_read = Some(to_read as i64);
                 }
                 self.transition(Outcome::SavepointTaken)?;
                 self.event(
