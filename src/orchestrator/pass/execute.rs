@@ -895,31 +895,30 @@ impl Pass<'_> {
         match result {
             Ok(c) => {
                 self.record_snapshot(&labels, Some(&c));
-                let what = match kind {
+                // `to_read`: what the new subtasks will read: the whole savepoint, or for
+                // pre-staged ones only what the stop checkpoint wrote (they loaded the rest
+                // beforehand).
+                let (what, to_read) = match kind {
                     SnapshotKind::Checkpoint => {
                         self.status.last_checkpoint = Some(snapshot_ref(&c, parallelism));
                         let delta = c.manifest.written_bytes();
                         if let Some(p) = self.rescale_mut().and_then(|r| r.prestage.as_mut()) {
                             p.delta_bytes = Some(delta as i64);
                         }
-                        format!(
+                        let what = format!(
                             "stop checkpoint {} ({delta} bytes written, {} bytes of state)",
                             c.url, c.manifest.stats.total_bytes
-                        )
+                        );
+                        (what, delta)
                     }
                     SnapshotKind::Savepoint => {
                         self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
-                        format!(
+                        let what = format!(
                             "savepoint {} ({} bytes)",
                             c.url, c.manifest.stats.total_bytes
-                        )
+                        );
+                        (what, c.manifest.stats.total_bytes)
                     }
-                };
-                // What the new subtasks will read: the whole snapshot, or for pre-staged ones
-                // only what the stop checkpoint wrote (they loaded the rest beforehand).
-                let to_read = match kind {
-                    SnapshotKind::Checkpoint => c.manifest.written_bytes(),
-                    SnapshotKind::Savepoint => c.manifest.stats.total_bytes,
                 };
                 if let Some(r) = self.rescale_mut() {
                     r.savepoint = Some(c.url.clone());
