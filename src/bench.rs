@@ -1683,22 +1683,23 @@ fn private_kib(pid: u32) -> u64 {
     status_kib(pid, ["RssAnon:", "RssShmem:"]).iter().sum()
 }
 
-/// The processes whose parent is `parent` (from `/proc/PID/stat`).
+/// Numeric fields of a process's `/proc/PID/stat`, counted from the one after the command
+/// name (which may hold spaces): 0 is the state, 1 the parent's pid, 11 and 12 utime and stime
+/// (fields 3, 4, 14 and 15 of the whole line). `None` for a field missing, or a process gone.
+fn stat_fields<const N: usize>(pid: u32, at: [usize; N]) -> [Option<u64>; N] {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let rest = text.rsplit_once(')').map_or("", |(_, r)| r);
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    at.map(|i| fields.get(i).and_then(|v| v.parse().ok()))
+}
+
+/// The processes whose parent is `parent`.
 fn children_of(parent: u32) -> Vec<u32> {
     let Ok(dir) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|t| {
-                    // Fields after the command name (which may hold spaces): state, ppid, ...
-                    let rest = t.rsplit_once(')')?.1;
-                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
-                })
-                == Some(parent)
-        })
+        .filter(|pid| stat_fields(*pid, [1]) == [Some(u64::from(parent))])
         .collect()
 }
 
@@ -1738,20 +1739,10 @@ impl ChildrenPeak {
 
 /// CPU time (user + system) a process has used so far.
 pub(crate) fn cpu_time(pid: u32) -> Duration {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name (which may hold spaces) start at field 3 (state).
-    let rest = text.rsplit_once(')').map_or("", |(_, r)| r);
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|v| v.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    // utime and stime are fields 14 and 15 (1-based) of the whole line: 11 and 12 here.
+    let [utime, stime] = stat_fields(pid, [11, 12]).map(|t| t.unwrap_or(0));
     // SAFETY: sysconf has no preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
-    Duration::from_nanos((ticks(11) + ticks(12)) * 1_000_000_000 / hz)
+    Duration::from_nanos((utime + stime) * 1_000_000_000 / hz)
 }
 
 struct ThroughputRow {
@@ -1906,6 +1897,15 @@ mod tests {
             .spawn()
             .expect("sleep runs");
         let pid = child.id();
+        // Read it once it sleeps: between the spawn and the exec of `sleep` (and its loader
+        // mapping libc), it has no file pages yet.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|t| t.contains("(sleep) S"))
+        {
+            assert!(Instant::now() < deadline, "sleep {pid} never slept");
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let found = children_of(std::process::id()).contains(&pid);
         let private = private_kib(pid);
         let (_, rss) = memory_kib(pid);
@@ -1931,5 +1931,24 @@ mod tests {
             private_kib(u32::MAX) == 0,
             "a process that is gone has none"
         );
+    }
+
+    /// A process's CPU time, read from the same `/proc/PID/stat` fields as its parent: it
+    /// counts this process's own spinning, and is zero for a process that is gone.
+    #[test]
+    fn cpu_time_counts_a_spin() {
+        let me = std::process::id();
+        let before = cpu_time(me);
+        let start = Instant::now();
+        let mut x = 0u64;
+        while start.elapsed() < Duration::from_millis(100) {
+            x = std::hint::black_box(x.wrapping_add(1));
+        }
+        let spent = cpu_time(me) - before;
+        assert!(
+            spent >= Duration::from_millis(50),
+            "{spent:?} of CPU for a 100 ms spin"
+        );
+        assert_eq!(cpu_time(u32::MAX), Duration::ZERO);
     }
 }
