@@ -26,6 +26,7 @@ ENV OPENSSL_STATIC=1 LIBZ_SYS_STATIC=1
 WORKDIR /src
 COPY Cargo.toml Cargo.lock ./
 COPY src ./src
+COPY crates ./crates
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked --features kafka --bin keyshift \

@@ -14,7 +14,6 @@
 
 use crate::crd::{AggregateFunction, StreamJob};
 use crate::job::{AggConfig, KeyedAggregator, Record, RecordKey};
-use crate::keygroup::Assignment;
 use crate::local::LocalJob;
 use crate::runtime::checkpoint::{self, StateWriteOptions, Updates};
 use crate::runtime::restore::{self, RestoreOptions};
@@ -22,6 +21,7 @@ use crate::snapshot::{self, JobIdentity, Manifest, SnapshotKind, SnapshotMeta, S
 use anyhow::{Context as _, Result, bail};
 use bytes::Bytes;
 use clap::{Args, Subcommand};
+use keyshift_core::keygroup::Assignment;
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -129,7 +129,7 @@ async fn client() -> Result<Client> {
 /// Installs the StreamJob CRD (server-side apply of `keyshift crd`) and waits until it serves.
 async fn ensure_crd(client: &Client) -> Result<()> {
     let crds: Api<CustomResourceDefinition> = Api::all(client.clone());
-    let crd = crate::crd::crd();
+    let crd = crate::validation::crd();
     let name = crd.name_any();
     crds.patch(
         &name,
@@ -1071,7 +1071,7 @@ spec:
         is_ready(j)
             && s.and_then(|s| s.replicas) == Some(to)
             && s.and_then(|s| s.rescale.as_ref())
-                .is_some_and(|r| r.step == crate::orchestrator::step::Step::Done && r.to == to)
+                .is_some_and(|r| r.step == keyshift_core::step::Step::Done && r.to == to)
     })
     .await?;
     let total = t0.elapsed();
@@ -1111,7 +1111,7 @@ spec:
         let _ = std::fs::remove_dir_all(&run);
     }
 
-    let steps: Vec<(String, f64)> = crate::orchestrator::step::ALL_STEPS
+    let steps: Vec<(String, f64)> = keyshift_core::step::ALL_STEPS
         .iter()
         .filter(|s| s.active())
         .filter_map(|s| r.step_seconds.get(s.as_str()).map(|v| (s.to_string(), *v)))

@@ -1,11 +1,12 @@
 //! The `keyshift` command line. Rendering is kept in pure functions so tests can check the
 //! machine-readable contract without spawning the binary.
 
-use crate::keygroup::{
-    self, Assignment, BoundsError, Key, KeyType, RescalePlan, Skew, key_group_for_key,
-};
+use crate::output::{Output, yaml};
 use crate::telemetry::{self, LogFormat};
 use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use keyshift_core::keygroup::{
+    self, Assignment, BoundsError, Key, KeyType, RescalePlan, Skew, key_group_for_key,
+};
 use serde::Serialize;
 use serde_json::json;
 use std::fmt::Write as _;
@@ -291,22 +292,6 @@ pub struct WorkerArgs {
     pub token: String,
 }
 
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum Output {
-    /// A table for people.
-    #[default]
-    Table,
-    /// One JSON object (per key for `keygroup`), for programs.
-    Json,
-    /// The same document as `json`, as YAML (one YAML document per key for `keygroup`).
-    Yaml,
-}
-
-/// `value` as YAML: the same document as its JSON.
-pub fn yaml<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_yaml::Error> {
-    serde_yaml::to_string(value)
-}
-
 /// Output formats of `keyshift plan`: [`Output`]'s and a picture.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub enum PlanOutput {
@@ -429,7 +414,7 @@ fn run(command: Command) -> Result<(), CliError> {
         }
         Command::Keygroup(args) => keygroup_cmd(&args, &mut out),
         Command::Crd => {
-            let yaml = crate::crd::crd_yaml()?;
+            let yaml = crate::validation::crd_yaml()?;
             out.write_all(yaml.as_bytes()).map_err(CliError::Stdout)
         }
         Command::Local(args) => {

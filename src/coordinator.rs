@@ -20,11 +20,13 @@
 //! between commit and publish), so one that takes over running workers catches up by itself;
 //! [`Coordinator::publish_committed`] does that at once.
 
-use crate::keygroup::Assignment;
 use crate::runtime::protocol::*;
-use crate::snapshot::{self, JobIdentity, Manifest, ObjectStore, Path, SnapshotKind, SnapshotMeta};
+use crate::snapshot::{
+    self, JobIdentity, Manifest, ObjectStore, Path, SnapshotKind, SnapshotMeta, snapshot_url,
+};
 use chrono::Utc;
 use futures::future::try_join_all;
+use keyshift_core::keygroup::Assignment;
 use object_store::ObjectStoreExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -116,25 +118,12 @@ fn check_partition_lists(accepted: &[StartAccepted]) -> Result<(), CoordinatorEr
     }
 }
 
+/// One request of the coordinator to a worker's control API.
+pub const CONTROL_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The most a worker's answer to the coordinator may hold: a subtask's acknowledgement is part of
 /// a snapshot's manifest, which is bounded the same ([`snapshot::MAX_MANIFEST_BYTES`]).
 pub const MAX_WORKER_ANSWER_BYTES: u64 = snapshot::MAX_MANIFEST_BYTES;
-
-/// The URL of a snapshot directory under a storage root.
-pub fn snapshot_url(
-    storage: &str,
-    namespace: &str,
-    job: &str,
-    kind: SnapshotKind,
-    id: u64,
-) -> String {
-    format!(
-        "{}/{namespace}/{job}/{}/{}{id}",
-        storage.trim_end_matches('/'),
-        kind.folder(),
-        kind.dir_prefix()
-    )
-}
 
 /// Whether the sink's committed output is all visible ([`Coordinator::publish_backlog`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -319,8 +308,8 @@ impl Coordinator {
             }
         }
         let http = reqwest::Client::builder()
-            .timeout(crate::orchestrator::hooks::control_request_timeout(
-                crate::orchestrator::run::timeouts::CONTROL_REQUEST,
+            .timeout(crate::failpoints::control_request_timeout(
+                CONTROL_REQUEST_TIMEOUT,
             ))
             .build()
             .map_err(|e| CoordinatorError::Worker {

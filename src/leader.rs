@@ -722,26 +722,6 @@ impl Candidate {
     }
 }
 
-/// Resolves on SIGTERM or Ctrl-C (what a pod's shutdown sends). The SIGTERM handler is
-/// installed when this is called, not when the future is first polled, so a signal that arrives
-/// in between is not lost (and does not kill the process). Call it inside a Tokio runtime.
-pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
-    let term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate());
-    async move {
-        match term {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-}
-
 /// What [`run_while_leading`] ended with.
 #[derive(Debug)]
 pub enum Led<T> {
@@ -761,7 +741,8 @@ pub enum Led<T> {
 ///
 /// ```no_run
 /// # async fn demo(client: kube::Client, ns: String, run_controllers: impl std::future::Future<Output = ()>) -> Result<(), keyshift::leader::LeaderError> {
-/// use keyshift::leader::{LeaderConfig, Led, run_while_leading, shutdown_signal};
+/// use keyshift::leader::{LeaderConfig, Led, run_while_leading};
+/// use keyshift::runtime::signal::shutdown_signal;
 /// let config = LeaderConfig::new(ns, "keyshift-operator", LeaderConfig::default_identity());
 /// match run_while_leading(client, config, shutdown_signal(), || run_controllers).await? {
 ///     Led::Finished(()) | Led::ShutDownWhileStandingBy => Ok(()),

@@ -13,32 +13,32 @@
 //!   `tools::bench` (`keyshift savepoint bench-rewrite`). Implies `test-hooks`, because
 //!   `keyshift bench operator` runs its own binary as the operator with a test-only hook set.
 //! * `test-hooks`: test-only fault injection, the orchestration's `KEYSHIFT_TEST_*` environment
-//!   hooks (`orchestrator::hooks`). The test suite (hack/test.sh) builds with it.
+//!   hooks (`failpoints`). The test suite (hack/test.sh) builds with it.
 
-pub mod backoff;
 #[cfg(feature = "bench")]
 pub mod bench;
 #[cfg(all(feature = "bench", feature = "kafka"))]
 pub mod bench_kafka;
 #[cfg(feature = "bench")]
 pub mod bench_operator;
+pub use keyshift_runtime::{backoff, failpoints, job, runtime, sink, snapshot};
+
 pub mod cli;
 pub mod coordinator;
 pub mod crd;
-pub mod job;
-pub mod keygroup;
+#[cfg(test)]
+pub(crate) mod fixtures;
+pub use keyshift_core::keygroup;
 pub mod leader;
 pub mod local;
 pub mod operator;
 pub mod orchestrator;
+pub mod output;
 pub mod pictures;
 pub mod plan_svg;
 pub mod probe;
-pub mod runtime;
-pub mod sink;
-pub mod snapshot;
 pub mod svg;
 pub mod telemetry;
-pub mod text;
+pub use keyshift_core::text;
 pub mod tools;
 pub mod validation;

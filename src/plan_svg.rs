@@ -1,6 +1,6 @@
 //! `keyshift plan -o svg`: the key-group assignment (and a rescale) as an SVG picture.
 //!
-//! Drawn with the shared writer of [`crate::svg`]. Pure: the picture is drawn from [`Assignment`] and [`RescalePlan`] (src/keygroup.rs owns all the
+//! Drawn with the shared writer of [`crate::svg`]. Pure: the picture is drawn from [`Assignment`] and [`RescalePlan`] (crates/keyshift-core/src/keygroup.rs owns all the
 //! math; nothing here derives a range or a move on its own) into a `String`. The output is
 //! deterministic (fixed decimals, no clock), so the committed pictures under `docs/` can be checked
 //! against what the binary renders now.
@@ -8,8 +8,8 @@
 //! Every drawn range and move carries `data-*` attributes (strip, subtask, first and last group,
 //! group count) so tests and readers can check the picture against the plan without measuring it.
 
-use crate::keygroup::{Assignment, KeyGroupRange, RescalePlan};
 use crate::svg::{self, escape, plural};
+use keyshift_core::keygroup::{Assignment, KeyGroupRange, RescalePlan};
 use std::fmt::Write as _;
 
 /// Width of the whole picture.
@@ -265,7 +265,7 @@ fn colour(subtask: usize) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::keygroup::rescale_plan;
+    use keyshift_core::keygroup::rescale_plan;
 
     #[test]
     fn one_range_rect_per_subtask_and_no_moves_without_a_rescale() {

@@ -1,5 +1,5 @@
-//! A small SVG writer shared by every picture the project draws (`keyshift plan -o svg` in
-//! [`crate::plan_svg`], the documentation pictures in [`crate::pictures`]).
+//! A small SVG writer shared by every picture the project draws (the rescale plan of
+//! `keyshift plan -o svg` and the documentation pictures).
 //!
 //! Pure and deterministic: fixed decimals, no clock, so a committed picture can be compared
 //! byte for byte with what the code draws now. Text is escaped here, attributes are written by

@@ -1,7 +1,8 @@
 //! The StreamJob API: the committed CRD, the samples, and the Rust mirror of the CEL rules.
 
-use keyshift::crd::{StreamJob, StreamJobSpec, StreamJobStatus, crd, crd_yaml};
+use keyshift::crd::{StreamJob, StreamJobSpec, StreamJobStatus};
 use keyshift::validation::{self, *};
+use keyshift_core::duration::parse_duration;
 
 /// The repository root: `cargo test` sets `CARGO_MANIFEST_DIR` when it runs a test, so a test
 /// binary that cargo reused from another checkout's build cache still reads this checkout's files.

@@ -1,5 +1,5 @@
 //! docs/troubleshooting.md lists exactly the condition types and the reasons the code writes:
-//! every `Reason` (src/orchestrator/reason.rs) and every condition type
+//! every `Reason` (crates/keyshift-core/src/reason.rs) and every condition type
 //! (`status::ALL_CONDITIONS`) has a row, and no row names anything else.
 
 use keyshift::orchestrator::reason::Reason;

@@ -28,7 +28,7 @@ fn sample() -> StreamJob {
 
 /// The status the API server fills in from the CRD's default before the operator wrote one.
 fn crd_default_status() -> StreamJobStatus {
-    let crd = keyshift::crd::crd();
+    let crd = keyshift::validation::crd();
     let default = crd
         .spec
         .versions

@@ -14,6 +14,7 @@ mod snapshot_support;
 
 use fake_platform::FakeWorkers;
 use keyshift::crd::{Phase, RescaleStatus, StreamJob, StreamJobSpec, StreamJobStatus};
+use keyshift::failpoints;
 use keyshift::job::{self, Expected};
 use keyshift::keygroup::Key;
 use keyshift::operator::metrics::OperatorMetrics;
@@ -21,7 +22,7 @@ use keyshift::orchestrator::pass::{
     self, ErrorKind, JobMemory, PassInput, PassOutput, PendingEvent, Shell, run_pass,
 };
 use keyshift::orchestrator::step::{self, ALL_OUTCOMES, Step};
-use keyshift::orchestrator::{decide, hooks, status};
+use keyshift::orchestrator::{decide, status};
 use keyshift::runtime::protocol::WorkerState;
 use keyshift::snapshot;
 use std::collections::BTreeMap;
@@ -1411,7 +1412,7 @@ async fn a_trigger_that_reaches_only_some_workers_is_aborted_and_the_next_checkp
 #[cfg(feature = "test-hooks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_running_restore_shows_its_progress_in_status() {
-    use keyshift::orchestrator::hooks::slow_restores_of;
+    use keyshift::failpoints::slow_restores_of;
     const NAME: &str = "restore-progress";
 
     /// Drives passes until `done`, recording every value status.restore took and when.
@@ -2065,15 +2066,15 @@ async fn a_restart_after_an_unrecorded_rewrite_resumes_the_key_group_change() {
 /// A rewrite that fails (its memory budget, or a corrupt rewritten block found by the
 /// verification) rolls the change back: the original savepoint is restored at the old
 /// parallelism under the old key-group count, exactly, and status says why.
-async fn a_failed_rewrite_rolls_back(name: &str, fault: hooks::RewriteFault, why: &str) {
+async fn a_failed_rewrite_rolls_back(name: &str, fault: failpoints::RewriteFault, why: &str) {
     bounded(async {
-        hooks::rewrite_fault_of(NS, name, Some(fault));
+        failpoints::rewrite_fault_of(NS, name, Some(fault));
         let mut d = changing(name).await;
         d.until("rolled back", Duration::from_secs(30), |d| {
             d.step() == Some(Step::RolledBack) && d.running_at(2)
         })
         .await;
-        hooks::rewrite_fault_of(NS, name, None);
+        failpoints::rewrite_fault_of(NS, name, None);
         assert_eq!(
             d.status.max_parallelism,
             Some(32),
@@ -2112,7 +2113,7 @@ async fn a_failed_rewrite_rolls_back(name: &str, fault: hooks::RewriteFault, why
 async fn a_rewrite_over_its_memory_budget_rolls_back() {
     a_failed_rewrite_rolls_back(
         "kg-memory",
-        hooks::RewriteFault::MemoryBudget(64),
+        failpoints::RewriteFault::MemoryBudget(64),
         "more than half its memory budget",
     )
     .await;
@@ -2122,7 +2123,7 @@ async fn a_rewrite_over_its_memory_budget_rolls_back() {
 async fn a_corrupt_rewrite_fails_verification_and_rolls_back() {
     a_failed_rewrite_rolls_back(
         "kg-corrupt",
-        hooks::RewriteFault::CorruptOutput,
+        failpoints::RewriteFault::CorruptOutput,
         "failed verification",
     )
     .await;

@@ -1,5 +1,5 @@
 //! `keyshift plan -o svg`: the picture is well-formed XML, draws exactly the plan of
-//! src/keygroup.rs (one range per subtask and strip, the moved groups marked), and the pictures
+//! crates/keyshift-core/src/keygroup.rs (one range per subtask and strip, the moved groups marked), and the pictures
 //! committed under docs/ are what the binary renders now and are referenced from the docs.
 
 mod svg_support;

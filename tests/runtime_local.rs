@@ -1026,7 +1026,7 @@ async fn local_cli_raises_the_key_group_ceiling_from_24_to_200_in_one_edit() {
 #[cfg(feature = "test-hooks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restore_slower_than_the_control_request_timeout_still_starts() {
-    use keyshift::orchestrator::hooks::{CONTROL_REQUEST_ENV, SLOW_RESTORE_ENV};
+    use keyshift::failpoints::{CONTROL_REQUEST_ENV, SLOW_RESTORE_ENV};
     let dir = tempfile::tempdir().expect("temp dir");
     let manifest = dir.path().join("slow.yaml");
     let state = dir.path().join("state");
@@ -1739,7 +1739,7 @@ async fn in_process_workers(n: u32, token: &str) -> Vec<keyshift::coordinator::W
 #[cfg(feature = "test-hooks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_checkpoint_one_worker_never_acknowledges_times_out_and_is_aborted_everywhere() {
-    use keyshift::orchestrator::hooks::slow_snapshots_of;
+    use keyshift::failpoints::slow_snapshots_of;
     use keyshift::orchestrator::run;
     use keyshift::runtime::protocol::{CheckpointStatus, WorkerState, WorkerStatus};
     let env = env(None);

@@ -109,7 +109,7 @@ async fn manifest_bytes(url: &str) -> Vec<u8> {
 /// The rewrite round trip for one job shape and one (G', P') on one store.
 async fn round_trip(job_url: &str, shape: JobShape, new_g: u32, new_p: Option<u32>, budget: usize) {
     let window_ms = shape.window.map(|w| {
-        keyshift::validation::parse_duration(w)
+        keyshift_core::duration::parse_duration(w)
             .map(|d| d.as_millis() as i64)
             .unwrap()
     });

@@ -12,16 +12,16 @@ pub use harness::{LaunchReport, LocalJob, LocalWorkers, Prestage, PrestageReport
 
 use crate::coordinator::{self, CoordinatorError};
 use crate::crd::{Phase, StreamJob, StreamJobSpec, StreamJobStatus};
-use crate::keygroup::{self, Assignment};
 use crate::operator::metrics::OperatorMetrics;
 use crate::orchestrator::decide;
 use crate::orchestrator::pass::{self, JobMemory, PassInput, PendingEvent, Shell};
-use crate::orchestrator::reason::Reason;
 use crate::orchestrator::run;
-use crate::orchestrator::step::Step;
 use crate::snapshot;
-use crate::text;
 use crate::validation;
+use keyshift_core::keygroup::{self, Assignment};
+use keyshift_core::reason::Reason;
+use keyshift_core::step::Step;
+use keyshift_core::text;
 use processes::ProcessWorkers;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -585,7 +585,7 @@ mod tests {
         )
         .await
         .unwrap();
-        let spec = crate::operator::desired::tests_support::job().spec;
+        let spec = crate::fixtures::job().spec;
         let status = resume_status(&spec, storage, &job.namespace, &job.name)
             .await
             .expect("the resume passes over the corrupt manifest");

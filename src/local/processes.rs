@@ -5,9 +5,9 @@
 
 use super::LocalError;
 use crate::coordinator::WorkerEndpoint;
-use crate::keygroup::Assignment;
 use crate::orchestrator::decide::{ObservedPod, PodPhase};
 use crate::orchestrator::port::{Listed, PortError, Waker, Workers};
+use keyshift_core::keygroup::Assignment;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;

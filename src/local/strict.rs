@@ -50,7 +50,7 @@ pub fn strict_decoding_message(fields: &[String]) -> String {
 /// The CRD's `openAPIV3Schema` as JSON (`Null` if it had none, which never happens: the
 /// derive always generates one).
 fn crd_schema() -> Value {
-    crate::crd::crd()
+    crate::validation::crd()
         .spec
         .versions
         .into_iter()

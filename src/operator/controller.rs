@@ -9,9 +9,9 @@ use super::pods::delete_pod;
 use crate::crd::StreamJob;
 use crate::orchestrator::pass::requeue;
 use crate::orchestrator::port::PortError;
-use crate::orchestrator::reason::Reason;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Pod;
+use keyshift_core::reason::Reason;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::controller::{Action as Requeue, Controller};
 use kube::runtime::finalizer::{Event as FinalizerEvent, finalizer};
@@ -44,7 +44,7 @@ pub async fn run(config: OperatorConfig) -> Result<(), OperatorError> {
             match crate::leader::run_while_leading(
                 client,
                 leader,
-                crate::leader::shutdown_signal(),
+                crate::runtime::signal::shutdown_signal(),
                 || run_controllers(ctx),
             )
             .await

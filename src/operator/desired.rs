@@ -2,7 +2,6 @@
 //! NetworkPolicy in front of its workers), built from its spec and the run being started. No I/O.
 
 use crate::crd::StreamJob;
-use crate::keygroup::Assignment;
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar,
     EnvVarSource, HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe, ResourceRequirements,
@@ -16,6 +15,7 @@ use k8s_openapi::api::networking::v1::{
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use keyshift_core::keygroup::Assignment;
 use kube::{Resource, ResourceExt};
 use std::collections::BTreeMap;
 
@@ -34,21 +34,10 @@ pub const LABEL_SPEC_HASH: &str = "keyshift.dev/spec-hash";
 pub const ANNOTATION_KEY_GROUPS: &str = "keyshift.dev/key-groups";
 /// Key of the control token in the job's Secret.
 pub const TOKEN_KEY: &str = "token";
-pub const CONTROL_PORT: u16 = 9090;
-pub const DATA_PORT: u16 = 9091;
-/// The worker container's pod-IP variable (its listen addresses are built from it).
-pub const ENV_POD_IP: &str = "POD_IP";
-/// The worker container's control-token variable.
-pub const ENV_TOKEN: &str = "KEYSHIFT_TOKEN";
-/// The worker container's subtask-index variable.
-pub const ENV_SUBTASK: &str = "KEYSHIFT_SUBTASK";
-/// Every environment variable the operator sets on the worker container: refused in
-/// spec.podTemplate.env.
-pub const RESERVED_ENV: &[&str] = &[ENV_POD_IP, ENV_TOKEN, ENV_SUBTASK];
-/// The emptyDir volume that gives the worker a writable /tmp on its read-only root filesystem:
-/// its name is refused in spec.podTemplate.volumes, its path in spec.podTemplate.volumeMounts.
-pub const SCRATCH_VOLUME: &str = "tmp";
-pub const SCRATCH_PATH: &str = "/tmp";
+pub use keyshift_core::worker_pod::{
+    CONTROL_PORT, DATA_PORT, ENV_POD_IP, ENV_SUBTASK, ENV_TOKEN, RESERVED_ENV, SCRATCH_PATH,
+    SCRATCH_VOLUME,
+};
 /// The non-root UID and GID the workers run as (the image's user, 65532 as in distroless).
 pub const WORKER_UID: i64 = 65532;
 /// Resource requests of a worker container when spec.resources is unset (no limits).
@@ -467,34 +456,9 @@ fn container_security_context() -> SecurityContext {
 }
 
 #[cfg(test)]
-pub(crate) mod tests_support {
-    use crate::crd::{StreamJob, StreamJobSpec};
-
-    /// A valid job named `clicks` in namespace `ns`.
-    pub(crate) fn job() -> StreamJob {
-        let spec: StreamJobSpec = serde_yaml::from_str(
-            "replicas: 4
-maxParallelism: 128
-job:
-  source: {generator: {partitions: 4, keys: 100}}
-  key: {field: key}
-  aggregation: {function: count}
-state: {credentialsSecret: s3creds}
-podTemplate: {labels: {team: a}, nodeSelector: {disk: ssd}}
-",
-        )
-        .unwrap();
-        let mut j = StreamJob::new("clicks", spec);
-        j.metadata.namespace = Some("ns".into());
-        j.metadata.uid = Some("u-1".into());
-        j
-    }
-}
-
-#[cfg(test)]
 mod tests {
-    use super::tests_support::job;
     use super::*;
+    use crate::fixtures::job;
 
     #[test]
     fn pod_carries_identity_token_ports_probe_and_owner() {

@@ -12,9 +12,9 @@
 
 use crate::crd::{Phase, StreamJobSpec, StreamJobStatus};
 use crate::orchestrator::decide;
-use crate::orchestrator::pass::ErrorKind;
-use crate::orchestrator::step::{ALL_STEPS, Step};
+use crate::orchestrator::pass::error::ErrorKind;
 use crate::snapshot::SnapshotKind;
+use keyshift_core::step::{ALL_STEPS, Step};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
@@ -41,15 +41,21 @@ pub struct JobLabels {
 pub struct StepLabels {
     pub namespace: String,
     pub streamjob: String,
-    pub step: Step,
+    pub step: Shown<Step>,
 }
+
+/// A value of a lower crate's type as a label value, written as it displays (a [`Step`] as
+/// `Savepointing`, a [`SnapshotKind`] as `checkpoint`). The types live in keyshift-core and
+/// keyshift-runtime, which know nothing of metrics, so the label wraps them here.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub struct Shown<T>(pub T);
 
 /// A job's series for one kind of snapshot (`checkpoint`, `savepoint`).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SnapshotLabels {
     pub namespace: String,
     pub streamjob: String,
-    pub kind: SnapshotKind,
+    pub kind: Shown<SnapshotKind>,
 }
 
 /// A failed reconcile pass: the job and what kind of failure it was ([`ErrorKind::label`]).
@@ -68,15 +74,9 @@ pub struct PhaseLabels {
     pub phase: Phase,
 }
 
-impl EncodeLabelValue for Step {
+impl<T: std::fmt::Display> EncodeLabelValue for Shown<T> {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        encoder.write_str(self.as_str())
-    }
-}
-
-impl EncodeLabelValue for SnapshotKind {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        write!(encoder, "{self}")
+        write!(encoder, "{}", self.0)
     }
 }
 
@@ -359,7 +359,7 @@ impl OperatorMetrics {
         StepLabels {
             namespace: namespace.to_owned(),
             streamjob: job.to_owned(),
-            step,
+            step: Shown(step),
         }
     }
 
@@ -367,7 +367,7 @@ impl OperatorMetrics {
         SnapshotLabels {
             namespace: namespace.to_owned(),
             streamjob: job.to_owned(),
-            kind,
+            kind: Shown(kind),
         }
     }
 

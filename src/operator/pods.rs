@@ -6,13 +6,13 @@ use super::desired::{self, LABEL_PARALLELISM, LABEL_RUN, LABEL_SUBTASK, MANAGER}
 use crate::coordinator::WorkerEndpoint;
 use crate::crd::{KafkaCredentials, StreamJob};
 use crate::job::kafka::{Credentials, Role};
-use crate::keygroup::Assignment;
 use crate::orchestrator::decide::{ObservedPod, PodPhase};
 use crate::orchestrator::port::{Listed, PortError, Waker, Workers};
 use crate::orchestrator::run;
 use chrono::DateTime;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
+use keyshift_core::keygroup::Assignment;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::reflector::ObjectRef;

@@ -1,7 +1,7 @@
 //! A managed change of the key-group count (spec.maxParallelism): the pure pieces — where the
 //! rewritten savepoint goes, whether it may be restored, what status says about undoing the
-//! change, and the rewrite's memory settings. The steps themselves are in [`super::step`], the
-//! decisions in [`super::decide`], the I/O in the pass.
+//! change, and the rewrite's memory settings. The steps themselves are in [`keyshift_core::step`], the
+//! decisions in the `decide` module, the I/O in the pass.
 
 use crate::crd::KeyGroupChangeStatus;
 use crate::snapshot::Manifest;

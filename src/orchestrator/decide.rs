@@ -4,11 +4,11 @@
 //! resumes from status.
 
 use crate::crd::{RescaleStatus, RescaleStrategy, StreamJobSpec, StreamJobStatus, UpgradeMode};
-use crate::orchestrator::reason::Reason;
-use crate::orchestrator::step::{Outcome, Step};
 use crate::runtime::protocol::WorkerState;
 use crate::validation::{self, Analysis};
 use chrono::{DateTime, Utc};
+use keyshift_core::reason::Reason;
+use keyshift_core::step::{Outcome, Step};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -230,14 +230,17 @@ pub fn check_spec(
         if spec.replicas > pinned && !changing {
             let context = validation::ceiling_context(name, spec, status, pinned);
             let mut message = validation::ceiling_guidance(&context);
-            let suggested = crate::keygroup::suggested_max_parallelism(spec.replicas.max(1) as u32);
+            let suggested =
+                keyshift_core::keygroup::suggested_max_parallelism(spec.replicas.max(1) as u32);
             if let Some(note) = status
                 .last_checkpoint
                 .iter()
                 .chain(&status.last_savepoint)
                 .filter_map(|s| s.size_bytes)
                 .max()
-                .and_then(|bytes| crate::keygroup::tiny_groups(suggested, bytes.max(0) as u64))
+                .and_then(|bytes| {
+                    keyshift_core::keygroup::tiny_groups(suggested, bytes.max(0) as u64)
+                })
             {
                 message = format!("{message}. Note: {note}");
             }
@@ -293,7 +296,7 @@ pub fn desired_parallelism(spec: &StreamJobSpec) -> u32 {
 
 /// The checkpoint interval (default 30 s; never below 1 s).
 pub fn checkpoint_interval(spec: &StreamJobSpec) -> Duration {
-    validation::parse_duration(&spec.state.checkpoint_interval)
+    keyshift_core::duration::parse_duration(&spec.state.checkpoint_interval)
         .unwrap_or(Duration::from_secs(30))
         .max(Duration::from_secs(1))
 }
@@ -301,7 +304,7 @@ pub fn checkpoint_interval(spec: &StreamJobSpec) -> Duration {
 /// What the worker pods depend on besides their parallelism: the job and the image. Pods carry
 /// it as a label; a running job whose pods carry another value is upgraded.
 pub fn spec_hash(spec: &StreamJobSpec) -> String {
-    super::run::fnv(
+    keyshift_core::hash::fnv(
         serde_json::to_string(&(&spec.job, &spec.image))
             .unwrap_or_default()
             .as_bytes(),
@@ -1136,7 +1139,7 @@ mod tests {
 
     /// A job that rescales by stop-and-restore (the pre-staged steps have tests of their own).
     fn spec(replicas: i32) -> StreamJobSpec {
-        let mut j = crate::operator::desired::tests_support::job();
+        let mut j = crate::fixtures::job();
         j.spec.replicas = replicas;
         j.spec.rescale_strategy = RescaleStrategy::StopAndRestore;
         j.spec
@@ -2134,7 +2137,7 @@ mod tests {
 
     #[test]
     fn rescales_are_prestaged_by_default() {
-        let j = crate::operator::desired::tests_support::job();
+        let j = crate::fixtures::job();
         assert_eq!(j.spec.rescale_strategy, RescaleStrategy::Prestage);
         let yaml = serde_yaml::to_string(&j.spec).unwrap();
         assert!(

@@ -4,10 +4,9 @@
 
 pub mod ceiling;
 pub mod decide;
-pub mod hooks;
 pub mod pass;
 pub mod port;
-pub mod reason;
+pub use keyshift_core::reason;
 pub mod run;
 pub mod status;
-pub mod step;
+pub use keyshift_core::step;

@@ -1,13 +1,13 @@
 //! The narrow port between the orchestration and the platform its workers run on. The pass
 //! ([`super::pass`]) decides and executes over this trait only; the operator implements it with
-//! pods (`crate::operator::pods`), `keyshift local` with processes (`crate::local::processes`),
+//! pods (the operator's `pods` module), `keyshift local` with processes (local mode's `processes`),
 //! and the cluster-free tests with a fake.
 
 use super::decide::ObservedPod;
 use crate::coordinator::WorkerEndpoint;
 use crate::crd::KafkaCredentials;
 use crate::job::kafka::{Credentials, Role};
-use crate::keygroup::Assignment;
+use keyshift_core::keygroup::Assignment;
 use std::sync::Arc;
 
 /// A platform operation that failed, named by what was being done.

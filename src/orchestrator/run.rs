@@ -5,10 +5,11 @@
 
 use crate::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{SinkType, StreamJobSpec};
-use crate::keygroup::Assignment;
-use crate::orchestrator::reason::Reason;
 use crate::runtime::protocol::StartRequest;
 use crate::snapshot::{self, JobIdentity, StateLayout};
+use keyshift_core::hash::fnv;
+use keyshift_core::keygroup::Assignment;
+use keyshift_core::reason::Reason;
 /// How long each long step of a run may take before it counts as failed.
 pub mod timeouts {
     use std::time::Duration;
@@ -61,11 +62,9 @@ pub mod timeouts {
         text: Option<&str>,
         bounds: std::ops::RangeInclusive<Duration>,
     ) -> Option<Duration> {
-        let d = crate::validation::parse_duration(text?)?;
+        let d = keyshift_core::duration::parse_duration(text?)?;
         Some(d.clamp(*bounds.start(), *bounds.end()))
     }
-    /// One request of the coordinator to a worker's control API.
-    pub const CONTROL_REQUEST: Duration = Duration::from_secs(30);
 }
 
 /// Failures of the OS random number generator (no weaker source is ever used instead).
@@ -94,16 +93,6 @@ pub fn new_run_id() -> Result<String, RandomError> {
 /// The run id workers of a run present to each other on the data plane: the job and the run.
 pub fn data_plane_run_id(name: &str, run: &str) -> String {
     format!("{name}-{run}")
-}
-
-/// The 64-bit FNV-1a hash of `bytes`, as 16 hex digits: the stable hash behind the job's
-/// fingerprint ([`fingerprint`]) and the pods' spec hash (`decide::spec_hash`). Values are
-/// recorded in snapshots and pod labels, so it never changes.
-pub fn fnv(bytes: &[u8]) -> String {
-    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-        (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
-    });
-    format!("{h:016x}")
 }
 
 /// Identity of a job's dataflow, recorded in snapshots (a stable hash of `spec.job`).
@@ -138,7 +127,7 @@ pub fn layout(spec: &StreamJobSpec) -> StateLayout {
         window_ms: job
             .window
             .as_ref()
-            .and_then(|w| crate::validation::parse_duration(&w.size))
+            .and_then(|w| keyshift_core::duration::parse_duration(&w.size))
             .map(|d| d.as_millis() as u64),
     }
 }
@@ -251,7 +240,7 @@ pub async fn rewrite_target(
     let (store, base) = snapshot::open_store(storage)?;
     let job_dir = snapshot::job_dir(&base, ns, name);
     let id = crate::coordinator::next_snapshot_id(store.as_ref(), &job_dir).await?;
-    Ok(crate::coordinator::snapshot_url(
+    Ok(crate::snapshot::snapshot_url(
         storage,
         ns,
         name,
@@ -418,7 +407,7 @@ pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Optio
         .join("; ");
     format!(
         "passed over {} whose manifest cannot be used: {names}; restored {} instead. Nothing was deleted: check the bad snapshot with `keyshift savepoint verify`, and dispose of it once it is no longer needed",
-        crate::text::count(skipped.len() as u64, "snapshot"),
+        keyshift_core::text::count(skipped.len() as u64, "snapshot"),
         restored.unwrap_or("nothing")
     )
 }
@@ -536,10 +525,6 @@ mod tests {
             "13cc790f97ee5ddd"
         );
         assert_eq!(fingerprint(&spec), "99bbc2078d3c77bb");
-        // FNV-1a (64 bits) as 16 hex digits.
-        assert_eq!(fnv(b""), "cbf29ce484222325");
-        assert_eq!(fnv(b"a"), "af63dc4c8601ec8c");
-        assert_eq!(fnv(br#"{"key":"user"}"#), "8eef443076dc45dd");
     }
 
     #[test]
@@ -598,7 +583,7 @@ mod tests {
         // Another key field or type: refused, keepable with the opt-in.
         let mut changed = spec.clone();
         changed.job.key.field = "account".into();
-        changed.job.key.key_type = crate::keygroup::KeyType::Long;
+        changed.job.key.key_type = keyshift_core::keygroup::KeyType::Long;
         let (reason, message) = restore_refusal("ns", "j", &changed, url, &own).unwrap();
         assert_eq!(reason, Reason::StateLayoutChanged);
         for needle in [

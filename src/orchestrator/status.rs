@@ -6,11 +6,11 @@ use crate::coordinator::StartProgress;
 use crate::crd::{
     KeyGroupsStatus, Phase, RestoreStatus, StateDistribution, StreamJobSpec, StreamJobStatus,
 };
-use crate::keygroup::Assignment;
-use crate::orchestrator::reason::Reason;
 use crate::validation::Analysis;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
+use keyshift_core::keygroup::Assignment;
+use keyshift_core::reason::Reason;
 
 pub const READY: &str = "Ready";
 pub const RECONCILING: &str = "Reconciling";
@@ -428,8 +428,8 @@ pub fn finish(
                 Reason::PublishBehind.as_str(),
                 format!(
                     "the output of committed {} {} is not published yet ({}); it is retried after every commit, in order, and nothing is published twice",
-                    crate::text::noun(backlog.pending.len() as u64, "snapshot"),
-                    crate::text::list(&backlog.pending),
+                    keyshift_core::text::noun(backlog.pending.len() as u64, "snapshot"),
+                    keyshift_core::text::list(&backlog.pending),
                     backlog.last_error.as_deref().unwrap_or("no attempt yet")
                 ),
             )
@@ -524,8 +524,8 @@ pub fn kafka_outages(
         let subtasks: Vec<u64> = failing.iter().map(|(i, _)| u64::from(*i)).collect();
         outages.push(format!(
             "the source of {} {}: {}",
-            crate::text::noun(subtasks.len() as u64, "subtask"),
-            crate::text::list(&subtasks),
+            keyshift_core::text::noun(subtasks.len() as u64, "subtask"),
+            keyshift_core::text::list(&subtasks),
             first.error.as_deref().unwrap_or_default()
         ));
     }
@@ -615,11 +615,11 @@ pub fn source_lag(
     let summary = match furthest {
         None => format!(
             "{partitions} {} read to the end",
-            crate::text::noun(partitions as u64, "partition")
+            keyshift_core::text::noun(partitions as u64, "partition")
         ),
         Some((name, most)) => format!(
             "{records} {} behind over {behind} of {partitions} partitions{}; furthest behind: {name} ({most})",
-            crate::text::noun(records, "record"),
+            keyshift_core::text::noun(records, "record"),
             seconds.map_or_else(String::new, |s| format!(", up to {s} s")),
         ),
     };
@@ -660,9 +660,9 @@ pub fn short_message(message: &str) -> String {
 mod tests {
     use super::*;
     use crate::crd::RescaleStatus;
-    use crate::operator::desired::tests_support::job;
-    use crate::orchestrator::step::Step;
+    use crate::fixtures::job;
     use crate::validation::analyse;
+    use keyshift_core::step::Step;
 
     /// A manifest of 8 groups at parallelism 2 with the given (bytes, keys) per group.
     fn manifest(groups: &[(u64, u64)]) -> crate::snapshot::Manifest {

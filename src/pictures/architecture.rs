@@ -333,7 +333,7 @@ pub fn diagram() -> Diagram {
                 Plain("route record to group's owner"),
                 Plain("keyed operator: align barriers,"),
                 Plain("state per key group (in memory)"),
-                Note("src/runtime/ + src/job/"),
+                Note("crates/keyshift-runtime: runtime/ + job/"),
                 Plain("data plane :9091"),
             ],
         ));
@@ -375,7 +375,7 @@ pub fn diagram() -> Diagram {
             "snapshots",
             (35.0, 614.0, 565.0, 124.0),
             Look::StoreItem,
-            "snapshots: <storage>/<namespace>/<job>/ · src/snapshot/",
+            "snapshots: <storage>/<namespace>/<job>/ · keyshift-runtime snapshot/",
             &[
                 Mono("checkpoints/chk-<id>/state-<i>-of-<p>.bin"),
                 MonoNote("  key-group blocks, CRC-32C each (workers)"),
@@ -388,7 +388,7 @@ pub fn diagram() -> Diagram {
             "sink",
             (615.0, 614.0, 350.0, 124.0),
             Look::StoreItem,
-            "object-store sink: <sink url>/ · src/sink.rs",
+            "object-store sink: <sink url>/ · keyshift-runtime sink.rs",
             &[
                 Mono("_staging/snap-<id>/part-<i>-of-<p>.jsonl"),
                 MonoNote("  staged by each worker at barrier <id>"),

@@ -7,8 +7,8 @@
 //! and the raw baseline measured in the same run (a write + fsync and a read of the same bytes)
 //! is drawn on the same time axis for comparison.
 
-use crate::orchestrator::step::Step;
 use crate::svg::{self, Svg};
+use keyshift_core::step::Step;
 use serde::{Deserialize, Serialize};
 
 /// One rescale as measured: its steps with their seconds and the raw baseline of the same run.

@@ -19,13 +19,13 @@ use super::rewrite::{RewriteOptions, RewriteReport, rewrite};
 use super::verify::verify_snapshot;
 use crate::crd::{AggregateFunction, GeneratorSource, KeyDistribution};
 use crate::job::{AggConfig, Generator, KeyedAggregator};
-use crate::keygroup::{Assignment, KeyType};
 use crate::snapshot::{
     JobIdentity, Manifest, SnapshotKind, SnapshotMeta, SnapshotWriter, commit_manifest, open_store,
     snapshot_dir,
 };
 use bytes::Bytes;
 use chrono::Utc;
+use keyshift_core::keygroup::{Assignment, KeyType};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::path::{Path as FsPath, PathBuf};

@@ -11,7 +11,7 @@ use super::rewrite::{
     DEFAULT_MEMORY_BUDGET, Phase, Progress, RewriteOptions, RewriteReport, rewrite,
 };
 use super::verify::{VerifyOutcome, verify_snapshot_with_progress};
-use crate::cli::Output;
+use crate::output::{Output, yaml};
 use clap::{Args, Subcommand};
 use std::fmt::Write as _;
 use std::io::Write;
@@ -312,7 +312,7 @@ fn render<T: serde::Serialize>(
     Ok(match output {
         Output::Table => table(report),
         Output::Json => json(report),
-        Output::Yaml => crate::cli::yaml(report)?,
+        Output::Yaml => yaml(report)?,
     })
 }
 
@@ -368,7 +368,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
                 opts.progress = Some(rewrite_progress());
             }
             // Bounds checks with the user's numbers (negative, huge) before anything is read.
-            crate::keygroup::Assignment::new(a.parallelism.unwrap_or(1), a.max_parallelism)
+            keyshift_core::keygroup::Assignment::new(a.parallelism.unwrap_or(1), a.max_parallelism)
                 .map_err(|source| ToolError::Bounds {
                     what: "--max-parallelism/--parallelism".to_owned(),
                     source,
@@ -549,7 +549,7 @@ fn progress_printer() -> Arc<dyn Fn(&Progress) + Send + Sync> {
             "{phase}: {pct:5.1}%  {} of {}  {}  [{:.0}s elapsed]",
             human_bytes(p.done),
             human_bytes(p.total),
-            crate::text::count(p.keys, "key"),
+            keyshift_core::text::count(p.keys, "key"),
             secs
         );
     })
@@ -817,7 +817,7 @@ fn verify_table(v: &VerifyOutcome) -> String {
         let _ = writeln!(
             s,
             "FAILED: {}",
-            crate::text::count(v.problems.len() as u64, "problem")
+            keyshift_core::text::count(v.problems.len() as u64, "problem")
         );
     }
     s
@@ -880,7 +880,7 @@ fn dispose_text(r: &DisposeReport) -> String {
         } else {
             "uncommitted"
         },
-        crate::text::count(r.objects as u64, "object"),
+        keyshift_core::text::count(r.objects as u64, "object"),
         human_bytes(r.bytes),
         if r.committed { ", manifest first" } else { "" }
     );
@@ -888,7 +888,7 @@ fn dispose_text(r: &DisposeReport) -> String {
         let _ = writeln!(
             s,
             "kept {} that other snapshots of the job still read (checkpoint retention deletes them once none does)",
-            crate::text::count(r.kept_referenced as u64, "file")
+            keyshift_core::text::count(r.kept_referenced as u64, "file")
         );
     }
     s

@@ -2,8 +2,8 @@
 //! it is about and, where there is one, the fix.
 
 use crate::job::CodecError;
-use crate::keygroup::BoundsError;
 use crate::snapshot::SnapshotError;
+use keyshift_core::keygroup::BoundsError;
 use std::path::PathBuf;
 
 /// Shorthand for results of the tools.
@@ -107,7 +107,7 @@ pub enum ToolError {
     /// A snapshot directory without a manifest (uncommitted, or a disposal that was interrupted).
     #[error(
         "{url} has no manifest but {} (an uncommitted snapshot, possibly still being written, or an interrupted disposal): pass --force to delete them",
-        crate::text::count(*.objects as u64, "leftover object")
+        keyshift_core::text::count(*.objects as u64, "leftover object")
     )]
     Uncommitted { url: String, objects: usize },
 
@@ -165,7 +165,7 @@ pub enum ToolError {
     BadRange { text: String, reason: String },
 
     /// `verify` found problems (listed in its report).
-    #[error("{url}: verification failed with {}", crate::text::count(*.problems as u64, "problem"))]
+    #[error("{url}: verification failed with {}", keyshift_core::text::count(*.problems as u64, "problem"))]
     VerifyFailed { url: String, problems: usize },
 
     /// Writing to stdout (or another output) failed.

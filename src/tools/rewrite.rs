@@ -2,7 +2,7 @@
 //!
 //! # Algorithm (external bucketing, two passes, bounded memory)
 //!
-//! A key's new group is `murmur(hashCode(key)) % G'` (Flink's formula, [`crate::keygroup`]), which
+//! A key's new group is `murmur(hashCode(key)) % G'` (Flink's formula, [`keyshift_core::keygroup`]), which
 //! scatters the keys of every old group over all new groups, so the new blocks cannot be built in
 //! one streaming pass. Instead:
 //!
@@ -34,13 +34,13 @@ use super::blocks::{self, Block, Shape, WINDOW_BYTES};
 use super::error::{Result, ToolError};
 use super::location::{SnapshotLocation, open_location, open_location_for_write};
 use crate::job::state_codec::{self, BlockInfo, BlockWriter};
-use crate::keygroup::{Assignment, KeyGroupRange};
 use crate::snapshot::{
     DEFAULT_PART_SIZE, Manifest, SnapshotError, SnapshotKind, SnapshotMeta, SnapshotWriter,
     SubtaskSnapshot, commit_manifest, manifest_path, read_manifest, state_file_name,
 };
 use bytes::Bytes;
 use chrono::Utc;
+use keyshift_core::keygroup::{Assignment, KeyGroupRange};
 use object_store::ObjectStoreExt;
 use serde::Serialize;
 use std::fs::File;
@@ -359,7 +359,7 @@ impl Scatter {
                 return Ok(());
             }
             let hash = key.java_hash();
-            let actual = crate::keygroup::key_group_for_hash(hash, old_max_p);
+            let actual = keyshift_core::keygroup::key_group_for_hash(hash, old_max_p);
             if actual != b.group {
                 failed = Some(ToolError::KeyInWrongGroup {
                     file: b.file.to_string(),
@@ -370,7 +370,7 @@ impl Scatter {
                 });
                 return Ok(());
             }
-            let new_group = crate::keygroup::key_group_for_hash(hash, new_max_p);
+            let new_group = keyshift_core::keygroup::key_group_for_hash(hash, new_max_p);
             if let Err(e) = spill.push(new_group, raw) {
                 failed = Some(if raw.len() > u32::MAX as usize {
                     ToolError::EntryTooLarge {

@@ -2,7 +2,7 @@
 //! hold no reconcile slot, and the pass that records how they ended.
 
 use super::*;
-use crate::orchestrator::reason::Reason;
+use keyshift_core::reason::Reason;
 
 /// A long step that runs outside the pass, so that it holds no reconcile slot: a checkpoint
 /// stuck on a storage outage (up to its timeout) then delays its own job only, not every job

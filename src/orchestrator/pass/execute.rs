@@ -197,9 +197,9 @@ impl Pass<'_> {
                         return Ok(short);
                     }
                 };
-                let fault = hooks::rewrite_fault(&self.ns, &self.name);
+                let fault = crate::failpoints::rewrite_fault(&self.ns, &self.name);
                 let memory = match fault {
-                    Some(hooks::RewriteFault::MemoryBudget(m)) => m,
+                    Some(crate::failpoints::RewriteFault::MemoryBudget(m)) => m,
                     _ => memory,
                 };
                 let work = BackgroundWork::Rewrite {
@@ -219,8 +219,8 @@ impl Pass<'_> {
                         )
                         .await;
                         if matches!(done, Ok(Some(_)))
-                            && fault == Some(hooks::RewriteFault::CorruptOutput)
-                            && let Err(e) = hooks::corrupt_snapshot(&target).await
+                            && fault == Some(crate::failpoints::RewriteFault::CorruptOutput)
+                            && let Err(e) = crate::failpoints::corrupt_snapshot(&target).await
                         {
                             tracing::error!(%target, "could not corrupt it: {e}");
                         }
@@ -680,7 +680,7 @@ impl Pass<'_> {
             storage: &self.storage,
             restore_from,
             run,
-            state_payload_bytes: hooks::state_payload_bytes(),
+            state_payload_bytes: crate::failpoints::state_payload_bytes(),
         }
         .request()?;
         Ok((coordinator, template))
@@ -1204,10 +1204,10 @@ impl Pass<'_> {
             .rescale
             .as_ref()
             .is_some_and(|r| r.step == Step::Restoring && r.rolled_back.is_none());
-        if restoring_rescale && hooks::fail_restore_at(work.parallelism) {
+        if restoring_rescale && crate::failpoints::fail_restore_at(work.parallelism) {
             let injected = StartError::Injected(format!(
                 "{}={}: restore failure injected (test only)",
-                hooks::FAIL_RESTORE_ENV,
+                crate::failpoints::FAIL_RESTORE_ENV,
                 work.parallelism
             ));
             return self.start_done(work, coordinator, Err(injected)).await;

@@ -6,30 +6,30 @@
 //! [`Pass::transition`].
 
 mod background;
-mod error;
+pub mod error;
 mod execute;
 
 use background::{Background, BackgroundWork, Ended, RestoreView, StartError, StartWork};
 pub use error::{ErrorKind, PassError};
 
 use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore};
-use super::hooks;
 use super::port::{PortError, Workers};
-use super::reason::Reason;
 use super::run::{self, RandomError};
 use super::status::{self, Progress};
-use super::step::{self, Outcome, Step};
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus, UpgradeMode};
-use crate::keygroup::{self, Assignment};
+use crate::failpoints;
 use crate::operator::metrics::{OperatorMetrics, SnapshotLabels};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
-use crate::text;
 use crate::tools::catalog::{InUseEntry, InUseMarker};
 use crate::validation;
 use chrono::{DateTime, Utc};
 use k8s_openapi::jiff::Timestamp;
+use keyshift_core::keygroup::{self, Assignment};
+use keyshift_core::reason::Reason;
+use keyshift_core::step::{self, Outcome, Step};
+use keyshift_core::text;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
@@ -189,7 +189,7 @@ pub async fn run_pass(
             requeue: requeue::BACKGROUND_BACKSTOP,
         });
     }
-    hooks::pause_at_step(name, &status0);
+    failpoints::pause_at_step(name, status0.rescale.as_ref().map(|r| r.step));
     // A pass that records the end of a background step looks at no workers: it writes the
     // outcome, and the pass after acts on the workers (a failed start, which removes them,
     // excepted).

@@ -1,0 +1,995 @@
+//! The Kafka sink: result rows as Kafka records, exactly once through transactions tied to
+//! committed snapshots (`exactlyOnce`, the default), or at least once (`atLeastOnce`).
+//!
+//! # Records
+//!
+//! One record per result row. The **value** is the row as the object-store sink writes it, one
+//! JSON object without the newline: `{"key":"key-7","value":42}` or, windowed,
+//! `{"key":7,"window":{"start":0,"end":10000},"value":42}`. The **key** is the row's key as
+//! text: a string key's UTF-8 bytes, a `long` or `int` key in decimal ([`record_key`]). Records
+//! are partitioned by librdkafka's `murmur2_random` partitioner (set unless the sink's
+//! `properties` choose another): murmur2 of the key bytes, as the Java client's default
+//! partitioner, so every result of a key lands in one partition, the same one a Java producer
+//! would pick, in the order the job produced them.
+//!
+//! # Exactly once: stage, commit the snapshot, then publish in a transaction
+//!
+//! A worker never writes to Kafka in this mode. At each snapshot barrier it *stages* every row
+//! since the job's last committed snapshot in the job's snapshot storage, exactly as the
+//! object-store sink does ([`crate::job::sink::StagingSink`]), under
+//! `<storage>/<namespace>/<job>/sink/_staging/snap-<id>/part-<subtask>-of-<parallelism>.jsonl`,
+//! before it acknowledges the snapshot. Once the coordinator has committed snapshot `N` it
+//! *publishes* `N`'s staged parts ([`KafkaPublisher::publish`]), in snapshot-id order:
+//!
+//! 1. one Kafka transaction holds every record of every part of `N` and, through
+//!    `send_offsets_to_transaction`, a **marker**: the committed "offset" `N` of the bookkeeping
+//!    consumer group (named like the transactional id) on partition 0 of the output topic, with
+//!    the metadata `keyshift-sink/1 snapshot=N records=<n>` ([`Marker`]);
+//! 2. records and marker become visible together when the transaction commits, or not at all;
+//! 3. the staged parts of `N` (and of older ids, published or carried by `N`) are deleted.
+//!
+//! The marker makes publishing idempotent across any crash: before it publishes anything, a
+//! publisher initialises its transactional producer (which **fences** every earlier producer
+//! with the same transactional id, and aborts its open transaction) and then reads the marker
+//! with `read_committed`. A snapshot at or below the marker is not produced again
+//! ([`decide`]). A crash before the commit leaves an open transaction that the next publisher's
+//! fencing aborts (nothing of it is ever visible to `read_committed` consumers) and the staged
+//! parts still there; a crash after it leaves the marker saying `N` is done.
+//!
+//! The **transactional id** is one per job, `<transactionalIdPrefix>.sink` with the prefix
+//! `keyshift.<namespace>.<job>` by default ([`transactional_id`]; set the prefix to fit a
+//! broker's ACLs). The writers (subtasks) only stage, so nothing Kafka sees
+//! depends on the parallelism: a rescale changes no id, leaves no producer behind, and the
+//! staged parts of the savepoint are published like any other snapshot's.
+//!
+//! What the runtime already guarantees does the rest (see [`crate::job::sink`]): a snapshot that
+//! never commits is never published, its rows ride with the next snapshot's parts; after a
+//! failure the job restarts from its last committed snapshot, whose parts are published if the
+//! crash came before that; ids are never reused. So **every result row of a committed snapshot
+//! becomes visible to `read_committed` consumers exactly once, only after the snapshot commits,
+//! in snapshot order; nothing of an aborted transaction is ever visible.** The one cost: records
+//! are visible one publish after the commit (a checkpoint interval plus the publish), and
+//! `read_uncommitted` consumers may see records of a transaction that is later aborted (as with
+//! any transactional producer).
+//!
+//! A publisher that cannot reach its brokers fails the publish with the broker's error: the
+//! snapshot stays pending (retried after every commit, in order), the job's `SinkPublished`
+//! condition says why, and checkpoint retention waits, so the snapshots whose output is not
+//! published yet stay restorable.
+//!
+//! # At least once
+//!
+//! `atLeastOnce`: each worker produces its rows as they come with an idempotent producer and
+//! flushes at every snapshot barrier before it acknowledges ([`AtLeastOnceSink`]). A record that
+//! cannot be delivered stops the worker, so the job restarts from its last committed snapshot
+//! and produces the rows after it again: nothing is lost, rows after the last commit may appear
+//! twice.
+
+use crate::job::record::{KeyRef, RecordKey};
+use std::time::Duration;
+
+/// The prefix of every [`Marker`]'s metadata.
+pub const MARKER_PREFIX: &str = "keyshift-sink/1";
+
+/// How long one Kafka operation of the sink may take before it fails with the broker's error.
+pub const KAFKA_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The folder below a job's snapshot directory (`<storage>/<namespace>/<job>`) where the workers
+/// of an exactly-once Kafka sink stage their output.
+pub const STAGING_FOLDER: &str = "sink";
+
+/// Where the workers of an exactly-once Kafka sink stage their output for the job whose snapshot
+/// directory is `job_dir`: `<job_dir>/sink` (below it `_staging/snap-<id>/...`, as
+/// [`crate::sink`] lays it out).
+pub fn staging_base(job_dir: &crate::snapshot::Path) -> crate::snapshot::Path {
+    job_dir.clone().join(STAGING_FOLDER)
+}
+
+/// The transactional id (and bookkeeping group) of a job's exactly-once Kafka sink: the sink's
+/// `transactionalIdPrefix` (default `keyshift.<namespace>.<job>`,
+/// [`super::default_transactional_id_prefix`]) with `.sink` appended. One per job, whatever its
+/// parallelism: only the job's publisher writes to Kafka. A namespace holds no `.`, so two jobs'
+/// default ids never collide.
+pub fn transactional_id(namespace: &str, job: &str, prefix: Option<&str>) -> String {
+    match prefix {
+        Some(p) if !p.is_empty() => format!("{p}.sink"),
+        _ => format!(
+            "{}.sink",
+            super::default_transactional_id_prefix(namespace, job)
+        ),
+    }
+}
+
+/// Whether a job's sink stages its output for the coordinator to publish: a Kafka sink with
+/// `deliveryGuarantee: exactlyOnce` (the default).
+pub fn stages(sink: &keyshift_core::spec::SinkSpec) -> bool {
+    sink.sink_type == keyshift_core::spec::SinkType::Kafka
+        && sink.kafka.as_ref().is_some_and(|k| {
+            k.delivery_guarantee == keyshift_core::spec::KafkaDeliveryGuarantee::ExactlyOnce
+        })
+}
+
+/// The Kafka record key of a result's key: a string's UTF-8 bytes, a number in decimal.
+pub fn record_key(key: &RecordKey) -> Vec<u8> {
+    match key.view() {
+        KeyRef::Str(s) => s.as_bytes().to_vec(),
+        KeyRef::Long(v) => v.to_string().into_bytes(),
+        KeyRef::Int(v) => v.to_string().into_bytes(),
+    }
+}
+
+/// A staged line that is not a result row.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("staged sink line {line} is not a result row ({reason})")]
+pub struct LineError {
+    pub line: usize,
+    pub reason: String,
+}
+
+/// A Kafka record of a result: its key bytes and its value (a JSON line without the newline).
+pub type KafkaRecord<'a> = (Vec<u8>, &'a [u8]);
+
+/// The Kafka records of staged JSON lines (the object-store sink's format): per line, the key
+/// ([`record_key`] of the row's `key`) and the value (the line without its newline). Empty lines
+/// are skipped.
+pub fn records(text: &[u8]) -> Result<Vec<KafkaRecord<'_>>, LineError> {
+    #[derive(serde::Deserialize)]
+    struct Row<'a> {
+        #[serde(borrow)]
+        key: &'a serde_json::value::RawValue,
+    }
+    let mut out = Vec::new();
+    for (i, line) in text.split(|b| *b == b'\n').enumerate() {
+        if line.is_empty() {
+            continue;
+        }
+        let err = |reason: String| LineError {
+            line: i + 1,
+            reason,
+        };
+        let row: Row = serde_json::from_slice(line).map_err(|e| err(e.to_string()))?;
+        let raw = row.key.get();
+        let key = if raw.starts_with('"') {
+            serde_json::from_str::<String>(raw)
+                .map_err(|e| err(e.to_string()))?
+                .into_bytes()
+        } else if raw.bytes().all(|b| b == b'-' || b.is_ascii_digit()) && !raw.is_empty() {
+            raw.as_bytes().to_vec()
+        } else {
+            return Err(err(format!("key {raw} is neither a string nor an integer")));
+        };
+        out.push((key, line));
+    }
+    Ok(out)
+}
+
+/// What a publisher leaves in Kafka with each published snapshot, atomically with its records:
+/// the snapshot id (as the bookkeeping group's committed offset) and how many records it
+/// produced (in the offset's metadata, for people reading the group).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Marker {
+    /// The newest published snapshot.
+    pub snapshot: u64,
+    /// Records its transaction produced.
+    pub records: u64,
+}
+
+/// A marker's metadata that is not one of ours.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "the bookkeeping group's offset metadata {0:?} is not a keyshift sink marker: another client commits offsets in this group"
+)]
+pub struct MarkerError(pub String);
+
+impl Marker {
+    /// The offset metadata: `keyshift-sink/1 snapshot=<id> records=<n>`.
+    pub fn metadata(&self) -> String {
+        format!(
+            "{MARKER_PREFIX} snapshot={} records={}",
+            self.snapshot, self.records
+        )
+    }
+
+    /// Reads a marker back from the committed offset and its metadata; `None` when nothing was
+    /// committed (a negative offset: librdkafka's "invalid").
+    pub fn decode(offset: i64, metadata: &str) -> Result<Option<Marker>, MarkerError> {
+        if offset < 0 && metadata.is_empty() {
+            return Ok(None);
+        }
+        let bad = || MarkerError(metadata.to_owned());
+        let mut words = metadata.split(' ');
+        if words.next() != Some(MARKER_PREFIX) {
+            return Err(bad());
+        }
+        let mut number = |name: &str| -> Result<u64, MarkerError> {
+            words
+                .next()
+                .and_then(|w| w.strip_prefix(name))
+                .and_then(|w| w.strip_prefix('='))
+                .filter(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|n| n.parse().ok())
+                .ok_or_else(bad)
+        };
+        let snapshot = number("snapshot")?;
+        let records = number("records")?;
+        if words.next().is_some() || i64::try_from(snapshot).ok() != Some(offset) {
+            return Err(bad());
+        }
+        Ok(Some(Marker { snapshot, records }))
+    }
+}
+
+/// What to do with committed snapshot `id`'s staged parts given the marker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Not in Kafka yet: produce it in a transaction with the marker `id`.
+    Publish,
+    /// In Kafka already (a crash came between the commit and the clean-up of its staged parts):
+    /// only clean up.
+    Published,
+}
+
+/// Whether committed snapshot `id` is to be produced, given the marker. Pure. Snapshots are
+/// published in id order, each with its marker, and snapshot ids of a job only grow (the
+/// coordinator raises them above the marker before its first trigger), so a snapshot at or
+/// below the marker is in Kafka.
+pub fn decide(marker: Option<Marker>, id: u64) -> Decision {
+    match marker {
+        Some(m) if m.snapshot >= id => Decision::Published,
+        _ => Decision::Publish,
+    }
+}
+
+#[cfg(feature = "kafka")]
+pub use io::*;
+
+#[cfg(feature = "kafka")]
+mod io {
+    use super::*;
+    use crate::job::kafka::{Credentials, Role, client_config, producer_properties};
+    use crate::sink::staged_dir;
+    use crate::snapshot::{ObjectStore, Path};
+    use futures::TryStreamExt;
+    use keyshift_core::spec::KafkaSink;
+    use object_store::ObjectStoreExt;
+    use rdkafka::ClientConfig;
+    use rdkafka::consumer::{BaseConsumer, Consumer};
+    use rdkafka::error::KafkaError;
+    use rdkafka::producer::{
+        BaseRecord, DeliveryResult, Producer, ProducerContext, ThreadedProducer,
+    };
+    use rdkafka::{ClientContext, Offset, TopicPartitionList};
+    use std::collections::BTreeMap;
+    use std::sync::{Arc, Mutex, PoisonError};
+
+    /// Kafka sink failures; each names the broker's error.
+    #[derive(Debug, thiserror::Error)]
+    pub enum KafkaSinkError {
+        #[error("kafka sink: {op}: {source}{}", broker_note(.broker))]
+        Kafka {
+            op: &'static str,
+            source: KafkaError,
+            /// The client's last error report (e.g. why it cannot connect), if any.
+            broker: Option<String>,
+        },
+        #[error("kafka sink: {count} records could not be delivered to topic {topic}: {first}")]
+        Delivery {
+            topic: String,
+            count: u64,
+            first: String,
+        },
+        #[error(transparent)]
+        Marker(#[from] MarkerError),
+        #[error("kafka sink: {0}")]
+        Line(#[from] LineError),
+        #[error("kafka sink: staged output {path}: {source}")]
+        Store {
+            path: String,
+            source: object_store::Error,
+        },
+        #[error("kafka sink: {0}")]
+        Task(String),
+    }
+
+    fn broker_note(broker: &Option<String>) -> String {
+        broker
+            .as_deref()
+            .map(|b| format!(" (client errors: {b})"))
+            .unwrap_or_default()
+    }
+
+    fn kafka(op: &'static str) -> impl FnOnce(KafkaError) -> KafkaSinkError {
+        move |source| KafkaSinkError::Kafka {
+            op,
+            source,
+            broker: None,
+        }
+    }
+
+    /// [`kafka`] with the client's last error report.
+    fn kafka_at<'a>(
+        op: &'static str,
+        ctx: &'a DeliveryTracker,
+    ) -> impl FnOnce(KafkaError) -> KafkaSinkError + 'a {
+        move |source| KafkaSinkError::Kafka {
+            op,
+            source,
+            broker: ctx.last_error(),
+        }
+    }
+
+    /// Counts failed deliveries (and keeps the first error) for a flush to report, and keeps the
+    /// client's last few distinct error reports (why it cannot reach a broker, say) for the
+    /// errors it returns.
+    #[derive(Default)]
+    pub struct DeliveryTracker {
+        failed: Mutex<(u64, Option<String>)>,
+        client_errors: Mutex<Vec<String>>,
+    }
+
+    /// Distinct client error reports kept ([`DeliveryTracker`]).
+    const CLIENT_ERRORS_KEPT: usize = 3;
+
+    impl ClientContext for DeliveryTracker {
+        fn error(&self, error: KafkaError, reason: &str) {
+            tracing::warn!(%error, reason, "kafka sink client error");
+            let text = format!("{error}: {reason}");
+            let mut kept = self
+                .client_errors
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            kept.retain(|e| *e != text);
+            kept.push(text);
+            if kept.len() > CLIENT_ERRORS_KEPT {
+                kept.remove(0);
+            }
+        }
+    }
+
+    impl ProducerContext for DeliveryTracker {
+        type DeliveryOpaque = ();
+        fn delivery(&self, result: &DeliveryResult<'_>, _: Self::DeliveryOpaque) {
+            if let Err((e, _)) = result {
+                let mut f = self.failed.lock().unwrap_or_else(PoisonError::into_inner);
+                f.0 += 1;
+                if f.1.is_none() {
+                    f.1 = Some(e.to_string());
+                }
+            }
+        }
+    }
+
+    impl DeliveryTracker {
+        /// The client's last distinct error reports, oldest first.
+        fn last_error(&self) -> Option<String> {
+            let kept = self
+                .client_errors
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            (!kept.is_empty()).then(|| kept.join("; "))
+        }
+
+        /// Failed deliveries since the last call, and the first error.
+        fn take(&self) -> (u64, Option<String>) {
+            std::mem::take(&mut *self.failed.lock().unwrap_or_else(PoisonError::into_inner))
+        }
+    }
+
+    type TrackedProducer = ThreadedProducer<DeliveryTracker>;
+
+    /// Produces one record, waiting while librdkafka's queue is full.
+    fn send(
+        producer: &TrackedProducer,
+        topic: &str,
+        key: &[u8],
+        value: &[u8],
+    ) -> Result<(), KafkaSinkError> {
+        let mut record = BaseRecord::to(topic).key(key).payload(value);
+        loop {
+            match producer.send(record) {
+                Ok(()) => return Ok(()),
+                Err((
+                    KafkaError::MessageProduction(rdkafka::types::RDKafkaErrorCode::QueueFull),
+                    r,
+                )) => {
+                    record = r;
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err((e, _)) => return Err(kafka("produce")(e)),
+            }
+        }
+    }
+
+    /// The producer settings the sink needs on top of the connection's: the Java-compatible
+    /// partitioner unless set, idempotence.
+    fn producer_config(base: &ClientConfig) -> ClientConfig {
+        let mut c = base.clone();
+        if c.get("partitioner").is_none() {
+            c.set("partitioner", "murmur2_random");
+        }
+        c.set("enable.idempotence", "true");
+        c
+    }
+
+    /// Producer properties the bookkeeping consumer leaves out (librdkafka warns about them).
+    const PRODUCER_ONLY: &[&str] = &[
+        "acks",
+        "enable.idempotence",
+        "transactional.id",
+        "partitioner",
+        "compression.type",
+        "compression.codec",
+        "linger.ms",
+        "queue.buffering.max.ms",
+        "batch.size",
+        "batch.num.messages",
+        "message.timeout.ms",
+        "delivery.timeout.ms",
+        "retries",
+        "message.send.max.retries",
+        "queue.buffering.max.messages",
+        "queue.buffering.max.kbytes",
+        "transaction.timeout.ms",
+    ];
+
+    /// A transactional producer and what it knows of the marker.
+    struct Live {
+        producer: TrackedProducer,
+        /// The consumer whose group metadata goes with the marker, and that reads it.
+        group: BaseConsumer,
+        marker: Option<Marker>,
+    }
+
+    /// What [`KafkaPublisher::publish`] did.
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+    pub struct KafkaPublished {
+        /// Parts staged for the snapshot.
+        pub parts: usize,
+        /// Records produced now (0 when it was published before).
+        pub records: u64,
+        /// Whether the marker said the snapshot was published already.
+        pub already: bool,
+    }
+
+    /// Publishes the staged output of committed snapshots to a Kafka topic, one transaction per
+    /// snapshot (see [the module documentation](super)).
+    pub struct KafkaPublisher {
+        /// The client properties (secrets included: `ClientConfig::config_map` masks them).
+        properties: BTreeMap<String, String>,
+        topic: String,
+        transactional_id: String,
+        live: Arc<Mutex<Option<Live>>>,
+        /// The last Kafka operation's failure, until one succeeds ([`Self::broker_error`]).
+        broker_error: Mutex<Option<String>>,
+    }
+
+    impl std::fmt::Debug for KafkaPublisher {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.debug_struct("KafkaPublisher")
+                .field("topic", &self.topic)
+                .field("transactional_id", &self.transactional_id)
+                .finish()
+        }
+    }
+
+    impl KafkaPublisher {
+        /// A publisher to `topic` with the client `properties` (bootstrap servers, credentials,
+        /// the sink's properties). Connects on first use.
+        pub fn new(
+            properties: BTreeMap<String, String>,
+            topic: String,
+            transactional_id: String,
+        ) -> Self {
+            KafkaPublisher {
+                properties,
+                topic,
+                transactional_id,
+                live: Arc::new(Mutex::new(None)),
+                broker_error: Mutex::new(None),
+            }
+        }
+
+        /// Why the publisher's last attempt to use its brokers failed (naming the bootstrap
+        /// servers, the failed operation, the broker's error and the client's reports), until
+        /// an attempt succeeds. Failures of the snapshot storage are not counted.
+        pub fn broker_error(&self) -> Option<String> {
+            self.broker_error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        }
+
+        /// Records the outcome of an operation that used the brokers.
+        fn note<T>(&self, r: Result<T, KafkaSinkError>) -> Result<T, KafkaSinkError> {
+            let outage = match &r {
+                Ok(_) => None,
+                Err(e @ (KafkaSinkError::Kafka { .. } | KafkaSinkError::Delivery { .. })) => {
+                    Some(format!(
+                        "the sink's publisher (bootstrap {}): {e}",
+                        self.properties
+                            .get("bootstrap.servers")
+                            .map_or("?", String::as_str)
+                    ))
+                }
+                // Not the brokers' doing: what was known of them stays.
+                Err(_) => return r,
+            };
+            *self
+                .broker_error
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = outage;
+            r
+        }
+
+        /// The publisher of job `namespace/name`'s sink `spec`, with the credentials the
+        /// platform read for it (the orchestrator's `Workers::kafka_credentials`).
+        pub fn from_spec(
+            spec: &KafkaSink,
+            namespace: &str,
+            name: &str,
+            creds: &Credentials,
+        ) -> KafkaPublisher {
+            let id = transactional_id(namespace, name, spec.transactional_id_prefix.as_deref());
+            let props = producer_properties(spec, None, creds);
+            KafkaPublisher::new(props, spec.topic.clone(), id)
+        }
+
+        /// The transactional id (also the bookkeeping group).
+        pub fn transactional_id(&self) -> &str {
+            &self.transactional_id
+        }
+
+        /// The marker as the broker has it: the newest snapshot this job published. Initialises
+        /// (and so fences) the producer first if needed.
+        pub async fn marker(&self) -> Result<Option<Marker>, KafkaSinkError> {
+            let me = self.handle();
+            let r = blocking(move || {
+                let mut live = me.live.lock().unwrap_or_else(PoisonError::into_inner);
+                Ok(me.ensure(&mut live)?.marker)
+            })
+            .await;
+            self.note(r)
+        }
+
+        fn handle(&self) -> Handle {
+            Handle {
+                properties: self.properties.clone(),
+                topic: self.topic.clone(),
+                transactional_id: self.transactional_id.clone(),
+                live: self.live.clone(),
+            }
+        }
+
+        /// Publishes the staged output of committed snapshot `id` under `base` (idempotent, see
+        /// [`decide`]), then deletes the staged output of `id` and of every older id.
+        pub async fn publish(
+            &self,
+            store: &dyn ObjectStore,
+            base: &Path,
+            id: u64,
+        ) -> Result<KafkaPublished, KafkaSinkError> {
+            let dir = staged_dir(base, id);
+            let store_err = |path: &Path| {
+                let path = path.to_string();
+                move |source| KafkaSinkError::Store { path, source }
+            };
+            let mut metas: Vec<object_store::ObjectMeta> = store
+                .list_with_delimiter(Some(&dir))
+                .await
+                .map_err(store_err(&dir))?
+                .objects;
+            if metas.is_empty() {
+                return Ok(KafkaPublished::default());
+            }
+            metas.sort_by(|a, b| a.location.cmp(&b.location));
+            let mut bodies = Vec::with_capacity(metas.len());
+            for m in &metas {
+                let body = store
+                    .get(&m.location)
+                    .await
+                    .map_err(store_err(&m.location))?
+                    .bytes()
+                    .await
+                    .map_err(store_err(&m.location))?;
+                bodies.push(body);
+            }
+            let me = self.handle();
+            let done = self.note(blocking(move || me.publish_blocking(id, &bodies)).await)?;
+            remove_staged_through(store, base, id).await?;
+            Ok(KafkaPublished {
+                parts: metas.len(),
+                ..done
+            })
+        }
+    }
+
+    /// What the blocking half of a publish needs (cheap clones).
+    struct Handle {
+        properties: BTreeMap<String, String>,
+        topic: String,
+        transactional_id: String,
+        live: Arc<Mutex<Option<Live>>>,
+    }
+
+    async fn blocking<T: Send + 'static>(
+        f: impl FnOnce() -> Result<T, KafkaSinkError> + Send + 'static,
+    ) -> Result<T, KafkaSinkError> {
+        tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| KafkaSinkError::Task(e.to_string()))?
+    }
+
+    impl Handle {
+        /// The live producer, created, initialised (fencing every earlier one with the same
+        /// transactional id and aborting its open transaction) and with the marker read, if
+        /// there is none.
+        fn ensure<'a>(&self, live: &'a mut Option<Live>) -> Result<&'a mut Live, KafkaSinkError> {
+            if live.is_none() {
+                let mut pc = producer_config(&client_config(&self.properties));
+                pc.set("transactional.id", &self.transactional_id);
+                let producer: TrackedProducer = pc
+                    .create_with_context(DeliveryTracker::default())
+                    .map_err(kafka("creating the transactional producer"))?;
+                producer.init_transactions(KAFKA_TIMEOUT).map_err(kafka_at(
+                    "initialising transactions (fencing earlier producers)",
+                    producer.context(),
+                ))?;
+                let mut cc = ClientConfig::new();
+                for (k, v) in &self.properties {
+                    if !PRODUCER_ONLY.contains(&k.as_str()) {
+                        cc.set(k, v);
+                    }
+                }
+                cc.set("group.id", &self.transactional_id)
+                    .set("enable.auto.commit", "false")
+                    .set("isolation.level", "read_committed");
+                let group: BaseConsumer = cc
+                    .create()
+                    .map_err(kafka("creating the bookkeeping consumer"))?;
+                let marker = read_marker(&group, &self.topic)?;
+                tracing::info!(
+                    transactional_id = %self.transactional_id,
+                    topic = %self.topic,
+                    marker = ?marker.map(|m| m.snapshot),
+                    "kafka sink publisher ready (earlier producers fenced)"
+                );
+                *live = Some(Live {
+                    producer,
+                    group,
+                    marker,
+                });
+            }
+            live.as_mut()
+                .ok_or_else(|| KafkaSinkError::Task("the producer vanished".into()))
+        }
+
+        fn publish_blocking(
+            &self,
+            id: u64,
+            bodies: &[bytes::Bytes],
+        ) -> Result<KafkaPublished, KafkaSinkError> {
+            let mut guard = self.live.lock().unwrap_or_else(PoisonError::into_inner);
+            let live = self.ensure(&mut guard)?;
+            if decide(live.marker, id) == Decision::Published {
+                return Ok(KafkaPublished {
+                    already: true,
+                    ..Default::default()
+                });
+            }
+            match self.transaction(live, id, bodies) {
+                Ok(records) => {
+                    live.marker = Some(Marker {
+                        snapshot: id,
+                        records,
+                    });
+                    Ok(KafkaPublished {
+                        parts: bodies.len(),
+                        records,
+                        already: false,
+                    })
+                }
+                Err(e) => {
+                    // Whatever state the transaction is in, a new producer resolves it: its
+                    // initialisation aborts an open transaction (or lets a commit that reached
+                    // the coordinator finish), and the marker read after it tells which.
+                    let _ = live.producer.abort_transaction(KAFKA_TIMEOUT);
+                    *guard = None;
+                    Err(e)
+                }
+            }
+        }
+
+        /// One transaction: every record of the parts, and the marker.
+        fn transaction(
+            &self,
+            live: &Live,
+            id: u64,
+            bodies: &[bytes::Bytes],
+        ) -> Result<u64, KafkaSinkError> {
+            let p = &live.producer;
+            let ctx = p.context();
+            p.begin_transaction()
+                .map_err(kafka_at("beginning a transaction", ctx))?;
+            let mut n = 0u64;
+            for body in bodies {
+                for (key, value) in records(body)? {
+                    send(p, &self.topic, &key, value)?;
+                    n += 1;
+                }
+            }
+            p.flush(KAFKA_TIMEOUT).map_err(kafka_at("flushing", ctx))?;
+            let (failed, first) = ctx.take();
+            if failed > 0 {
+                return Err(KafkaSinkError::Delivery {
+                    topic: self.topic.clone(),
+                    count: failed,
+                    first: first.unwrap_or_default(),
+                });
+            }
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition_offset(&self.topic, 0, Offset::Offset(id as i64))
+                .map_err(kafka("the marker offset"))?;
+            let marker = Marker {
+                snapshot: id,
+                records: n,
+            };
+            if let Some(mut e) = tpl.find_partition(&self.topic, 0) {
+                e.set_metadata(marker.metadata());
+            }
+            let cgm = live.group.group_metadata().ok_or_else(|| {
+                KafkaSinkError::Task("the bookkeeping consumer has no group metadata".into())
+            })?;
+            p.send_offsets_to_transaction(&tpl, &cgm, KAFKA_TIMEOUT)
+                .map_err(kafka_at("adding the marker to the transaction", ctx))?;
+            p.commit_transaction(KAFKA_TIMEOUT)
+                .map_err(kafka_at("committing the transaction", ctx))?;
+            Ok(n)
+        }
+    }
+
+    /// The committed marker of the bookkeeping group `group` was created with.
+    fn read_marker(group: &BaseConsumer, topic: &str) -> Result<Option<Marker>, KafkaSinkError> {
+        let mut tpl = TopicPartitionList::new();
+        tpl.add_partition(topic, 0);
+        let got = group
+            .committed_offsets(tpl, KAFKA_TIMEOUT)
+            .map_err(kafka("reading the bookkeeping group's marker"))?;
+        let Some(e) = got.find_partition(topic, 0) else {
+            return Ok(None);
+        };
+        e.error()
+            .map_err(kafka("reading the bookkeeping group's marker"))?;
+        let offset = match e.offset() {
+            Offset::Offset(o) => o,
+            _ => -1,
+        };
+        Ok(Marker::decode(offset, e.metadata())?)
+    }
+
+    /// Deletes the staged output of snapshot ids at or below `id` (published, or carried by a
+    /// published snapshot).
+    pub async fn remove_staged_through(
+        store: &dyn ObjectStore,
+        base: &Path,
+        id: u64,
+    ) -> Result<(), KafkaSinkError> {
+        let staging = base.clone().join(crate::job::sink::STAGING_DIR);
+        let err = |path: &Path| {
+            let path = path.to_string();
+            move |source| KafkaSinkError::Store { path, source }
+        };
+        let listing = store
+            .list_with_delimiter(Some(&staging))
+            .await
+            .map_err(err(&staging))?;
+        for prefix in listing.common_prefixes {
+            let Some(sid) = prefix
+                .filename()
+                .and_then(crate::job::sink::parse_snapshot_dir_name)
+            else {
+                continue;
+            };
+            if sid > id {
+                continue;
+            }
+            let objects: Vec<object_store::ObjectMeta> = store
+                .list(Some(&prefix))
+                .try_collect()
+                .await
+                .map_err(err(&prefix))?;
+            for o in objects {
+                match store.delete(&o.location).await {
+                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                    Err(e) => return Err(err(&o.location)(e)),
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The `atLeastOnce` sink of one worker: rows are produced as they come (idempotent
+    /// producer, `murmur2_random`), and [`AtLeastOnceSink::flush`] at each barrier waits until
+    /// every one is acknowledged.
+    pub struct AtLeastOnceSink {
+        producer: TrackedProducer,
+        topic: String,
+        /// The first failure to hand a row to librdkafka since the last flush.
+        failed: Option<KafkaSinkError>,
+    }
+
+    impl AtLeastOnceSink {
+        /// A producer to `topic` with the connection settings `config`.
+        pub fn new(config: &ClientConfig, topic: String) -> Result<Self, KafkaSinkError> {
+            let producer = producer_config(config)
+                .create_with_context(DeliveryTracker::default())
+                .map_err(kafka("creating the producer"))?;
+            Ok(AtLeastOnceSink {
+                producer,
+                topic,
+                failed: None,
+            })
+        }
+
+        /// The sink `spec` of a worker, with the credentials in its environment.
+        pub fn from_spec(spec: &KafkaSink) -> Result<Self, KafkaSinkError> {
+            let creds = Credentials::from_env(Role::Sink, spec.credentials.as_ref())
+                .map_err(|e| KafkaSinkError::Task(e.to_string()))?;
+            let props = producer_properties(spec, None, &creds);
+            AtLeastOnceSink::new(&client_config(&props), spec.topic.clone())
+        }
+
+        /// Produces result rows given as JSON lines. A failure is kept for the next
+        /// [`AtLeastOnceSink::flush`] to report.
+        pub fn send_lines(&mut self, lines: &[u8]) {
+            if self.failed.is_some() {
+                return;
+            }
+            let sent = records(lines)
+                .map_err(KafkaSinkError::from)
+                .and_then(|recs| {
+                    recs.iter()
+                        .try_for_each(|(key, value)| send(&self.producer, &self.topic, key, value))
+                });
+            if let Err(e) = sent {
+                self.failed = Some(e);
+            }
+        }
+
+        /// Waits until every record produced so far is delivered; fails with the broker's error
+        /// if one could not be (the worker must then stop: see the module documentation).
+        pub fn flush(&mut self) -> Result<(), KafkaSinkError> {
+            if let Some(e) = self.failed.take() {
+                return Err(e);
+            }
+            self.producer
+                .flush(KAFKA_TIMEOUT)
+                .map_err(kafka_at("flushing at the barrier", self.producer.context()))?;
+            let (failed, first) = self.producer.context().take();
+            if failed > 0 {
+                return Err(KafkaSinkError::Delivery {
+                    topic: self.topic.clone(),
+                    count: failed,
+                    first: first.unwrap_or_default(),
+                });
+            }
+            Ok(())
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::aggregate::{ResultRow, Window};
+    use crate::job::sink::format_json_line;
+
+    #[test]
+    fn transactional_ids_name_the_job_and_stay_across_rescales() {
+        assert_eq!(
+            transactional_id("prod", "clicks", None),
+            "keyshift.prod.clicks.sink"
+        );
+        // Neither the parallelism nor a subtask is part of it (a rescale keeps it); two jobs
+        // never share one (a namespace has no dot).
+        assert_ne!(
+            transactional_id("a", "b.c", None),
+            transactional_id("a", "b-c", None)
+        );
+        assert_eq!(
+            transactional_id("prod", "clicks", Some("team-x.clicks")),
+            "team-x.clicks.sink"
+        );
+        assert_eq!(
+            transactional_id("prod", "clicks", Some("")),
+            "keyshift.prod.clicks.sink"
+        );
+    }
+
+    #[test]
+    fn records_have_the_key_as_text_and_the_row_as_value() {
+        let mut lines = Vec::new();
+        for (key, window) in [
+            (RecordKey::string("key-7"), None),
+            (RecordKey::string("quo\"te\n"), None),
+            (RecordKey::long(-12), Some(Window { start: 0, end: 10 })),
+            (RecordKey::int(5), None),
+        ] {
+            format_json_line(
+                &ResultRow {
+                    key,
+                    window,
+                    value: 3,
+                },
+                &mut lines,
+            );
+        }
+        let recs = records(&lines).unwrap();
+        let keys: Vec<&[u8]> = recs.iter().map(|(k, _)| k.as_slice()).collect();
+        assert_eq!(
+            keys,
+            [&b"key-7"[..], &b"quo\"te\n"[..], &b"-12"[..], &b"5"[..]]
+        );
+        assert_eq!(recs[0].1, br#"{"key":"key-7","value":3}"#);
+        assert_eq!(
+            recs[2].1,
+            br#"{"key":-12,"window":{"start":0,"end":10},"value":3}"#
+        );
+        assert_eq!(record_key(&RecordKey::string("key-7")), b"key-7");
+        assert_eq!(record_key(&RecordKey::long(-12)), b"-12");
+        assert_eq!(record_key(&RecordKey::int(5)), b"5");
+        assert!(records(b"").unwrap().is_empty());
+        let e = records(b"{\"key\":1,\"value\":2}\nnot json\n").unwrap_err();
+        assert_eq!(e.line, 2);
+        let e = records(b"{\"key\":[1],\"value\":2}\n").unwrap_err();
+        assert!(e.reason.contains("neither"), "{e}");
+    }
+
+    #[test]
+    fn markers_round_trip_and_refuse_what_is_not_ours() {
+        let m = Marker {
+            snapshot: 42,
+            records: 1000,
+        };
+        assert_eq!(m.metadata(), "keyshift-sink/1 snapshot=42 records=1000");
+        assert_eq!(Marker::decode(42, &m.metadata()), Ok(Some(m)));
+        assert_eq!(Marker::decode(-1001, ""), Ok(None), "nothing committed");
+        for (offset, meta) in [
+            (41, m.metadata().as_str()),
+            (42, "keyshift-sink/2 snapshot=42 records=1"),
+            (42, "keyshift-sink/1 snapshot=42"),
+            (42, "keyshift-sink/1 snapshot=42 records=-1"),
+            (42, "keyshift-sink/1 snapshot=+42 records=1"),
+            (42, "keyshift-sink/1 snapshot=42 records=1 x"),
+            (42, "keyshift-sink/1 records=1 snapshot=42"),
+            (7, ""),
+        ] {
+            assert!(Marker::decode(offset, meta).is_err(), "{offset} {meta:?}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Every marker a publisher writes reads back as itself (the sink's state codec).
+        #[test]
+        fn marker_codec_round_trips(
+            snapshot in 0u64..=i64::MAX as u64,
+            records in proptest::prelude::any::<u64>(),
+        ) {
+            let m = Marker { snapshot, records };
+            proptest::prop_assert_eq!(Marker::decode(snapshot as i64, &m.metadata()), Ok(Some(m)));
+        }
+    }
+
+    #[test]
+    fn only_snapshots_above_the_marker_are_produced() {
+        let m = |snapshot| {
+            Some(Marker {
+                snapshot,
+                records: 3,
+            })
+        };
+        assert_eq!(decide(None, 1), Decision::Publish);
+        assert_eq!(decide(m(4), 5), Decision::Publish);
+        assert_eq!(decide(m(5), 5), Decision::Published);
+        assert_eq!(decide(m(6), 5), Decision::Published);
+    }
+}

@@ -1,0 +1,404 @@
+//! The dataflow of a keyed job, pure and deterministic: records, sources, the keyed aggregation
+//! operator with its per-key-group state encoding, watermarks, sink logic and an oracle.
+//!
+//! Nothing here touches the network or the object store (the file source reads local files).
+//! The worker runtime drives it:
+//!
+//! ```text
+//! source (per partition, position u64) --fill/read_batch--> Record --key_group--> shuffle
+//!   --> KeyedAggregator (per key group state) --advance_watermark/results--> sink
+//!                         \--encode_group/restore_group--> snapshot layer (opaque blocks)
+//! ```
+//!
+//! [`compile`] turns a [`JobSpec`] into the pieces; see the submodules for the contracts.
+//!
+//! # What a snapshot of a subtask must hold (for the runtime)
+//!
+//! * per owned key group: [`KeyedAggregator::encode_group`]'s block (opaque; self-describing);
+//! * per source partition: the position (sequence number or byte offset), for a file source the
+//!   partition's name ([`CompiledJob::current_partitions`]; a restore lays positions onto the
+//!   current partitions with [`remap_positions`]), and [`PartitionWatermark::max_ts`], restored
+//!   with [`PartitionWatermark::set_max_ts`];
+//! * the operator watermark ([`KeyedAggregator::watermark`]). After a rescale, restore every new
+//!   subtask with the minimum over the old subtasks ([`KeyedAggregator::restore_watermark`]):
+//!   windows an old subtask already fired are no longer in its blocks, and windows still in the
+//!   blocks end after that subtask's watermark, so nothing fires twice or is lost;
+//! * nothing of the object-store sink: a writer's output is staged (durable) before it
+//!   acknowledges a snapshot, and a restored writer starts empty (see [`sink`]).
+
+pub mod aggregate;
+pub mod file_source;
+pub mod generator;
+pub mod kafka;
+pub mod oracle;
+pub use keyshift_core::positions;
+pub mod record;
+pub mod sink;
+pub mod state_codec;
+pub mod watermark;
+
+pub use aggregate::{
+    AggConfig, AggregateError, Captured, DecodedGroupState, DeferredGroup, EncodedGroup,
+    FrozenGroup, GroupDecoder, GroupMode, GroupSnapshot, KeyedAggregator, ResultRow, Window,
+};
+pub use file_source::{FieldMapping, FileBatch, FileSourceError, FileSourceReader};
+pub use generator::{Generator, GeneratorError};
+pub use oracle::{Expected, expected_results};
+pub use positions::{
+    CurrentPartitions, GonePartition, MatchedBy, NewPartition, PositionRemap, PositionsError,
+    remap_positions,
+};
+pub use record::{KeyRef, Record, RecordKey};
+pub use sink::{LogSink, Output, SinkError, StagingSink, WriterId, format_json_row};
+pub use state_codec::{
+    AGG_SCHEMA, AccValue, BlockHeader, BlockInfo, CodecError, DecodedGroup, SharedEntries,
+    StateValue, decode_group, decode_header, encode_entries, shared_entries,
+};
+pub use watermark::{PartitionWatermark, WatermarkTracker};
+
+use keyshift_core::duration::parse_duration;
+use keyshift_core::keygroup::{KeyGroupRange, KeyType, UPPER_BOUND_MAX_PARALLELISM};
+use keyshift_core::spec::{AggregateFunction, JobSpec, SinkSpec};
+use std::collections::BTreeMap;
+
+/// Runtime options that are not part of the StreamJob spec (set by the runtime or a benchmark).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct JobOptions {
+    /// Opaque bytes kept with every key's state and carried through snapshots, to make state
+    /// large for benchmarks. 0 (default) for none.
+    pub state_payload_bytes: usize,
+}
+
+/// A job spec that cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum JobError {
+    #[error("spec.job.source must set exactly one of generator, file or kafka")]
+    SourceOneOf,
+    #[error(
+        "spec.job.source.kafka: this keyshift binary was built without Kafka support (cargo feature `kafka`); use an image built with it"
+    )]
+    KafkaNotBuilt,
+    #[error(
+        "spec.job.sink.kafka: this keyshift binary was built without Kafka support (cargo feature `kafka`); use an image built with it"
+    )]
+    KafkaSinkNotBuilt,
+    #[error(
+        "the oracle cannot replay a Kafka source: compute expected results from the records produced"
+    )]
+    OracleKafka,
+    #[cfg(feature = "kafka")]
+    #[error(transparent)]
+    Kafka(#[from] kafka::source::KafkaSourceError),
+    #[error("spec.job.window.size {0:?} is not a positive duration such as 10s, 1m or 1h")]
+    WindowSize(String),
+    #[error("spec.job.window.maxOutOfOrderness {0:?} is not a duration such as 0s, 500ms or 2s")]
+    OutOfOrderness(String),
+    #[error(
+        "spec.job.aggregation.field is required for sum, min and max with a file source: name the numeric record field"
+    )]
+    AggregationField,
+    #[error(
+        "spec.job.source.file.timestampField is required with a window: name the record field holding the event time in ms"
+    )]
+    TimestampField,
+    #[error(
+        "spec.job.source.file.path {0:?} must be a local directory (a path or file:///dir) that every worker can read; object-store file sources are not supported yet"
+    )]
+    FileSourceLocation(String),
+    #[error("max parallelism {0} is outside 1..={UPPER_BOUND_MAX_PARALLELISM}")]
+    MaxParallelism(u32),
+    #[error(transparent)]
+    Generator(#[from] GeneratorError),
+    #[error(transparent)]
+    File(#[from] FileSourceError),
+    #[error(transparent)]
+    Aggregate(#[from] AggregateError),
+}
+
+/// The source of a compiled job.
+#[derive(Debug, Clone)]
+pub enum SourceKind {
+    /// The deterministic generator (position = sequence number).
+    Generator(Generator),
+    /// JSON-lines files (position = byte offset).
+    File(FileSourceReader),
+    /// Kafka topics (position = the partition's next offset).
+    #[cfg(feature = "kafka")]
+    Kafka(std::sync::Arc<kafka::source::KafkaSourceReader>),
+}
+
+/// What one source read returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SourceBatch {
+    /// Records appended.
+    pub records: usize,
+    /// The partition's position after them.
+    pub next_position: u64,
+    /// No more records are available now.
+    pub at_end: bool,
+    /// No more records will ever come (a bounded generator partition at its end). A file
+    /// partition is never finished: it may grow.
+    pub finished: bool,
+}
+
+/// A job spec turned into runnable pieces.
+#[derive(Debug, Clone)]
+pub struct CompiledJob {
+    /// The source.
+    pub source: SourceKind,
+    /// The key type.
+    pub key_type: KeyType,
+    /// The aggregation operator's configuration.
+    pub agg: AggConfig,
+    /// Tumbling window size, if any.
+    pub window_size_ms: Option<i64>,
+    /// Bounded out-of-orderness of the per-partition watermarks.
+    pub max_out_of_orderness_ms: i64,
+    /// The sink.
+    pub sink: SinkSpec,
+}
+
+fn duration_ms(text: &str) -> Option<i64> {
+    parse_duration(text).and_then(|d| i64::try_from(d.as_millis()).ok())
+}
+
+/// Checks a job spec and builds its source and operator configuration for `max_parallelism`
+/// key groups.
+pub fn compile(
+    spec: &JobSpec,
+    max_parallelism: u32,
+    options: &JobOptions,
+) -> Result<CompiledJob, JobError> {
+    compile_for(spec, max_parallelism, options, "", "")
+}
+
+/// [`compile`] for the job `namespace/name` (a Kafka source's default consumer group names it).
+/// A Kafka source connects to its brokers and lists its partitions here (blocking).
+pub fn compile_for(
+    spec: &JobSpec,
+    max_parallelism: u32,
+    options: &JobOptions,
+    namespace: &str,
+    name: &str,
+) -> Result<CompiledJob, JobError> {
+    if !(1..=UPPER_BOUND_MAX_PARALLELISM).contains(&max_parallelism) {
+        return Err(JobError::MaxParallelism(max_parallelism));
+    }
+    let (window_size_ms, max_out_of_orderness_ms) = match &spec.window {
+        None => (None, 0),
+        Some(w) => {
+            let size = duration_ms(&w.size)
+                .filter(|s| *s > 0)
+                .ok_or_else(|| JobError::WindowSize(w.size.clone()))?;
+            let ooo = match &w.max_out_of_orderness {
+                None => 0,
+                Some(t) => duration_ms(t).ok_or_else(|| JobError::OutOfOrderness(t.clone()))?,
+            };
+            (Some(size), ooo)
+        }
+    };
+    if spec.sink.sink_type == keyshift_core::spec::SinkType::Kafka && !cfg!(feature = "kafka") {
+        return Err(JobError::KafkaSinkNotBuilt);
+    }
+    let key_type = spec.key.key_type;
+    if spec.source.kafka.is_some()
+        && (spec.source.generator.is_some() || spec.source.file.is_some())
+    {
+        return Err(JobError::SourceOneOf);
+    }
+    let needs_value = spec.aggregation.function != AggregateFunction::Count;
+    if let Some(k) = &spec.source.kafka {
+        if needs_value && spec.aggregation.field.is_none() {
+            return Err(JobError::AggregationField);
+        }
+        #[cfg(feature = "kafka")]
+        {
+            let fields = kafka::source::KafkaFields {
+                key_from: k.key_from,
+                key_field: spec.key.field.clone(),
+                key_type,
+                value_field: if needs_value {
+                    spec.aggregation.field.clone()
+                } else {
+                    None
+                },
+                timestamp_field: k.timestamp_field.clone(),
+            };
+            let job = kafka::source::JobIdentity {
+                namespace: namespace.to_owned(),
+                name: name.to_owned(),
+            };
+            let reader = kafka::source::KafkaSourceReader::open(k, fields, &job)?;
+            return Ok(CompiledJob {
+                source: SourceKind::Kafka(std::sync::Arc::new(reader)),
+                key_type,
+                agg: AggConfig {
+                    function: spec.aggregation.function,
+                    window_size_ms,
+                    max_parallelism,
+                    state_payload_bytes: options.state_payload_bytes,
+                },
+                window_size_ms,
+                max_out_of_orderness_ms,
+                sink: spec.sink.clone(),
+            });
+        }
+        #[cfg(not(feature = "kafka"))]
+        {
+            let _ = (k, namespace, name);
+            return Err(JobError::KafkaNotBuilt);
+        }
+    }
+    let source = match (&spec.source.generator, &spec.source.file) {
+        (Some(g), None) => SourceKind::Generator(Generator::new(g, key_type)?),
+        (None, Some(f)) => {
+            if needs_value && spec.aggregation.field.is_none() {
+                return Err(JobError::AggregationField);
+            }
+            if window_size_ms.is_some() && f.timestamp_field.is_none() {
+                return Err(JobError::TimestampField);
+            }
+            let fields = FieldMapping {
+                key_field: spec.key.field.clone(),
+                key_type,
+                value_field: if needs_value {
+                    spec.aggregation.field.clone()
+                } else {
+                    None
+                },
+                timestamp_field: f.timestamp_field.clone(),
+            };
+            // A local directory, as a path or a file:// URL.
+            let dir = f.path.strip_prefix("file://").unwrap_or(&f.path);
+            if dir.contains("://") {
+                return Err(JobError::FileSourceLocation(f.path.clone()));
+            }
+            SourceKind::File(FileSourceReader::open(dir, fields)?)
+        }
+        _ => return Err(JobError::SourceOneOf),
+    };
+    Ok(CompiledJob {
+        source,
+        key_type,
+        agg: AggConfig {
+            function: spec.aggregation.function,
+            window_size_ms,
+            max_parallelism,
+            state_payload_bytes: options.state_payload_bytes,
+        },
+        window_size_ms,
+        max_out_of_orderness_ms,
+        sink: spec.sink.clone(),
+    })
+}
+
+impl CompiledJob {
+    /// Number of source partitions.
+    pub fn partitions(&self) -> u32 {
+        match &self.source {
+            SourceKind::Generator(g) => g.partitions(),
+            SourceKind::File(f) => f.partitions(),
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => k.partitions(),
+        }
+    }
+
+    /// The partitions as they are now, with their identity: names for a file source, indexes for
+    /// the generator.
+    pub fn current_partitions(&self) -> CurrentPartitions<'_> {
+        match &self.source {
+            SourceKind::Generator(g) => CurrentPartitions::Indexed(g.partitions()),
+            SourceKind::File(f) => CurrentPartitions::Named(f.names()),
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => CurrentPartitions::Named(k.names()),
+        }
+    }
+
+    /// The names of `partitions` (file source), for a snapshot to record beside their
+    /// positions; empty for the generator, whose partitions are their indexes.
+    pub fn partition_names(&self, partitions: &[u32]) -> BTreeMap<u32, String> {
+        match self.current_partitions() {
+            CurrentPartitions::Indexed(_) => BTreeMap::new(),
+            CurrentPartitions::Named(names) => partitions
+                .iter()
+                .filter_map(|p| names.get(*p as usize).map(|n| (*p, n.clone())))
+                .collect(),
+        }
+    }
+
+    /// Checks that `partition` can be read from a restored `position`: a file source refuses a
+    /// file shorter than it ([`FileSourceError::Shrunk`]).
+    pub fn check_position(&self, partition: u32, position: u64) -> Result<(), JobError> {
+        match &self.source {
+            SourceKind::Generator(_) => Ok(()),
+            SourceKind::File(f) => Ok(f.check_position(partition, position)?),
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(_) => Ok(()),
+        }
+    }
+
+    /// Reads up to `max` records of `partition` from `position` into `out`.
+    pub fn read(
+        &self,
+        partition: u32,
+        position: u64,
+        out: &mut Vec<Record>,
+        max: usize,
+    ) -> Result<SourceBatch, JobError> {
+        match &self.source {
+            SourceKind::Generator(g) => {
+                let n = g.fill(partition, position, out, max);
+                let next = position + n as u64;
+                let finished = partition >= g.partitions() || g.end().is_some_and(|e| next >= e);
+                Ok(SourceBatch {
+                    records: n,
+                    next_position: next,
+                    at_end: finished,
+                    finished,
+                })
+            }
+            SourceKind::File(f) => {
+                let b = f.read_batch(partition, position, out, max)?;
+                Ok(SourceBatch {
+                    records: b.records,
+                    next_position: b.next_offset,
+                    at_end: b.at_end,
+                    finished: false,
+                })
+            }
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => {
+                let (records, next_position, at_end) = k.read(partition, position, out, max)?;
+                Ok(SourceBatch {
+                    records,
+                    next_position,
+                    at_end,
+                    finished: false,
+                })
+            }
+        }
+    }
+
+    /// How long a source partition may go without records before it stops holding the
+    /// watermark back (Kafka's idleTimeout); None: never.
+    pub fn idle_timeout(&self) -> Option<std::time::Duration> {
+        match &self.source {
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => Some(k.idle_timeout()),
+            _ => None,
+        }
+    }
+
+    /// A keyed aggregation operator for the groups in `range`.
+    pub fn new_aggregator(&self, range: KeyGroupRange) -> Result<KeyedAggregator, JobError> {
+        Ok(KeyedAggregator::new(self.agg, range)?)
+    }
+
+    /// A fresh watermark generator for one source partition.
+    pub fn partition_watermark(&self) -> PartitionWatermark {
+        PartitionWatermark::new(self.max_out_of_orderness_ms)
+    }
+}
+
+#[cfg(test)]
+mod tests;

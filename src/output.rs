@@ -1,0 +1,22 @@
+//! The output formats every command shares (`-o table|json|yaml`): the `keyshift` commands and
+//! the offline savepoint tools alike.
+
+use clap::ValueEnum;
+use serde::Serialize;
+
+/// Output formats of a command that prints a report.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum Output {
+    /// A table for people.
+    #[default]
+    Table,
+    /// One JSON object (per key for `keygroup`), for programs.
+    Json,
+    /// The same document as `json`, as YAML (one YAML document per key for `keygroup`).
+    Yaml,
+}
+
+/// `value` as YAML: the same document as its JSON.
+pub fn yaml<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_yaml::Error> {
+    serde_yaml::to_string(value)
+}
