@@ -50,11 +50,27 @@ cargo fmt --all -- --check
 
 # Both feature sets (Cargo.toml [features]): all of them covers every line; the default one is
 # the product build, where code left behind by a gated-out feature (an unused import or helper)
-# fails. The second pass re-checks only the keyshift crate (dependencies have the same features).
-step "cargo clippy --all-targets --all-features -D warnings"
-cargo clippy --all-targets --all-features --locked -- -D warnings
-step "cargo clippy --all-targets -D warnings (default features: the product build)"
-cargo clippy --all-targets --locked -- -D warnings
+# fails. The second pass re-checks only the workspace's crates (dependencies have the same features).
+step "cargo clippy --workspace --all-targets --all-features -D warnings"
+cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+step "cargo clippy --workspace --all-targets -D warnings (default features: the product build)"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+# The layers (docs/architecture.md, "1. The parts"): the crates below the product build with no
+# Kubernetes client, and the core with no I/O runtime. The compiler keeps the crates from importing
+# upward; this keeps their dependency lists honest.
+step "layers: what keyshift-core and keyshift-runtime may depend on (cargo tree)"
+layer_check() {
+  local crate="$1" forbidden="$2" found
+  found="$(cargo tree --locked -p "$crate" -e normal --all-features --prefix none \
+    | awk '{print $1}' | sort -u | grep -E -x "$forbidden" || true)"
+  if [[ -n "$found" ]]; then
+    echo "$crate depends on $(echo "$found" | tr '\n' ' ')(allowed nowhere below the product crate)" >&2
+    return 1
+  fi
+}
+layer_check keyshift-runtime 'kube|kube-client|kube-runtime|kube-core|k8s-openapi|clap'
+layer_check keyshift-core 'kube|kube-client|kube-runtime|kube-core|k8s-openapi|tokio|object_store|axum|reqwest|rdkafka'
 
 step "helm lint --strict (default values and each charts/keyshift/ci/*.yaml)"
 "$KEYSHIFT_HELM" lint --strict charts/keyshift
@@ -111,8 +127,8 @@ eval "$kafka_env"
 # src/pictures/ draws from docs/data/), tests/docs_images.rs (every picture parses, has a title
 # and shapes and is shown; every shown image exists), tests/docs_reasons.rs (docs/troubleshooting.md
 # lists exactly the condition types and reasons of the code).
-step "cargo test --all-features"
-cargo test --locked --all-features
+step "cargo test --workspace --all-features"
+cargo test --workspace --locked --all-features
 
 # The product binary (no features): tests/cli.rs checks it refuses the bench and test-only
 # commands (the run above checked that the features' build has them).
