@@ -1,4 +1,4 @@
-// Key-group math for the lab: a line-by-line mirror of src/keygroup.rs (itself bit-for-bit
+// Key-group math for the lab: a line-by-line mirror of crates/keyshift-core/src/keygroup.rs (itself bit-for-bit
 // Apache Flink's KeyGroupRangeAssignment and MathUtils.murmurHash). hack/lab-test.sh checks it in
 // a browser against Flink's vectors (tests/data/flink_vectors.json) and against
 // `keyshift plan -o json`. Plain script (no modules), so the page also works from file://.
