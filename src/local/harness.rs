@@ -6,7 +6,7 @@
 
 use super::LocalError;
 use super::processes::{spawn_worker, stop_worker};
-use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
+use crate::coordinator::{Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{StreamJob, StreamJobSpec};
 use crate::orchestrator::run;
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
@@ -232,7 +232,7 @@ impl LocalJob {
     /// What a (re)start restores: the newest committed snapshot under the job's key-group
     /// count, else spec.restoreFrom, else nothing.
     pub async fn latest_snapshot(&self) -> Result<Option<String>, LocalError> {
-        let own = coordinator::newest_snapshot(
+        let own = snapshot::newest_snapshot(
             &self.storage,
             &self.namespace,
             &self.name,

@@ -10,7 +10,7 @@ pub mod strict;
 
 pub use harness::{LaunchReport, LocalJob, LocalWorkers, Prestage, PrestageReport, RescaleReport};
 
-use crate::coordinator::{self, CoordinatorError};
+use crate::coordinator::CoordinatorError;
 use crate::crd::{Phase, StreamJob, StreamJobSpec, StreamJobStatus};
 use crate::operator::metrics::OperatorMetrics;
 use crate::orchestrator::decide;
@@ -121,7 +121,7 @@ pub async fn resume_status(
     let mut status = StreamJobStatus::default();
     match &spec.restore_from {
         Some(url) => {
-            let (groups, _) = coordinator::restore_source(url, storage, namespace)
+            let (groups, _) = snapshot::restore_source(url, storage, namespace)
                 .await
                 .map_err(LocalError::RestoreFrom)?;
             if let Some(g) = spec.max_parallelism
@@ -134,13 +134,13 @@ pub async fn resume_status(
             status.max_parallelism = Some(groups as i32);
             status.max_parallelism_origin = Some(validation::ceiling_origin_snapshot(url));
             let own =
-                coordinator::newest_snapshot(storage, namespace, name, Some(groups), None).await?;
+                snapshot::newest_snapshot(storage, namespace, name, Some(groups), None).await?;
             if own.found.is_some() {
                 status.restored_from = Some(url.clone());
             }
         }
         None => {
-            let newest = coordinator::newest_snapshot(storage, namespace, name, None, None).await?;
+            let newest = snapshot::newest_snapshot(storage, namespace, name, None, None).await?;
             if let Some((url, s)) = newest.found {
                 status.max_parallelism = Some(s.max_parallelism as i32);
                 status.max_parallelism_origin = Some(validation::ceiling_origin_snapshot(&url));

@@ -200,7 +200,7 @@ pub struct Restorable {
 
 /// What a run restores when it resumes the job's own history: the newest of the job's
 /// snapshots under its key-group count after the history a restore replaced
-/// ([`crate::coordinator::newest_snapshot`], passing over newer ones whose manifest is corrupt),
+/// ([`crate::snapshot::newest_snapshot`], passing over newer ones whose manifest is corrupt),
 /// else `spec.restoreFrom`, else nothing.
 pub async fn latest_restorable(
     spec: &StreamJobSpec,
@@ -210,7 +210,7 @@ pub async fn latest_restorable(
     max_parallelism: u32,
     replaced_up_to: Option<u64>,
 ) -> Result<Restorable, CoordinatorError> {
-    let newest = crate::coordinator::newest_snapshot(
+    let newest = crate::snapshot::newest_snapshot(
         storage,
         namespace,
         name,
@@ -239,7 +239,7 @@ pub async fn rewrite_target(
 ) -> Result<String, CoordinatorError> {
     let (store, base) = snapshot::open_store(storage)?;
     let job_dir = snapshot::job_dir(&base, ns, name);
-    let id = crate::coordinator::next_snapshot_id(store.as_ref(), &job_dir).await?;
+    let id = crate::snapshot::next_snapshot_id(store.as_ref(), &job_dir).await?;
     Ok(crate::snapshot::snapshot_url(
         storage,
         ns,
@@ -350,7 +350,7 @@ pub async fn prestage(
     use crate::snapshot::SnapshotKind;
     let checkpoint_timeout = timeouts::checkpoint(spec);
     let newest =
-        crate::coordinator::newest_snapshot(storage, namespace, name, Some(groups), replaced_up_to)
+        crate::snapshot::newest_snapshot(storage, namespace, name, Some(groups), replaced_up_to)
             .await?
             .found;
     let mut checkpoints = Vec::new();

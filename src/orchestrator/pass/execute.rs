@@ -1129,9 +1129,9 @@ impl Pass<'_> {
                 let (store, base) = snapshot::open_store(&self.storage)
                     .map_err(|e| PassError::FindSnapshot(e.into()))?;
                 let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
-                let next = coordinator::next_snapshot_id(store.as_ref(), &job_dir)
+                let next = snapshot::next_snapshot_id(store.as_ref(), &job_dir)
                     .await
-                    .map_err(PassError::FindSnapshot)?;
+                    .map_err(|e| PassError::FindSnapshot(e.into()))?;
                 Some(next.saturating_sub(1))
             }
             _ => None,

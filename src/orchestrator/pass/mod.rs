@@ -593,7 +593,7 @@ async fn pending_restore(
         .map(|(_, g, id)| (*g, id.clone()));
     let (groups, identity) = match cached {
         Some(found) => found,
-        None => match coordinator::restore_source(url, storage, namespace).await {
+        None => match snapshot::restore_source(url, storage, namespace).await {
             Ok((g, id)) => {
                 mem.restore_source = Some((url.clone(), g, id.clone()));
                 (g, id)
@@ -919,7 +919,7 @@ impl<'a> Pass<'a> {
             self.identity(),
         );
         async move {
-            let newest = coordinator::newest_snapshot(&storage, &ns, &name, None, None).await?;
+            let newest = snapshot::newest_snapshot(&storage, &ns, &name, None, None).await?;
             Ok(newest.found.map_or(own, |(_, info)| info.job))
         }
     }

@@ -1,9 +1,14 @@
-//! Listing a job's snapshots and deleting old checkpoints.
+//! Listing a job's snapshots, finding the one a resume restores (and the next id), and deleting old
+//! checkpoints.
 
 use super::error::{Result, SnapshotError};
-use super::layout::{SnapshotKind, file_path, manifest_path, parse_snapshot_dir_name};
+use super::layout::{
+    SnapshotKind, file_path, job_dir, manifest_path, parse_snapshot_dir_name, snapshot_dir,
+    snapshot_url,
+};
 use super::manifest::{JobIdentity, Manifest, is_referenced_file};
-use super::reader::read_manifest;
+use super::reader::{open_snapshot, read_manifest};
+use super::store::open_store;
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
@@ -371,6 +376,118 @@ async fn delete_object(store: &dyn ObjectStore, path: &Path) -> Result<()> {
         Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
         Err(e) => Err(SnapshotError::store("delete", path, e)),
     }
+}
+
+// Discovery: which snapshots a job has, which one a resume restores, what a restoreFrom names.
+
+/// One more than the largest snapshot id in the job's storage (checkpoints and savepoints,
+/// committed or not, so an id is never reused).
+pub async fn next_snapshot_id(store: &dyn ObjectStore, job_dir: &Path) -> Result<u64> {
+    Ok(snapshot_ids(store, job_dir)
+        .await?
+        .first()
+        .map_or(1, |(id, _)| id + 1))
+}
+
+/// Every snapshot directory of the job (checkpoints and savepoints, committed or not), newest
+/// (largest id) first.
+pub async fn snapshot_ids(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+) -> Result<Vec<(u64, SnapshotKind)>> {
+    let mut ids = Vec::new();
+    for kind in [SnapshotKind::Checkpoint, SnapshotKind::Savepoint] {
+        let prefix = job_dir.clone().join(kind.folder());
+        let listing = store
+            .list_with_delimiter(Some(&prefix))
+            .await
+            .map_err(|e| SnapshotError::store("list", &prefix, e))?;
+        ids.extend(listing.common_prefixes.iter().filter_map(|dir| {
+            dir.filename()
+                .and_then(|n| parse_snapshot_dir_name(kind, n))
+                .map(|id| (id, kind))
+        }));
+    }
+    ids.sort_unstable_by(|a, b| b.cmp(a));
+    Ok(ids)
+}
+
+/// Whether snapshot `id` of the job is committed (its manifest exists).
+pub async fn is_committed(
+    store: &dyn ObjectStore,
+    job_dir: &Path,
+    kind: SnapshotKind,
+    id: u64,
+) -> Result<bool> {
+    let path = manifest_path(&snapshot_dir(job_dir, kind, id));
+    match store.head(&path).await {
+        Ok(_) => Ok(true),
+        Err(object_store::Error::NotFound { .. }) => Ok(false),
+        Err(e) => Err(SnapshotError::store("head", &path, e)),
+    }
+}
+
+/// The key-group count and the job identity of the snapshot named by a spec.restoreFrom `url`
+/// (from its manifest) of a job in `namespace` with snapshots in `storage`, or why it cannot be
+/// restored from.
+pub async fn restore_source(
+    url: &str,
+    storage: &str,
+    namespace: &str,
+) -> Result<(u32, JobIdentity), String> {
+    match open_snapshot(url).await {
+        Ok((_, _, m)) => Ok((m.max_parallelism, m.job)),
+        // The storage's words about a path outside this namespace's own storage could tell a
+        // tenant about another's: they go to the operator's log only.
+        Err(e) if !url.starts_with(&format!("{}/{namespace}/", storage.trim_end_matches('/'))) => {
+            tracing::warn!(%url, error = %e, "spec.restoreFrom cannot be read");
+            Err(format!(
+                "spec.restoreFrom {url} cannot be restored: it is not a committed snapshot this job can read (the storage's error is in the operator's log, as the URL is outside this namespace's storage); point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
+            ))
+        }
+        Err(e) => Err(format!(
+            "spec.restoreFrom {url} cannot be restored: {e}; point it at a committed savepoint or checkpoint directory (one holding _manifest.json), or remove it"
+        )),
+    }
+}
+
+/// The newest snapshot of a job that a resume can restore, and the newer ones it passed over.
+#[derive(Debug, Clone, Default)]
+pub struct Newest {
+    /// Its URL and summary (with the job identity its manifest records).
+    pub found: Option<(String, SnapshotInfo)>,
+    /// Snapshots of the same history newer than it whose manifest cannot be used (never
+    /// deleted; the caller reports them).
+    pub skipped: Vec<UnreadableSnapshot>,
+}
+
+/// The newest committed snapshot (checkpoint or savepoint, by id) of a job whose manifest can be
+/// used, taken under `max_parallelism` key groups (any, with `None`: after a restore from a
+/// rewritten savepoint the job's older snapshots have the old key-group count and can no longer
+/// be restored by it) and above `replaced_up_to` (see `status.replacedHistoryUpTo`). A snapshot
+/// whose manifest is corrupt, inconsistent or too large is passed over (and named in
+/// [`Newest::skipped`]), never an error: what every resume, adoption and `keyshift local` start
+/// asks, in one place ([`SnapshotScan::newest`]).
+pub async fn newest_snapshot(
+    storage: &str,
+    namespace: &str,
+    job: &str,
+    max_parallelism: Option<u32>,
+    replaced_up_to: Option<u64>,
+) -> Result<Newest> {
+    let (store, base) = open_store(storage)?;
+    let job_dir = job_dir(&base, namespace, job);
+    let scan = scan_snapshots(store.as_ref(), &job_dir).await?;
+    let (newest, skipped) = scan.newest(max_parallelism, replaced_up_to);
+    Ok(Newest {
+        found: newest.map(|s| {
+            (
+                snapshot_url(storage, namespace, job, s.kind, s.id),
+                s.clone(),
+            )
+        }),
+        skipped: skipped.into_iter().cloned().collect(),
+    })
 }
 
 #[cfg(test)]

@@ -84,8 +84,9 @@ mod store;
 mod writer;
 
 pub use catalog::{
-    RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, delete_unreferenced,
-    latest_checkpoint, list_snapshots, referenced_files, retain, scan_snapshots,
+    Newest, RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, delete_unreferenced,
+    is_committed, latest_checkpoint, list_snapshots, newest_snapshot, next_snapshot_id,
+    referenced_files, restore_source, retain, scan_snapshots, snapshot_ids,
 };
 pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};

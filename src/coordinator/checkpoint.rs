@@ -1,0 +1,348 @@
+//! The checkpoint protocol: trigger a barrier on every worker, collect the acknowledgements,
+//! commit the manifest (create-only, last), abort on failure, resume stopped sources.
+
+use super::*;
+
+impl Coordinator {
+    /// Takes a checkpoint or savepoint (optionally stopping the sources at the barrier) and
+    /// commits it. On failure nothing is committed, the last good snapshot is untouched, the
+    /// snapshot is aborted on every worker ([`Coordinator::abort`]; not when its commit is in
+    /// doubt) so that none keeps aligning it, and sources stopped by this call are resumed.
+    pub async fn snapshot(
+        &mut self,
+        kind: SnapshotKind,
+        stop: bool,
+        timeout: Duration,
+    ) -> Result<Completed, CoordinatorError> {
+        let started = Instant::now();
+        let result = match self.prepare().await {
+            Ok(()) => {
+                let id = self.next_id;
+                self.next_id += 1;
+                match self.take(id, kind, stop, timeout).await {
+                    Ok(m) => Ok((id, m)),
+                    // A commit in doubt may have committed: the workers' acknowledgements stand.
+                    Err(e @ CoordinatorError::CommitInDoubt { .. }) => Err(e),
+                    Err(e) => {
+                        self.abort(id, &e).await;
+                        Err(e)
+                    }
+                }
+            }
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok((id, manifest)) => {
+                let duration = started.elapsed();
+                self.committed(id).await;
+                let backlog = self.publish_backlog();
+                if kind == SnapshotKind::Checkpoint && backlog.is_behind() {
+                    tracing::warn!(
+                        pending = ?backlog.pending,
+                        "checkpoint retention skipped while sink output of committed snapshots is not published"
+                    );
+                } else if kind == SnapshotKind::Checkpoint
+                    && let Err(e) =
+                        snapshot::retain(self.store.as_ref(), &self.job_dir, self.retained).await
+                {
+                    tracing::warn!(error = %e, "checkpoint retention failed; will retry next time");
+                }
+                Ok(Completed {
+                    id,
+                    kind,
+                    url: snapshot_url(
+                        &self.storage,
+                        &self.identity.namespace,
+                        &self.identity.name,
+                        kind,
+                        id,
+                    ),
+                    manifest,
+                    duration,
+                })
+            }
+            Err(e) => {
+                if let CoordinatorError::CommitInDoubt { id, .. } = &e {
+                    self.in_doubt.insert(*id, kind);
+                }
+                if stop {
+                    // Leave the job running at its old parallelism.
+                    self.resume().await;
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Before a trigger: snapshot ids above the sink's and above the workers' (once each), and
+    /// every commit in doubt
+    /// resolved, so that the trigger names the newest committed snapshot exactly (a worker drops
+    /// the output staged up to it, and carries the output staged after it).
+    pub(super) async fn prepare(&mut self) -> Result<(), CoordinatorError> {
+        if let Some(sink) = &mut self.sink
+            && !sink.ids_checked
+        {
+            let max = crate::sink::max_snapshot_id(sink.store.as_ref(), &sink.base).await?;
+            if max >= self.next_id {
+                tracing::warn!(
+                    sink_max = max,
+                    next = self.next_id,
+                    "the sink holds output of snapshot ids this job's storage does not know (storage removed?): ids continue above them"
+                );
+                self.next_id = max + 1;
+            }
+            sink.ids_checked = true;
+        }
+        #[cfg(feature = "kafka")]
+        if let Some(sink) = &mut self.sink
+            && let Some(k) = &sink.kafka
+            && !sink.marker_checked
+        {
+            // Fails the trigger while the brokers cannot be reached: a snapshot id at or below
+            // the marker would never be published.
+            let marker = k
+                .marker()
+                .await
+                .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
+            if let Some(m) = marker
+                && m.snapshot >= self.next_id
+            {
+                tracing::warn!(
+                    marker = m.snapshot,
+                    next = self.next_id,
+                    "the Kafka sink's marker names snapshot ids this job's storage does not know (storage replaced?): ids continue above them"
+                );
+                self.next_id = m.snapshot + 1;
+            }
+            sink.marker_checked = true;
+        }
+        if !self.worker_ids_checked {
+            // Workers taken over from an earlier coordinator may know ids that left nothing in
+            // storage (aborted before anything was written); a worker ignores a snapshot id at
+            // or below the newest it finished or abandoned.
+            match self.status().await {
+                Ok(statuses) => {
+                    if let Some(max) = statuses.iter().filter_map(|s| s.newest_snapshot).max()
+                        && max >= self.next_id
+                    {
+                        tracing::info!(
+                            workers_newest = max,
+                            next = self.next_id,
+                            "the workers know snapshot ids this job's storage does not: ids continue above them"
+                        );
+                        self.next_id = max + 1;
+                    }
+                    self.worker_ids_checked = true;
+                }
+                // The trigger tells what is wrong with the worker; checked again next time.
+                Err(e) => tracing::debug!(error = %e, "reading the workers' newest snapshot ids"),
+            }
+        }
+        while let Some((&id, &kind)) = self.in_doubt.first_key_value() {
+            if is_committed(self.store.as_ref(), &self.job_dir, kind, id).await? {
+                tracing::warn!(
+                    id,
+                    "a manifest commit that reported a failure was written: snapshot committed"
+                );
+                self.committed(id).await;
+            }
+            self.in_doubt.remove(&id);
+        }
+        Ok(())
+    }
+
+    /// Snapshot `id` committed: the next trigger names it, and its sink output is published
+    /// (with any still pending before it; a failure leaves them pending). At a coordinator's
+    /// first commit that includes the committed output an earlier coordinator of the job left
+    /// unpublished (it crashed between commit and publish, and this one took over its workers
+    /// without a restore): [`Coordinator::publish_committed`] up to `id`, which is cheap when
+    /// nothing was left (it stops at the newest published snapshot).
+    pub(super) async fn committed(&mut self, id: u64) {
+        self.last_committed = self.last_committed.max(id);
+        let Some(sink) = &self.sink else {
+            return;
+        };
+        sink.backlog
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .0
+            .insert(id);
+        let caught_up = sink.caught_up;
+        // Failures are logged and kept in the backlog.
+        if caught_up {
+            let _ = self.publish_pending().await;
+            return;
+        }
+        let result = self.publish_committed_through(id).await;
+        if let Some(sink) = &mut self.sink {
+            match result {
+                Ok(()) => sink.caught_up = true,
+                Err(e) => {
+                    sink.backlog
+                        .get_mut()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .1 = Some(e.to_string());
+                }
+            }
+        }
+    }
+
+    pub(super) async fn take(
+        &self,
+        id: u64,
+        kind: SnapshotKind,
+        stop: bool,
+        timeout: Duration,
+    ) -> Result<Manifest, CoordinatorError> {
+        let req = &CheckpointRequest {
+            id,
+            kind,
+            stop,
+            last_committed: Some(self.last_committed),
+        };
+        try_join_all((0..self.workers.len()).map(|i| async move {
+            self.post::<_, serde_json::Value>(i, "/v1/checkpoints", req)
+                .await
+        }))
+        .await?;
+        let deadline = Instant::now() + timeout;
+        let mut acks: Vec<Option<SubtaskAck>> = vec![None; self.workers.len()];
+        loop {
+            for (i, slot) in acks.iter_mut().enumerate() {
+                if slot.is_some() {
+                    continue;
+                }
+                match self
+                    .get::<CheckpointStatus>(i, &format!("/v1/checkpoints/{id}"))
+                    .await?
+                {
+                    CheckpointStatus::Completed(ack) => *slot = Some(*ack),
+                    CheckpointStatus::Failed { error } => {
+                        return Err(CoordinatorError::SnapshotFailed {
+                            id,
+                            subtask: i,
+                            error,
+                        });
+                    }
+                    CheckpointStatus::Unknown => {
+                        return Err(CoordinatorError::SnapshotFailed {
+                            id,
+                            subtask: i,
+                            error: "the worker lost the trigger (restarted?)".into(),
+                        });
+                    }
+                    CheckpointStatus::Pending => {}
+                }
+            }
+            if acks.iter().all(Option::is_some) {
+                break;
+            }
+            if Instant::now() > deadline {
+                let missing = acks
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, a)| a.is_none())
+                    .map(|(i, _)| i)
+                    .collect();
+                return Err(CoordinatorError::SnapshotTimeout {
+                    id,
+                    secs: timeout.as_secs(),
+                    missing,
+                });
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let acks: Vec<SubtaskAck> = acks.into_iter().flatten().collect();
+        let mut positions = BTreeMap::new();
+        let mut names = BTreeMap::new();
+        for a in &acks {
+            positions.extend(a.source_positions.iter().map(|(k, v)| (*k, *v)));
+            names.extend(a.source_partitions.iter().map(|(k, v)| (*k, v.clone())));
+        }
+        let watermark = acks
+            .iter()
+            .map(|a| a.watermark)
+            .min()
+            .filter(|w| *w > i64::MIN);
+        let meta = SnapshotMeta {
+            job: self.identity.clone(),
+            snapshot_id: id,
+            kind,
+            completed_at: Utc::now(),
+            state_schema: crate::job::AGG_SCHEMA.to_owned(),
+            source_positions: positions,
+            source_partitions: names,
+            watermark,
+        };
+        let manifest = Manifest::assemble(
+            meta,
+            self.assignment,
+            acks.into_iter().map(|a| a.snapshot).collect(),
+        )?;
+        let dir = snapshot::snapshot_dir(&self.job_dir, kind, id);
+        if let Err(e) = snapshot::commit_manifest(self.store.as_ref(), &dir, &manifest).await {
+            // A failed write may still have happened: what the next trigger tells the workers
+            // depends on it.
+            let path = snapshot::manifest_path(&dir);
+            match self.store.head(&path).await {
+                Ok(_) => {
+                    tracing::warn!(id, error = %e, "committing the manifest reported a failure, but the manifest is there: committed");
+                }
+                Err(object_store::Error::NotFound { .. }) => return Err(e.into()),
+                Err(check) => {
+                    return Err(CoordinatorError::CommitInDoubt {
+                        id,
+                        error: e.to_string(),
+                        check: check.to_string(),
+                    });
+                }
+            }
+        }
+        Ok(manifest)
+    }
+
+    /// Abandons snapshot `id` on every worker (`POST /v1/checkpoints/{id}/abort`), because of
+    /// `why`: each reports it failed (aborted), drops what its source recorded for it, does not
+    /// inject its barrier if it has not yet, and its keyed operator stops aligning it, so that
+    /// the inputs blocked for it flow again (a trigger that reached only some workers would
+    /// otherwise leave every operator aligning it). Best effort: a worker that cannot be
+    /// reached is logged; its operator drops the snapshot anyway when the next one's barrier
+    /// arrives. Returns how many workers acknowledged the abort.
+    pub async fn abort(&self, id: u64, why: &dyn std::fmt::Display) -> usize {
+        let path = format!("/v1/checkpoints/{id}/abort");
+        let results = futures::future::join_all(
+            (0..self.workers.len()).map(|i| self.post::<_, CheckpointStatus>(i, &path, &())),
+        )
+        .await;
+        let mut acknowledged = 0;
+        for (i, r) in results.into_iter().enumerate() {
+            match r {
+                Ok(_) => acknowledged += 1,
+                Err(e) => {
+                    tracing::warn!(id, subtask = i, error = %e, "aborting the snapshot on a worker failed")
+                }
+            }
+        }
+        tracing::warn!(
+            id,
+            reason = %why,
+            workers = self.workers.len(),
+            acknowledged,
+            "snapshot aborted on the workers"
+        );
+        acknowledged
+    }
+
+    /// Resumes sources stopped by a savepoint (best effort: a worker that cannot be reached will
+    /// be restarted from the last checkpoint by its platform).
+    pub async fn resume(&self) {
+        for i in 0..self.workers.len() {
+            if let Err(e) = self
+                .post::<_, serde_json::Value>(i, "/v1/resume", &())
+                .await
+            {
+                tracing::warn!(subtask = i, error = %e, "resume failed");
+            }
+        }
+    }
+}
