@@ -590,7 +590,7 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.state.restore_timeout = Some("10m".into());
     assert_eq!(
-        keyshift::orchestrator::run::timeouts::start(&s),
+        keyshift::orchestrator::timeouts::start(&s),
         std::time::Duration::from_secs(600)
     );
 
@@ -619,12 +619,12 @@ fn each_rule_refuses_with_its_message() {
     s.state.savepoint_timeout = Some("24h".into());
     validate(&s, None).unwrap();
     assert_eq!(
-        keyshift::orchestrator::run::timeouts::checkpoint(&s),
+        keyshift::orchestrator::timeouts::checkpoint(&s),
         std::time::Duration::from_secs(1)
     );
     assert_eq!(
-        keyshift::orchestrator::run::timeouts::savepoint(&base()),
-        keyshift::orchestrator::run::timeouts::SAVEPOINT
+        keyshift::orchestrator::timeouts::savepoint(&base()),
+        keyshift::orchestrator::timeouts::SAVEPOINT
     );
 
     // The generator is bounded: no partition count or key count beyond what a job can hold.

@@ -8,7 +8,7 @@ use super::LocalError;
 use super::processes::{spawn_worker, stop_worker};
 use crate::coordinator::{Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{StreamJob, StreamJobSpec};
-use crate::orchestrator::run;
+use crate::orchestrator::{run, timeouts};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, SnapshotKind};
 use crate::validation;
@@ -305,7 +305,7 @@ impl LocalJob {
         }
         .request()?;
         let responses = match coordinator
-            .start(&template, run::timeouts::start(&self.spec))
+            .start(&template, timeouts::start(&self.spec))
             .await
         {
             Ok(r) => r,
@@ -334,7 +334,7 @@ impl LocalJob {
 
     /// A periodic checkpoint.
     pub async fn checkpoint(&mut self) -> Result<Completed, LocalError> {
-        let timeout = run::timeouts::checkpoint(&self.spec);
+        let timeout = timeouts::checkpoint(&self.spec);
         Ok(self
             .coordinator()?
             .snapshot(SnapshotKind::Checkpoint, false, timeout)
@@ -343,7 +343,7 @@ impl LocalJob {
 
     /// A savepoint; with `stop`, the sources stop at its barrier.
     pub async fn savepoint(&mut self, stop: bool) -> Result<Completed, LocalError> {
-        let timeout = run::timeouts::savepoint(&self.spec);
+        let timeout = timeouts::savepoint(&self.spec);
         Ok(self
             .coordinator()?
             .snapshot(SnapshotKind::Savepoint, stop, timeout)
@@ -544,7 +544,7 @@ impl LocalJob {
                 self.name.clone(),
             );
             let (groups, catch_up) = (self.max_parallelism, self.catch_up);
-            let timeout = run::timeouts::start(&spec);
+            let timeout = timeouts::start(&spec);
             let done = run::prestage(
                 &spec,
                 (&storage, &ns, &name),
@@ -649,7 +649,7 @@ impl LocalJob {
         let stop = match old_dead {
             Some((i, status)) => Err(format!("old subtask {i} exited ({status})")),
             None => {
-                let timeout = run::timeouts::savepoint(&self.spec);
+                let timeout = timeouts::savepoint(&self.spec);
                 match self.coordinator() {
                     Ok(c) => c
                         .snapshot(SnapshotKind::Checkpoint, true, timeout)
@@ -714,7 +714,7 @@ impl LocalJob {
                 .await?;
             let template = self.plan(p.assignment, Some(sp.url.clone()), &p.run_id)?;
             let responses = coordinator
-                .start(&template, run::timeouts::start(&self.spec))
+                .start(&template, timeouts::start(&self.spec))
                 .await?;
             Ok::<_, LocalError>((coordinator, responses))
         };

@@ -9,4 +9,5 @@ pub mod port;
 pub use keyshift_core::reason;
 pub mod run;
 pub mod status;
+pub mod timeouts;
 pub use keyshift_core::step;

@@ -264,7 +264,7 @@ pub fn diagram() -> Diagram {
             "decide",
             (525.0, 94.0, 140.0, 50.0),
             Look::Part,
-            "decide.rs",
+            "decide/",
             &[Plain("pure next action")],
         ),
         node(
@@ -285,7 +285,7 @@ pub fn diagram() -> Diagram {
             "run",
             (375.0, 158.0, 290.0, 58.0),
             Look::Part,
-            "src/orchestrator/run.rs",
+            "src/orchestrator/run.rs · timeouts.rs",
             &[
                 Plain("run builder: coordinator, start request,"),
                 Plain("identity, token, run id, timeouts"),

@@ -708,7 +708,7 @@ impl Pass<'_> {
             .status
             .replaced_history_up_to
             .and_then(|b| u64::try_from(b).ok());
-        let timeout = run::timeouts::prestage(self.spec);
+        let timeout = timeouts::prestage(self.spec);
         let work = BackgroundWork::Prestage {
             run: run_id,
             parallelism,
@@ -870,7 +870,7 @@ impl Pass<'_> {
             run,
             self.stop_kind(),
             true,
-            run::timeouts::savepoint(self.spec),
+            timeouts::savepoint(self.spec),
         );
         Ok(requeue::BACKGROUND_BACKSTOP)
     }
@@ -957,7 +957,7 @@ impl Pass<'_> {
             run,
             SnapshotKind::Savepoint,
             false,
-            run::timeouts::savepoint(self.spec),
+            timeouts::savepoint(self.spec),
         );
         requeue::BACKGROUND_BACKSTOP
     }
@@ -1012,7 +1012,7 @@ impl Pass<'_> {
             run,
             SnapshotKind::Checkpoint,
             false,
-            run::timeouts::checkpoint(self.spec),
+            timeouts::checkpoint(self.spec),
         );
         requeue::BACKGROUND_BACKSTOP
     }
@@ -1214,7 +1214,7 @@ impl Pass<'_> {
         }
         // The workers answer at once and restore their key groups; waiting for them runs in the
         // background.
-        let timeout = run::timeouts::start(self.spec);
+        let timeout = timeouts::start(self.spec);
         let snapshot = work.restore_from.clone();
         let progress = coordinator.restore_progress();
         self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {

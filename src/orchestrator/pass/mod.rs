@@ -16,6 +16,7 @@ use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore};
 use super::port::{PortError, Workers};
 use super::run::{self, RandomError};
 use super::status::{self, Progress};
+use super::timeouts;
 use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::failpoints;
