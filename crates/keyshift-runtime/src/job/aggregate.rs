@@ -15,6 +15,7 @@
 //! `sum` wraps on overflow (two's complement), which keeps it independent of record order.
 
 use super::record::{KeyMap, Record, RecordKey};
+use super::result::{ResultRow, Window};
 use super::state_codec::{self, AccValue, BlockInfo, BlockWriter, CodecError, StateValue};
 use super::watermark::MIN_WATERMARK;
 use bytes::{Bytes, BytesMut};
@@ -33,26 +34,6 @@ pub struct AggConfig {
     pub max_parallelism: u32,
     /// Opaque bytes kept with every key's state (benchmark ballast; 0 normally).
     pub state_payload_bytes: usize,
-}
-
-/// A tumbling window `[start, end)` in event-time ms.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Window {
-    /// Inclusive start.
-    pub start: i64,
-    /// Exclusive end.
-    pub end: i64,
-}
-
-/// One result: a key's value, over all time or for one window.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ResultRow {
-    /// The key.
-    pub key: RecordKey,
-    /// The window, if the job is windowed.
-    pub window: Option<Window>,
-    /// The aggregate.
-    pub value: i64,
 }
 
 /// Errors of the operator.
@@ -1296,7 +1277,7 @@ impl GroupSnapshot<'_> {
     /// Encodes the group's block, the same bytes as [`KeyedAggregator::encode_group`]. With
     /// `updates`, in the same pass over the state, also drains the group's changed keys like
     /// [`KeyedAggregator::drain_updates`]: appends each one's current value (or open windows) as
-    /// a sink JSON line ([`super::sink::format_json_row`]) and clears its change mark. Rows come
+    /// a sink JSON line ([`super::result::format_json_row`]) and clears its change mark. Rows come
     /// in the map's order, not sorted.
     pub fn encode(self, mut updates: Option<&mut Vec<u8>>) -> EncodedGroup {
         let keys = self.map.len() as u64;
@@ -1447,7 +1428,7 @@ impl FrozenGroup {
 fn format_rows(out: &mut Vec<u8>, key: &RecordKey, acc: &AccValue, size: Option<i64>) -> u64 {
     match acc {
         AccValue::Scalar(v) => {
-            super::sink::format_json_row(key, None, *v, out);
+            super::result::format_json_row(key, None, *v, out);
             1
         }
         AccValue::Windows(ws) => {
@@ -1457,7 +1438,7 @@ fn format_rows(out: &mut Vec<u8>, key: &RecordKey, acc: &AccValue, size: Option<
                     start: *start,
                     end: start.saturating_add(size),
                 };
-                super::sink::format_json_row(key, Some(window), *v, out);
+                super::result::format_json_row(key, Some(window), *v, out);
             }
             ws.len() as u64
         }

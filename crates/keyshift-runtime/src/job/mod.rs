@@ -33,13 +33,14 @@ pub mod kafka;
 pub mod oracle;
 pub use keyshift_core::positions;
 pub mod record;
+pub mod result;
 pub mod sink;
 pub mod state_codec;
 pub mod watermark;
 
 pub use aggregate::{
     AggConfig, AggregateError, Captured, DecodedGroupState, DeferredGroup, EncodedGroup,
-    FrozenGroup, GroupDecoder, GroupMode, GroupSnapshot, KeyedAggregator, ResultRow, Window,
+    FrozenGroup, GroupDecoder, GroupMode, GroupSnapshot, KeyedAggregator,
 };
 pub use file_source::{FieldMapping, FileBatch, FileSourceError, FileSourceReader};
 pub use generator::{Generator, GeneratorError};
@@ -49,7 +50,8 @@ pub use positions::{
     remap_positions,
 };
 pub use record::{KeyRef, Record, RecordKey};
-pub use sink::{LogSink, Output, SinkError, StagingSink, WriterId, format_json_row};
+pub use result::{LogSink, ResultRow, Window, format_json_line, format_json_row};
+pub use sink::{Output, SinkError, StagingSink, WriterId};
 pub use state_codec::{
     AGG_SCHEMA, AccValue, BlockHeader, BlockInfo, CodecError, DecodedGroup, SharedEntries,
     StateValue, decode_group, decode_header, encode_entries, shared_entries,

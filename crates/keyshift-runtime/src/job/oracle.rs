@@ -7,7 +7,7 @@
 //! for a file source it holds when the files are in event-time order per partition within the
 //! configured out-of-orderness.
 
-use super::aggregate::ResultRow;
+use super::result::ResultRow;
 use super::{JobError, SourceKind, compile};
 use keyshift_core::keygroup::Key;
 use keyshift_core::spec::{AggregateFunction, JobSpec};

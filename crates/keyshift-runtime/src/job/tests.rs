@@ -520,7 +520,7 @@ fn snapshot_groups_encode_like_encode_group_and_drain_like_drain_updates() {
             .iter()
             .map(|r| {
                 let mut line = Vec::new();
-                sink::format_json_line(r, &mut line);
+                format_json_line(r, &mut line);
                 line
             })
             .collect();

@@ -880,8 +880,7 @@ mod io {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::job::aggregate::{ResultRow, Window};
-    use crate::job::sink::format_json_line;
+    use crate::job::result::{ResultRow, Window, format_json_line};
 
     #[test]
     fn transactional_ids_name_the_job_and_stay_across_rescales() {

@@ -201,7 +201,7 @@ pub(super) fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
     if let Some(k) = &mut sub.kafka {
         let mut lines = Vec::with_capacity(rows.len() * 48);
         for r in rows {
-            job::sink::format_json_line(r, &mut lines);
+            job::format_json_line(r, &mut lines);
         }
         k.send_lines(&lines);
         return;
@@ -212,7 +212,7 @@ pub(super) fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
         use std::io::Write;
         let mut lines = Vec::with_capacity(rows.len() * 48);
         for r in rows {
-            job::sink::format_json_line(r, &mut lines);
+            job::format_json_line(r, &mut lines);
         }
         // One large write (stdout is line-buffered: writing row by row makes one write(2) each).
         let mut out = std::io::stdout().lock();
