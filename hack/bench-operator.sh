@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The operator benchmarks (docs/benchmarks.md, "Operator: ..."): brings up a test control plane
 # of its own (hack/testenv.sh: control plane and a real node running this checkout's image), runs `keyshift bench operator jobs`
-# and/or `keyshift bench operator rescale` (src/bench_operator.rs) from a release build with
+# and/or `keyshift bench operator rescale` (src/bench/operator.rs) from a release build with
 # `--features bench` (the product build has no bench commands) against it, and tears it down on
 # exit.
 #

@@ -8,8 +8,8 @@
 //!
 //! None is on by default, and the product build (the release binary and the image) has neither:
 //!
-//! * `bench`: the benchmarks, `bench` and `bench_operator` (`keyshift bench ...`; with `kafka`
-//!   also `bench_kafka`, `keyshift bench kafka`) and
+//! * `bench`: the benchmarks, `bench/` (`keyshift bench ...`; with `kafka` also
+//!   `keyshift bench kafka`) and
 //!   `tools::bench` (`keyshift savepoint bench-rewrite`). Implies `test-hooks`, because
 //!   `keyshift bench operator` runs its own binary as the operator with a test-only hook set.
 //! * `test-hooks`: test-only fault injection, the orchestration's `KEYSHIFT_TEST_*` environment
@@ -17,10 +17,6 @@
 
 #[cfg(feature = "bench")]
 pub mod bench;
-#[cfg(all(feature = "bench", feature = "kafka"))]
-pub mod bench_kafka;
-#[cfg(feature = "bench")]
-pub mod bench_operator;
 pub use keyshift_runtime::{backoff, failpoints, job, runtime, sink, snapshot};
 
 pub mod cli;

@@ -15,7 +15,7 @@
 //! The operator is the real binary (`keyshift operator`, this executable) run as a child
 //! process, as `tests/e2e_operator.rs` runs it. Results: `docs/benchmarks.md`.
 
-use crate::bench::{context_line, cpu_time, filler, loadavg, memory_kib, raw_read, raw_write};
+use super::measure::{context_line, cpu_time, filler, loadavg, memory_kib, raw_read, raw_write};
 use crate::crd::StreamJob;
 use crate::operator::desired;
 use crate::runtime::protocol::WorkerStatus;

@@ -16,7 +16,7 @@
 //!
 //! Results and how to reproduce them: `docs/benchmarks.md`. Build with `--release`.
 
-use crate::bench::{context_line, loadavg};
+use super::measure::{context_line, loadavg};
 use crate::crd::StreamJob;
 use crate::local::LocalJob;
 use anyhow::{Context as _, Result, bail};

@@ -1,0 +1,216 @@
+//! `keyshift bench ...`: benchmarks of the runtime, each reported as a ratio to a raw baseline
+//! measured in the same run on the same machine, so a shared or noisy machine affects both sides.
+//!
+//! * `snapshot`: write and restore-read throughput of keyed state on `file://` against a raw
+//!   sequential write with fsync and a raw read of the same bytes.
+//! * `rescale`: the pause of a `LocalJob` rescale (worker processes) against a raw write + read of
+//!   the state's bytes.
+//! * `throughput`: steady-state records/s of a keyed count through `LocalJob`, and the workers'
+//!   peak memory.
+//! * `checkpoint`: bytes an incremental checkpoint writes after a share of the keys changed,
+//!   against the full one before it, and how long its cut holds records up against its write.
+//!
+//! Results and how to reproduce them: `docs/benchmarks.md`. Build with `--release`.
+
+use anyhow::{Context as _, Result};
+use clap::{Args, Subcommand};
+use std::path::PathBuf;
+
+mod job;
+#[cfg(feature = "kafka")]
+pub mod kafka;
+mod measure;
+pub mod operator;
+mod rescale;
+mod state;
+mod throughput;
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    pub command: BenchCommand,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum BenchCommand {
+    /// Snapshot write and restore-read throughput on file://, as ratios to a raw sequential
+    /// write with fsync and a raw read of the same bytes.
+    Snapshot(SnapshotBench),
+    /// Rescale pause of a job with large keyed state (worker processes), as a ratio to a raw
+    /// write + read of the state's bytes.
+    Rescale(RescaleBench),
+    /// Steady-state keyed-count throughput through worker processes, and peak memory.
+    Throughput(ThroughputBench),
+    /// Incremental checkpoints: bytes an incremental checkpoint writes after a share of the keys
+    /// changed, against a full one, and how long its cut holds records up against its write.
+    Checkpoint(CheckpointBench),
+    /// The operator on a real API server: many StreamJobs (memory, reconcile latency, idle
+    /// CPU) and `kubectl scale` with large state (`operator`).
+    Operator(operator::OperatorBench),
+    /// Kafka -> keyed count -> Kafka (exactly once) records/s against the broker's own
+    /// producer and consumer perf tools, and the rescale pause with a Kafka source
+    /// (`kafka`; needs the `kafka` feature and a broker).
+    #[cfg(feature = "kafka")]
+    Kafka(kafka::KafkaBench),
+}
+
+#[derive(Args, Debug)]
+pub struct SnapshotBench {
+    /// State size in MiB (about 400 bytes per key).
+    #[arg(long, default_value_t = 1024)]
+    pub state_mib: u64,
+    /// Directory for the files (a local filesystem; created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+    /// Key groups.
+    #[arg(long, default_value_t = 128)]
+    pub max_parallelism: u32,
+    /// Subtasks writing (one state file each, written concurrently).
+    #[arg(long, default_value_t = 1)]
+    pub parallelism: u32,
+    /// Opaque bytes of state per key besides the key and the accumulator.
+    #[arg(long, default_value_t = 360)]
+    pub payload: usize,
+    /// Rounds; each measurement keeps its best round.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Threads encoding one subtask's groups (default: what a worker uses,
+    /// KEYSHIFT_ENCODE_THREADS or 1).
+    #[arg(long)]
+    pub encode_threads: Option<usize>,
+}
+
+#[derive(Args, Debug)]
+pub struct RescaleBench {
+    /// State size in MiB (about 400 bytes per key).
+    #[arg(long, default_value_t = 1024)]
+    pub state_mib: u64,
+    /// Parallelism the job runs at before the rescale.
+    #[arg(long, default_value_t = 4)]
+    pub from: u32,
+    /// Parallelism after the rescale.
+    #[arg(long, default_value_t = 8)]
+    pub to: u32,
+    /// Key groups.
+    #[arg(long, default_value_t = 128)]
+    pub max_parallelism: u32,
+    /// Directory for snapshots and worker logs (created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+    /// Opaque bytes of state per key besides the key and the accumulator.
+    #[arg(long, default_value_t = 360)]
+    pub payload: usize,
+    /// Source partitions (default: the larger parallelism).
+    #[arg(long)]
+    pub partitions: Option<u32>,
+    /// Records generated per key (default: ln(keys) + 2, so that every key is touched: the
+    /// expected number of untouched keys is e^-2).
+    #[arg(long)]
+    pub records_per_key: Option<f64>,
+    /// Rounds of the raw baseline (best kept).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Keep the snapshots and worker logs.
+    #[arg(long)]
+    pub keep: bool,
+    /// Also write the rescale's steps, their seconds and the raw baseline as JSON to this file
+    /// (the data of the timeline picture, `docs/data/rescale-timeline.json`).
+    #[arg(long)]
+    pub record: Option<PathBuf>,
+    /// Change the key-group count to this in the same transition (savepoint, verify, stop,
+    /// rewrite, verify the rewrite, restore), as a change of spec.maxParallelism does.
+    #[arg(long)]
+    pub to_max_parallelism: Option<u32>,
+    /// The rewrite's memory budget, MiB (with --to-max-parallelism).
+    #[arg(long, default_value_t = 256)]
+    pub rewrite_memory_mib: usize,
+    /// A pre-staged rescale: once the state is built, the job runs on under a steady load
+    /// (--load-percent), checkpoints, the new workers load the newest checkpoint beside the
+    /// old ones, and the old ones stop with a delta checkpoint. The pause is measured from the
+    /// stop checkpoint's trigger (the old job processes nothing after its barrier) to the first
+    /// record processed by every new subtask.
+    #[arg(long, conflicts_with = "to_max_parallelism")]
+    pub prestage: bool,
+    /// With --prestage: percent of the keys updated per second by the steady load.
+    #[arg(long, default_value_t = 1.0)]
+    pub load_percent: f64,
+    /// With --prestage: seconds of steady load between the checkpoint the new workers load and
+    /// the start of the pre-stage.
+    #[arg(long, default_value_t = 2.0)]
+    pub settle_secs: f64,
+}
+
+#[derive(Args, Debug)]
+pub struct CheckpointBench {
+    /// State size in MiB (about 400 bytes per key).
+    #[arg(long, default_value_t = 1024)]
+    pub state_mib: u64,
+    /// Percent of the keys changed between checkpoints (spread over every key group).
+    #[arg(long, default_value_t = 1.0)]
+    pub changed_percent: f64,
+    /// Subtasks (one state file each, written concurrently, like a job's workers).
+    #[arg(long, default_value_t = 4)]
+    pub parallelism: u32,
+    /// Key groups.
+    #[arg(long, default_value_t = 128)]
+    pub max_parallelism: u32,
+    /// Opaque bytes of state per key besides the key and the accumulator.
+    #[arg(long, default_value_t = 360)]
+    pub payload: usize,
+    /// Incremental checkpoints measured (each after its own changes).
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Drain no results at the barriers (a windowed job, or no sink): the cut only copies the
+    /// state. By default the changed keys' results are drained and kept, as for the
+    /// object-store sink.
+    #[arg(long)]
+    pub no_results: bool,
+    /// Directory for the files (a local filesystem; created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+}
+
+#[derive(Args, Debug)]
+pub struct ThroughputBench {
+    /// Distinct keys (comma-separated for several runs).
+    #[arg(long, value_delimiter = ',', default_value = "100000")]
+    pub keys: Vec<u64>,
+    /// Parallelism (comma-separated for several runs): 1 uses the local channel only, 2 or more
+    /// the loopback TCP shuffle.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    pub parallelism: Vec<u32>,
+    /// Source partitions (at least the parallelism).
+    #[arg(long, default_value_t = 4)]
+    pub partitions: u32,
+    /// Key type: string ("key-<i>") or long.
+    #[arg(long, default_value = "string")]
+    pub key_type: String,
+    /// Seconds before measuring (state fills, caches warm).
+    #[arg(long, default_value_t = 5)]
+    pub warmup: u64,
+    /// Seconds measured.
+    #[arg(long, default_value_t = 15)]
+    pub seconds: u64,
+    /// Directory for worker logs (created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+}
+
+/// Runs a benchmark (blocking; starts its own async runtime).
+pub fn run(args: BenchArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(async move {
+        match args.command {
+            BenchCommand::Snapshot(a) => state::snapshot_bench(a).await,
+            BenchCommand::Rescale(a) => rescale::rescale_bench(a).await,
+            BenchCommand::Throughput(a) => throughput::throughput_bench(a).await,
+            BenchCommand::Checkpoint(a) => state::checkpoint_bench(a).await,
+            BenchCommand::Operator(a) => operator::run(a).await,
+            #[cfg(feature = "kafka")]
+            BenchCommand::Kafka(a) => kafka::run(a).await,
+        }
+    })
+}
