@@ -243,7 +243,7 @@ pub fn diagram() -> Diagram {
                 Plain("worker Pods (one per subtask)"),
                 Plain("Secret <job>-control: token"),
                 Plain("Lease (operator leader election)"),
-                Note("CRD + CEL rules: src/crd.rs, src/validation.rs"),
+                Note("CRD + CEL rules: src/crd.rs, src/validation/"),
             ],
         ),
         node(
