@@ -385,7 +385,7 @@ async fn a_sink_that_cannot_reach_its_brokers_fails_with_their_error_and_keeps_t
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_publisher_restarted_between_its_commit_and_its_clean_up_produces_nothing_twice() {
     use keyshift::job::kafka::sink::KafkaPublisher;
-    use keyshift::job::sink::{Committed, StagingSink, WriterId};
+    use keyshift::job::staging::{Committed, StagingSink, WriterId};
     use keyshift::job::{RecordKey, ResultRow};
     let test = "a_publisher_restarted_between_its_commit_and_its_clean_up_produces_nothing_twice";
     let Some(bootstrap) = bootstrap(test) else {

@@ -8,7 +8,7 @@
 //!
 //! With a sink attached ([`Coordinator::with_sink`]) every trigger tells the workers the job's
 //! newest committed snapshot ([`CheckpointRequest::last_committed`]), so the output they stage
-//! for a snapshot holds everything since that one (see [`crate::job::sink`]). After each commit
+//! for a snapshot holds everything since that one (see [`crate::job::staging`]). After each commit
 //! the coordinator publishes the committed snapshot's output ([`crate::sink::publish`]). A
 //! failed publish is not lost: the id stays pending and is retried after every later commit
 //! (and by [`Coordinator::publish_pending`]); snapshots are published in id order, so a reader

@@ -2,7 +2,7 @@
 
 use super::start::check_partition_lists;
 use super::*;
-use crate::job::sink::{Committed, StagingSink, WriterId};
+use crate::job::staging::{Committed, StagingSink, WriterId};
 use crate::sink::testing::Flaky;
 use crate::snapshot::restore_source;
 

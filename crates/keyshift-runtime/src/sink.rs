@@ -1,5 +1,5 @@
 //! The exactly-once object-store sink, between workers and coordinator: the object-store side of
-//! [`crate::job::sink`] (which decides what each subtask stages when).
+//! [`crate::job::staging`] (which decides what each subtask stages when).
 //!
 //! ```text
 //! <sink>/_staging/snap-<id>/part-<subtask>-of-<parallelism>.jsonl   staged by a subtask at barrier <id>
@@ -16,7 +16,7 @@
 //! and the records after it are reprocessed into new snapshot ids. Each result is therefore
 //! visible exactly once.
 
-use crate::job::sink::{
+use crate::job::staging::{
     Output, STAGING_DIR, WriterId, parse_snapshot_dir_name, part_name, snapshot_dir_name,
 };
 use crate::snapshot::{ObjectStore, Path};
@@ -301,7 +301,7 @@ pub mod testing {
 mod tests {
     use super::testing::Flaky;
     use super::*;
-    use crate::job::sink::{Committed, StagingSink};
+    use crate::job::staging::{Committed, StagingSink};
     use crate::job::{ResultRow, record::RecordKey};
     use futures::TryStreamExt;
 

@@ -34,7 +34,7 @@ pub mod oracle;
 pub use keyshift_core::positions;
 pub mod record;
 pub mod result;
-pub mod sink;
+pub mod staging;
 pub mod state_codec;
 pub mod watermark;
 
@@ -51,7 +51,7 @@ pub use positions::{
 };
 pub use record::{KeyRef, Record, RecordKey};
 pub use result::{LogSink, ResultRow, Window, format_json_line, format_json_row};
-pub use sink::{Output, SinkError, StagingSink, WriterId};
+pub use staging::{Output, SinkError, StagingSink, WriterId};
 pub use state_codec::{
     AGG_SCHEMA, AccValue, BlockHeader, BlockInfo, CodecError, DecodedGroup, SharedEntries,
     StateValue, decode_group, decode_header, encode_entries, shared_entries,

@@ -295,7 +295,7 @@ pub struct CheckpointRequest {
     /// The job's newest committed snapshot id as the coordinator knows it (0: none yet; no
     /// snapshot above it has committed). A worker's object-store sink output staged at barriers
     /// above it did not commit and is staged again with this snapshot's
-    /// ([`crate::job::sink::StagingSink::on_barrier`]). Absent (a coordinator from before this
+    /// ([`crate::job::staging::StagingSink::on_barrier`]). Absent (a coordinator from before this
     /// field): every earlier barrier counts as committed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_committed: Option<u64>,

@@ -76,8 +76,8 @@
 mod catalog;
 mod checksum;
 mod error;
+mod file_store;
 mod layout;
-mod local;
 mod manifest;
 mod reader;
 mod store;

@@ -134,9 +134,9 @@ fn open_local(url: &str, dir: std::path::PathBuf) -> Result<(Arc<dyn ObjectStore
         .with_fsync(true)
         // Deleting a snapshot's last file removes its (then empty) directory.
         .with_automatic_cleanup(true);
-    // State-file uploads and range reads are done by `LocalStore` itself (see `super::local`).
+    // State-file uploads and range reads are done by `FileStore` itself (see `super::file_store`).
     Ok((
-        Arc::new(super::local::LocalStore::new(store)),
+        Arc::new(super::file_store::FileStore::new(store)),
         Path::default(),
     ))
 }

@@ -16,7 +16,7 @@
 //!
 //! A worker never writes to Kafka in this mode. At each snapshot barrier it *stages* every row
 //! since the job's last committed snapshot in the job's snapshot storage, exactly as the
-//! object-store sink does ([`crate::job::sink::StagingSink`]), under
+//! object-store sink does ([`crate::job::staging::StagingSink`]), under
 //! `<storage>/<namespace>/<job>/sink/_staging/snap-<id>/part-<subtask>-of-<parallelism>.jsonl`,
 //! before it acknowledges the snapshot. Once the coordinator has committed snapshot `N` it
 //! *publishes* `N`'s staged parts ([`KafkaPublisher::publish`]), in snapshot-id order:
@@ -42,7 +42,7 @@
 //! depends on the parallelism: a rescale changes no id, leaves no producer behind, and the
 //! staged parts of the savepoint are published like any other snapshot's.
 //!
-//! What the runtime already guarantees does the rest (see [`crate::job::sink`]): a snapshot that
+//! What the runtime already guarantees does the rest (see [`crate::job::staging`]): a snapshot that
 //! never commits is never published, its rows ride with the next snapshot's parts; after a
 //! failure the job restarts from its last committed snapshot, whose parts are published if the
 //! crash came before that; ids are never reused. So **every result row of a committed snapshot
@@ -773,7 +773,7 @@ mod io {
         base: &Path,
         id: u64,
     ) -> Result<(), KafkaSinkError> {
-        let staging = base.clone().join(crate::job::sink::STAGING_DIR);
+        let staging = base.clone().join(crate::job::staging::STAGING_DIR);
         let err = |path: &Path| {
             let path = path.to_string();
             move |source| KafkaSinkError::Store { path, source }
@@ -785,7 +785,7 @@ mod io {
         for prefix in listing.common_prefixes {
             let Some(sid) = prefix
                 .filename()
-                .and_then(crate::job::sink::parse_snapshot_dir_name)
+                .and_then(crate::job::staging::parse_snapshot_dir_name)
             else {
                 continue;
             };

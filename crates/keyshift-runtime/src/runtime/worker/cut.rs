@@ -92,7 +92,7 @@ pub(super) async fn snapshot(
         // after the barrier can emit more (a cut still being copied adds its own later).
         if let Some(sink) = &mut sub.sink {
             sink.staging
-                .seal(id, job::sink::Committed::from_wire(last_committed))?;
+                .seal(id, job::staging::Committed::from_wire(last_committed))?;
         }
         let cut = CutTaken {
             id,
@@ -147,7 +147,7 @@ pub(super) async fn snapshot(
     if let Some(sink) = &mut sub.sink {
         let output = sink
             .staging
-            .on_barrier(id, job::sink::Committed::from_wire(last_committed))?;
+            .on_barrier(id, job::staging::Committed::from_wire(last_committed))?;
         stage_output(sink.store.as_ref(), &sink.base, id, &output).await?;
     }
     let keys_per_group = written.keys_per_group;

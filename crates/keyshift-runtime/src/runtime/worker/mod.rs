@@ -364,7 +364,7 @@ struct Uploading {
 }
 
 /// The object-store sink of a subtask: where it stages, and what (every result since the job's
-/// last committed snapshot, see [`job::sink`]).
+/// last committed snapshot, see [`job::staging`]).
 struct ObjectSink {
     store: Arc<dyn ObjectStore>,
     base: StorePath,

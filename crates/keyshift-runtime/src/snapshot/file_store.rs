@@ -37,18 +37,18 @@ const STORE: &str = "LocalFileSystem";
 
 /// A `file://` store (see the module docs).
 #[derive(Debug)]
-pub(crate) struct LocalStore {
+pub(crate) struct FileStore {
     inner: LocalFileSystem,
 }
 
-impl LocalStore {
+impl FileStore {
     /// Wraps `inner`, which must have fsync enabled (the uploads here always fsync).
     pub(crate) fn new(inner: LocalFileSystem) -> Self {
-        LocalStore { inner }
+        FileStore { inner }
     }
 }
 
-impl LocalStore {
+impl FileStore {
     /// The directory holding `location` when it lies below the store's root (a snapshot
     /// directory for a state file or a manifest): removed again, if empty, after a failed write
     /// into it, so that a write that failed on a full disk leaves no empty directory behind.
@@ -67,7 +67,7 @@ fn remove_dir_if_empty(dir: &std::path::Path) {
     let _ = std::fs::remove_dir(dir);
 }
 
-impl std::fmt::Display for LocalStore {
+impl std::fmt::Display for FileStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Display::fmt(&self.inner, f)
     }
@@ -98,7 +98,7 @@ async fn blocking<T: Send + 'static>(
 }
 
 #[async_trait]
-impl ObjectStore for LocalStore {
+impl ObjectStore for FileStore {
     async fn put_opts(
         &self,
         location: &Path,
@@ -332,7 +332,7 @@ struct LocalUpload {
     staging: Option<PathBuf>,
     dest: PathBuf,
     /// `dest`'s directory, removed if empty when the upload is abandoned
-    /// ([`LocalStore::own_dir`]).
+    /// ([`FileStore::own_dir`]).
     own_dir: Option<PathBuf>,
     /// Where the next part goes.
     offset: u64,
@@ -426,8 +426,8 @@ mod tests {
     use futures::TryStreamExt;
     use object_store::{ObjectStoreExt, WriteMultipart};
 
-    fn store(dir: &std::path::Path) -> LocalStore {
-        LocalStore::new(
+    fn store(dir: &std::path::Path) -> FileStore {
+        FileStore::new(
             LocalFileSystem::new_with_prefix(dir)
                 .unwrap()
                 .with_fsync(true),
