@@ -103,10 +103,11 @@ impl LogSink {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn row(key: RecordKey, value: i64) -> ResultRow {
+    /// A result over all time.
+    pub(crate) fn row(key: RecordKey, value: i64) -> ResultRow {
         ResultRow {
             key,
             window: None,

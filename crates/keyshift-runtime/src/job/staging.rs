@@ -343,14 +343,7 @@ impl StagingSink {
 mod tests {
     use super::*;
     use crate::job::record::RecordKey;
-
-    fn row(key: RecordKey, value: i64) -> ResultRow {
-        ResultRow {
-            key,
-            window: None,
-            value,
-        }
-    }
+    use crate::job::result::tests::row;
 
     fn writer() -> WriterId {
         WriterId {
