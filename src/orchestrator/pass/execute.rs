@@ -24,108 +24,14 @@ impl Pass<'_> {
                 );
                 Ok(short)
             }
-            Action::BeginRescale { from, to, prestage } => {
-                let groups_moved = match (self.assignment(from), self.assignment(to.max(1))) {
-                    (Ok(a), Ok(b)) if to > 0 => keygroup::rescale_plan(a, b)
-                        .ok()
-                        .map(|p| p.moved_groups as i32),
-                    _ => None,
-                };
-                let now = Utc::now().to_rfc3339();
-                let prestage = prestage.map(|run| crate::crd::PrestageStatus {
-                    run,
-                    since: now.clone(),
-                    ..Default::default()
-                });
-                let prestaging = prestage.is_some();
-                self.begin(RescaleStatus {
-                    from: from as i32,
-                    to: to as i32,
-                    step: if prestaging {
-                        Step::Prestaging
-                    } else {
-                        Step::Savepointing
-                    },
-                    started: now,
-                    groups_moved,
-                    prestage,
-                    ..Default::default()
-                });
-                let what = if to == 0 {
-                    format!("suspending (parallelism {from}) with a savepoint")
-                } else if prestaging {
-                    format!(
-                        "rescaling {from} -> {to}: pre-stage the new workers beside the running job, stop with a delta checkpoint, start them from it"
-                    )
-                } else {
-                    format!(
-                        "rescaling {from} -> {to}: stop with a savepoint, verify, move key groups, restart"
-                    )
-                };
-                self.event(
-                    false,
-                    if to == 0 {
-                        Reason::Suspending
-                    } else {
-                        Reason::RescaleStarted
-                    },
-                    what,
-                );
-                Ok(short)
-            }
+            Action::BeginRescale { from, to, prestage } => self.begin_rescale(from, to, prestage),
             Action::BeginRestore {
                 from,
                 to,
                 url,
                 max_parallelism,
-            } => {
-                self.begin(RescaleStatus {
-                    from: from as i32,
-                    to: to as i32,
-                    step: Step::Savepointing,
-                    started: Utc::now().to_rfc3339(),
-                    restore_from: Some(url.clone()),
-                    max_parallelism: Some(max_parallelism as i32),
-                    ..Default::default()
-                });
-                self.event(
-                    false,
-                    Reason::RestoreStarted,
-                    format!(
-                        "spec.restoreFrom changed: keeping the current state in a savepoint, then restarting at parallelism {to} from {url} ({max_parallelism} key groups)"
-                    ),
-                );
-                Ok(short)
-            }
-            Action::BeginUpgrade { parallelism, mode } => {
-                let p = parallelism as i32;
-                self.begin(RescaleStatus {
-                    from: p,
-                    to: p,
-                    step: Step::first_of_upgrade(mode),
-                    started: Utc::now().to_rfc3339(),
-                    groups_moved: Some(0),
-                    upgrade_mode: Some(mode),
-                    ..Default::default()
-                });
-                let how = match mode {
-                    crate::crd::UpgradeMode::Savepoint => {
-                        "stop with a savepoint, verify, restart with the new spec from it"
-                    }
-                    crate::crd::UpgradeMode::LastState => {
-                        "stop, restart with the new spec from the latest checkpoint"
-                    }
-                    crate::crd::UpgradeMode::Stateless => {
-                        "stop, restart with the new spec and empty state"
-                    }
-                };
-                self.event(
-                    false,
-                    Reason::UpgradeStarted,
-                    format!("spec.job or spec.image changed (parallelism {parallelism}): {how}"),
-                );
-                Ok(short)
-            }
+            } => self.begin_restore(from, to, url, max_parallelism),
+            Action::BeginUpgrade { parallelism, mode } => self.begin_upgrade(parallelism, mode),
             Action::Savepoint => self.savepoint().await,
             Action::Prestage { run, parallelism } => self.prestage(run, parallelism).await,
             Action::FallBack { message } => {
@@ -189,73 +95,8 @@ impl Pass<'_> {
                 target,
                 groups,
                 parallelism,
-            } => {
-                let (memory, spill) = match super::super::ceiling::rewrite_settings() {
-                    Ok(s) => s,
-                    Err(e) => {
-                        self.roll_back_rewrite(e.to_string())?;
-                        return Ok(short);
-                    }
-                };
-                let fault = crate::failpoints::rewrite_fault(&self.ns, &self.name);
-                let memory = match fault {
-                    Some(crate::failpoints::RewriteFault::MemoryBudget(m)) => m,
-                    _ => memory,
-                };
-                let work = BackgroundWork::Rewrite {
-                    source: source.clone(),
-                    target: target.clone(),
-                    groups,
-                };
-                self.in_background(work, move |handle| {
-                    Ended::Rewrite(handle.block_on(async {
-                        let done = run::rewrite_savepoint(
-                            &source,
-                            &target,
-                            groups,
-                            parallelism,
-                            memory,
-                            spill,
-                        )
-                        .await;
-                        if matches!(done, Ok(Some(_)))
-                            && fault == Some(crate::failpoints::RewriteFault::CorruptOutput)
-                            && let Err(e) = crate::failpoints::corrupt_snapshot(&target).await
-                        {
-                            tracing::error!(%target, "could not corrupt it: {e}");
-                        }
-                        done
-                    }))
-                });
-                Ok(requeue::BACKGROUND_BACKSTOP)
-            }
-            Action::VerifyRewrite { source, target } => {
-                let groups = self
-                    .status
-                    .rescale
-                    .as_ref()
-                    .and_then(|r| r.max_parallelism)
-                    .unwrap_or_default()
-                    .max(0) as u32;
-                let parallelism = self
-                    .status
-                    .rescale
-                    .as_ref()
-                    .map_or(0, |r| r.to.max(0) as u32);
-                let work = BackgroundWork::VerifyRewrite {
-                    source: source.clone(),
-                    target: target.clone(),
-                };
-                self.in_background(work, move |handle| {
-                    Ended::VerifyRewrite(handle.block_on(run::verify_rewrite(
-                        &source,
-                        &target,
-                        groups,
-                        parallelism,
-                    )))
-                });
-                Ok(requeue::BACKGROUND_BACKSTOP)
-            }
+            } => self.rewrite(source, target, groups, parallelism).await,
+            Action::VerifyRewrite { source, target } => self.verify_rewrite(source, target),
             Action::RollBackRewrite { message } => {
                 self.roll_back_rewrite(message)?;
                 Ok(short)
@@ -268,50 +109,7 @@ impl Pass<'_> {
                 run,
                 parallelism,
                 subtasks,
-            } => {
-                let assignment = self.assignment(parallelism)?;
-                // The workers read the token from its source (the Secret): make sure it
-                // (still) exists.
-                if self.token_from_cache {
-                    let token = self.workers.token().await.map_err(PassError::Token)?;
-                    self.mem.token = Some(token.clone());
-                    self.token = token;
-                    self.token_from_cache = false;
-                }
-                let created = self
-                    .workers
-                    .create(&run, assignment, &subtasks, &self.token)
-                    .await;
-                if let Err(e) = created {
-                    // A pre-staged rescale's new workers refused for good (a quota, say): the
-                    // rescale goes on without them at once.
-                    let prestaging = self.status.rescale.as_ref().is_some_and(|r| {
-                        r.step == Step::Prestaging && r.prestage_run() == Some(run.as_str())
-                    });
-                    if prestaging && !e.transient {
-                        self.fall_back(format!("creating the new workers was refused: {e}"))?;
-                        return Ok(short);
-                    }
-                    return Err(PassError::Create(e));
-                }
-                self.event(
-                    false,
-                    Reason::CreatedPods,
-                    format!(
-                        "run {run}: created {} of {}",
-                        subtasks.len(),
-                        text::count(u64::from(parallelism), "worker")
-                    ),
-                );
-                self.progress.note = Some((
-                    Reason::CreatingPods.into(),
-                    format!(
-                        "run {run}: {}",
-                        text::count(u64::from(parallelism), "worker")
-                    ),
-                ));
-                Ok(requeue::WORKERS_CHANGING)
-            }
+            } => self.create_pods(run, parallelism, subtasks).await,
             Action::Wait { reason } => {
                 self.progress.note = Some((Reason::Waiting.into(), reason));
                 Ok(requeue::WORKERS_CHANGING)
@@ -321,57 +119,7 @@ impl Pass<'_> {
                 parallelism,
                 restore,
             } => self.start(run, parallelism, restore).await,
-            Action::Adopt { run, parallelism } => {
-                let Some(endpoints) = self.endpoints(parallelism) else {
-                    return Ok(short);
-                };
-                // The workers run under the key-group count they were started with.
-                let assignment = match self.run_groups.get(&run) {
-                    Some(g) => Assignment::new(i64::from(parallelism), i64::from(*g))?,
-                    None => self.assignment(parallelism)?,
-                };
-                // Workers created for another spec.job run the logic they were started with:
-                // their snapshots keep saying so (the identity of the job's newest snapshot), so
-                // that an upgrade that would mix histories is still refused.
-                let want = decide::spec_hash(self.spec);
-                let spec_hash = self
-                    .pods
-                    .iter()
-                    .find(|p| p.run == run)
-                    .and_then(|p| p.spec_hash.clone());
-                let stale = spec_hash.as_ref().is_some_and(|h| *h != want);
-                let identity = match stale {
-                    true => self.newest_identity().await.map_err(PassError::Adopt)?,
-                    false => self.identity(),
-                };
-                let coordinator = self
-                    .coordinator(assignment, endpoints, identity, PassError::Adopt)
-                    .await?;
-                if self
-                    .pods
-                    .iter()
-                    .any(|p| p.worker == Some(WorkerState::Stopped))
-                {
-                    coordinator.resume().await;
-                }
-                self.mem.run = Some(RunHandle {
-                    run: run.clone(),
-                    parallelism,
-                    coordinator,
-                    started: Utc::now(),
-                    spec_hash,
-                });
-                let rescaling = self
-                    .status
-                    .rescale
-                    .as_ref()
-                    .is_some_and(|r| r.step.active());
-                if !rescaling {
-                    self.set_running(parallelism)?;
-                }
-                tracing::info!(job = %self.name, run, parallelism, "adopted running workers");
-                Ok(short)
-            }
+            Action::Adopt { run, parallelism } => self.adopt(run, parallelism).await,
             Action::Recover { message } => {
                 self.delete_all().await?;
                 self.progress.phase = Some(Phase::Pending);
@@ -390,40 +138,7 @@ impl Pass<'_> {
                 );
                 Ok(requeue::WORKERS_CHANGING)
             }
-            Action::FinishRescale => {
-                let (to, rolled_back) = self.status.rescale.as_ref().map_or((0, false), |r| {
-                    (decide::restore_target(r), r.rolled_back.is_some())
-                });
-                self.finish_restoring(rolled_back)?;
-                if to == 0 {
-                    self.status.replicas = Some(0);
-                    self.progress.phase = Some(Phase::Suspended);
-                    self.status.key_groups = None;
-                } else {
-                    self.set_running(to)?;
-                }
-                let r = self.status.rescale.clone().unwrap_or_default();
-                self.event(
-                    rolled_back,
-                    if to == 0 {
-                        Reason::Suspended
-                    } else if rolled_back {
-                        Reason::RescaleRolledBack
-                    } else {
-                        Reason::Rescaled
-                    },
-                    format!(
-                        "{} -> {} done: {} key groups moved, {} bytes read; {}{}",
-                        r.from,
-                        r.to,
-                        r.groups_moved.unwrap_or_default(),
-                        r.bytes_to_read.unwrap_or_default(),
-                        step_times(&r),
-                        prestage_summary(&r)
-                    ),
-                );
-                Ok(short)
-            }
+            Action::FinishRescale => self.finish_rescale(),
             Action::Checkpoint => Ok(self.checkpoint()),
             Action::TriggerSavepoint { nonce } => Ok(self.triggered_savepoint(nonce)),
             Action::MarkSuspended => {
@@ -434,6 +149,346 @@ impl Pass<'_> {
             }
             Action::Idle { requeue } => Ok(requeue),
         }
+    }
+
+    /// Begins a rescale from `from` to `to` subtasks (0: a suspend), pre-staged by the new run
+    /// `prestage` when one is named: the rescale in status with the groups it moves, and its Event.
+    fn begin_rescale(
+        &mut self,
+        from: u32,
+        to: u32,
+        prestage: Option<String>,
+    ) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        let groups_moved = match (self.assignment(from), self.assignment(to.max(1))) {
+            (Ok(a), Ok(b)) if to > 0 => keygroup::rescale_plan(a, b)
+                .ok()
+                .map(|p| p.moved_groups as i32),
+            _ => None,
+        };
+        let now = Utc::now().to_rfc3339();
+        let prestage = prestage.map(|run| crate::crd::PrestageStatus {
+            run,
+            since: now.clone(),
+            ..Default::default()
+        });
+        let prestaging = prestage.is_some();
+        self.begin(RescaleStatus {
+            from: from as i32,
+            to: to as i32,
+            step: if prestaging {
+                Step::Prestaging
+            } else {
+                Step::Savepointing
+            },
+            started: now,
+            groups_moved,
+            prestage,
+            ..Default::default()
+        });
+        let what = if to == 0 {
+            format!("suspending (parallelism {from}) with a savepoint")
+        } else if prestaging {
+            format!(
+                "rescaling {from} -> {to}: pre-stage the new workers beside the running job, stop with a delta checkpoint, start them from it"
+            )
+        } else {
+            format!(
+                "rescaling {from} -> {to}: stop with a savepoint, verify, move key groups, restart"
+            )
+        };
+        self.event(
+            false,
+            if to == 0 {
+                Reason::Suspending
+            } else {
+                Reason::RescaleStarted
+            },
+            what,
+        );
+        Ok(short)
+    }
+
+    /// Begins an upgrade in `mode` of the job running at `parallelism` (its spec.job or spec.image
+    /// changed).
+    fn begin_upgrade(
+        &mut self,
+        parallelism: u32,
+        mode: UpgradeMode,
+    ) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        let p = parallelism as i32;
+        self.begin(RescaleStatus {
+            from: p,
+            to: p,
+            step: Step::first_of_upgrade(mode),
+            started: Utc::now().to_rfc3339(),
+            groups_moved: Some(0),
+            upgrade_mode: Some(mode),
+            ..Default::default()
+        });
+        let how = match mode {
+            crate::crd::UpgradeMode::Savepoint => {
+                "stop with a savepoint, verify, restart with the new spec from it"
+            }
+            crate::crd::UpgradeMode::LastState => {
+                "stop, restart with the new spec from the latest checkpoint"
+            }
+            crate::crd::UpgradeMode::Stateless => "stop, restart with the new spec and empty state",
+        };
+        self.event(
+            false,
+            Reason::UpgradeStarted,
+            format!("spec.job or spec.image changed (parallelism {parallelism}): {how}"),
+        );
+        Ok(short)
+    }
+
+    /// Verifies the rewritten savepoint `target` against `source`, in the background.
+    fn verify_rewrite(&mut self, source: String, target: String) -> Result<Duration, PassError> {
+        let groups = self
+            .status
+            .rescale
+            .as_ref()
+            .and_then(|r| r.max_parallelism)
+            .unwrap_or_default()
+            .max(0) as u32;
+        let parallelism = self
+            .status
+            .rescale
+            .as_ref()
+            .map_or(0, |r| r.to.max(0) as u32);
+        let work = BackgroundWork::VerifyRewrite {
+            source: source.clone(),
+            target: target.clone(),
+        };
+        self.in_background(work, move |handle| {
+            Ended::VerifyRewrite(handle.block_on(run::verify_rewrite(
+                &source,
+                &target,
+                groups,
+                parallelism,
+            )))
+        });
+        Ok(requeue::BACKGROUND_BACKSTOP)
+    }
+
+    /// Takes over run `run` (at `parallelism`), already running, with a coordinator of this process
+    /// (resuming workers a predecessor left stopped).
+    async fn adopt(&mut self, run: String, parallelism: u32) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        let Some(endpoints) = self.endpoints(parallelism) else {
+            return Ok(short);
+        };
+        // The workers run under the key-group count they were started with.
+        let assignment = match self.run_groups.get(&run) {
+            Some(g) => Assignment::new(i64::from(parallelism), i64::from(*g))?,
+            None => self.assignment(parallelism)?,
+        };
+        // Workers created for another spec.job run the logic they were started with:
+        // their snapshots keep saying so (the identity of the job's newest snapshot), so
+        // that an upgrade that would mix histories is still refused.
+        let want = decide::spec_hash(self.spec);
+        let spec_hash = self
+            .pods
+            .iter()
+            .find(|p| p.run == run)
+            .and_then(|p| p.spec_hash.clone());
+        let stale = spec_hash.as_ref().is_some_and(|h| *h != want);
+        let identity = match stale {
+            true => self.newest_identity().await.map_err(PassError::Adopt)?,
+            false => self.identity(),
+        };
+        let coordinator = self
+            .coordinator(assignment, endpoints, identity, PassError::Adopt)
+            .await?;
+        if self
+            .pods
+            .iter()
+            .any(|p| p.worker == Some(WorkerState::Stopped))
+        {
+            coordinator.resume().await;
+        }
+        self.mem.run = Some(RunHandle {
+            run: run.clone(),
+            parallelism,
+            coordinator,
+            started: Utc::now(),
+            spec_hash,
+        });
+        let rescaling = self
+            .status
+            .rescale
+            .as_ref()
+            .is_some_and(|r| r.step.active());
+        if !rescaling {
+            self.set_running(parallelism)?;
+        }
+        tracing::info!(job = %self.name, run, parallelism, "adopted running workers");
+        Ok(short)
+    }
+
+    /// The new run of a rescale is up: the rescale ends, and the job runs at its new parallelism
+    /// (or is suspended).
+    fn finish_rescale(&mut self) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        let (to, rolled_back) = self.status.rescale.as_ref().map_or((0, false), |r| {
+            (decide::restore_target(r), r.rolled_back.is_some())
+        });
+        self.finish_restoring(rolled_back)?;
+        if to == 0 {
+            self.status.replicas = Some(0);
+            self.progress.phase = Some(Phase::Suspended);
+            self.status.key_groups = None;
+        } else {
+            self.set_running(to)?;
+        }
+        let r = self.status.rescale.clone().unwrap_or_default();
+        self.event(
+            rolled_back,
+            if to == 0 {
+                Reason::Suspended
+            } else if rolled_back {
+                Reason::RescaleRolledBack
+            } else {
+                Reason::Rescaled
+            },
+            format!(
+                "{} -> {} done: {} key groups moved, {} bytes read; {}{}",
+                r.from,
+                r.to,
+                r.groups_moved.unwrap_or_default(),
+                r.bytes_to_read.unwrap_or_default(),
+                step_times(&r),
+                prestage_summary(&r)
+            ),
+        );
+        Ok(short)
+    }
+
+    /// Begins a restore from spec.restoreFrom `url` (of `max_parallelism` key groups) at `to`
+    /// subtasks, keeping the current state in a savepoint first.
+    fn begin_restore(
+        &mut self,
+        from: u32,
+        to: u32,
+        url: String,
+        max_parallelism: u32,
+    ) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        self.begin(RescaleStatus {
+            from: from as i32,
+            to: to as i32,
+            step: Step::Savepointing,
+            started: Utc::now().to_rfc3339(),
+            restore_from: Some(url.clone()),
+            max_parallelism: Some(max_parallelism as i32),
+            ..Default::default()
+        });
+        self.event(
+            false,
+            Reason::RestoreStarted,
+            format!(
+                "spec.restoreFrom changed: keeping the current state in a savepoint, then restarting at parallelism {to} from {url} ({max_parallelism} key groups)"
+            ),
+        );
+        Ok(short)
+    }
+
+    /// Rewrites savepoint `source` into `target` at `groups` key groups (for a run at
+    /// `parallelism`), in the background.
+    async fn rewrite(
+        &mut self,
+        source: String,
+        target: String,
+        groups: u32,
+        parallelism: u32,
+    ) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        let (memory, spill) = match super::super::ceiling::rewrite_settings() {
+            Ok(s) => s,
+            Err(e) => {
+                self.roll_back_rewrite(e.to_string())?;
+                return Ok(short);
+            }
+        };
+        let fault = crate::failpoints::rewrite_fault(&self.ns, &self.name);
+        let memory = match fault {
+            Some(crate::failpoints::RewriteFault::MemoryBudget(m)) => m,
+            _ => memory,
+        };
+        let work = BackgroundWork::Rewrite {
+            source: source.clone(),
+            target: target.clone(),
+            groups,
+        };
+        self.in_background(work, move |handle| {
+            Ended::Rewrite(handle.block_on(async {
+                let done =
+                    run::rewrite_savepoint(&source, &target, groups, parallelism, memory, spill)
+                        .await;
+                if matches!(done, Ok(Some(_)))
+                    && fault == Some(crate::failpoints::RewriteFault::CorruptOutput)
+                    && let Err(e) = crate::failpoints::corrupt_snapshot(&target).await
+                {
+                    tracing::error!(%target, "could not corrupt it: {e}");
+                }
+                done
+            }))
+        });
+        Ok(requeue::BACKGROUND_BACKSTOP)
+    }
+
+    /// Creates the pods `subtasks` of run `run` at `parallelism`.
+    async fn create_pods(
+        &mut self,
+        run: String,
+        parallelism: u32,
+        subtasks: Vec<u32>,
+    ) -> Result<Duration, PassError> {
+        let short = requeue::SOON;
+        let assignment = self.assignment(parallelism)?;
+        // The workers read the token from its source (the Secret): make sure it
+        // (still) exists.
+        if self.token_from_cache {
+            let token = self.workers.token().await.map_err(PassError::Token)?;
+            self.mem.token = Some(token.clone());
+            self.token = token;
+            self.token_from_cache = false;
+        }
+        let created = self
+            .workers
+            .create(&run, assignment, &subtasks, &self.token)
+            .await;
+        if let Err(e) = created {
+            // A pre-staged rescale's new workers refused for good (a quota, say): the
+            // rescale goes on without them at once.
+            let prestaging = self.status.rescale.as_ref().is_some_and(|r| {
+                r.step == Step::Prestaging && r.prestage_run() == Some(run.as_str())
+            });
+            if prestaging && !e.transient {
+                self.fall_back(format!("creating the new workers was refused: {e}"))?;
+                return Ok(short);
+            }
+            return Err(PassError::Create(e));
+        }
+        self.event(
+            false,
+            Reason::CreatedPods,
+            format!(
+                "run {run}: created {} of {}",
+                subtasks.len(),
+                text::count(u64::from(parallelism), "worker")
+            ),
+        );
+        self.progress.note = Some((
+            Reason::CreatingPods.into(),
+            format!(
+                "run {run}: {}",
+                text::count(u64::from(parallelism), "worker")
+            ),
+        ));
+        Ok(requeue::WORKERS_CHANGING)
     }
 
     /// The new run of a rescale is up: step Done, or RolledBack when it runs at the old
