@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-step() { printf '\n==> %s\n' "$*" >&2; }
+step() { printf '\n==> [%s, %ss in] %s\n' "$(date +%T)" "$SECONDS" "$*" >&2; }
 
 # Prometheus' reference parser checks the metrics endpoints (tests/metrics_exposition.rs and the
 # e2e tests, through tests/monitoring/check_exposition.py).
