@@ -20,7 +20,6 @@ pub mod bench;
 pub use keyshift_runtime::{backoff, failpoints, job, runtime, sink, snapshot};
 
 pub mod cli;
-pub mod coordinator;
 pub mod crd;
 #[cfg(test)]
 pub(crate) mod fixtures;

@@ -1353,8 +1353,8 @@ async fn a_file_shorter_than_its_restored_offset_is_refused_by_name() {
 /// also call each worker's control API (it knows the endpoints and the token).
 struct OwnRun {
     workers: keyshift::local::harness::LocalWorkers,
-    coordinator: keyshift::coordinator::Coordinator,
-    endpoints: Vec<keyshift::coordinator::WorkerEndpoint>,
+    coordinator: keyshift::orchestrator::coordinator::Coordinator,
+    endpoints: Vec<keyshift::orchestrator::coordinator::WorkerEndpoint>,
     token: String,
     http: reqwest::Client,
 }
@@ -1372,9 +1372,9 @@ fn own_assignment(spec: &StreamJob) -> keyshift::keygroup::Assignment {
 async fn own_coordinator(
     spec: &StreamJob,
     env: &Env,
-    endpoints: &[keyshift::coordinator::WorkerEndpoint],
+    endpoints: &[keyshift::orchestrator::coordinator::WorkerEndpoint],
     token: &str,
-) -> keyshift::coordinator::Coordinator {
+) -> keyshift::orchestrator::coordinator::Coordinator {
     use keyshift::orchestrator::run;
     let name = spec.metadata.name.clone().expect("a name");
     run::coordinator(
@@ -1482,7 +1482,10 @@ impl OwnRun {
     async fn snapshot(
         &mut self,
         kind: snapshot::SnapshotKind,
-    ) -> Result<keyshift::coordinator::Completed, keyshift::coordinator::CoordinatorError> {
+    ) -> Result<
+        keyshift::orchestrator::coordinator::Completed,
+        keyshift::orchestrator::coordinator::CoordinatorError,
+    > {
         self.coordinator
             .snapshot(
                 kind,
@@ -1710,7 +1713,10 @@ async fn a_start_whose_workers_listed_different_files_is_refused_and_a_stable_re
 /// `n` workers served by this test process (so that a test hook reaches each of them): their
 /// endpoints, in subtask order. They run until the test's runtime ends.
 #[cfg(feature = "test-hooks")]
-async fn in_process_workers(n: u32, token: &str) -> Vec<keyshift::coordinator::WorkerEndpoint> {
+async fn in_process_workers(
+    n: u32,
+    token: &str,
+) -> Vec<keyshift::orchestrator::coordinator::WorkerEndpoint> {
     use keyshift::runtime::worker::{self, WorkerConfig};
     let loopback: std::net::SocketAddr = "127.0.0.1:0".parse().expect("loopback");
     let mut endpoints = Vec::new();
@@ -1722,7 +1728,7 @@ async fn in_process_workers(n: u32, token: &str) -> Vec<keyshift::coordinator::W
         })
         .await
         .expect("bind");
-        endpoints.push(keyshift::coordinator::WorkerEndpoint {
+        endpoints.push(keyshift::orchestrator::coordinator::WorkerEndpoint {
             control: format!("http://{}", bound.control_addr),
             data: bound.data_addr.to_string(),
         });
@@ -1797,7 +1803,7 @@ async fn a_checkpoint_one_worker_never_acknowledges_times_out_and_is_aborted_eve
     assert!(
         matches!(
             &e,
-            keyshift::coordinator::CoordinatorError::SnapshotTimeout { id, missing, .. }
+            keyshift::orchestrator::coordinator::CoordinatorError::SnapshotTimeout { id, missing, .. }
                 if *id == stalled && missing.contains(&1)
         ),
         "{e}"

@@ -6,8 +6,8 @@
 
 use super::LocalError;
 use super::processes::{spawn_worker, stop_worker};
-use crate::coordinator::{Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{StreamJob, StreamJobSpec};
+use crate::orchestrator::coordinator::{Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::orchestrator::{run, timeouts};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, SnapshotKind};
@@ -262,7 +262,7 @@ impl LocalJob {
     async fn run_coordinator(
         &self,
         assignment: Assignment,
-        endpoints: Vec<crate::coordinator::WorkerEndpoint>,
+        endpoints: Vec<crate::orchestrator::coordinator::WorkerEndpoint>,
     ) -> Result<Coordinator, LocalError> {
         Ok(run::coordinator(
             &self.spec,

@@ -10,9 +10,9 @@ pub mod strict;
 
 pub use harness::{LaunchReport, LocalJob, LocalWorkers, Prestage, PrestageReport, RescaleReport};
 
-use crate::coordinator::CoordinatorError;
 use crate::crd::{Phase, StreamJob, StreamJobSpec, StreamJobStatus};
 use crate::operator::metrics::OperatorMetrics;
+use crate::orchestrator::coordinator::CoordinatorError;
 use crate::orchestrator::decide;
 use crate::orchestrator::pass::{self, JobMemory, PassInput, PendingEvent, Shell};
 use crate::orchestrator::run;
@@ -551,7 +551,7 @@ fn print_groups(parallelism: u32, max_parallelism: u32) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::coordinator::tests::{commit, identity};
+    use crate::orchestrator::coordinator::tests::{commit, identity};
     use crate::snapshot::SnapshotKind;
 
     #[test]

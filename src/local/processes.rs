@@ -4,7 +4,7 @@
 //! orchestration over.
 
 use super::LocalError;
-use crate::coordinator::WorkerEndpoint;
+use crate::orchestrator::coordinator::WorkerEndpoint;
 use crate::orchestrator::decide::{ObservedPod, PodPhase};
 use crate::orchestrator::port::{Listed, PortError, Waker, Workers};
 use keyshift_core::keygroup::Assignment;

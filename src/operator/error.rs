@@ -67,7 +67,7 @@ mod tests {
         assert_eq!(bug.kind(), ErrorKind::Bug);
         assert!(bug.kind().retry_after() > e.kind().retry_after());
         let storage = OperatorError::Pass(PassError::FindSnapshot(
-            crate::coordinator::CoordinatorError::Snapshot(
+            crate::orchestrator::coordinator::CoordinatorError::Snapshot(
                 crate::snapshot::SnapshotError::ManifestMissing {
                     path: "ns/j/checkpoints/chk-3".into(),
                 },

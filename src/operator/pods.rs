@@ -3,9 +3,9 @@
 
 use super::context::Context;
 use super::desired::{self, LABEL_PARALLELISM, LABEL_RUN, LABEL_SUBTASK, MANAGER};
-use crate::coordinator::WorkerEndpoint;
 use crate::crd::{KafkaCredentials, StreamJob};
 use crate::job::kafka::{Credentials, Role};
+use crate::orchestrator::coordinator::WorkerEndpoint;
 use crate::orchestrator::decide::{ObservedPod, PodPhase};
 use crate::orchestrator::port::{Listed, PortError, Waker, Workers};
 use crate::orchestrator::run;

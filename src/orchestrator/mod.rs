@@ -3,6 +3,7 @@
 //! (processes) build runs only through here, so they cannot drift apart.
 
 pub mod ceiling;
+pub mod coordinator;
 pub mod decide;
 pub mod pass;
 pub mod port;

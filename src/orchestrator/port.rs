@@ -4,9 +4,9 @@
 //! and the cluster-free tests with a fake.
 
 use super::decide::ObservedPod;
-use crate::coordinator::WorkerEndpoint;
 use crate::crd::KafkaCredentials;
 use crate::job::kafka::{Credentials, Role};
+use crate::orchestrator::coordinator::WorkerEndpoint;
 use keyshift_core::keygroup::Assignment;
 use std::sync::Arc;
 

@@ -4,8 +4,8 @@
 //! snapshots, the control token, the run id, and the timeouts of each long step.
 
 use super::timeouts;
-use crate::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{SinkType, StreamJobSpec};
+use crate::orchestrator::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::runtime::protocol::StartRequest;
 use crate::snapshot::{self, JobIdentity, StateLayout};
 use keyshift_core::hash::fnv;
@@ -257,7 +257,7 @@ pub struct Prestaged {
     pub rounds: Vec<std::time::Duration>,
     /// Checkpoints of the running job taken for the pre-stage, in order (for the caller's
     /// records).
-    pub checkpoints: Vec<crate::coordinator::Completed>,
+    pub checkpoints: Vec<crate::orchestrator::coordinator::Completed>,
 }
 
 impl Prestaged {

@@ -2,10 +2,10 @@
 //! observedGeneration) plus the domain conditions `KeyGroupsBalanced` and
 //! `AllSubtasksHavePartitions`, from the status the shell arrived at.
 
-use crate::coordinator::StartProgress;
 use crate::crd::{
     KeyGroupsStatus, Phase, RestoreStatus, StateDistribution, StreamJobSpec, StreamJobStatus,
 };
+use crate::orchestrator::coordinator::StartProgress;
 use crate::validation::Analysis;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
 use k8s_openapi::jiff::Timestamp;
@@ -56,7 +56,7 @@ pub struct Progress {
     pub phase: Option<Phase>,
     /// For a job with an object-store sink whose run is coordinated: the committed snapshots
     /// whose output is not published yet, and why the last attempt failed.
-    pub sink: Option<crate::coordinator::PublishBacklog>,
+    pub sink: Option<crate::orchestrator::coordinator::PublishBacklog>,
     /// A start that resumes the job's own history chose its snapshot: Ok when it is the newest,
     /// else what it passed over.
     pub restored_newest: Option<Result<(), String>>,
@@ -765,7 +765,7 @@ mod tests {
             ..Default::default()
         };
         let behind = Progress {
-            sink: Some(crate::coordinator::PublishBacklog {
+            sink: Some(crate::orchestrator::coordinator::PublishBacklog {
                 pending: vec![8, 9],
                 last_error: Some("403 Forbidden".into()),
             }),
@@ -784,7 +784,7 @@ mod tests {
             c.message
         );
         let caught_up = Progress {
-            sink: Some(crate::coordinator::PublishBacklog::default()),
+            sink: Some(crate::orchestrator::coordinator::PublishBacklog::default()),
             ..Default::default()
         };
         finish(&spec, Some(1), &mut st, None, &caught_up, Timestamp::now());

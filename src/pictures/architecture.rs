@@ -295,7 +295,7 @@ pub fn diagram() -> Diagram {
             "coordinator",
             (675.0, 158.0, 290.0, 58.0),
             Look::Part,
-            "Coordinator · src/coordinator/",
+            "Coordinator · src/orchestrator/coordinator/",
             &[
                 Plain("start, trigger snapshots, collect acks,"),
                 Plain("commit manifest, publish sink, retention"),

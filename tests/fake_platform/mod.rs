@@ -21,8 +21,8 @@
 
 #![allow(dead_code)]
 
-use keyshift::coordinator::WorkerEndpoint;
 use keyshift::keygroup::Assignment;
+use keyshift::orchestrator::coordinator::WorkerEndpoint;
 use keyshift::orchestrator::decide::{ObservedPod, PodPhase};
 use keyshift::orchestrator::port::{Listed, PortError, Waker, Workers};
 use keyshift::runtime::protocol::{CheckpointRequest, CheckpointStatus};

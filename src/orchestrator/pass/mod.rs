@@ -17,10 +17,12 @@ use super::port::{PortError, Workers};
 use super::run::{self, RandomError};
 use super::status::{self, Progress};
 use super::timeouts;
-use crate::coordinator::{self, Completed, Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::failpoints;
 use crate::operator::metrics::{OperatorMetrics, SnapshotLabels};
+use crate::orchestrator::coordinator::{
+    self, Completed, Coordinator, CoordinatorError, WorkerEndpoint,
+};
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
 use crate::tools::catalog::{InUseEntry, InUseMarker};
