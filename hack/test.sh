@@ -59,7 +59,7 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 # The layers (docs/architecture.md, "1. The parts"): the crates below the product build with no
 # Kubernetes client, and the core with no I/O runtime. The compiler keeps the crates from importing
 # upward; this keeps their dependency lists honest.
-step "layers: what keyshift-core and keyshift-runtime may depend on (cargo tree)"
+step "layers: what keyshift-core and keyshift-runtime may depend on (cargo tree), and no module cycles"
 layer_check() {
   local crate="$1" forbidden="$2" found
   found="$(cargo tree --locked -p "$crate" -e normal --all-features --prefix none \
@@ -71,6 +71,9 @@ layer_check() {
 }
 layer_check keyshift-runtime 'kube|kube-client|kube-runtime|kube-core|k8s-openapi|clap'
 layer_check keyshift-core 'kube|kube-client|kube-runtime|kube-core|k8s-openapi|tokio|object_store|axum|reqwest|rdkafka'
+# And inside each crate, no modules that import each other (hack/module-cycles.py reads the
+# imports; the tree before the workspace had one cycle through 27 modules).
+python3 hack/module-cycles.py src crates/keyshift-runtime/src crates/keyshift-core/src
 
 step "helm lint --strict (default values and each charts/keyshift/ci/*.yaml)"
 "$KEYSHIFT_HELM" lint --strict charts/keyshift
