@@ -30,20 +30,60 @@ export KEYSHIFT_HELM="${KEYSHIFT_HELM#HELM=}"
 KEYSHIFT_GITOPS_HEALTH="$(hack/build-gitops-health.sh)"
 export KEYSHIFT_GITOPS_HEALTH="${KEYSHIFT_GITOPS_HEALTH#GITOPS_HEALTH=}"
 
-# The Go binaries (promtool and the monitoring checker first, then the cluster's: control plane,
-# kubelet, containerd, runc, CNI, crictl) build in the
-# background while the Rust tiers run, so on a fresh machine their module downloads and the idle
-# core of cargo's serial phases overlap; `testenv up` waits for them (the build scripts take a
-# lock and find their cache). On a warm machine both finish in about a second.
-PREBUILD_LOG="$(mktemp /tmp/keyshift-prebuild.XXXXXX)"
-setsid bash -c 'hack/build-promtool.sh >/dev/null && hack/build-control-plane.sh >/dev/null && hack/build-node.sh >/dev/null' \
-  >"$PREBUILD_LOG" 2>&1 </dev/null &
-PREBUILD_PID=$!
-prebuild_stop() {
-  kill -TERM -- "-$PREBUILD_PID" 2>/dev/null || true
-  rm -f -- "$PREBUILD_LOG"
+# The cluster for the e2e tier comes up in the background while the lints and the test build run
+# (README, "How the suite spends its time"): hack/testenv.sh up builds the Go binaries of the
+# control plane and the node from their pinned modules (cached after the first run), the image
+# (the static release build: its own target triple, so it never waits for the debug build's
+# lock), and starts the cluster. promtool first, for the monitoring check. On a fresh machine the
+# Go module downloads and builds overlap the idle core of cargo's serial phases.
+export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e2e.XXXXXX)}"
+LANES_DIR="$(mktemp -d /tmp/keyshift-lanes.XXXXXX)"
+setsid bash -c 'hack/build-promtool.sh >/dev/null && hack/testenv.sh up >"$1/testenv.env"; echo $? >"$1/testenv.rc"' \
+  testenv-up "$LANES_DIR" >"$LANES_DIR/testenv.log" 2>&1 </dev/null &
+TESTENV_UP_PID=$!
+
+# What the suite starts, each stopped by the one exit trap (a stop for a server not started yet
+# is a no-op): the background `testenv up` and its cluster, the S3 servers, the Kafka broker.
+S3_STATES_OWNED=()
+s3_stop() {
+  local rc=0 state
+  for state in "${S3_STATES[@]}"; do
+    KEYSHIFT_S3_STATE="$state" hack/s3-server.sh stop || rc=1
+  done
+  if ((${#S3_STATES_OWNED[@]})); then rm -rf -- "${S3_STATES_OWNED[@]}"; fi
+  return $rc
 }
-trap prebuild_stop EXIT
+S3_STATES=()
+KAFKA_STARTED=""
+KAFKA_STATE_OWNED=""
+kafka_stop() {
+  [[ -n "$KAFKA_STARTED" ]] || return 0
+  hack/kafka.sh stop || return 1
+  if [[ -n "$KAFKA_STATE_OWNED" ]]; then rm -rf -- "$KEYSHIFT_KAFKA_STATE"; fi
+}
+testenv_stop() {
+  # A background `up` still running is stopped first; `down` then removes whatever it started.
+  kill -TERM -- "-$TESTENV_UP_PID" 2>/dev/null || true
+  wait "$TESTENV_UP_PID" 2>/dev/null || true
+  step "testenv down"
+  hack/testenv.sh down
+}
+cleanup() {
+  local rc=$?
+  kafka_stop || rc=1
+  s3_stop || rc=1
+  testenv_stop || rc=1
+  # Nothing may outlive the suite.
+  if pgrep -f "$KEYSHIFT_TESTENV_DIR" >/dev/null; then
+    echo "leftover processes:" >&2; pgrep -af "$KEYSHIFT_TESTENV_DIR" >&2; rc=1
+  fi
+  if [[ -e "$KEYSHIFT_TESTENV_DIR" ]]; then
+    echo "leftover directory $KEYSHIFT_TESTENV_DIR" >&2; rc=1
+  fi
+  rm -rf -- "$LANES_DIR"
+  exit $rc
+}
+trap cleanup EXIT
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -87,116 +127,171 @@ done
 step "chart README values table up to date (hack/chart-values-table.py --check)"
 python3 hack/chart-values-table.py --check
 
-step "S3 test server (moto) for the snapshot tests"
-# A state dir of this run's own (unless given), so concurrent runs from other checkouts neither
-# reuse nor stop each other's server.
-S3_STATE_OWNED=""
+step "S3 test servers (moto): one for the e2e operator suite, one for everything else"
+# Each test server with a state dir of this run's own (unless given), so concurrent runs from other
+# checkouts neither reuse nor stop each other's server. Two of them: tests/e2e_operator.rs pauses
+# its server (an outage the operator must ride out), and the suites that run beside it must not
+# see that outage. KEYSHIFT_S3_STATE is the e2e operator suite's (its Paused::s3 reads the pid).
 if [[ -z "${KEYSHIFT_S3_STATE:-}" ]]; then
   KEYSHIFT_S3_STATE="$(mktemp -d /tmp/keyshift-s3.XXXXXX)"
-  S3_STATE_OWNED=1
+  S3_STATES_OWNED+=("$KEYSHIFT_S3_STATE")
 fi
 export KEYSHIFT_S3_STATE
-s3_stop() {
-  hack/s3-server.sh stop || return 1
-  if [[ -n "$S3_STATE_OWNED" ]]; then rm -rf -- "$KEYSHIFT_S3_STATE"; fi
-}
-trap 's3_stop || true; prebuild_stop' EXIT
+S3_OTHERS_STATE="$(mktemp -d /tmp/keyshift-s3.XXXXXX)"
+S3_STATES_OWNED+=("$S3_OTHERS_STATE")
+S3_STATES=("$KEYSHIFT_S3_STATE" "$S3_OTHERS_STATE")
 eval "$(hack/s3-server.sh start)"
+S3_OTHERS_ENV="$(KEYSHIFT_S3_STATE="$S3_OTHERS_STATE" hack/s3-server.sh start)"
 
-step "Kafka broker (hack/kafka.sh: Apache Kafka, KRaft, one node) for tests/kafka_local.rs"
-# Its own state dir too; the tests restart it mid-run through hack/kafka.sh (KEYSHIFT_KAFKA_STATE).
-KAFKA_STATE_OWNED=""
+step "Kafka broker (hack/kafka.sh: Apache Kafka, KRaft, one node) for the Kafka tests"
+# Its own state dir too; the tests restart it mid-run through hack/kafka.sh (KEYSHIFT_KAFKA_STATE),
+# so the three Kafka suites run one after another (the lanes below).
 if [[ -z "${KEYSHIFT_KAFKA_STATE:-}" ]]; then
   KEYSHIFT_KAFKA_STATE="$(mktemp -d /tmp/keyshift-kafka.XXXXXX)"
   KAFKA_STATE_OWNED=1
 fi
 export KEYSHIFT_KAFKA_STATE
-# A second listener for the test cluster's pods (tests/e2e_operator.rs), advertised at the host's
+# A second listener for the test cluster's pods (tests/e2e_kafka.rs), advertised at the host's
 # side of the testenv's veth: hack/testenv.sh's HOST_IP, 10.$KEYSHIFT_SUBNET.0.1 (default 213).
 export KEYSHIFT_KAFKA_POD_HOST="10.${KEYSHIFT_SUBNET:-213}.0.1"
-kafka_stop() {
-  hack/kafka.sh stop || return 1
-  if [[ -n "$KAFKA_STATE_OWNED" ]]; then rm -rf -- "$KEYSHIFT_KAFKA_STATE"; fi
-}
-trap 'kafka_stop || true; s3_stop || true; prebuild_stop' EXIT
+KAFKA_STARTED=1
 kafka_env="$(hack/kafka.sh start)"
 eval "$kafka_env"
 
-# Includes tests/chart.rs: `helm template` with default and CI values, checked for the RBAC
-# contract (no wildcards, Roles only in namespaced mode), restricted pod security, refused values
-# and the chart's CRD being crds/streamjob.yaml. With all features: the benchmarks' own tests
-# run, and the e2e tier below reuses this build (its operator needs the test hooks).
-# Also the documentation checks: tests/pictures.rs (the committed pictures under docs/ are what
-# src/pictures/ draws from docs/data/), tests/docs_images.rs (every picture parses, has a title
-# and shapes and is shown; every shown image exists), tests/docs_reasons.rs (docs/troubleshooting.md
-# lists exactly the condition types and reasons of the code).
-step "cargo test --workspace --all-features"
-cargo test --workspace --locked --all-features
-
-# The product binary (no features): tests/cli.rs checks it refuses the bench and test-only
-# commands (the run above checked that the features' build has them).
+# ---- build once. Every tier below runs the executables of these two builds; nothing builds again.
+# The product binary (no features) first: tests/cli.rs checks it refuses the bench and test-only
+# commands. It runs here, before the all-features build: both builds put their `keyshift` at the
+# same path (the tests' CARGO_BIN_EXE_keyshift), and the all-features one must be there for the
+# tiers below (the e2e operator needs the test hooks). A copy of the product binary is kept for
+# the lab's check.
 step "cargo test --test cli (default features: the product binary)"
 cargo test --locked --test cli
+cp "${CARGO_TARGET_DIR:-target}/debug/keyshift" "$LANES_DIR/keyshift-product"
 
-# The chart's monitoring objects with Prometheus' own tools, built from the Prometheus Go module
-# (hack/build-promtool.sh; the background build above has usually finished it): the dashboard's
-# JSON and every PromQL expression in it and in the alerts parse, use only metrics keyshift
-# exposes (tests/monitoring/metric-names.txt, checked against the code by the cargo tests above),
-# `promtool check rules`, and `promtool test rules` proving each alert fires on its condition and
-# not on healthy series.
-step "chart monitoring: dashboard and alerts (hack/check-monitoring.sh: promtool)"
-hack/check-monitoring.sh
+step "cargo test --workspace --all-features: build the test executables, and run the doc tests"
+cargo test --workspace --locked --all-features --no-run --message-format=json-render-diagnostics \
+  | python3 hack/test-binaries.py >"$LANES_DIR/binaries.tsv"
+cargo test --workspace --locked --all-features --doc
 
-# The key-group lab (docs/lab/) in headless Chromium (installed from Debian when missing): its
-# numbers against Flink's vectors and `keyshift plan -o json` (the binary just built), its buttons,
-# no console errors.
-step "browser test of docs/lab (hack/lab-test.sh)"
-hack/lab-test.sh
+declare -A TEST_EXE=() TEST_DIR=()
+while IFS=$'\t' read -r label exe dir; do
+  TEST_EXE[$label]="$exe"
+  TEST_DIR[$label]="$dir"
+done <"$LANES_DIR/binaries.tsv"
 
-# ---- end to end: a real cluster -- etcd, kube-apiserver, kube-controller-manager,
-# kube-scheduler and a real node (kubelet, containerd, runc, CNI), all built from their upstream
-# Go modules by hack/build-control-plane.sh and hack/build-node.sh on first use -- running the
-# keyshift image built from this checkout (hack/build-image.sh: the product build, with the Kafka
-# client). tests/e2e_kafka.rs runs a Kafka job there against the broker started above (its pods'
-# listener).
-# The operator under test is a host process, `CARGO_BIN_EXE_keyshift` of the e2e tier's own
-# (all-features) build.
-export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e2e.XXXXXX)}"
-
-cleanup() {
-  local rc=$?
-  prebuild_stop
-  kafka_stop || rc=1
-  s3_stop || rc=1
-  step "testenv down"
-  hack/testenv.sh down || rc=1
-  # Nothing may outlive the suite.
-  if pgrep -f "$KEYSHIFT_TESTENV_DIR" >/dev/null; then
-    echo "leftover processes:" >&2; pgrep -af "$KEYSHIFT_TESTENV_DIR" >&2; rc=1
+# t LABEL [ARGS...]: one test executable of the build above, as `cargo test` runs it (from its
+# package's directory, with CARGO_MANIFEST_DIR set).
+t() {
+  local label="$1"; shift
+  if [[ -z "${TEST_EXE[$label]:-}" ]]; then
+    echo "no test executable '$label' in the build (hack/test-binaries.py)" >&2
+    return 1
   fi
-  if [[ -e "$KEYSHIFT_TESTENV_DIR" ]]; then
-    echo "leftover directory $KEYSHIFT_TESTENV_DIR" >&2; rc=1
-  fi
-  exit $rc
+  (cd "${TEST_DIR[$label]}" && CARGO_MANIFEST_DIR="${TEST_DIR[$label]}" exec "${TEST_EXE[$label]}" "$@")
 }
-trap cleanup EXIT
 
-step "testenv up"
-# The background build's outcome: testenv up builds whatever is still missing, with its errors.
-if ! wait "$PREBUILD_PID"; then
-  echo "background build of the cluster binaries failed (testenv up retries it):" >&2
-  tail -n 20 "$PREBUILD_LOG" >&2 || true
+# job NAME CMD...: runs CMD with its output in a file of its own, then prints that output whole
+# (no two jobs' lines interleave), with its verdict and time; a failure is recorded, and the lane
+# goes on.
+job() {
+  local name="$1"; shift
+  local log="$LANES_DIR/job-$name.log" t0=$SECONDS rc=0 verdict=ok
+  "$@" >"$log" 2>&1 </dev/null || rc=$?
+  if ((rc != 0)); then
+    verdict="FAILED (exit $rc)"
+    echo "$name" >>"$LANES_DIR/failed"
+  fi
+  {
+    flock 9
+    printf '\n--- [%s] %s: %s in %ss\n' "$(date +%T)" "$name" "$verdict" "$((SECONDS - t0))" >&2
+    cat "$log" >&2
+  } 9>"$LANES_DIR/print.lock"
+  printf '%5ss  %s  %s\n' "$((SECONDS - t0))" "$name" "$verdict" >>"$LANES_DIR/times"
+}
+
+# await_testenv: waits for the background `testenv up`, then takes its environment (kubeconfig,
+# node, containerd, image tarball, subnet).
+await_testenv() {
+  while [[ ! -s "$LANES_DIR/testenv.rc" ]]; do sleep 1; done
+  if [[ "$(cat "$LANES_DIR/testenv.rc")" != 0 ]]; then
+    echo "hack/testenv.sh up failed:" >&2
+    tail -n 40 "$LANES_DIR/testenv.log" >&2
+    return 1
+  fi
+  eval "$(cat "$LANES_DIR/testenv.env")"
+  # shellcheck disable=SC1091
+  source "$KEYSHIFT_TESTENV_DIR/env"
+}
+
+# lane NAME BODY: BODY (a function) in the background, its jobs one after another.
+LANE_PIDS=()
+lane() {
+  local name="$1" body="$2"
+  ( "$body" ) &
+  LANE_PIDS+=($!)
+  echo "lane $name: pid $!" >&2
+}
+
+# ---- the tiers, side by side. The cluster-free tiers and the e2e tier's suites run at once; the
+# e2e suites share the cluster through a lock (tests/support: a test that takes the API server
+# away holds it alone). Jobs that share a server run in one lane: the three Kafka suites (they
+# restart the broker), and the e2e operator suite has the S3 server it pauses to itself.
+step "tests: the cluster-free tiers and the e2e suites, side by side (each job's output follows it whole)"
+
+unit_and_light() {
+  eval "$S3_OTHERS_ENV"
+  local label
+  for label in $(cut -f1 "$LANES_DIR/binaries.tsv" | sort); do
+    case "$label" in
+      e2e_*|runtime_local|orchestrator_pass|faults|kafka_local|kafka_sink) ;;
+      *) job "$label" t "$label" ;;
+    esac
+  done
+  job monitoring hack/check-monitoring.sh
+  job lab env KEYSHIFT_BIN="$LANES_DIR/keyshift-product" hack/lab-test.sh
+}
+local_heavy() {
+  eval "$S3_OTHERS_ENV"
+  job runtime_local t runtime_local
+  job orchestrator_pass t orchestrator_pass
+  job faults t faults
+}
+kafka_suites() {
+  eval "$S3_OTHERS_ENV"
+  job kafka_local t kafka_local
+  job kafka_sink t kafka_sink
+  await_testenv || { echo e2e_kafka >>"$LANES_DIR/failed"; return; }
+  job e2e_kafka t e2e_kafka --ignored
+}
+e2e_operator_suite() {
+  await_testenv || { echo testenv >>"$LANES_DIR/failed"; return; }
+  # The 200-pod ceiling scenario runs alone, after every lane: beside the other tests it loaded
+  # the 2-core node so far (load average 100) that the kubelet took minutes to terminate pods.
+  job e2e_operator t e2e_operator --ignored --test-threads=4 --skip scale_past_the_ceiling
+}
+e2e_others() {
+  eval "$S3_OTHERS_ENV"
+  await_testenv || { echo testenv >>"$LANES_DIR/failed"; return; }
+  job e2e_cluster t e2e_cluster --ignored
+  job e2e_leader t e2e_leader --ignored
+  job e2e_helm t e2e_helm --ignored
+  job image t image --ignored
+}
+lane "unit and light" unit_and_light
+lane "local heavy" local_heavy
+lane kafka kafka_suites
+lane "e2e operator" e2e_operator_suite
+lane "e2e others" e2e_others
+for pid in "${LANE_PIDS[@]}"; do wait "$pid" || echo "lane $pid" >>"$LANES_DIR/failed"; done
+
+echo >&2
+echo "time per job (longest first):" >&2
+sort -rn "$LANES_DIR/times" >&2
+if [[ -s "$LANES_DIR/failed" ]]; then
+  echo "FAILED: $(tr '\n' ' ' <"$LANES_DIR/failed")" >&2
+  exit 1
 fi
-# Assigned first: `eval "$(...)"` alone would not stop the suite when `up` fails.
-testenv_env="$(hack/testenv.sh up)"
-eval "$testenv_env"
-# Everything the tests read about the environment (node, containerd, image tarball, subnet).
-# shellcheck disable=SC1091
-source "$KEYSHIFT_TESTENV_DIR/env"
 
-step "e2e tests"
-cargo test --locked --all-features --test image --test e2e_cluster --test e2e_helm --test e2e_leader --test e2e_operator --test e2e_kafka -- --ignored --test-threads=4 --skip scale_past_the_ceiling
-# The 200-pod ceiling scenario alone: beside the other tests it loaded the 2-core node so far (load
-# average 100) that the kubelet took minutes to terminate pods and three tests timed out waiting.
-step "e2e: the 200-pod ceiling scenario"
-cargo test --locked --all-features --test e2e_operator -- --ignored scale_past_the_ceiling
+step "e2e: the 200-pod ceiling scenario (alone)"
+await_testenv
+t e2e_operator --ignored --exact scale_past_the_ceiling_24_to_200_in_one_patch

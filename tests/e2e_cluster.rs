@@ -16,6 +16,7 @@ fn sample(name: &str) -> String {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn crd_is_established_and_explained() {
+    let _plane = shared_plane();
     ensure_crd();
     // The API server publishes the CRD's OpenAPI a moment after it is Established.
     let mut out = String::new();
@@ -40,6 +41,7 @@ fn crd_is_established_and_explained() {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn every_sample_applies() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-samples");
     let dir = root().join("config/samples");
@@ -96,6 +98,7 @@ fn refused(ns: &str, yaml: &str, message: &str) {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn cel_rules_refuse_bad_manifests_with_their_messages() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-cel");
     let ns = &ns.0;
@@ -188,6 +191,7 @@ fn cel_rules_refuse_bad_manifests_with_their_messages() {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn scale_subresource_and_printer_columns() {
+    let _plane = shared_plane();
     ensure_crd();
     let ns = Namespace::new("e2e-scale");
     let ns = &ns.0;
@@ -339,6 +343,7 @@ fn running_containers() -> String {
 #[test]
 #[ignore = "needs the test cluster (hack/test.sh starts it)"]
 fn the_real_node_runs_the_image_under_restricted_pod_security() {
+    let _plane = shared_plane();
     let ns = Namespace::new("e2e-node");
     let ns = &ns.0;
     let timeout = Duration::from_secs(90);

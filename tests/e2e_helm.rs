@@ -86,6 +86,7 @@ fn pods(ns: &str, release: &str) -> Vec<String> {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn install_upgrade_uninstall() {
+    let _plane = shared_plane();
     let release = "ks";
     let system = Namespace::new("e2e-helm-system");
     let a = Namespace::new("e2e-helm-a");
@@ -614,6 +615,7 @@ fn holder_pod(ns: &str) -> String {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn chart_rbac_suffices_for_leader_election_with_real_processes() {
+    let _plane = shared_plane();
     let release = "ks-lease";
     let ns = Namespace::new("e2e-helm-lease");
     let ns = ns.0.as_str();
@@ -817,6 +819,7 @@ fn assert_network_policy(jobs: &str, system: &str, release: &str) {
 #[test]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 fn chart_runs_the_operator_install_ready_scale_handover() {
+    let _plane = shared_plane();
     let release = "ks-full";
     let system = Namespace::new("e2e-helm-full-system");
     let jobs = Namespace::new("e2e-helm-full");

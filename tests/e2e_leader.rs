@@ -110,6 +110,7 @@ async fn stays_the_only_leader(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 async fn two_candidates_one_leader_and_takeover_after_a_crash() {
+    let _plane = shared_plane();
     keyshift::telemetry::init(keyshift::telemetry::LogFormat::Text);
     let ns = Namespace::new("e2e-leader-crash");
     let client = client().await;
@@ -156,6 +157,7 @@ async fn two_candidates_one_leader_and_takeover_after_a_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 async fn a_leader_that_steps_down_is_replaced_at_once() {
+    let _plane = shared_plane();
     keyshift::telemetry::init(keyshift::telemetry::LogFormat::Text);
     let ns = Namespace::new("e2e-leader-handover");
     let client = client().await;
@@ -183,6 +185,7 @@ async fn a_leader_that_steps_down_is_replaced_at_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 async fn many_candidates_racing_for_a_new_lease_elect_one() {
+    let _plane = shared_plane();
     keyshift::telemetry::init(keyshift::telemetry::LogFormat::Text);
     let ns = Namespace::new("e2e-leader-race");
     let client = client().await;
@@ -200,6 +203,7 @@ async fn many_candidates_racing_for_a_new_lease_elect_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 async fn a_leader_whose_lease_is_taken_stops_leading() {
+    let _plane = shared_plane();
     keyshift::telemetry::init(keyshift::telemetry::LogFormat::Text);
     let ns = Namespace::new("e2e-leader-taken");
     let client = client().await;
@@ -238,6 +242,7 @@ async fn a_leader_whose_lease_is_taken_stops_leading() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the test control plane (hack/test.sh starts it)"]
 async fn run_while_leading_runs_work_only_while_leading() {
+    let _plane = shared_plane();
     use keyshift::leader::{Led, run_while_leading};
     use std::sync::Arc;
     use std::sync::atomic::{AtomicBool, Ordering};

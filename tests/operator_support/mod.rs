@@ -7,18 +7,6 @@ use crate::support::*;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// Tests share one control plane and run in parallel; a test that takes the API server away
-/// holds this exclusively, so no other test in this binary sees its outage.
-pub static PLANE: std::sync::RwLock<()> = std::sync::RwLock::new(());
-
-pub fn shared_plane() -> std::sync::RwLockReadGuard<'static, ()> {
-    PLANE.read().unwrap_or_else(|e| e.into_inner())
-}
-
-pub fn exclusive_plane() -> std::sync::RwLockWriteGuard<'static, ()> {
-    PLANE.write().unwrap_or_else(|e| e.into_inner())
-}
-
 /// Where a test keeps its storage and operator log: inside the test control plane's directory,
 /// which `hack/testenv.sh down` removes, so nothing outlives the suite.
 pub fn scratch_dir() -> std::path::PathBuf {

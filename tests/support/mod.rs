@@ -15,6 +15,60 @@ pub fn root() -> std::path::PathBuf {
         .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
 }
 
+/// Every end-to-end test shares one control plane, and hack/test.sh runs the e2e test binaries
+/// side by side: a test that takes the API server away holds the plane exclusively, so no other
+/// test, in this binary or another, sees its outage. The lock is a pair of `flock`s in the test
+/// control plane's directory: `plane.gate`, which a waiting exclusive holder keeps so that new
+/// shared holders queue behind it (as a writer-preferring RwLock would), and `plane.lock`.
+pub struct Plane {
+    _gate: Option<std::fs::File>,
+    _plane: std::fs::File,
+}
+
+fn plane_file(name: &str) -> std::fs::File {
+    let dir = std::env::var_os("KEYSHIFT_TESTENV_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(std::env::temp_dir);
+    let path = dir.join(name);
+    std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .unwrap_or_else(|e| panic!("plane lock {}: {e}", path.display()))
+}
+
+fn locked(file: std::fs::File, exclusive: bool, what: &str) -> std::fs::File {
+    let got = if exclusive {
+        file.lock()
+    } else {
+        file.lock_shared()
+    };
+    got.unwrap_or_else(|e| panic!("flock on {what}: {e}"));
+    file
+}
+
+/// The control plane, shared with the other tests that leave the API server up.
+pub fn shared_plane() -> Plane {
+    let gate = locked(plane_file("plane.gate"), true, "plane.gate");
+    let plane = locked(plane_file("plane.lock"), false, "plane.lock");
+    drop(gate);
+    Plane {
+        _gate: None,
+        _plane: plane,
+    }
+}
+
+/// The control plane alone, for a test that takes the API server away.
+pub fn exclusive_plane() -> Plane {
+    let gate = locked(plane_file("plane.gate"), true, "plane.gate");
+    let plane = locked(plane_file("plane.lock"), true, "plane.lock");
+    Plane {
+        _gate: Some(gate),
+        _plane: plane,
+    }
+}
+
 /// The kubeconfig of the running test control plane; panics with the fix when there is none.
 pub fn kubeconfig() -> PathBuf {
     match std::env::var_os("KUBECONFIG") {
