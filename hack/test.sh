@@ -261,20 +261,26 @@ kafka_suites() {
   job kafka_local t kafka_local
   job kafka_sink t kafka_sink
   await_testenv || { echo e2e_kafka >>"$LANES_DIR/failed"; return; }
-  job e2e_kafka t e2e_kafka --ignored
+  job e2e_kafka e2e e2e_kafka
+}
+# The e2e suites print each test's time (libtest's --report-time, which needs RUSTC_BOOTSTRAP at
+# run time only: nothing is compiled with it), so the lanes can be balanced from CI's log.
+e2e() {
+  local label="$1"; shift
+  RUSTC_BOOTSTRAP=1 t "$label" --ignored -Z unstable-options --report-time "$@"
 }
 e2e_operator_suite() {
   await_testenv || { echo testenv >>"$LANES_DIR/failed"; return; }
   # The 200-pod ceiling scenario runs alone, after every lane: beside the other tests it loaded
   # the 2-core node so far (load average 100) that the kubelet took minutes to terminate pods.
-  job e2e_operator t e2e_operator --ignored --test-threads=4 --skip scale_past_the_ceiling
+  job e2e_operator e2e e2e_operator --test-threads=6 --skip scale_past_the_ceiling
 }
 e2e_others() {
   eval "$S3_OTHERS_ENV"
   await_testenv || { echo testenv >>"$LANES_DIR/failed"; return; }
-  job e2e_cluster t e2e_cluster --ignored
-  job e2e_leader t e2e_leader --ignored
-  job e2e_helm t e2e_helm --ignored
+  job e2e_helm e2e e2e_helm
+  job e2e_cluster e2e e2e_cluster
+  job e2e_leader e2e e2e_leader
   job image t image --ignored
 }
 lane "unit and light" unit_and_light
@@ -294,4 +300,4 @@ fi
 
 step "e2e: the 200-pod ceiling scenario (alone)"
 await_testenv
-t e2e_operator --ignored --exact scale_past_the_ceiling_24_to_200_in_one_patch
+e2e e2e_operator --exact scale_past_the_ceiling_24_to_200_in_one_patch

@@ -886,7 +886,7 @@ async fn the_pass_writes_the_lag_to_status_and_the_job_series() {
     let spec = job_yaml("kpass", &bootstrap, &topic, 2, "{function: count}", "").spec;
     let mut workers = fake_platform::FakeWorkers::new(
         "kafka-pass-token",
-        keyshift::orchestrator::decide::spec_hash(&spec),
+        keyshift::orchestrator::settings::spec_hash(&spec),
     );
     let metrics = keyshift::operator::metrics::OperatorMetrics::new();
     let http = reqwest::Client::builder()

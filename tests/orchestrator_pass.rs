@@ -22,7 +22,7 @@ use keyshift::orchestrator::pass::{
     self, ErrorKind, JobMemory, PassInput, PassOutput, PendingEvent, Shell, run_pass,
 };
 use keyshift::orchestrator::step::{self, ALL_OUTCOMES, Step};
-use keyshift::orchestrator::{decide, status};
+use keyshift::orchestrator::{settings, status};
 use keyshift::runtime::protocol::WorkerState;
 use keyshift::snapshot;
 use std::collections::BTreeMap;
@@ -199,7 +199,7 @@ struct Driver {
 impl Driver {
     fn new(name: &str, replicas: u32, checkpoint_interval: &str) -> Driver {
         let spec = spec(name, replicas, checkpoint_interval);
-        let workers = FakeWorkers::new(TOKEN, decide::spec_hash(&spec));
+        let workers = FakeWorkers::new(TOKEN, settings::spec_hash(&spec));
         Driver {
             name: name.to_owned(),
             woken: workers.woken(),
@@ -296,7 +296,7 @@ impl Driver {
     /// One pass; its result checked against the step table and recorded.
     async fn pass(&mut self) {
         self.passes += 1;
-        self.workers.set_spec_hash(decide::spec_hash(&self.spec));
+        self.workers.set_spec_hash(settings::spec_hash(&self.spec));
         let before = self.status.clone();
         let out = run_pass(
             PassInput {

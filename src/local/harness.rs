@@ -546,7 +546,7 @@ impl LocalJob {
             let (groups, catch_up) = (self.max_parallelism, self.catch_up);
             let timeout = timeouts::start(&spec);
             let done = run::prestage(
-                &spec,
+                timeouts::checkpoint(&spec),
                 (&storage, &ns, &name),
                 groups,
                 None,

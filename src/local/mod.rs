@@ -13,9 +13,9 @@ pub use harness::{LaunchReport, LocalJob, LocalWorkers, Prestage, PrestageReport
 use crate::crd::{Phase, StreamJob, StreamJobSpec, StreamJobStatus};
 use crate::operator::metrics::OperatorMetrics;
 use crate::orchestrator::coordinator::CoordinatorError;
-use crate::orchestrator::decide;
 use crate::orchestrator::pass::{self, JobMemory, PassInput, PendingEvent, Shell};
 use crate::orchestrator::run;
+use crate::orchestrator::settings;
 use crate::snapshot;
 use crate::validation;
 use keyshift_core::keygroup::{self, Assignment};
@@ -378,7 +378,7 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
         reason: e.to_string(),
     })?;
     let mut workers =
-        ProcessWorkers::new(opts.bin.clone(), log_dir, token, decide::spec_hash(&spec));
+        ProcessWorkers::new(opts.bin.clone(), log_dir, token, settings::spec_hash(&spec));
     let woken = workers.woken();
     let metrics = OperatorMetrics::new();
     let http = reqwest::Client::builder()
@@ -455,7 +455,7 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
                     continue;
                 }
                 spec = edited.spec;
-                workers.set_spec_hash(decide::spec_hash(&spec));
+                workers.set_spec_hash(settings::spec_hash(&spec));
             }
         }
         let before = status.clone();

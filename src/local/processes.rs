@@ -144,7 +144,7 @@ pub struct ProcessWorkers {
     bin: PathBuf,
     log_dir: PathBuf,
     token: String,
-    /// `decide::spec_hash` of the spec new workers are created for.
+    /// `settings::spec_hash` of the spec new workers are created for.
     spec_hash: String,
     processes: BTreeMap<String, Process>,
     wake: Arc<tokio::sync::Notify>,

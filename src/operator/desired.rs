@@ -29,7 +29,7 @@ pub const LABEL_SUBTASK: &str = "keyshift.dev/subtask";
 pub const LABEL_PARALLELISM: &str = "keyshift.dev/parallelism";
 /// The key-group count the pod's run was started under.
 pub const LABEL_MAX_PARALLELISM: &str = "keyshift.dev/max-parallelism";
-/// The `orchestrator::decide::spec_hash` (job and image) a pod was created for.
+/// The `orchestrator::settings::spec_hash` (job and image) a pod was created for.
 pub const LABEL_SPEC_HASH: &str = "keyshift.dev/spec-hash";
 pub const ANNOTATION_KEY_GROUPS: &str = "keyshift.dev/key-groups";
 /// Key of the control token in the job's Secret.
@@ -229,7 +229,7 @@ pub fn pod(
         ),
         (
             LABEL_SPEC_HASH.to_owned(),
-            crate::orchestrator::decide::spec_hash(spec),
+            crate::orchestrator::settings::spec_hash(spec),
         ),
         (
             "app.kubernetes.io/managed-by".to_owned(),

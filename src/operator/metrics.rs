@@ -11,8 +11,8 @@
 //! by a new object of the same name (docs/operations.md, "Metrics", has the table and the count).
 
 use crate::crd::{Phase, StreamJobSpec, StreamJobStatus};
-use crate::orchestrator::decide;
 use crate::orchestrator::pass::error::ErrorKind;
+use crate::orchestrator::settings;
 use crate::snapshot::SnapshotKind;
 use keyshift_core::step::{ALL_STEPS, Step};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -442,10 +442,10 @@ impl OperatorMetrics {
             .set(i64::from(status.replicas.unwrap_or(0)));
         self.desired_parallelism
             .get_or_create(&labels)
-            .set(i64::from(decide::desired_parallelism(spec)));
+            .set(i64::from(settings::desired_parallelism(spec)));
         self.checkpoint_interval
             .get_or_create(&labels)
-            .set(decide::checkpoint_interval(spec).as_secs_f64());
+            .set(settings::checkpoint_interval(spec).as_secs_f64());
         let completed = |r: &crate::crd::SnapshotRef| {
             chrono::DateTime::parse_from_rfc3339(&r.time)
                 .ok()

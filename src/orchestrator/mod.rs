@@ -9,6 +9,7 @@ pub mod pass;
 pub mod port;
 pub use keyshift_core::reason;
 pub mod run;
+pub mod settings;
 pub mod status;
 pub mod timeouts;
 pub use keyshift_core::step;

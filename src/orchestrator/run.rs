@@ -3,12 +3,11 @@
 //! coordinator (with the job's sink and retention), the start request, the job's identity in its
 //! snapshots, the control token, the run id, and the timeouts of each long step.
 
-use super::timeouts;
+use super::settings::{fingerprint, layout};
 use crate::crd::{SinkType, StreamJobSpec};
 use crate::orchestrator::coordinator::{Coordinator, CoordinatorError, WorkerEndpoint};
 use crate::runtime::protocol::StartRequest;
-use crate::snapshot::{self, JobIdentity, StateLayout};
-use keyshift_core::hash::fnv;
+use crate::snapshot::{self, JobIdentity};
 use keyshift_core::keygroup::Assignment;
 use keyshift_core::reason::Reason;
 
@@ -40,13 +39,6 @@ pub fn data_plane_run_id(name: &str, run: &str) -> String {
     format!("{name}-{run}")
 }
 
-/// Identity of a job's dataflow, recorded in snapshots (a stable hash of `spec.job`).
-pub fn fingerprint(spec: &StreamJobSpec) -> String {
-    fnv(serde_json::to_string(&spec.job)
-        .unwrap_or_default()
-        .as_bytes())
-}
-
 /// The job as its snapshots name it.
 pub fn identity(namespace: &str, name: &str, spec: &StreamJobSpec) -> JobIdentity {
     JobIdentity {
@@ -54,26 +46,6 @@ pub fn identity(namespace: &str, name: &str, spec: &StreamJobSpec) -> JobIdentit
         name: name.to_owned(),
         job_fingerprint: fingerprint(spec),
         layout: Some(layout(spec)),
-    }
-}
-
-/// What the job's keyed state means (recorded in its snapshots, compared on every restore).
-pub fn layout(spec: &StreamJobSpec) -> StateLayout {
-    let job = &spec.job;
-    let function = serde_json::to_value(job.aggregation.function)
-        .ok()
-        .and_then(|v| v.as_str().map(str::to_owned))
-        .unwrap_or_default();
-    StateLayout {
-        key_field: job.key.field.clone(),
-        key_type: job.key.key_type.to_string(),
-        function,
-        value_field: job.aggregation.field.clone(),
-        window_ms: job
-            .window
-            .as_ref()
-            .and_then(|w| keyshift_core::duration::parse_duration(&w.size))
-            .map(|d| d.as_millis() as u64),
     }
 }
 
@@ -279,10 +251,11 @@ impl Prestaged {
 /// newest snapshot is not a checkpoint), then, while `catch_up` says so, the running job takes an
 /// incremental checkpoint and they read only its delta (the rounds' durations decide:
 /// [`crate::runtime::prestage::CatchUp::again_after`]). `template` is the new run's start
-/// request (its `restore_from` is set here); each load may take `timeout`.
+/// request (its `restore_from` is set here); each load may take `timeout`, each catch-up
+/// checkpoint `checkpoint_timeout`.
 #[allow(clippy::too_many_arguments)]
 pub async fn prestage(
-    spec: &StreamJobSpec,
+    checkpoint_timeout: std::time::Duration,
     (storage, namespace, name): (&str, &str, &str),
     groups: u32,
     replaced_up_to: Option<u64>,
@@ -293,7 +266,6 @@ pub async fn prestage(
     timeout: std::time::Duration,
 ) -> Result<Prestaged, CoordinatorError> {
     use crate::snapshot::SnapshotKind;
-    let checkpoint_timeout = timeouts::checkpoint(spec);
     let newest =
         crate::snapshot::newest_snapshot(storage, namespace, name, Some(groups), replaced_up_to)
             .await?
@@ -466,7 +438,7 @@ mod tests {
     fn the_spec_hash_and_the_job_fingerprint_keep_their_values() {
         let spec = job("image: registry.example/keyshift:1.2");
         assert_eq!(
-            crate::orchestrator::decide::spec_hash(&spec),
+            crate::orchestrator::settings::spec_hash(&spec),
             "13cc790f97ee5ddd"
         );
         assert_eq!(fingerprint(&spec), "99bbc2078d3c77bb");

@@ -96,7 +96,7 @@ pub struct FakeWorkers {
 }
 
 impl FakeWorkers {
-    /// A platform whose workers accept `token` and carry `spec_hash` (`decide::spec_hash` of
+    /// A platform whose workers accept `token` and carry `spec_hash` (`settings::spec_hash` of
     /// the spec, or the job would look like it needs an upgrade).
     pub fn new(token: &str, spec_hash: String) -> Self {
         FakeWorkers {

@@ -7,6 +7,7 @@
 //! `rescale` and `prestage` the steps of a rescale; [`decide`] here puts them together.
 
 use crate::crd::{RescaleStatus, RescaleStrategy, StreamJobSpec, StreamJobStatus, UpgradeMode};
+use crate::orchestrator::settings::JobSettings;
 use crate::runtime::protocol::WorkerState;
 use crate::validation::{self, Analysis};
 use chrono::{DateTime, Utc};
@@ -29,8 +30,19 @@ use self::prestage::*;
 pub use self::rescale::*;
 pub use self::spec::*;
 
-/// What to do next.
+/// What to do next, for a spec read here: a pass reads its spec once ([`JobSettings::read`])
+/// and calls [`decide_with`].
 pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) -> Action {
+    decide_with(spec, &JobSettings::read(spec), status, obs)
+}
+
+/// What to do next: `settings` is `spec` as the pass read it.
+pub fn decide_with(
+    spec: &StreamJobSpec,
+    settings: &JobSettings,
+    status: &StreamJobStatus,
+    obs: &Observed,
+) -> Action {
     let in_flight = status
         .rescale
         .as_ref()
@@ -77,14 +89,14 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         };
     }
     if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
-        return rescale_step(spec, r, obs);
+        return rescale_step(spec, settings, r, obs);
     }
     let change = match pending {
         Some(_) => None,
         None => ceiling_change(spec, status),
     };
 
-    let desired = desired_parallelism(spec);
+    let desired = settings.desired_parallelism;
     let backoff = obs.backoff_until.filter(|t| *t > obs.now).map(|t| {
         (t - obs.now)
             .to_std()
@@ -142,12 +154,11 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
                 prestage,
             };
         }
-        let want = spec_hash(spec);
+        let want = &settings.spec_hash;
         if obs.upgrade_refused.is_none()
-            && obs
-                .pods
-                .iter()
-                .any(|p| p.run == active.run && p.spec_hash.as_deref().is_some_and(|h| h != want))
+            && obs.pods.iter().any(|p| {
+                p.run == active.run && p.spec_hash.as_deref().is_some_and(|h| h != want.as_str())
+            })
         {
             if let Some(requeue) = backoff {
                 return Action::Idle { requeue };
@@ -163,7 +174,7 @@ pub fn decide(spec: &StreamJobSpec, status: &StreamJobStatus, obs: &Observed) ->
         {
             return Action::TriggerSavepoint { nonce };
         }
-        let interval = checkpoint_interval(spec);
+        let interval = settings.checkpoint_interval;
         let due = obs.last_snapshot_at.map_or(obs.now, |t| {
             t + chrono::Duration::from_std(interval).unwrap_or_default()
         });

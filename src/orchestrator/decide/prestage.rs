@@ -6,7 +6,7 @@ use super::*;
 /// the new run's pods are created and, once all run, pre-staged; if they are not ready within
 /// spec.state.prestageTimeout, or one is lost, the rescale falls back to stop-and-restore.
 pub(super) fn prestaging(
-    spec: &StreamJobSpec,
+    timeout: Duration,
     r: &RescaleStatus,
     obs: &Observed,
     old: &[ObservedPod],
@@ -83,7 +83,7 @@ pub(super) fn prestaging(
     } else {
         "waiting for the new workers' control API".to_owned()
     };
-    if let Some(message) = prestage_overdue(spec, p, obs.now, &why) {
+    if let Some(message) = prestage_overdue(timeout, p, obs.now, &why) {
         return Action::FallBack { message };
     }
     if !missing.is_empty() {
@@ -141,14 +141,13 @@ pub(super) fn prestage_ready(pods: &[ObservedPod], run: &str, to: u32) -> Readin
 }
 
 /// Why a pre-stage that waits for `why` falls back now: spec.state.prestageTimeout has passed
-/// since its pods were first asked for.
+/// (`timeout`) since its pods were first asked for.
 pub(super) fn prestage_overdue(
-    spec: &StreamJobSpec,
+    timeout: Duration,
     p: &crate::crd::PrestageStatus,
     now: DateTime<Utc>,
     why: &str,
 ) -> Option<String> {
-    let timeout = crate::orchestrator::timeouts::prestage(spec);
     let since = DateTime::parse_from_rfc3339(&p.since)
         .ok()?
         .with_timezone(&Utc);

@@ -44,14 +44,19 @@ pub(super) fn change_wait(change: &CeilingChange, obs: &Observed) -> Option<Dura
     }
 }
 
-pub(super) fn rescale_step(spec: &StreamJobSpec, r: &RescaleStatus, obs: &Observed) -> Action {
+pub(super) fn rescale_step(
+    spec: &StreamJobSpec,
+    settings: &JobSettings,
+    r: &RescaleStatus,
+    obs: &Observed,
+) -> Action {
     // The old run's pods: never a pre-staged rescale's new workers.
     let old: Vec<ObservedPod> = match r.prestage_run() {
         Some(run) => obs.pods.iter().filter(|p| p.run != run).cloned().collect(),
         None => obs.pods.clone(),
     };
     match r.step {
-        Step::Prestaging => prestaging(spec, r, obs, &old),
+        Step::Prestaging => prestaging(settings.timeouts.prestage, r, obs, &old),
         Step::Savepointing => {
             if obs.active.is_some() {
                 if let Some(active) = &obs.active
@@ -71,7 +76,9 @@ pub(super) fn rescale_step(spec: &StreamJobSpec, r: &RescaleStatus, obs: &Observ
                             };
                         }
                         Readiness::NotYet(why) => {
-                            if let Some(message) = prestage_overdue(spec, p, obs.now, &why) {
+                            if let Some(message) =
+                                prestage_overdue(settings.timeouts.prestage, p, obs.now, &why)
+                            {
                                 return Action::FallBack { message };
                             }
                             return Action::Wait { reason: why };

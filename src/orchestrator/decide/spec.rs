@@ -71,32 +71,6 @@ pub fn last_snapshot_at(
     .max()
 }
 
-/// The parallelism the spec asks for (0 while suspended).
-pub fn desired_parallelism(spec: &StreamJobSpec) -> u32 {
-    if spec.suspend {
-        0
-    } else {
-        spec.replicas.max(1) as u32
-    }
-}
-
-/// The checkpoint interval (default 30 s; never below 1 s).
-pub fn checkpoint_interval(spec: &StreamJobSpec) -> Duration {
-    keyshift_core::duration::parse_duration(&spec.state.checkpoint_interval)
-        .unwrap_or(Duration::from_secs(30))
-        .max(Duration::from_secs(1))
-}
-
-/// What the worker pods depend on besides their parallelism: the job and the image. Pods carry
-/// it as a label; a running job whose pods carry another value is upgraded.
-pub fn spec_hash(spec: &StreamJobSpec) -> String {
-    keyshift_core::hash::fnv(
-        serde_json::to_string(&(&spec.job, &spec.image))
-            .unwrap_or_default()
-            .as_bytes(),
-    )
-}
-
 /// The parallelism a rescale restores: its target, or its origin once rolled back.
 pub fn restore_target(r: &crate::crd::RescaleStatus) -> u32 {
     if r.rolled_back.is_some() {

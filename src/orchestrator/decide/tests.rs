@@ -1,5 +1,6 @@
 use super::*;
 use crate::crd::{RescaleStatus, StreamJob};
+use crate::orchestrator::settings::spec_hash;
 
 /// A job that rescales by stop-and-restore (the pre-staged steps have tests of their own).
 fn spec(replicas: i32) -> StreamJobSpec {

@@ -288,7 +288,7 @@ impl Pass<'_> {
         // Workers created for another spec.job run the logic they were started with:
         // their snapshots keep saying so (the identity of the job's newest snapshot), so
         // that an upgrade that would mix histories is still refused.
-        let want = decide::spec_hash(self.spec);
+        let want = self.settings.spec_hash.clone();
         let spec_hash = self
             .pods
             .iter()
@@ -756,21 +756,21 @@ impl Pass<'_> {
         let Some(mut old) = self.mem.run.take() else {
             return Ok(requeue::SOON);
         };
-        let spec = self.spec.clone();
+        let checkpoint_timeout = self.settings.timeouts.checkpoint;
         let job = (self.storage.clone(), self.ns.clone(), self.name.clone());
         let groups = self.max_parallelism();
         let replaced_up_to = self
             .status
             .replaced_history_up_to
             .and_then(|b| u64::try_from(b).ok());
-        let timeout = timeouts::prestage(self.spec);
+        let timeout = self.settings.timeouts.prestage;
         let work = BackgroundWork::Prestage {
             run: run_id,
             parallelism,
         };
         self.in_background(work, move |handle| {
             let result = handle.block_on(run::prestage(
-                &spec,
+                checkpoint_timeout,
                 (&job.0, &job.1, &job.2),
                 groups,
                 replaced_up_to,
@@ -925,7 +925,7 @@ impl Pass<'_> {
             run,
             self.stop_kind(),
             true,
-            timeouts::savepoint(self.spec),
+            self.settings.timeouts.savepoint,
         );
         Ok(requeue::BACKGROUND_BACKSTOP)
     }
@@ -1012,7 +1012,7 @@ impl Pass<'_> {
             run,
             SnapshotKind::Savepoint,
             false,
-            timeouts::savepoint(self.spec),
+            self.settings.timeouts.savepoint,
         );
         requeue::BACKGROUND_BACKSTOP
     }
@@ -1057,7 +1057,7 @@ impl Pass<'_> {
 
     pub(super) fn checkpoint(&mut self) -> Duration {
         let Some(run) = self.mem.run.take() else {
-            return decide::checkpoint_interval(self.spec);
+            return self.settings.checkpoint_interval;
         };
         let work = BackgroundWork::Checkpoint {
             parallelism: run.parallelism,
@@ -1067,7 +1067,7 @@ impl Pass<'_> {
             run,
             SnapshotKind::Checkpoint,
             false,
-            timeouts::checkpoint(self.spec),
+            self.settings.timeouts.checkpoint,
         );
         requeue::BACKGROUND_BACKSTOP
     }
@@ -1077,7 +1077,7 @@ impl Pass<'_> {
         parallelism: u32,
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
     ) -> Duration {
-        let interval = decide::checkpoint_interval(self.spec);
+        let interval = self.settings.checkpoint_interval;
         let labels = self.kind_labels(SnapshotKind::Checkpoint);
         let run = self.mem.run.insert(run);
         match result {
@@ -1204,7 +1204,7 @@ impl Pass<'_> {
             replaced_up_to,
             run_started,
             started: Instant::now(),
-            spec_hash: decide::spec_hash(self.spec),
+            spec_hash: self.settings.spec_hash.clone(),
         };
         // A job that has committed snapshots resumes one of them, never nothing.
         let recorded = self
@@ -1269,7 +1269,7 @@ impl Pass<'_> {
         }
         // The workers answer at once and restore their key groups; waiting for them runs in the
         // background.
-        let timeout = timeouts::start(self.spec);
+        let timeout = self.settings.timeouts.start;
         let snapshot = work.restore_from.clone();
         let progress = coordinator.restore_progress();
         self.in_background(BackgroundWork::Start(Box::new(work)), move |handle| {

@@ -15,8 +15,8 @@ pub use error::{ErrorKind, PassError};
 use super::decide::{self, Action, ActiveRun, ObservedPod, PodPhase, Restore};
 use super::port::{PortError, Workers};
 use super::run::{self, RandomError};
+use super::settings::JobSettings;
 use super::status::{self, Progress};
-use super::timeouts;
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::failpoints;
 use crate::operator::metrics::{OperatorMetrics, SnapshotLabels};
@@ -69,7 +69,7 @@ pub struct RunHandle {
     parallelism: u32,
     coordinator: Coordinator,
     started: DateTime<Utc>,
-    /// The spec hash ([`decide::spec_hash`]) its workers were created for, when known.
+    /// The spec hash ([`settings::spec_hash`]) its workers were created for, when known.
     spec_hash: Option<String>,
 }
 
@@ -179,6 +179,8 @@ pub async fn run_pass(
         metrics,
         http,
     } = shell;
+    // The spec as this pass acts on it, read once.
+    let settings = JobSettings::read(spec);
     if mem.background_running() {
         // A start's restore shows its progress while it runs.
         let shown = mem
@@ -269,7 +271,7 @@ pub async fn run_pass(
     let last_snapshot_at =
         decide::last_snapshot_at(&status0, mem.run.as_ref().map(|r| r.started), now);
     let pending_restore = pending_restore(spec, &status0, mem, (&storage, namespace, name)).await;
-    let upgrade_refused = upgrade_refusal(spec, mem, (namespace, name));
+    let upgrade_refused = upgrade_refusal(spec, &settings, mem, (namespace, name));
     let obs = decide::Observed {
         name: name.to_owned(),
         pending_restore,
@@ -296,6 +298,7 @@ pub async fn run_pass(
         workers,
         metrics,
         spec,
+        settings: &settings,
         ns: namespace.to_owned(),
         name: name.to_owned(),
         storage,
@@ -316,7 +319,7 @@ pub async fn run_pass(
     let requeue = match background {
         Some(bg) => pass.record_background(bg).await,
         None => {
-            let action = decide::decide(spec, &status0, &obs);
+            let action = decide::decide_with(spec, &settings, &status0, &obs);
             tracing::debug!(job = %name, ?action, "decided");
             let pinned = matches!(action, Action::PinMaxParallelism { .. });
             let mut requeue = pass.execute(action).await;
@@ -325,7 +328,7 @@ pub async fn run_pass(
             // written with it; anything that acts (creates workers, ...) waits for the pin to be
             // recorded.
             if pinned && requeue.is_ok() {
-                let next = decide::decide(spec, &pass.status, &obs);
+                let next = decide::decide_with(spec, &settings, &pass.status, &obs);
                 if matches!(next, Action::MarkSuspended) {
                     tracing::debug!(job = %name, action = ?next, "decided");
                     requeue = pass.execute(next).await;
@@ -336,8 +339,8 @@ pub async fn run_pass(
     };
     // The run is in memory before a pass that hands it to a background step and after one that
     // records its end.
-    if let Some((reason, message)) =
-        upgrade_refused.or_else(|| upgrade_refusal(spec, pass.mem, (namespace, name)))
+    if let Some((reason, message)) = upgrade_refused
+        .or_else(|| upgrade_refusal(spec, pass.settings, pass.mem, (namespace, name)))
     {
         pass.stall(reason, message);
     }
@@ -501,6 +504,8 @@ struct Pass<'a> {
     workers: &'a mut dyn Workers,
     metrics: &'a OperatorMetrics,
     spec: &'a StreamJobSpec,
+    /// `spec` as this pass read it.
+    settings: &'a JobSettings,
     ns: String,
     name: String,
     storage: String,
@@ -624,6 +629,7 @@ async fn pending_restore(
 /// [`decide::Observed::upgrade_refused`]): only for an upgrade that keeps state.
 fn upgrade_refusal(
     spec: &StreamJobSpec,
+    settings: &JobSettings,
     mem: &JobMemory,
     (namespace, name): (&str, &str),
 ) -> Option<(Reason, String)> {
@@ -631,7 +637,7 @@ fn upgrade_refusal(
     let changed = r
         .spec_hash
         .as_ref()
-        .is_some_and(|h| *h != decide::spec_hash(spec));
+        .is_some_and(|h| *h != settings.spec_hash);
     if !changed || spec.upgrade_mode == UpgradeMode::Stateless {
         return None;
     }
