@@ -45,10 +45,10 @@ pub enum Command {
     /// Offline tools for checkpoints and savepoints: list, inspect, verify, dump, rewrite,
     /// dispose.
     #[command(
-        long_about = crate::tools::cli::SAVEPOINT_LONG_ABOUT,
-        after_help = crate::tools::cli::SAVEPOINT_EXAMPLES
+        long_about = crate::savepoint::SAVEPOINT_LONG_ABOUT,
+        after_help = crate::savepoint::SAVEPOINT_EXAMPLES
     )]
-    Savepoint(crate::tools::cli::SavepointArgs),
+    Savepoint(crate::savepoint::SavepointArgs),
     /// Run a StreamJob manifest on this machine, no cluster: workers as local processes, state
     /// in a local directory. Edit `replicas` in the file to rescale; Ctrl-C stops with a
     /// savepoint and running again resumes from it.
@@ -382,7 +382,7 @@ pub enum CliError {
     #[error("starting the async runtime: {0}")]
     Runtime(std::io::Error),
     #[error(transparent)]
-    Savepoint(#[from] crate::tools::ToolError),
+    Savepoint(#[from] crate::offline::ToolError),
     #[error("probe: {0}")]
     Probe(#[from] crate::probe::ProbeError),
     #[cfg(feature = "bench")]
@@ -495,7 +495,7 @@ fn run(command: Command) -> Result<(), CliError> {
                 .map_err(Box::new)?;
             Ok(())
         }
-        Command::Savepoint(args) => Ok(crate::tools::cli::run(args, &mut out)?),
+        Command::Savepoint(args) => Ok(crate::savepoint::run(args, &mut out)?),
         Command::Completion(args) => {
             let mut buf = Vec::new();
             completion(args.shell, &mut buf);

@@ -10,14 +10,14 @@
 //!
 //! * `bench`: the benchmarks, `bench/` (`keyshift bench ...`; with `kafka` also
 //!   `keyshift bench kafka`) and
-//!   `tools::bench` (`keyshift savepoint bench-rewrite`). Implies `test-hooks`, because
+//!   `savepoint::bench` (`keyshift savepoint bench-rewrite`). Implies `test-hooks`, because
 //!   `keyshift bench operator` runs its own binary as the operator with a test-only hook set.
 //! * `test-hooks`: test-only fault injection, the orchestration's `KEYSHIFT_TEST_*` environment
 //!   hooks (`failpoints`). The test suite (hack/test.sh) builds with it.
 
 #[cfg(feature = "bench")]
 pub mod bench;
-pub use keyshift_runtime::{backoff, failpoints, job, runtime, sink, snapshot};
+pub use keyshift_runtime::{backoff, failpoints, job, offline, runtime, sink, snapshot};
 
 pub mod cli;
 pub mod crd;
@@ -32,8 +32,8 @@ pub mod output;
 pub mod pictures;
 pub mod plan_svg;
 pub mod probe;
+pub mod savepoint;
 pub mod svg;
 pub mod telemetry;
 pub use keyshift_core::text;
-pub mod tools;
 pub mod validation;

@@ -332,9 +332,9 @@ impl Job {
                 s.id
             );
             // The savepoint tools read it too (chains merged).
-            let loc = keyshift::tools::open_location(&format!("{}/{}", self.url, s.dir.as_ref()))
+            let loc = keyshift::offline::open_location(&format!("{}/{}", self.url, s.dir.as_ref()))
                 .unwrap();
-            let v = keyshift::tools::verify_snapshot(&loc).await.unwrap();
+            let v = keyshift::offline::verify_keys(&loc).await.unwrap();
             assert!(v.problems.is_empty(), "{:?}", v.problems);
             assert_eq!(v.keys_checked, self.taken[&s.id].len() as u64);
         }
@@ -360,12 +360,15 @@ impl Job {
                 }
                 let s = &snaps[n % snaps.len()];
                 let url = format!("{}/{}", self.url, s.dir.as_ref());
-                let opts = keyshift::tools::catalog::DisposeOptions {
+                let opts = keyshift::offline::retention::DisposeOptions {
                     force: *force,
                     dry_run: false,
                 };
                 // Refused (the newest checkpoint, the newest snapshot) unless forced.
-                if keyshift::tools::catalog::dispose(&url, opts).await.is_ok() {
+                if keyshift::offline::retention::dispose(&url, opts)
+                    .await
+                    .is_ok()
+                {
                     self.taken.remove(&s.id);
                 }
             }
@@ -555,9 +558,9 @@ fn dispose_keeps_files_a_newer_checkpoint_reads() {
         assert_eq!(m2.format_version, snapshot::FORMAT_VERSION);
         assert!(m2.stats.written_bytes.unwrap() * 5 < m2.stats.total_bytes);
         let url = format!("{}/ns/job/checkpoints/chk-1", job.url);
-        let r = keyshift::tools::catalog::dispose(
+        let r = keyshift::offline::retention::dispose(
             &url,
-            keyshift::tools::catalog::DisposeOptions {
+            keyshift::offline::retention::DisposeOptions {
                 force: false,
                 dry_run: false,
             },
@@ -637,13 +640,13 @@ fn the_savepoint_tools_read_an_incremental_checkpoint() {
         job.records(5, 10, 3);
         job.snapshot(SnapshotKind::Checkpoint).await;
         let url = format!("{}/ns/job/checkpoints/chk-2", job.url);
-        let loc = keyshift::tools::open_location(&url).unwrap();
+        let loc = keyshift::offline::open_location(&url).unwrap();
         let m = read_manifest(loc.store.as_ref(), &loc.dir).await.unwrap();
         assert!(!m.is_self_contained());
-        let report = keyshift::tools::inspect::inspect(&loc, 5).await.unwrap();
+        let report = keyshift::offline::inspect::inspect(&loc, 5).await.unwrap();
         assert_eq!(report.total_keys, 300);
         let mut out = Vec::new();
-        let summary = keyshift::tools::dump::dump(&loc, None, &mut out)
+        let summary = keyshift::offline::dump::dump(&loc, None, &mut out)
             .await
             .unwrap();
         assert_eq!(summary.keys, 300);
@@ -658,9 +661,9 @@ fn the_savepoint_tools_read_an_incremental_checkpoint() {
         assert_eq!(dumped, job.model, "dump shows every key's current value");
         // Rewrite to 32 groups: a full savepoint with the same state.
         let target = format!("{}/ns/job/savepoints/sp-9", job.url);
-        let mut opts = keyshift::tools::RewriteOptions::new(32);
+        let mut opts = keyshift::offline::RewriteOptions::new(32);
         opts.temp_dir = Some(std::env::temp_dir());
-        keyshift::tools::rewrite::rewrite(&url, &target, opts)
+        keyshift::offline::rewrite::rewrite(&url, &target, opts)
             .await
             .unwrap();
         let (store, dir, sp) = open_snapshot(&target).await.unwrap();

@@ -6,10 +6,10 @@ mod savepoint_support;
 use keyshift::crd::{AggregateFunction, KeyDistribution};
 use keyshift::job::{AggConfig, KeyedAggregator, StateValue};
 use keyshift::keygroup::{Assignment, Key, KeyType, key_group_for_key};
+use keyshift::offline::{self, RewriteOptions, ToolError, open_location};
 use keyshift::snapshot::{
     Manifest, ObjectStore, SnapshotKind, manifest_path, read_groups, read_manifest,
 };
-use keyshift::tools::{self, RewriteOptions, ToolError, open_location};
 use object_store::ObjectStoreExt;
 use savepoint_support::*;
 use serde_json::Value;
@@ -19,9 +19,9 @@ use std::sync::Arc;
 /// Dumps a snapshot into parsed JSON lines.
 async fn dump_lines(url: &str, range: Option<&str>) -> Vec<Value> {
     let loc = open_location(url).unwrap();
-    let range = range.map(|r| tools::parse_key_groups(r).unwrap());
+    let range = range.map(|r| offline::parse_key_groups(r).unwrap());
     let mut out = Vec::new();
-    let summary = tools::dump::dump(&loc, range, &mut out).await.unwrap();
+    let summary = offline::dump::dump(&loc, range, &mut out).await.unwrap();
     let lines: Vec<Value> = String::from_utf8(out)
         .unwrap()
         .lines()
@@ -126,10 +126,10 @@ async fn round_trip(job_url: &str, shape: JobShape, new_g: u32, new_p: Option<u3
     opts.memory_budget = budget;
     let progress = Arc::new(std::sync::Mutex::new(Vec::new()));
     let seen = progress.clone();
-    opts.progress = Some(Arc::new(move |p: &tools::Progress| {
+    opts.progress = Some(Arc::new(move |p: &offline::Progress| {
         seen.lock().unwrap().push((p.phase, p.done, p.total));
     }));
-    let report = tools::rewrite::rewrite(&src.url, &target, opts)
+    let report = offline::rewrite::rewrite(&src.url, &target, opts)
         .await
         .unwrap();
     let p = new_p.unwrap_or(src.shape.parallelism);
@@ -201,7 +201,7 @@ async fn round_trip(job_url: &str, shape: JobShape, new_g: u32, new_p: Option<u3
     assert!(restored == src.state, "restored state differs");
 
     // The new snapshot verifies; the source is untouched.
-    let v = tools::verify_snapshot(&loc).await.unwrap();
+    let v = offline::verify_keys(&loc).await.unwrap();
     assert!(v.ok(), "{:?}", v.problems);
     assert_eq!(v.keys_checked, src.state.len() as u64);
     assert_eq!(manifest_bytes(&src.url).await, src_manifest_before);
@@ -209,7 +209,7 @@ async fn round_trip(job_url: &str, shape: JobShape, new_g: u32, new_p: Option<u3
         objects_under(src_loc.store.as_ref(), &src_loc.dir).await,
         src_objects
     );
-    assert!(tools::verify_snapshot(&src_loc).await.unwrap().ok());
+    assert!(offline::verify_keys(&src_loc).await.unwrap().ok());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -255,11 +255,11 @@ async fn rewrite_refuses_an_existing_target_and_bad_bounds() {
     let job = memory_job();
     let src = build(&job, JobShape::default()).await;
     let target = format!("{job}/savepoints/sp-2");
-    tools::rewrite::rewrite(&src.url, &target, RewriteOptions::new(256))
+    offline::rewrite::rewrite(&src.url, &target, RewriteOptions::new(256))
         .await
         .unwrap();
     let committed = manifest_bytes(&target).await;
-    let err = tools::rewrite::rewrite(&src.url, &target, RewriteOptions::new(512))
+    let err = offline::rewrite::rewrite(&src.url, &target, RewriteOptions::new(512))
         .await
         .unwrap_err();
     assert!(matches!(err, ToolError::TargetExists { .. }), "{err:?}");
@@ -270,12 +270,12 @@ async fn rewrite_refuses_an_existing_target_and_bad_bounds() {
     );
     assert_eq!(manifest_bytes(&target).await, committed, "target untouched");
     // The source itself is a committed target too.
-    let err = tools::rewrite::rewrite(&src.url, &src.url, RewriteOptions::new(256))
+    let err = offline::rewrite::rewrite(&src.url, &src.url, RewriteOptions::new(256))
         .await
         .unwrap_err();
     assert!(matches!(err, ToolError::TargetExists { .. }), "{err:?}");
     // A checkpoint directory is not a valid target.
-    let err = tools::rewrite::rewrite(
+    let err = offline::rewrite::rewrite(
         &src.url,
         &format!("{job}/checkpoints/chk-5"),
         RewriteOptions::new(256),
@@ -287,7 +287,7 @@ async fn rewrite_refuses_an_existing_target_and_bad_bounds() {
         "{err:?}"
     );
     // The source's parallelism (4) does not fit 2 groups.
-    let err = tools::rewrite::rewrite(
+    let err = offline::rewrite::rewrite(
         &src.url,
         &format!("{job}/savepoints/sp-3"),
         RewriteOptions::new(2),
@@ -307,7 +307,7 @@ async fn rewrite_refuses_corrupt_input_naming_the_file_and_writes_nothing() {
     bytes[mid] ^= 0x40;
     std::fs::write(&file, &bytes).unwrap();
     let target = format!("{job}/savepoints/sp-7");
-    let err = tools::rewrite::rewrite(&src.url, &target, RewriteOptions::new(256))
+    let err = offline::rewrite::rewrite(&src.url, &target, RewriteOptions::new(256))
         .await
         .unwrap_err();
     let msg = err.to_string();
@@ -317,7 +317,7 @@ async fn rewrite_refuses_corrupt_input_naming_the_file_and_writes_nothing() {
     );
     // No manifest, no state file: the target directory was never even created.
     assert!(!local(&target).exists(), "nothing written");
-    let loc = tools::open_location_for_write(&target).unwrap();
+    let loc = offline::open_location_for_write(&target).unwrap();
     assert!(!loc.is_committed().await.unwrap(), "no target manifest");
     assert!(
         objects_under(loc.store.as_ref(), &loc.dir).await.is_empty(),
@@ -327,9 +327,10 @@ async fn rewrite_refuses_corrupt_input_naming_the_file_and_writes_nothing() {
     // A block whose checksums are right but which holds a key of another group (a snapshot
     // written under another key-group count, or a bug) is refused too, naming file and key.
     let forged = forge_wrong_group_snapshot(&memory_job()).await;
-    let err = tools::rewrite::rewrite(&forged, &format!("{forged}-out"), RewriteOptions::new(256))
-        .await
-        .unwrap_err();
+    let err =
+        offline::rewrite::rewrite(&forged, &format!("{forged}-out"), RewriteOptions::new(256))
+            .await
+            .unwrap_err();
     assert!(matches!(err, ToolError::KeyInWrongGroup { .. }), "{err:?}");
     assert!(err.to_string().contains("state-0-of-1.bin"), "{err}");
 }
@@ -371,7 +372,7 @@ async fn forge_wrong_group_snapshot(job_url: &str) -> String {
     commit_manifest(store.as_ref(), &dir, &m).await.unwrap();
     // verify names the key and the file too.
     let loc = open_location(&format!("{job_url}/savepoints/sp-1")).unwrap();
-    let v = tools::verify_snapshot(&loc).await.unwrap();
+    let v = offline::verify_keys(&loc).await.unwrap();
     assert!(!v.ok());
     assert!(
         v.problems[0].contains("state-0-of-1.bin") && v.problems[0].contains(&stranger.to_string()),
@@ -391,7 +392,7 @@ async fn inspect_shows_the_hot_key_of_a_zipf_job() {
         ..JobShape::default()
     };
     let src = build(&memory_job(), shape).await;
-    let report = tools::inspect::inspect(&open_location(&src.url).unwrap(), 5)
+    let report = offline::inspect::inspect(&open_location(&src.url).unwrap(), 5)
         .await
         .unwrap();
     let hot = &report.top_keys_by_value[0];
@@ -451,7 +452,7 @@ async fn inspect_shows_the_hot_key_of_a_zipf_job() {
         ..JobShape::default()
     };
     let src = build(&memory_job(), shape).await;
-    let report = tools::inspect::inspect(&open_location(&src.url).unwrap(), 3)
+    let report = offline::inspect::inspect(&open_location(&src.url).unwrap(), 3)
         .await
         .unwrap();
     assert_eq!(report.window_size_ms, Some(5000));
@@ -485,9 +486,9 @@ async fn dump_restricts_to_key_groups_and_verify_reports_per_file() {
     assert_eq!(some.len(), expected);
     let loc = open_location(&src.url).unwrap();
     let mut sink = Vec::new();
-    let err = tools::dump::dump(
+    let err = offline::dump::dump(
         &loc,
-        Some(tools::parse_key_groups("100-200").unwrap()),
+        Some(offline::parse_key_groups("100-200").unwrap()),
         &mut sink,
     )
     .await
@@ -508,7 +509,7 @@ async fn dump_restricts_to_key_groups_and_verify_reports_per_file() {
                 .unwrap();
         }
     }
-    let v = tools::verify_snapshot(&loc).await.unwrap();
+    let v = offline::verify_keys(&loc).await.unwrap();
     assert_eq!(v.problems.len(), 2, "{:?}", v.problems);
     assert!(v.problems[0].contains("state-1-of-4.bin") && v.problems[0].contains("bytes"));
     assert!(v.problems[1].contains("state-3-of-4.bin") && v.problems[1].contains("missing"));
@@ -542,7 +543,7 @@ async fn dispose_refuses_what_the_job_needs_and_removes_the_rest() {
         .await;
         urls.insert((kind, id), url);
     }
-    let listing = tools::list_job(&job).await.unwrap();
+    let listing = offline::list_job(&job).await.unwrap();
     assert_eq!(listing.snapshots.len(), 5);
     let used: Vec<(&str, Vec<&str>)> = listing
         .snapshots
@@ -559,15 +560,15 @@ async fn dispose_refuses_what_the_job_needs_and_removes_the_rest() {
             ("savepoints/sp-3", vec!["newestSnapshot"]),
         ]
     );
-    let no = tools::DisposeOptions::default();
-    let force = tools::DisposeOptions {
+    let no = offline::DisposeOptions::default();
+    let force = offline::DisposeOptions {
         force: true,
         dry_run: false,
     };
 
     // The newest checkpoint and the newest snapshot are refused.
     for key in [(SnapshotKind::Checkpoint, 2), (SnapshotKind::Savepoint, 3)] {
-        let err = tools::dispose(&urls[&key], no).await.unwrap_err();
+        let err = offline::dispose(&urls[&key], no).await.unwrap_err();
         assert!(matches!(err, ToolError::InUse { .. }), "{err:?}");
         assert!(err.to_string().contains("--force"), "{err}");
         assert!(
@@ -581,36 +582,36 @@ async fn dispose_refuses_what_the_job_needs_and_removes_the_rest() {
     // A snapshot pinned by the marker is refused; an unreadable marker refuses everything.
     let loc = open_location(&urls[&(SnapshotKind::Savepoint, 2)]).unwrap();
     let job_dir = loc.job_dir.clone().unwrap();
-    let marker = tools::InUseMarker::new(vec![tools::InUseEntry {
+    let marker = offline::InUseMarker::new(vec![offline::InUseEntry {
         path: "savepoints/sp-2".into(),
         holder: Some("operator".into()),
         reason: Some("spec.restoreFrom".into()),
     }]);
-    tools::write_in_use(loc.store.as_ref(), &job_dir, &marker)
+    offline::write_in_use(loc.store.as_ref(), &job_dir, &marker)
         .await
         .unwrap();
     assert_eq!(
-        tools::read_in_use(loc.store.as_ref(), &job_dir)
+        offline::read_in_use(loc.store.as_ref(), &job_dir)
             .await
             .unwrap(),
         Some(marker)
     );
-    let err = tools::dispose(&urls[&(SnapshotKind::Savepoint, 2)], no)
+    let err = offline::dispose(&urls[&(SnapshotKind::Savepoint, 2)], no)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("spec.restoreFrom"), "{err}");
-    std::fs::write(local(&job).join(tools::IN_USE_FILE), b"{not json").unwrap();
-    let err = tools::dispose(&urls[&(SnapshotKind::Savepoint, 1)], no)
+    std::fs::write(local(&job).join(offline::IN_USE_FILE), b"{not json").unwrap();
+    let err = offline::dispose(&urls[&(SnapshotKind::Savepoint, 1)], no)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("_in_use.json"), "{err}");
-    std::fs::remove_file(local(&job).join(tools::IN_USE_FILE)).unwrap();
+    std::fs::remove_file(local(&job).join(offline::IN_USE_FILE)).unwrap();
 
     // An older snapshot goes completely: a dry run first deletes nothing.
     let old = &urls[&(SnapshotKind::Savepoint, 1)];
-    let dry = tools::dispose(
+    let dry = offline::dispose(
         old,
-        tools::DisposeOptions {
+        offline::DisposeOptions {
             force: false,
             dry_run: true,
         },
@@ -619,28 +620,28 @@ async fn dispose_refuses_what_the_job_needs_and_removes_the_rest() {
     .unwrap();
     assert!(dry.dry_run && dry.committed && dry.objects == 5);
     assert!(local(old).join("_manifest.json").exists());
-    let done = tools::dispose(old, no).await.unwrap();
+    let done = offline::dispose(old, no).await.unwrap();
     assert_eq!(done.objects, 5, "manifest and four state files");
     assert!(done.forced_over.is_empty());
-    let old_loc = tools::open_location_for_write(old).unwrap();
+    let old_loc = offline::open_location_for_write(old).unwrap();
     assert!(
         objects_under(old_loc.store.as_ref(), &old_loc.dir)
             .await
             .is_empty()
     );
     assert!(!local(old).exists(), "directory gone");
-    let err = tools::verify_snapshot(&old_loc).await.unwrap_err();
+    let err = offline::verify_keys(&old_loc).await.unwrap_err();
     assert!(err.to_string().contains("not found"), "{err}");
-    assert_eq!(tools::list_job(&job).await.unwrap().snapshots.len(), 4);
+    assert_eq!(offline::list_job(&job).await.unwrap().snapshots.len(), 4);
     // Disposing it again: nothing there.
     assert!(matches!(
-        tools::dispose(old, no).await.unwrap_err(),
+        offline::dispose(old, no).await.unwrap_err(),
         ToolError::NothingThere { .. }
     ));
 
     // --force overrides, and says what it overrode.
     let newest = &urls[&(SnapshotKind::Savepoint, 3)];
-    let done = tools::dispose(newest, force).await.unwrap();
+    let done = offline::dispose(newest, force).await.unwrap();
     assert_eq!(done.forced_over.len(), 1);
     assert!(!local(newest).exists());
 
@@ -650,14 +651,14 @@ async fn dispose_refuses_what_the_job_needs_and_removes_the_rest() {
     std::fs::write(orphan.join("state-0-of-1.bin"), b"partial").unwrap();
     let url = format!("{job}/checkpoints/chk-9");
     assert!(matches!(
-        tools::dispose(&url, no).await.unwrap_err(),
+        offline::dispose(&url, no).await.unwrap_err(),
         ToolError::Uncommitted { .. }
     ));
-    let done = tools::dispose(&url, force).await.unwrap();
+    let done = offline::dispose(&url, force).await.unwrap();
     assert!(!done.committed && done.objects == 1);
     assert!(!orphan.exists());
     // A URL outside the layout cannot be judged.
-    let err = tools::dispose(&format!("{job}/elsewhere"), no)
+    let err = offline::dispose(&format!("{job}/elsewhere"), no)
         .await
         .unwrap_err();
     assert!(matches!(err, ToolError::NotSnapshotUrl { .. }), "{err:?}");
@@ -685,7 +686,7 @@ async fn list_shows_unreadable_manifests_instead_of_failing() {
         )
         .await
         .unwrap();
-    let listing = tools::list_job(&job).await.unwrap();
+    let listing = offline::list_job(&job).await.unwrap();
     assert_eq!(listing.snapshots.len(), 2);
     let chk = &listing.snapshots[0];
     assert_eq!(chk.kind, SnapshotKind::Checkpoint);
@@ -720,18 +721,18 @@ async fn an_empty_snapshot_rewrites_inspects_and_dumps() {
     .await;
     assert_eq!(m.stats.total_keys, 0);
     let target = format!("{job}/savepoints/sp-4");
-    let r = tools::rewrite::rewrite(&url, &target, RewriteOptions::new(16))
+    let r = offline::rewrite::rewrite(&url, &target, RewriteOptions::new(16))
         .await
         .unwrap();
     assert_eq!((r.keys, r.bytes_written), (0, 0));
     assert!(dump_lines(&target, None).await.is_empty());
-    let report = tools::inspect::inspect(&open_location(&target).unwrap(), 3)
+    let report = offline::inspect::inspect(&open_location(&target).unwrap(), 3)
         .await
         .unwrap();
     assert_eq!(report.function, None);
     assert!(report.largest_keys.is_empty());
     assert!(
-        tools::verify_snapshot(&open_location(&target).unwrap())
+        offline::verify_keys(&open_location(&target).unwrap())
             .await
             .unwrap()
             .ok()

@@ -799,7 +799,7 @@ impl LocalJob {
         to: u32,
         groups: u32,
         memory: usize,
-    ) -> Result<(RescaleReport, crate::tools::RewriteReport), LocalError> {
+    ) -> Result<(RescaleReport, crate::offline::RewriteReport), LocalError> {
         let from = self.parallelism().unwrap_or(to);
         let fail = |step, reason: String| LocalError::Rescale {
             from,

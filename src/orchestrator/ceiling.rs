@@ -8,7 +8,7 @@ use crate::snapshot::Manifest;
 use std::path::PathBuf;
 
 /// The memory a rewrite in the orchestrator aims to use when `KEYSHIFT_REWRITE_MEMORY` does not
-/// say (its spill files go to local disk; see `tools::rewrite`).
+/// say (its spill files go to local disk; see `offline::rewrite`).
 pub const DEFAULT_REWRITE_MEMORY: usize = 256 * 1024 * 1024;
 
 /// Environment variable: the rewrite's memory budget, in bytes or with a `Ki`/`Mi`/`Gi` suffix.

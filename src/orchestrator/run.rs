@@ -177,14 +177,14 @@ pub async fn rewrite_savepoint(
     parallelism: u32,
     memory: usize,
     spill: Option<std::path::PathBuf>,
-) -> Result<Option<crate::tools::RewriteReport>, crate::tools::ToolError> {
-    let mut opts = crate::tools::RewriteOptions::new(groups);
+) -> Result<Option<crate::offline::RewriteReport>, crate::offline::ToolError> {
+    let mut opts = crate::offline::RewriteOptions::new(groups);
     opts.parallelism = Some(parallelism);
     opts.memory_budget = memory;
     opts.temp_dir = spill;
-    match crate::tools::rewrite::rewrite(source, target, opts).await {
+    match crate::offline::rewrite::rewrite(source, target, opts).await {
         Ok(report) => Ok(Some(report)),
-        Err(crate::tools::ToolError::TargetExists { .. }) => Ok(None),
+        Err(crate::offline::ToolError::TargetExists { .. }) => Ok(None),
         Err(e) => Err(e),
     }
 }
@@ -202,8 +202,8 @@ pub async fn verify_rewrite(
         .await
         .map_err(|e| format!("reading the source savepoint: {e}"))?
         .2;
-    let loc = crate::tools::open_location(target).map_err(|e| e.to_string())?;
-    let outcome = crate::tools::verify_snapshot(&loc)
+    let loc = crate::offline::open_location(target).map_err(|e| e.to_string())?;
+    let outcome = crate::offline::verify_keys(&loc)
         .await
         .map_err(|e| e.to_string())?;
     if !outcome.ok() {

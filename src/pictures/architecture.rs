@@ -359,7 +359,7 @@ pub fn diagram() -> Diagram {
             &[
                 Plain("list, inspect, verify,"),
                 Plain("dump, rewrite, dispose"),
-                Plain("(offline; src/tools/)"),
+                Plain("(offline; runtime offline/)"),
                 Plain("reads manifests, blocks"),
                 Plain("and _in_use.json"),
             ],

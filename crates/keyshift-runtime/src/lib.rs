@@ -8,6 +8,8 @@
 //!   aggregation with per-key-group state blocks, watermarks, result rows.
 //! * [`snapshot`]: state files and manifests in any `object_store` URL.
 //! * [`sink`]: the exactly-once object-store sink's staging and publish.
+//! * [`offline`]: operations on snapshots without a running job (list, inspect, verify every key,
+//!   dump, rewrite to another key-group count, dispose; the in-use marker).
 //! * [`backoff`]: every retry's delays.
 //! * [`failpoints`]: test-only fault injection (inert without the `test-hooks` feature).
 //!
@@ -19,6 +21,7 @@
 pub mod backoff;
 pub mod failpoints;
 pub mod job;
+pub mod offline;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;

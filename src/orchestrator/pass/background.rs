@@ -150,7 +150,7 @@ pub(super) enum Ended {
     Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),
     Verify(Result<snapshot::VerifyReport, snapshot::SnapshotError>),
     /// `None`: the target had already committed (the orchestrator restarted after the rewrite).
-    Rewrite(Result<Option<crate::tools::rewrite::RewriteReport>, crate::tools::ToolError>),
+    Rewrite(Result<Option<crate::offline::rewrite::RewriteReport>, crate::offline::ToolError>),
     /// What was checked, or why the rewritten savepoint must not be restored.
     VerifyRewrite(Result<String, String>),
     Start(Box<(Coordinator, Result<Vec<StartResponse>, CoordinatorError>)>),

@@ -664,7 +664,7 @@ impl Pass<'_> {
         source: &str,
         target: &str,
         groups: u32,
-        result: Result<Option<crate::tools::RewriteReport>, crate::tools::ToolError>,
+        result: Result<Option<crate::offline::RewriteReport>, crate::offline::ToolError>,
     ) -> Result<(), PassError> {
         match result {
             Ok(report) => {

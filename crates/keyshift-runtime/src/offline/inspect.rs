@@ -9,12 +9,12 @@
 use super::blocks::{self, Block, Shape, WINDOW_BYTES};
 use super::error::{Result, ToolError};
 use super::location::SnapshotLocation;
-use crate::crd::AggregateFunction;
 use crate::job::state_codec::{self, AccValue, StateValue};
 use crate::job::{KeyRef, RecordKey};
 use crate::snapshot::{JobIdentity, Manifest, SnapshotKind, read_manifest};
 use chrono::{DateTime, Utc};
 use keyshift_core::keygroup::{Key, KeyGroupRange, KeyType};
+use keyshift_core::spec::AggregateFunction;
 use serde::Serialize;
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BinaryHeap};

@@ -7,11 +7,11 @@
 //! manifest before it is handed out. Memory is bounded by a few windows (or the largest block).
 
 use super::error::{Result, ToolError};
-use crate::crd::AggregateFunction;
 use crate::job::state_codec::BlockHeader;
 use crate::snapshot::{Crc32c, GroupEntry, Manifest, ObjectStore, Path, SnapshotError};
 use bytes::Bytes;
 use futures::StreamExt;
+use keyshift_core::spec::AggregateFunction;
 use object_store::ObjectStoreExt;
 use std::ops::Range;
 use std::sync::Arc;

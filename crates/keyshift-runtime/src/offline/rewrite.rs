@@ -975,7 +975,7 @@ mod tests {
         assert_eq!(next, 64);
         // Building gives each group's entries in order, as one block per group.
         let template = BlockInfo {
-            function: crate::crd::AggregateFunction::Count,
+            function: keyshift_core::spec::AggregateFunction::Count,
             window_size_ms: None,
             max_parallelism: 64,
             key_group: 0,

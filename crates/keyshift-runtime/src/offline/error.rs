@@ -174,7 +174,7 @@ pub enum ToolError {
 
     /// A report could not be rendered as YAML.
     #[error("rendering YAML: {0}")]
-    Yaml(#[from] serde_yaml::Error),
+    Yaml(String),
 
     /// The async runtime could not start.
     #[error("cannot start the async runtime: {0}")]
@@ -184,14 +184,14 @@ pub enum ToolError {
     #[error("internal error: a background task failed: {0}")]
     Task(String),
 
-    /// The benchmark could not set up its input.
-    #[cfg(feature = "bench")]
+    /// A benchmark (`keyshift savepoint bench-rewrite`) could not set up its input.
     #[error("benchmark: {0}")]
     Bench(String),
 }
 
 impl ToolError {
-    pub(crate) fn spill(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> ToolError {
+    /// Maps an I/O error on a local spill or scratch file at `path`.
+    pub fn spill(path: impl Into<PathBuf>) -> impl FnOnce(std::io::Error) -> ToolError {
         let path = path.into();
         move |source| ToolError::Spill { path, source }
     }

@@ -71,13 +71,13 @@ impl VerifyOutcome {
 
 /// Fully verifies the snapshot at `loc`. A missing or unreadable manifest is an error; problems
 /// in state files are collected in the outcome (see [`VerifyOutcome::ok`]).
-pub async fn verify_snapshot(loc: &SnapshotLocation) -> Result<VerifyOutcome> {
-    verify_snapshot_with_progress(loc, &|_| {}).await
+pub async fn verify_keys(loc: &SnapshotLocation) -> Result<VerifyOutcome> {
+    verify_keys_with_progress(loc, &|_| {}).await
 }
 
-/// [`verify_snapshot`], calling `progress` as the work advances (after every window of blocks
+/// [`verify_keys`], calling `progress` as the work advances (after every window of blocks
 /// read and every file) with the state bytes checked so far and in all.
-pub async fn verify_snapshot_with_progress(
+pub async fn verify_keys_with_progress(
     loc: &SnapshotLocation,
     progress: &(dyn Fn(super::Advance) + Sync),
 ) -> Result<VerifyOutcome> {

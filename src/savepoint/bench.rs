@@ -14,11 +14,11 @@
 //!
 //! Steps 2-5 repeat `runs` times; the report gives every round and the medians.
 
-use super::error::{Result, ToolError};
-use super::rewrite::{RewriteOptions, RewriteReport, rewrite};
-use super::verify::verify_snapshot;
 use crate::crd::{AggregateFunction, GeneratorSource, KeyDistribution};
 use crate::job::{AggConfig, Generator, KeyedAggregator};
+use crate::offline::rewrite::{RewriteOptions, RewriteReport, rewrite};
+use crate::offline::verify_keys;
+use crate::offline::{Result, ToolError};
 use crate::snapshot::{
     JobIdentity, Manifest, SnapshotKind, SnapshotMeta, SnapshotWriter, commit_manifest, open_store,
     snapshot_dir,
@@ -264,7 +264,7 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
     // 1. Build and write the input savepoint.
     let build_started = Instant::now();
     let o = opts.clone();
-    let (ops, positions) = super::blocks::blocking(move || build_state(&o, from)).await??;
+    let (ops, positions) = crate::offline::blocking(move || build_state(&o, from)).await??;
     let mut acks = Vec::new();
     for (s, op) in ops.iter().enumerate() {
         let mut w = SnapshotWriter::new(store.clone(), &source_dir, from, s as u32)?;
@@ -304,7 +304,7 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
     let source_url = format!("{store_url}/bench/rewrite/savepoints/sp-1");
     let copy = |m: Manifest| {
         let (s, c) = (source_fs.clone(), copy_fs.clone());
-        super::blocks::blocking(move || raw_copy(&m, &s, &c))
+        crate::offline::blocking(move || raw_copy(&m, &s, &c))
     };
 
     // 2-5. Rounds of copy, rewrite, copy; each output verified, then removed.
@@ -319,7 +319,7 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
         ropts.temp_dir = Some(base.join("tmp"));
         let rewrite = rewrite(&source_url, &target_url, ropts).await?;
         let copy_after_secs = copy(manifest.clone()).await??;
-        let outcome = verify_snapshot(&super::location::open_location(&target_url)?).await?;
+        let outcome = verify_keys(&crate::offline::open_location(&target_url)?).await?;
         let verified = outcome.ok() && outcome.keys_checked == manifest.stats.total_keys;
         if !opts.keep {
             let target_fs = store_root.join(format!("bench/rewrite/savepoints/sp-{}", 2 + i));

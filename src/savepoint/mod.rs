@@ -1,16 +1,21 @@
-//! The `keyshift savepoint` subcommands: arguments, dispatch and rendering.
+//! The `keyshift savepoint` subcommands: arguments, dispatch and rendering. The operations are
+//! the runtime's offline library ([`crate::offline`]); this is the command over it.
+
+// `keyshift savepoint bench-rewrite`: only with the `bench` feature.
+#[cfg(feature = "bench")]
+pub mod bench;
 
 #[cfg(feature = "bench")]
-use super::bench::{BenchOptions, BenchReport, bench_rewrite};
-use super::catalog::{DisposeOptions, DisposeReport, JobListing, dispose, list_job};
-use super::dump::{dump_with_progress, parse_key_groups};
-use super::error::{Result, ToolError};
-use super::inspect::{InspectReport, inspect};
-use super::location::open_location;
-use super::rewrite::{
+use self::bench::{BenchOptions, BenchReport, bench_rewrite};
+use crate::offline::dump::{dump_with_progress, parse_key_groups};
+use crate::offline::inspect::{InspectReport, inspect};
+use crate::offline::open_location;
+use crate::offline::retention::{DisposeOptions, DisposeReport, JobListing, dispose, list_job};
+use crate::offline::rewrite::{
     DEFAULT_MEMORY_BUDGET, Phase, Progress, RewriteOptions, RewriteReport, rewrite,
 };
-use super::verify::{VerifyOutcome, verify_snapshot_with_progress};
+use crate::offline::verify::{VerifyOutcome, verify_keys_with_progress};
+use crate::offline::{Result, ToolError};
 use crate::output::{Output, yaml};
 use clap::{Args, Subcommand};
 use std::fmt::Write as _;
@@ -312,7 +317,7 @@ fn render<T: serde::Serialize>(
     Ok(match output {
         Output::Table => table(report),
         Output::Json => json(report),
-        Output::Yaml => yaml(report)?,
+        Output::Yaml => yaml(report).map_err(|e| ToolError::Yaml(e.to_string()))?,
     })
 }
 
@@ -332,7 +337,7 @@ async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> 
         SavepointCommand::Verify(a) => {
             let loc = open_location(&a.url)?;
             let (report, bar) = meter(Unit::Bytes, "verify");
-            let outcome = verify_snapshot_with_progress(&loc, &report).await;
+            let outcome = verify_keys_with_progress(&loc, &report).await;
             if let Some(bar) = bar {
                 bar.finish_and_clear();
             }
@@ -453,13 +458,13 @@ fn meter(
     unit: Unit,
     label: &'static str,
 ) -> (
-    impl Fn(super::Advance) + Sync,
+    impl Fn(crate::offline::Advance) + Sync,
     Option<indicatif::ProgressBar>,
 ) {
     let bar = bar_wanted().then(|| progress_bar(unit, label));
     let shown = bar.clone();
     let last = Mutex::new(Instant::now());
-    let report = move |a: super::Advance| {
+    let report = move |a: crate::offline::Advance| {
         if let Some(bar) = &bar {
             bar.set_length(a.total);
             bar.set_position(a.done);
@@ -479,7 +484,7 @@ fn meter(
 
 /// A plain progress line: `verify: 45.0% (1.2 GiB of 2.6 GiB)`, `dump: 45.0% (58 of 128 key
 /// groups)`.
-fn plain_progress(label: &str, unit: Unit, a: super::Advance) -> String {
+fn plain_progress(label: &str, unit: Unit, a: crate::offline::Advance) -> String {
     let pct = if a.total == 0 {
         100.0
     } else {
@@ -632,8 +637,11 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
     let _ = writeln!(s, "parallelism:      {}", r.parallelism);
     let state = match (r.function, r.window_size_ms) {
         (None, _) => "no state".to_owned(),
-        (Some(f), None) => format!("{}, no window", super::function_name(f)),
-        (Some(f), Some(w)) => format!("{}, tumbling {w} ms windows", super::function_name(f)),
+        (Some(f), None) => format!("{}, no window", crate::offline::function_name(f)),
+        (Some(f), Some(w)) => format!(
+            "{}, tumbling {w} ms windows",
+            crate::offline::function_name(f)
+        ),
     };
     let _ = writeln!(s, "state:            {state} (schema {})", r.state_schema);
     let wm = r.watermark.map_or_else(
@@ -731,7 +739,7 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
             );
         }
     }
-    let keys = |s: &mut String, title: &str, list: &[super::inspect::KeyStat]| {
+    let keys = |s: &mut String, title: &str, list: &[crate::offline::inspect::KeyStat]| {
         if list.is_empty() {
             return;
         }
@@ -967,7 +975,7 @@ mod tests {
 
     #[test]
     fn plain_progress_reads_as_words() {
-        let a = super::super::Advance {
+        let a = crate::offline::Advance {
             done: 58,
             total: 128,
         };
@@ -975,7 +983,7 @@ mod tests {
             plain_progress("dump", Unit::KeyGroups, a),
             "dump: 45.3% (58 of 128 key groups)"
         );
-        let a = super::super::Advance {
+        let a = crate::offline::Advance {
             done: 1536,
             total: 3072,
         };

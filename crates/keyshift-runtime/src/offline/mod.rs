@@ -1,5 +1,7 @@
-//! Offline tooling for snapshots: `keyshift savepoint list | inspect | verify | dump | rewrite |
-//! dispose`.
+//! Offline operations on snapshots, the library under the `keyshift savepoint list | inspect |
+//! verify | dump | rewrite | dispose` command (the product crate's `savepoint` module) and under
+//! the operator's managed key-group change (which rewrites and verifies a savepoint) and in-use
+//! marker.
 //!
 //! Everything here works on a snapshot in an object store without a running job: it reads the
 //! manifest and the key-group blocks through the snapshot layer ([`crate::snapshot`]) and decodes
@@ -10,10 +12,10 @@
 //! | --- | --- |
 //! | `list STORAGE/NS/JOB` | [`list_job`] -> [`JobListing`] |
 //! | `inspect URL` | [`inspect()`](inspect::inspect) -> [`InspectReport`] |
-//! | `verify URL` | [`verify_snapshot`] -> [`VerifyOutcome`] |
+//! | `verify URL` | [`verify_keys`] -> [`VerifyOutcome`] |
 //! | `dump URL [--key-groups A-B]` | [`dump()`](dump::dump) (JSON lines, see [`DumpLine`]) |
 //! | `rewrite URL --max-parallelism G --to URL2` | [`rewrite()`](rewrite::rewrite) -> [`RewriteReport`]; the algorithm is in [`rewrite`] |
-//! | `dispose URL [--force]` | [`dispose()`](catalog::dispose) -> [`DisposeReport`]; the "still needed" rules and the in-use marker contract are in [`catalog`] |
+//! | `dispose URL [--force]` | [`dispose()`](retention::dispose) -> [`DisposeReport`]; the "still needed" rules and the in-use marker contract are in [`retention`] |
 //!
 //! `URL` is a snapshot directory, e.g. `file:///var/lib/keyshift/default/clicks/savepoints/sp-7`
 //! or `s3://bucket/prefix/default/clicks/checkpoints/chk-42` (credentials as for
@@ -23,29 +25,26 @@
 //! checked against the manifest's CRC-32C before it is decoded, so the tools never act on corrupt
 //! bytes and their memory does not grow with the state.
 
-// `keyshift savepoint bench-rewrite`: only with the `bench` feature.
-#[cfg(feature = "bench")]
-pub mod bench;
 mod blocks;
-pub mod catalog;
-pub mod cli;
 pub mod dump;
 mod error;
 pub mod inspect;
 mod location;
+pub mod retention;
 pub mod rewrite;
 pub mod verify;
 
-pub use catalog::{
-    DisposeOptions, DisposeReport, IN_USE_FILE, InUseEntry, InUseMarker, InUseReason, JobListing,
-    Listed, dispose, list_job, read_in_use, write_in_use,
-};
+pub use blocks::blocking;
 pub use dump::{DumpLine, DumpSummary, dump_with_progress, parse_key_groups};
 pub use error::{Result, ToolError};
 pub use inspect::{GroupSize, InspectReport, KeyStat, SubtaskShare};
 pub use location::{SnapshotLocation, open_location, open_location_for_write, split_snapshot_url};
+pub use retention::{
+    DisposeOptions, DisposeReport, IN_USE_FILE, InUseEntry, InUseMarker, InUseReason, JobListing,
+    Listed, dispose, list_job, read_in_use, write_in_use,
+};
 pub use rewrite::{Phase, Progress, RewriteOptions, RewriteReport, Timings};
-pub use verify::{FileCheck, VerifyOutcome, verify_snapshot, verify_snapshot_with_progress};
+pub use verify::{FileCheck, VerifyOutcome, verify_keys, verify_keys_with_progress};
 
 /// How far a long offline pass (verify, dump) has got: `done` of `total` units (bytes for
 /// `verify`, key groups for `dump`).
@@ -58,7 +57,7 @@ pub struct Advance {
 }
 
 /// An aggregate function as the manifest spells it (`count`, `sum`, ...).
-pub(crate) fn function_name(f: crate::crd::AggregateFunction) -> String {
+pub fn function_name(f: keyshift_core::spec::AggregateFunction) -> String {
     serde_json::to_value(f)
         .ok()
         .and_then(|v| v.as_str().map(str::to_owned))
@@ -66,7 +65,7 @@ pub(crate) fn function_name(f: crate::crd::AggregateFunction) -> String {
 }
 
 /// A window size as people read it: `60000 ms`, or `none` without a window.
-pub(crate) fn window_words(ms: Option<i64>) -> String {
+pub fn window_words(ms: Option<i64>) -> String {
     ms.map_or_else(|| "none".to_owned(), |w| format!("{w} ms"))
 }
 
@@ -76,7 +75,10 @@ mod words_tests {
 
     #[test]
     fn no_debug_forms() {
-        assert_eq!(function_name(crate::crd::AggregateFunction::Count), "count");
+        assert_eq!(
+            function_name(keyshift_core::spec::AggregateFunction::Count),
+            "count"
+        );
         assert_eq!(window_words(Some(60_000)), "60000 ms");
         assert_eq!(window_words(None), "none");
     }
