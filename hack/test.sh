@@ -261,6 +261,7 @@ kafka_suites() {
   job kafka_local t kafka_local
   job kafka_sink t kafka_sink
   await_testenv || { echo e2e_kafka >>"$LANES_DIR/failed"; return; }
+  await_outage_test
   job e2e_kafka e2e e2e_kafka
 }
 # The e2e suites print each test's time (libtest's --report-time, which needs RUSTC_BOOTSTRAP at
@@ -269,15 +270,25 @@ e2e() {
   local label="$1"; shift
   RUSTC_BOOTSTRAP=1 t "$label" --ignored -Z unstable-options --report-time "$@"
 }
+# The API server outage test takes the control plane from every other e2e test (tests/support's
+# plane lock): it runs first, alone on the cluster, and the other e2e jobs wait for it
+# (await_outage_test) instead of queueing behind it on the lock while long tests hold it shared.
+OUTAGE_TEST=api_server_outages_are_retried_and_lose_nothing
+await_outage_test() {
+  while [[ ! -e "$LANES_DIR/outage-test.done" ]]; do sleep 1; done
+}
 e2e_operator_suite() {
-  await_testenv || { echo testenv >>"$LANES_DIR/failed"; return; }
+  await_testenv || { echo testenv >>"$LANES_DIR/failed"; touch "$LANES_DIR/outage-test.done"; return; }
+  job e2e_operator_outage e2e e2e_operator --exact "$OUTAGE_TEST"
+  touch "$LANES_DIR/outage-test.done"
   # The 200-pod ceiling scenario runs alone, after every lane: beside the other tests it loaded
   # the 2-core node so far (load average 100) that the kubelet took minutes to terminate pods.
-  job e2e_operator e2e e2e_operator --test-threads=6 --skip scale_past_the_ceiling
+  job e2e_operator e2e e2e_operator --test-threads=6 --skip scale_past_the_ceiling --skip "$OUTAGE_TEST"
 }
 e2e_others() {
   eval "$S3_OTHERS_ENV"
   await_testenv || { echo testenv >>"$LANES_DIR/failed"; return; }
+  await_outage_test
   job e2e_helm e2e e2e_helm
   job e2e_cluster e2e e2e_cluster
   job e2e_leader e2e e2e_leader
