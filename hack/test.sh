@@ -88,14 +88,6 @@ trap cleanup EXIT
 step "cargo fmt --check"
 cargo fmt --all -- --check
 
-# Both feature sets (Cargo.toml [features]): all of them covers every line; the default one is
-# the product build, where code left behind by a gated-out feature (an unused import or helper)
-# fails. The second pass re-checks only the workspace's crates (dependencies have the same features).
-step "cargo clippy --workspace --all-targets --all-features -D warnings"
-cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-step "cargo clippy --workspace --all-targets -D warnings (default features: the product build)"
-cargo clippy --workspace --all-targets --locked -- -D warnings
-
 # The layers (docs/architecture.md, "1. The parts"): the crates below the product build with no
 # Kubernetes client, and the core with no I/O runtime. The compiler keeps the crates from importing
 # upward; this keeps their dependency lists honest.
@@ -240,6 +232,12 @@ step "tests: the cluster-free tiers and the e2e suites, side by side (each job's
 
 unit_and_light() {
   eval "$S3_OTHERS_ENV"
+  # Clippy in both feature sets (Cargo.toml [features]): all of them covers every line; the
+  # default one is the product build, where code left behind by a gated-out feature (an unused
+  # import or helper) fails. In a lane, not before the build: no other cargo runs here (the lanes
+  # run the built executables), and the e2e tier's waits leave the cores room for it.
+  job clippy-all-features cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+  job clippy-default-features cargo clippy --workspace --all-targets --locked -- -D warnings
   local label
   for label in $(cut -f1 "$LANES_DIR/binaries.tsv" | sort); do
     case "$label" in
