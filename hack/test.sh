@@ -151,19 +151,21 @@ kafka_env="$(hack/kafka.sh start)"
 eval "$kafka_env"
 
 # ---- build once. Every tier below runs the executables of these two builds; nothing builds again.
+# These builds and clippy run under `nice`: the release image `testenv up` builds in the background
+# is on the suite's critical path (the e2e tier waits for the cluster), and they are not.
 # The product binary (no features) first: tests/cli.rs checks it refuses the bench and test-only
 # commands. It runs here, before the all-features build: both builds put their `keyshift` at the
 # same path (the tests' CARGO_BIN_EXE_keyshift), and the all-features one must be there for the
 # tiers below (the e2e operator needs the test hooks). A copy of the product binary is kept for
 # the lab's check.
 step "cargo test --test cli (default features: the product binary)"
-cargo test --locked --test cli
+nice -n 15 cargo test --locked --test cli
 cp "${CARGO_TARGET_DIR:-target}/debug/keyshift" "$LANES_DIR/keyshift-product"
 
 step "cargo test --workspace --all-features: build the test executables, and run the doc tests"
-cargo test --workspace --locked --all-features --no-run --message-format=json-render-diagnostics \
+nice -n 15 cargo test --workspace --locked --all-features --no-run --message-format=json-render-diagnostics \
   | python3 hack/test-binaries.py >"$LANES_DIR/binaries.tsv"
-cargo test --workspace --locked --all-features --doc
+nice -n 15 cargo test --workspace --locked --all-features --doc
 
 declare -A TEST_EXE=() TEST_DIR=()
 while IFS=$'\t' read -r label exe dir; do
@@ -236,8 +238,8 @@ unit_and_light() {
   # default one is the product build, where code left behind by a gated-out feature (an unused
   # import or helper) fails. In a lane, not before the build: no other cargo runs here (the lanes
   # run the built executables), and the e2e tier's waits leave the cores room for it.
-  job clippy-all-features cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-  job clippy-default-features cargo clippy --workspace --all-targets --locked -- -D warnings
+  job clippy-all-features nice -n 15 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
+  job clippy-default-features nice -n 15 cargo clippy --workspace --all-targets --locked -- -D warnings
   touch "$LANES_DIR/clippy.done"
   local label
   for label in $(cut -f1 "$LANES_DIR/binaries.tsv" | sort); do
