@@ -1,8 +1,9 @@
 //! A StreamJob's spec as a pass acts on it, read once per pass: the parallelism it asks for, its
 //! checkpoint interval and step timeouts (durations parsed, within their bounds, and the defaults
 //! where the spec leaves them out or, in a spec the rules refuse, gets them wrong: a rescale in
-//! flight still finishes), the hash its workers carry, and what its state means. Pure. Besides
-//! the rules (`validation`), which parse a spec to refuse it, this is the one place the
+//! flight still finishes) and the hash its workers carry; and, for the few places that need
+//! them (a run's identity, a restore's refusal), the job's fingerprint and state layout. Pure.
+//! Besides the rules (`validation`), which parse a spec to refuse it, this is the one place the
 //! orchestrator parses one.
 
 use super::timeouts;
@@ -22,10 +23,6 @@ pub struct JobSettings {
     pub timeouts: StepTimeouts,
     /// What the worker pods depend on besides their parallelism ([`spec_hash`]).
     pub spec_hash: String,
-    /// Identity of the job's dataflow, recorded in snapshots ([`fingerprint`]).
-    pub fingerprint: String,
-    /// What the job's keyed state means, recorded in snapshots and compared on every restore.
-    pub layout: StateLayout,
 }
 
 /// How long each long step of a run may take before it counts as failed ([`timeouts`]).
@@ -49,8 +46,6 @@ impl JobSettings {
             checkpoint_interval: checkpoint_interval(spec),
             timeouts: StepTimeouts::read(spec),
             spec_hash: spec_hash(spec),
-            fingerprint: fingerprint(spec),
-            layout: layout(spec),
         }
     }
 }
@@ -154,7 +149,7 @@ mod tests {
         image.image = Some("other:1".into());
         let other = JobSettings::read(&image);
         assert_ne!(other.spec_hash, base.spec_hash);
-        assert_eq!(other.fingerprint, base.fingerprint);
+        assert_eq!(fingerprint(&image), fingerprint(&spec));
         let mut replicas = spec.clone();
         replicas.replicas = 8;
         assert_eq!(JobSettings::read(&replicas).spec_hash, base.spec_hash);
