@@ -30,7 +30,7 @@ export KEYSHIFT_HELM="${KEYSHIFT_HELM#HELM=}"
 KEYSHIFT_GITOPS_HEALTH="$(hack/build-gitops-health.sh)"
 export KEYSHIFT_GITOPS_HEALTH="${KEYSHIFT_GITOPS_HEALTH#GITOPS_HEALTH=}"
 
-# The cluster for the e2e tier comes up in the background while the lints and the test build run
+# The cluster for the e2e tier comes up in the background while the quick checks and the test build run
 # (README, "How the suite spends its time"): hack/testenv.sh up builds the Go binaries of the
 # control plane and the node from their pinned modules (cached after the first run), the image
 # (the static release build: its own target triple, so it never waits for the debug build's
@@ -38,7 +38,10 @@ export KEYSHIFT_GITOPS_HEALTH="${KEYSHIFT_GITOPS_HEALTH#GITOPS_HEALTH=}"
 # Go module downloads and builds overlap the idle core of cargo's serial phases.
 export KEYSHIFT_TESTENV_DIR="${KEYSHIFT_TESTENV_DIR:-$(mktemp -d /tmp/keyshift-e2e.XXXXXX)}"
 LANES_DIR="$(mktemp -d /tmp/keyshift-lanes.XXXXXX)"
-setsid bash -c 'hack/build-promtool.sh >/dev/null && hack/testenv.sh up >"$1/testenv.env"; echo $? >"$1/testenv.rc"' \
+# Its exit status lands in testenv.rc whole (written aside, then renamed), so a reader never sees
+# the file before it holds the status.
+setsid bash -c 'hack/build-promtool.sh >/dev/null && hack/testenv.sh up >"$1/testenv.env"
+  echo $? >"$1/testenv.rc.new" && mv "$1/testenv.rc.new" "$1/testenv.rc"' \
   testenv-up "$LANES_DIR" >"$LANES_DIR/testenv.log" 2>&1 </dev/null &
 TESTENV_UP_PID=$!
 
@@ -203,10 +206,16 @@ job() {
   printf '%5ss  %s  %s\n' "$((SECONDS - t0))" "$name" "$verdict" >>"$LANES_DIR/times"
 }
 
+# await_file FILE: waits until FILE exists (the marker another lane or the background
+# `testenv up` leaves when it is done).
+await_file() {
+  while [[ ! -e "$1" ]]; do sleep 1; done
+}
+
 # await_testenv: waits for the background `testenv up`, then takes its environment (kubeconfig,
 # node, containerd, image tarball, subnet).
 await_testenv() {
-  while [[ ! -s "$LANES_DIR/testenv.rc" ]]; do sleep 1; done
+  await_file "$LANES_DIR/testenv.rc"
   if [[ "$(cat "$LANES_DIR/testenv.rc")" != 0 ]]; then
     echo "hack/testenv.sh up failed:" >&2
     tail -n 40 "$LANES_DIR/testenv.log" >&2
@@ -261,7 +270,7 @@ kafka_suites() {
   eval "$S3_OTHERS_ENV"
   # Not beside clippy's burst on both cores: beside it, tests/kafka_local.rs's source once missed
   # its 90 s catch-up deadline after a broker restart.
-  while [[ ! -e "$LANES_DIR/clippy.done" ]]; do sleep 1; done
+  await_file "$LANES_DIR/clippy.done"
   job kafka_local t kafka_local
   job kafka_sink t kafka_sink
   await_testenv || { echo e2e_kafka >>"$LANES_DIR/failed"; return; }
@@ -279,7 +288,7 @@ e2e() {
 # (await_outage_test) instead of queueing behind it on the lock while long tests hold it shared.
 OUTAGE_TEST=api_server_outages_are_retried_and_lose_nothing
 await_outage_test() {
-  while [[ ! -e "$LANES_DIR/outage-test.done" ]]; do sleep 1; done
+  await_file "$LANES_DIR/outage-test.done"
 }
 e2e_operator_suite() {
   await_testenv || { echo testenv >>"$LANES_DIR/failed"; touch "$LANES_DIR/outage-test.done"; return; }
