@@ -1,0 +1,134 @@
+//! Deduplication by event id with a TTL: emits an event the first time its id is seen, and
+//! again once `ttl` of event time has passed since the id was last emitted (the `seen` state
+//! expires).
+
+use crate::input::{Rng, jitter};
+use keyshift_sdk::prelude::*;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// An event with an id that may be delivered more than once.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Event {
+    pub id: String,
+    pub ts: i64,
+    /// Which delivery this is (1 for the first of a burst).
+    pub delivery: u32,
+}
+
+/// The keyed step, keyed by [`Event::id`].
+#[derive(Debug, Clone)]
+pub struct Dedup {
+    pub ttl: Duration,
+}
+
+impl KeyedProcessFunction for Dedup {
+    type Key = String;
+    type In = Event;
+    type Out = Event;
+    type State = ValueHandle<bool>;
+
+    fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
+        states.value(ValueStateDescriptor::new("seen").ttl(Ttl::event_time(self.ttl)))
+    }
+
+    fn process(
+        &mut self,
+        event: Event,
+        seen: &Self::State,
+        ctx: &mut Context<'_, String, Event>,
+    ) -> keyshift_sdk::Result<()> {
+        if ctx.value(seen).get()?.is_none() {
+            ctx.value(seen).set(&true)?;
+            ctx.emit(event);
+        }
+        Ok(())
+    }
+}
+
+/// Generated traffic: `ids` ids, each delivered in bursts of 1 to 3 deliveries within
+/// `burst_ms`, bursts of one id at least `gap_ms` apart; about one record per `step_ms`.
+#[derive(Debug, Clone, Copy)]
+pub struct Traffic {
+    pub ids: u64,
+    pub bursts_per_id: u64,
+    pub burst_ms: i64,
+    pub gap_ms: i64,
+    pub step_ms: i64,
+    pub max_out_of_orderness: i64,
+    pub seed: u64,
+}
+
+impl Traffic {
+    /// The records in arrival order, as (key, event time, event).
+    pub fn records(&self) -> Vec<(String, i64, Event)> {
+        let mut rng = Rng::new(self.seed);
+        let mut events = Vec::new();
+        // Ids start staggered over one gap; each burst of an id starts `gap_ms` plus up to a
+        // burst after its last.
+        for i in 0..self.ids {
+            let id = format!("evt-{i}");
+            let mut t = rng.below(self.gap_ms as u64) as i64;
+            for _ in 0..self.bursts_per_id {
+                let copies = 1 + rng.below(3) as u32;
+                for d in 0..copies {
+                    let ts = t + rng.below(self.burst_ms as u64) as i64 * i64::from(d.min(1));
+                    events.push((
+                        ts,
+                        Event {
+                            id: id.clone(),
+                            ts,
+                            delivery: d + 1,
+                        },
+                    ));
+                }
+                t += self.gap_ms + self.burst_ms + rng.below(self.burst_ms as u64) as i64;
+            }
+        }
+        events.sort_by(|a, b| a.0.cmp(&b.0).then_with(|| a.1.cmp(&b.1)));
+        jitter(events, self.max_out_of_orderness, &mut rng)
+            .into_iter()
+            .map(|(ts, e)| (e.id.clone(), ts, e))
+            .collect()
+    }
+}
+
+/// The oracle: per id, its deliveries split into bursts (sorted by event time, a new burst
+/// where two are more than `ttl_ms` apart), and of each burst the delivery that arrives first.
+/// Bursts are further apart than the TTL plus the out-of-orderness, deliveries within one
+/// closer than the TTL minus it, so this is what a dedup with that TTL must emit. Computed from
+/// the records alone, without the SDK.
+pub fn expected(records: &[(String, i64, Event)], ttl_ms: i64) -> Vec<Event> {
+    let mut by_id: BTreeMap<&str, Vec<(usize, &Event)>> = BTreeMap::new();
+    for (arrival, (_, _, e)) in records.iter().enumerate() {
+        by_id.entry(&e.id).or_default().push((arrival, e));
+    }
+    let mut out = Vec::new();
+    for events in by_id.values_mut() {
+        events.sort_by_key(|(_, e)| e.ts);
+        let mut burst: Vec<(usize, &Event)> = Vec::new();
+        for &(arrival, e) in events.iter() {
+            if let Some(&(_, last)) = burst.last()
+                && e.ts - last.ts > ttl_ms
+            {
+                out.extend(
+                    burst
+                        .iter()
+                        .min_by_key(|(a, _)| *a)
+                        .map(|(_, e)| (*e).clone()),
+                );
+                burst.clear();
+            }
+            burst.push((arrival, e));
+        }
+        out.extend(
+            burst
+                .iter()
+                .min_by_key(|(a, _)| *a)
+                .map(|(_, e)| (*e).clone()),
+        );
+    }
+    out.sort();
+    out
+}

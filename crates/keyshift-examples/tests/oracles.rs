@@ -1,0 +1,227 @@
+//! The example jobs through everything a keyshift job lives through, in one process (the SDK's
+//! harness): incremental checkpoints, a killed run restored from its last checkpoint, rescales
+//! up, down and to a parallelism that does not divide the key groups, a stop and resume, and a
+//! key-group ceiling change. Their committed output (what an exactly-once sink shows) must equal
+//! the oracle's, with nothing missing and nothing twice.
+
+use keyshift_examples::dedup::{self, Dedup, Traffic};
+use keyshift_examples::silence::{self, Fleet, SilenceAlert};
+use keyshift_sdk::KeyedProcessFunction;
+use keyshift_sdk::testing::Harness;
+use std::time::Duration;
+
+/// What happens to the running job, in order, between batches of input.
+#[derive(Debug, Clone, Copy)]
+enum Event {
+    /// Reads this many records.
+    Read(usize),
+    Checkpoint,
+    /// Kills every subtask: the job restarts from its last checkpoint.
+    Kill,
+    /// Savepoint, then restart at this parallelism.
+    Rescale(u32),
+    /// Savepoint, rewrite to this many key groups, restart at the parallelism.
+    Ceiling(u32, u32),
+}
+
+use Event::*;
+
+/// Every path a job's state takes: checkpoints and kills (one right after a checkpoint, one
+/// long after), rescales 2 -> 4 -> 3 -> 1 -> 2 (stop and resume at 2), a ceiling change from 128 to
+/// 256 groups.
+const SCRIPT: &[Event] = &[
+    Read(400),
+    Checkpoint,
+    Read(300),
+    Kill,
+    Read(500),
+    Checkpoint,
+    Read(200),
+    Checkpoint,
+    Kill,
+    Rescale(4),
+    Read(700),
+    Checkpoint,
+    Read(350),
+    Rescale(3),
+    Read(600),
+    Checkpoint,
+    Read(250),
+    Kill,
+    Read(400),
+    Rescale(1),
+    Read(300),
+    Checkpoint,
+    Rescale(2),
+    Rescale(2),
+    Read(500),
+    Ceiling(256, 3),
+    Read(400),
+    Checkpoint,
+    Read(333),
+    Kill,
+];
+
+/// Runs `script` (in batches of at most 50 records, the watermark advancing after each), then
+/// the rest of the input, ends event time and takes a last checkpoint; returns the committed
+/// output and the harness.
+fn run<F>(mut h: Harness<F>, script: &[Event]) -> Harness<F>
+where
+    F: KeyedProcessFunction,
+    F::In: Clone,
+{
+    let mut incremental_seen = false;
+    for e in script {
+        match *e {
+            Read(n) => {
+                let mut left = n;
+                while left > 0 && !h.at_end() {
+                    let step = left.min(50);
+                    h.step(step).unwrap();
+                    left -= step;
+                }
+            }
+            Checkpoint => {
+                let snap = h.checkpoint().unwrap();
+                incremental_seen |= snap.bytes_written < snap.bytes_total;
+            }
+            Kill => h.kill().unwrap(),
+            Rescale(p) => {
+                h.rescale(p).unwrap();
+                assert_eq!(h.subtasks().len(), p as usize);
+            }
+            Ceiling(max, p) => {
+                let snap = h.change_ceiling(max, p).unwrap();
+                assert!(snap.groups.keys().all(|g| *g < max));
+            }
+        }
+    }
+    assert!(
+        incremental_seen,
+        "no checkpoint of the script wrote less than its whole state: deltas are not used"
+    );
+    while !h.at_end() {
+        h.step(50).unwrap();
+    }
+    h.finish().unwrap();
+    h.checkpoint().unwrap();
+    h
+}
+
+fn sorted<T: Ord + Clone>(rows: &[(i64, T)]) -> Vec<T> {
+    let mut v: Vec<T> = rows.iter().map(|(_, r)| r.clone()).collect();
+    v.sort();
+    v
+}
+
+#[test]
+fn dedup_emits_each_first_delivery_exactly_once_through_every_path() {
+    let ttl = Duration::from_secs(10);
+    let traffic = Traffic {
+        ids: 600,
+        bursts_per_id: 3,
+        burst_ms: 2_000,
+        gap_ms: 25_000,
+        step_ms: 10,
+        max_out_of_orderness: 1_000,
+        seed: 7,
+    };
+    let records = traffic.records();
+    assert!(records.len() > 2_000, "{} records", records.len());
+    let expected = dedup::expected(&records, ttl.as_millis() as i64);
+    assert!(expected.len() < records.len(), "the traffic has duplicates");
+    let h = Harness::new(
+        "dedup",
+        move || Dedup { ttl },
+        2,
+        128,
+        records,
+        traffic.max_out_of_orderness,
+    )
+    .unwrap();
+    let h = run(h, SCRIPT);
+    let got = sorted(h.committed());
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "emitted {} of {}",
+        got.len(),
+        expected.len()
+    );
+    assert_eq!(got, expected);
+}
+
+#[test]
+fn dedup_state_expires_and_leaves_the_snapshots() {
+    let ttl = Duration::from_secs(10);
+    let traffic = Traffic {
+        ids: 200,
+        bursts_per_id: 1,
+        burst_ms: 2_000,
+        gap_ms: 25_000,
+        step_ms: 10,
+        max_out_of_orderness: 1_000,
+        seed: 11,
+    };
+    let records = traffic.records();
+    let mut h = Harness::new("dedup", move || Dedup { ttl }, 2, 128, records, 1_000).unwrap();
+    h.finish().unwrap();
+    let full = h.rescale(2).unwrap();
+    // Every id expired once event time ended: the savepoint holds no entry, only empty blocks.
+    assert_eq!(h.entries(), 0);
+    let empty_block = full.bytes_total / full.groups.len() as u64;
+    assert!(
+        full.groups
+            .values()
+            .flatten()
+            .all(|b| b.len() as u64 <= empty_block)
+    );
+}
+
+#[test]
+fn silence_alerts_fire_exactly_once_per_silence_through_every_path() {
+    let fleet = Fleet {
+        devices: 150,
+        period_ms: 5_000,
+        silence_ms: 30_000,
+        duration_ms: 600_000,
+        outage_every: 12,
+        max_out_of_orderness: 2_000,
+        seed: 3,
+    };
+    let records = fleet.records();
+    assert!(records.len() > 5_000, "{} records", records.len());
+    let expected = silence::expected(&records, fleet.silence_ms);
+    assert!(
+        expected.len() > 2 * fleet.devices as usize,
+        "the fleet has silences besides the end: {} alerts",
+        expected.len()
+    );
+    let silence_ms = fleet.silence_ms;
+    let h = Harness::new(
+        "silence",
+        move || SilenceAlert { silence_ms },
+        2,
+        128,
+        records,
+        fleet.max_out_of_orderness,
+    )
+    .unwrap();
+    let h = run(h, SCRIPT);
+    let got = sorted(h.committed());
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "alerted {} of {}",
+        got.len(),
+        expected.len()
+    );
+    assert_eq!(got, expected);
+    // Every timer fired: none is left in state.
+    assert_eq!(
+        h.entries(),
+        150,
+        "one last-heartbeat value per device, no timer"
+    );
+    assert!(h.subtasks().iter().all(|s| s.timers() == (0, 0)));
+}

@@ -1,0 +1,432 @@
+//! One subtask's instance of a keyed step: a [`KeyedProcessFunction`] over the key groups the
+//! subtask owns, its state in a [`StateBackend`], its timers, and the snapshot side (cut, write
+//! a group in full or as a delta, restore a group's chain, drop a group) that the worker runtime
+//! and the test harness drive.
+
+use crate::block::{self, BlockHeader, BlockKind, BlockWriter};
+use crate::error::{BlockError, Error, Result, StateError};
+use crate::function::{Context, KeyedProcessFunction, Timer};
+use crate::key::{StreamKey, decode_key, encode_key};
+use crate::state::backend::{Change, GroupMode, HeapBackend, StateBackend};
+use crate::state::{Declaration, DeclarationError, Declarations, KeyScope, StateId, TimeDomain};
+use crate::timers::{self, Timers};
+use keyshift_core::keygroup::{self, KeyGroupRange};
+use std::collections::BTreeMap;
+
+/// The lowest watermark (nothing has been seen yet).
+pub const MIN_WATERMARK: i64 = i64::MIN;
+
+/// A keyed step's operator for one subtask.
+pub struct KeyedOperator<F: KeyedProcessFunction, B: StateBackend = HeapBackend> {
+    uid: String,
+    function: F,
+    state: F::State,
+    declarations: Vec<Declaration>,
+    max_parallelism: u32,
+    range: KeyGroupRange,
+    backend: B,
+    timers: Timers,
+    watermark: i64,
+    processing_time: i64,
+    out: Vec<(i64, F::Out)>,
+}
+
+/// A record routed to a subtask that does not own its key group: a routing bug, or a key whose
+/// group changed (its `key_by` is not deterministic).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "key {key} is in key group {group}, which this subtask does not own (groups {range}): key_by must give a record the same key every time"
+)]
+pub struct NotOwned {
+    pub key: String,
+    pub group: u32,
+    pub range: KeyGroupRange,
+}
+
+impl<F: KeyedProcessFunction> KeyedOperator<F, HeapBackend> {
+    /// The operator of step `uid` for the groups in `range` of `max_parallelism`, state in
+    /// memory.
+    pub fn new(
+        uid: impl Into<String>,
+        function: F,
+        max_parallelism: u32,
+        range: KeyGroupRange,
+    ) -> Result<Self, DeclarationError> {
+        let backend = HeapBackend::new(range.len() as usize);
+        Self::with_backend(uid, function, max_parallelism, range, backend)
+    }
+}
+
+impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
+    /// [`KeyedOperator::new`] with state in `backend` (sized for `range`).
+    pub fn with_backend(
+        uid: impl Into<String>,
+        function: F,
+        max_parallelism: u32,
+        range: KeyGroupRange,
+        backend: B,
+    ) -> Result<Self, DeclarationError> {
+        let mut declarations = Declarations::default();
+        let state = function.declare(&mut declarations)?;
+        Ok(KeyedOperator {
+            uid: uid.into(),
+            function,
+            state,
+            declarations: declarations.list,
+            max_parallelism,
+            range,
+            backend,
+            timers: Timers::default(),
+            watermark: MIN_WATERMARK,
+            processing_time: 0,
+            out: Vec::new(),
+        })
+    }
+
+    /// The step's uid.
+    pub fn uid(&self) -> &str {
+        &self.uid
+    }
+
+    /// The declared states, in declaration order (their ids).
+    pub fn declarations(&self) -> &[Declaration] {
+        &self.declarations
+    }
+
+    /// The key groups it owns.
+    pub fn range(&self) -> KeyGroupRange {
+        self.range
+    }
+
+    /// The event-time watermark.
+    pub fn watermark(&self) -> i64 {
+        self.watermark
+    }
+
+    /// Registered timers (event time, processing time).
+    pub fn timers(&self) -> (usize, usize) {
+        self.timers.len()
+    }
+
+    /// State entries (timers included).
+    pub fn entries(&self) -> usize {
+        (0..self.range.len() as usize)
+            .map(|g| self.backend.len(g))
+            .sum()
+    }
+
+    fn group_index(&self, group: u32) -> Option<usize> {
+        self.range
+            .contains(group)
+            .then(|| (group - self.range.start) as usize)
+    }
+
+    /// Handles one record of `key` with event time `timestamp`.
+    pub fn process(&mut self, key: &F::Key, timestamp: i64, value: F::In) -> Result<()> {
+        let k = key.to_key();
+        let group = keygroup::key_group_for_key(&k, self.max_parallelism);
+        let index = self.group_index(group).ok_or_else(|| {
+            Error::user(NotOwned {
+                key: k.to_string(),
+                group,
+                range: self.range,
+            })
+        })?;
+        let mut key_bytes = Vec::with_capacity(16);
+        encode_key(&k, &mut key_bytes);
+        let mut ctx = Context {
+            scope: KeyScope {
+                backend: &mut self.backend,
+                group: index,
+                key: &key_bytes,
+                watermark: self.watermark,
+                processing_time: self.processing_time,
+                timestamp: Some(timestamp),
+            },
+            key,
+            timestamp: Some(timestamp),
+            timers: &mut self.timers,
+            out: &mut self.out,
+        };
+        self.function.process(value, &self.state, &mut ctx)
+    }
+
+    /// Raises the watermark to `watermark` (a lower one is ignored) and fires every event-time
+    /// timer at or before it, in time order.
+    pub fn advance_watermark(&mut self, watermark: i64) -> Result<()> {
+        if watermark <= self.watermark {
+            return Ok(());
+        }
+        self.watermark = watermark;
+        self.fire(TimeDomain::EventTime, watermark)
+    }
+
+    /// Sets the worker's clock to `now` (ms since the epoch; a lower one is ignored) and fires
+    /// every processing-time timer at or before it.
+    pub fn advance_processing_time(&mut self, now: i64) -> Result<()> {
+        if now < self.processing_time {
+            return Ok(());
+        }
+        self.processing_time = now;
+        self.fire(TimeDomain::ProcessingTime, now)
+    }
+
+    fn fire(&mut self, domain: TimeDomain, now: i64) -> Result<()> {
+        while let Some((ts, index, key_bytes)) = self.timers.pop_due(domain, now) {
+            let mut entry = key_bytes.clone();
+            entry.extend_from_slice(&timers::state_id(domain).to_be_bytes());
+            entry.extend_from_slice(&timers::time_key(ts));
+            self.backend.delete(index, &entry)?;
+            let (k, _) = decode_key(&key_bytes)
+                .map_err(|e| StateError::Backend(format!("a timer's key: {e}")))?;
+            let key = F::Key::from_key(&k).ok_or_else(|| {
+                StateError::Backend(format!("a timer's key {k} is not of the job's key type"))
+            })?;
+            let mut ctx = Context {
+                scope: KeyScope {
+                    backend: &mut self.backend,
+                    group: index,
+                    key: &key_bytes,
+                    watermark: self.watermark,
+                    processing_time: self.processing_time,
+                    timestamp: Some(ts),
+                },
+                key: &key,
+                timestamp: Some(ts),
+                timers: &mut self.timers,
+                out: &mut self.out,
+            };
+            self.function.on_timer(
+                Timer {
+                    timestamp: ts,
+                    domain,
+                },
+                &self.state,
+                &mut ctx,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Takes what was emitted so far, as (event time, record).
+    pub fn take_output(&mut self) -> Vec<(i64, F::Out)> {
+        std::mem::take(&mut self.out)
+    }
+
+    /// Sets the watermark a restore resumes from (the minimum over the subtasks that wrote the
+    /// snapshot): timers at or before it fired before the snapshot, and are not in it.
+    pub fn restore_watermark(&mut self, watermark: i64) {
+        self.watermark = watermark;
+    }
+
+    /// Sets the clock a restore resumes from without firing anything (timers at or before it
+    /// fired before the snapshot, and are not in it).
+    pub fn restore_processing_time(&mut self, now: i64) {
+        self.processing_time = now;
+    }
+
+    /// Ends the current cut epoch at a snapshot's barrier (see [`StateBackend::cut`]).
+    pub fn cut(&mut self) -> u32 {
+        self.backend.cut()
+    }
+
+    /// How a snapshot building on the one taken at cut `since` must write `group`.
+    pub fn group_mode(&self, group: u32, since: u32) -> GroupMode {
+        match self.group_index(group) {
+            None => GroupMode::Full,
+            Some(i) => self.backend.group_mode(i, since),
+        }
+    }
+
+    fn header(&self, group: u32, kind: BlockKind) -> BlockHeader {
+        BlockHeader {
+            kind,
+            max_parallelism: self.max_parallelism,
+            key_group: group,
+            key_type: F::Key::KEY_TYPE,
+            operator: self.uid.clone(),
+            states: self
+                .declarations
+                .iter()
+                .enumerate()
+                .map(|(i, d)| (i as StateId, d.clone()))
+                .collect(),
+        }
+    }
+
+    /// Writes `group` as `mode` says (call it at the cut, before the next record): a full
+    /// block (expired TTL entries left out), a delta block, or nothing if unchanged.
+    pub fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<Vec<u8>>> {
+        let index = self.group_index(group).ok_or_else(|| {
+            StateError::Backend(format!("key group {group} is not owned ({})", self.range))
+        })?;
+        let kind = match mode {
+            GroupMode::Unchanged => return Ok(None),
+            GroupMode::Full => BlockKind::Full,
+            GroupMode::Delta { .. } => BlockKind::Delta,
+        };
+        let mut w = BlockWriter::new(&self.header(group, kind));
+        let ttls: Vec<_> = self.declarations.iter().map(|d| d.ttl).collect();
+        let (watermark, processing_time) = (self.watermark, self.processing_time);
+        let expired = |key: &[u8], value: &[u8]| -> bool {
+            let Ok((_, n)) = decode_key(key) else {
+                return false;
+            };
+            let Some(id) = key.get(n..n + 2).map(|b| u16::from_be_bytes([b[0], b[1]])) else {
+                return false;
+            };
+            let (Some(Some(ttl)), Some(expiry)) =
+                (ttls.get(usize::from(id)), value.first_chunk::<8>())
+            else {
+                return false;
+            };
+            let now = match ttl.domain {
+                TimeDomain::EventTime => watermark,
+                TimeDomain::ProcessingTime => processing_time,
+            };
+            i64::from_be_bytes(*expiry) <= now
+        };
+        self.backend.visit(index, mode, &mut |c| match c {
+            Change::Put(k, v) if kind == BlockKind::Full && expired(k, v) => {}
+            Change::Put(k, v) => w.put(k, v),
+            Change::Delete(k) => w.delete(k),
+        })?;
+        Ok(Some(w.finish()))
+    }
+
+    /// Replaces `group`'s state with a snapshot's: its full block, then its deltas in order.
+    /// Every block is checked (container, group, key-group count, operator, key type, every
+    /// state's identity, every key's group) before anything is installed: a block that fails
+    /// leaves the group as it was.
+    pub fn restore_group(&mut self, group: u32, chain: &[&[u8]]) -> Result<(), BlockError> {
+        let index = self.group_index(group).ok_or(BlockError::WrongGroup {
+            block: group,
+            expected: self.range.start,
+        })?;
+        let mut entries: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
+        for (i, bytes) in chain.iter().enumerate() {
+            let b = block::decode(bytes)?;
+            self.check_header(&b.header, group)?;
+            if i == 0 && b.header.kind == BlockKind::Delta {
+                return Err(BlockError::DeltaFirst(group));
+            }
+            let ids = self.id_map(&b.header)?;
+            for (n, (key, value)) in b.entries.into_iter().enumerate() {
+                let key = self.checked_entry(group, n as u64, key, &ids)?;
+                match value {
+                    Some(v) => {
+                        entries.insert(key, v);
+                    }
+                    None => {
+                        entries.remove(&key);
+                    }
+                }
+            }
+        }
+        self.timers.forget_group(index);
+        for key in entries.keys() {
+            self.timers.index_entry(index, key);
+        }
+        self.backend.install(index, entries);
+        Ok(())
+    }
+
+    fn check_header(&self, h: &BlockHeader, group: u32) -> Result<(), BlockError> {
+        if h.key_group != group {
+            return Err(BlockError::WrongGroup {
+                block: h.key_group,
+                expected: group,
+            });
+        }
+        if h.max_parallelism != self.max_parallelism {
+            return Err(BlockError::MaxParallelism {
+                block: h.max_parallelism,
+                job: self.max_parallelism,
+            });
+        }
+        if h.operator != self.uid {
+            return Err(BlockError::Operator {
+                block: h.operator.clone(),
+                job: self.uid.clone(),
+            });
+        }
+        if h.key_type != F::Key::KEY_TYPE {
+            return Err(BlockError::KeyType {
+                block: h.key_type.to_string(),
+                job: F::Key::KEY_TYPE.to_string(),
+            });
+        }
+        Ok(())
+    }
+
+    /// The block's state ids mapped onto this operator's, each state checked against its
+    /// declaration.
+    fn id_map(&self, h: &BlockHeader) -> Result<BTreeMap<StateId, StateId>, BlockError> {
+        let mut ids = BTreeMap::new();
+        for (id, d) in &h.states {
+            let Some((mine, decl)) = self
+                .declarations
+                .iter()
+                .enumerate()
+                .find(|(_, m)| m.name == d.name)
+            else {
+                return Err(BlockError::UndeclaredState {
+                    name: d.name.clone(),
+                });
+            };
+            if decl.kind != d.kind
+                || decl.version != d.version
+                || decl.serializer != d.serializer
+                || decl.ttl.is_some() != d.ttl.is_some()
+            {
+                return Err(BlockError::StateChanged {
+                    name: d.name.clone(),
+                    block: d.compatibility(),
+                    job: decl.compatibility(),
+                });
+            }
+            ids.insert(*id, mine as StateId);
+        }
+        Ok(ids)
+    }
+
+    /// An entry's key checked (its key in `group`, its state known) and its state id mapped.
+    fn checked_entry(
+        &self,
+        group: u32,
+        entry: u64,
+        mut key: Vec<u8>,
+        ids: &BTreeMap<StateId, StateId>,
+    ) -> Result<Vec<u8>, BlockError> {
+        let (k, n) = decode_key(&key).map_err(|source| BlockError::Key { entry, source })?;
+        let actual = keygroup::key_group_for_key(&k, self.max_parallelism);
+        if actual != group {
+            return Err(BlockError::KeyInWrongGroup {
+                key: k.to_string(),
+                group,
+                actual,
+            });
+        }
+        let id = key
+            .get(n..n + 2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]))
+            .ok_or(BlockError::Malformed("entry without a state id"))?;
+        let mapped = if id == crate::state::EVENT_TIMERS || id == crate::state::PROCESSING_TIMERS {
+            id
+        } else {
+            *ids.get(&id).ok_or(BlockError::Malformed(
+                "entry of a state the block does not declare",
+            ))?
+        };
+        key[n..n + 2].copy_from_slice(&mapped.to_be_bytes());
+        Ok(key)
+    }
+
+    /// Drops `group`'s state and timers (it moved to another subtask).
+    pub fn clear_group(&mut self, group: u32) {
+        if let Some(index) = self.group_index(group) {
+            self.timers.forget_group(index);
+            self.backend.clear(index);
+        }
+    }
+}

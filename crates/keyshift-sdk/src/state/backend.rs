@@ -1,0 +1,365 @@
+//! Where keyed state lives: the [`StateBackend`] interface, and the heap backend.
+//!
+//! The interface is a sorted key-value store per key group, addressed by bytes, the shape a
+//! disk engine (an LSM tree) has natively, so a disk backend implements it without a layer of
+//! translation:
+//!
+//! ```text
+//! entry key   = key's byte form (crate::key::encode_key) | state id u16 BE | user key
+//!               (empty for value, reducing and aggregating state; a map's key; a list
+//!               element's sequence number; a timer's timestamp)
+//! entry value = the serializer's bytes (with a TTL: the expiry, i64 BE, first)
+//! ```
+//!
+//! A key's entries are one contiguous range, a state's entries for a key a contiguous range
+//! inside it, and a key group's entries a separate store: a snapshot writes and a restore reads
+//! groups, never keys.
+//!
+//! Every change is stamped with the cut epoch it was made in ([`StateBackend::cut`] ends one), so
+//! a snapshot can write only what changed since the one it builds on ([`GroupMode::Delta`]),
+//! deletions included.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::ops::Bound;
+
+use crate::error::StateError;
+
+/// How a snapshot writes one key group (incremental checkpoints).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupMode {
+    /// The whole group.
+    Full,
+    /// Only the entries changed (written or deleted) after cut `since`.
+    Delta { since: u32 },
+    /// Nothing: the group has not changed since the snapshot it builds on.
+    Unchanged,
+}
+
+/// One change of a delta: an entry written, or deleted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change<'a> {
+    Put(&'a [u8], &'a [u8]),
+    Delete(&'a [u8]),
+}
+
+/// Entries as (entry key, value), in key order.
+pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// The keyed state of one subtask's key groups. Every method takes the group's index among the
+/// owned groups (0-based), not the group number.
+pub trait StateBackend: Send {
+    /// The entry at `key`.
+    fn get(&self, group: usize, key: &[u8]) -> Result<Option<Cow<'_, [u8]>>, StateError>;
+    /// Writes the entry at `key`.
+    fn put(&mut self, group: usize, key: &[u8], value: Vec<u8>) -> Result<(), StateError>;
+    /// Deletes the entry at `key` (nothing if absent).
+    fn delete(&mut self, group: usize, key: &[u8]) -> Result<(), StateError>;
+    /// Every entry whose key starts with `prefix`, in key order.
+    fn scan(&self, group: usize, prefix: &[u8]) -> Result<Entries, StateError>;
+    /// The greatest entry key starting with `prefix`.
+    fn last_key(&self, group: usize, prefix: &[u8]) -> Result<Option<Vec<u8>>, StateError>;
+    /// Deletes every entry whose key starts with `prefix`.
+    fn delete_prefix(&mut self, group: usize, prefix: &[u8]) -> Result<(), StateError>;
+
+    /// Ends the current cut epoch and returns it: every change so far carries it or an earlier
+    /// one, every later change a later one. State installed by a restore is epoch 0.
+    fn cut(&mut self) -> u32;
+    /// How a snapshot building on the one taken at cut `since` must write `group`.
+    fn group_mode(&self, group: usize, since: u32) -> GroupMode;
+    /// Visits the group as `mode` says: every entry (`Full`), or the changes after `since`
+    /// (`Delta`). A delta's deletions older than `since` are forgotten afterwards (a later
+    /// delta since an earlier cut is then written in full, see [`Self::group_mode`]).
+    fn visit(
+        &mut self,
+        group: usize,
+        mode: GroupMode,
+        f: &mut dyn FnMut(Change<'_>),
+    ) -> Result<(), StateError>;
+    /// Replaces the group's state with `entries` (a restore: not a change).
+    fn install(&mut self, group: usize, entries: BTreeMap<Vec<u8>, Vec<u8>>);
+    /// Drops the group's state (a change: the next snapshot writes it in full).
+    fn clear(&mut self, group: usize);
+    /// Number of entries in the group.
+    fn len(&self, group: usize) -> usize;
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    value: Vec<u8>,
+    /// The cut epoch of its last write (0: restored).
+    epoch: u32,
+}
+
+#[derive(Debug, Default)]
+struct Group {
+    entries: BTreeMap<Vec<u8>, Entry>,
+    /// Keys deleted, and the epoch of the deletion (deltas must say so).
+    deleted: BTreeMap<Vec<u8>, u32>,
+    /// Epoch of the last change.
+    changed: u32,
+    /// Epoch the group was last cleared (a delta cannot say that).
+    reset: u32,
+    /// Deletions at or before this epoch are forgotten: a delta since an earlier cut is full.
+    forgotten_through: u32,
+}
+
+/// Keyed state in the worker's memory: one sorted map per owned key group.
+#[derive(Debug)]
+pub struct HeapBackend {
+    groups: Vec<Group>,
+    epoch: u32,
+}
+
+impl HeapBackend {
+    /// An empty backend for `groups` owned key groups.
+    pub fn new(groups: usize) -> Self {
+        HeapBackend {
+            groups: (0..groups).map(|_| Group::default()).collect(),
+            epoch: 1,
+        }
+    }
+
+    fn group(&self, group: usize) -> Result<&Group, StateError> {
+        self.groups
+            .get(group)
+            .ok_or_else(|| StateError::Backend(format!("group index {group} is not owned")))
+    }
+
+    fn group_mut(&mut self, group: usize) -> Result<&mut Group, StateError> {
+        self.groups
+            .get_mut(group)
+            .ok_or_else(|| StateError::Backend(format!("group index {group} is not owned")))
+    }
+}
+
+/// The smallest key greater than every key starting with `prefix` (None: no bound).
+fn prefix_end(prefix: &[u8]) -> Option<Vec<u8>> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < u8::MAX {
+            end.push(last + 1);
+            return Some(end);
+        }
+    }
+    None
+}
+
+fn prefix_range(prefix: &[u8]) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
+    (
+        Bound::Included(prefix.to_vec()),
+        prefix_end(prefix).map_or(Bound::Unbounded, Bound::Excluded),
+    )
+}
+
+impl StateBackend for HeapBackend {
+    fn get(&self, group: usize, key: &[u8]) -> Result<Option<Cow<'_, [u8]>>, StateError> {
+        Ok(self
+            .group(group)?
+            .entries
+            .get(key)
+            .map(|e| Cow::Borrowed(e.value.as_slice())))
+    }
+
+    fn put(&mut self, group: usize, key: &[u8], value: Vec<u8>) -> Result<(), StateError> {
+        let epoch = self.epoch;
+        let g = self.group_mut(group)?;
+        g.changed = epoch;
+        match g.entries.get_mut(key) {
+            Some(e) => {
+                e.value = value;
+                e.epoch = epoch;
+            }
+            None => {
+                g.deleted.remove(key);
+                g.entries.insert(key.to_vec(), Entry { value, epoch });
+            }
+        }
+        Ok(())
+    }
+
+    fn delete(&mut self, group: usize, key: &[u8]) -> Result<(), StateError> {
+        let epoch = self.epoch;
+        let g = self.group_mut(group)?;
+        if g.entries.remove(key).is_some() {
+            g.changed = epoch;
+            g.deleted.insert(key.to_vec(), epoch);
+        }
+        Ok(())
+    }
+
+    fn scan(&self, group: usize, prefix: &[u8]) -> Result<Entries, StateError> {
+        Ok(self
+            .group(group)?
+            .entries
+            .range(prefix_range(prefix))
+            .map(|(k, e)| (k.clone(), e.value.clone()))
+            .collect())
+    }
+
+    fn last_key(&self, group: usize, prefix: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
+        Ok(self
+            .group(group)?
+            .entries
+            .range(prefix_range(prefix))
+            .next_back()
+            .map(|(k, _)| k.clone()))
+    }
+
+    fn delete_prefix(&mut self, group: usize, prefix: &[u8]) -> Result<(), StateError> {
+        let epoch = self.epoch;
+        let g = self.group_mut(group)?;
+        let keys: Vec<Vec<u8>> = g
+            .entries
+            .range(prefix_range(prefix))
+            .map(|(k, _)| k.clone())
+            .collect();
+        if !keys.is_empty() {
+            g.changed = epoch;
+        }
+        for k in keys {
+            g.entries.remove(&k);
+            g.deleted.insert(k, epoch);
+        }
+        Ok(())
+    }
+
+    fn cut(&mut self) -> u32 {
+        let e = self.epoch;
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        e
+    }
+
+    fn group_mode(&self, group: usize, since: u32) -> GroupMode {
+        match self.groups.get(group) {
+            None => GroupMode::Full,
+            Some(g) if g.reset > since || since < g.forgotten_through => GroupMode::Full,
+            Some(g) if g.changed <= since => GroupMode::Unchanged,
+            Some(_) => GroupMode::Delta { since },
+        }
+    }
+
+    fn visit(
+        &mut self,
+        group: usize,
+        mode: GroupMode,
+        f: &mut dyn FnMut(Change<'_>),
+    ) -> Result<(), StateError> {
+        let g = self.group_mut(group)?;
+        match mode {
+            GroupMode::Unchanged => {}
+            GroupMode::Full => {
+                for (k, e) in &g.entries {
+                    f(Change::Put(k, &e.value));
+                }
+            }
+            GroupMode::Delta { since } => {
+                for (k, e) in &g.entries {
+                    if e.epoch > since {
+                        f(Change::Put(k, &e.value));
+                    }
+                }
+                for (k, epoch) in &g.deleted {
+                    if *epoch > since {
+                        f(Change::Delete(k));
+                    }
+                }
+                g.deleted.retain(|_, epoch| *epoch > since);
+                g.forgotten_through = g.forgotten_through.max(since);
+            }
+        }
+        Ok(())
+    }
+
+    fn install(&mut self, group: usize, entries: BTreeMap<Vec<u8>, Vec<u8>>) {
+        if let Some(g) = self.groups.get_mut(group) {
+            *g = Group {
+                entries: entries
+                    .into_iter()
+                    .map(|(k, value)| (k, Entry { value, epoch: 0 }))
+                    .collect(),
+                ..Group::default()
+            };
+        }
+    }
+
+    fn clear(&mut self, group: usize) {
+        let epoch = self.epoch;
+        if let Some(g) = self.groups.get_mut(group) {
+            *g = Group {
+                changed: epoch,
+                reset: epoch,
+                ..Group::default()
+            };
+        }
+    }
+
+    fn len(&self, group: usize) -> usize {
+        self.groups.get(group).map_or(0, |g| g.entries.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn changes(b: &mut HeapBackend, mode: GroupMode) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+        let mut out = Vec::new();
+        b.visit(0, mode, &mut |c| match c {
+            Change::Put(k, v) => out.push((k.to_vec(), Some(v.to_vec()))),
+            Change::Delete(k) => out.push((k.to_vec(), None)),
+        })
+        .unwrap();
+        out
+    }
+
+    #[test]
+    fn deltas_carry_writes_and_deletes_since_their_base() {
+        let mut b = HeapBackend::new(1);
+        b.put(0, b"a", b"1".to_vec()).unwrap();
+        b.put(0, b"b", b"2".to_vec()).unwrap();
+        let first = b.cut();
+        assert_eq!(b.group_mode(0, first), GroupMode::Unchanged);
+        b.put(0, b"b", b"3".to_vec()).unwrap();
+        b.delete(0, b"a").unwrap();
+        b.put(0, b"c", b"4".to_vec()).unwrap();
+        let second = b.cut();
+        assert!(second > first);
+        assert_eq!(b.group_mode(0, first), GroupMode::Delta { since: first });
+        let delta = changes(&mut b, GroupMode::Delta { since: first });
+        assert_eq!(
+            delta,
+            vec![
+                (b"b".to_vec(), Some(b"3".to_vec())),
+                (b"c".to_vec(), Some(b"4".to_vec())),
+                (b"a".to_vec(), None),
+            ]
+        );
+        // The deletion before `first` is forgotten now: a delta since an earlier cut is full.
+        assert_eq!(b.group_mode(0, first - 1), GroupMode::Full);
+    }
+
+    #[test]
+    fn a_cleared_group_is_written_in_full_and_prefixes_scan_in_order() {
+        let mut b = HeapBackend::new(2);
+        for k in [&b"k\x01b"[..], b"k\x01a", b"k\x02", b"j\xff"] {
+            b.put(1, k, k.to_vec()).unwrap();
+        }
+        let keys: Vec<_> = b
+            .scan(1, b"k\x01")
+            .unwrap()
+            .into_iter()
+            .map(|e| e.0)
+            .collect();
+        assert_eq!(keys, vec![b"k\x01a".to_vec(), b"k\x01b".to_vec()]);
+        assert_eq!(b.last_key(1, b"k").unwrap(), Some(b"k\x02".to_vec()));
+        assert_eq!(b.last_key(1, b"j\xff").unwrap(), Some(b"j\xff".to_vec()));
+        let cut = b.cut();
+        b.clear(1);
+        assert_eq!(b.group_mode(1, cut), GroupMode::Full);
+        assert_eq!(b.group_mode(0, cut), GroupMode::Unchanged);
+        assert_eq!(b.len(1), 0);
+        b.delete_prefix(0, b"").unwrap();
+        assert!(b.get(5, b"x").is_err());
+    }
+}
