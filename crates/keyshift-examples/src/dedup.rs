@@ -47,6 +47,14 @@ impl KeyedProcessFunction for Dedup {
     }
 }
 
+/// The whole job: JSON events from source `events`, deduplicated by id, to sink `unique`.
+pub fn job(ttl: Duration) -> Job {
+    Job::json_lines::<Event>("dedup", "events", |e| e.ts)
+        .key_by(|e| e.id.clone())
+        .process("dedup", move || Dedup { ttl })
+        .to_json_lines("unique")
+}
+
 /// Generated traffic: `ids` ids, each delivered in bursts of 1 to 3 deliveries within
 /// `burst_ms`, bursts of one id at least `gap_ms` apart; about one record per `step_ms`.
 #[derive(Debug, Clone, Copy)]

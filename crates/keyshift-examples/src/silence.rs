@@ -74,6 +74,16 @@ impl KeyedProcessFunction for SilenceAlert {
     }
 }
 
+/// The whole job: JSON heartbeats from source `heartbeats` (those without a device dropped),
+/// alerts to sink `alerts`.
+pub fn job(silence_ms: i64) -> Job {
+    Job::json_lines::<Heartbeat>("silence-alert", "heartbeats", |b| b.ts)
+        .filter(|b| !b.device.is_empty())
+        .key_by(|b| b.device.clone())
+        .process("silence", move || SilenceAlert { silence_ms })
+        .to_json_lines("alerts")
+}
+
 /// Generated heartbeats: `devices` devices, each beating every `period_ms` (give or take a
 /// quarter) and going silent now and then for longer than the watch, for `duration_ms`; each
 /// device's heartbeats in order, devices interleaved with out-of-orderness.

@@ -7,7 +7,7 @@
 use keyshift_examples::dedup::{self, Dedup, Traffic};
 use keyshift_examples::silence::{self, Fleet, SilenceAlert};
 use keyshift_sdk::KeyedProcessFunction;
-use keyshift_sdk::testing::Harness;
+use keyshift_sdk::testing::{Harness, run_job};
 use std::time::Duration;
 
 /// What happens to the running job, in order, between batches of input.
@@ -224,4 +224,65 @@ fn silence_alerts_fire_exactly_once_per_silence_through_every_path() {
         "one last-heartbeat value per device, no timer"
     );
     assert!(h.subtasks().iter().all(|s| s.timers() == (0, 0)));
+}
+
+/// Both jobs whole, from JSON lines to JSON lines (records serialized across the shuffle as a
+/// worker sends them), at parallelism 1 and 3: the same output as the oracles'.
+#[test]
+fn whole_jobs_from_json_lines_match_their_oracles() {
+    let fleet = Fleet {
+        devices: 40,
+        period_ms: 5_000,
+        silence_ms: 30_000,
+        duration_ms: 300_000,
+        outage_every: 10,
+        max_out_of_orderness: 2_000,
+        seed: 5,
+    };
+    let beats = fleet.records();
+    let mut lines: Vec<String> = beats
+        .iter()
+        .map(|(_, _, b)| format!(r#"{{"device":"{}","ts":{}}}"#, b.device, b.ts))
+        .collect();
+    // A heartbeat without a device is filtered out before the shuffle.
+    lines.insert(10, r#"{"device":"","ts":1}"#.to_owned());
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let expected = silence::expected(&beats, fleet.silence_ms);
+    for p in [1, 3] {
+        let out = run_job(&silence::job(fleet.silence_ms), &lines, p, 128, 2_000, 40).unwrap();
+        let mut got: Vec<silence::Alert> = out.iter().map(|l| serde_json_from(l)).collect();
+        got.sort();
+        assert_eq!(got, expected, "parallelism {p}");
+    }
+
+    let ttl = Duration::from_secs(10);
+    let traffic = Traffic {
+        ids: 100,
+        bursts_per_id: 2,
+        burst_ms: 2_000,
+        gap_ms: 25_000,
+        step_ms: 10,
+        max_out_of_orderness: 1_000,
+        seed: 9,
+    };
+    let events = traffic.records();
+    let lines: Vec<String> = events
+        .iter()
+        .map(|(_, _, e)| {
+            format!(
+                r#"{{"id":"{}","ts":{},"delivery":{}}}"#,
+                e.id, e.ts, e.delivery
+            )
+        })
+        .collect();
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let out = run_job(&dedup::job(ttl), &lines, 2, 128, 1_000, 40).unwrap();
+    let mut got: Vec<dedup::Event> = out.iter().map(|l| serde_json_from(l)).collect();
+    got.sort();
+    assert_eq!(got, dedup::expected(&events, ttl.as_millis() as i64));
+}
+
+/// A line of the sink, parsed.
+fn serde_json_from<T: serde::de::DeserializeOwned>(line: &str) -> T {
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("sink line {line:?}: {e}"))
 }

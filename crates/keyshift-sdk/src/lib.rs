@@ -46,19 +46,24 @@
 //! * [`function`]: the keyed function and its [`Context`] (state, timers, clocks, output).
 //! * [`state`]: state declarations, handles and views; [`state::backend`] the byte-addressed
 //!   store beneath them (the heap backend; a disk backend implements the same interface).
-//! * [`operator`]: one subtask's instance of a keyed step, and its snapshot side.
+//! * [`dataflow`]: a whole job: a JSON-lines source, stateless steps, keyed steps, a sink.
+//! * [`operator`]: one subtask's instance of a keyed step, and its snapshot side;
+//!   [`step`] the same with its types erased, as the worker runtime drives it.
 //! * [`block`]: the key-group block a snapshot stores.
 //! * [`testing`]: a harness that runs a keyed step over several subtasks in one process,
-//!   checkpoints, restores and rescales it, for a job's own tests.
+//!   checkpoints, restores and rescales it, for a job's own tests; and [`testing::run_job`],
+//!   a whole job over input lines.
 //! * [`key`], [`serializer`], [`error`].
 
 pub mod block;
+pub mod dataflow;
 pub mod error;
 pub mod function;
 pub mod key;
 pub mod operator;
 pub mod serializer;
 pub mod state;
+pub mod step;
 pub mod testing;
 mod timers;
 
@@ -69,6 +74,7 @@ pub use operator::KeyedOperator;
 
 /// What a job author imports.
 pub mod prelude {
+    pub use crate::dataflow::Job;
     pub use crate::function::{Context, KeyedProcessFunction, Timer};
     pub use crate::operator::KeyedOperator;
     pub use crate::serializer::{Json, Postcard, Serializer};

@@ -343,3 +343,132 @@ impl<F: KeyedProcessFunction> std::fmt::Debug for Harness<F> {
             .finish_non_exhaustive()
     }
 }
+
+/// A whole job that failed to run in [`run_job`].
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Definition(#[from] crate::dataflow::JobDefinitionError),
+    #[error(transparent)]
+    Bounds(#[from] BoundsError),
+    #[error(transparent)]
+    Declaration(#[from] DeclarationError),
+    #[error(transparent)]
+    Job(#[from] crate::error::Error),
+}
+
+/// Runs a whole `job` over the JSON `lines` of its source in this process: every keyed step on
+/// `parallelism` subtasks of `max_parallelism` key groups, each record shuffled to the subtask
+/// owning its key's group in its serialized form, the watermark `max_out_of_orderness` ms behind
+/// the latest event time after every `batch` lines, and event time ended after the last.
+/// Returns the sink's lines. (No checkpoints: see [`Harness`] for a step's state through
+/// restores and rescales.)
+pub fn run_job(
+    job: &crate::dataflow::Job,
+    lines: &[&str],
+    parallelism: u32,
+    max_parallelism: u32,
+    max_out_of_orderness: i64,
+    batch: usize,
+) -> Result<Vec<String>, RunError> {
+    use crate::dataflow::Stage;
+    use crate::step::{KeyedStep, Value};
+    job.check()?;
+    let assignment = Assignment::new(i64::from(parallelism), i64::from(max_parallelism))?;
+    let mut steps: Vec<Vec<Box<dyn KeyedStep>>> = Vec::new();
+    for stage in &job.stages {
+        if let Stage::Keyed(k) = stage {
+            steps.push(
+                (0..parallelism)
+                    .map(|s| (k.factory)(max_parallelism, assignment.range(s)))
+                    .collect::<Result<_, _>>()?,
+            );
+        }
+    }
+    let mut out = Vec::new();
+    // Pushes values through the stages from `from` (a stage index) on: stateless stages apply,
+    // the first keyed stage takes them in, or the sink writes them.
+    let flow = |from: usize,
+                mut items: Vec<(i64, Value)>,
+                steps: &mut Vec<Vec<Box<dyn KeyedStep>>>,
+                out: &mut Vec<u8>|
+     -> Result<(), crate::error::Error> {
+        let keyed = job.stages[..from]
+            .iter()
+            .filter(|s| matches!(s, Stage::Keyed(_)))
+            .count();
+        for stage in &job.stages[from..] {
+            match stage {
+                Stage::Stateless(f) => {
+                    let mut next = Vec::with_capacity(items.len());
+                    for (ts, v) in items {
+                        f(ts, v, &mut next)?;
+                    }
+                    items = next;
+                }
+                Stage::Keyed(k) => {
+                    let mut bytes = Vec::new();
+                    for (ts, v) in items {
+                        let key = (k.key_of)(&v)?;
+                        bytes.clear();
+                        (k.encode)(&v, &mut bytes)?;
+                        let group = keyshift_core::keygroup::key_group_for_key(
+                            &key,
+                            assignment.max_parallelism(),
+                        );
+                        steps[keyed][assignment.owner(group) as usize].process(&key, ts, &bytes)?;
+                    }
+                    return Ok(());
+                }
+            }
+        }
+        for (_, v) in items {
+            (job.sink.encode)(&v, out)?;
+        }
+        Ok(())
+    };
+    // The stage index after each keyed stage.
+    let after: Vec<usize> = job
+        .stages
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| matches!(s, Stage::Keyed(_)))
+        .map(|(i, _)| i + 1)
+        .collect();
+    let mut max_ts = MIN_WATERMARK;
+    let drain = |watermark: Option<i64>,
+                 steps: &mut Vec<Vec<Box<dyn KeyedStep>>>,
+                 out: &mut Vec<u8>|
+     -> Result<(), crate::error::Error> {
+        for (i, next) in after.iter().enumerate() {
+            let mut emitted = Vec::new();
+            for s in steps[i].iter_mut() {
+                if let Some(w) = watermark {
+                    s.advance_watermark(w)?;
+                }
+                emitted.extend(s.take_output());
+            }
+            flow(*next, emitted, steps, out)?;
+        }
+        Ok(())
+    };
+    for chunk in lines.chunks(batch.max(1)) {
+        let mut items = Vec::with_capacity(chunk.len());
+        for line in chunk {
+            let (ts, v) = (job.source.decode)(line.as_bytes())?;
+            max_ts = max_ts.max(ts);
+            items.push((ts, v));
+        }
+        flow(0, items, &mut steps, &mut out)?;
+        drain(
+            Some(max_ts.saturating_sub(max_out_of_orderness)),
+            &mut steps,
+            &mut out,
+        )?;
+    }
+    drain(Some(i64::MAX), &mut steps, &mut out)?;
+    Ok(String::from_utf8_lossy(&out)
+        .lines()
+        .map(str::to_owned)
+        .collect())
+}

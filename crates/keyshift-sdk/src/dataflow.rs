@@ -1,0 +1,323 @@
+//! A job's dataflow, written with types and kept without them: a source of JSON lines,
+//! stateless steps (`map`, `filter`, `flat_map`), keyed steps (`key_by` then `process`: a
+//! shuffle by key group, then a [`KeyedProcessFunction`]), and a JSON-lines sink.
+//!
+//! ```
+//! use keyshift_sdk::dataflow::Job;
+//! # use keyshift_sdk::prelude::*;
+//! # #[derive(serde::Serialize, serde::Deserialize, Clone)]
+//! # struct Click { user: String, ts: i64 }
+//! # struct CountClicks;
+//! # impl KeyedProcessFunction for CountClicks {
+//! #     type Key = String; type In = Click; type Out = (String, u64); type State = ValueHandle<u64>;
+//! #     fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> { s.value(ValueStateDescriptor::new("n")) }
+//! #     fn process(&mut self, c: Click, n: &Self::State, ctx: &mut Context<'_, String, (String, u64)>) -> keyshift_sdk::Result<()> {
+//! #         let v = ctx.value(n).get()?.unwrap_or(0) + 1; ctx.value(n).set(&v)?; ctx.emit((c.user, v)); Ok(())
+//! #     }
+//! # }
+//! let job = Job::json_lines::<Click>("clicks", "in", |c| c.ts)
+//!     .filter(|c| !c.user.is_empty())
+//!     .key_by(|c| c.user.clone())
+//!     .process("count-clicks", || CountClicks)
+//!     .to_json_lines("out");
+//! assert_eq!(job.steps(), vec!["count-clicks"]);
+//! ```
+//!
+//! Records keep their event time through every step; a keyed step's output carries the time
+//! its function emitted it with.
+
+use crate::error::{Error, Result};
+use crate::key::StreamKey;
+use crate::step::{self, StepFactory, Value};
+use keyshift_core::keygroup::Key;
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::marker::PhantomData;
+
+type Decode = Box<dyn Fn(&[u8]) -> Result<(i64, Value)> + Send + Sync>;
+type Stateless = Box<dyn Fn(i64, Value, &mut Vec<(i64, Value)>) -> Result<()> + Send + Sync>;
+type KeyOf = Box<dyn Fn(&Value) -> Result<Key> + Send + Sync>;
+type Encode = Box<dyn Fn(&Value, &mut Vec<u8>) -> Result<()> + Send + Sync>;
+
+/// A record that does not parse as the source's type, or a value of an unexpected type
+/// between two steps (a bug of the job's wiring).
+#[derive(Debug, thiserror::Error)]
+pub enum DataflowError {
+    #[error("source {source_name:?}: a line is not a record of the job's input type: {message}")]
+    Parse {
+        source_name: String,
+        message: String,
+    },
+    #[error("{0}: a value of another type reached it")]
+    Type(&'static str),
+    #[error("{what}: {message}")]
+    Serialize { what: &'static str, message: String },
+}
+
+/// The JSON-lines source of a job.
+pub(crate) struct SourceSpec {
+    pub(crate) name: String,
+    pub(crate) decode: Decode,
+}
+
+/// A keyed stage: the shuffle (key and serialized record) and the step behind it.
+pub(crate) struct KeyedStage {
+    pub(crate) uid: String,
+    pub(crate) key_of: KeyOf,
+    pub(crate) encode: Encode,
+    pub(crate) factory: StepFactory,
+}
+
+/// One stage after the source.
+pub(crate) enum Stage {
+    Stateless(Stateless),
+    Keyed(KeyedStage),
+}
+
+/// The JSON-lines sink of a job.
+pub(crate) struct SinkSpec {
+    pub(crate) name: String,
+    pub(crate) encode: Encode,
+}
+
+/// A whole job: source, stages, sink.
+pub struct Job {
+    pub(crate) name: String,
+    pub(crate) source: SourceSpec,
+    pub(crate) stages: Vec<Stage>,
+    pub(crate) sink: SinkSpec,
+}
+
+/// A job defined twice over the same uid.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JobDefinitionError {
+    #[error(
+        "two keyed steps of job {job:?} have the uid {uid:?}: a uid names a step's state in snapshots, so each needs its own"
+    )]
+    DuplicateUid { job: String, uid: String },
+    #[error("job {0:?} has no keyed step: keyshift runs keyed jobs")]
+    NoKeyedStep(String),
+}
+
+impl Job {
+    /// A job named `name` reading JSON lines of `T` from its source `source`, with event time
+    /// `timestamp(record)` (ms).
+    pub fn json_lines<T>(
+        name: &str,
+        source: &str,
+        timestamp: impl Fn(&T) -> i64 + Send + Sync + 'static,
+    ) -> Stream<T>
+    where
+        T: DeserializeOwned + Send + 'static,
+    {
+        let source_name = source.to_owned();
+        let decode: Decode = Box::new(move |line| {
+            let record: T = serde_json::from_slice(line).map_err(|e| {
+                Error::user(DataflowError::Parse {
+                    source_name: source_name.clone(),
+                    message: e.to_string(),
+                })
+            })?;
+            Ok((timestamp(&record), Box::new(record) as Value))
+        });
+        Stream {
+            name: name.to_owned(),
+            source: SourceSpec {
+                name: source.to_owned(),
+                decode,
+            },
+            stages: Vec::new(),
+            _t: PhantomData,
+        }
+    }
+
+    /// The job's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The source's name.
+    pub fn source_name(&self) -> &str {
+        &self.source.name
+    }
+
+    /// The sink's name.
+    pub fn sink_name(&self) -> &str {
+        &self.sink.name
+    }
+
+    /// The uids of its keyed steps, in order.
+    pub fn steps(&self) -> Vec<&str> {
+        self.stages
+            .iter()
+            .filter_map(|s| match s {
+                Stage::Keyed(k) => Some(k.uid.as_str()),
+                Stage::Stateless(_) => None,
+            })
+            .collect()
+    }
+
+    /// Checks the definition: at least one keyed step, uids unique.
+    pub fn check(&self) -> Result<(), JobDefinitionError> {
+        let steps = self.steps();
+        if steps.is_empty() {
+            return Err(JobDefinitionError::NoKeyedStep(self.name.clone()));
+        }
+        for (i, uid) in steps.iter().enumerate() {
+            if steps[..i].contains(uid) {
+                return Err(JobDefinitionError::DuplicateUid {
+                    job: self.name.clone(),
+                    uid: (*uid).to_owned(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A stream of `T` being defined.
+pub struct Stream<T> {
+    name: String,
+    source: SourceSpec,
+    stages: Vec<Stage>,
+    _t: PhantomData<fn() -> T>,
+}
+
+fn downcast<T: 'static>(v: Value, what: &'static str) -> Result<T> {
+    v.downcast::<T>()
+        .map(|b| *b)
+        .map_err(|_| Error::user(DataflowError::Type(what)))
+}
+
+impl<T: Send + 'static> Stream<T> {
+    fn then<U>(mut self, stage: Stage) -> Stream<U> {
+        self.stages.push(stage);
+        Stream {
+            name: self.name,
+            source: self.source,
+            stages: self.stages,
+            _t: PhantomData,
+        }
+    }
+
+    /// Each record turned into another.
+    pub fn map<U: Send + 'static>(self, f: impl Fn(T) -> U + Send + Sync + 'static) -> Stream<U> {
+        self.then(Stage::Stateless(Box::new(move |ts, v, out| {
+            out.push((ts, Box::new(f(downcast::<T>(v, "map")?)) as Value));
+            Ok(())
+        })))
+    }
+
+    /// The records `keep` says yes to.
+    pub fn filter(self, keep: impl Fn(&T) -> bool + Send + Sync + 'static) -> Stream<T> {
+        self.then(Stage::Stateless(Box::new(move |ts, v, out| {
+            let r = downcast::<T>(v, "filter")?;
+            if keep(&r) {
+                out.push((ts, Box::new(r) as Value));
+            }
+            Ok(())
+        })))
+    }
+
+    /// Each record turned into any number of others (with its event time).
+    pub fn flat_map<U, I>(self, f: impl Fn(T) -> I + Send + Sync + 'static) -> Stream<U>
+    where
+        U: Send + 'static,
+        I: IntoIterator<Item = U>,
+    {
+        self.then(Stage::Stateless(Box::new(move |ts, v, out| {
+            for u in f(downcast::<T>(v, "flat_map")?) {
+                out.push((ts, Box::new(u) as Value));
+            }
+            Ok(())
+        })))
+    }
+
+    /// Keys the stream by `key(record)`: the records of one key meet in one subtask, the one
+    /// owning the key's group.
+    pub fn key_by<K: StreamKey>(
+        self,
+        key: impl Fn(&T) -> K + Send + Sync + 'static,
+    ) -> KeyedStream<K, T> {
+        KeyedStream {
+            stream: self,
+            key: Box::new(move |v| {
+                let r = v
+                    .downcast_ref::<T>()
+                    .ok_or_else(|| Error::user(DataflowError::Type("key_by")))?;
+                Ok(key(r).to_key())
+            }),
+            _k: PhantomData,
+        }
+    }
+
+    /// Ends the job in a JSON-lines sink named `sink`.
+    pub fn to_json_lines(self, sink: &str) -> Job
+    where
+        T: Serialize,
+    {
+        Job {
+            name: self.name,
+            source: self.source,
+            stages: self.stages,
+            sink: SinkSpec {
+                name: sink.to_owned(),
+                encode: Box::new(|v, out| {
+                    let r = v
+                        .downcast_ref::<T>()
+                        .ok_or_else(|| Error::user(DataflowError::Type("sink")))?;
+                    serde_json::to_writer(&mut *out, r).map_err(|e| {
+                        Error::user(DataflowError::Serialize {
+                            what: "sink",
+                            message: e.to_string(),
+                        })
+                    })?;
+                    out.push(b'\n');
+                    Ok(())
+                }),
+            },
+        }
+    }
+}
+
+/// A stream keyed by `K`, waiting for its keyed step.
+pub struct KeyedStream<K, T> {
+    stream: Stream<T>,
+    key: KeyOf,
+    _k: PhantomData<fn() -> K>,
+}
+
+impl<K: StreamKey, T: Send + 'static> KeyedStream<K, T> {
+    /// Runs the keyed step `uid` (its name in snapshots: keep it across releases) with the
+    /// functions `factory` builds, one per subtask.
+    pub fn process<F>(
+        self,
+        uid: &str,
+        factory: impl Fn() -> F + Send + Sync + 'static,
+    ) -> Stream<F::Out>
+    where
+        F: crate::function::KeyedProcessFunction<Key = K, In = T>,
+        T: Serialize + DeserializeOwned,
+        F::Out: Send + 'static,
+    {
+        let stage = KeyedStage {
+            uid: uid.to_owned(),
+            key_of: self.key,
+            encode: Box::new(|v, out| {
+                let r = v
+                    .downcast_ref::<T>()
+                    .ok_or_else(|| Error::user(DataflowError::Type("shuffle")))?;
+                let bytes = postcard::to_allocvec(r).map_err(|e| {
+                    Error::user(DataflowError::Serialize {
+                        what: "shuffle",
+                        message: e.to_string(),
+                    })
+                })?;
+                out.extend_from_slice(&bytes);
+                Ok(())
+            }),
+            factory: step::factory(uid, factory),
+        };
+        self.stream.then(Stage::Keyed(stage))
+    }
+}

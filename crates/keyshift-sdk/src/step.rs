@@ -1,0 +1,198 @@
+//! A keyed step with its types erased: what the worker runtime (and the whole-job harness)
+//! drives, whatever the author's key, record and state types. Records arrive as their key and
+//! their serialized form (as they cross the key-group shuffle), and leave as values the next
+//! stage of the dataflow takes.
+
+use crate::block::BlockHeader;
+use crate::error::{BlockError, Error, Result};
+use crate::function::KeyedProcessFunction;
+use crate::key::StreamKey;
+use crate::operator::KeyedOperator;
+use crate::serializer::{Postcard, Serializer};
+use crate::state::backend::GroupMode;
+use crate::state::{Declaration, DeclarationError};
+use keyshift_core::keygroup::{Key, KeyGroupRange};
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+use std::any::Any;
+
+/// A value between two stages of a dataflow.
+pub type Value = Box<dyn Any + Send>;
+
+/// One subtask's instance of a keyed step, its types erased.
+pub trait KeyedStep: Send {
+    /// The step's uid.
+    fn uid(&self) -> &str;
+    /// Its declared states.
+    fn declarations(&self) -> &[Declaration];
+    /// The key groups it owns.
+    fn range(&self) -> KeyGroupRange;
+    /// Handles one record: its key, event time and serialized form.
+    fn process(&mut self, key: &Key, timestamp: i64, record: &[u8]) -> Result<()>;
+    /// Handles one record already in memory (a stage chained without a shuffle).
+    fn process_value(&mut self, key: &Key, timestamp: i64, record: Value) -> Result<()>;
+    /// See [`KeyedOperator::advance_watermark`].
+    fn advance_watermark(&mut self, watermark: i64) -> Result<()>;
+    /// See [`KeyedOperator::advance_processing_time`].
+    fn advance_processing_time(&mut self, now: i64) -> Result<()>;
+    /// The event-time watermark.
+    fn watermark(&self) -> i64;
+    /// Takes what was emitted so far, as (event time, value).
+    fn take_output(&mut self) -> Vec<(i64, Value)>;
+    /// See [`KeyedOperator::cut`].
+    fn cut(&mut self) -> u32;
+    /// See [`KeyedOperator::group_mode`].
+    fn group_mode(&self, group: u32, since: u32) -> GroupMode;
+    /// See [`KeyedOperator::encode_group`].
+    fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<Vec<u8>>>;
+    /// See [`KeyedOperator::restore_group`].
+    fn restore_group(&mut self, group: u32, chain: &[&[u8]]) -> Result<(), BlockError>;
+    /// See [`KeyedOperator::clear_group`].
+    fn clear_group(&mut self, group: u32);
+    /// See [`KeyedOperator::restore_watermark`].
+    fn restore_watermark(&mut self, watermark: i64);
+    /// See [`KeyedOperator::restore_processing_time`].
+    fn restore_processing_time(&mut self, now: i64);
+    /// State entries (timers included).
+    fn entries(&self) -> usize;
+}
+
+/// A [`KeyedOperator`] as a [`KeyedStep`]: records deserialized with [`Postcard`].
+struct Erased<F: KeyedProcessFunction> {
+    op: KeyedOperator<F>,
+    records: Postcard<F::In>,
+}
+
+/// A record routed to a step did not deserialize, or a key of another type reached it.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    #[error("step {uid:?}: a record did not deserialize: {message}")]
+    Deserialize { uid: String, message: String },
+    #[error("step {uid:?}: key {key} is not of the step's key type")]
+    KeyType { uid: String, key: String },
+    #[error("step {uid:?}: a record of another type reached it")]
+    Type { uid: String },
+}
+
+impl<F: KeyedProcessFunction> Erased<F> {
+    fn key(&self, key: &Key) -> Result<F::Key> {
+        F::Key::from_key(key).ok_or_else(|| {
+            Error::user(RecordError::KeyType {
+                uid: self.op.uid().to_owned(),
+                key: key.to_string(),
+            })
+        })
+    }
+}
+
+impl<F> KeyedStep for Erased<F>
+where
+    F: KeyedProcessFunction,
+    F::In: Serialize + DeserializeOwned + Send + 'static,
+    F::Out: Send + 'static,
+{
+    fn uid(&self) -> &str {
+        self.op.uid()
+    }
+    fn declarations(&self) -> &[Declaration] {
+        self.op.declarations()
+    }
+    fn range(&self) -> KeyGroupRange {
+        self.op.range()
+    }
+    fn process(&mut self, key: &Key, timestamp: i64, record: &[u8]) -> Result<()> {
+        let value = self.records.deserialize(record).map_err(|e| {
+            Error::user(RecordError::Deserialize {
+                uid: self.op.uid().to_owned(),
+                message: e.to_string(),
+            })
+        })?;
+        let key = self.key(key)?;
+        self.op.process(&key, timestamp, value)
+    }
+    fn process_value(&mut self, key: &Key, timestamp: i64, record: Value) -> Result<()> {
+        let value = record.downcast::<F::In>().map_err(|_| {
+            Error::user(RecordError::Type {
+                uid: self.op.uid().to_owned(),
+            })
+        })?;
+        let key = self.key(key)?;
+        self.op.process(&key, timestamp, *value)
+    }
+    fn advance_watermark(&mut self, watermark: i64) -> Result<()> {
+        self.op.advance_watermark(watermark)
+    }
+    fn advance_processing_time(&mut self, now: i64) -> Result<()> {
+        self.op.advance_processing_time(now)
+    }
+    fn watermark(&self) -> i64 {
+        self.op.watermark()
+    }
+    fn take_output(&mut self) -> Vec<(i64, Value)> {
+        self.op
+            .take_output()
+            .into_iter()
+            .map(|(ts, v)| (ts, Box::new(v) as Value))
+            .collect()
+    }
+    fn cut(&mut self) -> u32 {
+        self.op.cut()
+    }
+    fn group_mode(&self, group: u32, since: u32) -> GroupMode {
+        self.op.group_mode(group, since)
+    }
+    fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<Vec<u8>>> {
+        self.op.encode_group(group, mode)
+    }
+    fn restore_group(&mut self, group: u32, chain: &[&[u8]]) -> Result<(), BlockError> {
+        self.op.restore_group(group, chain)
+    }
+    fn clear_group(&mut self, group: u32) {
+        self.op.clear_group(group)
+    }
+    fn restore_watermark(&mut self, watermark: i64) {
+        self.op.restore_watermark(watermark)
+    }
+    fn restore_processing_time(&mut self, now: i64) {
+        self.op.restore_processing_time(now)
+    }
+    fn entries(&self) -> usize {
+        self.op.entries()
+    }
+}
+
+/// Builds a keyed step's instance for a subtask: (max parallelism, owned groups).
+pub type StepFactory =
+    Box<dyn Fn(u32, KeyGroupRange) -> Result<Box<dyn KeyedStep>, DeclarationError> + Send + Sync>;
+
+/// The factory of step `uid` running the functions `factory` builds.
+pub fn factory<F>(uid: &str, factory: impl Fn() -> F + Send + Sync + 'static) -> StepFactory
+where
+    F: KeyedProcessFunction,
+    F::In: Serialize + DeserializeOwned + Send + 'static,
+    F::Out: Send + 'static,
+{
+    let uid = uid.to_owned();
+    Box::new(move |max_parallelism, range| {
+        let op = KeyedOperator::new(uid.clone(), factory(), max_parallelism, range)?;
+        Ok(Box::new(Erased {
+            op,
+            records: Postcard::default(),
+        }) as Box<dyn KeyedStep>)
+    })
+}
+
+/// The header a step's blocks carry, for tools that show a snapshot's states by name.
+pub fn describe(header: &BlockHeader) -> String {
+    let states: Vec<String> = header
+        .states
+        .iter()
+        .map(|(_, d)| format!("{} ({})", d.name, d.compatibility()))
+        .collect();
+    format!(
+        "step {:?}, keys {}, states: {}",
+        header.operator,
+        header.key_type,
+        states.join(", ")
+    )
+}

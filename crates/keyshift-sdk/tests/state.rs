@@ -1,0 +1,420 @@
+//! Every kind of keyed state and timer through an operator: reads and writes per key, TTL on
+//! both clocks, snapshot and restore (also into another subtask's range), and the identity
+//! checks that refuse a snapshot the job cannot read, naming what changed.
+
+use keyshift_sdk::prelude::*;
+use keyshift_sdk::state::backend::GroupMode;
+use keyshift_sdk::{BlockError, KeyGroupRange};
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+const MAX: u32 = 16;
+const ALL: KeyGroupRange = KeyGroupRange { start: 0, end: 15 };
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+enum Op {
+    /// Adds to the map under `k`, the list, the reducing sum and the aggregating average.
+    Add { k: String, v: i64 },
+    /// Removes `k` from the map.
+    Remove { k: String },
+    /// Clears every state of the key.
+    Clear,
+    /// Emits a summary of every state.
+    Show,
+    /// Registers a processing-time timer at `at`, or deletes it.
+    Timer { at: i64, delete: bool },
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Summary {
+    map: Vec<(String, i64)>,
+    list: Vec<i64>,
+    sum: Option<i64>,
+    avg: Option<i64>,
+    last: Option<Op>,
+}
+
+struct Average;
+
+impl AggregateFunction for Average {
+    type In = i64;
+    type Acc = (i64, i64);
+    type Out = i64;
+    fn create(&self) -> (i64, i64) {
+        (0, 0)
+    }
+    fn add(&self, v: i64, (sum, n): (i64, i64)) -> (i64, i64) {
+        (sum + v, n + 1)
+    }
+    fn result(&self, (sum, n): &(i64, i64)) -> i64 {
+        if *n == 0 { 0 } else { sum / n }
+    }
+}
+
+struct Kitchen {
+    version: u32,
+}
+
+struct Handles {
+    map: MapHandle<String, i64>,
+    list: ListHandle<i64>,
+    sum: ReducingHandle<i64>,
+    avg: AggregatingHandle<Average>,
+    last: ValueHandle<Op>,
+}
+
+impl KeyedProcessFunction for Kitchen {
+    type Key = String;
+    type In = Op;
+    type Out = Summary;
+    type State = Handles;
+
+    fn declare(&self, s: &mut Declarations) -> Result<Handles, DeclarationError> {
+        Ok(Handles {
+            map: s.map(MapStateDescriptor::new("map"))?,
+            list: s.list(ListStateDescriptor::new("list"))?,
+            sum: s.reducing(ReducingStateDescriptor::new("sum", |a: i64, b| a + b))?,
+            avg: s.aggregating(AggregatingStateDescriptor::new("avg", Average))?,
+            last: s.value(
+                ValueStateDescriptor::with_serializer("last", Json::<Op>::default())
+                    .version(self.version),
+            )?,
+        })
+    }
+
+    fn process(
+        &mut self,
+        op: Op,
+        h: &Handles,
+        ctx: &mut Context<'_, String, Summary>,
+    ) -> keyshift_sdk::Result<()> {
+        match &op {
+            Op::Add { k, v } => {
+                let old = ctx.map(&h.map).get(k)?.unwrap_or(0);
+                ctx.map(&h.map).insert(k, &(old + v))?;
+                ctx.list(&h.list).add(v)?;
+                ctx.reducing(&h.sum).add(*v)?;
+                ctx.aggregating(&h.avg).add(*v)?;
+            }
+            Op::Remove { k } => ctx.map(&h.map).remove(k)?,
+            Op::Clear => {
+                ctx.map(&h.map).clear()?;
+                ctx.list(&h.list).clear()?;
+                ctx.reducing(&h.sum).clear()?;
+                ctx.aggregating(&h.avg).clear()?;
+            }
+            Op::Show => {
+                let s = summary(h, ctx)?;
+                ctx.emit(s);
+            }
+            Op::Timer { at, delete: false } => ctx.register_processing_time_timer(*at)?,
+            Op::Timer { at, delete: true } => ctx.delete_processing_time_timer(*at)?,
+        }
+        ctx.value(&h.last).set(&op)?;
+        Ok(())
+    }
+
+    fn on_timer(
+        &mut self,
+        t: Timer,
+        h: &Handles,
+        ctx: &mut Context<'_, String, Summary>,
+    ) -> keyshift_sdk::Result<()> {
+        assert_eq!(t.domain, TimeDomain::ProcessingTime);
+        let s = summary(h, ctx)?;
+        ctx.emit_at(s, t.timestamp);
+        Ok(())
+    }
+}
+
+fn summary(h: &Handles, ctx: &mut Context<'_, String, Summary>) -> keyshift_sdk::Result<Summary> {
+    Ok(Summary {
+        map: ctx.map(&h.map).entries()?,
+        list: ctx.list(&h.list).get()?,
+        sum: ctx.reducing(&h.sum).get()?,
+        avg: ctx.aggregating(&h.avg).get()?,
+        last: ctx.value(&h.last).get()?,
+    })
+}
+
+fn add(k: &str, v: i64) -> Op {
+    Op::Add { k: k.into(), v }
+}
+
+fn key(s: &str) -> String {
+    s.to_owned()
+}
+
+/// Every group's full block.
+fn snapshot<F: KeyedProcessFunction>(op: &mut KeyedOperator<F>) -> Vec<(u32, Vec<u8>)> {
+    op.cut();
+    op.range()
+        .iter()
+        .filter_map(|g| op.encode_group(g, GroupMode::Full).unwrap().map(|b| (g, b)))
+        .collect()
+}
+
+fn show(op: &mut KeyedOperator<Kitchen>, k: &str) -> Summary {
+    op.process(&key(k), 0, Op::Show).unwrap();
+    op.take_output().pop().unwrap().1
+}
+
+#[test]
+fn every_state_kind_reads_what_was_written_and_survives_a_restore() {
+    let mut op = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    for (k, o) in [
+        ("a", add("x", 1)),
+        ("a", add("y", 5)),
+        ("a", add("x", 2)),
+        ("b", add("x", 10)),
+        ("a", Op::Remove { k: "y".into() }),
+    ] {
+        op.process(&key(k), 0, o).unwrap();
+    }
+    let a = show(&mut op, "a");
+    assert_eq!(a.map, vec![("x".to_string(), 3)]);
+    assert_eq!(a.list, vec![1, 5, 2]);
+    assert_eq!(a.sum, Some(8));
+    assert_eq!(a.avg, Some(2));
+    assert_eq!(a.last, Some(Op::Remove { k: "y".into() }));
+    assert_eq!(show(&mut op, "b").sum, Some(10));
+
+    // Restored into two subtasks that split the groups: each key's state is whole in one.
+    let blocks = snapshot(&mut op);
+    for range in [
+        KeyGroupRange { start: 0, end: 7 },
+        KeyGroupRange { start: 8, end: 15 },
+    ] {
+        let mut part = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, range).unwrap();
+        for (g, b) in blocks.iter().filter(|(g, _)| range.contains(*g)) {
+            part.restore_group(*g, &[b]).unwrap();
+        }
+        for k in ["a", "b"] {
+            let g = keyshift_sdk::key::key_group(&key(k), MAX);
+            if range.contains(g) {
+                let mut s = show(&mut part, k);
+                let mut want = show(&mut op, k);
+                s.last = None;
+                want.last = None;
+                assert_eq!(s, want, "key {k}");
+            }
+        }
+    }
+
+    op.process(&key("a"), 0, Op::Clear).unwrap();
+    let cleared = show(&mut op, "a");
+    assert!(cleared.map.is_empty() && cleared.list.is_empty());
+    assert_eq!((cleared.sum, cleared.avg), (None, None));
+}
+
+#[test]
+fn processing_time_timers_fire_once_in_order_and_survive_a_restore() {
+    let mut op = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    for (k, at, delete) in [
+        ("a", 300, false),
+        ("b", 100, false),
+        ("a", 200, false),
+        ("a", 200, false),
+        ("b", 100, true),
+        ("b", 400, false),
+    ] {
+        op.process(&key(k), 0, Op::Timer { at, delete }).unwrap();
+    }
+    op.advance_processing_time(250).unwrap();
+    let fired: Vec<i64> = op.take_output().into_iter().map(|(t, _)| t).collect();
+    assert_eq!(
+        fired,
+        vec![200],
+        "b's timer at 100 was deleted, a's at 200 registered twice"
+    );
+    let blocks = snapshot(&mut op);
+    let mut restored = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    for (g, b) in &blocks {
+        restored.restore_group(*g, &[b]).unwrap();
+    }
+    restored.restore_processing_time(250);
+    assert_eq!(restored.timers(), (0, 2));
+    restored.advance_processing_time(1_000).unwrap();
+    let fired: Vec<i64> = restored.take_output().into_iter().map(|(t, _)| t).collect();
+    assert_eq!(fired, vec![300, 400]);
+    restored.advance_processing_time(2_000).unwrap();
+    assert!(restored.take_output().is_empty(), "each timer fires once");
+}
+
+struct Remember {
+    ttl: Option<Ttl>,
+}
+
+impl KeyedProcessFunction for Remember {
+    type Key = i64;
+    type In = i64;
+    type Out = Option<i64>;
+    type State = ValueHandle<i64>;
+    fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+        let d = ValueStateDescriptor::new("v");
+        s.value(match self.ttl {
+            Some(t) => d.ttl(t),
+            None => d,
+        })
+    }
+    fn process(
+        &mut self,
+        v: i64,
+        h: &Self::State,
+        ctx: &mut Context<'_, i64, Option<i64>>,
+    ) -> keyshift_sdk::Result<()> {
+        let before = ctx.value(h).get()?;
+        ctx.emit(before);
+        if v >= 0 {
+            ctx.value(h).set(&v)?;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn processing_time_ttl_hides_expired_values_and_drops_them_from_full_snapshots() {
+    let ttl = Some(Ttl::processing_time(Duration::from_millis(100)));
+    let mut op = KeyedOperator::new("remember", Remember { ttl }, MAX, ALL).unwrap();
+    op.advance_processing_time(1_000).unwrap();
+    op.process(&1, 0, 7).unwrap();
+    op.advance_processing_time(1_099).unwrap();
+    op.process(&1, 0, -1).unwrap();
+    op.advance_processing_time(1_100).unwrap();
+    op.process(&1, 0, -1).unwrap();
+    let seen: Vec<Option<i64>> = op.take_output().into_iter().map(|(_, v)| v).collect();
+    assert_eq!(seen, vec![None, Some(7), None]);
+    let blocks = snapshot(&mut op);
+    let mut restored = KeyedOperator::new("remember", Remember { ttl }, MAX, ALL).unwrap();
+    for (g, b) in &blocks {
+        restored.restore_group(*g, &[b]).unwrap();
+    }
+    assert_eq!(
+        restored.entries(),
+        0,
+        "the expired value is not in the snapshot"
+    );
+}
+
+#[test]
+fn a_restore_refuses_what_the_job_cannot_read_and_keeps_the_group() {
+    let mut op = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    op.process(&key("a"), 0, add("x", 1)).unwrap();
+    let g = keyshift_sdk::key::key_group(&key("a"), MAX);
+    let blocks = snapshot(&mut op);
+    let block = &blocks.iter().find(|(b, _)| *b == g).unwrap().1;
+
+    // A state's version changed: refused, naming the state.
+    let mut v2 = KeyedOperator::new("kitchen", Kitchen { version: 2 }, MAX, ALL).unwrap();
+    match v2.restore_group(g, &[block]) {
+        Err(BlockError::StateChanged { name, .. }) => assert_eq!(name, "last"),
+        other => panic!("{other:?}"),
+    }
+    // Another step's snapshot.
+    let mut other = KeyedOperator::new("kitchen-2", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    assert!(matches!(
+        other.restore_group(g, &[block]),
+        Err(BlockError::Operator { .. })
+    ));
+    // A changed key type.
+    let mut longs = KeyedOperator::new("kitchen", Remember { ttl: None }, MAX, ALL).unwrap();
+    assert!(matches!(
+        longs.restore_group(g, &[block]),
+        Err(BlockError::KeyType { .. })
+    ));
+    // Another key-group count.
+    let mut wider = KeyedOperator::new(
+        "kitchen",
+        Kitchen { version: 1 },
+        32,
+        KeyGroupRange { start: 0, end: 31 },
+    )
+    .unwrap();
+    assert!(matches!(
+        wider.restore_group(g, &[block]),
+        Err(BlockError::MaxParallelism { block: 16, job: 32 })
+    ));
+    // The group offered to the wrong group number.
+    let wrong = (g + 1) % MAX;
+    let mut fresh = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    assert!(matches!(
+        fresh.restore_group(wrong, &[block]),
+        Err(BlockError::WrongGroup { .. })
+    ));
+
+    // A corrupt delta after a good block: nothing of the chain is installed, the group keeps
+    // what it had.
+    fresh.process(&key("a"), 0, add("z", 9)).unwrap();
+    let mut corrupt = block.clone();
+    let n = corrupt.len();
+    corrupt[n / 2] ^= 0x40;
+    assert!(matches!(
+        fresh.restore_group(g, &[block, &corrupt]),
+        Err(BlockError::Checksum { .. })
+    ));
+    assert_eq!(show(&mut fresh, "a").map, vec![("z".to_string(), 9)]);
+}
+
+struct OnlyMap;
+
+impl KeyedProcessFunction for OnlyMap {
+    type Key = String;
+    type In = Op;
+    type Out = Summary;
+    type State = MapHandle<String, i64>;
+    fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+        s.map(MapStateDescriptor::new("map"))
+    }
+    fn process(
+        &mut self,
+        _: Op,
+        _: &Self::State,
+        _: &mut Context<'_, String, Summary>,
+    ) -> keyshift_sdk::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_state_in_the_snapshot_that_the_job_no_longer_declares_is_refused_by_name() {
+    let mut op = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    op.process(&key("a"), 0, add("x", 1)).unwrap();
+    let g = keyshift_sdk::key::key_group(&key("a"), MAX);
+    let blocks = snapshot(&mut op);
+    let block = &blocks.iter().find(|(b, _)| *b == g).unwrap().1;
+    let mut fewer = KeyedOperator::new("kitchen", OnlyMap, MAX, ALL).unwrap();
+    match fewer.restore_group(g, &[block]) {
+        Err(e @ BlockError::UndeclaredState { .. }) => {
+            assert!(e.to_string().contains("\"list\""), "{e}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn declaring_a_state_twice_is_refused() {
+    struct Twice;
+    impl KeyedProcessFunction for Twice {
+        type Key = i64;
+        type In = i64;
+        type Out = i64;
+        type State = ();
+        fn declare(&self, s: &mut Declarations) -> Result<(), DeclarationError> {
+            s.value(ValueStateDescriptor::<i64>::new("v"))?;
+            s.list(ListStateDescriptor::<i64>::new("v"))?;
+            Ok(())
+        }
+        fn process(
+            &mut self,
+            _: i64,
+            _: &(),
+            _: &mut Context<'_, i64, i64>,
+        ) -> keyshift_sdk::Result<()> {
+            Ok(())
+        }
+    }
+    assert_eq!(
+        KeyedOperator::new("twice", Twice, MAX, ALL).err(),
+        Some(DeclarationError::Duplicate("v".into()))
+    );
+}
