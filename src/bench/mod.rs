@@ -7,6 +7,8 @@
 //!   the state's bytes.
 //! * `throughput`: steady-state records/s of a keyed count through `LocalJob`, and the workers'
 //!   peak memory.
+//! * `keyed`: records/s of the keyed operator alone (one thread, no I/O): the built-in count
+//!   against the same count written on the SDK (`keyshift-sdk`), in the same run.
 //! * `checkpoint`: bytes an incremental checkpoint writes after a share of the keys changed,
 //!   against the full one before it, and how long its cut holds records up against its write.
 //!
@@ -19,6 +21,7 @@ use std::path::PathBuf;
 mod job;
 #[cfg(feature = "kafka")]
 pub mod kafka;
+mod keyed;
 mod measure;
 pub mod operator;
 mod rescale;
@@ -41,6 +44,9 @@ pub enum BenchCommand {
     Rescale(RescaleBench),
     /// Steady-state keyed-count throughput through worker processes, and peak memory.
     Throughput(ThroughputBench),
+    /// The keyed operator alone: records/s of the built-in count against the same count on
+    /// the SDK, one thread, no I/O.
+    Keyed(KeyedBench),
     /// Incremental checkpoints: bytes an incremental checkpoint writes after a share of the keys
     /// changed, against a full one, and how long its cut holds records up against its write.
     Checkpoint(CheckpointBench),
@@ -171,6 +177,19 @@ pub struct CheckpointBench {
 }
 
 #[derive(Args, Debug)]
+pub struct KeyedBench {
+    /// Distinct keys (comma-separated for several runs).
+    #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+    pub keys: Vec<u64>,
+    /// Records per measurement (after a warm-up pass that puts every key in state).
+    #[arg(long, default_value_t = 4_000_000)]
+    pub records: u64,
+    /// Measurements per side, alternating built-in and SDK; the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+}
+
+#[derive(Args, Debug)]
 pub struct ThroughputBench {
     /// Distinct keys (comma-separated for several runs).
     #[arg(long, value_delimiter = ',', default_value = "100000")]
@@ -207,6 +226,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Snapshot(a) => state::snapshot_bench(a).await,
             BenchCommand::Rescale(a) => rescale::rescale_bench(a).await,
             BenchCommand::Throughput(a) => throughput::throughput_bench(a).await,
+            BenchCommand::Keyed(a) => keyed::keyed_bench(a),
             BenchCommand::Checkpoint(a) => state::checkpoint_bench(a).await,
             BenchCommand::Operator(a) => operator::run(a).await,
             #[cfg(feature = "kafka")]

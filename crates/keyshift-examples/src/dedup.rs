@@ -40,7 +40,7 @@ impl KeyedProcessFunction for Dedup {
         ctx: &mut Context<'_, String, Event>,
     ) -> keyshift_sdk::Result<()> {
         if ctx.value(seen).get()?.is_none() {
-            ctx.value(seen).set(&true)?;
+            ctx.value(seen).set(true)?;
             ctx.emit(event);
         }
         Ok(())

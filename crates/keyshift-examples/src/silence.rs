@@ -54,7 +54,7 @@ impl KeyedProcessFunction for SilenceAlert {
                 ctx.delete_event_time_timer(p + self.silence_ms)?;
             }
         }
-        ctx.value(last).set(&beat.ts)?;
+        ctx.value(last).set(beat.ts)?;
         ctx.register_event_time_timer(beat.ts + self.silence_ms)?;
         Ok(())
     }

@@ -108,7 +108,7 @@ where
     h
 }
 
-fn sorted<T: Ord + Clone>(rows: &[(i64, T)]) -> Vec<T> {
+fn in_order<T: Ord + Clone>(rows: &[(i64, T)]) -> Vec<T> {
     let mut v: Vec<T> = rows.iter().map(|(_, r)| r.clone()).collect();
     v.sort();
     v
@@ -116,6 +116,16 @@ fn sorted<T: Ord + Clone>(rows: &[(i64, T)]) -> Vec<T> {
 
 #[test]
 fn dedup_emits_each_first_delivery_exactly_once_through_every_path() {
+    dedup_through_every_path(false);
+}
+
+/// The same with state in the byte-addressed backend a disk engine's layout has.
+#[test]
+fn dedup_in_the_sorted_backend_emits_the_same() {
+    dedup_through_every_path(true);
+}
+
+fn dedup_through_every_path(sorted_backend: bool) {
     let ttl = Duration::from_secs(10);
     let traffic = Traffic {
         ids: 600,
@@ -130,7 +140,7 @@ fn dedup_emits_each_first_delivery_exactly_once_through_every_path() {
     assert!(records.len() > 2_000, "{} records", records.len());
     let expected = dedup::expected(&records, ttl.as_millis() as i64);
     assert!(expected.len() < records.len(), "the traffic has duplicates");
-    let h = Harness::new(
+    let mut h = Harness::new(
         "dedup",
         move || Dedup { ttl },
         2,
@@ -139,8 +149,11 @@ fn dedup_emits_each_first_delivery_exactly_once_through_every_path() {
         traffic.max_out_of_orderness,
     )
     .unwrap();
+    if sorted_backend {
+        h = h.sorted_backend().unwrap();
+    }
     let h = run(h, SCRIPT);
-    let got = sorted(h.committed());
+    let got = in_order(h.committed());
     assert_eq!(
         got.len(),
         expected.len(),
@@ -180,6 +193,16 @@ fn dedup_state_expires_and_leaves_the_snapshots() {
 
 #[test]
 fn silence_alerts_fire_exactly_once_per_silence_through_every_path() {
+    silence_through_every_path(false);
+}
+
+/// The same with state (and timers) in the byte-addressed backend.
+#[test]
+fn silence_alerts_in_the_sorted_backend_fire_the_same() {
+    silence_through_every_path(true);
+}
+
+fn silence_through_every_path(sorted_backend: bool) {
     let fleet = Fleet {
         devices: 150,
         period_ms: 5_000,
@@ -198,7 +221,7 @@ fn silence_alerts_fire_exactly_once_per_silence_through_every_path() {
         expected.len()
     );
     let silence_ms = fleet.silence_ms;
-    let h = Harness::new(
+    let mut h = Harness::new(
         "silence",
         move || SilenceAlert { silence_ms },
         2,
@@ -207,8 +230,11 @@ fn silence_alerts_fire_exactly_once_per_silence_through_every_path() {
         fleet.max_out_of_orderness,
     )
     .unwrap();
+    if sorted_backend {
+        h = h.sorted_backend().unwrap();
+    }
     let h = run(h, SCRIPT);
-    let got = sorted(h.committed());
+    let got = in_order(h.committed());
     assert_eq!(
         got.len(),
         expected.len(),

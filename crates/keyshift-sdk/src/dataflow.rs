@@ -12,7 +12,7 @@
 //! #     type Key = String; type In = Click; type Out = (String, u64); type State = ValueHandle<u64>;
 //! #     fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> { s.value(ValueStateDescriptor::new("n")) }
 //! #     fn process(&mut self, c: Click, n: &Self::State, ctx: &mut Context<'_, String, (String, u64)>) -> keyshift_sdk::Result<()> {
-//! #         let v = ctx.value(n).get()?.unwrap_or(0) + 1; ctx.value(n).set(&v)?; ctx.emit((c.user, v)); Ok(())
+//! #         let v = ctx.value(n).get()?.unwrap_or(0) + 1; ctx.value(n).set(v)?; ctx.emit((c.user, v)); Ok(())
 //! #     }
 //! # }
 //! let job = Job::json_lines::<Click>("clicks", "in", |c| c.ts)

@@ -103,6 +103,8 @@ pub enum BlockError {
         block: String,
         job: String,
     },
+    #[error("a value in the block does not deserialize as its state's type: {0}")]
+    Undecodable(String),
     #[error("a delta block came first for group {0}: a chain starts with a full block")]
     DeltaFirst(u32),
 }

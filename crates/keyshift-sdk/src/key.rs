@@ -18,6 +18,11 @@ pub trait StreamKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
     fn to_key(&self) -> Key;
     /// The key back from keyshift's key value (`None`: another type).
     fn from_key(key: &Key) -> Option<Self>;
+    /// The key's group under `max_parallelism` groups (Flink's assignment of its Java
+    /// `hashCode`).
+    fn key_group(&self, max_parallelism: u32) -> u32 {
+        keygroup::key_group_for_key(&self.to_key(), max_parallelism)
+    }
 }
 
 impl StreamKey for i64 {
@@ -57,11 +62,14 @@ impl StreamKey for String {
             _ => None,
         }
     }
+    fn key_group(&self, max_parallelism: u32) -> u32 {
+        keygroup::key_group_for_hash(keygroup::java_string_hash(self), max_parallelism)
+    }
 }
 
 /// The key group of `key` under `max_parallelism` groups (Flink's assignment).
 pub fn key_group<K: StreamKey>(key: &K, max_parallelism: u32) -> u32 {
-    keygroup::key_group_for_key(&key.to_key(), max_parallelism)
+    key.key_group(max_parallelism)
 }
 
 const TAG_STRING: u8 = 0;

@@ -28,7 +28,7 @@
 //!
 //!     fn process(&mut self, event: String, seen: &Self::State, ctx: &mut Context<'_, String, String>) -> keyshift_sdk::Result<()> {
 //!         if ctx.value(seen).get()?.is_none() {
-//!             ctx.value(seen).set(&true)?;
+//!             ctx.value(seen).set(true)?;
 //!             ctx.emit(event);
 //!         }
 //!         Ok(())

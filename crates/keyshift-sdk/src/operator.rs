@@ -7,8 +7,11 @@ use crate::block::{self, BlockHeader, BlockKind, BlockWriter};
 use crate::error::{BlockError, Error, Result, StateError};
 use crate::function::{Context, KeyedProcessFunction, Timer};
 use crate::key::{StreamKey, decode_key, encode_key};
-use crate::state::backend::{Change, GroupMode, HeapBackend, StateBackend};
-use crate::state::{Declaration, DeclarationError, Declarations, KeyScope, StateId, TimeDomain};
+use crate::state::backend::{Change, GroupMode, StateBackend};
+use crate::state::heap::HeapStore;
+use crate::state::{
+    Declaration, DeclarationError, Declarations, KeyBytes, KeyScope, StateId, Store, TimeDomain,
+};
 use crate::timers::{self, Timers};
 use keyshift_core::keygroup::{self, KeyGroupRange};
 use std::collections::BTreeMap;
@@ -16,15 +19,23 @@ use std::collections::BTreeMap;
 /// The lowest watermark (nothing has been seen yet).
 pub const MIN_WATERMARK: i64 = i64::MIN;
 
+/// Where an operator keeps its keyed state.
+enum Backend<K> {
+    /// Objects in memory (the default).
+    Heap(HeapStore<K>),
+    /// A byte-addressed store (the shape of a disk engine).
+    Bytes(Box<dyn StateBackend>),
+}
+
 /// A keyed step's operator for one subtask.
-pub struct KeyedOperator<F: KeyedProcessFunction, B: StateBackend = HeapBackend> {
+pub struct KeyedOperator<F: KeyedProcessFunction> {
     uid: String,
     function: F,
     state: F::State,
     declarations: Vec<Declaration>,
     max_parallelism: u32,
     range: KeyGroupRange,
-    backend: B,
+    backend: Backend<F::Key>,
     timers: Timers,
     watermark: i64,
     processing_time: i64,
@@ -43,36 +54,64 @@ pub struct NotOwned {
     pub range: KeyGroupRange,
 }
 
-impl<F: KeyedProcessFunction> KeyedOperator<F, HeapBackend> {
+impl<F: KeyedProcessFunction> KeyedOperator<F> {
     /// The operator of step `uid` for the groups in `range` of `max_parallelism`, state in
-    /// memory.
+    /// memory (the heap backend).
     pub fn new(
         uid: impl Into<String>,
         function: F,
         max_parallelism: u32,
         range: KeyGroupRange,
     ) -> Result<Self, DeclarationError> {
-        let backend = HeapBackend::new(range.len() as usize);
-        Self::with_backend(uid, function, max_parallelism, range, backend)
+        let mut declarations = Declarations::default();
+        let state = function.declare(&mut declarations)?;
+        let heap = HeapStore::new(range.len() as usize, declarations.codecs);
+        Ok(Self::build(
+            uid.into(),
+            function,
+            state,
+            declarations.list,
+            max_parallelism,
+            range,
+            Backend::Heap(heap),
+        ))
     }
-}
 
-impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
-    /// [`KeyedOperator::new`] with state in `backend` (sized for `range`).
+    /// [`KeyedOperator::new`] with state in a byte-addressed `backend` (sized for `range`).
     pub fn with_backend(
         uid: impl Into<String>,
         function: F,
         max_parallelism: u32,
         range: KeyGroupRange,
-        backend: B,
+        backend: Box<dyn StateBackend>,
     ) -> Result<Self, DeclarationError> {
         let mut declarations = Declarations::default();
         let state = function.declare(&mut declarations)?;
-        Ok(KeyedOperator {
-            uid: uid.into(),
+        Ok(Self::build(
+            uid.into(),
             function,
             state,
-            declarations: declarations.list,
+            declarations.list,
+            max_parallelism,
+            range,
+            Backend::Bytes(backend),
+        ))
+    }
+
+    fn build(
+        uid: String,
+        function: F,
+        state: F::State,
+        declarations: Vec<Declaration>,
+        max_parallelism: u32,
+        range: KeyGroupRange,
+        backend: Backend<F::Key>,
+    ) -> Self {
+        KeyedOperator {
+            uid,
+            function,
+            state,
+            declarations,
             max_parallelism,
             range,
             backend,
@@ -80,7 +119,7 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
             watermark: MIN_WATERMARK,
             processing_time: 0,
             out: Vec::new(),
-        })
+        }
     }
 
     /// The step's uid.
@@ -108,10 +147,13 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
         self.timers.len()
     }
 
-    /// State entries (timers included).
+    /// Live state entries (values, map and list elements, timers).
     pub fn entries(&self) -> usize {
         (0..self.range.len() as usize)
-            .map(|g| self.backend.len(g))
+            .map(|g| match &self.backend {
+                Backend::Heap(h) => h.len(g),
+                Backend::Bytes(b) => b.len(g),
+            })
             .sum()
     }
 
@@ -121,34 +163,102 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
             .then(|| (group - self.range.start) as usize)
     }
 
+    /// Runs `call` with a context for `key` of group index `index` at event time `timestamp`.
+    fn with_key(
+        &mut self,
+        index: usize,
+        key: &F::Key,
+        timestamp: i64,
+        call: impl FnOnce(&mut F, &F::State, &mut Context<'_, F::Key, F::Out>) -> Result<()>,
+    ) -> Result<()> {
+        let (watermark, processing_time) = (self.watermark, self.processing_time);
+        let declared = self.declarations.len();
+        match &mut self.backend {
+            Backend::Heap(h) => {
+                let epoch = h.epoch();
+                let lazy = || {
+                    let mut v = Vec::with_capacity(16);
+                    encode_key(&key.to_key(), &mut v);
+                    v
+                };
+                let (states, hash) = h.key_mut(index, key).ok_or_else(|| {
+                    StateError::Backend(format!("group index {index} is not owned"))
+                })?;
+                let mut ctx = Context {
+                    scope: KeyScope {
+                        store: Store::Heap {
+                            states: &mut *states,
+                            epoch,
+                            declared,
+                        },
+                        group: index,
+                        key: KeyBytes::Lazy(&lazy),
+                        watermark,
+                        processing_time,
+                        timestamp: Some(timestamp),
+                    },
+                    key,
+                    timestamp: Some(timestamp),
+                    timers: &mut self.timers,
+                    out: &mut self.out,
+                };
+                let r = call(&mut self.function, &self.state, &mut ctx);
+                // `ctx` borrowed `states` until here.
+                if states.is_empty() {
+                    h.release(index, key, hash);
+                }
+                r
+            }
+            Backend::Bytes(b) => {
+                let mut key_bytes = Vec::with_capacity(16);
+                encode_key(&key.to_key(), &mut key_bytes);
+                let mut ctx = Context {
+                    scope: KeyScope {
+                        store: Store::Bytes {
+                            backend: b.as_mut(),
+                        },
+                        group: index,
+                        key: KeyBytes::Ready(&key_bytes),
+                        watermark,
+                        processing_time,
+                        timestamp: Some(timestamp),
+                    },
+                    key,
+                    timestamp: Some(timestamp),
+                    timers: &mut self.timers,
+                    out: &mut self.out,
+                };
+                call(&mut self.function, &self.state, &mut ctx)
+            }
+        }
+    }
+
     /// Handles one record of `key` with event time `timestamp`.
     pub fn process(&mut self, key: &F::Key, timestamp: i64, value: F::In) -> Result<()> {
-        let k = key.to_key();
-        let group = keygroup::key_group_for_key(&k, self.max_parallelism);
+        let group = key.key_group(self.max_parallelism);
+        self.process_in(group, key, timestamp, value)
+    }
+
+    /// [`Self::process`] for a record whose key group is known already (the shuffle routed it
+    /// by that group): `group` must be `key`'s.
+    pub fn process_in(
+        &mut self,
+        group: u32,
+        key: &F::Key,
+        timestamp: i64,
+        value: F::In,
+    ) -> Result<()> {
+        debug_assert_eq!(group, key.key_group(self.max_parallelism));
         let index = self.group_index(group).ok_or_else(|| {
             Error::user(NotOwned {
-                key: k.to_string(),
+                key: key.to_key().to_string(),
                 group,
                 range: self.range,
             })
         })?;
-        let mut key_bytes = Vec::with_capacity(16);
-        encode_key(&k, &mut key_bytes);
-        let mut ctx = Context {
-            scope: KeyScope {
-                backend: &mut self.backend,
-                group: index,
-                key: &key_bytes,
-                watermark: self.watermark,
-                processing_time: self.processing_time,
-                timestamp: Some(timestamp),
-            },
-            key,
-            timestamp: Some(timestamp),
-            timers: &mut self.timers,
-            out: &mut self.out,
-        };
-        self.function.process(value, &self.state, &mut ctx)
+        self.with_key(index, key, timestamp, |f, state, ctx| {
+            f.process(value, state, ctx)
+        })
     }
 
     /// Raises the watermark to `watermark` (a lower one is ignored) and fires every event-time
@@ -173,37 +283,23 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
 
     fn fire(&mut self, domain: TimeDomain, now: i64) -> Result<()> {
         while let Some((ts, index, key_bytes)) = self.timers.pop_due(domain, now) {
-            let mut entry = key_bytes.clone();
-            entry.extend_from_slice(&timers::state_id(domain).to_be_bytes());
-            entry.extend_from_slice(&timers::time_key(ts));
-            self.backend.delete(index, &entry)?;
             let (k, _) = decode_key(&key_bytes)
                 .map_err(|e| StateError::Backend(format!("a timer's key: {e}")))?;
             let key = F::Key::from_key(&k).ok_or_else(|| {
                 StateError::Backend(format!("a timer's key {k} is not of the job's key type"))
             })?;
-            let mut ctx = Context {
-                scope: KeyScope {
-                    backend: &mut self.backend,
-                    group: index,
-                    key: &key_bytes,
-                    watermark: self.watermark,
-                    processing_time: self.processing_time,
-                    timestamp: Some(ts),
-                },
-                key: &key,
-                timestamp: Some(ts),
-                timers: &mut self.timers,
-                out: &mut self.out,
-            };
-            self.function.on_timer(
-                Timer {
-                    timestamp: ts,
-                    domain,
-                },
-                &self.state,
-                &mut ctx,
-            )?;
+            self.with_key(index, &key, ts, |f, state, ctx| {
+                ctx.scope
+                    .many_delete(timers::state_id(domain), Some(&timers::time_key(ts)))?;
+                f.on_timer(
+                    Timer {
+                        timestamp: ts,
+                        domain,
+                    },
+                    state,
+                    ctx,
+                )
+            })?;
         }
         Ok(())
     }
@@ -227,14 +323,20 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
 
     /// Ends the current cut epoch at a snapshot's barrier (see [`StateBackend::cut`]).
     pub fn cut(&mut self) -> u32 {
-        self.backend.cut()
+        match &mut self.backend {
+            Backend::Heap(h) => h.cut(),
+            Backend::Bytes(b) => b.cut(),
+        }
     }
 
     /// How a snapshot building on the one taken at cut `since` must write `group`.
     pub fn group_mode(&self, group: u32, since: u32) -> GroupMode {
         match self.group_index(group) {
             None => GroupMode::Full,
-            Some(i) => self.backend.group_mode(i, since),
+            Some(i) => match &self.backend {
+                Backend::Heap(h) => h.group_mode(i, since),
+                Backend::Bytes(b) => b.group_mode(i, since),
+            },
         }
     }
 
@@ -286,11 +388,15 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
             };
             i64::from_be_bytes(*expiry) <= now
         };
-        self.backend.visit(index, mode, &mut |c| match c {
+        let mut add = |c: Change<'_>| match c {
             Change::Put(k, v) if kind == BlockKind::Full && expired(k, v) => {}
             Change::Put(k, v) => w.put(k, v),
             Change::Delete(k) => w.delete(k),
-        })?;
+        };
+        match &mut self.backend {
+            Backend::Heap(h) => h.visit(index, mode, &mut add)?,
+            Backend::Bytes(b) => b.visit(index, mode, &mut add)?,
+        }
         Ok(Some(w.finish()))
     }
 
@@ -327,7 +433,14 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
         for key in entries.keys() {
             self.timers.index_entry(index, key);
         }
-        self.backend.install(index, entries);
+        match &mut self.backend {
+            Backend::Heap(h) => {
+                let ttl: Vec<bool> = self.declarations.iter().map(|d| d.ttl.is_some()).collect();
+                h.install(index, entries, &ttl)
+                    .map_err(|e| BlockError::Undecodable(e.to_string()))?;
+            }
+            Backend::Bytes(b) => b.install(index, entries),
+        }
         Ok(())
     }
 
@@ -426,7 +539,10 @@ impl<F: KeyedProcessFunction, B: StateBackend> KeyedOperator<F, B> {
     pub fn clear_group(&mut self, group: u32) {
         if let Some(index) = self.group_index(group) {
             self.timers.forget_group(index);
-            self.backend.clear(index);
+            match &mut self.backend {
+                Backend::Heap(h) => h.clear(index),
+                Backend::Bytes(b) => b.clear(index),
+            }
         }
     }
 }

@@ -10,7 +10,7 @@ use crate::function::KeyedProcessFunction;
 use crate::key::key_group;
 use crate::operator::{KeyedOperator, MIN_WATERMARK};
 use crate::state::DeclarationError;
-use crate::state::backend::GroupMode;
+use crate::state::backend::{GroupMode, SortedBackend};
 use keyshift_core::keygroup::{Assignment, BoundsError};
 use std::collections::BTreeMap;
 use std::rc::Rc;
@@ -70,6 +70,24 @@ pub struct Harness<F: KeyedProcessFunction> {
     pending: Vec<(i64, F::Out)>,
     /// The last checkpoint, and each subtask's cut it was taken at (for deltas over it).
     last: Option<(Snapshot, Vec<u32>)>,
+    /// State in [`SortedBackend`]s (byte-addressed, a disk engine's shape) instead of the heap.
+    sorted: bool,
+}
+
+/// A subtask's operator, state in the heap or in a [`SortedBackend`].
+fn operator<F: KeyedProcessFunction>(
+    uid: &str,
+    function: F,
+    max_parallelism: u32,
+    range: keyshift_core::keygroup::KeyGroupRange,
+    sorted: bool,
+) -> Result<KeyedOperator<F>, DeclarationError> {
+    if sorted {
+        let backend = Box::new(SortedBackend::new(range.len() as usize));
+        KeyedOperator::with_backend(uid, function, max_parallelism, range, backend)
+    } else {
+        KeyedOperator::new(uid, function, max_parallelism, range)
+    }
 }
 
 impl<F> Harness<F>
@@ -90,7 +108,7 @@ where
     ) -> Result<Self, HarnessError> {
         let assignment = Assignment::new(i64::from(parallelism), i64::from(max_parallelism))?;
         let subtasks = (0..parallelism)
-            .map(|s| KeyedOperator::new(uid, factory(), max_parallelism, assignment.range(s)))
+            .map(|s| operator(uid, factory(), max_parallelism, assignment.range(s), false))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Harness {
             uid: uid.to_owned(),
@@ -105,7 +123,28 @@ where
             committed: Vec::new(),
             pending: Vec::new(),
             last: None,
+            sorted: false,
         })
+    }
+
+    /// The same run with its state in byte-addressed [`SortedBackend`]s (the layout a disk
+    /// engine keeps) instead of the heap; from now on, restores included.
+    pub fn sorted_backend(mut self) -> Result<Self, HarnessError> {
+        self.sorted = true;
+        let p = self.assignment.parallelism();
+        let max = self.assignment.max_parallelism();
+        self.subtasks = (0..p)
+            .map(|s| {
+                operator(
+                    &self.uid,
+                    (self.factory)(),
+                    max,
+                    self.assignment.range(s),
+                    true,
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(self)
     }
 
     /// The subtasks.
@@ -236,11 +275,12 @@ where
             Assignment::new(i64::from(parallelism), i64::from(snapshot.max_parallelism))?;
         let mut subtasks = Vec::with_capacity(parallelism as usize);
         for s in 0..parallelism {
-            let mut op = KeyedOperator::new(
+            let mut op = operator(
                 &self.uid,
                 (self.factory)(),
                 snapshot.max_parallelism,
                 assignment.range(s),
+                self.sorted,
             )?;
             for g in assignment.range(s).iter() {
                 if let Some(chain) = snapshot.groups.get(&g).filter(|c| !c.is_empty()) {
@@ -267,6 +307,7 @@ where
             committed: Vec::new(),
             pending: Vec::new(),
             last: Some((snapshot.clone(), cuts)),
+            sorted: self.sorted,
         })
     }
 

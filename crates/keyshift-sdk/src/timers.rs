@@ -50,12 +50,9 @@ impl Timers {
         domain: TimeDomain,
         ts: i64,
     ) -> Result<(), StateError> {
-        let entry = scope.entry_key(state_id(domain), &time_key(ts));
-        if self
-            .set(domain)
-            .insert((ts, scope.group, scope.key.to_vec()))
-        {
-            scope.backend.put(scope.group, &entry, Vec::new())?;
+        let key = scope.key.get().into_owned();
+        if self.set(domain).insert((ts, scope.group, key)) {
+            scope.timer_put(state_id(domain), &time_key(ts))?;
         }
         Ok(())
     }
@@ -66,12 +63,9 @@ impl Timers {
         domain: TimeDomain,
         ts: i64,
     ) -> Result<(), StateError> {
-        if self
-            .set(domain)
-            .remove(&(ts, scope.group, scope.key.to_vec()))
-        {
-            let entry = scope.entry_key(state_id(domain), &time_key(ts));
-            scope.backend.delete(scope.group, &entry)?;
+        let key = scope.key.get().into_owned();
+        if self.set(domain).remove(&(ts, scope.group, key)) {
+            scope.many_delete(state_id(domain), Some(&time_key(ts)))?;
         }
         Ok(())
     }

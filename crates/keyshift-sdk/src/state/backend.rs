@@ -1,4 +1,5 @@
-//! Where keyed state lives: the [`StateBackend`] interface, and the heap backend.
+//! The byte-addressed [`StateBackend`] interface a disk engine implements, and
+//! [`SortedBackend`], its in-memory reference.
 //!
 //! The interface is a sorted key-value store per key group, addressed by bytes, the shape a
 //! disk engine (an LSM tree) has natively, so a disk backend implements it without a layer of
@@ -104,17 +105,19 @@ struct Group {
     forgotten_through: u32,
 }
 
-/// Keyed state in the worker's memory: one sorted map per owned key group.
+/// A byte-addressed backend in memory: one sorted map per owned key group, the layout a disk
+/// engine keeps (the reference for one, and what the tests run the state API against besides
+/// the heap backend).
 #[derive(Debug)]
-pub struct HeapBackend {
+pub struct SortedBackend {
     groups: Vec<Group>,
     epoch: u32,
 }
 
-impl HeapBackend {
+impl SortedBackend {
     /// An empty backend for `groups` owned key groups.
     pub fn new(groups: usize) -> Self {
-        HeapBackend {
+        SortedBackend {
             groups: (0..groups).map(|_| Group::default()).collect(),
             epoch: 1,
         }
@@ -152,7 +155,7 @@ fn prefix_range(prefix: &[u8]) -> (Bound<Vec<u8>>, Bound<Vec<u8>>) {
     )
 }
 
-impl StateBackend for HeapBackend {
+impl StateBackend for SortedBackend {
     fn get(&self, group: usize, key: &[u8]) -> Result<Option<Cow<'_, [u8]>>, StateError> {
         Ok(self
             .group(group)?
@@ -303,7 +306,7 @@ impl StateBackend for HeapBackend {
 mod tests {
     use super::*;
 
-    fn changes(b: &mut HeapBackend, mode: GroupMode) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
+    fn changes(b: &mut SortedBackend, mode: GroupMode) -> Vec<(Vec<u8>, Option<Vec<u8>>)> {
         let mut out = Vec::new();
         b.visit(0, mode, &mut |c| match c {
             Change::Put(k, v) => out.push((k.to_vec(), Some(v.to_vec()))),
@@ -315,7 +318,7 @@ mod tests {
 
     #[test]
     fn deltas_carry_writes_and_deletes_since_their_base() {
-        let mut b = HeapBackend::new(1);
+        let mut b = SortedBackend::new(1);
         b.put(0, b"a", b"1".to_vec()).unwrap();
         b.put(0, b"b", b"2".to_vec()).unwrap();
         let first = b.cut();
@@ -341,7 +344,7 @@ mod tests {
 
     #[test]
     fn a_cleared_group_is_written_in_full_and_prefixes_scan_in_order() {
-        let mut b = HeapBackend::new(2);
+        let mut b = SortedBackend::new(2);
         for k in [&b"k\x01b"[..], b"k\x01a", b"k\x02", b"j\xff"] {
             b.put(1, k, k.to_vec()).unwrap();
         }

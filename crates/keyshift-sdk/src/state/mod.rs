@@ -9,12 +9,17 @@
 //! any of them, naming the state ([`crate::error::BlockError::StateChanged`]).
 
 pub mod backend;
+pub mod heap;
 
 use crate::error::StateError;
 use crate::serializer::{Postcard, Serializer};
 use backend::StateBackend;
+use heap::{Cell, KeyStates, Object, Slot};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::any::Any;
+use std::borrow::Cow;
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
@@ -369,9 +374,58 @@ pub struct AggregatingHandle<A: AggregateFunction> {
 }
 
 /// The declarations of a function's states, collected by its `open`.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct Declarations {
     pub(crate) list: Vec<Declaration>,
+    pub(crate) codecs: Vec<Codec>,
+}
+
+type EncodeFn = Arc<dyn Fn(&dyn Any, &mut Vec<u8>) -> Result<(), StateError> + Send + Sync>;
+type DecodeFn = Arc<dyn Fn(&[u8]) -> Result<Object, StateError> + Send + Sync>;
+
+/// How one declared state's values become bytes and back, their types erased (the heap
+/// backend serializes only when a snapshot writes a group).
+#[derive(Clone)]
+pub(crate) struct Codec {
+    /// A map or a list: many entries per key.
+    pub(crate) many: bool,
+    encode: EncodeFn,
+    decode: DecodeFn,
+}
+
+impl Codec {
+    fn of<T: Send + 'static>(name: &str, ser: Arc<dyn Serializer<T>>, many: bool) -> Codec {
+        let (n1, n2) = (name.to_owned(), name.to_owned());
+        let s2 = ser.clone();
+        Codec {
+            many,
+            encode: Arc::new(move |v, out| {
+                let v = v.downcast_ref::<T>().ok_or_else(|| {
+                    StateError::Backend(format!("state {n1:?} holds a value of another type"))
+                })?;
+                ser.serialize(v, out).map_err(|e| ser_err(&n1, e))
+            }),
+            decode: Arc::new(move |b| {
+                s2.deserialize(b)
+                    .map(|v| Box::new(v) as Object)
+                    .map_err(|e| ser_err(&n2, e))
+            }),
+        }
+    }
+
+    pub(crate) fn encode(&self, v: &dyn Any, out: &mut Vec<u8>) -> Result<(), StateError> {
+        (self.encode)(v, out)
+    }
+
+    pub(crate) fn decode(&self, bytes: &[u8]) -> Result<Object, StateError> {
+        (self.decode)(bytes)
+    }
+}
+
+impl fmt::Debug for Declarations {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(&self.list).finish()
+    }
 }
 
 /// A function's states declared twice, too many, or with an empty name.
@@ -386,7 +440,12 @@ pub enum DeclarationError {
 }
 
 impl Declarations {
-    fn add(&mut self, decl: &Declaration) -> Result<(StateId, Arc<str>), DeclarationError> {
+    /// Adds a declaration and the codec of its values (same index: the state's id).
+    fn add(
+        &mut self,
+        decl: &Declaration,
+        codec: Codec,
+    ) -> Result<(StateId, Arc<str>), DeclarationError> {
         if decl.name.is_empty() {
             return Err(DeclarationError::EmptyName);
         }
@@ -398,15 +457,16 @@ impl Declarations {
         }
         let id = self.list.len() as StateId;
         self.list.push(decl.clone());
+        self.codecs.push(codec);
         Ok((id, decl.name.as_str().into()))
     }
 
     /// Declares a value state.
-    pub fn value<T>(
+    pub fn value<T: Send + 'static>(
         &mut self,
         d: ValueStateDescriptor<T>,
     ) -> Result<ValueHandle<T>, DeclarationError> {
-        let (id, name) = self.add(&d.decl)?;
+        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), false))?;
         Ok(ValueHandle {
             id,
             name,
@@ -416,11 +476,11 @@ impl Declarations {
     }
 
     /// Declares a map state.
-    pub fn map<K, V>(
+    pub fn map<K, V: Send + 'static>(
         &mut self,
         d: MapStateDescriptor<K, V>,
     ) -> Result<MapHandle<K, V>, DeclarationError> {
-        let (id, name) = self.add(&d.decl)?;
+        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), true))?;
         Ok(MapHandle {
             id,
             name,
@@ -431,11 +491,11 @@ impl Declarations {
     }
 
     /// Declares a list state.
-    pub fn list<T>(
+    pub fn list<T: Send + 'static>(
         &mut self,
         d: ListStateDescriptor<T>,
     ) -> Result<ListHandle<T>, DeclarationError> {
-        let (id, name) = self.add(&d.decl)?;
+        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), true))?;
         Ok(ListHandle {
             id,
             name,
@@ -445,11 +505,11 @@ impl Declarations {
     }
 
     /// Declares a reducing state.
-    pub fn reducing<T>(
+    pub fn reducing<T: Send + 'static>(
         &mut self,
         d: ReducingStateDescriptor<T>,
     ) -> Result<ReducingHandle<T>, DeclarationError> {
-        let (id, name) = self.add(&d.decl)?;
+        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), false))?;
         Ok(ReducingHandle {
             id,
             name,
@@ -463,8 +523,11 @@ impl Declarations {
     pub fn aggregating<A: AggregateFunction>(
         &mut self,
         d: AggregatingStateDescriptor<A>,
-    ) -> Result<AggregatingHandle<A>, DeclarationError> {
-        let (id, name) = self.add(&d.decl)?;
+    ) -> Result<AggregatingHandle<A>, DeclarationError>
+    where
+        A::Acc: Send,
+    {
+        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), false))?;
         Ok(AggregatingHandle {
             id,
             name,
@@ -480,79 +543,46 @@ impl Declarations {
     }
 }
 
-/// The state of the key being processed: a backend, the key's group and byte form, and the
-/// clocks TTLs read.
+/// Where the current key's state is: its objects in the heap backend, or entries of a
+/// byte-addressed backend.
+pub(crate) enum Store<'a> {
+    Heap {
+        states: &'a mut KeyStates,
+        epoch: u32,
+        /// Declared states (the timers' slots follow them).
+        declared: usize,
+    },
+    Bytes {
+        backend: &'a mut dyn StateBackend,
+    },
+}
+
+/// The key's byte form: computed, or computed when first needed (the heap backend needs it only
+/// for timers).
+pub(crate) enum KeyBytes<'a> {
+    Ready(&'a [u8]),
+    Lazy(&'a dyn Fn() -> Vec<u8>),
+}
+
+impl KeyBytes<'_> {
+    pub(crate) fn get(&self) -> Cow<'_, [u8]> {
+        match self {
+            KeyBytes::Ready(b) => Cow::Borrowed(b),
+            KeyBytes::Lazy(f) => Cow::Owned(f()),
+        }
+    }
+}
+
+/// The state of the key being processed: where it is, its group, its byte form, and the clocks
+/// TTLs read.
 pub(crate) struct KeyScope<'a> {
-    pub(crate) backend: &'a mut dyn StateBackend,
+    pub(crate) store: Store<'a>,
     pub(crate) group: usize,
-    /// The key's byte form.
-    pub(crate) key: &'a [u8],
+    pub(crate) key: KeyBytes<'a>,
     pub(crate) watermark: i64,
     pub(crate) processing_time: i64,
     /// The event time of the record or timer being handled.
     pub(crate) timestamp: Option<i64>,
-}
-
-impl KeyScope<'_> {
-    /// The entry key of state `id` with user key `user`.
-    pub(crate) fn entry_key(&self, id: StateId, user: &[u8]) -> Vec<u8> {
-        let mut k = Vec::with_capacity(self.key.len() + 2 + user.len());
-        k.extend_from_slice(self.key);
-        k.extend_from_slice(&id.to_be_bytes());
-        k.extend_from_slice(user);
-        k
-    }
-
-    /// The time an entry's expiry is compared with.
-    fn now(&self, ttl: &Ttl) -> i64 {
-        match ttl.domain {
-            TimeDomain::EventTime => self.watermark,
-            TimeDomain::ProcessingTime => self.processing_time,
-        }
-    }
-
-    /// The time a write's TTL counts from.
-    fn written_at(&self, ttl: &Ttl) -> i64 {
-        match ttl.domain {
-            TimeDomain::EventTime => self.timestamp.unwrap_or(self.watermark),
-            TimeDomain::ProcessingTime => self.processing_time,
-        }
-    }
-
-    /// The entry's payload, if present and not expired.
-    fn read(&self, key: &[u8], ttl: Option<&Ttl>) -> Result<Option<Vec<u8>>, StateError> {
-        let Some(bytes) = self.backend.get(self.group, key)? else {
-            return Ok(None);
-        };
-        Ok(self.live(&bytes, ttl).map(<[u8]>::to_vec))
-    }
-
-    /// An entry's payload: without its expiry if it has a TTL; `None` if expired (or too short
-    /// to hold an expiry).
-    fn live<'b>(&self, bytes: &'b [u8], ttl: Option<&Ttl>) -> Option<&'b [u8]> {
-        match ttl {
-            None => Some(bytes),
-            Some(ttl) => {
-                let (expiry, rest) = bytes.split_first_chunk::<8>()?;
-                (i64::from_be_bytes(*expiry) > self.now(ttl)).then_some(rest)
-            }
-        }
-    }
-
-    /// Writes an entry (its expiry first, with a TTL).
-    fn write(&mut self, key: &[u8], ttl: Option<&Ttl>, payload: Vec<u8>) -> Result<(), StateError> {
-        let bytes = match ttl {
-            None => payload,
-            Some(ttl) => {
-                let expiry = self.written_at(ttl).saturating_add(ttl.after_ms);
-                let mut b = Vec::with_capacity(8 + payload.len());
-                b.extend_from_slice(&expiry.to_be_bytes());
-                b.extend_from_slice(&payload);
-                b
-            }
-        };
-        self.backend.put(self.group, key, bytes)
-    }
 }
 
 fn ser_err(name: &str, source: crate::serializer::SerializeError) -> StateError {
@@ -573,38 +603,433 @@ fn decode<T>(name: &str, ser: &dyn Serializer<T>, bytes: &[u8]) -> Result<T, Sta
     ser.deserialize(bytes).map_err(|e| ser_err(name, e))
 }
 
+/// What a state view needs of its declaration.
+pub(crate) struct Spec<'h, T> {
+    pub(crate) id: StateId,
+    pub(crate) name: &'h str,
+    pub(crate) ser: &'h dyn Serializer<T>,
+    pub(crate) ttl: Option<&'h Ttl>,
+}
+
+impl KeyScope<'_> {
+    /// The entry key of state `id` with user key `user` (byte-addressed backends).
+    pub(crate) fn entry_key(&self, id: StateId, user: &[u8]) -> Vec<u8> {
+        let key = self.key.get();
+        let mut k = Vec::with_capacity(key.len() + 2 + user.len());
+        k.extend_from_slice(&key);
+        k.extend_from_slice(&id.to_be_bytes());
+        k.extend_from_slice(user);
+        k
+    }
+
+    /// The time an entry's expiry is compared with.
+    fn now(&self, ttl: &Ttl) -> i64 {
+        match ttl.domain {
+            TimeDomain::EventTime => self.watermark,
+            TimeDomain::ProcessingTime => self.processing_time,
+        }
+    }
+
+    /// The expiry of an entry written now.
+    fn expiry(&self, ttl: Option<&Ttl>) -> Option<i64> {
+        ttl.map(|t| {
+            let at = match t.domain {
+                TimeDomain::EventTime => self.timestamp.unwrap_or(self.watermark),
+                TimeDomain::ProcessingTime => self.processing_time,
+            };
+            at.saturating_add(t.after_ms)
+        })
+    }
+
+    fn alive(&self, expiry: Option<i64>, ttl: Option<&Ttl>) -> bool {
+        match (expiry, ttl) {
+            (Some(e), Some(t)) => e > self.now(t),
+            _ => true,
+        }
+    }
+
+    /// A byte entry's payload: without its expiry if it has a TTL; `None` if expired (or too
+    /// short to hold an expiry).
+    fn live<'b>(&self, bytes: &'b [u8], ttl: Option<&Ttl>) -> Option<&'b [u8]> {
+        match ttl {
+            None => Some(bytes),
+            Some(t) => {
+                let (expiry, rest) = bytes.split_first_chunk::<8>()?;
+                (i64::from_be_bytes(*expiry) > self.now(t)).then_some(rest)
+            }
+        }
+    }
+
+    fn with_expiry(&self, ttl: Option<&Ttl>, payload: Vec<u8>) -> Vec<u8> {
+        match self.expiry(ttl) {
+            None => payload,
+            Some(e) => {
+                let mut b = Vec::with_capacity(8 + payload.len());
+                b.extend_from_slice(&e.to_be_bytes());
+                b.extend_from_slice(&payload);
+                b
+            }
+        }
+    }
+
+    fn slot_index(id: StateId, declared: usize) -> usize {
+        heap::slot_of(id, declared)
+    }
+
+    /// A one-entry state's value.
+    pub(crate) fn one_get<T: Clone + 'static>(
+        &self,
+        s: &Spec<'_, T>,
+    ) -> Result<Option<T>, StateError> {
+        match &self.store {
+            Store::Heap {
+                states, declared, ..
+            } => match states.slots.get(Self::slot_index(s.id, *declared)) {
+                Some(Slot::One(c)) if self.alive(c.expiry, s.ttl) => Ok(c
+                    .value
+                    .as_ref()
+                    .and_then(|v| v.downcast_ref::<T>())
+                    .cloned()),
+                _ => Ok(None),
+            },
+            Store::Bytes { backend } => {
+                let key = self.entry_key(s.id, &[]);
+                match backend.get(self.group, &key)? {
+                    None => Ok(None),
+                    Some(b) => match self.live(&b, s.ttl) {
+                        None => Ok(None),
+                        Some(p) => decode(s.name, s.ser, p).map(Some),
+                    },
+                }
+            }
+        }
+    }
+
+    /// Sets a one-entry state's value.
+    pub(crate) fn one_set<T: Send + 'static>(
+        &mut self,
+        s: &Spec<'_, T>,
+        value: T,
+    ) -> Result<(), StateError> {
+        let expiry = self.expiry(s.ttl);
+        match &mut self.store {
+            Store::Heap {
+                states,
+                epoch,
+                declared,
+            } => {
+                let e = *epoch;
+                states.epoch = e;
+                let slot = states.slot(Self::slot_index(s.id, *declared));
+                // The value in place where one of the type is there (no allocation).
+                if let Slot::One(c) = slot
+                    && let Some(old) = c.value.as_mut().and_then(|v| v.downcast_mut::<T>())
+                {
+                    *old = value;
+                    c.expiry = expiry;
+                    c.epoch = e;
+                } else {
+                    *slot = Slot::One(Cell {
+                        value: Some(Box::new(value)),
+                        expiry,
+                        epoch: e,
+                    });
+                }
+                Ok(())
+            }
+            Store::Bytes { .. } => {
+                let payload = encode(s.name, s.ser, &value)?;
+                let bytes = self.with_expiry(s.ttl, payload);
+                let key = self.entry_key(s.id, &[]);
+                let group = self.group;
+                match &mut self.store {
+                    Store::Bytes { backend } => backend.put(group, &key, bytes),
+                    Store::Heap { .. } => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// Deletes a one-entry state's value.
+    pub(crate) fn one_clear(&mut self, id: StateId) -> Result<(), StateError> {
+        let key = match &self.store {
+            Store::Bytes { .. } => Some(self.entry_key(id, &[])),
+            Store::Heap { .. } => None,
+        };
+        let group = self.group;
+        match &mut self.store {
+            Store::Heap {
+                states,
+                epoch,
+                declared,
+            } => {
+                let e = *epoch;
+                let slot = Self::slot_index(id, *declared);
+                if let Some(Slot::One(c)) = states.slots.get_mut(slot)
+                    && c.value.is_some()
+                {
+                    c.value = None;
+                    c.epoch = e;
+                    states.epoch = e;
+                }
+                Ok(())
+            }
+            Store::Bytes { backend } => backend.delete(group, &key.unwrap_or_default()),
+        }
+    }
+
+    /// One entry of a many-entry state.
+    pub(crate) fn many_get<T: Clone + 'static>(
+        &self,
+        s: &Spec<'_, T>,
+        user: &[u8],
+    ) -> Result<Option<T>, StateError> {
+        match &self.store {
+            Store::Heap {
+                states, declared, ..
+            } => match states.slots.get(Self::slot_index(s.id, *declared)) {
+                Some(Slot::Many(m)) => Ok(m
+                    .get(user)
+                    .filter(|c| self.alive(c.expiry, s.ttl))
+                    .and_then(|c| c.value.as_ref())
+                    .and_then(|v| v.downcast_ref::<T>())
+                    .cloned()),
+                _ => Ok(None),
+            },
+            Store::Bytes { backend } => {
+                let key = self.entry_key(s.id, user);
+                match backend.get(self.group, &key)? {
+                    None => Ok(None),
+                    Some(b) => match self.live(&b, s.ttl) {
+                        None => Ok(None),
+                        Some(p) => decode(s.name, s.ser, p).map(Some),
+                    },
+                }
+            }
+        }
+    }
+
+    /// Writes one entry of a many-entry state.
+    pub(crate) fn many_put<T: Send + 'static>(
+        &mut self,
+        s: &Spec<'_, T>,
+        user: Vec<u8>,
+        value: T,
+    ) -> Result<(), StateError> {
+        let expiry = self.expiry(s.ttl);
+        match &mut self.store {
+            Store::Heap {
+                states,
+                epoch,
+                declared,
+            } => {
+                let e = *epoch;
+                states.epoch = e;
+                let slot = states.slot(Self::slot_index(s.id, *declared));
+                if !matches!(slot, Slot::Many(_)) {
+                    *slot = Slot::Many(BTreeMap::new());
+                }
+                if let Slot::Many(m) = slot {
+                    m.insert(
+                        user,
+                        Cell {
+                            value: Some(Box::new(value)),
+                            expiry,
+                            epoch: e,
+                        },
+                    );
+                }
+                Ok(())
+            }
+            Store::Bytes { .. } => {
+                let payload = encode(s.name, s.ser, &value)?;
+                let bytes = self.with_expiry(s.ttl, payload);
+                let key = self.entry_key(s.id, &user);
+                let group = self.group;
+                match &mut self.store {
+                    Store::Bytes { backend } => backend.put(group, &key, bytes),
+                    Store::Heap { .. } => Ok(()),
+                }
+            }
+        }
+    }
+
+    /// Deletes one entry of a many-entry state (`None`: every entry).
+    pub(crate) fn many_delete(
+        &mut self,
+        id: StateId,
+        user: Option<&[u8]>,
+    ) -> Result<(), StateError> {
+        let key = match &self.store {
+            Store::Bytes { .. } => Some(self.entry_key(id, user.unwrap_or_default())),
+            Store::Heap { .. } => None,
+        };
+        let group = self.group;
+        match &mut self.store {
+            Store::Heap {
+                states,
+                epoch,
+                declared,
+            } => {
+                let e = *epoch;
+                if let Some(Slot::Many(m)) = states.slots.get_mut(Self::slot_index(id, *declared)) {
+                    let mut changed = false;
+                    let mut kill = |c: &mut Cell| {
+                        if c.value.is_some() {
+                            c.value = None;
+                            c.epoch = e;
+                            changed = true;
+                        }
+                    };
+                    match user {
+                        Some(u) => {
+                            if let Some(c) = m.get_mut(u) {
+                                kill(c);
+                            }
+                        }
+                        None => m.values_mut().for_each(kill),
+                    }
+                    if changed {
+                        states.epoch = e;
+                    }
+                }
+                Ok(())
+            }
+            Store::Bytes { backend } => {
+                let key = key.unwrap_or_default();
+                match user {
+                    Some(_) => backend.delete(group, &key),
+                    None => backend.delete_prefix(group, &key),
+                }
+            }
+        }
+    }
+
+    /// Every live entry of a many-entry state, by user key.
+    pub(crate) fn many_entries<T: Clone + 'static>(
+        &self,
+        s: &Spec<'_, T>,
+    ) -> Result<Vec<(Vec<u8>, T)>, StateError> {
+        match &self.store {
+            Store::Heap {
+                states, declared, ..
+            } => match states.slots.get(Self::slot_index(s.id, *declared)) {
+                Some(Slot::Many(m)) => Ok(m
+                    .iter()
+                    .filter(|(_, c)| self.alive(c.expiry, s.ttl))
+                    .filter_map(|(k, c)| {
+                        c.value
+                            .as_ref()
+                            .and_then(|v| v.downcast_ref::<T>())
+                            .map(|v| (k.clone(), v.clone()))
+                    })
+                    .collect()),
+                _ => Ok(Vec::new()),
+            },
+            Store::Bytes { backend } => {
+                let prefix = self.entry_key(s.id, &[]);
+                let mut out = Vec::new();
+                for (k, v) in backend.scan(self.group, &prefix)? {
+                    if let Some(p) = self.live(&v, s.ttl) {
+                        out.push((k[prefix.len()..].to_vec(), decode(s.name, s.ser, p)?));
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+
+    /// Writes a timer's entry (no value).
+    pub(crate) fn timer_put(&mut self, id: StateId, time: &[u8]) -> Result<(), StateError> {
+        let key = match &self.store {
+            Store::Bytes { .. } => Some(self.entry_key(id, time)),
+            Store::Heap { .. } => None,
+        };
+        let group = self.group;
+        match &mut self.store {
+            Store::Heap {
+                states,
+                epoch,
+                declared,
+            } => {
+                let e = *epoch;
+                states.epoch = e;
+                let slot = states.slot(Self::slot_index(id, *declared));
+                if !matches!(slot, Slot::Many(_)) {
+                    *slot = Slot::Many(BTreeMap::new());
+                }
+                if let Slot::Many(m) = slot {
+                    m.insert(
+                        time.to_vec(),
+                        Cell {
+                            value: Some(Box::new(())),
+                            expiry: None,
+                            epoch: e,
+                        },
+                    );
+                }
+                Ok(())
+            }
+            Store::Bytes { backend } => backend.put(group, &key.unwrap_or_default(), Vec::new()),
+        }
+    }
+
+    /// The greatest user key of a many-entry state (deleted entries included).
+    pub(crate) fn many_last(&self, id: StateId) -> Result<Option<Vec<u8>>, StateError> {
+        match &self.store {
+            Store::Heap {
+                states, declared, ..
+            } => match states.slots.get(Self::slot_index(id, *declared)) {
+                Some(Slot::Many(m)) => Ok(m.keys().next_back().cloned()),
+                _ => Ok(None),
+            },
+            Store::Bytes { backend } => {
+                let prefix = self.entry_key(id, &[]);
+                Ok(backend
+                    .last_key(self.group, &prefix)?
+                    .map(|k| k[prefix.len()..].to_vec()))
+            }
+        }
+    }
+}
+
 /// The current key's value state.
 pub struct ValueState<'s, 'a, T> {
     pub(crate) scope: &'s mut KeyScope<'a>,
     pub(crate) handle: &'s ValueHandle<T>,
 }
 
-impl<T> ValueState<'_, '_, T> {
-    fn key(&self) -> Vec<u8> {
-        self.scope.entry_key(self.handle.id, &[])
+impl<T: Clone + Send + 'static> ValueState<'_, '_, T> {
+    fn spec(&self) -> Spec<'_, T> {
+        let h = self.handle;
+        Spec {
+            id: h.id,
+            name: &h.name,
+            ser: h.ser.as_ref(),
+            ttl: h.ttl.as_ref(),
+        }
     }
 
     /// The value, if set (and not expired).
     pub fn get(&self) -> Result<Option<T>, StateError> {
-        let h = self.handle;
-        match self.scope.read(&self.key(), h.ttl.as_ref())? {
-            None => Ok(None),
-            Some(b) => decode(&h.name, h.ser.as_ref(), &b).map(Some),
-        }
+        self.scope.one_get(&self.spec())
     }
 
     /// Sets the value.
-    pub fn set(&mut self, value: &T) -> Result<(), StateError> {
+    pub fn set(&mut self, value: T) -> Result<(), StateError> {
         let h = self.handle;
-        let bytes = encode(&h.name, h.ser.as_ref(), value)?;
-        let key = self.key();
-        self.scope.write(&key, h.ttl.as_ref(), bytes)
+        let spec = Spec {
+            id: h.id,
+            name: &h.name,
+            ser: h.ser.as_ref(),
+            ttl: h.ttl.as_ref(),
+        };
+        self.scope.one_set(&spec, value)
     }
 
     /// Removes the value.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        let key = self.key();
-        self.scope.backend.delete(self.scope.group, &key)
+        self.scope.one_clear(self.handle.id)
     }
 }
 
@@ -614,69 +1039,66 @@ pub struct MapState<'s, 'a, K, V> {
     pub(crate) handle: &'s MapHandle<K, V>,
 }
 
-impl<K, V> MapState<'_, '_, K, V> {
-    fn entry(&self, k: &K) -> Result<Vec<u8>, StateError> {
+impl<K, V: Clone + Send + 'static> MapState<'_, '_, K, V> {
+    fn user(&self, k: &K) -> Result<Vec<u8>, StateError> {
         let h = self.handle;
-        let user = encode(&h.name, h.keys.as_ref(), k)?;
-        Ok(self.scope.entry_key(h.id, &user))
+        encode(&h.name, h.keys.as_ref(), k)
+    }
+
+    fn spec(h: &MapHandle<K, V>) -> Spec<'_, V> {
+        Spec {
+            id: h.id,
+            name: &h.name,
+            ser: h.ser.as_ref(),
+            ttl: h.ttl.as_ref(),
+        }
     }
 
     /// The value at `k`.
     pub fn get(&self, k: &K) -> Result<Option<V>, StateError> {
-        let h = self.handle;
-        match self.scope.read(&self.entry(k)?, h.ttl.as_ref())? {
-            None => Ok(None),
-            Some(b) => decode(&h.name, h.ser.as_ref(), &b).map(Some),
-        }
+        let user = self.user(k)?;
+        self.scope.many_get(&Self::spec(self.handle), &user)
     }
 
     /// Whether `k` has a value.
     pub fn contains(&self, k: &K) -> Result<bool, StateError> {
-        Ok(self
-            .scope
-            .read(&self.entry(k)?, self.handle.ttl.as_ref())?
-            .is_some())
+        Ok(self.get(k)?.is_some())
     }
 
     /// Sets the value at `k`.
-    pub fn insert(&mut self, k: &K, v: &V) -> Result<(), StateError> {
+    pub fn insert(&mut self, k: &K, v: V) -> Result<(), StateError> {
+        let user = self.user(k)?;
         let h = self.handle;
-        let bytes = encode(&h.name, h.ser.as_ref(), v)?;
-        let key = self.entry(k)?;
-        self.scope.write(&key, h.ttl.as_ref(), bytes)
+        self.scope.many_put(&Self::spec(h), user, v)
     }
 
     /// Removes the value at `k`.
     pub fn remove(&mut self, k: &K) -> Result<(), StateError> {
-        let key = self.entry(k)?;
-        self.scope.backend.delete(self.scope.group, &key)
+        let user = self.user(k)?;
+        self.scope.many_delete(self.handle.id, Some(&user))
     }
 
     /// Every entry, in the order of the keys' serialized form.
     pub fn entries(&self) -> Result<Vec<(K, V)>, StateError> {
         let h = self.handle;
-        let prefix = self.scope.entry_key(h.id, &[]);
-        let mut out = Vec::new();
-        for (k, v) in self.scope.backend.scan(self.scope.group, &prefix)? {
-            if let Some(v) = self.scope.live(&v, h.ttl.as_ref()) {
-                out.push((
-                    decode(&h.name, h.keys.as_ref(), &k[prefix.len()..])?,
-                    decode(&h.name, h.ser.as_ref(), v)?,
-                ));
-            }
-        }
-        Ok(out)
+        self.scope
+            .many_entries(&Self::spec(h))?
+            .into_iter()
+            .map(|(k, v)| Ok((decode(&h.name, h.keys.as_ref(), &k)?, v)))
+            .collect()
     }
 
     /// Whether the map has no (live) entry.
     pub fn is_empty(&self) -> Result<bool, StateError> {
-        Ok(self.entries()?.is_empty())
+        Ok(self
+            .scope
+            .many_entries(&Self::spec(self.handle))?
+            .is_empty())
     }
 
     /// Removes every entry.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        let prefix = self.scope.entry_key(self.handle.id, &[]);
-        self.scope.backend.delete_prefix(self.scope.group, &prefix)
+        self.scope.many_delete(self.handle.id, None)
     }
 }
 
@@ -687,43 +1109,44 @@ pub struct ListState<'s, 'a, T> {
     pub(crate) handle: &'s ListHandle<T>,
 }
 
-impl<T> ListState<'_, '_, T> {
+impl<T: Clone + Send + 'static> ListState<'_, '_, T> {
+    fn spec(h: &ListHandle<T>) -> Spec<'_, T> {
+        Spec {
+            id: h.id,
+            name: &h.name,
+            ser: h.ser.as_ref(),
+            ttl: h.ttl.as_ref(),
+        }
+    }
+
     /// Appends `value`.
-    pub fn add(&mut self, value: &T) -> Result<(), StateError> {
+    pub fn add(&mut self, value: T) -> Result<(), StateError> {
         let h = self.handle;
-        let prefix = self.scope.entry_key(h.id, &[]);
-        let next = match self.scope.backend.last_key(self.scope.group, &prefix)? {
+        let next = match self.scope.many_last(h.id)? {
             None => 0u64,
             Some(last) => {
-                let seq = last
-                    .get(prefix.len()..)
-                    .and_then(|s| <[u8; 8]>::try_from(s).ok())
-                    .ok_or_else(|| {
-                        StateError::Backend(format!("list {:?}: malformed element key", h.name))
-                    })?;
+                let seq = <[u8; 8]>::try_from(last.as_slice()).map_err(|_| {
+                    StateError::Backend(format!("list {:?}: malformed element key", h.name))
+                })?;
                 u64::from_be_bytes(seq) + 1
             }
         };
-        let bytes = encode(&h.name, h.ser.as_ref(), value)?;
-        let key = self.scope.entry_key(h.id, &next.to_be_bytes());
-        self.scope.write(&key, h.ttl.as_ref(), bytes)
+        self.scope
+            .many_put(&Self::spec(h), next.to_be_bytes().to_vec(), value)
     }
 
     /// Every (live) element, in the order added.
     pub fn get(&self) -> Result<Vec<T>, StateError> {
-        let h = self.handle;
-        let prefix = self.scope.entry_key(h.id, &[]);
-        let mut out = Vec::new();
-        for (_, v) in self.scope.backend.scan(self.scope.group, &prefix)? {
-            if let Some(v) = self.scope.live(&v, h.ttl.as_ref()) {
-                out.push(decode(&h.name, h.ser.as_ref(), v)?);
-            }
-        }
-        Ok(out)
+        Ok(self
+            .scope
+            .many_entries(&Self::spec(self.handle))?
+            .into_iter()
+            .map(|(_, v)| v)
+            .collect())
     }
 
     /// Replaces the list with `values`.
-    pub fn update(&mut self, values: &[T]) -> Result<(), StateError> {
+    pub fn update(&mut self, values: Vec<T>) -> Result<(), StateError> {
         self.clear()?;
         for v in values {
             self.add(v)?;
@@ -733,8 +1156,7 @@ impl<T> ListState<'_, '_, T> {
 
     /// Removes every element.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        let prefix = self.scope.entry_key(self.handle.id, &[]);
-        self.scope.backend.delete_prefix(self.scope.group, &prefix)
+        self.scope.many_delete(self.handle.id, None)
     }
 }
 
@@ -744,36 +1166,34 @@ pub struct ReducingState<'s, 'a, T> {
     pub(crate) handle: &'s ReducingHandle<T>,
 }
 
-impl<T> ReducingState<'_, '_, T> {
-    fn key(&self) -> Vec<u8> {
-        self.scope.entry_key(self.handle.id, &[])
+impl<T: Clone + Send + 'static> ReducingState<'_, '_, T> {
+    fn spec(h: &ReducingHandle<T>) -> Spec<'_, T> {
+        Spec {
+            id: h.id,
+            name: &h.name,
+            ser: h.ser.as_ref(),
+            ttl: h.ttl.as_ref(),
+        }
     }
 
     /// The folded value, if any was added.
     pub fn get(&self) -> Result<Option<T>, StateError> {
-        let h = self.handle;
-        match self.scope.read(&self.key(), h.ttl.as_ref())? {
-            None => Ok(None),
-            Some(b) => decode(&h.name, h.ser.as_ref(), &b).map(Some),
-        }
+        self.scope.one_get(&Self::spec(self.handle))
     }
 
     /// Folds `value` in.
     pub fn add(&mut self, value: T) -> Result<(), StateError> {
         let h = self.handle;
-        let folded = match self.get()? {
+        let folded = match self.scope.one_get(&Self::spec(h))? {
             None => value,
             Some(acc) => (h.reduce)(acc, value),
         };
-        let bytes = encode(&h.name, h.ser.as_ref(), &folded)?;
-        let key = self.key();
-        self.scope.write(&key, h.ttl.as_ref(), bytes)
+        self.scope.one_set(&Self::spec(h), folded)
     }
 
     /// Removes the value.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        let key = self.key();
-        self.scope.backend.delete(self.scope.group, &key)
+        self.scope.one_clear(self.handle.id)
     }
 }
 
@@ -783,37 +1203,40 @@ pub struct AggregatingState<'s, 'a, A: AggregateFunction> {
     pub(crate) handle: &'s AggregatingHandle<A>,
 }
 
-impl<A: AggregateFunction> AggregatingState<'_, '_, A> {
-    fn key(&self) -> Vec<u8> {
-        self.scope.entry_key(self.handle.id, &[])
-    }
-
-    fn acc(&self) -> Result<Option<A::Acc>, StateError> {
-        let h = self.handle;
-        match self.scope.read(&self.key(), h.ttl.as_ref())? {
-            None => Ok(None),
-            Some(b) => decode(&h.name, h.ser.as_ref(), &b).map(Some),
+impl<A: AggregateFunction> AggregatingState<'_, '_, A>
+where
+    A::Acc: Clone + Send,
+{
+    fn spec(h: &AggregatingHandle<A>) -> Spec<'_, A::Acc> {
+        Spec {
+            id: h.id,
+            name: &h.name,
+            ser: h.ser.as_ref(),
+            ttl: h.ttl.as_ref(),
         }
     }
 
     /// The result, if any value was added.
     pub fn get(&self) -> Result<Option<A::Out>, StateError> {
-        Ok(self.acc()?.map(|acc| self.handle.agg.result(&acc)))
+        Ok(self
+            .scope
+            .one_get(&Self::spec(self.handle))?
+            .map(|acc| self.handle.agg.result(&acc)))
     }
 
     /// Folds `value` in.
     pub fn add(&mut self, value: A::In) -> Result<(), StateError> {
         let h = self.handle;
-        let acc = self.acc()?.unwrap_or_else(|| h.agg.create());
+        let acc = self
+            .scope
+            .one_get(&Self::spec(h))?
+            .unwrap_or_else(|| h.agg.create());
         let acc = h.agg.add(value, acc);
-        let bytes = encode(&h.name, h.ser.as_ref(), &acc)?;
-        let key = self.key();
-        self.scope.write(&key, h.ttl.as_ref(), bytes)
+        self.scope.one_set(&Self::spec(h), acc)
     }
 
     /// Removes the accumulator.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        let key = self.key();
-        self.scope.backend.delete(self.scope.group, &key)
+        self.scope.one_clear(self.handle.id)
     }
 }

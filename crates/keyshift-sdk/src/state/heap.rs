@@ -1,0 +1,357 @@
+//! The heap backend: keyed state as objects in the worker's memory (Flink's heap state
+//! backend), one hash map per owned key group from the key to its states. A read clones the
+//! value and a write moves it in; nothing is serialized until a snapshot writes the group
+//! (into the same key-group blocks, and the same entry keys, as the byte-addressed
+//! [`super::backend::StateBackend`] a disk engine implements).
+
+use super::backend::{Change, GroupMode};
+use super::{Codec, StateId};
+use crate::error::StateError;
+use crate::key::{StreamKey, decode_key, encode_key};
+use foldhash::fast::FixedState;
+use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
+use smallvec::SmallVec;
+use std::any::Any;
+use std::collections::BTreeMap;
+use std::hash::BuildHasher;
+
+/// A value held in state.
+pub(crate) type Object = Box<dyn Any + Send>;
+
+/// One entry of a key's state: its value (`None`: deleted, kept until no delta needs to say
+/// so), its expiry (with a TTL), and the cut epoch of its last change (0: restored).
+pub(crate) struct Cell {
+    pub(crate) value: Option<Object>,
+    pub(crate) expiry: Option<i64>,
+    pub(crate) epoch: u32,
+}
+
+/// One declared state of one key.
+#[derive(Default)]
+pub(crate) enum Slot {
+    #[default]
+    Empty,
+    /// A value, reducing or aggregating state.
+    One(Cell),
+    /// A map (by the user key's bytes), a list (by sequence number) or timers (by time key).
+    Many(BTreeMap<Vec<u8>, Cell>),
+}
+
+/// Every state of one key, by slot: the declared states in order, then the event-time and the
+/// processing-time timers.
+#[derive(Default)]
+pub(crate) struct KeyStates {
+    pub(crate) slots: SmallVec<[Slot; 1]>,
+    /// The epoch of the key's last change.
+    pub(crate) epoch: u32,
+}
+
+/// The slot of state `id` among `states` declared states.
+pub(crate) fn slot_of(id: StateId, states: usize) -> usize {
+    match id {
+        super::EVENT_TIMERS => states,
+        super::PROCESSING_TIMERS => states + 1,
+        id => usize::from(id),
+    }
+}
+
+/// The state id of slot `slot` among `states` declared states.
+fn id_of(slot: usize, states: usize) -> StateId {
+    if slot == states {
+        super::EVENT_TIMERS
+    } else if slot == states + 1 {
+        super::PROCESSING_TIMERS
+    } else {
+        slot as StateId
+    }
+}
+
+impl KeyStates {
+    /// The slot, created (and every slot before it) if missing.
+    pub(crate) fn slot(&mut self, slot: usize) -> &mut Slot {
+        if self.slots.len() <= slot {
+            self.slots.resize_with(slot + 1, Slot::default);
+        }
+        &mut self.slots[slot]
+    }
+
+    /// Whether nothing live or deleted is left (the key can leave the map).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.slots.iter().all(|s| match s {
+            Slot::Empty => true,
+            Slot::One(_) => false,
+            Slot::Many(m) => m.is_empty(),
+        })
+    }
+
+    /// Forgets deletions at or before `epoch`.
+    fn forget_deletions(&mut self, epoch: u32) {
+        for s in &mut self.slots {
+            match s {
+                Slot::One(c) if c.value.is_none() && c.epoch <= epoch => *s = Slot::Empty,
+                Slot::Many(m) => m.retain(|_, c| c.value.is_some() || c.epoch > epoch),
+                _ => {}
+            }
+        }
+    }
+
+    fn live(&self) -> usize {
+        self.slots
+            .iter()
+            .map(|s| match s {
+                Slot::Empty => 0,
+                Slot::One(c) => usize::from(c.value.is_some()),
+                Slot::Many(m) => m.values().filter(|c| c.value.is_some()).count(),
+            })
+            .sum()
+    }
+}
+
+struct Group<K> {
+    /// Each key with its states, hashed with the store's hasher.
+    keys: HashTable<(K, KeyStates)>,
+    changed: u32,
+    reset: u32,
+    forgotten_through: u32,
+}
+
+impl<K> Default for Group<K> {
+    fn default() -> Self {
+        Group {
+            keys: HashTable::new(),
+            changed: 0,
+            reset: 0,
+            forgotten_through: 0,
+        }
+    }
+}
+
+/// Keyed state in memory for the owned key groups, keyed by the job's own key type.
+pub struct HeapStore<K> {
+    groups: Vec<Group<K>>,
+    hasher: FixedState,
+    epoch: u32,
+    /// Per declared state, how its values become bytes and back.
+    codecs: Vec<Codec>,
+}
+
+impl<K: StreamKey> HeapStore<K> {
+    pub(crate) fn new(groups: usize, codecs: Vec<Codec>) -> Self {
+        HeapStore {
+            groups: (0..groups).map(|_| Group::default()).collect(),
+            hasher: FixedState::default(),
+            epoch: 1,
+            codecs,
+        }
+    }
+
+    /// The current cut epoch.
+    pub(crate) fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// The states of `key` in group `group` (created empty if it has none; one hash, one
+    /// probe), the key's hash for [`Self::release`], and the group marked changed (the caller is
+    /// about to run a function on it).
+    pub(crate) fn key_mut(&mut self, group: usize, key: &K) -> Option<(&mut KeyStates, u64)> {
+        let epoch = self.epoch;
+        let hasher = self.hasher.clone();
+        let g = self.groups.get_mut(group)?;
+        g.changed = epoch;
+        let hash = hasher.hash_one(key);
+        let entry = g
+            .keys
+            .entry(hash, |(k, _)| k == key, |(k, _)| hasher.hash_one(k));
+        let states = match entry {
+            Entry::Occupied(o) => &mut o.into_mut().1,
+            Entry::Vacant(v) => &mut v.insert((key.clone(), KeyStates::default())).into_mut().1,
+        };
+        Some((states, hash))
+    }
+
+    /// Drops `key`'s entry (its hash from [`Self::key_mut`]), which the caller found empty.
+    pub(crate) fn release(&mut self, group: usize, key: &K, hash: u64) {
+        if let Some(g) = self.groups.get_mut(group)
+            && let Ok(e) = g.keys.find_entry(hash, |(k, ks)| k == key && ks.is_empty())
+        {
+            e.remove();
+        }
+    }
+
+    pub(crate) fn cut(&mut self) -> u32 {
+        let e = self.epoch;
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        e
+    }
+
+    pub(crate) fn group_mode(&self, group: usize, since: u32) -> GroupMode {
+        match self.groups.get(group) {
+            None => GroupMode::Full,
+            Some(g) if g.reset > since || since < g.forgotten_through => GroupMode::Full,
+            Some(g) if g.changed <= since => GroupMode::Unchanged,
+            Some(_) => GroupMode::Delta { since },
+        }
+    }
+
+    /// Visits the group as `mode` says, values serialized (an expiry first, with a TTL), like
+    /// [`super::backend::StateBackend::visit`].
+    pub(crate) fn visit(
+        &mut self,
+        group: usize,
+        mode: GroupMode,
+        f: &mut dyn FnMut(Change<'_>),
+    ) -> Result<(), StateError> {
+        let since = match mode {
+            GroupMode::Unchanged => return Ok(()),
+            GroupMode::Full => None,
+            GroupMode::Delta { since } => Some(since),
+        };
+        let codecs = &self.codecs;
+        let states = codecs.len();
+        let g = self
+            .groups
+            .get_mut(group)
+            .ok_or_else(|| StateError::Backend(format!("group index {group} is not owned")))?;
+        let mut entry = Vec::with_capacity(64);
+        let mut value = Vec::with_capacity(64);
+        for (k, ks) in g.keys.iter() {
+            if since.is_some_and(|s| ks.epoch <= s) {
+                continue;
+            }
+            entry.clear();
+            encode_key(&k.to_key(), &mut entry);
+            let key_len = entry.len();
+            for (i, slot) in ks.slots.iter().enumerate() {
+                let id = id_of(i, states);
+                let mut emit = |user: &[u8], cell: &Cell| -> Result<(), StateError> {
+                    if since.is_some_and(|s| cell.epoch <= s) {
+                        return Ok(());
+                    }
+                    entry.truncate(key_len);
+                    entry.extend_from_slice(&id.to_be_bytes());
+                    entry.extend_from_slice(user);
+                    match &cell.value {
+                        None if since.is_some() => f(Change::Delete(&entry)),
+                        None => {}
+                        Some(v) => {
+                            value.clear();
+                            if let Some(e) = cell.expiry {
+                                value.extend_from_slice(&e.to_be_bytes());
+                            }
+                            if let Some(codec) = codecs.get(usize::from(id)) {
+                                codec.encode(v.as_ref(), &mut value)?;
+                            }
+                            f(Change::Put(&entry, &value));
+                        }
+                    }
+                    Ok(())
+                };
+                match slot {
+                    Slot::Empty => {}
+                    Slot::One(c) => emit(&[], c)?,
+                    Slot::Many(m) => {
+                        for (user, c) in m {
+                            emit(user, c)?;
+                        }
+                    }
+                }
+            }
+        }
+        if let Some(since) = since {
+            for (_, ks) in g.keys.iter_mut() {
+                ks.forget_deletions(since);
+            }
+            g.keys.retain(|(_, ks)| !ks.is_empty());
+            g.forgotten_through = g.forgotten_through.max(since);
+        }
+        Ok(())
+    }
+
+    /// Replaces the group's state with checked `entries` (entry key -> value bytes), each
+    /// value deserialized by its state's codec.
+    pub(crate) fn install(
+        &mut self,
+        group: usize,
+        entries: BTreeMap<Vec<u8>, Vec<u8>>,
+        ttl: &[bool],
+    ) -> Result<(), StateError> {
+        let states = self.codecs.len();
+        let hasher = self.hasher.clone();
+        let mut keys: HashTable<(K, KeyStates)> = HashTable::new();
+        for (entry, bytes) in entries {
+            let (key, n) = decode_key(&entry)
+                .map_err(|e| StateError::Backend(format!("a restored key: {e}")))?;
+            let k = K::from_key(&key).ok_or_else(|| {
+                StateError::Backend(format!("restored key {key} is not of the job's key type"))
+            })?;
+            let id = entry
+                .get(n..n + 2)
+                .map(|b| u16::from_be_bytes([b[0], b[1]]))
+                .ok_or_else(|| StateError::Backend("an entry without a state id".into()))?;
+            let user = entry[n + 2..].to_vec();
+            let slot = slot_of(id, states);
+            let (expiry, payload) = if ttl.get(slot).copied().unwrap_or(false) {
+                let (e, rest) = bytes.split_first_chunk::<8>().ok_or_else(|| {
+                    StateError::Backend("an entry with a TTL but no expiry".into())
+                })?;
+                (Some(i64::from_be_bytes(*e)), rest)
+            } else {
+                (None, &bytes[..])
+            };
+            let value: Object = match self.codecs.get(slot) {
+                Some(codec) => codec.decode(payload)?,
+                // Timers hold nothing.
+                None => Box::new(()),
+            };
+            let cell = Cell {
+                value: Some(value),
+                expiry,
+                epoch: 0,
+            };
+            let hash = hasher.hash_one(&k);
+            let ks = &mut keys
+                .entry(hash, |(x, _)| *x == k, |(x, _)| hasher.hash_one(x))
+                .or_insert_with(|| (k.clone(), KeyStates::default()))
+                .into_mut()
+                .1;
+            let is_many = slot >= states || self.codecs[slot].many;
+            match ks.slot(slot) {
+                s if is_many => {
+                    if !matches!(s, Slot::Many(_)) {
+                        *s = Slot::Many(BTreeMap::new());
+                    }
+                    if let Slot::Many(m) = s {
+                        m.insert(user, cell);
+                    }
+                }
+                s => *s = Slot::One(cell),
+            }
+        }
+        if let Some(g) = self.groups.get_mut(group) {
+            *g = Group {
+                keys,
+                ..Group::default()
+            };
+        }
+        Ok(())
+    }
+
+    pub(crate) fn clear(&mut self, group: usize) {
+        let epoch = self.epoch;
+        if let Some(g) = self.groups.get_mut(group) {
+            *g = Group {
+                changed: epoch,
+                reset: epoch,
+                ..Group::default()
+            };
+        }
+    }
+
+    /// Live entries of the group (values, map and list elements, timers).
+    pub(crate) fn len(&self, group: usize) -> usize {
+        self.groups
+            .get(group)
+            .map_or(0, |g| g.keys.iter().map(|(_, ks)| ks.live()).sum())
+    }
+}

@@ -1,0 +1,154 @@
+//! `keyshift bench keyed`: the keyed operator alone, on one thread with no I/O: records/s of the
+//! built-in count (`KeyedAggregator`) against the same count written on the SDK (a
+//! `KeyedProcessFunction` with a value state), over the same keys and records, alternating, in
+//! the same run. The SDK's target is 0.9x (bring-your-own-job issue: within 10% of the built-in).
+
+use super::KeyedBench;
+use super::measure::context_line;
+use anyhow::{Result, bail};
+use keyshift_core::keygroup::KeyGroupRange;
+use keyshift_core::spec::AggregateFunction;
+use keyshift_runtime::job::generator::splitmix64;
+use keyshift_runtime::job::{AggConfig, KeyedAggregator, Record, RecordKey};
+use keyshift_sdk::prelude::*;
+use std::time::{Duration, Instant};
+
+const GROUPS: u32 = 128;
+const BATCH: usize = 2048;
+
+/// A keyed count on the SDK: one value state per key.
+struct Count;
+
+impl KeyedProcessFunction for Count {
+    type Key = String;
+    type In = i64;
+    type Out = i64;
+    type State = ValueHandle<i64>;
+
+    fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
+        states.value(ValueStateDescriptor::new("count"))
+    }
+
+    fn process(
+        &mut self,
+        _: i64,
+        count: &Self::State,
+        ctx: &mut Context<'_, String, i64>,
+    ) -> keyshift_sdk::Result<()> {
+        let n = ctx.value(count).get()?.unwrap_or(0) + 1;
+        Ok(ctx.value(count).set(n)?)
+    }
+}
+
+/// The key index of record `i`: the first `keys` records visit every key once (the warm-up
+/// puts each in state), the rest are spread at random.
+fn key_index(i: u64, keys: u64) -> usize {
+    if i < keys {
+        i as usize
+    } else {
+        (splitmix64(i) % keys) as usize
+    }
+}
+
+fn builtin(keys: &[RecordKey], records: u64, first: u64) -> Result<(Duration, usize)> {
+    let range = KeyGroupRange {
+        start: 0,
+        end: GROUPS - 1,
+    };
+    let config = AggConfig {
+        function: AggregateFunction::Count,
+        window_size_ms: None,
+        max_parallelism: GROUPS,
+        state_payload_bytes: 0,
+    };
+    let mut agg = KeyedAggregator::new(config, range)?;
+    let n = keys.len() as u64;
+    let mut batch = Vec::with_capacity(BATCH);
+    let mut run = |agg: &mut KeyedAggregator, from: u64, count: u64| -> Result<()> {
+        for i in from..from + count {
+            batch.push(Record {
+                key: keys[key_index(i, n)].clone(),
+                value: 1,
+                ts: 0,
+            });
+            if batch.len() == BATCH {
+                agg.process_batch(&batch)?;
+                batch.clear();
+            }
+        }
+        agg.process_batch(&batch)?;
+        batch.clear();
+        Ok(())
+    };
+    // Warm-up: every key in state.
+    run(&mut agg, 0, n)?;
+    let t = Instant::now();
+    run(&mut agg, first, records)?;
+    Ok((t.elapsed(), agg.key_count()))
+}
+
+/// The SDK side gets each record's key group with it, as the shuffle routes it (the built-in's
+/// keys carry their hash the same way).
+fn sdk(keys: &[(String, u32)], records: u64, first: u64) -> Result<(Duration, usize)> {
+    let range = KeyGroupRange {
+        start: 0,
+        end: GROUPS - 1,
+    };
+    let mut op = KeyedOperator::new("count", Count, GROUPS, range)?;
+    let n = keys.len() as u64;
+    let run = |op: &mut KeyedOperator<Count>, from: u64, count: u64| -> Result<()> {
+        for i in from..from + count {
+            let (key, group) = &keys[key_index(i, n)];
+            op.process_in(*group, key, 0, 1)?;
+        }
+        Ok(())
+    };
+    run(&mut op, 0, n)?;
+    let t = Instant::now();
+    run(&mut op, first, records)?;
+    Ok((t.elapsed(), op.entries()))
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+pub(super) fn keyed_bench(args: KeyedBench) -> Result<()> {
+    println!("# keyshift bench keyed ({})", context_line());
+    println!(
+        "| keys | built-in M records/s | SDK M records/s | SDK / built-in | rounds |\n|---|---|---|---|---|"
+    );
+    for &n in &args.keys {
+        if n == 0 {
+            bail!("--keys must be positive");
+        }
+        let strings: Vec<String> = (0..n).map(|i| format!("key-{i}")).collect();
+        let record_keys: Vec<RecordKey> = strings
+            .iter()
+            .map(|s| RecordKey::string(s.as_str()))
+            .collect();
+        let sdk_keys: Vec<(String, u32)> = strings
+            .iter()
+            .map(|s| (s.clone(), keyshift_sdk::key::key_group(s, GROUPS)))
+            .collect();
+        let (mut b, mut s) = (Vec::new(), Vec::new());
+        for round in 0..args.rounds.max(1) {
+            let first = 1_000_000_007 * u64::from(round + 1);
+            let (tb, kb) = builtin(&record_keys, args.records, first)?;
+            let (ts, ks) = sdk(&sdk_keys, args.records, first)?;
+            if kb != n as usize || ks != n as usize {
+                bail!("state holds {kb} (built-in) and {ks} (SDK) keys, expected {n}");
+            }
+            b.push(args.records as f64 / tb.as_secs_f64() / 1e6);
+            s.push(args.records as f64 / ts.as_secs_f64() / 1e6);
+        }
+        let (mb, ms) = (median(b), median(s));
+        println!(
+            "| {n} | {mb:.2} | {ms:.2} | {:.2}x | {} |",
+            ms / mb,
+            args.rounds.max(1)
+        );
+    }
+    Ok(())
+}
