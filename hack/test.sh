@@ -94,7 +94,7 @@ cargo fmt --all -- --check
 # The layers (docs/architecture.md, "1. The parts"): the crates below the product build with no
 # Kubernetes client, and the core with no I/O runtime. The compiler keeps the crates from importing
 # upward; this keeps their dependency lists honest.
-step "layers: what keyshift-core and keyshift-runtime may depend on (cargo tree), and no module cycles"
+step "layers: what keyshift-core, keyshift-sdk and keyshift-runtime may depend on (cargo tree), and no module cycles"
 layer_check() {
   local crate="$1" forbidden="$2" found
   found="$(cargo tree --locked -p "$crate" -e normal --all-features --prefix none \
@@ -106,9 +106,11 @@ layer_check() {
 }
 layer_check keyshift-runtime 'kube|kube-client|kube-runtime|kube-core|k8s-openapi|clap'
 layer_check keyshift-core 'kube|kube-client|kube-runtime|kube-core|k8s-openapi|tokio|object_store|axum|reqwest|rdkafka'
+# The SDK a job author depends on: pure like the core (its I/O is the runtime's).
+layer_check keyshift-sdk 'kube|kube-client|kube-runtime|kube-core|k8s-openapi|tokio|object_store|axum|reqwest|rdkafka|keyshift-runtime|keyshift'
 # And inside each crate, no modules that import each other (hack/module-cycles.py reads the
 # imports; the tree before the workspace had one cycle through 27 modules).
-python3 hack/module-cycles.py src crates/keyshift-runtime/src crates/keyshift-core/src
+python3 hack/module-cycles.py src crates/keyshift-runtime/src crates/keyshift-core/src crates/keyshift-sdk/src crates/keyshift-examples/src
 
 step "helm lint --strict (default values and each charts/keyshift/ci/*.yaml)"
 "$KEYSHIFT_HELM" lint --strict charts/keyshift
