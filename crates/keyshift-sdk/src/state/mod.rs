@@ -330,47 +330,48 @@ impl<A: AggregateFunction> AggregatingStateDescriptor<A> {
     }
 }
 
-/// A declared value state, as `open` hands it back; use it with `Context::value`.
-pub struct ValueHandle<T> {
+/// What every handle holds of its declaration: the state's id, name, serializer and TTL.
+pub(crate) struct Declared<T> {
     pub(crate) id: StateId,
     pub(crate) name: Arc<str>,
     pub(crate) ser: Arc<dyn Serializer<T>>,
     pub(crate) ttl: Option<Ttl>,
 }
+
+impl<T> Declared<T> {
+    /// What a state view needs of it.
+    pub(crate) fn spec(&self) -> Spec<'_, T> {
+        Spec {
+            id: self.id,
+            name: &self.name,
+            ser: self.ser.as_ref(),
+            ttl: self.ttl.as_ref(),
+        }
+    }
+}
+
+/// A declared value state, as `declare` hands it back; use it with `Context::value`.
+pub struct ValueHandle<T>(pub(crate) Declared<T>);
 
 /// A declared map state; use it with `Context::map`.
 pub struct MapHandle<K, V> {
-    pub(crate) id: StateId,
-    pub(crate) name: Arc<str>,
+    pub(crate) values: Declared<V>,
     pub(crate) keys: Arc<dyn Serializer<K>>,
-    pub(crate) ser: Arc<dyn Serializer<V>>,
-    pub(crate) ttl: Option<Ttl>,
 }
 
 /// A declared list state; use it with `Context::list`.
-pub struct ListHandle<T> {
-    pub(crate) id: StateId,
-    pub(crate) name: Arc<str>,
-    pub(crate) ser: Arc<dyn Serializer<T>>,
-    pub(crate) ttl: Option<Ttl>,
-}
+pub struct ListHandle<T>(pub(crate) Declared<T>);
 
 /// A declared reducing state; use it with `Context::reducing`.
 pub struct ReducingHandle<T> {
-    pub(crate) id: StateId,
-    pub(crate) name: Arc<str>,
-    pub(crate) ser: Arc<dyn Serializer<T>>,
+    pub(crate) values: Declared<T>,
     pub(crate) reduce: ReduceFn<T>,
-    pub(crate) ttl: Option<Ttl>,
 }
 
 /// A declared aggregating state; use it with `Context::aggregating`.
 pub struct AggregatingHandle<A: AggregateFunction> {
-    pub(crate) id: StateId,
-    pub(crate) name: Arc<str>,
-    pub(crate) ser: Arc<dyn Serializer<A::Acc>>,
+    pub(crate) values: Declared<A::Acc>,
     pub(crate) agg: Arc<A>,
-    pub(crate) ttl: Option<Ttl>,
 }
 
 /// The declarations of a function's states, collected by its `open`.
@@ -441,11 +442,12 @@ pub enum DeclarationError {
 
 impl Declarations {
     /// Adds a declaration and the codec of its values (same index: the state's id).
-    fn add(
+    fn add<T: Send + 'static>(
         &mut self,
         decl: &Declaration,
-        codec: Codec,
-    ) -> Result<(StateId, Arc<str>), DeclarationError> {
+        ser: &Arc<dyn Serializer<T>>,
+        many: bool,
+    ) -> Result<Declared<T>, DeclarationError> {
         if decl.name.is_empty() {
             return Err(DeclarationError::EmptyName);
         }
@@ -457,8 +459,13 @@ impl Declarations {
         }
         let id = self.list.len() as StateId;
         self.list.push(decl.clone());
-        self.codecs.push(codec);
-        Ok((id, decl.name.as_str().into()))
+        self.codecs.push(Codec::of(&decl.name, ser.clone(), many));
+        Ok(Declared {
+            id,
+            name: decl.name.as_str().into(),
+            ser: ser.clone(),
+            ttl: decl.ttl,
+        })
     }
 
     /// Declares a value state.
@@ -466,13 +473,7 @@ impl Declarations {
         &mut self,
         d: ValueStateDescriptor<T>,
     ) -> Result<ValueHandle<T>, DeclarationError> {
-        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), false))?;
-        Ok(ValueHandle {
-            id,
-            name,
-            ser: d.ser,
-            ttl: d.decl.ttl,
-        })
+        Ok(ValueHandle(self.add(&d.decl, &d.ser, false)?))
     }
 
     /// Declares a map state.
@@ -480,13 +481,9 @@ impl Declarations {
         &mut self,
         d: MapStateDescriptor<K, V>,
     ) -> Result<MapHandle<K, V>, DeclarationError> {
-        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), true))?;
         Ok(MapHandle {
-            id,
-            name,
+            values: self.add(&d.decl, &d.ser, true)?,
             keys: d.keys,
-            ser: d.ser,
-            ttl: d.decl.ttl,
         })
     }
 
@@ -495,13 +492,7 @@ impl Declarations {
         &mut self,
         d: ListStateDescriptor<T>,
     ) -> Result<ListHandle<T>, DeclarationError> {
-        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), true))?;
-        Ok(ListHandle {
-            id,
-            name,
-            ser: d.ser,
-            ttl: d.decl.ttl,
-        })
+        Ok(ListHandle(self.add(&d.decl, &d.ser, true)?))
     }
 
     /// Declares a reducing state.
@@ -509,13 +500,9 @@ impl Declarations {
         &mut self,
         d: ReducingStateDescriptor<T>,
     ) -> Result<ReducingHandle<T>, DeclarationError> {
-        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), false))?;
         Ok(ReducingHandle {
-            id,
-            name,
-            ser: d.ser,
+            values: self.add(&d.decl, &d.ser, false)?,
             reduce: d.reduce,
-            ttl: d.decl.ttl,
         })
     }
 
@@ -527,13 +514,9 @@ impl Declarations {
     where
         A::Acc: Send,
     {
-        let (id, name) = self.add(&d.decl, Codec::of(&d.decl.name, d.ser.clone(), false))?;
         Ok(AggregatingHandle {
-            id,
-            name,
-            ser: d.ser,
+            values: self.add(&d.decl, &d.ser, false)?,
             agg: d.agg,
-            ttl: d.decl.ttl,
         })
     }
 
@@ -676,6 +659,16 @@ impl KeyScope<'_> {
         heap::slot_of(id, declared)
     }
 
+    /// Writes an entry of a byte-addressed store (the heap keeps objects: nothing to do).
+    fn put_bytes(&mut self, id: StateId, user: &[u8], bytes: Vec<u8>) -> Result<(), StateError> {
+        let key = self.entry_key(id, user);
+        let group = self.group;
+        match &mut self.store {
+            Store::Bytes { backend } => backend.put(group, &key, bytes),
+            Store::Heap { .. } => Ok(()),
+        }
+    }
+
     /// A one-entry state's value.
     pub(crate) fn one_get<T: Clone + 'static>(
         &self,
@@ -740,12 +733,7 @@ impl KeyScope<'_> {
             Store::Bytes { .. } => {
                 let payload = encode(s.name, s.ser, &value)?;
                 let bytes = self.with_expiry(s.ttl, payload);
-                let key = self.entry_key(s.id, &[]);
-                let group = self.group;
-                match &mut self.store {
-                    Store::Bytes { backend } => backend.put(group, &key, bytes),
-                    Store::Heap { .. } => Ok(()),
-                }
+                self.put_bytes(s.id, &[], bytes)
             }
         }
     }
@@ -844,12 +832,7 @@ impl KeyScope<'_> {
             Store::Bytes { .. } => {
                 let payload = encode(s.name, s.ser, &value)?;
                 let bytes = self.with_expiry(s.ttl, payload);
-                let key = self.entry_key(s.id, &user);
-                let group = self.group;
-                match &mut self.store {
-                    Store::Bytes { backend } => backend.put(group, &key, bytes),
-                    Store::Heap { .. } => Ok(()),
-                }
+                self.put_bytes(s.id, &user, bytes)
             }
         }
     }
@@ -939,39 +922,16 @@ impl KeyScope<'_> {
         }
     }
 
-    /// Writes a timer's entry (no value).
+    /// Writes a timer's entry: an entry of a many-entry state holding nothing.
     pub(crate) fn timer_put(&mut self, id: StateId, time: &[u8]) -> Result<(), StateError> {
-        let key = match &self.store {
-            Store::Bytes { .. } => Some(self.entry_key(id, time)),
-            Store::Heap { .. } => None,
+        let unit = Postcard::<()>::default();
+        let spec = Spec {
+            id,
+            name: "timers",
+            ser: &unit,
+            ttl: None,
         };
-        let group = self.group;
-        match &mut self.store {
-            Store::Heap {
-                states,
-                epoch,
-                declared,
-            } => {
-                let e = *epoch;
-                states.epoch = e;
-                let slot = states.slot(Self::slot_index(id, *declared));
-                if !matches!(slot, Slot::Many(_)) {
-                    *slot = Slot::Many(BTreeMap::new());
-                }
-                if let Slot::Many(m) = slot {
-                    m.insert(
-                        time.to_vec(),
-                        Cell {
-                            value: Some(Box::new(())),
-                            expiry: None,
-                            epoch: e,
-                        },
-                    );
-                }
-                Ok(())
-            }
-            Store::Bytes { backend } => backend.put(group, &key.unwrap_or_default(), Vec::new()),
-        }
+        self.many_put(&spec, time.to_vec(), ())
     }
 
     /// The greatest user key of a many-entry state (deleted entries included).
@@ -1000,36 +960,20 @@ pub struct ValueState<'s, 'a, T> {
 }
 
 impl<T: Clone + Send + 'static> ValueState<'_, '_, T> {
-    fn spec(&self) -> Spec<'_, T> {
-        let h = self.handle;
-        Spec {
-            id: h.id,
-            name: &h.name,
-            ser: h.ser.as_ref(),
-            ttl: h.ttl.as_ref(),
-        }
-    }
-
     /// The value, if set (and not expired).
     pub fn get(&self) -> Result<Option<T>, StateError> {
-        self.scope.one_get(&self.spec())
+        self.scope.one_get(&self.handle.0.spec())
     }
 
     /// Sets the value.
     pub fn set(&mut self, value: T) -> Result<(), StateError> {
         let h = self.handle;
-        let spec = Spec {
-            id: h.id,
-            name: &h.name,
-            ser: h.ser.as_ref(),
-            ttl: h.ttl.as_ref(),
-        };
-        self.scope.one_set(&spec, value)
+        self.scope.one_set(&h.0.spec(), value)
     }
 
     /// Removes the value.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        self.scope.one_clear(self.handle.id)
+        self.scope.one_clear(self.handle.0.id)
     }
 }
 
@@ -1041,23 +985,13 @@ pub struct MapState<'s, 'a, K, V> {
 
 impl<K, V: Clone + Send + 'static> MapState<'_, '_, K, V> {
     fn user(&self, k: &K) -> Result<Vec<u8>, StateError> {
-        let h = self.handle;
-        encode(&h.name, h.keys.as_ref(), k)
-    }
-
-    fn spec(h: &MapHandle<K, V>) -> Spec<'_, V> {
-        Spec {
-            id: h.id,
-            name: &h.name,
-            ser: h.ser.as_ref(),
-            ttl: h.ttl.as_ref(),
-        }
+        encode(&self.handle.values.name, self.handle.keys.as_ref(), k)
     }
 
     /// The value at `k`.
     pub fn get(&self, k: &K) -> Result<Option<V>, StateError> {
         let user = self.user(k)?;
-        self.scope.many_get(&Self::spec(self.handle), &user)
+        self.scope.many_get(&self.handle.values.spec(), &user)
     }
 
     /// Whether `k` has a value.
@@ -1069,22 +1003,22 @@ impl<K, V: Clone + Send + 'static> MapState<'_, '_, K, V> {
     pub fn insert(&mut self, k: &K, v: V) -> Result<(), StateError> {
         let user = self.user(k)?;
         let h = self.handle;
-        self.scope.many_put(&Self::spec(h), user, v)
+        self.scope.many_put(&h.values.spec(), user, v)
     }
 
     /// Removes the value at `k`.
     pub fn remove(&mut self, k: &K) -> Result<(), StateError> {
         let user = self.user(k)?;
-        self.scope.many_delete(self.handle.id, Some(&user))
+        self.scope.many_delete(self.handle.values.id, Some(&user))
     }
 
     /// Every entry, in the order of the keys' serialized form.
     pub fn entries(&self) -> Result<Vec<(K, V)>, StateError> {
         let h = self.handle;
         self.scope
-            .many_entries(&Self::spec(h))?
+            .many_entries(&h.values.spec())?
             .into_iter()
-            .map(|(k, v)| Ok((decode(&h.name, h.keys.as_ref(), &k)?, v)))
+            .map(|(k, v)| Ok((decode(&h.values.name, h.keys.as_ref(), &k)?, v)))
             .collect()
     }
 
@@ -1092,13 +1026,13 @@ impl<K, V: Clone + Send + 'static> MapState<'_, '_, K, V> {
     pub fn is_empty(&self) -> Result<bool, StateError> {
         Ok(self
             .scope
-            .many_entries(&Self::spec(self.handle))?
+            .many_entries(&self.handle.values.spec())?
             .is_empty())
     }
 
     /// Removes every entry.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        self.scope.many_delete(self.handle.id, None)
+        self.scope.many_delete(self.handle.values.id, None)
     }
 }
 
@@ -1110,18 +1044,9 @@ pub struct ListState<'s, 'a, T> {
 }
 
 impl<T: Clone + Send + 'static> ListState<'_, '_, T> {
-    fn spec(h: &ListHandle<T>) -> Spec<'_, T> {
-        Spec {
-            id: h.id,
-            name: &h.name,
-            ser: h.ser.as_ref(),
-            ttl: h.ttl.as_ref(),
-        }
-    }
-
     /// Appends `value`.
     pub fn add(&mut self, value: T) -> Result<(), StateError> {
-        let h = self.handle;
+        let h = &self.handle.0;
         let next = match self.scope.many_last(h.id)? {
             None => 0u64,
             Some(last) => {
@@ -1132,14 +1057,14 @@ impl<T: Clone + Send + 'static> ListState<'_, '_, T> {
             }
         };
         self.scope
-            .many_put(&Self::spec(h), next.to_be_bytes().to_vec(), value)
+            .many_put(&h.spec(), next.to_be_bytes().to_vec(), value)
     }
 
     /// Every (live) element, in the order added.
     pub fn get(&self) -> Result<Vec<T>, StateError> {
         Ok(self
             .scope
-            .many_entries(&Self::spec(self.handle))?
+            .many_entries(&self.handle.0.spec())?
             .into_iter()
             .map(|(_, v)| v)
             .collect())
@@ -1156,7 +1081,7 @@ impl<T: Clone + Send + 'static> ListState<'_, '_, T> {
 
     /// Removes every element.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        self.scope.many_delete(self.handle.id, None)
+        self.scope.many_delete(self.handle.0.id, None)
     }
 }
 
@@ -1167,33 +1092,24 @@ pub struct ReducingState<'s, 'a, T> {
 }
 
 impl<T: Clone + Send + 'static> ReducingState<'_, '_, T> {
-    fn spec(h: &ReducingHandle<T>) -> Spec<'_, T> {
-        Spec {
-            id: h.id,
-            name: &h.name,
-            ser: h.ser.as_ref(),
-            ttl: h.ttl.as_ref(),
-        }
-    }
-
     /// The folded value, if any was added.
     pub fn get(&self) -> Result<Option<T>, StateError> {
-        self.scope.one_get(&Self::spec(self.handle))
+        self.scope.one_get(&self.handle.values.spec())
     }
 
     /// Folds `value` in.
     pub fn add(&mut self, value: T) -> Result<(), StateError> {
         let h = self.handle;
-        let folded = match self.scope.one_get(&Self::spec(h))? {
+        let folded = match self.scope.one_get(&h.values.spec())? {
             None => value,
             Some(acc) => (h.reduce)(acc, value),
         };
-        self.scope.one_set(&Self::spec(h), folded)
+        self.scope.one_set(&h.values.spec(), folded)
     }
 
     /// Removes the value.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        self.scope.one_clear(self.handle.id)
+        self.scope.one_clear(self.handle.values.id)
     }
 }
 
@@ -1207,21 +1123,13 @@ impl<A: AggregateFunction> AggregatingState<'_, '_, A>
 where
     A::Acc: Clone + Send,
 {
-    fn spec(h: &AggregatingHandle<A>) -> Spec<'_, A::Acc> {
-        Spec {
-            id: h.id,
-            name: &h.name,
-            ser: h.ser.as_ref(),
-            ttl: h.ttl.as_ref(),
-        }
-    }
-
     /// The result, if any value was added.
     pub fn get(&self) -> Result<Option<A::Out>, StateError> {
+        let h = self.handle;
         Ok(self
             .scope
-            .one_get(&Self::spec(self.handle))?
-            .map(|acc| self.handle.agg.result(&acc)))
+            .one_get(&h.values.spec())?
+            .map(|acc| h.agg.result(&acc)))
     }
 
     /// Folds `value` in.
@@ -1229,14 +1137,14 @@ where
         let h = self.handle;
         let acc = self
             .scope
-            .one_get(&Self::spec(h))?
+            .one_get(&h.values.spec())?
             .unwrap_or_else(|| h.agg.create());
         let acc = h.agg.add(value, acc);
-        self.scope.one_set(&Self::spec(h), acc)
+        self.scope.one_set(&h.values.spec(), acc)
     }
 
     /// Removes the accumulator.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        self.scope.one_clear(self.handle.id)
+        self.scope.one_clear(self.handle.values.id)
     }
 }
