@@ -61,7 +61,6 @@ pub trait KeyedProcessFunction: Send + 'static {
 pub struct Context<'a, K, O> {
     pub(crate) scope: KeyScope<'a>,
     pub(crate) key: &'a K,
-    pub(crate) timestamp: Option<i64>,
     pub(crate) timers: &'a mut Timers,
     pub(crate) out: &'a mut Vec<(i64, O)>,
 }
@@ -74,7 +73,7 @@ impl<'a, K, O> Context<'a, K, O> {
 
     /// The event time of the record (or of the timer) being handled, if it has one.
     pub fn timestamp(&self) -> Option<i64> {
-        self.timestamp
+        self.scope.timestamp
     }
 
     /// The operator's event-time watermark: no record at or before it is expected.
@@ -158,7 +157,7 @@ impl<'a, K, O> Context<'a, K, O> {
     /// Emits `value` with the event time of the record or timer being handled (the watermark
     /// if it has none).
     pub fn emit(&mut self, value: O) {
-        let ts = self.timestamp.unwrap_or(self.scope.watermark);
+        let ts = self.scope.timestamp.unwrap_or(self.scope.watermark);
         self.out.push((ts, value));
     }
 

@@ -173,64 +173,54 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     ) -> Result<()> {
         let (watermark, processing_time) = (self.watermark, self.processing_time);
         let declared = self.declarations.len();
-        match &mut self.backend {
+        let lazy = || {
+            let mut v = Vec::with_capacity(16);
+            encode_key(&key.to_key(), &mut v);
+            v
+        };
+        let ready;
+        // The heap keeps the key's states by its hash (released below if the call left them
+        // empty); a byte store addresses them by the key's byte form.
+        let (store, key_bytes, hash) = match &mut self.backend {
             Backend::Heap(h) => {
                 let epoch = h.epoch();
-                let lazy = || {
-                    let mut v = Vec::with_capacity(16);
-                    encode_key(&key.to_key(), &mut v);
-                    v
-                };
                 let (states, hash) = h.key_mut(index, key).ok_or_else(|| {
                     StateError::Backend(format!("group index {index} is not owned"))
                 })?;
-                let mut ctx = Context {
-                    scope: KeyScope {
-                        store: Store::Heap {
-                            states: &mut *states,
-                            epoch,
-                            declared,
-                        },
-                        group: index,
-                        key: KeyBytes::Lazy(&lazy),
-                        watermark,
-                        processing_time,
-                        timestamp: Some(timestamp),
-                    },
-                    key,
-                    timestamp: Some(timestamp),
-                    timers: &mut self.timers,
-                    out: &mut self.out,
+                let store = Store::Heap {
+                    states,
+                    epoch,
+                    declared,
                 };
-                let r = call(&mut self.function, &self.state, &mut ctx);
-                // `ctx` borrowed `states` until here.
-                if states.is_empty() {
-                    h.release(index, key, hash);
-                }
-                r
+                (store, KeyBytes::Lazy(&lazy), Some(hash))
             }
             Backend::Bytes(b) => {
-                let mut key_bytes = Vec::with_capacity(16);
-                encode_key(&key.to_key(), &mut key_bytes);
-                let mut ctx = Context {
-                    scope: KeyScope {
-                        store: Store::Bytes {
-                            backend: b.as_mut(),
-                        },
-                        group: index,
-                        key: KeyBytes::Ready(&key_bytes),
-                        watermark,
-                        processing_time,
-                        timestamp: Some(timestamp),
-                    },
-                    key,
-                    timestamp: Some(timestamp),
-                    timers: &mut self.timers,
-                    out: &mut self.out,
+                ready = lazy();
+                let store = Store::Bytes {
+                    backend: b.as_mut(),
                 };
-                call(&mut self.function, &self.state, &mut ctx)
+                (store, KeyBytes::Ready(&ready), None)
             }
+        };
+        let mut ctx = Context {
+            scope: KeyScope {
+                store,
+                group: index,
+                key: key_bytes,
+                watermark,
+                processing_time,
+                timestamp: Some(timestamp),
+            },
+            key,
+            timers: &mut self.timers,
+            out: &mut self.out,
+        };
+        let r = call(&mut self.function, &self.state, &mut ctx);
+        let empty = matches!(&ctx.scope.store, Store::Heap { states, .. } if states.is_empty());
+        if let (Some(hash), true, Backend::Heap(h)) = (hash, empty, &mut self.backend) {
+            h.release(index, key, hash);
         }
+        r
     }
 
     /// Handles one record of `key` with event time `timestamp`.

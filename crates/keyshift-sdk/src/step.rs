@@ -3,7 +3,6 @@
 //! their serialized form (as they cross the key-group shuffle), and leave as values the next
 //! stage of the dataflow takes.
 
-use crate::block::BlockHeader;
 use crate::error::{BlockError, Error, Result};
 use crate::function::KeyedProcessFunction;
 use crate::key::StreamKey;
@@ -180,19 +179,4 @@ where
             records: Postcard::default(),
         }) as Box<dyn KeyedStep>)
     })
-}
-
-/// The header a step's blocks carry, for tools that show a snapshot's states by name.
-pub fn describe(header: &BlockHeader) -> String {
-    let states: Vec<String> = header
-        .states
-        .iter()
-        .map(|(_, d)| format!("{} ({})", d.name, d.compatibility()))
-        .collect();
-    format!(
-        "step {:?}, keys {}, states: {}",
-        header.operator,
-        header.key_type,
-        states.join(", ")
-    )
 }
