@@ -188,10 +188,7 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
     if job.metadata.deletion_timestamp.is_none() && ctx.background_running(&ns, &name).await {
         return Ok(Requeue::requeue(requeue::BACKGROUND_BACKSTOP));
     }
-    ctx.metrics
-        .reconciles
-        .get_or_create(&OperatorMetrics::job(&ns, &name))
-        .inc();
+    let deleting = job.metadata.deletion_timestamp.is_some();
     let api: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
     let inner = ctx.clone();
     let result = match with_finalizer(&api, &ctx, job).await {
@@ -213,6 +210,9 @@ async fn reconcile_outer(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Reque
         }),
         Err(e) => Err(e),
     };
+    // Counted once the pass is over, so that a cleanup (which forgets the job's series) is not
+    // followed by a count that brings one back.
+    ctx.metrics.record_pass(&ns, &name, deleting);
     ctx.metrics
         .reconcile_seconds
         .observe(started.elapsed().as_secs_f64());

@@ -519,6 +519,19 @@ impl OperatorMetrics {
             .inc();
     }
 
+    /// Counts a finished pass of the job. Like a failure, a pass over a job on its way out whose
+    /// cleanup already removed its series is not counted: the cleanup pass itself, or one more
+    /// pass from a cache that has not yet seen the finalizer go, would otherwise leave a series
+    /// of the deleted job behind for good.
+    pub fn record_pass(&self, namespace: &str, job: &str, deleting: bool) {
+        if deleting && !self.tracks(namespace, job) {
+            return;
+        }
+        self.reconciles
+            .get_or_create(&Self::job(namespace, job))
+            .inc();
+    }
+
     /// Removes every series of the job: it was deleted (or is no longer this operator's).
     pub fn forget_job(&self, namespace: &str, job: &str) {
         self.uids
@@ -875,6 +888,29 @@ mod tests {
         assert_eq!(series_of(&m.encode(), "j"), Vec::<String>::new());
         // A job of the same name created again counts its failures from the start.
         m.record_error("ns", "j", false, ErrorKind::Platform);
+        assert_eq!(series_of(&m.encode(), "j").len(), 1);
+    }
+
+    #[test]
+    fn the_cleanup_pass_and_any_after_it_bring_no_series_back() {
+        let m = OperatorMetrics::new();
+        m.observe_uid("ns", "j", "uid-1");
+        m.record_pass("ns", "j", false);
+        // A pass over the deleting job before its cleanup is counted.
+        m.record_pass("ns", "j", true);
+        let text = m.encode();
+        assert!(
+            text.contains("keyshift_operator_reconciles_total{namespace=\"ns\",streamjob=\"j\"} 2"),
+            "{text}"
+        );
+        // The cleanup pass forgets the job before it ends; neither it nor a later pass from a
+        // stale cache counts.
+        m.forget_job("ns", "j");
+        m.record_pass("ns", "j", true);
+        m.record_pass("ns", "j", true);
+        assert_eq!(series_of(&m.encode(), "j"), Vec::<String>::new());
+        // A job of the same name created again is counted.
+        m.record_pass("ns", "j", false);
         assert_eq!(series_of(&m.encode(), "j").len(), 1);
     }
 
