@@ -21,6 +21,7 @@ pub mod hash;
 pub mod keygroup;
 pub mod positions;
 pub mod reason;
+pub mod record_key;
 pub mod rules;
 pub mod spec;
 pub mod step;
