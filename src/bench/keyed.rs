@@ -10,6 +10,7 @@ use keyshift_core::keygroup::KeyGroupRange;
 use keyshift_core::spec::AggregateFunction;
 use keyshift_runtime::job::generator::splitmix64;
 use keyshift_runtime::job::{AggConfig, KeyedAggregator, Record, RecordKey};
+use keyshift_sdk::key::StreamKey;
 use keyshift_sdk::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -87,26 +88,47 @@ fn builtin(keys: &[RecordKey], records: u64, first: u64) -> Result<(Duration, us
     Ok((t.elapsed(), agg.key_count()))
 }
 
-/// The SDK side gets each record's key group with it, as the shuffle routes it (the built-in's
-/// keys carry their hash the same way).
-fn sdk(keys: &[(String, u32)], records: u64, first: u64) -> Result<(Duration, usize)> {
+/// The SDK side gets each record's key group and [`RecordKey`] with it, as the shuffle routes it
+/// (the built-in's keys carry their hash the same way), in batches of the same size as the
+/// built-in's: a first pass over a batch reads ahead the state of its keys
+/// ([`KeyedOperator::prefetch`]), a second processes it.
+fn sdk(keys: &[(String, u32, RecordKey)], records: u64, first: u64) -> Result<(Duration, usize)> {
     let range = KeyGroupRange {
         start: 0,
         end: GROUPS - 1,
     };
     let mut op = KeyedOperator::new("count", Count, GROUPS, range)?;
     let n = keys.len() as u64;
-    let run = |op: &mut KeyedOperator<Count>, from: u64, count: u64| -> Result<()> {
+    let mut batch: Vec<(u32, RecordKey, &String)> = Vec::with_capacity(BATCH);
+    let mut run = |op: &mut KeyedOperator<Count>, from: u64, count: u64| -> Result<()> {
         for i in from..from + count {
-            let (key, group) = &keys[key_index(i, n)];
-            op.process_in(*group, key, 0, 1)?;
+            let (key, group, rk) = &keys[key_index(i, n)];
+            batch.push((*group, rk.clone(), key));
+            if batch.len() == BATCH {
+                flush(op, &mut batch)?;
+            }
         }
+        flush(op, &mut batch)?;
         Ok(())
     };
     run(&mut op, 0, n)?;
     let t = Instant::now();
     run(&mut op, first, records)?;
     Ok((t.elapsed(), op.entries()))
+}
+
+/// Processes a batch in two passes: read ahead, then process.
+fn flush(
+    op: &mut KeyedOperator<Count>,
+    batch: &mut Vec<(u32, RecordKey, &String)>,
+) -> keyshift_sdk::Result<()> {
+    for (group, rk, _) in batch.iter() {
+        op.prefetch(*group, rk);
+    }
+    for (group, rk, key) in batch.drain(..) {
+        op.process_routed(group, &rk, key, 0, 1)?;
+    }
+    Ok(())
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -128,9 +150,12 @@ pub(super) fn keyed_bench(args: KeyedBench) -> Result<()> {
             .iter()
             .map(|s| RecordKey::string(s.as_str()))
             .collect();
-        let sdk_keys: Vec<(String, u32)> = strings
+        let sdk_keys: Vec<(String, u32, RecordKey)> = strings
             .iter()
-            .map(|s| (s.clone(), keyshift_sdk::key::key_group(s, GROUPS)))
+            .map(|s| {
+                let rk = s.record_key();
+                (s.clone(), rk.key_group(GROUPS), rk)
+            })
             .collect();
         let (mut b, mut s) = (Vec::new(), Vec::new());
         for round in 0..args.rounds.max(1) {

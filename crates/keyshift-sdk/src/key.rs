@@ -7,6 +7,7 @@
 //! into another key-group count without the job's code.
 
 use keyshift_core::keygroup::{self, Key, KeyType};
+pub use keyshift_core::record_key::{KeyRef, RecordKey};
 use std::fmt;
 use std::hash::Hash;
 
@@ -18,6 +19,12 @@ pub trait StreamKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
     fn to_key(&self) -> Key;
     /// The key back from keyshift's key value (`None`: another type).
     fn from_key(key: &Key) -> Option<Self>;
+
+    /// The key as the operators' tables hold it (its Java hash cached, a short string inline).
+    /// The three key types build it directly (no [`Key`] built, no string copied to the heap).
+    fn record_key(&self) -> RecordKey {
+        RecordKey::from(self.to_key())
+    }
     /// The key's group under `max_parallelism` groups (Flink's assignment of its Java
     /// `hashCode`).
     fn key_group(&self, max_parallelism: u32) -> u32 {
@@ -27,6 +34,9 @@ pub trait StreamKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
 
 impl StreamKey for i64 {
     const KEY_TYPE: KeyType = KeyType::Long;
+    fn record_key(&self) -> RecordKey {
+        RecordKey::long(*self)
+    }
     fn to_key(&self) -> Key {
         Key::Long(*self)
     }
@@ -40,6 +50,9 @@ impl StreamKey for i64 {
 
 impl StreamKey for i32 {
     const KEY_TYPE: KeyType = KeyType::Int;
+    fn record_key(&self) -> RecordKey {
+        RecordKey::int(*self)
+    }
     fn to_key(&self) -> Key {
         Key::Int(*self)
     }
@@ -53,6 +66,9 @@ impl StreamKey for i32 {
 
 impl StreamKey for String {
     const KEY_TYPE: KeyType = KeyType::String;
+    fn record_key(&self) -> RecordKey {
+        RecordKey::string(self.as_str())
+    }
     fn to_key(&self) -> Key {
         Key::String(self.clone())
     }
@@ -81,19 +97,45 @@ const TAG_INT: u8 = 2;
 /// form begins another's, so state entries of one key are a contiguous range.
 pub fn encode_key(key: &Key, out: &mut Vec<u8>) {
     match key {
-        Key::String(s) => {
-            out.push(TAG_STRING);
-            put_varint(out, s.len() as u64);
-            out.extend_from_slice(s.as_bytes());
-        }
-        Key::Long(v) => {
-            out.push(TAG_LONG);
-            out.extend_from_slice(&v.to_be_bytes());
-        }
-        Key::Int(v) => {
-            out.push(TAG_INT);
-            out.extend_from_slice(&v.to_be_bytes());
-        }
+        Key::String(s) => put_string(out, s),
+        Key::Long(v) => put_long(out, *v),
+        Key::Int(v) => put_int(out, *v),
+    }
+}
+
+fn put_string(out: &mut Vec<u8>, s: &str) {
+    let mut head = [TAG_STRING; 11];
+    let mut len = s.len() as u64;
+    let mut n = 1;
+    while len >= 0x80 {
+        head[n] = (len as u8) | 0x80;
+        len >>= 7;
+        n += 1;
+    }
+    head[n] = len as u8;
+    out.extend_from_slice(&head[..=n]);
+    out.extend_from_slice(s.as_bytes());
+}
+
+fn put_long(out: &mut Vec<u8>, v: i64) {
+    let mut b = [TAG_LONG; 9];
+    b[1..].copy_from_slice(&v.to_be_bytes());
+    out.extend_from_slice(&b);
+}
+
+fn put_int(out: &mut Vec<u8>, v: i32) {
+    let mut b = [TAG_INT; 5];
+    b[1..].copy_from_slice(&v.to_be_bytes());
+    out.extend_from_slice(&b);
+}
+
+/// Appends `key`'s byte form: the same bytes as [`encode_key`] of its [`Key`], without building
+/// one.
+pub fn encode_record_key(key: &RecordKey, out: &mut Vec<u8>) {
+    match key.view() {
+        KeyRef::Str(s) => put_string(out, s),
+        KeyRef::Long(v) => put_long(out, v),
+        KeyRef::Int(v) => put_int(out, v),
     }
 }
 
@@ -188,6 +230,25 @@ mod tests {
             if a != b {
                 prop_assert!(!other.starts_with(&buf[..len]) && !buf[..len].starts_with(&other));
             }
+        }
+
+        #[test]
+        fn each_key_type_writes_the_byte_form_of_its_key(s in ".{0,200}", l in any::<i64>(), i in any::<i32>()) {
+            fn both<K: StreamKey>(k: &K) -> (Vec<u8>, Vec<u8>) {
+                let mut general = Vec::new();
+                encode_key(&k.to_key(), &mut general);
+                let mut typed = Vec::new();
+                encode_record_key(&k.record_key(), &mut typed);
+                assert_eq!(k.record_key(), RecordKey::from(k.to_key()));
+                assert_eq!(k.record_key().key_group(128), k.key_group(128));
+                (typed, general)
+            }
+            let (typed, general) = both(&s);
+            prop_assert_eq!(typed, general);
+            let (typed, general) = both(&l);
+            prop_assert_eq!(typed, general);
+            let (typed, general) = both(&i);
+            prop_assert_eq!(typed, general);
         }
 
         #[test]

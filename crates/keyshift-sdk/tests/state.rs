@@ -479,3 +479,43 @@ fn snapshots_move_between_the_heap_and_the_sorted_backend() {
     }
     assert!(show(&mut back, "a").map.is_empty());
 }
+
+#[test]
+fn a_batch_read_ahead_and_routed_records_change_nothing_but_speed() {
+    use keyshift_sdk::key::StreamKey;
+    let ops = [
+        ("a", add("x", 1)),
+        ("b", add("x", 10)),
+        ("a", add("y", 5)),
+        ("c", add("z", 7)),
+        ("a", Op::Remove { k: "y".into() }),
+    ];
+    let mut plain = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    let mut routed = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    // Reading ahead a key with no state creates none, in a group owned or not.
+    let d = key("d").record_key();
+    routed.prefetch(d.key_group(MAX), &d);
+    routed.prefetch(MAX + 3, &d);
+    assert_eq!(routed.entries(), 0);
+    for (k, o) in &ops {
+        plain.process(&key(k), 0, o.clone()).unwrap();
+    }
+    let batch: Vec<_> = ops
+        .iter()
+        .map(|(k, o)| {
+            let rk = key(k).record_key();
+            (rk.key_group(MAX), rk, key(k), o.clone())
+        })
+        .collect();
+    for (g, rk, _, _) in &batch {
+        routed.prefetch(*g, rk);
+    }
+    for (g, rk, k, o) in batch {
+        routed.process_routed(g, &rk, &k, 0, o).unwrap();
+    }
+    assert_eq!(routed.entries(), plain.entries());
+    for k in ["a", "b", "c"] {
+        assert_eq!(show(&mut routed, k), show(&mut plain, k), "key {k}");
+    }
+    assert_eq!(snapshot(&mut routed), snapshot(&mut plain));
+}

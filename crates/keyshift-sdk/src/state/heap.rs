@@ -7,17 +7,25 @@
 use super::backend::{Change, GroupMode};
 use super::{Codec, StateId};
 use crate::error::StateError;
-use crate::key::{StreamKey, decode_key, encode_key};
-use foldhash::fast::FixedState;
+use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key};
 use hashbrown::HashTable;
 use hashbrown::hash_table::Entry;
+use keyshift_core::record_key::KeyBuildHasher;
+use smallbox::SmallBox;
+use smallbox::space::S1;
 use smallvec::SmallVec;
 use std::any::Any;
 use std::collections::BTreeMap;
 use std::hash::BuildHasher;
+use std::marker::PhantomData;
 
-/// A value held in state.
-pub(crate) type Object = Box<dyn Any + Send>;
+/// A value held in state: inline when it fits in two words, boxed otherwise.
+pub(crate) type Object = SmallBox<dyn Any + Send, S1>;
+
+/// `value` as an [`Object`].
+pub(crate) fn object<T: Any + Send>(value: T) -> Object {
+    smallbox::smallbox!(value)
+}
 
 /// One entry of a key's state: its value (`None`: deleted, kept until no delta needs to say
 /// so), its expiry (with a TTL), and the cut epoch of its last change (0: restored).
@@ -108,15 +116,16 @@ impl KeyStates {
     }
 }
 
-struct Group<K> {
-    /// Each key with its states, hashed with the store's hasher.
-    keys: HashTable<(K, KeyStates)>,
+struct Group {
+    /// Each key with its states, by the key's cached hash (nothing is hashed per record, and a
+    /// short string key is compared inline).
+    keys: HashTable<(RecordKey, KeyStates)>,
     changed: u32,
     reset: u32,
     forgotten_through: u32,
 }
 
-impl<K> Default for Group<K> {
+impl Default for Group {
     fn default() -> Self {
         Group {
             keys: HashTable::new(),
@@ -127,22 +136,25 @@ impl<K> Default for Group<K> {
     }
 }
 
-/// Keyed state in memory for the owned key groups, keyed by the job's own key type.
+/// Keyed state in memory for the owned key groups, keyed by the [`RecordKey`] of the job's key
+/// type `K` (which a restore checks its keys against).
 pub struct HeapStore<K> {
-    groups: Vec<Group<K>>,
-    hasher: FixedState,
+    groups: Vec<Group>,
+    hasher: KeyBuildHasher,
     epoch: u32,
     /// Per declared state, how its values become bytes and back.
     codecs: Vec<Codec>,
+    key_type: PhantomData<fn() -> K>,
 }
 
 impl<K: StreamKey> HeapStore<K> {
     pub(crate) fn new(groups: usize, codecs: Vec<Codec>) -> Self {
         HeapStore {
             groups: (0..groups).map(|_| Group::default()).collect(),
-            hasher: FixedState::default(),
+            hasher: KeyBuildHasher::default(),
             epoch: 1,
             codecs,
+            key_type: PhantomData,
         }
     }
 
@@ -154,7 +166,11 @@ impl<K: StreamKey> HeapStore<K> {
     /// The states of `key` in group `group` (created empty if it has none; one hash, one
     /// probe), the key's hash for [`Self::release`], and the group marked changed (the caller is
     /// about to run a function on it).
-    pub(crate) fn key_mut(&mut self, group: usize, key: &K) -> Option<(&mut KeyStates, u64)> {
+    pub(crate) fn key_mut(
+        &mut self,
+        group: usize,
+        key: &RecordKey,
+    ) -> Option<(&mut KeyStates, u64)> {
         let epoch = self.epoch;
         let hasher = self.hasher.clone();
         let g = self.groups.get_mut(group)?;
@@ -170,8 +186,17 @@ impl<K: StreamKey> HeapStore<K> {
         Some((states, hash))
     }
 
+    /// Reads the entry of `key` in group `group` if it has one (see
+    /// [`crate::operator::KeyedOperator::prefetch`]).
+    pub(crate) fn touch(&self, group: usize, key: &RecordKey) {
+        if let Some(g) = self.groups.get(group) {
+            let hash = self.hasher.hash_one(key);
+            std::hint::black_box(g.keys.find(hash, |(k, _)| k == key).map(|(_, s)| s.epoch));
+        }
+    }
+
     /// Drops `key`'s entry (its hash from [`Self::key_mut`]), which the caller found empty.
-    pub(crate) fn release(&mut self, group: usize, key: &K, hash: u64) {
+    pub(crate) fn release(&mut self, group: usize, key: &RecordKey, hash: u64) {
         if let Some(g) = self.groups.get_mut(group)
             && let Ok(e) = g.keys.find_entry(hash, |(k, ks)| k == key && ks.is_empty())
         {
@@ -220,7 +245,7 @@ impl<K: StreamKey> HeapStore<K> {
                 continue;
             }
             entry.clear();
-            encode_key(&k.to_key(), &mut entry);
+            encode_record_key(k, &mut entry);
             let key_len = entry.len();
             for (i, slot) in ks.slots.iter().enumerate() {
                 let id = id_of(i, states);
@@ -240,7 +265,7 @@ impl<K: StreamKey> HeapStore<K> {
                                 value.extend_from_slice(&e.to_be_bytes());
                             }
                             if let Some(codec) = codecs.get(usize::from(id)) {
-                                codec.encode(v.as_ref(), &mut value)?;
+                                codec.encode(&**v, &mut value)?;
                             }
                             f(Change::Put(&entry, &value));
                         }
@@ -278,13 +303,16 @@ impl<K: StreamKey> HeapStore<K> {
     ) -> Result<(), StateError> {
         let states = self.codecs.len();
         let hasher = self.hasher.clone();
-        let mut keys: HashTable<(K, KeyStates)> = HashTable::new();
+        let mut keys: HashTable<(RecordKey, KeyStates)> = HashTable::new();
         for (entry, bytes) in entries {
             let (key, n) = decode_key(&entry)
                 .map_err(|e| StateError::Backend(format!("a restored key: {e}")))?;
-            let k = K::from_key(&key).ok_or_else(|| {
-                StateError::Backend(format!("restored key {key} is not of the job's key type"))
-            })?;
+            if K::from_key(&key).is_none() {
+                return Err(StateError::Backend(format!(
+                    "restored key {key} is not of the job's key type"
+                )));
+            }
+            let k = RecordKey::from(key);
             let id = entry
                 .get(n..n + 2)
                 .map(|b| u16::from_be_bytes([b[0], b[1]]))
@@ -302,7 +330,7 @@ impl<K: StreamKey> HeapStore<K> {
             let value: Object = match self.codecs.get(slot) {
                 Some(codec) => codec.decode(payload)?,
                 // Timers hold nothing.
-                None => Box::new(()),
+                None => object(()),
             };
             let cell = Cell {
                 value: Some(value),

@@ -14,7 +14,7 @@ pub mod heap;
 use crate::error::StateError;
 use crate::serializer::{Postcard, Serializer};
 use backend::StateBackend;
-use heap::{Cell, KeyStates, Object, Slot};
+use heap::{Cell, KeyStates, Object, Slot, object};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::any::Any;
@@ -406,11 +406,7 @@ impl Codec {
                 })?;
                 ser.serialize(v, out).map_err(|e| ser_err(&n1, e))
             }),
-            decode: Arc::new(move |b| {
-                s2.deserialize(b)
-                    .map(|v| Box::new(v) as Object)
-                    .map_err(|e| ser_err(&n2, e))
-            }),
+            decode: Arc::new(move |b| s2.deserialize(b).map(object).map_err(|e| ser_err(&n2, e))),
         }
     }
 
@@ -723,7 +719,7 @@ impl KeyScope<'_> {
                     c.epoch = e;
                 } else {
                     *slot = Slot::One(Cell {
-                        value: Some(Box::new(value)),
+                        value: Some(object(value)),
                         expiry,
                         epoch: e,
                     });
@@ -821,7 +817,7 @@ impl KeyScope<'_> {
                     m.insert(
                         user,
                         Cell {
-                            value: Some(Box::new(value)),
+                            value: Some(object(value)),
                             expiry,
                             epoch: e,
                         },
