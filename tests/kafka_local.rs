@@ -278,6 +278,7 @@ async fn checkpoint_when_caught_up(
 ) -> String {
     let start = Instant::now();
     loop {
+        recover_a_stalled_source(local).await;
         let c = local.checkpoint().await.expect("checkpoint");
         let (_, positions) = snapshot(&c.url, topic).await;
         if positions == produced.ends() {
@@ -290,6 +291,40 @@ async fn checkpoint_when_caught_up(
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
+}
+
+/// What the platforms do when a worker fails its run because its Kafka consumer stopped
+/// fetching (a known librdkafka behaviour after a broker restart; the source's stall watchdog):
+/// restart from the latest checkpoint. Any other failed worker fails the test.
+async fn recover_a_stalled_source(local: &mut LocalJob) {
+    let Some((index, exit)) = local.failed_worker() else {
+        return;
+    };
+    let logs = local.log_dir().to_owned();
+    // The failed worker's newest log (one per run).
+    let newest = std::fs::read_dir(&logs)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .ends_with(&format!("-worker-{index}.log"))
+        })
+        .max_by_key(|e| e.metadata().and_then(|m| m.modified()).ok());
+    let stalled = newest.is_some_and(|e| {
+        std::fs::read_to_string(e.path())
+            .unwrap_or_default()
+            .contains("restarting from the latest checkpoint with a new Kafka consumer")
+    });
+    assert!(
+        stalled,
+        "worker {index} failed ({exit}); logs in {}",
+        logs.display()
+    );
+    let p = local.parallelism().unwrap_or(1);
+    eprintln!("worker {index}'s Kafka consumer stalled ({exit}): restarting at parallelism {p}");
+    local.recover(p).await.expect("recover");
 }
 
 fn restart_broker() -> bool {
@@ -846,6 +881,7 @@ async fn a_source_that_cannot_reach_its_brokers_says_so_and_recovers_when_they_r
     produce(&bootstrap, &topic, &mut seq, 1500, &mut produced);
     let start = Instant::now();
     loop {
+        recover_a_stalled_source(&mut local).await;
         let o = local.kafka_outages().await.expect("outages");
         if o.is_empty() {
             break;
@@ -999,4 +1035,101 @@ async fn the_pass_writes_the_lag_to_status_and_the_job_series() {
         "KafkaReachable True again",
         |_: &keyshift::crd::StreamJobStatus, c: Cond| { c.filter(|c| c.status == "True") }
     );
+}
+
+/// A source whose consumer stops fetching (librdkafka's consumer with assigned partitions
+/// sometimes does not resume after a broker restart; here a failpoint stalls the topic's reads)
+/// fails its run within the stall watchdog's time, saying which partition and why; the run
+/// restarted from the latest checkpoint reads on, and the state is exact.
+#[cfg(feature = "test-hooks")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_source_whose_consumer_stops_fetching_fails_its_run_and_the_restart_loses_nothing() {
+    use keyshift_runtime::failpoints::KAFKA_STALL_DIR;
+    use keyshift_runtime::job::kafka::source::{LAG_INTERVAL, STALL_AFTER};
+    let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("stall");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce(&bootstrap, &topic, &mut seq, 1000, &mut produced);
+
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml(
+        "kstall",
+        &bootstrap,
+        &topic,
+        2,
+        "{function: sum, field: amount}",
+        "",
+    );
+    let logs = dir.path().join("logs");
+    let mut local = LocalJob::new(&spec, storage, bin(), logs.clone())
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    let before =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
+    assert_exact(&before, &topic, &produced, true).await;
+
+    /// Lets the topic's reads go again however the test ends.
+    struct Unstall(PathBuf);
+    impl Drop for Unstall {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let stall_dir = std::env::temp_dir().join(KAFKA_STALL_DIR);
+    std::fs::create_dir_all(&stall_dir).expect("stall dir");
+    let marker = stall_dir.join(&topic);
+    std::fs::write(&marker, b"").expect("stall marker");
+    let unstall = Unstall(marker);
+    let stalled_at = Instant::now();
+    produce(&bootstrap, &topic, &mut seq, 1000, &mut produced);
+
+    // Not before STALL_AFTER (the source polls and gets nothing, records wait at the brokers),
+    // and not long after it (a lag measurement or two), a worker fails its run.
+    let (index, exit) = loop {
+        if let Some(failed) = local.failed_worker() {
+            break failed;
+        }
+        assert!(
+            stalled_at.elapsed() < STALL_AFTER + 10 * LAG_INTERVAL + Duration::from_secs(20),
+            "no worker failed its run {:?} after its source stopped fetching",
+            stalled_at.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    };
+    let took = stalled_at.elapsed();
+    assert!(
+        took >= STALL_AFTER,
+        "failed after {took:?}, before STALL_AFTER"
+    );
+    eprintln!("worker {index} failed its run after {took:?}: {exit}");
+    // Its log says which partition and what happens next.
+    let mut said = String::new();
+    for entry in std::fs::read_dir(&logs).expect("logs") {
+        let text = std::fs::read_to_string(entry.expect("log").path()).unwrap_or_default();
+        if let Some(line) = text
+            .lines()
+            .find(|l| l.contains("has fetched nothing past offset"))
+        {
+            said = line.to_owned();
+        }
+    }
+    assert!(
+        said.contains(&format!("Kafka partition {topic}/"))
+            && said.contains("has records up to offset")
+            && said.contains("restarting from the latest checkpoint with a new Kafka consumer"),
+        "the failure names the partition and the remedy: {said:?}"
+    );
+
+    // The consumer of the next run fetches again.
+    drop(unstall);
+    local.recover(2).await.expect("recover");
+    let after =
+        checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(90)).await;
+    assert_exact(&after, &topic, &produced, true).await;
+    local.shutdown().await.expect("stop");
 }

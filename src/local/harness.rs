@@ -245,6 +245,11 @@ impl LocalJob {
         Ok(own.or_else(|| self.restore_from.clone()))
     }
 
+    /// Where the workers write their logs (`run-<run>-worker-<index>.log`).
+    pub fn log_dir(&self) -> &std::path::Path {
+        &self.workers.log_dir
+    }
+
     /// Process ids of the running workers, in subtask order.
     pub fn worker_pids(&self) -> Vec<u32> {
         self.workers.pids()

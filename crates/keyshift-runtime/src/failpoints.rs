@@ -61,6 +61,28 @@ pub fn state_payload_bytes() -> usize {
     }
 }
 
+/// The directory whose files name the Kafka topics a test stalls ([`kafka_fetch_stalled`]).
+pub const KAFKA_STALL_DIR: &str = "keyshift-test-kafka-stall";
+
+/// While a file named `topic` exists in [`KAFKA_STALL_DIR`] under the system's temporary
+/// directory, the Kafka source reads nothing from that topic's partitions, as a consumer that
+/// stopped fetching would (the stall watchdog's test). Topics are unique per test, so no
+/// environment is needed.
+pub fn kafka_fetch_stalled(topic: &str) -> bool {
+    #[cfg(feature = "test-hooks")]
+    {
+        std::env::temp_dir()
+            .join(KAFKA_STALL_DIR)
+            .join(topic)
+            .exists()
+    }
+    #[cfg(not(feature = "test-hooks"))]
+    {
+        let _ = topic;
+        false
+    }
+}
+
 /// Makes a worker's restore take longer.
 pub const SLOW_RESTORE_ENV: &str = "KEYSHIFT_TEST_SLOW_RESTORE_MS";
 /// Shortens the coordinator's per-request timeout to the workers' control API.

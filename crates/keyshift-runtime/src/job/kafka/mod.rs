@@ -319,6 +319,9 @@ pub fn consumer_properties(
             // from the earliest the partition still holds, never skip ahead silently.
             ("auto.offset.reset", "earliest"),
             ("client.id", "keyshift-source"),
+            // Each partition's fetcher, for the stall watchdog (source.rs, `stalled`); must
+            // match source::STATISTICS_INTERVAL.
+            ("statistics.interval.ms", "5000"),
         ],
     );
     p.insert("group.id".into(), group_id.to_owned());

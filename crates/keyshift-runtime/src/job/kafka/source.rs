@@ -38,6 +38,17 @@
 //!   record. A measurement that cannot reach the brokers reports their error instead
 //!   ([`KafkaSourceError::Unreachable`]): the source keeps its position and reads on once they
 //!   answer again (librdkafka reconnects by itself).
+//! * **A consumer that stops fetching** ([`stalled`]): librdkafka's consumer with assigned
+//!   partitions sometimes does not resume fetching after a broker restart. Each lag measurement
+//!   also compares a partition's end (at the source's isolation level: the last stable offset
+//!   for `read_committed`) with where its fetcher stands (librdkafka's statistics, every
+//!   [`STATISTICS_INTERVAL`]); a fetcher that sits behind readable records for [`STALL_AFTER`]
+//!   while the source polls and reads nothing fails the run with a message saying so, and the
+//!   job restarts from its latest checkpoint with a new consumer (records since the checkpoint
+//!   are read again, which the exactly-once sinks absorb). A source that is not polling (paused
+//!   for a snapshot, held back by a slower operator), an open transaction, and an outage (the
+//!   time counts from when the brokers answer again) are never a stall. A measurement that finds
+//!   a partition missing from the client's metadata asks the brokers for it again at once.
 //! * **Records**: the key from the value's JSON field or the record key, the value field for
 //!   sum/min/max, the event time from a JSON field or the record timestamp. A record that does
 //!   not parse is skipped with a warning naming its topic, partition and offset (and counted),
@@ -51,6 +62,7 @@ use keyshift_core::spec::{KafkaKeyFrom, KafkaSource, KafkaStartingPosition};
 use rdkafka::ClientContext;
 use rdkafka::config::RDKafkaLogLevel;
 use rdkafka::consumer::{BaseConsumer, CommitMode, Consumer, ConsumerContext};
+use rdkafka::error::RDKafkaErrorCode;
 use rdkafka::message::Message;
 use rdkafka::topic_partition_list::{Offset, TopicPartitionList};
 use rdkafka::util::Timeout;
@@ -118,6 +130,47 @@ fn client_note(client: &Option<String>) -> String {
         .unwrap_or_default()
 }
 
+/// How long a partition's fetcher may sit behind readable records while the source polls
+/// before its consumer is called stalled ([`stalled`]).
+pub const STALL_AFTER: Duration = Duration::from_secs(30);
+
+/// How recently the source must have polled a partition for it to count as stalled rather than
+/// paused.
+pub const POLLING_WITHIN: Duration = Duration::from_secs(5);
+
+/// What librdkafka's statistics say of one partition's fetcher ([`SourceContext`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FetchView {
+    /// The next offset the fetcher asks the broker for (past control and aborted records it
+    /// skipped); negative before its first fetch.
+    pub next_offset: i64,
+    /// When (ms) the statistics were taken.
+    pub at_ms: i64,
+    /// When (ms) `next_offset` last changed.
+    pub moved_ms: i64,
+}
+
+/// How often librdkafka reports its statistics to the source ([`FetchView`]).
+pub const STATISTICS_INTERVAL: Duration = Duration::from_secs(5);
+
+/// Whether a partition's consumer has stalled: the brokers hold readable records past what its
+/// fetcher asked for (`end`, the partition's end offset as the source's isolation level sees
+/// it: the last stable offset for `read_committed`, so open transactions never count, is beyond
+/// `fetch.next_offset`, which moves past control and aborted records), the source has polled
+/// within [`POLLING_WITHIN`] of `now_ms` (it is reading, not paused or held back), the
+/// statistics are fresh, and for [`STALL_AFTER`] neither has the fetcher moved nor has the
+/// source read a record (`since_ms`: the later of its last record, the assignment and the
+/// brokers answering again after an outage; a slow job draining what was fetched reads records).
+/// Times in Unix milliseconds. Pure.
+pub fn stalled(end: i64, fetch: FetchView, last_poll_ms: i64, since_ms: i64, now_ms: i64) -> bool {
+    let ms = |d: Duration| i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
+    fetch.next_offset >= 0
+        && end > fetch.next_offset
+        && now_ms.saturating_sub(fetch.at_ms) <= 3 * ms(STATISTICS_INTERVAL)
+        && now_ms.saturating_sub(last_poll_ms) <= ms(POLLING_WITHIN)
+        && now_ms.saturating_sub(since_ms.max(fetch.moved_ms)) >= ms(STALL_AFTER)
+}
+
 /// Distinct client reports kept ([`SourceContext`]).
 const CLIENT_REPORTS_KEPT: usize = 3;
 
@@ -127,6 +180,8 @@ const CLIENT_REPORTS_KEPT: usize = 3;
 #[derive(Default)]
 pub struct SourceContext {
     reports: Mutex<Vec<String>>,
+    /// Each partition's fetcher as the last statistics showed it, by (topic, partition).
+    fetch: Mutex<BTreeMap<(String, i32), FetchView>>,
 }
 
 impl SourceContext {
@@ -149,6 +204,15 @@ impl SourceContext {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         (!kept.is_empty()).then(|| kept.join("; "))
+    }
+
+    /// The fetcher of `topic`/`partition` as the last statistics showed it.
+    fn fetch(&self, topic: &str, partition: i32) -> Option<FetchView> {
+        self.fetch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .get(&(topic.to_owned(), partition))
+            .copied()
     }
 
     /// Forgets the reports (the brokers answered).
@@ -178,6 +242,32 @@ impl ClientContext for SourceContext {
     fn error(&self, error: rdkafka::error::KafkaError, reason: &str) {
         tracing::warn!(%error, reason, "Kafka consumer error");
         self.keep(format!("{error}: {reason}"));
+    }
+
+    fn stats(&self, statistics: rdkafka::Statistics) {
+        let now = now_ms();
+        let mut fetch = self
+            .fetch
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for (topic, t) in statistics.topics {
+            // Partition -1 is librdkafka's internal "unassigned" partition.
+            for (partition, p) in t.partitions.into_iter().filter(|(p, _)| *p >= 0) {
+                let key = (topic.clone(), partition);
+                let moved_ms = match fetch.get(&key) {
+                    Some(old) if old.next_offset == p.next_offset => old.moved_ms,
+                    _ => now,
+                };
+                fetch.insert(
+                    key,
+                    FetchView {
+                        next_offset: p.next_offset,
+                        at_ms: now,
+                        moved_ms,
+                    },
+                );
+            }
+        }
     }
 }
 
@@ -399,6 +489,13 @@ pub struct KafkaSourceReader {
     /// Per partition: when (ms) a lag measurement last found it read to its end, or
     /// [`i64::MIN`].
     caught_up_ms: Vec<AtomicI64>,
+    /// Per partition: when (ms) it was assigned or last yielded a record ([`stalled`]).
+    progress_ms: Vec<AtomicI64>,
+    /// Per partition: when (ms) the source last polled it, or [`i64::MIN`].
+    polled_ms: Vec<AtomicI64>,
+    /// When (ms) a lag measurement last failed to reach the brokers, or [`i64::MIN`]: a stall
+    /// is counted from when they answer again, not from the last record before the outage.
+    unreachable_ms: AtomicI64,
 }
 
 impl std::fmt::Debug for KafkaSourceReader {
@@ -456,6 +553,9 @@ impl KafkaSourceReader {
             skipped: AtomicU64::new(0),
             newest_read_ms: names.iter().map(|_| AtomicI64::new(i64::MIN)).collect(),
             caught_up_ms: names.iter().map(|_| AtomicI64::new(i64::MIN)).collect(),
+            progress_ms: names.iter().map(|_| AtomicI64::new(i64::MIN)).collect(),
+            polled_ms: names.iter().map(|_| AtomicI64::new(i64::MIN)).collect(),
+            unreachable_ms: AtomicI64::new(i64::MIN),
             names,
         })
     }
@@ -605,7 +705,11 @@ impl KafkaSourceReader {
                 early: BTreeMap::new(),
             });
         }
+        let now = now_ms();
         for (p, o) in &starts {
+            if let Some(t) = self.progress_ms.get(*p as usize) {
+                t.store(now, Ordering::Relaxed);
+            }
             tracing::info!(partition = %self.names[*p as usize], offset = o, "Kafka partition assigned");
         }
         Ok(starts)
@@ -614,6 +718,26 @@ impl KafkaSourceReader {
     /// Reads up to `max` records of partition `p` that are already fetched (never waits), from
     /// offset `at`, into `out`. Returns (records, next position, at end).
     pub fn read(
+        &self,
+        p: u32,
+        at: u64,
+        out: &mut Vec<Record>,
+        max: usize,
+    ) -> Result<(usize, u64, bool), KafkaSourceError> {
+        let read = self.read_queues(p, at, out, max)?;
+        let now = now_ms();
+        if let Some(t) = self.polled_ms.get(p as usize) {
+            t.store(now, Ordering::Relaxed);
+        }
+        if read.1 > at
+            && let Some(t) = self.progress_ms.get(p as usize)
+        {
+            t.store(now, Ordering::Relaxed);
+        }
+        Ok(read)
+    }
+
+    fn read_queues(
         &self,
         p: u32,
         at: u64,
@@ -646,6 +770,16 @@ impl KafkaSourceReader {
                     }
                 }
             }
+        }
+        let tp = self.partition(p)?;
+        if crate::failpoints::kafka_fetch_stalled(&tp.topic) {
+            // As a consumer that stopped fetching: the partition paused, nothing read.
+            let mut tpl = TopicPartitionList::new();
+            tpl.add_partition(&tp.topic, tp.partition);
+            if let Err(e) = self.consumer.pause(&tpl) {
+                tracing::warn!(error = %e, "pausing the partition (test only)");
+            }
+            return Ok((0, at, true));
         }
         let mut next = at;
         let mut n = 0;
@@ -774,10 +908,23 @@ impl KafkaSourceReader {
             let (_, high) = self
                 .consumer
                 .fetch_watermarks(&tp.topic, tp.partition, Timeout::After(LAG_TIMEOUT))
-                .map_err(|e| KafkaSourceError::Unreachable {
-                    bootstrap: self.spec.bootstrap_servers.clone(),
-                    error: format!("asking for the end offset of {name}: {e}"),
-                    client: self.consumer.context().reports(),
+                .map_err(|e| {
+                    self.unreachable_ms.store(now_ms(), Ordering::Relaxed);
+                    if e.rdkafka_error_code() == Some(RDKafkaErrorCode::UnknownPartition) {
+                        // The client lost the partition from its metadata (a broker restarting
+                        // answers without it): ask again now, not at the periodic refresh.
+                        if let Err(e) = self
+                            .consumer
+                            .fetch_metadata(Some(&tp.topic), Timeout::After(LAG_TIMEOUT))
+                        {
+                            tracing::warn!(topic = %tp.topic, error = %e, "refreshing the Kafka topic's metadata");
+                        }
+                    }
+                    KafkaSourceError::Unreachable {
+                        bootstrap: self.spec.bootstrap_servers.clone(),
+                        error: format!("asking for the end offset of {name}: {e}"),
+                        client: self.consumer.context().reports(),
+                    }
                 })?;
             let now = now_ms();
             let known = |v: Option<&AtomicI64>| {
@@ -812,6 +959,35 @@ impl KafkaSourceReader {
         self.consumer.context().clear();
         out.measured_ms = now_ms();
         Ok(out)
+    }
+}
+
+impl KafkaSourceReader {
+    /// The partitions of `lag` (a measurement just taken) whose consumer has stalled
+    /// ([`stalled`]), each as a sentence for the run's failure.
+    pub fn stalled_partitions(&self, lag: &crate::runtime::protocol::SourceLag) -> Vec<String> {
+        let now = now_ms();
+        let at =
+            |v: &[AtomicI64], i: usize| v.get(i).map_or(i64::MIN, |a| a.load(Ordering::Relaxed));
+        let unreachable = self.unreachable_ms.load(Ordering::Relaxed);
+        lag.partitions
+            .iter()
+            .filter_map(|pl| {
+                let i = self.names.iter().position(|n| *n == pl.partition)?;
+                let tp = self.partitions.get(i)?;
+                let fetch = self.consumer.context().fetch(&tp.topic, tp.partition)?;
+                let end = i64::try_from(pl.high_watermark).unwrap_or(i64::MAX);
+                let since = at(&self.progress_ms, i).max(unreachable);
+                stalled(end, fetch, at(&self.polled_ms, i), since, now).then(|| {
+                    format!(
+                        "Kafka partition {} has records up to offset {end} but its consumer has fetched nothing past offset {} for {} s while the source polled it",
+                        pl.partition,
+                        fetch.next_offset,
+                        now.saturating_sub(since.max(fetch.moved_ms)) / 1000
+                    )
+                })
+            })
+            .collect()
     }
 }
 
@@ -930,6 +1106,52 @@ mod tests {
         assert_eq!(parse_partition_name("t/x"), None);
         assert_eq!(parse_partition_name("/1"), None);
         assert_eq!(parse_partition_name("t/-1"), None);
+    }
+
+    #[test]
+    fn a_partition_is_stalled_only_when_its_fetcher_sits_behind_readable_records_while_polled() {
+        let after = STALL_AFTER.as_millis() as i64;
+        let now = 1_000_000;
+        let long_ago = now - after;
+        let fetch = FetchView {
+            next_offset: 100,
+            at_ms: now - 1000,
+            moved_ms: long_ago,
+        };
+        // Readable records past the fetcher, polled just now, no move for STALL_AFTER: stalled.
+        assert!(stalled(150, fetch, now, long_ago, now));
+        // The fetcher moved, or the source read a record, or the brokers answered again, less
+        // than STALL_AFTER ago.
+        let moved = FetchView {
+            moved_ms: long_ago + 1,
+            ..fetch
+        };
+        assert!(!stalled(150, moved, now, long_ago, now));
+        assert!(!stalled(150, fetch, now, long_ago + 1, now));
+        // Nothing readable past it: its end (the last stable offset under read_committed, so
+        // open transactions do not count) is where the fetcher is, after a commit marker or an
+        // aborted transaction it skipped.
+        assert!(!stalled(100, fetch, now, long_ago, now));
+        // Not polling (paused for a snapshot, or held back downstream).
+        let poll_gap = POLLING_WITHIN.as_millis() as i64;
+        assert!(!stalled(150, fetch, now - poll_gap - 1, long_ago, now));
+        assert!(stalled(150, fetch, now - poll_gap, long_ago, now));
+        // Before its first fetch, or with statistics too old to say.
+        assert!(!stalled(
+            150,
+            FetchView {
+                next_offset: -1001,
+                ..fetch
+            },
+            now,
+            long_ago,
+            now
+        ));
+        let stale = FetchView {
+            at_ms: now - 3 * STATISTICS_INTERVAL.as_millis() as i64 - 1,
+            ..fetch
+        };
+        assert!(!stalled(150, stale, now, long_ago, now));
     }
 
     #[test]

@@ -26,7 +26,19 @@ pub(super) fn spawn_kafka_lag(s: Arc<Shared>, k: Arc<job::kafka::source::KafkaSo
                             .source_lag_records
                             .set(i64::try_from(lag.records).unwrap_or(i64::MAX));
                         s.metrics.source_lag_seconds.set(lag.seconds.unwrap_or(0.0));
+                        let stalled = k.stalled_partitions(&lag);
                         st.source_lag = Some(lag);
+                        if !stalled.is_empty() {
+                            // A consumer that stopped fetching does not resume by itself: a
+                            // new run's consumer does (from the latest checkpoint).
+                            let message = format!(
+                                "{}: restarting from the latest checkpoint with a new Kafka consumer",
+                                stalled.join("; ")
+                            );
+                            tracing::error!("{message}");
+                            let _ = s.fatal.send(Some(message));
+                            return;
+                        }
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "measuring the Kafka source's lag");
