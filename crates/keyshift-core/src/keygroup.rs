@@ -232,6 +232,19 @@ pub fn tiny_groups(groups: u32, state_bytes: u64) -> Option<String> {
     ))
 }
 
+/// How a snapshot writes one key group (incremental checkpoints): the one answer the built-in
+/// aggregation's state and the SDK's state backends both give for each owned group at a cut.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupMode {
+    /// The whole group.
+    Full,
+    /// Only what changed (entries written or deleted) after cut `since`: a delta over the
+    /// snapshot taken at that cut.
+    Delta { since: u32 },
+    /// Nothing: the group has not changed since the snapshot it builds on.
+    Unchanged,
+}
+
 /// An inclusive, non-empty range of key groups `[start, end]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct KeyGroupRange {

@@ -84,16 +84,7 @@ struct Slot {
     epoch: u32,
 }
 
-/// How a snapshot writes one key group (incremental checkpoints).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GroupMode {
-    /// The whole group.
-    Full,
-    /// Only the keys changed after cut `since` (a delta over the snapshot taken at that cut).
-    Delta { since: u32 },
-    /// Nothing: the group has not changed since the snapshot it builds on.
-    Unchanged,
-}
+pub use keyshift_core::keygroup::GroupMode;
 
 /// The keyed aggregation operator of one subtask.
 #[derive(Debug)]

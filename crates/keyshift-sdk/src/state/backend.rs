@@ -26,16 +26,7 @@ use std::ops::Bound;
 
 use crate::error::StateError;
 
-/// How a snapshot writes one key group (incremental checkpoints).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum GroupMode {
-    /// The whole group.
-    Full,
-    /// Only the entries changed (written or deleted) after cut `since`.
-    Delta { since: u32 },
-    /// Nothing: the group has not changed since the snapshot it builds on.
-    Unchanged,
-}
+pub use keyshift_core::keygroup::GroupMode;
 
 /// One change of a delta: an entry written, or deleted.
 #[derive(Debug, Clone, PartialEq, Eq)]
