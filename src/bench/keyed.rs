@@ -131,6 +131,46 @@ fn flush(
     Ok(())
 }
 
+/// The SDK's keyed step as the worker runtime drives it: its types erased
+/// (`keyshift_sdk::step::KeyedStep`), each record serialized (postcard) as it crosses the shuffle,
+/// in batches of [`BATCH`] routed records. On top of [`sdk`], each record is deserialized and its
+/// key built from its `RecordKey` (for a `String` key, one allocation).
+fn sdk_step(keys: &[RecordKey], records: u64, first: u64) -> Result<(Duration, usize)> {
+    use keyshift_sdk::step::{Routed, factory};
+    let range = KeyGroupRange {
+        start: 0,
+        end: GROUPS - 1,
+    };
+    let mut step = factory("count", || Count)(GROUPS, range)?;
+    let mut one = Vec::new();
+    Postcard::<i64>::default().serialize(&1, &mut one)?;
+    let n = keys.len() as u64;
+    let mut batch: Vec<Routed<'_>> = Vec::with_capacity(BATCH);
+    let mut run =
+        |step: &mut Box<dyn keyshift_sdk::step::KeyedStep>, from: u64, count: u64| -> Result<()> {
+            for i in from..from + count {
+                let key = keys[key_index(i, n)].clone();
+                batch.push(Routed {
+                    group: key.key_group(GROUPS),
+                    key,
+                    timestamp: 0,
+                    record: &one,
+                });
+                if batch.len() == BATCH {
+                    step.process_batch(&batch)?;
+                    batch.clear();
+                }
+            }
+            step.process_batch(&batch)?;
+            batch.clear();
+            Ok(())
+        };
+    run(&mut step, 0, n)?;
+    let t = Instant::now();
+    run(&mut step, first, records)?;
+    Ok((t.elapsed(), step.entries()))
+}
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(f64::total_cmp);
     v[v.len() / 2]
@@ -139,7 +179,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub(super) fn keyed_bench(args: KeyedBench) -> Result<()> {
     println!("# keyshift bench keyed ({})", context_line());
     println!(
-        "| keys | built-in M records/s | SDK M records/s | SDK / built-in | rounds |\n|---|---|---|---|---|"
+        "| keys | built-in M records/s | SDK M records/s | SDK / built-in | SDK step from bytes M records/s | step / built-in | rounds |\n|---|---|---|---|---|---|---|"
     );
     for &n in &args.keys {
         if n == 0 {
@@ -157,21 +197,26 @@ pub(super) fn keyed_bench(args: KeyedBench) -> Result<()> {
                 (s.clone(), rk.key_group(GROUPS), rk)
             })
             .collect();
-        let (mut b, mut s) = (Vec::new(), Vec::new());
+        let (mut b, mut s, mut e) = (Vec::new(), Vec::new(), Vec::new());
         for round in 0..args.rounds.max(1) {
             let first = 1_000_000_007 * u64::from(round + 1);
             let (tb, kb) = builtin(&record_keys, args.records, first)?;
             let (ts, ks) = sdk(&sdk_keys, args.records, first)?;
-            if kb != n as usize || ks != n as usize {
-                bail!("state holds {kb} (built-in) and {ks} (SDK) keys, expected {n}");
+            let (te, ke) = sdk_step(&record_keys, args.records, first)?;
+            if kb != n as usize || ks != n as usize || ke != n as usize {
+                bail!(
+                    "state holds {kb} (built-in), {ks} (SDK) and {ke} (SDK step) keys, expected {n}"
+                );
             }
             b.push(args.records as f64 / tb.as_secs_f64() / 1e6);
             s.push(args.records as f64 / ts.as_secs_f64() / 1e6);
+            e.push(args.records as f64 / te.as_secs_f64() / 1e6);
         }
-        let (mb, ms) = (median(b), median(s));
+        let (mb, ms, me) = (median(b), median(s), median(e));
         println!(
-            "| {n} | {mb:.2} | {ms:.2} | {:.2}x | {} |",
+            "| {n} | {mb:.2} | {ms:.2} | {:.2}x | {me:.2} | {:.2}x | {} |",
             ms / mb,
+            me / mb,
             args.rounds.max(1)
         );
     }

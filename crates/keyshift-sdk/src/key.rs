@@ -20,6 +20,12 @@ pub trait StreamKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
     /// The key back from keyshift's key value (`None`: another type).
     fn from_key(key: &Key) -> Option<Self>;
 
+    /// The key of a [`RecordKey`] (a record that crossed the shuffle), if it is of this type.
+    /// The three key types read it directly (no [`Key`] built).
+    fn from_record_key(key: &RecordKey) -> Option<Self> {
+        Self::from_key(&key.to_key())
+    }
+
     /// The key as the operators' tables hold it (its Java hash cached, a short string inline).
     /// The three key types build it directly (no [`Key`] built, no string copied to the heap).
     fn record_key(&self) -> RecordKey {
@@ -37,6 +43,12 @@ impl StreamKey for i64 {
     fn record_key(&self) -> RecordKey {
         RecordKey::long(*self)
     }
+    fn from_record_key(key: &RecordKey) -> Option<Self> {
+        match key.view() {
+            KeyRef::Long(v) => Some(v),
+            _ => None,
+        }
+    }
     fn to_key(&self) -> Key {
         Key::Long(*self)
     }
@@ -53,6 +65,12 @@ impl StreamKey for i32 {
     fn record_key(&self) -> RecordKey {
         RecordKey::int(*self)
     }
+    fn from_record_key(key: &RecordKey) -> Option<Self> {
+        match key.view() {
+            KeyRef::Int(v) => Some(v),
+            _ => None,
+        }
+    }
     fn to_key(&self) -> Key {
         Key::Int(*self)
     }
@@ -68,6 +86,12 @@ impl StreamKey for String {
     const KEY_TYPE: KeyType = KeyType::String;
     fn record_key(&self) -> RecordKey {
         RecordKey::string(self.as_str())
+    }
+    fn from_record_key(key: &RecordKey) -> Option<Self> {
+        match key.view() {
+            KeyRef::Str(s) => Some(s.to_owned()),
+            _ => None,
+        }
     }
     fn to_key(&self) -> Key {
         Key::String(self.clone())
@@ -240,6 +264,7 @@ mod tests {
                 let mut typed = Vec::new();
                 encode_record_key(&k.record_key(), &mut typed);
                 assert_eq!(k.record_key(), RecordKey::from(k.to_key()));
+                assert_eq!(K::from_record_key(&k.record_key()).as_ref(), Some(k));
                 assert_eq!(k.record_key().key_group(128), k.key_group(128));
                 (typed, general)
             }

@@ -5,18 +5,28 @@
 
 use crate::error::{BlockError, Error, Result};
 use crate::function::KeyedProcessFunction;
-use crate::key::StreamKey;
+use crate::key::{RecordKey, StreamKey};
 use crate::operator::KeyedOperator;
 use crate::serializer::{Postcard, Serializer};
 use crate::state::backend::GroupMode;
 use crate::state::{Declaration, DeclarationError};
-use keyshift_core::keygroup::{Key, KeyGroupRange};
+use keyshift_core::keygroup::KeyGroupRange;
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::any::Any;
 
 /// A value between two stages of a dataflow.
 pub type Value = Box<dyn Any + Send>;
+
+/// A record crossing the key-group shuffle to a keyed step: its key (with its Java hash, as the
+/// shuffle routed it), that key's group, its event time and its serialized form.
+#[derive(Debug, Clone)]
+pub struct Routed<'a> {
+    pub key: RecordKey,
+    pub group: u32,
+    pub timestamp: i64,
+    pub record: &'a [u8],
+}
 
 /// One subtask's instance of a keyed step, its types erased.
 pub trait KeyedStep: Send {
@@ -26,10 +36,11 @@ pub trait KeyedStep: Send {
     fn declarations(&self) -> &[Declaration];
     /// The key groups it owns.
     fn range(&self) -> KeyGroupRange;
-    /// Handles one record: its key, event time and serialized form.
-    fn process(&mut self, key: &Key, timestamp: i64, record: &[u8]) -> Result<()>;
+    /// Handles a batch of records routed to this subtask, in order, after reading the state of
+    /// their keys ahead ([`KeyedOperator::prefetch`]).
+    fn process_batch(&mut self, batch: &[Routed<'_>]) -> Result<()>;
     /// Handles one record already in memory (a stage chained without a shuffle).
-    fn process_value(&mut self, key: &Key, timestamp: i64, record: Value) -> Result<()>;
+    fn process_value(&mut self, key: &RecordKey, timestamp: i64, record: Value) -> Result<()>;
     /// See [`KeyedOperator::advance_watermark`].
     fn advance_watermark(&mut self, watermark: i64) -> Result<()>;
     /// See [`KeyedOperator::advance_processing_time`].
@@ -74,8 +85,8 @@ pub enum RecordError {
 }
 
 impl<F: KeyedProcessFunction> Erased<F> {
-    fn key(&self, key: &Key) -> Result<F::Key> {
-        F::Key::from_key(key).ok_or_else(|| {
+    fn key(&self, key: &RecordKey) -> Result<F::Key> {
+        F::Key::from_record_key(key).ok_or_else(|| {
             Error::user(RecordError::KeyType {
                 uid: self.op.uid().to_owned(),
                 key: key.to_string(),
@@ -99,17 +110,25 @@ where
     fn range(&self) -> KeyGroupRange {
         self.op.range()
     }
-    fn process(&mut self, key: &Key, timestamp: i64, record: &[u8]) -> Result<()> {
-        let value = self.records.deserialize(record).map_err(|e| {
-            Error::user(RecordError::Deserialize {
-                uid: self.op.uid().to_owned(),
-                message: e.to_string(),
-            })
-        })?;
-        let key = self.key(key)?;
-        self.op.process(&key, timestamp, value)
+    fn process_batch(&mut self, batch: &[Routed<'_>]) -> Result<()> {
+        for r in batch {
+            self.op.prefetch(r.group, &r.key);
+        }
+        for r in batch {
+            let value = self.records.deserialize(r.record).map_err(|e| {
+                Error::user(RecordError::Deserialize {
+                    uid: self.op.uid().to_owned(),
+                    message: e.to_string(),
+                })
+            })?;
+            let key = self.key(&r.key)?;
+            self.op
+                .process_routed(r.group, &r.key, &key, r.timestamp, value)?;
+        }
+        Ok(())
     }
-    fn process_value(&mut self, key: &Key, timestamp: i64, record: Value) -> Result<()> {
+
+    fn process_value(&mut self, key: &RecordKey, timestamp: i64, record: Value) -> Result<()> {
         let value = record.downcast::<F::In>().map_err(|_| {
             Error::user(RecordError::Type {
                 uid: self.op.uid().to_owned(),

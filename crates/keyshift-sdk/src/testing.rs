@@ -7,7 +7,7 @@
 
 use crate::error::{BlockError, Result};
 use crate::function::KeyedProcessFunction;
-use crate::key::key_group;
+use crate::key::{RecordKey, key_group};
 use crate::operator::{KeyedOperator, MIN_WATERMARK};
 use crate::state::DeclarationError;
 use crate::state::backend::{GroupMode, SortedBackend};
@@ -413,7 +413,7 @@ pub fn run_job(
     batch: usize,
 ) -> Result<Vec<String>, RunError> {
     use crate::dataflow::Stage;
-    use crate::step::{KeyedStep, Value};
+    use crate::step::{KeyedStep, Routed, Value};
     job.check()?;
     let assignment = Assignment::new(i64::from(parallelism), i64::from(max_parallelism))?;
     let mut steps: Vec<Vec<Box<dyn KeyedStep>>> = Vec::new();
@@ -453,11 +453,16 @@ pub fn run_job(
                         let key = (k.key_of)(&v)?;
                         bytes.clear();
                         (k.encode)(&v, &mut bytes)?;
-                        let group = keyshift_core::keygroup::key_group_for_key(
-                            &key,
-                            assignment.max_parallelism(),
-                        );
-                        steps[keyed][assignment.owner(group) as usize].process(&key, ts, &bytes)?;
+                        let key = RecordKey::from(key);
+                        let group = key.key_group(assignment.max_parallelism());
+                        steps[keyed][assignment.owner(group) as usize].process_batch(&[
+                            Routed {
+                                key,
+                                group,
+                                timestamp: ts,
+                                record: &bytes,
+                            },
+                        ])?;
                     }
                     return Ok(());
                 }

@@ -519,3 +519,60 @@ fn a_batch_read_ahead_and_routed_records_change_nothing_but_speed() {
     }
     assert_eq!(snapshot(&mut routed), snapshot(&mut plain));
 }
+
+#[test]
+fn the_erased_step_takes_routed_batches_of_serialized_records_and_refuses_a_foreign_key() {
+    use keyshift_sdk::key::{RecordKey, StreamKey};
+    use keyshift_sdk::step::{Routed, factory};
+    let make = factory("kitchen", || Kitchen { version: 1 });
+    let mut step = make(MAX, ALL).unwrap();
+    let mut typed = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    let ops = [("a", add("x", 1)), ("b", add("x", 10)), ("a", add("y", 5))];
+    let bytes: Vec<Vec<u8>> = ops
+        .iter()
+        .map(|(_, o)| {
+            let mut b = Vec::new();
+            Postcard::default().serialize(o, &mut b).unwrap();
+            b
+        })
+        .collect();
+    let batch: Vec<Routed<'_>> = ops
+        .iter()
+        .zip(&bytes)
+        .map(|((k, _), b)| {
+            let key = key(k).record_key();
+            Routed {
+                group: key.key_group(MAX),
+                key,
+                timestamp: 0,
+                record: b,
+            }
+        })
+        .collect();
+    step.process_batch(&batch).unwrap();
+    for (k, o) in &ops {
+        typed.process(&key(k), 0, o.clone()).unwrap();
+    }
+    assert_eq!(step.entries(), typed.entries());
+    for g in ALL.iter() {
+        typed.cut();
+        step.cut();
+        assert_eq!(
+            step.encode_group(g, GroupMode::Full).unwrap(),
+            typed.encode_group(g, GroupMode::Full).unwrap(),
+            "group {g}"
+        );
+    }
+    // A key of another type is refused, naming the step and the key.
+    let long = RecordKey::long(7);
+    let err = step
+        .process_batch(&[Routed {
+            group: long.key_group(MAX),
+            key: long,
+            timestamp: 0,
+            record: &bytes[0],
+        }])
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("kitchen") && err.contains('7'), "{err}");
+}
