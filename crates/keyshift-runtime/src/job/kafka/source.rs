@@ -32,8 +32,9 @@
 //!   record still unread was written after that moment (or carries a later timestamp), so this
 //!   bounds from above how long the oldest unread record has waited. It is unknown (absent)
 //!   for a partition the run has read nothing from and never measured read to its end. The
-//!   high watermark counts every offset: records of transactions not yet committed (which a
-//!   `read_committed` source cannot read yet) and the marker of each committed transaction, so
+//!   end offset is the one the consumer's isolation level sees (librdkafka asks ListOffsets at
+//!   that level): under `read_committed`, the last stable offset, so an open transaction's
+//!   records are not counted until it commits; the marker of each committed transaction is, so
 //!   a fully read partition of a transactional topic may show one record behind until its next
 //!   record. A measurement that cannot reach the brokers reports their error instead
 //!   ([`KafkaSourceError::Unreachable`]): the source keeps its position and reads on once they
