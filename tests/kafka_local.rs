@@ -244,6 +244,25 @@ async fn snapshot(url: &str, topic: &str) -> (BTreeMap<String, i64>, BTreeMap<i3
     (values, positions)
 }
 
+/// A job over `topic` (see [`job_yaml`]) launched in worker processes at parallelism 2, its
+/// state and logs in a new temporary directory that lives as long as the returned guard.
+async fn launch_at_2(
+    name: &str,
+    bootstrap: &str,
+    topic: &str,
+    aggregation: &str,
+    source_extra: &str,
+) -> (tempfile::TempDir, LocalJob) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml(name, bootstrap, topic, 2, aggregation, source_extra);
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch at 2");
+    (dir, local)
+}
+
 /// Checks a snapshot's state against the exact totals at its positions; returns its positions.
 async fn assert_exact(
     url: &str,
@@ -352,20 +371,14 @@ async fn kafka_source_exact_through_rescales_a_killed_worker_and_a_broker_restar
     let mut seq = 0;
     produce(&bootstrap, &topic, &mut seq, 6000, &mut produced);
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let spec = job_yaml(
+    let (_dir, mut local) = launch_at_2(
         "kcount",
         &bootstrap,
         &topic,
-        2,
         "{function: sum, field: amount}",
         "",
-    );
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch at 2");
+    )
+    .await;
 
     // Everything produced so far is read; the state is exact.
     let first =
@@ -462,20 +475,14 @@ async fn kafka_source_keys_from_the_record_key_and_starts_at_latest() {
     produce(&bootstrap, &topic, &mut seq, 500, &mut old);
     let before = old.ends();
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let spec = job_yaml(
+    let (_dir, mut local) = launch_at_2(
         "klatest",
         &bootstrap,
         &topic,
-        2,
         "{function: count}",
         "        keyFrom: recordKey\n        startingPosition: latest",
-    );
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
+    )
+    .await;
     // A checkpoint before any new record holds the resolved end offsets, not "latest": a restore
     // from it must not skip what arrives next.
     let c = local.checkpoint().await.expect("checkpoint");
@@ -523,13 +530,7 @@ async fn partitions_added_while_the_job_runs_are_read_from_their_start() {
     let mut seq = 0;
     produce_to(&bootstrap, &topic, 2, &mut seq, 2000, &mut produced);
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let spec = job_yaml("kgrow", &bootstrap, &topic, 2, "{function: count}", "");
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
+    let (_dir, mut local) = launch_at_2("kgrow", &bootstrap, &topic, "{function: count}", "").await;
     let start = Instant::now();
     let checkpoint = loop {
         let c = local.checkpoint().await.expect("checkpoint");
@@ -701,13 +702,7 @@ async fn consumer_lag_is_what_the_broker_says_and_drops_to_zero_once_read() {
     let mut seq = 0;
     produce(&bootstrap, &topic, &mut seq, 2000, &mut produced);
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let spec = job_yaml("klag", &bootstrap, &topic, 2, "{function: count}", "");
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
+    let (_dir, mut local) = launch_at_2("klag", &bootstrap, &topic, "{function: count}", "").await;
     checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
     let (caught_up, _) = wait_lag(&mut local, "lag 0", Duration::from_secs(20), |l, _| {
         l.partitions == PARTITIONS && l.records == 0
@@ -807,20 +802,14 @@ async fn a_source_that_cannot_reach_its_brokers_says_so_and_recovers_when_they_r
     let mut seq = 0;
     produce(&bootstrap, &topic, &mut seq, 1500, &mut produced);
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let spec = job_yaml(
+    let (_dir, mut local) = launch_at_2(
         "kdown",
         &bootstrap,
         &topic,
-        2,
         "{function: sum, field: amount}",
         "",
-    );
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
+    )
+    .await;
     let before =
         checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
     let before_positions = assert_exact(&before, &topic, &produced, true).await;
@@ -1054,21 +1043,15 @@ async fn a_source_whose_consumer_stops_fetching_fails_its_run_and_the_restart_lo
     let mut seq = 0;
     produce(&bootstrap, &topic, &mut seq, 1000, &mut produced);
 
-    let dir = tempfile::tempdir().expect("temp dir");
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let spec = job_yaml(
+    let (_dir, mut local) = launch_at_2(
         "kstall",
         &bootstrap,
         &topic,
-        2,
         "{function: sum, field: amount}",
         "",
-    );
-    let logs = dir.path().join("logs");
-    let mut local = LocalJob::new(&spec, storage, bin(), logs.clone())
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
+    )
+    .await;
+    let logs = local.log_dir().to_owned();
     let before =
         checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
     assert_exact(&before, &topic, &produced, true).await;
