@@ -507,11 +507,17 @@ impl OperatorMetrics {
             .contains_key(&Self::job(namespace, job))
     }
 
-    /// Counts a failed pass of the job, by kind. A job on its way out whose series its cleanup
-    /// already removed is not counted: a pass failing after the cleanup (removing the finalizer,
-    /// say) would otherwise bring back a series of the deleted job for good.
+    /// Whether a pass over the job is counted: not when the job is on its way out and its
+    /// cleanup already removed its series (a pass after the cleanup, from a cache that has not
+    /// yet seen the finalizer go or failing to remove it, would bring back a series of the
+    /// deleted job for good).
+    fn counts(&self, namespace: &str, job: &str, deleting: bool) -> bool {
+        !deleting || self.tracks(namespace, job)
+    }
+
+    /// Counts a failed pass of the job, by kind ([`Self::counts`]).
     pub fn record_error(&self, namespace: &str, job: &str, deleting: bool, kind: ErrorKind) {
-        if deleting && !self.tracks(namespace, job) {
+        if !self.counts(namespace, job, deleting) {
             return;
         }
         self.reconcile_errors
@@ -519,12 +525,10 @@ impl OperatorMetrics {
             .inc();
     }
 
-    /// Counts a finished pass of the job. Like a failure, a pass over a job on its way out whose
-    /// cleanup already removed its series is not counted: the cleanup pass itself, or one more
-    /// pass from a cache that has not yet seen the finalizer go, would otherwise leave a series
-    /// of the deleted job behind for good.
+    /// Counts a finished pass of the job ([`Self::counts`]; the cleanup pass itself forgets the
+    /// job before it ends, so it is not counted either).
     pub fn record_pass(&self, namespace: &str, job: &str, deleting: bool) {
-        if deleting && !self.tracks(namespace, job) {
+        if !self.counts(namespace, job, deleting) {
             return;
         }
         self.reconciles

@@ -100,6 +100,7 @@ impl RecordKey {
     }
 
     /// A borrowed view for matching.
+    #[inline]
     pub fn view(&self) -> KeyRef<'_> {
         match &self.0 {
             Repr::Long(v) => KeyRef::Long(*v),

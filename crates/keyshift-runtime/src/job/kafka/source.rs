@@ -961,9 +961,7 @@ impl KafkaSourceReader {
         out.measured_ms = now_ms();
         Ok(out)
     }
-}
 
-impl KafkaSourceReader {
     /// The partitions of `lag` (a measurement just taken) whose consumer has stalled
     /// ([`stalled`]), each as a sentence for the run's failure.
     pub fn stalled_partitions(&self, lag: &crate::runtime::protocol::SourceLag) -> Vec<String> {
