@@ -255,7 +255,7 @@ unit_and_light() {
   local label
   for label in $(cut -f1 "$LANES_DIR/binaries.tsv" | sort); do
     case "$label" in
-      e2e_*|runtime_local|orchestrator_pass|faults|kafka_local|kafka_sink) ;;
+      e2e_*|runtime_local|programs_local|orchestrator_pass|faults|kafka_local|kafka_sink) ;;
       *) job "$label" t "$label" ;;
     esac
   done
@@ -265,6 +265,7 @@ unit_and_light() {
 local_heavy() {
   eval "$S3_OTHERS_ENV"
   job runtime_local t runtime_local
+  job programs_local t programs_local
   job orchestrator_pass t orchestrator_pass
   job faults t faults
 }

@@ -444,6 +444,11 @@ fn run(command: Command) -> Result<(), CliError> {
                 control_addr: args.control_addr,
                 data_addr: args.data_addr,
                 token: args.token,
+                programs: programs().map_err(|e| {
+                    CliError::Worker(Box::new(crate::runtime::worker::WorkerError::Fatal(
+                        e.to_string(),
+                    )))
+                })?,
             };
             tokio_runtime()?
                 .block_on(crate::runtime::worker::run(config))
@@ -787,6 +792,15 @@ pub fn keygroup_line(
             None => format!("{key}\t{group}\n"),
         },
     })
+}
+
+/// The programs keyshift's own worker carries: the example jobs of `keyshift-examples`.
+pub fn programs() -> Result<crate::job::Programs, crate::job::program::ProgramsError> {
+    keyshift_examples::programs()
+        .into_iter()
+        .try_fold(crate::job::Programs::new(), |programs, (name, job)| {
+            programs.with(name, job)
+        })
 }
 
 #[cfg(test)]

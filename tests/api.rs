@@ -602,7 +602,8 @@ fn each_rule_refuses_with_its_message() {
     fails_with(&s, None, MSG_SOURCE_ONE_OF);
 
     let mut s = base();
-    s.job.aggregation.function = keyshift::crd::AggregateFunction::Sum;
+    s.job.aggregation.as_mut().expect("an aggregation").function =
+        keyshift::crd::AggregateFunction::Sum;
     fails_with(&s, None, MSG_AGG_FIELD);
 
     // Timeouts are durations within 1s..24h.

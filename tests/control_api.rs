@@ -15,6 +15,7 @@ async fn worker() -> (String, String) {
         control_addr: loopback,
         data_addr: loopback,
         token: TOKEN.to_owned(),
+        programs: Default::default(),
     })
     .await
     .expect("bind");

@@ -286,7 +286,7 @@ fn corpus_files() -> Vec<Vec<u8>> {
 fn read_all(data: &[u8], key_type: KeyType, start: u64) {
     let tmp = tempfile::tempdir().expect("tempdir");
     std::fs::write(tmp.path().join("p0.jsonl"), data).expect("write");
-    let reader = FileSourceReader::open(tmp.path(), mapping(key_type)).expect("open");
+    let reader = FileSourceReader::open(tmp.path(), Some(mapping(key_type))).expect("open");
     let line_start = |o: u64| o == 0 || o as usize >= data.len() || data[o as usize - 1] == b'\n';
     let mut offset = start.min(data.len() as u64);
     let mut out = Vec::new();

@@ -206,6 +206,7 @@ impl Job {
             checkpoint::finish_cut(op, &mut taken).await;
             let ack = checkpoint::upload_cut(
                 taken.groups,
+                taken.codec,
                 writer,
                 base.as_ref(),
                 policy,

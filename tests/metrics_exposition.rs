@@ -146,6 +146,7 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
         control_addr: loopback,
         data_addr: loopback,
         token: "metrics-test-token".to_owned(),
+        programs: Default::default(),
     })
     .await
     .expect("bind");

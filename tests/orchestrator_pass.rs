@@ -1073,8 +1073,8 @@ async fn a_changed_key_is_refused_before_anything_stops() {
         })
         .await;
         let workers = d.workers.names();
-        d.spec.job.key.field = "value".into();
-        d.spec.job.key.key_type = keyshift::keygroup::KeyType::Long;
+        d.spec.job.key.as_mut().expect("a key").field = "value".into();
+        d.spec.job.key.as_mut().expect("a key").key_type = keyshift::keygroup::KeyType::Long;
         d.until("refused", Duration::from_secs(20), |d| {
             d.condition("Stalled").is_some()
         })
@@ -1113,8 +1113,18 @@ async fn a_changed_key_is_refused_before_anything_stops() {
         );
         // Another function cannot be kept, opt-in or not.
         d.spec.allow_state_layout_change = true;
-        d.spec.job.aggregation.function = keyshift::crd::AggregateFunction::Sum;
-        d.spec.job.aggregation.field = Some("value".into());
+        d.spec
+            .job
+            .aggregation
+            .as_mut()
+            .expect("an aggregation")
+            .function = keyshift::crd::AggregateFunction::Sum;
+        d.spec
+            .job
+            .aggregation
+            .as_mut()
+            .expect("an aggregation")
+            .field = Some("value".into());
         d.until("refused again", Duration::from_secs(20), |d| {
             d.condition("Stalled")
                 .is_some_and(|(_, m)| m.contains("spec.job.aggregation.function"))
@@ -1124,8 +1134,18 @@ async fn a_changed_key_is_refused_before_anything_stops() {
         assert!(message.contains("cannot be kept"), "{message}");
         assert!(d.status.rescale.is_none());
         // Back to count: the key change alone is kept with the opt-in.
-        d.spec.job.aggregation.function = keyshift::crd::AggregateFunction::Count;
-        d.spec.job.aggregation.field = None;
+        d.spec
+            .job
+            .aggregation
+            .as_mut()
+            .expect("an aggregation")
+            .function = keyshift::crd::AggregateFunction::Count;
+        d.spec
+            .job
+            .aggregation
+            .as_mut()
+            .expect("an aggregation")
+            .field = None;
         d.until("upgraded", Duration::from_secs(30), |d| {
             d.step() == Some(Step::Done) && d.running_at(2) && d.condition("Stalled").is_none()
         })
@@ -1147,7 +1167,7 @@ async fn a_suspended_job_with_a_changed_key_does_not_resume_its_old_state() {
             d.status.phase == Some(Phase::Suspended)
         })
         .await;
-        d.spec.job.key.field = "ts".into();
+        d.spec.job.key.as_mut().expect("a key").field = "ts".into();
         d.spec.suspend = false;
         d.until("refused", Duration::from_secs(20), |d| {
             !d.events_named("StateLayoutChanged").is_empty()
@@ -1161,7 +1181,7 @@ async fn a_suspended_job_with_a_changed_key_does_not_resume_its_old_state() {
             refused.note
         );
         assert!(d.events_named("Started").len() <= 1, "{}", d.event_log());
-        d.spec.job.key.field = "key".into();
+        d.spec.job.key.as_mut().expect("a key").field = "key".into();
         d.until_running(2).await;
         d.assert_processing().await;
         d.spec.suspend = true;

@@ -1725,6 +1725,7 @@ async fn in_process_workers(
             control_addr: loopback,
             data_addr: loopback,
             token: token.to_owned(),
+            programs: Default::default(),
         })
         .await
         .expect("bind");

@@ -70,6 +70,7 @@ pub(super) async fn checkpoint_subtask(
     drop(agg);
     let ack = checkpoint::upload_cut(
         taken.groups,
+        taken.codec,
         writer,
         base.as_ref(),
         policy,

@@ -499,8 +499,8 @@ mod tests {
         }
         // Another key field or type: refused, keepable with the opt-in.
         let mut changed = spec.clone();
-        changed.job.key.field = "account".into();
-        changed.job.key.key_type = keyshift_core::keygroup::KeyType::Long;
+        changed.job.key.as_mut().expect("a key").field = "account".into();
+        changed.job.key.as_mut().expect("a key").key_type = keyshift_core::keygroup::KeyType::Long;
         let (reason, message) = restore_refusal("ns", "j", &changed, url, &own).unwrap();
         assert_eq!(reason, Reason::StateLayoutChanged);
         for needle in [
@@ -517,8 +517,12 @@ mod tests {
         // Another function or window: never kept.
         for extra in ["", "allowStateLayoutChange: true"] {
             let mut sum = job(extra);
-            sum.job.aggregation.function = crate::crd::AggregateFunction::Sum;
-            sum.job.aggregation.field = Some("amount".into());
+            sum.job
+                .aggregation
+                .as_mut()
+                .expect("an aggregation")
+                .function = crate::crd::AggregateFunction::Sum;
+            sum.job.aggregation.as_mut().expect("an aggregation").field = Some("amount".into());
             let (_, message) = restore_refusal("ns", "j", &sum, url, &own).unwrap();
             assert!(
                 message.contains("spec.job.aggregation.function")

@@ -96,20 +96,41 @@ pub fn fingerprint(spec: &StreamJobSpec) -> String {
 /// What the job's keyed state means (recorded in its snapshots, compared on every restore).
 pub fn layout(spec: &StreamJobSpec) -> StateLayout {
     let job = &spec.job;
-    let function = serde_json::to_value(job.aggregation.function)
-        .ok()
+    let function = job
+        .aggregation
+        .as_ref()
+        .and_then(|a| serde_json::to_value(a.function).ok())
         .and_then(|v| v.as_str().map(str::to_owned))
         .unwrap_or_default();
     StateLayout {
-        key_field: job.key.field.clone(),
-        key_type: job.key.key_type.to_string(),
+        key_field: job
+            .key
+            .as_ref()
+            .map(|k| k.field.clone())
+            .unwrap_or_default(),
+        key_type: job
+            .key
+            .as_ref()
+            .map(|k| k.key_type.to_string())
+            .unwrap_or_default(),
         function,
-        value_field: job.aggregation.field.clone(),
+        value_field: job.aggregation.as_ref().and_then(|a| a.field.clone()),
         window_ms: job
             .window
             .as_ref()
             .and_then(|w| keyshift_core::duration::parse_duration(&w.size))
             .map(|d| d.as_millis() as u64),
+        program: job.program.as_ref().map(|p| p.name.clone()),
+    }
+}
+
+/// The schema of the key-group blocks of the job `identity` names: a program's or the built-in
+/// aggregation's (by its layout; a snapshot of an older version, without one, is the
+/// aggregation's).
+pub fn state_schema(identity: &crate::snapshot::JobIdentity) -> &'static str {
+    match identity.layout.as_ref().and_then(|l| l.program.as_ref()) {
+        Some(_) => crate::job::PROGRAM_SCHEMA,
+        None => crate::job::AGG_SCHEMA,
     }
 }
 

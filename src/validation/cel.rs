@@ -155,6 +155,30 @@ pub(super) fn rules() -> Vec<CelRule> {
             None,
         ),
         r(
+            &["spec", "job"],
+            "has(self.program) ? !(has(self.key) || has(self.aggregation) || has(self.window)) : (has(self.key) && has(self.aggregation))",
+            MSG_JOB_LOGIC,
+            None,
+        ),
+        r(
+            &["spec", "job", "program", "name"],
+            &format!("size(self) <= 63 && self.matches('{PROGRAM_NAME_RE}')"),
+            MSG_PROGRAM_NAME,
+            None,
+        ),
+        r(
+            &["spec", "job", "program", "maxOutOfOrderness"],
+            &format!("self.matches('{DURATION_RE}')"),
+            MSG_PROGRAM_OUT_OF_ORDERNESS,
+            None,
+        ),
+        r(
+            &["spec", "job"],
+            "!has(self.program) || has(self.source.file)",
+            MSG_PROGRAM_SOURCE,
+            Some(".source"),
+        ),
+        r(
             &["spec", "job", "source"],
             "(has(self.generator) ? 1 : 0) + (has(self.file) ? 1 : 0) + (has(self.kafka) ? 1 : 0) == 1",
             MSG_SOURCE_ONE_OF,

@@ -56,6 +56,8 @@ const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["spec", "state", "prestageTimeout"], 64),
     (&["spec", "job", "window", "size"], 64),
     (&["spec", "job", "window", "maxOutOfOrderness"], 64),
+    (&["spec", "job", "program", "name"], 63),
+    (&["spec", "job", "program", "maxOutOfOrderness"], 64),
     (
         &["spec", "job", "source", "kafka", "bootstrapServers"],
         4096,

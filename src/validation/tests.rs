@@ -119,7 +119,7 @@ fn the_job_rules_alone_say_what_the_manifest_s_validation_says() {
     generator.keys = MAX_GENERATOR_KEYS + 1;
     spec.job.sink.sink_type = crate::crd::SinkType::ObjectStore;
     spec.job.sink.url = None;
-    spec.job.key.field = String::new();
+    spec.job.key.as_mut().expect("a key").field = String::new();
     let job_errors = validate_job(&spec.job).unwrap_err().0;
     assert_eq!(
         job_errors,
@@ -136,6 +136,73 @@ fn the_job_rules_alone_say_what_the_manifest_s_validation_says() {
             MSG_SINK_URL
         ]
     );
+}
+
+fn program_job() -> JobSpec {
+    let mut spec = job().spec.job;
+    spec.source.generator = None;
+    spec.source.file = Some(crate::crd::FileSource {
+        path: "/data/heartbeats".into(),
+        timestamp_field: None,
+    });
+    spec.key = None;
+    spec.aggregation = None;
+    spec.window = None;
+    spec.program = Some(keyshift_core::spec::ProgramSpec {
+        name: "silence-alert".into(),
+        max_out_of_orderness: Some("2s".into()),
+    });
+    spec
+}
+
+#[test]
+fn a_program_replaces_key_aggregation_and_window_and_reads_a_file_source() {
+    let ok = program_job();
+    assert_eq!(validate_job(&ok), Ok(()));
+    let mut with_key = ok.clone();
+    with_key.key = job().spec.job.key;
+    assert_eq!(validate_job(&with_key).unwrap_err().0, [MSG_JOB_LOGIC]);
+    let mut with_window = ok.clone();
+    with_window.window = Some(crate::crd::WindowSpec {
+        size: "1m".into(),
+        max_out_of_orderness: None,
+    });
+    assert_eq!(validate_job(&with_window).unwrap_err().0, [MSG_JOB_LOGIC]);
+    let mut neither = ok.clone();
+    neither.program = None;
+    assert_eq!(validate_job(&neither).unwrap_err().0, [MSG_JOB_LOGIC]);
+    let mut no_aggregation = job().spec.job;
+    no_aggregation.aggregation = None;
+    assert_eq!(
+        validate_job(&no_aggregation).unwrap_err().0,
+        [MSG_JOB_LOGIC]
+    );
+    let mut bad = ok.clone();
+    let p = bad.program.as_mut().expect("a program");
+    p.name = "Silence_Alert".into();
+    p.max_out_of_orderness = Some("soon".into());
+    bad.source.file = None;
+    bad.source.generator = job().spec.job.source.generator;
+    assert_eq!(
+        validate_job(&bad).unwrap_err().0,
+        [
+            MSG_PROGRAM_NAME,
+            MSG_PROGRAM_OUT_OF_ORDERNESS,
+            MSG_PROGRAM_SOURCE
+        ]
+    );
+    for (name, valid) in [
+        ("dedup", true),
+        ("silence-alert", true),
+        ("a1", true),
+        ("-a", false),
+        ("a-", false),
+        ("", false),
+        (&"a".repeat(64) as &str, false),
+        (&"a".repeat(63), true),
+    ] {
+        assert_eq!(valid_program_name(name), valid, "{name:?}");
+    }
 }
 
 fn kafka_job() -> JobSpec {

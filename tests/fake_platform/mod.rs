@@ -177,6 +177,7 @@ impl FakeWorkers {
             control_addr: loopback,
             data_addr: loopback,
             token: token.to_owned(),
+            programs: Default::default(),
         };
         let faults = self.faults.clone();
         let bound = runtime.spawn(async move {

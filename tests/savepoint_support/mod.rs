@@ -88,14 +88,15 @@ pub fn spec(shape: &JobShape) -> JobSpec {
             file: None,
             kafka: None,
         },
-        key: KeySpec {
+        program: None,
+        key: Some(KeySpec {
             field: "key".into(),
             key_type: shape.key_type,
-        },
-        aggregation: AggregationSpec {
+        }),
+        aggregation: Some(AggregationSpec {
             function: shape.function,
             field: Some("value".into()),
-        },
+        }),
         window: shape.window.map(|size| WindowSpec {
             size: size.into(),
             max_out_of_orderness: Some("1s".into()),

@@ -6,7 +6,8 @@
 
 use crate::duration::parse_duration;
 use crate::spec::{
-    AggregateFunction, JobSpec, KAFKA_SECRET_PROPERTIES, KAFKA_SINK_RESERVED, KAFKA_SOURCE_RESERVED,
+    AggregateFunction, JobLogic, JobSpec, KAFKA_SECRET_PROPERTIES, KAFKA_SINK_RESERVED,
+    KAFKA_SOURCE_RESERVED,
 };
 use std::fmt;
 use std::time::Duration;
@@ -57,6 +58,12 @@ pub const KAFKA_BOOTSTRAP_RE: &str = "^[^, ]+:[0-9]{1,5}(,[^, ]+:[0-9]{1,5})*$";
 pub const KAFKA_TOPIC_RE: &str = "^[a-zA-Z0-9._-]{1,249}$";
 /// At most this many topics per Kafka source.
 pub const MAX_KAFKA_TOPICS: usize = 64;
+pub const MSG_JOB_LOGIC: &str = "spec.job must set either program (a job built into the worker image) or key and aggregation (the built-in aggregation): with a program, leave out key, aggregation and window";
+pub const MSG_PROGRAM_OUT_OF_ORDERNESS: &str = "spec.job.program.maxOutOfOrderness must be a duration such as 0s, 500ms or 2s (units: ms, s, m, h)";
+pub const MSG_PROGRAM_NAME: &str = "spec.job.program.name must be a program's name: lowercase letters, digits and '-', starting and ending with a letter or digit, at most 63 characters";
+pub const MSG_PROGRAM_SOURCE: &str = "spec.job.program reads a file source for now: set spec.job.source.file (generator and Kafka sources feed the built-in aggregation only)";
+/// The pattern of a program's name (as a DNS label), for the CEL rule and [`valid_program_name`].
+pub const PROGRAM_NAME_RE: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum, min and max: name the numeric record field to aggregate";
 pub const MSG_PARTITIONS: &str = "spec.job.source.generator.partitions must be between 1 and 65536";
 pub const MSG_KEYS: &str = "spec.job.source.generator.keys must be between 1 and 1000000000000";
@@ -143,15 +150,46 @@ pub fn job_rules(job: &JobSpec, fail: &mut impl FnMut(&str)) {
             fail(MSG_KEYS);
         }
     }
-    if job.key.field.is_empty() {
+    match job.logic() {
+        None => fail(MSG_JOB_LOGIC),
+        Some(JobLogic::Program(p)) => {
+            if !valid_program_name(&p.name) {
+                fail(MSG_PROGRAM_NAME);
+            }
+            if let Some(ooo) = &p.max_out_of_orderness
+                && (ooo.len() > 64 || parse_duration(ooo).is_none())
+            {
+                fail(MSG_PROGRAM_OUT_OF_ORDERNESS);
+            }
+            if source.file.is_none() {
+                fail(MSG_PROGRAM_SOURCE);
+            }
+        }
+        Some(JobLogic::Builtin { .. }) => {}
+    }
+    if job.key.as_ref().is_some_and(|k| k.field.is_empty()) {
         fail(MSG_KEY_FIELD);
     }
-    if job.aggregation.function != AggregateFunction::Count && job.aggregation.field.is_none() {
+    if job
+        .aggregation
+        .as_ref()
+        .is_some_and(|a| a.function != AggregateFunction::Count && a.field.is_none())
+    {
         fail(MSG_AGG_FIELD);
     }
     if job.sink.sink_type == crate::spec::SinkType::ObjectStore && job.sink.url.is_none() {
         fail(MSG_SINK_URL);
     }
+}
+
+/// A legal program name ([`PROGRAM_NAME_RE`], at most 63 characters).
+pub fn valid_program_name(name: &str) -> bool {
+    let b = name.as_bytes();
+    (1..=63).contains(&b.len())
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
+        && b[0] != b'-'
+        && b[b.len() - 1] != b'-'
 }
 
 /// The CEL rules' bootstrap list: `host:port[,host:port...]`, no spaces.

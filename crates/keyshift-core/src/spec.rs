@@ -54,17 +54,29 @@ pub enum UpgradeMode {
 }
 
 /// The dataflow a StreamJob runs: records from a partitioned source are keyed, aggregated per key
-/// (optionally per tumbling event-time window) and written to a sink.
+/// (optionally per tumbling event-time window) and written to a sink; or, with `program`, a job
+/// written with keyshift's SDK and built into the worker image runs between the source and the
+/// sink.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct JobSpec {
     /// The partitioned, replayable source. Set exactly one of `generator`, `file` or `kafka`.
     pub source: SourceSpec,
-    /// The record field to key by, and how it is hashed.
-    pub key: KeySpec,
-    /// The per-key aggregation.
-    pub aggregation: AggregationSpec,
-    /// Optional tumbling event-time window; without it the aggregation runs over all time.
+    /// A program built into the worker image (a job written with keyshift's SDK, e.g. `dedup`
+    /// or `silence-alert` in keyshift's own image): its keyed step keys, keeps state and emits,
+    /// instead of the built-in aggregation. With a program, leave out key, aggregation and
+    /// window; without one, set key and aggregation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program: Option<ProgramSpec>,
+    /// The record field to key by, and how it is hashed (the built-in aggregation; required
+    /// without a program).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<KeySpec>,
+    /// The per-key aggregation (the built-in aggregation; required without a program).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub aggregation: Option<AggregationSpec>,
+    /// Optional tumbling event-time window of the built-in aggregation; without it the
+    /// aggregation runs over all time.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window: Option<WindowSpec>,
     /// Where results go.
@@ -312,6 +324,52 @@ pub struct FileSource {
     /// window.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timestamp_field: Option<String>,
+}
+
+/// A program built into the worker image, and how its event time is kept.
+#[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ProgramSpec {
+    /// The program's name in the image (keyshift's own image has `dedup` and
+    /// `silence-alert`). Lowercase letters, digits and `-`, at most 63 characters. A worker
+    /// whose image has no program of that name refuses the start, naming the programs it has.
+    pub name: String,
+    /// How far event time may go backwards: each source partition's watermark trails the
+    /// largest event time it has read by this much (a duration such as 0s, 500ms or 2s;
+    /// default 0s). Records older than the watermark are late, and event-time timers fire
+    /// when the watermark passes them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_out_of_orderness: Option<String>,
+}
+
+/// What runs between a job's source and its sink ([`JobSpec::logic`]).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum JobLogic<'a> {
+    /// The built-in aggregation.
+    Builtin {
+        key: &'a KeySpec,
+        aggregation: &'a AggregationSpec,
+        window: Option<&'a WindowSpec>,
+    },
+    /// A program built into the worker image.
+    Program(&'a ProgramSpec),
+}
+
+impl JobSpec {
+    /// What the spec runs; `None` if it sets a program together with any of key, aggregation
+    /// and window, or sets neither a program nor both key and aggregation (the rules refuse it,
+    /// [`crate::rules::MSG_JOB_LOGIC`]).
+    pub fn logic(&self) -> Option<JobLogic<'_>> {
+        match (&self.program, &self.key, &self.aggregation) {
+            (Some(p), None, None) if self.window.is_none() => Some(JobLogic::Program(p)),
+            (None, Some(key), Some(aggregation)) => Some(JobLogic::Builtin {
+                key,
+                aggregation,
+                window: self.window.as_ref(),
+            }),
+            _ => None,
+        }
+    }
 }
 
 /// The key a record is grouped by.

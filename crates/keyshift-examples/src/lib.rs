@@ -9,3 +9,21 @@
 pub mod dedup;
 pub mod input;
 pub mod silence;
+
+use keyshift_sdk::dataflow::Job;
+use std::time::Duration;
+
+/// How long [`dedup`]'s program keeps an id (event time).
+pub const DEDUP_TTL: Duration = Duration::from_secs(10);
+/// How long [`silence`]'s program waits for a heartbeat before it alerts (event time, ms).
+pub const SILENCE_MS: i64 = 30_000;
+
+/// The example jobs as programs a worker image carries, by the name a StreamJob gives in
+/// `spec.job.program.name`: `dedup` ([`dedup::job`] with [`DEDUP_TTL`]) and `silence-alert`
+/// ([`silence::job`] with [`SILENCE_MS`]).
+pub fn programs() -> Vec<(&'static str, Job)> {
+    vec![
+        ("dedup", dedup::job(DEDUP_TTL)),
+        ("silence-alert", silence::job(SILENCE_MS)),
+    ]
+}

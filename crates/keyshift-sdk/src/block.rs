@@ -33,6 +33,7 @@ use crate::error::BlockError;
 use crate::key::{get_varint, put_varint};
 use crate::state::{Declaration, StateId, StateKind, TimeDomain, Ttl};
 use keyshift_core::keygroup::KeyType;
+use std::collections::BTreeMap;
 
 /// The magic bytes every keyshift state block starts with.
 pub const BLOCK_MAGIC: [u8; 4] = *b"KSKG";
@@ -303,6 +304,47 @@ pub fn decode_header(block: &[u8]) -> Result<BlockHeader, BlockError> {
     open(block).map(|(h, _)| h)
 }
 
+/// The number of entries a block holds (after checking its checksum), without decoding them.
+pub fn entry_count(block: &[u8]) -> Result<u64, BlockError> {
+    let (_, mut r) = open(block)?;
+    Ok(u64::from_le_bytes(r.array("entry count")?))
+}
+
+/// Checks a block as a snapshot of group `group` under `max_parallelism` groups holds it: it
+/// decodes, names that group and count, and every key in it belongs to the group. Returns its
+/// entry count. (What a restore checks beyond this is the job's: its step, key type and
+/// states.)
+pub fn check(block: &[u8], group: u32, max_parallelism: u32) -> Result<u64, BlockError> {
+    let b = decode(block)?;
+    if b.header.key_group != group {
+        return Err(BlockError::WrongGroup {
+            block: b.header.key_group,
+            expected: group,
+        });
+    }
+    if b.header.max_parallelism != max_parallelism {
+        return Err(BlockError::MaxParallelism {
+            block: b.header.max_parallelism,
+            job: max_parallelism,
+        });
+    }
+    for (n, (key, _)) in b.entries.iter().enumerate() {
+        let (k, _) = crate::key::decode_key(key).map_err(|source| BlockError::Key {
+            entry: n as u64,
+            source,
+        })?;
+        let actual = keyshift_core::keygroup::key_group_for_key(&k, max_parallelism);
+        if actual != group {
+            return Err(BlockError::KeyInWrongGroup {
+                key: k.to_string(),
+                group,
+                actual,
+            });
+        }
+    }
+    Ok(b.entries.len() as u64)
+}
+
 /// Decodes a whole block.
 pub fn decode(block: &[u8]) -> Result<Block, BlockError> {
     let (header, mut r) = open(block)?;
@@ -323,6 +365,79 @@ pub fn decode(block: &[u8]) -> Result<Block, BlockError> {
     Ok(Block { header, entries })
 }
 
+/// A group's entries by key.
+type Entries = BTreeMap<Vec<u8>, Vec<u8>>;
+
+/// One group's chain (a full block, then its deltas in order) merged into its entries, with
+/// the header of the chain's first block. Every block is checked: its group, its kind (a delta
+/// may not come first) and that the chain agrees on the operator and its states.
+fn merge_chain(group: u32, chain: &[&[u8]]) -> Result<(Option<BlockHeader>, Entries), BlockError> {
+    let mut header: Option<BlockHeader> = None;
+    let mut merged = Entries::new();
+    for (i, bytes) in chain.iter().enumerate() {
+        let b = decode(bytes)?;
+        if b.header.key_group != group {
+            return Err(BlockError::WrongGroup {
+                block: b.header.key_group,
+                expected: group,
+            });
+        }
+        if i == 0 && b.header.kind == BlockKind::Delta {
+            return Err(BlockError::DeltaFirst(group));
+        }
+        match &header {
+            None => header = Some(b.header.clone()),
+            Some(h) if !h.same_state(&b.header) => {
+                return Err(BlockError::Malformed(
+                    "the snapshot's blocks disagree on the operator or its states",
+                ));
+            }
+            Some(_) => {}
+        }
+        for (key, value) in b.entries {
+            match value {
+                Some(v) => {
+                    merged.insert(key, v);
+                }
+                None => {
+                    merged.remove(&key);
+                }
+            }
+        }
+    }
+    Ok((header, merged))
+}
+
+impl BlockHeader {
+    /// Whether two blocks hold the same step's state (operator, key type, declared states).
+    fn same_state(&self, other: &BlockHeader) -> bool {
+        self.operator == other.operator
+            && self.key_type == other.key_type
+            && self.max_parallelism == other.max_parallelism
+            && self.states == other.states
+    }
+}
+
+fn full_block(header: &BlockHeader, group: u32, entries: &Entries) -> Vec<u8> {
+    let mut w = BlockWriter::new(&BlockHeader {
+        kind: BlockKind::Full,
+        key_group: group,
+        ..header.clone()
+    });
+    for (k, v) in entries {
+        w.put(k, v);
+    }
+    w.finish()
+}
+
+/// Compacts one group's chain (a full block, then its deltas in order) into one full block
+/// holding what the chain holds; returns it and its entry count. Every block is checked first.
+pub fn compact(group: u32, chain: &[&[u8]]) -> Result<(Vec<u8>, u64), BlockError> {
+    let (header, entries) = merge_chain(group, chain)?;
+    let header = header.ok_or(BlockError::Malformed("an empty chain"))?;
+    Ok((full_block(&header, group, &entries), entries.len() as u64))
+}
+
 /// Re-buckets a snapshot's key groups into `max_parallelism` groups (the managed key-group
 /// ceiling change): every group's chain is merged, every entry (each kind of state, and the
 /// timers) goes to the group its key hashes to under the new count, and each new group is one
@@ -330,42 +445,19 @@ pub fn decode(block: &[u8]) -> Result<Block, BlockError> {
 pub fn rewrite<'a>(
     chains: impl IntoIterator<Item = (u32, Vec<&'a [u8]>)>,
     max_parallelism: u32,
-) -> Result<std::collections::BTreeMap<u32, Vec<u8>>, BlockError> {
-    use std::collections::BTreeMap;
+) -> Result<BTreeMap<u32, Vec<u8>>, BlockError> {
     let mut header: Option<BlockHeader> = None;
-    let mut groups: BTreeMap<u32, BTreeMap<Vec<u8>, Vec<u8>>> = BTreeMap::new();
+    let mut groups: BTreeMap<u32, Entries> = BTreeMap::new();
     for (group, chain) in chains {
-        let mut merged: BTreeMap<Vec<u8>, Vec<u8>> = BTreeMap::new();
-        for (i, bytes) in chain.iter().enumerate() {
-            let b = decode(bytes)?;
-            if b.header.key_group != group {
-                return Err(BlockError::WrongGroup {
-                    block: b.header.key_group,
-                    expected: group,
-                });
+        let (h, merged) = merge_chain(group, &chain)?;
+        match (&header, h) {
+            (None, h) => header = h,
+            (Some(a), Some(b)) if a.operator != b.operator || a.states != b.states => {
+                return Err(BlockError::Malformed(
+                    "the snapshot's blocks disagree on the operator or its states",
+                ));
             }
-            if i == 0 && b.header.kind == BlockKind::Delta {
-                return Err(BlockError::DeltaFirst(group));
-            }
-            match &header {
-                None => header = Some(b.header.clone()),
-                Some(h) if h.operator != b.header.operator || h.states != b.header.states => {
-                    return Err(BlockError::Malformed(
-                        "the snapshot's blocks disagree on the operator or its states",
-                    ));
-                }
-                Some(_) => {}
-            }
-            for (key, value) in b.entries {
-                match value {
-                    Some(v) => {
-                        merged.insert(key, v);
-                    }
-                    None => {
-                        merged.remove(&key);
-                    }
-                }
-            }
+            _ => {}
         }
         for (n, (key, value)) in merged.into_iter().enumerate() {
             let (k, _) = crate::key::decode_key(&key).map_err(|source| BlockError::Key {
@@ -379,20 +471,13 @@ pub fn rewrite<'a>(
     let Some(header) = header else {
         return Ok(BTreeMap::new());
     };
+    let header = BlockHeader {
+        max_parallelism,
+        ..header
+    };
     Ok(groups
         .into_iter()
-        .map(|(g, entries)| {
-            let mut w = BlockWriter::new(&BlockHeader {
-                kind: BlockKind::Full,
-                max_parallelism,
-                key_group: g,
-                ..header.clone()
-            });
-            for (k, v) in &entries {
-                w.put(k, v);
-            }
-            (g, w.finish())
-        })
+        .map(|(g, entries)| (g, full_block(&header, g, &entries)))
         .collect())
 }
 
@@ -460,5 +545,96 @@ mod tests {
             decode(&w.finish()),
             Err(BlockError::Malformed("entry flag"))
         );
+    }
+
+    #[test]
+    fn a_compacted_chain_holds_what_the_chain_holds_and_a_broken_one_is_refused() {
+        let block = |kind, entries: &[(&[u8], Option<&[u8]>)]| {
+            let mut w = BlockWriter::new(&header(kind));
+            for (k, v) in entries {
+                match v {
+                    Some(v) => w.put(k, v),
+                    None => w.delete(k),
+                }
+            }
+            w.finish()
+        };
+        let full = block(BlockKind::Full, &[(b"a", Some(b"1")), (b"b", Some(b"2"))]);
+        let delta = block(
+            BlockKind::Delta,
+            &[(b"a", None), (b"c", Some(b"3")), (b"b", Some(b"4"))],
+        );
+        let (merged, entries) = compact(7, &[&full, &delta]).unwrap();
+        assert_eq!(entries, 2);
+        let b = decode(&merged).unwrap();
+        assert_eq!(b.header, header(BlockKind::Full));
+        assert_eq!(
+            b.entries,
+            vec![
+                (b"b".to_vec(), Some(b"4".to_vec())),
+                (b"c".to_vec(), Some(b"3".to_vec()))
+            ]
+        );
+        assert_eq!(compact(7, &[&delta]), Err(BlockError::DeltaFirst(7)));
+        assert!(matches!(
+            compact(8, &[&full]),
+            Err(BlockError::WrongGroup {
+                block: 7,
+                expected: 8
+            })
+        ));
+        let mut other = header(BlockKind::Delta);
+        other.operator = "other".into();
+        let foreign = BlockWriter::new(&other).finish();
+        assert!(matches!(
+            compact(7, &[&full, &foreign]),
+            Err(BlockError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn a_check_finds_a_key_outside_its_group_and_a_block_of_another_group_or_count() {
+        let key = |text: &str| {
+            let mut k = Vec::new();
+            crate::key::encode_key(&keyshift_core::keygroup::Key::String(text.into()), &mut k);
+            k.extend_from_slice(&0u16.to_be_bytes());
+            k
+        };
+        let group = keyshift_core::keygroup::key_group_for_key(
+            &keyshift_core::keygroup::Key::String("a".into()),
+            128,
+        );
+        let other = (0..)
+            .map(|i| format!("k{i}"))
+            .find(|t| {
+                keyshift_core::keygroup::key_group_for_key(
+                    &keyshift_core::keygroup::Key::String(t.clone()),
+                    128,
+                ) != group
+            })
+            .unwrap();
+        let block = |keys: &[&str]| {
+            let mut w = BlockWriter::new(&BlockHeader {
+                key_group: group,
+                ..header(BlockKind::Full)
+            });
+            for k in keys {
+                w.put(&key(k), b"v");
+            }
+            w.finish()
+        };
+        assert_eq!(check(&block(&["a"]), group, 128), Ok(1));
+        assert!(matches!(
+            check(&block(&["a", &other]), group, 128),
+            Err(BlockError::KeyInWrongGroup { .. })
+        ));
+        assert!(matches!(
+            check(&block(&["a"]), group + 1, 128),
+            Err(BlockError::WrongGroup { .. })
+        ));
+        assert!(matches!(
+            check(&block(&["a"]), group, 256),
+            Err(BlockError::MaxParallelism { .. })
+        ));
     }
 }

@@ -27,9 +27,11 @@
 //! its function emitted it with.
 
 use crate::error::{Error, Result};
+use crate::key::RecordKey;
 use crate::key::StreamKey;
+use crate::state::DeclarationError;
 use crate::step::{self, StepFactory, Value};
-use keyshift_core::keygroup::Key;
+use keyshift_core::keygroup::{Key, KeyGroupRange, KeyType};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::marker::PhantomData;
@@ -63,6 +65,7 @@ pub(crate) struct SourceSpec {
 /// A keyed stage: the shuffle (key and serialized record) and the step behind it.
 pub(crate) struct KeyedStage {
     pub(crate) uid: String,
+    pub(crate) key_type: KeyType,
     pub(crate) key_of: KeyOf,
     pub(crate) encode: Encode,
     pub(crate) factory: StepFactory,
@@ -97,6 +100,125 @@ pub enum JobDefinitionError {
     DuplicateUid { job: String, uid: String },
     #[error("job {0:?} has no keyed step: keyshift runs keyed jobs")]
     NoKeyedStep(String),
+    #[error(
+        "job {job:?} has {steps} keyed steps: the worker runtime runs jobs with one keyed step (stateless steps may come before and after it)"
+    )]
+    KeyedSteps { job: String, steps: usize },
+}
+
+/// Applies the stateless stages `stages` (all of them stateless) to `items`.
+pub(crate) fn stateless(
+    stages: &[Stage],
+    mut items: Vec<(i64, Value)>,
+) -> Result<Vec<(i64, Value)>> {
+    for stage in stages {
+        if let Stage::Stateless(f) = stage {
+            let mut next = Vec::with_capacity(items.len());
+            for (ts, v) in items {
+                f(ts, v, &mut next)?;
+            }
+            items = next;
+        }
+    }
+    Ok(items)
+}
+
+/// A job as the worker runtime runs it: its one keyed step, what comes before it (the source's
+/// lines decoded and carried through the stateless steps to the key-group shuffle, keyed and
+/// serialized) and what comes after it (the step's output carried through the stateless steps
+/// after it to the sink's lines).
+pub struct Program {
+    job: Job,
+    /// The index of the keyed stage in `job.stages`.
+    keyed: usize,
+}
+
+impl std::fmt::Debug for Program {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Program")
+            .field("job", &self.job.name)
+            .field("step", &self.uid())
+            .finish()
+    }
+}
+
+impl Program {
+    /// The job, if the worker runtime can run it: a valid definition with one keyed step.
+    pub fn new(job: Job) -> Result<Program, JobDefinitionError> {
+        job.check()?;
+        let keyed: Vec<usize> = job
+            .stages
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| matches!(s, Stage::Keyed(_)))
+            .map(|(i, _)| i)
+            .collect();
+        match keyed[..] {
+            [keyed] => Ok(Program { job, keyed }),
+            _ => Err(JobDefinitionError::KeyedSteps {
+                job: job.name.clone(),
+                steps: keyed.len(),
+            }),
+        }
+    }
+
+    /// The job.
+    pub fn job(&self) -> &Job {
+        &self.job
+    }
+
+    fn stage(&self) -> &KeyedStage {
+        match &self.job.stages[self.keyed] {
+            Stage::Keyed(k) => k,
+            Stage::Stateless(_) => unreachable!("Program::new found a keyed stage here"),
+        }
+    }
+
+    /// The keyed step's uid: its name in snapshots.
+    pub fn uid(&self) -> &str {
+        &self.stage().uid
+    }
+
+    /// How the keyed step's keys hash (the type `key_by` returns).
+    pub fn key_type(&self) -> KeyType {
+        self.stage().key_type
+    }
+
+    /// Decodes one line of the source and carries it to the shuffle: `out(key, event time,
+    /// serialized record)` for every record the stateless steps before the keyed step make of
+    /// it (none if a filter drops it, several after a `flat_map`).
+    pub fn ingest(&self, line: &[u8], out: &mut dyn FnMut(RecordKey, i64, &[u8])) -> Result<()> {
+        let first = (self.job.source.decode)(line)?;
+        let items = stateless(&self.job.stages[..self.keyed], vec![first])?;
+        let stage = self.stage();
+        let mut bytes = Vec::new();
+        for (ts, v) in items {
+            let key = RecordKey::from((stage.key_of)(&v)?);
+            bytes.clear();
+            (stage.encode)(&v, &mut bytes)?;
+            out(key, ts, &bytes);
+        }
+        Ok(())
+    }
+
+    /// The keyed step's instance for a subtask owning `range` of `max_parallelism` groups.
+    pub fn step(
+        &self,
+        max_parallelism: u32,
+        range: KeyGroupRange,
+    ) -> Result<Box<dyn step::KeyedStep>, DeclarationError> {
+        (self.stage().factory)(max_parallelism, range)
+    }
+
+    /// Carries the keyed step's output through the stateless steps after it to the sink:
+    /// appends one line per record to `out`, returns how many.
+    pub fn emit(&self, output: Vec<(i64, Value)>, out: &mut Vec<u8>) -> Result<u64> {
+        let items = stateless(&self.job.stages[self.keyed + 1..], output)?;
+        for (_, v) in &items {
+            (self.job.sink.encode)(v, out)?;
+        }
+        Ok(items.len() as u64)
+    }
 }
 
 impl Job {
@@ -302,6 +424,7 @@ impl<K: StreamKey, T: Send + 'static> KeyedStream<K, T> {
     {
         let stage = KeyedStage {
             uid: uid.to_owned(),
+            key_type: K::KEY_TYPE,
             key_of: self.key,
             encode: Box::new(|v, out| {
                 let r = v
@@ -319,5 +442,139 @@ impl<K: StreamKey, T: Send + 'static> KeyedStream<K, T> {
             factory: step::factory(uid, factory),
         };
         self.stream.then(Stage::Keyed(stage))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prelude::*;
+    use crate::step::Routed;
+
+    #[derive(serde::Serialize, serde::Deserialize, Clone)]
+    struct Click {
+        user: String,
+        ts: i64,
+    }
+
+    /// Counts each user's clicks; emits the running count, and again when event time passes
+    /// a click by 10 ms.
+    struct Count;
+
+    impl KeyedProcessFunction for Count {
+        type Key = String;
+        type In = Click;
+        type Out = (String, u64);
+        type State = ValueHandle<u64>;
+
+        fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            s.value(ValueStateDescriptor::new("n"))
+        }
+
+        fn process(
+            &mut self,
+            c: Click,
+            n: &Self::State,
+            ctx: &mut Context<'_, String, (String, u64)>,
+        ) -> crate::Result<()> {
+            let v = ctx.value(n).get()?.unwrap_or(0) + 1;
+            ctx.value(n).set(v)?;
+            ctx.register_event_time_timer(c.ts + 10)?;
+            ctx.emit((c.user, v));
+            Ok(())
+        }
+
+        fn on_timer(
+            &mut self,
+            _timer: Timer,
+            n: &Self::State,
+            ctx: &mut Context<'_, String, (String, u64)>,
+        ) -> crate::Result<()> {
+            let v = ctx.value(n).get()?.unwrap_or(0);
+            ctx.emit((ctx.key().clone(), v * 100));
+            Ok(())
+        }
+    }
+
+    fn job() -> Job {
+        Job::json_lines::<Click>("clicks", "in", |c| c.ts)
+            .filter(|c| !c.user.is_empty())
+            .flat_map(|c: Click| [c.clone(), c])
+            .key_by(|c| c.user.clone())
+            .process("count", || Count)
+            .map(|(user, n)| format!("{user}={n}"))
+            .to_json_lines("out")
+    }
+
+    #[test]
+    fn a_program_runs_its_job_as_the_harness_does() {
+        let lines = [
+            r#"{"user":"a","ts":1}"#,
+            r#"{"user":"","ts":2}"#,
+            r#"{"user":"b","ts":3}"#,
+            r#"{"user":"a","ts":30}"#,
+        ];
+        let want = crate::testing::run_job(&job(), &lines, 1, 128, 0, lines.len()).unwrap();
+        let program = Program::new(job()).unwrap();
+        assert_eq!(program.uid(), "count");
+        assert_eq!(program.key_type(), KeyType::String);
+        let mut step = program
+            .step(128, KeyGroupRange { start: 0, end: 127 })
+            .unwrap();
+        let mut routed = Vec::new();
+        for line in lines {
+            program
+                .ingest(line.as_bytes(), &mut |key, ts, bytes| {
+                    routed.push((key, ts, bytes.to_vec()))
+                })
+                .unwrap();
+        }
+        assert_eq!(
+            routed.len(),
+            6,
+            "the filter dropped one line, flat_map doubled the rest"
+        );
+        let batch: Vec<Routed<'_>> = routed
+            .iter()
+            .map(|(key, ts, bytes)| Routed {
+                group: key.key_group(128),
+                key: key.clone(),
+                timestamp: *ts,
+                record: bytes,
+            })
+            .collect();
+        step.process_batch(&batch).unwrap();
+        step.advance_watermark(30).unwrap();
+        step.advance_watermark(i64::MAX).unwrap();
+        let mut out = Vec::new();
+        let rows = program.emit(step.take_output(), &mut out).unwrap();
+        let got: Vec<String> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        assert_eq!(rows as usize, got.len());
+        assert_eq!(got, want);
+        assert!(got.contains(&"\"b=200\"".to_owned()), "{got:?}");
+    }
+
+    #[test]
+    fn a_job_of_two_keyed_steps_is_refused_by_name() {
+        let two = Job::json_lines::<Click>("two", "in", |c| c.ts)
+            .key_by(|c| c.user.clone())
+            .process("first", || Count)
+            .map(|(user, _)| Click { user, ts: 0 })
+            .key_by(|c| c.user.clone())
+            .process("second", || Count)
+            .to_json_lines("out");
+        let err = Program::new(two).err().unwrap();
+        assert_eq!(
+            err,
+            JobDefinitionError::KeyedSteps {
+                job: "two".into(),
+                steps: 2
+            }
+        );
+        assert!(err.to_string().contains("one keyed step"), "{err}");
     }
 }

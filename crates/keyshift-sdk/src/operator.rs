@@ -150,11 +150,20 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     /// Live state entries (values, map and list elements, timers).
     pub fn entries(&self) -> usize {
         (0..self.range.len() as usize)
-            .map(|g| match &self.backend {
-                Backend::Heap(h) => h.len(g),
-                Backend::Bytes(b) => b.len(g),
-            })
+            .map(|g| self.index_entries(g))
             .sum()
+    }
+
+    /// Live state entries of `group` (0 if it is not owned).
+    pub fn group_entries(&self, group: u32) -> usize {
+        self.group_index(group).map_or(0, |i| self.index_entries(i))
+    }
+
+    fn index_entries(&self, index: usize) -> usize {
+        match &self.backend {
+            Backend::Heap(h) => h.len(index),
+            Backend::Bytes(b) => b.len(index),
+        }
     }
 
     fn group_index(&self, group: u32) -> Option<usize> {

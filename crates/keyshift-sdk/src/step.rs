@@ -65,6 +65,8 @@ pub trait KeyedStep: Send {
     fn restore_processing_time(&mut self, now: i64);
     /// State entries (timers included).
     fn entries(&self) -> usize;
+    /// State entries of `group` (timers included).
+    fn group_entries(&self, group: u32) -> usize;
 }
 
 /// A [`KeyedOperator`] as a [`KeyedStep`]: records deserialized with [`Postcard`].
@@ -173,6 +175,9 @@ where
     }
     fn restore_processing_time(&mut self, now: i64) {
         self.op.restore_processing_time(now)
+    }
+    fn group_entries(&self, group: u32) -> usize {
+        self.op.group_entries(group)
     }
     fn entries(&self) -> usize {
         self.op.entries()

@@ -438,14 +438,10 @@ pub fn run_job(
             .iter()
             .filter(|s| matches!(s, Stage::Keyed(_)))
             .count();
-        for stage in &job.stages[from..] {
+        for (i, stage) in job.stages.iter().enumerate().skip(from) {
             match stage {
-                Stage::Stateless(f) => {
-                    let mut next = Vec::with_capacity(items.len());
-                    for (ts, v) in items {
-                        f(ts, v, &mut next)?;
-                    }
-                    items = next;
+                Stage::Stateless(_) => {
+                    items = crate::dataflow::stateless(&job.stages[i..=i], items)?;
                 }
                 Stage::Keyed(k) => {
                     let mut bytes = Vec::new();

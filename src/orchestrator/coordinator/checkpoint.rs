@@ -269,7 +269,7 @@ impl Coordinator {
             snapshot_id: id,
             kind,
             completed_at: Utc::now(),
-            state_schema: crate::job::AGG_SCHEMA.to_owned(),
+            state_schema: crate::orchestrator::settings::state_schema(&self.identity).to_owned(),
             source_positions: positions,
             source_partitions: names,
             watermark,

@@ -106,14 +106,20 @@ pub struct FileSourceReader {
     files: Vec<PathBuf>,
     /// `files[i]`'s name relative to `dir`.
     names: Vec<String>,
-    fields: FieldMapping,
+    /// How a line becomes a record of the built-in aggregation (`None`: a program's source,
+    /// read line by line with [`FileSourceReader::read_lines`]).
+    fields: Option<FieldMapping>,
 }
 
 const CHUNK: usize = 256 * 1024;
 
 impl FileSourceReader {
-    /// Lists the partition files of `dir`.
-    pub fn open(dir: impl AsRef<Path>, fields: FieldMapping) -> Result<Self, FileSourceError> {
+    /// Lists the partition files of `dir`; `fields` make its lines records of the built-in
+    /// aggregation ([`FileSourceReader::read_batch`]), or none for a program's lines.
+    pub fn open(
+        dir: impl AsRef<Path>,
+        fields: Option<FieldMapping>,
+    ) -> Result<Self, FileSourceError> {
         let dir = dir.as_ref().to_path_buf();
         let io = |source| FileSourceError::Io {
             path: dir.clone(),
@@ -198,6 +204,31 @@ impl FileSourceReader {
         out: &mut Vec<Record>,
         max_records: usize,
     ) -> Result<FileBatch, FileSourceError> {
+        let Some(fields) = &self.fields else {
+            return Err(FileSourceError::Malformed {
+                file: self.path(partition)?.clone(),
+                offset,
+                reason: "this source feeds a program: its lines are read with read_lines".into(),
+            });
+        };
+        self.read_lines(partition, offset, max_records, &mut |line| {
+            out.push(parse_line(line, fields)?);
+            Ok(())
+        })
+    }
+
+    /// Reads up to `max_lines` non-blank lines of `partition` from byte `offset` (the start of
+    /// a line), handing each (without its line end) to `each`. A line `each` refuses is
+    /// returned as [`FileSourceError::Malformed`] at its offset; the lines before it were
+    /// handed over, but the caller should not advance past the last good position it was
+    /// given.
+    pub fn read_lines(
+        &self,
+        partition: u32,
+        offset: u64,
+        max_lines: usize,
+        each: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<FileBatch, FileSourceError> {
         let path = self.path(partition)?;
         let io = |source| FileSourceError::Io {
             path: path.clone(),
@@ -212,7 +243,7 @@ impl FileSourceReader {
         let mut records = 0usize;
         let mut eof = false;
         loop {
-            while records < max_records {
+            while records < max_lines {
                 let Some(nl) = memchr::memchr(b'\n', &buf[pos..]) else {
                     break;
                 };
@@ -223,17 +254,14 @@ impl FileSourceReader {
                 if line.iter().all(u8::is_ascii_whitespace) {
                     continue;
                 }
-                let record = parse_line(line, &self.fields).map_err(|reason| {
-                    FileSourceError::Malformed {
-                        file: path.clone(),
-                        offset: line_offset,
-                        reason,
-                    }
+                each(line).map_err(|reason| FileSourceError::Malformed {
+                    file: path.clone(),
+                    offset: line_offset,
+                    reason,
                 })?;
-                out.push(record);
                 records += 1;
             }
-            if records >= max_records || eof {
+            if records >= max_lines || eof {
                 break;
             }
             buf.drain(..pos);
@@ -387,7 +415,7 @@ mod tests {
         std::fs::write(dir.join("p-000.jsonl"), format!("{text}{partial}")).unwrap();
         std::fs::write(dir.join("p-001.jsonl"), line(5)).unwrap();
         std::fs::write(dir.join(".hidden"), "x").unwrap();
-        let src = FileSourceReader::open(&dir, fields(KeyType::String)).unwrap();
+        let src = FileSourceReader::open(&dir, Some(fields(KeyType::String))).unwrap();
         assert_eq!(src.partitions(), 2);
         for batch in [1usize, 3, 64, 5000] {
             let mut all = Vec::new();
@@ -435,7 +463,7 @@ mod tests {
             format!("{good}{{\"user\":\"x\",\"amount\":\"lots\",\"ts\":1}}\n{good}"),
         )
         .unwrap();
-        let src = FileSourceReader::open(&dir, fields(KeyType::String)).unwrap();
+        let src = FileSourceReader::open(&dir, Some(fields(KeyType::String))).unwrap();
         let mut out = Vec::new();
         let err = src.read_batch(0, 0, &mut out, 10).unwrap_err();
         match &err {
@@ -459,7 +487,7 @@ mod tests {
             Err(FileSourceError::NoSuchPartition { partition: 5, .. })
         ));
         assert!(matches!(
-            FileSourceReader::open(dir.join("nope"), fields(KeyType::Long)),
+            FileSourceReader::open(dir.join("nope"), Some(fields(KeyType::Long))),
             Err(FileSourceError::Io { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();
@@ -472,7 +500,7 @@ mod tests {
         std::fs::write(dir.join("a.jsonl"), format!("{}{}", line(2), line(3))).unwrap();
         std::fs::write(dir.join(".hidden"), "x").unwrap();
         std::fs::create_dir(dir.join("sub")).unwrap();
-        let src = FileSourceReader::open(&dir, fields(KeyType::String)).unwrap();
+        let src = FileSourceReader::open(&dir, Some(fields(KeyType::String))).unwrap();
         assert_eq!(src.names(), ["a.jsonl", "b.jsonl"]);
         assert!(src.file(0).unwrap().ends_with("a.jsonl"));
         let len = (line(2).len() + line(3).len()) as u64;
@@ -507,7 +535,7 @@ mod tests {
         let name = std::ffi::OsStr::from_bytes(b"p-\xff.jsonl");
         std::fs::write(dir.join(name), line(1)).unwrap();
         assert!(matches!(
-            FileSourceReader::open(&dir, fields(KeyType::String)),
+            FileSourceReader::open(&dir, Some(fields(KeyType::String))),
             Err(FileSourceError::NonUtf8Name { .. })
         ));
         std::fs::remove_dir_all(&dir).unwrap();

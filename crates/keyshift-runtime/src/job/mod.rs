@@ -30,7 +30,9 @@ pub mod aggregate;
 pub mod file_source;
 pub mod generator;
 pub mod kafka;
+pub mod keyed;
 pub mod oracle;
+pub mod program;
 pub use keyshift_core::positions;
 pub mod record;
 pub mod result;
@@ -44,12 +46,14 @@ pub use aggregate::{
 };
 pub use file_source::{FieldMapping, FileBatch, FileSourceError, FileSourceReader};
 pub use generator::{Generator, GeneratorError};
+pub use keyed::{GroupModes, Keyed};
 pub use oracle::{Expected, expected_results};
 pub use positions::{
     CurrentPartitions, GonePartition, MatchedBy, NewPartition, PositionRemap, PositionsError,
     remap_positions,
 };
-pub use record::{KeyRef, Record, RecordKey};
+pub use program::{PROGRAM_SCHEMA, ProgramError, ProgramStep, Programs};
+pub use record::{EncodedRecords, KeyRef, Record, RecordKey};
 pub use result::{LogSink, ResultRow, Window, format_json_line, format_json_row};
 pub use staging::{Output, SinkError, StagingSink, WriterId};
 pub use state_codec::{
@@ -60,7 +64,7 @@ pub use watermark::{PartitionWatermark, WatermarkTracker};
 
 use keyshift_core::duration::parse_duration;
 use keyshift_core::keygroup::{KeyGroupRange, KeyType, UPPER_BOUND_MAX_PARALLELISM};
-use keyshift_core::spec::{AggregateFunction, JobSpec, SinkSpec};
+use keyshift_core::spec::{AggregateFunction, JobLogic, JobSpec, SinkSpec};
 use std::collections::BTreeMap;
 
 /// Runtime options that are not part of the StreamJob spec (set by the runtime or a benchmark).
@@ -115,6 +119,32 @@ pub enum JobError {
     File(#[from] FileSourceError),
     #[error(transparent)]
     Aggregate(#[from] AggregateError),
+    #[error("{}", keyshift_core::rules::MSG_JOB_LOGIC)]
+    Logic,
+    #[error(
+        "spec.job.program.name {name:?}: this worker image has no such program (it has: {available}); use an image built with it, or one of these"
+    )]
+    UnknownProgram { name: String, available: String },
+    #[error("{}", keyshift_core::rules::MSG_PROGRAM_SOURCE)]
+    ProgramSource,
+    #[error("spec.job.program.maxOutOfOrderness {0:?} is not a duration such as 0s, 500ms or 2s")]
+    ProgramOutOfOrderness(String),
+    #[error("the job runs program {0:?}, not the built-in aggregation")]
+    NotAggregate(String),
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+}
+
+/// What runs in a compiled job's keyed operator.
+#[derive(Debug, Clone)]
+pub enum Logic {
+    /// The built-in aggregation.
+    Aggregate(AggConfig),
+    /// A program the worker binary carries.
+    Program {
+        name: String,
+        program: std::sync::Arc<keyshift_sdk::dataflow::Program>,
+    },
 }
 
 /// The source of a compiled job.
@@ -150,8 +180,8 @@ pub struct CompiledJob {
     pub source: SourceKind,
     /// The key type.
     pub key_type: KeyType,
-    /// The aggregation operator's configuration.
-    pub agg: AggConfig,
+    /// What runs in the keyed operator.
+    pub logic: Logic,
     /// Tumbling window size, if any.
     pub window_size_ms: Option<i64>,
     /// Bounded out-of-orderness of the per-partition watermarks.
@@ -165,28 +195,84 @@ fn duration_ms(text: &str) -> Option<i64> {
 }
 
 /// Checks a job spec and builds its source and operator configuration for `max_parallelism`
-/// key groups.
+/// key groups (a job of the built-in aggregation: a program needs [`compile_for`] with the
+/// worker's programs).
 pub fn compile(
     spec: &JobSpec,
     max_parallelism: u32,
     options: &JobOptions,
 ) -> Result<CompiledJob, JobError> {
-    compile_for(spec, max_parallelism, options, "", "")
+    compile_for(spec, max_parallelism, options, "", "", &Programs::new())
 }
 
-/// [`compile`] for the job `namespace/name` (a Kafka source's default consumer group names it).
-/// A Kafka source connects to its brokers and lists its partitions here (blocking).
+/// [`compile`] for the job `namespace/name` (a Kafka source's default consumer group names it)
+/// in a worker carrying `programs`. A Kafka source connects to its brokers and lists its
+/// partitions here (blocking).
 pub fn compile_for(
     spec: &JobSpec,
     max_parallelism: u32,
     options: &JobOptions,
     namespace: &str,
     name: &str,
+    programs: &Programs,
 ) -> Result<CompiledJob, JobError> {
     if !(1..=UPPER_BOUND_MAX_PARALLELISM).contains(&max_parallelism) {
         return Err(JobError::MaxParallelism(max_parallelism));
     }
-    let (window_size_ms, max_out_of_orderness_ms) = match &spec.window {
+    if spec.sink.sink_type == keyshift_core::spec::SinkType::Kafka && !cfg!(feature = "kafka") {
+        return Err(JobError::KafkaSinkNotBuilt);
+    }
+    if spec.source.kafka.is_some()
+        && (spec.source.generator.is_some() || spec.source.file.is_some())
+    {
+        return Err(JobError::SourceOneOf);
+    }
+    let (key, aggregation, window) = match spec.logic().ok_or(JobError::Logic)? {
+        JobLogic::Builtin {
+            key,
+            aggregation,
+            window,
+        } => (key, aggregation, window),
+        JobLogic::Program(p) => {
+            let program = programs
+                .get(&p.name)
+                .ok_or_else(|| JobError::UnknownProgram {
+                    name: p.name.clone(),
+                    available: match programs.names() {
+                        names if names.is_empty() => "none".to_owned(),
+                        names => names.join(", "),
+                    },
+                })?;
+            let Some(f) = (match (
+                &spec.source.generator,
+                &spec.source.file,
+                &spec.source.kafka,
+            ) {
+                (None, Some(f), None) => Some(f),
+                _ => None,
+            }) else {
+                return Err(JobError::ProgramSource);
+            };
+            let max_out_of_orderness_ms = match &p.max_out_of_orderness {
+                None => 0,
+                Some(t) => {
+                    duration_ms(t).ok_or_else(|| JobError::ProgramOutOfOrderness(t.clone()))?
+                }
+            };
+            return Ok(CompiledJob {
+                source: SourceKind::File(FileSourceReader::open(file_dir(f)?, None)?),
+                key_type: program.key_type(),
+                logic: Logic::Program {
+                    name: p.name.clone(),
+                    program,
+                },
+                window_size_ms: None,
+                max_out_of_orderness_ms,
+                sink: spec.sink.clone(),
+            });
+        }
+    };
+    let (window_size_ms, max_out_of_orderness_ms) = match window {
         None => (None, 0),
         Some(w) => {
             let size = duration_ms(&w.size)
@@ -199,28 +285,26 @@ pub fn compile_for(
             (Some(size), ooo)
         }
     };
-    if spec.sink.sink_type == keyshift_core::spec::SinkType::Kafka && !cfg!(feature = "kafka") {
-        return Err(JobError::KafkaSinkNotBuilt);
-    }
-    let key_type = spec.key.key_type;
-    if spec.source.kafka.is_some()
-        && (spec.source.generator.is_some() || spec.source.file.is_some())
-    {
-        return Err(JobError::SourceOneOf);
-    }
-    let needs_value = spec.aggregation.function != AggregateFunction::Count;
+    let key_type = key.key_type;
+    let needs_value = aggregation.function != AggregateFunction::Count;
+    let logic = Logic::Aggregate(AggConfig {
+        function: aggregation.function,
+        window_size_ms,
+        max_parallelism,
+        state_payload_bytes: options.state_payload_bytes,
+    });
     if let Some(k) = &spec.source.kafka {
-        if needs_value && spec.aggregation.field.is_none() {
+        if needs_value && aggregation.field.is_none() {
             return Err(JobError::AggregationField);
         }
         #[cfg(feature = "kafka")]
         {
             let fields = kafka::source::KafkaFields {
                 key_from: k.key_from,
-                key_field: spec.key.field.clone(),
+                key_field: key.field.clone(),
                 key_type,
                 value_field: if needs_value {
-                    spec.aggregation.field.clone()
+                    aggregation.field.clone()
                 } else {
                     None
                 },
@@ -234,12 +318,7 @@ pub fn compile_for(
             return Ok(CompiledJob {
                 source: SourceKind::Kafka(std::sync::Arc::new(reader)),
                 key_type,
-                agg: AggConfig {
-                    function: spec.aggregation.function,
-                    window_size_ms,
-                    max_parallelism,
-                    state_payload_bytes: options.state_payload_bytes,
-                },
+                logic,
                 window_size_ms,
                 max_out_of_orderness_ms,
                 sink: spec.sink.clone(),
@@ -254,44 +333,43 @@ pub fn compile_for(
     let source = match (&spec.source.generator, &spec.source.file) {
         (Some(g), None) => SourceKind::Generator(Generator::new(g, key_type)?),
         (None, Some(f)) => {
-            if needs_value && spec.aggregation.field.is_none() {
+            if needs_value && aggregation.field.is_none() {
                 return Err(JobError::AggregationField);
             }
             if window_size_ms.is_some() && f.timestamp_field.is_none() {
                 return Err(JobError::TimestampField);
             }
             let fields = FieldMapping {
-                key_field: spec.key.field.clone(),
+                key_field: key.field.clone(),
                 key_type,
                 value_field: if needs_value {
-                    spec.aggregation.field.clone()
+                    aggregation.field.clone()
                 } else {
                     None
                 },
                 timestamp_field: f.timestamp_field.clone(),
             };
-            // A local directory, as a path or a file:// URL.
-            let dir = f.path.strip_prefix("file://").unwrap_or(&f.path);
-            if dir.contains("://") {
-                return Err(JobError::FileSourceLocation(f.path.clone()));
-            }
-            SourceKind::File(FileSourceReader::open(dir, fields)?)
+            SourceKind::File(FileSourceReader::open(file_dir(f)?, Some(fields))?)
         }
         _ => return Err(JobError::SourceOneOf),
     };
     Ok(CompiledJob {
         source,
         key_type,
-        agg: AggConfig {
-            function: spec.aggregation.function,
-            window_size_ms,
-            max_parallelism,
-            state_payload_bytes: options.state_payload_bytes,
-        },
+        logic,
         window_size_ms,
         max_out_of_orderness_ms,
         sink: spec.sink.clone(),
     })
+}
+
+/// A file source's local directory (a path or a file:// URL).
+fn file_dir(f: &keyshift_core::spec::FileSource) -> Result<&str, JobError> {
+    let dir = f.path.strip_prefix("file://").unwrap_or(&f.path);
+    if dir.contains("://") {
+        return Err(JobError::FileSourceLocation(f.path.clone()));
+    }
+    Ok(dir)
 }
 
 impl CompiledJob {
@@ -381,6 +459,34 @@ impl CompiledJob {
         }
     }
 
+    /// Reads up to `max` lines of `partition` from `position` through the job's program (its
+    /// source's decoding and the stateless steps before its keyed step): every record they
+    /// make is appended to `out`. A line the program refuses is a malformed record at its
+    /// offset.
+    pub fn read_program(
+        &self,
+        partition: u32,
+        position: u64,
+        out: &mut EncodedRecords,
+        max: usize,
+    ) -> Result<SourceBatch, JobError> {
+        let (Logic::Program { program, .. }, SourceKind::File(f)) = (&self.logic, &self.source)
+        else {
+            return Err(JobError::ProgramSource);
+        };
+        let b = f.read_lines(partition, position, max, &mut |line| {
+            program
+                .ingest(line, &mut |key, ts, record| out.push(key, ts, record))
+                .map_err(|e| e.to_string())
+        })?;
+        Ok(SourceBatch {
+            records: b.records,
+            next_position: b.next_offset,
+            at_end: b.at_end,
+            finished: false,
+        })
+    }
+
     /// How long a source partition may go without records before it stops holding the
     /// watermark back (Kafka's idleTimeout); None: never.
     pub fn idle_timeout(&self) -> Option<std::time::Duration> {
@@ -391,9 +497,34 @@ impl CompiledJob {
         }
     }
 
-    /// A keyed aggregation operator for the groups in `range`.
+    /// A keyed aggregation operator for the groups in `range` (a job of the built-in
+    /// aggregation).
     pub fn new_aggregator(&self, range: KeyGroupRange) -> Result<KeyedAggregator, JobError> {
-        Ok(KeyedAggregator::new(self.agg, range)?)
+        match &self.logic {
+            Logic::Aggregate(config) => Ok(KeyedAggregator::new(*config, range)?),
+            Logic::Program { name, .. } => Err(JobError::NotAggregate(name.clone())),
+        }
+    }
+
+    /// The keyed operator for the groups in `range` of `max_parallelism`.
+    pub fn new_keyed(&self, max_parallelism: u32, range: KeyGroupRange) -> Result<Keyed, JobError> {
+        match &self.logic {
+            Logic::Aggregate(config) => Ok(Keyed::Aggregate(KeyedAggregator::new(*config, range)?)),
+            Logic::Program { name, program } => Ok(Keyed::Program(ProgramStep::new(
+                name,
+                program.clone(),
+                max_parallelism,
+                range,
+            )?)),
+        }
+    }
+
+    /// The program it runs, if any.
+    pub fn program(&self) -> Option<&keyshift_sdk::dataflow::Program> {
+        match &self.logic {
+            Logic::Program { program, .. } => Some(program),
+            Logic::Aggregate(_) => None,
+        }
     }
 
     /// A fresh watermark generator for one source partition.

@@ -100,7 +100,10 @@ pub fn expected_results(
     positions: &BTreeMap<u32, u64>,
 ) -> Result<Expected, JobError> {
     let job = compile(spec, 128, &Default::default())?;
-    let f = spec.aggregation.function;
+    let f = match &job.logic {
+        super::Logic::Aggregate(config) => config.function,
+        super::Logic::Program { name, .. } => return Err(JobError::NotAggregate(name.clone())),
+    };
     let size = job.window_size_ms;
     let mut global: BTreeMap<Key, i64> = BTreeMap::new();
     let mut windowed: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();

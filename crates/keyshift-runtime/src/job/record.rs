@@ -261,6 +261,96 @@ pub fn decode_record(buf: &[u8]) -> Result<(Record, usize), WireError> {
     Ok((Record { key, value, ts }, r.pos))
 }
 
+/// Records of a program (a job written with keyshift's SDK) as they cross the shuffle: each
+/// one's key, event time and serialized form (the program's own), the forms end to end in one
+/// buffer so that a batch is two allocations, not one per record.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EncodedRecords {
+    /// Key, event time and the end of its form in `bytes`.
+    records: Vec<(RecordKey, i64, u32)>,
+    bytes: Vec<u8>,
+}
+
+impl EncodedRecords {
+    /// Room for `records` records.
+    pub fn with_capacity(records: usize) -> Self {
+        EncodedRecords {
+            records: Vec::with_capacity(records),
+            bytes: Vec::with_capacity(records * 32),
+        }
+    }
+
+    /// Appends a record.
+    pub fn push(&mut self, key: RecordKey, ts: i64, record: &[u8]) {
+        self.bytes.extend_from_slice(record);
+        self.records.push((key, ts, self.bytes.len() as u32));
+    }
+
+    /// Records in the batch.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// Empties it, keeping its memory.
+    pub fn clear(&mut self) {
+        self.records.clear();
+        self.bytes.clear();
+    }
+
+    /// Whether it holds no record.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// Bytes of the records' forms.
+    pub fn bytes_len(&self) -> usize {
+        self.bytes.len()
+    }
+
+    /// The records in order: key, event time, serialized form.
+    pub fn iter(&self) -> impl Iterator<Item = (&RecordKey, i64, &[u8])> {
+        let mut start = 0usize;
+        self.records.iter().map(move |(key, ts, end)| {
+            let end = *end as usize;
+            let record = &self.bytes[start..end];
+            start = end;
+            (key, *ts, record)
+        })
+    }
+}
+
+/// Appends a batch of [`EncodedRecords`] in the shuffle wire form: `u32` count, then each
+/// record's key ([`encode_key`]), event time (8 bytes little-endian), and its form (varint
+/// length, bytes).
+pub fn encode_encoded(batch: &EncodedRecords, out: &mut Vec<u8>) {
+    out.extend_from_slice(&(batch.len() as u32).to_le_bytes());
+    for (key, ts, record) in batch.iter() {
+        encode_key(key, out);
+        out.extend_from_slice(&ts.to_le_bytes());
+        put_varint(out, record.len() as u64);
+        out.extend_from_slice(record);
+    }
+}
+
+/// Reads a batch written by [`encode_encoded`] (the whole of `buf`).
+pub fn decode_encoded(buf: &[u8]) -> Result<EncodedRecords, WireError> {
+    let mut r = Reader::new(buf);
+    let count = r.u32()? as usize;
+    // Sized by what the input can hold (a record is at least 11 bytes), never by the count alone.
+    let mut batch = EncodedRecords::with_capacity(count.min(buf.len() / 11));
+    for _ in 0..count {
+        let key = read_key(&mut r)?;
+        let ts = r.i64()?;
+        let n = r.len()?;
+        let record = r.bytes(n)?;
+        batch.push(key, ts, record);
+    }
+    if r.remaining() != 0 {
+        return Err(WireError::BadLength { offset: r.pos });
+    }
+    Ok(batch)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -393,5 +483,35 @@ mod tests {
             decode_record(&[9, 0, 0]),
             Err(WireError::BadKeyTag { tag: 9, .. })
         ));
+    }
+
+    #[test]
+    fn encoded_records_round_trip_and_a_bad_frame_is_an_error() {
+        let mut batch = EncodedRecords::with_capacity(2);
+        batch.push(RecordKey::string("user-1"), 7, b"\x01\x02");
+        batch.push(RecordKey::long(-3), -9, b"");
+        batch.push(RecordKey::int(5), 11, b"xyz");
+        let mut out = Vec::new();
+        encode_encoded(&batch, &mut out);
+        let back = decode_encoded(&out).unwrap();
+        assert_eq!(back, batch);
+        let got: Vec<_> = back
+            .iter()
+            .map(|(k, ts, r)| (k.clone(), ts, r.to_vec()))
+            .collect();
+        assert_eq!(
+            got,
+            vec![
+                (RecordKey::string("user-1"), 7, b"\x01\x02".to_vec()),
+                (RecordKey::long(-3), -9, Vec::new()),
+                (RecordKey::int(5), 11, b"xyz".to_vec()),
+            ]
+        );
+        for cut in 0..out.len() {
+            assert!(decode_encoded(&out[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut longer = out.clone();
+        longer.push(0);
+        assert!(decode_encoded(&longer).is_err());
     }
 }

@@ -30,14 +30,15 @@ fn spec(
             file: None,
             kafka: None,
         },
-        key: KeySpec {
+        program: None,
+        key: Some(KeySpec {
             field: "key".into(),
             key_type,
-        },
-        aggregation: AggregationSpec {
+        }),
+        aggregation: Some(AggregationSpec {
             function,
             field: Some("value".into()),
-        },
+        }),
         window: window.map(|size| WindowSpec {
             size: size.into(),
             max_out_of_orderness: Some("1s".into()),
@@ -160,7 +161,12 @@ fn check(spec: &JobSpec, parallelism: u32) {
     let got = Expected::from_rows(windowed, job.all_rows()).unwrap();
     let want = expected_results(spec, &job.positions).unwrap();
     assert!(want.keys() > 100, "the test covers many keys");
-    assert_eq!(got, want, "{:?} p={parallelism}", spec.aggregation.function);
+    assert_eq!(
+        got,
+        want,
+        "{:?} p={parallelism}",
+        spec.aggregation.as_ref().map(|a| a.function)
+    );
     assert!(job.ops.iter().all(|o| o.late_records() == 0));
     if windowed {
         assert!(!job.fired.is_empty(), "some windows fired on the way");

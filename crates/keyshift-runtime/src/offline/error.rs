@@ -37,6 +37,16 @@ pub enum ToolError {
         source: CodecError,
     },
 
+    /// A program's key-group block does not decode or does not belong where the manifest
+    /// puts it.
+    #[error("state file {file}: key group {group}: {source}")]
+    ProgramBlock {
+        file: String,
+        group: u32,
+        #[source]
+        source: keyshift_sdk::BlockError,
+    },
+
     /// A block's header (or entry count) contradicts the manifest.
     #[error(
         "state file {file}: key group {group}: the block says {what} is {block}, the manifest says {manifest}"

@@ -247,6 +247,18 @@ pub(crate) fn check_block(manifest: &Manifest, b: &Block, shape: &mut Option<Sha
     let Some(entry) = manifest.group(b.group) else {
         return Ok(());
     };
+    if manifest.state_schema == crate::job::PROGRAM_SCHEMA {
+        // A program's block: decoded by the SDK, its group, key-group count and every key's
+        // group checked (its step and states are the job's to check on restore).
+        keyshift_sdk::block::check(&b.bytes, b.group, manifest.max_parallelism).map_err(
+            |source| ToolError::ProgramBlock {
+                file: b.file.to_string(),
+                group: b.group,
+                source,
+            },
+        )?;
+        return Ok(());
+    }
     let header = state_codec::decode_header(&b.bytes).map_err(codec)?;
     blocks::check_header(manifest, entry, &header, shape)?;
     let max_p = manifest.max_parallelism;

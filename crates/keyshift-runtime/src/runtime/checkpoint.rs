@@ -16,7 +16,10 @@
 //! ([`StateWriteFailed::lines`]) for the caller to keep for the next snapshot.
 
 use super::incremental::{Base, ChainPolicy};
-use crate::job::{EncodedGroup, FrozenGroup, GroupMode, GroupSnapshot, KeyedAggregator};
+use crate::job::{
+    EncodedGroup, FrozenGroup, GroupMode, GroupModes, GroupSnapshot, KeyedAggregator, ProgramError,
+    ProgramStep,
+};
 use crate::snapshot::{self, ObjectStore, Path};
 use crate::snapshot::{SnapshotError, SnapshotWriter, SubtaskSnapshot};
 use bytes::Bytes;
@@ -119,7 +122,9 @@ pub struct StateWriteFailed {
 pub struct Cut {
     /// Every owned group, in group order (once [`finish_cut`] added the deltas still being
     /// copied).
-    pub groups: Vec<FrozenGroup>,
+    pub groups: Vec<CutGroup>,
+    /// How the blocks are encoded (what compacts a chain of them).
+    pub codec: Codec,
     /// The drained result lines with [`Updates::Keep`] (empty otherwise).
     pub lines: Vec<u8>,
     /// Result rows drained (written to stdout or in `lines`).
@@ -129,16 +134,118 @@ pub struct Cut {
     updates: Updates,
 }
 
+/// One group of a [`Cut`]: the aggregation's entries copied out at the barrier (encoded by
+/// [`upload_cut`]), or a program's block, encoded at the barrier.
+#[derive(Debug)]
+pub enum CutGroup {
+    Frozen(FrozenGroup),
+    Encoded(EncodedGroup),
+}
+
+impl CutGroup {
+    /// The key group.
+    pub fn group(&self) -> u32 {
+        match self {
+            CutGroup::Frozen(f) => f.group(),
+            CutGroup::Encoded(e) => e.group,
+        }
+    }
+
+    /// Keys in the group at the barrier.
+    pub fn keys(&self) -> u64 {
+        match self {
+            CutGroup::Frozen(f) => f.keys(),
+            CutGroup::Encoded(e) => e.keys,
+        }
+    }
+
+    /// Entries copied out at the barrier, to be encoded later (none for a block encoded at
+    /// the barrier).
+    pub fn entries(&self) -> u64 {
+        match self {
+            CutGroup::Frozen(f) => f.entries(),
+            CutGroup::Encoded(_) => 0,
+        }
+    }
+
+    /// The group's block as of the barrier.
+    pub fn encode(self) -> EncodedGroup {
+        match self {
+            CutGroup::Frozen(f) => f.encode(),
+            CutGroup::Encoded(e) => e,
+        }
+    }
+}
+
+/// How a snapshot's blocks are encoded: what merges a group's chain into one block when a
+/// checkpoint compacts it ([`Base::compacts`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Codec {
+    /// The built-in aggregation's blocks ([`crate::job::state_codec`]).
+    Aggregate,
+    /// A program's blocks ([`keyshift_sdk::block`]).
+    Program,
+}
+
+impl Codec {
+    /// `first` and its `deltas` merged into one whole block of `group`: its bytes and entries.
+    fn merge(self, group: u32, first: &Bytes, deltas: &[Bytes]) -> Result<(Vec<u8>, u64), String> {
+        match self {
+            Codec::Aggregate => {
+                crate::job::state_codec::merge_chain(first, deltas).map_err(|e| e.to_string())
+            }
+            Codec::Program => {
+                crate::job::program::compact_chain(group, first, deltas).map_err(|e| e.to_string())
+            }
+        }
+    }
+}
+
 impl Cut {
     /// Keys of every owned group at the barrier, in group order (complete once
     /// [`finish_cut`] added the deltas still being copied).
     pub fn keys_per_group(&self) -> Vec<u64> {
-        self.groups.iter().map(FrozenGroup::keys).collect()
+        self.groups.iter().map(CutGroup::keys).collect()
     }
 
     /// Entries copied out to be encoded after the barrier.
     pub fn entries(&self) -> u64 {
-        self.groups.iter().map(FrozenGroup::entries).sum()
+        self.groups.iter().map(CutGroup::entries).sum()
+    }
+}
+
+/// Takes a program's cut at a barrier: every owned group encoded as a checkpoint on top of
+/// `base` writes it (or whole without one), on the calling thread. Its output is not part of
+/// the cut: the program emits as it processes, and the caller stages what it emitted before
+/// the barrier.
+pub fn take_program_cut(step: &mut ProgramStep, base: Option<&Base>) -> Result<Cut, ProgramError> {
+    let range = step.range();
+    let mut groups = Vec::with_capacity(range.len() as usize);
+    for g in range.iter() {
+        let mode = base.map_or(GroupMode::Full, |b| b.mode(&*step, g));
+        let (block, entries) = step.encode_group(g, mode)?.unwrap_or_default();
+        groups.push(CutGroup::Encoded(EncodedGroup {
+            group: g,
+            block,
+            entries,
+            rows: 0,
+            mode,
+            keys: step.group_entries(g),
+        }));
+    }
+    Ok(Cut {
+        groups,
+        codec: Codec::Program,
+        lines: Vec::new(),
+        rows: 0,
+        capturing: false,
+        updates: Updates::Skip,
+    })
+}
+
+impl GroupModes for ProgramStep {
+    fn group_mode(&self, group: u32, since: u32) -> GroupMode {
+        ProgramStep::group_mode(self, group, since)
     }
 }
 
@@ -181,17 +288,18 @@ pub async fn take_cut(
         let mut buf = lines.drains().then(Vec::new);
         let f = g.freeze(buf.as_mut());
         lines.add(buf.unwrap_or_default(), f.rows());
-        groups.push(f);
+        groups.push(CutGroup::Frozen(f));
     }
     let capturing = !deferred.is_empty();
     if let Some(now) = agg.begin_capture(deferred, lines.drains()) {
         lines.add(now.lines, now.rows);
-        groups.extend(now.groups);
-        groups.sort_by_key(FrozenGroup::group);
+        groups.extend(now.groups.into_iter().map(CutGroup::Frozen));
+        groups.sort_by_key(CutGroup::group);
     }
     let (lines, rows) = lines.finish().await;
     Cut {
         groups,
+        codec: Codec::Aggregate,
         lines,
         rows,
         capturing: capturing && agg.capturing(),
@@ -210,8 +318,9 @@ pub async fn finish_cut(agg: &mut KeyedAggregator, cut: &mut Cut) -> (Vec<u8>, u
     let Some(captured) = agg.take_captured() else {
         return (Vec::new(), 0);
     };
-    cut.groups.extend(captured.groups);
-    cut.groups.sort_by_key(FrozenGroup::group);
+    cut.groups
+        .extend(captured.groups.into_iter().map(CutGroup::Frozen));
+    cut.groups.sort_by_key(CutGroup::group);
     let mut lines = Lines::new(cut.updates);
     lines.add(captured.lines, captured.rows);
     let (lines, rows) = lines.finish().await;
@@ -225,7 +334,8 @@ pub async fn finish_cut(agg: &mut KeyedAggregator, cut: &mut Cut) -> (Vec<u8>, u
 /// ([`Base::compacts`]) is merged here with the group's chain, read back from `store` (`dir` is
 /// the new snapshot's directory), and written as the whole group.
 pub async fn upload_cut(
-    groups: Vec<FrozenGroup>,
+    groups: Vec<CutGroup>,
+    codec: Codec,
     mut writer: SnapshotWriter,
     base: Option<&Base>,
     policy: ChainPolicy,
@@ -233,7 +343,7 @@ pub async fn upload_cut(
     dir: &Path,
 ) -> Result<SubtaskSnapshot, SnapshotError> {
     for g in groups {
-        let r = write_cut_group(g.encode(), &mut writer, base, policy, store, dir).await;
+        let r = write_cut_group(g.encode(), codec, &mut writer, base, policy, store, dir).await;
         if let Err(err) = r {
             let _ = writer.abort().await;
             return Err(err);
@@ -244,6 +354,7 @@ pub async fn upload_cut(
 
 async fn write_cut_group(
     e: EncodedGroup,
+    codec: Codec,
     writer: &mut SnapshotWriter,
     base: Option<&Base>,
     policy: ChainPolicy,
@@ -276,14 +387,13 @@ async fn write_cut_group(
             let prior = prior()?;
             let (first, mut deltas) = snapshot::read_chain(store, dir, &prior).await?;
             deltas.push(Bytes::from(e.block));
-            let (merged, entries) =
-                crate::job::state_codec::merge_chain(&first, &deltas).map_err(|err| {
-                    SnapshotError::ChainUnreadable {
-                        path: snapshot::file_path(dir, &prior.file).to_string(),
-                        group: e.group,
-                        reason: err.to_string(),
-                    }
-                })?;
+            let (merged, entries) = codec.merge(e.group, &first, &deltas).map_err(|reason| {
+                SnapshotError::ChainUnreadable {
+                    path: snapshot::file_path(dir, &prior.file).to_string(),
+                    group: e.group,
+                    reason,
+                }
+            })?;
             writer
                 .write_group(e.group, Bytes::from(merged), entries)
                 .await

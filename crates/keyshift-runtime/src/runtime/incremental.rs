@@ -21,7 +21,7 @@
 //! kept manifest refers to, so the blocks a checkpoint builds on are there when it commits (and
 //! the coordinator checks that they are, with their sizes, before it commits).
 
-use crate::job::{GroupMode, KeyedAggregator};
+use crate::job::{GroupMode, GroupModes};
 use crate::snapshot::{
     FileEntry, GroupEntry, Manifest, SnapshotKind, SubtaskSnapshot, referenced_file_name,
 };
@@ -187,7 +187,7 @@ impl Base {
     }
 
     /// How the next checkpoint's cut takes `group` on top of this one.
-    pub fn mode(&self, agg: &KeyedAggregator, group: u32) -> GroupMode {
+    pub fn mode(&self, agg: &impl GroupModes, group: u32) -> GroupMode {
         match self.groups.get(&group) {
             Some(prior) if prior.length > 0 => agg.group_mode(group, self.cut),
             _ => GroupMode::Full,
@@ -484,7 +484,7 @@ mod tests {
             state_payload_bytes: 0,
         };
         let range = KeyGroupRange { start: 0, end: 3 };
-        let mut agg = KeyedAggregator::new(config, range).unwrap();
+        let mut agg = crate::job::KeyedAggregator::new(config, range).unwrap();
         let key = (0..100)
             .map(RecordKey::long)
             .find(|k| k.key_group(4) == 1)

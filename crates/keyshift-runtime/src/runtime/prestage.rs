@@ -18,7 +18,7 @@
 //!   replace the group.
 
 use super::restore::{Progress, RestoreError};
-use crate::job::KeyedAggregator;
+use crate::job::{Keyed, KeyedAggregator, ProgramStep};
 use crate::snapshot::{self, DeltaBlock, GroupEntry, Manifest, ObjectStore, Path};
 use keyshift_core::keygroup::KeyGroupRange;
 
@@ -210,7 +210,7 @@ pub fn batches(plan: &DeltaPlan, budget: u64) -> Vec<&[GroupApply]> {
 /// whole before any of it is applied). On an error `agg` may hold groups applied or half
 /// applied: the caller drops it (the worker fails its start and is started afresh).
 pub async fn apply(
-    agg: &mut KeyedAggregator,
+    keyed: &mut Keyed,
     store: &dyn ObjectStore,
     dir: &Path,
     plan: &DeltaPlan,
@@ -218,7 +218,10 @@ pub async fn apply(
 ) -> Result<Applied, RestoreError> {
     let mut bytes_read = 0;
     for batch in batches(plan, APPLY_BATCH_BYTES) {
-        bytes_read += apply_batch(agg, store, dir, batch, progress).await?;
+        bytes_read += match keyed {
+            Keyed::Aggregate(agg) => apply_batch(agg, store, dir, batch, progress).await?,
+            Keyed::Program(step) => apply_program_batch(step, store, dir, batch, progress).await?,
+        };
     }
     Ok(Applied {
         groups: plan.groups.len() as u32,
@@ -226,13 +229,13 @@ pub async fn apply(
     })
 }
 
-async fn apply_batch(
-    agg: &mut KeyedAggregator,
+/// The blocks of `groups` as [`fetch_deltas`](snapshot::fetch_deltas) reads them, by group.
+async fn fetch_batch(
     store: &dyn ObjectStore,
     dir: &Path,
     groups: &[GroupApply],
     progress: Option<&Progress>,
-) -> Result<u64, RestoreError> {
+) -> Result<(u64, std::collections::BTreeMap<u32, Vec<bytes::Bytes>>), RestoreError> {
     let entries: Vec<GroupEntry> = groups
         .iter()
         .map(|g| GroupEntry {
@@ -245,10 +248,43 @@ async fn apply_batch(
             deltas: g.blocks.clone(),
         })
         .collect();
-    let (bytes_read, mut blocks) = snapshot::fetch_deltas(store, dir, &entries).await?;
+    let (bytes_read, blocks) = snapshot::fetch_deltas(store, dir, &entries).await?;
     if let Some(p) = progress {
         p.add(bytes_read, groups.len() as u32);
     }
+    Ok((bytes_read, blocks))
+}
+
+/// A program's groups of one batch: each group's blocks applied over what its step holds (or
+/// replacing it).
+async fn apply_program_batch(
+    step: &mut ProgramStep,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    groups: &[GroupApply],
+    progress: Option<&Progress>,
+) -> Result<u64, RestoreError> {
+    let (bytes_read, mut blocks) = fetch_batch(store, dir, groups, progress).await?;
+    for g in groups {
+        let blocks = blocks.remove(&g.group).unwrap_or_default();
+        let chain: Vec<&[u8]> = blocks.iter().map(|b| b.as_ref()).collect();
+        if g.replace && chain.is_empty() {
+            step.clear_group(g.group);
+        } else {
+            step.apply_blocks(g.group, &chain, g.replace)?;
+        }
+    }
+    Ok(bytes_read)
+}
+
+async fn apply_batch(
+    agg: &mut KeyedAggregator,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    groups: &[GroupApply],
+    progress: Option<&Progress>,
+) -> Result<u64, RestoreError> {
+    let (bytes_read, mut blocks) = fetch_batch(store, dir, groups, progress).await?;
     let mut work = Vec::with_capacity(groups.len());
     for g in groups {
         // A replaced group is read again from nothing; it counts as restored (unchanged since

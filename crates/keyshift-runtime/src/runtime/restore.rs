@@ -6,7 +6,9 @@
 //! read, its length and checksum checked against the manifest, and decoded: only then are the
 //! decoded groups installed, so a failed restore leaves the operator as it was.
 
-use crate::job::{AggregateError, DecodedGroupState, KeyedAggregator};
+use crate::job::{
+    AggregateError, DecodedGroupState, Keyed, KeyedAggregator, ProgramError, ProgramStep,
+};
 use crate::snapshot::{self, Manifest, ObjectStore, Path, SnapshotError};
 use futures::StreamExt;
 use std::collections::VecDeque;
@@ -21,6 +23,8 @@ pub enum RestoreError {
     Aggregate(#[from] AggregateError),
     #[error("decoding restored state: {0}")]
     Decoder(String),
+    #[error(transparent)]
+    Program(#[from] ProgramError),
 }
 
 /// What [`restore_state`] restored.
@@ -106,6 +110,73 @@ pub async fn restore_state(
     opts: RestoreOptions,
 ) -> Result<Restored, RestoreError> {
     restore_state_reporting(agg, store, dir, manifest, opts, None).await
+}
+
+/// Restores the key groups of `keyed`'s range from the snapshot in `dir`, whichever logic it
+/// runs: the aggregation's as [`restore_state_reporting`] does; a program's once every block of
+/// the range has been read and checked against the manifest, each group's chain checked again
+/// by the program's step before it replaces the group. On an error the caller drops `keyed`
+/// (groups before the failing one may be installed).
+pub async fn restore_keyed(
+    keyed: &mut Keyed,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    manifest: &Manifest,
+    opts: RestoreOptions,
+    progress: Option<&Progress>,
+) -> Result<Restored, RestoreError> {
+    match keyed {
+        Keyed::Aggregate(agg) => {
+            restore_state_reporting(agg, store, dir, manifest, opts, progress).await
+        }
+        Keyed::Program(step) => restore_program(step, store, dir, manifest, opts, progress).await,
+    }
+}
+
+async fn restore_program(
+    step: &mut ProgramStep,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    manifest: &Manifest,
+    opts: RestoreOptions,
+    progress: Option<&Progress>,
+) -> Result<Restored, RestoreError> {
+    let range = step.range();
+    let mut out = Restored {
+        groups: range
+            .iter()
+            .filter(|g| manifest.group(*g).is_some())
+            .count() as u32,
+        ..Restored::default()
+    };
+    let mut pieces = std::pin::pin!(snapshot::read_groups_stream(
+        store,
+        dir,
+        manifest,
+        range,
+        opts.request_bytes,
+        opts.reads_ahead,
+    )?);
+    let mut groups = Vec::new();
+    while let Some(piece) = pieces.next().await {
+        let piece = piece?;
+        out.bytes_read += piece.bytes_read;
+        if let Some(p) = progress {
+            p.bytes_read.fetch_add(piece.bytes_read, Ordering::Relaxed);
+            p.groups_read
+                .fetch_add(piece.groups.len() as u32, Ordering::Relaxed);
+        }
+        groups.extend(piece.groups);
+    }
+    let before = step.entries();
+    for g in groups {
+        let mut chain: Vec<&[u8]> = Vec::with_capacity(g.deltas.len() + 1);
+        chain.push(&g.bytes);
+        chain.extend(g.deltas.iter().map(|d| d.as_ref()));
+        step.restore_group(g.group, &chain)?;
+    }
+    out.keys = step.entries().saturating_sub(before) as u64;
+    Ok(out)
 }
 
 /// [`restore_state`], counting what it has read so far into `progress`.

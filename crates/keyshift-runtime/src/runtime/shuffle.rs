@@ -11,7 +11,8 @@
 //! * `2` watermark: `i64`;
 //! * `3` hello: `u32 sender subtask`, a 32-byte proof, then the run id as UTF-8 (the
 //!   connector's first frame);
-//! * `4` challenge: 16 random bytes (the accepter's first frame).
+//! * `4` challenge: 16 random bytes (the accepter's first frame);
+//! * `5` a program's records: [`crate::job::record::encode_encoded`].
 //!
 //! A connection is accepted only from a peer that holds the run's data-plane secret: the
 //! accepter sends a fresh challenge, and the hello's proof is HMAC-SHA256(secret, challenge ||
@@ -20,7 +21,9 @@
 
 use super::protocol::RunSecret;
 use crate::job::Record;
-use crate::job::record::{decode_record, encode_record};
+use crate::job::record::{
+    EncodedRecords, decode_encoded, decode_record, encode_encoded, encode_record,
+};
 use aws_lc_rs::hmac;
 use std::io;
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader, BufWriter};
@@ -37,7 +40,10 @@ const MAX_FRAME: usize = 256 << 20;
 /// A message from an upstream subtask to a keyed operator.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Msg {
+    /// Records of the built-in aggregation.
     Records(Vec<Record>),
+    /// Records of a program, serialized by it.
+    Encoded(EncodedRecords),
     /// Checkpoint barrier `id`: everything before it belongs to the snapshot.
     Barrier(u64),
     /// The sender's watermark advanced.
@@ -87,6 +93,10 @@ fn encode(msg: &Msg, out: &mut Vec<u8>) {
                 encode_record(r, out);
             }
         }
+        Msg::Encoded(batch) => {
+            out.push(5);
+            encode_encoded(batch, out);
+        }
         Msg::Barrier(id) => {
             out.push(1);
             out.extend_from_slice(&id.to_le_bytes());
@@ -129,6 +139,9 @@ fn decode(from: u32, frame: &[u8]) -> Result<Msg, ShuffleError> {
             }
             Ok(Msg::Records(records))
         }
+        5 => Ok(Msg::Encoded(
+            decode_encoded(body).map_err(|e| bad(&e.to_string()))?,
+        )),
         1 => Ok(Msg::Barrier(u64::from_le_bytes(fixed8(body)?))),
         2 => Ok(Msg::Watermark(i64::from_le_bytes(fixed8(body)?))),
         t => Err(bad(&format!("unknown tag {t}"))),
@@ -326,6 +339,11 @@ mod tests {
             Msg::Barrier(42),
             Msg::Watermark(-17),
             Msg::Records(vec![]),
+            Msg::Encoded({
+                let mut b = EncodedRecords::default();
+                b.push(RecordKey::string("k"), 3, b"{}");
+                b
+            }),
         ];
         let mut buf = Vec::new();
         for m in msgs {

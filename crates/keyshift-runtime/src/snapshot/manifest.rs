@@ -57,6 +57,11 @@ pub struct StateLayout {
     /// The tumbling window's length in milliseconds (none for an all-time aggregate).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub window_ms: Option<u64>,
+    /// The program whose keyed step keeps the state (`spec.job.program.name`; none for the
+    /// built-in aggregation, which the fields above describe: they are empty for a program,
+    /// whose blocks name its step, key type and states themselves).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub program: Option<String>,
 }
 
 /// One difference between the layout a snapshot's state has and the layout a job expects.
@@ -100,6 +105,12 @@ impl StateLayout {
                 });
             }
         };
+        diff(
+            "spec.job.program.name",
+            show(self.program.as_ref()),
+            show(job.program.as_ref()),
+            false,
+        );
         diff(
             "spec.job.key.field",
             show(Some(&self.key_field)),

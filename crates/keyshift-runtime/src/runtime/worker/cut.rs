@@ -57,7 +57,7 @@ pub(super) async fn snapshot(
     // changed keys are drained in the same pass that encodes the state (on
     // KEYSHIFT_ENCODE_THREADS threads, 1 by default), and are on stdout (log sink) or in the sink
     // buffer (object-store sink) before the ack.
-    let updates = if sub.agg.config().window_size_ms.is_some() {
+    let updates = if !sub.keyed.drains_updates() {
         Updates::Skip
     } else if sub.sink_log && sub.sink.is_none() {
         Updates::Log
@@ -72,15 +72,21 @@ pub(super) async fn snapshot(
         // Savepoints are self-contained.
         snapshot::SnapshotKind::Savepoint => None,
     };
-    let cut_epoch = sub.agg.cut();
+    let cut_epoch = sub.keyed.cut();
     // Records flow while the state is written, except after a stop snapshot without a base
     // (a savepoint that stops the job): nothing flows after it, so it is encoded and written
     // on the spot, on the encoder threads, without copying the state first.
-    if base.is_some() || !stop {
+    // A program's groups are encoded at the barrier, whatever the snapshot.
+    if base.is_some() || !stop || matches!(sub.keyed, Keyed::Program(_)) {
         let policy = sub.chain.policy.for_checkpoint(stop);
         // A delta's changed keys are copied after the barrier while records flow, except for
         // a stop snapshot (nothing flows after it).
-        let mut taken = checkpoint::take_cut(&mut sub.agg, base.as_ref(), updates, !stop).await;
+        let mut taken = match &mut sub.keyed {
+            Keyed::Aggregate(agg) => checkpoint::take_cut(agg, base.as_ref(), updates, !stop).await,
+            Keyed::Program(step) => {
+                checkpoint::take_program_cut(step, base.as_ref()).map_err(job::JobError::from)?
+            }
+        };
         s.metrics.records_out.inc_by(taken.rows);
         emit_lines(
             sub,
@@ -125,10 +131,15 @@ pub(super) async fn snapshot(
             .map(|u| Some(Written::Uploading(u)));
     }
     let opts = StateWriteOptions {
-        threads: StateWriteOptions::threads_for(sub.agg.key_count()),
+        threads: StateWriteOptions::threads_for(sub.keyed.key_count()),
         updates,
     };
-    let written = match checkpoint::write_state(&mut sub.agg, writer, opts).await {
+    let Keyed::Aggregate(agg) = &mut sub.keyed else {
+        return Err(WorkerError::Fatal(
+            "a program's snapshot is written from its cut".into(),
+        ));
+    };
+    let written = match checkpoint::write_state(agg, writer, opts).await {
         Ok(w) => w,
         Err(failed) => {
             // The drained rows are output all the same: they ride with the next snapshot.
@@ -161,7 +172,7 @@ pub(super) async fn snapshot(
         .checkpoint_seconds
         .set(started.elapsed().as_secs_f64());
     s.metrics.checkpoint_bytes.set(snapshot.file.size as i64);
-    s.metrics.keys.set(sub.agg.key_count() as i64);
+    s.metrics.keys.set(sub.keyed.key_count() as i64);
     s.status.lock().await.keys_per_group = keys_per_group;
     Ok(Some(Written::Done(Box::new(SubtaskAck {
         snapshot,
@@ -204,7 +215,10 @@ pub(super) async fn complete_cut(
     mut cut: CutTaken,
 ) -> Result<Uploading, WorkerError> {
     let id = cut.id;
-    let (late, rows) = checkpoint::finish_cut(&mut sub.agg, &mut cut.taken).await;
+    let (late, rows) = match &mut sub.keyed {
+        Keyed::Aggregate(agg) => checkpoint::finish_cut(agg, &mut cut.taken).await,
+        Keyed::Program(_) => (Vec::new(), 0),
+    };
     s.metrics.records_out.inc_by(rows);
     emit_lines(sub, late, rows, Lines::SealedWith(id))?;
     deliver_at_least_once(sub)?;
@@ -215,7 +229,7 @@ pub(super) async fn complete_cut(
             sink.staging.output(id),
         )
     });
-    s.metrics.keys.set(sub.agg.key_count() as i64);
+    s.metrics.keys.set(sub.keyed.key_count() as i64);
     s.status.lock().await.keys_per_group = cut.taken.keys_per_group();
     let CutTaken {
         id,
@@ -231,15 +245,22 @@ pub(super) async fn complete_cut(
         policy,
         taken,
     } = cut;
-    let groups = taken.groups;
+    let (groups, codec) = (taken.groups, taken.codec);
     let source_partitions = sub.source_partitions.clone();
     let shared = s.clone();
     let store = sub.store.clone();
     let task = tokio::spawn(async move {
         let result: Result<Option<SubtaskAck>, WorkerError> = async {
-            let snapshot =
-                checkpoint::upload_cut(groups, writer, base.as_ref(), policy, store.as_ref(), &dir)
-                    .await?;
+            let snapshot = checkpoint::upload_cut(
+                groups,
+                codec,
+                writer,
+                base.as_ref(),
+                policy,
+                store.as_ref(),
+                &dir,
+            )
+            .await?;
             if let Some((store, sink_base, output)) = &output {
                 stage_output(store.as_ref(), sink_base, id, output).await?;
             }

@@ -24,7 +24,7 @@ use super::protocol::*;
 use super::restore::{self, RestoreOptions};
 use super::shuffle::{self, BATCH, CHANNEL_BATCHES, Msg};
 use crate::job::WatermarkTracker;
-use crate::job::{self, CompiledJob, JobOptions, KeyedAggregator, PartitionWatermark, Record};
+use crate::job::{self, CompiledJob, JobOptions, Keyed, PartitionWatermark, Programs, Record};
 use crate::snapshot::{self, ObjectStore, Path as StorePath, SnapshotWriter};
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -110,10 +110,13 @@ pub struct WorkerConfig {
     pub data_addr: SocketAddr,
     /// Bearer token of the control API.
     pub token: String,
+    /// The programs this worker binary carries (`spec.job.program`).
+    pub programs: Programs,
 }
 
 struct Shared {
     token: String,
+    programs: Programs,
     data_listener: Mutex<Option<TcpListener>>,
     started: AtomicBool,
     ready: AtomicBool,
@@ -141,7 +144,7 @@ struct Shared {
 struct Prestaged {
     /// The pre-stage request (its start must match it, but for the snapshot it names).
     req: StartRequest,
-    agg: KeyedAggregator,
+    keyed: Keyed,
     /// The loaded checkpoint's manifest.
     manifest: snapshot::Manifest,
     /// The compiled job of a generator source, its key table built (the start uses it instead
@@ -196,6 +199,7 @@ pub struct BoundWorker {
     control: TcpListener,
     data: TcpListener,
     token: String,
+    programs: Programs,
     /// Where the control API listens.
     pub control_addr: SocketAddr,
     /// Where the data plane listens.
@@ -228,6 +232,7 @@ pub async fn bind(config: WorkerConfig) -> Result<BoundWorker, WorkerError> {
         control,
         data,
         token: config.token,
+        programs: config.programs,
         control_addr,
         data_addr,
     })
@@ -256,6 +261,7 @@ impl BoundWorker {
             control,
             data,
             token,
+            programs,
             control_addr,
             data_addr,
         } = self;
@@ -263,6 +269,7 @@ impl BoundWorker {
         let (fatal, mut fatal_rx) = watch::channel(None);
         let shared = Arc::new(Shared {
             token,
+            programs,
             data_listener: Mutex::new(Some(data)),
             started: AtomicBool::new(false),
             ready: AtomicBool::new(false),
@@ -333,7 +340,7 @@ struct Subtask {
     job: (String, String),
     subtask: u32,
     assignment: Assignment,
-    agg: KeyedAggregator,
+    keyed: Keyed,
     store: Arc<dyn ObjectStore>,
     job_dir: StorePath,
     sink_log: bool,
@@ -376,7 +383,7 @@ struct Prepared {
     req: StartRequest,
     assignment: Assignment,
     compiled: CompiledJob,
-    agg: KeyedAggregator,
+    keyed: Keyed,
     store: Arc<dyn ObjectStore>,
     job_dir: StorePath,
     /// The snapshot to restore (its store, directory and manifest), if any.

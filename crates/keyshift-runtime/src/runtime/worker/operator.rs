@@ -50,7 +50,10 @@ pub(super) async fn operator_loop(
     loop {
         // A cut still being copied takes a step between two messages; once complete, its
         // upload starts.
-        if sub.capturing.is_some() && sub.agg.capture_step(CAPTURE_STEP_KEYS) {
+        if sub.capturing.is_some()
+            && let Keyed::Aggregate(agg) = &mut sub.keyed
+            && agg.capture_step(CAPTURE_STEP_KEYS)
+        {
             complete_capture(&s, &mut sub).await?;
         }
         let capturing = sub.capturing.is_some();
@@ -79,19 +82,49 @@ pub(super) async fn operator_loop(
         };
         match msg {
             Msg::Records(records) => {
-                sub.agg.process_batch(&records)?;
+                let Keyed::Aggregate(agg) = &mut sub.keyed else {
+                    return Err(WorkerError::Fatal(format!(
+                        "input from subtask {i}: records of the built-in aggregation reached a program"
+                    )));
+                };
+                agg.process_batch(&records)?;
                 s.metrics.records_processed.inc_by(records.len() as u64);
                 batches += 1;
                 if batches.is_multiple_of(64) {
-                    s.metrics.keys.set(sub.agg.key_count() as i64);
-                    s.metrics.count_late(sub.agg.late_records(), &mut late_seen);
+                    s.metrics.keys.set(sub.keyed.key_count() as i64);
+                    s.metrics
+                        .count_late(sub.keyed.late_records(), &mut late_seen);
+                }
+            }
+            Msg::Encoded(records) => {
+                let Keyed::Program(step) = &mut sub.keyed else {
+                    return Err(WorkerError::Fatal(format!(
+                        "input from subtask {i}: records of a program reached the built-in aggregation"
+                    )));
+                };
+                step.process(&records).map_err(job::JobError::from)?;
+                s.metrics.records_processed.inc_by(records.len() as u64);
+                emit_program(&s, &mut sub)?;
+                batches += 1;
+                if batches.is_multiple_of(64) {
+                    s.metrics.keys.set(sub.keyed.key_count() as i64);
+                    s.metrics
+                        .count_late(sub.keyed.late_records(), &mut late_seen);
                 }
             }
             Msg::Watermark(wm) => {
                 if let Some(new) = tracker.update(i, wm) {
-                    let rows = sub.agg.advance_watermark(new);
                     s.metrics.set_watermark_ms(new);
-                    emit(&s, &mut sub, &rows);
+                    match &mut sub.keyed {
+                        Keyed::Aggregate(agg) => {
+                            let rows = agg.advance_watermark(new);
+                            emit(&s, &mut sub, &rows);
+                        }
+                        Keyed::Program(step) => {
+                            step.advance_watermark(new).map_err(job::JobError::from)?;
+                            emit_program(&s, &mut sub)?;
+                        }
+                    }
                 }
             }
             Msg::Barrier(id) => match align.barrier(i, id, aborted_through) {
@@ -219,6 +252,28 @@ pub(super) fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
         let _ = out.write_all(&lines);
         let _ = out.flush();
     }
+}
+
+/// What a program emitted since the last call, as the sink's lines: to the sink as the
+/// aggregation's rows go ([`emit`]).
+pub(super) fn emit_program(s: &Shared, sub: &mut Subtask) -> Result<(), WorkerError> {
+    let Keyed::Program(step) = &mut sub.keyed else {
+        return Ok(());
+    };
+    let mut lines = Vec::new();
+    let rows = step.take_lines(&mut lines).map_err(job::JobError::from)?;
+    if rows == 0 {
+        return Ok(());
+    }
+    s.metrics.records_out.inc_by(rows);
+    if sub.sink_log && sub.sink.is_none() {
+        use std::io::Write;
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(&lines);
+        let _ = out.flush();
+        return Ok(());
+    }
+    emit_lines(sub, lines, rows, Lines::AtBarrier)
 }
 
 /// Where result lines drained by a cut go in the object-store sink.

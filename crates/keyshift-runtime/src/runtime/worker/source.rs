@@ -91,6 +91,8 @@ pub(super) fn spawn_kafka_partition_watch(
 pub(super) struct Outputs {
     outputs: Vec<mpsc::Sender<Msg>>,
     buffers: Vec<Vec<Record>>,
+    /// A program's records, per output.
+    encoded: Vec<job::EncodedRecords>,
     assignment: Assignment,
 }
 
@@ -123,6 +125,13 @@ impl Outputs {
         i: usize,
         metrics: &WorkerMetrics,
     ) -> Result<(), WorkerError> {
+        if !self.encoded[i].is_empty() {
+            let batch = std::mem::replace(
+                &mut self.encoded[i],
+                job::EncodedRecords::with_capacity(BATCH),
+            );
+            self.send(i, Msg::Encoded(batch), metrics).await?;
+        }
         if self.buffers[i].is_empty() {
             return Ok(());
         }
@@ -166,6 +175,7 @@ pub(super) async fn source_loop(
     let mut router = Outputs {
         outputs,
         buffers: (0..n).map(|_| Vec::with_capacity(BATCH)).collect(),
+        encoded: (0..n).map(|_| job::EncodedRecords::default()).collect(),
         assignment,
     };
     let maxp = assignment.max_parallelism();
@@ -196,6 +206,9 @@ pub(super) async fn source_loop(
     let mut last_wm = i64::MIN;
     let mut last_wm_sent = Instant::now() - WATERMARK_INTERVAL;
     let mut batch: Vec<Record> = Vec::with_capacity(BATCH);
+    // A program's records (`compiled` runs one).
+    let program = compiled.program().is_some();
+    let mut encoded = job::EncodedRecords::default();
     if partitions.is_empty() {
         // Nothing to read: never hold back the watermark downstream.
         router
@@ -240,7 +253,11 @@ pub(super) async fn source_loop(
                 }
             }
             batch.clear();
-            let b = compiled.read(*p, at, &mut batch, max)?;
+            encoded.clear();
+            let b = match program {
+                true => compiled.read_program(*p, at, &mut encoded, max)?,
+                false => compiled.read(*p, at, &mut batch, max)?,
+            };
             if b.finished {
                 finished.insert(*p, true);
             }
@@ -259,6 +276,16 @@ pub(super) async fn source_loop(
                 let owner = router.assignment.owner(r.key.key_group(maxp)) as usize;
                 router.buffers[owner].push(r);
                 if router.buffers[owner].len() >= BATCH {
+                    router.flush(owner, &s.metrics).await?;
+                }
+            }
+            for (key, ts, record) in encoded.iter() {
+                if let Some(w) = wm.as_mut() {
+                    w.observe(ts);
+                }
+                let owner = router.assignment.owner(key.key_group(maxp)) as usize;
+                router.encoded[owner].push(key.clone(), ts, record);
+                if router.encoded[owner].len() >= BATCH {
                     router.flush(owner, &s.metrics).await?;
                 }
             }

@@ -18,7 +18,7 @@ pub(super) async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
     }
     s.prestaging.store(false, Ordering::Release);
     // Checked before answering: a bad request fails at once.
-    let mut prepared = match prepare_subtask(req).await {
+    let mut prepared = match prepare_subtask(req, &s.programs).await {
         Ok(p) => p,
         Err(e) => {
             tracing::error!(error = %e, "start refused");
@@ -38,7 +38,7 @@ pub(super) async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
                     "starting from the pre-staged state: reading only the delta"
                 );
                 prepared.totals = (plan.bytes, plan.groups.len() as u32);
-                prepared.agg = pre.agg;
+                prepared.keyed = pre.keyed;
                 if let Some(c) = pre.compiled {
                     prepared.compiled = c;
                 }
@@ -138,7 +138,7 @@ pub(super) fn prestage_fits(
     };
     if !own_checkpoint(b, target)
         || target.snapshot_id <= pre.manifest.snapshot_id
-        || target.state_schema != job::AGG_SCHEMA
+        || target.state_schema != prepared.keyed.schema()
     {
         return Err(format!(
             "the start restores snapshot {} ({:?}), not a later checkpoint of the job than the pre-staged {}",
@@ -175,12 +175,12 @@ pub(super) async fn prestage_handler(
         s.prestaging.store(false, Ordering::Release);
         err(StatusCode::UNPROCESSABLE_ENTITY, e)
     };
-    let prepared = match prepare_subtask(req).await {
+    let prepared = match prepare_subtask(req, &s.programs).await {
         Ok(p) => p,
         Err(e) => return refuse(e.to_string()).await,
     };
     let own = prepared.snapshot.as_ref().is_some_and(|(_, _, m)| {
-        own_checkpoint(&prepared.req, m) && m.state_schema == job::AGG_SCHEMA
+        own_checkpoint(&prepared.req, m) && m.state_schema == prepared.keyed.schema()
     });
     if !own {
         return refuse(
@@ -221,17 +221,17 @@ pub(super) async fn prestage_handler(
     tokio::spawn(async move {
         let Prepared {
             req,
-            mut agg,
+            mut keyed,
             snapshot: snap,
             compiled,
             ..
         } = prepared;
         let started = Instant::now();
         if let Some((pre, plan)) = catch_up {
-            let mut agg = pre.agg;
+            let mut keyed = pre.keyed;
             let result = match snap {
                 Some((rstore, dir, manifest)) => {
-                    prestage::apply(&mut agg, rstore.as_ref(), &dir, &plan, Some(&progress))
+                    prestage::apply(&mut keyed, rstore.as_ref(), &dir, &plan, Some(&progress))
                         .await
                         .map(|a| (a, manifest))
                 }
@@ -241,13 +241,13 @@ pub(super) async fn prestage_handler(
                 (
                     restore::Restored {
                         groups: a.groups,
-                        keys: agg.key_count() as u64,
+                        keys: keyed.key_count() as u64,
                         bytes_read: a.bytes_read,
                     },
                     manifest,
                 )
             });
-            prestaged(&s2, req, agg, pre.compiled, restored, started, &progress).await;
+            prestaged(&s2, req, keyed, pre.compiled, restored, started, &progress).await;
             return;
         }
         // A generator's key table is built on its first record: built here instead.
@@ -263,8 +263,8 @@ pub(super) async fn prestage_handler(
             _ => None,
         };
         let result = match snap {
-            Some((rstore, dir, manifest)) => restore::restore_state_reporting(
-                &mut agg,
+            Some((rstore, dir, manifest)) => restore::restore_keyed(
+                &mut keyed,
                 rstore.as_ref(),
                 &dir,
                 &manifest,
@@ -275,7 +275,7 @@ pub(super) async fn prestage_handler(
             .map(|r| (r, manifest)),
             None => Err(restore::RestoreError::Decoder("no snapshot".into())),
         };
-        prestaged(&s2, req, agg, compiled, result, started, &progress).await;
+        prestaged(&s2, req, keyed, compiled, result, started, &progress).await;
     });
     (StatusCode::ACCEPTED, Json(accepted)).into_response()
 }
@@ -285,7 +285,7 @@ pub(super) async fn prestage_handler(
 pub(super) async fn prestaged(
     s: &Shared,
     req: StartRequest,
-    agg: KeyedAggregator,
+    keyed: Keyed,
     compiled: Option<CompiledJob>,
     result: Result<(restore::Restored, snapshot::Manifest), restore::RestoreError>,
     started: Instant,
@@ -310,7 +310,7 @@ pub(super) async fn prestaged(
             );
             *s.prestaged.lock().await = Some(Prestaged {
                 req,
-                agg,
+                keyed,
                 manifest,
                 compiled,
             });
@@ -336,7 +336,10 @@ pub(super) async fn prestaged(
 /// [`keyshift_core::rules::validate_job`], then by what it takes to run it), and the manifest of
 /// the snapshot it restores (key-group count, state schema). Reads nothing but that manifest
 /// (and a file source's directory listing).
-pub(super) async fn prepare_subtask(req: StartRequest) -> Result<Prepared, WorkerError> {
+pub(super) async fn prepare_subtask(
+    req: StartRequest,
+    programs: &Programs,
+) -> Result<Prepared, WorkerError> {
     req.check_bounds()
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
     // The dataflow by the CRD's rules, as a manifest's (a start request may come from any
@@ -360,12 +363,16 @@ pub(super) async fn prepare_subtask(req: StartRequest) -> Result<Prepared, Worke
     let compiled = {
         let (spec, maxp) = (req.job.clone(), req.max_parallelism);
         let (ns, name) = (req.namespace.clone(), req.name.clone());
-        tokio::task::spawn_blocking(move || job::compile_for(&spec, maxp, &options, &ns, &name))
-            .await
-            .map_err(|e| WorkerError::Fatal(format!("compiling the job: {e}")))??
+        let programs = programs.clone();
+        tokio::task::spawn_blocking(move || {
+            job::compile_for(&spec, maxp, &options, &ns, &name, &programs)
+        })
+        .await
+        .map_err(|e| WorkerError::Fatal(format!("compiling the job: {e}")))??
     };
     let range = assignment.range(req.subtask);
-    let agg = compiled.new_aggregator(range)?;
+    let keyed = compiled.new_keyed(req.max_parallelism, range)?;
+    let schema = keyed.schema();
     let (store, base) = snapshot::open_store(&req.storage)?;
     let job_dir = snapshot::job_dir(&base, &req.namespace, &req.name);
     let mut snap = None;
@@ -382,14 +389,13 @@ pub(super) async fn prepare_subtask(req: StartRequest) -> Result<Prepared, Worke
                 req.max_parallelism
             )));
         }
-        if manifest.state_schema != job::AGG_SCHEMA && !req.allow_non_restored_state {
+        if manifest.state_schema != schema && !req.allow_non_restored_state {
             return Err(WorkerError::BadStart(format!(
                 "snapshot {url} holds state of schema {:?}, this job keeps {:?}: set allowNonRestoredState to start without it",
-                manifest.state_schema,
-                job::AGG_SCHEMA
+                manifest.state_schema, schema
             )));
         }
-        if manifest.state_schema == job::AGG_SCHEMA {
+        if manifest.state_schema == schema {
             totals = restore::restore_totals(&manifest, range);
         }
         positions = restored_positions(&req, &compiled, &manifest)?;
@@ -399,7 +405,7 @@ pub(super) async fn prepare_subtask(req: StartRequest) -> Result<Prepared, Worke
         req,
         assignment,
         compiled,
-        agg,
+        keyed,
         store,
         job_dir,
         snapshot: snap,
@@ -476,7 +482,7 @@ pub(super) async fn start_subtask(
         req,
         assignment,
         compiled,
-        mut agg,
+        mut keyed,
         store,
         job_dir,
         snapshot: snap,
@@ -496,14 +502,14 @@ pub(super) async fn start_subtask(
     if let Some((rstore, dir, manifest)) = snap {
         if let Some(plan) = &delta {
             let applied =
-                prestage::apply(&mut agg, rstore.as_ref(), &dir, plan, Some(progress)).await?;
-            resp.keys_restored = agg.key_count() as u64;
+                prestage::apply(&mut keyed, rstore.as_ref(), &dir, plan, Some(progress)).await?;
+            resp.keys_restored = keyed.key_count() as u64;
             resp.groups_restored = applied.groups;
             resp.bytes_read = applied.bytes_read;
-        } else if manifest.state_schema == job::AGG_SCHEMA {
+        } else if manifest.state_schema == keyed.schema() {
             // Decoded while the next blocks are read; installed once every block is checked.
-            let restored = restore::restore_state_reporting(
-                &mut agg,
+            let restored = restore::restore_keyed(
+                &mut keyed,
                 rstore.as_ref(),
                 &dir,
                 &manifest,
@@ -524,7 +530,7 @@ pub(super) async fn start_subtask(
             manifest.snapshot_id,
         );
         if manifest.kind == snapshot::SnapshotKind::Checkpoint
-            && manifest.state_schema == job::AGG_SCHEMA
+            && manifest.state_schema == keyed.schema()
             && req
                 .restore_from
                 .as_deref()
@@ -535,7 +541,7 @@ pub(super) async fn start_subtask(
         crate::failpoints::slow_restore(&req.namespace, &req.name).await;
         if let Some(wm) = manifest.watermark {
             watermark = wm;
-            agg.restore_watermark(wm);
+            keyed.restore_watermark(wm);
         }
     }
     s.metrics.restore_bytes.set(resp.bytes_read as i64);
@@ -543,7 +549,7 @@ pub(super) async fn start_subtask(
         .restore_seconds
         .set(started.elapsed().as_secs_f64());
     resp.restore_ms = started.elapsed().as_millis() as u64;
-    s.metrics.keys.set(agg.key_count() as i64);
+    s.metrics.keys.set(keyed.key_count() as i64);
     tracing::info!(
         subtask = req.subtask,
         parallelism = req.parallelism,
@@ -764,7 +770,7 @@ pub(super) async fn start_subtask(
         job: (req.namespace.clone(), req.name.clone()),
         subtask: req.subtask,
         assignment,
-        agg,
+        keyed,
         store,
         job_dir,
         sink_log: matches!(req.job.sink.sink_type, keyshift_core::spec::SinkType::Log),
