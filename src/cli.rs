@@ -277,6 +277,11 @@ pub struct LocalArgs {
     /// Seconds between progress lines.
     #[arg(long, default_value_t = 2)]
     pub progress_every: u64,
+    /// The binary the workers run (as `BINARY worker ...`): a job's own worker binary, built on
+    /// keyshift's runtime, that carries the program the manifest names (default: this
+    /// keyshift, which carries the example programs).
+    #[arg(long)]
+    pub worker_bin: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -419,7 +424,10 @@ fn run(command: Command) -> Result<(), CliError> {
         }
         Command::Local(args) => {
             drop(out);
-            let bin = std::env::current_exe().map_err(CliError::Runtime)?;
+            let bin = match args.worker_bin {
+                Some(bin) => bin,
+                None => std::env::current_exe().map_err(CliError::Runtime)?,
+            };
             let opts = crate::local::LocalOptions {
                 manifest: args.manifest,
                 state_dir: args.state_dir,
@@ -433,23 +441,18 @@ fn run(command: Command) -> Result<(), CliError> {
         }
         Command::Worker(args) => {
             drop(out);
-            if args.token.len() < 16 {
-                return Err(CliError::Worker(Box::new(
-                    crate::runtime::worker::WorkerError::BadStart(
-                        "KEYSHIFT_TOKEN must hold at least 16 characters".into(),
-                    ),
-                )));
-            }
-            let config = crate::runtime::worker::WorkerConfig {
-                control_addr: args.control_addr,
-                data_addr: args.data_addr,
-                token: args.token,
-                programs: programs().map_err(|e| {
-                    CliError::Worker(Box::new(crate::runtime::worker::WorkerError::Fatal(
-                        e.to_string(),
-                    )))
-                })?,
-            };
+            let programs = programs().map_err(|e| {
+                CliError::Worker(Box::new(crate::runtime::worker::WorkerError::Fatal(
+                    e.to_string(),
+                )))
+            })?;
+            let config = crate::runtime::worker::WorkerConfig::new(
+                args.control_addr,
+                args.data_addr,
+                args.token,
+                programs,
+            )
+            .map_err(|e| CliError::Worker(Box::new(e)))?;
             tokio_runtime()?
                 .block_on(crate::runtime::worker::run(config))
                 .map_err(Box::new)?;

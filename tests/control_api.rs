@@ -147,6 +147,7 @@ async fn stray_and_forged_data_connections_neither_kill_nor_replace_a_peer() {
     let peers: Vec<String> = workers.iter().map(|(_, d)| d.clone()).collect();
     let starts = workers.iter().enumerate().map(|(i, (url, _))| {
         let req = StartRequest {
+            protocol: keyshift::runtime::protocol::PROTOCOL_VERSION,
             namespace: "ns".into(),
             name: "job".into(),
             job: job.clone(),
@@ -229,6 +230,7 @@ async fn stray_and_forged_data_connections_neither_kill_nor_replace_a_peer() {
 /// A start request for subtask 0 of 1 of a small generator job (valid as it is).
 fn start_request(peer: &str) -> keyshift::runtime::protocol::StartRequest {
     keyshift::runtime::protocol::StartRequest {
+        protocol: keyshift::runtime::protocol::PROTOCOL_VERSION,
         namespace: "ns".into(),
         name: "job".into(),
         job: serde_yaml::from_str(

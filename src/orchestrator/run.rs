@@ -408,6 +408,7 @@ impl StartPlan<'_> {
     /// The request, with a fresh data-plane secret for the run.
     pub fn request(&self) -> Result<StartRequest, RandomError> {
         Ok(StartRequest {
+            protocol: crate::runtime::protocol::PROTOCOL_VERSION,
             namespace: self.namespace.to_owned(),
             name: self.name.to_owned(),
             job: self.spec.job.clone(),

@@ -10,7 +10,24 @@
 //! * [`sink`]: the exactly-once object-store sink's staging and publish.
 //! * [`offline`]: operations on snapshots without a running job (list, inspect, verify every key,
 //!   dump, rewrite to another key-group count, dispose; the in-use marker).
+//! * [`telemetry`]: log output.
 //! * [`backoff`]: every retry's delays.
+//!
+//! A job's own worker binary is its programs handed to [`runtime::worker::main`]:
+//!
+//! ```no_run
+//! use keyshift_runtime::job::Programs;
+//! # fn job() -> keyshift_sdk::dataflow::Job { unimplemented!() }
+//! fn main() -> std::process::ExitCode {
+//!     match Programs::new().with("my-job", job()) {
+//!         Ok(programs) => keyshift_runtime::runtime::worker::main(programs),
+//!         Err(e) => {
+//!             eprintln!("{e}");
+//!             std::process::ExitCode::FAILURE
+//!         }
+//!     }
+//! }
+//! ```
 //! * [`failpoints`]: test-only fault injection (inert without the `test-hooks` feature).
 //!
 //! # Cargo features
@@ -25,3 +42,4 @@ pub mod offline;
 pub mod runtime;
 pub mod sink;
 pub mod snapshot;
+pub mod telemetry;

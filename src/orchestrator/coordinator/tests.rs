@@ -271,6 +271,7 @@ async fn a_commit_in_doubt_is_resolved_before_the_next_trigger() {
 
 fn start_request(restore_from: Option<String>) -> StartRequest {
     StartRequest {
+        protocol: keyshift_runtime::runtime::protocol::PROTOCOL_VERSION,
         namespace: "team".into(),
         name: "mine".into(),
         job: serde_yaml::from_str(

@@ -44,10 +44,18 @@ use keyshift_core::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
+/// The version of the control protocol between the orchestration (operator, `keyshift local`)
+/// and a worker: a start request carries the sender's, and a worker refuses a start of another
+/// version, naming both (a job's own worker binary built against another keyshift release).
+pub const PROTOCOL_VERSION: u32 = 1;
+
 /// Everything a worker needs to run its subtask.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StartRequest {
+    /// The sender's [`PROTOCOL_VERSION`] (0: a sender from before versions were sent).
+    #[serde(default)]
+    pub protocol: u32,
     /// Namespace of the job (snapshot layout and logs).
     pub namespace: String,
     /// Name of the job.
@@ -120,6 +128,15 @@ pub enum StartBoundsError {
         value: u64,
         max: u64,
     },
+    /// A start of another control protocol version than the worker's.
+    #[error(
+        "the start request speaks worker protocol {request}, this worker (keyshift-runtime {runtime}) speaks {worker}: run a worker image built against the keyshift release that runs the job"
+    )]
+    Protocol {
+        request: u32,
+        worker: u32,
+        runtime: &'static str,
+    },
     /// Checkpoint chain limits outside the CRD's bounds.
     #[error(
         "incremental is {maxDeltas} deltas and {maxDeltaPercent}%: maxDeltas must lie in {deltas:?} and maxDeltaPercent in {percent:?}",
@@ -136,6 +153,13 @@ impl StartRequest {
     /// parallelism, key-group count, peer count and dataflow are checked when the subtask is
     /// prepared).
     pub fn check_bounds(&self) -> Result<(), StartBoundsError> {
+        if self.protocol != PROTOCOL_VERSION {
+            return Err(StartBoundsError::Protocol {
+                request: self.protocol,
+                worker: PROTOCOL_VERSION,
+                runtime: env!("CARGO_PKG_VERSION"),
+            });
+        }
         let long = |field: &str, value: &str, max: usize| {
             if value.len() > max {
                 Err(StartBoundsError::TooLong {
@@ -517,6 +541,7 @@ mod tests {
     #[test]
     fn start_requests_beyond_their_bounds_name_the_field_and_the_bound() {
         let ok = StartRequest {
+            protocol: PROTOCOL_VERSION,
             namespace: "team".into(),
             name: "clicks".into(),
             job: serde_yaml::from_str(
@@ -570,6 +595,17 @@ mod tests {
             )
         );
         assert_eq!(refused(&|r| r.run_id.clear()), "runId must not be empty");
+        let other = refused(&|r| r.protocol = 0);
+        assert!(
+            other.contains("speaks worker protocol 0")
+                && other.contains(&format!("speaks {PROTOCOL_VERSION}")),
+            "{other}"
+        );
+        // A sender from before versions were sent is protocol 0.
+        let mut old: serde_json::Value = serde_json::to_value(&ok).unwrap();
+        old.as_object_mut().unwrap().remove("protocol");
+        let old: StartRequest = serde_json::from_value(old).unwrap();
+        assert_eq!(old.protocol, 0);
         assert_eq!(
             refused(&|r| r.incremental.policy.max_deltas = 0),
             "incremental is 0 deltas and 50%: maxDeltas must lie in 1..=64 and maxDeltaPercent in 10..=400"

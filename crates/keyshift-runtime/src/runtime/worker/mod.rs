@@ -238,6 +238,98 @@ pub async fn bind(config: WorkerConfig) -> Result<BoundWorker, WorkerError> {
     })
 }
 
+impl WorkerConfig {
+    /// A worker's configuration; refused if the token is shorter than 16 characters.
+    pub fn new(
+        control_addr: SocketAddr,
+        data_addr: SocketAddr,
+        token: String,
+        programs: Programs,
+    ) -> Result<Self, WorkerError> {
+        if token.len() < 16 {
+            return Err(WorkerError::BadStart(
+                "KEYSHIFT_TOKEN must hold at least 16 characters".into(),
+            ));
+        }
+        Ok(WorkerConfig {
+            control_addr,
+            data_addr,
+            token,
+            programs,
+        })
+    }
+}
+
+/// The arguments of a worker process, as `keyshift local` and the operator start one:
+/// `worker --control-addr ADDR --data-addr ADDR` (each address defaults to `0.0.0.0:9090` and
+/// `0.0.0.0:9091`), the control API's token in `KEYSHIFT_TOKEN` (at least 16 characters).
+/// `programs`: what the binary carries. Pure: [`main`] reads them from the process.
+pub fn worker_config(
+    args: &[String],
+    token: Option<String>,
+    programs: Programs,
+) -> Result<WorkerConfig, WorkerError> {
+    let bad = |m: String| WorkerError::BadStart(m);
+    let mut rest = args.iter();
+    if rest.next().map(String::as_str) != Some("worker") {
+        return Err(bad(format!(
+            "usage: worker --control-addr ADDR --data-addr ADDR (KEYSHIFT_TOKEN in the environment); got {args:?}"
+        )));
+    }
+    let default = |port: u16| SocketAddr::from(([0, 0, 0, 0], port));
+    let (mut control_addr, mut data_addr) = (default(9090), default(9091));
+    while let Some(flag) = rest.next() {
+        let (name, inline) = match flag.split_once('=') {
+            Some((n, v)) => (n, Some(v.to_owned())),
+            None => (flag.as_str(), None),
+        };
+        let value = match inline.or_else(|| rest.next().cloned()) {
+            Some(v) => v,
+            None => return Err(bad(format!("{name} needs a value"))),
+        };
+        let addr = || {
+            value
+                .parse::<SocketAddr>()
+                .map_err(|e| bad(format!("{name} {value:?}: {e}")))
+        };
+        match name {
+            "--control-addr" => control_addr = addr()?,
+            "--data-addr" => data_addr = addr()?,
+            other => {
+                return Err(bad(format!(
+                    "unknown argument {other:?}: a worker takes --control-addr and --data-addr"
+                )));
+            }
+        }
+    }
+    WorkerConfig::new(control_addr, data_addr, token.unwrap_or_default(), programs)
+}
+
+/// The `main` of a job's own worker binary: serves as `keyshift worker` does ([`worker_config`]
+/// reads the process's arguments and `KEYSHIFT_TOKEN`), running `programs`, with logs on stderr
+/// (JSON lines when `KEYSHIFT_LOG_FORMAT=json`). Returns the process's exit code.
+pub fn main(programs: Programs) -> std::process::ExitCode {
+    let json = std::env::var("KEYSHIFT_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    crate::telemetry::init(json);
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result =
+        worker_config(&args, std::env::var("KEYSHIFT_TOKEN").ok(), programs).and_then(|config| {
+            tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| WorkerError::Fatal(format!("starting the async runtime: {e}")))?
+                .block_on(run(config))
+        });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "worker failed");
+            eprintln!("error: {e}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
 /// Runs a worker until it fails (a fatal data-plane or operator error) or is killed.
 pub async fn run(config: WorkerConfig) -> Result<(), WorkerError> {
     let worker = bind(config).await?;
@@ -394,4 +486,54 @@ struct Prepared {
     totals: (u64, u32),
     /// With a pre-staged state in `agg`: what to read of the snapshot over it.
     delta: Option<prestage::DeltaPlan>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    const TOKEN: &str = "0123456789abcdef";
+
+    #[test]
+    fn a_job_binary_takes_the_arguments_keyshift_starts_a_worker_with() {
+        let c = worker_config(
+            &args(&[
+                "worker",
+                "--control-addr",
+                "127.0.0.1:0",
+                "--data-addr=10.0.0.7:9091",
+            ]),
+            Some(TOKEN.into()),
+            Programs::new(),
+        )
+        .unwrap();
+        assert_eq!(c.control_addr, "127.0.0.1:0".parse().unwrap());
+        assert_eq!(c.data_addr, "10.0.0.7:9091".parse().unwrap());
+        assert_eq!(c.token, TOKEN);
+        let d = worker_config(&args(&["worker"]), Some(TOKEN.into()), Programs::new()).unwrap();
+        assert_eq!(d.control_addr, "0.0.0.0:9090".parse().unwrap());
+        assert_eq!(d.data_addr, "0.0.0.0:9091".parse().unwrap());
+    }
+
+    #[test]
+    fn bad_arguments_and_a_short_token_are_refused_by_name() {
+        let refused = |a: &[&str], token: Option<&str>| {
+            worker_config(&args(a), token.map(str::to_owned), Programs::new())
+                .unwrap_err()
+                .to_string()
+        };
+        assert!(refused(&[], Some(TOKEN)).contains("usage: worker"));
+        assert!(refused(&["serve"], Some(TOKEN)).contains("usage: worker"));
+        assert!(refused(&["worker", "--control-addr"], Some(TOKEN)).contains("needs a value"));
+        assert!(
+            refused(&["worker", "--data-addr", "nowhere"], Some(TOKEN)).contains("\"nowhere\"")
+        );
+        assert!(refused(&["worker", "--threads", "4"], Some(TOKEN)).contains("\"--threads\""));
+        assert!(refused(&["worker"], Some("short")).contains("16 characters"));
+        assert!(refused(&["worker"], None).contains("16 characters"));
+    }
 }
