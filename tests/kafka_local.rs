@@ -13,6 +13,7 @@
 
 mod fake_platform;
 mod kafka_support;
+mod programs_support;
 mod snapshot_support;
 
 use kafka_support::committed;
@@ -152,31 +153,13 @@ fn produce_to(
         let amount = (i % 17) as i64 + 1;
         let partition = ((h >> 40) % partitions as u64) as i32;
         let payload = format!("{{\"user\":\"{user}\",\"amount\":{amount},\"seq\":{i}}}");
-        let mut record = BaseRecord::to(topic)
-            .key(user.as_str())
-            .payload(payload.as_str())
-            .partition(partition);
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((e, r)) => {
-                    // Queue full: let it drain. Unknown partition: one just added, which the
-                    // producer's metadata does not show yet.
-                    assert!(
-                        matches!(
-                            e.rdkafka_error_code(),
-                            Some(
-                                rdkafka::types::RDKafkaErrorCode::QueueFull
-                                    | rdkafka::types::RDKafkaErrorCode::UnknownPartition
-                            )
-                        ),
-                        "produce: {e}"
-                    );
-                    record = r;
-                    std::thread::sleep(Duration::from_millis(10));
-                }
-            }
-        }
+        send(
+            &producer,
+            BaseRecord::to(topic)
+                .key(user.as_str())
+                .payload(payload.as_str())
+                .partition(partition),
+        );
         out.by_partition
             .entry(partition)
             .or_default()
@@ -185,6 +168,30 @@ fn produce_to(
     producer
         .flush(Duration::from_secs(60))
         .expect("every record acknowledged");
+}
+
+/// Sends `record`, waiting while the producer's queue is full or the partition is one just
+/// added that its metadata does not show yet.
+fn send(producer: &ThreadedProducer<DefaultProducerContext>, mut record: BaseRecord<'_, str, str>) {
+    loop {
+        match producer.send(record) {
+            Ok(()) => return,
+            Err((e, r)) => {
+                assert!(
+                    matches!(
+                        e.rdkafka_error_code(),
+                        Some(
+                            rdkafka::types::RDKafkaErrorCode::QueueFull
+                                | rdkafka::types::RDKafkaErrorCode::UnknownPartition
+                        )
+                    ),
+                    "produce: {e}"
+                );
+                record = r;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+    }
 }
 
 fn job_yaml(
@@ -1115,4 +1122,101 @@ async fn a_source_whose_consumer_stops_fetching_fails_its_run_and_the_restart_lo
         checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(90)).await;
     assert_exact(&after, &topic, &produced, true).await;
     local.shutdown().await.expect("stop");
+}
+
+/// Produces heartbeats to `topic`, each device's to its own partition (in order), and waits
+/// until the broker acknowledged them all.
+fn produce_heartbeats(
+    bootstrap: &str,
+    topic: &str,
+    beats: &[keyshift_examples::silence::Heartbeat],
+) {
+    let producer: ThreadedProducer<DefaultProducerContext> = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    for b in beats {
+        let payload = serde_json::to_string(b).expect("heartbeat serializes");
+        let partition = programs_support::partition_of(&b.device, PARTITIONS as u64) as i32;
+        send(
+            &producer,
+            BaseRecord::to(topic)
+                .key(b.device.as_str())
+                .payload(payload.as_str())
+                .partition(partition),
+        );
+    }
+    producer
+        .flush(Duration::from_secs(60))
+        .expect("every record acknowledged");
+}
+
+/// A program (the `silence-alert` example keyshift's worker carries) over a Kafka topic: its
+/// alerts published exactly once through a checkpoint, a killed worker, a rescale up past and
+/// down below the partition count, and a stop, against the oracle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_program_reads_a_kafka_topic_exactly_once_through_rescales_and_a_killed_worker() {
+    let Some(bootstrap) = bootstrap() else {
+        return;
+    };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("heartbeats");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let fleet = programs_support::fleet();
+    let (phases, records) = programs_support::phases(&fleet, PARTITIONS as u64);
+    produce_heartbeats(&bootstrap, &topic, &phases[0]);
+    let dir = tempfile::tempdir().expect("temp dir");
+    let out = dir.path().join("out");
+    let spec: StreamJob = serde_yaml::from_str(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: alerts, namespace: test}}
+spec:
+  replicas: 2
+  maxParallelism: 64
+  job:
+    program: {{name: silence-alert, maxOutOfOrderness: 2s}}
+    source:
+      kafka:
+        bootstrapServers: '{bootstrap}'
+        topics: [{topic}]
+    sink: {{type: objectStore, url: 'file://{}'}}
+  state:
+    checkpointInterval: 1h
+",
+        out.display()
+    ))
+    .expect("manifest parses");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch at 2");
+    let settle = Duration::from_secs(3);
+    tokio::time::sleep(settle).await;
+    let first = local.checkpoint().await.expect("first checkpoint");
+    assert_eq!(first.manifest.state_schema, keyshift::job::PROGRAM_SCHEMA);
+    produce_heartbeats(&bootstrap, &topic, &phases[1]);
+    tokio::time::sleep(settle).await;
+    local.kill_worker(1).await;
+    local.recover(2).await.expect("recover");
+    tokio::time::sleep(settle).await;
+    local.rescale(6).await.expect("rescale past the partitions");
+    produce_heartbeats(&bootstrap, &topic, &phases[2]);
+    tokio::time::sleep(settle).await;
+    local.rescale(1).await.expect("rescale to 1");
+    produce_heartbeats(&bootstrap, &topic, &phases[3]);
+    tokio::time::sleep(settle).await;
+    let sp = local.shutdown().await.expect("stop with a savepoint");
+    let watermark = sp
+        .manifest
+        .watermark
+        .expect("the savepoint has a watermark");
+    assert!(
+        watermark >= fleet.duration_ms + fleet.silence_ms,
+        "event time passed every watch (watermark {watermark})"
+    );
+    programs_support::assert_alerts(&out, &records, fleet.silence_ms, watermark);
 }

@@ -174,7 +174,7 @@ pub(super) fn rules() -> Vec<CelRule> {
         ),
         r(
             &["spec", "job"],
-            "!has(self.program) || has(self.source.file)",
+            "!has(self.program) || !has(self.source.generator)",
             MSG_PROGRAM_SOURCE,
             Some(".source"),
         ),

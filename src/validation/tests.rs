@@ -156,9 +156,12 @@ fn program_job() -> JobSpec {
 }
 
 #[test]
-fn a_program_replaces_key_aggregation_and_window_and_reads_a_file_source() {
+fn a_program_replaces_key_aggregation_and_window_and_reads_a_file_or_kafka_source() {
     let ok = program_job();
     assert_eq!(validate_job(&ok), Ok(()));
+    let mut on_kafka = ok.clone();
+    on_kafka.source = kafka_job().source;
+    assert_eq!(validate_job(&on_kafka), Ok(()));
     let mut with_key = ok.clone();
     with_key.key = job().spec.job.key;
     assert_eq!(validate_job(&with_key).unwrap_err().0, [MSG_JOB_LOGIC]);

@@ -243,15 +243,27 @@ pub fn compile_for(
                         names => names.join(", "),
                     },
                 })?;
-            let Some(f) = (match (
+            let source = match (
                 &spec.source.generator,
                 &spec.source.file,
                 &spec.source.kafka,
             ) {
-                (None, Some(f), None) => Some(f),
-                _ => None,
-            }) else {
-                return Err(JobError::ProgramSource);
+                (None, Some(f), None) => {
+                    SourceKind::File(FileSourceReader::open(file_dir(f)?, None)?)
+                }
+                #[cfg(feature = "kafka")]
+                (None, None, Some(k)) => {
+                    let job = kafka::source::JobIdentity {
+                        namespace: namespace.to_owned(),
+                        name: name.to_owned(),
+                    };
+                    SourceKind::Kafka(std::sync::Arc::new(kafka::source::KafkaSourceReader::open(
+                        k, None, &job,
+                    )?))
+                }
+                #[cfg(not(feature = "kafka"))]
+                (None, None, Some(_)) => return Err(JobError::KafkaNotBuilt),
+                _ => return Err(JobError::ProgramSource),
             };
             let max_out_of_orderness_ms = match &p.max_out_of_orderness {
                 None => 0,
@@ -260,7 +272,7 @@ pub fn compile_for(
                 }
             };
             return Ok(CompiledJob {
-                source: SourceKind::File(FileSourceReader::open(file_dir(f)?, None)?),
+                source,
                 key_type: program.key_type(),
                 logic: Logic::Program {
                     name: p.name.clone(),
@@ -314,7 +326,7 @@ pub fn compile_for(
                 namespace: namespace.to_owned(),
                 name: name.to_owned(),
             };
-            let reader = kafka::source::KafkaSourceReader::open(k, fields, &job)?;
+            let reader = kafka::source::KafkaSourceReader::open(k, Some(fields), &job)?;
             return Ok(CompiledJob {
                 source: SourceKind::Kafka(std::sync::Arc::new(reader)),
                 key_type,
@@ -470,21 +482,37 @@ impl CompiledJob {
         out: &mut EncodedRecords,
         max: usize,
     ) -> Result<SourceBatch, JobError> {
-        let (Logic::Program { program, .. }, SourceKind::File(f)) = (&self.logic, &self.source)
-        else {
+        let Logic::Program { program, .. } = &self.logic else {
             return Err(JobError::ProgramSource);
         };
-        let b = f.read_lines(partition, position, max, &mut |line| {
+        let mut each = |line: &[u8]| {
             program
                 .ingest(line, &mut |key, ts, record| out.push(key, ts, record))
                 .map_err(|e| e.to_string())
-        })?;
-        Ok(SourceBatch {
-            records: b.records,
-            next_position: b.next_offset,
-            at_end: b.at_end,
-            finished: false,
-        })
+        };
+        match &self.source {
+            SourceKind::File(f) => {
+                let b = f.read_lines(partition, position, max, &mut each)?;
+                Ok(SourceBatch {
+                    records: b.records,
+                    next_position: b.next_offset,
+                    at_end: b.at_end,
+                    finished: false,
+                })
+            }
+            #[cfg(feature = "kafka")]
+            SourceKind::Kafka(k) => {
+                let (records, next_position, at_end) =
+                    k.read_payloads(partition, position, max, &mut each)?;
+                Ok(SourceBatch {
+                    records,
+                    next_position,
+                    at_end,
+                    finished: false,
+                })
+            }
+            SourceKind::Generator(_) => Err(JobError::ProgramSource),
+        }
     }
 
     /// How long a source partition may go without records before it stops holding the

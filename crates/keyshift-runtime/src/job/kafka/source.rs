@@ -474,10 +474,15 @@ struct Assigned {
     early: BTreeMap<u32, std::collections::VecDeque<rdkafka::message::OwnedMessage>>,
 }
 
+/// What a read does with each record: its key, value and timestamp (ms), or why it is skipped.
+type Take<'a> = dyn FnMut(Option<&[u8]>, Option<&[u8]>, Option<i64>) -> Result<(), String> + 'a;
+
 /// A Kafka source of one worker: its consumer and the partitions it listed at the start.
 pub struct KafkaSourceReader {
     spec: KafkaSource,
-    fields: KafkaFields,
+    /// How a record becomes one of the built-in aggregation (`None`: a program's source, read
+    /// with [`KafkaSourceReader::read_payloads`]).
+    fields: Option<KafkaFields>,
     consumer: Arc<SourceConsumer>,
     partitions: Vec<TopicPartition>,
     names: Vec<String>,
@@ -514,7 +519,7 @@ impl KafkaSourceReader {
     /// topics' partitions. Blocking: asks the brokers.
     pub fn open(
         spec: &KafkaSource,
-        fields: KafkaFields,
+        fields: Option<KafkaFields>,
         job: &JobIdentity,
     ) -> Result<KafkaSourceReader, KafkaSourceError> {
         let creds = Credentials::from_env(Role::Source, spec.credentials.as_ref())?;
@@ -725,7 +730,42 @@ impl KafkaSourceReader {
         out: &mut Vec<Record>,
         max: usize,
     ) -> Result<(usize, u64, bool), KafkaSourceError> {
-        let read = self.read_queues(p, at, out, max)?;
+        let Some(fields) = &self.fields else {
+            return Err(KafkaSourceError::Read {
+                partition: self.names.get(p as usize).cloned().unwrap_or_default(),
+                error: "this source feeds a program: its records are read with read_payloads"
+                    .into(),
+            });
+        };
+        self.read_with(p, at, max, &mut |key, payload, ts| {
+            out.push(to_record(key, payload, ts, fields)?);
+            Ok(())
+        })
+    }
+
+    /// Reads up to `max` records of partition `p` from offset `at` for a program: each record's
+    /// value goes to `each` (a record without a value, or one `each` refuses, is skipped with a
+    /// warning, as a record that does not parse is). Returns what [`Self::read`] returns.
+    pub fn read_payloads(
+        &self,
+        p: u32,
+        at: u64,
+        max: usize,
+        each: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<(usize, u64, bool), KafkaSourceError> {
+        self.read_with(p, at, max, &mut |_, payload, _| {
+            each(payload.ok_or_else(|| "the record has no value".to_owned())?)
+        })
+    }
+
+    fn read_with(
+        &self,
+        p: u32,
+        at: u64,
+        max: usize,
+        each: &mut Take<'_>,
+    ) -> Result<(usize, u64, bool), KafkaSourceError> {
+        let read = self.read_queues(p, at, each, max)?;
         let now = now_ms();
         if let Some(t) = self.polled_ms.get(p as usize) {
             t.store(now, Ordering::Relaxed);
@@ -742,7 +782,7 @@ impl KafkaSourceReader {
         &self,
         p: u32,
         at: u64,
-        out: &mut Vec<Record>,
+        out: &mut Take<'_>,
         max: usize,
     ) -> Result<(usize, u64, bool), KafkaSourceError> {
         let mut guard = self.assigned.lock().map_err(|_| KafkaSourceError::Read {
@@ -807,9 +847,9 @@ impl KafkaSourceReader {
         Ok((n, next, false))
     }
 
-    /// Appends message `m` of partition `p` to `out` (unless it is before `next`, or does not
-    /// parse: then it is skipped with a warning), moving `next` past it.
-    fn take(&self, p: u32, m: &impl Message, next: &mut u64, n: &mut usize, out: &mut Vec<Record>) {
+    /// Hands message `m` of partition `p` to `out` (unless it is before `next`; one `out`
+    /// refuses is skipped with a warning), moving `next` past it.
+    fn take(&self, p: u32, m: &impl Message, next: &mut u64, n: &mut usize, out: &mut Take<'_>) {
         let offset = m.offset();
         if offset < 0 || (offset as u64) < *next {
             return;
@@ -821,14 +861,8 @@ impl KafkaSourceReader {
         ) {
             newest.fetch_max(ts, Ordering::Relaxed);
         }
-        match to_record(
-            m.key(),
-            m.payload(),
-            m.timestamp().to_millis(),
-            &self.fields,
-        ) {
-            Ok(r) => {
-                out.push(r);
+        match out(m.key(), m.payload(), m.timestamp().to_millis()) {
+            Ok(()) => {
                 *n += 1;
             }
             Err(reason) => {
