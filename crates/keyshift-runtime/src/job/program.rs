@@ -334,3 +334,197 @@ pub fn compact_chain(
     chain.extend(deltas.iter().map(|d| d.as_ref()));
     block::compact(group, &chain)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::job::RecordKey;
+    use keyshift_sdk::prelude::*;
+    use keyshift_sdk::state::TimeDomain;
+
+    #[derive(serde::Serialize, serde::Deserialize, Clone)]
+    struct Ping {
+        user: String,
+        ts: i64,
+    }
+
+    /// Counts each user's pings; says so when event time passes a ping by 10 ms, and when
+    /// processing time reaches 1000.
+    struct Pings;
+
+    impl KeyedProcessFunction for Pings {
+        type Key = String;
+        type In = Ping;
+        type Out = String;
+        type State = ValueHandle<u64>;
+
+        fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            s.value(ValueStateDescriptor::new("n"))
+        }
+
+        fn process(
+            &mut self,
+            p: Ping,
+            n: &Self::State,
+            ctx: &mut Context<'_, String, String>,
+        ) -> keyshift_sdk::Result<()> {
+            let v = ctx.value(n).get()?.unwrap_or(0) + 1;
+            ctx.value(n).set(v)?;
+            ctx.register_event_time_timer(p.ts + 10)?;
+            ctx.register_processing_time_timer(1_000)?;
+            Ok(())
+        }
+
+        fn on_timer(
+            &mut self,
+            timer: Timer,
+            n: &Self::State,
+            ctx: &mut Context<'_, String, String>,
+        ) -> keyshift_sdk::Result<()> {
+            let v = ctx.value(n).get()?.unwrap_or(0);
+            let clock = match timer.domain {
+                TimeDomain::EventTime => "event",
+                TimeDomain::ProcessingTime => "processing",
+            };
+            ctx.emit(format!("{}:{clock}:{v}", ctx.key()));
+            Ok(())
+        }
+    }
+
+    fn programs() -> Programs {
+        Programs::new()
+            .with(
+                "pings",
+                Job::json_lines::<Ping>("pings", "in", |p| p.ts)
+                    .key_by(|p| p.user.clone())
+                    .process("pings", || Pings)
+                    .to_json_lines("out"),
+            )
+            .unwrap()
+    }
+
+    const RANGE: KeyGroupRange = KeyGroupRange { start: 0, end: 127 };
+
+    fn batch(program: &Program, lines: &[&str]) -> EncodedRecords {
+        let mut b = EncodedRecords::default();
+        for l in lines {
+            program
+                .ingest(l.as_bytes(), &mut |k, ts, r| b.push(k, ts, r))
+                .unwrap();
+        }
+        b
+    }
+
+    fn lines(step: &mut ProgramStep) -> Vec<String> {
+        let mut out = Vec::new();
+        let n = step.take_lines(&mut out).unwrap();
+        let got: Vec<String> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<String>(l).unwrap())
+            .collect();
+        assert_eq!(n as usize, got.len());
+        got
+    }
+
+    #[test]
+    fn a_program_step_counts_fires_both_clocks_and_restores_its_groups_elsewhere() {
+        let programs = programs();
+        assert_eq!(programs.names(), ["pings"]);
+        let program = programs.get("pings").unwrap();
+        let mut step = ProgramStep::new("pings", program.clone(), 128, RANGE).unwrap();
+        let b = batch(
+            &program,
+            &[
+                r#"{"user":"a","ts":1}"#,
+                r#"{"user":"a","ts":2}"#,
+                r#"{"user":"b","ts":5}"#,
+            ],
+        );
+        step.process(&b).unwrap();
+        assert_eq!(step.records_processed(), 3);
+        assert!(lines(&mut step).is_empty());
+        step.advance_watermark(11).unwrap();
+        assert_eq!(lines(&mut step), ["a:event:2"]);
+        step.advance_processing_time(999).unwrap();
+        assert!(lines(&mut step).is_empty());
+        step.advance_processing_time(1_000).unwrap();
+        let mut fired = lines(&mut step);
+        fired.sort();
+        assert_eq!(fired, ["a:processing:2", "b:processing:1"]);
+        // A late record counts as late, and is processed.
+        step.process(&batch(&program, &[r#"{"user":"b","ts":3}"#]))
+            .unwrap();
+        assert_eq!(step.late_records(), 1);
+
+        // Its groups, written whole, restore into another subtask's step: b's timers at 13 (the
+        // late record's) and 15 are still there, and each fires once.
+        let g = RecordKey::string("b").key_group(128);
+        let (block, entries) = step.encode_group(g, GroupMode::Full).unwrap().unwrap();
+        assert!(
+            entries >= 2,
+            "{entries} entries (a value and a timer at least)"
+        );
+        assert_eq!(step.group_entries(g), entries);
+        let mut other = ProgramStep::new("pings", program.clone(), 128, RANGE).unwrap();
+        other.restore_group(g, &[&block]).unwrap();
+        other.restore_watermark(11);
+        other.advance_watermark(20).unwrap();
+        assert_eq!(lines(&mut other), ["b:event:2", "b:event:2"]);
+        other.advance_watermark(30).unwrap();
+        assert!(lines(&mut other).is_empty());
+
+        // A delta applied over the restored group catches it up; a block of another group is
+        // refused by name, and a corrupt one too.
+        let cut = step.cut();
+        step.process(&batch(&program, &[r#"{"user":"b","ts":40}"#]))
+            .unwrap();
+        let mode = step.group_mode(g, cut);
+        assert!(matches!(mode, GroupMode::Delta { .. }), "{mode:?}");
+        let (delta, _) = step.encode_group(g, mode).unwrap().unwrap();
+        let mut caught_up = ProgramStep::new("pings", program.clone(), 128, RANGE).unwrap();
+        caught_up.restore_group(g, &[&block]).unwrap();
+        caught_up.apply_blocks(g, &[&delta], false).unwrap();
+        let (a, _) = caught_up.encode_group(g, GroupMode::Full).unwrap().unwrap();
+        let (b, _) = step.encode_group(g, GroupMode::Full).unwrap().unwrap();
+        assert_eq!(a, b, "the caught-up group holds what the original does");
+        let (compacted, _) = compact_chain(g, &block, &[bytes::Bytes::from(delta)]).unwrap();
+        let sorted = |bytes: &[u8]| {
+            let mut block = keyshift_sdk::block::decode(bytes).unwrap();
+            block.entries.sort();
+            block
+        };
+        assert_eq!(
+            sorted(&compacted),
+            sorted(&b),
+            "a compacted chain holds the group written whole"
+        );
+        let err = caught_up.restore_group(g + 1, &[&block]).unwrap_err();
+        assert!(err.to_string().contains("key group"), "{err}");
+        let mut corrupt = block.clone();
+        let last = corrupt.len() - 1;
+        corrupt[last] ^= 1;
+        assert!(caught_up.restore_group(g, &[&corrupt]).is_err());
+    }
+
+    #[test]
+    fn programs_refuse_a_bad_name_a_duplicate_and_a_job_they_cannot_run() {
+        let job = || {
+            Job::json_lines::<Ping>("pings", "in", |p| p.ts)
+                .key_by(|p| p.user.clone())
+                .process("pings", || Pings)
+                .to_json_lines("out")
+        };
+        assert!(matches!(
+            Programs::new().with("Pings", job()),
+            Err(ProgramsError::Name(_))
+        ));
+        assert!(matches!(
+            programs().with("pings", job()),
+            Err(ProgramsError::Duplicate(_))
+        ));
+        let stateless = Job::json_lines::<Ping>("none", "in", |p| p.ts).to_json_lines("out");
+        let err = Programs::new().with("none", stateless).err().unwrap();
+        assert!(err.to_string().contains("no keyed step"), "{err}");
+    }
+}

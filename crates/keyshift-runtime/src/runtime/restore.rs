@@ -112,6 +112,57 @@ pub async fn restore_state(
     restore_state_reporting(agg, store, dir, manifest, opts, None).await
 }
 
+/// The pieces of `range` as [`snapshot::read_groups_stream`] reads them, and the count a
+/// restore of them starts from (the range's groups in the snapshot, nothing read yet; each piece
+/// is counted with [`Restored::count`]).
+fn read_range<'a>(
+    store: &'a dyn ObjectStore,
+    dir: &'a Path,
+    manifest: &'a Manifest,
+    range: keyshift_core::keygroup::KeyGroupRange,
+    opts: RestoreOptions,
+) -> Result<
+    (
+        Restored,
+        impl futures::Stream<Item = Result<snapshot::RestoredChunk, SnapshotError>> + 'a,
+    ),
+    RestoreError,
+> {
+    let out = Restored {
+        groups: range
+            .iter()
+            .filter(|g| manifest.group(*g).is_some())
+            .count() as u32,
+        ..Restored::default()
+    };
+    let pieces = snapshot::read_groups_stream(
+        store,
+        dir,
+        manifest,
+        range,
+        opts.request_bytes,
+        opts.reads_ahead,
+    )?;
+    Ok((out, pieces))
+}
+
+impl Restored {
+    /// Counts `piece` as read (here and in `progress`), and hands it back.
+    fn count(
+        &mut self,
+        piece: snapshot::RestoredChunk,
+        progress: Option<&Progress>,
+    ) -> snapshot::RestoredChunk {
+        self.bytes_read += piece.bytes_read;
+        if let Some(p) = progress {
+            p.bytes_read.fetch_add(piece.bytes_read, Ordering::Relaxed);
+            p.groups_read
+                .fetch_add(piece.groups.len() as u32, Ordering::Relaxed);
+        }
+        piece
+    }
+}
+
 /// Restores the key groups of `keyed`'s range from the snapshot in `dir`, whichever logic it
 /// runs: the aggregation's as [`restore_state_reporting`] does; a program's once every block of
 /// the range has been read and checked against the manifest, each group's chain checked again
@@ -141,32 +192,11 @@ async fn restore_program(
     opts: RestoreOptions,
     progress: Option<&Progress>,
 ) -> Result<Restored, RestoreError> {
-    let range = step.range();
-    let mut out = Restored {
-        groups: range
-            .iter()
-            .filter(|g| manifest.group(*g).is_some())
-            .count() as u32,
-        ..Restored::default()
-    };
-    let mut pieces = std::pin::pin!(snapshot::read_groups_stream(
-        store,
-        dir,
-        manifest,
-        range,
-        opts.request_bytes,
-        opts.reads_ahead,
-    )?);
+    let (mut out, pieces) = read_range(store, dir, manifest, step.range(), opts)?;
+    let mut pieces = std::pin::pin!(pieces);
     let mut groups = Vec::new();
     while let Some(piece) = pieces.next().await {
-        let piece = piece?;
-        out.bytes_read += piece.bytes_read;
-        if let Some(p) = progress {
-            p.bytes_read.fetch_add(piece.bytes_read, Ordering::Relaxed);
-            p.groups_read
-                .fetch_add(piece.groups.len() as u32, Ordering::Relaxed);
-        }
-        groups.extend(piece.groups);
+        groups.extend(out.count(piece?, progress).groups);
     }
     let before = step.entries();
     for g in groups {
@@ -188,34 +218,14 @@ pub async fn restore_state_reporting(
     opts: RestoreOptions,
     progress: Option<&Progress>,
 ) -> Result<Restored, RestoreError> {
-    let range = agg.range();
-    let mut out = Restored {
-        groups: range
-            .iter()
-            .filter(|g| manifest.group(*g).is_some())
-            .count() as u32,
-        ..Restored::default()
-    };
+    let (mut out, pieces) = read_range(store, dir, manifest, agg.range(), opts)?;
+    let mut pieces = std::pin::pin!(pieces);
     let decoder = agg.decoder();
-    let mut pieces = std::pin::pin!(snapshot::read_groups_stream(
-        store,
-        dir,
-        manifest,
-        range,
-        opts.request_bytes,
-        opts.reads_ahead,
-    )?);
     let mut decoding: VecDeque<Decoding> = VecDeque::new();
     let mut decoded: Vec<DecodedGroupState> = Vec::new();
     let result: Result<(), RestoreError> = async {
         while let Some(piece) = pieces.next().await {
-            let piece = piece?;
-            out.bytes_read += piece.bytes_read;
-            if let Some(p) = progress {
-                p.bytes_read.fetch_add(piece.bytes_read, Ordering::Relaxed);
-                p.groups_read
-                    .fetch_add(piece.groups.len() as u32, Ordering::Relaxed);
-            }
+            let piece = out.count(piece?, progress);
             if decoding.len() >= opts.decoders.max(1)
                 && let Some(oldest) = decoding.pop_front()
             {

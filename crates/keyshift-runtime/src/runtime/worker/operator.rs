@@ -43,6 +43,12 @@ pub(super) async fn operator_loop(
     };
     let mut aborts = s.aborted.subscribe();
     let mut align = Alignment::new(n);
+    // A program's processing time: advanced between messages, and on a tick while its inputs
+    // are idle, so that its processing-time timers fire.
+    let program = matches!(sub.keyed, Keyed::Program(_));
+    let mut clock = tokio::time::interval(PROCESSING_TIME_TICK);
+    clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut advanced = Instant::now();
     let mut start = 0usize;
     let mut batches = 0u64;
     // Late records of this run's keyed operator already counted in the metric.
@@ -64,7 +70,12 @@ pub(super) async fn operator_loop(
             _ = aborts.changed(), if align.aligning().is_some() => None,
             m = next_input(&mut inputs, align.blocked(), &mut start) => Some(m),
             _ = std::future::ready(()), if capturing => None,
+            _ = clock.tick(), if program => None,
         };
+        if program && advanced.elapsed() >= PROCESSING_TIME_TICK {
+            advanced = Instant::now();
+            advance_processing_time(&s, &mut sub)?;
+        }
         let aborted_through = *aborts.borrow_and_update();
         if let Some(id) = align.abandon_through(aborted_through) {
             tracing::info!(id, "stopped aligning an aborted snapshot");
@@ -252,6 +263,24 @@ pub(super) fn emit(s: &Shared, sub: &mut Subtask, rows: &[job::ResultRow]) {
         let _ = out.write_all(&lines);
         let _ = out.flush();
     }
+}
+
+/// How often a program's processing time advances (its processing-time timers fire at most
+/// this late).
+pub(super) const PROCESSING_TIME_TICK: Duration = Duration::from_millis(50);
+
+/// Advances a program's processing time to the wall clock (ms since the epoch): its timers up
+/// to now fire, and what they emit goes to the sink.
+fn advance_processing_time(s: &Shared, sub: &mut Subtask) -> Result<(), WorkerError> {
+    let Keyed::Program(step) = &mut sub.keyed else {
+        return Ok(());
+    };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX));
+    step.advance_processing_time(now)
+        .map_err(job::JobError::from)?;
+    emit_program(s, sub)
 }
 
 /// What a program emitted since the last call, as the sink's lines: to the sink as the
