@@ -2,10 +2,13 @@
 //! oracle that computes its expected output independently of the SDK:
 //!
 //! * [`dedup`]: each event id's first occurrence, again once its TTL has run out;
-//! * [`silence`]: an alert when a device sends no heartbeat for a while, once per silence.
+//! * [`silence`]: an alert when a device sends no heartbeat for a while, once per silence;
+//! * [`count`]: the built-in job's count per key, as a program (to measure one against the
+//!   other).
 //!
 //! [`input`] generates their deterministic inputs.
 
+pub mod count;
 pub mod dedup;
 pub mod input;
 pub mod silence;
@@ -19,10 +22,11 @@ pub const DEDUP_TTL: Duration = Duration::from_secs(10);
 pub const SILENCE_MS: i64 = 30_000;
 
 /// The example jobs as programs a worker image carries, by the name a StreamJob gives in
-/// `spec.job.program.name`: `dedup` ([`dedup::job`] with [`DEDUP_TTL`]) and `silence-alert`
-/// ([`silence::job`] with [`SILENCE_MS`]).
+/// `spec.job.program.name`: `dedup` ([`dedup::job`] with [`DEDUP_TTL`]), `silence-alert`
+/// ([`silence::job`] with [`SILENCE_MS`]) and `count` ([`count::job`]).
 pub fn programs() -> Vec<(&'static str, Job)> {
     vec![
+        ("count", count::job()),
         ("dedup", dedup::job(DEDUP_TTL)),
         ("silence-alert", silence::job(SILENCE_MS)),
     ]

@@ -297,6 +297,23 @@ fn processing_time_ttl_hides_expired_values_and_drops_them_from_full_snapshots()
 }
 
 #[test]
+fn event_time_ttl_runs_on_the_later_of_the_watermark_and_the_record_s_own_time() {
+    let ttl = Some(Ttl::event_time(Duration::from_millis(100)));
+    // The watermark never moves: whether a value lived is the records' times alone, as it is
+    // on every replay whatever the watermark did.
+    let mut op = KeyedOperator::new("remember", Remember { ttl }, MAX, ALL).unwrap();
+    op.process(&1, 1_000, 7).unwrap();
+    op.process(&1, 1_099, -1).unwrap();
+    op.process(&1, 1_100, -1).unwrap();
+    // A record behind the watermark sees the watermark's time.
+    op.process(&2, 1_000, 8).unwrap();
+    op.advance_watermark(1_200).unwrap();
+    op.process(&2, 1_050, -1).unwrap();
+    let seen: Vec<Option<i64>> = op.take_output().into_iter().map(|(_, v)| v).collect();
+    assert_eq!(seen, vec![None, Some(7), None, None, None]);
+}
+
+#[test]
 fn a_restore_refuses_what_the_job_cannot_read_and_keeps_the_group() {
     let mut op = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
     op.process(&key("a"), 0, add("x", 1)).unwrap();

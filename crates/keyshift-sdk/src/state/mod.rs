@@ -94,8 +94,12 @@ pub struct Ttl {
 }
 
 impl Ttl {
-    /// Expires once the watermark passes the event time of the write (the record's or timer's
-    /// being handled) plus `after`: deterministic, so a replay expires alike.
+    /// Expires once event time passes the event time of the write (the record's or timer's
+    /// being handled) plus `after`; event time being the watermark, or the timestamp of the
+    /// record or timer being handled when that is later. A key's records arrive in one order on
+    /// every replay, so whether an entry has expired when its key's next record reads it does
+    /// not depend on how far the watermark had come (only a record behind the watermark sees
+    /// the watermark's time).
     pub fn event_time(after: Duration) -> Self {
         Ttl {
             after_ms: i64::try_from(after.as_millis()).unwrap_or(i64::MAX),
@@ -601,10 +605,12 @@ impl KeyScope<'_> {
         k
     }
 
-    /// The time an entry's expiry is compared with.
+    /// The time an entry's expiry is compared with (see [`Ttl::event_time`]).
     fn now(&self, ttl: &Ttl) -> i64 {
         match ttl.domain {
-            TimeDomain::EventTime => self.watermark,
+            TimeDomain::EventTime => self
+                .timestamp
+                .map_or(self.watermark, |t| t.max(self.watermark)),
             TimeDomain::ProcessingTime => self.processing_time,
         }
     }
