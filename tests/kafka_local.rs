@@ -1218,5 +1218,5 @@ spec:
         watermark >= fleet.duration_ms + fleet.silence_ms,
         "event time passed every watch (watermark {watermark})"
     );
-    programs_support::assert_alerts(&out, &records, fleet.silence_ms, watermark);
+    programs_support::assert_alerts(&[&out], &records, fleet.silence_ms, watermark);
 }

@@ -75,7 +75,8 @@ spec:
 const SETTLE: Duration = Duration::from_millis(1500);
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silence_alert_program_fires_each_alert_once_through_rescales_and_a_killed_worker() {
+async fn a_silence_alert_program_fires_each_alert_once_through_rescales_a_killed_worker_and_a_ceiling_change()
+ {
     let dir = tempfile::tempdir().expect("temp dir");
     let input = Input {
         dir: dir.path().join("in"),
@@ -88,7 +89,7 @@ async fn a_silence_alert_program_fires_each_alert_once_through_rescales_and_a_ki
     let (phases, records) = phases(&fleet, input.files);
     input.beats(&phases[0]);
     let spec = program_job("silence", "silence-alert", &input.dir, &out, 2);
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+    let mut local = LocalJob::new(&spec, storage.clone(), bin(), dir.path().join("logs"))
         .await
         .expect("job prepares");
     local.launch(2, None).await.expect("launch");
@@ -136,9 +137,39 @@ async fn a_silence_alert_program_fires_each_alert_once_through_rescales_and_a_ki
         .expect("pre-staged rescale to 1");
     assert_eq!(pre.fallback, None, "the pre-stage was used");
     assert!(pre.prestage.is_some());
+    // The key-group ceiling changes: stopped with a savepoint, rewritten from 128 groups to
+    // 256 (every entry and timer re-hashed), restored at 2 (into its own sink directory).
+    let stopped = local.shutdown().await.expect("stop with a savepoint");
+    let rewritten = keyshift::snapshot::snapshot_url(
+        &storage,
+        "test",
+        "silence",
+        keyshift::snapshot::SnapshotKind::Savepoint,
+        stopped.id + 1,
+    );
+    let report = keyshift::offline::rewrite::rewrite(
+        &stopped.url,
+        &rewritten,
+        keyshift::offline::RewriteOptions::new(256),
+    )
+    .await
+    .expect("rewrite to 256 key groups");
+    assert!(report.keys > 150, "{} entries moved", report.keys);
+    let wider_out = dir.path().join("out-256");
+    let mut wider = program_job("silence", "silence-alert", &input.dir, &wider_out, 2);
+    wider.spec.max_parallelism = Some(256);
+    wider.spec.restore_from = Some(rewritten.clone());
+    let mut local = LocalJob::new(&wider, storage.clone(), bin(), dir.path().join("logs"))
+        .await
+        .expect("the job prepares at 256 groups");
+    local
+        .launch(2, Some(rewritten))
+        .await
+        .expect("restore the rewritten savepoint");
     input.beats(&phases[3]);
     tokio::time::sleep(SETTLE).await;
     let sp = local.shutdown().await.expect("stop with a savepoint");
+    assert_eq!(sp.manifest.max_parallelism, 256);
 
     // The savepoint tools check a program's blocks: every key in the group it belongs to.
     let loc = keyshift::offline::open_location(&sp.url).expect("savepoint location");
@@ -154,7 +185,7 @@ async fn a_silence_alert_program_fires_each_alert_once_through_rescales_and_a_ki
         watermark >= fleet.duration_ms + fleet.silence_ms,
         "event time passed every watch (watermark {watermark})"
     );
-    assert_alerts(&out, &records, fleet.silence_ms, watermark);
+    assert_alerts(&[&out, &wider_out], &records, fleet.silence_ms, watermark);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

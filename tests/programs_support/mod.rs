@@ -85,15 +85,16 @@ pub fn published<T: serde::de::DeserializeOwned + Ord>(out: &Path) -> Vec<T> {
     alerts
 }
 
-/// Checks that the alerts published under `out` are exactly those of the watches `records`
-/// ended once event time reached `watermark` (the job's last savepoint's): none missing, none
-/// twice, none unexpected.
-pub fn assert_alerts(out: &Path, records: &Records, silence_ms: i64, watermark: i64) {
+/// Checks that the alerts published under `outs` (one sink directory per run) are exactly
+/// those of the watches `records` ended once event time reached `watermark` (the job's last
+/// savepoint's): none missing, none twice, none unexpected.
+pub fn assert_alerts(outs: &[&Path], records: &Records, silence_ms: i64, watermark: i64) {
     let want: Vec<Alert> = silence::expected(records, silence_ms)
         .into_iter()
         .filter(|a| a.last_heartbeat + silence_ms <= watermark)
         .collect();
-    let got: Vec<Alert> = published(out);
+    let mut got: Vec<Alert> = outs.iter().flat_map(|o| published::<Alert>(o)).collect();
+    got.sort();
     assert!(want.len() > 100, "{} alerts expected", want.len());
     let mut seen = BTreeMap::new();
     for a in &got {

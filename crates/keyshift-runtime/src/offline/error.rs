@@ -47,6 +47,11 @@ pub enum ToolError {
         source: keyshift_sdk::BlockError,
     },
 
+    /// A program's state could not be re-bucketed (a block that does not decode, or blocks
+    /// that disagree on the step or its states).
+    #[error("rewriting a program's state: {0}")]
+    ProgramRewrite(#[source] keyshift_sdk::BlockError),
+
     /// A block's header (or entry count) contradicts the manifest.
     #[error(
         "state file {file}: key group {group}: the block says {what} is {block}, the manifest says {manifest}"

@@ -697,6 +697,10 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         }
     };
 
+    if manifest.state_schema == crate::job::PROGRAM_SCHEMA {
+        return rewrite_program(src, dst, manifest, assignment, snapshot_id, &opts, started).await;
+    }
+
     // Pass 1: scatter the source's entries into buckets of new groups.
     let spill_dir = SpillDir::create(opts.temp_dir.as_deref())?;
     let total = manifest.stats.total_bytes;
@@ -859,6 +863,55 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
 
     // Commit: the manifest last, create-only.
     let commit_started = Instant::now();
+    let new_manifest = commit(
+        &src,
+        &dst,
+        &manifest,
+        assignment,
+        snapshot_id,
+        acks,
+        keys_read,
+        true,
+    )
+    .await?;
+    let commit_secs = commit_started.elapsed().as_secs_f64();
+    Ok(RewriteReport {
+        source: src.url,
+        target: dst.url,
+        snapshot_id,
+        from_parallelism: manifest.parallelism,
+        from_max_parallelism: manifest.max_parallelism,
+        parallelism,
+        max_parallelism: opts.max_parallelism,
+        keys: keys_read,
+        bytes_read,
+        bytes_written: new_manifest.stats.total_bytes,
+        spill_bytes,
+        buckets: bucket_count,
+        largest_bucket_bytes,
+        scatter_secs,
+        assemble_secs,
+        commit_secs,
+        total_secs: started.elapsed().as_secs_f64(),
+        timings,
+    })
+}
+
+/// Commits a rewritten snapshot: its manifest (the source's job identity, positions, watermark
+/// and schema; `kind: savepoint`; `stats.rewrittenFrom` naming the source) is written last,
+/// create-only, once the keys written match the keys read (and, with `whole`, the source
+/// manifest's count). Cleans the target on failure.
+#[allow(clippy::too_many_arguments)]
+async fn commit(
+    src: &SnapshotLocation,
+    dst: &SnapshotLocation,
+    manifest: &Manifest,
+    assignment: Assignment,
+    snapshot_id: u64,
+    acks: Vec<SubtaskSnapshot>,
+    keys_read: u64,
+    whole: bool,
+) -> Result<Manifest> {
     let meta = SnapshotMeta {
         job: manifest.job.clone(),
         snapshot_id,
@@ -883,8 +936,8 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         }),
     );
     let written = new_manifest.stats.total_keys;
-    if written != keys_read || keys_read != manifest.stats.total_keys {
-        clean_target(&dst, assignment).await;
+    if written != keys_read || (whole && keys_read != manifest.stats.total_keys) {
+        clean_target(dst, assignment).await;
         return Err(ToolError::KeyCount {
             read: keys_read,
             written,
@@ -892,35 +945,119 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         });
     }
     match commit_manifest(dst.store.as_ref(), &dst.dir, &new_manifest).await {
-        Ok(()) => {}
-        Err(SnapshotError::AlreadyExists { path }) => {
-            return Err(ToolError::TargetExists { url: dst.url, path });
-        }
+        Ok(()) => Ok(new_manifest),
+        Err(SnapshotError::AlreadyExists { path }) => Err(ToolError::TargetExists {
+            url: dst.url.clone(),
+            path,
+        }),
         Err(e) => {
-            clean_target(&dst, assignment).await;
-            return Err(e.into());
+            clean_target(dst, assignment).await;
+            Err(e.into())
         }
     }
-    let commit_secs = commit_started.elapsed().as_secs_f64();
+}
+
+/// [`rewrite`] of a program's snapshot (schema [`crate::job::PROGRAM_SCHEMA`]): every group's
+/// chain is read (checked against the manifest) and merged, every entry (each kind of state,
+/// and the timers) goes to the group its key hashes to under the new count
+/// ([`keyshift_sdk::block::rewrite`], every block checked first), and each new group is written
+/// whole, in group order, to the state file of the subtask owning it. In memory: refused
+/// (naming the budget) when the state would take more than a third of it; no spill files.
+async fn rewrite_program(
+    src: SnapshotLocation,
+    dst: SnapshotLocation,
+    manifest: Arc<Manifest>,
+    assignment: Assignment,
+    snapshot_id: u64,
+    opts: &RewriteOptions,
+    started: Instant,
+) -> Result<RewriteReport> {
+    let total = manifest.stats.total_bytes;
+    let budget = opts.memory_budget as u64;
+    if total.saturating_mul(3) > budget {
+        return Err(ToolError::MemoryBudget {
+            groups: "a program's key groups (rewritten in memory, for now: the blocks read, their entries and the new blocks)".to_owned(),
+            needed: total.saturating_mul(3),
+            budget,
+        });
+    }
+    let mut chains: Vec<(u32, Vec<Bytes>)> = Vec::new();
+    let mut bytes_read = 0u64;
+    for entry in manifest.key_groups.iter().filter(|e| e.length > 0) {
+        let (first, deltas) =
+            crate::snapshot::read_chain(src.store.as_ref(), &src.dir, entry).await?;
+        let mut chain = Vec::with_capacity(deltas.len() + 1);
+        chain.push(first);
+        chain.extend(deltas);
+        bytes_read += chain.iter().map(|b| b.len() as u64).sum::<u64>();
+        chains.push((entry.group, chain));
+    }
+    let new_max_p = opts.max_parallelism;
+    let groups = blocks::blocking(move || {
+        keyshift_sdk::block::rewrite(
+            chains
+                .iter()
+                .map(|(g, chain)| (*g, chain.iter().map(|b| b.as_ref()).collect())),
+            new_max_p,
+        )
+    })
+    .await?
+    .map_err(ToolError::ProgramRewrite)?;
+    let scatter_secs = started.elapsed().as_secs_f64();
+    let assemble_started = Instant::now();
+    let mut layout = Layout::new(dst.clone(), assignment, DEFAULT_PART_SIZE)?;
+    let mut keys = 0u64;
+    let written: Result<Vec<SubtaskSnapshot>> = async {
+        for (group, block) in groups {
+            let entries =
+                keyshift_sdk::block::entry_count(&block).map_err(ToolError::ProgramRewrite)?;
+            keys += entries;
+            layout.write(group, Bytes::from(block), entries).await?;
+        }
+        layout.finish().await
+    }
+    .await;
+    let acks = match written {
+        Ok(a) => a,
+        Err(e) => {
+            clean_target(&dst, assignment).await;
+            return Err(e);
+        }
+    };
+    let assemble_secs = assemble_started.elapsed().as_secs_f64();
+    let commit_started = Instant::now();
+    // The source's count can include entries a TTL had expired (they are left out of whole
+    // blocks): the keys written must be the merged chains', not the manifest's.
+    let new_manifest = commit(
+        &src,
+        &dst,
+        &manifest,
+        assignment,
+        snapshot_id,
+        acks,
+        keys,
+        false,
+    )
+    .await?;
     Ok(RewriteReport {
         source: src.url,
         target: dst.url,
         snapshot_id,
         from_parallelism: manifest.parallelism,
         from_max_parallelism: manifest.max_parallelism,
-        parallelism,
+        parallelism: assignment.parallelism(),
         max_parallelism: opts.max_parallelism,
-        keys: keys_read,
+        keys,
         bytes_read,
         bytes_written: new_manifest.stats.total_bytes,
-        spill_bytes,
-        buckets: bucket_count,
-        largest_bucket_bytes,
+        spill_bytes: 0,
+        buckets: 1,
+        largest_bucket_bytes: total,
         scatter_secs,
         assemble_secs,
-        commit_secs,
+        commit_secs: commit_started.elapsed().as_secs_f64(),
         total_secs: started.elapsed().as_secs_f64(),
-        timings,
+        timings: Timings::default(),
     })
 }
 
