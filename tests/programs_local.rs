@@ -176,6 +176,39 @@ async fn a_silence_alert_program_fires_each_alert_once_through_rescales_a_killed
     let v = keyshift::offline::verify_keys(&loc).await.expect("verify");
     assert!(v.ok(), "{:?}", v.problems);
     assert!(v.keys_checked > 150, "{} entries checked", v.keys_checked);
+    // ... inspect it (its largest keys) ...
+    let report = keyshift::offline::inspect::inspect(&loc, 5)
+        .await
+        .expect("inspect");
+    assert_eq!(report.state_schema, keyshift::job::PROGRAM_SCHEMA);
+    assert_eq!(report.largest_keys.len(), 5);
+    // ... and dump it entry by entry, under each state's declared name.
+    let mut dumped = Vec::new();
+    let summary = keyshift::offline::dump::dump(&loc, None, &mut dumped)
+        .await
+        .expect("dump");
+    let lines: Vec<serde_json::Value> = String::from_utf8(dumped)
+        .expect("UTF-8")
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    assert_eq!(summary.keys as usize, lines.len());
+    let devices: std::collections::BTreeSet<&str> = lines
+        .iter()
+        .filter(|l| l["state"] == "last-heartbeat")
+        .filter_map(|l| l["key"].as_str())
+        .collect();
+    assert_eq!(
+        devices.len() as u64,
+        fleet.devices + input.files,
+        "every device's last heartbeat"
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l["state"] == "timers" && l["kind"] == "event-time"),
+        "the watches still open are timers"
+    );
 
     let watermark = sp
         .manifest

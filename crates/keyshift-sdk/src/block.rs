@@ -310,6 +310,115 @@ pub fn entry_count(block: &[u8]) -> Result<u64, BlockError> {
     Ok(u64::from_le_bytes(r.array("entry count")?))
 }
 
+/// One entry of a block as a person reads it (what `keyshift savepoint dump` prints): its key,
+/// the state it belongs to by its declared name (or the timers of a clock), and its value.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct EntryView {
+    /// The key it belongs to.
+    pub key: keyshift_core::keygroup::Key,
+    /// The state's declared name; `timers` for a timer.
+    pub state: String,
+    /// `value`, `map`, `list`, `reducing`, `aggregating`; a timer's clock: `event-time` or
+    /// `processing-time`.
+    pub kind: String,
+    /// A timer's time (ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timer: Option<i64>,
+    /// A map entry's key or a list element's position, as stored (hex).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user_key: Option<String>,
+    /// When the entry expires (its state's TTL; ms on the TTL's clock).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expires_at: Option<i64>,
+    /// The value, for a state serialized as JSON.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<serde_json::Value>,
+    /// The value as stored (hex), for any other serializer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value_hex: Option<String>,
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(s, "{b:02x}");
+    }
+    s
+}
+
+/// A block's header and its entries as people read them ([`EntryView`]), in block order.
+/// Deletions (in a delta) are left out.
+pub fn describe(block: &[u8]) -> Result<(BlockHeader, Vec<EntryView>), BlockError> {
+    use crate::state::{EVENT_TIMERS, PROCESSING_TIMERS};
+    let b = decode(block)?;
+    let states: BTreeMap<StateId, &Declaration> =
+        b.header.states.iter().map(|(id, d)| (*id, d)).collect();
+    let mut out = Vec::with_capacity(b.entries.len());
+    for (n, (entry_key, value)) in b.entries.iter().enumerate() {
+        let Some(value) = value else { continue };
+        let (key, len) = crate::key::decode_key(entry_key).map_err(|source| BlockError::Key {
+            entry: n as u64,
+            source,
+        })?;
+        let id = entry_key
+            .get(len..len + 2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]))
+            .ok_or(BlockError::Malformed("an entry key without its state id"))?;
+        let user = &entry_key[len + 2..];
+        let view = match id {
+            EVENT_TIMERS | PROCESSING_TIMERS => EntryView {
+                key,
+                state: "timers".into(),
+                kind: if id == EVENT_TIMERS {
+                    "event-time"
+                } else {
+                    "processing-time"
+                }
+                .into(),
+                timer: user
+                    .try_into()
+                    .ok()
+                    .map(|b: [u8; 8]| (u64::from_be_bytes(b) ^ (1 << 63)) as i64),
+                user_key: None,
+                expires_at: None,
+                value: None,
+                value_hex: None,
+            },
+            id => {
+                let d = states.get(&id).ok_or(BlockError::Malformed(
+                    "an entry of a state the block does not declare",
+                ))?;
+                let (expires_at, bytes) = match d.ttl {
+                    Some(_) => {
+                        let (e, rest) = value
+                            .split_first_chunk::<8>()
+                            .ok_or(BlockError::Malformed("an entry too short for its expiry"))?;
+                        (Some(i64::from_be_bytes(*e)), rest)
+                    }
+                    None => (None, value.as_slice()),
+                };
+                let json = (d.serializer == "json")
+                    .then(|| serde_json::from_slice(bytes).ok())
+                    .flatten();
+                EntryView {
+                    key,
+                    state: d.name.clone(),
+                    kind: d.kind.to_string(),
+                    timer: None,
+                    user_key: (!user.is_empty()).then(|| hex(user)),
+                    expires_at,
+                    value_hex: json.is_none().then(|| hex(bytes)),
+                    value: json,
+                }
+            }
+        };
+        out.push(view);
+    }
+    Ok((b.header, out))
+}
+
 /// Checks a block as a snapshot of group `group` under `max_parallelism` groups holds it: it
 /// decodes, names that group and count, and every key in it belongs to the group. Returns its
 /// entry count. (What a restore checks beyond this is the job's: its step, key type and

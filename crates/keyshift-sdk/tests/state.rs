@@ -593,3 +593,60 @@ fn the_erased_step_takes_routed_batches_of_serialized_records_and_refuses_a_fore
         .to_string();
     assert!(err.contains("kitchen") && err.contains('7'), "{err}");
 }
+
+#[test]
+fn a_block_reads_back_entry_by_entry_under_each_state_s_declared_name() {
+    let mut op = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    op.process(&key("a"), 0, add("x", 3)).unwrap();
+    op.process(
+        &key("a"),
+        0,
+        Op::Timer {
+            at: 500,
+            delete: false,
+        },
+    )
+    .unwrap();
+    let g = keyshift_sdk::key::key_group(&key("a"), MAX);
+    let blocks = snapshot(&mut op);
+    let block = &blocks.iter().find(|(b, _)| *b == g).unwrap().1;
+    let (header, entries) = keyshift_sdk::block::describe(block).unwrap();
+    assert_eq!(header.operator, "kitchen");
+    let by_state = |name: &str| {
+        entries
+            .iter()
+            .filter(|e| e.state == name)
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        entries
+            .iter()
+            .all(|e| e.key == keyshift_core::keygroup::Key::String("a".into()))
+    );
+    let map = by_state("map");
+    assert_eq!(map.len(), 1);
+    assert_eq!(map[0].kind, "map");
+    assert!(map[0].user_key.is_some() && map[0].value_hex.is_some());
+    let last = by_state("last");
+    assert_eq!(last.len(), 1);
+    assert_eq!(
+        last[0].value,
+        Some(
+            serde_json::to_value(Op::Timer {
+                at: 500,
+                delete: false
+            })
+            .unwrap()
+        ),
+        "a JSON state reads as JSON"
+    );
+    let timers = by_state("timers");
+    assert_eq!(timers.len(), 1);
+    assert_eq!(
+        (timers[0].kind.as_str(), timers[0].timer),
+        ("processing-time", Some(500))
+    );
+    assert_eq!(by_state("list").len(), 1);
+    assert_eq!(by_state("sum").len(), 1);
+    assert_eq!(by_state("avg").len(), 1);
+}

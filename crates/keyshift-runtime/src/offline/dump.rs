@@ -12,6 +12,16 @@
 //! job has `windows`, one accumulator per open window. `payloadBytes` appears when the key
 //! carries benchmark ballast. Blocks are streamed and checked (checksums, headers, key groups)
 //! as they are read.
+//!
+//! A program's snapshot (schema `keyshift.sdk.v1`) has one line per entry: a state's value (or
+//! a map entry, a list element) under the state's declared name, or a timer:
+//!
+//! ```text
+//! {"keyGroup":42,"key":"device-7","state":"last-heartbeat","kind":"value","valueHex":"c0b802"}
+//! {"keyGroup":42,"key":"device-7","state":"timers","kind":"event-time","timer":1700000030000}
+//! ```
+//!
+//! A state serialized as JSON shows its `value` as JSON; any other, `valueHex` as stored.
 
 use super::blocks::{self, Block, Shape, WINDOW_BYTES};
 use super::error::{Result, ToolError};
@@ -120,6 +130,18 @@ pub fn parse_key_groups(text: &str) -> Result<KeyGroupRange> {
     Ok(KeyGroupRange { start, end })
 }
 
+/// One line of `dump` for a program's state: one entry of a key's state (by its declared
+/// name) or one of its timers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProgramDumpLine {
+    /// Its key group.
+    pub key_group: u32,
+    /// The entry.
+    #[serde(flatten)]
+    pub entry: keyshift_sdk::block::EntryView,
+}
+
 /// Renders one block's lines.
 fn render(manifest: &Manifest, b: &Block, shape: &mut Option<Shape>) -> Result<(Vec<u8>, u64)> {
     let codec = |source| ToolError::Block {
@@ -128,6 +150,26 @@ fn render(manifest: &Manifest, b: &Block, shape: &mut Option<Shape>) -> Result<(
         source,
     };
     super::verify::check_block(manifest, b, shape)?;
+    if manifest.state_schema == crate::job::PROGRAM_SCHEMA {
+        let (_, entries) =
+            keyshift_sdk::block::describe(&b.bytes).map_err(|source| ToolError::ProgramBlock {
+                file: b.file.to_string(),
+                group: b.group,
+                source,
+            })?;
+        let mut out = Vec::with_capacity(b.bytes.len() * 2);
+        let n = entries.len() as u64;
+        for entry in entries {
+            let line = ProgramDumpLine {
+                key_group: b.group,
+                entry,
+            };
+            if serde_json::to_writer(&mut out, &line).is_ok() {
+                out.push(b'\n');
+            }
+        }
+        return Ok((out, n));
+    }
     let window = shape.and_then(|s| s.window_size_ms);
     let mut out = Vec::with_capacity(b.bytes.len());
     let mut n = 0;

@@ -268,6 +268,9 @@ impl Collector {
         let Some(entry) = manifest.group(b.group) else {
             return Ok(());
         };
+        if manifest.state_schema == crate::job::PROGRAM_SCHEMA {
+            return self.program_block(manifest, b);
+        }
         let header = state_codec::decode_header(&b.bytes).map_err(codec)?;
         blocks::check_header(manifest, entry, &header, &mut self.shape)?;
         let function = header.info.function;
@@ -299,6 +302,50 @@ impl Collector {
         if let Some(g) = self.groups.get_mut(group as usize) {
             g.keys = header.entries;
             g.bytes = b.bytes.len() as u64;
+        }
+        Ok(())
+    }
+}
+
+impl Collector {
+    /// A program's block: its keys (each key's entries, timers included, summed: the bytes it
+    /// holds), checked as `verify` checks them. A program's state has no one number per key.
+    fn program_block(&mut self, manifest: &Manifest, b: &Block) -> Result<()> {
+        let sdk = |source| ToolError::ProgramBlock {
+            file: b.file.to_string(),
+            group: b.group,
+            source,
+        };
+        keyshift_sdk::block::check(&b.bytes, b.group, manifest.max_parallelism).map_err(sdk)?;
+        let block = keyshift_sdk::block::decode(&b.bytes).map_err(sdk)?;
+        let mut per_key: std::collections::BTreeMap<keyshift_core::keygroup::Key, u64> =
+            std::collections::BTreeMap::new();
+        for (n, (key, value)) in block.entries.iter().enumerate() {
+            let (k, _) = keyshift_sdk::key::decode_key(key).map_err(|source| {
+                sdk(keyshift_sdk::BlockError::Key {
+                    entry: n as u64,
+                    source,
+                })
+            })?;
+            let len = key.len() + value.as_ref().map_or(0, Vec::len);
+            *per_key.entry(k).or_default() += len as u64;
+        }
+        let group = b.group;
+        if let Some(g) = self.groups.get_mut(group as usize) {
+            g.keys = per_key.len() as u64;
+            g.bytes = b.bytes.len() as u64;
+        }
+        for (key, bytes) in per_key {
+            if self.by_bytes.admits(&(bytes, i64::MIN)) {
+                self.by_bytes.offer((bytes, i64::MIN), || KeyStat {
+                    key,
+                    key_type: block.header.key_type,
+                    key_group: group,
+                    bytes,
+                    value: None,
+                    windows: 0,
+                });
+            }
         }
         Ok(())
     }
