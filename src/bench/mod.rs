@@ -11,6 +11,8 @@
 //!   against the same count written on the SDK (`keyshift-sdk`), in the same run.
 //! * `checkpoint`: bytes an incremental checkpoint writes after a share of the keys changed,
 //!   against the full one before it, and how long its cut holds records up against its write.
+//! * `programs`: a program's whole worker path (the `count` program) against the built-in
+//!   count's, over the same JSON-lines files, worker processes under `LocalJob`.
 //!
 //! Results and how to reproduce them: `docs/benchmarks.md`. Build with `--release`.
 
@@ -24,6 +26,7 @@ pub mod kafka;
 mod keyed;
 mod measure;
 pub mod operator;
+mod programs;
 mod rescale;
 mod state;
 mod throughput;
@@ -50,6 +53,9 @@ pub enum BenchCommand {
     /// Incremental checkpoints: bytes an incremental checkpoint writes after a share of the keys
     /// changed, against a full one, and how long its cut holds records up against its write.
     Checkpoint(CheckpointBench),
+    /// A program's whole worker path against the built-in job's: the same keyed count over the
+    /// same JSON-lines files, worker processes, records/s and worker CPU time.
+    Programs(ProgramsBench),
     /// The operator on a real API server: many StreamJobs (memory, reconcile latency, idle
     /// CPU) and `kubectl scale` with large state (`operator`).
     Operator(operator::OperatorBench),
@@ -215,6 +221,28 @@ pub struct ThroughputBench {
     pub dir: PathBuf,
 }
 
+#[derive(Args, Debug)]
+pub struct ProgramsBench {
+    /// Records in the input files.
+    #[arg(long, default_value_t = 2_000_000)]
+    pub records: u64,
+    /// Distinct keys (comma-separated for several runs).
+    #[arg(long, value_delimiter = ',', default_value = "100000")]
+    pub keys: Vec<u64>,
+    /// Parallelism (worker processes).
+    #[arg(long, default_value_t = 2)]
+    pub parallelism: u32,
+    /// Input files (source partitions).
+    #[arg(long, default_value_t = 4)]
+    pub partitions: u32,
+    /// Rounds per key count, the two paths alternating.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Directory for the input and the workers' logs (created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+}
+
 /// Runs a benchmark (blocking; starts its own async runtime).
 pub fn run(args: BenchArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -228,6 +256,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Throughput(a) => throughput::throughput_bench(a).await,
             BenchCommand::Keyed(a) => keyed::keyed_bench(a),
             BenchCommand::Checkpoint(a) => state::checkpoint_bench(a).await,
+            BenchCommand::Programs(a) => programs::programs_bench(a).await,
             BenchCommand::Operator(a) => operator::run(a).await,
             #[cfg(feature = "kafka")]
             BenchCommand::Kafka(a) => kafka::run(a).await,

@@ -91,23 +91,9 @@ impl Keyed {
         }
     }
 
-    /// Whether its results come out when windows fire (the windowed aggregation), rather than
-    /// with each checkpoint (the aggregation over all time) or as it emits them (a program).
-    pub fn windowed(&self) -> bool {
-        match self {
-            Keyed::Aggregate(a) => a.config().window_size_ms.is_some(),
-            Keyed::Program(_) => false,
-        }
-    }
-
     /// Whether a snapshot's cut drains the changed keys' results (the aggregation over all
     /// time).
     pub fn drains_updates(&self) -> bool {
         matches!(self, Keyed::Aggregate(a) if a.config().window_size_ms.is_none())
-    }
-
-    /// Whether a cut's changed keys are still being copied after its barrier.
-    pub fn capturing(&self) -> bool {
-        matches!(self, Keyed::Aggregate(a) if a.capturing())
     }
 }

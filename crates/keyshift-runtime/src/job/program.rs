@@ -173,11 +173,6 @@ impl ProgramStep {
         &self.name
     }
 
-    /// The keyed step's uid (its state's name in snapshots).
-    pub fn uid(&self) -> &str {
-        self.step.uid()
-    }
-
     /// How its keys hash.
     pub fn key_type(&self) -> KeyType {
         self.program.key_type()
