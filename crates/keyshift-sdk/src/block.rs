@@ -86,6 +86,27 @@ fn put_str(out: &mut Vec<u8>, s: &str) {
     out.extend_from_slice(s.as_bytes());
 }
 
+/// A block as written, with the number of entries it holds (so a caller never re-reads a block
+/// it has just written to count them).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EncodedBlock {
+    /// The block's bytes, checksum included.
+    pub bytes: Vec<u8>,
+    /// Its entries (deletions included, in a delta).
+    pub entries: u64,
+}
+
+/// One group's chain as [`compact`] and [`KeyedOperator::restore_group`] take it: its first
+/// (full) block, then its deltas in order.
+///
+/// [`KeyedOperator::restore_group`]: crate::operator::KeyedOperator::restore_group
+pub fn chain<'a, D: AsRef<[u8]>>(first: &'a [u8], deltas: &'a [D]) -> Vec<&'a [u8]> {
+    let mut chain = Vec::with_capacity(deltas.len() + 1);
+    chain.push(first);
+    chain.extend(deltas.iter().map(AsRef::as_ref));
+    chain
+}
+
 /// Writes a block: [`BlockWriter::new`], then entries, then [`BlockWriter::finish`].
 pub struct BlockWriter {
     buf: Vec<u8>,
@@ -160,11 +181,19 @@ impl BlockWriter {
     }
 
     /// The finished block.
-    pub fn finish(mut self) -> Vec<u8> {
+    pub fn finish(self) -> Vec<u8> {
+        self.finish_counted().bytes
+    }
+
+    /// The finished block, with its entry count.
+    pub fn finish_counted(mut self) -> EncodedBlock {
         self.buf[self.count_at..self.count_at + 8].copy_from_slice(&self.entries.to_le_bytes());
         let c = crc(&self.buf);
         self.buf.extend_from_slice(&c.to_le_bytes());
-        self.buf
+        EncodedBlock {
+            bytes: self.buf,
+            entries: self.entries,
+        }
     }
 }
 
@@ -302,12 +331,6 @@ fn open(block: &[u8]) -> Result<(BlockHeader, Reader<'_>), BlockError> {
 /// Reads only a block's header (after checking its checksum).
 pub fn decode_header(block: &[u8]) -> Result<BlockHeader, BlockError> {
     open(block).map(|(h, _)| h)
-}
-
-/// The number of entries a block holds (after checking its checksum), without decoding them.
-pub fn entry_count(block: &[u8]) -> Result<u64, BlockError> {
-    let (_, mut r) = open(block)?;
-    Ok(u64::from_le_bytes(r.array("entry count")?))
 }
 
 /// One entry of a block as a person reads it (what `keyshift savepoint dump` prints): its key,
@@ -527,7 +550,7 @@ impl BlockHeader {
     }
 }
 
-fn full_block(header: &BlockHeader, group: u32, entries: &Entries) -> Vec<u8> {
+fn full_block(header: &BlockHeader, group: u32, entries: &Entries) -> EncodedBlock {
     let mut w = BlockWriter::new(&BlockHeader {
         kind: BlockKind::Full,
         key_group: group,
@@ -536,15 +559,15 @@ fn full_block(header: &BlockHeader, group: u32, entries: &Entries) -> Vec<u8> {
     for (k, v) in entries {
         w.put(k, v);
     }
-    w.finish()
+    w.finish_counted()
 }
 
 /// Compacts one group's chain (a full block, then its deltas in order) into one full block
-/// holding what the chain holds; returns it and its entry count. Every block is checked first.
-pub fn compact(group: u32, chain: &[&[u8]]) -> Result<(Vec<u8>, u64), BlockError> {
+/// holding what the chain holds ([`chain`] builds one). Every block is checked first.
+pub fn compact(group: u32, chain: &[&[u8]]) -> Result<EncodedBlock, BlockError> {
     let (header, entries) = merge_chain(group, chain)?;
     let header = header.ok_or(BlockError::Malformed("an empty chain"))?;
-    Ok((full_block(&header, group, &entries), entries.len() as u64))
+    Ok(full_block(&header, group, &entries))
 }
 
 /// Re-buckets a snapshot's key groups into `max_parallelism` groups (the managed key-group
@@ -554,7 +577,7 @@ pub fn compact(group: u32, chain: &[&[u8]]) -> Result<(Vec<u8>, u64), BlockError
 pub fn rewrite<'a>(
     chains: impl IntoIterator<Item = (u32, Vec<&'a [u8]>)>,
     max_parallelism: u32,
-) -> Result<BTreeMap<u32, Vec<u8>>, BlockError> {
+) -> Result<BTreeMap<u32, EncodedBlock>, BlockError> {
     let mut header: Option<BlockHeader> = None;
     let mut groups: BTreeMap<u32, Entries> = BTreeMap::new();
     for (group, chain) in chains {
@@ -673,9 +696,9 @@ mod tests {
             BlockKind::Delta,
             &[(b"a", None), (b"c", Some(b"3")), (b"b", Some(b"4"))],
         );
-        let (merged, entries) = compact(7, &[&full, &delta]).unwrap();
-        assert_eq!(entries, 2);
-        let b = decode(&merged).unwrap();
+        let merged = compact(7, &chain(&full, &[&delta[..]])).unwrap();
+        assert_eq!(merged.entries, 2);
+        let b = decode(&merged.bytes).unwrap();
         assert_eq!(b.header, header(BlockKind::Full));
         assert_eq!(
             b.entries,

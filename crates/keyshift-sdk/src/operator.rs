@@ -3,7 +3,7 @@
 //! a group in full or as a delta, restore a group's chain, drop a group) that the worker runtime
 //! and the test harness drive.
 
-use crate::block::{self, BlockHeader, BlockKind, BlockWriter};
+use crate::block::{self, BlockHeader, BlockKind, BlockWriter, EncodedBlock};
 use crate::error::{BlockError, Error, Result, StateError};
 use crate::function::{Context, KeyedProcessFunction, Timer};
 use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key};
@@ -386,8 +386,9 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     }
 
     /// Writes `group` as `mode` says (call it at the cut, before the next record): a full
-    /// block (expired TTL entries left out), a delta block, or nothing if unchanged.
-    pub fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<Vec<u8>>> {
+    /// block (expired TTL entries left out), a delta block, or nothing if unchanged; with the
+    /// entries it holds.
+    pub fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<EncodedBlock>> {
         let index = self.group_index(group).ok_or_else(|| {
             StateError::Backend(format!("key group {group} is not owned ({})", self.range))
         })?;
@@ -426,7 +427,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             Backend::Heap(h) => h.visit(index, mode, &mut add)?,
             Backend::Bytes(b) => b.visit(index, mode, &mut add)?,
         }
-        Ok(Some(w.finish()))
+        Ok(Some(w.finish_counted()))
     }
 
     /// Replaces `group`'s state with a snapshot's: its full block, then its deltas in order.
@@ -469,6 +470,50 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                     .map_err(|e| BlockError::Undecodable(e.to_string()))?;
             }
             Backend::Bytes(b) => b.install(index, entries),
+        }
+        Ok(())
+    }
+
+    /// Applies delta blocks written after the state `group` holds, in order, onto it: a group
+    /// restored (or pre-staged) from one snapshot catching up with the checkpoints taken since.
+    /// The work is the deltas', not the group's. Every block is checked as
+    /// [`Self::restore_group`] checks it, and must be a delta, before anything is applied: a
+    /// block that fails leaves the group as it was.
+    pub fn apply_deltas(&mut self, group: u32, deltas: &[&[u8]]) -> Result<(), BlockError> {
+        let index = self.group_index(group).ok_or(BlockError::WrongGroup {
+            block: group,
+            expected: self.range.start,
+        })?;
+        let mut changes: BTreeMap<Vec<u8>, Option<Vec<u8>>> = BTreeMap::new();
+        for bytes in deltas {
+            let b = block::decode(bytes)?;
+            self.check_header(&b.header, group)?;
+            if b.header.kind != BlockKind::Delta {
+                return Err(BlockError::Malformed(
+                    "a full block among the deltas to apply (restore the chain from it instead)",
+                ));
+            }
+            let ids = self.id_map(&b.header)?;
+            for (n, (key, value)) in b.entries.into_iter().enumerate() {
+                let key = self.checked_entry(group, n as u64, key, &ids)?;
+                changes.insert(key, value);
+            }
+        }
+        // The heap decodes every value first (the one step that can still fail); the byte
+        // backend takes the changes as they are.
+        if let Backend::Heap(h) = &mut self.backend {
+            let ttl: Vec<bool> = self.declarations.iter().map(|d| d.ttl.is_some()).collect();
+            h.apply(index, &changes, &ttl)
+                .map_err(|e| BlockError::Undecodable(e.to_string()))?;
+        }
+        for (key, value) in &changes {
+            match value {
+                Some(_) => self.timers.index_entry(index, key),
+                None => self.timers.forget_entry(index, key),
+            };
+        }
+        if let Backend::Bytes(b) = &mut self.backend {
+            b.apply(index, changes);
         }
         Ok(())
     }

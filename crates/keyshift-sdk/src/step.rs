@@ -3,6 +3,7 @@
 //! their serialized form (as they cross the key-group shuffle), and leave as values the next
 //! stage of the dataflow takes.
 
+use crate::block::EncodedBlock;
 use crate::error::{BlockError, Error, Result};
 use crate::function::KeyedProcessFunction;
 use crate::key::{RecordKey, StreamKey};
@@ -54,9 +55,11 @@ pub trait KeyedStep: Send {
     /// See [`KeyedOperator::group_mode`].
     fn group_mode(&self, group: u32, since: u32) -> GroupMode;
     /// See [`KeyedOperator::encode_group`].
-    fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<Vec<u8>>>;
+    fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<EncodedBlock>>;
     /// See [`KeyedOperator::restore_group`].
     fn restore_group(&mut self, group: u32, chain: &[&[u8]]) -> Result<(), BlockError>;
+    /// See [`KeyedOperator::apply_deltas`].
+    fn apply_deltas(&mut self, group: u32, deltas: &[&[u8]]) -> Result<(), BlockError>;
     /// See [`KeyedOperator::clear_group`].
     fn clear_group(&mut self, group: u32);
     /// See [`KeyedOperator::restore_watermark`].
@@ -161,11 +164,14 @@ where
     fn group_mode(&self, group: u32, since: u32) -> GroupMode {
         self.op.group_mode(group, since)
     }
-    fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<Vec<u8>>> {
+    fn encode_group(&mut self, group: u32, mode: GroupMode) -> Result<Option<EncodedBlock>> {
         self.op.encode_group(group, mode)
     }
     fn restore_group(&mut self, group: u32, chain: &[&[u8]]) -> Result<(), BlockError> {
         self.op.restore_group(group, chain)
+    }
+    fn apply_deltas(&mut self, group: u32, deltas: &[&[u8]]) -> Result<(), BlockError> {
+        self.op.apply_deltas(group, deltas)
     }
     fn clear_group(&mut self, group: u32) {
         self.op.clear_group(group)

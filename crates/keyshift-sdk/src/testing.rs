@@ -235,7 +235,7 @@ where
                     (Some(since), Some(chain)) if chain.len() < MAX_CHAIN => s.group_mode(g, since),
                     _ => GroupMode::Full,
                 };
-                let block = s.encode_group(g, mode)?;
+                let block = s.encode_group(g, mode)?.map(|b| b.bytes);
                 let chain = match (mode, block, base) {
                     (GroupMode::Unchanged, _, Some(chain)) => chain.clone(),
                     (GroupMode::Delta { .. }, Some(b), Some(chain)) => {
@@ -351,10 +351,13 @@ where
             .map(|(g, c)| (*g, c.iter().map(Vec::as_slice).collect()));
         let rewritten = crate::block::rewrite(chains, max_parallelism)
             .map_err(|source| HarnessError::Restore { group: 0, source })?;
-        let bytes_total = rewritten.values().map(|b| b.len() as u64).sum();
+        let bytes_total = rewritten.values().map(|b| b.bytes.len() as u64).sum();
         let rewritten = Snapshot {
             max_parallelism,
-            groups: rewritten.into_iter().map(|(g, b)| (g, vec![b])).collect(),
+            groups: rewritten
+                .into_iter()
+                .map(|(g, b)| (g, vec![b.bytes]))
+                .collect(),
             bytes_written: bytes_total,
             bytes_total,
             ..snap

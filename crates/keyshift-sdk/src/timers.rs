@@ -79,28 +79,40 @@ impl Timers {
         }
     }
 
-    /// Indexes a timer entry of group `group` found in restored state; false if `entry` is
-    /// not a timer.
-    pub(crate) fn index_entry(&mut self, group: usize, entry: &[u8]) -> bool {
-        let Ok((_, n)) = decode_key(entry) else {
-            return false;
-        };
-        let Some(id) = entry
+    /// A timer entry's clock and what indexes it; `None` if `entry` is not a timer.
+    fn parse(group: usize, entry: &[u8]) -> Option<(TimeDomain, Pending)> {
+        let (_, n) = decode_key(entry).ok()?;
+        let id = entry
             .get(n..n + 2)
-            .map(|b| u16::from_be_bytes([b[0], b[1]]))
-        else {
-            return false;
-        };
+            .map(|b| u16::from_be_bytes([b[0], b[1]]))?;
         let domain = match id {
             EVENT_TIMERS => TimeDomain::EventTime,
             PROCESSING_TIMERS => TimeDomain::ProcessingTime,
-            _ => return false,
+            _ => return None,
         };
-        let Some(ts) = entry.get(n + 2..).and_then(time_of) else {
-            return false;
-        };
-        self.set(domain).insert((ts, group, entry[..n].to_vec()));
-        true
+        let ts = entry.get(n + 2..).and_then(time_of)?;
+        Some((domain, (ts, group, entry[..n].to_vec())))
+    }
+
+    /// Indexes a timer entry of group `group` found in restored state; false if `entry` is
+    /// not a timer.
+    pub(crate) fn index_entry(&mut self, group: usize, entry: &[u8]) -> bool {
+        match Self::parse(group, entry) {
+            Some((domain, timer)) => {
+                self.set(domain).insert(timer);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Forgets a timer entry of group `group` a restored delta deleted (it fired or was
+    /// deleted after the state it was restored with); false if `entry` is not a timer.
+    pub(crate) fn forget_entry(&mut self, group: usize, entry: &[u8]) -> bool {
+        match Self::parse(group, entry) {
+            Some((domain, timer)) => self.set(domain).remove(&timer),
+            None => false,
+        }
     }
 
     /// Forgets the timers of group `group` (their entries go with the group's state).

@@ -150,7 +150,15 @@ fn snapshot<F: KeyedProcessFunction>(op: &mut KeyedOperator<F>) -> Vec<(u32, Vec
     op.cut();
     op.range()
         .iter()
-        .filter_map(|g| op.encode_group(g, GroupMode::Full).unwrap().map(|b| (g, b)))
+        .filter_map(|g| {
+            let block = op.encode_group(g, GroupMode::Full).unwrap()?;
+            assert_eq!(
+                Ok(block.entries),
+                keyshift_sdk::block::check(&block.bytes, g, MAX),
+                "group {g}: the count returned is the block's"
+            );
+            Some((g, block.bytes))
+        })
         .collect()
 }
 
@@ -486,9 +494,8 @@ fn snapshots_move_between_the_heap_and_the_sorted_backend() {
     for (g, base) in &blocks {
         let mode = bytes.group_mode(*g, since);
         assert_ne!(mode, GroupMode::Full, "group {g}: nothing was cleared");
-        let delta = bytes.encode_group(*g, mode).unwrap();
-        let mut chain: Vec<&[u8]> = vec![base];
-        chain.extend(delta.as_deref());
+        let delta = bytes.encode_group(*g, mode).unwrap().map(|d| d.bytes);
+        let chain = keyshift_sdk::block::chain(base, delta.as_slice());
         back.restore_group(*g, &chain).unwrap();
     }
     for k in ["a", "b"] {
@@ -649,4 +656,118 @@ fn a_block_reads_back_entry_by_entry_under_each_state_s_declared_name() {
     assert_eq!(by_state("list").len(), 1);
     assert_eq!(by_state("sum").len(), 1);
     assert_eq!(by_state("avg").len(), 1);
+}
+
+mod catch_up {
+    //! A pre-staged group catches up by applying the deltas written after the state it loaded
+    //! onto it ([`KeyedOperator::apply_deltas`]): the result is the state of the chain restored
+    //! whole, and of the operator that wrote it, on either backend.
+
+    use super::*;
+    use keyshift_sdk::block;
+    use keyshift_sdk::state::backend::SortedBackend;
+    use proptest::prelude::*;
+
+    fn kitchen(sorted: bool) -> KeyedOperator<Kitchen> {
+        if sorted {
+            KeyedOperator::with_backend(
+                "kitchen",
+                Kitchen { version: 1 },
+                MAX,
+                ALL,
+                Box::new(SortedBackend::new(ALL.len() as usize)),
+            )
+            .unwrap()
+        } else {
+            KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap()
+        }
+    }
+
+    fn op() -> impl Strategy<Value = (String, Op)> {
+        let k = || prop::sample::select(vec!["a", "b", "c"]).prop_map(str::to_owned);
+        (
+            prop::sample::select(vec!["u", "v", "w", "x", "y", "z"]).prop_map(str::to_owned),
+            prop_oneof![
+                (k(), -5i64..50).prop_map(|(k, v)| Op::Add { k, v }),
+                k().prop_map(|k| Op::Remove { k }),
+                Just(Op::Clear),
+                (0i64..4, any::<bool>()).prop_map(|(at, delete)| Op::Timer { at, delete }),
+            ],
+        )
+    }
+
+    /// A group's entries as a block holds them.
+    type Entries = Vec<(Vec<u8>, Option<Vec<u8>>)>;
+
+    /// Every group's entries, written whole and sorted (the heap writes in hash order).
+    fn state(op: &mut KeyedOperator<Kitchen>) -> Vec<(u32, Entries)> {
+        op.cut();
+        op.range()
+            .iter()
+            .map(|g| {
+                let b = op.encode_group(g, GroupMode::Full).unwrap().unwrap();
+                let mut entries = block::decode(&b.bytes).unwrap().entries;
+                entries.sort();
+                (g, entries)
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        #[test]
+        fn deltas_applied_onto_a_loaded_group_equal_the_chain_restored_whole(
+            before in prop::collection::vec(op(), 0..40),
+            after in prop::collection::vec(op(), 1..40),
+            sorted in any::<bool>(),
+            target_sorted in any::<bool>(),
+            flip in any::<prop::sample::Index>(),
+        ) {
+            let mut source = kitchen(sorted);
+            for (k, o) in &before {
+                source.process(&key(k), 0, o.clone()).unwrap();
+            }
+            let since = source.cut();
+            let bases: Vec<(u32, Vec<u8>)> = source
+                .range()
+                .iter()
+                .map(|g| (g, source.encode_group(g, GroupMode::Full).unwrap().unwrap().bytes))
+                .collect();
+            for (k, o) in &after {
+                source.process(&key(k), 0, o.clone()).unwrap();
+            }
+            source.cut();
+            let mut loaded = kitchen(target_sorted);
+            let mut whole = kitchen(target_sorted);
+            let mut deltas = Vec::new();
+            for (g, base) in &bases {
+                loaded.restore_group(*g, &[base]).unwrap();
+                let mode = source.group_mode(*g, since);
+                prop_assert_ne!(mode, GroupMode::Full, "group {}: no group was cleared", g);
+                let delta = source.encode_group(*g, mode).unwrap().map(|d| d.bytes);
+                whole.restore_group(*g, &block::chain(base, delta.as_slice())).unwrap();
+                deltas.extend(delta.map(|d| (*g, d)));
+            }
+            // A corrupt delta is refused and changes nothing.
+            if let Some((g, d)) = deltas.first() {
+                let before_apply = state(&mut loaded);
+                let mut bad = d.clone();
+                let i = flip.index(bad.len());
+                bad[i] ^= 0x10;
+                prop_assert!(loaded.apply_deltas(*g, &[&bad]).is_err());
+                let full = &bases.iter().find(|(x, _)| x == g).unwrap().1;
+                prop_assert!(loaded.apply_deltas(*g, &[full]).is_err(), "a full block is no delta");
+                prop_assert_eq!(state(&mut loaded), before_apply);
+            }
+            for (g, d) in &deltas {
+                loaded.apply_deltas(*g, &[d]).unwrap();
+            }
+            prop_assert_eq!(loaded.timers(), whole.timers());
+            prop_assert_eq!(loaded.entries(), whole.entries());
+            prop_assert_eq!(loaded.timers(), source.timers());
+            let want = state(&mut source);
+            prop_assert_eq!(state(&mut whole), want.clone());
+            prop_assert_eq!(state(&mut loaded), want);
+        }
+    }
 }

@@ -10,6 +10,7 @@
 use super::record::EncodedRecords;
 use crate::job::GroupMode;
 use keyshift_core::keygroup::{KeyGroupRange, KeyType};
+use keyshift_sdk::block::EncodedBlock;
 use keyshift_sdk::dataflow::{Job, JobDefinitionError, Program};
 use keyshift_sdk::step::{KeyedStep, Routed};
 use keyshift_sdk::{BlockError, block};
@@ -272,16 +273,9 @@ impl ProgramStep {
         &mut self,
         group: u32,
         mode: GroupMode,
-    ) -> Result<Option<(Vec<u8>, u64)>, ProgramError> {
+    ) -> Result<Option<EncodedBlock>, ProgramError> {
         let r = self.step.encode_group(group, mode);
-        let block = r.map_err(|e| self.step_error(e))?;
-        match block {
-            None => Ok(None),
-            Some(b) => {
-                let entries = block::entry_count(&b).map_err(|e| self.block_error(group, e))?;
-                Ok(Some((b, entries)))
-            }
-        }
+        r.map_err(|e| self.step_error(e))
     }
 
     /// Replaces `group`'s state with a snapshot's chain (a full block, then its deltas), every
@@ -291,43 +285,27 @@ impl ProgramStep {
         r.map_err(|e| self.block_error(group, e))
     }
 
-    /// Applies delta blocks written after the state it holds for `group` (a pre-staged group
-    /// catching up); with `replace`, the blocks replace the group (the first is a full block).
+    /// Applies delta blocks written after the state it holds for `group` onto it (a
+    /// pre-staged group catching up: the work is the deltas'); with `replace`, the blocks
+    /// replace the group (the first is a full block).
     pub fn apply_blocks(
         &mut self,
         group: u32,
         blocks: &[&[u8]],
         replace: bool,
     ) -> Result<(), ProgramError> {
-        if replace {
-            return self.restore_group(group, blocks);
-        }
-        if blocks.is_empty() {
-            return Ok(());
-        }
-        let current = self.encode_group(group, GroupMode::Full)?;
-        let mut chain: Vec<&[u8]> = Vec::with_capacity(blocks.len() + 1);
-        chain.extend(current.as_ref().map(|(b, _)| b.as_slice()));
-        chain.extend_from_slice(blocks);
-        self.restore_group(group, &chain)
+        let r = if replace {
+            self.step.restore_group(group, blocks)
+        } else {
+            self.step.apply_deltas(group, blocks)
+        };
+        r.map_err(|e| self.block_error(group, e))
     }
 
     /// Drops `group`'s state and timers.
     pub fn clear_group(&mut self, group: u32) {
         self.step.clear_group(group);
     }
-}
-
-/// Compacts a group's chain of a program's blocks into one full block: its bytes and entries.
-pub fn compact_chain(
-    group: u32,
-    first: &[u8],
-    deltas: &[bytes::Bytes],
-) -> Result<(Vec<u8>, u64), BlockError> {
-    let mut chain: Vec<&[u8]> = Vec::with_capacity(deltas.len() + 1);
-    chain.push(first);
-    chain.extend(deltas.iter().map(|d| d.as_ref()));
-    block::compact(group, &chain)
 }
 
 #[cfg(test)]
@@ -455,7 +433,15 @@ mod tests {
         // Its groups, written whole, restore into another subtask's step: b's timers at 13 (the
         // late record's) and 15 are still there, and each fires once.
         let g = RecordKey::string("b").key_group(128);
-        let (block, entries) = step.encode_group(g, GroupMode::Full).unwrap().unwrap();
+        let EncodedBlock {
+            bytes: block,
+            entries,
+        } = step.encode_group(g, GroupMode::Full).unwrap().unwrap();
+        assert_eq!(
+            keyshift_sdk::block::check(&block, g, 128),
+            Ok(entries),
+            "the count returned is the block's"
+        );
         assert!(
             entries >= 2,
             "{entries} entries (a value and a timer at least)"
@@ -476,21 +462,29 @@ mod tests {
             .unwrap();
         let mode = step.group_mode(g, cut);
         assert!(matches!(mode, GroupMode::Delta { .. }), "{mode:?}");
-        let (delta, _) = step.encode_group(g, mode).unwrap().unwrap();
+        let delta = step.encode_group(g, mode).unwrap().unwrap().bytes;
         let mut caught_up = ProgramStep::new("pings", program.clone(), 128, RANGE).unwrap();
         caught_up.restore_group(g, &[&block]).unwrap();
         caught_up.apply_blocks(g, &[&delta], false).unwrap();
-        let (a, _) = caught_up.encode_group(g, GroupMode::Full).unwrap().unwrap();
-        let (b, _) = step.encode_group(g, GroupMode::Full).unwrap().unwrap();
-        assert_eq!(a, b, "the caught-up group holds what the original does");
-        let (compacted, _) = compact_chain(g, &block, &[bytes::Bytes::from(delta)]).unwrap();
+        let a = caught_up.encode_group(g, GroupMode::Full).unwrap().unwrap();
+        let b = step
+            .encode_group(g, GroupMode::Full)
+            .unwrap()
+            .unwrap()
+            .bytes;
+        assert_eq!(
+            a.bytes, b,
+            "the caught-up group holds what the original does"
+        );
+        let compacted = block::compact(g, &block::chain(&block, &[delta])).unwrap();
+        assert_eq!(compacted.entries, a.entries);
         let sorted = |bytes: &[u8]| {
             let mut block = keyshift_sdk::block::decode(bytes).unwrap();
             block.entries.sort();
             block
         };
         assert_eq!(
-            sorted(&compacted),
+            sorted(&compacted.bytes),
             sorted(&b),
             "a compacted chain holds the group written whole"
         );

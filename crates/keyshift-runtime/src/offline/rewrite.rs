@@ -852,49 +852,104 @@ pub async fn rewrite(source: &str, target: &str, opts: RewriteOptions) -> Result
         acks
     }
     .await;
-    let acks = match result {
-        Ok(a) => a,
-        Err(e) => {
-            clean_target(&dst, assignment).await;
-            return Err(e);
-        }
-    };
-    let assemble_secs = assemble_started.elapsed().as_secs_f64();
-
-    // Commit: the manifest last, create-only.
-    let commit_started = Instant::now();
-    let new_manifest = commit(
-        &src,
-        &dst,
-        &manifest,
+    let target = Target {
+        src,
+        dst,
+        manifest: &manifest,
         assignment,
         snapshot_id,
-        acks,
-        keys_read,
-        true,
-    )
-    .await?;
-    let commit_secs = commit_started.elapsed().as_secs_f64();
-    Ok(RewriteReport {
-        source: src.url,
-        target: dst.url,
-        snapshot_id,
-        from_parallelism: manifest.parallelism,
-        from_max_parallelism: manifest.max_parallelism,
-        parallelism,
         max_parallelism: opts.max_parallelism,
+        started,
+    };
+    let measured = Measured {
         keys: keys_read,
         bytes_read,
-        bytes_written: new_manifest.stats.total_bytes,
         spill_bytes,
         buckets: bucket_count,
         largest_bucket_bytes,
         scatter_secs,
-        assemble_secs,
-        commit_secs,
-        total_secs: started.elapsed().as_secs_f64(),
+        assemble_started,
         timings,
-    })
+    };
+    target.finish(result, measured, true).await
+}
+
+/// Where a rewrite writes, and what it started from: what its commit and report need.
+struct Target<'a> {
+    src: SnapshotLocation,
+    dst: SnapshotLocation,
+    manifest: &'a Manifest,
+    assignment: Assignment,
+    snapshot_id: u64,
+    max_parallelism: u32,
+    started: Instant,
+}
+
+/// What a rewrite measured before its commit, for its report.
+struct Measured {
+    /// Keys written (and, for a whole rewrite, read).
+    keys: u64,
+    bytes_read: u64,
+    spill_bytes: u64,
+    buckets: usize,
+    largest_bucket_bytes: u64,
+    scatter_secs: f64,
+    assemble_started: Instant,
+    timings: Timings,
+}
+
+impl Target<'_> {
+    /// Ends a rewrite once its state files are written: a failed write cleans the target;
+    /// otherwise the manifest commits ([`commit`]; `whole`: the keys must also match the
+    /// source manifest's count) and the report is built.
+    async fn finish(
+        self,
+        written: Result<Vec<SubtaskSnapshot>>,
+        m: Measured,
+        whole: bool,
+    ) -> Result<RewriteReport> {
+        let acks = match written {
+            Ok(a) => a,
+            Err(e) => {
+                clean_target(&self.dst, self.assignment).await;
+                return Err(e);
+            }
+        };
+        let assemble_secs = m.assemble_started.elapsed().as_secs_f64();
+        // The manifest last, create-only.
+        let commit_started = Instant::now();
+        let new_manifest = commit(
+            &self.src,
+            &self.dst,
+            self.manifest,
+            self.assignment,
+            self.snapshot_id,
+            acks,
+            m.keys,
+            whole,
+        )
+        .await?;
+        Ok(RewriteReport {
+            source: self.src.url,
+            target: self.dst.url,
+            snapshot_id: self.snapshot_id,
+            from_parallelism: self.manifest.parallelism,
+            from_max_parallelism: self.manifest.max_parallelism,
+            parallelism: self.assignment.parallelism(),
+            max_parallelism: self.max_parallelism,
+            keys: m.keys,
+            bytes_read: m.bytes_read,
+            bytes_written: new_manifest.stats.total_bytes,
+            spill_bytes: m.spill_bytes,
+            buckets: m.buckets,
+            largest_bucket_bytes: m.largest_bucket_bytes,
+            scatter_secs: m.scatter_secs,
+            assemble_secs,
+            commit_secs: commit_started.elapsed().as_secs_f64(),
+            total_secs: self.started.elapsed().as_secs_f64(),
+            timings: m.timings,
+        })
+    }
 }
 
 /// Commits a rewritten snapshot: its manifest (the source's job identity, positions, watermark
@@ -981,23 +1036,20 @@ async fn rewrite_program(
             budget,
         });
     }
-    let mut chains: Vec<(u32, Vec<Bytes>)> = Vec::new();
+    let mut chains: Vec<(u32, Bytes, Vec<Bytes>)> = Vec::new();
     let mut bytes_read = 0u64;
     for entry in manifest.key_groups.iter().filter(|e| e.length > 0) {
         let (first, deltas) =
             crate::snapshot::read_chain(src.store.as_ref(), &src.dir, entry).await?;
-        let mut chain = Vec::with_capacity(deltas.len() + 1);
-        chain.push(first);
-        chain.extend(deltas);
-        bytes_read += chain.iter().map(|b| b.len() as u64).sum::<u64>();
-        chains.push((entry.group, chain));
+        bytes_read += first.len() as u64 + deltas.iter().map(|d| d.len() as u64).sum::<u64>();
+        chains.push((entry.group, first, deltas));
     }
     let new_max_p = opts.max_parallelism;
     let groups = blocks::blocking(move || {
         keyshift_sdk::block::rewrite(
             chains
                 .iter()
-                .map(|(g, chain)| (*g, chain.iter().map(|b| b.as_ref()).collect())),
+                .map(|(g, first, deltas)| (*g, keyshift_sdk::block::chain(first, deltas))),
             new_max_p,
         )
     })
@@ -1009,56 +1061,36 @@ async fn rewrite_program(
     let mut keys = 0u64;
     let written: Result<Vec<SubtaskSnapshot>> = async {
         for (group, block) in groups {
-            let entries =
-                keyshift_sdk::block::entry_count(&block).map_err(ToolError::ProgramRewrite)?;
-            keys += entries;
-            layout.write(group, Bytes::from(block), entries).await?;
+            keys += block.entries;
+            layout
+                .write(group, Bytes::from(block.bytes), block.entries)
+                .await?;
         }
         layout.finish().await
     }
     .await;
-    let acks = match written {
-        Ok(a) => a,
-        Err(e) => {
-            clean_target(&dst, assignment).await;
-            return Err(e);
-        }
-    };
-    let assemble_secs = assemble_started.elapsed().as_secs_f64();
-    let commit_started = Instant::now();
-    // The source's count can include entries a TTL had expired (they are left out of whole
-    // blocks): the keys written must be the merged chains', not the manifest's.
-    let new_manifest = commit(
-        &src,
-        &dst,
-        &manifest,
+    let target = Target {
+        src,
+        dst,
+        manifest: &manifest,
         assignment,
         snapshot_id,
-        acks,
-        keys,
-        false,
-    )
-    .await?;
-    Ok(RewriteReport {
-        source: src.url,
-        target: dst.url,
-        snapshot_id,
-        from_parallelism: manifest.parallelism,
-        from_max_parallelism: manifest.max_parallelism,
-        parallelism: assignment.parallelism(),
         max_parallelism: opts.max_parallelism,
+        started,
+    };
+    // The source's count can include entries a TTL had expired (they are left out of whole
+    // blocks): the keys written must be the merged chains', not the manifest's.
+    let measured = Measured {
         keys,
         bytes_read,
-        bytes_written: new_manifest.stats.total_bytes,
         spill_bytes: 0,
         buckets: 1,
         largest_bucket_bytes: total,
         scatter_secs,
-        assemble_secs,
-        commit_secs: commit_started.elapsed().as_secs_f64(),
-        total_secs: started.elapsed().as_secs_f64(),
+        assemble_started,
         timings: Timings::default(),
-    })
+    };
+    target.finish(written, measured, false).await
 }
 
 #[cfg(test)]

@@ -23,6 +23,7 @@ use crate::job::{
 use crate::snapshot::{self, ObjectStore, Path};
 use crate::snapshot::{SnapshotError, SnapshotWriter, SubtaskSnapshot};
 use bytes::Bytes;
+use keyshift_sdk::block::{self, EncodedBlock};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -194,9 +195,9 @@ impl Codec {
             Codec::Aggregate => {
                 crate::job::state_codec::merge_chain(first, deltas).map_err(|e| e.to_string())
             }
-            Codec::Program => {
-                crate::job::program::compact_chain(group, first, deltas).map_err(|e| e.to_string())
-            }
+            Codec::Program => block::compact(group, &block::chain(first, deltas))
+                .map(|b| (b.bytes, b.entries))
+                .map_err(|e| e.to_string()),
         }
     }
 }
@@ -223,7 +224,10 @@ pub fn take_program_cut(step: &mut ProgramStep, base: Option<&Base>) -> Result<C
     let mut groups = Vec::with_capacity(range.len() as usize);
     for g in range.iter() {
         let mode = base.map_or(GroupMode::Full, |b| b.mode(&*step, g));
-        let (block, entries) = step.encode_group(g, mode)?.unwrap_or_default();
+        let EncodedBlock {
+            bytes: block,
+            entries,
+        } = step.encode_group(g, mode)?.unwrap_or_default();
         groups.push(CutGroup::Encoded(EncodedGroup {
             group: g,
             block,

@@ -200,10 +200,7 @@ async fn restore_program(
     }
     let before = step.entries();
     for g in groups {
-        let mut chain: Vec<&[u8]> = Vec::with_capacity(g.deltas.len() + 1);
-        chain.push(&g.bytes);
-        chain.extend(g.deltas.iter().map(|d| d.as_ref()));
-        step.restore_group(g.group, &chain)?;
+        step.restore_group(g.group, &keyshift_sdk::block::chain(&g.bytes, &g.deltas))?;
     }
     out.keys = step.entries().saturating_sub(before) as u64;
     Ok(out)

@@ -70,6 +70,10 @@ pub trait StateBackend: Send {
     ) -> Result<(), StateError>;
     /// Replaces the group's state with `entries` (a restore: not a change).
     fn install(&mut self, group: usize, entries: BTreeMap<Vec<u8>, Vec<u8>>);
+    /// Applies a restore's later deltas onto the group's installed state: each entry written
+    /// (`Some`) or deleted (`None`). Like [`Self::install`], not a change (epoch 0): a disk engine
+    /// applies it as one write batch, and the work is the deltas', not the group's.
+    fn apply(&mut self, group: usize, changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>);
     /// Drops the group's state (a change: the next snapshot writes it in full).
     fn clear(&mut self, group: usize);
     /// Number of entries in the group.
@@ -274,6 +278,21 @@ impl StateBackend for SortedBackend {
                     .collect(),
                 ..Group::default()
             };
+        }
+    }
+
+    fn apply(&mut self, group: usize, changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>) {
+        if let Some(g) = self.groups.get_mut(group) {
+            for (key, value) in changes {
+                match value {
+                    Some(value) => {
+                        g.entries.insert(key, Entry { value, epoch: 0 });
+                    }
+                    None => {
+                        g.entries.remove(&key);
+                    }
+                }
+            }
         }
     }
 

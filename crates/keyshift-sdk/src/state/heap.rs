@@ -116,6 +116,59 @@ impl KeyStates {
     }
 }
 
+/// A restored entry, decoded ([`HeapStore::decode_entry`]).
+struct RestoredEntry {
+    key: RecordKey,
+    slot: usize,
+    /// Whether its state holds many entries per key (map, list, timers).
+    many: bool,
+    user: Vec<u8>,
+    /// `None`: deleted.
+    cell: Option<Cell>,
+}
+
+impl RestoredEntry {
+    /// Puts the entry into `keys` (or removes it, and its key once nothing is left).
+    fn place(self, keys: &mut HashTable<(RecordKey, KeyStates)>, hasher: &KeyBuildHasher) {
+        let hash = hasher.hash_one(&self.key);
+        match self.cell {
+            Some(cell) => {
+                let ks = &mut keys
+                    .entry(hash, |(x, _)| *x == self.key, |(x, _)| hasher.hash_one(x))
+                    .or_insert_with(|| (self.key.clone(), KeyStates::default()))
+                    .into_mut()
+                    .1;
+                match ks.slot(self.slot) {
+                    s if self.many => {
+                        if !matches!(s, Slot::Many(_)) {
+                            *s = Slot::Many(BTreeMap::new());
+                        }
+                        if let Slot::Many(m) = s {
+                            m.insert(self.user, cell);
+                        }
+                    }
+                    s => *s = Slot::One(cell),
+                }
+            }
+            None => {
+                if let Ok(mut e) = keys.find_entry(hash, |(x, _)| *x == self.key) {
+                    let ks = &mut e.get_mut().1;
+                    match ks.slots.get_mut(self.slot) {
+                        Some(Slot::Many(m)) => {
+                            m.remove(&self.user);
+                        }
+                        Some(s) => *s = Slot::Empty,
+                        None => {}
+                    }
+                    if ks.is_empty() {
+                        e.remove();
+                    }
+                }
+            }
+        }
+    }
+}
+
 struct Group {
     /// Each key with its states, by the key's cached hash (nothing is hashed per record, and a
     /// short string key is compared inline).
@@ -293,6 +346,58 @@ impl<K: StreamKey> HeapStore<K> {
         Ok(())
     }
 
+    /// One checked entry of a restored block, decoded: its key, its state's slot, its user key
+    /// (a map key, a list position, a timer's time) and its value (`None`: deleted).
+    fn decode_entry(
+        &self,
+        entry: &[u8],
+        bytes: Option<&[u8]>,
+        ttl: &[bool],
+    ) -> Result<RestoredEntry, StateError> {
+        let (key, n) =
+            decode_key(entry).map_err(|e| StateError::Backend(format!("a restored key: {e}")))?;
+        if K::from_key(&key).is_none() {
+            return Err(StateError::Backend(format!(
+                "restored key {key} is not of the job's key type"
+            )));
+        }
+        let id = entry
+            .get(n..n + 2)
+            .map(|b| u16::from_be_bytes([b[0], b[1]]))
+            .ok_or_else(|| StateError::Backend("an entry without a state id".into()))?;
+        let slot = slot_of(id, self.codecs.len());
+        let cell = match bytes {
+            None => None,
+            Some(bytes) => {
+                let (expiry, payload) = if ttl.get(slot).copied().unwrap_or(false) {
+                    let (e, rest) = bytes.split_first_chunk::<8>().ok_or_else(|| {
+                        StateError::Backend("an entry with a TTL but no expiry".into())
+                    })?;
+                    (Some(i64::from_be_bytes(*e)), rest)
+                } else {
+                    (None, bytes)
+                };
+                let value: Object = match self.codecs.get(slot) {
+                    Some(codec) => codec.decode(payload)?,
+                    // Timers hold nothing.
+                    None => object(()),
+                };
+                Some(Cell {
+                    value: Some(value),
+                    expiry,
+                    epoch: 0,
+                })
+            }
+        };
+        Ok(RestoredEntry {
+            key: RecordKey::from(key),
+            many: slot >= self.codecs.len() || self.codecs[slot].many,
+            slot,
+            user: entry[n + 2..].to_vec(),
+            cell,
+        })
+    }
+
     /// Replaces the group's state with checked `entries` (entry key -> value bytes), each
     /// value deserialized by its state's codec.
     pub(crate) fn install(
@@ -301,66 +406,38 @@ impl<K: StreamKey> HeapStore<K> {
         entries: BTreeMap<Vec<u8>, Vec<u8>>,
         ttl: &[bool],
     ) -> Result<(), StateError> {
-        let states = self.codecs.len();
-        let hasher = self.hasher.clone();
         let mut keys: HashTable<(RecordKey, KeyStates)> = HashTable::new();
         for (entry, bytes) in entries {
-            let (key, n) = decode_key(&entry)
-                .map_err(|e| StateError::Backend(format!("a restored key: {e}")))?;
-            if K::from_key(&key).is_none() {
-                return Err(StateError::Backend(format!(
-                    "restored key {key} is not of the job's key type"
-                )));
-            }
-            let k = RecordKey::from(key);
-            let id = entry
-                .get(n..n + 2)
-                .map(|b| u16::from_be_bytes([b[0], b[1]]))
-                .ok_or_else(|| StateError::Backend("an entry without a state id".into()))?;
-            let user = entry[n + 2..].to_vec();
-            let slot = slot_of(id, states);
-            let (expiry, payload) = if ttl.get(slot).copied().unwrap_or(false) {
-                let (e, rest) = bytes.split_first_chunk::<8>().ok_or_else(|| {
-                    StateError::Backend("an entry with a TTL but no expiry".into())
-                })?;
-                (Some(i64::from_be_bytes(*e)), rest)
-            } else {
-                (None, &bytes[..])
-            };
-            let value: Object = match self.codecs.get(slot) {
-                Some(codec) => codec.decode(payload)?,
-                // Timers hold nothing.
-                None => object(()),
-            };
-            let cell = Cell {
-                value: Some(value),
-                expiry,
-                epoch: 0,
-            };
-            let hash = hasher.hash_one(&k);
-            let ks = &mut keys
-                .entry(hash, |(x, _)| *x == k, |(x, _)| hasher.hash_one(x))
-                .or_insert_with(|| (k.clone(), KeyStates::default()))
-                .into_mut()
-                .1;
-            let is_many = slot >= states || self.codecs[slot].many;
-            match ks.slot(slot) {
-                s if is_many => {
-                    if !matches!(s, Slot::Many(_)) {
-                        *s = Slot::Many(BTreeMap::new());
-                    }
-                    if let Slot::Many(m) = s {
-                        m.insert(user, cell);
-                    }
-                }
-                s => *s = Slot::One(cell),
-            }
+            let e = self.decode_entry(&entry, Some(&bytes), ttl)?;
+            e.place(&mut keys, &self.hasher);
         }
         if let Some(g) = self.groups.get_mut(group) {
             *g = Group {
                 keys,
                 ..Group::default()
             };
+        }
+        Ok(())
+    }
+
+    /// Applies checked changes (entry key -> value bytes, `None`: deleted) onto the group's
+    /// installed state, as part of it (epoch 0, not a change). Every value is deserialized
+    /// before anything changes.
+    pub(crate) fn apply(
+        &mut self,
+        group: usize,
+        changes: &BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+        ttl: &[bool],
+    ) -> Result<(), StateError> {
+        let decoded = changes
+            .iter()
+            .map(|(entry, bytes)| self.decode_entry(entry, bytes.as_deref(), ttl))
+            .collect::<Result<Vec<_>, _>>()?;
+        let hasher = self.hasher.clone();
+        if let Some(g) = self.groups.get_mut(group) {
+            for e in decoded {
+                e.place(&mut g.keys, &hasher);
+            }
         }
         Ok(())
     }
