@@ -321,3 +321,149 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
     );
     assert_eq!(got, want);
 }
+
+/// A program over the generator: `count` (a value state per key) reads each generated record as
+/// `{"key","value","ts"}` through a rescale up and a pre-staged rescale down; the final
+/// savepoint's counts are the built-in count's oracle for the same generator, key for key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_count_program_over_the_generator_counts_every_record_through_rescales() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let generator =
+        "{partitions: 4, keys: 300, seed: 11, recordsPerSecond: 4000, recordsPerPartition: 12000}";
+    let spec: StreamJob = serde_yaml::from_str(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: generated, namespace: test}}
+spec:
+  replicas: 2
+  maxParallelism: 128
+  job:
+    program: {{name: count}}
+    source:
+      generator: {generator}
+    sink: {{type: objectStore, url: 'file://{}'}}
+  state:
+    checkpointInterval: 1h
+",
+        dir.path().join("out").display()
+    ))
+    .expect("manifest parses");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(SETTLE).await;
+    local.rescale(3).await.expect("rescale to 3");
+    tokio::time::sleep(SETTLE).await;
+    let report = local
+        .rescale_prestaged(2)
+        .await
+        .expect("pre-staged rescale to 2");
+    assert!(
+        report.fallback.is_none(),
+        "the pre-staged rescale fell back: {:?}",
+        report.fallback
+    );
+    // Every partition read to its end (12000 records at 4000/s: 3 s, plus the rescales).
+    let mut sp = local.checkpoint().await.expect("checkpoint");
+    for _ in 0..60 {
+        if sp.manifest.source_positions.values().all(|p| *p == 12_000) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        sp = local.checkpoint().await.expect("checkpoint");
+    }
+    assert_eq!(
+        sp.manifest.source_positions.values().sum::<u64>(),
+        4 * 12_000,
+        "every generated record was read"
+    );
+    let sp = local.shutdown().await.expect("stop with a savepoint");
+
+    // The oracle: the built-in count over the same generator and positions.
+    let builtin: StreamJob = serde_yaml::from_str(&format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: oracle, namespace: test}}
+spec:
+  replicas: 1
+  job:
+    source:
+      generator: {generator}
+    key: {{field: key, type: string}}
+    aggregation: {{function: count}}
+    sink: {{type: log}}
+"
+    ))
+    .expect("oracle manifest parses");
+    let positions: BTreeMap<u32, u64> = (0..4).map(|p| (p, 12_000)).collect();
+    let keyshift::job::Expected::Global(want) =
+        keyshift::job::expected_results(&builtin.spec.job, &positions).expect("oracle")
+    else {
+        panic!("a count without a window is global");
+    };
+
+    // The program's counts, from the savepoint's dump (a postcard u64: LEB128).
+    let loc = keyshift::offline::open_location(&sp.url).expect("savepoint location");
+    let mut dumped = Vec::new();
+    keyshift::offline::dump::dump(&loc, None, &mut dumped)
+        .await
+        .expect("dump");
+    let mut got: BTreeMap<keyshift::keygroup::Key, i64> = BTreeMap::new();
+    for line in String::from_utf8(dumped).expect("UTF-8").lines() {
+        let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+        assert_eq!(v["state"], "count", "{line}");
+        let hex = v["valueHex"].as_str().expect("a postcard value");
+        let bytes: Vec<u8> = (0..hex.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex"))
+            .collect();
+        let (mut n, mut shift) = (0i64, 0);
+        for b in bytes {
+            n |= i64::from(b & 0x7f) << shift;
+            shift += 7;
+        }
+        let key = keyshift::keygroup::Key::String(v["key"].as_str().expect("a string key").into());
+        assert!(got.insert(key, n).is_none(), "{line}: a key twice");
+    }
+    assert_eq!(got.len(), want.len(), "keys counted");
+    assert_eq!(got, want, "the program's counts are the oracle's");
+}
+
+/// A program that cannot read the generator's records is refused before any worker runs,
+/// naming the record and what the program said.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_program_that_cannot_read_the_generators_records_is_refused_naming_one() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let spec: StreamJob = serde_yaml::from_str(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {name: generated, namespace: test}
+spec:
+  replicas: 1
+  job:
+    program: {name: silence-alert}
+    source:
+      generator: {partitions: 1, keys: 10}
+    sink: {type: log}
+",
+    )
+    .expect("manifest parses");
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let err = match LocalJob::new(&spec, storage, bin(), dir.path().join("logs")).await {
+        Err(e) => e.to_string(),
+        Ok(mut local) => local
+            .launch(1, None)
+            .await
+            .expect_err("silence-alert reads heartbeats, not generated records")
+            .to_string(),
+    };
+    assert!(
+        err.contains("silence-alert")
+            && err.contains("generator record 0 of partition 0")
+            && err.contains("key-")
+            && err.contains("missing field `device`"),
+        "{err}"
+    );
+}

@@ -173,12 +173,6 @@ pub(super) fn rules() -> Vec<CelRule> {
             None,
         ),
         r(
-            &["spec", "job"],
-            "!has(self.program) || !has(self.source.generator)",
-            MSG_PROGRAM_SOURCE,
-            Some(".source"),
-        ),
-        r(
             &["spec", "job", "source"],
             "(has(self.generator) ? 1 : 0) + (has(self.file) ? 1 : 0) + (has(self.kafka) ? 1 : 0) == 1",
             MSG_SOURCE_ONE_OF,

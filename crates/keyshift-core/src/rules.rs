@@ -61,7 +61,6 @@ pub const MAX_KAFKA_TOPICS: usize = 64;
 pub const MSG_JOB_LOGIC: &str = "spec.job must set either program (a job built into the worker image) or key and aggregation (the built-in aggregation): with a program, leave out key, aggregation and window";
 pub const MSG_PROGRAM_OUT_OF_ORDERNESS: &str = "spec.job.program.maxOutOfOrderness must be a duration such as 0s, 500ms or 2s (units: ms, s, m, h)";
 pub const MSG_PROGRAM_NAME: &str = "spec.job.program.name must be a program's name: lowercase letters, digits and '-', starting and ending with a letter or digit, at most 63 characters";
-pub const MSG_PROGRAM_SOURCE: &str = "spec.job.program reads a file or Kafka source (each line, or each Kafka record's value, is one of its input records): the generator feeds the built-in aggregation only";
 /// The pattern of a program's name (as a DNS label), for the CEL rule and [`valid_program_name`].
 pub const PROGRAM_NAME_RE: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 pub const MSG_AGG_FIELD: &str = "spec.job.aggregation.field is required for sum, min and max: name the numeric record field to aggregate";
@@ -160,9 +159,6 @@ pub fn job_rules(job: &JobSpec, fail: &mut impl FnMut(&str)) {
                 && (ooo.len() > 64 || parse_duration(ooo).is_none())
             {
                 fail(MSG_PROGRAM_OUT_OF_ORDERNESS);
-            }
-            if source.generator.is_some() {
-                fail(MSG_PROGRAM_SOURCE);
             }
         }
         Some(JobLogic::Builtin { .. }) => {}

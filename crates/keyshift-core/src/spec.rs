@@ -89,7 +89,8 @@ pub struct JobSpec {
 #[serde(rename_all = "camelCase")]
 pub struct SourceSpec {
     /// A deterministic generator: the same seed and positions always give the same records, so
-    /// exact expected results can be computed independently.
+    /// exact expected results can be computed independently. A program reads each record as the
+    /// JSON object {"key": "key-<i>", "value": v, "ts": t}.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub generator: Option<GeneratorSource>,
     /// A directory of JSON-lines files, one partition per file (sorted by name); the position is
@@ -267,7 +268,8 @@ pub struct KafkaTls {
 }
 
 /// A deterministic record generator. Each record has the fields `key`, `value` (an integer) and
-/// `ts` (event time in milliseconds, derived from the sequence number).
+/// `ts` (event time in milliseconds, derived from the sequence number); a program reads each as
+/// the JSON object `{"key": "key-<i>", "value": v, "ts": t}`.
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct GeneratorSource {

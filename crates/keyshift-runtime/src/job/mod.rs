@@ -125,8 +125,18 @@ pub enum JobError {
         "spec.job.program.name {name:?}: this worker image has no such program (it has: {available}); use an image built with it, or one of these"
     )]
     UnknownProgram { name: String, available: String },
-    #[error("{}", keyshift_core::rules::MSG_PROGRAM_SOURCE)]
+    #[error("the job runs the built-in aggregation: its source feeds no program")]
     ProgramSource,
+    #[error(
+        "generator record {position} of partition {partition} ({line}): program {program:?} refused it: {reason}. Over the generator a program reads JSON objects {{\"key\": string, \"value\": integer, \"ts\": milliseconds}}"
+    )]
+    GeneratorRecord {
+        program: String,
+        partition: u32,
+        position: u64,
+        line: String,
+        reason: String,
+    },
     #[error("spec.job.program.maxOutOfOrderness {0:?} is not a duration such as 0s, 500ms or 2s")]
     ProgramOutOfOrderness(String),
     #[error("the job runs program {0:?}, not the built-in aggregation")]
@@ -248,6 +258,11 @@ pub fn compile_for(
                 &spec.source.file,
                 &spec.source.kafka,
             ) {
+                (Some(g), None, None) => {
+                    let generator = Generator::new(g, KeyType::String)?;
+                    probe_generator(&p.name, &program, &generator)?;
+                    SourceKind::Generator(generator)
+                }
                 (None, Some(f), None) => {
                     SourceKind::File(FileSourceReader::open(file_dir(f)?, None)?)
                 }
@@ -384,6 +399,33 @@ fn file_dir(f: &keyshift_core::spec::FileSource) -> Result<&str, JobError> {
     Ok(dir)
 }
 
+/// Refuses a program that cannot read the generator's records (its first record, as the JSON
+/// object the program is given), before any worker starts: the same record would fail every
+/// run of the job.
+fn probe_generator(
+    name: &str,
+    program: &keyshift_sdk::dataflow::Program,
+    generator: &Generator,
+) -> Result<(), JobError> {
+    let mut first = Vec::with_capacity(1);
+    if generator.fill(0, 0, &mut first, 1) == 0 {
+        return Ok(());
+    }
+    let mut line = Vec::with_capacity(64);
+    for r in &first {
+        result::format_record_json(&r.key, r.value, r.ts, &mut line);
+    }
+    program
+        .ingest(&line, &mut |_, _, _| {})
+        .map_err(|e| JobError::GeneratorRecord {
+            program: name.to_owned(),
+            partition: 0,
+            position: 0,
+            line: String::from_utf8_lossy(&line).into_owned(),
+            reason: e.to_string(),
+        })
+}
+
 impl CompiledJob {
     /// Number of source partitions.
     pub fn partitions(&self) -> u32 {
@@ -482,7 +524,7 @@ impl CompiledJob {
         out: &mut EncodedRecords,
         max: usize,
     ) -> Result<SourceBatch, JobError> {
-        let Logic::Program { program, .. } = &self.logic else {
+        let Logic::Program { program, name } = &self.logic else {
             return Err(JobError::ProgramSource);
         };
         let mut each = |line: &[u8]| {
@@ -511,7 +553,31 @@ impl CompiledJob {
                     finished: false,
                 })
             }
-            SourceKind::Generator(_) => Err(JobError::ProgramSource),
+            SourceKind::Generator(g) => {
+                // Each record as the JSON object a program reads (`format_record_json`).
+                let mut records = Vec::with_capacity(max.min(4096));
+                let n = g.fill(partition, position, &mut records, max);
+                let mut line = Vec::with_capacity(64);
+                for (i, r) in records.iter().enumerate() {
+                    line.clear();
+                    result::format_record_json(&r.key, r.value, r.ts, &mut line);
+                    each(&line).map_err(|reason| JobError::GeneratorRecord {
+                        program: name.clone(),
+                        partition,
+                        position: position + i as u64,
+                        line: String::from_utf8_lossy(&line).into_owned(),
+                        reason,
+                    })?;
+                }
+                let next = position + n as u64;
+                let finished = partition >= g.partitions() || g.end().is_some_and(|e| next >= e);
+                Ok(SourceBatch {
+                    records: n,
+                    next_position: next,
+                    at_end: finished,
+                    finished,
+                })
+            }
         }
     }
 

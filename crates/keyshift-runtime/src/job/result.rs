@@ -53,6 +53,23 @@ pub fn format_json_row(key: &RecordKey, window: Option<Window>, value: i64, out:
     out.extend_from_slice(b"}\n");
 }
 
+/// Appends a source record as the JSON object a program reads from the generator (no line
+/// end): `{"key":...,"value":...,"ts":...}`, the key a string or a number as its type is.
+#[inline]
+pub fn format_record_json(key: &RecordKey, value: i64, ts: i64, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"{\"key\":");
+    match key.view() {
+        KeyRef::Long(v) => put_i64(out, v),
+        KeyRef::Int(v) => put_i64(out, i64::from(v)),
+        KeyRef::Str(s) => put_json_str(out, s),
+    }
+    out.extend_from_slice(b",\"value\":");
+    put_i64(out, value);
+    out.extend_from_slice(b",\"ts\":");
+    put_i64(out, ts);
+    out.push(b'}');
+}
+
 /// A JSON string: copied between quotes when nothing in it needs escaping (no `"`, `\\` or
 /// control character; what `serde_json` escapes), else written by `serde_json`.
 #[inline]
