@@ -278,7 +278,8 @@ kafka_suites() {
   job kafka_sink t kafka_sink
   await_testenv || { echo e2e_kafka >>"$LANES_DIR/failed"; return; }
   await_outage_test
-  job e2e_kafka e2e e2e_kafka
+  # One test at a time: the first restarts the broker mid-run, which the other must not meet.
+  job e2e_kafka e2e e2e_kafka --test-threads=1
 }
 # The e2e suites print each test's time (libtest's --report-time, which needs RUSTC_BOOTSTRAP at
 # run time only: nothing is compiled with it), so the lanes can be balanced from CI's log.

@@ -654,6 +654,8 @@ start_node() {
   out="$("$HACK_DIR/build-image.sh")" || die "hack/build-image.sh failed"
   IMAGE="$(out_var IMAGE "$out")"
   IMAGE_TAR="$(out_var IMAGE_TAR "$out")"
+  JOB_IMAGE="$(out_var JOB_IMAGE "$out")"
+  JOB_IMAGE_TAR="$(out_var JOB_IMAGE_TAR "$out")"
 
   # Pod network: the host routes the pod range into the netns, which routes to each pod's veth;
   # the "kubernetes" Service is DNAT-ed to the apiserver (there is no kube-proxy).
@@ -678,7 +680,8 @@ start_node() {
   local t0=$SECONDS
   ctr_ images import "$PAUSE_TAR" >/dev/null || die "importing the sandbox image failed"
   ctr_ images import "$IMAGE_TAR" >/dev/null || die "importing $IMAGE failed"
-  log "imported $PAUSE_IMAGE and $IMAGE in $((SECONDS - t0)) s"
+  ctr_ images import "$JOB_IMAGE_TAR" >/dev/null || die "importing $JOB_IMAGE failed"
+  log "imported $PAUSE_IMAGE, $IMAGE and $JOB_IMAGE in $((SECONDS - t0)) s"
 
   save_sysctls
   local d
@@ -872,6 +875,8 @@ export KEYSHIFT_CONTAINERD_BIN=${CONTAINERD_BIN:-}
 export KEYSHIFT_CRICTL=${CRICTL:-}
 export KEYSHIFT_IMAGE=${IMAGE:-}
 export KEYSHIFT_IMAGE_TAR=${IMAGE_TAR:-}
+export KEYSHIFT_JOB_IMAGE=${JOB_IMAGE:-}
+export KEYSHIFT_JOB_IMAGE_TAR=${JOB_IMAGE_TAR:-}
 EOF
   log "up in $((SECONDS - t0)) s: $APISERVER_URL (state: $DIR)"
   emit_export

@@ -9,6 +9,10 @@
 //! `kubectl scale` up and down, a killed worker, an operator restart and a broker restart, with
 //! records arriving throughout.
 //!
+//! A second test runs a user's own job the same way: the job template's image (its own worker
+//! binary, `crates/keyshift-job-template`) with its program `threshold` over a Kafka topic, its
+//! output on the object-store sink, checked against crossings computed from the input.
+//!
 //! Run by `hack/test.sh` (which starts the broker with its pods' listener, then the cluster).
 #![cfg(feature = "kafka")]
 
@@ -213,6 +217,223 @@ fn kafka_to_kafka_is_exact_through_scale_a_killed_worker_and_operator_and_broker
         records.len(),
         newest.len(),
         totals[&Key::String("hot".into())]
+    );
+    delete_job(ns, name, &log);
+    op.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The job template's threshold (`THRESHOLD` in crates/keyshift-job-template/src/main.rs).
+const THRESHOLD: i64 = 1_000;
+
+/// Payment `i`: its account (of 240), amount and event time. Account `n`'s amounts average
+/// about `n / 2`, so accounts cross the threshold early, late or never; some amounts are
+/// refunds (not positive), which the job's filter drops.
+fn payment(i: u64) -> (String, i64, i64) {
+    let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 16;
+    let n = h % 240;
+    let amount = ((h >> 12) % (30 + n)) as i64 - 6;
+    (format!("account-{n}"), amount, 1_700_000_000_000 + i as i64)
+}
+
+/// Produces payments `from..from + n` to `topic`, each account's to one partition (so its
+/// payments are read in order), adding each account's crossings of [`THRESHOLD`] to `crossings`
+/// (what the job must publish, once each: account, total, payment time), with the running
+/// totals in `totals`.
+fn produce_payments(
+    bootstrap: &str,
+    topic: &str,
+    from: u64,
+    n: u64,
+    totals: &mut BTreeMap<String, i64>,
+    crossings: &mut Vec<(String, i64, i64)>,
+) {
+    use rdkafka::ClientConfig;
+    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    for i in from..from + n {
+        let (account, amount, ts) = payment(i);
+        if amount > 0 {
+            let total = totals.entry(account.clone()).or_insert(0);
+            let before = *total;
+            *total += amount;
+            if before < THRESHOLD && *total >= THRESHOLD {
+                crossings.push((account.clone(), *total, ts));
+            }
+        }
+        let payload = format!("{{\"account\":\"{account}\",\"amount\":{amount},\"ts\":{ts}}}");
+        let mut record = BaseRecord::to(topic)
+            .key(account.as_str())
+            .payload(payload.as_str())
+            .partition(java_partition(&account));
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((_, r)) => {
+                    record = r;
+                    producer.poll(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+    producer
+        .flush(Duration::from_secs(60))
+        .expect("every record acknowledged");
+}
+
+/// A user's own job on the real node: the job template's image (its own static worker binary,
+/// not keyshift's) runs its program `threshold` over a Kafka topic under the operator, through
+/// a pre-staged rescale up, a killed worker and a rescale down with payments arriving
+/// throughout; a final savepoint, then the published output holds every crossing of the
+/// threshold exactly once (its state moved with each rescale: a lost total would miss or
+/// repeat a crossing).
+#[test]
+#[ignore = "needs the test control plane, the job template's image and the Kafka test broker (hack/test.sh)"]
+fn a_jobs_own_image_runs_its_program_exactly_once_through_rescales_and_a_killed_worker() {
+    let _plane = shared_plane();
+    let (host, pods, username, password) = broker();
+    let (ns, dir, mut op) = setup("e2e-own-job", "own-job");
+    let ns = &ns.0;
+    let log = op.log.clone();
+    let name = "threshold";
+    kubectl_ok(&[
+        "create",
+        "secret",
+        "generic",
+        CREDENTIALS,
+        "-n",
+        ns,
+        &format!("--from-literal=username={username}"),
+        &format!("--from-literal=password={password}"),
+    ]);
+    let input = unique("e2e-payments");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(create_topic(&host, &input));
+    let sink = format!("{}-sink/{name}", op.storage);
+    let creds = format!("{{secretName: {CREDENTIALS}, sasl: {{mechanism: PLAIN}}}}");
+    let manifest = format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+spec:
+  image: {image}
+  replicas: 2
+  maxParallelism: 64
+  job:
+    program: {{name: threshold}}
+    source:
+      kafka: {{bootstrapServers: '{pods}', topics: [{input}], credentials: {creds}}}
+    sink: {{type: objectStore, url: '{sink}'}}
+  state:
+    checkpointInterval: 3s
+    credentialsSecret: {S3_SECRET}
+  resources:
+    requests: {{cpu: 5m, memory: 32Mi}}
+",
+        image = job_image(),
+    );
+
+    let (mut totals, mut crossings) = (BTreeMap::new(), Vec::new());
+    let mut produced = 0u64;
+    let mut produce = |n: u64, totals: &mut BTreeMap<String, i64>, c: &mut Vec<_>| {
+        produce_payments(&host, &input, produced, n, totals, c);
+        produced += n;
+    };
+    produce(3000, &mut totals, &mut crossings);
+    let r = apply(ns, &manifest);
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+    let pod = worker_pods(ns, name)[0].clone();
+    assert_eq!(
+        jsonpath(ns, &format!("pod/{pod}"), "{.spec.containers[0].image}"),
+        job_image(),
+        "the workers run the job's own image"
+    );
+
+    // Up, pre-staged, while payments arrive.
+    produce(3000, &mut totals, &mut crossings);
+    scale(ns, name, 3, &log);
+    assert!(
+        !get(ns, name, "{.status.rescale.prestage.run}").is_empty(),
+        "the rescale to 3 was pre-staged"
+    );
+    assert_eq!(get(ns, name, "{.status.rescale.fallback}"), "");
+    produce(3000, &mut totals, &mut crossings);
+
+    // A killed worker: the job restarts from its last checkpoint at the same parallelism.
+    let before = worker_pods(ns, name);
+    kill_container(ns, &before[1]);
+    wait_for(Duration::from_secs(90), || {
+        let now = worker_pods(ns, name);
+        now.len() == 3 && now.iter().all(|p| !before.contains(p))
+    });
+    wait_ready(ns, name, &log);
+    produce(3000, &mut totals, &mut crossings);
+
+    // Down to 1 while payments arrive.
+    scale(ns, name, 1, &log);
+    produce(2000, &mut totals, &mut crossings);
+
+    let started = Instant::now();
+    loop {
+        let read = read_by_job(&host, ns, name, &input);
+        if read == produced {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the job read {read} of {produced} payments\n{}",
+            diagnostics(ns, name, &log)
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+    set_suspend(ns, name, true, &log);
+
+    // The published output: every crossing once, nothing else.
+    let mut published: BTreeMap<(String, i64, i64), u32> = BTreeMap::new();
+    for (_, _, text) in published_parts(&sink) {
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let v: serde_json::Value = serde_json::from_str(line).expect("a JSON line");
+            let crossing = (
+                v["account"].as_str().expect("account").to_owned(),
+                v["total"].as_i64().expect("total"),
+                v["ts"].as_i64().expect("ts"),
+            );
+            *published.entry(crossing).or_insert(0) += 1;
+        }
+    }
+    let want: BTreeMap<(String, i64, i64), u32> =
+        crossings.iter().cloned().map(|c| (c, 1)).collect();
+    let missing: Vec<_> = want
+        .keys()
+        .filter(|c| !published.contains_key(*c))
+        .take(5)
+        .collect();
+    let wrong: Vec<_> = published
+        .iter()
+        .filter(|(c, n)| want.get(*c) != Some(*n))
+        .take(5)
+        .collect();
+    assert!(
+        missing.is_empty() && wrong.is_empty(),
+        "{} crossings expected, {} published; missing e.g. {missing:?}; extra or repeated e.g. {wrong:?}",
+        want.len(),
+        published.values().sum::<u32>()
+    );
+    assert!(
+        want.len() > 100,
+        "only {} crossings: too few to prove much",
+        want.len()
+    );
+    eprintln!(
+        "{produced} payments in, {} crossings out, from the job's own image",
+        want.len()
     );
     delete_job(ns, name, &log);
     op.kill();

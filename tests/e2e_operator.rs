@@ -1139,41 +1139,6 @@ spec:
     )
 }
 
-/// The published sink output under `url`: `(snapshot id, part name, JSON lines)`, in snapshot
-/// id order (staged parts are not output).
-fn published_parts(url: &str) -> Vec<(u64, String, String)> {
-    let mut parts: Vec<(u64, String)> = list_objects(url)
-        .into_iter()
-        .filter_map(|name| {
-            let (dir, part) = name.split_once('/')?;
-            let id = dir.strip_prefix("snap-")?.parse().ok()?;
-            Some((id, part.to_owned()))
-        })
-        .collect();
-    parts.sort();
-    let rt = tokio::runtime::Runtime::new().expect("runtime");
-    rt.block_on(async {
-        use object_store::ObjectStoreExt;
-        let (store, base) = keyshift::snapshot::open_store(url).expect("sink store");
-        let mut out = Vec::new();
-        for (id, part) in parts {
-            let path = base
-                .clone()
-                .join(format!("snap-{id}").as_str())
-                .join(part.as_str());
-            let bytes = store
-                .get(&path)
-                .await
-                .expect("published part")
-                .bytes()
-                .await
-                .expect("part body");
-            out.push((id, part, String::from_utf8(bytes.to_vec()).expect("UTF-8")));
-        }
-        out
-    })
-}
-
 /// The windows still open in a snapshot (key -> window start -> sum) and its source positions.
 fn snapshot_windows(url: &str) -> (BTreeMap<Key, BTreeMap<i64, i64>>, BTreeMap<u32, u64>) {
     let s = snapshot_support::read_state_blocking(url);

@@ -202,18 +202,34 @@ fn the_dockerfile_layout_is_read_from_its_final_stage() {
     assert_eq!(mode_of("-rw-r--r--"), "644");
 }
 
-#[test]
-#[ignore = "needs the image tarball (hack/test.sh builds it; KEYSHIFT_IMAGE_TAR)"]
-fn the_tested_image_is_the_dockerfile_image() {
-    let tar = std::env::var_os("KEYSHIFT_IMAGE_TAR")
-        .expect("KEYSHIFT_IMAGE_TAR (hack/testenv.sh up prints it into its env file)");
+/// The tarball `var` names (hack/testenv.sh up writes it into its env file) against the final
+/// stage of `dockerfile` (relative to the repository root).
+fn assert_image_is_dockerfile_image(var: &str, dockerfile: &str) {
+    let tar = std::env::var_os(var)
+        .unwrap_or_else(|| panic!("{var} (hack/testenv.sh up prints it into its env file)"));
     let want = dockerfile_layout(
-        &std::fs::read_to_string(support::root().join("Dockerfile")).expect("Dockerfile"),
+        &std::fs::read_to_string(support::root().join(dockerfile)).expect("Dockerfile"),
     );
     let got = image_layout(Path::new(&tar));
     assert_eq!(
         got, want,
-        "hack/build-image.sh and the Dockerfile's final stage disagree"
+        "hack/build-image.sh and {dockerfile}'s final stage disagree"
+    );
+}
+
+#[test]
+#[ignore = "needs the image tarball (hack/test.sh builds it; KEYSHIFT_IMAGE_TAR)"]
+fn the_tested_image_is_the_dockerfile_image() {
+    assert_image_is_dockerfile_image("KEYSHIFT_IMAGE_TAR", "Dockerfile");
+}
+
+/// The job template's image, which the e2e tier runs as a user's own job image.
+#[test]
+#[ignore = "needs the image tarball (hack/test.sh builds it; KEYSHIFT_JOB_IMAGE_TAR)"]
+fn the_tested_job_image_is_the_templates_dockerfile_image() {
+    assert_image_is_dockerfile_image(
+        "KEYSHIFT_JOB_IMAGE_TAR",
+        "crates/keyshift-job-template/Dockerfile",
     );
 }
 
@@ -235,18 +251,38 @@ fn build_features(text: &str) -> Vec<String> {
     features
 }
 
-/// The binary of the image the tests run and the Dockerfile's are built with the same cargo
-/// features (the Kafka client included), against static OpenSSL and zlib in both.
+/// The binaries of the images the tests run and the Dockerfiles' are built with the same cargo
+/// features (the Kafka client included), against static OpenSSL and zlib in both: keyshift's
+/// (the script's `keyshift/` features) and the job template's (its `keyshift-job-template/`
+/// features).
 #[test]
 fn the_dockerfile_and_the_test_image_build_the_same_features() {
     let root = support::root();
-    let dockerfile = std::fs::read_to_string(root.join("Dockerfile")).expect("Dockerfile");
-    let script =
-        std::fs::read_to_string(root.join("hack/build-image.sh")).expect("hack/build-image.sh");
-    let (docker, test) = (build_features(&dockerfile), build_features(&script));
-    assert_eq!(docker, test, "Dockerfile vs hack/build-image.sh");
-    assert!(docker.contains(&"kafka".to_owned()), "{docker:?}");
-    for text in [&dockerfile, &script] {
+    let read = |p: &str| std::fs::read_to_string(root.join(p)).expect(p);
+    let dockerfile = read("Dockerfile");
+    let template = read("crates/keyshift-job-template/Dockerfile");
+    let script = read("hack/build-image.sh");
+    let test = build_features(&script);
+    let of = |package: &str| -> Vec<String> {
+        test.iter()
+            .filter_map(|f| f.strip_prefix(package))
+            .map(str::to_owned)
+            .collect()
+    };
+    let (product, job) = (of("keyshift/"), of("keyshift-job-template/"));
+    assert_eq!(
+        build_features(&dockerfile),
+        product,
+        "Dockerfile vs hack/build-image.sh"
+    );
+    assert_eq!(
+        build_features(&template),
+        job,
+        "the template's Dockerfile vs hack/build-image.sh"
+    );
+    assert!(product.contains(&"kafka".to_owned()), "{product:?}");
+    assert!(job.contains(&"kafka".to_owned()), "{job:?}");
+    for text in [&dockerfile, &template, &script] {
         assert!(text.contains("OPENSSL_STATIC=1") && text.contains("LIBZ_SYS_STATIC=1"));
     }
 }

@@ -315,6 +315,16 @@ pub fn image() -> String {
         .expect("KEYSHIFT_IMAGE (hack/testenv.sh up prints it)")
 }
 
+/// The job template's image (crates/keyshift-job-template, its worker binary `threshold`), as
+/// `hack/build-image.sh` built it and `hack/testenv.sh up` imported it into the node: a user's
+/// own job image.
+pub fn job_image() -> String {
+    std::env::var("KEYSHIFT_JOB_IMAGE")
+        .ok()
+        .filter(|i| !i.is_empty())
+        .expect("KEYSHIFT_JOB_IMAGE (hack/testenv.sh up writes it into its env file)")
+}
+
 /// The host's side of the test network's veth pair, 10.<KEYSHIFT_SUBNET>.0.1 (hack/testenv.sh's
 /// layout; subnet 213 unless the environment names another): the address pods reach the host at.
 pub fn host_veth_ip() -> std::net::Ipv4Addr {
@@ -455,6 +465,41 @@ pub fn list_objects(url: &str) -> Vec<String> {
             .into_iter()
             .map(|o| o.location.to_string().trim_start_matches(&base).to_owned())
             .collect()
+    })
+}
+
+/// The published sink output under `url`: `(snapshot id, part name, JSON lines)`, in snapshot
+/// id order (staged parts are not output).
+pub fn published_parts(url: &str) -> Vec<(u64, String, String)> {
+    let mut parts: Vec<(u64, String)> = list_objects(url)
+        .into_iter()
+        .filter_map(|name| {
+            let (dir, part) = name.split_once('/')?;
+            let id = dir.strip_prefix("snap-")?.parse().ok()?;
+            Some((id, part.to_owned()))
+        })
+        .collect();
+    parts.sort();
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(async {
+        use object_store::ObjectStoreExt;
+        let (store, base) = keyshift::snapshot::open_store(url).expect("sink store");
+        let mut out = Vec::new();
+        for (id, part) in parts {
+            let path = base
+                .clone()
+                .join(format!("snap-{id}").as_str())
+                .join(part.as_str());
+            let bytes = store
+                .get(&path)
+                .await
+                .expect("published part")
+                .bytes()
+                .await
+                .expect("part body");
+            out.push((id, part, String::from_utf8(bytes.to_vec()).expect("UTF-8")));
+        }
+        out
     })
 }
 

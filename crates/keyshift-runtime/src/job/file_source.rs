@@ -1,7 +1,8 @@
 //! The JSON-lines file source.
 //!
 //! A directory holds one file per partition; partition `i` is the `i`-th regular, non-hidden
-//! file in byte-wise name order, and its identity is its file name ([`FileSourceReader::names`]).
+//! file (or symlink to one, as in a ConfigMap volume) in byte-wise name order, and its identity
+//! is its file name ([`FileSourceReader::names`]).
 //! A position is a byte offset into the partition's file, always at the start of a line, so a
 //! restored position resumes exactly: no record is read twice or lost.
 //!
@@ -129,7 +130,9 @@ impl FileSourceReader {
         for entry in std::fs::read_dir(&dir).map_err(io)? {
             let entry = entry.map_err(io)?;
             let hidden = entry.file_name().as_encoded_bytes().first() == Some(&b'.');
-            if !hidden && entry.file_type().map_err(io)?.is_file() {
+            // Followed through symlinks: a Kubernetes ConfigMap or Secret volume holds each
+            // key as a symlink into a hidden `..data` directory.
+            if !hidden && std::fs::metadata(entry.path()).map_err(io)?.is_file() {
                 let name = entry
                     .file_name()
                     .into_string()
@@ -399,6 +402,28 @@ mod tests {
             i,
             i * 10
         )
+    }
+
+    /// A ConfigMap volume's layout: each key a symlink into a hidden, timestamped directory
+    /// that `..data` points at.
+    #[test]
+    fn a_configmap_volumes_symlinked_files_are_partitions_and_its_hidden_entries_are_not() {
+        let dir = temp_dir("configmap");
+        let data = dir.join("..2026_12_06_10_00_00.123");
+        std::fs::create_dir_all(&data).unwrap();
+        std::fs::write(data.join("b.jsonl"), line(1)).unwrap();
+        std::fs::write(data.join("a.jsonl"), line(2)).unwrap();
+        std::os::unix::fs::symlink("..2026_12_06_10_00_00.123", dir.join("..data")).unwrap();
+        for f in ["a.jsonl", "b.jsonl"] {
+            std::os::unix::fs::symlink(format!("..data/{f}"), dir.join(f)).unwrap();
+        }
+        std::os::unix::fs::symlink("..data", dir.join("subdir-link")).unwrap();
+        let src = FileSourceReader::open(&dir, Some(fields(KeyType::String))).unwrap();
+        assert_eq!(src.names(), ["a.jsonl", "b.jsonl"]);
+        let mut out = Vec::new();
+        let b = src.read_batch(1, 0, &mut out, 10).unwrap();
+        assert_eq!((b.records, out[0].value), (1, 1));
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -305,13 +305,29 @@ pub fn worker_config(
     WorkerConfig::new(control_addr, data_addr, token.unwrap_or_default(), programs)
 }
 
+/// What a job binary's `--version` prints: the runtime it was built with, the worker protocol
+/// it speaks, and the programs it carries (the names `spec.job.program.name` may give).
+pub fn version_line(programs: &Programs) -> String {
+    format!(
+        "keyshift-runtime {} (worker protocol {}); programs: {}",
+        env!("CARGO_PKG_VERSION"),
+        super::protocol::PROTOCOL_VERSION,
+        programs.names().join(", ")
+    )
+}
+
 /// The `main` of a job's own worker binary: serves as `keyshift worker` does ([`worker_config`]
 /// reads the process's arguments and `KEYSHIFT_TOKEN`), running `programs`, with logs on stderr
-/// (JSON lines when `KEYSHIFT_LOG_FORMAT=json`). Returns the process's exit code.
+/// (JSON lines when `KEYSHIFT_LOG_FORMAT=json`); `--version` prints [`version_line`]. Returns
+/// the process's exit code.
 pub fn main(programs: Programs) -> std::process::ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    if args.first().map(String::as_str) == Some("--version") {
+        println!("{}", version_line(&programs));
+        return std::process::ExitCode::SUCCESS;
+    }
     let json = std::env::var("KEYSHIFT_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
     crate::telemetry::init(json);
-    let args: Vec<String> = std::env::args().skip(1).collect();
     let result =
         worker_config(&args, std::env::var("KEYSHIFT_TOKEN").ok(), programs).and_then(|config| {
             tokio::runtime::Builder::new_multi_thread()
@@ -535,5 +551,18 @@ mod tests {
         assert!(refused(&["worker", "--threads", "4"], Some(TOKEN)).contains("\"--threads\""));
         assert!(refused(&["worker"], Some("short")).contains("16 characters"));
         assert!(refused(&["worker"], None).contains("16 characters"));
+    }
+
+    #[test]
+    fn the_version_line_names_the_protocol_and_the_programs() {
+        let line = version_line(&Programs::new());
+        assert!(
+            line.contains(&format!(
+                "worker protocol {}",
+                crate::runtime::protocol::PROTOCOL_VERSION
+            )),
+            "{line}"
+        );
+        assert!(line.starts_with("keyshift-runtime "), "{line}");
     }
 }
