@@ -26,6 +26,7 @@ pub mod kafka;
 mod keyed;
 mod measure;
 pub mod operator;
+mod program_checkpoint;
 mod programs;
 mod rescale;
 mod state;
@@ -177,6 +178,13 @@ pub struct CheckpointBench {
     /// object-store sink.
     #[arg(long)]
     pub no_results: bool,
+    /// A program's checkpoints instead of the built-in job's: a keyed step with map state
+    /// (per key, --fields entries sharing --payload bytes), a changed key changing one entry.
+    #[arg(long)]
+    pub program: bool,
+    /// With --program: map entries per key.
+    #[arg(long, default_value_t = 4)]
+    pub fields: u32,
     /// Directory for the files (a local filesystem; created if missing, emptied afterwards).
     #[arg(long, default_value = "keyshift-bench")]
     pub dir: PathBuf,
@@ -255,6 +263,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             BenchCommand::Rescale(a) => rescale::rescale_bench(a).await,
             BenchCommand::Throughput(a) => throughput::throughput_bench(a).await,
             BenchCommand::Keyed(a) => keyed::keyed_bench(a),
+            BenchCommand::Checkpoint(a) if a.program => {
+                program_checkpoint::program_checkpoint_bench(a).await
+            }
             BenchCommand::Checkpoint(a) => state::checkpoint_bench(a).await,
             BenchCommand::Programs(a) => programs::programs_bench(a).await,
             BenchCommand::Operator(a) => operator::run(a).await,
