@@ -190,6 +190,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             v
         };
         let ready;
+        let mut key_epoch = 0;
         // The heap keeps the key's states by its hash (released below if the call left them
         // empty); a byte store addresses them by the key's byte form.
         let (store, key_bytes, hash) = match &mut self.backend {
@@ -198,6 +199,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 let (states, hash) = h.key_mut(index, rk).ok_or_else(|| {
                     StateError::Backend(format!("group index {index} is not owned"))
                 })?;
+                key_epoch = states.epoch;
                 let store = Store::Heap {
                     states,
                     epoch,
@@ -227,9 +229,17 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             out: &mut self.out,
         };
         let r = call(&mut self.function, &self.state, &mut ctx);
-        let empty = matches!(&ctx.scope.store, Store::Heap { states, .. } if states.is_empty());
-        if let (Some(hash), true, Backend::Heap(h)) = (hash, empty, &mut self.backend) {
-            h.release(index, rk, hash);
+        let (empty, first_change) = match &ctx.scope.store {
+            Store::Heap { states, .. } => (states.is_empty(), states.epoch != key_epoch),
+            Store::Bytes { .. } => (false, false),
+        };
+        if let (Some(hash), Backend::Heap(h)) = (hash, &mut self.backend) {
+            if empty {
+                h.release(index, rk, hash);
+            } else if first_change {
+                // The key's first change in this epoch: a delta visits it.
+                h.touched(index, hash);
+            }
         }
         r
     }

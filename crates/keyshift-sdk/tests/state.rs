@@ -713,6 +713,69 @@ mod catch_up {
             .collect()
     }
 
+    /// Rounds of changes, each ended by a cut and caught up by a delta over the last one (the
+    /// heap visits only the keys changed since), then a long run of cuts without a checkpoint
+    /// (past what the heap tracks, so a delta since then visits every key): the loaded state
+    /// stays the writer's.
+    #[test]
+    fn deltas_round_after_round_and_after_a_long_gap_stay_exact() {
+        let ops: Vec<(String, Op)> = (0..60)
+            .map(|i| {
+                let k = ["u", "v", "w", "x", "y", "z"][i % 6].to_owned();
+                let op = match i % 5 {
+                    0 | 1 => add(["a", "b", "c"][i % 3], i as i64),
+                    2 => Op::Remove { k: "a".into() },
+                    3 => Op::Timer {
+                        at: (i % 4) as i64,
+                        delete: i % 2 == 0,
+                    },
+                    _ => Op::Clear,
+                };
+                (k, op)
+            })
+            .collect();
+        for sorted in [false, true] {
+            let mut source = kitchen(sorted);
+            let mut loaded = kitchen(sorted);
+            let mut since = source.cut();
+            for g in source.range().iter() {
+                let b = source.encode_group(g, GroupMode::Full).unwrap().unwrap();
+                loaded.restore_group(g, &[&b.bytes]).unwrap();
+            }
+            let catch_up = |source: &mut KeyedOperator<Kitchen>,
+                            loaded: &mut KeyedOperator<Kitchen>,
+                            since: u32| {
+                for g in source.range().iter() {
+                    let mode = source.group_mode(g, since);
+                    if let Some(d) = source.encode_group(g, mode).unwrap() {
+                        match mode {
+                            GroupMode::Full => loaded.restore_group(g, &[&d.bytes]).unwrap(),
+                            _ => loaded.apply_deltas(g, &[&d.bytes]).unwrap(),
+                        }
+                    }
+                }
+            };
+            for round in ops.chunks(7) {
+                for (k, o) in round {
+                    source.process(&key(k), 0, o.clone()).unwrap();
+                }
+                let cut = source.cut();
+                catch_up(&mut source, &mut loaded, since);
+                since = cut;
+                assert_eq!(state(&mut loaded), state(&mut source), "sorted: {sorted}");
+            }
+            // 1500 cuts with one change each and no checkpoint between them.
+            for i in 0..1500 {
+                let (k, o) = &ops[i % ops.len()];
+                source.process(&key(k), 0, o.clone()).unwrap();
+                source.cut();
+            }
+            catch_up(&mut source, &mut loaded, since);
+            assert_eq!(state(&mut loaded), state(&mut source), "sorted: {sorted}");
+            assert_eq!(loaded.timers(), source.timers());
+        }
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(64))]
         #[test]

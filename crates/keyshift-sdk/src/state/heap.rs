@@ -176,6 +176,11 @@ struct Group {
     changed: u32,
     reset: u32,
     forgotten_through: u32,
+    /// (epoch, key hash) of each key's first change in an epoch, in epoch order: what a delta
+    /// visits instead of every key.
+    touched: Vec<(u32, u64)>,
+    /// `touched` holds every change from this epoch on.
+    tracked_from: u32,
 }
 
 impl Default for Group {
@@ -185,6 +190,8 @@ impl Default for Group {
             changed: 0,
             reset: 0,
             forgotten_through: 0,
+            touched: Vec::new(),
+            tracked_from: 0,
         }
     }
 }
@@ -293,9 +300,9 @@ impl<K: StreamKey> HeapStore<K> {
             .ok_or_else(|| StateError::Backend(format!("group index {group} is not owned")))?;
         let mut entry = Vec::with_capacity(64);
         let mut value = Vec::with_capacity(64);
-        for (k, ks) in g.keys.iter() {
+        let mut visit_key = |k: &RecordKey, ks: &KeyStates| -> Result<(), StateError> {
             if since.is_some_and(|s| ks.epoch <= s) {
-                continue;
+                return Ok(());
             }
             entry.clear();
             encode_record_key(k, &mut entry);
@@ -335,15 +342,85 @@ impl<K: StreamKey> HeapStore<K> {
                     }
                 }
             }
+            Ok(())
+        };
+        // A delta visits only the keys changed since `since` when the group has tracked every
+        // change after it; otherwise (and for a full block) every key.
+        let tracked = since.filter(|s| s.saturating_add(1) >= g.tracked_from);
+        match tracked {
+            Some(since) => {
+                let mut changed: Vec<(u32, u64)> = g
+                    .touched
+                    .iter()
+                    .copied()
+                    .filter(|(e, _)| *e > since)
+                    .collect();
+                changed.sort_unstable();
+                changed.dedup();
+                // A key changed in several epochs is written once: from its last one.
+                for (epoch, hash) in changed {
+                    for (k, ks) in g.keys.iter_hash(hash) {
+                        if ks.epoch == epoch {
+                            visit_key(k, ks)?;
+                        }
+                    }
+                }
+            }
+            None => {
+                for (k, ks) in g.keys.iter() {
+                    visit_key(k, ks)?;
+                }
+            }
         }
         if let Some(since) = since {
-            for (_, ks) in g.keys.iter_mut() {
-                ks.forget_deletions(since);
+            // Deletions to forget lie only on keys changed at or before `since`: those are
+            // looked up by hash, unless they are a good share of the group (after a restore's
+            // or a first run's every key), which one pass in memory order visits faster.
+            let mut old: Vec<u64> = match tracked {
+                Some(_) => g
+                    .touched
+                    .iter()
+                    .filter(|(e, _)| *e <= since)
+                    .map(|(_, h)| *h)
+                    .collect(),
+                None => Vec::new(),
+            };
+            if tracked.is_some() && old.len() < g.keys.len() / 4 {
+                old.sort_unstable();
+                old.dedup();
+                for hash in old {
+                    for (_, ks) in g.keys.iter_hash_mut(hash) {
+                        ks.forget_deletions(since);
+                    }
+                    while let Ok(e) = g.keys.find_entry(hash, |(_, ks)| ks.is_empty()) {
+                        e.remove();
+                    }
+                }
+            } else {
+                for (_, ks) in g.keys.iter_mut() {
+                    ks.forget_deletions(since);
+                }
+                g.keys.retain(|(_, ks)| !ks.is_empty());
             }
-            g.keys.retain(|(_, ks)| !ks.is_empty());
+            g.touched.retain(|(e, _)| *e > since);
             g.forgotten_through = g.forgotten_through.max(since);
         }
         Ok(())
+    }
+
+    /// Records that the key of `hash` in group `group` changed in the current epoch (its first
+    /// change in it), so that a delta visits it without a pass over every key. Past twice the
+    /// group's keys the record is dropped: deltas since earlier epochs visit every key again.
+    pub(crate) fn touched(&mut self, group: usize, hash: u64) {
+        let epoch = self.epoch;
+        if let Some(g) = self.groups.get_mut(group) {
+            if g.touched.len() > 2 * g.keys.len() + 1024 {
+                g.touched.clear();
+                g.tracked_from = epoch.wrapping_add(1);
+            } else {
+                g.touched.push((epoch, hash));
+            }
+        }
     }
 
     /// One checked entry of a restored block, decoded: its key, its state's slot, its user key
