@@ -42,6 +42,20 @@ fn broker() -> (String, String, String, String) {
 
 const CREDENTIALS: &str = "kafka-creds";
 
+/// Secret CREDENTIALS in `ns`: the pods' SASL username and password for the broker.
+fn credentials_secret(ns: &str, username: &str, password: &str) {
+    kubectl_ok(&[
+        "create",
+        "secret",
+        "generic",
+        CREDENTIALS,
+        "-n",
+        ns,
+        &format!("--from-literal=username={username}"),
+        &format!("--from-literal=password={password}"),
+    ]);
+}
+
 fn kafka_job_yaml(name: &str, pods: &str, input: &str, output: &str) -> String {
     let creds = format!("{{secretName: {CREDENTIALS}, sasl: {{mechanism: PLAIN}}}}");
     format!(
@@ -69,6 +83,31 @@ spec:
     )
 }
 
+/// Waits (3 minutes at most) until job `name` has read all `produced` records of `input` and
+/// committed them with a snapshot.
+fn wait_read_all(
+    bootstrap: &str,
+    ns: &str,
+    name: &str,
+    input: &str,
+    produced: u64,
+    log: &std::path::Path,
+) {
+    let started = Instant::now();
+    loop {
+        let read = read_by_job(bootstrap, ns, name, input);
+        if read == produced {
+            return;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(180),
+            "the job read {read} of {produced} records\n{}",
+            diagnostics(ns, name, log)
+        );
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
 /// Records read so far by the job, as its consumer group has them committed (after snapshots).
 fn read_by_job(bootstrap: &str, ns: &str, name: &str, input: &str) -> u64 {
     committed(
@@ -89,16 +128,7 @@ fn kafka_to_kafka_is_exact_through_scale_a_killed_worker_and_operator_and_broker
     let ns = &ns.0;
     let log = op.log.clone();
     let name = "clicks-kafka";
-    kubectl_ok(&[
-        "create",
-        "secret",
-        "generic",
-        CREDENTIALS,
-        "-n",
-        ns,
-        &format!("--from-literal=username={username}"),
-        &format!("--from-literal=password={password}"),
-    ]);
+    credentials_secret(ns, &username, &password);
     let input = unique("e2e-in");
     let output = unique("e2e-out");
     let rt = tokio::runtime::Runtime::new().expect("runtime");
@@ -131,13 +161,7 @@ fn kafka_to_kafka_is_exact_through_scale_a_killed_worker_and_operator_and_broker
     produce(3000, &mut totals);
 
     // A killed worker: the job restarts from its last checkpoint at the same parallelism.
-    let before = worker_pods(ns, name);
-    kill_container(ns, &before[1]);
-    wait_for(Duration::from_secs(90), || {
-        let now = worker_pods(ns, name);
-        now.len() == 3 && now.iter().all(|p| !before.contains(p))
-    });
-    wait_ready(ns, name, &log);
+    kill_a_worker(ns, name, &log);
     produce(3000, &mut totals);
 
     // The operator restarts: it adopts the running workers and goes on publishing.
@@ -158,19 +182,7 @@ fn kafka_to_kafka_is_exact_through_scale_a_killed_worker_and_operator_and_broker
 
     // Every record read and committed by a snapshot, then a final savepoint (suspend): its
     // output is the last the sink publishes.
-    let started = Instant::now();
-    loop {
-        let read = read_by_job(&host, ns, name, &input);
-        if read == produced {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(180),
-            "the job read {read} of {produced} records\n{}",
-            diagnostics(ns, name, &log)
-        );
-        std::thread::sleep(Duration::from_secs(1));
-    }
+    wait_read_all(&host, ns, name, &input, produced, &log);
     // Caught up: the consumer lag in status comes from the broker's metadata (4 partitions, 0
     // records behind), and the brokers are reachable.
     wait_for(Duration::from_secs(90), || {
@@ -248,42 +260,23 @@ fn produce_payments(
     totals: &mut BTreeMap<String, i64>,
     crossings: &mut Vec<(String, i64, i64)>,
 ) {
-    use rdkafka::ClientConfig;
-    use rdkafka::producer::{BaseProducer, BaseRecord, Producer};
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .create()
-        .expect("producer");
-    for i in from..from + n {
-        let (account, amount, ts) = payment(i);
-        if amount > 0 {
-            let total = totals.entry(account.clone()).or_insert(0);
-            let before = *total;
-            *total += amount;
-            if before < THRESHOLD && *total >= THRESHOLD {
-                crossings.push((account.clone(), *total, ts));
-            }
-        }
-        let payload = format!("{{\"account\":\"{account}\",\"amount\":{amount},\"ts\":{ts}}}");
-        let mut record = BaseRecord::to(topic)
-            .key(account.as_str())
-            .payload(payload.as_str())
-            .partition(java_partition(&account));
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((_, r)) => {
-                    record = r;
-                    producer.poll(Duration::from_millis(10));
+    let records: Vec<(String, String, i32)> = (from..from + n)
+        .map(|i| {
+            let (account, amount, ts) = payment(i);
+            if amount > 0 {
+                let total = totals.entry(account.clone()).or_insert(0);
+                let before = *total;
+                *total += amount;
+                if before < THRESHOLD && *total >= THRESHOLD {
+                    crossings.push((account.clone(), *total, ts));
                 }
             }
-        }
-    }
-    producer
-        .flush(Duration::from_secs(60))
-        .expect("every record acknowledged");
+            let payload = format!("{{\"account\":\"{account}\",\"amount\":{amount},\"ts\":{ts}}}");
+            let partition = java_partition(&account);
+            (account, payload, partition)
+        })
+        .collect();
+    produce_keyed(bootstrap, topic, &records);
 }
 
 /// A user's own job on the real node: the job template's image (its own static worker binary,
@@ -301,16 +294,7 @@ fn a_jobs_own_image_runs_its_program_exactly_once_through_rescales_and_a_killed_
     let ns = &ns.0;
     let log = op.log.clone();
     let name = "threshold";
-    kubectl_ok(&[
-        "create",
-        "secret",
-        "generic",
-        CREDENTIALS,
-        "-n",
-        ns,
-        &format!("--from-literal=username={username}"),
-        &format!("--from-literal=password={password}"),
-    ]);
+    credentials_secret(ns, &username, &password);
     let input = unique("e2e-payments");
     let rt = tokio::runtime::Runtime::new().expect("runtime");
     rt.block_on(create_topic(&host, &input));
@@ -367,32 +351,14 @@ spec:
     produce(3000, &mut totals, &mut crossings);
 
     // A killed worker: the job restarts from its last checkpoint at the same parallelism.
-    let before = worker_pods(ns, name);
-    kill_container(ns, &before[1]);
-    wait_for(Duration::from_secs(90), || {
-        let now = worker_pods(ns, name);
-        now.len() == 3 && now.iter().all(|p| !before.contains(p))
-    });
-    wait_ready(ns, name, &log);
+    kill_a_worker(ns, name, &log);
     produce(3000, &mut totals, &mut crossings);
 
     // Down to 1 while payments arrive.
     scale(ns, name, 1, &log);
     produce(2000, &mut totals, &mut crossings);
 
-    let started = Instant::now();
-    loop {
-        let read = read_by_job(&host, ns, name, &input);
-        if read == produced {
-            break;
-        }
-        assert!(
-            started.elapsed() < Duration::from_secs(180),
-            "the job read {read} of {produced} payments\n{}",
-            diagnostics(ns, name, &log)
-        );
-        std::thread::sleep(Duration::from_secs(1));
-    }
+    wait_read_all(&host, ns, name, &input, produced, &log);
     set_suspend(ns, name, true, &log);
 
     // The published output: every crossing once, nothing else.

@@ -1367,13 +1367,7 @@ fn object_store_sink_on_s3_is_exactly_once_through_rescales_refused_commits_and_
     // A killed worker: the job restarts from its last checkpoint, whose output is published
     // (again); what the old workers staged after it is not.
     for (name, _) in jobs {
-        let before = worker_pods(ns, name);
-        kill_container(ns, &before[1]);
-        wait_for(Duration::from_secs(90), || {
-            let now = worker_pods(ns, name);
-            now.len() == 3 && now.iter().all(|p| !before.contains(p))
-        });
-        wait_ready(ns, name, &log);
+        kill_a_worker(ns, name, &log);
         let id = checkpoint_id(ns, name);
         wait_for(Duration::from_secs(60), || {
             checkpoint_id(ns, name) >= id + 2

@@ -13,7 +13,7 @@ use keyshift_runtime::job::{EncodedRecords, GroupMode, Keyed, ProgramStep, Progr
 use keyshift_runtime::runtime::checkpoint;
 use keyshift_runtime::runtime::incremental::{Base, ChainPolicy};
 use keyshift_runtime::runtime::restore::{self, RestoreOptions};
-use keyshift_runtime::snapshot::{self, Manifest, SnapshotKind, SnapshotWriter};
+use keyshift_runtime::snapshot::{self, SnapshotKind, SnapshotWriter};
 use keyshift_sdk::prelude::*;
 use serde::{Deserialize, Serialize};
 use std::sync::Arc;
@@ -226,13 +226,9 @@ pub(super) async fn program_checkpoint_bench(args: CheckpointBench) -> Result<()
         }
         let mut meta = super::state::meta(id);
         meta.state_schema = keyshift_runtime::job::PROGRAM_SCHEMA.to_owned();
-        let manifest =
-            Manifest::assemble(meta, assignment, done.into_iter().map(|d| d.2).collect())?;
-        snapshot::commit_manifest(store.as_ref(), &dir, &manifest).await?;
-        let written = manifest
-            .stats
-            .written_bytes
-            .unwrap_or(manifest.stats.total_bytes);
+        let acks = done.into_iter().map(|d| d.2).collect();
+        let (manifest, written) =
+            super::state::commit_checkpoint(store.as_ref(), &dir, meta, assignment, acks).await?;
         println!(
             "checkpoint {id} ({}): wrote {written} of {} bytes of state ({:.2}%), records held up {:.1} ms of a {:.1} ms write ({:.1}%), {:.1} ms in all",
             if round == 0 { "full" } else { "incremental" },

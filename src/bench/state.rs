@@ -203,16 +203,9 @@ pub(super) async fn checkpoint_bench(args: CheckpointBench) -> Result<()> {
         for (i, d) in done.iter().enumerate() {
             bases[i] = Some(Base::written(id, d.cut, &d.ack));
         }
-        let manifest = Manifest::assemble(
-            meta(id),
-            assignment,
-            done.into_iter().map(|d| d.ack).collect(),
-        )?;
-        snapshot::commit_manifest(store.as_ref(), &dir, &manifest).await?;
-        let written = manifest
-            .stats
-            .written_bytes
-            .unwrap_or(manifest.stats.total_bytes);
+        let acks = done.into_iter().map(|d| d.ack).collect();
+        let (manifest, written) =
+            commit_checkpoint(store.as_ref(), &dir, meta(id), assignment, acks).await?;
         println!(
             "checkpoint {id} ({}): wrote {written} of {} bytes of state ({:.2}%), records held up {:.1} ms (cut CPU {:.1} ms; then steps of up to {:.2} ms, CPU {:.2} ms) of a {:.1} ms write ({:.1}%), {:.1} ms in all",
             if round == 0 { "full" } else { "incremental" },
@@ -282,6 +275,24 @@ pub(super) async fn checkpoint_bench(args: CheckpointBench) -> Result<()> {
 
 // ---------------------------------------------------------------------------------------------
 // snapshot
+
+/// Commits a checkpoint of `acks` (its manifest, create-only): the manifest, and the bytes the
+/// checkpoint wrote (a delta's, or the whole state's).
+pub(super) async fn commit_checkpoint(
+    store: &dyn snapshot::ObjectStore,
+    dir: &snapshot::Path,
+    meta: SnapshotMeta,
+    assignment: Assignment,
+    acks: Vec<snapshot::SubtaskSnapshot>,
+) -> Result<(Manifest, u64)> {
+    let manifest = Manifest::assemble(meta, assignment, acks)?;
+    snapshot::commit_manifest(store, dir, &manifest).await?;
+    let written = manifest
+        .stats
+        .written_bytes
+        .unwrap_or(manifest.stats.total_bytes);
+    Ok((manifest, written))
+}
 
 pub(super) fn string_key(i: u64) -> RecordKey {
     RecordKey::string(format!("key-{i}"))

@@ -161,6 +161,35 @@ pub fn java_partition(key: &str) -> i32 {
     (murmur2(key.as_bytes()) & 0x7fff_ffff) % PARTITIONS
 }
 
+/// Produces `records` (key, JSON value, partition) to `topic` and waits until the broker
+/// acknowledged them all.
+pub fn produce_keyed(bootstrap: &str, topic: &str, records: &[(String, String, i32)]) {
+    let producer: BaseProducer = ClientConfig::new()
+        .set("bootstrap.servers", bootstrap)
+        .set("enable.idempotence", "true")
+        .set("linger.ms", "5")
+        .create()
+        .expect("producer");
+    for (key, payload, partition) in records {
+        let mut record = BaseRecord::to(topic)
+            .key(key.as_str())
+            .payload(payload.as_str())
+            .partition(*partition);
+        loop {
+            match producer.send(record) {
+                Ok(()) => break,
+                Err((_, r)) => {
+                    record = r;
+                    producer.poll(Duration::from_millis(10));
+                }
+            }
+        }
+    }
+    producer
+        .flush(Duration::from_secs(60))
+        .expect("every record acknowledged");
+}
+
 /// Produces `n` records to `topic` (key and JSON value name the user; about a third go to the
 /// hot user `hot`, the rest over 200 users; partitions picked round the topic, not by key) and
 /// counts them per user into `counts`. Waits until the broker acknowledged them all.
@@ -171,38 +200,20 @@ pub fn produce_clicks(
     n: u64,
     counts: &mut BTreeMap<Key, i64>,
 ) {
-    let producer: BaseProducer = ClientConfig::new()
-        .set("bootstrap.servers", bootstrap)
-        .set("enable.idempotence", "true")
-        .set("linger.ms", "5")
-        .create()
-        .expect("producer");
-    for i in from..from + n {
-        let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
-        let user = if h.is_multiple_of(3) {
-            "hot".to_owned()
-        } else {
-            format!("user-{}", (h >> 20) % 200)
-        };
-        let payload = format!("{{\"user\":\"{user}\",\"seq\":{i}}}");
-        let mut record = BaseRecord::to(topic)
-            .key(user.as_str())
-            .payload(payload.as_str())
-            .partition((i % PARTITIONS as u64) as i32);
-        loop {
-            match producer.send(record) {
-                Ok(()) => break,
-                Err((_, r)) => {
-                    record = r;
-                    producer.poll(Duration::from_millis(10));
-                }
-            }
-        }
-        *counts.entry(Key::String(user)).or_insert(0) += 1;
-    }
-    producer
-        .flush(Duration::from_secs(60))
-        .expect("every record acknowledged");
+    let records: Vec<(String, String, i32)> = (from..from + n)
+        .map(|i| {
+            let h = i.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+            let user = if h.is_multiple_of(3) {
+                "hot".to_owned()
+            } else {
+                format!("user-{}", (h >> 20) % 200)
+            };
+            *counts.entry(Key::String(user.clone())).or_insert(0) += 1;
+            let payload = format!("{{\"user\":\"{user}\",\"seq\":{i}}}");
+            (user, payload, (i % PARTITIONS as u64) as i32)
+        })
+        .collect();
+    produce_keyed(bootstrap, topic, &records);
 }
 
 /// `hack/kafka.sh ARGS` on the test broker (`KEYSHIFT_KAFKA_STATE`).

@@ -228,6 +228,19 @@ pub fn scale(ns: &str, name: &str, to: i32, log: &std::path::Path) {
     );
 }
 
+/// Kills the container of job `name`'s second worker (SIGKILL through containerd), then waits
+/// until the job has restarted from its last checkpoint at the same parallelism: every worker
+/// pod replaced, Ready again.
+pub fn kill_a_worker(ns: &str, name: &str, log: &std::path::Path) {
+    let before = worker_pods(ns, name);
+    kill_container(ns, &before[1]);
+    wait_for(Duration::from_secs(90), || {
+        let now = worker_pods(ns, name);
+        now.len() == before.len() && now.iter().all(|p| !before.contains(p))
+    });
+    wait_ready(ns, name, log);
+}
+
 pub fn set_suspend(ns: &str, name: &str, suspend: bool, log: &std::path::Path) {
     set_suspend_within(ns, name, suspend, log, 120);
 }

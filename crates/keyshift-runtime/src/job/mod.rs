@@ -553,10 +553,11 @@ impl CompiledJob {
                     finished: false,
                 })
             }
-            SourceKind::Generator(g) => {
-                // Each record as the JSON object a program reads (`format_record_json`).
+            SourceKind::Generator(_) => {
+                // The generator's records as the built-in job reads them, each handed to the
+                // program as the JSON object it reads (`format_record_json`).
                 let mut records = Vec::with_capacity(max.min(4096));
-                let n = g.fill(partition, position, &mut records, max);
+                let batch = self.read(partition, position, &mut records, max)?;
                 let mut line = Vec::with_capacity(64);
                 for (i, r) in records.iter().enumerate() {
                     line.clear();
@@ -569,14 +570,7 @@ impl CompiledJob {
                         reason,
                     })?;
                 }
-                let next = position + n as u64;
-                let finished = partition >= g.partitions() || g.end().is_some_and(|e| next >= e);
-                Ok(SourceBatch {
-                    records: n,
-                    next_position: next,
-                    at_end: finished,
-                    finished,
-                })
+                Ok(batch)
             }
         }
     }
