@@ -159,6 +159,17 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         self.group_index(group).map_or(0, |i| self.index_entries(i))
     }
 
+    /// [`Self::group_entries`] as of the group's last [`Self::encode_group`] (or restore):
+    /// exact right after it, and while the group is unchanged since (a snapshot's count of
+    /// its groups, taken at the cut); on the heap without a pass over the group's keys.
+    pub fn encoded_group_entries(&self, group: u32) -> usize {
+        match (self.group_index(group), &self.backend) {
+            (None, _) => 0,
+            (Some(i), Backend::Heap(h)) => h.counted_len(i),
+            (Some(i), Backend::Bytes(b)) => b.len(i),
+        }
+    }
+
     fn index_entries(&self, index: usize) -> usize {
         match &self.backend {
             Backend::Heap(h) => h.len(index),

@@ -70,6 +70,8 @@ pub trait KeyedStep: Send {
     fn entries(&self) -> usize;
     /// State entries of `group` (timers included).
     fn group_entries(&self, group: u32) -> usize;
+    /// See [`KeyedOperator::encoded_group_entries`].
+    fn encoded_group_entries(&self, group: u32) -> usize;
 }
 
 /// A [`KeyedOperator`] as a [`KeyedStep`]: records deserialized with [`Postcard`].
@@ -184,6 +186,9 @@ where
     }
     fn group_entries(&self, group: u32) -> usize {
         self.op.group_entries(group)
+    }
+    fn encoded_group_entries(&self, group: u32) -> usize {
+        self.op.encoded_group_entries(group)
     }
     fn entries(&self) -> usize {
         self.op.entries()

@@ -753,6 +753,14 @@ mod catch_up {
                             _ => loaded.apply_deltas(g, &[&d.bytes]).unwrap(),
                         }
                     }
+                    // The count a snapshot takes at its cut is the group's.
+                    for op in [&*source, &*loaded] {
+                        assert_eq!(
+                            op.encoded_group_entries(g),
+                            op.group_entries(g),
+                            "group {g} ({mode:?})"
+                        );
+                    }
                 }
             };
             for round in ops.chunks(7) {
@@ -824,6 +832,13 @@ mod catch_up {
             }
             for (g, d) in &deltas {
                 loaded.apply_deltas(*g, &[d]).unwrap();
+            }
+            // The count a snapshot takes at its cut is the group's: after the delta's encode,
+            // a restore and an apply.
+            for g in ALL.iter() {
+                for op in [&source, &loaded, &whole] {
+                    prop_assert_eq!(op.encoded_group_entries(g), op.group_entries(g), "group {}", g);
+                }
             }
             prop_assert_eq!(loaded.timers(), whole.timers());
             prop_assert_eq!(loaded.entries(), whole.entries());

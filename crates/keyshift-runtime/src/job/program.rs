@@ -205,6 +205,12 @@ impl ProgramStep {
         self.step.group_entries(group) as u64
     }
 
+    /// State entries of `group` as of its last encode (exact right after
+    /// [`Self::encode_group`]; no pass over its keys).
+    pub fn encoded_group_entries(&self, group: u32) -> u64 {
+        self.step.encoded_group_entries(group) as u64
+    }
+
     /// Handles a batch of records routed to this subtask, in order.
     pub fn process(&mut self, batch: &EncodedRecords) -> Result<(), ProgramError> {
         let watermark = self.step.watermark();

@@ -234,7 +234,7 @@ pub fn take_program_cut(step: &mut ProgramStep, base: Option<&Base>) -> Result<C
             entries,
             rows: 0,
             mode,
-            keys: step.group_entries(g),
+            keys: step.encoded_group_entries(g),
         }));
     }
     Ok(Cut {

@@ -53,6 +53,9 @@ pub(crate) struct KeyStates {
     pub(crate) slots: SmallVec<[Slot; 1]>,
     /// The epoch of the key's last change.
     pub(crate) epoch: u32,
+    /// Its live entries when last counted (at the last visit of the key, or its restore): its
+    /// share of [`Group::live`].
+    counted: u32,
 }
 
 /// The slot of state `id` among `states` declared states.
@@ -128,8 +131,13 @@ struct RestoredEntry {
 }
 
 impl RestoredEntry {
-    /// Puts the entry into `keys` (or removes it, and its key once nothing is left).
-    fn place(self, keys: &mut HashTable<(RecordKey, KeyStates)>, hasher: &KeyBuildHasher) {
+    /// Puts the entry into `keys` (or removes it, and its key once nothing is left): its key's
+    /// hash, and the live entries counted for a key it removed.
+    fn place(
+        self,
+        keys: &mut HashTable<(RecordKey, KeyStates)>,
+        hasher: &KeyBuildHasher,
+    ) -> (u64, usize) {
         let hash = hasher.hash_one(&self.key);
         match self.cell {
             Some(cell) => {
@@ -161,12 +169,21 @@ impl RestoredEntry {
                         None => {}
                     }
                     if ks.is_empty() {
-                        e.remove();
+                        let ((_, gone), _) = e.remove();
+                        return (hash, gone.counted as usize);
                     }
                 }
             }
         }
+        (hash, 0)
     }
+}
+
+/// Counts `ks`'s live entries anew into `live` (the group's count).
+fn recount(live: &mut usize, ks: &mut KeyStates) {
+    let n = ks.live() as u32;
+    *live = live.saturating_sub(ks.counted as usize) + n as usize;
+    ks.counted = n;
 }
 
 struct Group {
@@ -181,6 +198,10 @@ struct Group {
     touched: Vec<(u32, u64)>,
     /// `touched` holds every change from this epoch on.
     tracked_from: u32,
+    /// Live entries as counted: exact for every key changed before the last visit (each
+    /// snapshot visits every key changed since the one it builds on), see
+    /// [`HeapStore::counted_len`].
+    live: usize,
 }
 
 impl Default for Group {
@@ -192,6 +213,7 @@ impl Default for Group {
             forgotten_through: 0,
             touched: Vec::new(),
             tracked_from: 0,
+            live: 0,
         }
     }
 }
@@ -260,7 +282,8 @@ impl<K: StreamKey> HeapStore<K> {
         if let Some(g) = self.groups.get_mut(group)
             && let Ok(e) = g.keys.find_entry(hash, |(k, ks)| k == key && ks.is_empty())
         {
-            e.remove();
+            let ((_, gone), _) = e.remove();
+            g.live = g.live.saturating_sub(gone.counted as usize);
         }
     }
 
@@ -347,18 +370,14 @@ impl<K: StreamKey> HeapStore<K> {
         // A delta visits only the keys changed since `since` when the group has tracked every
         // change after it; otherwise (and for a full block) every key.
         let tracked = since.filter(|s| s.saturating_add(1) >= g.tracked_from);
+        let mut changed: Vec<(u32, u64)> = Vec::new();
         match tracked {
             Some(since) => {
-                let mut changed: Vec<(u32, u64)> = g
-                    .touched
-                    .iter()
-                    .copied()
-                    .filter(|(e, _)| *e > since)
-                    .collect();
+                changed.extend(g.touched.iter().copied().filter(|(e, _)| *e > since));
                 changed.sort_unstable();
                 changed.dedup();
                 // A key changed in several epochs is written once: from its last one.
-                for (epoch, hash) in changed {
+                for &(epoch, hash) in &changed {
                     for (k, ks) in g.keys.iter_hash(hash) {
                         if ks.epoch == epoch {
                             visit_key(k, ks)?;
@@ -369,6 +388,25 @@ impl<K: StreamKey> HeapStore<K> {
             None => {
                 for (k, ks) in g.keys.iter() {
                     visit_key(k, ks)?;
+                }
+            }
+        }
+        // The group's live entries, counted anew for the keys the visit saw.
+        match tracked {
+            Some(_) => {
+                for &(epoch, hash) in &changed {
+                    for (_, ks) in g.keys.iter_hash_mut(hash) {
+                        if ks.epoch == epoch {
+                            recount(&mut g.live, ks);
+                        }
+                    }
+                }
+            }
+            None => {
+                g.live = 0;
+                for (_, ks) in g.keys.iter_mut() {
+                    ks.counted = 0;
+                    recount(&mut g.live, ks);
                 }
             }
         }
@@ -393,14 +431,21 @@ impl<K: StreamKey> HeapStore<K> {
                         ks.forget_deletions(since);
                     }
                     while let Ok(e) = g.keys.find_entry(hash, |(_, ks)| ks.is_empty()) {
-                        e.remove();
+                        let ((_, gone), _) = e.remove();
+                        g.live = g.live.saturating_sub(gone.counted as usize);
                     }
                 }
             } else {
-                for (_, ks) in g.keys.iter_mut() {
+                let Group { keys, live, .. } = g;
+                for (_, ks) in keys.iter_mut() {
                     ks.forget_deletions(since);
                 }
-                g.keys.retain(|(_, ks)| !ks.is_empty());
+                keys.retain(|(_, ks)| {
+                    if ks.is_empty() {
+                        *live = live.saturating_sub(ks.counted as usize);
+                    }
+                    !ks.is_empty()
+                });
             }
             g.touched.retain(|(e, _)| *e > since);
             g.forgotten_through = g.forgotten_through.max(since);
@@ -488,9 +533,14 @@ impl<K: StreamKey> HeapStore<K> {
             let e = self.decode_entry(&entry, Some(&bytes), ttl)?;
             e.place(&mut keys, &self.hasher);
         }
+        let mut live = 0;
+        for (_, ks) in keys.iter_mut() {
+            recount(&mut live, ks);
+        }
         if let Some(g) = self.groups.get_mut(group) {
             *g = Group {
                 keys,
+                live,
                 ..Group::default()
             };
         }
@@ -512,8 +562,18 @@ impl<K: StreamKey> HeapStore<K> {
             .collect::<Result<Vec<_>, _>>()?;
         let hasher = self.hasher.clone();
         if let Some(g) = self.groups.get_mut(group) {
+            let mut hashes = Vec::with_capacity(decoded.len());
             for e in decoded {
-                e.place(&mut g.keys, &hasher);
+                let (hash, gone) = e.place(&mut g.keys, &hasher);
+                g.live = g.live.saturating_sub(gone);
+                hashes.push(hash);
+            }
+            hashes.sort_unstable();
+            hashes.dedup();
+            for hash in hashes {
+                for (_, ks) in g.keys.iter_hash_mut(hash) {
+                    recount(&mut g.live, ks);
+                }
             }
         }
         Ok(())
@@ -528,6 +588,12 @@ impl<K: StreamKey> HeapStore<K> {
                 ..Group::default()
             };
         }
+    }
+
+    /// Live entries of the group as counted at its last visit ([`Self::visit`]) or restore:
+    /// exact right after a visit, and while nothing changed since; no pass over the keys.
+    pub(crate) fn counted_len(&self, group: usize) -> usize {
+        self.groups.get(group).map_or(0, |g| g.live)
     }
 
     /// Live entries of the group (values, map and list elements, timers).
