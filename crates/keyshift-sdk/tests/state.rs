@@ -141,6 +141,24 @@ fn add(k: &str, v: i64) -> Op {
     Op::Add { k: k.into(), v }
 }
 
+/// A `Kitchen` (version 1) over every group, on the sorted byte backend or the heap.
+fn kitchen(sorted: bool) -> KeyedOperator<Kitchen> {
+    if sorted {
+        KeyedOperator::with_backend(
+            "kitchen",
+            Kitchen { version: 1 },
+            MAX,
+            ALL,
+            Box::new(keyshift_sdk::state::backend::SortedBackend::new(
+                ALL.len() as usize
+            )),
+        )
+        .unwrap()
+    } else {
+        KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap()
+    }
+}
+
 fn key(s: &str) -> String {
     s.to_owned()
 }
@@ -448,18 +466,8 @@ fn declaring_a_state_twice_is_refused() {
 /// job can switch backends across a savepoint.
 #[test]
 fn snapshots_move_between_the_heap_and_the_sorted_backend() {
-    use keyshift_sdk::state::backend::SortedBackend;
-    let sorted = || {
-        KeyedOperator::with_backend(
-            "kitchen",
-            Kitchen { version: 1 },
-            MAX,
-            ALL,
-            Box::new(SortedBackend::new(ALL.len() as usize)),
-        )
-        .unwrap()
-    };
-    let mut heap = KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap();
+    let sorted = || kitchen(true);
+    let mut heap = kitchen(false);
     for (k, o) in [
         ("a", add("x", 1)),
         ("a", add("y", 5)),
@@ -665,23 +673,7 @@ mod catch_up {
 
     use super::*;
     use keyshift_sdk::block;
-    use keyshift_sdk::state::backend::SortedBackend;
     use proptest::prelude::*;
-
-    fn kitchen(sorted: bool) -> KeyedOperator<Kitchen> {
-        if sorted {
-            KeyedOperator::with_backend(
-                "kitchen",
-                Kitchen { version: 1 },
-                MAX,
-                ALL,
-                Box::new(SortedBackend::new(ALL.len() as usize)),
-            )
-            .unwrap()
-        } else {
-            KeyedOperator::new("kitchen", Kitchen { version: 1 }, MAX, ALL).unwrap()
-        }
-    }
 
     fn op() -> impl Strategy<Value = (String, Op)> {
         let k = || prop::sample::select(vec!["a", "b", "c"]).prop_map(str::to_owned);

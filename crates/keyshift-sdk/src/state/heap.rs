@@ -204,6 +204,19 @@ struct Group {
     live: usize,
 }
 
+impl Group {
+    /// Drops the keys of `hash` (just `key`, if given) that hold nothing any more, and their
+    /// share of the count.
+    fn drop_empty(&mut self, hash: u64, key: Option<&RecordKey>) {
+        while let Ok(e) = self.keys.find_entry(hash, |(k, ks)| {
+            key.is_none_or(|key| k == key) && ks.is_empty()
+        }) {
+            let ((_, gone), _) = e.remove();
+            self.live = self.live.saturating_sub(gone.counted as usize);
+        }
+    }
+}
+
 impl Default for Group {
     fn default() -> Self {
         Group {
@@ -279,11 +292,8 @@ impl<K: StreamKey> HeapStore<K> {
 
     /// Drops `key`'s entry (its hash from [`Self::key_mut`]), which the caller found empty.
     pub(crate) fn release(&mut self, group: usize, key: &RecordKey, hash: u64) {
-        if let Some(g) = self.groups.get_mut(group)
-            && let Ok(e) = g.keys.find_entry(hash, |(k, ks)| k == key && ks.is_empty())
-        {
-            let ((_, gone), _) = e.remove();
-            g.live = g.live.saturating_sub(gone.counted as usize);
+        if let Some(g) = self.groups.get_mut(group) {
+            g.drop_empty(hash, Some(key));
         }
     }
 
@@ -369,43 +379,31 @@ impl<K: StreamKey> HeapStore<K> {
         };
         // A delta visits only the keys changed since `since` when the group has tracked every
         // change after it; otherwise (and for a full block) every key.
+        // Each key the visit sees is counted anew into the group's live entries.
         let tracked = since.filter(|s| s.saturating_add(1) >= g.tracked_from);
-        let mut changed: Vec<(u32, u64)> = Vec::new();
         match tracked {
             Some(since) => {
-                changed.extend(g.touched.iter().copied().filter(|(e, _)| *e > since));
+                let mut changed: Vec<(u32, u64)> = g
+                    .touched
+                    .iter()
+                    .copied()
+                    .filter(|(e, _)| *e > since)
+                    .collect();
                 changed.sort_unstable();
                 changed.dedup();
                 // A key changed in several epochs is written once: from its last one.
-                for &(epoch, hash) in &changed {
-                    for (k, ks) in g.keys.iter_hash(hash) {
+                for (epoch, hash) in changed {
+                    for (k, ks) in g.keys.iter_hash_mut(hash) {
                         if ks.epoch == epoch {
                             visit_key(k, ks)?;
-                        }
-                    }
-                }
-            }
-            None => {
-                for (k, ks) in g.keys.iter() {
-                    visit_key(k, ks)?;
-                }
-            }
-        }
-        // The group's live entries, counted anew for the keys the visit saw.
-        match tracked {
-            Some(_) => {
-                for &(epoch, hash) in &changed {
-                    for (_, ks) in g.keys.iter_hash_mut(hash) {
-                        if ks.epoch == epoch {
                             recount(&mut g.live, ks);
                         }
                     }
                 }
             }
             None => {
-                g.live = 0;
-                for (_, ks) in g.keys.iter_mut() {
-                    ks.counted = 0;
+                for (k, ks) in g.keys.iter_mut() {
+                    visit_key(k, ks)?;
                     recount(&mut g.live, ks);
                 }
             }
@@ -414,38 +412,38 @@ impl<K: StreamKey> HeapStore<K> {
             // Deletions to forget lie only on keys changed at or before `since`: those are
             // looked up by hash, unless they are a good share of the group (after a restore's
             // or a first run's every key), which one pass in memory order visits faster.
-            let mut old: Vec<u64> = match tracked {
-                Some(_) => g
-                    .touched
-                    .iter()
-                    .filter(|(e, _)| *e <= since)
-                    .map(|(_, h)| *h)
-                    .collect(),
-                None => Vec::new(),
-            };
-            if tracked.is_some() && old.len() < g.keys.len() / 4 {
-                old.sort_unstable();
-                old.dedup();
-                for hash in old {
-                    for (_, ks) in g.keys.iter_hash_mut(hash) {
+            let few = tracked
+                .map(|_| -> Vec<u64> {
+                    g.touched
+                        .iter()
+                        .filter(|(e, _)| *e <= since)
+                        .map(|(_, h)| *h)
+                        .collect()
+                })
+                .filter(|old| old.len() < g.keys.len() / 4);
+            match few {
+                Some(mut old) => {
+                    old.sort_unstable();
+                    old.dedup();
+                    for hash in old {
+                        for (_, ks) in g.keys.iter_hash_mut(hash) {
+                            ks.forget_deletions(since);
+                        }
+                        g.drop_empty(hash, None);
+                    }
+                }
+                None => {
+                    let Group { keys, live, .. } = g;
+                    for (_, ks) in keys.iter_mut() {
                         ks.forget_deletions(since);
                     }
-                    while let Ok(e) = g.keys.find_entry(hash, |(_, ks)| ks.is_empty()) {
-                        let ((_, gone), _) = e.remove();
-                        g.live = g.live.saturating_sub(gone.counted as usize);
-                    }
+                    keys.retain(|(_, ks)| {
+                        if ks.is_empty() {
+                            *live = live.saturating_sub(ks.counted as usize);
+                        }
+                        !ks.is_empty()
+                    });
                 }
-            } else {
-                let Group { keys, live, .. } = g;
-                for (_, ks) in keys.iter_mut() {
-                    ks.forget_deletions(since);
-                }
-                keys.retain(|(_, ks)| {
-                    if ks.is_empty() {
-                        *live = live.saturating_sub(ks.counted as usize);
-                    }
-                    !ks.is_empty()
-                });
             }
             g.touched.retain(|(e, _)| *e > since);
             g.forgotten_through = g.forgotten_through.max(since);
