@@ -77,9 +77,10 @@ impl Feeder {
         let fill = char::from(b'a' + (round % 26) as u8);
         write!(
             self.line,
-            r#"{{"user":"user-{user:012}","field":{field},"payload":"{}"}}"#,
-            std::iter::repeat_n(fill, self.payload).collect::<String>()
+            r#"{{"user":"user-{user:012}","field":{field},"payload":""#
         )?;
+        self.line.extend(std::iter::repeat_n(fill, self.payload));
+        self.line.push_str(r#""}"#);
         let max = self.assignment.max_parallelism();
         let (assignment, batches) = (self.assignment, &mut self.batches);
         self.program.ingest(self.line.as_bytes(), &mut |k, ts, r| {

@@ -408,22 +408,37 @@ fn probe_generator(
     generator: &Generator,
 ) -> Result<(), JobError> {
     let mut first = Vec::with_capacity(1);
-    if generator.fill(0, 0, &mut first, 1) == 0 {
-        return Ok(());
-    }
+    generator.fill(0, 0, &mut first, 1);
+    feed_generated(name, 0, 0, &first, &mut |line| {
+        program
+            .ingest(line, &mut |_, _, _| {})
+            .map_err(|e| e.to_string())
+    })
+}
+
+/// Hands generated `records` (of `partition`, from `position`) to program `name` through
+/// `each`, each as the JSON object a program reads from the generator
+/// ([`result::format_record_json`]); a record it refuses is [`JobError::GeneratorRecord`].
+fn feed_generated(
+    name: &str,
+    partition: u32,
+    position: u64,
+    records: &[Record],
+    each: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+) -> Result<(), JobError> {
     let mut line = Vec::with_capacity(64);
-    for r in &first {
+    for (i, r) in records.iter().enumerate() {
+        line.clear();
         result::format_record_json(&r.key, r.value, r.ts, &mut line);
-    }
-    program
-        .ingest(&line, &mut |_, _, _| {})
-        .map_err(|e| JobError::GeneratorRecord {
+        each(&line).map_err(|reason| JobError::GeneratorRecord {
             program: name.to_owned(),
-            partition: 0,
-            position: 0,
+            partition,
+            position: position + i as u64,
             line: String::from_utf8_lossy(&line).into_owned(),
-            reason: e.to_string(),
-        })
+            reason,
+        })?;
+    }
+    Ok(())
 }
 
 impl CompiledJob {
@@ -554,22 +569,10 @@ impl CompiledJob {
                 })
             }
             SourceKind::Generator(_) => {
-                // The generator's records as the built-in job reads them, each handed to the
-                // program as the JSON object it reads (`format_record_json`).
+                // The generator's records as the built-in job reads them, handed to the program.
                 let mut records = Vec::with_capacity(max.min(4096));
                 let batch = self.read(partition, position, &mut records, max)?;
-                let mut line = Vec::with_capacity(64);
-                for (i, r) in records.iter().enumerate() {
-                    line.clear();
-                    result::format_record_json(&r.key, r.value, r.ts, &mut line);
-                    each(&line).map_err(|reason| JobError::GeneratorRecord {
-                        program: name.clone(),
-                        partition,
-                        position: position + i as u64,
-                        line: String::from_utf8_lossy(&line).into_owned(),
-                        reason,
-                    })?;
-                }
+                feed_generated(name, partition, position, &records, &mut each)?;
                 Ok(batch)
             }
         }

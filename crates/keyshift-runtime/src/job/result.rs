@@ -36,11 +36,7 @@ pub fn format_json_line(row: &ResultRow, out: &mut Vec<u8>) {
 #[inline]
 pub fn format_json_row(key: &RecordKey, window: Option<Window>, value: i64, out: &mut Vec<u8>) {
     out.extend_from_slice(b"{\"key\":");
-    match key.view() {
-        KeyRef::Long(v) => put_i64(out, v),
-        KeyRef::Int(v) => put_i64(out, i64::from(v)),
-        KeyRef::Str(s) => put_json_str(out, s),
-    }
+    put_key(out, key);
     if let Some(w) = window {
         out.extend_from_slice(b",\"window\":{\"start\":");
         put_i64(out, w.start);
@@ -58,16 +54,22 @@ pub fn format_json_row(key: &RecordKey, window: Option<Window>, value: i64, out:
 #[inline]
 pub fn format_record_json(key: &RecordKey, value: i64, ts: i64, out: &mut Vec<u8>) {
     out.extend_from_slice(b"{\"key\":");
-    match key.view() {
-        KeyRef::Long(v) => put_i64(out, v),
-        KeyRef::Int(v) => put_i64(out, i64::from(v)),
-        KeyRef::Str(s) => put_json_str(out, s),
-    }
+    put_key(out, key);
     out.extend_from_slice(b",\"value\":");
     put_i64(out, value);
     out.extend_from_slice(b",\"ts\":");
     put_i64(out, ts);
     out.push(b'}');
+}
+
+/// A key as JSON: a string, or a number for long and int keys.
+#[inline]
+fn put_key(out: &mut Vec<u8>, key: &RecordKey) {
+    match key.view() {
+        KeyRef::Long(v) => put_i64(out, v),
+        KeyRef::Int(v) => put_i64(out, i64::from(v)),
+        KeyRef::Str(s) => put_json_str(out, s),
+    }
 }
 
 /// A JSON string: copied between quotes when nothing in it needs escaping (no `"`, `\\` or
