@@ -287,21 +287,29 @@ impl Generator {
 
     /// The key index (`0..keys`, equal to the Zipf rank) of record `seq` of `partition`.
     pub fn key_index(&self, partition: u32, seq: u64) -> u64 {
-        let h = splitmix64(
-            self.base(partition)
-                .wrapping_add(seq.wrapping_add(1).wrapping_mul(GAMMA)),
-        );
-        self.key_index_of_hash(h)
+        self.key_index_of_hash(self.hash(partition, seq))
     }
 
     /// Record `seq` of `partition`: a pure function of the seed, the partition and `seq`
     /// (it ignores `recordsPerPartition`; see [`Generator::fill`] for the bounded stream).
     pub fn record(&self, partition: u32, seq: u64) -> Record {
-        let h = splitmix64(
+        self.make(self.table(), self.hash(partition, seq), seq)
+    }
+
+    /// The same record as [`Generator::record`], made without building the key table (a
+    /// string key of its own unless the table is built already): for a look at one record,
+    /// where building a table of every key would cost as much as the job's first batch.
+    pub fn sample(&self, partition: u32, seq: u64) -> Record {
+        let built = self.table.as_ref().and_then(|t| t.get()).map(|t| &**t);
+        self.make(built, self.hash(partition, seq), seq)
+    }
+
+    #[inline(always)]
+    fn hash(&self, partition: u32, seq: u64) -> u64 {
+        splitmix64(
             self.base(partition)
                 .wrapping_add(seq.wrapping_add(1).wrapping_mul(GAMMA)),
-        );
-        self.make(self.table(), h, seq)
+        )
     }
 
     /// Appends up to `max` records of `partition` starting at `from_seq`, stopping at the end of
@@ -379,6 +387,19 @@ mod tests {
             c.fill(1, 0, &mut rc, 500);
             assert_ne!(ra, rc);
         }
+    }
+
+    #[test]
+    fn a_sample_is_the_record_without_building_the_key_table() {
+        let g = Generator::new(&spec(5000, KeyDistribution::Uniform), KeyType::String).unwrap();
+        let built = |g: &Generator| g.table.as_ref().is_some_and(|t| t.get().is_some());
+        let samples: Vec<Record> = (0..50).map(|seq| g.sample(seq as u32 % 3, seq)).collect();
+        assert!(!built(&g), "a sample built the key table");
+        let records: Vec<Record> = (0..50).map(|seq| g.record(seq as u32 % 3, seq)).collect();
+        assert!(built(&g));
+        assert_eq!(samples, records);
+        // Once the table is built, a sample shares its keys.
+        assert_eq!(g.sample(1, 7), g.record(1, 7));
     }
 
     #[test]

@@ -59,11 +59,13 @@ impl Keyed {
         }
     }
 
-    /// Keys held (the aggregation's keys; a program's state entries, timers included).
+    /// Keys held (the aggregation's keys; a program's state entries, timers included, as
+    /// counted at its last checkpoint, restore or catch-up: [`ProgramStep::counted_entries`]).
+    /// No pass over the keys: it is read while records flow and inside a rescale's pause.
     pub fn key_count(&self) -> usize {
         match self {
             Keyed::Aggregate(a) => a.key_count(),
-            Keyed::Program(p) => p.entries(),
+            Keyed::Program(p) => p.counted_entries(),
         }
     }
 

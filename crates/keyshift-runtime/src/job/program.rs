@@ -195,9 +195,20 @@ impl ProgramStep {
         self.late
     }
 
-    /// State entries (timers included).
+    /// State entries (timers included): a pass over every key (see [`Self::counted_entries`]).
     pub fn entries(&self) -> usize {
         self.step.entries()
+    }
+
+    /// State entries (timers included) as counted at each group's last encode, restore or
+    /// catch-up ([`Self::encoded_group_entries`] summed): exact right after a checkpoint's cut,
+    /// a restore or a catch-up, and without a pass over the keys (for a metric kept while
+    /// records flow, and the counts a start reports inside a rescale's pause).
+    pub fn counted_entries(&self) -> usize {
+        self.range()
+            .iter()
+            .map(|g| self.step.encoded_group_entries(g))
+            .sum()
     }
 
     /// State entries of `group` (timers included).
@@ -453,8 +464,12 @@ mod tests {
             "{entries} entries (a value and a timer at least)"
         );
         assert_eq!(step.group_entries(g), entries);
+        assert_eq!(step.encoded_group_entries(g), entries);
         let mut other = ProgramStep::new("pings", program.clone(), 128, RANGE).unwrap();
         other.restore_group(g, &[&block]).unwrap();
+        // The count a metric reads (no pass over the keys) is the restored group's.
+        assert_eq!(other.counted_entries() as u64, entries);
+        assert_eq!(other.entries() as u64, entries);
         other.restore_watermark(11);
         other.advance_watermark(20).unwrap();
         assert_eq!(lines(&mut other), ["b:event:2", "b:event:2"]);

@@ -86,7 +86,11 @@ impl WorkerMetrics {
             "Records that arrived after their window had fired (counted, not applied)",
             m.late_records.clone(),
         );
-        registry.register("keys", "Keys held in keyed state", m.keys.clone());
+        registry.register(
+            "keys",
+            "Keys held in keyed state (a program: its state entries as of its last checkpoint or restore)",
+            m.keys.clone(),
+        );
         registry.register(
             "watermark_timestamp_seconds",
             "The keyed operator's event-time watermark, in Unix seconds (0 before the first)",

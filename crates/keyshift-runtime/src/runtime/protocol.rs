@@ -400,7 +400,8 @@ pub struct WorkerStatus {
     pub records_out: u64,
     /// Records that arrived after their window had fired.
     pub late_records: u64,
-    /// Keys held.
+    /// Keys held (a program: its state entries, timers included, as of its last checkpoint,
+    /// restore or catch-up).
     pub keys: u64,
     /// Keys per owned key group, in group order.
     pub keys_per_group: Vec<u64>,

@@ -198,11 +198,11 @@ async fn restore_program(
     while let Some(piece) = pieces.next().await {
         groups.extend(out.count(piece?, progress).groups);
     }
-    let before = step.entries();
+    let before = step.counted_entries();
     for g in groups {
         step.restore_group(g.group, &keyshift_sdk::block::chain(&g.bytes, &g.deltas))?;
     }
-    out.keys = step.entries().saturating_sub(before) as u64;
+    out.keys = step.counted_entries().saturating_sub(before) as u64;
     Ok(out)
 }
 
