@@ -797,9 +797,14 @@ pub fn keygroup_line(
     })
 }
 
-/// The programs keyshift's own worker carries: the example jobs of `keyshift-examples`.
+/// The programs keyshift's own worker carries: the example jobs of `keyshift-examples` (and,
+/// with the `bench` feature, the benchmarks' programs).
 pub fn programs() -> Result<crate::job::Programs, crate::job::program::ProgramsError> {
-    keyshift_examples::programs()
+    #[cfg_attr(not(feature = "bench"), expect(unused_mut))]
+    let mut carried = keyshift_examples::programs();
+    #[cfg(feature = "bench")]
+    carried.extend(crate::bench::programs());
+    carried
         .into_iter()
         .try_fold(crate::job::Programs::new(), |programs, (name, job)| {
             programs.with(name, job)

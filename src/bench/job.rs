@@ -4,14 +4,31 @@ use crate::crd::StreamJob;
 use crate::local::LocalJob;
 use anyhow::{Context as _, Result};
 
+/// What a bench job runs over its generator.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Operator<'a> {
+    /// The built-in count, keyed by the generated key, of this key type.
+    Count { key_type: &'a str },
+    /// A program keyshift's worker carries, by name.
+    Program(&'a str),
+}
+
 pub(super) fn job_manifest(
     name: &str,
     replicas: u32,
     max_parallelism: u32,
     generator: &str,
-    key_type: &str,
+    operator: Operator<'_>,
     storage: &str,
 ) -> Result<StreamJob> {
+    let operator = match operator {
+        Operator::Count { key_type } => {
+            format!(
+                "key:\n      field: key\n      type: {key_type}\n    aggregation:\n      function: count"
+            )
+        }
+        Operator::Program(name) => format!("program:\n      name: {name}"),
+    };
     let yaml = format!(
         r#"apiVersion: keyshift.dev/v1alpha1
 kind: StreamJob
@@ -27,11 +44,7 @@ spec:
   job:
     source:
       generator: {generator}
-    key:
-      field: key
-      type: {key_type}
-    aggregation:
-      function: count
+    {operator}
     sink:
       type: log
 "#

@@ -24,6 +24,7 @@ mod job;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 mod keyed;
+mod map_program;
 mod measure;
 pub mod operator;
 mod program_checkpoint;
@@ -31,6 +32,15 @@ mod programs;
 mod rescale;
 mod state;
 mod throughput;
+
+/// The programs keyshift's worker carries for the benchmarks (with the `bench` feature):
+/// [`map_program`] as `bench rescale --program` runs it.
+pub fn programs() -> Vec<(&'static str, keyshift_sdk::dataflow::Job)> {
+    vec![(
+        map_program::NAME,
+        map_program::job(map_program::FIELDS, map_program::PAYLOAD),
+    )]
+}
 
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -151,6 +161,11 @@ pub struct RescaleBench {
     /// the start of the pre-stage.
     #[arg(long, default_value_t = 2.0)]
     pub settle_secs: f64,
+    /// Run the map-state program keyshift's worker carries (`attributes`: per key, 4 map
+    /// entries of 90 bytes, set by the generated records) instead of the built-in count with
+    /// --payload bytes per key.
+    #[arg(long)]
+    pub program: bool,
 }
 
 #[derive(Args, Debug)]

@@ -1,9 +1,9 @@
 //! `keyshift bench checkpoint --program`: what a program's incremental checkpoint writes after a
 //! share of its keys changed, against a full one, and how long its cut holds records (a
-//! program's changed groups are encoded at the barrier). The program is a keyed step with map
-//! state (per key, `--fields` entries of field -> payload), run as the worker runs it
-//! (`ProgramStep`, records ingested from JSON lines), `--parallelism` subtasks writing their
-//! state files concurrently on `file://`.
+//! program's changed groups are encoded at the barrier). The program ([`super::map_program`])
+//! is a keyed step with map state (per key, `--fields` entries of field -> payload), run as the
+//! worker runs it (`ProgramStep`, records ingested from JSON lines), `--parallelism` subtasks
+//! writing their state files concurrently on `file://`.
 
 use super::CheckpointBench;
 use super::measure::*;
@@ -14,50 +14,13 @@ use keyshift_runtime::runtime::checkpoint;
 use keyshift_runtime::runtime::incremental::{Base, ChainPolicy};
 use keyshift_runtime::runtime::restore::{self, RestoreOptions};
 use keyshift_runtime::snapshot::{self, SnapshotKind, SnapshotWriter};
-use keyshift_sdk::prelude::*;
-use serde::{Deserialize, Serialize};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// One input record: set `user`'s attribute `field` to `payload`.
-#[derive(Debug, Clone, Serialize, Deserialize)]
-struct Attribute {
-    user: String,
-    field: u32,
-    payload: String,
-}
+use super::map_program::{self, NAME as PROGRAM};
 
-/// Per user, a map of attributes (field -> payload): map state, one entry per field.
-struct Attributes;
-
-impl KeyedProcessFunction for Attributes {
-    type Key = String;
-    type In = Attribute;
-    type Out = String;
-    type State = MapHandle<u32, String>;
-
-    fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
-        states.map(MapStateDescriptor::new("attributes"))
-    }
-
-    fn process(
-        &mut self,
-        a: Attribute,
-        attributes: &Self::State,
-        ctx: &mut Context<'_, String, String>,
-    ) -> keyshift_sdk::Result<()> {
-        Ok(ctx.map(attributes).insert(&a.field, a.payload)?)
-    }
-}
-
-const PROGRAM: &str = "attributes";
-
-fn programs() -> Result<Programs> {
-    let job = Job::json_lines::<Attribute>(PROGRAM, "in", |_| 0)
-        .key_by(|a| a.user.clone())
-        .process(PROGRAM, || Attributes)
-        .to_json_lines("out");
-    Ok(Programs::new().with(PROGRAM, job)?)
+fn programs(fields: u32, payload: usize) -> Result<Programs> {
+    Ok(Programs::new().with(PROGRAM, map_program::job(fields, payload))?)
 }
 
 /// Feeds `user`'s field `field` (a payload of `payload` bytes, varied by `round`) to the
@@ -65,7 +28,7 @@ fn programs() -> Result<Programs> {
 struct Feeder {
     program: Arc<keyshift_sdk::dataflow::Program>,
     assignment: Assignment,
-    payload: usize,
+    fields: u32,
     batches: Vec<EncodedRecords>,
     line: String,
 }
@@ -74,13 +37,11 @@ impl Feeder {
     fn push(&mut self, user: u64, field: u32, round: u32) -> Result<()> {
         use std::fmt::Write as _;
         self.line.clear();
-        let fill = char::from(b'a' + (round % 26) as u8);
         write!(
             self.line,
-            r#"{{"user":"user-{user:012}","field":{field},"payload":""#
+            r#"{{"key":"user-{user:012}","value":{},"ts":0}}"#,
+            map_program::value(field, round, self.fields)
         )?;
-        self.line.extend(std::iter::repeat_n(fill, self.payload));
-        self.line.push_str(r#""}"#);
         let max = self.assignment.max_parallelism();
         let (assignment, batches) = (self.assignment, &mut self.batches);
         self.program.ingest(self.line.as_bytes(), &mut |k, ts, r| {
@@ -152,7 +113,7 @@ pub(super) async fn program_checkpoint_bench(args: CheckpointBench) -> Result<()
         run.display()
     );
     println!("machine: {ctx_start}");
-    let programs = programs()?;
+    let programs = programs(fields, per_field)?;
     // `programs` lives to the end: the steps share its program.
     let Some(program) = programs.get(PROGRAM) else {
         bail!("the bench's program is missing");
@@ -170,7 +131,7 @@ pub(super) async fn program_checkpoint_bench(args: CheckpointBench) -> Result<()
     let mut feeder = Feeder {
         program,
         assignment,
-        payload: per_field,
+        fields,
         batches: (0..args.parallelism)
             .map(|_| EncodedRecords::default())
             .collect(),

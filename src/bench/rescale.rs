@@ -48,13 +48,26 @@ pub(super) async fn rescale_bench(args: RescaleBench) -> Result<()> {
         args.from,
         args.max_parallelism,
         &generator,
-        "string",
+        if args.program {
+            Operator::Program(super::map_program::NAME)
+        } else {
+            Operator::Count { key_type: "string" }
+        },
         &storage,
     )?;
+    let state = if args.program {
+        format!(
+            "the program {} (map state: {} entries x {} B)",
+            super::map_program::NAME,
+            super::map_program::FIELDS,
+            super::map_program::PAYLOAD
+        )
+    } else {
+        format!("the built-in count ({} B payload)", args.payload)
+    };
     println!(
-        "keyshift bench rescale: {} MiB target, {keys} string keys x {} B payload, {} -> {} of {} key groups; {total_records} records ({per_key:.1} per key) over {partitions} partitions; in {}",
+        "keyshift bench rescale: {} MiB target, {keys} string keys, {state}, {} -> {} of {} key groups; {total_records} records ({per_key:.1} per key) over {partitions} partitions; in {}",
         args.state_mib,
-        args.payload,
         args.from,
         args.to,
         args.max_parallelism,
@@ -64,7 +77,9 @@ pub(super) async fn rescale_bench(args: RescaleBench) -> Result<()> {
 
     let bin = std::env::current_exe()?;
     let mut local = LocalJob::new(&job, storage, bin, run.join("logs")).await?;
-    local.state_payload_bytes = args.payload;
+    if !args.program {
+        local.state_payload_bytes = args.payload;
+    }
     let result = rescale_steps(&mut local, &args, total_records, keys).await;
     local.stop().await;
     let (report, build, prestaged) = result?;

@@ -44,7 +44,16 @@ pub(super) async fn throughput_once(
     let generator = format!("{{partitions: {partitions}, keys: {keys}, seed: 3}}");
     let name = format!("throughput-{keys}-{p}");
     let storage = format!("file://{}", run.join("store").display());
-    let job = job_manifest(&name, p, 128, &generator, &args.key_type, &storage)?;
+    let job = job_manifest(
+        &name,
+        p,
+        128,
+        &generator,
+        Operator::Count {
+            key_type: &args.key_type,
+        },
+        &storage,
+    )?;
     let bin = std::env::current_exe()?;
     let mut local = LocalJob::new(&job, storage, bin, run.join("logs")).await?;
     local.launch(p, None).await?;
