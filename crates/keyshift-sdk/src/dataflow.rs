@@ -31,14 +31,14 @@ use crate::key::RecordKey;
 use crate::key::StreamKey;
 use crate::state::DeclarationError;
 use crate::step::{self, StepFactory, Value};
-use keyshift_core::keygroup::{Key, KeyGroupRange, KeyType};
+use keyshift_core::keygroup::{KeyGroupRange, KeyType};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
 use std::marker::PhantomData;
 
 type Decode = Box<dyn Fn(&[u8]) -> Result<(i64, Value)> + Send + Sync>;
 type Stateless = Box<dyn Fn(i64, Value, &mut Vec<(i64, Value)>) -> Result<()> + Send + Sync>;
-type KeyOf = Box<dyn Fn(&Value) -> Result<Key> + Send + Sync>;
+type KeyOf = Box<dyn Fn(&Value) -> Result<RecordKey> + Send + Sync>;
 type Encode = Box<dyn Fn(&Value, &mut Vec<u8>) -> Result<()> + Send + Sync>;
 
 /// A record that does not parse as the source's type, or a value of an unexpected type
@@ -188,17 +188,30 @@ impl Program {
     /// serialized record)` for every record the stateless steps before the keyed step make of
     /// it (none if a filter drops it, several after a `flat_map`).
     pub fn ingest(&self, line: &[u8], out: &mut dyn FnMut(RecordKey, i64, &[u8])) -> Result<()> {
+        thread_local! {
+            /// The serialized record's buffer, reused from record to record on each thread.
+            static BYTES: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+        }
         let first = (self.job.source.decode)(line)?;
-        let items = stateless(&self.job.stages[..self.keyed], vec![first])?;
         let stage = self.stage();
-        let mut bytes = Vec::new();
-        for (ts, v) in items {
-            let key = RecordKey::from((stage.key_of)(&v)?);
+        // Taken, not borrowed: `out` may ingest too (it then gets a buffer of its own).
+        let mut bytes = BYTES.take();
+        let mut one = |(ts, v): (i64, Value)| -> Result<()> {
+            let key = (stage.key_of)(&v)?;
             bytes.clear();
             (stage.encode)(&v, &mut bytes)?;
             out(key, ts, &bytes);
-        }
-        Ok(())
+            Ok(())
+        };
+        // With no stateless step before the shuffle, the record goes straight to it.
+        let result = if self.keyed == 0 {
+            one(first)
+        } else {
+            stateless(&self.job.stages[..self.keyed], vec![first])
+                .and_then(|items| items.into_iter().try_for_each(&mut one))
+        };
+        BYTES.set(bytes);
+        result
     }
 
     /// The keyed step's instance for a subtask owning `range` of `max_parallelism` groups.
@@ -367,7 +380,7 @@ impl<T: Send + 'static> Stream<T> {
                 let r = v
                     .downcast_ref::<T>()
                     .ok_or_else(|| Error::user(DataflowError::Type("key_by")))?;
-                Ok(key(r).to_key())
+                Ok(key(r).record_key())
             }),
             _k: PhantomData,
         }

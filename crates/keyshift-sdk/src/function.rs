@@ -2,13 +2,14 @@
 //! [`Context`] it works through (the current key, its state, timers, clocks, and output).
 
 use crate::error::{Result, StateError};
-use crate::key::StreamKey;
+use crate::key::{RecordKey, StreamKey};
 use crate::state::{
     AggregateFunction, AggregatingHandle, AggregatingState, DeclarationError, Declarations,
     KeyScope, ListHandle, ListState, MapHandle, MapState, ReducingHandle, ReducingState,
     TimeDomain, ValueHandle, ValueState,
 };
 use crate::timers::Timers;
+use std::cell::OnceCell;
 
 /// A timer that fired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -60,17 +61,43 @@ pub trait KeyedProcessFunction: Send + 'static {
 /// What a keyed function sees of the key it is called for.
 pub struct Context<'a, K, O> {
     pub(crate) scope: KeyScope<'a>,
-    pub(crate) key: &'a K,
+    pub(crate) key: KeyArg<'a, K>,
     pub(crate) timers: &'a mut Timers,
     pub(crate) out: &'a mut Vec<(i64, O)>,
 }
 
-impl<'a, K, O> Context<'a, K, O> {
+/// The key a [`Context`] is for: built already, or built from the record's key the first time
+/// the function asks for it.
+pub(crate) enum KeyArg<'a, K> {
+    Built(&'a K),
+    /// `record_key` is of `K`'s kind and `K` is [`StreamKey::BUILT_ON_DEMAND`]: the conversion
+    /// cannot refuse it.
+    OnDemand {
+        record_key: &'a RecordKey,
+        built: &'a OnceCell<K>,
+    },
+}
+
+impl<'a, K: StreamKey, O> Context<'a, K, O> {
     /// The key.
     pub fn key(&self) -> &K {
-        self.key
+        match &self.key {
+            KeyArg::Built(k) => k,
+            KeyArg::OnDemand { record_key, built } => built.get_or_init(|| {
+                match K::from_record_key(record_key) {
+                    Some(k) => k,
+                    // The step checked the key's kind, and `K` promised to take every key of
+                    // its kind (`BUILT_ON_DEMAND`).
+                    None => unreachable!(
+                        "StreamKey::BUILT_ON_DEMAND is true but from_record_key refused {record_key}"
+                    ),
+                }
+            }),
+        }
     }
+}
 
+impl<'a, K, O> Context<'a, K, O> {
     /// The event time of the record (or of the timer) being handled, if it has one.
     pub fn timestamp(&self) -> Option<i64> {
         self.scope.timestamp

@@ -11,10 +11,26 @@ pub use keyshift_core::record_key::{KeyRef, RecordKey};
 use std::fmt;
 use std::hash::Hash;
 
+/// The key type of a [`RecordKey`].
+pub(crate) fn key_type_of(key: &RecordKey) -> KeyType {
+    match key.view() {
+        KeyRef::Long(_) => KeyType::Long,
+        KeyRef::Int(_) => KeyType::Int,
+        KeyRef::Str(_) => KeyType::String,
+    }
+}
+
 /// A type a stream can be keyed by (`key_by`): `i64`, `i32` or `String`.
 pub trait StreamKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
     /// The key type recorded in snapshots (a restore under another key type is refused).
     const KEY_TYPE: KeyType;
+    /// Whether [`Self::from_record_key`] gives `Some` for every [`RecordKey`] of
+    /// [`Self::KEY_TYPE`]'s kind (true for `i64`, `i32` and `String`). A step then builds a
+    /// record's key only when its function asks for it ([`crate::function::Context::key`]): a
+    /// function that never does pays no allocation per record for a `String` key. A type of
+    /// your own whose conversion may refuse such a key must leave it `false` (its key is built,
+    /// and checked, before each call).
+    const BUILT_ON_DEMAND: bool = false;
     /// The key as keyshift's key value.
     fn to_key(&self) -> Key;
     /// The key back from keyshift's key value (`None`: another type).
@@ -40,6 +56,7 @@ pub trait StreamKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
 
 impl StreamKey for i64 {
     const KEY_TYPE: KeyType = KeyType::Long;
+    const BUILT_ON_DEMAND: bool = true;
     fn record_key(&self) -> RecordKey {
         RecordKey::long(*self)
     }
@@ -62,6 +79,7 @@ impl StreamKey for i64 {
 
 impl StreamKey for i32 {
     const KEY_TYPE: KeyType = KeyType::Int;
+    const BUILT_ON_DEMAND: bool = true;
     fn record_key(&self) -> RecordKey {
         RecordKey::int(*self)
     }
@@ -84,6 +102,7 @@ impl StreamKey for i32 {
 
 impl StreamKey for String {
     const KEY_TYPE: KeyType = KeyType::String;
+    const BUILT_ON_DEMAND: bool = true;
     fn record_key(&self) -> RecordKey {
         RecordKey::string(self.as_str())
     }

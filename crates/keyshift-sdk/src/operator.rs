@@ -5,8 +5,8 @@
 
 use crate::block::{self, BlockHeader, BlockKind, BlockWriter, EncodedBlock};
 use crate::error::{BlockError, Error, Result, StateError};
-use crate::function::{Context, KeyedProcessFunction, Timer};
-use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key};
+use crate::function::{Context, KeyArg, KeyedProcessFunction, Timer};
+use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key, key_type_of};
 use crate::state::backend::{Change, GroupMode, StateBackend};
 use crate::state::heap::HeapStore;
 use crate::state::{
@@ -14,6 +14,7 @@ use crate::state::{
 };
 use crate::timers::{self, Timers};
 use keyshift_core::keygroup::{self, KeyGroupRange};
+use std::cell::OnceCell;
 use std::collections::BTreeMap;
 
 /// The lowest watermark (nothing has been seen yet).
@@ -189,7 +190,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         &mut self,
         index: usize,
         rk: &RecordKey,
-        key: &F::Key,
+        key: KeyArg<'_, F::Key>,
         timestamp: i64,
         call: impl FnOnce(&mut F, &F::State, &mut Context<'_, F::Key, F::Out>) -> Result<()>,
     ) -> Result<()> {
@@ -294,9 +295,49 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 range: self.range,
             })
         })?;
+        self.with_key(
+            index,
+            record_key,
+            KeyArg::Built(key),
+            timestamp,
+            |f, state, ctx| f.process(value, state, ctx),
+        )
+    }
+
+    /// [`Self::process_routed`] with the key built from `record_key` only if the function asks
+    /// for it ([`Context::key`]): for a key type that is [`StreamKey::BUILT_ON_DEMAND`], and a
+    /// `record_key` of its kind (else the key is built first, and a key of another type is
+    /// `Ok(false)`, nothing processed). `group` must be `record_key`'s.
+    pub(crate) fn process_record_key(
+        &mut self,
+        group: u32,
+        record_key: &RecordKey,
+        timestamp: i64,
+        value: F::In,
+    ) -> Result<bool> {
+        if !F::Key::BUILT_ON_DEMAND || key_type_of(record_key) != F::Key::KEY_TYPE {
+            let Some(key) = F::Key::from_record_key(record_key) else {
+                return Ok(false);
+            };
+            self.process_routed(group, record_key, &key, timestamp, value)?;
+            return Ok(true);
+        }
+        let index = self.group_index(group).ok_or_else(|| {
+            Error::user(NotOwned {
+                key: record_key.to_string(),
+                group,
+                range: self.range,
+            })
+        })?;
+        let built = OnceCell::new();
+        let key = KeyArg::OnDemand {
+            record_key,
+            built: &built,
+        };
         self.with_key(index, record_key, key, timestamp, |f, state, ctx| {
             f.process(value, state, ctx)
-        })
+        })?;
+        Ok(true)
     }
 
     /// A hint that a record of `record_key` (of key group `group`) is about to be processed:
@@ -338,7 +379,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 StateError::Backend(format!("a timer's key {k} is not of the job's key type"))
             })?;
             let rk = key.record_key();
-            self.with_key(index, &rk, &key, ts, |f, state, ctx| {
+            self.with_key(index, &rk, KeyArg::Built(&key), ts, |f, state, ctx| {
                 ctx.scope
                     .many_delete(timers::state_id(domain), Some(&timers::time_key(ts)))?;
                 f.on_timer(

@@ -93,11 +93,13 @@ pub enum RecordError {
 
 impl<F: KeyedProcessFunction> Erased<F> {
     fn key(&self, key: &RecordKey) -> Result<F::Key> {
-        F::Key::from_record_key(key).ok_or_else(|| {
-            Error::user(RecordError::KeyType {
-                uid: self.op.uid().to_owned(),
-                key: key.to_string(),
-            })
+        F::Key::from_record_key(key).ok_or_else(|| self.key_type_error(key))
+    }
+
+    fn key_type_error(&self, key: &RecordKey) -> Error {
+        Error::user(RecordError::KeyType {
+            uid: self.op.uid().to_owned(),
+            key: key.to_string(),
         })
     }
 }
@@ -128,9 +130,12 @@ where
                     message: e.to_string(),
                 })
             })?;
-            let key = self.key(&r.key)?;
-            self.op
-                .process_routed(r.group, &r.key, &key, r.timestamp, value)?;
+            if !self
+                .op
+                .process_record_key(r.group, &r.key, r.timestamp, value)?
+            {
+                return Err(self.key_type_error(&r.key));
+            }
         }
         Ok(())
     }
@@ -214,4 +219,141 @@ where
             records: Postcard::default(),
         }) as Box<dyn KeyedStep>)
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prelude::*;
+    use keyshift_core::keygroup::{Key, KeyType};
+
+    /// Emits the key it is called for when the record asks for it.
+    struct Echo;
+
+    impl KeyedProcessFunction for Echo {
+        type Key = String;
+        type In = bool;
+        type Out = String;
+        type State = ValueHandle<u64>;
+
+        fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            states.value(ValueStateDescriptor::new("seen"))
+        }
+
+        fn process(
+            &mut self,
+            ask: bool,
+            seen: &Self::State,
+            ctx: &mut Context<'_, String, String>,
+        ) -> crate::Result<()> {
+            let n = ctx.value(seen).get()?.unwrap_or(0) + 1;
+            ctx.value(seen).set(n)?;
+            if ask {
+                let key = ctx.key().clone();
+                ctx.emit(key);
+            }
+            Ok(())
+        }
+    }
+
+    /// A key type of one's own whose conversion refuses some keys of its kind.
+    #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+    struct Upper(String);
+
+    impl StreamKey for Upper {
+        const KEY_TYPE: KeyType = KeyType::String;
+        fn to_key(&self) -> Key {
+            Key::String(self.0.clone())
+        }
+        fn from_key(key: &Key) -> Option<Self> {
+            match key {
+                Key::String(s) if s.chars().all(|c| c.is_ascii_uppercase()) => {
+                    Some(Upper(s.clone()))
+                }
+                _ => None,
+            }
+        }
+    }
+
+    struct Count;
+
+    impl KeyedProcessFunction for Count {
+        type Key = Upper;
+        type In = bool;
+        type Out = String;
+        type State = ValueHandle<u64>;
+
+        fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            states.value(ValueStateDescriptor::new("n"))
+        }
+
+        fn process(
+            &mut self,
+            _: bool,
+            n: &Self::State,
+            ctx: &mut Context<'_, Upper, String>,
+        ) -> crate::Result<()> {
+            let v = ctx.value(n).get()?.unwrap_or(0) + 1;
+            Ok(ctx.value(n).set(v)?)
+        }
+    }
+
+    fn routed(key: RecordKey, record: &[u8]) -> Routed<'_> {
+        Routed {
+            group: key.key_group(128),
+            key,
+            timestamp: 0,
+            record,
+        }
+    }
+
+    fn serialized(b: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        Postcard::<bool>::default().serialize(&b, &mut out).unwrap();
+        out
+    }
+
+    const ALL: KeyGroupRange = KeyGroupRange { start: 0, end: 127 };
+
+    #[test]
+    fn a_key_is_built_when_the_function_asks_and_a_key_of_another_type_is_refused() {
+        let (ask, quiet) = (serialized(true), serialized(false));
+        let mut step = factory("echo", || Echo)(128, ALL).unwrap();
+        let long_key = "a-key-longer-than-the-inline-bytes-of-a-record-key";
+        step.process_batch(&[
+            routed(RecordKey::string("a"), &quiet),
+            routed(RecordKey::string("b"), &ask),
+            routed(RecordKey::string(long_key), &ask),
+            routed(RecordKey::string("a"), &ask),
+        ])
+        .unwrap();
+        let keys: Vec<String> = step
+            .take_output()
+            .into_iter()
+            .map(|(_, v)| *v.downcast::<String>().unwrap())
+            .collect();
+        assert_eq!(keys, ["b", long_key, "a"]);
+        assert_eq!(step.entries(), 3, "a's count and b's and the long key's");
+        let refused = step
+            .process_batch(&[routed(RecordKey::long(7), &ask)])
+            .unwrap_err();
+        assert!(
+            refused.to_string().contains("not of the step's key type"),
+            "{refused}"
+        );
+        assert_eq!(step.entries(), 3, "nothing processed for the refused key");
+    }
+
+    #[test]
+    fn a_key_type_of_ones_own_is_built_and_checked_before_each_call() {
+        let one = serialized(true);
+        let mut step = factory("count", || Count)(128, ALL).unwrap();
+        step.process_batch(&[routed(RecordKey::string("AB"), &one)])
+            .unwrap();
+        let refused = step
+            .process_batch(&[routed(RecordKey::string("ab"), &one)])
+            .unwrap_err();
+        assert!(refused.to_string().contains("key ab"), "{refused}");
+        assert_eq!(step.entries(), 1);
+    }
 }

@@ -7,7 +7,7 @@
 
 use crate::error::{BlockError, Result};
 use crate::function::KeyedProcessFunction;
-use crate::key::{RecordKey, key_group};
+use crate::key::key_group;
 use crate::operator::{KeyedOperator, MIN_WATERMARK};
 use crate::state::DeclarationError;
 use crate::state::backend::{GroupMode, SortedBackend};
@@ -452,7 +452,6 @@ pub fn run_job(
                         let key = (k.key_of)(&v)?;
                         bytes.clear();
                         (k.encode)(&v, &mut bytes)?;
-                        let key = RecordKey::from(key);
                         let group = key.key_group(assignment.max_parallelism());
                         steps[keyed][assignment.owner(group) as usize].process_batch(&[
                             Routed {
