@@ -611,6 +611,49 @@ async fn abandoned_rescale_reports_the_job_running() {
     .await;
 }
 
+/// A start the workers refuse for good (HTTP 422) stalls the job with their reason: no retry
+/// while the spec stays as it is, and a start again once it changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_refused_for_good_stalls_until_the_spec_changes() {
+    bounded(async {
+        let mut d = Driver::new("refused-for-good", 2, "1h");
+        d.workers.faults().refuse_start_for_good = true;
+        d.until("stalled", Duration::from_secs(30), |d| {
+            d.condition("Stalled")
+                .is_some_and(|(r, _)| r == "StartRefused")
+        })
+        .await;
+        let (_, message) = d.condition("Stalled").expect("Stalled");
+        assert!(
+            message.contains("this worker image has no such program")
+                && message.contains("No retry can change that"),
+            "{message}"
+        );
+        let refused = d.workers.faults().starts_refused;
+        assert!(refused >= 1);
+        d.for_a_while(Duration::from_secs(3), |d| {
+            assert_eq!(d.workers.faults().starts_refused, refused, "retried");
+            assert_eq!(d.events_named("StartRefused").len(), 1, "{}", d.event_log());
+            assert!(
+                d.events_named("StartFailed").is_empty(),
+                "{}",
+                d.event_log()
+            );
+        })
+        .await;
+        // The image is fixed (here: the workers stop refusing) and the spec changes.
+        d.workers.faults().refuse_start_for_good = false;
+        d.spec.replicas = 3;
+        d.until_running(3).await;
+        assert!(
+            d.condition("Stalled")
+                .is_none_or(|(r, _)| r != "StartRefused")
+        );
+        d.assert_processing().await;
+    })
+    .await;
+}
+
 /// Restoring at the new parallelism fails: the old parallelism is restored from the same
 /// savepoint (RescaleRollingBack, then RolledBack), and the rescale is retried later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

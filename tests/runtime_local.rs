@@ -2105,3 +2105,87 @@ fn checkpoint_id(url: &str) -> u64 {
         .and_then(|d| snapshot::parse_snapshot_dir_name(snapshot::SnapshotKind::Checkpoint, d))
         .unwrap_or_else(|| panic!("{url} is no checkpoint"))
 }
+
+/// A program job over the generator, at parallelism 2, running program `program`.
+fn program_manifest(program: &str) -> String {
+    format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: refused, namespace: test}}
+spec:
+  replicas: 2
+  job:
+    program: {{name: {program}}}
+    source:
+      generator: {{partitions: 2, keys: 100, seed: 3, recordsPerSecond: 200}}
+    sink: {{type: log}}
+  state:
+    checkpointInterval: 2s
+"
+    )
+}
+
+/// `keyshift local` on a job its workers refuse for good (a program their binary does not
+/// carry): it says so once, with what the binary carries, starts nothing again while the
+/// manifest stays as it is (no retry loop), and runs once the manifest is fixed.
+#[test]
+fn local_cli_stalls_on_a_start_refused_for_good_and_runs_once_the_manifest_is_fixed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let manifest = dir.path().join("refused.yaml");
+    let state = dir.path().join("state");
+    std::fs::write(&manifest, program_manifest("no-such-program")).expect("manifest written");
+    let cli = LocalCli::start(&manifest, &state);
+    let refused = cli.wait_line("StartRefused: ", Duration::from_secs(120));
+    assert!(
+        refused.contains("\"no-such-program\"") && refused.contains("count"),
+        "names the program and what the workers carry: {refused}"
+    );
+    assert!(refused.contains("No retry can change that"), "{refused}");
+    // Long enough for several retries under the old backoff (1 s, 2 s, 4 s ...).
+    std::thread::sleep(Duration::from_secs(8));
+    assert_eq!(cli.count("StartRefused: "), 1, "said once");
+    assert_eq!(cli.count("StartFailed"), 0, "and not retried");
+    let worker_logs = || {
+        std::fs::read_dir(state.join("logs"))
+            .map(|d| {
+                d.filter_map(Result::ok)
+                    .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
+                    .count()
+            })
+            .unwrap_or(0)
+    };
+    assert_eq!(
+        worker_logs(),
+        2,
+        "the refused run's two workers, and no other"
+    );
+
+    std::fs::write(&manifest, program_manifest("count")).expect("manifest fixed");
+    cli.wait_line("running at parallelism 2", Duration::from_secs(120));
+    assert_eq!(worker_logs(), 4, "one more run");
+    cli.wait_line("checkpoint 1 committed", Duration::from_secs(60));
+    let (_, _cli) = cli.interrupt();
+}
+
+/// Ctrl-C while a refused job runs nothing stops `keyshift local` at once.
+#[test]
+fn local_cli_stops_at_once_on_ctrl_c_when_nothing_runs() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let manifest = dir.path().join("refused.yaml");
+    let state = dir.path().join("state");
+    std::fs::write(&manifest, program_manifest("no-such-program")).expect("manifest written");
+    let mut cli = LocalCli::start(&manifest, &state);
+    cli.wait_line("StartRefused: ", Duration::from_secs(120));
+    let sent = std::time::Instant::now();
+    // SAFETY: kill(2) on our own child's pid.
+    let rc = unsafe { libc::kill(cli.child.id() as i32, libc::SIGINT) };
+    assert_eq!(rc, 0, "SIGINT delivered");
+    cli.wait_line("stopped (nothing was running", Duration::from_secs(10));
+    let status = cli.child.wait().expect("keyshift local exits");
+    assert!(status.success(), "keyshift local exited with {status}");
+    assert!(
+        sent.elapsed() < Duration::from_secs(10),
+        "stopped in {:?}",
+        sent.elapsed()
+    );
+}

@@ -9,7 +9,10 @@
 //!
 //! Faults ([`Faults`]) are programmed by the test at any time:
 //! * `refuse_start_at = Some(n)`: workers of a run of parallelism `n` answer `POST /v1/start`
-//!   with HTTP 422 (as a worker whose restore failed does), so a rescale to `n` fails to restore;
+//!   with HTTP 503 (as a worker whose storage is not reachable does: a failure that may pass),
+//!   so a rescale to `n` fails to restore;
+//! * `refuse_start_for_good = true`: every worker answers `POST /v1/start` with HTTP 422 (a
+//!   refusal no retry can cure);
 //! * `fail_savepoints = true`: subtask 0 reports every savepoint triggered from then on as
 //!   `Failed` (as a worker whose state upload failed does). The real worker did take the barrier
 //!   (its sources are stopped if the savepoint stops them), so the orchestration must resume it.
@@ -35,8 +38,11 @@ use std::time::Duration;
 /// What the fake's workers are told to get wrong. Shared by every worker (and its proxy).
 #[derive(Debug, Default)]
 pub struct Faults {
-    /// Workers of runs of this parallelism refuse `POST /v1/start` (HTTP 422).
+    /// Workers of runs of this parallelism refuse `POST /v1/start` (HTTP 503).
     pub refuse_start_at: Option<u32>,
+    /// Every worker refuses `POST /v1/start` for good (HTTP 422, as one whose image lacks the
+    /// job's program does) while this is set.
+    pub refuse_start_for_good: bool,
     /// Subtask 0 reports every savepoint triggered while this is set as failed.
     pub fail_savepoints: bool,
     /// How many `/v1/start` calls were refused.
@@ -369,10 +375,17 @@ async fn forward(
     let post = parts.method == axum::http::Method::POST;
     if post && path == "/v1/start" {
         let mut f = p.faults.lock().expect("faults lock");
-        if f.refuse_start_at == Some(p.parallelism) {
+        if f.refuse_start_for_good {
             f.starts_refused += 1;
             return json(
                 422,
+                &serde_json::json!({"error": "spec.job.program.name \"nope\": this worker image has no such program (refusal injected by the fake platform)"}),
+            );
+        }
+        if f.refuse_start_at == Some(p.parallelism) {
+            f.starts_refused += 1;
+            return json(
+                503,
                 &serde_json::json!({"error": format!(
                     "restore failure injected by the fake platform (parallelism {})",
                     p.parallelism

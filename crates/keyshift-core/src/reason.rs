@@ -64,6 +64,10 @@ reasons! {
     RestoreFromUnusable,
     SnapshotOfAnotherJob,
     StateLayoutChanged,
+    /// Stalled: the workers refused the start for good (a program their image does not carry,
+    /// a spec they cannot run, a snapshot of another schema or key-group count): no retry can
+    /// change that, the job waits for a changed spec.
+    StartRefused,
     NoStorage,
     ImageNotAllowed,
     ServiceAccountNotAllowed,

@@ -10,6 +10,15 @@ pub const CONTROL_REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// a snapshot's manifest, which is bounded the same ([`snapshot::MAX_MANIFEST_BYTES`]).
 pub const MAX_WORKER_ANSWER_BYTES: u64 = snapshot::MAX_MANIFEST_BYTES;
 
+/// A worker's error answer as words: the `error` of its JSON body (`{"error": "..."}`), else
+/// the body as it is.
+fn error_text(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("error")?.as_str().map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
+}
+
 impl Coordinator {
     pub(super) fn fail(&self, subtask: usize, reason: impl std::fmt::Display) -> CoordinatorError {
         CoordinatorError::Worker {
@@ -70,9 +79,16 @@ impl Coordinator {
         let status = resp.status();
         if !status.is_success() {
             let text = match self.body(subtask, path, resp).await {
-                Ok(bytes) => String::from_utf8_lossy(&bytes).into_owned(),
+                Ok(bytes) => error_text(&bytes),
                 Err(e) => e.to_string(),
             };
+            if status == reqwest::StatusCode::UNPROCESSABLE_ENTITY {
+                return Err(CoordinatorError::Refused {
+                    subtask,
+                    url: self.workers[subtask].control.clone(),
+                    reason: format!("{path}: {text}"),
+                });
+            }
             return Err(self.fail(subtask, format!("{path}: HTTP {status}: {text}")));
         }
         if status == reqwest::StatusCode::NO_CONTENT {

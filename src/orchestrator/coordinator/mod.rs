@@ -59,6 +59,14 @@ pub enum CoordinatorError {
         url: String,
         reason: String,
     },
+    /// The worker refused the request for good (HTTP 422): the same request can never succeed,
+    /// only a changed spec or image can help.
+    #[error("worker {subtask} ({url}) refused: {reason}")]
+    Refused {
+        subtask: usize,
+        url: String,
+        reason: String,
+    },
     #[error("snapshot {id} failed on subtask {subtask}: {error}")]
     SnapshotFailed {
         id: u64,

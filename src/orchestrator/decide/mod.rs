@@ -88,6 +88,16 @@ pub fn decide_with(
             reason: Reason::PrestageFellBack,
         };
     }
+    // A start of this spec was refused for good: nothing is started until the spec changes
+    // (a retry would be refused the same way). A suspend is a change of the spec too.
+    if obs.active.is_none()
+        && let Some((reason, message)) = &obs.start_refused
+    {
+        return Action::Stall {
+            reason: *reason,
+            message: message.clone(),
+        };
+    }
     if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
         return rescale_step(spec, settings, r, obs);
     }

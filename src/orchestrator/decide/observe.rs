@@ -80,6 +80,9 @@ pub struct Observed {
     /// (reason, message; see [`run::restore_refusal`](super::run::restore_refusal)): the
     /// upgrade is not begun, and the job keeps running and checkpointing under its old logic.
     pub upgrade_refused: Option<(Reason, String)>,
+    /// Why the last start of this very spec was refused for good (reason, message): no run is
+    /// started until the spec changes (the shell forgets the refusal then).
+    pub start_refused: Option<(Reason, String)>,
 }
 
 /// A spec.restoreFrom the job has not been started from yet.

@@ -36,6 +36,7 @@ fn obs(pods: Vec<ObservedPod>, active: Option<(&str, u32)>) -> Observed {
         name: "clicks".into(),
         pending_restore: None,
         upgrade_refused: None,
+        start_refused: None,
     }
 }
 
@@ -359,6 +360,40 @@ fn a_failed_worker_restarts_the_run_and_backoff_delays_it() {
         decide(&s, &status(), &obs(broken, None)),
         Action::DeletePods { .. }
     ));
+}
+
+#[test]
+fn a_start_refused_for_good_stalls_instead_of_starting_again() {
+    let s = spec(4);
+    let refusal = (
+        Reason::StartRefused,
+        "worker 0 refused: spec.job.program.name \"nope\"".to_owned(),
+    );
+    // Without the refusal, a job with no run brings workers up; with it, it stalls and starts
+    // nothing, backoff or not, and also in the middle of a rescale whose new run was refused.
+    let fresh = decide(&s, &status(), &obs(vec![], None));
+    assert!(!matches!(fresh, Action::Stall { .. }), "{fresh:?}");
+    let mut o = obs(vec![], None);
+    o.start_refused = Some(refusal.clone());
+    let stalled = Action::Stall {
+        reason: refusal.0,
+        message: refusal.1.clone(),
+    };
+    assert_eq!(decide(&s, &status(), &o), stalled);
+    let mut rescaling = status();
+    rescaling.rescale = Some(RescaleStatus {
+        from: 2,
+        to: 4,
+        step: Step::Restoring,
+        ..Default::default()
+    });
+    assert_eq!(decide(&s, &rescaling, &o), stalled);
+    // A run that is up (adopted, say) is left to run: the refusal was of a start.
+    let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
+    let mut up = obs(running, Some(("r", 4)));
+    up.start_refused = Some(refusal);
+    let a = decide(&s, &status(), &up);
+    assert!(!matches!(a, Action::Stall { .. }), "{a:?}");
 }
 
 #[test]

@@ -145,6 +145,20 @@ pub(super) enum StartError {
     Injected(String),
 }
 
+impl StartError {
+    /// Whether no retry of the same start can succeed (a refusal by the orchestration or by the
+    /// workers, [`CoordinatorError::Refused`]): only a changed spec or image can help. A job
+    /// whose recorded snapshots cannot be found is retried: the fix (restoring the snapshots)
+    /// may lie outside its spec.
+    pub(super) fn refuses_for_good(&self) -> bool {
+        match self {
+            StartError::Refused { .. } => true,
+            StartError::Workers(e) => matches!(e, CoordinatorError::Refused { .. }),
+            StartError::NothingToRestore { .. } | StartError::Injected(_) => false,
+        }
+    }
+}
+
 /// How a background step ended.
 pub(super) enum Ended {
     Snapshot(Box<(RunHandle, Result<Completed, CoordinatorError>)>),

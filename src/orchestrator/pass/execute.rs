@@ -1434,10 +1434,20 @@ impl Pass<'_> {
                     self.event(true, Reason::RescaleRollingBack, why);
                     return Ok(requeue::AFTER_FAILURE);
                 }
-                let reason = match &e {
-                    StartError::Refused { reason, .. } => *reason,
-                    _ => Reason::StartFailed,
-                };
+                if e.refuses_for_good() {
+                    let reason = match &e {
+                        StartError::Refused { reason, .. } => *reason,
+                        _ => Reason::StartRefused,
+                    };
+                    let message = format!(
+                        "{message}. No retry can change that: the job starts again once its spec changes"
+                    );
+                    self.mem.start_refused =
+                        Some((super::refusal_key(self.spec), reason, message.clone()));
+                    self.stall(reason, message);
+                    return Ok(requeue::STALLED);
+                }
+                let reason = Reason::StartFailed;
                 self.fail(reason, message.clone());
                 self.event(
                     true,

@@ -96,6 +96,16 @@ pub struct JobMemory {
     pinned: Option<Vec<InUseEntry>>,
     /// Periodic checkpoints of the current run that failed in a row, and the last error.
     checkpoint_failures: Option<(u32, String)>,
+    /// A start refused for good ([`StartError::refuses_for_good`]): the spec it was refused for
+    /// ([`refusal_key`]), the reason and the message. No run is started again until the spec
+    /// changes.
+    start_refused: Option<(String, Reason, String)>,
+}
+
+/// What a refusal is remembered for: the whole spec (any edit of it ends the refusal, the
+/// edit that fixes it or any other: a retry then tells).
+fn refusal_key(spec: &StreamJobSpec) -> String {
+    keyshift_core::hash::fnv(serde_json::to_string(spec).unwrap_or_default().as_bytes())
 }
 
 impl JobMemory {
@@ -272,7 +282,18 @@ pub async fn run_pass(
         decide::last_snapshot_at(&status0, mem.run.as_ref().map(|r| r.started), now);
     let pending_restore = pending_restore(spec, &status0, mem, (&storage, namespace, name)).await;
     let upgrade_refused = upgrade_refusal(spec, &settings, mem, (namespace, name));
+    if mem
+        .start_refused
+        .as_ref()
+        .is_some_and(|(key, ..)| *key != refusal_key(spec))
+    {
+        mem.start_refused = None;
+    }
     let obs = decide::Observed {
+        start_refused: mem
+            .start_refused
+            .as_ref()
+            .map(|(_, reason, message)| (*reason, message.clone())),
         name: name.to_owned(),
         pending_restore,
         upgrade_refused: upgrade_refused.clone(),

@@ -145,6 +145,38 @@ pub enum JobError {
     Program(#[from] ProgramError),
 }
 
+impl JobError {
+    /// Whether the spec itself cannot run (every start of it fails the same way, and only a
+    /// changed spec or image can help) rather than something around it failing for now (a
+    /// broker not reachable, a source directory not readable yet).
+    pub fn refuses_for_good(&self) -> bool {
+        match self {
+            #[cfg(feature = "kafka")]
+            JobError::Kafka(_) => false,
+            JobError::File(_) => false,
+            JobError::SourceOneOf
+            | JobError::KafkaNotBuilt
+            | JobError::KafkaSinkNotBuilt
+            | JobError::OracleKafka
+            | JobError::WindowSize(_)
+            | JobError::OutOfOrderness(_)
+            | JobError::AggregationField
+            | JobError::TimestampField
+            | JobError::FileSourceLocation(_)
+            | JobError::MaxParallelism(_)
+            | JobError::Generator(_)
+            | JobError::Aggregate(_)
+            | JobError::Logic
+            | JobError::UnknownProgram { .. }
+            | JobError::ProgramSource
+            | JobError::GeneratorRecord { .. }
+            | JobError::ProgramOutOfOrderness(_)
+            | JobError::NotAggregate(_)
+            | JobError::Program(_) => true,
+        }
+    }
+}
+
 /// What runs in a compiled job's keyed operator.
 #[derive(Debug, Clone)]
 pub enum Logic {

@@ -91,6 +91,18 @@ pub enum WorkerError {
 }
 
 impl WorkerError {
+    /// Whether a refused start request can never succeed as it stands (a bad request, a spec
+    /// the worker cannot run, a snapshot of another key-group count or schema): answered 422,
+    /// which the coordinator reports as a refusal no retry cures. Anything else (storage or a
+    /// broker not reachable) is answered 503 and retried.
+    pub fn refuses_for_good(&self) -> bool {
+        match self {
+            WorkerError::BadStart(_) => true,
+            WorkerError::Job(j) => j.refuses_for_good(),
+            _ => false,
+        }
+    }
+
     /// Whether a failed snapshot must stop the worker (so that the job restarts from its last
     /// committed snapshot) rather than only fail that snapshot.
     fn stops_the_worker(&self) -> bool {
@@ -513,6 +525,35 @@ mod tests {
     }
 
     const TOKEN: &str = "0123456789abcdef";
+
+    #[test]
+    fn a_start_is_refused_for_good_only_when_no_retry_can_help() {
+        let for_good = [
+            WorkerError::BadStart("snapshot of another schema".into()),
+            WorkerError::Job(job::JobError::UnknownProgram {
+                name: "nope".into(),
+                available: "count".into(),
+            }),
+            WorkerError::Job(job::JobError::FileSourceLocation("s3://b/in".into())),
+        ];
+        let for_now = [
+            WorkerError::Job(job::JobError::File(job::FileSourceError::NoFiles {
+                path: "/in".into(),
+            })),
+            WorkerError::Snapshot(snapshot::SnapshotError::ManifestMissing {
+                path: "chk-3/_manifest.json".into(),
+            }),
+            WorkerError::Fatal("the data listener is gone".into()),
+        ];
+        for e in &for_good {
+            assert!(e.refuses_for_good(), "{e}");
+            assert_eq!(start::refusal_status(e), StatusCode::UNPROCESSABLE_ENTITY);
+        }
+        for e in &for_now {
+            assert!(!e.refuses_for_good(), "{e}");
+            assert_eq!(start::refusal_status(e), StatusCode::SERVICE_UNAVAILABLE);
+        }
+    }
 
     #[test]
     fn a_job_binary_takes_the_arguments_keyshift_starts_a_worker_with() {

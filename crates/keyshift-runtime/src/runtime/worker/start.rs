@@ -21,10 +21,10 @@ pub(super) async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
     let mut prepared = match prepare_subtask(req, &s.programs).await {
         Ok(p) => p,
         Err(e) => {
-            tracing::error!(error = %e, "start refused");
+            tracing::error!(error = %e, for_good = e.refuses_for_good(), "start refused");
             s.status.lock().await.last_start_error = Some(e.to_string());
             s.started.store(false, Ordering::Release);
-            return err(StatusCode::UNPROCESSABLE_ENTITY, e);
+            return err(refusal_status(&e), e);
         }
     };
     if let Some(pre) = pre {
@@ -152,6 +152,16 @@ pub(super) fn prestage_fits(
     ))
 }
 
+/// How a refused start or pre-stage is answered: 422 when no retry of the same request can
+/// succeed ([`WorkerError::refuses_for_good`]), 503 when a later one may.
+pub(super) fn refusal_status(e: &WorkerError) -> StatusCode {
+    if e.refuses_for_good() {
+        StatusCode::UNPROCESSABLE_ENTITY
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
 /// `POST /v1/prestage`: loads this subtask's key groups from the job's checkpoint the request
 /// names, and holds them for the start that follows (see [`prestage`]). Reads no source,
 /// connects to no peer, emits nothing. 202 once the request is checked; `/v1/status` says
@@ -169,21 +179,23 @@ pub(super) async fn prestage_handler(
     if s.prestaging.swap(true, Ordering::AcqRel) && pre.is_none() {
         return err(StatusCode::CONFLICT, "the worker is still pre-staging");
     }
-    let refuse = |e: String| async {
+    let shared = &s;
+    let refuse = |status: StatusCode, e: String| async move {
         tracing::error!(error = %e, "pre-stage refused");
-        s.status.lock().await.last_start_error = Some(e.clone());
-        s.prestaging.store(false, Ordering::Release);
-        err(StatusCode::UNPROCESSABLE_ENTITY, e)
+        shared.status.lock().await.last_start_error = Some(e.clone());
+        shared.prestaging.store(false, Ordering::Release);
+        err(status, e)
     };
     let prepared = match prepare_subtask(req, &s.programs).await {
         Ok(p) => p,
-        Err(e) => return refuse(e.to_string()).await,
+        Err(e) => return refuse(refusal_status(&e), e.to_string()).await,
     };
     let own = prepared.snapshot.as_ref().is_some_and(|(_, _, m)| {
         own_checkpoint(&prepared.req, m) && m.state_schema == prepared.keyed.schema()
     });
     if !own {
         return refuse(
+            StatusCode::UNPROCESSABLE_ENTITY,
             "a pre-stage loads one of the job's own checkpoints: restoreFrom must name one".into(),
         )
         .await;
