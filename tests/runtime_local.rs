@@ -2125,17 +2125,25 @@ spec:
     )
 }
 
+/// `keyshift local` started on a job naming a program its workers do not carry, once it said
+/// the start was refused (that line): its directory (the manifest `refused.yaml`, the state
+/// directory `state`) and the running command.
+fn refused_local_cli() -> (tempfile::TempDir, LocalCli, String) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let manifest = dir.path().join("refused.yaml");
+    std::fs::write(&manifest, program_manifest("no-such-program")).expect("manifest written");
+    let cli = LocalCli::start(&manifest, &dir.path().join("state"));
+    let refused = cli.wait_line("StartRefused: ", Duration::from_secs(120));
+    (dir, cli, refused)
+}
+
 /// `keyshift local` on a job its workers refuse for good (a program their binary does not
 /// carry): it says so once, with what the binary carries, starts nothing again while the
 /// manifest stays as it is (no retry loop), and runs once the manifest is fixed.
 #[test]
 fn local_cli_stalls_on_a_start_refused_for_good_and_runs_once_the_manifest_is_fixed() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let manifest = dir.path().join("refused.yaml");
-    let state = dir.path().join("state");
-    std::fs::write(&manifest, program_manifest("no-such-program")).expect("manifest written");
-    let cli = LocalCli::start(&manifest, &state);
-    let refused = cli.wait_line("StartRefused: ", Duration::from_secs(120));
+    let (dir, cli, refused) = refused_local_cli();
+    let (manifest, state) = (dir.path().join("refused.yaml"), dir.path().join("state"));
     assert!(
         refused.contains("\"no-such-program\"") && refused.contains("count"),
         "names the program and what the workers carry: {refused}"
@@ -2170,12 +2178,7 @@ fn local_cli_stalls_on_a_start_refused_for_good_and_runs_once_the_manifest_is_fi
 /// Ctrl-C while a refused job runs nothing stops `keyshift local` at once.
 #[test]
 fn local_cli_stops_at_once_on_ctrl_c_when_nothing_runs() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let manifest = dir.path().join("refused.yaml");
-    let state = dir.path().join("state");
-    std::fs::write(&manifest, program_manifest("no-such-program")).expect("manifest written");
-    let mut cli = LocalCli::start(&manifest, &state);
-    cli.wait_line("StartRefused: ", Duration::from_secs(120));
+    let (_dir, mut cli, _) = refused_local_cli();
     let sent = std::time::Instant::now();
     // SAFETY: kill(2) on our own child's pid.
     let rc = unsafe { libc::kill(cli.child.id() as i32, libc::SIGINT) };
