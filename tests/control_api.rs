@@ -162,6 +162,7 @@ async fn stray_and_forged_data_connections_neither_kill_nor_replace_a_peer() {
             run_id: run_id.into(),
             data_secret: RunSecret("the-run-secret".into()),
             incremental: Default::default(),
+            ready_timeout_secs: None,
         };
         c.post(format!("{url}/v1/start"))
             .bearer_auth(TOKEN)
@@ -248,6 +249,7 @@ fn start_request(peer: &str) -> keyshift::runtime::protocol::StartRequest {
         run_id: "job-abc123".into(),
         data_secret: keyshift::runtime::protocol::RunSecret("the-run-secret".into()),
         incremental: Default::default(),
+        ready_timeout_secs: None,
     }
 }
 
@@ -465,4 +467,52 @@ async fn a_start_request_s_job_is_checked_by_the_crd_rules() {
         .await
         .expect("start answered");
     assert_eq!(r.status().as_u16(), 202, "a valid start after the refusals");
+}
+
+/// A subtask waits for its peers' data connections as long as the start request says (the
+/// coordinator's own wait, `readyTimeoutSecs`), counted from the request: here 2 s with a peer
+/// that never starts, after which the worker stops with the failure (not after a fixed 120 s).
+#[tokio::test]
+async fn a_subtask_waits_for_its_peers_as_long_as_the_start_request_says() {
+    let loopback = "127.0.0.1:0".parse().expect("loopback");
+    let bound = worker::bind(WorkerConfig {
+        control_addr: loopback,
+        data_addr: loopback,
+        token: TOKEN.to_owned(),
+        programs: Default::default(),
+    })
+    .await
+    .expect("bind");
+    let (url, data) = (
+        format!("http://{}", bound.control_addr),
+        bound.data_addr.to_string(),
+    );
+    let serving = tokio::spawn(bound.serve(std::future::pending()));
+    let (_, other_data) = worker().await;
+    let mut req = start_request(&data);
+    req.parallelism = 2;
+    req.peers = vec![data, other_data];
+    req.ready_timeout_secs = Some(2);
+    let started = std::time::Instant::now();
+    let r = http()
+        .post(format!("{url}/v1/start"))
+        .bearer_auth(TOKEN)
+        .json(&req)
+        .send()
+        .await
+        .expect("start sent");
+    assert!(r.status().is_success(), "{}", r.status());
+    let ended = tokio::time::timeout(Duration::from_secs(30), serving)
+        .await
+        .expect("the worker gave up on its peer within 30 s")
+        .expect("the worker task");
+    let waited = started.elapsed();
+    let failure = ended
+        .expect_err("the worker stops with the failure")
+        .to_string();
+    assert!(failure.contains("connecting the data plane"), "{failure}");
+    assert!(
+        waited >= Duration::from_secs(2) && waited < Duration::from_secs(15),
+        "gave up after {waited:?}: {failure}"
+    );
 }

@@ -425,6 +425,8 @@ impl StartPlan<'_> {
             incremental: crate::runtime::incremental::ChainSettings::from_spec(
                 self.spec.state.incremental_checkpoints.as_ref(),
             ),
+            // Set by the coordinator's start, which knows how long it waits.
+            ready_timeout_secs: None,
         })
     }
 }

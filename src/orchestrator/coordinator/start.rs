@@ -108,6 +108,8 @@ impl Coordinator {
             let mut req = template.clone();
             req.subtask = i as u32;
             req.peers = peers.clone();
+            // The workers' data planes wait for each other as long as this start waits.
+            req.ready_timeout_secs = Some(ready_timeout.as_secs().max(1));
             async move {
                 self.post::<_, StartAccepted>(i, "/v1/start", &req)
                     .await

@@ -289,6 +289,7 @@ fn start_request(restore_from: Option<String>) -> StartRequest {
         run_id: "r".into(),
         data_secret: RunSecret("s".into()),
         incremental: Default::default(),
+        ready_timeout_secs: None,
     }
 }
 

@@ -91,7 +91,19 @@ pub struct StartRequest {
     /// without it gets the defaults).
     #[serde(default)]
     pub incremental: super::incremental::ChainSettings,
+    /// How long the coordinator waits, from sending this request, for every subtask to restore
+    /// and connect (the job's start timeout). The worker's data plane waits for its peers as
+    /// long, counted from the request too, so that subtasks whose restores take different
+    /// times still meet. A request without it: [`DEFAULT_START_WINDOW`].
+    #[serde(default)]
+    pub ready_timeout_secs: Option<u64>,
 }
+
+/// How long a worker's data plane waits for its peers when the start request does not say
+/// ([`StartRequest::ready_timeout_secs`]).
+pub const DEFAULT_START_WINDOW: std::time::Duration = std::time::Duration::from_secs(120);
+/// The longest `readyTimeoutSecs` (a week: the job's restore timeout is bounded the same way).
+pub const MAX_READY_TIMEOUT_SECS: u64 = 7 * 24 * 3600;
 
 /// The longest `namespace` (a Kubernetes namespace is a DNS label).
 pub const MAX_NAMESPACE_LEN: usize = 63;
@@ -149,6 +161,14 @@ pub enum StartBoundsError {
 }
 
 impl StartRequest {
+    /// How long the subtask waits, from receiving this request, for its peers' data
+    /// connections: as long as the coordinator waits for the run to be ready.
+    pub fn start_window(&self) -> std::time::Duration {
+        self.ready_timeout_secs.map_or(DEFAULT_START_WINDOW, |s| {
+            std::time::Duration::from_secs(s.max(1))
+        })
+    }
+
     /// Checks the sizes of the request's fields against the named bounds above (the
     /// parallelism, key-group count, peer count and dataflow are checked when the subtask is
     /// prepared).
@@ -192,6 +212,15 @@ impl StartRequest {
         long("dataSecret", &self.data_secret.0, MAX_DATA_SECRET_LEN)?;
         for (i, peer) in self.peers.iter().enumerate() {
             long(&format!("peers[{i}]"), peer, MAX_PEER_ADDRESS_LEN)?;
+        }
+        if let Some(secs) = self.ready_timeout_secs
+            && secs > MAX_READY_TIMEOUT_SECS
+        {
+            return Err(StartBoundsError::TooLarge {
+                field: "readyTimeoutSecs",
+                value: secs,
+                max: MAX_READY_TIMEOUT_SECS,
+            });
         }
         if self.state_payload_bytes > MAX_STATE_PAYLOAD_BYTES {
             return Err(StartBoundsError::TooLarge {
@@ -560,13 +589,31 @@ mod tests {
             run_id: "clicks-abc123".into(),
             data_secret: RunSecret("s".into()),
             incremental: Default::default(),
+            ready_timeout_secs: Some(900),
         };
         assert_eq!(ok.check_bounds(), Ok(()));
+        assert_eq!(ok.start_window(), std::time::Duration::from_secs(900));
+        let unsaid = StartRequest {
+            ready_timeout_secs: None,
+            ..ok.clone()
+        };
+        assert_eq!(unsaid.start_window(), DEFAULT_START_WINDOW);
+        // Sent as camelCase, and absent from an older coordinator's request.
+        let json = serde_json::to_value(&ok).unwrap();
+        assert_eq!(json["readyTimeoutSecs"], 900);
+        let mut old = json.clone();
+        old.as_object_mut().unwrap().remove("readyTimeoutSecs");
+        let read: StartRequest = serde_json::from_value(old).unwrap();
+        assert_eq!(read.ready_timeout_secs, None);
         let refused = |edit: &dyn Fn(&mut StartRequest)| {
             let mut r = ok.clone();
             edit(&mut r);
             r.check_bounds().unwrap_err().to_string()
         };
+        assert_eq!(
+            refused(&|r| r.ready_timeout_secs = Some(MAX_READY_TIMEOUT_SECS + 1)),
+            "readyTimeoutSecs is 604801: it may be at most 604800"
+        );
         assert_eq!(
             refused(&|r| r.namespace = "n".repeat(64)),
             "namespace is 64 bytes long: it may be at most 63 bytes"

@@ -514,6 +514,10 @@ struct Prepared {
     totals: (u64, u32),
     /// With a pre-staged state in `agg`: what to read of the snapshot over it.
     delta: Option<prestage::DeltaPlan>,
+    /// Until when the data plane waits for the peers' connections: the request's start window
+    /// ([`StartRequest::start_window`]) from its receipt, whatever this subtask's own restore
+    /// takes.
+    connect_by: tokio::time::Instant,
 }
 
 #[cfg(test)]

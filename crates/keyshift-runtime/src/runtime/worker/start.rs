@@ -352,6 +352,7 @@ pub(super) async fn prepare_subtask(
     req: StartRequest,
     programs: &Programs,
 ) -> Result<Prepared, WorkerError> {
+    let connect_by = tokio::time::Instant::now() + req.start_window();
     req.check_bounds()
         .map_err(|e| WorkerError::BadStart(e.to_string()))?;
     // The dataflow by the CRD's rules, as a manifest's (a start request may come from any
@@ -424,6 +425,7 @@ pub(super) async fn prepare_subtask(
         positions,
         totals,
         delta: None,
+        connect_by,
     })
 }
 
@@ -501,6 +503,7 @@ pub(super) async fn start_subtask(
         positions,
         totals: _,
         delta,
+        connect_by,
     } = prepared;
     let range = assignment.range(req.subtask);
     #[cfg(feature = "kafka")]
@@ -601,7 +604,7 @@ pub(super) async fn start_subtask(
     }
     // Source outputs: the local input for ourselves, a sender per peer.
     let mut outputs: Vec<mpsc::Sender<Msg>> = Vec::with_capacity(n);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    let deadline = connect_by;
     let mut connects = Vec::new();
     for (j, addr) in req.peers.iter().enumerate() {
         if j == me {
@@ -613,9 +616,11 @@ pub(super) async fn start_subtask(
             let run_id = req.run_id.clone();
             let secret = req.data_secret.clone();
             let from = req.subtask;
+            // The receiver comes back with a failure too: dropped, it would fail the source's
+            // send first, with less to say than the failure itself.
             connects.push(tokio::spawn(async move {
-                let stream = shuffle::connect(&addr, from, &run_id, &secret, deadline).await?;
-                Ok::<_, shuffle::ShuffleError>((stream, rx))
+                let stream = shuffle::connect(&addr, from, &run_id, &secret, deadline).await;
+                (stream, rx)
             }));
         }
     }
@@ -625,18 +630,28 @@ pub(super) async fn start_subtask(
     let run_id = req.run_id.clone();
     let secret = req.data_secret.clone();
     let s2 = s.clone();
+    let window = req.start_window();
     tokio::spawn(async move {
+        // Receivers of peers that could not be reached, held until the failure is reported.
+        let mut unreached: Vec<mpsc::Receiver<Msg>> = Vec::new();
         let result: Result<(), WorkerError> = async {
             // Accept while our own connections are being made: a peer that only accepts once
             // its connects are done would wait on one that waits on it.
             let connecting = tokio::spawn(async move {
                 let mut senders = Vec::new();
                 for c in connects {
-                    let (stream, rx) = c.await.map_err(|e| WorkerError::Fatal(e.to_string()))??;
-                    senders.push(tokio::spawn(shuffle::send_loop(stream, rx)));
+                    match c.await {
+                        Ok((Ok(stream), rx)) => {
+                            senders.push(tokio::spawn(shuffle::send_loop(stream, rx)));
+                        }
+                        Ok((Err(e), rx)) => return Err((WorkerError::from(e), Some(rx))),
+                        Err(e) => return Err((WorkerError::Fatal(e.to_string()), None)),
+                    }
                 }
-                Ok::<_, WorkerError>(senders)
+                Ok::<_, (WorkerError, Option<mpsc::Receiver<Msg>>)>(senders)
             });
+            let mut connecting = connecting;
+            let mut connected = None;
             // Handshakes run side by side, each bounded: a stray, silent or forged connection
             // is refused and logged, and neither stalls the others nor takes a peer's place.
             let (hs_tx, mut hs_rx) = mpsc::channel(64);
@@ -671,6 +686,26 @@ pub(super) async fn start_subtask(
                         Ok(Err(e)) => tracing::warn!(%addr, error = %e, "refused a data connection"),
                         Err(_) => tracing::warn!(%addr, "refused a data connection: no hello in time"),
                     },
+                    // Our own connections failed (or are all made) while peers are still due.
+                    done = &mut connecting, if connected.is_none() => {
+                        match done {
+                            Ok(Ok(senders)) => connected = Some(senders),
+                            Ok(Err((e, rx))) => {
+                                unreached.extend(rx);
+                                return Err(e);
+                            }
+                            Err(e) => return Err(WorkerError::Fatal(e.to_string())),
+                        }
+                    }
+                    () = tokio::time::sleep_until(deadline) => {
+                        let missing: Vec<u32> = (0..n as u32)
+                            .filter(|j| *j as usize != me && !peers.contains_key(j))
+                            .collect();
+                        return Err(WorkerError::Fatal(format!(
+                            "subtasks {missing:?} did not connect within the start's window of {} s (readyTimeoutSecs)",
+                            window.as_secs()
+                        )));
+                    }
                 }
             }
             for (from, stream) in peers {
@@ -686,9 +721,17 @@ pub(super) async fn start_subtask(
                     }
                 });
             }
-            let senders = connecting
-                .await
-                .map_err(|e| WorkerError::Fatal(e.to_string()))??;
+            let senders = match connected {
+                Some(senders) => senders,
+                None => match connecting.await {
+                    Ok(Ok(senders)) => senders,
+                    Ok(Err((e, rx))) => {
+                        unreached.extend(rx);
+                        return Err(e);
+                    }
+                    Err(e) => return Err(WorkerError::Fatal(e.to_string())),
+                },
+            };
             s2.ready.store(true, Ordering::Release);
             tracing::info!("connected to every peer");
             for h in senders {
@@ -713,6 +756,7 @@ pub(super) async fn start_subtask(
                 .fatal
                 .send(Some(format!("connecting the data plane: {e}")));
         }
+        drop(unreached);
     });
     drop(input_tx);
 
