@@ -466,7 +466,14 @@ fn install_upgrade_uninstall() {
     // ---- upgrade: all namespaces, two replicas, a default storage. The image changes to one
     // the node does not have (and cannot pull): an operator watching every namespace must not
     // reconcile the other tests' StreamJobs in this shared cluster (its pods are still created).
-    let mut args = vec!["upgrade", release, CHART, "-n", system, "--reuse-values"];
+    let mut args = vec![
+        "upgrade",
+        release,
+        CHART,
+        "-n",
+        system,
+        "--reset-then-reuse-values",
+    ];
     args.extend_from_slice(&[
         "--set-json",
         "watchNamespaces=[]",
@@ -502,7 +509,7 @@ fn install_upgrade_uninstall() {
             "localhost/not-run-here:{}",
             image().rsplit_once(':').expect("REPO:TAG").1
         ),
-        "--reuse-values kept the tag"
+        "--reset-then-reuse-values kept the tag set at install"
     );
     let mut want = vec![
         "clusterrole.rbac.authorization.k8s.io/ks-keyshift",
@@ -888,7 +895,7 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
         CHART,
         "-n",
         system,
-        "--reuse-values",
+        "--reset-then-reuse-values",
         "--set",
         "replicas=2",
     ]);
