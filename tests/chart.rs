@@ -1250,7 +1250,8 @@ fn monitoring_objects_are_opt_in_and_select_the_workers() {
                 "KeyshiftCheckpointTooOld",
                 "KeyshiftRescaleStuck",
                 "KeyshiftJobRestartLoop",
-                "KeyshiftJobStalled"
+                "KeyshiftJobStalled",
+                "KeyshiftSourceLagging"
             ]
         );
         let cm = one(&docs, "ConfigMap");
