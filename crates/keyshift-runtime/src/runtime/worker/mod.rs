@@ -165,6 +165,19 @@ struct Prestaged {
 }
 
 impl Shared {
+    /// Stops the worker with `reason`, unless a failure was reported already: the first one is
+    /// the cause; what fails after it (a closed channel, a peer gone) is its consequence.
+    fn fail(&self, reason: impl Into<String>) {
+        let reason = reason.into();
+        self.fatal.send_if_modified(|f| match f {
+            None => {
+                *f = Some(reason);
+                true
+            }
+            Some(_) => false,
+        });
+    }
+
     /// Aborts snapshot `id` (and the pending ones below it) in the ledger and tells the keyed
     /// operator.
     async fn abort(&self, id: u64, reason: &str) -> CheckpointStatus {

@@ -36,7 +36,7 @@ pub(super) fn spawn_kafka_lag(s: Arc<Shared>, k: Arc<job::kafka::source::KafkaSo
                                 stalled.join("; ")
                             );
                             tracing::error!("{message}");
-                            let _ = s.fatal.send(Some(message));
+                            s.fail(message);
                             return;
                         }
                     }
@@ -80,7 +80,7 @@ pub(super) fn spawn_kafka_partition_watch(
                     "Kafka topic {topic:?} has {now} partitions now, {then} when this run started: restarting from the latest checkpoint to read the new partitions from their earliest offset"
                 );
                 tracing::warn!("{message}");
-                let _ = s.fatal.send(Some(message));
+                s.fail(message);
                 return;
             }
         }

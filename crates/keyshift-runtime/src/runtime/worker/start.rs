@@ -715,9 +715,7 @@ pub(super) async fn start_subtask(
                 let s3 = s2.clone();
                 tokio::spawn(async move {
                     if let Err(e) = shuffle::recv_loop(from, stream, tx).await {
-                        let _ = s3
-                            .fatal
-                            .send(Some(format!("receiving from subtask {from}: {e}")));
+                        s3.fail(format!("receiving from subtask {from}: {e}"));
                     }
                 });
             }
@@ -740,10 +738,10 @@ pub(super) async fn start_subtask(
                     match h.await {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => {
-                            let _ = s3.fatal.send(Some(format!("sending to a peer: {e}")));
+                            s3.fail(format!("sending to a peer: {e}"));
                         }
                         Err(e) => {
-                            let _ = s3.fatal.send(Some(format!("sender task: {e}")));
+                            s3.fail(format!("sender task: {e}"));
                         }
                     }
                 });
@@ -752,9 +750,7 @@ pub(super) async fn start_subtask(
         }
         .await;
         if let Err(e) = result {
-            let _ = s2
-                .fatal
-                .send(Some(format!("connecting the data plane: {e}")));
+            s2.fail(format!("connecting the data plane: {e}"));
         }
         drop(unreached);
     });
@@ -853,13 +849,13 @@ pub(super) async fn start_subtask(
         )
         .await;
         if let Err(e) = r {
-            let _ = s_src.fatal.send(Some(format!("source: {e}")));
+            s_src.fail(format!("source: {e}"));
         }
     });
     let s_op = s.clone();
     let operator = async move {
         if let Err(e) = operator_loop(s_op.clone(), sub, input_rx, watermark).await {
-            let _ = s_op.fatal.send(Some(format!("keyed operator: {e}")));
+            s_op.fail(format!("keyed operator: {e}"));
         }
     };
     // The keyed operator gets a thread of its own; its I/O and the tasks it spawns still use the
@@ -873,7 +869,7 @@ pub(super) async fn start_subtask(
         .spawn(move || {
             let run = std::panic::AssertUnwindSafe(|| handle.block_on(operator));
             if std::panic::catch_unwind(run).is_err() {
-                let _ = s_thread.fatal.send(Some("keyed operator: panicked".into()));
+                s_thread.fail("keyed operator: panicked");
             }
         })
         .map_err(|e| WorkerError::Fatal(format!("starting the keyed operator thread: {e}")))?;
