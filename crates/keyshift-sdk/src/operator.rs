@@ -288,20 +288,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     ) -> Result<()> {
         debug_assert_eq!(group, key.key_group(self.max_parallelism));
         debug_assert_eq!(*record_key, key.record_key());
-        let index = self.group_index(group).ok_or_else(|| {
-            Error::user(NotOwned {
-                key: key.to_key().to_string(),
-                group,
-                range: self.range,
-            })
-        })?;
-        self.with_key(
-            index,
-            record_key,
-            KeyArg::Built(key),
-            timestamp,
-            |f, state, ctx| f.process(value, state, ctx),
-        )
+        self.process_key(group, record_key, KeyArg::Built(key), timestamp, value)
     }
 
     /// [`Self::process_routed`] with the key built from `record_key` only if the function asks
@@ -322,6 +309,25 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             self.process_routed(group, record_key, &key, timestamp, value)?;
             return Ok(true);
         }
+        let built = OnceCell::new();
+        let key = KeyArg::OnDemand {
+            record_key,
+            built: &built,
+        };
+        self.process_key(group, record_key, key, timestamp, value)?;
+        Ok(true)
+    }
+
+    /// Calls the function for a record of `record_key` (of group `group`, which this subtask
+    /// must own) with `key` in its context.
+    fn process_key(
+        &mut self,
+        group: u32,
+        record_key: &RecordKey,
+        key: KeyArg<'_, F::Key>,
+        timestamp: i64,
+        value: F::In,
+    ) -> Result<()> {
         let index = self.group_index(group).ok_or_else(|| {
             Error::user(NotOwned {
                 key: record_key.to_string(),
@@ -329,15 +335,9 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 range: self.range,
             })
         })?;
-        let built = OnceCell::new();
-        let key = KeyArg::OnDemand {
-            record_key,
-            built: &built,
-        };
         self.with_key(index, record_key, key, timestamp, |f, state, ctx| {
             f.process(value, state, ctx)
-        })?;
-        Ok(true)
+        })
     }
 
     /// A hint that a record of `record_key` (of key group `group`) is about to be processed:

@@ -152,6 +152,28 @@ pub(super) fn prestage_fits(
     ))
 }
 
+/// The tasks sending to a subtask's peers, one per peer.
+type Senders = Vec<tokio::task::JoinHandle<Result<(), shuffle::ShuffleError>>>;
+/// A failure to connect to a peer, with the receiver of what was to be sent to it.
+type Unreached = (WorkerError, Option<mpsc::Receiver<Msg>>);
+
+/// How the task making a subtask's own data connections ended: their senders, or the failure
+/// (the receiver of a peer it could not reach goes to `unreached`, to be dropped only once the
+/// failure is reported: dropped before, it would fail the source first, with less to say).
+fn connections_made(
+    done: Result<Result<Senders, Unreached>, tokio::task::JoinError>,
+    unreached: &mut Vec<mpsc::Receiver<Msg>>,
+) -> Result<Senders, WorkerError> {
+    match done {
+        Ok(Ok(senders)) => Ok(senders),
+        Ok(Err((e, rx))) => {
+            unreached.extend(rx);
+            Err(e)
+        }
+        Err(e) => Err(WorkerError::Fatal(e.to_string())),
+    }
+}
+
 /// How a refused start or pre-stage is answered: 422 when no retry of the same request can
 /// succeed ([`WorkerError::refuses_for_good`]), 503 when a later one may.
 pub(super) fn refusal_status(e: &WorkerError) -> StatusCode {
@@ -637,7 +659,7 @@ pub(super) async fn start_subtask(
         let result: Result<(), WorkerError> = async {
             // Accept while our own connections are being made: a peer that only accepts once
             // its connects are done would wait on one that waits on it.
-            let connecting = tokio::spawn(async move {
+            let mut connecting = tokio::spawn(async move {
                 let mut senders = Vec::new();
                 for c in connects {
                     match c.await {
@@ -648,9 +670,8 @@ pub(super) async fn start_subtask(
                         Err(e) => return Err((WorkerError::Fatal(e.to_string()), None)),
                     }
                 }
-                Ok::<_, (WorkerError, Option<mpsc::Receiver<Msg>>)>(senders)
+                Ok::<_, Unreached>(senders)
             });
-            let mut connecting = connecting;
             let mut connected = None;
             // Handshakes run side by side, each bounded: a stray, silent or forged connection
             // is refused and logged, and neither stalls the others nor takes a peer's place.
@@ -688,14 +709,7 @@ pub(super) async fn start_subtask(
                     },
                     // Our own connections failed (or are all made) while peers are still due.
                     done = &mut connecting, if connected.is_none() => {
-                        match done {
-                            Ok(Ok(senders)) => connected = Some(senders),
-                            Ok(Err((e, rx))) => {
-                                unreached.extend(rx);
-                                return Err(e);
-                            }
-                            Err(e) => return Err(WorkerError::Fatal(e.to_string())),
-                        }
+                        connected = Some(connections_made(done, &mut unreached)?);
                     }
                     () = tokio::time::sleep_until(deadline) => {
                         let missing: Vec<u32> = (0..n as u32)
@@ -721,14 +735,7 @@ pub(super) async fn start_subtask(
             }
             let senders = match connected {
                 Some(senders) => senders,
-                None => match connecting.await {
-                    Ok(Ok(senders)) => senders,
-                    Ok(Err((e, rx))) => {
-                        unreached.extend(rx);
-                        return Err(e);
-                    }
-                    Err(e) => return Err(WorkerError::Fatal(e.to_string())),
-                },
+                None => connections_made(connecting.await, &mut unreached)?,
             };
             s2.ready.store(true, Ordering::Release);
             tracing::info!("connected to every peer");
