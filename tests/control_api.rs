@@ -10,6 +10,17 @@ const TOKEN: &str = "control-api-test-token";
 
 /// A serving worker on loopback: (control API URL, data-plane address).
 async fn worker() -> (String, String) {
+    let (control, data, _) = serving_worker().await;
+    (control, data)
+}
+
+/// A worker serving on loopback: its control URL, its data address and the task serving it
+/// (which ends when the worker stops).
+async fn serving_worker() -> (
+    String,
+    String,
+    tokio::task::JoinHandle<Result<(), worker::WorkerError>>,
+) {
     let loopback = "127.0.0.1:0".parse().expect("loopback");
     let bound = worker::bind(WorkerConfig {
         control_addr: loopback,
@@ -19,12 +30,15 @@ async fn worker() -> (String, String) {
     })
     .await
     .expect("bind");
-    let addrs = (
+    let (control, data) = (
         format!("http://{}", bound.control_addr),
         bound.data_addr.to_string(),
     );
-    tokio::spawn(bound.serve(std::future::pending()));
-    addrs
+    (
+        control,
+        data,
+        tokio::spawn(bound.serve(std::future::pending())),
+    )
 }
 
 fn http() -> reqwest::Client {
@@ -474,20 +488,7 @@ async fn a_start_request_s_job_is_checked_by_the_crd_rules() {
 /// that never starts, after which the worker stops with the failure (not after a fixed 120 s).
 #[tokio::test]
 async fn a_subtask_waits_for_its_peers_as_long_as_the_start_request_says() {
-    let loopback = "127.0.0.1:0".parse().expect("loopback");
-    let bound = worker::bind(WorkerConfig {
-        control_addr: loopback,
-        data_addr: loopback,
-        token: TOKEN.to_owned(),
-        programs: Default::default(),
-    })
-    .await
-    .expect("bind");
-    let (url, data) = (
-        format!("http://{}", bound.control_addr),
-        bound.data_addr.to_string(),
-    );
-    let serving = tokio::spawn(bound.serve(std::future::pending()));
+    let (url, data, serving) = serving_worker().await;
     let (_, other_data) = worker().await;
     let mut req = start_request(&data);
     req.parallelism = 2;
