@@ -426,6 +426,88 @@ fn retention_keeps_what_incremental_checkpoints_read() {
     assert!(incremental >= 12, "{incremental} incremental subtask files");
 }
 
+/// Retention keeps a checkpoint the job's in-use marker pins (a rescale's base, a restoreFrom),
+/// and the files of earlier checkpoints it reads; while the marker cannot be read it deletes no
+/// committed checkpoint; once unpinned, the checkpoint goes.
+#[test]
+fn retention_keeps_what_the_in_use_marker_pins() {
+    use object_store::ObjectStoreExt;
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        let mut job = Job::new("pinned", 2);
+        job.records(200, 0, 1);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        job.records(3, 0, 2);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        let pinned = read_manifest(
+            job.store.as_ref(),
+            &snapshot_dir(&job.job_dir, SnapshotKind::Checkpoint, 2),
+        )
+        .await
+        .unwrap();
+        assert!(!pinned.is_self_contained(), "chk-2 reads chk-1's files");
+        let marker = keyshift::snapshot::InUseMarker::new(vec![keyshift::snapshot::InUseEntry {
+            path: "checkpoints/chk-2".into(),
+            holder: Some("test".into()),
+            reason: Some("a rescale's base".into()),
+        }]);
+        keyshift::snapshot::write_in_use(job.store.as_ref(), &job.job_dir, &marker)
+            .await
+            .unwrap();
+        for i in 0..3 {
+            job.records(2, 10 + i * 5, 3);
+            job.snapshot(SnapshotKind::Checkpoint).await;
+        }
+        let report = retain(job.store.as_ref(), &job.job_dir, 1).await.unwrap();
+        assert_eq!(report.pinned_kept, vec![2]);
+        assert_eq!(report.kept, vec![5]);
+        assert_eq!(report.deleted, vec![1, 3, 4]);
+        assert_eq!(report.marker_error, None);
+        for gone in [1, 3, 4] {
+            job.taken.remove(&gone);
+        }
+        // chk-2 still restores exactly (chk-1's files it reads stayed).
+        job.check_all().await;
+
+        // A marker that does not parse: retention cannot tell what is pinned, so it deletes no
+        // committed checkpoint.
+        job.store
+            .put(
+                &job.job_dir.clone().join(keyshift::snapshot::IN_USE_FILE),
+                object_store::PutPayload::from_static(b"{not json"),
+            )
+            .await
+            .unwrap();
+        job.records(2, 40, 4);
+        job.snapshot(SnapshotKind::Checkpoint).await;
+        let report = retain(job.store.as_ref(), &job.job_dir, 1).await.unwrap();
+        assert!(report.deleted.is_empty(), "{report:?}");
+        assert!(
+            report
+                .marker_error
+                .as_deref()
+                .is_some_and(|e| e.contains("_in_use.json")),
+            "{report:?}"
+        );
+        job.check_all().await;
+
+        // Unpinned: chk-2 goes with the next retention (and chk-5).
+        keyshift::snapshot::write_in_use(
+            job.store.as_ref(),
+            &job.job_dir,
+            &keyshift::snapshot::InUseMarker::new(Vec::new()),
+        )
+        .await
+        .unwrap();
+        let report = retain(job.store.as_ref(), &job.job_dir, 1).await.unwrap();
+        assert_eq!(report.deleted, vec![2, 5]);
+        assert!(report.pinned_kept.is_empty());
+        job.taken.remove(&2);
+        job.taken.remove(&5);
+        job.check_all().await;
+    });
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
 

@@ -41,11 +41,21 @@ impl Coordinator {
                         pending = ?backlog.pending,
                         "checkpoint retention skipped while sink output of committed snapshots is not published"
                     );
-                } else if kind == SnapshotKind::Checkpoint
-                    && let Err(e) =
-                        snapshot::retain(self.store.as_ref(), &self.job_dir, self.retained).await
-                {
-                    tracing::warn!(error = %e, "checkpoint retention failed; will retry next time");
+                } else if kind == SnapshotKind::Checkpoint {
+                    match snapshot::retain(self.store.as_ref(), &self.job_dir, self.retained).await
+                    {
+                        Ok(r) => {
+                            if let Some(e) = &r.marker_error {
+                                tracing::warn!(error = %e, "checkpoint retention deleted no committed checkpoint: the in-use marker is unreadable");
+                            }
+                            if !r.deleted.is_empty() || !r.pinned_kept.is_empty() {
+                                tracing::debug!(deleted = ?r.deleted, pinned = ?r.pinned_kept, "checkpoint retention");
+                            }
+                        }
+                        Err(e) => {
+                            tracing::warn!(error = %e, "checkpoint retention failed; will retry next time")
+                        }
+                    }
                 }
                 Ok(Completed {
                     id,

@@ -19,13 +19,13 @@ use super::settings::JobSettings;
 use super::status::{self, Progress};
 use crate::crd::{Phase, RescaleStatus, SnapshotRef, StreamJobSpec, StreamJobStatus, UpgradeMode};
 use crate::failpoints;
-use crate::offline::retention::{InUseEntry, InUseMarker};
 use crate::operator::metrics::{OperatorMetrics, SnapshotLabels};
 use crate::orchestrator::coordinator::{
     self, Completed, Coordinator, CoordinatorError, WorkerEndpoint,
 };
 use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
+use crate::snapshot::{InUseEntry, InUseMarker};
 use crate::validation;
 use chrono::{DateTime, Utc};
 use k8s_openapi::jiff::Timestamp;
@@ -883,7 +883,7 @@ impl<'a> Pass<'a> {
             let (store, base) = snapshot::open_store(&self.storage).map_err(|e| e.to_string())?;
             let job_dir = snapshot::job_dir(&base, &self.ns, &self.name);
             let marker = InUseMarker::new(pins.clone());
-            crate::offline::retention::write_in_use(store.as_ref(), &job_dir, &marker)
+            snapshot::write_in_use(store.as_ref(), &job_dir, &marker)
                 .await
                 .map_err(|e| e.to_string())
         }

@@ -16,8 +16,9 @@
 //! # The in-use marker: `<storage>/<namespace>/<job>/_in_use.json`
 //!
 //! Written by whoever restores or pins snapshots (the operator for `spec.restoreFrom` and during a
-//! rescale; a worker never writes it), read by `dispose` (and shown by `list`). The writer replaces
-//! the whole object (a plain put; the operator is the single writer, under its leader lease):
+//! rescale; a worker never writes it), read by `dispose` (and shown by `list`) and by checkpoint
+//! retention, which keeps what it pins and deletes no committed checkpoint while it cannot be
+//! read. The writer replaces the whole object (a plain put; the operator is the single writer, under its leader lease):
 //!
 //! ```json
 //! {
@@ -48,109 +49,17 @@
 
 use super::error::{Result, ToolError};
 use super::location::{SnapshotLocation, is_manifest, open_location};
+pub use crate::snapshot::{
+    IN_USE_FILE, IN_USE_FORMAT_VERSION, InUseEntry, InUseMarker, read_in_use, write_in_use,
+};
 use crate::snapshot::{
     Manifest, ObjectStore, Path, SnapshotError, SnapshotKind, manifest_path, open_store,
     parse_snapshot_dir_name, read_manifest,
 };
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
-use object_store::{ObjectStoreExt, PutPayload};
-use serde::{Deserialize, Serialize};
-
-/// The in-use marker's file name in the job directory.
-pub const IN_USE_FILE: &str = "_in_use.json";
-/// The marker format this build reads and writes.
-pub const IN_USE_FORMAT_VERSION: u32 = 1;
-
-/// One pinned snapshot in the in-use marker.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct InUseEntry {
-    /// `checkpoints/chk-<id>` or `savepoints/sp-<id>`, relative to the job directory.
-    pub path: String,
-    /// Who pins it (free text).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub holder: Option<String>,
-    /// Why (free text).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-}
-
-/// The in-use marker `<job>/_in_use.json` (see the module docs).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct InUseMarker {
-    /// Always [`IN_USE_FORMAT_VERSION`].
-    pub format_version: u32,
-    /// The pinned snapshots.
-    #[serde(default)]
-    pub snapshots: Vec<InUseEntry>,
-    /// When the writer last updated it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub updated_at: Option<DateTime<Utc>>,
-}
-
-impl InUseMarker {
-    /// A marker pinning the given snapshots.
-    pub fn new(snapshots: Vec<InUseEntry>) -> Self {
-        InUseMarker {
-            format_version: IN_USE_FORMAT_VERSION,
-            snapshots,
-            updated_at: Some(Utc::now()),
-        }
-    }
-
-    /// The entries naming `relative` (`savepoints/sp-7`).
-    pub fn pins<'a>(&'a self, relative: &'a str) -> impl Iterator<Item = &'a InUseEntry> + 'a {
-        self.snapshots
-            .iter()
-            .filter(move |e| e.path.trim_matches('/') == relative)
-    }
-}
-
-fn marker_path(job_dir: &Path) -> Path {
-    job_dir.clone().join(IN_USE_FILE)
-}
-
-/// Reads the in-use marker of the job in `job_dir` (`None` when there is none).
-pub async fn read_in_use(store: &dyn ObjectStore, job_dir: &Path) -> Result<Option<InUseMarker>> {
-    let path = marker_path(job_dir);
-    let bytes = match async { store.get(&path).await?.bytes().await }.await {
-        Ok(b) => b,
-        Err(object_store::Error::NotFound { .. }) => return Ok(None),
-        Err(e) => return Err(SnapshotError::store("read", &path, e).into()),
-    };
-    let corrupt = |reason: String| ToolError::MarkerCorrupt {
-        path: path.to_string(),
-        reason,
-    };
-    let marker: InUseMarker = serde_json::from_slice(&bytes).map_err(|e| corrupt(e.to_string()))?;
-    if marker.format_version != IN_USE_FORMAT_VERSION {
-        return Err(corrupt(format!(
-            "formatVersion {} is not {IN_USE_FORMAT_VERSION}",
-            marker.format_version
-        )));
-    }
-    Ok(Some(marker))
-}
-
-/// Writes (replaces) the in-use marker of the job in `job_dir`.
-pub async fn write_in_use(
-    store: &dyn ObjectStore,
-    job_dir: &Path,
-    marker: &InUseMarker,
-) -> Result<()> {
-    let path = marker_path(job_dir);
-    let json = serde_json::to_vec_pretty(marker).map_err(|e| ToolError::MarkerCorrupt {
-        path: path.to_string(),
-        reason: e.to_string(),
-    })?;
-    store
-        .put(&path, PutPayload::from(json))
-        .await
-        .map_err(|e| SnapshotError::store("write", &path, e))?;
-    Ok(())
-}
+use object_store::ObjectStoreExt;
+use serde::Serialize;
 
 /// One snapshot of a job, as listed.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -270,8 +179,11 @@ async fn list_in(store: &dyn ObjectStore, job_dir: &Path, job_url: &str) -> Resu
     }
     let (marker, marker_error) = match read_in_use(store, job_dir).await {
         Ok(m) => (m, None),
-        Err(e @ ToolError::MarkerCorrupt { .. }) => (None, Some(e.to_string())),
-        Err(e) => return Err(e),
+        Err(SnapshotError::InUseMarkerCorrupt { path, reason }) => (
+            None,
+            Some(ToolError::MarkerCorrupt { path, reason }.to_string()),
+        ),
+        Err(e) => return Err(e.into()),
     };
     mark_in_use(&mut snapshots, marker.as_ref());
     Ok(JobListing {

@@ -2,6 +2,7 @@
 //! checkpoints.
 
 use super::error::{Result, SnapshotError};
+use super::in_use::read_in_use;
 use super::layout::{
     SnapshotKind, file_path, job_dir, manifest_path, parse_snapshot_dir_name, snapshot_dir,
     snapshot_url,
@@ -222,6 +223,12 @@ pub struct RetentionReport {
     /// Ids of committed checkpoints whose manifest cannot be used: neither counted as kept nor
     /// deleted, newest first.
     pub unreadable_kept: Vec<u64>,
+    /// Ids of committed checkpoints the job's in-use marker pins (a rescale's base, a
+    /// `spec.restoreFrom`): kept beyond the newest `keep_newest`, newest first.
+    pub pinned_kept: Vec<u64>,
+    /// Why the in-use marker could not be read, if it could not: then no committed checkpoint
+    /// was deleted (what it pins is unknown), only aborted ones.
+    pub marker_error: Option<String>,
 }
 
 /// Deletes the committed checkpoints of the job under `job_dir` beyond the newest `keep_newest`
@@ -234,12 +241,29 @@ pub struct RetentionReport {
 /// a kept snapshot (checkpoint or savepoint) reads from the deleted checkpoint's directory
 /// (incremental checkpoints, [`referenced_files`]) stays; it goes with the orphan directory once
 /// no kept snapshot refers to it.
+///
+/// A checkpoint the job's in-use marker ([`read_in_use`]) pins is kept too (and what it reads
+/// from other checkpoints); while the marker cannot be read, no committed checkpoint is deleted.
 pub async fn retain(
     store: &dyn ObjectStore,
     job_dir: &Path,
     keep_newest: usize,
 ) -> Result<RetentionReport> {
     let keep_newest = keep_newest.max(1);
+    let mut report = RetentionReport::default();
+    let marker = match read_in_use(store, job_dir).await {
+        Ok(m) => m,
+        Err(e @ SnapshotError::InUseMarkerCorrupt { .. }) => {
+            report.marker_error = Some(e.to_string());
+            None
+        }
+        Err(e) => return Err(e),
+    };
+    let pinned = |id: u64| {
+        marker
+            .as_ref()
+            .is_some_and(|m| m.pins_snapshot(SnapshotKind::Checkpoint, id))
+    };
     let dirs = snapshot_dirs(store, job_dir, SnapshotKind::Checkpoint).await?;
     // Committed = the manifest exists (readable or not: existence is what makes a snapshot).
     let committed: Vec<bool> = futures::stream::iter(&dirs)
@@ -255,7 +279,6 @@ pub async fn retain(
         .try_collect()
         .await?;
 
-    let mut report = RetentionReport::default();
     let newest_committed = dirs
         .iter()
         .zip(&committed)
@@ -283,9 +306,16 @@ pub async fn retain(
                 Err(SnapshotError::ManifestMissing { .. }) => continue,
                 Err(e) => return Err(e),
             }
+            if pinned(*id) {
+                report.pinned_kept.push(*id);
+                continue;
+            }
             committed_seen += 1;
             if committed_seen <= keep_newest {
                 report.kept.push(*id);
+                continue;
+            }
+            if report.marker_error.is_some() {
                 continue;
             }
             doomed.push((*id, dir, true));

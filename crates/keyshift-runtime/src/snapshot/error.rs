@@ -171,6 +171,12 @@ pub enum SnapshotError {
     #[error(transparent)]
     Bounds(#[from] BoundsError),
 
+    /// The job's in-use marker does not parse, or is of another format.
+    #[error(
+        "in-use marker {path} is unreadable ({reason}): fix or delete it (the operator writes it again on its next pass)"
+    )]
+    InUseMarkerCorrupt { path: String, reason: String },
+
     /// The object store failed an operation.
     #[error("object store {op} of {path} failed: {source}")]
     Store {

@@ -69,7 +69,8 @@
 //!   (groups + `bytes_read`); [`read_groups_stream`] -> checked [`RestoredChunk`]s as they
 //!   arrive, for decoding while the next ones are read.
 //! - Check: [`verify`] -> [`VerifyReport`].
-//! - Catalog: [`list_snapshots`], [`latest_checkpoint`], [`retain`] -> [`RetentionReport`].
+//! - Catalog: [`list_snapshots`], [`latest_checkpoint`], [`retain`] -> [`RetentionReport`] (it
+//!   keeps what the in-use marker pins: [`read_in_use`], [`write_in_use`]).
 //!
 //! Errors are [`SnapshotError`]; each names the URL, file or group concerned.
 
@@ -77,6 +78,7 @@ mod catalog;
 mod checksum;
 mod error;
 mod file_store;
+mod in_use;
 mod layout;
 mod manifest;
 mod reader;
@@ -90,6 +92,9 @@ pub use catalog::{
 };
 pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};
+pub use in_use::{
+    IN_USE_FILE, IN_USE_FORMAT_VERSION, InUseEntry, InUseMarker, read_in_use, write_in_use,
+};
 pub use layout::{
     CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, file_path, job_dir,
     manifest_path, parse_snapshot_dir_name, snapshot_dir, snapshot_url, state_file_name,
