@@ -179,7 +179,9 @@ impl Job {
             let cut = op.cut();
             // Every snapshot is cut at its barrier and uploaded while records flow, as the
             // workers do (a checkpoint without a base, and a savepoint, in whole groups).
-            let policy = self.chains[i].policy;
+            let policy = self.chains[i]
+                .policy
+                .for_checkpoint(false, self.assignment.max_parallelism());
             // Deltas' changed keys are copied after the barrier: some by a step, the others
             // just before a record changes them, the rest when the cut is finished.
             let mut taken = checkpoint::take_cut(op, base.as_ref(), Updates::Skip, true).await;

@@ -83,7 +83,7 @@ async fn checkpoint_subtask(
         taken.codec,
         writer,
         base,
-        ChainPolicy::default(),
+        ChainPolicy::default().for_checkpoint(false, assignment.max_parallelism()),
         store.as_ref(),
         &dir,
     )

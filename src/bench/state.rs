@@ -50,7 +50,8 @@ pub(super) async fn checkpoint_subtask(
     let started = Instant::now();
     let cpu0 = thread_cpu();
     let cut = agg.cut();
-    let policy = crate::runtime::incremental::ChainPolicy::default();
+    let policy = crate::runtime::incremental::ChainPolicy::default()
+        .for_checkpoint(false, assignment.max_parallelism());
     let mut taken = checkpoint::take_cut(&mut agg, base.as_ref(), updates, true).await;
     let held = started.elapsed();
     let held_cpu = thread_cpu().saturating_sub(cpu0);

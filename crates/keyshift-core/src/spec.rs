@@ -588,6 +588,8 @@ pub struct IncrementalCheckpoints {
     /// Deltas a key group may collect before its next change writes it whole again: 1 to 64.
     /// Fewer make restores read less beyond the state; more make checkpoints write less.
     /// Default 32 (staggered by key group: a group is written whole after 25 to 32 deltas).
+    /// Above 2016 key groups chains are kept shorter, whatever this says, so that a checkpoint's
+    /// manifest stays within its bound: at most 31 deltas at 4096 groups, 3 at 32768.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_deltas: Option<u32>,
     /// Size of a key group's deltas, as a percent of its last full block, past which its next

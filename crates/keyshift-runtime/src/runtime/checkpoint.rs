@@ -15,7 +15,7 @@
 //! their keys' change marks are cleared, so a failed write hands the lines back
 //! ([`StateWriteFailed::lines`]) for the caller to keep for the next snapshot.
 
-use super::incremental::{Base, ChainPolicy};
+use super::incremental::{Base, CutPolicy};
 use crate::job::{
     EncodedGroup, FrozenGroup, GroupMode, GroupModes, GroupSnapshot, KeyedAggregator, ProgramError,
     ProgramStep,
@@ -342,7 +342,7 @@ pub async fn upload_cut(
     codec: Codec,
     mut writer: SnapshotWriter,
     base: Option<&Base>,
-    policy: ChainPolicy,
+    policy: CutPolicy,
     store: &dyn ObjectStore,
     dir: &Path,
 ) -> Result<SubtaskSnapshot, SnapshotError> {
@@ -361,7 +361,7 @@ async fn write_cut_group(
     codec: Codec,
     writer: &mut SnapshotWriter,
     base: Option<&Base>,
-    policy: ChainPolicy,
+    policy: CutPolicy,
     store: &dyn ObjectStore,
     dir: &Path,
 ) -> Result<(), SnapshotError> {

@@ -99,19 +99,70 @@ impl Default for ChainPolicy {
     }
 }
 
-impl ChainPolicy {
-    /// A policy that compacts no group.
-    pub const NO_COMPACTION: ChainPolicy = ChainPolicy {
-        max_deltas: usize::MAX,
-        max_delta_share: u64::MAX,
-    };
+/// State blocks (first blocks and deltas) a checkpoint's manifest names at most: the chain
+/// policy keeps every group's chain short enough ([`ChainPolicy::deltas_cap`]), so that a
+/// manifest of 32768 groups at that length stays under half of
+/// [`crate::snapshot::MAX_MANIFEST_BYTES`] (a block takes at most about 180 bytes of JSON).
+pub const MANIFEST_BLOCK_BUDGET: usize = 1 << 17;
 
-    /// The policy a checkpoint's groups are written by: a stop checkpoint (the old run of a
-    /// pre-staged rescale stops with one, inside the pause, and the new run's workers read only
-    /// its delta: see [`crate::runtime::prestage`]) compacts nothing, so that it writes and the
-    /// new workers read only the changes; the new run's checkpoints compact what is then due.
-    pub fn for_checkpoint(self, stop: bool) -> ChainPolicy {
-        if stop { Self::NO_COMPACTION } else { self }
+impl ChainPolicy {
+    /// The most deltas a group's chain may have at `max_parallelism` key groups: 64 (the most
+    /// `maxDeltas` allows), or fewer where the whole manifest would otherwise name more than
+    /// [`MANIFEST_BLOCK_BUDGET`] blocks (from 2017 groups on: 31 at 4096, 3 at 32768). Pure.
+    pub fn deltas_cap(max_parallelism: u32) -> usize {
+        (MANIFEST_BLOCK_BUDGET / (max_parallelism.max(1) as usize))
+            .saturating_sub(1)
+            .clamp(1, *MAX_DELTAS_BOUNDS.end() as usize)
+    }
+
+    /// How a checkpoint at `max_parallelism` key groups writes its groups: by the job's policy,
+    /// with no chain longer than [`ChainPolicy::deltas_cap`]. A stop checkpoint (the old run of
+    /// a pre-staged rescale stops with one, inside the pause, and the new run's workers read
+    /// only its delta: see [`crate::runtime::prestage`]) compacts only a chain at that cap, so
+    /// that it writes and the new workers read only the changes; the new run's checkpoints
+    /// compact what is then due.
+    pub fn for_checkpoint(self, stop: bool, max_parallelism: u32) -> CutPolicy {
+        CutPolicy {
+            policy: self,
+            stop,
+            cap: Self::deltas_cap(max_parallelism),
+        }
+    }
+}
+
+/// How one checkpoint writes its groups ([`ChainPolicy::for_checkpoint`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CutPolicy {
+    /// The job's policy.
+    pub policy: ChainPolicy,
+    /// A stop checkpoint: it compacts only chains at `cap`.
+    pub stop: bool,
+    /// No group's chain is longer.
+    pub cap: usize,
+}
+
+impl CutPolicy {
+    /// The deltas `group` may have before a change to it writes it whole: the job's
+    /// `maxDeltas` staggered by group (so that groups reach it at different checkpoints), never
+    /// above the cap; the cap itself in a stop checkpoint. Pure.
+    pub fn max_deltas(&self, group: u32) -> usize {
+        if self.stop {
+            self.cap
+        } else {
+            self.policy
+                .max_deltas
+                .min(self.cap)
+                .saturating_sub((group % 8) as usize)
+                .max(1)
+        }
+    }
+
+    /// Whether deltas of `deltas` bytes over a first block of `first` bytes are past the
+    /// job's share (never, in a stop checkpoint). Pure.
+    fn share_exceeded(&self, deltas: u64, first: u64) -> bool {
+        !self.stop
+            && self.policy.max_delta_share < u64::MAX
+            && deltas.saturating_mul(100) >= first.saturating_mul(self.policy.max_delta_share)
     }
 }
 
@@ -199,18 +250,12 @@ impl Base {
     /// its first block). The upload merges the chain it reads back from storage with the new
     /// delta, so the cut stays as cheap as any delta's. Groups reach the length limit at
     /// different checkpoints (the limit is staggered by group), so compaction spreads out.
-    pub fn compacts(&self, group: u32, policy: ChainPolicy) -> bool {
+    pub fn compacts(&self, group: u32, policy: CutPolicy) -> bool {
         let Some(g) = self.groups.get(&group) else {
             return false;
         };
         let deltas: u64 = g.deltas.iter().map(|d| d.length).sum();
-        let max = policy
-            .max_deltas
-            .saturating_sub((group % 8) as usize)
-            .max(1);
-        g.deltas.len() >= max
-            || (policy.max_delta_share < u64::MAX
-                && deltas.saturating_mul(100) >= g.length.saturating_mul(policy.max_delta_share))
+        g.deltas.len() >= policy.max_deltas(group) || policy.share_exceeded(deltas, g.length)
     }
 }
 
@@ -373,9 +418,12 @@ mod tests {
                 files: BTreeMap::new(),
             }
         };
-        let policy = |max_deltas, max_delta_share| ChainPolicy {
-            max_deltas,
-            max_delta_share,
+        let policy = |max_deltas, max_delta_share| {
+            ChainPolicy {
+                max_deltas,
+                max_delta_share,
+            }
+            .for_checkpoint(false, 128)
         };
         // Group 0 has no stagger: 4 deltas of 1 byte under a limit of 4 compact, 3 do not.
         assert!(with_deltas(0, 4, 1).compacts(0, policy(4, 50)));
@@ -386,15 +434,53 @@ mod tests {
         // Bytes: 2 deltas of 250 bytes are 50% of a 1000-byte block.
         assert!(with_deltas(0, 2, 250).compacts(0, policy(64, 50)));
         assert!(!with_deltas(0, 2, 250).compacts(0, policy(64, 51)));
-        // A stop checkpoint compacts nothing, however long the chain or large its deltas.
-        let stop = policy(4, 50).for_checkpoint(true);
-        assert_eq!(stop, ChainPolicy::NO_COMPACTION);
-        assert_eq!(policy(4, 50).for_checkpoint(false), policy(4, 50));
+        // A stop checkpoint compacts only a chain at the cap (64 at 128 groups), however large
+        // its deltas.
+        let stop = ChainPolicy {
+            max_deltas: 4,
+            max_delta_share: 50,
+        }
+        .for_checkpoint(true, 128);
         for g in 0..16 {
-            assert!(!with_deltas(g, 64, 1).compacts(g, stop));
+            assert!(!with_deltas(g, 63, 1).compacts(g, stop));
+            assert!(with_deltas(g, 64, 1).compacts(g, stop));
             assert!(!with_deltas(g, 3, 1 << 40).compacts(g, stop));
         }
+        // At 32768 groups no chain grows past 3 deltas, whatever maxDeltas says, stop or not.
+        let wide = ChainPolicy {
+            max_deltas: 64,
+            max_delta_share: 400,
+        };
+        for g in 0..16 {
+            assert!(with_deltas(g, 3, 1).compacts(g, wide.for_checkpoint(false, 32768)));
+            assert!(with_deltas(g, 3, 1).compacts(g, wide.for_checkpoint(true, 32768)));
+            assert!(!with_deltas(g, 2, 1).compacts(g, wide.for_checkpoint(true, 32768)));
+        }
     }
+
+    /// Every key-group count's cap keeps a manifest within the block budget, and lets the
+    /// longest chains `maxDeltas` allows through wherever they fit.
+    #[test]
+    fn the_chain_cap_keeps_every_manifest_within_its_block_budget() {
+        for g in 1..=keyshift_core::keygroup::UPPER_BOUND_MAX_PARALLELISM {
+            let cap = ChainPolicy::deltas_cap(g);
+            assert!(cap >= 1);
+            assert!(
+                (cap + 1) * g as usize <= MANIFEST_BLOCK_BUDGET,
+                "{g} groups with chains of {cap}"
+            );
+            // As long as fits: maxDeltas' own bound, or one more would not fit.
+            assert!(
+                cap == *MAX_DELTAS_BOUNDS.end() as usize
+                    || (cap + 2) * g as usize > MANIFEST_BLOCK_BUDGET,
+                "{g}: {cap}"
+            );
+        }
+        assert_eq!(ChainPolicy::deltas_cap(128), 64);
+        assert_eq!(ChainPolicy::deltas_cap(4096), 31);
+        assert_eq!(ChainPolicy::deltas_cap(32768), 3);
+    }
+
     use crate::snapshot::Crc32c;
 
     fn entry(group: u32, file: &str, length: u64, deltas: usize) -> GroupEntry {
@@ -507,7 +593,7 @@ mod tests {
             .into(),
             files: BTreeMap::new(),
         };
-        let p = ChainPolicy::default();
+        let p = ChainPolicy::default().for_checkpoint(false, 4);
         assert_eq!(base.mode(&agg, 0), GroupMode::Unchanged);
         assert_eq!(base.mode(&agg, 1), GroupMode::Delta { since: cut });
         assert_eq!(base.mode(&agg, 2), GroupMode::Full, "empty first block");

@@ -154,6 +154,18 @@ impl Crc32cHasher {
     }
 }
 
+/// A writer that hashes what it is given (a checksum of a serialization without its bytes).
+impl std::io::Write for Crc32cHasher {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.update(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -68,6 +68,19 @@ pub enum SnapshotError {
     )]
     ManifestTooLarge { path: String, size: u64, limit: u64 },
 
+    /// A manifest about to be committed is larger than any reader reads
+    /// ([`super::MAX_MANIFEST_BYTES`]): the snapshot is not committed.
+    #[error(
+        "{path} would be {size} bytes, more than the {limit} bytes a manifest can be ({groups} key groups, {blocks} state blocks): the snapshot was not committed, the last committed one stays. Lower spec.state.incrementalCheckpoints.maxDeltas (shorter chains) or the key-group count"
+    )]
+    ManifestTooLargeToWrite {
+        path: String,
+        size: u64,
+        limit: u64,
+        groups: u32,
+        blocks: u64,
+    },
+
     /// The manifest was written in a format this build does not read.
     #[error(
         "{path} has formatVersion {found}, this build reads formatVersion 1 to {supported}: use a keyshift version that supports it"

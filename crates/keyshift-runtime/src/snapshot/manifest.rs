@@ -695,6 +695,14 @@ impl Manifest {
         serde_json::to_vec_pretty(self)
     }
 
+    /// The manifest's own checksum: the CRC-32C of [`Manifest::to_json`] (its canonical form,
+    /// whatever form it is stored in), hashed as it is serialized, without the bytes.
+    pub fn content_checksum(&self) -> Result<Crc32c, serde_json::Error> {
+        let mut hasher = super::checksum::Crc32cHasher::new();
+        serde_json::to_writer_pretty(&mut hasher, self)?;
+        Ok(hasher.finish())
+    }
+
     /// The validated assignment the snapshot was taken at.
     pub fn assignment(&self) -> Result<Assignment> {
         Ok(Assignment::new(
@@ -723,6 +731,14 @@ impl Manifest {
             .iter()
             .filter_map(|g| self.group(g))
             .map(GroupEntry::stored_bytes)
+            .sum()
+    }
+
+    /// The state blocks the manifest names: each group's first block and its deltas.
+    pub fn block_count(&self) -> u64 {
+        self.key_groups
+            .iter()
+            .map(|g| 1 + g.deltas.len() as u64)
             .sum()
     }
 

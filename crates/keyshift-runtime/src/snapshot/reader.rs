@@ -13,7 +13,9 @@ use object_store::{ObjectStore, ObjectStoreExt, PutMode, PutOptions};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// The largest manifest read: 32768 key groups at about 150 bytes each, with ample room.
+/// The largest manifest read, and written ([`bounded_manifest_json`]): 32768 key groups with
+/// their chains at the longest the chain policy lets them grow
+/// ([`crate::runtime::incremental::MANIFEST_BLOCK_BUDGET`] blocks) take under half of it.
 pub const MAX_MANIFEST_BYTES: u64 = 64 * 1024 * 1024;
 /// Files read (or checked) at once by a restore or a verify.
 const FILES_AT_ONCE: usize = 4;
@@ -44,11 +46,32 @@ struct Seal {
     checksum: Option<Crc32c>,
 }
 
-/// The bytes [`commit_manifest`] writes: the manifest as pretty JSON with its own checksum (see
-/// [`MANIFEST_CHECKSUM_FIELD`]) as the last field.
+/// The bytes [`commit_manifest`] writes: the manifest as compact JSON with its own checksum
+/// (see [`MANIFEST_CHECKSUM_FIELD`]) as the last field. (Manifests written before were pretty
+/// JSON: read the same, with the same checksum.)
 pub fn sealed_manifest_json(manifest: &Manifest) -> Result<Vec<u8>, serde_json::Error> {
-    let checksum = Crc32c::of(&manifest.to_json()?);
-    serde_json::to_vec_pretty(&Sealed { manifest, checksum })
+    let checksum = manifest.content_checksum()?;
+    serde_json::to_vec(&Sealed { manifest, checksum })
+}
+
+/// [`sealed_manifest_json`], refused when it is larger than `limit` (the bound every reader
+/// holds a manifest to: [`MAX_MANIFEST_BYTES`]), so that no snapshot commits that no reader would
+/// read. Pure.
+pub fn bounded_manifest_json(manifest: &Manifest, path: &Path, limit: u64) -> Result<Vec<u8>> {
+    let json = sealed_manifest_json(manifest).map_err(|source| SnapshotError::ManifestCorrupt {
+        path: path.to_string(),
+        source,
+    })?;
+    if json.len() as u64 > limit {
+        return Err(SnapshotError::ManifestTooLargeToWrite {
+            path: path.to_string(),
+            size: json.len() as u64,
+            limit,
+            groups: manifest.max_parallelism,
+            blocks: manifest.block_count(),
+        });
+    }
+    Ok(json)
 }
 
 /// Parses the bytes of `_manifest.json` (at `path`, for errors): [`Manifest::from_json`], then
@@ -61,7 +84,7 @@ pub fn parse_manifest(bytes: &[u8], path: &str) -> Result<Manifest> {
     };
     let seal: Seal = serde_json::from_slice(bytes).map_err(corrupt)?;
     if let Some(expected) = seal.checksum {
-        let actual = Crc32c::of(&manifest.to_json().map_err(corrupt)?);
+        let actual = manifest.content_checksum().map_err(corrupt)?;
         if actual != expected {
             return Err(SnapshotError::ManifestInconsistent {
                 path: path.to_owned(),
@@ -173,10 +196,7 @@ pub async fn commit_manifest(
         .buffer_unordered(FILES_AT_ONCE)
         .try_collect::<Vec<()>>()
         .await?;
-    let json = sealed_manifest_json(manifest).map_err(|source| SnapshotError::ManifestCorrupt {
-        path: path.to_string(),
-        source,
-    })?;
+    let json = bounded_manifest_json(manifest, &path, MAX_MANIFEST_BYTES)?;
     let opts = PutOptions {
         mode: PutMode::Create,
         ..Default::default()
@@ -775,16 +795,17 @@ mod tests {
         let sealed = sealed_manifest_json(&m).unwrap();
         let text = String::from_utf8(sealed.clone()).unwrap();
         let own = Crc32c::of(&m.to_json().unwrap());
-        assert!(text.starts_with("{\n  \"formatVersion\": 1,"), "{text}");
+        assert_eq!(m.content_checksum().unwrap(), own);
+        assert!(text.starts_with("{\"formatVersion\":1,"), "{text}");
         assert!(
-            text.ends_with(&format!(",\n  \"manifestChecksum\": \"{own}\"\n}}")),
+            text.ends_with(&format!(",\"manifestChecksum\":\"{own}\"}}")),
             "{text}"
         );
         assert_eq!(parse_manifest(&sealed, "p/_manifest.json").unwrap(), m);
-        // Re-formatted, same content: accepted.
+        // Re-formatted (pretty, as manifests were written before), same content: accepted.
         let v: serde_json::Value = serde_json::from_slice(&sealed).unwrap();
-        let compact = serde_json::to_vec(&v).unwrap();
-        assert_eq!(parse_manifest(&compact, "p/_manifest.json").unwrap(), m);
+        let pretty = serde_json::to_vec_pretty(&v).unwrap();
+        assert_eq!(parse_manifest(&pretty, "p/_manifest.json").unwrap(), m);
         // Written before manifests carried a checksum: read as before.
         assert_eq!(
             parse_manifest(&m.to_json().unwrap(), "p/_manifest.json").unwrap(),
@@ -797,7 +818,7 @@ mod tests {
         let m = manifest();
         let text = String::from_utf8(sealed_manifest_json(&m).unwrap()).unwrap();
         // Partition 0's position 10 -> 11: valid JSON, a consistent manifest, another history.
-        let flipped = text.replacen("\"0\": 10", "\"0\": 11", 1);
+        let flipped = text.replacen("\"0\":10", "\"0\":11", 1);
         assert_ne!(flipped, text);
         let lax = Manifest::from_json(flipped.as_bytes(), "p/_manifest.json").unwrap();
         assert_eq!(lax.source_positions[&0], 11);
@@ -813,12 +834,70 @@ mod tests {
         );
         // A checksum that is not one is a corrupt manifest.
         let garbled = text.replace(
-            &format!("\"{}\"\n}}", Crc32c::of(&m.to_json().unwrap())),
-            "\"xyz\"\n}",
+            &format!("\"{}\"}}", Crc32c::of(&m.to_json().unwrap())),
+            "\"xyz\"}",
         );
         assert!(matches!(
             parse_manifest(garbled.as_bytes(), "p/_manifest.json"),
             Err(SnapshotError::ManifestCorrupt { .. })
         ));
+    }
+
+    /// The manifest of 32768 key groups with every chain at the longest the chain policy
+    /// allows there, every number and name at its widest, stays under half of what a manifest
+    /// may be; one above the bound is refused before it is written.
+    #[test]
+    fn the_widest_manifest_stays_well_under_its_bound_and_a_larger_one_is_refused() {
+        use crate::runtime::incremental::ChainPolicy;
+        use crate::snapshot::{DeltaBlock, FileEntry, GroupEntry};
+        let groups = keyshift_core::keygroup::UPPER_BOUND_MAX_PARALLELISM;
+        let deltas = ChainPolicy::deltas_cap(groups);
+        let mut m = manifest();
+        m.max_parallelism = groups;
+        m.parallelism = 999;
+        let wide = |i: u64| format!("checkpoints/chk-{}/state-998-of-999.bin", u64::MAX - i);
+        m.key_groups = (0..groups)
+            .map(|g| GroupEntry {
+                group: g,
+                file: "state-998-of-999.bin".into(),
+                offset: u64::MAX / 3,
+                length: u64::MAX / 3,
+                checksum: Crc32c(u32::MAX),
+                entries: u64::MAX / 3,
+                deltas: (0..deltas as u64)
+                    .map(|i| DeltaBlock {
+                        file: wide(i),
+                        offset: u64::MAX / 3,
+                        length: u64::MAX / 3,
+                        checksum: Crc32c(u32::MAX),
+                        entries: u64::MAX / 3,
+                    })
+                    .collect(),
+            })
+            .collect();
+        m.files = (0..deltas as u64)
+            .map(|i| FileEntry {
+                name: wide(i),
+                size: u64::MAX / 3,
+                checksum: Crc32c(u32::MAX),
+            })
+            .collect();
+        let path = Path::from("ns/job/checkpoints/chk-7");
+        let json = bounded_manifest_json(&m, &path, MAX_MANIFEST_BYTES).unwrap();
+        assert!(
+            (json.len() as u64) < MAX_MANIFEST_BYTES / 2,
+            "{} bytes for {} blocks",
+            json.len(),
+            m.block_count()
+        );
+        assert_eq!(m.block_count(), u64::from(groups) * (deltas as u64 + 1));
+        // The same manifest under a bound it does not fit: refused, naming the fix.
+        let err = bounded_manifest_json(&m, &path, json.len() as u64 - 1).unwrap_err();
+        assert!(
+            matches!(err, SnapshotError::ManifestTooLargeToWrite { size, .. } if size == json.len() as u64),
+            "{err:?}"
+        );
+        let msg = err.to_string();
+        assert!(msg.contains("chk-7") && msg.contains("maxDeltas"), "{msg}");
     }
 }

@@ -78,7 +78,10 @@ pub(super) async fn snapshot(
     // on the spot, on the encoder threads, without copying the state first.
     // A program's groups are encoded at the barrier, whatever the snapshot.
     if base.is_some() || !stop || matches!(sub.keyed, Keyed::Program(_)) {
-        let policy = sub.chain.policy.for_checkpoint(stop);
+        let policy = sub
+            .chain
+            .policy
+            .for_checkpoint(stop, sub.assignment.max_parallelism());
         // A delta's changed keys are copied after the barrier while records flow, except for
         // a stop snapshot (nothing flows after it).
         let mut taken = match &mut sub.keyed {
@@ -197,7 +200,7 @@ pub(super) struct CutTaken {
     writer: SnapshotWriter,
     dir: StorePath,
     base: Option<incremental::Base>,
-    policy: incremental::ChainPolicy,
+    policy: incremental::CutPolicy,
     taken: checkpoint::Cut,
 }
 
