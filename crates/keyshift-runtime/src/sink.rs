@@ -10,7 +10,8 @@
 //! job's last committed snapshot (rows staged for a snapshot that did not commit ride with the
 //! next one), before it acknowledges the snapshot. Only after the coordinator commits snapshot
 //! `<id>` does it *publish* the staged parts ([`publish`]: create-only copies, so publishing
-//! again is harmless). Readers look only at published objects. A snapshot that never commits
+//! again is harmless), then remove the staged output at or below `<id>`
+//! ([`remove_staged_through`]: published, or carried by a later snapshot). Readers look only at published objects. A snapshot that never commits
 //! never publishes; after a failure the job restarts from its last committed snapshot, whose
 //! output the coordinator publishes again in case the crash came between commit and publish,
 //! and the records after it are reprocessed into new snapshot ids. Each result is therefore
@@ -20,6 +21,7 @@ use crate::job::staging::{
     Output, STAGING_DIR, WriterId, parse_snapshot_dir_name, part_name, snapshot_dir_name,
 };
 use crate::snapshot::{ObjectStore, Path};
+use futures::TryStreamExt;
 use object_store::{ObjectStoreExt, PutMode, PutOptions, PutPayload};
 use std::collections::BTreeSet;
 
@@ -114,7 +116,8 @@ async fn parts(
     Ok((staged, published))
 }
 
-/// Whether every part staged for snapshot `id` is published (`None`: nothing is staged).
+/// Whether every part staged for snapshot `id` is published (`Some(true)` too when nothing is
+/// staged but output is published: its staging was removed; `None`: neither).
 pub async fn published(
     store: &dyn ObjectStore,
     base: &Path,
@@ -122,7 +125,15 @@ pub async fn published(
 ) -> Result<Option<bool>, SinkError> {
     let (staged, published) = parts(store, base, id).await?;
     if staged.is_empty() {
-        return Ok(None);
+        // Staged output is removed once published ([`remove_staged_through`]).
+        let out = published_dir(base, id);
+        let any = !store
+            .list_with_delimiter(Some(&out))
+            .await
+            .map_err(SinkError::store("list", &out))?
+            .objects
+            .is_empty();
+        return Ok(any.then_some(true));
     }
     Ok(Some(staged.iter().all(|m| {
         m.location
@@ -131,8 +142,9 @@ pub async fn published(
     })))
 }
 
-/// Publishes the staged parts of committed snapshot `id`. Idempotent: parts already published
-/// are left as they are (and not read again). Only call it for an id committed by this job: a
+/// Publishes the staged parts of committed snapshot `id`, then removes what is staged at or below
+/// `id` ([`remove_staged_through`]). Idempotent: parts already published are left as they are
+/// (and not read again). Only call it for an id committed by this job: a
 /// snapshot that did not commit has output staged that is carried by a later one.
 pub async fn publish(
     store: &dyn ObjectStore,
@@ -173,7 +185,44 @@ pub async fn publish(
             Err(e) => return Err(SinkError::store("create-only put", &target)(e)),
         }
     }
+    remove_staged_through(store, base, id).await?;
     Ok(done)
+}
+
+/// Deletes the staged output of snapshot ids at or below `id`, once `id` is published:
+/// published too (outputs publish in id order), or staged for a snapshot that did not commit
+/// and carried by a later one. Both sinks call it after each publish, so that `_staging/`
+/// holds only what is not yet published.
+pub async fn remove_staged_through(
+    store: &dyn ObjectStore,
+    base: &Path,
+    id: u64,
+) -> Result<(), SinkError> {
+    let staging = base.clone().join(STAGING_DIR);
+    let listing = store
+        .list_with_delimiter(Some(&staging))
+        .await
+        .map_err(SinkError::store("list", &staging))?;
+    for prefix in listing.common_prefixes {
+        let Some(sid) = prefix.filename().and_then(parse_snapshot_dir_name) else {
+            continue;
+        };
+        if sid > id {
+            continue;
+        }
+        let objects: Vec<object_store::ObjectMeta> = store
+            .list(Some(&prefix))
+            .try_collect()
+            .await
+            .map_err(SinkError::store("list", &prefix))?;
+        for o in objects {
+            match store.delete(&o.location).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
+                Err(e) => return Err(SinkError::store("delete", &o.location)(e)),
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The largest snapshot id that has output under the sink, staged or published (0: none), so
@@ -328,23 +377,35 @@ mod tests {
     async fn staged_parts_publish_once_and_publishing_again_changes_nothing() {
         let store = Flaky::default();
         let base = Path::from("out");
-        for subtask in 0..2 {
-            let mut sink = StagingSink::new(writer(subtask));
-            sink.emit(&[ResultRow {
-                key: RecordKey::int(subtask as i32),
-                window: None,
-                value: 7,
-            }]);
-            let out = sink.on_barrier(3, Committed::Through(2)).unwrap();
-            stage(&store, &base, &out).await.unwrap();
+        let stage_rows = |id: u64| {
+            let store = &store;
+            let base = &base;
+            async move {
+                for subtask in 0..2 {
+                    let mut sink = StagingSink::new(writer(subtask));
+                    sink.emit(&[ResultRow {
+                        key: RecordKey::int(subtask as i32),
+                        window: None,
+                        value: 7,
+                    }]);
+                    let out = sink.on_barrier(id, Committed::Through(id - 1)).unwrap();
+                    stage(store, base, &out).await.unwrap();
+                }
+            }
+        };
+        // 2 never commits (its rows ride with 3); 4 is staged after 3.
+        for id in [2, 3, 4] {
+            stage_rows(id).await;
         }
-        assert_eq!(max_snapshot_id(&store, &base).await.unwrap(), 3);
+        assert_eq!(max_snapshot_id(&store, &base).await.unwrap(), 4);
         assert_eq!(published(&store, &base, 3).await.unwrap(), Some(false));
-        // The first copy fails half way: one part is published, the other not.
+        // The first copy fails half way: one part is published, the other not, and nothing
+        // staged is removed.
         store.fail_puts("out/snap-3/part-1", 1);
         assert!(publish(&store, &base, 3).await.is_err());
         assert_eq!(names(&store, &published_dir(&base, 3)).await.len(), 1);
         assert_eq!(published(&store, &base, 3).await.unwrap(), Some(false));
+        assert_eq!(names(&store, &staged_dir(&base, 3)).await.len(), 2);
         let p = publish(&store, &base, 3).await.unwrap();
         assert_eq!(
             p,
@@ -353,28 +414,30 @@ mod tests {
                 copied: 1
             }
         );
-        assert_eq!(
-            publish(&store, &base, 3).await.unwrap(),
-            Published {
-                parts: 2,
-                copied: 0
-            }
-        );
-        assert_eq!(published(&store, &base, 3).await.unwrap(), Some(true));
+        // Published: what is staged at or below 3 is gone (2's too), 4's stays.
         assert_eq!(
             names(&store, &base).await,
             [
-                "out/_staging/snap-3/part-0-of-2.jsonl",
-                "out/_staging/snap-3/part-1-of-2.jsonl",
+                "out/_staging/snap-4/part-0-of-2.jsonl",
+                "out/_staging/snap-4/part-1-of-2.jsonl",
                 "out/snap-3/part-0-of-2.jsonl",
                 "out/snap-3/part-1-of-2.jsonl",
             ]
         );
+        assert_eq!(published(&store, &base, 3).await.unwrap(), Some(true));
+        assert_eq!(published(&store, &base, 2).await.unwrap(), None);
+        // Publishing again changes nothing.
+        assert_eq!(
+            publish(&store, &base, 3).await.unwrap(),
+            Published::default()
+        );
+        assert_eq!(names(&store, &published_dir(&base, 3)).await.len(), 2);
         assert_eq!(
             text(&store, &Path::from("out/snap-3/part-1-of-2.jsonl")).await,
             "{\"key\":1,\"value\":7}\n"
         );
-        // Nothing staged: nothing to publish.
+        assert_eq!(max_snapshot_id(&store, &base).await.unwrap(), 4);
+        // Nothing staged or published: nothing to publish.
         assert_eq!(
             publish(&store, &base, 9).await.unwrap(),
             Published::default()

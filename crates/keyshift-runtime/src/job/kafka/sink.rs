@@ -249,7 +249,6 @@ mod io {
     use crate::job::kafka::{Credentials, Role, client_config, producer_properties};
     use crate::sink::staged_dir;
     use crate::snapshot::{ObjectStore, Path};
-    use futures::TryStreamExt;
     use keyshift_core::spec::KafkaSink;
     use object_store::ObjectStoreExt;
     use rdkafka::ClientConfig;
@@ -289,6 +288,9 @@ mod io {
         },
         #[error("kafka sink: {0}")]
         Task(String),
+        /// Removing published staged output failed.
+        #[error("kafka sink: {0}")]
+        Staging(#[source] crate::sink::SinkError),
     }
 
     fn broker_note(broker: &Option<String>) -> String {
@@ -595,7 +597,9 @@ mod io {
             }
             let me = self.handle();
             let done = self.note(blocking(move || me.publish_blocking(id, &bodies)).await)?;
-            remove_staged_through(store, base, id).await?;
+            crate::sink::remove_staged_through(store, base, id)
+                .await
+                .map_err(KafkaSinkError::Staging)?;
             Ok(KafkaPublished {
                 parts: metas.len(),
                 ..done
@@ -764,47 +768,6 @@ mod io {
             _ => -1,
         };
         Ok(Marker::decode(offset, e.metadata())?)
-    }
-
-    /// Deletes the staged output of snapshot ids at or below `id` (published, or carried by a
-    /// published snapshot).
-    pub async fn remove_staged_through(
-        store: &dyn ObjectStore,
-        base: &Path,
-        id: u64,
-    ) -> Result<(), KafkaSinkError> {
-        let staging = base.clone().join(crate::job::staging::STAGING_DIR);
-        let err = |path: &Path| {
-            let path = path.to_string();
-            move |source| KafkaSinkError::Store { path, source }
-        };
-        let listing = store
-            .list_with_delimiter(Some(&staging))
-            .await
-            .map_err(err(&staging))?;
-        for prefix in listing.common_prefixes {
-            let Some(sid) = prefix
-                .filename()
-                .and_then(crate::job::staging::parse_snapshot_dir_name)
-            else {
-                continue;
-            };
-            if sid > id {
-                continue;
-            }
-            let objects: Vec<object_store::ObjectMeta> = store
-                .list(Some(&prefix))
-                .try_collect()
-                .await
-                .map_err(err(&prefix))?;
-            for o in objects {
-                match store.delete(&o.location).await {
-                    Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
-                    Err(e) => return Err(err(&o.location)(e)),
-                }
-            }
-        }
-        Ok(())
     }
 
     /// The `atLeastOnce` sink of one worker: rows are produced as they come (idempotent
