@@ -1047,6 +1047,107 @@ async fn a_job_with_recorded_snapshots_never_restarts_empty() {
     .await;
 }
 
+/// A resume falls back past any snapshot it cannot restore, not only past an unreadable
+/// manifest: with the newest savepoint's state file lost, the restart after a worker failure
+/// restores the one before (an UnreadableSnapshotSkipped Event names the lost file); with every
+/// snapshot's state lost, it refuses to start (StartFailed names each snapshot and why) and no
+/// run starts without the state.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_falls_back_past_snapshots_whose_state_is_lost_and_never_starts_empty() {
+    bounded(async {
+        let mut d = Driver::new("lost-files", 2, "1h");
+        d.until_running(2).await;
+        let mut savepoints = Vec::new();
+        for nonce in 1..=2 {
+            d.spec.savepoint_trigger_nonce = Some(nonce);
+            d.until("savepoint taken", Duration::from_secs(20), |d| {
+                d.status.last_savepoint_nonce == Some(nonce)
+            })
+            .await;
+            savepoints.push(d.status.last_savepoint.clone().expect("a savepoint").path);
+        }
+        let (store, _) = keyshift::snapshot::open_store(&d.storage).expect("store");
+        let lose = |url: &str| {
+            let store = store.clone();
+            let (_, dir) = keyshift::snapshot::open_store(url).expect("snapshot dir");
+            async move {
+                let files: Vec<_> = futures::TryStreamExt::try_collect(store.list(Some(&dir)))
+                    .await
+                    .expect("listing");
+                let mut lost = 0;
+                for meta in files {
+                    if meta.location.as_ref().ends_with(".bin") {
+                        object_store::ObjectStoreExt::delete(store.as_ref(), &meta.location)
+                            .await
+                            .expect("delete");
+                        lost += 1;
+                    }
+                }
+                assert!(lost > 0, "no state file under {dir}");
+            }
+        };
+        lose(&savepoints[1]).await;
+        let started_before = d.events_named("Started").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("restarted", Duration::from_secs(30), |d| {
+            d.events_named("Started").len() > started_before
+        })
+        .await;
+        let started = &d.events_named("Started").last().expect("Started").1.note;
+        assert!(started.contains(&savepoints[0]), "{started}");
+        let skipped = d.events_named("UnreadableSnapshotSkipped");
+        let note = &skipped.last().expect("the skipped snapshot is said").1.note;
+        assert!(
+            note.contains(&format!(
+                "sp-{}",
+                savepoints[1].rsplit("sp-").next().unwrap_or("")
+            )) && note.contains("is missing"),
+            "{note}"
+        );
+        d.assert_processing().await;
+
+        // Every snapshot's state lost: nothing is restorable, and nothing starts.
+        let (_, base) = keyshift::snapshot::open_store(&d.storage).expect("store");
+        let all: Vec<_> = futures::TryStreamExt::try_collect(store.list(Some(&base)))
+            .await
+            .expect("listing");
+        for meta in all {
+            if meta.location.as_ref().ends_with(".bin") {
+                object_store::ObjectStoreExt::delete(store.as_ref(), &meta.location)
+                    .await
+                    .expect("delete");
+            }
+        }
+        let started_before = d.events_named("Started").len();
+        let failed_before = d.events_named("StartFailed").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("refused", Duration::from_secs(20), |d| {
+            d.events_named("StartFailed").len() > failed_before
+        })
+        .await;
+        let refused = &d.events_named("StartFailed")[failed_before].1;
+        assert!(refused.warning);
+        assert!(
+            refused.note.contains("none of the job's snapshots")
+                && refused.note.contains("is missing")
+                && refused.note.contains("upgradeMode: stateless"),
+            "{}",
+            refused.note
+        );
+        d.for_a_while(Duration::from_secs(3), |d| {
+            assert_eq!(
+                d.events_named("Started").len(),
+                started_before,
+                "a run started without the job's state:\n{}",
+                d.event_log()
+            );
+        })
+        .await;
+        assert_ne!(d.status.phase, Some(Phase::Running));
+    })
+    .await;
+}
+
 /// A restore from spec.restoreFrom replaces the job's history: a worker that dies right after the
 /// restored run started (before its first checkpoint commits) restarts from spec.restoreFrom
 /// again, never from the job's older own snapshots (the transition's savepoint holds the state

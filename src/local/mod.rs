@@ -355,22 +355,32 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
         log_dir.display()
     ));
     let resume = match &spec.restore_from {
-        Some(url) if status.restored_from.as_ref() != Some(url) => Some(url.clone()),
+        Some(url) if status.restored_from.as_ref() != Some(url) => Some(Some(url.clone())),
         _ => {
             let found =
                 run::latest_restorable(&spec, &storage, &namespace, &name, groups, None).await?;
-            if !found.skipped.is_empty() {
+            if found.job.is_none() && !found.skipped.is_empty() {
+                // The pass refuses to start it (StartError::NothingRestorable) and says why.
                 say(format_args!(
-                    "warning: {}",
-                    run::skipped_message(&found.skipped, found.url.as_deref())
+                    "warning: none of the job's snapshots can be restored: {}",
+                    run::skipped_names(&found.skipped)
                 ));
+                None
+            } else {
+                if !found.skipped.is_empty() {
+                    say(format_args!(
+                        "warning: {}",
+                        run::skipped_message(&found.skipped, found.url.as_deref())
+                    ));
+                }
+                Some(found.url)
             }
-            found.url
         }
     };
     match &resume {
-        Some(url) => say(format_args!("resuming from {url}")),
-        None => say("no snapshot yet: starting empty"),
+        Some(Some(url)) => say(format_args!("resuming from {url}")),
+        Some(None) => say("no snapshot yet: starting empty"),
+        None => {}
     }
 
     let token = run::new_token().map_err(|e| LocalError::Spawn {
@@ -600,5 +610,61 @@ mod tests {
         assert_eq!(found.url.as_deref(), Some(good.as_str()));
         assert_eq!(found.job, Some(job.clone()));
         assert_eq!(found.skipped.len(), 1);
+    }
+
+    /// A resume passes over snapshots whose manifest reads but whose state cannot be restored
+    /// (a state file lost, one truncated), newest first, names each with why, and finds nothing
+    /// when nothing is restorable (it never starts empty by itself: the pass refuses that).
+    #[tokio::test]
+    async fn a_resume_passes_over_snapshots_whose_state_files_are_lost_or_truncated() {
+        use object_store::ObjectStoreExt;
+        let storage = "memory://local-resume-lost/state";
+        let job = identity("j");
+        let good = commit(storage, &job, SnapshotKind::Checkpoint, 1).await;
+        let lost = commit(storage, &job, SnapshotKind::Checkpoint, 2).await;
+        let cut = commit(storage, &job, SnapshotKind::Savepoint, 3).await;
+        let file = |url: &str| {
+            let (store, dir) = snapshot::open_store(url).unwrap();
+            (store, dir.join(snapshot::state_file_name(0, 1).as_str()))
+        };
+        let (store, path) = file(&lost);
+        store.delete(&path).await.unwrap();
+        let (store, path) = file(&cut);
+        store
+            .put(&path, object_store::PutPayload::from_static(b"x"))
+            .await
+            .unwrap();
+        let spec = crate::fixtures::job().spec;
+        let found = run::latest_restorable(&spec, storage, &job.namespace, &job.name, 8, None)
+            .await
+            .unwrap();
+        assert_eq!(found.url.as_deref(), Some(good.as_str()));
+        let why: Vec<(u64, &str)> = found
+            .skipped
+            .iter()
+            .map(|u| (u.id, u.error.as_str()))
+            .collect();
+        assert_eq!(why.len(), 2, "{why:?}");
+        assert_eq!(why[0].0, 3);
+        assert!(
+            why[0].1.contains("has 1 bytes, the manifest says"),
+            "{why:?}"
+        );
+        assert_eq!(why[1].0, 2);
+        assert!(why[1].1.contains("is missing"), "{why:?}");
+        let message = run::skipped_message(&found.skipped, found.url.as_deref());
+        assert!(
+            message.contains("sp-3") && message.contains("chk-2") && message.contains(&good),
+            "{message}"
+        );
+        // The last one lost too: nothing to restore, and all three named.
+        let (store, path) = file(&good);
+        store.delete(&path).await.unwrap();
+        let found = run::latest_restorable(&spec, storage, &job.namespace, &job.name, 8, None)
+            .await
+            .unwrap();
+        assert_eq!(found.url, spec.restore_from);
+        assert_eq!(found.job, None);
+        assert_eq!(found.skipped.len(), 3);
     }
 }

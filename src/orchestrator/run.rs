@@ -110,8 +110,9 @@ pub struct Restorable {
     /// The job identity its manifest records, when it is one of the job's own snapshots (read
     /// while looking for it; `None` for spec.restoreFrom).
     pub job: Option<JobIdentity>,
-    /// Snapshots of the job's current history newer than `url` whose manifest cannot be used
-    /// (never deleted; reported in a condition and an Event).
+    /// Snapshots of the job's current history newer than `url` that cannot be restored (a
+    /// manifest that cannot be used, a state file missing or of another size; never deleted;
+    /// reported in a condition and an Event), newest first.
     pub skipped: Vec<snapshot::UnreadableSnapshot>,
 }
 
@@ -315,15 +316,21 @@ pub async fn prestage(
     })
 }
 
-/// What a condition and an Event say about snapshots a resume passed over. Pure.
-pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Option<&str>) -> String {
-    let names = skipped
+/// The snapshots a resume passed over, each with why: `chk-7 (state file ... is missing); ...`.
+/// Pure.
+pub fn skipped_names(skipped: &[snapshot::UnreadableSnapshot]) -> String {
+    skipped
         .iter()
         .map(|u| format!("{}{} ({})", u.kind.dir_prefix(), u.id, u.error))
         .collect::<Vec<_>>()
-        .join("; ");
+        .join("; ")
+}
+
+/// What a condition and an Event say about snapshots a resume passed over. Pure.
+pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Option<&str>) -> String {
+    let names = skipped_names(skipped);
     format!(
-        "passed over {} whose manifest cannot be used: {names}; restored {} instead. Nothing was deleted: check the bad snapshot with `keyshift savepoint verify`, and dispose of it once it is no longer needed",
+        "passed over {} that cannot be restored: {names}; restored {} instead. Nothing was deleted: check the bad snapshot with `keyshift savepoint verify`, and dispose of it once it is no longer needed",
         keyshift_core::text::count(skipped.len() as u64, "snapshot"),
         restored.unwrap_or("nothing")
     )

@@ -136,6 +136,13 @@ pub(super) enum StartError {
         storage: String,
         recorded: String,
     },
+    /// The job has snapshots, but none of them can be restored (each passed over: a manifest
+    /// that cannot be used, a state file lost or truncated): starting empty, or from the
+    /// `spec.restoreFrom` its history began with, would drop or replay its state.
+    #[error(
+        "none of the job's snapshots under {groups} key groups can be restored: {skipped}; refusing to start empty or from spec.restoreFrom, which would drop the job's state or publish its output again. Restore the lost files (the job resumes by itself), point spec.restoreFrom at a snapshot to continue from, or set spec.upgradeMode: stateless to start empty on purpose"
+    )]
+    NothingRestorable { groups: u32, skipped: String },
     /// The snapshot to restore must not be restored into this job (another job's, or state
     /// under another layout): see [`run::restore_refusal`].
     #[error("{message}")]
@@ -154,7 +161,9 @@ impl StartError {
         match self {
             StartError::Refused { .. } => true,
             StartError::Workers(e) => matches!(e, CoordinatorError::Refused { .. }),
-            StartError::NothingToRestore { .. } | StartError::Injected(_) => false,
+            StartError::NothingToRestore { .. }
+            | StartError::NothingRestorable { .. }
+            | StartError::Injected(_) => false,
         }
     }
 }

@@ -1145,6 +1145,8 @@ impl Pass<'_> {
         let resumes_history = restore == Restore::Latest;
         // The job identity the snapshot records, when known without reading its manifest again.
         let mut restored_job = None;
+        // The job's own snapshots, all passed over as unrestorable (none found to resume).
+        let mut unrestorable = None;
         let restore_from = match restore {
             Restore::Url(u) => Some(u),
             Restore::Empty => None,
@@ -1173,6 +1175,9 @@ impl Pass<'_> {
                     }
                 };
                 self.progress.restored_newest = Some(newest);
+                if found.job.is_none() && !found.skipped.is_empty() {
+                    unrestorable = Some(run::skipped_names(&found.skipped));
+                }
                 restored_job = found.job;
                 found.url
             }
@@ -1242,6 +1247,13 @@ impl Pass<'_> {
                 let refused = StartError::Refused { reason, message };
                 return self.start_done(work, coordinator, Err(refused)).await;
             }
+        }
+        if let Some(skipped) = unrestorable {
+            let refused = StartError::NothingRestorable {
+                groups: work.groups,
+                skipped,
+            };
+            return self.start_done(work, coordinator, Err(refused)).await;
         }
         if resumes_history
             && work.restore_from.is_none()

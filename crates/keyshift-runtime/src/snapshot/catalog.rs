@@ -8,7 +8,7 @@ use super::layout::{
     snapshot_url,
 };
 use super::manifest::{JobIdentity, Manifest, is_referenced_file};
-use super::reader::{open_snapshot, read_manifest};
+use super::reader::{check_files_present, open_snapshot, read_manifest};
 use super::store::open_store;
 use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
@@ -117,18 +117,40 @@ impl SnapshotScan {
         replaced_up_to: Option<u64>,
     ) -> (Option<&SnapshotInfo>, Vec<&UnreadableSnapshot>) {
         let newest = self
+            .newest_first(max_parallelism, replaced_up_to)
+            .into_iter()
+            .next();
+        (newest, self.unreadable_above(newest, replaced_up_to))
+    }
+
+    /// The snapshots a resume may restore (see [`SnapshotScan::newest`]), newest first. Pure.
+    pub fn newest_first(
+        &self,
+        max_parallelism: Option<u32>,
+        replaced_up_to: Option<u64>,
+    ) -> Vec<&SnapshotInfo> {
+        let mut found: Vec<&SnapshotInfo> = self
             .snapshots
             .iter()
             .filter(|s| max_parallelism.is_none_or(|g| s.max_parallelism == g))
             .filter(|s| replaced_up_to.is_none_or(|b| s.id > b))
-            .max_by_key(|s| s.id);
-        let floor = newest.map(|s| s.id).or(replaced_up_to);
-        let skipped = self
-            .unreadable
+            .collect();
+        found.sort_by_key(|s| std::cmp::Reverse(s.id));
+        found
+    }
+
+    /// The snapshots whose manifest cannot be used above `chosen` (or above `replaced_up_to`
+    /// when nothing is chosen): those a resume from `chosen` passes over. Pure.
+    fn unreadable_above(
+        &self,
+        chosen: Option<&SnapshotInfo>,
+        replaced_up_to: Option<u64>,
+    ) -> Vec<&UnreadableSnapshot> {
+        let floor = chosen.map(|s| s.id).or(replaced_up_to);
+        self.unreadable
             .iter()
             .filter(|u| floor.is_none_or(|f| u.id > f))
-            .collect();
-        (newest, skipped)
+            .collect()
     }
 }
 
@@ -491,13 +513,15 @@ pub struct Newest {
     pub skipped: Vec<UnreadableSnapshot>,
 }
 
-/// The newest committed snapshot (checkpoint or savepoint, by id) of a job whose manifest can be
-/// used, taken under `max_parallelism` key groups (any, with `None`: after a restore from a
-/// rewritten savepoint the job's older snapshots have the old key-group count and can no longer
-/// be restored by it) and above `replaced_up_to` (see `status.replacedHistoryUpTo`). A snapshot
-/// whose manifest is corrupt, inconsistent or too large is passed over (and named in
-/// [`Newest::skipped`]), never an error: what every resume, adoption and `keyshift local` start
-/// asks, in one place ([`SnapshotScan::newest`]).
+/// The newest committed snapshot (checkpoint or savepoint, by id) of a job that can be restored,
+/// taken under `max_parallelism` key groups (any, with `None`: after a restore from a rewritten
+/// savepoint the job's older snapshots have the old key-group count and can no longer be
+/// restored by it) and above `replaced_up_to` (see `status.replacedHistoryUpTo`). A snapshot
+/// whose manifest is corrupt, inconsistent or too large, or one of whose state files (its own or
+/// one of an earlier checkpoint it reads) is missing or of another size, is passed over (and
+/// named in [`Newest::skipped`], newest first, with why), never an error: what every resume,
+/// adoption and `keyshift local` start asks, in one place ([`SnapshotScan::newest_first`],
+/// [`check_files_present`]). A store error is an error (it says nothing about the snapshot).
 pub async fn newest_snapshot(
     storage: &str,
     namespace: &str,
@@ -508,16 +532,46 @@ pub async fn newest_snapshot(
     let (store, base) = open_store(storage)?;
     let job_dir = job_dir(&base, namespace, job);
     let scan = scan_snapshots(store.as_ref(), &job_dir).await?;
-    let (newest, skipped) = scan.newest(max_parallelism, replaced_up_to);
+    let mut lacking = Vec::new();
+    let mut found = None;
+    for info in scan.newest_first(max_parallelism, replaced_up_to) {
+        match restorable(store.as_ref(), &info.dir).await {
+            Ok(()) => {
+                found = Some(info);
+                break;
+            }
+            Err(e) if e.is_unrestorable() => lacking.push(UnreadableSnapshot {
+                kind: info.kind,
+                id: info.id,
+                dir: info.dir.clone(),
+                error: e.to_string(),
+            }),
+            Err(e) => return Err(e),
+        }
+    }
+    let mut skipped: Vec<UnreadableSnapshot> = scan
+        .unreadable_above(found, replaced_up_to)
+        .into_iter()
+        .cloned()
+        .chain(lacking)
+        .collect();
+    skipped.sort_by_key(|u| std::cmp::Reverse(u.id));
     Ok(Newest {
-        found: newest.map(|s| {
+        found: found.map(|s| {
             (
                 snapshot_url(storage, namespace, job, s.kind, s.id),
                 s.clone(),
             )
         }),
-        skipped: skipped.into_iter().cloned().collect(),
+        skipped,
     })
+}
+
+/// Whether the committed snapshot in `dir` can be restored as far as can be told without
+/// reading its state: its manifest reads and every file it names is there at its size.
+async fn restorable(store: &dyn ObjectStore, dir: &Path) -> Result<()> {
+    let manifest = read_manifest(store, dir).await?;
+    check_files_present(store, dir, &manifest).await
 }
 
 #[cfg(test)]

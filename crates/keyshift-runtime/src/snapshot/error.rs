@@ -212,6 +212,23 @@ impl SnapshotError {
         )
     }
 
+    /// Whether this says the snapshot cannot be restored (its manifest cannot be used, or a
+    /// state file it names is missing, of another size, or holds a block that does not match
+    /// its checksum), as opposed to a store that cannot be reached.
+    pub fn is_unrestorable(&self) -> bool {
+        self.is_bad_manifest()
+            || matches!(
+                self,
+                SnapshotError::ManifestMissing { .. }
+                    | SnapshotError::MissingFile { .. }
+                    | SnapshotError::SizeMismatch { .. }
+                    | SnapshotError::BlockLength { .. }
+                    | SnapshotError::BlockChecksum { .. }
+                    | SnapshotError::FileChecksum { .. }
+                    | SnapshotError::ChainUnreadable { .. }
+            )
+    }
+
     /// Wraps an object-store error for `op` on `path`, mapping not-found to [`SnapshotError::MissingFile`].
     pub fn store(op: &'static str, path: impl ToString, source: object_store::Error) -> Self {
         match source {

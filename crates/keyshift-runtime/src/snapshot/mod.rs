@@ -108,8 +108,8 @@ pub use object_store::ObjectStore;
 pub use object_store::path::Path;
 pub use reader::{
     MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
-    STREAM_REQUEST_BYTES, VerifyReport, commit_manifest, fetch_deltas, open_snapshot,
-    open_snapshot_dir, parse_manifest, plan_stream_reads, read_chain, read_groups,
+    STREAM_REQUEST_BYTES, VerifyReport, check_files_present, commit_manifest, fetch_deltas,
+    open_snapshot, open_snapshot_dir, parse_manifest, plan_stream_reads, read_chain, read_groups,
     read_groups_stream, read_manifest, sealed_manifest_json, verify, verify_written,
 };
 pub use store::open_store;
