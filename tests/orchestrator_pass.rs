@@ -1148,6 +1148,77 @@ async fn a_restart_falls_back_past_snapshots_whose_state_is_lost_and_never_start
     .await;
 }
 
+/// A snapshot whose files are all there but one of whose blocks no longer matches its checksum
+/// is found by the restore itself: the start fails (StartFailed says the snapshot cannot be
+/// restored), and the next attempt passes over it to the snapshot before (an
+/// UnreadableSnapshotSkipped Event names it and the checksum), instead of retrying it forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_falls_back_past_a_snapshot_whose_block_is_corrupt() {
+    bounded(async {
+        let mut d = Driver::new("corrupt-block", 2, "1h");
+        d.until_running(2).await;
+        let mut savepoints = Vec::new();
+        for nonce in 1..=2 {
+            d.assert_processing().await;
+            d.spec.savepoint_trigger_nonce = Some(nonce);
+            d.until("savepoint taken", Duration::from_secs(20), |d| {
+                d.status.last_savepoint_nonce == Some(nonce)
+            })
+            .await;
+            savepoints.push(d.status.last_savepoint.clone().expect("a savepoint").path);
+        }
+        // Every state file of the newest savepoint: the same size, other bytes.
+        let (store, dir) = keyshift::snapshot::open_store(&savepoints[1]).expect("store");
+        let files: Vec<_> = futures::TryStreamExt::try_collect(store.list(Some(&dir)))
+            .await
+            .expect("listing");
+        let mut flipped = 0;
+        for meta in files {
+            if !meta.location.as_ref().ends_with(".bin") || meta.size == 0 {
+                continue;
+            }
+            let bytes = object_store::ObjectStoreExt::get(store.as_ref(), &meta.location)
+                .await
+                .expect("get")
+                .bytes()
+                .await
+                .expect("bytes");
+            let other: Vec<u8> = bytes.iter().map(|b| b ^ 0xff).collect();
+            object_store::ObjectStoreExt::put(store.as_ref(), &meta.location, other.into())
+                .await
+                .expect("put");
+            flipped += 1;
+        }
+        assert!(flipped > 0, "no state to corrupt under {dir}");
+        let started_before = d.events_named("Started").len();
+        let failed_before = d.events_named("StartFailed").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("restarted", Duration::from_secs(60), |d| {
+            d.events_named("Started").len() > started_before
+        })
+        .await;
+        let failed = &d.events_named("StartFailed")[failed_before..];
+        let first = &failed
+            .first()
+            .expect("the corrupt restore failed first")
+            .1
+            .note;
+        assert!(
+            first.contains("cannot be restored")
+                && first.contains(&savepoints[1])
+                && first.contains("passes over"),
+            "{first}"
+        );
+        let started = &d.events_named("Started").last().expect("Started").1.note;
+        assert!(started.contains(&savepoints[0]), "{started}");
+        let skipped = d.events_named("UnreadableSnapshotSkipped");
+        let note = &skipped.last().expect("the skipped snapshot is said").1.note;
+        assert!(note.contains("checksum"), "{note}");
+        d.assert_processing().await;
+    })
+    .await;
+}
+
 /// A restore from spec.restoreFrom replaces the job's history: a worker that dies right after the
 /// restored run started (before its first checkpoint commits) restarts from spec.restoreFrom
 /// again, never from the job's older own snapshots (the transition's savepoint holds the state

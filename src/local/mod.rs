@@ -357,8 +357,16 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
     let resume = match &spec.restore_from {
         Some(url) if status.restored_from.as_ref() != Some(url) => Some(Some(url.clone())),
         _ => {
-            let found =
-                run::latest_restorable(&spec, &storage, &namespace, &name, groups, None).await?;
+            let found = run::latest_restorable(
+                &spec,
+                &storage,
+                &namespace,
+                &name,
+                groups,
+                None,
+                &Default::default(),
+            )
+            .await?;
             if found.job.is_none() && !found.skipped.is_empty() {
                 // The pass refuses to start it (StartError::NothingRestorable) and says why.
                 say(format_args!(
@@ -604,9 +612,17 @@ mod tests {
             status.max_parallelism_origin,
             Some(validation::ceiling_origin_snapshot(&good))
         );
-        let found = run::latest_restorable(&spec, storage, &job.namespace, &job.name, 8, None)
-            .await
-            .unwrap();
+        let found = run::latest_restorable(
+            &spec,
+            storage,
+            &job.namespace,
+            &job.name,
+            8,
+            None,
+            &Default::default(),
+        )
+        .await
+        .unwrap();
         assert_eq!(found.url.as_deref(), Some(good.as_str()));
         assert_eq!(found.job, Some(job.clone()));
         assert_eq!(found.skipped.len(), 1);
@@ -635,9 +651,17 @@ mod tests {
             .await
             .unwrap();
         let spec = crate::fixtures::job().spec;
-        let found = run::latest_restorable(&spec, storage, &job.namespace, &job.name, 8, None)
-            .await
-            .unwrap();
+        let found = run::latest_restorable(
+            &spec,
+            storage,
+            &job.namespace,
+            &job.name,
+            8,
+            None,
+            &Default::default(),
+        )
+        .await
+        .unwrap();
         assert_eq!(found.url.as_deref(), Some(good.as_str()));
         let why: Vec<(u64, &str)> = found
             .skipped
@@ -660,9 +684,17 @@ mod tests {
         // The last one lost too: nothing to restore, and all three named.
         let (store, path) = file(&good);
         store.delete(&path).await.unwrap();
-        let found = run::latest_restorable(&spec, storage, &job.namespace, &job.name, 8, None)
-            .await
-            .unwrap();
+        let found = run::latest_restorable(
+            &spec,
+            storage,
+            &job.namespace,
+            &job.name,
+            8,
+            None,
+            &Default::default(),
+        )
+        .await
+        .unwrap();
         assert_eq!(found.url, spec.restore_from);
         assert_eq!(found.job, None);
         assert_eq!(found.skipped.len(), 3);

@@ -10,6 +10,7 @@ use crate::runtime::protocol::StartRequest;
 use crate::snapshot::{self, JobIdentity};
 use keyshift_core::keygroup::Assignment;
 use keyshift_core::reason::Reason;
+use std::collections::BTreeMap;
 
 /// Failures of the OS random number generator (no weaker source is ever used instead).
 #[derive(Debug, thiserror::Error)]
@@ -120,6 +121,9 @@ pub struct Restorable {
 /// snapshots under its key-group count after the history a restore replaced
 /// ([`crate::snapshot::newest_snapshot`], passing over newer ones whose manifest is corrupt),
 /// else `spec.restoreFrom`, else nothing.
+///
+/// `unrestorable`: snapshots (by URL, with why) that a restore found it cannot restore (a
+/// block that does not match its checksum): passed over like those the listing finds lacking.
 pub async fn latest_restorable(
     spec: &StreamJobSpec,
     storage: &str,
@@ -127,13 +131,15 @@ pub async fn latest_restorable(
     name: &str,
     max_parallelism: u32,
     replaced_up_to: Option<u64>,
+    unrestorable: &BTreeMap<String, String>,
 ) -> Result<Restorable, CoordinatorError> {
-    let newest = crate::snapshot::newest_snapshot(
+    let newest = crate::snapshot::newest_snapshot_except(
         storage,
         namespace,
         name,
         Some(max_parallelism),
         replaced_up_to,
+        unrestorable,
     )
     .await?;
     let (url, job) = match newest.found {

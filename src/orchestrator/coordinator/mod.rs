@@ -67,6 +67,15 @@ pub enum CoordinatorError {
         url: String,
         reason: String,
     },
+    /// A worker could not restore the snapshot itself (a state file lost or truncated, a block
+    /// that does not match its checksum): a start from it cannot succeed, an older one may.
+    #[error("worker {subtask} ({url}): the snapshot {snapshot} cannot be restored: {reason}")]
+    Unrestorable {
+        subtask: usize,
+        url: String,
+        snapshot: String,
+        reason: String,
+    },
     #[error("snapshot {id} failed on subtask {subtask}: {error}")]
     SnapshotFailed {
         id: u64,

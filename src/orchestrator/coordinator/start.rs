@@ -118,7 +118,14 @@ impl Coordinator {
         }))
         .await?;
         check_partition_lists(&accepted)?;
-        let responses = self.wait_restored(&accepted, began, ready_timeout).await?;
+        let responses = self
+            .wait_restored(
+                &accepted,
+                began,
+                ready_timeout,
+                template.restore_from.as_deref(),
+            )
+            .await?;
         self.wait_ready(ready_timeout.saturating_sub(began.elapsed()))
             .await?;
         if let Some(url) = &template.restore_from {
@@ -128,14 +135,16 @@ impl Coordinator {
     }
 
     /// Polls every worker's `/v1/status` until each has restored its state (what it reports
-    /// then, in subtask order), one reports that its start failed, or `timeout` (counted from
-    /// `began`) passes. Each round's progress (over `accepted`, what each worker said it reads)
+    /// then, in subtask order), one reports that its start failed (the snapshot `restoring`
+    /// itself, when the worker says so: [`CoordinatorError::Unrestorable`]), or `timeout`
+    /// (counted from `began`) passes. Each round's progress (over `accepted`, what each worker said it reads)
     /// goes to [`Coordinator::restore_progress`].
     pub(super) async fn wait_restored(
         &self,
         accepted: &[StartAccepted],
         began: Instant,
         timeout: Duration,
+        restoring: Option<&str>,
     ) -> Result<Vec<StartResponse>, CoordinatorError> {
         /// Status requests in a row that may fail before the worker counts as gone.
         const STATUS_FAILURES: u32 = 3;
@@ -174,6 +183,16 @@ impl Coordinator {
                         let reason = st.last_start_error.unwrap_or_else(|| {
                             "the worker is idle again (it restarted and lost the start)".into()
                         });
+                        if st.last_start_unrestorable
+                            && let Some(snapshot) = restoring
+                        {
+                            return Err(CoordinatorError::Unrestorable {
+                                subtask: i,
+                                url: self.workers[i].control.clone(),
+                                snapshot: snapshot.to_owned(),
+                                reason,
+                            });
+                        }
                         return Err(self.fail(i, format!("/v1/start: restore failed: {reason}")));
                     }
                 }

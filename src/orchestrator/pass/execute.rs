@@ -546,6 +546,7 @@ impl Pass<'_> {
                 self.status
                     .replaced_history_up_to
                     .and_then(|b| u64::try_from(b).ok()),
+                &self.mem.unrestorable,
             )
             .await
             .map_err(PassError::FindSnapshot)?;
@@ -1163,6 +1164,7 @@ impl Pass<'_> {
                     self.status
                         .replaced_history_up_to
                         .and_then(|b| u64::try_from(b).ok()),
+                    &self.mem.unrestorable,
                 )
                 .await
                 .map_err(PassError::FindSnapshot)?;
@@ -1446,6 +1448,26 @@ impl Pass<'_> {
                     self.event(true, Reason::RescaleRollingBack, why);
                     return Ok(requeue::AFTER_FAILURE);
                 }
+                // A snapshot of the job's own history that cannot be restored: the next
+                // attempt passes over it (a snapshot named by spec.restoreFrom or a transition
+                // is not replaced by another by itself).
+                let mut message = message;
+                let mut intact = true;
+                if restored_source.is_none()
+                    && let StartError::Workers(CoordinatorError::Unrestorable {
+                        snapshot,
+                        reason,
+                        ..
+                    }) = &e
+                {
+                    self.mem
+                        .unrestorable
+                        .insert(snapshot.clone(), format!("restoring it failed: {reason}"));
+                    message = format!(
+                        "{message}; the next attempt passes over {snapshot} to the newest snapshot before it"
+                    );
+                    intact = false;
+                }
                 if e.refuses_for_good() {
                     let reason = match &e {
                         StartError::Refused { reason, .. } => *reason,
@@ -1461,11 +1483,11 @@ impl Pass<'_> {
                 }
                 let reason = Reason::StartFailed;
                 self.fail(reason, message.clone());
-                self.event(
-                    true,
-                    reason,
-                    format!("{message}; retrying with backoff (the snapshot is intact)"),
-                );
+                let note = match intact {
+                    true => format!("{message}; retrying with backoff (the snapshot is intact)"),
+                    false => format!("{message}; retrying with backoff"),
+                };
+                self.event(true, reason, note);
                 Ok(requeue::AFTER_FAILURE)
             }
         }

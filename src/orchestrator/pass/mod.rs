@@ -100,6 +100,10 @@ pub struct JobMemory {
     /// ([`refusal_key`]), the reason and the message. No run is started again until the spec
     /// changes.
     start_refused: Option<(String, Reason, String)>,
+    /// Snapshots of the job's own history that a restore found it cannot restore (a block that
+    /// does not match its checksum, which no listing can tell), by URL, with why: later resumes
+    /// pass over them ([`run::latest_restorable`]). A new leader tries each once more.
+    unrestorable: std::collections::BTreeMap<String, String>,
 }
 
 /// What a refusal is remembered for: the whole spec (any edit of it ends the refusal, the

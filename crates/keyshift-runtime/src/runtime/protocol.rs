@@ -454,6 +454,10 @@ pub struct WorkerStatus {
     /// Why the last start failed (the worker is `idle` again and can be started anew).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_start_error: Option<String>,
+    /// Whether that failure was the snapshot's own (a state file lost or truncated, a block
+    /// that does not match its checksum): a start from the same snapshot cannot succeed.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last_start_unrestorable: bool,
     /// The newest snapshot id this worker was triggered or told to abort, if any: a coordinator
     /// that takes the worker over continues above it (a worker ignores ids at or below the
     /// newest it finished or abandoned).

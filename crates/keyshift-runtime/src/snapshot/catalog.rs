@@ -14,7 +14,7 @@ use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 /// Manifests read at once while listing.
 const MANIFESTS_AT_ONCE: usize = 8;
@@ -529,12 +529,44 @@ pub async fn newest_snapshot(
     max_parallelism: Option<u32>,
     replaced_up_to: Option<u64>,
 ) -> Result<Newest> {
+    newest_snapshot_except(
+        storage,
+        namespace,
+        job,
+        max_parallelism,
+        replaced_up_to,
+        &BTreeMap::new(),
+    )
+    .await
+}
+
+/// [`newest_snapshot`], passing over the snapshots in `unrestorable` too (by URL, with why:
+/// those a restore found it cannot restore, such as a block that does not match its checksum,
+/// which no listing can tell).
+pub async fn newest_snapshot_except(
+    storage: &str,
+    namespace: &str,
+    job: &str,
+    max_parallelism: Option<u32>,
+    replaced_up_to: Option<u64>,
+    unrestorable: &BTreeMap<String, String>,
+) -> Result<Newest> {
     let (store, base) = open_store(storage)?;
     let job_dir = job_dir(&base, namespace, job);
     let scan = scan_snapshots(store.as_ref(), &job_dir).await?;
     let mut lacking = Vec::new();
     let mut found = None;
     for info in scan.newest_first(max_parallelism, replaced_up_to) {
+        let url = snapshot_url(storage, namespace, job, info.kind, info.id);
+        if let Some(why) = unrestorable.get(&url) {
+            lacking.push(UnreadableSnapshot {
+                kind: info.kind,
+                id: info.id,
+                dir: info.dir.clone(),
+                error: why.clone(),
+            });
+            continue;
+        }
         match restorable(store.as_ref(), &info.dir).await {
             Ok(()) => {
                 found = Some(info);

@@ -87,8 +87,8 @@ mod writer;
 
 pub use catalog::{
     Newest, RetentionReport, SnapshotInfo, SnapshotScan, UnreadableSnapshot, delete_unreferenced,
-    is_committed, latest_checkpoint, list_snapshots, newest_snapshot, next_snapshot_id,
-    referenced_files, restore_source, retain, scan_snapshots, snapshot_ids,
+    is_committed, latest_checkpoint, list_snapshots, newest_snapshot, newest_snapshot_except,
+    next_snapshot_id, referenced_files, restore_source, retain, scan_snapshots, snapshot_ids,
 };
 pub use checksum::Crc32c;
 pub use error::{Result, SnapshotError};

@@ -103,6 +103,19 @@ impl WorkerError {
         }
     }
 
+    /// Whether the snapshot a start restores cannot be restored (a state file lost or
+    /// truncated, a block that does not match its checksum, a chain that does not merge, a
+    /// manifest that cannot be used): no retry from the same snapshot can succeed, an older one
+    /// may ([`WorkerStatus::last_start_unrestorable`]).
+    pub fn snapshot_unrestorable(&self) -> bool {
+        match self {
+            WorkerError::Snapshot(e) | WorkerError::Restore(restore::RestoreError::Snapshot(e)) => {
+                e.is_unrestorable()
+            }
+            _ => false,
+        }
+    }
+
     /// Whether a failed snapshot must stop the worker (so that the job restarts from its last
     /// committed snapshot) rather than only fail that snapshot.
     fn stops_the_worker(&self) -> bool {

@@ -64,6 +64,7 @@ pub(super) async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
         let mut st = s.status.lock().await;
         st.state = WorkerState::Restoring;
         st.last_start_error = None;
+        st.last_start_unrestorable = false;
         st.started = None;
         st.restore = Some(RestoreProgress {
             bytes_total: accepted.bytes_total,
@@ -84,11 +85,12 @@ pub(super) async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
                 st.started = Some(resp);
             }
             Err(e) => {
-                tracing::error!(error = %e, "start failed");
+                tracing::error!(error = %e, unrestorable = e.snapshot_unrestorable(), "start failed");
                 {
                     let mut st = s2.status.lock().await;
                     st.state = WorkerState::Idle;
                     st.last_start_error = Some(e.to_string());
+                    st.last_start_unrestorable = e.snapshot_unrestorable();
                 }
                 s2.started.store(false, Ordering::Release);
             }
@@ -244,6 +246,7 @@ pub(super) async fn prestage_handler(
         let mut st = s.status.lock().await;
         st.state = WorkerState::Restoring;
         st.last_start_error = None;
+        st.last_start_unrestorable = false;
         st.prestaged = None;
         st.restore = Some(RestoreProgress {
             bytes_total: accepted.bytes_total,
