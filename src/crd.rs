@@ -143,6 +143,16 @@ pub struct StreamJobSpec {
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub allow_restore_from_another_job: bool,
 
+    /// Allow a restore to go back past sink output already published: the records after the
+    /// restored snapshot are processed again and their results published again, so readers of
+    /// the sink see them twice. Off by default: a restore of one of the job's own snapshots
+    /// older than the newest output its sink published (a spec.restoreFrom of an older
+    /// savepoint, or a resume whose newer snapshots cannot be restored) is refused before
+    /// anything stops (Stalled, reason OutputWouldRepeat), naming the snapshot and the output
+    /// that would repeat.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub allow_republishing_output: bool,
+
     /// Compute resources of each worker container. Default when unset: requests of cpu `100m`
     /// and memory `128Mi` and no limits (so the pods schedule on a namespace with a
     /// LimitRange or ResourceQuota that requires requests); set `resources: {}` for no requests

@@ -279,7 +279,7 @@ async fn restore_under_object_store_faults_is_exact_or_refused() {
     let flipped = relay.inject(
         "GET",
         &manifest,
-        Fault::FlipDigitAfter("\"0\": ".into()),
+        Fault::FlipDigitAfter("\"0\":".into()),
         usize::MAX,
     );
     let e = local
@@ -612,7 +612,7 @@ async fn a_corrupted_manifest_is_refused_not_restored() {
     let path = PathBuf::from(sp.url.trim_start_matches("file://")).join("_manifest.json");
     let mut bytes = std::fs::read(&path).expect("manifest");
     assert!(
-        flip_digit_after(&mut bytes, b"\"0\": "),
+        flip_digit_after(&mut bytes, b"\"0\":"),
         "the manifest holds partition 0's position"
     );
     std::fs::write(&path, &bytes).expect("write");

@@ -1049,7 +1049,10 @@ async fn a_job_with_recorded_snapshots_never_restarts_empty() {
 
 /// A resume falls back past any snapshot it cannot restore, not only past an unreadable
 /// manifest: with the newest savepoint's state file lost, the restart after a worker failure
-/// restores the one before (an UnreadableSnapshotSkipped Event names the lost file); with every
+/// would go back past that savepoint's published output, so it stalls (OutputWouldRepeat,
+/// naming the snapshot, the sink and the edit that confirms it) and starts nothing until
+/// spec.allowRepublishingOutput is set; then it restores the one before (an
+/// UnreadableSnapshotSkipped Event names the lost file); with every
 /// snapshot's state lost, it refuses to start (StartFailed names each snapshot and why) and no
 /// run starts without the state.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1089,6 +1092,26 @@ async fn a_restart_falls_back_past_snapshots_whose_state_is_lost_and_never_start
         lose(&savepoints[1]).await;
         let started_before = d.events_named("Started").len();
         d.workers.kill(0).expect("worker 0 exists");
+        // The resume would go back past sp-2's published output: it waits for the one edit
+        // that confirms it, and nothing starts meanwhile.
+        d.until("refused", Duration::from_secs(30), |d| {
+            d.condition("Stalled").is_some()
+        })
+        .await;
+        let (reason, message) = d.condition("Stalled").expect("Stalled");
+        assert_eq!(reason, "OutputWouldRepeat", "{message}");
+        for needle in [
+            savepoints[0].as_str(),
+            "memory://lost-files/sink",
+            "allowRepublishingOutput: true",
+        ] {
+            assert!(message.contains(needle), "{needle}: {message}");
+        }
+        d.for_a_while(Duration::from_secs(2), |d| {
+            assert_eq!(d.events_named("Started").len(), started_before);
+        })
+        .await;
+        d.spec.allow_republishing_output = true;
         d.until("restarted", Duration::from_secs(30), |d| {
             d.events_named("Started").len() > started_before
         })
@@ -1156,6 +1179,8 @@ async fn a_restart_falls_back_past_snapshots_whose_state_is_lost_and_never_start
 async fn a_restart_falls_back_past_a_snapshot_whose_block_is_corrupt() {
     bounded(async {
         let mut d = Driver::new("corrupt-block", 2, "1h");
+        // Going back past the corrupt savepoint's published output is confirmed up front.
+        d.spec.allow_republishing_output = true;
         d.until_running(2).await;
         let mut savepoints = Vec::new();
         for nonce in 1..=2 {
@@ -1215,6 +1240,99 @@ async fn a_restart_falls_back_past_a_snapshot_whose_block_is_corrupt() {
         let note = &skipped.last().expect("the skipped snapshot is said").1.note;
         assert!(note.contains("checksum"), "{note}");
         d.assert_processing().await;
+    })
+    .await;
+}
+
+/// A restoreFrom of the job's own snapshot never publishes a result twice by itself: the
+/// savepoint the running job stops with before restoring its newest savepoint publishes nothing
+/// (the records after the restored snapshot are processed again and published once, by the new
+/// run); a restoreFrom of a snapshot older than the sink's published output is refused before
+/// anything stops (Stalled OutputWouldRepeat, the same workers running) until
+/// spec.allowRepublishingOutput confirms it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_from_never_goes_back_past_published_output_by_itself() {
+    bounded(async {
+        let mut d = Driver::new("own-restore", 2, "1h");
+        d.until_running(2).await;
+        d.assert_processing().await;
+        d.spec.savepoint_trigger_nonce = Some(1);
+        d.until("savepoint taken", Duration::from_secs(20), |d| {
+            d.status.last_savepoint_nonce == Some(1)
+        })
+        .await;
+        let first = d.status.last_savepoint.clone().expect("a savepoint");
+        d.assert_processing().await;
+        let (store, base) =
+            keyshift::snapshot::open_store("memory://own-restore/sink").expect("sink");
+        let published = |store: std::sync::Arc<dyn object_store::ObjectStore>,
+                         base: object_store::path::Path| async move {
+            let listing = store
+                .list_with_delimiter(Some(&base))
+                .await
+                .expect("sink listing");
+            let mut ids: Vec<u64> = listing
+                .common_prefixes
+                .iter()
+                .filter_map(|p| p.filename()?.strip_prefix("snap-")?.parse().ok())
+                .collect();
+            ids.sort_unstable();
+            ids
+        };
+        assert_eq!(
+            published(store.clone(), base.clone()).await,
+            vec![first.id as u64]
+        );
+
+        // The newest savepoint: nothing published after it, so the restore goes ahead, and the
+        // savepoint the job stops with holds its output back.
+        d.spec.restore_from = Some(first.path.clone());
+        d.until("restored", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done)
+                && d.status.restored_from.as_deref() == Some(first.path.as_str())
+                && d.running_at(2)
+        })
+        .await;
+        let held = d.rescale().savepoint.expect("the transition's savepoint");
+        d.assert_processing().await;
+        d.spec.savepoint_trigger_nonce = Some(2);
+        d.until("savepoint taken", Duration::from_secs(20), |d| {
+            d.status.last_savepoint_nonce == Some(2)
+        })
+        .await;
+        let after = d.status.last_savepoint.clone().expect("a savepoint");
+        let ids = published(store.clone(), base.clone()).await;
+        assert_eq!(ids, vec![first.id as u64, after.id as u64], "held {held}");
+
+        // Older than what the sink published: refused before anything stops.
+        let workers = d.workers.names();
+        d.spec.restore_from = Some(held.clone());
+        d.until("refused", Duration::from_secs(20), |d| {
+            d.condition("Stalled").is_some()
+        })
+        .await;
+        let (reason, message) = d.condition("Stalled").expect("Stalled");
+        assert_eq!(reason, "OutputWouldRepeat", "{message}");
+        for needle in [
+            held.as_str(),
+            "memory://own-restore/sink",
+            "nothing was stopped",
+            "allowRepublishingOutput: true",
+        ] {
+            assert!(message.contains(needle), "{needle}: {message}");
+        }
+        d.for_a_while(Duration::from_secs(2), |d| {
+            assert_eq!(d.workers.names(), workers, "nothing stopped");
+        })
+        .await;
+        d.spec.allow_republishing_output = true;
+        d.until("restored the older one", Duration::from_secs(30), |d| {
+            d.step() == Some(Step::Done)
+                && d.status.restored_from.as_deref() == Some(held.as_str())
+                && d.running_at(2)
+        })
+        .await;
+        assert!(d.condition("Stalled").is_none());
     })
     .await;
 }
@@ -1471,6 +1589,9 @@ async fn restoring_another_jobs_snapshot_needs_the_opt_in() {
 async fn recovery_passes_over_a_corrupt_snapshot_and_says_so() {
     bounded(async {
         let mut d = Driver::new("bad-manifest", 2, "1h");
+        // Going back past the bad savepoint's published output is confirmed up front (without
+        // it the resume stalls: a_restart_falls_back_past_snapshots_whose_state_is_lost...).
+        d.spec.allow_republishing_output = true;
         d.until_running(2).await;
         let mut savepoints = Vec::new();
         for nonce in [1, 2] {
@@ -1877,6 +1998,8 @@ async fn a_crash_after_a_rolled_back_restore_from_restores_only_the_restore_sour
         d.workers.faults().refuse_start_at = Some(3);
         d.spec.replicas = 3;
         d.spec.restore_from = Some(target.path.clone());
+        // It goes back past the checkpoints published after it: confirmed.
+        d.spec.allow_republishing_output = true;
         d.until("restoring at 3", Duration::from_secs(30), |d| {
             d.step() == Some(Step::Restoring)
         })

@@ -332,6 +332,29 @@ pub fn skipped_names(skipped: &[snapshot::UnreadableSnapshot]) -> String {
         .join("; ")
 }
 
+/// Why restoring snapshot `id` of this job (at `url`) must not go ahead: the sink `sink` has
+/// published the output of snapshots up to `published` > `id`, which the records after `id`
+/// would publish again, and spec.allowRepublishingOutput is not set. Pure.
+pub fn going_back_refusal(
+    url: &str,
+    id: u64,
+    published: Option<u64>,
+    sink: &str,
+    spec: &StreamJobSpec,
+) -> Option<(Reason, String)> {
+    let newest = published.filter(|p| *p > id)?;
+    if spec.allow_republishing_output {
+        return None;
+    }
+    Some((
+        Reason::OutputWouldRepeat,
+        format!(
+            "restoring {url} (snapshot {id}) would go back past sink output already published: {sink} holds the output of snapshots up to {newest}, and the records after snapshot {id} would be processed again and their results published again (readers would see the results of snapshots {} to {newest} twice). The job does not go back by itself: restore a snapshot at or after {newest} (or the lost files of the one passed over), or set spec.allowRepublishingOutput: true to go back anyway",
+            id + 1
+        ),
+    ))
+}
+
 /// What a condition and an Event say about snapshots a resume passed over. Pure.
 pub fn skipped_message(skipped: &[snapshot::UnreadableSnapshot], restored: Option<&str>) -> String {
     let names = skipped_names(skipped);
@@ -482,6 +505,34 @@ mod tests {
             "replicas: 2\njob: {{source: {{generator: {{partitions: 2}}}}, key: {{field: user}}, aggregation: {{function: count}}}}\n{extra}"
         ))
         .unwrap()
+    }
+
+    #[test]
+    fn a_restore_behind_published_output_is_refused_unless_opted_in() {
+        let url = "s3://b/ns/j/savepoints/sp-4";
+        let spec = job("");
+        // Nothing published, or nothing beyond the snapshot: it goes ahead.
+        for published in [None, Some(2), Some(4)] {
+            assert_eq!(
+                going_back_refusal(url, 4, published, "s3://b/out", &spec),
+                None
+            );
+        }
+        let (reason, message) = going_back_refusal(url, 4, Some(9), "s3://b/out", &spec).unwrap();
+        assert_eq!(reason, Reason::OutputWouldRepeat);
+        for needle in [
+            url,
+            "s3://b/out",
+            "snapshots 5 to 9 twice",
+            "spec.allowRepublishingOutput: true",
+        ] {
+            assert!(message.contains(needle), "{needle}: {message}");
+        }
+        let allowed = job("allowRepublishingOutput: true");
+        assert_eq!(
+            going_back_refusal(url, 4, Some(9), "s3://b/out", &allowed),
+            None
+        );
     }
 
     #[test]

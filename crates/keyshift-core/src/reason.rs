@@ -64,6 +64,9 @@ reasons! {
     RestoreFromUnusable,
     SnapshotOfAnotherJob,
     StateLayoutChanged,
+    /// Stalled: the restore would go back past sink output already published (its results
+    /// would be published twice) and spec.allowRepublishingOutput is not set.
+    OutputWouldRepeat,
     /// Stalled: the workers refused the start for good (a program their image does not carry,
     /// a spec they cannot run, a snapshot of another schema or key-group count): no retry can
     /// change that, the job waits for a changed spec.

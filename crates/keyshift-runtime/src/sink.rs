@@ -225,6 +225,23 @@ pub async fn remove_staged_through(
     Ok(())
 }
 
+/// The largest snapshot id whose output is published under the sink (`<base>/snap-<id>/`), if
+/// any: how far the sink's readers have seen the job's results.
+pub async fn published_through(
+    store: &dyn ObjectStore,
+    base: &Path,
+) -> Result<Option<u64>, SinkError> {
+    let listing = store
+        .list_with_delimiter(Some(base))
+        .await
+        .map_err(SinkError::store("list", base))?;
+    Ok(listing
+        .common_prefixes
+        .iter()
+        .filter_map(|p| p.filename().and_then(parse_snapshot_dir_name))
+        .max())
+}
+
 /// The largest snapshot id that has output under the sink, staged or published (0: none), so
 /// that a coordinator never reuses one (e.g. for a job deleted and created again whose snapshot
 /// storage is gone but whose sink output is not).
@@ -437,6 +454,14 @@ mod tests {
             "{\"key\":1,\"value\":7}\n"
         );
         assert_eq!(max_snapshot_id(&store, &base).await.unwrap(), 4);
+        // 4 is staged, not published: the readers have seen up to 3.
+        assert_eq!(published_through(&store, &base).await.unwrap(), Some(3));
+        assert_eq!(
+            published_through(&store, &Path::from("elsewhere"))
+                .await
+                .unwrap(),
+            None
+        );
         // Nothing staged or published: nothing to publish.
         assert_eq!(
             publish(&store, &base, 9).await.unwrap(),

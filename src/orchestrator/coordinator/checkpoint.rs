@@ -19,6 +19,18 @@ impl Coordinator {
             Ok(()) => {
                 let id = self.next_id;
                 self.next_id += 1;
+                if let Some(sink) = self.sink.as_mut()
+                    && std::mem::take(&mut sink.hold_next)
+                {
+                    tracing::info!(
+                        id,
+                        "the output of this snapshot is held back: the job restores an older one next"
+                    );
+                    sink.abandoned
+                        .get_mut()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .insert(id);
+                }
                 match self.take(id, kind, stop, timeout).await {
                     Ok(m) => Ok((id, m)),
                     // A commit in doubt may have committed: the workers' acknowledgements stand.
@@ -172,6 +184,14 @@ impl Coordinator {
         let Some(sink) = &self.sink else {
             return;
         };
+        if sink
+            .abandoned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .contains(&id)
+        {
+            return;
+        }
         sink.backlog
             .lock()
             .unwrap_or_else(PoisonError::into_inner)

@@ -32,6 +32,13 @@ pub(super) struct Sink {
     /// Committed ids not published yet (a lock: publishing runs behind `&self`, e.g. in
     /// [`Coordinator::start`]; never held across an await).
     pub(super) backlog: Mutex<(BTreeSet<u64>, Option<String>)>,
+    /// Committed snapshots of the job newer than the one this run restored from: the run went
+    /// back past them (their records are processed again, their results published under new
+    /// ids), so their own staged output is never published.
+    pub(super) abandoned: Mutex<BTreeSet<u64>>,
+    /// Whether the next snapshot's output is held back (joins `abandoned` when triggered):
+    /// [`Coordinator::hold_output_of_next_snapshot`].
+    pub(super) hold_next: bool,
     /// For a Kafka sink: the publisher that produces the staged output (instead of copying it
     /// to published objects; see [`crate::job::kafka::sink`]).
     #[cfg(feature = "kafka")]
@@ -83,6 +90,8 @@ impl Coordinator {
             ids_checked: false,
             caught_up: false,
             backlog: Mutex::new((BTreeSet::new(), None)),
+            abandoned: Mutex::new(BTreeSet::new()),
+            hold_next: false,
             #[cfg(feature = "kafka")]
             kafka: None,
             #[cfg(feature = "kafka")]
@@ -172,6 +181,41 @@ impl Coordinator {
             .and_then(|k| k.broker_error())
     }
 
+    /// The next snapshot's sink output is never published: the savepoint a transition takes
+    /// before it restores an older snapshot of the job's own history (the records after that
+    /// snapshot are processed again, and their results published once, by the next run). Were
+    /// it published, the restore would go back past it.
+    pub fn hold_output_of_next_snapshot(&mut self) {
+        if let Some(sink) = self.sink.as_mut() {
+            sink.hold_next = true;
+        }
+    }
+
+    /// Whether the job's sink publishes committed output (an object-store or exactly-once
+    /// Kafka sink).
+    pub fn publishes(&self) -> bool {
+        self.sink.is_some()
+    }
+
+    /// The newest snapshot id whose sink output the sink's readers can see (`None`: none, or no
+    /// sink that publishes): the published objects of an object-store sink, the marker of an
+    /// exactly-once Kafka sink (read from the brokers). A restore of one of the job's own
+    /// snapshots older than it goes back past published output ([`super::super::run::going_back_refusal`]).
+    pub async fn published_through(&self) -> Result<Option<u64>, CoordinatorError> {
+        let Some(sink) = &self.sink else {
+            return Ok(None);
+        };
+        #[cfg(feature = "kafka")]
+        if let Some(k) = &sink.kafka {
+            let marker = k
+                .marker()
+                .await
+                .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
+            return Ok(marker.map(|m| m.snapshot));
+        }
+        Ok(crate::sink::published_through(sink.store.as_ref(), &sink.base).await?)
+    }
+
     /// Committed snapshots whose sink output is not published yet, and the last failure.
     pub fn publish_backlog(&self) -> PublishBacklog {
         match &self.sink {
@@ -207,9 +251,17 @@ impl Coordinator {
         let Some(sink) = &self.sink else {
             return Ok(());
         };
+        let abandoned = sink
+            .abandoned
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         let mut unpublished = Vec::new();
         for (id, kind) in snapshot_ids(self.store.as_ref(), &self.job_dir).await? {
-            if id > through || !is_committed(self.store.as_ref(), &self.job_dir, kind, id).await? {
+            if id > through
+                || abandoned.contains(&id)
+                || !is_committed(self.store.as_ref(), &self.job_dir, kind, id).await?
+            {
                 continue;
             }
             match crate::sink::published(sink.store.as_ref(), &sink.base, id).await? {
@@ -264,6 +316,37 @@ impl Coordinator {
                 "restored from another job's snapshot: no sink output of it to publish"
             );
             return;
+        }
+        // The run goes on from this snapshot: the job's committed snapshots after it belong to
+        // the history it went back past (a resume that passed over them, a restoreFrom of an
+        // older one) and their output is never published (the replay publishes it anew).
+        let mut newer = BTreeSet::new();
+        match snapshot_ids(self.store.as_ref(), &self.job_dir).await {
+            Ok(ids) => {
+                for (id, kind) in ids.into_iter().filter(|(id, _)| *id > manifest.snapshot_id) {
+                    match is_committed(self.store.as_ref(), &self.job_dir, kind, id).await {
+                        Ok(true) => {
+                            newer.insert(id);
+                        }
+                        Ok(false) => {}
+                        Err(e) => {
+                            tracing::warn!(id, error = %e, "reading whether a snapshot after the restored one committed")
+                        }
+                    }
+                }
+            }
+            Err(e) => {
+                tracing::warn!(url, error = %e, "listing the snapshots after the restored one")
+            }
+        }
+        if !newer.is_empty() {
+            tracing::info!(restored = manifest.snapshot_id, abandoned = ?newer, "the run went back past committed snapshots: their sink output is not published");
+            if let Some(sink) = &self.sink {
+                sink.abandoned
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .extend(newer);
+            }
         }
         if let Err(e) = self.publish_committed_through(manifest.snapshot_id).await {
             tracing::warn!(url, error = %e, "publishing the restored snapshot's sink output; retried after the next commit");

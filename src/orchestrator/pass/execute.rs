@@ -906,9 +906,28 @@ impl Pass<'_> {
     }
 
     pub(super) async fn savepoint(&mut self) -> Result<Duration, PassError> {
-        let Some(run) = self.mem.run.take() else {
+        let Some(mut run) = self.mem.run.take() else {
             return Ok(requeue::SOON);
         };
+        // A transition that restores one of the job's own snapshots (a restoreFrom of an older
+        // one, an undone key-group change) goes back to it: the savepoint it stops with must
+        // not publish what the records after that snapshot produce, which the next run
+        // publishes once.
+        let own = format!(
+            "{}/{}/{}/",
+            self.storage.trim_end_matches('/'),
+            self.ns,
+            self.name
+        );
+        if self
+            .status
+            .rescale
+            .as_ref()
+            .and_then(|r| r.restore_from.as_deref())
+            .is_some_and(|u| u.starts_with(&own))
+        {
+            run.coordinator.hold_output_of_next_snapshot();
+        }
         if self
             .pods
             .iter()
@@ -1248,6 +1267,21 @@ impl Pass<'_> {
             {
                 let refused = StartError::Refused { reason, message };
                 return self.start_done(work, coordinator, Err(refused)).await;
+            }
+            // One of the job's own snapshots, older than the output its sink published: the
+            // job does not go back past it by itself (a resume that passed over newer
+            // snapshots, a restoreFrom that the pass could not check before stopping).
+            if (job.namespace.as_str(), job.name.as_str()) == (self.ns.as_str(), self.name.as_str())
+                && !self.spec.allow_republishing_output
+            {
+                let refusal = match super::going_back(self.spec, url, &coordinator).await {
+                    Ok(refusal) => refusal,
+                    Err(e) => return self.start_done(work, coordinator, Err(e.into())).await,
+                };
+                if let Some((reason, message)) = refusal {
+                    let refused = StartError::Refused { reason, message };
+                    return self.start_done(work, coordinator, Err(refused)).await;
+                }
             }
         }
         if let Some(skipped) = unrestorable {

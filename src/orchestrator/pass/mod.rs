@@ -607,6 +607,44 @@ fn backoff(failures: u32) -> chrono::Duration {
     chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::seconds(128))
 }
 
+/// Why restoring the job's own snapshot at `url` would go back past sink output already
+/// published ([`run::going_back_refusal`]), asking `coordinator`'s sink how far it published.
+/// An error when the sink (or the snapshot's manifest) cannot be read: it cannot be decided, so
+/// nothing starts.
+/// (The savepoint a running job stops with before such a restore publishes nothing:
+/// [`Coordinator::hold_output_of_next_snapshot`].)
+async fn going_back(
+    spec: &StreamJobSpec,
+    url: &str,
+    coordinator: &Coordinator,
+) -> Result<Option<(Reason, String)>, CoordinatorError> {
+    if !coordinator.publishes() {
+        return Ok(None);
+    }
+    let published = coordinator.published_through().await?;
+    if published.is_none() {
+        return Ok(None);
+    }
+    let id = snapshot::open_snapshot(url).await?.2.snapshot_id;
+    Ok(run::going_back_refusal(
+        url,
+        id,
+        published,
+        &sink_name(spec),
+        spec,
+    ))
+}
+
+/// How a refusal names the job's sink: its URL, or its Kafka topic.
+fn sink_name(spec: &StreamJobSpec) -> String {
+    let sink = &spec.job.sink;
+    match (&sink.url, &sink.kafka) {
+        (Some(url), _) => format!("the sink {url}"),
+        (None, Some(k)) => format!("the Kafka topic {}", k.topic),
+        (None, None) => "the sink".to_owned(),
+    }
+}
+
 /// spec.restoreFrom when the job has not been started from it yet: its manifest's key-group
 /// count, or why it cannot be read. A failed read is not cached (the snapshot may appear).
 async fn pending_restore(
@@ -643,6 +681,23 @@ async fn pending_restore(
     // stops.
     if let Some((reason, message)) = run::restore_refusal(namespace, name, spec, url, &identity) {
         return Some(Err((reason, format!("{message}; nothing was stopped"))));
+    }
+    // A restore of the job's own snapshot behind the output its running sink published: said
+    // before anything stops (without a running job the start says it, and nothing is stopped).
+    if (identity.namespace.as_str(), identity.name.as_str()) == (namespace, name)
+        && !spec.allow_republishing_output
+        && let Some(run) = mem.run.as_ref()
+    {
+        match going_back(spec, url, &run.coordinator).await {
+            Ok(None) => {}
+            Ok(Some((reason, message))) => {
+                return Some(Err((reason, format!("{message}; nothing was stopped"))));
+            }
+            // Cannot be decided now (the sink or the manifest unreadable): the start decides.
+            Err(e) => {
+                tracing::warn!(job = %name, error = %e, "cannot tell whether spec.restoreFrom goes back past published sink output; the start checks it again")
+            }
+        }
     }
     Some(Ok(decide::PendingRestore {
         url: url.clone(),
