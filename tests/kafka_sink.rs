@@ -480,6 +480,67 @@ async fn a_publisher_restarted_between_its_commit_and_its_clean_up_produces_noth
     );
 }
 
+/// Two jobs given the same transactional id: the second job's publisher finds the first job's
+/// marker, refuses it (naming the id and the fix) before its producer initialises, so the first
+/// job's publisher is not fenced and goes on publishing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_refuses_another_jobs_marker_without_fencing_it() {
+    use keyshift::job::kafka::sink::{KafkaPublisher, owner_of};
+    use keyshift::job::staging::{Committed, StagingSink, WriterId};
+    use keyshift::job::{RecordKey, ResultRow};
+    let test = "a_publisher_refuses_another_jobs_marker_without_fencing_it";
+    let Some(bootstrap) = bootstrap(test) else {
+        return;
+    };
+    let _broker = BROKER.read().await;
+    let topic = unique("ks-sink-shared");
+    create_topic(&bootstrap, &topic).await;
+    let store = object_store::memory::InMemory::new();
+    let base = keyshift::snapshot::Path::from("job/sink");
+    let stage = |id: u64| {
+        let mut s = StagingSink::new(WriterId {
+            subtask: 0,
+            parallelism: 1,
+        });
+        s.emit(&[ResultRow {
+            key: RecordKey::string(format!("key-{id}").as_str()),
+            window: None,
+            value: id as i64,
+        }]);
+        s.on_barrier(id, Committed::Through(id - 1))
+            .expect("barrier")
+    };
+    let props: BTreeMap<String, String> =
+        [("bootstrap.servers".to_owned(), bootstrap.clone())].into();
+    let tid = unique("shared");
+    let first = KafkaPublisher::new(props.clone(), topic.clone(), tid.clone())
+        .owned_by(owner_of("team-a", "clicks"));
+    keyshift::sink::stage(&store, &base, &stage(1))
+        .await
+        .expect("stage");
+    first.publish(&store, &base, 1).await.expect("publish 1");
+    let other = KafkaPublisher::new(props, topic.clone(), tid.clone())
+        .owned_by(owner_of("team-b", "clicks"));
+    let e = other
+        .marker()
+        .await
+        .expect_err("another job's marker is refused")
+        .to_string();
+    assert!(
+        e.contains(&tid) && e.contains("another job") && e.contains("transactionalIdPrefix"),
+        "{e}"
+    );
+    // Not fenced: the first job publishes on.
+    keyshift::sink::stage(&store, &base, &stage(2))
+        .await
+        .expect("stage");
+    let p = first.publish(&store, &base, 2).await.expect("publish 2");
+    assert_eq!((p.records, p.already), (1, false));
+    let marker = first.marker().await.expect("marker").expect("a marker");
+    assert_eq!(marker.snapshot, 2);
+    assert_eq!(marker.owner, Some(owner_of("team-a", "clicks")));
+}
+
 /// Kafka to Kafka: a count per user read from a topic (the Kafka source) and written exactly
 /// once to another, through a killed worker, more records, a rescale and a final savepoint taken
 /// once every produced record is read: the newest count of every user in the output topic is

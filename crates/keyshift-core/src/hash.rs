@@ -4,10 +4,14 @@
 
 /// The 64-bit FNV-1a hash of `bytes`, as 16 hex digits.
 pub fn fnv(bytes: &[u8]) -> String {
-    let h = bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+    format!("{:016x}", fnv64(bytes))
+}
+
+/// The 64-bit FNV-1a hash of `bytes` ([`fnv`] as a number).
+pub fn fnv64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3)
-    });
-    format!("{h:016x}")
+    })
 }
 
 #[cfg(test)]

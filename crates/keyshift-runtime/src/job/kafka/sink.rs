@@ -170,6 +170,9 @@ pub fn records(text: &[u8]) -> Result<Vec<KafkaRecord<'_>>, LineError> {
 pub struct Marker {
     /// The newest published snapshot.
     pub snapshot: u64,
+    /// The job that wrote it ([`owner_of`]: a hash of its namespace and name); `None` in
+    /// markers written before it was recorded.
+    pub owner: Option<u64>,
     /// Records its transaction produced.
     pub records: u64,
 }
@@ -182,12 +185,17 @@ pub struct Marker {
 pub struct MarkerError(pub String);
 
 impl Marker {
-    /// The offset metadata: `keyshift-sink/1 snapshot=<id> records=<n>`.
+    /// The offset metadata: `keyshift-sink/1 snapshot=<id> records=<n> job=<16 hex digits>`
+    /// (without `job=` for a marker of no recorded owner).
     pub fn metadata(&self) -> String {
-        format!(
+        let mut out = format!(
             "{MARKER_PREFIX} snapshot={} records={}",
             self.snapshot, self.records
-        )
+        );
+        if let Some(owner) = self.owner {
+            out.push_str(&format!(" job={owner:016x}"));
+        }
+        out
     }
 
     /// Reads a marker back from the committed offset and its metadata; `None` when nothing was
@@ -212,11 +220,42 @@ impl Marker {
         };
         let snapshot = number("snapshot")?;
         let records = number("records")?;
+        let owner = match words.next() {
+            None => None,
+            Some(w) => {
+                let hex = w
+                    .strip_prefix("job=")
+                    .filter(|h| h.len() == 16)
+                    .ok_or_else(bad)?;
+                Some(u64::from_str_radix(hex, 16).map_err(|_| bad())?)
+            }
+        };
         if words.next().is_some() || i64::try_from(snapshot).ok() != Some(offset) {
             return Err(bad());
         }
-        Ok(Some(Marker { snapshot, records }))
+        Ok(Some(Marker {
+            snapshot,
+            records,
+            owner,
+        }))
     }
+
+    /// Why this marker must not be used by job `owner` under `transactional_id`: another job
+    /// wrote it (two jobs share the transactional id, so each would fence the other and take
+    /// the other's published snapshots for its own). A marker of no recorded owner is
+    /// accepted. Pure.
+    pub fn foreign_to(&self, owner: u64, transactional_id: &str) -> Option<String> {
+        let writer = self.owner.filter(|w| *w != owner)?;
+        Some(format!(
+            "the marker of transactional id {transactional_id} (snapshot {}) was written by another job's sink (job {writer:016x}, this job is {owner:016x}): two jobs share this transactional id, and would fence each other and take each other's output for their own. Give each job its own spec.job.sink.kafka.transactionalIdPrefix (the default, keyshift.<namespace>.<job>, is unique)",
+            self.snapshot
+        ))
+    }
+}
+
+/// The owner a marker records for job `namespace/name`: the FNV-1a hash of `namespace/name`.
+pub fn owner_of(namespace: &str, name: &str) -> u64 {
+    keyshift_core::hash::fnv64(format!("{namespace}/{name}").as_bytes())
 }
 
 /// What to do with committed snapshot `id`'s staged parts given the marker.
@@ -291,6 +330,9 @@ mod io {
         /// Removing published staged output failed.
         #[error("kafka sink: {0}")]
         Staging(#[source] crate::sink::SinkError),
+        /// The marker under this transactional id belongs to another job ([`Marker::foreign_to`]).
+        #[error("kafka sink: {0}")]
+        ForeignMarker(String),
     }
 
     fn broker_note(broker: &Option<String>) -> String {
@@ -460,6 +502,9 @@ mod io {
         properties: BTreeMap<String, String>,
         topic: String,
         transactional_id: String,
+        /// The job the markers it writes name ([`owner_of`]); `None`: no owner recorded or
+        /// checked.
+        owner: Option<u64>,
         live: Arc<Mutex<Option<Live>>>,
         /// The last Kafka operation's failure, until one succeeds ([`Self::broker_error`]).
         broker_error: Mutex<Option<String>>,
@@ -486,9 +531,17 @@ mod io {
                 properties,
                 topic,
                 transactional_id,
+                owner: None,
                 live: Arc::new(Mutex::new(None)),
                 broker_error: Mutex::new(None),
             }
+        }
+
+        /// The same publisher for job `owner` ([`owner_of`]): the markers it writes name it, and
+        /// it refuses (before fencing anything) a marker another job wrote.
+        pub fn owned_by(mut self, owner: u64) -> Self {
+            self.owner = Some(owner);
+            self
         }
 
         /// Why the publisher's last attempt to use its brokers failed (naming the bootstrap
@@ -533,7 +586,7 @@ mod io {
         ) -> KafkaPublisher {
             let id = transactional_id(namespace, name, spec.transactional_id_prefix.as_deref());
             let props = producer_properties(spec, None, creds);
-            KafkaPublisher::new(props, spec.topic.clone(), id)
+            KafkaPublisher::new(props, spec.topic.clone(), id).owned_by(owner_of(namespace, name))
         }
 
         /// The transactional id (also the bookkeeping group).
@@ -558,6 +611,7 @@ mod io {
                 properties: self.properties.clone(),
                 topic: self.topic.clone(),
                 transactional_id: self.transactional_id.clone(),
+                owner: self.owner,
                 live: self.live.clone(),
             }
         }
@@ -612,6 +666,7 @@ mod io {
         properties: BTreeMap<String, String>,
         topic: String,
         transactional_id: String,
+        owner: Option<u64>,
         live: Arc<Mutex<Option<Live>>>,
     }
 
@@ -629,15 +684,8 @@ mod io {
         /// there is none.
         fn ensure<'a>(&self, live: &'a mut Option<Live>) -> Result<&'a mut Live, KafkaSinkError> {
             if live.is_none() {
-                let mut pc = producer_config(&client_config(&self.properties));
-                pc.set("transactional.id", &self.transactional_id);
-                let producer: TrackedProducer = pc
-                    .create_with_context(DeliveryTracker::default())
-                    .map_err(kafka("creating the transactional producer"))?;
-                producer.init_transactions(KAFKA_TIMEOUT).map_err(kafka_at(
-                    "initialising transactions (fencing earlier producers)",
-                    producer.context(),
-                ))?;
+                // The bookkeeping group first: a marker another job wrote is refused before
+                // this producer's initialisation fences that job's.
                 let mut cc = ClientConfig::new();
                 for (k, v) in &self.properties {
                     if !PRODUCER_ONLY.contains(&k.as_str()) {
@@ -650,7 +698,20 @@ mod io {
                 let group: BaseConsumer = cc
                     .create()
                     .map_err(kafka("creating the bookkeeping consumer"))?;
+                self.check_owner(read_marker(&group, &self.topic)?)?;
+                let mut pc = producer_config(&client_config(&self.properties));
+                pc.set("transactional.id", &self.transactional_id);
+                let producer: TrackedProducer = pc
+                    .create_with_context(DeliveryTracker::default())
+                    .map_err(kafka("creating the transactional producer"))?;
+                producer.init_transactions(KAFKA_TIMEOUT).map_err(kafka_at(
+                    "initialising transactions (fencing earlier producers)",
+                    producer.context(),
+                ))?;
+                // Read again: the initialisation resolved an open transaction of an earlier
+                // producer (aborted, or let its commit finish), and this says which.
                 let marker = read_marker(&group, &self.topic)?;
+                self.check_owner(marker)?;
                 tracing::info!(
                     transactional_id = %self.transactional_id,
                     topic = %self.topic,
@@ -665,6 +726,17 @@ mod io {
             }
             live.as_mut()
                 .ok_or_else(|| KafkaSinkError::Task("the producer vanished".into()))
+        }
+
+        /// A marker another job wrote is [`KafkaSinkError::ForeignMarker`].
+        fn check_owner(&self, marker: Option<Marker>) -> Result<(), KafkaSinkError> {
+            match (marker, self.owner) {
+                (Some(m), Some(owner)) => match m.foreign_to(owner, &self.transactional_id) {
+                    Some(why) => Err(KafkaSinkError::ForeignMarker(why)),
+                    None => Ok(()),
+                },
+                _ => Ok(()),
+            }
         }
 
         fn publish_blocking(
@@ -685,6 +757,7 @@ mod io {
                     live.marker = Some(Marker {
                         snapshot: id,
                         records,
+                        owner: self.owner,
                     });
                     Ok(KafkaPublished {
                         parts: bodies.len(),
@@ -736,6 +809,7 @@ mod io {
             let marker = Marker {
                 snapshot: id,
                 records: n,
+                owner: self.owner,
             };
             if let Some(mut e) = tpl.find_partition(&self.topic, 0) {
                 e.set_metadata(marker.metadata());
@@ -911,9 +985,19 @@ mod tests {
         let m = Marker {
             snapshot: 42,
             records: 1000,
+            owner: None,
         };
         assert_eq!(m.metadata(), "keyshift-sink/1 snapshot=42 records=1000");
         assert_eq!(Marker::decode(42, &m.metadata()), Ok(Some(m)));
+        let owned = Marker {
+            owner: Some(0xab),
+            ..m
+        };
+        assert_eq!(
+            owned.metadata(),
+            "keyshift-sink/1 snapshot=42 records=1000 job=00000000000000ab"
+        );
+        assert_eq!(Marker::decode(42, &owned.metadata()), Ok(Some(owned)));
         assert_eq!(Marker::decode(-1001, ""), Ok(None), "nothing committed");
         for (offset, meta) in [
             (41, m.metadata().as_str()),
@@ -923,6 +1007,15 @@ mod tests {
             (42, "keyshift-sink/1 snapshot=+42 records=1"),
             (42, "keyshift-sink/1 snapshot=42 records=1 x"),
             (42, "keyshift-sink/1 records=1 snapshot=42"),
+            (42, "keyshift-sink/1 snapshot=42 records=1 job=ab"),
+            (
+                42,
+                "keyshift-sink/1 snapshot=42 records=1 job=00000000000000zz",
+            ),
+            (
+                42,
+                "keyshift-sink/1 snapshot=42 records=1 job=00000000000000ab x",
+            ),
             (7, ""),
         ] {
             assert!(Marker::decode(offset, meta).is_err(), "{offset} {meta:?}");
@@ -936,9 +1029,32 @@ mod tests {
             snapshot in 0u64..=i64::MAX as u64,
             records in proptest::prelude::any::<u64>(),
         ) {
-            let m = Marker { snapshot, records };
-            proptest::prop_assert_eq!(Marker::decode(snapshot as i64, &m.metadata()), Ok(Some(m)));
+            for owner in [None, Some(records.rotate_left(7))] {
+                let m = Marker { snapshot, records, owner };
+                proptest::prop_assert_eq!(Marker::decode(snapshot as i64, &m.metadata()), Ok(Some(m)));
+            }
         }
+    }
+
+    /// A marker names the job that wrote it; another job under the same transactional id is
+    /// told so, naming the fix; a marker of no recorded owner (an older build's) is accepted.
+    #[test]
+    fn a_marker_of_another_job_is_refused() {
+        let (a, b) = (owner_of("team-a", "clicks"), owner_of("team-b", "clicks"));
+        assert_ne!(a, b);
+        let m = Marker {
+            snapshot: 7,
+            records: 3,
+            owner: Some(a),
+        };
+        assert_eq!(m.foreign_to(a, "shared.sink"), None);
+        let why = m.foreign_to(b, "shared.sink").expect("another job's");
+        assert!(
+            why.contains("shared.sink") && why.contains("transactionalIdPrefix"),
+            "{why}"
+        );
+        let older = Marker { owner: None, ..m };
+        assert_eq!(older.foreign_to(b, "shared.sink"), None);
     }
 
     #[test]
@@ -947,6 +1063,7 @@ mod tests {
             Some(Marker {
                 snapshot,
                 records: 3,
+                owner: None,
             })
         };
         assert_eq!(decide(None, 1), Decision::Publish);
