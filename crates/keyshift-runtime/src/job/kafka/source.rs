@@ -103,6 +103,14 @@ pub enum KafkaSourceError {
     NoSuchTopic { bootstrap: String, topic: String },
     #[error("resolving the starting offsets of {partition}: {error}")]
     Offsets { partition: String, error: String },
+    #[error(
+        "Kafka partition {partition}: the snapshot's position {offset} is past the partition's end {end} (the topic was deleted and created again, or truncated): refusing to read it from another position, which would count its records again or skip them. Restore a snapshot taken since, or point spec.restoreFrom at one that matches the topic (or set spec.upgradeMode: stateless to start over)"
+    )]
+    PastEnd {
+        partition: String,
+        offset: u64,
+        end: i64,
+    },
     #[error("assigning the Kafka partitions: {0}")]
     Assign(rdkafka::error::KafkaError),
     #[error("Kafka source partition {0} is not one of this source's partitions")]
@@ -385,6 +393,13 @@ pub fn start_at(
     })
 }
 
+/// Whether a restored position lies past a partition's end `high` (its high watermark: the
+/// next offset to be written). A position at the end is the usual one of a source that read
+/// everything. Pure.
+pub fn past_end(position: u64, high: i64) -> bool {
+    position > u64::try_from(high.max(0)).unwrap_or(0)
+}
+
 /// Turns one Kafka record into a keyed record. Pure.
 pub fn to_record(
     key: Option<&[u8]>,
@@ -625,7 +640,26 @@ impl KafkaSourceReader {
             let tp = self.partition(p)?;
             let name = || partition_name(&tp.topic, tp.partition);
             let offset = match start_at(restored.get(&p).copied(), from_snapshot, &self.spec) {
-                Ok(o) => o,
+                Ok(o) => {
+                    // A restored position the partition does not reach: the consumer would
+                    // reset it (auto.offset.reset) and read the partition again.
+                    let (_, high) = retrying(|| {
+                        self.consumer
+                            .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
+                    })
+                    .map_err(|e| KafkaSourceError::Offsets {
+                        partition: name(),
+                        error: e.to_string(),
+                    })?;
+                    if past_end(o, high) {
+                        return Err(KafkaSourceError::PastEnd {
+                            partition: name(),
+                            offset: o,
+                            end: high,
+                        });
+                    }
+                    o
+                }
                 Err(StartAt::Timestamp(ts)) => {
                     by_time
                         .add_partition_offset(&tp.topic, tp.partition, Offset::Offset(ts))
@@ -1126,6 +1160,31 @@ mod tests {
             value_field: None,
             timestamp_field: None,
         }
+    }
+
+    /// A restored position at or before a partition's end is read from; one past it (a topic
+    /// deleted and created again) is refused instead of reset.
+    #[test]
+    fn a_restored_position_past_the_partitions_end_is_refused() {
+        assert!(!past_end(0, 0));
+        assert!(!past_end(10, 10), "read to the end");
+        assert!(!past_end(3, 10));
+        assert!(past_end(11, 10));
+        assert!(
+            past_end(1, -1),
+            "an empty partition the broker reports as -1"
+        );
+        assert!(!past_end(0, -1));
+        let e = KafkaSourceError::PastEnd {
+            partition: "clicks/3".into(),
+            offset: 500,
+            end: 12,
+        }
+        .to_string();
+        assert!(
+            e.contains("clicks/3") && e.contains("500") && e.contains("12"),
+            "{e}"
+        );
     }
 
     #[test]
