@@ -541,6 +541,159 @@ async fn a_publisher_refuses_another_jobs_marker_without_fencing_it() {
     assert_eq!(marker.owner, Some(owner_of("team-a", "clicks")));
 }
 
+/// A snapshot's output is streamed into its transaction, whatever its size: parts of many
+/// object-store read chunks (lines cut at chunk boundaries) come out as exactly their records,
+/// once; a part that cannot be read to its end fails the publish and commits nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_snapshot_is_streamed_into_one_transaction_and_a_failed_read_commits_nothing() {
+    use keyshift::job::kafka::sink::KafkaPublisher;
+    use keyshift::job::staging::{Committed, StagingSink, WriterId};
+    use keyshift::job::{RecordKey, ResultRow};
+    let test =
+        "a_large_snapshot_is_streamed_into_one_transaction_and_a_failed_read_commits_nothing";
+    let Some(bootstrap) = bootstrap(test) else {
+        return;
+    };
+    let _broker = BROKER.read().await;
+    let topic = unique("ks-sink-large");
+    create_topic(&bootstrap, &topic).await;
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = object_store::local::LocalFileSystem::new_with_prefix(dir.path()).expect("store");
+    let base = keyshift::snapshot::Path::from("job/sink");
+    const ROWS: i64 = 40_000;
+    for subtask in 0..2u32 {
+        let mut s = StagingSink::new(WriterId {
+            subtask,
+            parallelism: 2,
+        });
+        let rows: Vec<ResultRow> = (0..ROWS)
+            .map(|v| ResultRow {
+                key: RecordKey::string(format!("key-{subtask}-{v:06}-{}", "x".repeat(40)).as_str()),
+                window: None,
+                value: v,
+            })
+            .collect();
+        s.emit(&rows);
+        let out = s.on_barrier(1, Committed::Through(0)).expect("barrier");
+        keyshift::sink::stage(&store, &base, &out)
+            .await
+            .expect("stage");
+    }
+    let props: BTreeMap<String, String> =
+        [("bootstrap.servers".to_owned(), bootstrap.clone())].into();
+    let publisher = KafkaPublisher::new(props, topic.clone(), unique("large"));
+    let p = publisher.publish(&store, &base, 1).await.expect("publish");
+    assert_eq!((p.parts, p.records, p.already), (2, 2 * ROWS as u64, false));
+    let records = read_topic(&bootstrap, &topic, true);
+    assert_eq!(records.len(), 2 * ROWS as usize);
+    let keys: std::collections::BTreeSet<&str> = records.iter().map(|r| r.key.as_str()).collect();
+    assert_eq!(keys.len(), 2 * ROWS as usize, "every row once");
+
+    // Snapshot 2's second part cannot be read: the first part went into the transaction, which
+    // is not committed.
+    let flaky = keyshift::sink::testing::Flaky::default();
+    for subtask in 0..2u32 {
+        let mut s = StagingSink::new(WriterId {
+            subtask,
+            parallelism: 2,
+        });
+        s.emit(&[ResultRow {
+            key: RecordKey::string(format!("late-{subtask}").as_str()),
+            window: None,
+            value: 1,
+        }]);
+        let out = s.on_barrier(2, Committed::Through(1)).expect("barrier");
+        keyshift::sink::stage(&flaky, &base, &out)
+            .await
+            .expect("stage");
+    }
+    flaky.fail_gets("job/sink/_staging/snap-2/part-1");
+    let e = publisher
+        .publish(&flaky, &base, 2)
+        .await
+        .expect_err("a part that cannot be read fails the publish");
+    assert!(e.to_string().contains("part-1-of-2"), "{e}");
+    let marker = publisher.marker().await.expect("marker").expect("a marker");
+    assert_eq!(marker.snapshot, 1, "snapshot 2 is not published");
+    assert_eq!(
+        read_topic(&bootstrap, &topic, true).len(),
+        2 * ROWS as usize
+    );
+}
+
+/// The marker lost on the broker (the bookkeeping group deleted, as its offset expiring after
+/// `offsets.retention.minutes` would): a new publisher goes by the job storage's record of the
+/// published snapshot and produces nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_marker_lost_on_the_broker_is_not_taken_for_nothing_published() {
+    use keyshift::job::kafka::sink::KafkaPublisher;
+    use keyshift::job::staging::{Committed, StagingSink, WriterId};
+    use keyshift::job::{RecordKey, ResultRow};
+    use rdkafka::admin::{AdminClient, AdminOptions};
+    use rdkafka::client::DefaultClientContext;
+    let test = "a_marker_lost_on_the_broker_is_not_taken_for_nothing_published";
+    let Some(bootstrap) = bootstrap(test) else {
+        return;
+    };
+    let _broker = BROKER.read().await;
+    let topic = unique("ks-sink-lost-marker");
+    create_topic(&bootstrap, &topic).await;
+    let store = object_store::memory::InMemory::new();
+    let base = keyshift::snapshot::Path::from("job/sink");
+    let stage = || {
+        let mut s = StagingSink::new(WriterId {
+            subtask: 0,
+            parallelism: 1,
+        });
+        s.emit(&[ResultRow {
+            key: RecordKey::string("k"),
+            window: None,
+            value: 1,
+        }]);
+        s.on_barrier(1, Committed::Through(0)).expect("barrier")
+    };
+    let props: BTreeMap<String, String> =
+        [("bootstrap.servers".to_owned(), bootstrap.clone())].into();
+    let tid = unique("lost");
+    let first = KafkaPublisher::new(props.clone(), topic.clone(), tid.clone());
+    keyshift::sink::stage(&store, &base, &stage())
+        .await
+        .expect("stage");
+    first.publish(&store, &base, 1).await.expect("publish 1");
+    drop(first);
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .expect("admin client");
+    for r in admin
+        .delete_groups(&[tid.as_str()], &AdminOptions::new())
+        .await
+        .expect("delete the group")
+    {
+        r.expect("group deleted");
+    }
+    // Snapshot 1's parts are back (as after a crash before the clean-up), the marker is gone.
+    keyshift::sink::stage(&store, &base, &stage())
+        .await
+        .expect("stage again");
+    let second = KafkaPublisher::new(props, topic.clone(), tid);
+    assert_eq!(
+        second.marker().await.expect("marker"),
+        None,
+        "the marker is gone"
+    );
+    let p = second
+        .publish(&store, &base, 1)
+        .await
+        .expect("publish 1 again");
+    assert!(p.already && p.records == 0, "{p:?}");
+    assert_eq!(
+        read_topic(&bootstrap, &topic, true).len(),
+        1,
+        "produced once"
+    );
+}
+
 /// Kafka to Kafka: a count per user read from a topic (the Kafka source) and written exactly
 /// once to another, through a killed worker, more records, a rescale and a final savepoint taken
 /// once every produced record is read: the newest count of every user in the output topic is

@@ -280,6 +280,8 @@ pub mod testing {
         inner: InMemory,
         /// Prefix and how many more puts under it fail.
         failing: Mutex<Option<(String, usize)>>,
+        /// Prefix under which every read fails.
+        unreadable: Mutex<Option<String>>,
     }
 
     impl std::fmt::Display for Flaky {
@@ -293,6 +295,11 @@ pub mod testing {
         pub fn fail_puts(&self, prefix: &str, times: usize) {
             *self.failing.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some((prefix.to_owned(), times));
+        }
+
+        /// Every read of an object under `prefix` fails from now on.
+        pub fn fail_gets(&self, prefix: &str) {
+            *self.unreadable.lock().unwrap_or_else(|e| e.into_inner()) = Some(prefix.to_owned());
         }
 
         /// Puts under the failing prefix that are still to fail.
@@ -343,6 +350,18 @@ pub mod testing {
             self.inner.put_multipart_opts(location, opts).await
         }
         async fn get_opts(&self, location: &Path, options: GetOptions) -> Result<GetResult> {
+            let unreadable = self
+                .unreadable
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_deref()
+                .is_some_and(|prefix| location.as_ref().starts_with(prefix));
+            if unreadable {
+                return Err(object_store::Error::Generic {
+                    store: "Flaky",
+                    source: format!("injected read failure at {location}").into(),
+                });
+            }
             self.inner.get_opts(location, options).await
         }
         fn delete_stream(

@@ -258,6 +258,57 @@ pub fn owner_of(namespace: &str, name: &str) -> u64 {
     keyshift_core::hash::fnv64(format!("{namespace}/{name}").as_bytes())
 }
 
+/// The object below a Kafka sink's staging base (`<job>/sink/_published.json`) that records,
+/// after each transaction commits, the snapshot it published: what the job knows of its marker
+/// should the broker lose it (a consumer group's offset expires after the broker's
+/// `offsets.retention.minutes` without a commit).
+pub const PUBLISHED_RECORD: &str = "_published.json";
+
+/// The content of [`PUBLISHED_RECORD`].
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PublishedRecord {
+    /// The newest snapshot whose transaction committed.
+    pub snapshot: u64,
+    /// The transactional id it was published under.
+    pub transactional_id: String,
+}
+
+/// The marker a publisher goes by: the broker's, or — when the broker has none but the job's
+/// storage records a published snapshot — the recorded one, with what to say about it (the
+/// marker's loss is never taken for "nothing published"). The newer of the two when both
+/// exist. Pure.
+pub fn effective_marker(
+    broker: Option<Marker>,
+    recorded: Option<u64>,
+    transactional_id: &str,
+) -> (Option<Marker>, Option<String>) {
+    match (broker, recorded) {
+        (None, Some(n)) => (
+            Some(Marker {
+                snapshot: n,
+                records: 0,
+                owner: None,
+            }),
+            Some(format!(
+                "the Kafka sink's marker (the committed offset of group {transactional_id}) is gone, though the job's storage records snapshot {n} as published: the group's offset expired (the broker's offsets.retention.minutes passed without a publish) or was deleted. Going by the record: snapshots up to {n} are not produced again"
+            )),
+        ),
+        (Some(m), Some(n)) if n > m.snapshot => (
+            Some(Marker {
+                snapshot: n,
+                records: 0,
+                owner: m.owner,
+            }),
+            Some(format!(
+                "the Kafka sink's marker (group {transactional_id}) names snapshot {}, older than snapshot {n} the job's storage records as published: going by the record",
+                m.snapshot
+            )),
+        ),
+        (m, _) => (m, None),
+    }
+}
+
 /// What to do with committed snapshot `id`'s staged parts given the marker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
@@ -359,6 +410,22 @@ mod io {
             op,
             source,
             broker: ctx.last_error(),
+        }
+    }
+
+    /// A Kafka error without the client's reports gets those of `ctx`.
+    fn with_client_note(e: KafkaSinkError, ctx: &DeliveryTracker) -> KafkaSinkError {
+        match e {
+            KafkaSinkError::Kafka {
+                op,
+                source,
+                broker: None,
+            } => KafkaSinkError::Kafka {
+                op,
+                source,
+                broker: ctx.last_error(),
+            },
+            e => e,
         }
     }
 
@@ -618,6 +685,12 @@ mod io {
 
         /// Publishes the staged output of committed snapshot `id` under `base` (idempotent, see
         /// [`decide`]), then deletes the staged output of `id` and of every older id.
+        ///
+        /// The staged parts are streamed into the transaction, a few chunks of whole lines at a
+        /// time ([`CHUNKS_IN_FLIGHT`]), whatever their size: the publisher holds a bounded
+        /// amount of a snapshot's output, not all of it. The transaction may take up to
+        /// [`TRANSACTION_TIMEOUT`] (`transaction.timeout.ms`, unless the sink's properties set
+        /// it), and so may its flush and commit.
         pub async fn publish(
             &self,
             store: &dyn ObjectStore,
@@ -638,19 +711,63 @@ mod io {
                 return Ok(KafkaPublished::default());
             }
             metas.sort_by(|a, b| a.location.cmp(&b.location));
-            let mut bodies = Vec::with_capacity(metas.len());
-            for m in &metas {
-                let body = store
-                    .get(&m.location)
-                    .await
-                    .map_err(store_err(&m.location))?
-                    .bytes()
-                    .await
-                    .map_err(store_err(&m.location))?;
-                bodies.push(body);
-            }
+            let recorded = read_published(store, base).await?;
+            let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(CHUNKS_IN_FLIGHT);
             let me = self.handle();
-            let done = self.note(blocking(move || me.publish_blocking(id, &bodies)).await)?;
+            let producing =
+                tokio::task::spawn_blocking(move || me.publish_blocking(id, recorded, rx));
+            // Whole lines go to the producer; a chunk's tail waits for the next chunk.
+            let read: Result<(), KafkaSinkError> = async {
+                for m in &metas {
+                    let mut chunks = store
+                        .get(&m.location)
+                        .await
+                        .map_err(store_err(&m.location))?
+                        .into_stream();
+                    let mut tail = bytes::BytesMut::new();
+                    while let Some(chunk) = futures::StreamExt::next(&mut chunks).await {
+                        tail.extend_from_slice(&chunk.map_err(store_err(&m.location))?);
+                        if let Some(end) = tail.iter().rposition(|b| *b == b'\n') {
+                            let lines = tail.split_to(end + 1).freeze();
+                            if tx.send(Piece::Lines(lines)).is_err() {
+                                // The producer stopped: its result says why.
+                                return Ok(());
+                            }
+                        }
+                    }
+                    if !tail.is_empty() && tx.send(Piece::Lines(tail.freeze())).is_err() {
+                        return Ok(());
+                    }
+                }
+                // Only now may the transaction commit.
+                let _ = tx.send(Piece::End);
+                Ok(())
+            }
+            .await;
+            drop(tx);
+            let produced = producing
+                .await
+                .map_err(|e| KafkaSinkError::Task(e.to_string()))?;
+            // A failed read fails the publish: the producer saw the stream end without its
+            // `Piece::End` and aborted.
+            let done = match (read, produced) {
+                (Err(e), _) => return self.note(Err(e)),
+                (Ok(()), r) => self.note(r.map(Streamed::published))?,
+            };
+            if !done.already {
+                // Recorded after the commit: at worst one snapshot behind the marker, which
+                // the marker (while it lasts) corrects.
+                let record = PublishedRecord {
+                    snapshot: id,
+                    transactional_id: self.transactional_id.clone(),
+                };
+                let path = base.clone().join(PUBLISHED_RECORD);
+                let json =
+                    serde_json::to_vec(&record).map_err(|e| KafkaSinkError::Task(e.to_string()))?;
+                if let Err(e) = store.put(&path, json.into()).await {
+                    tracing::warn!(%path, error = %e, "recording the published snapshot failed; the broker's marker still says it");
+                }
+            }
             crate::sink::remove_staged_through(store, base, id)
                 .await
                 .map_err(KafkaSinkError::Staging)?;
@@ -658,6 +775,75 @@ mod io {
                 parts: metas.len(),
                 ..done
             })
+        }
+    }
+
+    /// The snapshot the job's storage records as published by its Kafka sink under `base`
+    /// ([`PUBLISHED_RECORD`]), if any. A record that does not parse is an error: it cannot be
+    /// told what was published.
+    pub async fn read_published(
+        store: &dyn ObjectStore,
+        base: &Path,
+    ) -> Result<Option<u64>, KafkaSinkError> {
+        let path = base.clone().join(PUBLISHED_RECORD);
+        let bytes = match store.get(&path).await {
+            Ok(r) => r.bytes().await.map_err(|source| KafkaSinkError::Store {
+                path: path.to_string(),
+                source,
+            })?,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(source) => {
+                return Err(KafkaSinkError::Store {
+                    path: path.to_string(),
+                    source,
+                });
+            }
+        };
+        let record: PublishedRecord = serde_json::from_slice(&bytes).map_err(|e| {
+            KafkaSinkError::Task(format!(
+                "{path} is not a record of the published snapshot ({e}): delete it only if the sink's marker in Kafka is intact"
+            ))
+        })?;
+        Ok(Some(record.snapshot))
+    }
+
+    /// Chunks of staged output (whole lines, up to an object store read each) in flight between
+    /// the reader and the producer of one publish.
+    pub const CHUNKS_IN_FLIGHT: usize = 4;
+
+    /// The `transaction.timeout.ms` of the publisher's producer unless the sink's properties set
+    /// it: the broker's default upper bound (`transaction.max.timeout.ms`, 15 min), so that a
+    /// large snapshot's output fits in one transaction. The flush and commit wait as long.
+    pub const TRANSACTION_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+
+    /// What the reader of a streamed publish hands the producer.
+    enum Piece {
+        /// Whole lines of staged output.
+        Lines(bytes::Bytes),
+        /// Everything was read: the transaction may commit.
+        End,
+    }
+
+    /// How a streamed publish ended on the producer's side.
+    enum Streamed {
+        /// Produced and committed (records).
+        Committed(u64),
+        /// The marker said it was in Kafka already: nothing produced.
+        Already,
+    }
+
+    impl Streamed {
+        fn published(self) -> KafkaPublished {
+            match self {
+                Streamed::Committed(records) => KafkaPublished {
+                    records,
+                    ..KafkaPublished::default()
+                },
+                Streamed::Already => KafkaPublished {
+                    already: true,
+                    ..KafkaPublished::default()
+                },
+            }
         }
     }
 
@@ -684,8 +870,18 @@ mod io {
         /// there is none.
         fn ensure<'a>(&self, live: &'a mut Option<Live>) -> Result<&'a mut Live, KafkaSinkError> {
             if live.is_none() {
-                // The bookkeeping group first: a marker another job wrote is refused before
-                // this producer's initialisation fences that job's.
+                let mut pc = producer_config(&client_config(&self.properties));
+                pc.set("transactional.id", &self.transactional_id);
+                if pc.get("transaction.timeout.ms").is_none() {
+                    pc.set(
+                        "transaction.timeout.ms",
+                        TRANSACTION_TIMEOUT.as_millis().to_string(),
+                    );
+                }
+                // Created, not initialised yet: it fences nothing until `init_transactions`.
+                let producer: TrackedProducer = pc
+                    .create_with_context(DeliveryTracker::default())
+                    .map_err(kafka("creating the transactional producer"))?;
                 let mut cc = ClientConfig::new();
                 for (k, v) in &self.properties {
                     if !PRODUCER_ONLY.contains(&k.as_str()) {
@@ -698,19 +894,21 @@ mod io {
                 let group: BaseConsumer = cc
                     .create()
                     .map_err(kafka("creating the bookkeeping consumer"))?;
-                self.check_owner(read_marker(&group, &self.topic)?)?;
-                let mut pc = producer_config(&client_config(&self.properties));
-                pc.set("transactional.id", &self.transactional_id);
-                let producer: TrackedProducer = pc
-                    .create_with_context(DeliveryTracker::default())
-                    .map_err(kafka("creating the transactional producer"))?;
+                // A marker another job wrote is refused before the initialisation fences that
+                // job's producer. Best effort: when the group cannot be read yet (its
+                // coordinator still loading, the brokers unreachable) the initialisation below
+                // says what is wrong, and the owner is checked after it.
+                if let Some(before) = self.read_marker_before_fencing(&group) {
+                    self.check_owner(before)?;
+                }
                 producer.init_transactions(KAFKA_TIMEOUT).map_err(kafka_at(
                     "initialising transactions (fencing earlier producers)",
                     producer.context(),
                 ))?;
                 // Read again: the initialisation resolved an open transaction of an earlier
                 // producer (aborted, or let its commit finish), and this says which.
-                let marker = read_marker(&group, &self.topic)?;
+                let marker = read_marker(&group, &self.topic)
+                    .map_err(|e| with_client_note(e, producer.context()))?;
                 self.check_owner(marker)?;
                 tracing::info!(
                     transactional_id = %self.transactional_id,
@@ -728,6 +926,35 @@ mod io {
                 .ok_or_else(|| KafkaSinkError::Task("the producer vanished".into()))
         }
 
+        /// The marker, read before this producer fences anything: retried while the group's
+        /// coordinator is not ready (a new group), `None` if it cannot be read within a few
+        /// seconds.
+        fn read_marker_before_fencing(&self, group: &BaseConsumer) -> Option<Option<Marker>> {
+            use rdkafka::types::RDKafkaErrorCode as Code;
+            let started = std::time::Instant::now();
+            loop {
+                match read_marker_within(group, &self.topic, PRE_READ_TIMEOUT) {
+                    Ok(m) => return Some(m),
+                    Err(KafkaSinkError::Kafka { source, .. })
+                        if matches!(
+                            source.rdkafka_error_code(),
+                            Some(
+                                Code::NotCoordinator
+                                    | Code::CoordinatorLoadInProgress
+                                    | Code::CoordinatorNotAvailable
+                            )
+                        ) && started.elapsed() < PRE_READ_TIMEOUT =>
+                    {
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, "reading the sink's marker before fencing; checked after the initialisation");
+                        return None;
+                    }
+                }
+            }
+        }
+
         /// A marker another job wrote is [`KafkaSinkError::ForeignMarker`].
         fn check_owner(&self, marker: Option<Marker>) -> Result<(), KafkaSinkError> {
             match (marker, self.owner) {
@@ -742,28 +969,29 @@ mod io {
         fn publish_blocking(
             &self,
             id: u64,
-            bodies: &[bytes::Bytes],
-        ) -> Result<KafkaPublished, KafkaSinkError> {
+            recorded: Option<u64>,
+            chunks: std::sync::mpsc::Receiver<Piece>,
+        ) -> Result<Streamed, KafkaSinkError> {
             let mut guard = self.live.lock().unwrap_or_else(PoisonError::into_inner);
             let live = self.ensure(&mut guard)?;
-            if decide(live.marker, id) == Decision::Published {
-                return Ok(KafkaPublished {
-                    already: true,
-                    ..Default::default()
-                });
+            let (marker, said) = effective_marker(live.marker, recorded, &self.transactional_id);
+            if let Some(said) = said {
+                tracing::warn!("{said}");
             }
-            match self.transaction(live, id, bodies) {
+            live.marker = marker;
+            if decide(live.marker, id) == Decision::Published {
+                // Drain the reader (it stops at once on a closed channel).
+                drop(chunks);
+                return Ok(Streamed::Already);
+            }
+            match self.transaction(live, id, chunks) {
                 Ok(records) => {
                     live.marker = Some(Marker {
                         snapshot: id,
                         records,
                         owner: self.owner,
                     });
-                    Ok(KafkaPublished {
-                        parts: bodies.len(),
-                        records,
-                        already: false,
-                    })
+                    Ok(Streamed::Committed(records))
                 }
                 Err(e) => {
                     // Whatever state the transaction is in, a new producer resolves it: its
@@ -776,25 +1004,42 @@ mod io {
             }
         }
 
-        /// One transaction: every record of the parts, and the marker.
+        /// One transaction: every record of the chunks as they come, then, once the reader says
+        /// it read everything ([`Piece::End`]), the marker. A reader that stops without saying
+        /// so (its read failed) leaves the transaction uncommitted: it is aborted.
         fn transaction(
             &self,
             live: &Live,
             id: u64,
-            bodies: &[bytes::Bytes],
+            chunks: std::sync::mpsc::Receiver<Piece>,
         ) -> Result<u64, KafkaSinkError> {
             let p = &live.producer;
             let ctx = p.context();
             p.begin_transaction()
                 .map_err(kafka_at("beginning a transaction", ctx))?;
             let mut n = 0u64;
-            for body in bodies {
-                for (key, value) in records(body)? {
-                    send(p, &self.topic, &key, value)?;
-                    n += 1;
+            let mut ended = false;
+            for piece in chunks {
+                match piece {
+                    Piece::Lines(chunk) => {
+                        for (key, value) in records(&chunk)? {
+                            send(p, &self.topic, &key, value)?;
+                            n += 1;
+                        }
+                    }
+                    Piece::End => {
+                        ended = true;
+                        break;
+                    }
                 }
             }
-            p.flush(KAFKA_TIMEOUT).map_err(kafka_at("flushing", ctx))?;
+            if !ended {
+                return Err(KafkaSinkError::Task(format!(
+                    "the staged output of snapshot {id} could not be read to its end: not committed"
+                )));
+            }
+            p.flush(TRANSACTION_TIMEOUT)
+                .map_err(kafka_at("flushing", ctx))?;
             let (failed, first) = ctx.take();
             if failed > 0 {
                 return Err(KafkaSinkError::Delivery {
@@ -819,7 +1064,7 @@ mod io {
             })?;
             p.send_offsets_to_transaction(&tpl, &cgm, KAFKA_TIMEOUT)
                 .map_err(kafka_at("adding the marker to the transaction", ctx))?;
-            p.commit_transaction(KAFKA_TIMEOUT)
+            p.commit_transaction(TRANSACTION_TIMEOUT)
                 .map_err(kafka_at("committing the transaction", ctx))?;
             Ok(n)
         }
@@ -827,10 +1072,22 @@ mod io {
 
     /// The committed marker of the bookkeeping group `group` was created with.
     fn read_marker(group: &BaseConsumer, topic: &str) -> Result<Option<Marker>, KafkaSinkError> {
+        read_marker_within(group, topic, KAFKA_TIMEOUT)
+    }
+
+    /// How long a publisher tries to read the marker before its producer fences anything.
+    const PRE_READ_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// [`read_marker`] waiting at most `timeout`.
+    fn read_marker_within(
+        group: &BaseConsumer,
+        topic: &str,
+        timeout: Duration,
+    ) -> Result<Option<Marker>, KafkaSinkError> {
         let mut tpl = TopicPartitionList::new();
         tpl.add_partition(topic, 0);
         let got = group
-            .committed_offsets(tpl, KAFKA_TIMEOUT)
+            .committed_offsets(tpl, timeout)
             .map_err(kafka("reading the bookkeeping group's marker"))?;
         let Some(e) = got.find_partition(topic, 0) else {
             return Ok(None);
@@ -1055,6 +1312,39 @@ mod tests {
         );
         let older = Marker { owner: None, ..m };
         assert_eq!(older.foreign_to(b, "shared.sink"), None);
+    }
+
+    /// A marker the broker lost is never taken for "nothing published": the storage's record
+    /// stands in for it, and says so.
+    #[test]
+    fn a_lost_marker_is_replaced_by_the_storage_record_and_said() {
+        let m = |snapshot| Marker {
+            snapshot,
+            records: 3,
+            owner: Some(1),
+        };
+        assert_eq!(effective_marker(None, None, "t"), (None, None));
+        assert_eq!(effective_marker(Some(m(5)), None, "t"), (Some(m(5)), None));
+        assert_eq!(
+            effective_marker(Some(m(5)), Some(5), "t"),
+            (Some(m(5)), None)
+        );
+        assert_eq!(
+            effective_marker(Some(m(5)), Some(4), "t"),
+            (Some(m(5)), None)
+        );
+        let (lost, said) = effective_marker(None, Some(7), "t.sink");
+        assert_eq!(lost.map(|l| l.snapshot), Some(7));
+        assert_eq!(decide(lost, 7), Decision::Published);
+        assert_eq!(decide(lost, 8), Decision::Publish);
+        let said = said.expect("the loss is said");
+        assert!(
+            said.contains("t.sink") && said.contains("offsets.retention.minutes"),
+            "{said}"
+        );
+        let (behind, said) = effective_marker(Some(m(5)), Some(6), "t");
+        assert_eq!(behind.map(|b| b.snapshot), Some(6));
+        assert!(said.is_some());
     }
 
     #[test]
