@@ -421,6 +421,33 @@ impl Driver {
     }
 
     /// The job processes records (its sources are not stopped): polled with a deadline.
+    /// Kills worker 0 and checks that the restart is refused (a StartFailed warning whose
+    /// message holds every one of `needles`) and that no run starts for a while.
+    async fn restart_is_refused(&mut self, needles: &[&str]) {
+        let started_before = self.events_named("Started").len();
+        let failed_before = self.events_named("StartFailed").len();
+        self.workers.kill(0).expect("worker 0 exists");
+        self.until("refused", Duration::from_secs(20), |d| {
+            d.events_named("StartFailed").len() > failed_before
+        })
+        .await;
+        let refused = &self.events_named("StartFailed")[failed_before].1;
+        assert!(refused.warning);
+        for needle in needles {
+            assert!(refused.note.contains(needle), "{needle}: {}", refused.note);
+        }
+        self.for_a_while(Duration::from_secs(3), |d| {
+            assert_eq!(
+                d.events_named("Started").len(),
+                started_before,
+                "a run started without the job's state:\n{}",
+                d.event_log()
+            );
+        })
+        .await;
+        assert_ne!(self.status.phase, Some(Phase::Running));
+    }
+
     async fn assert_processing(&mut self) {
         let (first, _) = self.progress().await;
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -1019,30 +1046,8 @@ async fn a_job_with_recorded_snapshots_never_restarts_empty() {
                 .await
                 .expect("delete");
         }
-        let started_before = d.events_named("Started").len();
-        d.workers.kill(0).expect("worker 0 exists");
-        d.until("refused", Duration::from_secs(20), |d| {
-            !d.events_named("StartFailed").is_empty()
-        })
-        .await;
-        let refused = &d.events_named("StartFailed")[0].1;
-        assert!(refused.warning);
-        assert!(
-            refused.note.contains("refusing to start empty")
-                && refused.note.contains("upgradeMode: stateless"),
-            "{}",
-            refused.note
-        );
-        d.for_a_while(Duration::from_secs(3), |d| {
-            assert_eq!(
-                d.events_named("Started").len(),
-                started_before,
-                "a run started without the job's state:\n{}",
-                d.event_log()
-            );
-        })
-        .await;
-        assert_ne!(d.status.phase, Some(Phase::Running));
+        d.restart_is_refused(&["refusing to start empty", "upgradeMode: stateless"])
+            .await;
     })
     .await;
 }
@@ -1141,32 +1146,12 @@ async fn a_restart_falls_back_past_snapshots_whose_state_is_lost_and_never_start
                     .expect("delete");
             }
         }
-        let started_before = d.events_named("Started").len();
-        let failed_before = d.events_named("StartFailed").len();
-        d.workers.kill(0).expect("worker 0 exists");
-        d.until("refused", Duration::from_secs(20), |d| {
-            d.events_named("StartFailed").len() > failed_before
-        })
+        d.restart_is_refused(&[
+            "none of the job's snapshots",
+            "is missing",
+            "upgradeMode: stateless",
+        ])
         .await;
-        let refused = &d.events_named("StartFailed")[failed_before].1;
-        assert!(refused.warning);
-        assert!(
-            refused.note.contains("none of the job's snapshots")
-                && refused.note.contains("is missing")
-                && refused.note.contains("upgradeMode: stateless"),
-            "{}",
-            refused.note
-        );
-        d.for_a_while(Duration::from_secs(3), |d| {
-            assert_eq!(
-                d.events_named("Started").len(),
-                started_before,
-                "a run started without the job's state:\n{}",
-                d.event_log()
-            );
-        })
-        .await;
-        assert_ne!(d.status.phase, Some(Phase::Running));
     })
     .await;
 }

@@ -586,6 +586,25 @@ mod tests {
         assert!(!line.contains("Some(") && !line.contains("None"));
     }
 
+    /// What a resume of `job` (8 key groups) in `storage` finds to restore.
+    async fn own_restorable(
+        spec: &crate::crd::StreamJobSpec,
+        storage: &str,
+        job: &crate::snapshot::JobIdentity,
+    ) -> run::Restorable {
+        run::latest_restorable(
+            spec,
+            storage,
+            &job.namespace,
+            &job.name,
+            8,
+            None,
+            &Default::default(),
+        )
+        .await
+        .unwrap()
+    }
+
     /// A corrupt manifest of the newest snapshot does not stop `keyshift local` from resuming:
     /// the key-group count comes from the newest good snapshot, as the resume itself passes over
     /// the bad one.
@@ -612,17 +631,7 @@ mod tests {
             status.max_parallelism_origin,
             Some(validation::ceiling_origin_snapshot(&good))
         );
-        let found = run::latest_restorable(
-            &spec,
-            storage,
-            &job.namespace,
-            &job.name,
-            8,
-            None,
-            &Default::default(),
-        )
-        .await
-        .unwrap();
+        let found = own_restorable(&spec, storage, &job).await;
         assert_eq!(found.url.as_deref(), Some(good.as_str()));
         assert_eq!(found.job, Some(job.clone()));
         assert_eq!(found.skipped.len(), 1);
@@ -651,17 +660,7 @@ mod tests {
             .await
             .unwrap();
         let spec = crate::fixtures::job().spec;
-        let found = run::latest_restorable(
-            &spec,
-            storage,
-            &job.namespace,
-            &job.name,
-            8,
-            None,
-            &Default::default(),
-        )
-        .await
-        .unwrap();
+        let found = own_restorable(&spec, storage, &job).await;
         assert_eq!(found.url.as_deref(), Some(good.as_str()));
         let why: Vec<(u64, &str)> = found
             .skipped
@@ -684,17 +683,7 @@ mod tests {
         // The last one lost too: nothing to restore, and all three named.
         let (store, path) = file(&good);
         store.delete(&path).await.unwrap();
-        let found = run::latest_restorable(
-            &spec,
-            storage,
-            &job.namespace,
-            &job.name,
-            8,
-            None,
-            &Default::default(),
-        )
-        .await
-        .unwrap();
+        let found = own_restorable(&spec, storage, &job).await;
         assert_eq!(found.url, spec.restore_from);
         assert_eq!(found.job, None);
         assert_eq!(found.skipped.len(), 3);

@@ -122,15 +122,10 @@ impl Coordinator {
         {
             // Fails the trigger while the brokers cannot be reached: a snapshot id at or below
             // the marker would never be published.
-            let kafka = |e: crate::job::kafka::sink::KafkaSinkError| {
-                crate::sink::SinkError::Kafka(e.to_string())
-            };
-            let marker = k.marker().await.map_err(kafka)?;
-            let recorded = crate::job::kafka::sink::read_published(sink.store.as_ref(), &sink.base)
+            let (marker, said) = k
+                .effective_marker(sink.store.as_ref(), &sink.base)
                 .await
-                .map_err(kafka)?;
-            let (marker, said) =
-                crate::job::kafka::sink::effective_marker(marker, recorded, k.transactional_id());
+                .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
             if let Some(said) = said {
                 tracing::warn!("{said}");
             }

@@ -207,15 +207,10 @@ impl Coordinator {
         };
         #[cfg(feature = "kafka")]
         if let Some(k) = &sink.kafka {
-            let kafka = |e: crate::job::kafka::sink::KafkaSinkError| {
-                crate::sink::SinkError::Kafka(e.to_string())
-            };
-            let marker = k.marker().await.map_err(kafka)?;
-            let recorded = crate::job::kafka::sink::read_published(sink.store.as_ref(), &sink.base)
+            let (marker, _) = k
+                .effective_marker(sink.store.as_ref(), &sink.base)
                 .await
-                .map_err(kafka)?;
-            let (marker, _) =
-                crate::job::kafka::sink::effective_marker(marker, recorded, k.transactional_id());
+                .map_err(|e| crate::sink::SinkError::Kafka(e.to_string()))?;
             return Ok(marker.map(|m| m.snapshot));
         }
         Ok(crate::sink::published_through(sink.store.as_ref(), &sink.base).await?)

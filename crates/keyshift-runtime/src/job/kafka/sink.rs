@@ -673,6 +673,18 @@ mod io {
             self.note(r)
         }
 
+        /// The marker the publisher goes by ([`effective_marker`]): the broker's, or the job
+        /// storage's record under `base` when the broker lost it, with what to say about that.
+        pub async fn effective_marker(
+            &self,
+            store: &dyn ObjectStore,
+            base: &Path,
+        ) -> Result<(Option<Marker>, Option<String>), KafkaSinkError> {
+            let marker = self.marker().await?;
+            let recorded = read_published(store, base).await?;
+            Ok(effective_marker(marker, recorded, &self.transactional_id))
+        }
+
         fn handle(&self) -> Handle {
             Handle {
                 properties: self.properties.clone(),

@@ -625,6 +625,18 @@ impl KafkaSourceReader {
             .ok_or(KafkaSourceError::UnknownPartition(p))
     }
 
+    /// A partition's low and high watermarks as a start resolves offsets (retried). Blocking.
+    fn start_watermarks(&self, tp: &TopicPartition) -> Result<(i64, i64), KafkaSourceError> {
+        retrying(|| {
+            self.consumer
+                .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
+        })
+        .map_err(|e| KafkaSourceError::Offsets {
+            partition: partition_name(&tp.topic, tp.partition),
+            error: e.to_string(),
+        })
+    }
+
     /// Resolves where each of `mine` starts ([`start_at`]), assigns them to the consumer at those
     /// offsets and splits their queues. Returns every partition's starting offset. Blocking.
     pub fn assign(
@@ -643,14 +655,7 @@ impl KafkaSourceReader {
                 Ok(o) => {
                     // A restored position the partition does not reach: the consumer would
                     // reset it (auto.offset.reset) and read the partition again.
-                    let (_, high) = retrying(|| {
-                        self.consumer
-                            .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
-                    })
-                    .map_err(|e| KafkaSourceError::Offsets {
-                        partition: name(),
-                        error: e.to_string(),
-                    })?;
+                    let (_, high) = self.start_watermarks(tp)?;
                     if past_end(o, high) {
                         return Err(KafkaSourceError::PastEnd {
                             partition: name(),
@@ -671,14 +676,7 @@ impl KafkaSourceReader {
                     continue;
                 }
                 Err(at) => {
-                    let (low, high) = retrying(|| {
-                        self.consumer
-                            .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
-                    })
-                    .map_err(|e| KafkaSourceError::Offsets {
-                        partition: name(),
-                        error: e.to_string(),
-                    })?;
+                    let (low, high) = self.start_watermarks(tp)?;
                     let o = if at == StartAt::Latest { high } else { low };
                     o.max(0) as u64
                 }
@@ -703,14 +701,7 @@ impl KafkaSourceReader {
                     Some(Offset::Offset(o)) if o >= 0 => o as u64,
                     // No record at or after the time: the partition's end.
                     _ => {
-                        let (_, high) = retrying(|| {
-                            self.consumer
-                                .fetch_watermarks(&tp.topic, tp.partition, REQUEST_TIMEOUT)
-                        })
-                        .map_err(|e| KafkaSourceError::Offsets {
-                            partition: partition_name(&tp.topic, tp.partition),
-                            error: e.to_string(),
-                        })?;
+                        let (_, high) = self.start_watermarks(tp)?;
                         high.max(0) as u64
                     }
                 };
