@@ -702,7 +702,7 @@ mod io {
         /// time ([`CHUNKS_IN_FLIGHT`]), whatever their size: the publisher holds a bounded
         /// amount of a snapshot's output, not all of it. The transaction may take up to
         /// [`TRANSACTION_TIMEOUT`] (`transaction.timeout.ms`, unless the sink's properties set
-        /// it), and so may its flush and commit.
+        /// it); its flush and commit wait [`flush_timeout`] of its size.
         pub async fn publish(
             &self,
             store: &dyn ObjectStore,
@@ -724,7 +724,7 @@ mod io {
             }
             metas.sort_by(|a, b| a.location.cmp(&b.location));
             let recorded = read_published(store, base).await?;
-            let (tx, rx) = std::sync::mpsc::sync_channel::<Piece>(CHUNKS_IN_FLIGHT);
+            let (tx, rx) = tokio::sync::mpsc::channel::<Piece>(CHUNKS_IN_FLIGHT);
             let me = self.handle();
             let producing =
                 tokio::task::spawn_blocking(move || me.publish_blocking(id, recorded, rx));
@@ -741,18 +741,18 @@ mod io {
                         tail.extend_from_slice(&chunk.map_err(store_err(&m.location))?);
                         if let Some(end) = tail.iter().rposition(|b| *b == b'\n') {
                             let lines = tail.split_to(end + 1).freeze();
-                            if tx.send(Piece::Lines(lines)).is_err() {
+                            if tx.send(Piece::Lines(lines)).await.is_err() {
                                 // The producer stopped: its result says why.
                                 return Ok(());
                             }
                         }
                     }
-                    if !tail.is_empty() && tx.send(Piece::Lines(tail.freeze())).is_err() {
+                    if !tail.is_empty() && tx.send(Piece::Lines(tail.freeze())).await.is_err() {
                         return Ok(());
                     }
                 }
                 // Only now may the transaction commit.
-                let _ = tx.send(Piece::End);
+                let _ = tx.send(Piece::End).await;
                 Ok(())
             }
             .await;
@@ -834,6 +834,15 @@ mod io {
         Lines(bytes::Bytes),
         /// Everything was read: the transaction may commit.
         End,
+    }
+
+    /// How long a transaction's flush (and commit) may take for `bytes` of records:
+    /// [`KAFKA_TIMEOUT`] and a second more per MiB (a large snapshot's output is given the time
+    /// to reach the brokers), never more than [`TRANSACTION_TIMEOUT`] (the transaction would
+    /// expire). Brokers that went away are still noticed within about [`KAFKA_TIMEOUT`] for a
+    /// small snapshot. Pure.
+    pub fn flush_timeout(bytes: u64) -> Duration {
+        (KAFKA_TIMEOUT + Duration::from_secs(bytes >> 20)).min(TRANSACTION_TIMEOUT)
     }
 
     /// How a streamed publish ended on the producer's side.
@@ -982,7 +991,7 @@ mod io {
             &self,
             id: u64,
             recorded: Option<u64>,
-            chunks: std::sync::mpsc::Receiver<Piece>,
+            chunks: tokio::sync::mpsc::Receiver<Piece>,
         ) -> Result<Streamed, KafkaSinkError> {
             let mut guard = self.live.lock().unwrap_or_else(PoisonError::into_inner);
             let live = self.ensure(&mut guard)?;
@@ -1023,17 +1032,19 @@ mod io {
             &self,
             live: &Live,
             id: u64,
-            chunks: std::sync::mpsc::Receiver<Piece>,
+            mut chunks: tokio::sync::mpsc::Receiver<Piece>,
         ) -> Result<u64, KafkaSinkError> {
             let p = &live.producer;
             let ctx = p.context();
             p.begin_transaction()
                 .map_err(kafka_at("beginning a transaction", ctx))?;
             let mut n = 0u64;
+            let mut bytes = 0u64;
             let mut ended = false;
-            for piece in chunks {
+            while let Some(piece) = chunks.blocking_recv() {
                 match piece {
                     Piece::Lines(chunk) => {
+                        bytes += chunk.len() as u64;
                         for (key, value) in records(&chunk)? {
                             send(p, &self.topic, &key, value)?;
                             n += 1;
@@ -1050,7 +1061,7 @@ mod io {
                     "the staged output of snapshot {id} could not be read to its end: not committed"
                 )));
             }
-            p.flush(TRANSACTION_TIMEOUT)
+            p.flush(flush_timeout(bytes))
                 .map_err(kafka_at("flushing", ctx))?;
             let (failed, first) = ctx.take();
             if failed > 0 {
@@ -1076,7 +1087,7 @@ mod io {
             })?;
             p.send_offsets_to_transaction(&tpl, &cgm, KAFKA_TIMEOUT)
                 .map_err(kafka_at("adding the marker to the transaction", ctx))?;
-            p.commit_transaction(TRANSACTION_TIMEOUT)
+            p.commit_transaction(flush_timeout(bytes))
                 .map_err(kafka_at("committing the transaction", ctx))?;
             Ok(n)
         }
@@ -1357,6 +1368,20 @@ mod tests {
         let (behind, said) = effective_marker(Some(m(5)), Some(6), "t");
         assert_eq!(behind.map(|b| b.snapshot), Some(6));
         assert!(said.is_some());
+    }
+
+    #[test]
+    fn a_flush_waits_longer_for_more_bytes_but_never_past_the_transaction() {
+        assert_eq!(flush_timeout(0), KAFKA_TIMEOUT);
+        assert_eq!(
+            flush_timeout(1 << 20),
+            KAFKA_TIMEOUT + Duration::from_secs(1)
+        );
+        assert_eq!(
+            flush_timeout(200 << 20),
+            KAFKA_TIMEOUT + Duration::from_secs(200)
+        );
+        assert_eq!(flush_timeout(u64::MAX), TRANSACTION_TIMEOUT);
     }
 
     #[test]
