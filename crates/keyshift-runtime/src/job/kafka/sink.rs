@@ -309,6 +309,20 @@ pub fn effective_marker(
     }
 }
 
+/// The `transaction.timeout.ms` of the publisher's producer unless the sink's properties set
+/// it: the broker's default upper bound (`transaction.max.timeout.ms`, 15 min), so that a
+/// large snapshot's output fits in one transaction ([`flush_timeout`] bounds its flush).
+pub const TRANSACTION_TIMEOUT: Duration = Duration::from_secs(15 * 60);
+
+/// How long a transaction's flush (and commit) may take for `bytes` of records:
+/// [`KAFKA_TIMEOUT`] and a second more per MiB (a large snapshot's output is given the time
+/// to reach the brokers), never more than [`TRANSACTION_TIMEOUT`] (the transaction would
+/// expire). Brokers that went away are still noticed within about [`KAFKA_TIMEOUT`] for a
+/// small snapshot. Pure.
+pub fn flush_timeout(bytes: u64) -> Duration {
+    (KAFKA_TIMEOUT + Duration::from_secs(bytes >> 20)).min(TRANSACTION_TIMEOUT)
+}
+
 /// What to do with committed snapshot `id`'s staged parts given the marker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Decision {
@@ -823,26 +837,12 @@ mod io {
     /// the reader and the producer of one publish.
     pub const CHUNKS_IN_FLIGHT: usize = 4;
 
-    /// The `transaction.timeout.ms` of the publisher's producer unless the sink's properties set
-    /// it: the broker's default upper bound (`transaction.max.timeout.ms`, 15 min), so that a
-    /// large snapshot's output fits in one transaction. The flush and commit wait as long.
-    pub const TRANSACTION_TIMEOUT: Duration = Duration::from_secs(15 * 60);
-
     /// What the reader of a streamed publish hands the producer.
     enum Piece {
         /// Whole lines of staged output.
         Lines(bytes::Bytes),
         /// Everything was read: the transaction may commit.
         End,
-    }
-
-    /// How long a transaction's flush (and commit) may take for `bytes` of records:
-    /// [`KAFKA_TIMEOUT`] and a second more per MiB (a large snapshot's output is given the time
-    /// to reach the brokers), never more than [`TRANSACTION_TIMEOUT`] (the transaction would
-    /// expire). Brokers that went away are still noticed within about [`KAFKA_TIMEOUT`] for a
-    /// small snapshot. Pure.
-    pub fn flush_timeout(bytes: u64) -> Duration {
-        (KAFKA_TIMEOUT + Duration::from_secs(bytes >> 20)).min(TRANSACTION_TIMEOUT)
     }
 
     /// How a streamed publish ended on the producer's side.
