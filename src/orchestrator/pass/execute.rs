@@ -914,10 +914,8 @@ impl Pass<'_> {
         // not publish what the records after that snapshot produce, which the next run
         // publishes once.
         let own = format!(
-            "{}/{}/{}/",
-            self.storage.trim_end_matches('/'),
-            self.ns,
-            self.name
+            "{}/",
+            snapshot::job_url(&self.storage, &self.ns, &self.name)
         );
         if self
             .status

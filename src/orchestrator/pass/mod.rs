@@ -426,7 +426,7 @@ pub fn in_use(
     namespace: &str,
     name: &str,
 ) -> Vec<InUseEntry> {
-    let prefix = format!("{}/{namespace}/{name}/", storage.trim_end_matches('/'));
+    let prefix = format!("{}/", snapshot::job_url(storage, namespace, name));
     let relative = |url: &str| {
         url.strip_prefix(&prefix)
             .map(|r| r.trim_matches('/').to_owned())

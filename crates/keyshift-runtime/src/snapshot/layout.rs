@@ -105,6 +105,11 @@ pub fn parse_snapshot_dir_name(kind: SnapshotKind, name: &str) -> Option<u64> {
     digits.parse().ok()
 }
 
+/// The URL of everything keyshift stores for one job under a storage root (no trailing `/`).
+pub fn job_url(storage: &str, namespace: &str, job: &str) -> String {
+    format!("{}/{namespace}/{job}", storage.trim_end_matches('/'))
+}
+
 /// The URL of a snapshot directory under a storage root.
 pub fn snapshot_url(
     storage: &str,
@@ -114,8 +119,8 @@ pub fn snapshot_url(
     id: u64,
 ) -> String {
     format!(
-        "{}/{namespace}/{job}/{}/{}{id}",
-        storage.trim_end_matches('/'),
+        "{}/{}/{}{id}",
+        job_url(storage, namespace, job),
         kind.folder(),
         kind.dir_prefix()
     )

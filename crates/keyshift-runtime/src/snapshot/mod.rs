@@ -96,7 +96,7 @@ pub use in_use::{
     IN_USE_FILE, IN_USE_FORMAT_VERSION, InUseEntry, InUseMarker, read_in_use, write_in_use,
 };
 pub use layout::{
-    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, file_path, job_dir,
+    CHECKPOINTS_DIR, MANIFEST_FILE, SAVEPOINTS_DIR, SnapshotKind, file_path, job_dir, job_url,
     manifest_path, parse_snapshot_dir_name, snapshot_dir, snapshot_url, state_file_name,
 };
 pub use manifest::{
