@@ -11,6 +11,7 @@ use keyshift_core::spec::AggregateFunction;
 use keyshift_runtime::job::generator::splitmix64;
 use keyshift_runtime::job::{AggConfig, KeyedAggregator, Record, RecordKey};
 use keyshift_sdk::key::StreamKey;
+use keyshift_sdk::operator::READ_AHEAD;
 use keyshift_sdk::prelude::*;
 use std::time::{Duration, Instant};
 
@@ -90,8 +91,8 @@ fn builtin(keys: &[RecordKey], records: u64, first: u64) -> Result<(Duration, us
 
 /// The SDK side gets each record's key group and [`RecordKey`] with it, as the shuffle routes it
 /// (the built-in's keys carry their hash the same way), in batches of the same size as the
-/// built-in's: a first pass over a batch reads ahead the state of its keys
-/// ([`KeyedOperator::prefetch`]), a second processes it.
+/// built-in's, each read ahead [`READ_AHEAD`] records at a time ([`KeyedOperator::prefetch`])
+/// as the runtime's step does.
 fn sdk(keys: &[(String, u32, RecordKey)], records: u64, first: u64) -> Result<(Duration, usize)> {
     let range = KeyGroupRange {
         start: 0,
@@ -117,17 +118,21 @@ fn sdk(keys: &[(String, u32, RecordKey)], records: u64, first: u64) -> Result<(D
     Ok((t.elapsed(), op.entries()))
 }
 
-/// Processes a batch in two passes: read ahead, then process.
+/// Processes a batch as the runtime's step does: [`READ_AHEAD`] records read ahead, then
+/// processed.
 fn flush(
     op: &mut KeyedOperator<Count>,
     batch: &mut Vec<(u32, RecordKey, &String)>,
 ) -> keyshift_sdk::Result<()> {
-    for (group, rk, _) in batch.iter() {
-        op.prefetch(*group, rk);
+    for chunk in batch.chunks(READ_AHEAD) {
+        for (group, rk, _) in chunk {
+            op.prefetch(*group, rk);
+        }
+        for (group, rk, key) in chunk {
+            op.process_routed(*group, rk, key, 0, 1)?;
+        }
     }
-    for (group, rk, key) in batch.drain(..) {
-        op.process_routed(group, &rk, key, 0, 1)?;
-    }
+    batch.clear();
     Ok(())
 }
 

@@ -8,7 +8,7 @@ use crate::error::{BlockError, Error, Result, StateError};
 use crate::function::{Context, KeyArg, KeyedProcessFunction, Timer};
 use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key, key_type_of};
 use crate::state::backend::{Change, GroupMode, StateBackend};
-use crate::state::heap::HeapStore;
+use crate::state::heap::{HeapStore, ReadAhead};
 use crate::state::{
     Declaration, DeclarationError, Declarations, KeyBytes, KeyScope, StateId, Store, TimeDomain,
 };
@@ -19,6 +19,12 @@ use std::collections::BTreeMap;
 
 /// The lowest watermark (nothing has been seen yet).
 pub const MIN_WATERMARK: i64 = i64::MIN;
+
+/// How many records' state a caller of [`KeyedOperator::prefetch`] reads ahead before it
+/// processes the first of them. Enough for the memory reads of many keys to overlap; few
+/// enough that what they read is still in the CPU's cache when the records are processed (a
+/// whole batch of 2048 read ahead was measured 10-15% slower at a million keys).
+pub const READ_AHEAD: usize = 32;
 
 /// Where an operator keeps its keyed state.
 enum Backend<K> {
@@ -190,6 +196,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         &mut self,
         index: usize,
         rk: &RecordKey,
+        ahead: ReadAhead,
         key: KeyArg<'_, F::Key>,
         timestamp: i64,
         call: impl FnOnce(&mut F, &F::State, &mut Context<'_, F::Key, F::Out>) -> Result<()>,
@@ -208,7 +215,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         let (store, key_bytes, hash) = match &mut self.backend {
             Backend::Heap(h) => {
                 let epoch = h.epoch();
-                let (states, hash) = h.key_mut(index, rk).ok_or_else(|| {
+                let (states, hash) = h.key_mut(index, rk, ahead).ok_or_else(|| {
                     StateError::Backend(format!("group index {index} is not owned"))
                 })?;
                 key_epoch = states.epoch;
@@ -288,17 +295,27 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     ) -> Result<()> {
         debug_assert_eq!(group, key.key_group(self.max_parallelism));
         debug_assert_eq!(*record_key, key.record_key());
-        self.process_key(group, record_key, KeyArg::Built(key), timestamp, value)
+        let key = KeyArg::Built(key);
+        self.process_key(
+            group,
+            record_key,
+            ReadAhead::default(),
+            key,
+            timestamp,
+            value,
+        )
     }
 
     /// [`Self::process_routed`] with the key built from `record_key` only if the function asks
     /// for it ([`Context::key`]): for a key type that is [`StreamKey::BUILT_ON_DEMAND`], and a
     /// `record_key` of its kind (else the key is built first, and a key of another type is
-    /// `Ok(false)`, nothing processed). `group` must be `record_key`'s.
+    /// `Ok(false)`, nothing processed). `group` must be `record_key`'s; `ahead` is what
+    /// [`Self::prefetch`] returned for it.
     pub(crate) fn process_record_key(
         &mut self,
         group: u32,
         record_key: &RecordKey,
+        ahead: ReadAhead,
         timestamp: i64,
         value: F::In,
     ) -> Result<bool> {
@@ -306,7 +323,8 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             let Some(key) = F::Key::from_record_key(record_key) else {
                 return Ok(false);
             };
-            self.process_routed(group, record_key, &key, timestamp, value)?;
+            let key = KeyArg::Built(&key);
+            self.process_key(group, record_key, ahead, key, timestamp, value)?;
             return Ok(true);
         }
         let built = OnceCell::new();
@@ -314,7 +332,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             record_key,
             built: &built,
         };
-        self.process_key(group, record_key, key, timestamp, value)?;
+        self.process_key(group, record_key, ahead, key, timestamp, value)?;
         Ok(true)
     }
 
@@ -324,6 +342,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         &mut self,
         group: u32,
         record_key: &RecordKey,
+        ahead: ReadAhead,
         key: KeyArg<'_, F::Key>,
         timestamp: i64,
         value: F::In,
@@ -335,19 +354,22 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 range: self.range,
             })
         })?;
-        self.with_key(index, record_key, key, timestamp, |f, state, ctx| {
+        self.with_key(index, record_key, ahead, key, timestamp, |f, state, ctx| {
             f.process(value, state, ctx)
         })
     }
 
     /// A hint that a record of `record_key` (of key group `group`) is about to be processed:
-    /// reads the key's state entry, so that the process call finds it in cache. Called over a
-    /// batch of records before the batch is processed, the memory reads of many keys overlap,
-    /// where one record's would otherwise wait for the last's (with state larger than the CPU's
-    /// caches, most of a record's time is that wait). Only the heap backend reads ahead.
-    pub fn prefetch(&self, group: u32, record_key: &RecordKey) {
-        if let (Some(index), Backend::Heap(h)) = (self.group_index(group), &self.backend) {
-            h.touch(index, record_key);
+    /// reads the key's state entry (making an empty one for a key without state, which the
+    /// process call drops again if it leaves it empty), so that the process call finds it in
+    /// cache. Called over [`READ_AHEAD`] records before they are processed, the memory reads
+    /// of many keys overlap, where one record's would otherwise wait for the last's (with state
+    /// larger than the CPU's caches, most of a record's time is that wait). Only the heap
+    /// backend reads ahead. What it returns tells the process call where the entry is.
+    pub fn prefetch(&mut self, group: u32, record_key: &RecordKey) -> ReadAhead {
+        match (self.group_index(group), &mut self.backend) {
+            (Some(index), Backend::Heap(h)) => h.touch(index, record_key),
+            _ => ReadAhead::default(),
         }
     }
 
@@ -379,18 +401,25 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 StateError::Backend(format!("a timer's key {k} is not of the job's key type"))
             })?;
             let rk = key.record_key();
-            self.with_key(index, &rk, KeyArg::Built(&key), ts, |f, state, ctx| {
-                ctx.scope
-                    .many_delete(timers::state_id(domain), Some(&timers::time_key(ts)))?;
-                f.on_timer(
-                    Timer {
-                        timestamp: ts,
-                        domain,
-                    },
-                    state,
-                    ctx,
-                )
-            })?;
+            self.with_key(
+                index,
+                &rk,
+                ReadAhead::default(),
+                KeyArg::Built(&key),
+                ts,
+                |f, state, ctx| {
+                    ctx.scope
+                        .many_delete(timers::state_id(domain), Some(&timers::time_key(ts)))?;
+                    f.on_timer(
+                        Timer {
+                            timestamp: ts,
+                            domain,
+                        },
+                        state,
+                        ctx,
+                    )
+                },
+            )?;
         }
         Ok(())
     }

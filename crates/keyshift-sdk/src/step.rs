@@ -7,9 +7,10 @@ use crate::block::EncodedBlock;
 use crate::error::{BlockError, Error, Result};
 use crate::function::KeyedProcessFunction;
 use crate::key::{RecordKey, StreamKey};
-use crate::operator::KeyedOperator;
+use crate::operator::{KeyedOperator, READ_AHEAD};
 use crate::serializer::{Postcard, Serializer};
 use crate::state::backend::GroupMode;
+use crate::state::heap::ReadAhead;
 use crate::state::{Declaration, DeclarationError};
 use keyshift_core::keygroup::KeyGroupRange;
 use serde::Serialize;
@@ -37,8 +38,8 @@ pub trait KeyedStep: Send {
     fn declarations(&self) -> &[Declaration];
     /// The key groups it owns.
     fn range(&self) -> KeyGroupRange;
-    /// Handles a batch of records routed to this subtask, in order, after reading the state of
-    /// their keys ahead ([`KeyedOperator::prefetch`]).
+    /// Handles a batch of records routed to this subtask, in order, reading the state of their
+    /// keys ahead ([`KeyedOperator::prefetch`], [`READ_AHEAD`] records at a time).
     fn process_batch(&mut self, batch: &[Routed<'_>]) -> Result<()>;
     /// Handles one record already in memory (a stage chained without a shuffle).
     fn process_value(&mut self, key: &RecordKey, timestamp: i64, record: Value) -> Result<()>;
@@ -120,22 +121,12 @@ where
         self.op.range()
     }
     fn process_batch(&mut self, batch: &[Routed<'_>]) -> Result<()> {
-        for r in batch {
-            self.op.prefetch(r.group, &r.key);
-        }
-        for r in batch {
-            let value = self.records.deserialize(r.record).map_err(|e| {
-                Error::user(RecordError::Deserialize {
-                    uid: self.op.uid().to_owned(),
-                    message: e.to_string(),
-                })
-            })?;
-            if !self
-                .op
-                .process_record_key(r.group, &r.key, r.timestamp, value)?
-            {
-                return Err(self.key_type_error(&r.key));
+        let mut ahead = [ReadAhead::default(); READ_AHEAD];
+        for chunk in batch.chunks(READ_AHEAD) {
+            for (r, a) in chunk.iter().zip(&mut ahead) {
+                *a = self.op.prefetch(r.group, &r.key);
             }
+            self.process_chunk(chunk, &ahead)?;
         }
         Ok(())
     }
@@ -197,6 +188,32 @@ where
     }
     fn entries(&self) -> usize {
         self.op.entries()
+    }
+}
+
+impl<F> Erased<F>
+where
+    F: KeyedProcessFunction,
+    F::In: Serialize + DeserializeOwned + Send + 'static,
+    F::Out: Send + 'static,
+{
+    /// Processes `batch`, read ahead (`ahead[i]` is record `i`'s).
+    fn process_chunk(&mut self, batch: &[Routed<'_>], ahead: &[ReadAhead]) -> Result<()> {
+        for (r, a) in batch.iter().zip(ahead) {
+            let value = self.records.deserialize(r.record).map_err(|e| {
+                Error::user(RecordError::Deserialize {
+                    uid: self.op.uid().to_owned(),
+                    message: e.to_string(),
+                })
+            })?;
+            if !self
+                .op
+                .process_record_key(r.group, &r.key, *a, r.timestamp, value)?
+            {
+                return Err(self.key_type_error(&r.key));
+            }
+        }
+        Ok(())
     }
 }
 

@@ -186,6 +186,11 @@ fn recount(live: &mut usize, ks: &mut KeyStates) {
     ks.counted = n;
 }
 
+/// What a read-ahead ([`HeapStore::touch`]) learnt of a key: where its entry is, so that
+/// processing the record finds it without a second probe (a hint: checked against the key).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReadAhead(Option<usize>);
+
 struct Group {
     /// Each key with its states, by the key's cached hash (nothing is hashed per record, and a
     /// short string key is compared inline).
@@ -258,36 +263,59 @@ impl<K: StreamKey> HeapStore<K> {
         self.epoch
     }
 
-    /// The states of `key` in group `group` (created empty if it has none; one hash, one
-    /// probe), the key's hash for [`Self::release`], and the group marked changed (the caller is
-    /// about to run a function on it).
+    /// The states of `key` in group `group` (created empty if it has none; where the
+    /// read-ahead `ahead` found them, else by one probe), the key's hash for [`Self::release`],
+    /// and the group marked changed (the caller is about to run a function on it).
     pub(crate) fn key_mut(
         &mut self,
         group: usize,
         key: &RecordKey,
+        ahead: ReadAhead,
     ) -> Option<(&mut KeyStates, u64)> {
         let epoch = self.epoch;
         let hasher = self.hasher.clone();
         let g = self.groups.get_mut(group)?;
         g.changed = epoch;
         let hash = hasher.hash_one(key);
-        let entry = g
-            .keys
-            .entry(hash, |(k, _)| k == key, |(k, _)| hasher.hash_one(k));
-        let states = match entry {
-            Entry::Occupied(o) => &mut o.into_mut().1,
-            Entry::Vacant(v) => &mut v.insert((key.clone(), KeyStates::default())).into_mut().1,
+        // Where the read-ahead found the key, if nothing has moved it since (checked by the key:
+        // a resize, or a released key's bucket taken by another, moves or replaces it).
+        let found = ahead
+            .0
+            .filter(|&i| g.keys.get_bucket(i).is_some_and(|(k, _)| k == key));
+        let at = match found {
+            Some(i) => i,
+            None => match g
+                .keys
+                .entry(hash, |(k, _)| k == key, |(k, _)| hasher.hash_one(k))
+            {
+                Entry::Occupied(o) => o.bucket_index(),
+                Entry::Vacant(v) => v.insert((key.clone(), KeyStates::default())).bucket_index(),
+            },
         };
+        let (_, states) = g.keys.get_bucket_mut(at)?;
         Some((states, hash))
     }
 
-    /// Reads the entry of `key` in group `group` if it has one (see
-    /// [`crate::operator::KeyedOperator::prefetch`]).
-    pub(crate) fn touch(&self, group: usize, key: &RecordKey) {
-        if let Some(g) = self.groups.get(group) {
-            let hash = self.hasher.hash_one(key);
-            std::hint::black_box(g.keys.find(hash, |(k, _)| k == key).map(|(_, s)| s.epoch));
-        }
+    /// Reads the entry of `key` in group `group` (see
+    /// [`crate::operator::KeyedOperator::prefetch`]), and says where it is.
+    ///
+    /// A key without an entry gets an empty one here, so that the process call finds its slot
+    /// in cache too (a new key's insert is as costly as a read of a key in state): the call
+    /// that follows drops it again if it leaves it empty ([`Self::release`]), and an empty
+    /// entry holds no state (no snapshot, count or visit sees it).
+    pub(crate) fn touch(&mut self, group: usize, key: &RecordKey) -> ReadAhead {
+        let hasher = &self.hasher;
+        let Some(g) = self.groups.get_mut(group) else {
+            return ReadAhead::default();
+        };
+        let hash = hasher.hash_one(key);
+        let entry = g
+            .keys
+            .entry(hash, |(k, _)| k == key, |(k, _)| hasher.hash_one(k))
+            .or_insert_with(|| (key.clone(), KeyStates::default()));
+        let at = entry.bucket_index();
+        std::hint::black_box(entry.get().1.epoch);
+        ReadAhead(Some(at))
     }
 
     /// Drops `key`'s entry (its hash from [`Self::key_mut`]), which the caller found empty.
@@ -599,5 +627,79 @@ impl<K: StreamKey> HeapStore<K> {
         self.groups
             .get(group)
             .map_or(0, |g| g.keys.iter().map(|(_, ks)| ks.live()).sum())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(s: &str) -> RecordKey {
+        s.to_owned().record_key()
+    }
+
+    /// Gives `key` a value state holding `v` (slot 0).
+    fn set(store: &mut HeapStore<String>, k: &str, ahead: ReadAhead, v: u64) {
+        let (states, _) = store.key_mut(0, &key(k), ahead).unwrap();
+        *states.slot(0) = Slot::One(Cell {
+            value: Some(object(v)),
+            expiry: None,
+            epoch: 1,
+        });
+    }
+
+    /// The value state of `key` (slot 0), found through `ahead`.
+    fn get(store: &mut HeapStore<String>, k: &str, ahead: ReadAhead) -> Option<u64> {
+        let (states, _) = store.key_mut(0, &key(k), ahead).unwrap();
+        match states.slots.first() {
+            Some(Slot::One(c)) => c.value.as_ref()?.downcast_ref::<u64>().copied(),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_read_ahead_finds_its_key_even_after_the_table_moved_or_its_bucket_was_reused() {
+        let mut store = HeapStore::<String>::new(1, Vec::new());
+        set(&mut store, "a", ReadAhead::default(), 1);
+        let ahead_a = store.touch(0, &key("a"));
+        assert!(ahead_a.0.is_some());
+        assert_eq!(get(&mut store, "a", ahead_a), Some(1));
+        // Thousands of keys read ahead after it: the table grows, every bucket moves.
+        let buckets = store.groups[0].keys.num_buckets();
+        for i in 0..5000 {
+            let k = format!("k{i}");
+            let ahead = store.touch(0, &key(&k));
+            set(&mut store, &k, ahead, i);
+        }
+        assert!(store.groups[0].keys.num_buckets() > buckets);
+        assert_eq!(get(&mut store, "a", ahead_a), Some(1));
+        assert_eq!(get(&mut store, "k4999", ahead_a), Some(4999));
+        // A key read ahead, then released empty, its bucket taken by another key: the stale
+        // hint leads to neither the other key's state nor a second entry of its own.
+        let ahead_b = store.touch(0, &key("b"));
+        let hash = store.hasher.hash_one(key("b"));
+        store.release(0, &key("b"), hash);
+        let ahead_c = store.touch(0, &key("c"));
+        set(&mut store, "c", ahead_c, 7);
+        assert_eq!(get(&mut store, "b", ahead_b), None);
+        assert_eq!(get(&mut store, "c", ahead_b), Some(7));
+        assert_eq!(get(&mut store, "c", ahead_c), Some(7));
+        let copies = store.groups[0]
+            .keys
+            .iter()
+            .filter(|(k, _)| *k == key("b"))
+            .count();
+        assert_eq!(copies, 1);
+    }
+
+    #[test]
+    fn a_key_read_ahead_and_left_without_state_holds_nothing() {
+        let mut store = HeapStore::<String>::new(1, Vec::new());
+        store.touch(0, &key("a"));
+        assert_eq!(store.len(0), 0);
+        let (states, hash) = store.key_mut(0, &key("a"), ReadAhead::default()).unwrap();
+        assert!(states.is_empty());
+        store.release(0, &key("a"), hash);
+        assert_eq!(store.groups[0].keys.len(), 0);
     }
 }
