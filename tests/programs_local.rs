@@ -242,7 +242,7 @@ async fn a_program_the_image_does_not_carry_is_refused_naming_the_ones_it_does()
         .expect_err("no such program")
         .to_string();
     assert!(
-        err.contains("sessionize") && err.contains("count, dedup, silence-alert"),
+        err.contains("sessionize") && err.contains("count, dedup, sessions, silence-alert"),
         "{err}"
     );
 }
@@ -320,6 +320,119 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
         want.len()
     );
     assert_eq!(got, want);
+}
+
+/// The `sessions` program (gap-based session windows per user, merged when a click bridges two)
+/// through a rescale up, a killed worker and a pre-staged rescale down: every session that
+/// closed published once, against the oracle, and every one still open in the last savepoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_killed_worker() {
+    use keyshift_examples::sessions::{self, Browsing, Click, UserSession};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let input = Input {
+        dir: dir.path().join("in"),
+        files: 4,
+    };
+    std::fs::create_dir_all(&input.dir).expect("input dir");
+    let out = dir.path().join("out");
+    let gap_ms = keyshift_examples::SESSION_GAP.as_millis() as i64;
+    let browsing = Browsing {
+        users: 300,
+        sessions_per_user: 4,
+        max_clicks: 6,
+        pages: 20,
+        gap_ms,
+        max_out_of_orderness: 2_000,
+        seed: 17,
+    };
+    let mut records = browsing.records();
+    let n = records.len();
+    // One click per partition far in the future, from a user of its own: every partition's
+    // watermark passes every real session's end.
+    let end = records.iter().map(|(_, ts, _)| *ts).max().unwrap_or(0) + 10 * gap_ms;
+    for p in 0..input.files {
+        let user = format!("end-{}", p + 1_000 * input.files);
+        let click = Click {
+            user: user.clone(),
+            page: "/end".into(),
+            ts: end,
+        };
+        records.push((user, end, click));
+    }
+    let clicks: Vec<Click> = records.iter().map(|(_, _, c)| c.clone()).collect();
+    fn user(c: &Click) -> &str {
+        &c.user
+    }
+    input.append(&clicks[..n / 3], user);
+    let spec = program_job("sessions", "sessions", &input.dir, &out, 2);
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(SETTLE).await;
+    local.checkpoint().await.expect("checkpoint");
+    local.rescale(3).await.expect("rescale to 3");
+    input.append(&clicks[n / 3..2 * n / 3], user);
+    tokio::time::sleep(SETTLE).await;
+    local.checkpoint().await.expect("checkpoint at 3");
+    input.append(&clicks[2 * n / 3..n], user);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    local.kill_worker(2).await;
+    local.recover(3).await.expect("recover");
+    tokio::time::sleep(SETTLE).await;
+    local
+        .checkpoint()
+        .await
+        .expect("checkpoint after the recovery");
+    let down = local
+        .rescale_prestaged(2)
+        .await
+        .expect("pre-staged rescale to 2");
+    assert_eq!(down.fallback, None, "the pre-stage was used");
+    input.append(&clicks[n..], user);
+    tokio::time::sleep(SETTLE).await;
+    let sp = local.shutdown().await.expect("stop with a savepoint");
+
+    let watermark = sp
+        .manifest
+        .watermark
+        .expect("the savepoint has a watermark");
+    let all = sessions::expected(&records, gap_ms);
+    let (want, open): (Vec<UserSession>, Vec<UserSession>) =
+        all.into_iter().partition(|s| s.end - 1 <= watermark);
+    assert!(
+        want.len() > 800 && open.len() == input.files as usize,
+        "{} sessions closed, {} open (watermark {watermark})",
+        want.len(),
+        open.len()
+    );
+    let got: Vec<UserSession> = programs_support::published(&out);
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "published {} of {}",
+        got.len(),
+        want.len()
+    );
+    assert_eq!(got, want);
+    // The sessions still open are in the savepoint, under the state's declared name.
+    let loc = keyshift::offline::open_location(&sp.url).expect("savepoint location");
+    let mut dumped = Vec::new();
+    keyshift::offline::dump::dump(&loc, None, &mut dumped)
+        .await
+        .expect("dump");
+    let in_savepoint: std::collections::BTreeSet<String> = String::from_utf8(dumped)
+        .expect("UTF-8")
+        .lines()
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).expect("a JSON line"))
+        // The session windows' map state (keyshift_sdk::windows::SESSIONS_STATE).
+        .filter(|l| l["state"] == "sessions")
+        .filter_map(|l| l["key"].as_str().map(str::to_owned))
+        .collect();
+    let open_users: std::collections::BTreeSet<String> =
+        open.iter().map(|s| s.key.clone()).collect();
+    assert_eq!(in_savepoint, open_users);
 }
 
 /// A program over the generator: `count` (a value state per key) reads each generated record as

@@ -3,6 +3,8 @@
 //!
 //! * [`dedup`]: each event id's first occurrence, again once its TTL has run out;
 //! * [`silence`]: an alert when a device sends no heartbeat for a while, once per silence;
+//! * [`sessions`]: sessionization by user (gap-based session windows in event time, merged
+//!   when a click bridges two sessions);
 //! * [`count`]: the built-in job's count per key, as a program (to measure one against the
 //!   other).
 //!
@@ -11,6 +13,7 @@
 pub mod count;
 pub mod dedup;
 pub mod input;
+pub mod sessions;
 pub mod silence;
 
 use keyshift_sdk::dataflow::Job;
@@ -18,16 +21,20 @@ use std::time::Duration;
 
 /// How long [`dedup`]'s program keeps an id (event time).
 pub const DEDUP_TTL: Duration = Duration::from_secs(10);
+/// The gap that ends a session of [`sessions`]'s program (event time).
+pub const SESSION_GAP: Duration = Duration::from_secs(30);
 /// How long [`silence`]'s program waits for a heartbeat before it alerts (event time, ms).
 pub const SILENCE_MS: i64 = 30_000;
 
 /// The example jobs as programs a worker image carries, by the name a StreamJob gives in
 /// `spec.job.program.name`: `dedup` ([`dedup::job`] with [`DEDUP_TTL`]), `silence-alert`
-/// ([`silence::job`] with [`SILENCE_MS`]) and `count` ([`count::job`]).
+/// ([`silence::job`] with [`SILENCE_MS`]), `sessions` ([`sessions::job`] with [`SESSION_GAP`])
+/// and `count` ([`count::job`]).
 pub fn programs() -> Vec<(&'static str, Job)> {
     vec![
         ("count", count::job()),
         ("dedup", dedup::job(DEDUP_TTL)),
+        ("sessions", sessions::job(SESSION_GAP)),
         ("silence-alert", silence::job(SILENCE_MS)),
     ]
 }

@@ -5,9 +5,11 @@
 //! the oracle's, with nothing missing and nothing twice.
 
 use keyshift_examples::dedup::{self, Dedup, Traffic};
+use keyshift_examples::sessions::{self, Browsing, CountVisits};
 use keyshift_examples::silence::{self, Fleet, SilenceAlert};
 use keyshift_sdk::KeyedProcessFunction;
 use keyshift_sdk::testing::{Harness, run_job};
+use keyshift_sdk::windows::EventTimeSessions;
 use std::time::Duration;
 
 /// What happens to the running job, in order, between batches of input.
@@ -252,6 +254,108 @@ fn silence_through_every_path(sorted_backend: bool) {
     assert!(h.subtasks().iter().all(|s| s.timers() == (0, 0)));
 }
 
+#[test]
+fn sessions_are_emitted_once_each_and_merged_through_every_path() {
+    sessions_through_every_path(false);
+}
+
+/// The same with the sessions (map state and timers) in the byte-addressed backend.
+#[test]
+fn sessions_in_the_sorted_backend_are_the_same() {
+    sessions_through_every_path(true);
+}
+
+const BROWSING: Browsing = Browsing {
+    users: 120,
+    sessions_per_user: 6,
+    max_clicks: 8,
+    pages: 20,
+    gap_ms: 2_000,
+    max_out_of_orderness: 3_000,
+    seed: 13,
+};
+
+fn sessions_through_every_path(sorted_backend: bool) {
+    let b = BROWSING;
+    let records = b.records();
+    assert!(records.len() > 2_000, "{} records", records.len());
+    let expected = sessions::expected(&records, b.gap_ms);
+    assert!(
+        expected.len() > (b.users * b.sessions_per_user) as usize / 2,
+        "{} sessions",
+        expected.len()
+    );
+    assert!(
+        expected.iter().any(|s| s.result.clicks > 3),
+        "sessions of several clicks"
+    );
+    let gap = Duration::from_millis(b.gap_ms as u64);
+    let mut h = Harness::new(
+        "sessions",
+        move || EventTimeSessions::new(gap, CountVisits),
+        2,
+        128,
+        records,
+        b.max_out_of_orderness,
+    )
+    .unwrap();
+    if sorted_backend {
+        h = h.sorted_backend().unwrap();
+    }
+    let h = run(h, SCRIPT);
+    let got = in_order(h.committed());
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "{} sessions of {}",
+        got.len(),
+        expected.len()
+    );
+    assert_eq!(got, expected);
+    // Every session closed and left the state with its timer.
+    assert_eq!(h.entries(), 0);
+    assert!(h.subtasks().iter().all(|s| s.timers() == (0, 0)));
+}
+
+/// A click that arrives after later clicks of its user, each of which began a session of its
+/// own, merges them: the oracle sees one session, and so does the job.
+#[test]
+fn a_click_that_bridges_two_sessions_merges_them() {
+    let click = |ts: i64| sessions::Click {
+        user: "u".into(),
+        page: format!("/p{ts}"),
+        ts,
+    };
+    let records: Vec<_> = [0, 3_000, 1_500, 10_000]
+        .into_iter()
+        .map(|ts| ("u".to_owned(), ts, click(ts)))
+        .collect();
+    let expected = sessions::expected(&records, 2_000);
+    assert_eq!(
+        expected
+            .iter()
+            .map(|s| (s.start, s.end, s.result.clicks))
+            .collect::<Vec<_>>(),
+        vec![(0, 5_000, 3), (10_000, 12_000, 1)]
+    );
+    let gap = Duration::from_millis(2_000);
+    let mut h = Harness::new(
+        "sessions",
+        move || EventTimeSessions::new(gap, CountVisits),
+        1,
+        128,
+        records,
+        5_000,
+    )
+    .unwrap();
+    while !h.at_end() {
+        h.step(1).unwrap();
+    }
+    h.finish().unwrap();
+    h.checkpoint().unwrap();
+    assert_eq!(in_order(h.committed()), expected);
+}
+
 /// Both jobs whole, from JSON lines to JSON lines (records serialized across the shuffle as a
 /// worker sends them), at parallelism 1 and 3: the same output as the oracles'.
 #[test]
@@ -306,6 +410,36 @@ fn whole_jobs_from_json_lines_match_their_oracles() {
     let mut got: Vec<dedup::Event> = out.iter().map(|l| serde_json_from(l)).collect();
     got.sort();
     assert_eq!(got, dedup::expected(&events, ttl.as_millis() as i64));
+
+    let b = Browsing {
+        users: 40,
+        ..BROWSING
+    };
+    let clicks = b.records();
+    let lines: Vec<String> = clicks
+        .iter()
+        .map(|(_, _, c)| serde_json::to_string(c).unwrap())
+        .collect();
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let gap = Duration::from_millis(b.gap_ms as u64);
+    for p in [1, 3] {
+        let out = run_job(
+            &sessions::job(gap),
+            &lines,
+            p,
+            128,
+            b.max_out_of_orderness,
+            40,
+        )
+        .unwrap();
+        let mut got: Vec<sessions::UserSession> = out.iter().map(|l| serde_json_from(l)).collect();
+        got.sort();
+        assert_eq!(
+            got,
+            sessions::expected(&clicks, b.gap_ms),
+            "parallelism {p}"
+        );
+    }
 }
 
 /// A line of the sink, parsed.

@@ -66,6 +66,7 @@ pub mod state;
 pub mod step;
 pub mod testing;
 mod timers;
+pub mod windows;
 
 pub use error::{BlockError, Error, Result, StateError};
 pub use function::{Context, KeyedProcessFunction, Timer};
@@ -84,4 +85,5 @@ pub mod prelude {
         ReducingHandle, ReducingStateDescriptor, TimeDomain, Ttl, ValueHandle,
         ValueStateDescriptor,
     };
+    pub use crate::windows::{EventTimeSessions, MergingAggregate, Session};
 }
