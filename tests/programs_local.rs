@@ -242,7 +242,8 @@ async fn a_program_the_image_does_not_carry_is_refused_naming_the_ones_it_does()
         .expect_err("no such program")
         .to_string();
     assert!(
-        err.contains("sessionize") && err.contains("count, dedup, sessions, silence-alert"),
+        err.contains("sessionize")
+            && err.contains("count, dedup, order-payments, sessions, silence-alert"),
         "{err}"
     );
 }
@@ -433,6 +434,88 @@ async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_k
     let open_users: std::collections::BTreeSet<String> =
         open.iter().map(|s| s.key.clone()).collect();
     assert_eq!(in_savepoint, open_users);
+}
+
+/// The `order-payments` program (an interval join of orders and payments by order id) through a
+/// rescale up, a killed worker and a pre-staged rescale down: every payment within the window
+/// after its order published once with it, whichever arrived first, against the oracle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_orders_and_payments_join_publishes_each_pair_once_through_rescales_and_a_killed_worker()
+{
+    use keyshift_examples::orders::{self, Event, Paid, Shop};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let input = Input {
+        dir: dir.path().join("in"),
+        files: 4,
+    };
+    std::fs::create_dir_all(&input.dir).expect("input dir");
+    let out = dir.path().join("out");
+    let window_ms = keyshift_examples::PAYMENT_WINDOW.as_millis() as i64;
+    let shop = Shop {
+        orders: 2_000,
+        customers: 50,
+        step_ms: 400,
+        window_ms,
+        tier_every_ms: 40_000,
+        max_out_of_orderness: 2_000,
+        seed: 23,
+    };
+    let events: Vec<(i64, Event)> = shop
+        .events()
+        .into_iter()
+        .filter(|(_, e)| !matches!(e, Event::Tier(_)))
+        .collect();
+    let lines: Vec<Event> = events.iter().map(|(_, e)| e.clone()).collect();
+    let n = lines.len();
+    // An order and its payments in one partition file (by the order's number), in order.
+    fn order_of(e: &Event) -> &str {
+        match e {
+            Event::Order(o) => &o.id,
+            Event::Payment(p) => &p.order,
+            Event::Tier(t) => &t.customer,
+        }
+    }
+    input.append(&lines[..n / 3], order_of);
+    let spec = program_job("orders", "order-payments", &input.dir, &out, 2);
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(SETTLE).await;
+    local.checkpoint().await.expect("checkpoint");
+    local.rescale(3).await.expect("rescale to 3");
+    input.append(&lines[n / 3..2 * n / 3], order_of);
+    tokio::time::sleep(SETTLE).await;
+    local.checkpoint().await.expect("checkpoint at 3");
+    input.append(&lines[2 * n / 3..], order_of);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    local.kill_worker(2).await;
+    local.recover(3).await.expect("recover");
+    tokio::time::sleep(SETTLE).await;
+    local
+        .checkpoint()
+        .await
+        .expect("checkpoint after the recovery");
+    let down = local
+        .rescale_prestaged(2)
+        .await
+        .expect("pre-staged rescale to 2");
+    assert_eq!(down.fallback, None, "the pre-stage was used");
+    tokio::time::sleep(SETTLE).await;
+    local.shutdown().await.expect("stop with a savepoint");
+
+    let want = orders::expected_paid(&events, window_ms);
+    assert!(want.len() > 1_000, "{} pairs", want.len());
+    let got: Vec<Paid> = programs_support::published(&out);
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "published {} of {}",
+        got.len(),
+        want.len()
+    );
+    assert_eq!(got, want);
 }
 
 /// A program over the generator: `count` (a value state per key) reads each generated record as

@@ -332,8 +332,9 @@ pub struct FileSource {
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ProgramSpec {
-    /// The program's name in the image (keyshift's own image has `count`, `dedup`, `sessions`
-    /// and `silence-alert`; a job's own image, the names its binary gives). Lowercase letters, digits and `-`, at most 63 characters. A worker
+    /// The program's name in the image (keyshift's own image has `count`, `dedup`,
+    /// `order-payments`, `sessions` and `silence-alert`; a job's own image, the names its binary
+    /// gives). Lowercase letters, digits and `-`, at most 63 characters. A worker
     /// whose image has no program of that name refuses the start, naming the programs it has.
     pub name: String,
     /// How far event time may go backwards: each source partition's watermark trails the

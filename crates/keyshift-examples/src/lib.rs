@@ -3,6 +3,8 @@
 //!
 //! * [`dedup`]: each event id's first occurrence, again once its TTL has run out;
 //! * [`silence`]: an alert when a device sends no heartbeat for a while, once per silence;
+//! * [`orders`]: orders joined with their payments by order id (an interval join), and with
+//!   their customer's tier at the order's time (a temporal join against a changing table);
 //! * [`sessions`]: sessionization by user (gap-based session windows in event time, merged
 //!   when a click bridges two sessions);
 //! * [`count`]: the built-in job's count per key, as a program (to measure one against the
@@ -13,6 +15,7 @@
 pub mod count;
 pub mod dedup;
 pub mod input;
+pub mod orders;
 pub mod sessions;
 pub mod silence;
 
@@ -21,6 +24,8 @@ use std::time::Duration;
 
 /// How long [`dedup`]'s program keeps an id (event time).
 pub const DEDUP_TTL: Duration = Duration::from_secs(10);
+/// How long after an order [`orders`]'s program joins a payment to it (event time).
+pub const PAYMENT_WINDOW: Duration = Duration::from_secs(60);
 /// The gap that ends a session of [`sessions`]'s program (event time).
 pub const SESSION_GAP: Duration = Duration::from_secs(30);
 /// How long [`silence`]'s program waits for a heartbeat before it alerts (event time, ms).
@@ -28,12 +33,13 @@ pub const SILENCE_MS: i64 = 30_000;
 
 /// The example jobs as programs a worker image carries, by the name a StreamJob gives in
 /// `spec.job.program.name`: `dedup` ([`dedup::job`] with [`DEDUP_TTL`]), `silence-alert`
-/// ([`silence::job`] with [`SILENCE_MS`]), `sessions` ([`sessions::job`] with [`SESSION_GAP`])
-/// and `count` ([`count::job`]).
+/// ([`silence::job`] with [`SILENCE_MS`]), `sessions` ([`sessions::job`] with [`SESSION_GAP`]),
+/// `order-payments` ([`orders::job`] with [`PAYMENT_WINDOW`]) and `count` ([`count::job`]).
 pub fn programs() -> Vec<(&'static str, Job)> {
     vec![
         ("count", count::job()),
         ("dedup", dedup::job(DEDUP_TTL)),
+        ("order-payments", orders::job(PAYMENT_WINDOW)),
         ("sessions", sessions::job(SESSION_GAP)),
         ("silence-alert", silence::job(SILENCE_MS)),
     ]

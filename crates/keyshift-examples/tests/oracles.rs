@@ -5,9 +5,11 @@
 //! the oracle's, with nothing missing and nothing twice.
 
 use keyshift_examples::dedup::{self, Dedup, Traffic};
+use keyshift_examples::orders::{self, Event as ShopEvent, Shop};
 use keyshift_examples::sessions::{self, Browsing, CountVisits};
 use keyshift_examples::silence::{self, Fleet, SilenceAlert};
 use keyshift_sdk::KeyedProcessFunction;
+use keyshift_sdk::join::JoinInput;
 use keyshift_sdk::testing::{Harness, run_job};
 use keyshift_sdk::windows::EventTimeSessions;
 use std::time::Duration;
@@ -317,6 +319,109 @@ fn sessions_through_every_path(sorted_backend: bool) {
     assert!(h.subtasks().iter().all(|s| s.timers() == (0, 0)));
 }
 
+const SHOP: Shop = Shop {
+    orders: 1_500,
+    customers: 60,
+    step_ms: 400,
+    window_ms: 30_000,
+    tier_every_ms: 40_000,
+    max_out_of_orderness: 3_000,
+    seed: 21,
+};
+
+#[test]
+fn orders_and_payments_join_exactly_once_through_every_path() {
+    orders_through_every_path(false);
+}
+
+/// The same with both sides' buffers in the byte-addressed backend.
+#[test]
+fn orders_and_payments_join_the_same_in_the_sorted_backend() {
+    orders_through_every_path(true);
+}
+
+fn orders_through_every_path(sorted_backend: bool) {
+    let events = SHOP.events();
+    let expected = orders::expected_paid(&events, SHOP.window_ms);
+    let payments = events
+        .iter()
+        .filter(|(_, e)| matches!(e, ShopEvent::Payment(_)))
+        .count();
+    assert!(
+        expected.len() > 500 && expected.len() < payments,
+        "{} of {payments} payments within the window",
+        expected.len()
+    );
+    let input: Vec<_> = events
+        .into_iter()
+        .filter_map(|(ts, e)| match e {
+            ShopEvent::Order(o) => Some((o.id.clone(), ts, JoinInput::Left(o))),
+            ShopEvent::Payment(p) => Some((p.order.clone(), ts, JoinInput::Right(p))),
+            ShopEvent::Tier(_) => None,
+        })
+        .collect();
+    let window = Duration::from_millis(SHOP.window_ms as u64);
+    let mut h = Harness::new(
+        "payments",
+        move || orders::payments_join(window),
+        2,
+        128,
+        input,
+        SHOP.max_out_of_orderness,
+    )
+    .unwrap();
+    if sorted_backend {
+        h = h.sorted_backend().unwrap();
+    }
+    let h = run(h, SCRIPT);
+    let got = in_order(h.committed());
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "{} pairs of {}",
+        got.len(),
+        expected.len()
+    );
+    assert_eq!(got, expected);
+    // Once event time ended, no buffered order or payment can match anything: all gone.
+    assert_eq!(h.entries(), 0);
+}
+
+#[test]
+fn orders_take_their_customers_tier_at_their_time_through_every_path() {
+    let events = SHOP.events();
+    let expected = orders::expected_tiered(&events);
+    assert!(
+        expected.iter().any(|o| o.tier.is_none()),
+        "some orders precede every tier"
+    );
+    let tiers: std::collections::BTreeSet<_> =
+        expected.iter().filter_map(|o| o.tier.clone()).collect();
+    assert!(tiers.len() > 3, "tiers change: {tiers:?}");
+    let input: Vec<_> = events
+        .into_iter()
+        .filter_map(|(ts, e)| match e {
+            ShopEvent::Order(o) => Some((o.customer.clone(), ts, JoinInput::Left(o))),
+            ShopEvent::Tier(t) => Some((t.customer.clone(), ts, JoinInput::Right(t))),
+            ShopEvent::Payment(_) => None,
+        })
+        .collect();
+    let h = Harness::new(
+        "tiers",
+        orders::tiers_join,
+        2,
+        128,
+        input,
+        SHOP.max_out_of_orderness,
+    )
+    .unwrap();
+    let h = run(h, SCRIPT);
+    let got = in_order(h.committed());
+    assert_eq!(got, expected);
+    // What is left: each customer's current tier, no waiting order, no timer.
+    assert_eq!(h.entries(), SHOP.customers as usize);
+}
+
 /// A click that arrives after later clicks of its user, each of which began a session of its
 /// own, merges them: the oracle sees one session, and so does the job.
 #[test]
@@ -410,6 +515,42 @@ fn whole_jobs_from_json_lines_match_their_oracles() {
     let mut got: Vec<dedup::Event> = out.iter().map(|l| serde_json_from(l)).collect();
     got.sort();
     assert_eq!(got, dedup::expected(&events, ttl.as_millis() as i64));
+
+    let shop = Shop {
+        orders: 300,
+        ..SHOP
+    };
+    let events = shop.events();
+    let lines: Vec<String> = events
+        .iter()
+        .map(|(_, e)| serde_json::to_string(e).unwrap())
+        .collect();
+    let lines: Vec<&str> = lines.iter().map(String::as_str).collect();
+    let window = Duration::from_millis(shop.window_ms as u64);
+    let out = run_job(
+        &orders::job(window),
+        &lines,
+        3,
+        128,
+        shop.max_out_of_orderness,
+        40,
+    )
+    .unwrap();
+    let mut got: Vec<orders::Paid> = out.iter().map(|l| serde_json_from(l)).collect();
+    got.sort();
+    assert_eq!(got, orders::expected_paid(&events, shop.window_ms));
+    let out = run_job(
+        &orders::tiers_job(),
+        &lines,
+        2,
+        128,
+        shop.max_out_of_orderness,
+        40,
+    )
+    .unwrap();
+    let mut got: Vec<orders::TieredOrder> = out.iter().map(|l| serde_json_from(l)).collect();
+    got.sort();
+    assert_eq!(got, orders::expected_tiered(&events));
 
     let b = Browsing {
         users: 40,

@@ -59,6 +59,7 @@ pub mod block;
 pub mod dataflow;
 pub mod error;
 pub mod function;
+pub mod join;
 pub mod key;
 pub mod operator;
 pub mod serializer;
@@ -77,6 +78,7 @@ pub use operator::KeyedOperator;
 pub mod prelude {
     pub use crate::dataflow::Job;
     pub use crate::function::{Context, KeyedProcessFunction, Timer};
+    pub use crate::join::{IntervalJoin, JoinInput, TemporalJoin};
     pub use crate::operator::KeyedOperator;
     pub use crate::serializer::{Json, Postcard, Serializer};
     pub use crate::state::{
