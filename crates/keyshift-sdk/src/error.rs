@@ -92,11 +92,11 @@ pub enum BlockError {
     )]
     KeyType { block: String, job: String },
     #[error(
-        "state {name:?} is in the snapshot but this job does not declare it: declare it again (or start from no snapshot to drop it)"
+        "state {name:?} is in the snapshot but this job does not declare it: declare it again, or drop it by name (Declarations::drop_state)"
     )]
     UndeclaredState { name: String },
     #[error(
-        "state {name:?} changed: the snapshot has {block}, this job declares {job}; a state's kind, serializer and TTL must stay, and a new version needs a new name or a migration"
+        "state {name:?} changed: the snapshot has {block}, this job declares {job}; a state's kind and TTL must stay, and another version or serializer needs a migration from it (Declarations::migrate) or a new name"
     )]
     StateChanged {
         name: String,

@@ -10,7 +10,8 @@ use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key, key_type_o
 use crate::state::backend::{Change, GroupMode, StateBackend};
 use crate::state::heap::{HeapStore, ReadAhead};
 use crate::state::{
-    Declaration, DeclarationError, Declarations, KeyBytes, KeyScope, StateId, Store, TimeDomain,
+    Declaration, DeclarationError, Declarations, KeyBytes, KeyScope, Migration, StateId, Store,
+    TimeDomain,
 };
 use crate::timers::{self, Timers};
 use keyshift_core::keygroup::{self, KeyGroupRange};
@@ -40,6 +41,9 @@ pub struct KeyedOperator<F: KeyedProcessFunction> {
     function: F,
     state: F::State,
     declarations: Vec<Declaration>,
+    /// How older versions of declared states are read, and states of earlier releases to drop
+    /// on restore.
+    evolution: Evolution,
     max_parallelism: u32,
     range: KeyGroupRange,
     backend: Backend<F::Key>,
@@ -47,6 +51,42 @@ pub struct KeyedOperator<F: KeyedProcessFunction> {
     watermark: i64,
     processing_time: i64,
     out: Vec<(i64, F::Out)>,
+}
+
+/// A restored entry: its key, and its value (`None`: deleted, in a delta).
+type Entry = (Vec<u8>, Option<Vec<u8>>);
+
+/// How a restore reads states that changed since the snapshot was written.
+struct Evolution {
+    migrations: BTreeMap<StateId, Vec<Migration>>,
+    dropped: Vec<String>,
+}
+
+/// Where a snapshot's state goes in this operator.
+enum Target<'a> {
+    /// To the declared state of this id, each value converted by the migration (whether the
+    /// state has a TTL: its values start with their expiry, which stays) if it has one.
+    State(StateId, Option<(&'a Migration, bool)>),
+    /// Nowhere: the function drops it.
+    Dropped,
+}
+
+/// `value` (an entry's value, its expiry first when `ttl`) converted by `m`.
+fn migrate(m: &Migration, ttl: bool, value: &[u8]) -> Result<Vec<u8>, BlockError> {
+    let (expiry, payload) = if ttl {
+        value.split_at_checked(8).ok_or(BlockError::Malformed(
+            "a value with a TTL shorter than its expiry",
+        ))?
+    } else {
+        (&[][..], value)
+    };
+    let converted = (m.convert)(payload).map_err(|e| {
+        BlockError::Undecodable(format!(
+            "migrating a value of version {}: {e}",
+            m.from_version
+        ))
+    })?;
+    Ok([expiry, &converted].concat())
 }
 
 /// A record routed to a subtask that does not own its key group: a routing bug, or a key whose
@@ -73,11 +113,15 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         let mut declarations = Declarations::default();
         let state = function.declare(&mut declarations)?;
         let heap = HeapStore::new(range.len() as usize, declarations.codecs);
+        let evolution = Evolution {
+            migrations: declarations.migrations,
+            dropped: declarations.dropped,
+        };
         Ok(Self::build(
             uid.into(),
             function,
             state,
-            declarations.list,
+            (declarations.list, evolution),
             max_parallelism,
             range,
             Backend::Heap(heap),
@@ -94,11 +138,15 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     ) -> Result<Self, DeclarationError> {
         let mut declarations = Declarations::default();
         let state = function.declare(&mut declarations)?;
+        let evolution = Evolution {
+            migrations: declarations.migrations,
+            dropped: declarations.dropped,
+        };
         Ok(Self::build(
             uid.into(),
             function,
             state,
-            declarations.list,
+            (declarations.list, evolution),
             max_parallelism,
             range,
             Backend::Bytes(backend),
@@ -109,7 +157,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         uid: String,
         function: F,
         state: F::State,
-        declarations: Vec<Declaration>,
+        (declarations, evolution): (Vec<Declaration>, Evolution),
         max_parallelism: u32,
         range: KeyGroupRange,
         backend: Backend<F::Key>,
@@ -119,6 +167,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             function,
             state,
             declarations,
+            evolution,
             max_parallelism,
             range,
             backend,
@@ -539,7 +588,10 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             }
             let ids = self.id_map(&b.header)?;
             for (n, (key, value)) in b.entries.into_iter().enumerate() {
-                let key = self.checked_entry(group, n as u64, key, &ids)?;
+                let Some((key, value)) = self.checked_entry(group, n as u64, key, value, &ids)?
+                else {
+                    continue;
+                };
                 match value {
                     Some(v) => {
                         entries.insert(key, v);
@@ -586,8 +638,9 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             }
             let ids = self.id_map(&b.header)?;
             for (n, (key, value)) in b.entries.into_iter().enumerate() {
-                let key = self.checked_entry(group, n as u64, key, &ids)?;
-                changes.insert(key, value);
+                if let Some((key, value)) = self.checked_entry(group, n as u64, key, value, &ids)? {
+                    changes.insert(key, value);
+                }
             }
         }
         // The heap decodes every value first (the one step that can still fail); the byte
@@ -638,8 +691,9 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     }
 
     /// The block's state ids mapped onto this operator's, each state checked against its
-    /// declaration.
-    fn id_map(&self, h: &BlockHeader) -> Result<BTreeMap<StateId, StateId>, BlockError> {
+    /// declaration: the same identity, an older version a declared migration reads, or a state
+    /// the function drops.
+    fn id_map(&self, h: &BlockHeader) -> Result<BTreeMap<StateId, Target<'_>>, BlockError> {
         let mut ids = BTreeMap::new();
         for (id, d) in &h.states {
             let Some((mine, decl)) = self
@@ -648,34 +702,49 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 .enumerate()
                 .find(|(_, m)| m.name == d.name)
             else {
+                if self.evolution.dropped.contains(&d.name) {
+                    ids.insert(*id, Target::Dropped);
+                    continue;
+                }
                 return Err(BlockError::UndeclaredState {
                     name: d.name.clone(),
                 });
             };
-            if decl.kind != d.kind
-                || decl.version != d.version
-                || decl.serializer != d.serializer
-                || decl.ttl.is_some() != d.ttl.is_some()
-            {
+            let mine = mine as StateId;
+            let same_shape = decl.kind == d.kind && decl.ttl.is_some() == d.ttl.is_some();
+            let migration = if decl.version == d.version && decl.serializer == d.serializer {
+                None
+            } else {
+                self.evolution.migrations.get(&mine).and_then(|ms| {
+                    ms.iter()
+                        .find(|m| m.from_version == d.version && m.from_serializer == d.serializer)
+                })
+            };
+            let readable =
+                decl.version == d.version && decl.serializer == d.serializer || migration.is_some();
+            if !same_shape || !readable {
                 return Err(BlockError::StateChanged {
                     name: d.name.clone(),
                     block: d.compatibility(),
                     job: decl.compatibility(),
                 });
             }
-            ids.insert(*id, mine as StateId);
+            let ttl = decl.ttl.is_some();
+            ids.insert(*id, Target::State(mine, migration.map(|m| (m, ttl))));
         }
         Ok(ids)
     }
 
-    /// An entry's key checked (its key in `group`, its state known) and its state id mapped.
+    /// An entry checked (its key in `group`, its state known) with its state id mapped and its
+    /// value migrated; `None` for an entry of a dropped state.
     fn checked_entry(
         &self,
         group: u32,
         entry: u64,
         mut key: Vec<u8>,
-        ids: &BTreeMap<StateId, StateId>,
-    ) -> Result<Vec<u8>, BlockError> {
+        value: Option<Vec<u8>>,
+        ids: &BTreeMap<StateId, Target<'_>>,
+    ) -> Result<Option<Entry>, BlockError> {
         let (k, n) = decode_key(&key).map_err(|source| BlockError::Key { entry, source })?;
         let actual = keygroup::key_group_for_key(&k, self.max_parallelism);
         if actual != group {
@@ -689,15 +758,26 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             .get(n..n + 2)
             .map(|b| u16::from_be_bytes([b[0], b[1]]))
             .ok_or(BlockError::Malformed("entry without a state id"))?;
-        let mapped = if id == crate::state::EVENT_TIMERS || id == crate::state::PROCESSING_TIMERS {
-            id
-        } else {
-            *ids.get(&id).ok_or(BlockError::Malformed(
-                "entry of a state the block does not declare",
-            ))?
-        };
+        let (mapped, value) =
+            if id == crate::state::EVENT_TIMERS || id == crate::state::PROCESSING_TIMERS {
+                (id, value)
+            } else {
+                match ids.get(&id) {
+                    None => {
+                        return Err(BlockError::Malformed(
+                            "entry of a state the block does not declare",
+                        ));
+                    }
+                    Some(Target::Dropped) => return Ok(None),
+                    Some(Target::State(mine, None)) => (*mine, value),
+                    Some(Target::State(mine, Some((m, ttl)))) => {
+                        let value = value.map(|v| migrate(m, *ttl, &v)).transpose()?;
+                        (*mine, value)
+                    }
+                }
+            };
         key[n..n + 2].copy_from_slice(&mapped.to_be_bytes());
-        Ok(key)
+        Ok(Some((key, value)))
     }
 
     /// Drops `group`'s state and timers (it moved to another subtask).

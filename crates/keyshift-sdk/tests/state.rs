@@ -841,3 +841,232 @@ mod catch_up {
         }
     }
 }
+
+/// A profile as release 1 kept it.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct ProfileV1 {
+    visits: u32,
+}
+
+/// The same state in release 2: a wider count and a field it did not have.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct ProfileV2 {
+    visits: u64,
+    tier: String,
+}
+
+/// Release 1: a profile per key (with an event-time TTL) and a counter it later drops.
+struct Release1;
+
+impl KeyedProcessFunction for Release1 {
+    type Key = String;
+    type In = u32;
+    type Out = ();
+    type State = (
+        ValueHandle<ProfileV1>,
+        ValueHandle<u32>,
+        MapHandle<String, ProfileV1>,
+    );
+    fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+        Ok((
+            s.value(
+                ValueStateDescriptor::new("profile").ttl(Ttl::event_time(Duration::from_secs(60))),
+            )?,
+            s.value(ValueStateDescriptor::new("legacy"))?,
+            s.map(MapStateDescriptor::new("by-page"))?,
+        ))
+    }
+    fn process(
+        &mut self,
+        visits: u32,
+        (profile, legacy, pages): &Self::State,
+        ctx: &mut Context<'_, String, ()>,
+    ) -> keyshift_sdk::Result<()> {
+        ctx.value(profile).set(ProfileV1 { visits })?;
+        ctx.value(legacy).set(visits)?;
+        ctx.map(pages)
+            .insert(&"/home".to_owned(), ProfileV1 { visits })?;
+        Ok(())
+    }
+}
+
+/// Release 2: the profile and the pages' values migrated from version 1 (if `migrate`), the
+/// counter dropped (if `drop`).
+struct Release2 {
+    migrate: bool,
+    drop: bool,
+}
+
+impl KeyedProcessFunction for Release2 {
+    type Key = String;
+    type In = ();
+    type Out = (Option<ProfileV2>, Option<ProfileV2>);
+    type State = (ValueHandle<ProfileV2>, MapHandle<String, ProfileV2>);
+    fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+        let profile = s.value(
+            ValueStateDescriptor::new("profile")
+                .version(2)
+                .ttl(Ttl::event_time(Duration::from_secs(60))),
+        )?;
+        let pages = s.map(MapStateDescriptor::new("by-page").version(2))?;
+        if self.migrate {
+            let widen = |old: ProfileV1| ProfileV2 {
+                visits: u64::from(old.visits) * 1_000,
+                tier: "basic".into(),
+            };
+            s.migrate(&profile, 1, widen)?;
+            s.migrate(&pages, 1, widen)?;
+        }
+        if self.drop {
+            s.drop_state("legacy")?;
+        }
+        Ok((profile, pages))
+    }
+    fn process(
+        &mut self,
+        _: (),
+        (profile, pages): &Self::State,
+        ctx: &mut Context<'_, String, Self::Out>,
+    ) -> keyshift_sdk::Result<()> {
+        let p = ctx.value(profile).get()?;
+        let page = ctx.map(pages).get(&"/home".to_owned())?;
+        ctx.emit((p, page));
+        Ok(())
+    }
+}
+
+#[test]
+fn a_changed_state_restores_through_its_migration_and_a_dropped_state_is_left_behind() {
+    let mut old = KeyedOperator::new("profiles", Release1, MAX, ALL).unwrap();
+    old.process(&key("a"), 1_000, 7).unwrap();
+    old.process(&key("b"), 1_000, 9).unwrap();
+    let blocks = snapshot(&mut old);
+
+    // Neither migrated nor dropped: refused, naming the state and both versions.
+    let mut plain = KeyedOperator::new(
+        "profiles",
+        Release2 {
+            migrate: false,
+            drop: true,
+        },
+        MAX,
+        ALL,
+    )
+    .unwrap();
+    let (g, block) = &blocks[0];
+    match plain.restore_group(*g, &[block]) {
+        Err(e @ BlockError::StateChanged { .. }) => {
+            let text = e.to_string();
+            assert!(
+                text.contains("version 1") && text.contains("version 2"),
+                "{text}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut kept = KeyedOperator::new(
+        "profiles",
+        Release2 {
+            migrate: true,
+            drop: false,
+        },
+        MAX,
+        ALL,
+    )
+    .unwrap();
+    match kept.restore_group(*g, &[block]) {
+        Err(BlockError::UndeclaredState { name }) => assert_eq!(name, "legacy"),
+        other => panic!("{other:?}"),
+    }
+
+    // Migrated and dropped: every value read through the migration, the TTL's expiry kept.
+    let mut new = KeyedOperator::new(
+        "profiles",
+        Release2 {
+            migrate: true,
+            drop: true,
+        },
+        MAX,
+        ALL,
+    )
+    .unwrap();
+    for (g, b) in &blocks {
+        new.restore_group(*g, &[b]).unwrap();
+    }
+    new.restore_watermark(1_000);
+    new.process(&key("a"), 2_000, ()).unwrap();
+    new.process(&key("b"), 2_000, ()).unwrap();
+    let want = |visits| ProfileV2 {
+        visits,
+        tier: "basic".into(),
+    };
+    let got: Vec<_> = new.take_output().into_iter().map(|(_, v)| v).collect();
+    assert_eq!(
+        got,
+        vec![
+            (Some(want(7_000)), Some(want(7_000))),
+            (Some(want(9_000)), Some(want(9_000)))
+        ]
+    );
+    // Two keys, a profile and a page each: the dropped counter is gone.
+    assert_eq!(new.entries(), 4);
+    // The expiry came along: past it, the profile is gone.
+    new.advance_watermark(70_000).unwrap();
+    new.process(&key("a"), 70_001, ()).unwrap();
+    let got: Vec<_> = new.take_output().into_iter().map(|(_, v)| v).collect();
+    assert_eq!(got, vec![(None, Some(want(7_000)))]);
+    // A snapshot after the restore is of version 2, and restores without a migration.
+    let again = snapshot(&mut new);
+    let mut plain = KeyedOperator::new(
+        "profiles",
+        Release2 {
+            migrate: false,
+            drop: false,
+        },
+        MAX,
+        ALL,
+    )
+    .unwrap();
+    for (g, b) in &again {
+        plain.restore_group(*g, &[b]).unwrap();
+    }
+    assert_eq!(plain.entries(), 2);
+}
+
+#[test]
+fn a_migration_or_a_drop_that_contradicts_the_declarations_is_refused() {
+    struct Bad {
+        from_itself: bool,
+    }
+    impl KeyedProcessFunction for Bad {
+        type Key = String;
+        type In = ();
+        type Out = ();
+        type State = ValueHandle<u64>;
+        fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            let h = s.value(ValueStateDescriptor::new("n").version(3))?;
+            if self.from_itself {
+                s.migrate(&h, 3, |old: u32| u64::from(old))?;
+            } else {
+                s.drop_state("n")?;
+            }
+            Ok(h)
+        }
+        fn process(
+            &mut self,
+            _: (),
+            _: &Self::State,
+            _: &mut Context<'_, String, ()>,
+        ) -> keyshift_sdk::Result<()> {
+            Ok(())
+        }
+    }
+    assert!(matches!(
+        KeyedOperator::new("bad", Bad { from_itself: true }, MAX, ALL).map(|_| ()),
+        Err(DeclarationError::MigrationFromItself { version: 3, .. })
+    ));
+    assert!(matches!(
+        KeyedOperator::new("bad", Bad { from_itself: false }, MAX, ALL).map(|_| ()),
+        Err(DeclarationError::DropDeclared(_))
+    ));
+}

@@ -159,7 +159,7 @@ macro_rules! descriptor_builders {
     ($t:ident < $($g:ident),+ >) => {
         impl<$($g),+> $t<$($g),+> {
             /// Sets the version of the state's type (1 by default). A snapshot written under
-            /// another version is refused: a changed type needs a new name or a migration.
+            /// another version is refused unless a migration reads it ([`Declarations::migrate`]).
             pub fn version(mut self, version: u32) -> Self {
                 self.decl.version = version;
                 self
@@ -383,6 +383,64 @@ pub struct AggregatingHandle<A: AggregateFunction> {
 pub struct Declarations {
     pub(crate) list: Vec<Declaration>,
     pub(crate) codecs: Vec<Codec>,
+    /// How snapshots of older versions of a declared state are read: by its id.
+    pub(crate) migrations: BTreeMap<StateId, Vec<Migration>>,
+    /// States of earlier releases this one no longer declares, whose entries a restore drops.
+    pub(crate) dropped: Vec<String>,
+}
+
+/// Converts a value written under an older version of a state (its payload, the serializer's
+/// bytes without an expiry) into the payload of the declared version.
+pub(crate) type ConvertFn = Arc<dyn Fn(&[u8]) -> Result<Vec<u8>, String> + Send + Sync>;
+
+/// How to read a snapshot of an older version of a state ([`Declarations::migrate`]).
+#[derive(Clone)]
+pub(crate) struct Migration {
+    /// The version it reads.
+    pub(crate) from_version: u32,
+    /// The serializer the older version was written with.
+    pub(crate) from_serializer: &'static str,
+    pub(crate) convert: ConvertFn,
+}
+
+/// A handle of a declared state: its id, and the serializer of its values (what a migration
+/// writes).
+pub trait StateHandle {
+    /// The type of the state's values (a map's values; a reducing or aggregating state's
+    /// accumulator).
+    type Value;
+    #[doc(hidden)]
+    fn declared_id(&self) -> StateId;
+    #[doc(hidden)]
+    fn value_serializer(&self) -> Arc<dyn Serializer<Self::Value>>;
+}
+
+macro_rules! state_handle {
+    ($t:ident < $($g:ident),+ >, $v:ty, $field:tt) => {
+        impl<$($g),+> StateHandle for $t<$($g),+> {
+            type Value = $v;
+            fn declared_id(&self) -> StateId {
+                self.$field.id
+            }
+            fn value_serializer(&self) -> Arc<dyn Serializer<$v>> {
+                self.$field.ser.clone()
+            }
+        }
+    };
+}
+state_handle!(ValueHandle<T>, T, 0);
+state_handle!(ListHandle<T>, T, 0);
+state_handle!(MapHandle<K, V>, V, values);
+state_handle!(ReducingHandle<T>, T, values);
+
+impl<A: AggregateFunction> StateHandle for AggregatingHandle<A> {
+    type Value = A::Acc;
+    fn declared_id(&self) -> StateId {
+        self.values.id
+    }
+    fn value_serializer(&self) -> Arc<dyn Serializer<A::Acc>> {
+        self.values.ser.clone()
+    }
 }
 
 type EncodeFn = Arc<dyn Fn(&dyn Any, &mut Vec<u8>) -> Result<(), StateError> + Send + Sync>;
@@ -438,6 +496,14 @@ pub enum DeclarationError {
     EmptyName,
     #[error("a function may declare at most {MAX_STATES} states")]
     TooMany,
+    #[error("a migration names a state this function's declarations do not have")]
+    NotDeclared,
+    #[error("state {name:?} declares a migration from its own version {version}")]
+    MigrationFromItself { name: String, version: u32 },
+    #[error(
+        "state {0:?} is declared and dropped: drop only a state the function no longer declares"
+    )]
+    DropDeclared(String),
 }
 
 impl Declarations {
@@ -523,6 +589,60 @@ impl Declarations {
     /// Every declaration, in order.
     pub fn all(&self) -> &[Declaration] {
         &self.list
+    }
+
+    /// Reads snapshots written under version `from_version` of the state `handle` declares (its
+    /// values then of type `O`, serialized with [`Postcard`]) by converting each old value with
+    /// `convert` (Flink's state schema evolution, done by the author's function): an added field
+    /// gets its default there, a changed type its new form. A state's kind and TTL cannot change
+    /// this way. Declare one migration per older version still in snapshots; the restore refuses
+    /// a version none reads, naming it.
+    pub fn migrate<H, O>(
+        &mut self,
+        handle: &H,
+        from_version: u32,
+        convert: impl Fn(O) -> H::Value + Send + Sync + 'static,
+    ) -> Result<(), DeclarationError>
+    where
+        H: StateHandle,
+        H::Value: 'static,
+        O: DeserializeOwned + 'static,
+    {
+        let id = handle.declared_id();
+        let Some(decl) = self.list.get(usize::from(id)) else {
+            return Err(DeclarationError::NotDeclared);
+        };
+        if decl.version == from_version {
+            return Err(DeclarationError::MigrationFromItself {
+                name: decl.name.clone(),
+                version: from_version,
+            });
+        }
+        let ser = handle.value_serializer();
+        let convert: ConvertFn = Arc::new(move |bytes: &[u8]| {
+            let value: O = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            ser.serialize(&convert(value), &mut out)
+                .map_err(|e| e.to_string())?;
+            Ok(out)
+        });
+        self.migrations.entry(id).or_default().push(Migration {
+            from_version,
+            from_serializer: "postcard",
+            convert,
+        });
+        Ok(())
+    }
+
+    /// Drops the state `name` of an earlier release of this function: a restore leaves its
+    /// entries behind instead of refusing a state the function no longer declares.
+    pub fn drop_state(&mut self, name: impl Into<String>) -> Result<(), DeclarationError> {
+        let name = name.into();
+        if self.list.iter().any(|d| d.name == name) {
+            return Err(DeclarationError::DropDeclared(name));
+        }
+        self.dropped.push(name);
+        Ok(())
     }
 }
 
