@@ -248,6 +248,55 @@ async fn a_program_the_image_does_not_carry_is_refused_naming_the_ones_it_does()
     );
 }
 
+/// Runs the program `program` as job `name` over `records`, appended to `input` in three phases,
+/// through what every program test here lives through: launched at 2, a checkpoint, a rescale to
+/// 3, a checkpoint, a worker killed and the job recovered at 3, a checkpoint, a pre-staged
+/// rescale to 2 (which must use the pre-stage); then `records[tail..]` appended, and a stop with
+/// a savepoint, which it returns. `key` picks a record's partition file.
+#[allow(clippy::too_many_arguments)]
+async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
+    dir: &Path,
+    input: &Input,
+    name: &str,
+    program: &str,
+    out: &Path,
+    records: &[T],
+    tail: usize,
+    key: impl Fn(&T) -> &str + Copy,
+) -> keyshift::orchestrator::coordinator::Completed {
+    let n = tail;
+    input.append(&records[..n / 3], key);
+    let spec = program_job(name, program, &input.dir, out, 2);
+    let storage = format!("file://{}", dir.join("state").display());
+    let mut local = LocalJob::new(&spec, storage, bin(), dir.join("logs"))
+        .await
+        .expect("job prepares");
+    local.launch(2, None).await.expect("launch");
+    tokio::time::sleep(SETTLE).await;
+    local.checkpoint().await.expect("checkpoint");
+    local.rescale(3).await.expect("rescale to 3");
+    input.append(&records[n / 3..2 * n / 3], key);
+    tokio::time::sleep(SETTLE).await;
+    local.checkpoint().await.expect("checkpoint at 3");
+    input.append(&records[2 * n / 3..n], key);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    local.kill_worker(2).await;
+    local.recover(3).await.expect("recover");
+    tokio::time::sleep(SETTLE).await;
+    local
+        .checkpoint()
+        .await
+        .expect("checkpoint after the recovery");
+    let down = local
+        .rescale_prestaged(2)
+        .await
+        .expect("pre-staged rescale to 2");
+    assert_eq!(down.fallback, None, "the pre-stage was used");
+    input.append(&records[n..], key);
+    tokio::time::sleep(SETTLE).await;
+    local.shutdown().await.expect("stop with a savepoint")
+}
+
 /// The `dedup` program (each event id's first delivery, again once its TTL of event time has run
 /// out) through a rescale up, a killed worker and a pre-staged rescale down: every first
 /// delivery published once, against the oracle.
@@ -276,35 +325,17 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
     fn id(e: &Event) -> &str {
         &e.id
     }
-    input.append(&events[..n / 3], id);
-    let spec = program_job("dedup", "dedup", &input.dir, &out, 2);
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
-    tokio::time::sleep(SETTLE).await;
-    local.checkpoint().await.expect("checkpoint");
-    local.rescale(3).await.expect("rescale to 3");
-    input.append(&events[n / 3..2 * n / 3], id);
-    tokio::time::sleep(SETTLE).await;
-    local.checkpoint().await.expect("checkpoint at 3");
-    input.append(&events[2 * n / 3..], id);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    local.kill_worker(2).await;
-    local.recover(3).await.expect("recover");
-    tokio::time::sleep(SETTLE).await;
-    local
-        .checkpoint()
-        .await
-        .expect("checkpoint after the recovery");
-    let down = local
-        .rescale_prestaged(2)
-        .await
-        .expect("pre-staged rescale to 2");
-    assert_eq!(down.fallback, None, "the pre-stage was used");
-    tokio::time::sleep(SETTLE).await;
-    local.shutdown().await.expect("stop with a savepoint");
+    through_rescales_and_a_killed_worker(
+        dir.path(),
+        &input,
+        "dedup",
+        "dedup",
+        &out,
+        &events,
+        n,
+        id,
+    )
+    .await;
 
     let want = dedup::expected(&records, keyshift_examples::DEDUP_TTL.as_millis() as i64);
     assert!(
@@ -364,36 +395,17 @@ async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_k
     fn user(c: &Click) -> &str {
         &c.user
     }
-    input.append(&clicks[..n / 3], user);
-    let spec = program_job("sessions", "sessions", &input.dir, &out, 2);
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
-    tokio::time::sleep(SETTLE).await;
-    local.checkpoint().await.expect("checkpoint");
-    local.rescale(3).await.expect("rescale to 3");
-    input.append(&clicks[n / 3..2 * n / 3], user);
-    tokio::time::sleep(SETTLE).await;
-    local.checkpoint().await.expect("checkpoint at 3");
-    input.append(&clicks[2 * n / 3..n], user);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    local.kill_worker(2).await;
-    local.recover(3).await.expect("recover");
-    tokio::time::sleep(SETTLE).await;
-    local
-        .checkpoint()
-        .await
-        .expect("checkpoint after the recovery");
-    let down = local
-        .rescale_prestaged(2)
-        .await
-        .expect("pre-staged rescale to 2");
-    assert_eq!(down.fallback, None, "the pre-stage was used");
-    input.append(&clicks[n..], user);
-    tokio::time::sleep(SETTLE).await;
-    let sp = local.shutdown().await.expect("stop with a savepoint");
+    let sp = through_rescales_and_a_killed_worker(
+        dir.path(),
+        &input,
+        "sessions",
+        "sessions",
+        &out,
+        &clicks,
+        n,
+        user,
+    )
+    .await;
 
     let watermark = sp
         .manifest
@@ -475,35 +487,17 @@ async fn an_orders_and_payments_join_publishes_each_pair_once_through_rescales_a
             Event::Tier(t) => &t.customer,
         }
     }
-    input.append(&lines[..n / 3], order_of);
-    let spec = program_job("orders", "order-payments", &input.dir, &out, 2);
-    let storage = format!("file://{}", dir.path().join("state").display());
-    let mut local = LocalJob::new(&spec, storage, bin(), dir.path().join("logs"))
-        .await
-        .expect("job prepares");
-    local.launch(2, None).await.expect("launch");
-    tokio::time::sleep(SETTLE).await;
-    local.checkpoint().await.expect("checkpoint");
-    local.rescale(3).await.expect("rescale to 3");
-    input.append(&lines[n / 3..2 * n / 3], order_of);
-    tokio::time::sleep(SETTLE).await;
-    local.checkpoint().await.expect("checkpoint at 3");
-    input.append(&lines[2 * n / 3..], order_of);
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    local.kill_worker(2).await;
-    local.recover(3).await.expect("recover");
-    tokio::time::sleep(SETTLE).await;
-    local
-        .checkpoint()
-        .await
-        .expect("checkpoint after the recovery");
-    let down = local
-        .rescale_prestaged(2)
-        .await
-        .expect("pre-staged rescale to 2");
-    assert_eq!(down.fallback, None, "the pre-stage was used");
-    tokio::time::sleep(SETTLE).await;
-    local.shutdown().await.expect("stop with a savepoint");
+    through_rescales_and_a_killed_worker(
+        dir.path(),
+        &input,
+        "orders",
+        "order-payments",
+        &out,
+        &lines,
+        n,
+        order_of,
+    )
+    .await;
 
     let want = orders::expected_paid(&events, window_ms);
     assert!(want.len() > 1_000, "{} pairs", want.len());

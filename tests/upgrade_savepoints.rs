@@ -2,6 +2,8 @@
 //! build, and the job continues from them exactly: the built-in job's totals and a program's
 //! published output, after more input, equal the oracles' over all the input, old and new.
 
+mod programs_support;
+
 use keyshift::crd::StreamJob;
 use keyshift::local::LocalJob;
 use keyshift_examples::dedup::Event;
@@ -212,25 +214,7 @@ async fn the_dedup_programs_savepoint_of_b883330_restores_and_publishes_each_fir
         }
     }
     want.sort();
-    let mut got: Vec<Event> = Vec::new();
-    for snap in std::fs::read_dir(&out).expect("sink dir") {
-        let snap = snap.expect("entry").path();
-        if !snap
-            .file_name()
-            .and_then(|n| n.to_str())
-            .is_some_and(|n| n.starts_with("snap-"))
-        {
-            continue;
-        }
-        for part in std::fs::read_dir(&snap).expect("parts") {
-            let text = std::fs::read_to_string(part.expect("part").path()).expect("part");
-            got.extend(
-                text.lines()
-                    .map(|l| serde_json::from_str::<Event>(l).expect("event")),
-            );
-        }
-    }
-    got.sort();
+    let got: Vec<Event> = programs_support::published(&out);
     assert!(want.len() > 60, "{} first deliveries", want.len());
     assert_eq!(
         got.len(),

@@ -112,6 +112,34 @@ where
     h
 }
 
+/// Runs `h` (in the byte-addressed backend if `sorted_backend`) through [`SCRIPT`] and checks
+/// that its committed output is `expected`, nothing missing and nothing twice; returns it.
+fn committed_as_expected<F>(
+    mut h: Harness<F>,
+    sorted_backend: bool,
+    expected: &[F::Out],
+) -> Harness<F>
+where
+    F: KeyedProcessFunction,
+    F::In: Clone,
+    F::Out: Ord + Clone + std::fmt::Debug,
+{
+    if sorted_backend {
+        h = h.sorted_backend().unwrap();
+    }
+    let h = run(h, SCRIPT);
+    let got = in_order(h.committed());
+    assert_eq!(
+        got.len(),
+        expected.len(),
+        "committed {} of {}",
+        got.len(),
+        expected.len()
+    );
+    assert_eq!(got, expected);
+    h
+}
+
 fn in_order<T: Ord + Clone>(rows: &[(i64, T)]) -> Vec<T> {
     let mut v: Vec<T> = rows.iter().map(|(_, r)| r.clone()).collect();
     v.sort();
@@ -144,7 +172,7 @@ fn dedup_through_every_path(sorted_backend: bool) {
     assert!(records.len() > 2_000, "{} records", records.len());
     let expected = dedup::expected(&records, ttl.as_millis() as i64);
     assert!(expected.len() < records.len(), "the traffic has duplicates");
-    let mut h = Harness::new(
+    let h = Harness::new(
         "dedup",
         move || Dedup { ttl },
         2,
@@ -153,19 +181,7 @@ fn dedup_through_every_path(sorted_backend: bool) {
         traffic.max_out_of_orderness,
     )
     .unwrap();
-    if sorted_backend {
-        h = h.sorted_backend().unwrap();
-    }
-    let h = run(h, SCRIPT);
-    let got = in_order(h.committed());
-    assert_eq!(
-        got.len(),
-        expected.len(),
-        "emitted {} of {}",
-        got.len(),
-        expected.len()
-    );
-    assert_eq!(got, expected);
+    committed_as_expected(h, sorted_backend, &expected);
 }
 
 #[test]
@@ -225,7 +241,7 @@ fn silence_through_every_path(sorted_backend: bool) {
         expected.len()
     );
     let silence_ms = fleet.silence_ms;
-    let mut h = Harness::new(
+    let h = Harness::new(
         "silence",
         move || SilenceAlert { silence_ms },
         2,
@@ -234,19 +250,7 @@ fn silence_through_every_path(sorted_backend: bool) {
         fleet.max_out_of_orderness,
     )
     .unwrap();
-    if sorted_backend {
-        h = h.sorted_backend().unwrap();
-    }
-    let h = run(h, SCRIPT);
-    let got = in_order(h.committed());
-    assert_eq!(
-        got.len(),
-        expected.len(),
-        "alerted {} of {}",
-        got.len(),
-        expected.len()
-    );
-    assert_eq!(got, expected);
+    let h = committed_as_expected(h, sorted_backend, &expected);
     // Every timer fired: none is left in state.
     assert_eq!(
         h.entries(),
@@ -292,7 +296,7 @@ fn sessions_through_every_path(sorted_backend: bool) {
         "sessions of several clicks"
     );
     let gap = Duration::from_millis(b.gap_ms as u64);
-    let mut h = Harness::new(
+    let h = Harness::new(
         "sessions",
         move || EventTimeSessions::new(gap, CountVisits),
         2,
@@ -301,19 +305,7 @@ fn sessions_through_every_path(sorted_backend: bool) {
         b.max_out_of_orderness,
     )
     .unwrap();
-    if sorted_backend {
-        h = h.sorted_backend().unwrap();
-    }
-    let h = run(h, SCRIPT);
-    let got = in_order(h.committed());
-    assert_eq!(
-        got.len(),
-        expected.len(),
-        "{} sessions of {}",
-        got.len(),
-        expected.len()
-    );
-    assert_eq!(got, expected);
+    let h = committed_as_expected(h, sorted_backend, &expected);
     // Every session closed and left the state with its timer.
     assert_eq!(h.entries(), 0);
     assert!(h.subtasks().iter().all(|s| s.timers() == (0, 0)));
@@ -361,7 +353,7 @@ fn orders_through_every_path(sorted_backend: bool) {
         })
         .collect();
     let window = Duration::from_millis(SHOP.window_ms as u64);
-    let mut h = Harness::new(
+    let h = Harness::new(
         "payments",
         move || orders::payments_join(window),
         2,
@@ -370,19 +362,7 @@ fn orders_through_every_path(sorted_backend: bool) {
         SHOP.max_out_of_orderness,
     )
     .unwrap();
-    if sorted_backend {
-        h = h.sorted_backend().unwrap();
-    }
-    let h = run(h, SCRIPT);
-    let got = in_order(h.committed());
-    assert_eq!(
-        got.len(),
-        expected.len(),
-        "{} pairs of {}",
-        got.len(),
-        expected.len()
-    );
-    assert_eq!(got, expected);
+    let h = committed_as_expected(h, sorted_backend, &expected);
     // Once event time ended, no buffered order or payment can match anything: all gone.
     assert_eq!(h.entries(), 0);
 }

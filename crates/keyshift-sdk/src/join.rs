@@ -118,7 +118,7 @@ where
     type Key = K;
     type In = JoinInput<L, R>;
     type Out = O;
-    type State = (MapHandle<i64, Vec<L>>, MapHandle<i64, Vec<R>>);
+    type State = (Buffer<L>, Buffer<R>);
 
     fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
         Ok((
@@ -137,38 +137,20 @@ where
         if ts <= ctx.current_watermark() {
             return Ok(());
         }
+        let (lower, upper) = (self.lower, self.upper);
+        let join = &self.join;
         match input {
+            // Right records at [ts + lower, ts + upper]; none after ts + upper can match.
             JoinInput::Left(l) => {
-                for (rts, rs) in ctx.map(right).entries()? {
-                    if (ts.saturating_add(self.lower)..=ts.saturating_add(self.upper))
-                        .contains(&rts)
-                    {
-                        for r in &rs {
-                            let out = (self.join)(&l, r);
-                            ctx.emit_at(out, ts.max(rts));
-                        }
-                    }
-                }
-                let mut at = ctx.map(left).get(&ts)?.unwrap_or_default();
-                at.push(l);
-                ctx.map(left).insert(&ts, at)?;
-                ctx.register_event_time_timer(ts.saturating_add(self.upper))?;
+                let others = ts.saturating_add(lower)..=ts.saturating_add(upper);
+                let until = ts.saturating_add(upper);
+                probe_and_buffer(ctx, (left, right), l, ts, others, until, |l, r| join(l, r))?;
             }
+            // Left records at [ts - upper, ts - lower]; none after ts - lower can match.
             JoinInput::Right(r) => {
-                for (lts, ls) in ctx.map(left).entries()? {
-                    if (lts.saturating_add(self.lower)..=lts.saturating_add(self.upper))
-                        .contains(&ts)
-                    {
-                        for l in &ls {
-                            let out = (self.join)(l, &r);
-                            ctx.emit_at(out, ts.max(lts));
-                        }
-                    }
-                }
-                let mut at = ctx.map(right).get(&ts)?.unwrap_or_default();
-                at.push(r);
-                ctx.map(right).insert(&ts, at)?;
-                ctx.register_event_time_timer(ts.saturating_sub(self.lower))?;
+                let others = ts.saturating_sub(upper)..=ts.saturating_sub(lower);
+                let until = ts.saturating_sub(lower);
+                probe_and_buffer(ctx, (right, left), r, ts, others, until, |r, l| join(l, r))?;
             }
         }
         Ok(())
@@ -188,6 +170,39 @@ where
             .remove(&timer.timestamp.saturating_add(self.lower))?;
         Ok(())
     }
+}
+
+/// A buffer of one side of a join: records by event time.
+type Buffer<T> = MapHandle<i64, Vec<T>>;
+
+/// One record of an interval join, of the side whose buffer is `mine`: joined (by `join`) with
+/// every buffered record of the other side whose time is in `others`, each pair emitted at the
+/// later of its two times; then buffered itself until the watermark reaches `until`.
+fn probe_and_buffer<K, Mine, Other, O>(
+    ctx: &mut Context<'_, K, O>,
+    (mine, other): (&Buffer<Mine>, &Buffer<Other>),
+    record: Mine,
+    ts: i64,
+    others: std::ops::RangeInclusive<i64>,
+    until: i64,
+    join: impl Fn(&Mine, &Other) -> O,
+) -> Result<()>
+where
+    Mine: Clone + Send + 'static,
+    Other: Clone + Send + 'static,
+{
+    for (at, records) in ctx.map(other).entries()? {
+        if others.contains(&at) {
+            for o in &records {
+                ctx.emit_at(join(&record, o), ts.max(at));
+            }
+        }
+    }
+    let mut buffered = ctx.map(mine).get(&ts)?.unwrap_or_default();
+    buffered.push(record);
+    ctx.map(mine).insert(&ts, buffered)?;
+    ctx.register_event_time_timer(until)?;
+    Ok(())
 }
 
 /// The names of a [`TemporalJoin`]'s states (what the savepoint tools show).
