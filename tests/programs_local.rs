@@ -343,15 +343,7 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
         "{} of {n} deliveries are first ones",
         want.len()
     );
-    let got: Vec<Event> = programs_support::published(&out);
-    assert_eq!(
-        got.len(),
-        want.len(),
-        "published {} of {}",
-        got.len(),
-        want.len()
-    );
-    assert_eq!(got, want);
+    programs_support::assert_published::<Event>(&out, &want);
 }
 
 /// The `sessions` program (gap-based session windows per user, merged when a click bridges two)
@@ -420,15 +412,7 @@ async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_k
         want.len(),
         open.len()
     );
-    let got: Vec<UserSession> = programs_support::published(&out);
-    assert_eq!(
-        got.len(),
-        want.len(),
-        "published {} of {}",
-        got.len(),
-        want.len()
-    );
-    assert_eq!(got, want);
+    programs_support::assert_published::<UserSession>(&out, &want);
     // The sessions still open are in the savepoint, under the state's declared name.
     let loc = keyshift::offline::open_location(&sp.url).expect("savepoint location");
     let mut dumped = Vec::new();
@@ -501,15 +485,7 @@ async fn an_orders_and_payments_join_publishes_each_pair_once_through_rescales_a
 
     let want = orders::expected_paid(&events, window_ms);
     assert!(want.len() > 1_000, "{} pairs", want.len());
-    let got: Vec<Paid> = programs_support::published(&out);
-    assert_eq!(
-        got.len(),
-        want.len(),
-        "published {} of {}",
-        got.len(),
-        want.len()
-    );
-    assert_eq!(got, want);
+    programs_support::assert_published::<Paid>(&out, &want);
 }
 
 /// A program over the generator: `count` (a value state per key) reads each generated record as

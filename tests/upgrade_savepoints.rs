@@ -214,14 +214,6 @@ async fn the_dedup_programs_savepoint_of_b883330_restores_and_publishes_each_fir
         }
     }
     want.sort();
-    let got: Vec<Event> = programs_support::published(&out);
     assert!(want.len() > 60, "{} first deliveries", want.len());
-    assert_eq!(
-        got.len(),
-        want.len(),
-        "published {} of {}",
-        got.len(),
-        want.len()
-    );
-    assert_eq!(got, want);
+    programs_support::assert_published::<Event>(&out, &want);
 }

@@ -85,6 +85,23 @@ pub fn published<T: serde::de::DeserializeOwned + Ord>(out: &Path) -> Vec<T> {
     alerts
 }
 
+/// Checks that what the sink published under `out` is exactly `want` (sorted): nothing missing,
+/// nothing twice, nothing else.
+pub fn assert_published<T>(out: &Path, want: &[T])
+where
+    T: serde::de::DeserializeOwned + Ord + std::fmt::Debug,
+{
+    let got: Vec<T> = published(out);
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "published {} of {}",
+        got.len(),
+        want.len()
+    );
+    assert_eq!(got, want);
+}
+
 /// Checks that the alerts published under `outs` (one sink directory per run) are exactly
 /// those of the watches `records` ended once event time reached `watermark` (the job's last
 /// savepoint's): none missing, none twice, none unexpected.
