@@ -130,6 +130,7 @@ async fn the_operator_endpoint_parses_and_follows_the_conventions() {
         ("keyshift_job_desired_parallelism", "gauge"),
         ("keyshift_job_source_lag_records", "gauge"),
         ("keyshift_job_source_lag_seconds", "gauge"),
+        ("keyshift_build", "info"),
     ] {
         assert_eq!(
             families.get(name).map(String::as_str),
@@ -137,6 +138,12 @@ async fn the_operator_endpoint_parses_and_follows_the_conventions() {
             "{name}: {families:?}"
         );
     }
+    let text = m.encode();
+    let build = text
+        .lines()
+        .find(|l| l.starts_with("keyshift_build_info{"))
+        .expect("a build_info sample");
+    assert!(build.contains("component=\"operator\""), "{build}");
 }
 
 #[tokio::test]
@@ -170,6 +177,7 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
         ("keyshift_worker_last_checkpoint_size_bytes", "gauge"),
         ("keyshift_worker_source_lag_records", "gauge"),
         ("keyshift_worker_source_lag_seconds", "gauge"),
+        ("keyshift_build", "info"),
     ] {
         assert_eq!(
             families.get(name).map(String::as_str),
@@ -177,5 +185,23 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
             "{name}: {families:?}"
         );
     }
-    assert_eq!(families.len(), 13, "{families:?}");
+    assert_eq!(families.len(), 14, "{families:?}");
+    let text = keyshift::runtime::metrics::WorkerMetrics::new()
+        .encode()
+        .expect("encodes");
+    let build = text
+        .lines()
+        .find(|l| l.starts_with("keyshift_build_info{"))
+        .expect("a build_info sample");
+    for label in [
+        "component=\"worker\"".to_owned(),
+        format!("version=\"{}\"", env!("CARGO_PKG_VERSION")),
+        format!(
+            "protocol=\"{}\"",
+            keyshift::runtime::protocol::PROTOCOL_VERSION
+        ),
+    ] {
+        assert!(build.contains(&label), "{build}");
+    }
+    assert!(build.ends_with(" 1"), "{build}");
 }

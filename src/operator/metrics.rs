@@ -232,6 +232,7 @@ impl OperatorMetrics {
             registry: Registry::default(),
         };
         let mut registry = Registry::default();
+        keyshift_runtime::runtime::metrics::register_build_info(&mut registry, "operator");
         {
             let op = registry.sub_registry_with_prefix("keyshift_operator");
             op.register(
@@ -1038,12 +1039,10 @@ mod tests {
             .chain(worker.encode().expect("encodes").lines())
             .filter_map(|l| l.strip_prefix("# TYPE "))
             .filter_map(|l| l.split_once(' '))
-            .map(|(name, kind)| {
-                if kind == "counter" {
-                    format!("{name}_total")
-                } else {
-                    name.to_owned()
-                }
+            .map(|(name, kind)| match kind {
+                "counter" => format!("{name}_total"),
+                "info" => format!("{name}_info"),
+                _ => name.to_owned(),
             })
             .collect();
         for f in &families {

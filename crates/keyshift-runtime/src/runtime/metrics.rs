@@ -42,9 +42,31 @@ impl Default for WorkerMetrics {
     }
 }
 
+/// Registers `keyshift_build_info{component, version, protocol}` (always 1; Prometheus' info
+/// convention): which build of keyshift's runtime serves the endpoint (`component`: `operator`
+/// or `worker`), and the worker protocol it speaks. The operator's endpoint and every worker's,
+/// a job's own worker binary's too, have it.
+pub fn register_build_info(registry: &mut Registry, component: &str) {
+    let labels = vec![
+        ("component".to_owned(), component.to_owned()),
+        ("version".to_owned(), env!("CARGO_PKG_VERSION").to_owned()),
+        (
+            "protocol".to_owned(),
+            super::protocol::PROTOCOL_VERSION.to_string(),
+        ),
+    ];
+    registry.register(
+        "keyshift_build",
+        "The build serving this endpoint: its component, keyshift version and worker protocol version",
+        prometheus_client::metrics::info::Info::new(labels),
+    );
+}
+
 impl WorkerMetrics {
     pub fn new() -> Self {
-        let mut registry = Registry::with_prefix("keyshift_worker");
+        let mut root = Registry::default();
+        register_build_info(&mut root, "worker");
+        let registry = root.sub_registry_with_prefix("keyshift_worker");
         let m = WorkerMetrics {
             records_in: Counter::default(),
             records_processed: Counter::default(),
@@ -126,7 +148,10 @@ impl WorkerMetrics {
             "How far a Kafka source is behind in time: the most of this subtask's partitions, each 0 when read to its end, else now minus the later of the newest read record's timestamp and when it was last read to its end (0 for other sources)",
             m.source_lag_seconds.clone(),
         );
-        WorkerMetrics { registry, ..m }
+        WorkerMetrics {
+            registry: root,
+            ..m
+        }
     }
 
     /// Raises the late-record counter to the keyed operator's running count `total`, of which
