@@ -6,7 +6,7 @@ mod programs_support;
 
 use keyshift::crd::StreamJob;
 use keyshift::local::LocalJob;
-use keyshift_examples::dedup::Event;
+use keyshift_examples::dedup::{self, Event};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -195,25 +195,17 @@ async fn the_dedup_programs_savepoint_of_b883330_restores_and_publishes_each_fir
     tokio::time::sleep(SETTLE).await;
     local.shutdown().await.expect("stop with a savepoint");
 
-    // The oracle over every delivery, old and new, by the dedup's rule: a delivery is published
-    // when its id has not been, or was last published at least the TTL of event time before
-    // it. (Each id's deliveries are in one partition file in event-time order, so none is
-    // behind the watermark.)
-    let ttl = keyshift_examples::DEDUP_TTL.as_millis() as i64;
-    let mut events: Vec<Event> = lines(&input)
+    // The oracle over every delivery, old and new, in arrival order (each id's deliveries are
+    // in one partition file, in event-time order).
+    let mut records: Vec<(String, i64, Event)> = lines(&input)
         .into_iter()
-        .map(|l| serde_json::from_value(l).expect("an event"))
+        .map(|l| {
+            let e: Event = serde_json::from_value(l).expect("an event");
+            (e.id.clone(), e.ts, e)
+        })
         .collect();
-    events.sort_by_key(|e| e.ts);
-    let mut published_at: BTreeMap<String, i64> = BTreeMap::new();
-    let mut want = Vec::new();
-    for e in events {
-        if published_at.get(&e.id).is_none_or(|at| e.ts >= at + ttl) {
-            published_at.insert(e.id.clone(), e.ts);
-            want.push(e);
-        }
-    }
-    want.sort();
+    records.sort_by_key(|(_, ts, _)| *ts);
+    let want = dedup::expected(&records, keyshift_examples::DEDUP_TTL.as_millis() as i64);
     assert!(want.len() > 60, "{} first deliveries", want.len());
     programs_support::assert_published::<Event>(&out, &want);
 }

@@ -102,40 +102,23 @@ impl Traffic {
     }
 }
 
-/// The oracle: per id, its deliveries split into bursts (sorted by event time, a new burst
-/// where two are more than `ttl_ms` apart), and of each burst the delivery that arrives first.
-/// Bursts are further apart than the TTL plus the out-of-orderness, deliveries within one
-/// closer than the TTL minus it, so this is what a dedup with that TTL must emit. Computed from
-/// the records alone, without the SDK.
+/// The oracle: the dedup's rule applied to the records in arrival order, without the SDK. A
+/// delivery is emitted when its id was never emitted, or last emitted at least `ttl_ms` of
+/// event time before it (the `seen` state, written at an emission, has expired by then);
+/// otherwise it is dropped. Every record must be ahead of the watermark when it arrives (a
+/// record behind it would see the watermark's time, which only the runtime knows): the
+/// generators here keep that. Returns the emitted deliveries, sorted.
 pub fn expected(records: &[(String, i64, Event)], ttl_ms: i64) -> Vec<Event> {
-    let mut by_id: BTreeMap<&str, Vec<(usize, &Event)>> = BTreeMap::new();
-    for (arrival, (_, _, e)) in records.iter().enumerate() {
-        by_id.entry(&e.id).or_default().push((arrival, e));
-    }
+    let mut emitted_at: BTreeMap<&str, i64> = BTreeMap::new();
     let mut out = Vec::new();
-    for events in by_id.values_mut() {
-        events.sort_by_key(|(_, e)| e.ts);
-        let mut burst: Vec<(usize, &Event)> = Vec::new();
-        for &(arrival, e) in events.iter() {
-            if let Some(&(_, last)) = burst.last()
-                && e.ts - last.ts > ttl_ms
-            {
-                out.extend(
-                    burst
-                        .iter()
-                        .min_by_key(|(a, _)| *a)
-                        .map(|(_, e)| (*e).clone()),
-                );
-                burst.clear();
-            }
-            burst.push((arrival, e));
+    for (_, _, e) in records {
+        if emitted_at
+            .get(e.id.as_str())
+            .is_none_or(|at| e.ts >= at.saturating_add(ttl_ms))
+        {
+            emitted_at.insert(&e.id, e.ts);
+            out.push(e.clone());
         }
-        out.extend(
-            burst
-                .iter()
-                .min_by_key(|(a, _)| *a)
-                .map(|(_, e)| (*e).clone()),
-        );
     }
     out.sort();
     out
