@@ -159,9 +159,10 @@ pub fn max_series_per_job() -> usize {
         + 2 // source_lag_records, source_lag_seconds
 }
 
-/// Series of the operator itself, whatever the number of jobs: the reconcile histogram.
+/// Series of the operator itself, whatever the number of jobs: the reconcile histogram and
+/// `keyshift_build_info`.
 pub fn operator_series() -> usize {
-    histogram_lines(RECONCILE_BUCKETS)
+    histogram_lines(RECONCILE_BUCKETS) + 1
 }
 
 /// Everything the operator counts.
@@ -820,7 +821,9 @@ mod tests {
                 let mut parts = name.split(' ');
                 let (family, kind) = (parts.next().unwrap_or(""), parts.next().unwrap_or(""));
                 assert!(
-                    family.starts_with("keyshift_operator_") || family.starts_with("keyshift_job_"),
+                    family.starts_with("keyshift_operator_")
+                        || family.starts_with("keyshift_job_")
+                        || (family, kind) == ("keyshift_build", "info"),
                     "{line}"
                 );
                 assert!(
