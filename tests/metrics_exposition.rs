@@ -166,6 +166,7 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
     for (name, kind) in [
         ("keyshift_worker_records_in", "counter"),
         ("keyshift_worker_records_processed", "counter"),
+        ("keyshift_worker_records_combined", "counter"),
         ("keyshift_worker_records_out", "counter"),
         ("keyshift_worker_backpressure_seconds", "counter"),
         ("keyshift_worker_late_records", "counter"),
@@ -185,7 +186,7 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
             "{name}: {families:?}"
         );
     }
-    assert_eq!(families.len(), 14, "{families:?}");
+    assert_eq!(families.len(), 15, "{families:?}");
     let text = keyshift::runtime::metrics::WorkerMetrics::new()
         .encode()
         .expect("encodes");

@@ -13,6 +13,8 @@
 //!   against the full one before it, and how long its cut holds records up against its write.
 //! * `programs`: a program's whole worker path (the `count` program) against the built-in
 //!   count's, over the same JSON-lines files, worker processes under `LocalJob`.
+//! * `hot-keys`: the built-in count over a Zipf key stream with one hot key, the sources
+//!   combining before the shuffle against not combining, worker processes under `LocalJob`.
 //!
 //! Results and how to reproduce them: `docs/benchmarks.md`. Build with `--release`.
 
@@ -20,6 +22,7 @@ use anyhow::{Context as _, Result};
 use clap::{Args, Subcommand};
 use std::path::PathBuf;
 
+mod hot_keys;
 mod job;
 #[cfg(feature = "kafka")]
 pub mod kafka;
@@ -67,6 +70,10 @@ pub enum BenchCommand {
     /// A program's whole worker path against the built-in job's: the same keyed count over the
     /// same JSON-lines files, worker processes, records/s and worker CPU time.
     Programs(ProgramsBench),
+    /// A hot key: the built-in count over a Zipf key stream whose hottest key has
+    /// --hot-share of the records, combining before the shuffle against not combining, worker
+    /// processes, records/s and worker CPU time.
+    HotKeys(HotKeysBench),
     /// The operator on a real API server: many StreamJobs (memory, reconcile latency, idle
     /// CPU) and `kubectl scale` with large state (`operator`).
     Operator(operator::OperatorBench),
@@ -266,6 +273,31 @@ pub struct ProgramsBench {
     pub dir: PathBuf,
 }
 
+#[derive(Args, Debug)]
+pub struct HotKeysBench {
+    /// Records in the input files.
+    #[arg(long, default_value_t = 4_000_000)]
+    pub records: u64,
+    /// Distinct keys.
+    #[arg(long, default_value_t = 100_000)]
+    pub keys: u64,
+    /// The hottest key's share of the records (the Zipf exponent is chosen for it).
+    #[arg(long, default_value_t = 0.3)]
+    pub hot_share: f64,
+    /// Parallelism (worker processes).
+    #[arg(long, default_value_t = 4)]
+    pub parallelism: u32,
+    /// Input files (source partitions).
+    #[arg(long, default_value_t = 4)]
+    pub partitions: u32,
+    /// Rounds, the two jobs alternating.
+    #[arg(long, default_value_t = 3)]
+    pub rounds: u32,
+    /// Directory for the input and the workers' logs (created if missing, emptied afterwards).
+    #[arg(long, default_value = "keyshift-bench")]
+    pub dir: PathBuf,
+}
+
 /// Runs a benchmark (blocking; starts its own async runtime).
 pub fn run(args: BenchArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -283,6 +315,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
             }
             BenchCommand::Checkpoint(a) => state::checkpoint_bench(a).await,
             BenchCommand::Programs(a) => programs::programs_bench(a).await,
+            BenchCommand::HotKeys(a) => hot_keys::hot_keys_bench(a).await,
             BenchCommand::Operator(a) => operator::run(a).await,
             #[cfg(feature = "kafka")]
             BenchCommand::Kafka(a) => kafka::run(a).await,

@@ -42,6 +42,17 @@ impl Side {
 /// Writes `records` lines `{"key":"key-<k>","ts":<i>}` over `partitions` files, keys drawn
 /// from `keys` with a fixed sequence.
 fn write_input(dir: &Path, records: u64, keys: u64, partitions: u32) -> Result<()> {
+    write_lines(dir, records, partitions, |x| x % keys)
+}
+
+/// Writes `records` lines `{"key":"key-<k>","ts":<i>}` over `partitions` files (round robin),
+/// `k = key(x)` for a fixed sequence of uniform 64-bit numbers `x`.
+pub(super) fn write_lines(
+    dir: &Path,
+    records: u64,
+    partitions: u32,
+    mut key: impl FnMut(u64) -> u64,
+) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut files = (0..partitions)
         .map(|p| {
@@ -55,7 +66,7 @@ fn write_input(dir: &Path, records: u64, keys: u64, partitions: u32) -> Result<(
         x ^= x >> 7;
         x ^= x << 17;
         let f = &mut files[(i % u64::from(partitions)) as usize];
-        writeln!(f, "{{\"key\":\"key-{}\",\"ts\":{i}}}", x % keys)?;
+        writeln!(f, "{{\"key\":\"key-{}\",\"ts\":{i}}}", key(x))?;
     }
     for mut f in files {
         f.flush()?;
@@ -63,10 +74,10 @@ fn write_input(dir: &Path, records: u64, keys: u64, partitions: u32) -> Result<(
     Ok(())
 }
 
-struct Run {
-    rate: f64,
-    cpu: Duration,
-    keys_in_state: u64,
+pub(super) struct Run {
+    pub(super) rate: f64,
+    pub(super) cpu: Duration,
+    pub(super) keys_in_state: u64,
 }
 
 async fn run_once(
@@ -80,26 +91,45 @@ async fn run_once(
         "programs-{}-{round}",
         if path == Side::Builtin { "b" } else { "p" }
     );
+    run_job(
+        run,
+        &name,
+        args.parallelism,
+        args.records,
+        &path.job(input),
+        path.name(),
+    )
+    .await
+}
+
+/// Runs the job `name` (its `spec.job` lines `job`) at `parallelism` under `LocalJob` until it
+/// processed `records`: records/s from the launch to the last, the workers' CPU time.
+pub(super) async fn run_job(
+    run: &Path,
+    name: &str,
+    parallelism: u32,
+    records: u64,
+    job: &str,
+    what: &str,
+) -> Result<Run> {
     let storage = format!("file://{}", run.join("store").display());
     let yaml = format!(
         "apiVersion: keyshift.dev/v1alpha1
 kind: StreamJob
 metadata: {{name: {name}, namespace: bench}}
 spec:
-  replicas: {p}
+  replicas: {parallelism}
   maxParallelism: 128
   state:
     storage: {storage}
     checkpointInterval: 1h
   job:
-{job}",
-        p = args.parallelism,
-        job = path.job(input)
+{job}"
     );
     let job = serde_yaml::from_str(&yaml).context("bench manifest")?;
     let bin = std::env::current_exe()?;
     let mut local = LocalJob::new(&job, storage, bin, run.join("logs")).await?;
-    local.launch(args.parallelism, None).await?;
+    local.launch(parallelism, None).await?;
     let result = async {
         let pids = local.worker_pids();
         let cpu0: Duration = pids.iter().map(|p| cpu_time(*p)).sum();
@@ -111,7 +141,7 @@ spec:
                 bail!("worker {i} exited ({status})");
             }
             let (n, _) = processed(&mut local).await?;
-            if n >= args.records {
+            if n >= records {
                 let wall = t0.elapsed();
                 let cpu = pids.iter().map(|p| cpu_time(*p)).sum::<Duration>() - cpu0;
                 // Untimed: a checkpoint, after which a program's count of its state entries
@@ -125,7 +155,7 @@ spec:
                 });
             }
             if Instant::now() > deadline {
-                bail!("{}: {n} of {} records in 600 s", path.name(), args.records);
+                bail!("{what}: {n} of {records} records in 600 s");
             }
         }
     }

@@ -96,6 +96,7 @@ pub fn spec(shape: &JobShape) -> JobSpec {
         aggregation: Some(AggregationSpec {
             function: shape.function,
             field: Some("value".into()),
+            combine: None,
         }),
         window: shape.window.map(|size| WindowSpec {
             size: size.into(),

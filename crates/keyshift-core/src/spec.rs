@@ -396,6 +396,21 @@ pub struct AggregationSpec {
     /// The numeric record field that sum, min and max read. Not used by count.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// Combine records of the same key (and window) in each source batch before the shuffle
+    /// (default `true`): a hot key then costs its subtask one partial result per batch instead
+    /// of one update per record. The results are the same either way (count, sum, min and max
+    /// are associative and commutative, and a batch never spans a checkpoint barrier); the
+    /// sources stop combining by themselves while batches have few repeated keys. Set `false`
+    /// only to compare.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub combine: Option<bool>,
+}
+
+impl AggregationSpec {
+    /// Whether the sources combine records before the shuffle (`combine`, default true).
+    pub fn combines(&self) -> bool {
+        self.combine.unwrap_or(true)
+    }
 }
 
 /// An aggregate function.

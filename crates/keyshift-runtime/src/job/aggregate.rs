@@ -14,6 +14,7 @@
 //!
 //! `sum` wraps on overflow (two's complement), which keeps it independent of record order.
 
+use super::combine::Partials;
 use super::record::{KeyMap, Record, RecordKey};
 use super::result::{ResultRow, Window};
 use super::state_codec::{self, AccValue, BlockInfo, BlockWriter, CodecError, StateValue};
@@ -416,6 +417,40 @@ impl KeyedAggregator {
     /// routing bug); a record whose window has fired is counted as late and skipped.
     #[inline]
     pub fn process(&mut self, record: &Record) -> Result<(), AggregateError> {
+        self.apply::<false>(record, 1)
+    }
+
+    /// Applies a batch of records; stops at the first error.
+    pub fn process_batch(&mut self, records: &[Record]) -> Result<(), AggregateError> {
+        records.iter().try_for_each(|r| self.process(r))
+    }
+
+    /// Merges partial results combined before the shuffle ([`super::combine`]) into the state,
+    /// as [`Self::process`] would apply the records each stands for (counted as that many, late
+    /// ones too); stops at the first error.
+    pub fn process_partials(&mut self, partials: &Partials) -> Result<(), AggregateError> {
+        partials
+            .iter()
+            .try_for_each(|(r, weight)| self.apply::<true>(r, u64::from(weight)))
+    }
+
+    /// Applies `record`, standing for `weight` records: a raw record (its value the input of
+    /// the function) or, `PARTIAL`, a partial accumulator (merged).
+    #[inline(always)]
+    fn apply<const PARTIAL: bool>(
+        &mut self,
+        record: &Record,
+        weight: u64,
+    ) -> Result<(), AggregateError> {
+        let f = self.config.function;
+        let initial = |v| if PARTIAL { v } else { initial(f, v) };
+        let combine = |acc, v| {
+            if PARTIAL {
+                merge(f, acc, v)
+            } else {
+                combine(f, acc, v)
+            }
+        };
         let group = record.key.key_group(self.config.max_parallelism);
         let Some(index) = self.group_index(group) else {
             return Err(AggregateError::NotOwned {
@@ -423,7 +458,6 @@ impl KeyedAggregator {
                 range: self.range,
             });
         };
-        let f = self.config.function;
         let epoch = self.epoch;
         let map = &mut self.groups[index];
         match self.config.window_size_ms {
@@ -442,7 +476,7 @@ impl KeyedAggregator {
                         Self::note_touched(&mut self.touched[index], &record.key, group_keys);
                     }
                     if let AccValue::Scalar(acc) = &mut slot.acc {
-                        *acc = combine(f, *acc, record.value);
+                        *acc = combine(*acc, record.value);
                     }
                     slot.dirty = true;
                 } else {
@@ -452,7 +486,7 @@ impl KeyedAggregator {
                     map.insert(
                         record.key.clone(),
                         Slot {
-                            acc: AccValue::Scalar(initial(f, record.value)),
+                            acc: AccValue::Scalar(initial(record.value)),
                             payload,
                             dirty: true,
                             captured: false,
@@ -464,7 +498,7 @@ impl KeyedAggregator {
             Some(size) => {
                 let start = window_start(record.ts, size);
                 if start.saturating_add(size) <= self.watermark {
-                    self.late_records += 1;
+                    self.late_records += weight;
                     return Ok(());
                 }
                 self.changed[index] = epoch;
@@ -495,23 +529,18 @@ impl KeyedAggregator {
                     // Few windows are open per key, and the newest is the likeliest: search
                     // from the back.
                     match ws.iter().rposition(|(s, _)| *s <= start) {
-                        Some(i) if ws[i].0 == start => ws[i].1 = combine(f, ws[i].1, record.value),
+                        Some(i) if ws[i].0 == start => ws[i].1 = combine(ws[i].1, record.value),
                         pos => {
                             let at = pos.map_or(0, |i| i + 1);
-                            ws.insert(at, (start, initial(f, record.value)));
+                            ws.insert(at, (start, initial(record.value)));
                             *self.open_windows.entry(start).or_insert(0) += 1;
                         }
                     }
                 }
             }
         }
-        self.records += 1;
+        self.records += weight;
         Ok(())
-    }
-
-    /// Applies a batch of records; stops at the first error.
-    pub fn process_batch(&mut self, records: &[Record]) -> Result<(), AggregateError> {
-        records.iter().try_for_each(|r| self.process(r))
     }
 
     /// Advances the watermark (never backwards) and returns the windows that fire (end <=

@@ -27,6 +27,7 @@
 //!   acknowledges a snapshot, and a restored writer starts empty (see [`sink`]).
 
 pub mod aggregate;
+pub mod combine;
 pub mod file_source;
 pub mod generator;
 pub mod kafka;
@@ -230,6 +231,9 @@ pub struct CompiledJob {
     pub max_out_of_orderness_ms: i64,
     /// The sink.
     pub sink: SinkSpec,
+    /// Whether the sources combine the built-in aggregation's records before the shuffle
+    /// (`spec.job.aggregation.combine`; false for a program).
+    pub combine: bool,
 }
 
 fn duration_ms(text: &str) -> Option<i64> {
@@ -328,6 +332,7 @@ pub fn compile_for(
                 window_size_ms: None,
                 max_out_of_orderness_ms,
                 sink: spec.sink.clone(),
+                combine: false,
             });
         }
     };
@@ -381,6 +386,7 @@ pub fn compile_for(
                 window_size_ms,
                 max_out_of_orderness_ms,
                 sink: spec.sink.clone(),
+                combine: aggregation.combines(),
             });
         }
         #[cfg(not(feature = "kafka"))]
@@ -419,6 +425,7 @@ pub fn compile_for(
         window_size_ms,
         max_out_of_orderness_ms,
         sink: spec.sink.clone(),
+        combine: aggregation.combines(),
     })
 }
 
@@ -474,6 +481,17 @@ fn feed_generated(
 }
 
 impl CompiledJob {
+    /// The sources' combiner, for a built-in aggregation that combines (see [`combine`]).
+    pub fn combiner(&self) -> Option<combine::Combiner> {
+        match &self.logic {
+            Logic::Aggregate(config) if self.combine => Some(combine::Combiner::new(
+                config.function,
+                config.window_size_ms,
+            )),
+            _ => None,
+        }
+    }
+
     /// Number of source partitions.
     pub fn partitions(&self) -> u32 {
         match &self.source {

@@ -38,6 +38,7 @@ fn spec(
         aggregation: Some(AggregationSpec {
             function,
             field: Some("value".into()),
+            combine: None,
         }),
         window: window.map(|size| WindowSpec {
             size: size.into(),

@@ -20,6 +20,7 @@ pub struct WorkerMetrics {
     registry: Registry,
     pub records_in: Counter,
     pub records_processed: Counter,
+    pub records_combined: Counter,
     pub records_out: Counter,
     pub backpressure_seconds: FloatCounter,
     pub late_records: Counter,
@@ -70,6 +71,7 @@ impl WorkerMetrics {
         let m = WorkerMetrics {
             records_in: Counter::default(),
             records_processed: Counter::default(),
+            records_combined: Counter::default(),
             records_out: Counter::default(),
             backpressure_seconds: FloatCounter::default(),
             late_records: Counter::default(),
@@ -92,6 +94,11 @@ impl WorkerMetrics {
             "records_processed",
             "Records applied to keyed state by this subtask",
             m.records_processed.clone(),
+        );
+        registry.register(
+            "records_combined",
+            "Records this subtask's sources merged into another of the same key (and window) before the shuffle",
+            m.records_combined.clone(),
         );
         registry.register(
             "records_out",
@@ -241,6 +248,6 @@ mod tests {
                 assert!(text.contains(&format!("\n{family}_total ")), "{family}");
             }
         }
-        assert_eq!(counters, 5, "{text}");
+        assert_eq!(counters, 6, "{text}");
     }
 }

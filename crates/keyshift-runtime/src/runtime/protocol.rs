@@ -425,6 +425,10 @@ pub struct WorkerStatus {
     pub records_in: u64,
     /// Records processed by this subtask's keyed operator.
     pub records_processed: u64,
+    /// Records this subtask's sources combined into another of the same key (and window)
+    /// before the shuffle (absent from workers of earlier versions).
+    #[serde(default)]
+    pub records_combined: u64,
     /// Results emitted to the sink.
     pub records_out: u64,
     /// Records that arrived after their window had fired.

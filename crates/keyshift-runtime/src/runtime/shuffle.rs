@@ -12,7 +12,10 @@
 //! * `3` hello: `u32 sender subtask`, a 32-byte proof, then the run id as UTF-8 (the
 //!   connector's first frame);
 //! * `4` challenge: 16 random bytes (the accepter's first frame);
-//! * `5` a program's records: [`crate::job::record::encode_encoded`].
+//! * `5` a program's records: [`crate::job::record::encode_encoded`];
+//! * `6` partial results of the built-in aggregation ([`crate::job::combine`]): `u32 count`,
+//!   then each partial in [`crate::job::record::encode_record`] form followed by its `u32`
+//!   weight.
 //!
 //! A connection is accepted only from a peer that holds the run's data-plane secret: the
 //! accepter sends a fresh challenge, and the hello's proof is HMAC-SHA256(secret, challenge ||
@@ -21,6 +24,7 @@
 
 use super::protocol::RunSecret;
 use crate::job::Record;
+use crate::job::combine::Partials;
 use crate::job::record::{
     EncodedRecords, decode_encoded, decode_record, encode_encoded, encode_record,
 };
@@ -42,6 +46,8 @@ const MAX_FRAME: usize = 256 << 20;
 pub enum Msg {
     /// Records of the built-in aggregation.
     Records(Vec<Record>),
+    /// Partial results of the built-in aggregation, combined by the sender.
+    Partials(Partials),
     /// Records of a program, serialized by it.
     Encoded(EncodedRecords),
     /// Checkpoint barrier `id`: everything before it belongs to the snapshot.
@@ -93,6 +99,14 @@ fn encode(msg: &Msg, out: &mut Vec<u8>) {
                 encode_record(r, out);
             }
         }
+        Msg::Partials(partials) => {
+            out.push(6);
+            out.extend_from_slice(&(partials.len() as u32).to_le_bytes());
+            for (r, weight) in partials.iter() {
+                encode_record(r, out);
+                out.extend_from_slice(&weight.to_le_bytes());
+            }
+        }
         Msg::Encoded(batch) => {
             out.push(5);
             encode_encoded(batch, out);
@@ -121,13 +135,14 @@ fn decode(from: u32, frame: &[u8]) -> Result<Msg, ShuffleError> {
             .and_then(|s| s.try_into().ok())
             .ok_or_else(|| bad("short frame"))
     };
+    let u32_at = |at: usize| -> Option<u32> {
+        body.get(at..at + 4)
+            .and_then(|s| s.try_into().ok())
+            .map(u32::from_le_bytes)
+    };
     match tag {
         0 => {
-            let count = body
-                .get(..4)
-                .and_then(|s| s.try_into().ok())
-                .map(u32::from_le_bytes)
-                .ok_or_else(|| bad("short records frame"))? as usize;
+            let count = u32_at(0).ok_or_else(|| bad("short records frame"))? as usize;
             // Sized by what the frame can hold (a record is more than 8 bytes), never by the
             // count alone.
             let mut records = Vec::with_capacity(count.min(body.len() / 8));
@@ -138,6 +153,18 @@ fn decode(from: u32, frame: &[u8]) -> Result<Msg, ShuffleError> {
                 at += n;
             }
             Ok(Msg::Records(records))
+        }
+        6 => {
+            let count = u32_at(0).ok_or_else(|| bad("short partials frame"))? as usize;
+            let mut partials = Partials::with_capacity(count.min(body.len() / 12));
+            let mut at = 4;
+            for _ in 0..count {
+                let (r, n) = decode_record(&body[at..]).map_err(|e| bad(&e.to_string()))?;
+                let weight = u32_at(at + n).ok_or_else(|| bad("short partials frame"))?;
+                partials.push(r, weight);
+                at += n + 4;
+            }
+            Ok(Msg::Partials(partials))
         }
         5 => Ok(Msg::Encoded(
             decode_encoded(body).map_err(|e| bad(&e.to_string()))?,
@@ -344,6 +371,27 @@ mod tests {
                 b.push(RecordKey::string("k"), 3, b"{}");
                 b
             }),
+            Msg::Partials({
+                let mut p = Partials::default();
+                p.push(
+                    Record {
+                        key: RecordKey::string("hot"),
+                        value: 614,
+                        ts: 9,
+                    },
+                    614,
+                );
+                p.push(
+                    Record {
+                        key: RecordKey::int(5),
+                        value: -4,
+                        ts: 3,
+                    },
+                    u32::MAX,
+                );
+                p
+            }),
+            Msg::Partials(Partials::default()),
         ];
         let mut buf = Vec::new();
         for m in msgs {
@@ -385,9 +433,17 @@ mod tests {
             let _ = decode(1, &frame);
             frame.truncate(cut % (frame.len() + 1));
             let _ = decode(1, &frame);
-            let mut lying = vec![0u8];
-            lying.extend_from_slice(&count.to_le_bytes());
-            proptest::prop_assert!(count == 0 || decode(1, &lying).is_err());
+            for tag in [0u8, 6] {
+                let mut lying = vec![tag];
+                lying.extend_from_slice(&count.to_le_bytes());
+                proptest::prop_assert!(count == 0 || decode(1, &lying).is_err());
+            }
+            let mut partials = Partials::default();
+            partials.push(Record { key: RecordKey::string("k"), value: 1, ts: 2 }, 3);
+            encode(&Msg::Partials(partials), &mut buf);
+            let mut frame = buf[4..].to_vec();
+            frame.truncate(cut % (frame.len() + 1));
+            let _ = decode(1, &frame);
         }
     }
 }

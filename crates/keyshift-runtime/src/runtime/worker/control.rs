@@ -77,6 +77,7 @@ pub(super) async fn status(State(s): State<Arc<Shared>>) -> Response {
     let m = &s.metrics;
     st.records_in = m.records_in.get();
     st.records_processed = m.records_processed.get();
+    st.records_combined = m.records_combined.get();
     st.records_out = m.records_out.get();
     st.late_records = m.late_records.get();
     st.keys = m.keys.get() as u64;

@@ -29,6 +29,35 @@ pub(super) async fn next_input(
     .await
 }
 
+/// Applies one batch from input `i` to the keyed state (a program's results go out); returns how
+/// many records it stood for. A batch of the other kind of job is a routing bug.
+fn process_input(s: &Shared, sub: &mut Subtask, i: usize, msg: Msg) -> Result<u64, WorkerError> {
+    let wrong = |what: &str| {
+        WorkerError::Fatal(format!(
+            "input from subtask {i}: {what} reached the wrong kind of keyed operator"
+        ))
+    };
+    match (msg, &mut sub.keyed) {
+        (Msg::Records(records), Keyed::Aggregate(agg)) => {
+            agg.process_batch(&records)?;
+            Ok(records.len() as u64)
+        }
+        (Msg::Partials(partials), Keyed::Aggregate(agg)) => {
+            agg.process_partials(&partials)?;
+            Ok(partials.inputs())
+        }
+        (Msg::Encoded(records), Keyed::Program(step)) => {
+            step.process(&records).map_err(job::JobError::from)?;
+            emit_program(s, sub)?;
+            Ok(records.len() as u64)
+        }
+        (Msg::Records(_), _) => Err(wrong("records of the built-in aggregation")),
+        (Msg::Partials(_), _) => Err(wrong("partial results of the built-in aggregation")),
+        (Msg::Encoded(_), _) => Err(wrong("records of a program")),
+        (Msg::Barrier(_) | Msg::Watermark(_), _) => Ok(0),
+    }
+}
+
 pub(super) async fn operator_loop(
     s: Arc<Shared>,
     mut sub: Subtask,
@@ -92,30 +121,9 @@ pub(super) async fn operator_loop(
             )));
         };
         match msg {
-            Msg::Records(records) => {
-                let Keyed::Aggregate(agg) = &mut sub.keyed else {
-                    return Err(WorkerError::Fatal(format!(
-                        "input from subtask {i}: records of the built-in aggregation reached a program"
-                    )));
-                };
-                agg.process_batch(&records)?;
-                s.metrics.records_processed.inc_by(records.len() as u64);
-                batches += 1;
-                if batches.is_multiple_of(64) {
-                    s.metrics.keys.set(sub.keyed.key_count() as i64);
-                    s.metrics
-                        .count_late(sub.keyed.late_records(), &mut late_seen);
-                }
-            }
-            Msg::Encoded(records) => {
-                let Keyed::Program(step) = &mut sub.keyed else {
-                    return Err(WorkerError::Fatal(format!(
-                        "input from subtask {i}: records of a program reached the built-in aggregation"
-                    )));
-                };
-                step.process(&records).map_err(job::JobError::from)?;
-                s.metrics.records_processed.inc_by(records.len() as u64);
-                emit_program(&s, &mut sub)?;
+            input @ (Msg::Records(_) | Msg::Partials(_) | Msg::Encoded(_)) => {
+                let records = process_input(&s, &mut sub, i, input)?;
+                s.metrics.records_processed.inc_by(records);
                 batches += 1;
                 if batches.is_multiple_of(64) {
                     s.metrics.keys.set(sub.keyed.key_count() as i64);

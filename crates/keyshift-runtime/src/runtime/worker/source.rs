@@ -93,6 +93,8 @@ pub(super) struct Outputs {
     buffers: Vec<Vec<Record>>,
     /// A program's records, per output.
     encoded: Vec<job::EncodedRecords>,
+    /// Partial results combined before the shuffle, per output.
+    partials: Vec<job::combine::Partials>,
     assignment: Assignment,
 }
 
@@ -131,6 +133,13 @@ impl Outputs {
                 job::EncodedRecords::with_capacity(BATCH),
             );
             self.send(i, Msg::Encoded(batch), metrics).await?;
+        }
+        if !self.partials[i].is_empty() {
+            let batch = std::mem::replace(
+                &mut self.partials[i],
+                job::combine::Partials::with_capacity(BATCH),
+            );
+            self.send(i, Msg::Partials(batch), metrics).await?;
         }
         if self.buffers[i].is_empty() {
             return Ok(());
@@ -176,8 +185,12 @@ pub(super) async fn source_loop(
         outputs,
         buffers: (0..n).map(|_| Vec::with_capacity(BATCH)).collect(),
         encoded: (0..n).map(|_| job::EncodedRecords::default()).collect(),
+        partials: (0..n).map(|_| job::combine::Partials::default()).collect(),
         assignment,
     };
+    // The built-in aggregation's records are combined per key (and window) in each batch read
+    // before they are routed, unless the job turned it off.
+    let mut combiner = compiled.combiner();
     let maxp = assignment.max_parallelism();
     let mut pos: BTreeMap<u32, u64> = partitions
         .iter()
@@ -269,6 +282,25 @@ pub(super) async fn source_loop(
             pos.insert(*p, b.next_position);
             s.metrics.records_in.inc_by(b.records as u64);
             let mut wm = wms.get_mut(p);
+            // Combined, or (a batch after one that saved little) sent as it is below.
+            let combine = combiner.as_mut().is_some_and(|c| c.attempt());
+            if combine && let Some(c) = combiner.as_mut() {
+                if let Some(w) = wm.as_mut() {
+                    batch.iter().for_each(|r| w.observe(r.ts));
+                }
+                let read = batch.len();
+                let partials = c.combine(&mut batch);
+                s.metrics
+                    .records_combined
+                    .inc_by((read - partials.len()) as u64);
+                for (r, weight) in partials.drain() {
+                    let owner = router.assignment.owner(r.key.key_group(maxp)) as usize;
+                    router.partials[owner].push(r, weight);
+                    if router.partials[owner].len() >= BATCH {
+                        router.flush(owner, &s.metrics).await?;
+                    }
+                }
+            }
             for r in batch.drain(..) {
                 if let Some(w) = wm.as_mut() {
                     w.observe(r.ts);
