@@ -681,6 +681,140 @@ async fn a_start_refused_for_good_stalls_until_the_spec_changes() {
     .await;
 }
 
+/// The `count` program keyshift's image carries (keyshift_examples::count) over the
+/// generator, with an object-store sink.
+fn count_program_spec(name: &str, replicas: u32) -> StreamJobSpec {
+    let yaml = format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata: {{name: {name}, namespace: {NS}}}
+spec:
+  replicas: {replicas}
+  maxParallelism: 32
+  rescaleStrategy: StopAndRestore
+  job:
+    source:
+      generator: {{partitions: 6, keys: 500, seed: 11, recordsPerSecond: 2000}}
+    program: {{name: count}}
+    sink: {{type: objectStore, url: 'memory://{name}/sink'}}
+  state:
+    checkpointInterval: 1h
+"
+    );
+    let job: StreamJob = serde_yaml::from_str(&yaml).expect("test manifest parses");
+    job.spec
+}
+
+/// The `count` program's next release as a careless author would write it: its state `count`
+/// declared at version 2, with no migration from version 1.
+mod count_at_version_2 {
+    use keyshift_examples::count::Keyed;
+    use keyshift_sdk::prelude::*;
+
+    struct Count;
+
+    impl KeyedProcessFunction for Count {
+        type Key = String;
+        type In = Keyed;
+        type Out = (String, u64);
+        type State = ValueHandle<u64>;
+
+        fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            states.value(ValueStateDescriptor::new("count").version(2))
+        }
+
+        fn process(
+            &mut self,
+            _record: Keyed,
+            count: &Self::State,
+            ctx: &mut Context<'_, String, (String, u64)>,
+        ) -> keyshift_sdk::Result<()> {
+            let n = ctx.value(count).get()?.unwrap_or(0) + 1;
+            ctx.value(count).set(n)?;
+            Ok(())
+        }
+    }
+
+    /// The job, as `keyshift_examples::count::job` but for its state's version.
+    pub fn job() -> Job {
+        Job::json_lines::<Keyed>("count", "records", |r| r.ts)
+            .key_by(|r| r.key.clone())
+            .process("count", || Count)
+            .to_json_lines("counts")
+    }
+}
+
+/// An image carrying `count` as `job` builds it.
+fn image_with_count(job: keyshift_sdk::dataflow::Job) -> keyshift::job::Programs {
+    keyshift::job::Programs::new()
+        .with("count", job)
+        .expect("a valid program")
+}
+
+/// A restart whose new workers find, while restoring, that the snapshot's state does not fit
+/// their program (a new image whose state declaration changed without a migration) stalls the
+/// job with the workers' reason (StartRefused, naming the state), as a start refused at the
+/// request does: no retry while nothing changes, a start again once the image is fixed and
+/// the spec changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_the_changed_program_cannot_read_stalls_instead_of_retrying() {
+    bounded(async {
+        let name = "changed-state";
+        let mut d = Driver::new(name, 2, "1h");
+        d.spec = count_program_spec(name, 2);
+        d.workers.set_spec_hash(settings::spec_hash(&d.spec));
+        d.workers
+            .set_programs(image_with_count(keyshift_examples::count::job()));
+        d.until_running(2).await;
+        d.assert_processing().await;
+        d.spec.savepoint_trigger_nonce = Some(1);
+        d.until("savepoint taken", Duration::from_secs(20), |d| {
+            d.status.last_savepoint_nonce == Some(1)
+        })
+        .await;
+
+        // The next image's `count` reads its state at version 2 and declares no migration.
+        d.workers
+            .set_programs(image_with_count(count_at_version_2::job()));
+        let started = d.events_named("Started").len();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("stalled", Duration::from_secs(30), |d| {
+            d.condition("Stalled")
+                .is_some_and(|(r, _)| r == "StartRefused")
+        })
+        .await;
+        let (_, message) = d.condition("Stalled").expect("Stalled");
+        assert!(
+            message.contains("state \"count\" changed")
+                && message.contains("Declarations::migrate")
+                && message.contains("No retry can change that"),
+            "{message}"
+        );
+        d.for_a_while(Duration::from_secs(3), |d| {
+            assert_eq!(d.events_named("StartRefused").len(), 1, "{}", d.event_log());
+            assert!(
+                d.events_named("StartFailed").is_empty(),
+                "retried: {}",
+                d.event_log()
+            );
+            assert_eq!(d.events_named("Started").len(), started, "started");
+        })
+        .await;
+
+        // The image is fixed, and the spec changes: the job starts from its savepoint again.
+        d.workers
+            .set_programs(image_with_count(keyshift_examples::count::job()));
+        d.spec.replicas = 3;
+        d.until_running(3).await;
+        assert!(
+            d.condition("Stalled")
+                .is_none_or(|(r, _)| r != "StartRefused")
+        );
+        d.assert_processing().await;
+    })
+    .await;
+}
+
 /// Restoring at the new parallelism fails: the old parallelism is restored from the same
 /// savepoint (RescaleRollingBack, then RolledBack), and the rescale is retried later.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

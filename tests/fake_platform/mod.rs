@@ -99,6 +99,8 @@ pub struct FakeWorkers {
     pub created: Vec<String>,
     /// Every worker name ever deleted through the port, in order.
     pub deleted: Vec<String>,
+    /// The programs workers created from now on carry (their image's).
+    programs: keyshift::job::Programs,
 }
 
 impl FakeWorkers {
@@ -113,7 +115,13 @@ impl FakeWorkers {
             wake: Arc::new(tokio::sync::Notify::new()),
             created: Vec::new(),
             deleted: Vec::new(),
+            programs: keyshift::job::Programs::default(),
         }
+    }
+
+    /// Workers created from now on carry `programs` (as pods of a new image would).
+    pub fn set_programs(&mut self, programs: keyshift::job::Programs) {
+        self.programs = programs;
     }
 
     /// The faults, to program (or read counters from).
@@ -183,7 +191,7 @@ impl FakeWorkers {
             control_addr: loopback,
             data_addr: loopback,
             token: token.to_owned(),
-            programs: Default::default(),
+            programs: self.programs.clone(),
         };
         let faults = self.faults.clone();
         let bound = runtime.spawn(async move {

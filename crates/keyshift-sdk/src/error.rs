@@ -108,3 +108,30 @@ pub enum BlockError {
     #[error("a delta block came first for group {0}: a chain starts with a full block")]
     DeltaFirst(u32),
 }
+
+impl BlockError {
+    /// Whether the block is sound but its state does not fit this job (another job's, another
+    /// key-group count, a step's uid, the key type or a state declaration changed): no retry
+    /// of the same job can restore it, only a changed job can. Anything else means the block
+    /// itself is damaged.
+    pub fn refuses_the_job(&self) -> bool {
+        match self {
+            BlockError::UnknownSchema(_)
+            | BlockError::MaxParallelism { .. }
+            | BlockError::Operator { .. }
+            | BlockError::KeyType { .. }
+            | BlockError::UndeclaredState { .. }
+            | BlockError::StateChanged { .. }
+            | BlockError::Undecodable(_) => true,
+            BlockError::TooShort { .. }
+            | BlockError::BadMagic { .. }
+            | BlockError::Checksum { .. }
+            | BlockError::UnsupportedVersion(_)
+            | BlockError::Malformed(_)
+            | BlockError::Key { .. }
+            | BlockError::WrongGroup { .. }
+            | BlockError::KeyInWrongGroup { .. }
+            | BlockError::DeltaFirst(_) => false,
+        }
+    }
+}

@@ -183,6 +183,13 @@ impl Coordinator {
                         let reason = st.last_start_error.unwrap_or_else(|| {
                             "the worker is idle again (it restarted and lost the start)".into()
                         });
+                        if st.last_start_refused {
+                            return Err(CoordinatorError::Refused {
+                                subtask: i,
+                                url: self.workers[i].control.clone(),
+                                reason,
+                            });
+                        }
                         if st.last_start_unrestorable
                             && let Some(snapshot) = restoring
                         {

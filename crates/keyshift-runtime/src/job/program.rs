@@ -108,6 +108,19 @@ pub enum ProgramError {
     Declaration { program: String, message: String },
 }
 
+impl ProgramError {
+    /// Whether the step cannot take the snapshot's state as the job stands (a state
+    /// declaration, the uid or the key type changed; [`BlockError::refuses_the_job`]), rather
+    /// than a damaged block or a failure of the function.
+    pub fn refuses_the_job(&self) -> bool {
+        match self {
+            ProgramError::Block { source, .. } => source.refuses_the_job(),
+            ProgramError::Declaration { .. } => true,
+            ProgramError::Step { .. } => false,
+        }
+    }
+}
+
 /// One subtask's instance of a program's keyed step, with the output it emitted not yet
 /// taken.
 pub struct ProgramStep {

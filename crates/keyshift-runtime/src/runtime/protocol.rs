@@ -462,6 +462,11 @@ pub struct WorkerStatus {
     /// that does not match its checksum): a start from the same snapshot cannot succeed.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub last_start_unrestorable: bool,
+    /// Whether that failure was a refusal no retry can cure, found while restoring (the
+    /// snapshot's state does not fit the job: a state declaration, a step's uid or the key type
+    /// changed): the start is refused as a start request the worker answers with 422 is.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub last_start_refused: bool,
     /// The newest snapshot id this worker was triggered or told to abort, if any: a coordinator
     /// that takes the worker over continues above it (a worker ignores ids at or below the
     /// newest it finished or abandoned).

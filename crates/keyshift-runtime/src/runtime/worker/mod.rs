@@ -99,6 +99,8 @@ impl WorkerError {
         match self {
             WorkerError::BadStart(_) => true,
             WorkerError::Job(j) => j.refuses_for_good(),
+            // Found while restoring: the snapshot's state does not fit the job's program.
+            WorkerError::Restore(restore::RestoreError::Program(p)) => p.refuses_the_job(),
             _ => false,
         }
     }

@@ -65,6 +65,7 @@ pub(super) async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
         st.state = WorkerState::Restoring;
         st.last_start_error = None;
         st.last_start_unrestorable = false;
+        st.last_start_refused = false;
         st.started = None;
         st.restore = Some(RestoreProgress {
             bytes_total: accepted.bytes_total,
@@ -85,12 +86,18 @@ pub(super) async fn start(State(s): State<Arc<Shared>>, Json(req): Json<StartReq
                 st.started = Some(resp);
             }
             Err(e) => {
-                tracing::error!(error = %e, unrestorable = e.snapshot_unrestorable(), "start failed");
+                tracing::error!(
+                    error = %e,
+                    unrestorable = e.snapshot_unrestorable(),
+                    refused = e.refuses_for_good(),
+                    "start failed"
+                );
                 {
                     let mut st = s2.status.lock().await;
                     st.state = WorkerState::Idle;
                     st.last_start_error = Some(e.to_string());
                     st.last_start_unrestorable = e.snapshot_unrestorable();
+                    st.last_start_refused = e.refuses_for_good();
                 }
                 s2.started.store(false, Ordering::Release);
             }
@@ -247,6 +254,7 @@ pub(super) async fn prestage_handler(
         st.state = WorkerState::Restoring;
         st.last_start_error = None;
         st.last_start_unrestorable = false;
+        st.last_start_refused = false;
         st.prestaged = None;
         st.restore = Some(RestoreProgress {
             bytes_total: accepted.bytes_total,
