@@ -81,7 +81,11 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
             let run = run.clone();
             let (parallelism, records) = (args.parallelism, args.records);
             async move {
-                let what = if combine { "combining" } else { "not combining" };
+                let what = if combine {
+                    "combining"
+                } else {
+                    "not combining"
+                };
                 run_job(&run, &name, parallelism, records, &job, what).await
             }
         };

@@ -243,7 +243,12 @@ mod tests {
     #[test]
     fn windows_are_combined_apart() {
         let mut c = Combiner::new(AggregateFunction::Max, Some(10));
-        let mut batch = vec![rec("k", 1, 9), rec("k", 5, 10), rec("k", 2, 0), rec("k", 3, 19)];
+        let mut batch = vec![
+            rec("k", 1, 9),
+            rec("k", 5, 10),
+            rec("k", 2, 0),
+            rec("k", 3, 19),
+        ];
         let out: Vec<_> = c.combine(&mut batch).drain().collect();
         assert_eq!(out, vec![(rec("k", 2, 9), 2), (rec("k", 5, 19), 2)]);
     }
