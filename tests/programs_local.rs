@@ -243,7 +243,7 @@ async fn a_program_the_image_does_not_carry_is_refused_naming_the_ones_it_does()
         .to_string();
     assert!(
         err.contains("sessionize")
-            && err.contains("count, dedup, order-payments, sessions, silence-alert"),
+            && err.contains("count, dedup, order-payments, page-views, sessions, silence-alert"),
         "{err}"
     );
 }
@@ -252,7 +252,8 @@ async fn a_program_the_image_does_not_carry_is_refused_naming_the_ones_it_does()
 /// through what every program test here lives through: launched at 2, a checkpoint, a rescale to
 /// 3, a checkpoint, a worker killed and the job recovered at 3, a checkpoint, a pre-staged
 /// rescale to 2 (which must use the pre-stage); then `records[tail..]` appended, and a stop with
-/// a savepoint, which it returns. `key` picks a record's partition file.
+/// a savepoint, which it returns with the records the last run's sources combined before the
+/// shuffle. `key` picks a record's partition file.
 #[allow(clippy::too_many_arguments)]
 async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     dir: &Path,
@@ -263,7 +264,7 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     records: &[T],
     tail: usize,
     key: impl Fn(&T) -> &str + Copy,
-) -> keyshift::orchestrator::coordinator::Completed {
+) -> (keyshift::orchestrator::coordinator::Completed, u64) {
     let n = tail;
     input.append(&records[..n / 3], key);
     let spec = program_job(name, program, &input.dir, out, 2);
@@ -294,7 +295,12 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     assert_eq!(down.fallback, None, "the pre-stage was used");
     input.append(&records[n..], key);
     tokio::time::sleep(SETTLE).await;
-    local.shutdown().await.expect("stop with a savepoint")
+    let status = local.status().await.expect("status");
+    let combined = status.iter().map(|w| w.records_combined).sum();
+    (
+        local.shutdown().await.expect("stop with a savepoint"),
+        combined,
+    )
 }
 
 /// The `dedup` program (each event id's first delivery, again once its TTL of event time has run
@@ -387,7 +393,7 @@ async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_k
     fn user(c: &Click) -> &str {
         &c.user
     }
-    let sp = through_rescales_and_a_killed_worker(
+    let (sp, _) = through_rescales_and_a_killed_worker(
         dir.path(),
         &input,
         "sessions",
@@ -486,6 +492,76 @@ async fn an_orders_and_payments_join_publishes_each_pair_once_through_rescales_a
     let want = orders::expected_paid(&events, window_ms);
     assert!(want.len() > 1_000, "{} pairs", want.len());
     programs_support::assert_published::<Paid>(&out, &want);
+}
+
+/// The `page-views` program (views per page in tumbling windows, a window aggregate combined
+/// before the shuffle; `/home` gets 30% of the views, a hot key) through a rescale up, a killed
+/// worker and a pre-staged rescale down: every window that closed published once with its
+/// exact count, against the oracle, while the sources combined records.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_views_window_aggregate_combined_before_the_shuffle_publishes_each_window_once() {
+    use keyshift_examples::page_views::{self, PageViews, Traffic, View};
+    let dir = tempfile::tempdir().expect("temp dir");
+    let input = Input {
+        dir: dir.path().join("in"),
+        files: 4,
+    };
+    std::fs::create_dir_all(&input.dir).expect("input dir");
+    let out = dir.path().join("out");
+    let window_ms = keyshift_examples::PAGE_VIEWS_WINDOW.as_millis() as i64;
+    let mut views = Traffic {
+        views: 40_000,
+        users: 200,
+        pages: 40,
+        hot_percent: 30,
+        step_ms: 25,
+        seed: 29,
+    }
+    .records();
+    // The last quarter is read by the last run (after the pre-staged rescale).
+    let n = views.len() * 3 / 4;
+    // One view per partition far in the future: every partition's watermark passes every real
+    // window's end.
+    let end = views.last().map_or(0, |v| v.ts) + 10 * window_ms;
+    for p in 0..input.files {
+        views.push(View {
+            user: format!("end-{p}"),
+            page: "/end".into(),
+            ts: end,
+        });
+    }
+    fn user(v: &View) -> &str {
+        &v.user
+    }
+    let (sp, combined) = through_rescales_and_a_killed_worker(
+        dir.path(),
+        &input,
+        "page-views",
+        "page-views",
+        &out,
+        &views,
+        n,
+        user,
+    )
+    .await;
+    assert!(
+        combined > 1_000,
+        "the last run's sources combined {combined} records"
+    );
+    let watermark = sp
+        .manifest
+        .watermark
+        .expect("the savepoint has a watermark");
+    let (want, open): (Vec<PageViews>, Vec<PageViews>) = page_views::expected(&views, window_ms)
+        .into_iter()
+        .partition(|w| w.end - 1 <= watermark);
+    assert!(
+        want.len() > 1_000 && open.len() == 1,
+        "{} windows closed, {} open (watermark {watermark})",
+        want.len(),
+        open.len()
+    );
+    programs_support::assert_published::<PageViews>(&out, &want);
 }
 
 /// A program over the generator: `count` (a value state per key) reads each generated record as

@@ -6,12 +6,13 @@
 
 use keyshift_examples::dedup::{self, Dedup, Traffic};
 use keyshift_examples::orders::{self, Event as ShopEvent, Shop};
+use keyshift_examples::page_views::{self, CountViews};
 use keyshift_examples::sessions::{self, Browsing, CountVisits};
 use keyshift_examples::silence::{self, Fleet, SilenceAlert};
 use keyshift_sdk::KeyedProcessFunction;
 use keyshift_sdk::join::JoinInput;
 use keyshift_sdk::testing::{Harness, run_job};
-use keyshift_sdk::windows::EventTimeSessions;
+use keyshift_sdk::windows::{EventTimeSessions, Partial, TumblingWindows, window_start};
 use std::time::Duration;
 
 /// What happens to the running job, in order, between batches of input.
@@ -309,6 +310,47 @@ fn sessions_through_every_path(sorted_backend: bool) {
     // Every session closed and left the state with its timer.
     assert_eq!(h.entries(), 0);
     assert!(h.subtasks().iter().all(|s| s.timers() == (0, 0)));
+}
+
+/// Page views counted per page in tumbling windows ([`TumblingWindows`], map state and a timer
+/// per open window), each view its own partial (as the sources send a batch they do not
+/// combine; tests/programs_local.rs runs the combined path): every window's count once.
+#[test]
+fn page_views_are_counted_once_per_window_through_every_path() {
+    let views = page_views::Traffic {
+        views: 6_000,
+        users: 50,
+        pages: 30,
+        hot_percent: 30,
+        step_ms: 3,
+        seed: 5,
+    }
+    .records();
+    let window_ms = 1_000;
+    let expected = page_views::expected(&views, window_ms);
+    assert!(expected.len() > 400, "{} windows", expected.len());
+    let records: Vec<(String, i64, Partial<u64>)> = views
+        .iter()
+        .map(|v| {
+            let partial = Partial {
+                start: window_start(v.ts, window_ms),
+                acc: 1,
+            };
+            (v.page.clone(), v.ts, partial)
+        })
+        .collect();
+    let size = Duration::from_millis(window_ms as u64);
+    let h = Harness::new(
+        "views-per-page",
+        move || TumblingWindows::<String, _>::new(size, std::sync::Arc::new(CountViews)),
+        2,
+        128,
+        records,
+        0,
+    )
+    .unwrap();
+    let h = committed_as_expected(h, false, &expected);
+    assert_eq!(h.entries(), 0, "every window fired and left the state");
 }
 
 const SHOP: Shop = Shop {

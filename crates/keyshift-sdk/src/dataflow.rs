@@ -40,6 +40,11 @@ type Decode = Box<dyn Fn(&[u8]) -> Result<(i64, Value)> + Send + Sync>;
 type Stateless = Box<dyn Fn(i64, Value, &mut Vec<(i64, Value)>) -> Result<()> + Send + Sync>;
 type KeyOf = Box<dyn Fn(&Value) -> Result<RecordKey> + Send + Sync>;
 type Encode = Box<dyn Fn(&Value, &mut Vec<u8>) -> Result<()> + Send + Sync>;
+type WindowOf = Box<dyn Fn(&Value) -> Result<i64> + Send + Sync>;
+type Merge = Box<dyn Fn(&mut Value, Value) -> Result<()> + Send + Sync>;
+/// Where [`Program::drain_combined`] hands each partial: key, event time, serialized form, how
+/// many records it stands for.
+pub type CombinedOut<'a> = dyn FnMut(RecordKey, i64, &[u8], u32) + 'a;
 
 /// A record that does not parse as the source's type, or a value of an unexpected type
 /// between two steps (a bug of the job's wiring).
@@ -69,6 +74,47 @@ pub(crate) struct KeyedStage {
     pub(crate) key_of: KeyOf,
     pub(crate) encode: Encode,
     pub(crate) factory: StepFactory,
+    /// How values of one key may be combined before the shuffle, if they may.
+    pub(crate) combine: Option<CombineSpec>,
+}
+
+/// How a keyed stage's values combine before the shuffle: two values of one key and one
+/// window (`window`) merge into one (`merge`, the second into the first).
+pub(crate) struct CombineSpec {
+    pub(crate) window: WindowOf,
+    pub(crate) merge: Merge,
+}
+
+/// A source task's combining before the shuffle, for a program whose keyed step combines
+/// ([`Program::combines`]): the values of one key and window in a batch, merged, in the order
+/// their keys first came ([`Program::ingest_combining`], [`Program::drain_combined`]).
+/// Exact with no state of its own, as long as a batch never spans a checkpoint barrier (the
+/// runtime's batches do not).
+#[derive(Default)]
+pub struct Combiner {
+    index: std::collections::HashMap<
+        (RecordKey, i64),
+        usize,
+        keyshift_core::record_key::KeyBuildHasher,
+    >,
+    /// Key, latest event time, merged value, how many values it stands for.
+    entries: Vec<(RecordKey, i64, Value, u32)>,
+    inputs: usize,
+    pacing: keyshift_core::combining::Pacing,
+    combined: u64,
+}
+
+impl Combiner {
+    /// Whether to combine the next batch ([`keyshift_core::combining::Pacing`]); a batch not
+    /// combined is ingested as it is ([`Program::ingest`]).
+    pub fn attempt(&mut self) -> bool {
+        self.pacing.attempt()
+    }
+
+    /// Values merged into another so far.
+    pub fn combined(&self) -> u64 {
+        self.combined
+    }
 }
 
 /// One stage after the source.
@@ -211,6 +257,73 @@ impl Program {
                 .and_then(|items| items.into_iter().try_for_each(&mut one))
         };
         BYTES.set(bytes);
+        result
+    }
+
+    /// Whether the keyed step's values combine before the shuffle (a
+    /// [`KeyedStream::window_aggregate`]): the runtime then ingests a batch with
+    /// [`Program::ingest_combining`] and [`Program::drain_combined`].
+    pub fn combines(&self) -> bool {
+        self.stage().combine.is_some()
+    }
+
+    /// Decodes one line of the source and carries it to the shuffle as [`Program::ingest`]
+    /// does, but into `combiner`: a value of a key and window it already holds is merged there.
+    /// [`Program::drain_combined`] hands them on.
+    pub fn ingest_combining(&self, line: &[u8], combiner: &mut Combiner) -> Result<()> {
+        let stage = self.stage();
+        let Some(combine) = &stage.combine else {
+            return Err(Error::user(DataflowError::Type("combining ingest")));
+        };
+        let first = (self.job.source.decode)(line)?;
+        let mut one = |(ts, v): (i64, Value)| -> Result<()> {
+            let key = (stage.key_of)(&v)?;
+            let window = (combine.window)(&v)?;
+            combiner.inputs += 1;
+            match combiner.index.get(&(key.clone(), window)) {
+                Some(&i) => {
+                    let entry = &mut combiner.entries[i];
+                    (combine.merge)(&mut entry.2, v)?;
+                    entry.1 = entry.1.max(ts);
+                    entry.3 = entry.3.saturating_add(1);
+                }
+                None => {
+                    combiner
+                        .index
+                        .insert((key.clone(), window), combiner.entries.len());
+                    combiner.entries.push((key, ts, v, 1));
+                }
+            }
+            Ok(())
+        };
+        if self.keyed == 0 {
+            one(first)
+        } else {
+            stateless(&self.job.stages[..self.keyed], vec![first])
+                .and_then(|items| items.into_iter().try_for_each(&mut one))
+        }
+    }
+
+    /// Hands on what `combiner` holds, emptying it: `out(key, event time, serialized value,
+    /// how many values it stands for)` for each key and window, in the order they first came.
+    pub fn drain_combined(&self, combiner: &mut Combiner, out: &mut CombinedOut<'_>) -> Result<()> {
+        let stage = self.stage();
+        combiner.index.clear();
+        let inputs = std::mem::take(&mut combiner.inputs);
+        let partials = combiner.entries.len();
+        combiner.combined += (inputs - partials) as u64;
+        combiner.pacing.judge(inputs, partials);
+        let mut bytes = Vec::new();
+        let mut result = Ok(());
+        for (key, ts, v, weight) in combiner.entries.drain(..) {
+            if result.is_ok() {
+                bytes.clear();
+                result = (stage.encode)(&v, &mut bytes);
+                if result.is_ok() {
+                    out(key, ts, &bytes, weight);
+                }
+            }
+        }
         result
     }
 
@@ -453,8 +566,86 @@ impl<K: StreamKey, T: Send + 'static> KeyedStream<K, T> {
                 Ok(())
             }),
             factory: step::factory(uid, factory),
+            combine: None,
         };
         self.stream.then(Stage::Keyed(stage))
+    }
+
+    /// Tumbling event-time windows of `size` over each key's records, folded with `agg`
+    /// ([`crate::windows::TumblingWindows`], its state `windows`): each window's result once,
+    /// when the watermark passes its end. Combined before the shuffle: the records of one key
+    /// and window in a batch a source reads cross it as one accumulator, so a hot key costs
+    /// its subtask one merge per batch, not one per record (exact through checkpoints,
+    /// rescales and failures: a batch never spans a barrier). `agg` must be associative and
+    /// commutative ([`MergingAggregate`](crate::windows::MergingAggregate)).
+    pub fn window_aggregate<A>(
+        self,
+        uid: &str,
+        size: std::time::Duration,
+        agg: A,
+    ) -> Stream<crate::windows::WindowResult<K, A::Out>>
+    where
+        K: Clone,
+        A: crate::windows::MergingAggregate<In = T>,
+        A::Acc: Clone + Send + Serialize + DeserializeOwned + 'static,
+        A::Out: Send + 'static,
+    {
+        use crate::windows::{Partial, TumblingWindows, window_start};
+        /// What crosses from the stateless part to the shuffle: the record's key and its
+        /// partial.
+        type Item<Acc> = (RecordKey, Partial<Acc>);
+        let agg = std::sync::Arc::new(agg);
+        let windows = TumblingWindows::<K, A>::new(size, agg.clone());
+        let size_ms = windows.size_ms();
+        let key = self.key;
+        let fold = agg.clone();
+        // Before the shuffle: each record as the partial of its window alone.
+        let to_partial: Stateless = Box::new(move |ts, v, out| {
+            let k = key(&v)?;
+            let record = downcast::<T>(v, "window_aggregate")?;
+            let partial = Partial {
+                start: window_start(ts, size_ms),
+                acc: fold.add(record, fold.create()),
+            };
+            out.push((ts, Box::new((k, partial)) as Value));
+            Ok(())
+        });
+        fn item<Acc: 'static>(v: &Value) -> Result<&Item<Acc>> {
+            v.downcast_ref::<Item<Acc>>()
+                .ok_or_else(|| Error::user(DataflowError::Type("window_aggregate")))
+        }
+        let merge_with = agg;
+        let stage = KeyedStage {
+            uid: uid.to_owned(),
+            key_type: K::KEY_TYPE,
+            key_of: Box::new(|v| Ok(item::<A::Acc>(v)?.0.clone())),
+            encode: Box::new(|v, out| {
+                let bytes = postcard::to_allocvec(&item::<A::Acc>(v)?.1).map_err(|e| {
+                    Error::user(DataflowError::Serialize {
+                        what: "shuffle",
+                        message: e.to_string(),
+                    })
+                })?;
+                out.extend_from_slice(&bytes);
+                Ok(())
+            }),
+            factory: step::factory(uid, move || windows.clone()),
+            combine: Some(CombineSpec {
+                window: Box::new(|v| Ok(item::<A::Acc>(v)?.1.start)),
+                merge: Box::new(move |into, from| {
+                    let from = downcast::<Item<A::Acc>>(from, "window_aggregate")?;
+                    let into = into
+                        .downcast_mut::<Item<A::Acc>>()
+                        .ok_or_else(|| Error::user(DataflowError::Type("window_aggregate")))?;
+                    let acc = std::mem::replace(&mut into.1.acc, merge_with.create());
+                    into.1.acc = merge_with.merge(acc, from.1.acc);
+                    Ok(())
+                }),
+            }),
+        };
+        self.stream
+            .then::<Item<A::Acc>>(Stage::Stateless(to_partial))
+            .then(Stage::Keyed(stage))
     }
 }
 
@@ -569,6 +760,126 @@ mod tests {
         assert_eq!(rows as usize, got.len());
         assert_eq!(got, want);
         assert!(got.contains(&"\"b=200\"".to_owned()), "{got:?}");
+    }
+
+    /// Counts records.
+    struct Clicks;
+
+    impl AggregateFunction for Clicks {
+        type In = Click;
+        type Acc = u64;
+        type Out = u64;
+        fn create(&self) -> u64 {
+            0
+        }
+        fn add(&self, _: Click, acc: u64) -> u64 {
+            acc + 1
+        }
+        fn result(&self, acc: &u64) -> u64 {
+            *acc
+        }
+    }
+
+    impl crate::windows::MergingAggregate for Clicks {
+        fn merge(&self, a: u64, b: u64) -> u64 {
+            a + b
+        }
+    }
+
+    fn windowed() -> Job {
+        Job::json_lines::<Click>("windowed", "in", |c| c.ts)
+            .filter(|c| !c.user.is_empty())
+            .key_by(|c| c.user.clone())
+            .window_aggregate("clicks", std::time::Duration::from_millis(10), Clicks)
+            .map(|w| format!("{}@{}={}", w.key, w.start, w.result))
+            .to_json_lines("out")
+    }
+
+    /// Runs `lines` through a fresh step of `program` (one subtask), combined before the
+    /// shuffle or not; the sink's lines (sorted) and the records that crossed the shuffle with
+    /// their weights.
+    fn through(program: &Program, lines: &[String], combine: bool) -> (Vec<String>, Vec<u32>) {
+        let mut step = program
+            .step(128, KeyGroupRange { start: 0, end: 127 })
+            .unwrap();
+        let mut routed = Vec::new();
+        if combine {
+            let mut c = Combiner::default();
+            assert!(c.attempt());
+            for line in lines {
+                program.ingest_combining(line.as_bytes(), &mut c).unwrap();
+            }
+            program
+                .drain_combined(&mut c, &mut |key, ts, bytes, w| {
+                    routed.push((key, ts, bytes.to_vec(), w))
+                })
+                .unwrap();
+        } else {
+            for line in lines {
+                program
+                    .ingest(line.as_bytes(), &mut |key, ts, bytes| {
+                        routed.push((key, ts, bytes.to_vec(), 1))
+                    })
+                    .unwrap();
+            }
+        }
+        let batch: Vec<Routed<'_>> = routed
+            .iter()
+            .map(|(key, ts, bytes, _)| Routed {
+                group: key.key_group(128),
+                key: key.clone(),
+                timestamp: *ts,
+                record: bytes,
+            })
+            .collect();
+        step.process_batch(&batch).unwrap();
+        step.advance_watermark(i64::MAX).unwrap();
+        let mut out = Vec::new();
+        program.emit(step.take_output(), &mut out).unwrap();
+        let mut got: Vec<String> = String::from_utf8(out)
+            .unwrap()
+            .lines()
+            .map(str::to_owned)
+            .collect();
+        got.sort();
+        (got, routed.iter().map(|r| r.3).collect())
+    }
+
+    #[test]
+    fn a_window_aggregate_combined_before_the_shuffle_gives_what_it_gives_uncombined() {
+        let program = Program::new(windowed()).unwrap();
+        assert!(program.combines());
+        assert!(!Program::new(job()).unwrap().combines());
+        // A hot user among others, over three windows; one line filtered out.
+        let lines: Vec<String> = (0..60)
+            .map(|i| {
+                let user = match i % 3 {
+                    0 | 1 => "hot".to_owned(),
+                    _ if i == 5 => String::new(),
+                    _ => format!("u{}", i % 4),
+                };
+                format!(r#"{{"user":"{user}","ts":{}}}"#, i / 2)
+            })
+            .collect();
+        let (plain, plain_weights) = through(&program, &lines, false);
+        let (combined, weights) = through(&program, &lines, true);
+        assert_eq!(combined, plain);
+        assert!(plain.contains(&"\"hot@0=14\"".to_owned()), "{plain:?}");
+        assert_eq!(plain_weights.len(), 59);
+        assert_eq!(
+            weights.iter().sum::<u32>(),
+            59,
+            "every record is counted once"
+        );
+        // One partial per key and window: 5 users over 3 windows.
+        assert_eq!(weights.len(), 15);
+        let refs: Vec<&str> = lines.iter().map(String::as_str).collect();
+        let mut harness = crate::testing::run_job(&windowed(), &refs, 2, 128, 0, 7).unwrap();
+        harness.sort();
+        assert_eq!(
+            harness, plain,
+            "the harness (records uncombined, 2 subtasks) agrees"
+        );
     }
 
     #[test]

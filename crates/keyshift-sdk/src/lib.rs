@@ -87,5 +87,7 @@ pub mod prelude {
         ReducingHandle, ReducingStateDescriptor, TimeDomain, Ttl, ValueHandle,
         ValueStateDescriptor,
     };
-    pub use crate::windows::{EventTimeSessions, MergingAggregate, Session};
+    pub use crate::windows::{
+        EventTimeSessions, MergingAggregate, Partial, Session, TumblingWindows, WindowResult,
+    };
 }

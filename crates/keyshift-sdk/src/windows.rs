@@ -177,6 +177,129 @@ where
     }
 }
 
+/// The result of one key's tumbling event-time window: its start (inclusive), its end
+/// (exclusive) and the aggregate of its records.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct WindowResult<K, R> {
+    pub key: K,
+    pub start: i64,
+    pub end: i64,
+    pub result: R,
+}
+
+/// Records of one key and one tumbling window folded into an accumulator: what a
+/// [`TumblingWindows`] step takes in, made before the shuffle (one per record, or one per key
+/// and window of a batch when the source combines: `KeyedStream::window_aggregate`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Partial<A> {
+    /// The window's start.
+    pub start: i64,
+    /// The accumulator of the records.
+    pub acc: A,
+}
+
+pub use keyshift_core::window::window_start;
+
+/// The name of the tumbling windows' map state (what the savepoint tools show).
+pub const WINDOWS_STATE: &str = "windows";
+
+/// Tumbling event-time windows over each key's [`Partial`]s, merged with `A`: a window fires
+/// once, when the watermark passes its last millisecond, as a [`WindowResult`] at that time.
+///
+/// Its state is one map per key, `windows`, from each open window's start to its accumulator,
+/// and one event-time timer per open window. A partial whose window has fired is late: dropped,
+/// as in Flink without allowed lateness.
+pub struct TumblingWindows<K, A> {
+    size_ms: i64,
+    agg: Arc<A>,
+    _key: PhantomData<fn() -> K>,
+}
+
+impl<K, A> TumblingWindows<K, A> {
+    /// Windows of `size` (at least a millisecond), merged with `agg`.
+    pub fn new(size: Duration, agg: Arc<A>) -> Self {
+        TumblingWindows {
+            size_ms: i64::try_from(size.as_millis()).unwrap_or(i64::MAX).max(1),
+            agg,
+            _key: PhantomData,
+        }
+    }
+
+    /// The windows' length, in ms.
+    pub fn size_ms(&self) -> i64 {
+        self.size_ms
+    }
+}
+
+impl<K, A> Clone for TumblingWindows<K, A> {
+    fn clone(&self) -> Self {
+        TumblingWindows {
+            size_ms: self.size_ms,
+            agg: Arc::clone(&self.agg),
+            _key: PhantomData,
+        }
+    }
+}
+
+impl<K, A> KeyedProcessFunction for TumblingWindows<K, A>
+where
+    K: StreamKey + Clone + Send + 'static,
+    A: MergingAggregate,
+    A::Acc: Clone + Send + Serialize + DeserializeOwned + 'static,
+    A::Out: Send + 'static,
+{
+    type Key = K;
+    type In = Partial<A::Acc>;
+    type Out = WindowResult<K, A::Out>;
+    type State = MapHandle<i64, A::Acc>;
+
+    fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
+        states.map(MapStateDescriptor::new(WINDOWS_STATE))
+    }
+
+    fn process(
+        &mut self,
+        partial: Partial<A::Acc>,
+        windows: &Self::State,
+        ctx: &mut Context<'_, K, Self::Out>,
+    ) -> Result<()> {
+        let last = partial.start.saturating_add(self.size_ms - 1);
+        if last <= ctx.current_watermark() {
+            // Late: its window fired already.
+            return Ok(());
+        }
+        let acc = match ctx.map(windows).get(&partial.start)? {
+            Some(open) => self.agg.merge(open, partial.acc),
+            None => {
+                ctx.register_event_time_timer(last)?;
+                partial.acc
+            }
+        };
+        ctx.map(windows).insert(&partial.start, acc)?;
+        Ok(())
+    }
+
+    fn on_timer(
+        &mut self,
+        timer: Timer,
+        windows: &Self::State,
+        ctx: &mut Context<'_, K, Self::Out>,
+    ) -> Result<()> {
+        let start = timer.timestamp.saturating_sub(self.size_ms - 1);
+        if let Some(acc) = ctx.map(windows).get(&start)? {
+            ctx.map(windows).remove(&start)?;
+            let window = WindowResult {
+                key: ctx.key().clone(),
+                start,
+                end: start.saturating_add(self.size_ms),
+                result: self.agg.result(&acc),
+            };
+            ctx.emit_at(window, timer.timestamp);
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -250,6 +373,48 @@ mod tests {
         op.advance_watermark(2_000).unwrap();
         assert_eq!(sessions(&mut op), vec![]);
         assert_eq!(op.entries(), 0);
+    }
+
+    #[test]
+    fn a_tumbling_window_merges_its_partials_and_fires_once_at_its_end() {
+        let f = TumblingWindows::<String, Count>::new(Duration::from_millis(10), Arc::new(Count));
+        let mut op = KeyedOperator::new("windows", f, 128, ALL).unwrap();
+        let k = "u".to_owned();
+        for (ts, start, acc) in [(3, 0, 2), (9, 0, 5), (12, 10, 1), (-1, -10, 1)] {
+            op.process(&k, ts, Partial { start, acc }).unwrap();
+        }
+        op.advance_watermark(8).unwrap();
+        let fired: Vec<_> = op.take_output();
+        assert_eq!(
+            fired
+                .iter()
+                .map(|(t, w)| (*t, w.start, w.end, w.result))
+                .collect::<Vec<_>>(),
+            vec![(-1, -10, 0, 1)]
+        );
+        op.advance_watermark(9).unwrap();
+        let fired: Vec<_> = op.take_output().into_iter().map(|(_, w)| w).collect();
+        assert_eq!(
+            fired,
+            vec![WindowResult {
+                key: k.clone(),
+                start: 0,
+                end: 10,
+                result: 7
+            }]
+        );
+        // Window [0, 10) fired: a partial of it is late and changes nothing.
+        op.process(&k, 9, Partial { start: 0, acc: 4 }).unwrap();
+        op.advance_watermark(100).unwrap();
+        let fired: Vec<_> = op
+            .take_output()
+            .into_iter()
+            .map(|(_, w)| (w.start, w.result))
+            .collect();
+        assert_eq!(fired, vec![(10, 1)]);
+        assert_eq!(op.entries(), 0, "fired windows leave the state");
+        assert_eq!(window_start(-1, 10), -10);
+        assert_eq!(window_start(i64::MIN + 1, 10), i64::MIN);
     }
 
     #[test]

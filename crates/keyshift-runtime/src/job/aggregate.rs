@@ -14,7 +14,6 @@
 //!
 //! `sum` wraps on overflow (two's complement), which keeps it independent of record order.
 
-use super::combine::Partials;
 use super::record::{KeyMap, Record, RecordKey};
 use super::result::{ResultRow, Window};
 use super::state_codec::{self, AccValue, BlockInfo, BlockWriter, CodecError, StateValue};
@@ -259,12 +258,7 @@ pub fn merge(f: AggregateFunction, a: i64, b: i64) -> i64 {
     }
 }
 
-/// The start of the tumbling window of `size` ms holding `ts` (aligned to the epoch; correct for
-/// negative timestamps; a start below `i64::MIN` is clamped to it). `size` must be positive.
-#[inline]
-pub fn window_start(ts: i64, size: i64) -> i64 {
-    ts.checked_sub(ts.rem_euclid(size)).unwrap_or(i64::MIN)
-}
+pub use keyshift_core::window::window_start;
 
 /// Smallest and largest chunk of a [`PayloadArena`].
 const ARENA_MIN_CHUNK: usize = 4 * 1024;
@@ -425,12 +419,16 @@ impl KeyedAggregator {
         records.iter().try_for_each(|r| self.process(r))
     }
 
-    /// Merges partial results combined before the shuffle ([`super::combine`]) into the state,
+    /// Merges partial results combined before the shuffle (each with how many records it stands
+    /// for; [`super::combine`]) into the state,
     /// as [`Self::process`] would apply the records each stands for (counted as that many, late
     /// ones too); stops at the first error.
-    pub fn process_partials(&mut self, partials: &Partials) -> Result<(), AggregateError> {
+    pub fn process_partials<'a>(
+        &mut self,
+        partials: impl IntoIterator<Item = (&'a Record, u32)>,
+    ) -> Result<(), AggregateError> {
         partials
-            .iter()
+            .into_iter()
             .try_for_each(|(r, weight)| self.apply::<true>(r, u64::from(weight)))
     }
 

@@ -14,14 +14,15 @@
 //! operator's record and late-record counts stay counts of records.
 //!
 //! Combining costs a hash probe per record. A batch that saves little (few repeated keys, as in
-//! a uniform stream over many keys) makes the source send the next [`PASS_BATCHES`] batches as
-//! plain records (the operator applies both kinds), then try again: a stream without hot keys
-//! pays for one batch in `PASS_BATCHES + 1`.
+//! a uniform stream over many keys) makes the source send the next batches as plain records
+//! (the operator applies both kinds), then try again ([`keyshift_core::combining`]).
 
 use super::Record;
-use super::aggregate::{merge, window_start};
+use super::aggregate::merge;
+use keyshift_core::combining::Pacing;
 use keyshift_core::record_key::KeyBuildHasher;
 use keyshift_core::spec::AggregateFunction;
+use keyshift_core::window::window_start;
 use std::hash::BuildHasher;
 
 /// Partial results of the built-in aggregation, in the order their keys first appeared: each
@@ -82,9 +83,6 @@ impl Partials {
     }
 }
 
-/// Batches passed through uncombined after one that saved little.
-pub const PASS_BATCHES: u32 = 16;
-
 /// A source's combiner for one built-in aggregation.
 #[derive(Debug)]
 pub struct Combiner {
@@ -95,8 +93,7 @@ pub struct Combiner {
     /// Each partial's window start (0 unwindowed), beside `out`.
     windows: Vec<i64>,
     out: Partials,
-    /// Batches still to pass through before the next attempt.
-    passing: u32,
+    pacing: Pacing,
     hasher: KeyBuildHasher,
     combined: u64,
 }
@@ -110,7 +107,7 @@ impl Combiner {
             table: hashbrown::HashTable::new(),
             windows: Vec::new(),
             out: Partials::default(),
-            passing: 0,
+            pacing: Pacing::default(),
             hasher: KeyBuildHasher::default(),
             combined: 0,
         }
@@ -126,14 +123,10 @@ impl Combiner {
         record
     }
 
-    /// Whether the next batch is worth combining: false for the [`PASS_BATCHES`] batches after
-    /// one that saved little (each call counts one down), which the source sends as they are.
+    /// Whether to combine the next batch ([`Pacing::attempt`]): a batch not combined is sent
+    /// as plain records.
     pub fn attempt(&mut self) -> bool {
-        if self.passing > 0 {
-            self.passing -= 1;
-            return false;
-        }
-        true
+        self.pacing.attempt()
     }
 
     /// Combines `batch` (emptied, its capacity kept) into partials, returned until the next
@@ -177,12 +170,8 @@ impl Combiner {
                 }
             }
         }
-        let saved = n - self.out.len();
-        self.combined += saved as u64;
-        // Worth its probes when it saves at least one record in eight.
-        if saved * 8 < n {
-            self.passing = PASS_BATCHES;
-        }
+        self.combined += (n - self.out.len()) as u64;
+        self.pacing.judge(n, self.out.len());
         &mut self.out
     }
 
@@ -259,7 +248,7 @@ mod tests {
         let mut batch: Vec<Record> = (0..64).map(|i| rec(&format!("k{i}"), 9, 0)).collect();
         assert!(c.attempt());
         assert_eq!(c.combine(&mut batch).len(), 64);
-        for _ in 0..PASS_BATCHES {
+        for _ in 0..keyshift_core::combining::PASS_BATCHES {
             assert!(!c.attempt(), "passed through");
         }
         assert!(c.attempt(), "tried again after the pass");
@@ -301,7 +290,7 @@ mod tests {
                     let mut copy = b.clone();
                     let partials = c.combine(&mut copy).clone();
                     prop_assert_eq!(partials.inputs(), b.len() as u64);
-                    combined.process_partials(&partials).unwrap();
+                    combined.process_partials(partials.iter()).unwrap();
                 } else {
                     // Passed through as they are, beside partials.
                     combined.process_batch(b).unwrap();

@@ -578,28 +578,70 @@ impl CompiledJob {
         }
     }
 
+    /// The program's combiner, when its keyed step combines before the shuffle
+    /// ([`keyshift_sdk::dataflow::Program::combines`]): one per source task.
+    pub fn program_combiner(&self) -> Option<keyshift_sdk::dataflow::Combiner> {
+        match &self.logic {
+            Logic::Program { program, .. } if program.combines() => Some(Default::default()),
+            _ => None,
+        }
+    }
+
     /// Reads up to `max` lines of `partition` from `position` through the job's program (its
     /// source's decoding and the stateless steps before its keyed step): every record they
-    /// make is appended to `out`. A line the program refuses is a malformed record at its
-    /// offset.
+    /// make is appended to `out`, or, with a `combiner`, combined there per key and window and
+    /// then appended with how many records each stands for. A line the program refuses is a
+    /// malformed record at its offset.
     pub fn read_program(
         &self,
         partition: u32,
         position: u64,
         out: &mut EncodedRecords,
         max: usize,
+        mut combiner: Option<&mut keyshift_sdk::dataflow::Combiner>,
     ) -> Result<SourceBatch, JobError> {
         let Logic::Program { program, name } = &self.logic else {
             return Err(JobError::ProgramSource);
         };
-        let mut each = |line: &[u8]| {
-            program
-                .ingest(line, &mut |key, ts, record| out.push(key, ts, record))
+        let batch = {
+            let mut each = |line: &[u8]| {
+                match combiner.as_deref_mut() {
+                    Some(c) => program.ingest_combining(line, c),
+                    None => program.ingest(line, &mut |key, ts, record| out.push(key, ts, record)),
+                }
                 .map_err(|e| e.to_string())
+            };
+            self.read_lines_of(name, partition, position, max, &mut each)?
         };
+        if let Some(c) = combiner {
+            program
+                .drain_combined(c, &mut |key, ts, record, weight| {
+                    out.push_weighted(key, ts, record, weight)
+                })
+                .map_err(|e| {
+                    JobError::Program(program::ProgramError::Step {
+                        program: name.clone(),
+                        step: program.uid().to_owned(),
+                        source: e,
+                    })
+                })?;
+        }
+        Ok(batch)
+    }
+
+    /// Reads up to `max` lines of `partition` from `position`, each handed to `each` (the
+    /// generator's records as JSON lines, as the program `name` reads them).
+    fn read_lines_of(
+        &self,
+        name: &str,
+        partition: u32,
+        position: u64,
+        max: usize,
+        each: &mut dyn FnMut(&[u8]) -> Result<(), String>,
+    ) -> Result<SourceBatch, JobError> {
         match &self.source {
             SourceKind::File(f) => {
-                let b = f.read_lines(partition, position, max, &mut each)?;
+                let b = f.read_lines(partition, position, max, each)?;
                 Ok(SourceBatch {
                     records: b.records,
                     next_position: b.next_offset,
@@ -610,7 +652,7 @@ impl CompiledJob {
             #[cfg(feature = "kafka")]
             SourceKind::Kafka(k) => {
                 let (records, next_position, at_end) =
-                    k.read_payloads(partition, position, max, &mut each)?;
+                    k.read_payloads(partition, position, max, each)?;
                 Ok(SourceBatch {
                     records,
                     next_position,
@@ -622,7 +664,7 @@ impl CompiledJob {
                 // The generator's records as the built-in job reads them, handed to the program.
                 let mut records = Vec::with_capacity(max.min(4096));
                 let batch = self.read(partition, position, &mut records, max)?;
-                feed_generated(name, partition, position, &records, &mut each)?;
+                feed_generated(name, partition, position, &records, each)?;
                 Ok(batch)
             }
         }

@@ -269,6 +269,9 @@ pub struct EncodedRecords {
     /// Key, event time and the end of its form in `bytes`.
     records: Vec<(RecordKey, i64, u32)>,
     bytes: Vec<u8>,
+    /// How many source records each stands for (a program's values combined before the
+    /// shuffle); empty while every one stands for one.
+    weights: Vec<u32>,
 }
 
 impl EncodedRecords {
@@ -277,13 +280,46 @@ impl EncodedRecords {
         EncodedRecords {
             records: Vec::with_capacity(records),
             bytes: Vec::with_capacity(records * 32),
+            weights: Vec::new(),
         }
     }
 
     /// Appends a record.
     pub fn push(&mut self, key: RecordKey, ts: i64, record: &[u8]) {
+        self.push_weighted(key, ts, record, 1);
+    }
+
+    /// Appends a record standing for `weight` source records (values combined into one).
+    pub fn push_weighted(&mut self, key: RecordKey, ts: i64, record: &[u8], weight: u32) {
+        if weight != 1 && self.weights.is_empty() {
+            self.weights.resize(self.records.len(), 1);
+        }
+        if !self.weights.is_empty() {
+            self.weights.push(weight);
+        }
         self.bytes.extend_from_slice(record);
         self.records.push((key, ts, self.bytes.len() as u32));
+    }
+
+    /// Whether some record stands for more than one source record.
+    pub fn is_weighted(&self) -> bool {
+        !self.weights.is_empty()
+    }
+
+    /// How many source records the batch stands for.
+    pub fn inputs(&self) -> u64 {
+        match self.weights.is_empty() {
+            true => self.records.len() as u64,
+            false => self.weights.iter().map(|w| u64::from(*w)).sum(),
+        }
+    }
+
+    /// Each record's weight, in order.
+    pub fn weights(&self) -> impl Iterator<Item = u32> + '_ {
+        let ones = self.weights.is_empty().then_some(self.records.len());
+        (0..ones.unwrap_or(0))
+            .map(|_| 1)
+            .chain(self.weights.iter().copied())
     }
 
     /// Records in the batch.
@@ -295,6 +331,7 @@ impl EncodedRecords {
     pub fn clear(&mut self) {
         self.records.clear();
         self.bytes.clear();
+        self.weights.clear();
     }
 
     /// Whether it holds no record.
@@ -321,19 +358,24 @@ impl EncodedRecords {
 
 /// Appends a batch of [`EncodedRecords`] in the shuffle wire form: `u32` count, then each
 /// record's key ([`encode_key`]), event time (8 bytes little-endian), and its form (varint
-/// length, bytes).
+/// length, bytes); a weighted batch ([`EncodedRecords::is_weighted`]) follows each record with
+/// its weight (varint).
 pub fn encode_encoded(batch: &EncodedRecords, out: &mut Vec<u8>) {
     out.extend_from_slice(&(batch.len() as u32).to_le_bytes());
-    for (key, ts, record) in batch.iter() {
+    let weighted = batch.is_weighted();
+    for ((key, ts, record), weight) in batch.iter().zip(batch.weights()) {
         encode_key(key, out);
         out.extend_from_slice(&ts.to_le_bytes());
         put_varint(out, record.len() as u64);
         out.extend_from_slice(record);
+        if weighted {
+            put_varint(out, u64::from(weight));
+        }
     }
 }
 
-/// Reads a batch written by [`encode_encoded`] (the whole of `buf`).
-pub fn decode_encoded(buf: &[u8]) -> Result<EncodedRecords, WireError> {
+/// Reads a batch written by [`encode_encoded`] (the whole of `buf`), `weighted` or not.
+pub fn decode_encoded(buf: &[u8], weighted: bool) -> Result<EncodedRecords, WireError> {
     let mut r = Reader::new(buf);
     let count = r.u32()? as usize;
     // Sized by what the input can hold (a record is at least 11 bytes), never by the count alone.
@@ -343,7 +385,14 @@ pub fn decode_encoded(buf: &[u8]) -> Result<EncodedRecords, WireError> {
         let ts = r.i64()?;
         let n = r.len()?;
         let record = r.bytes(n)?;
-        batch.push(key, ts, record);
+        let weight = match weighted {
+            true => {
+                let at = r.pos;
+                u32::try_from(r.varint()?).map_err(|_| WireError::BadLength { offset: at })?
+            }
+            false => 1,
+        };
+        batch.push_weighted(key, ts, record, weight);
     }
     if r.remaining() != 0 {
         return Err(WireError::BadLength { offset: r.pos });
@@ -493,8 +542,10 @@ mod tests {
         batch.push(RecordKey::int(5), 11, b"xyz");
         let mut out = Vec::new();
         encode_encoded(&batch, &mut out);
-        let back = decode_encoded(&out).unwrap();
+        let back = decode_encoded(&out, false).unwrap();
         assert_eq!(back, batch);
+        assert!(!back.is_weighted());
+        assert_eq!(back.inputs(), 3);
         let got: Vec<_> = back
             .iter()
             .map(|(k, ts, r)| (k.clone(), ts, r.to_vec()))
@@ -508,10 +559,26 @@ mod tests {
             ]
         );
         for cut in 0..out.len() {
-            assert!(decode_encoded(&out[..cut]).is_err(), "cut at {cut}");
+            assert!(decode_encoded(&out[..cut], false).is_err(), "cut at {cut}");
         }
         let mut longer = out.clone();
         longer.push(0);
-        assert!(decode_encoded(&longer).is_err());
+        assert!(decode_encoded(&longer, false).is_err());
+
+        // Weighted: records combined before the shuffle carry how many they stand for.
+        batch.push_weighted(RecordKey::string("hot"), 12, b"acc", 614);
+        assert!(batch.is_weighted());
+        assert_eq!(batch.weights().collect::<Vec<_>>(), vec![1, 1, 1, 614]);
+        assert_eq!(batch.inputs(), 617);
+        let mut out = Vec::new();
+        encode_encoded(&batch, &mut out);
+        let back = decode_encoded(&out, true).unwrap();
+        assert_eq!(back, batch);
+        assert_eq!(back.inputs(), 617);
+        for cut in 0..out.len() {
+            assert!(decode_encoded(&out[..cut], true).is_err(), "cut at {cut}");
+        }
+        batch.clear();
+        assert!(!batch.is_weighted());
     }
 }

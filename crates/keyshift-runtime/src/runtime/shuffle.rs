@@ -12,7 +12,8 @@
 //! * `3` hello: `u32 sender subtask`, a 32-byte proof, then the run id as UTF-8 (the
 //!   connector's first frame);
 //! * `4` challenge: 16 random bytes (the accepter's first frame);
-//! * `5` a program's records: [`crate::job::record::encode_encoded`];
+//! * `5` a program's records: [`crate::job::record::encode_encoded`]; `7` the same with each
+//!   record's weight (a program's values combined before the shuffle);
 //! * `6` partial results of the built-in aggregation ([`crate::job::combine`]): `u32 count`,
 //!   then each partial in [`crate::job::record::encode_record`] form followed by its `u32`
 //!   weight.
@@ -108,7 +109,7 @@ fn encode(msg: &Msg, out: &mut Vec<u8>) {
             }
         }
         Msg::Encoded(batch) => {
-            out.push(5);
+            out.push(if batch.is_weighted() { 7 } else { 5 });
             encode_encoded(batch, out);
         }
         Msg::Barrier(id) => {
@@ -166,8 +167,8 @@ fn decode(from: u32, frame: &[u8]) -> Result<Msg, ShuffleError> {
             }
             Ok(Msg::Partials(partials))
         }
-        5 => Ok(Msg::Encoded(
-            decode_encoded(body).map_err(|e| bad(&e.to_string()))?,
+        5 | 7 => Ok(Msg::Encoded(
+            decode_encoded(body, tag == 7).map_err(|e| bad(&e.to_string()))?,
         )),
         1 => Ok(Msg::Barrier(u64::from_le_bytes(fixed8(body)?))),
         2 => Ok(Msg::Watermark(i64::from_le_bytes(fixed8(body)?))),
@@ -369,6 +370,12 @@ mod tests {
             Msg::Encoded({
                 let mut b = EncodedRecords::default();
                 b.push(RecordKey::string("k"), 3, b"{}");
+                b
+            }),
+            Msg::Encoded({
+                let mut b = EncodedRecords::default();
+                b.push(RecordKey::string("k"), 3, b"{}");
+                b.push_weighted(RecordKey::string("hot"), 4, b"acc", 40);
                 b
             }),
             Msg::Partials({

@@ -43,13 +43,13 @@ fn process_input(s: &Shared, sub: &mut Subtask, i: usize, msg: Msg) -> Result<u6
             Ok(records.len() as u64)
         }
         (Msg::Partials(partials), Keyed::Aggregate(agg)) => {
-            agg.process_partials(&partials)?;
+            agg.process_partials(partials.iter())?;
             Ok(partials.inputs())
         }
         (Msg::Encoded(records), Keyed::Program(step)) => {
             step.process(&records).map_err(job::JobError::from)?;
             emit_program(s, sub)?;
-            Ok(records.len() as u64)
+            Ok(records.inputs())
         }
         (Msg::Records(_), _) => Err(wrong("records of the built-in aggregation")),
         (Msg::Partials(_), _) => Err(wrong("partial results of the built-in aggregation")),

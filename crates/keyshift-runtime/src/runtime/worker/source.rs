@@ -191,6 +191,8 @@ pub(super) async fn source_loop(
     // The built-in aggregation's records are combined per key (and window) in each batch read
     // before they are routed, unless the job turned it off.
     let mut combiner = compiled.combiner();
+    // A program's keyed step that combines (a window aggregate): likewise, per key and window.
+    let mut program_combiner = compiled.program_combiner();
     let maxp = assignment.max_parallelism();
     let mut pos: BTreeMap<u32, u64> = partitions
         .iter()
@@ -268,7 +270,17 @@ pub(super) async fn source_loop(
             batch.clear();
             encoded.clear();
             let b = match program {
-                true => compiled.read_program(*p, at, &mut encoded, max)?,
+                true => {
+                    // Combined, or (a batch after one that saved little) ingested as it is.
+                    let attempt = program_combiner.as_mut().is_some_and(|c| c.attempt());
+                    let before = program_combiner.as_ref().map_or(0, |c| c.combined());
+                    let combining = program_combiner.as_mut().filter(|_| attempt);
+                    let b = compiled.read_program(*p, at, &mut encoded, max, combining)?;
+                    if let Some(c) = &program_combiner {
+                        s.metrics.records_combined.inc_by(c.combined() - before);
+                    }
+                    b
+                }
                 false => compiled.read(*p, at, &mut batch, max)?,
             };
             if b.finished {
@@ -311,12 +323,12 @@ pub(super) async fn source_loop(
                     router.flush(owner, &s.metrics).await?;
                 }
             }
-            for (key, ts, record) in encoded.iter() {
+            for ((key, ts, record), weight) in encoded.iter().zip(encoded.weights()) {
                 if let Some(w) = wm.as_mut() {
                     w.observe(ts);
                 }
                 let owner = router.assignment.owner(key.key_group(maxp)) as usize;
-                router.encoded[owner].push(key.clone(), ts, record);
+                router.encoded[owner].push_weighted(key.clone(), ts, record, weight);
                 if router.encoded[owner].len() >= BATCH {
                     router.flush(owner, &s.metrics).await?;
                 }
