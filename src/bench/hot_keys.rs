@@ -8,6 +8,7 @@ use super::HotKeysBench;
 use super::measure::*;
 use super::programs::{Run, run_job, write_lines};
 use anyhow::{Result, bail};
+use std::io::Write;
 use std::path::Path;
 
 /// The Zipf exponent `s` over `keys` ranks whose first rank has probability `share`
@@ -46,11 +47,16 @@ fn draw(cdf: &[f64], x: u64) -> u64 {
     (cdf.partition_point(|c| *c <= u).min(cdf.len() - 1) + 1) as u64
 }
 
-fn job(input: &Path, combine: bool) -> String {
-    format!(
-        "    source:\n      file: {{path: '{}'}}\n    key: {{field: key}}\n    aggregation: {{function: count, combine: {combine}}}\n",
-        input.display()
-    )
+/// The job's `spec.job` lines: the built-in count, or the `page-views` program (a window
+/// aggregate counting per page in 10 s windows), combining or not.
+fn job(input: &Path, program: bool, combine: bool) -> String {
+    let source = format!("    source:\n      file: {{path: '{}'}}\n", input.display());
+    match program {
+        false => format!(
+            "{source}    key: {{field: key}}\n    aggregation: {{function: count, combine: {combine}}}\n"
+        ),
+        true => format!("{source}    program: {{name: page-views, combine: {combine}}}\n"),
+    }
 }
 
 pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
@@ -61,7 +67,12 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
     let s = zipf_exponent(args.keys, args.hot_share);
     let cdf = zipf_cdf(args.keys, s);
     println!(
-        "keyshift bench hot-keys: keyed count over {} JSON lines in {} files, {} keys drawn from Zipf(s = {s:.3}): the hottest key {:.1}% of the records, the next {:.1}%; parallelism {}; combining before the shuffle against none, {} rounds alternating",
+        "keyshift bench hot-keys: {} over {} JSON lines in {} files, {} keys drawn from Zipf(s = {s:.3}): the hottest key {:.1}% of the records, the next {:.1}%; parallelism {}; combining before the shuffle against none, {} rounds alternating",
+        if args.program {
+            "the page-views program (a window aggregate)"
+        } else {
+            "the built-in keyed count"
+        },
         args.records,
         args.partitions,
         args.keys,
@@ -72,12 +83,20 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
     );
     println!("machine: {}", context_line());
     let input = run.join("input");
-    write_lines(&input, args.records, args.partitions, |x| draw(&cdf, x))?;
+    // Read by both jobs: the built-in count keys by `key`, `page-views` by `page`.
+    write_lines(&input, args.records, args.partitions, |f, x, i| {
+        let k = draw(&cdf, x);
+        writeln!(
+            f,
+            "{{\"key\":\"key-{k}\",\"page\":\"key-{k}\",\"user\":\"u-{}\",\"ts\":{i}}}",
+            x % 1000
+        )
+    })?;
     let mut table: Vec<(u32, Run, Run)> = Vec::new();
     for round in 0..args.rounds {
         let measure = |combine: bool| {
             let name = format!("hot-keys-{}-{round}", if combine { "c" } else { "n" });
-            let job = job(&input, combine);
+            let job = job(&input, args.program, combine);
             let run = run.clone();
             let (parallelism, records) = (args.parallelism, args.records);
             async move {
@@ -99,7 +118,8 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
             off.cpu.as_secs_f64(),
             on.rate / off.rate
         );
-        if on.keys_in_state != off.keys_in_state {
+        // (A program's state is its open windows, which the watermark closes as it comes.)
+        if !args.program && on.keys_in_state != off.keys_in_state {
             bail!(
                 "the two jobs hold {} and {} keys: not the same result",
                 on.keys_in_state,

@@ -296,6 +296,10 @@ pub struct HotKeysBench {
     /// Directory for the input and the workers' logs (created if missing, emptied afterwards).
     #[arg(long, default_value = "keyshift-bench")]
     pub dir: PathBuf,
+    /// Run the `page-views` program (an SDK window aggregate, counting per key in 10 s windows)
+    /// instead of the built-in count, `spec.job.program.combine` on against off.
+    #[arg(long)]
+    pub program: bool,
 }
 
 /// Runs a benchmark (blocking; starts its own async runtime).

@@ -42,16 +42,18 @@ impl Side {
 /// Writes `records` lines `{"key":"key-<k>","ts":<i>}` over `partitions` files, keys drawn
 /// from `keys` with a fixed sequence.
 fn write_input(dir: &Path, records: u64, keys: u64, partitions: u32) -> Result<()> {
-    write_lines(dir, records, partitions, |x| x % keys)
+    write_lines(dir, records, partitions, |f, x, i| {
+        writeln!(f, "{{\"key\":\"key-{}\",\"ts\":{i}}}", x % keys)
+    })
 }
 
-/// Writes `records` lines `{"key":"key-<k>","ts":<i>}` over `partitions` files (round robin),
-/// `k = key(x)` for a fixed sequence of uniform 64-bit numbers `x`.
+/// Writes `records` lines over `partitions` files (round robin): line `i` is what `line(file,
+/// x, i)` writes, for a fixed sequence of uniform 64-bit numbers `x`.
 pub(super) fn write_lines(
     dir: &Path,
     records: u64,
     partitions: u32,
-    mut key: impl FnMut(u64) -> u64,
+    mut line: impl FnMut(&mut std::io::BufWriter<std::fs::File>, u64, u64) -> std::io::Result<()>,
 ) -> Result<()> {
     std::fs::create_dir_all(dir)?;
     let mut files = (0..partitions)
@@ -65,8 +67,7 @@ pub(super) fn write_lines(
         x ^= x << 13;
         x ^= x >> 7;
         x ^= x << 17;
-        let f = &mut files[(i % u64::from(partitions)) as usize];
-        writeln!(f, "{{\"key\":\"key-{}\",\"ts\":{i}}}", key(x))?;
+        line(&mut files[(i % u64::from(partitions)) as usize], x, i)?;
     }
     for mut f in files {
         f.flush()?;

@@ -151,6 +151,7 @@ fn program_job() -> JobSpec {
     spec.program = Some(keyshift_core::spec::ProgramSpec {
         name: "silence-alert".into(),
         max_out_of_orderness: Some("2s".into()),
+        combine: None,
     });
     spec
 }

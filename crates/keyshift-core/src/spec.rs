@@ -333,8 +333,8 @@ pub struct FileSource {
 #[serde(rename_all = "camelCase")]
 pub struct ProgramSpec {
     /// The program's name in the image (keyshift's own image has `count`, `dedup`,
-    /// `order-payments`, `sessions` and `silence-alert`; a job's own image, the names its binary
-    /// gives). Lowercase letters, digits and `-`, at most 63 characters. A worker
+    /// `order-payments`, `page-views`, `sessions` and `silence-alert`; a job's own image, the
+    /// names its binary gives). Lowercase letters, digits and `-`, at most 63 characters. A worker
     /// whose image has no program of that name refuses the start, naming the programs it has.
     pub name: String,
     /// How far event time may go backwards: each source partition's watermark trails the
@@ -343,6 +343,20 @@ pub struct ProgramSpec {
     /// when the watermark passes them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_out_of_orderness: Option<String>,
+    /// Combine records of one key and window in each source batch before the shuffle, when
+    /// the program's keyed step can (a window aggregate of an associative, commutative
+    /// function); default `true`, and ignored by steps that cannot. The results are the same
+    /// either way. Set `false` only to compare.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub combine: Option<bool>,
+}
+
+impl ProgramSpec {
+    /// Whether the sources combine before the shuffle where the step can (`combine`, default
+    /// true).
+    pub fn combines(&self) -> bool {
+        self.combine.unwrap_or(true)
+    }
 }
 
 /// What runs between a job's source and its sink ([`JobSpec::logic`]).

@@ -231,8 +231,9 @@ pub struct CompiledJob {
     pub max_out_of_orderness_ms: i64,
     /// The sink.
     pub sink: SinkSpec,
-    /// Whether the sources combine the built-in aggregation's records before the shuffle
-    /// (`spec.job.aggregation.combine`; false for a program).
+    /// Whether the sources combine records before the shuffle: the built-in aggregation's
+    /// (`spec.job.aggregation.combine`), or a program's whose keyed step can
+    /// (`spec.job.program.combine`).
     pub combine: bool,
 }
 
@@ -332,7 +333,7 @@ pub fn compile_for(
                 window_size_ms: None,
                 max_out_of_orderness_ms,
                 sink: spec.sink.clone(),
-                combine: false,
+                combine: p.combines(),
             });
         }
     };
@@ -582,7 +583,9 @@ impl CompiledJob {
     /// ([`keyshift_sdk::dataflow::Program::combines`]): one per source task.
     pub fn program_combiner(&self) -> Option<keyshift_sdk::dataflow::Combiner> {
         match &self.logic {
-            Logic::Program { program, .. } if program.combines() => Some(Default::default()),
+            Logic::Program { program, .. } if self.combine && program.combines() => {
+                Some(Default::default())
+            }
             _ => None,
         }
     }
