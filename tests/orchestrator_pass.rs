@@ -448,6 +448,44 @@ impl Driver {
         assert_ne!(self.status.phase, Some(Phase::Running));
     }
 
+    /// Waits for the job to stall with `StartRefused` and checks that its message holds every
+    /// one of `needles` and that no start is made again for a while (no StartFailed, no other
+    /// StartRefused, no Started).
+    async fn stalls_refused_without_retry(&mut self, needles: &[&str]) {
+        let started = self.events_named("Started").len();
+        self.until("stalled", Duration::from_secs(30), |d| {
+            d.condition("Stalled")
+                .is_some_and(|(r, _)| r == "StartRefused")
+        })
+        .await;
+        let (_, message) = self.condition("Stalled").expect("Stalled");
+        for needle in needles.iter().chain(&["No retry can change that"]) {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+        self.for_a_while(Duration::from_secs(3), |d| {
+            assert_eq!(d.events_named("StartRefused").len(), 1, "{}", d.event_log());
+            assert!(
+                d.events_named("StartFailed").is_empty(),
+                "retried: {}",
+                d.event_log()
+            );
+            assert_eq!(d.events_named("Started").len(), started, "started");
+        })
+        .await;
+    }
+
+    /// After a refusal, the spec changes (to `replicas`): the job runs again and the refusal's
+    /// stall is gone.
+    async fn runs_again_at(&mut self, replicas: i32) {
+        self.spec.replicas = replicas;
+        self.until_running(replicas).await;
+        assert!(
+            self.condition("Stalled")
+                .is_none_or(|(r, _)| r != "StartRefused")
+        );
+        self.assert_processing().await;
+    }
+
     async fn assert_processing(&mut self) {
         let (first, _) = self.progress().await;
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -645,38 +683,12 @@ async fn a_start_refused_for_good_stalls_until_the_spec_changes() {
     bounded(async {
         let mut d = Driver::new("refused-for-good", 2, "1h");
         d.workers.faults().refuse_start_for_good = true;
-        d.until("stalled", Duration::from_secs(30), |d| {
-            d.condition("Stalled")
-                .is_some_and(|(r, _)| r == "StartRefused")
-        })
-        .await;
-        let (_, message) = d.condition("Stalled").expect("Stalled");
-        assert!(
-            message.contains("this worker image has no such program")
-                && message.contains("No retry can change that"),
-            "{message}"
-        );
-        let refused = d.workers.faults().starts_refused;
-        assert!(refused >= 1);
-        d.for_a_while(Duration::from_secs(3), |d| {
-            assert_eq!(d.workers.faults().starts_refused, refused, "retried");
-            assert_eq!(d.events_named("StartRefused").len(), 1, "{}", d.event_log());
-            assert!(
-                d.events_named("StartFailed").is_empty(),
-                "{}",
-                d.event_log()
-            );
-        })
-        .await;
+        d.stalls_refused_without_retry(&["this worker image has no such program"])
+            .await;
+        assert!(d.workers.faults().starts_refused >= 1);
         // The image is fixed (here: the workers stop refusing) and the spec changes.
         d.workers.faults().refuse_start_for_good = false;
-        d.spec.replicas = 3;
-        d.until_running(3).await;
-        assert!(
-            d.condition("Stalled")
-                .is_none_or(|(r, _)| r != "StartRefused")
-        );
-        d.assert_processing().await;
+        d.runs_again_at(3).await;
     })
     .await;
 }
@@ -776,41 +788,14 @@ async fn a_restore_the_changed_program_cannot_read_stalls_instead_of_retrying() 
         // The next image's `count` reads its state at version 2 and declares no migration.
         d.workers
             .set_programs(image_with_count(count_at_version_2::job()));
-        let started = d.events_named("Started").len();
         d.workers.kill(0).expect("worker 0 exists");
-        d.until("stalled", Duration::from_secs(30), |d| {
-            d.condition("Stalled")
-                .is_some_and(|(r, _)| r == "StartRefused")
-        })
-        .await;
-        let (_, message) = d.condition("Stalled").expect("Stalled");
-        assert!(
-            message.contains("state \"count\" changed")
-                && message.contains("Declarations::migrate")
-                && message.contains("No retry can change that"),
-            "{message}"
-        );
-        d.for_a_while(Duration::from_secs(3), |d| {
-            assert_eq!(d.events_named("StartRefused").len(), 1, "{}", d.event_log());
-            assert!(
-                d.events_named("StartFailed").is_empty(),
-                "retried: {}",
-                d.event_log()
-            );
-            assert_eq!(d.events_named("Started").len(), started, "started");
-        })
-        .await;
+        d.stalls_refused_without_retry(&["state \"count\" changed", "Declarations::migrate"])
+            .await;
 
         // The image is fixed, and the spec changes: the job starts from its savepoint again.
         d.workers
             .set_programs(image_with_count(keyshift_examples::count::job()));
-        d.spec.replicas = 3;
-        d.until_running(3).await;
-        assert!(
-            d.condition("Stalled")
-                .is_none_or(|(r, _)| r != "StartRefused")
-        );
-        d.assert_processing().await;
+        d.runs_again_at(3).await;
     })
     .await;
 }

@@ -50,6 +50,19 @@ impl Input {
     }
 }
 
+/// A test's directory: its input (four partition files, created as records are appended) and
+/// the sink's output directory.
+fn workspace() -> (tempfile::TempDir, Input, PathBuf) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let input = Input {
+        dir: dir.path().join("in"),
+        files: 4,
+    };
+    std::fs::create_dir_all(&input.dir).expect("input dir");
+    let out = dir.path().join("out");
+    (dir, input, out)
+}
+
 fn program_job(name: &str, program: &str, input: &Path, out: &Path, replicas: u32) -> StreamJob {
     serde_yaml::from_str(&format!(
         "apiVersion: keyshift.dev/v1alpha1
@@ -77,13 +90,7 @@ const SETTLE: Duration = Duration::from_millis(1500);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silence_alert_program_fires_each_alert_once_through_rescales_a_killed_worker_and_a_ceiling_change()
  {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let input = Input {
-        dir: dir.path().join("in"),
-        files: 4,
-    };
-    std::fs::create_dir_all(&input.dir).expect("input dir");
-    let out = dir.path().join("out");
+    let (dir, input, out) = workspace();
     let storage = format!("file://{}", dir.path().join("state").display());
     let fleet = fleet();
     let (phases, records) = phases(&fleet, input.files);
@@ -252,8 +259,8 @@ async fn a_program_the_image_does_not_carry_is_refused_naming_the_ones_it_does()
 /// through what every program test here lives through: launched at 2, a checkpoint, a rescale to
 /// 3, a checkpoint, a worker killed and the job recovered at 3, a checkpoint, a pre-staged
 /// rescale to 2 (which must use the pre-stage); then `records[tail..]` appended, and a stop with
-/// a savepoint, which it returns with the records the last run's sources combined before the
-/// shuffle. `key` picks a record's partition file.
+/// a savepoint, which it returns with the last run's workers' status just before it (their
+/// counts of records read, processed and combined). `key` picks a record's partition file.
 #[allow(clippy::too_many_arguments)]
 async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     dir: &Path,
@@ -264,7 +271,10 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     records: &[T],
     tail: usize,
     key: impl Fn(&T) -> &str + Copy,
-) -> (keyshift::orchestrator::coordinator::Completed, u64) {
+) -> (
+    keyshift::orchestrator::coordinator::Completed,
+    Vec<keyshift::runtime::protocol::WorkerStatus>,
+) {
     let n = tail;
     input.append(&records[..n / 3], key);
     let spec = program_job(name, program, &input.dir, out, 2);
@@ -296,10 +306,9 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     input.append(&records[n..], key);
     tokio::time::sleep(SETTLE).await;
     let status = local.status().await.expect("status");
-    let combined = status.iter().map(|w| w.records_combined).sum();
     (
         local.shutdown().await.expect("stop with a savepoint"),
-        combined,
+        status,
     )
 }
 
@@ -309,13 +318,7 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and_a_killed_worker() {
     use keyshift_examples::dedup::{self, Event, Traffic};
-    let dir = tempfile::tempdir().expect("temp dir");
-    let input = Input {
-        dir: dir.path().join("in"),
-        files: 4,
-    };
-    std::fs::create_dir_all(&input.dir).expect("input dir");
-    let out = dir.path().join("out");
+    let (dir, input, out) = workspace();
     let traffic = Traffic {
         ids: 600,
         bursts_per_id: 3,
@@ -358,13 +361,7 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_killed_worker() {
     use keyshift_examples::sessions::{self, Browsing, Click, UserSession};
-    let dir = tempfile::tempdir().expect("temp dir");
-    let input = Input {
-        dir: dir.path().join("in"),
-        files: 4,
-    };
-    std::fs::create_dir_all(&input.dir).expect("input dir");
-    let out = dir.path().join("out");
+    let (dir, input, out) = workspace();
     let gap_ms = keyshift_examples::SESSION_GAP.as_millis() as i64;
     let browsing = Browsing {
         users: 300,
@@ -445,13 +442,7 @@ async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_k
 async fn an_orders_and_payments_join_publishes_each_pair_once_through_rescales_and_a_killed_worker()
 {
     use keyshift_examples::orders::{self, Event, Paid, Shop};
-    let dir = tempfile::tempdir().expect("temp dir");
-    let input = Input {
-        dir: dir.path().join("in"),
-        files: 4,
-    };
-    std::fs::create_dir_all(&input.dir).expect("input dir");
-    let out = dir.path().join("out");
+    let (dir, input, out) = workspace();
     let window_ms = keyshift_examples::PAYMENT_WINDOW.as_millis() as i64;
     let shop = Shop {
         orders: 2_000,
@@ -501,13 +492,7 @@ async fn an_orders_and_payments_join_publishes_each_pair_once_through_rescales_a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_page_views_window_aggregate_combined_before_the_shuffle_publishes_each_window_once() {
     use keyshift_examples::page_views::{self, PageViews, Traffic, View};
-    let dir = tempfile::tempdir().expect("temp dir");
-    let input = Input {
-        dir: dir.path().join("in"),
-        files: 4,
-    };
-    std::fs::create_dir_all(&input.dir).expect("input dir");
-    let out = dir.path().join("out");
+    let (dir, input, out) = workspace();
     let window_ms = keyshift_examples::PAGE_VIEWS_WINDOW.as_millis() as i64;
     let mut views = Traffic {
         views: 40_000,
@@ -533,7 +518,7 @@ async fn a_page_views_window_aggregate_combined_before_the_shuffle_publishes_eac
     fn user(v: &View) -> &str {
         &v.user
     }
-    let (sp, combined) = through_rescales_and_a_killed_worker(
+    let (sp, status) = through_rescales_and_a_killed_worker(
         dir.path(),
         &input,
         "page-views",
@@ -544,9 +529,19 @@ async fn a_page_views_window_aggregate_combined_before_the_shuffle_publishes_eac
         user,
     )
     .await;
+    // The last run's sources combined, and its operators counted every view a partial stood
+    // for: as many as were read.
+    let total = |f: fn(&keyshift::runtime::protocol::WorkerStatus) -> u64| -> u64 {
+        status.iter().map(f).sum()
+    };
+    let (read, processed, combined) = (
+        total(|w| w.records_in),
+        total(|w| w.records_processed),
+        total(|w| w.records_combined),
+    );
     assert!(
-        combined > 1_000,
-        "the last run's sources combined {combined} records"
+        combined > 1_000 && processed == read,
+        "the last run read {read} views, processed {processed}, combined {combined}"
     );
     let watermark = sp
         .manifest

@@ -431,6 +431,18 @@ pub struct Stream<T> {
     _t: PhantomData<fn() -> T>,
 }
 
+/// Appends `r`'s form as it crosses the key-group shuffle (`postcard`).
+fn to_shuffle<T: Serialize>(r: &T, out: &mut Vec<u8>) -> Result<()> {
+    let bytes = postcard::to_allocvec(r).map_err(|e| {
+        Error::user(DataflowError::Serialize {
+            what: "shuffle",
+            message: e.to_string(),
+        })
+    })?;
+    out.extend_from_slice(&bytes);
+    Ok(())
+}
+
 fn downcast<T: 'static>(v: Value, what: &'static str) -> Result<T> {
     v.downcast::<T>()
         .map(|b| *b)
@@ -556,14 +568,7 @@ impl<K: StreamKey, T: Send + 'static> KeyedStream<K, T> {
                 let r = v
                     .downcast_ref::<T>()
                     .ok_or_else(|| Error::user(DataflowError::Type("shuffle")))?;
-                let bytes = postcard::to_allocvec(r).map_err(|e| {
-                    Error::user(DataflowError::Serialize {
-                        what: "shuffle",
-                        message: e.to_string(),
-                    })
-                })?;
-                out.extend_from_slice(&bytes);
-                Ok(())
+                to_shuffle(r, out)
             }),
             factory: step::factory(uid, factory),
             combine: None,
@@ -619,16 +624,7 @@ impl<K: StreamKey, T: Send + 'static> KeyedStream<K, T> {
             uid: uid.to_owned(),
             key_type: K::KEY_TYPE,
             key_of: Box::new(|v| Ok(item::<A::Acc>(v)?.0.clone())),
-            encode: Box::new(|v, out| {
-                let bytes = postcard::to_allocvec(&item::<A::Acc>(v)?.1).map_err(|e| {
-                    Error::user(DataflowError::Serialize {
-                        what: "shuffle",
-                        message: e.to_string(),
-                    })
-                })?;
-                out.extend_from_slice(&bytes);
-                Ok(())
-            }),
+            encode: Box::new(|v, out| to_shuffle(&item::<A::Acc>(v)?.1, out)),
             factory: step::factory(uid, move || windows.clone()),
             combine: Some(CombineSpec {
                 window: Box::new(|v| Ok(item::<A::Acc>(v)?.1.start)),

@@ -270,8 +270,8 @@ pub struct EncodedRecords {
     records: Vec<(RecordKey, i64, u32)>,
     bytes: Vec<u8>,
     /// How many source records each stands for (a program's values combined before the
-    /// shuffle); empty while every one stands for one.
-    weights: Vec<u32>,
+    /// shuffle), one per record; `None` while every one stands for one.
+    weights: Option<Vec<u32>>,
 }
 
 impl EncodedRecords {
@@ -280,7 +280,7 @@ impl EncodedRecords {
         EncodedRecords {
             records: Vec::with_capacity(records),
             bytes: Vec::with_capacity(records * 32),
-            weights: Vec::new(),
+            weights: None,
         }
     }
 
@@ -291,11 +291,14 @@ impl EncodedRecords {
 
     /// Appends a record standing for `weight` source records (values combined into one).
     pub fn push_weighted(&mut self, key: RecordKey, ts: i64, record: &[u8], weight: u32) {
-        if weight != 1 && self.weights.is_empty() {
-            self.weights.resize(self.records.len(), 1);
-        }
-        if !self.weights.is_empty() {
-            self.weights.push(weight);
+        match &mut self.weights {
+            Some(weights) => weights.push(weight),
+            None if weight != 1 => {
+                let mut weights = vec![1; self.records.len()];
+                weights.push(weight);
+                self.weights = Some(weights);
+            }
+            None => {}
         }
         self.bytes.extend_from_slice(record);
         self.records.push((key, ts, self.bytes.len() as u32));
@@ -303,23 +306,26 @@ impl EncodedRecords {
 
     /// Whether some record stands for more than one source record.
     pub fn is_weighted(&self) -> bool {
-        !self.weights.is_empty()
+        self.weights.is_some()
     }
 
     /// How many source records the batch stands for.
     pub fn inputs(&self) -> u64 {
-        match self.weights.is_empty() {
-            true => self.records.len() as u64,
-            false => self.weights.iter().map(|w| u64::from(*w)).sum(),
+        match &self.weights {
+            None => self.records.len() as u64,
+            Some(weights) => weights.iter().map(|w| u64::from(*w)).sum(),
         }
     }
 
     /// Each record's weight, in order.
     pub fn weights(&self) -> impl Iterator<Item = u32> + '_ {
-        let ones = self.weights.is_empty().then_some(self.records.len());
-        (0..ones.unwrap_or(0))
+        let ones = match &self.weights {
+            None => self.records.len(),
+            Some(_) => 0,
+        };
+        (0..ones)
             .map(|_| 1)
-            .chain(self.weights.iter().copied())
+            .chain(self.weights.iter().flatten().copied())
     }
 
     /// Records in the batch.
@@ -331,7 +337,7 @@ impl EncodedRecords {
     pub fn clear(&mut self) {
         self.records.clear();
         self.bytes.clear();
-        self.weights.clear();
+        self.weights = None;
     }
 
     /// Whether it holds no record.
@@ -580,5 +586,10 @@ mod tests {
         }
         batch.clear();
         assert!(!batch.is_weighted());
+        // A first record that stands for several.
+        batch.push_weighted(RecordKey::string("hot"), 1, b"acc", 7);
+        batch.push(RecordKey::string("cold"), 2, b"one");
+        assert_eq!(batch.weights().collect::<Vec<_>>(), vec![7, 1]);
+        assert_eq!(batch.inputs(), 8);
     }
 }
