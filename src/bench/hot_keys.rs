@@ -1,6 +1,7 @@
 //! `keyshift bench hot-keys`: the built-in keyed count over a Zipf key stream whose hottest key
 //! has a given share of the records, with the sources combining before the shuffle
-//! (`spec.job.aggregation.combine`, the default) against the same job without, in the same run:
+//! (`spec.job.aggregation.combine`, the default) against the same job without, in the same run
+//! (which of the two goes first alternates from round to round):
 //! worker processes under `LocalJob`, records/s from the first record to the last, and the
 //! workers' CPU time.
 
@@ -108,8 +109,15 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
                 run_job(&run, &name, parallelism, records, &job, what).await
             }
         };
-        let off = measure(false).await?;
-        let on = measure(true).await?;
+        // Which job runs first alternates, so that neither side always runs on what the other
+        // left behind (memory, caches).
+        let (on, off) = if round % 2 == 0 {
+            let off = measure(false).await?;
+            (measure(true).await?, off)
+        } else {
+            let on = measure(true).await?;
+            (on, measure(false).await?)
+        };
         println!(
             "  round {round}: combining {:.2} M records/s ({:.2} CPU-s), not combining {:.2} M records/s ({:.2} CPU-s): {:.2}x",
             on.rate / 1e6,
