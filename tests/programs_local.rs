@@ -9,6 +9,7 @@ mod programs_support;
 
 use keyshift::crd::StreamJob;
 use keyshift::local::LocalJob;
+use keyshift::runtime::protocol::WorkerStatus;
 use keyshift_examples::silence::Heartbeat;
 use programs_support::{assert_alerts, fleet, partition_of, phases};
 use std::collections::BTreeMap;
@@ -260,7 +261,8 @@ async fn a_program_the_image_does_not_carry_is_refused_naming_the_ones_it_does()
 /// 3, a checkpoint, a worker killed and the job recovered at 3, a checkpoint, a pre-staged
 /// rescale to 2 (which must use the pre-stage); then `records[tail..]` appended, and a stop with
 /// a savepoint, which it returns with the last run's workers' status just before it (their
-/// counts of records read, processed and combined). `key` picks a record's partition file.
+/// counts of records read, processed and combined), taken once `settled` says so of it (polled
+/// for up to 60 s). `key` picks a record's partition file.
 #[allow(clippy::too_many_arguments)]
 async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     dir: &Path,
@@ -271,10 +273,8 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     records: &[T],
     tail: usize,
     key: impl Fn(&T) -> &str + Copy,
-) -> (
-    keyshift::orchestrator::coordinator::Completed,
-    Vec<keyshift::runtime::protocol::WorkerStatus>,
-) {
+    settled: impl Fn(&[WorkerStatus]) -> bool,
+) -> (keyshift::orchestrator::coordinator::Completed, Vec<WorkerStatus>) {
     let n = tail;
     input.append(&records[..n / 3], key);
     let spec = program_job(name, program, &input.dir, out, 2);
@@ -305,7 +305,18 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     assert_eq!(down.fallback, None, "the pre-stage was used");
     input.append(&records[n..], key);
     tokio::time::sleep(SETTLE).await;
-    let status = local.status().await.expect("status");
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        let status = local.status().await.expect("status");
+        if settled(&status) {
+            break status;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the last run did not settle in 60 s: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
     (
         local.shutdown().await.expect("stop with a savepoint"),
         status,
@@ -343,6 +354,7 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
         &events,
         n,
         id,
+        |_| true,
     )
     .await;
 
@@ -399,6 +411,7 @@ async fn a_sessions_program_publishes_each_session_once_through_rescales_and_a_k
         &clicks,
         n,
         user,
+        |_| true,
     )
     .await;
 
@@ -477,6 +490,7 @@ async fn an_orders_and_payments_join_publishes_each_pair_once_through_rescales_a
         &lines,
         n,
         order_of,
+        |_| true,
     )
     .await;
 
@@ -518,6 +532,7 @@ async fn a_page_views_window_aggregate_combined_before_the_shuffle_publishes_eac
     fn user(v: &View) -> &str {
         &v.user
     }
+    let tail = (views.len() - n) as u64;
     let (sp, status) = through_rescales_and_a_killed_worker(
         dir.path(),
         &input,
@@ -527,21 +542,18 @@ async fn a_page_views_window_aggregate_combined_before_the_shuffle_publishes_eac
         &views,
         n,
         user,
+        // Every view of the tail read, and processed: the operators counted every view a
+        // partial stood for.
+        |st| {
+            let read: u64 = st.iter().map(|w| w.records_in).sum();
+            read == tail && st.iter().map(|w| w.records_processed).sum::<u64>() == read
+        },
     )
     .await;
-    // The last run's sources combined, and its operators counted every view a partial stood
-    // for: as many as were read.
-    let total = |f: fn(&keyshift::runtime::protocol::WorkerStatus) -> u64| -> u64 {
-        status.iter().map(f).sum()
-    };
-    let (read, processed, combined) = (
-        total(|w| w.records_in),
-        total(|w| w.records_processed),
-        total(|w| w.records_combined),
-    );
+    let combined: u64 = status.iter().map(|w| w.records_combined).sum();
     assert!(
-        combined > 1_000 && processed == read,
-        "the last run read {read} views, processed {processed}, combined {combined}"
+        combined > 1_000,
+        "the last run's sources combined {combined} of {tail} views"
     );
     let watermark = sp
         .manifest
