@@ -274,7 +274,10 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     tail: usize,
     key: impl Fn(&T) -> &str + Copy,
     settled: impl Fn(&[WorkerStatus]) -> bool,
-) -> (keyshift::orchestrator::coordinator::Completed, Vec<WorkerStatus>) {
+) -> (
+    keyshift::orchestrator::coordinator::Completed,
+    Vec<WorkerStatus>,
+) {
     let n = tail;
     input.append(&records[..n / 3], key);
     let spec = program_job(name, program, &input.dir, out, 2);
