@@ -61,9 +61,7 @@ pub fn restore_refusal(
     url: &str,
     snapshot: &JobIdentity,
 ) -> Option<(Reason, String)> {
-    if (snapshot.namespace.as_str(), snapshot.name.as_str()) != (namespace, name)
-        && !spec.allow_restore_from_another_job
-    {
+    if !snapshot.is(namespace, name) && !spec.allow_restore_from_another_job {
         return Some((
             Reason::SnapshotOfAnotherJob,
             format!(

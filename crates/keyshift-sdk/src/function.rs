@@ -1,7 +1,7 @@
 //! A keyed step's logic: the [`KeyedProcessFunction`] an author implements, and the
 //! [`Context`] it works through (the current key, its state, timers, clocks, and output).
 
-use crate::error::{Result, StateError};
+use crate::error::{Error, Result, StateError};
 use crate::key::{RecordKey, StreamKey};
 use crate::state::{
     AggregateFunction, AggregatingHandle, AggregatingState, DeclarationError, Declarations,
@@ -10,6 +10,14 @@ use crate::state::{
 };
 use crate::timers::Timers;
 use std::cell::OnceCell;
+
+/// A record without an event time reached a step that works in event time (a window, a join).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("{step} got a record without an event time")]
+pub struct NoEventTime {
+    /// What needed it, in words ("an event-time session window").
+    pub step: &'static str,
+}
 
 /// A timer that fired.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,6 +109,13 @@ impl<'a, K, O> Context<'a, K, O> {
     /// The event time of the record (or of the timer) being handled, if it has one.
     pub fn timestamp(&self) -> Option<i64> {
         self.scope.timestamp
+    }
+
+    /// The event time of the record (or timer) being handled, for a step that works in event
+    /// time (`step`, in words, names it in the error when there is none: [`NoEventTime`]).
+    pub fn event_time(&self, step: &'static str) -> Result<i64> {
+        self.timestamp()
+            .ok_or_else(|| Error::user(NoEventTime { step }))
     }
 
     /// The operator's event-time watermark: no record at or before it is expected.

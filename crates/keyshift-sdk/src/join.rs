@@ -16,7 +16,7 @@
 //!
 //! Records behind the watermark are late and dropped, as in Flink.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::function::{Context, KeyedProcessFunction, Timer};
 use crate::key::StreamKey;
 use crate::state::{DeclarationError, Declarations, MapHandle, MapStateDescriptor};
@@ -32,10 +32,7 @@ pub enum JoinInput<L, R> {
     Right(R),
 }
 
-/// A record without an event time reached an event-time join.
-#[derive(Debug, thiserror::Error)]
-#[error("an event-time join got a record without an event time")]
-pub struct NoEventTime;
+pub use crate::function::NoEventTime;
 
 /// An interval join's bounds leave no time between them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -48,7 +45,7 @@ pub struct EmptyInterval {
 }
 
 fn event_time<K, O>(ctx: &Context<'_, K, O>) -> Result<i64> {
-    ctx.timestamp().ok_or_else(|| Error::user(NoEventTime))
+    ctx.event_time("an event-time join")
 }
 
 fn millis(d: Duration) -> i64 {

@@ -12,7 +12,7 @@
 //! entity whose sessions they are (a user, a device), a session is in one key group and moves
 //! as one. Keyed by anything finer, a session is split over keys and never merges.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::function::{Context, KeyedProcessFunction, Timer};
 use crate::key::StreamKey;
 use crate::state::{
@@ -48,10 +48,7 @@ pub struct OpenSession<A> {
     pub acc: A,
 }
 
-/// A record without an event time reached an event-time window.
-#[derive(Debug, thiserror::Error)]
-#[error("an event-time session window got a record without an event time")]
-pub struct NoEventTime;
+pub use crate::function::NoEventTime;
 
 /// Gap-based session windows in event time over each key's records, folded with `A`.
 ///
@@ -119,9 +116,7 @@ where
         sessions: &Self::State,
         ctx: &mut Context<'_, K, Self::Out>,
     ) -> Result<()> {
-        let Some(ts) = ctx.timestamp() else {
-            return Err(Error::user(NoEventTime));
-        };
+        let ts = ctx.event_time("an event-time session window")?;
         let mut start = ts;
         let mut end = ts.saturating_add(self.gap_ms);
         // The sessions this record touches (Flink's `TimeWindow.intersects`: ends count, so a

@@ -307,8 +307,9 @@ impl Coordinator {
                 return;
             }
         };
-        if manifest.job.namespace != self.identity.namespace
-            || manifest.job.name != self.identity.name
+        if !manifest
+            .job
+            .is(&self.identity.namespace, &self.identity.name)
         {
             tracing::info!(
                 url,

@@ -1269,9 +1269,7 @@ impl Pass<'_> {
             // One of the job's own snapshots, older than the output its sink published: the
             // job does not go back past it by itself (a resume that passed over newer
             // snapshots, a restoreFrom that the pass could not check before stopping).
-            if (job.namespace.as_str(), job.name.as_str()) == (self.ns.as_str(), self.name.as_str())
-                && !self.spec.allow_republishing_output
-            {
+            if job.is(&self.ns, &self.name) && !self.spec.allow_republishing_output {
                 let refusal = match super::going_back(self.spec, url, &coordinator).await {
                     Ok(refusal) => refusal,
                     Err(e) => return self.start_done(work, coordinator, Err(e.into())).await,

@@ -684,7 +684,7 @@ async fn pending_restore(
     }
     // A restore of the job's own snapshot behind the output its running sink published: said
     // before anything stops (without a running job the start says it, and nothing is stopped).
-    if (identity.namespace.as_str(), identity.name.as_str()) == (namespace, name)
+    if identity.is(namespace, name)
         && !spec.allow_republishing_output
         && let Some(run) = mem.run.as_ref()
     {

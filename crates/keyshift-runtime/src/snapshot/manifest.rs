@@ -39,6 +39,13 @@ pub struct JobIdentity {
     pub layout: Option<StateLayout>,
 }
 
+impl JobIdentity {
+    /// Whether this is the StreamJob `namespace/name`'s (whatever its fingerprint and layout).
+    pub fn is(&self, namespace: &str, name: &str) -> bool {
+        self.namespace == namespace && self.name == name
+    }
+}
+
 /// What a job's keyed state means: how keys are taken and hashed, and what each key's value
 /// accumulates. Two jobs with the same layout can continue each other's state; any difference
 /// means the state holds another history.
