@@ -693,28 +693,18 @@ async fn a_start_refused_for_good_stalls_until_the_spec_changes() {
     .await;
 }
 
-/// The `count` program keyshift's image carries (keyshift_examples::count) over the
-/// generator, with an object-store sink.
+/// [`spec`]'s job with the `count` program keyshift's image carries (keyshift_examples::count)
+/// instead of the built-in count.
 fn count_program_spec(name: &str, replicas: u32) -> StreamJobSpec {
-    let yaml = format!(
-        "apiVersion: keyshift.dev/v1alpha1
-kind: StreamJob
-metadata: {{name: {name}, namespace: {NS}}}
-spec:
-  replicas: {replicas}
-  maxParallelism: 32
-  rescaleStrategy: StopAndRestore
-  job:
-    source:
-      generator: {{partitions: 6, keys: 500, seed: 11, recordsPerSecond: 2000}}
-    program: {{name: count}}
-    sink: {{type: objectStore, url: 'memory://{name}/sink'}}
-  state:
-    checkpointInterval: 1h
-"
-    );
-    let job: StreamJob = serde_yaml::from_str(&yaml).expect("test manifest parses");
-    job.spec
+    let mut spec = spec(name, replicas, "1h");
+    spec.job.key = None;
+    spec.job.aggregation = None;
+    spec.job.program = Some(keyshift::crd::ProgramSpec {
+        name: "count".into(),
+        max_out_of_orderness: None,
+        combine: None,
+    });
+    spec
 }
 
 /// The `count` program's next release as a careless author would write it: its state `count`

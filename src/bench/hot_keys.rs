@@ -8,6 +8,7 @@
 use super::HotKeysBench;
 use super::measure::*;
 use super::programs::{Run, run_job, write_lines};
+use crate::job::generator::Zipf;
 use anyhow::{Result, bail};
 use std::io::Write;
 use std::path::Path;
@@ -28,24 +29,9 @@ pub(crate) fn zipf_exponent(keys: u64, share: f64) -> f64 {
     (lo + hi) / 2.0
 }
 
-/// The cumulative distribution of Zipf(`keys`, `s`) over ranks 1..=keys (index `k - 1`).
-fn zipf_cdf(keys: u64, s: f64) -> Vec<f64> {
-    let weights: Vec<f64> = (1..=keys).map(|k| (k as f64).powf(-s)).collect();
-    let total: f64 = weights.iter().sum();
-    let mut acc = 0.0;
-    weights
-        .into_iter()
-        .map(|w| {
-            acc += w / total;
-            acc
-        })
-        .collect()
-}
-
-/// The rank (1-based) a uniform 64-bit `x` draws from `cdf`.
-fn draw(cdf: &[f64], x: u64) -> u64 {
-    let u = (x >> 11) as f64 / (1u64 << 53) as f64;
-    (cdf.partition_point(|c| *c <= u).min(cdf.len() - 1) + 1) as u64
+/// The rank (0-based) a uniform 64-bit `x` draws from `zipf`.
+fn draw(zipf: &Zipf, x: u64) -> u64 {
+    zipf.rank((x >> 11) as f64 / (1u64 << 53) as f64)
 }
 
 /// The job's `spec.job` lines: the built-in count, or the `page-views` program (a window
@@ -66,7 +52,7 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
     }
     let run = prepare_dir(&args.dir, "hot-keys")?;
     let s = zipf_exponent(args.keys, args.hot_share);
-    let cdf = zipf_cdf(args.keys, s);
+    let zipf = Zipf::new(args.keys as usize, s);
     println!(
         "keyshift bench hot-keys: {} over {} JSON lines in {} files, {} keys drawn from Zipf(s = {s:.3}): the hottest key {:.1}% of the records, the next {:.1}%; parallelism {}; combining before the shuffle against none, {} rounds alternating",
         if args.program {
@@ -77,8 +63,8 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
         args.records,
         args.partitions,
         args.keys,
-        cdf[0] * 100.0,
-        (cdf[1] - cdf[0]) * 100.0,
+        zipf.share(0) * 100.0,
+        zipf.share(1) * 100.0,
         args.parallelism,
         args.rounds
     );
@@ -86,7 +72,7 @@ pub(super) async fn hot_keys_bench(args: HotKeysBench) -> Result<()> {
     let input = run.join("input");
     // Read by both jobs: the built-in count keys by `key`, `page-views` by `page`.
     write_lines(&input, args.records, args.partitions, |f, x, i| {
-        let k = draw(&cdf, x);
+        let k = draw(&zipf, x);
         writeln!(
             f,
             "{{\"key\":\"key-{k}\",\"page\":\"key-{k}\",\"user\":\"u-{}\",\"ts\":{i}}}",
@@ -165,15 +151,20 @@ mod tests {
     fn the_exponent_gives_the_hottest_key_its_share() {
         for (keys, share) in [(100_000u64, 0.3), (1_000, 0.5), (10, 0.2)] {
             let s = zipf_exponent(keys, share);
-            let cdf = zipf_cdf(keys, s);
-            assert!((cdf[0] - share).abs() < 1e-6, "{keys} keys: {}", cdf[0]);
-            assert!((cdf[cdf.len() - 1] - 1.0).abs() < 1e-9);
+            let zipf = Zipf::new(keys as usize, s);
+            assert!(
+                (zipf.share(0) - share).abs() < 1e-6,
+                "{keys} keys: {}",
+                zipf.share(0)
+            );
+            let total: f64 = (0..keys as usize).map(|r| zipf.share(r)).sum();
+            assert!((total - 1.0).abs() < 1e-9);
         }
     }
 
     #[test]
     fn draws_follow_the_distribution() {
-        let cdf = zipf_cdf(1_000, zipf_exponent(1_000, 0.3));
+        let zipf = Zipf::new(1_000, zipf_exponent(1_000, 0.3));
         let mut x: u64 = 1;
         let n = 200_000;
         let hot = (0..n)
@@ -181,12 +172,12 @@ mod tests {
                 x ^= x << 13;
                 x ^= x >> 7;
                 x ^= x << 17;
-                draw(&cdf, x) == 1
+                draw(&zipf, x) == 0
             })
             .count();
         let share = hot as f64 / n as f64;
         assert!((share - 0.3).abs() < 0.01, "{share}");
-        assert_eq!(draw(&cdf, u64::MAX), 1_000);
-        assert_eq!(draw(&cdf, 0), 1);
+        assert_eq!(draw(&zipf, u64::MAX), 999, "the last rank");
+        assert_eq!(draw(&zipf, 0), 0, "the hottest");
     }
 }

@@ -101,7 +101,6 @@ pub struct Combiner {
     entries: Vec<(RecordKey, i64, Value, u32)>,
     inputs: usize,
     pacing: keyshift_core::combining::Pacing,
-    combined: u64,
 }
 
 impl Combiner {
@@ -109,11 +108,6 @@ impl Combiner {
     /// combined is ingested as it is ([`Program::ingest`]).
     pub fn attempt(&mut self) -> bool {
         self.pacing.attempt()
-    }
-
-    /// Values merged into another so far.
-    pub fn combined(&self) -> u64 {
-        self.combined
     }
 }
 
@@ -238,26 +232,35 @@ impl Program {
             /// The serialized record's buffer, reused from record to record on each thread.
             static BYTES: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
         }
-        let first = (self.job.source.decode)(line)?;
         let stage = self.stage();
         // Taken, not borrowed: `out` may ingest too (it then gets a buffer of its own).
         let mut bytes = BYTES.take();
-        let mut one = |(ts, v): (i64, Value)| -> Result<()> {
+        let result = self.before_shuffle(line, &mut |(ts, v)| {
             let key = (stage.key_of)(&v)?;
             bytes.clear();
             (stage.encode)(&v, &mut bytes)?;
             out(key, ts, &bytes);
             Ok(())
-        };
+        });
+        BYTES.set(bytes);
+        result
+    }
+
+    /// Decodes one line of the source and hands `one` every value the stateless steps before
+    /// the keyed step make of it, with its event time.
+    fn before_shuffle(
+        &self,
+        line: &[u8],
+        one: &mut dyn FnMut((i64, Value)) -> Result<()>,
+    ) -> Result<()> {
+        let first = (self.job.source.decode)(line)?;
         // With no stateless step before the shuffle, the record goes straight to it.
-        let result = if self.keyed == 0 {
+        if self.keyed == 0 {
             one(first)
         } else {
             stateless(&self.job.stages[..self.keyed], vec![first])
-                .and_then(|items| items.into_iter().try_for_each(&mut one))
-        };
-        BYTES.set(bytes);
-        result
+                .and_then(|items| items.into_iter().try_for_each(one))
+        }
     }
 
     /// Whether the keyed step's values combine before the shuffle (a
@@ -275,33 +278,24 @@ impl Program {
         let Some(combine) = &stage.combine else {
             return Err(Error::user(DataflowError::Type("combining ingest")));
         };
-        let first = (self.job.source.decode)(line)?;
-        let mut one = |(ts, v): (i64, Value)| -> Result<()> {
+        self.before_shuffle(line, &mut |(ts, v)| {
             let key = (stage.key_of)(&v)?;
             let window = (combine.window)(&v)?;
             combiner.inputs += 1;
-            match combiner.index.get(&(key.clone(), window)) {
-                Some(&i) => {
-                    let entry = &mut combiner.entries[i];
+            match combiner.index.entry((key.clone(), window)) {
+                std::collections::hash_map::Entry::Occupied(at) => {
+                    let entry = &mut combiner.entries[*at.get()];
                     (combine.merge)(&mut entry.2, v)?;
                     entry.1 = entry.1.max(ts);
                     entry.3 = entry.3.saturating_add(1);
                 }
-                None => {
-                    combiner
-                        .index
-                        .insert((key.clone(), window), combiner.entries.len());
+                std::collections::hash_map::Entry::Vacant(at) => {
+                    at.insert(combiner.entries.len());
                     combiner.entries.push((key, ts, v, 1));
                 }
             }
             Ok(())
-        };
-        if self.keyed == 0 {
-            one(first)
-        } else {
-            stateless(&self.job.stages[..self.keyed], vec![first])
-                .and_then(|items| items.into_iter().try_for_each(&mut one))
-        }
+        })
     }
 
     /// Hands on what `combiner` holds, emptying it: `out(key, event time, serialized value,
@@ -310,9 +304,7 @@ impl Program {
         let stage = self.stage();
         combiner.index.clear();
         let inputs = std::mem::take(&mut combiner.inputs);
-        let partials = combiner.entries.len();
-        combiner.combined += (inputs - partials) as u64;
-        combiner.pacing.judge(inputs, partials);
+        combiner.pacing.judge(inputs, combiner.entries.len());
         let mut bytes = Vec::new();
         let mut result = Ok(());
         for (key, ts, v, weight) in combiner.entries.drain(..) {

@@ -138,6 +138,7 @@ impl Combiner {
         self.windows.clear();
         let (f, size) = (self.function, self.window_size_ms);
         for r in batch.drain(..) {
+            let r = self.alone(r);
             let window = size.map_or(0, |s| window_start(r.ts, s));
             let hash = self.hasher.hash_one((&r.key, window));
             let records = &self.out.records;
@@ -148,13 +149,8 @@ impl Combiner {
             match found {
                 Some(&i) => {
                     let i = i as usize;
-                    let value = if f == AggregateFunction::Count {
-                        1
-                    } else {
-                        r.value
-                    };
                     let p = &mut self.out.records[i];
-                    p.value = merge(f, p.value, value);
+                    p.value = merge(f, p.value, r.value);
                     p.ts = p.ts.max(r.ts);
                     self.out.weights[i] += 1;
                 }
@@ -165,7 +161,6 @@ impl Combiner {
                         hasher.hash_one((&records[j as usize].key, windows[j as usize]))
                     });
                     self.windows.push(window);
-                    let r = self.alone(r);
                     self.out.push(r, 1);
                 }
             }

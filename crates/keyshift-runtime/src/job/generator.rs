@@ -73,13 +73,15 @@ pub enum GeneratorError {
 /// The Zipf sampler: a CDF over ranks plus a guide table that maps `floor(u * m)` to the first
 /// rank whose CDF exceeds `j / m`, so a draw is a short binary search.
 #[derive(Debug)]
-struct Zipf {
+pub struct Zipf {
     cdf: Vec<f64>,
     guide: Vec<u32>,
 }
 
 impl Zipf {
-    fn new(keys: usize, s: f64) -> Zipf {
+    /// Zipf over `keys` ranks (at least one) with exponent `s`: rank `r` (0-based) has
+    /// probability proportional to `(r + 1)^-s`.
+    pub fn new(keys: usize, s: f64) -> Zipf {
         let mut cdf = Vec::with_capacity(keys);
         let mut total = 0.0f64;
         for r in 0..keys {
@@ -106,9 +108,14 @@ impl Zipf {
         Zipf { cdf, guide }
     }
 
+    /// The probability of rank `r`.
+    pub fn share(&self, r: usize) -> f64 {
+        self.cdf[r] - r.checked_sub(1).map_or(0.0, |q| self.cdf[q])
+    }
+
     /// The rank for a uniform `u` in `[0, 1)`.
     #[inline]
-    fn rank(&self, u: f64) -> u64 {
+    pub fn rank(&self, u: f64) -> u64 {
         let m = self.guide.len() - 1;
         let j = ((u * m as f64) as usize).min(m - 1);
         let lo = self.guide[j] as usize;

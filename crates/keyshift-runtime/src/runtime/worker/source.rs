@@ -273,12 +273,12 @@ pub(super) async fn source_loop(
                 true => {
                     // Combined, or (a batch after one that saved little) ingested as it is.
                     let attempt = program_combiner.as_mut().is_some_and(|c| c.attempt());
-                    let before = program_combiner.as_ref().map_or(0, |c| c.combined());
                     let combining = program_combiner.as_mut().filter(|_| attempt);
                     let b = compiled.read_program(*p, at, &mut encoded, max, combining)?;
-                    if let Some(c) = &program_combiner {
-                        s.metrics.records_combined.inc_by(c.combined() - before);
-                    }
+                    // What the partials stand for beyond themselves was merged away.
+                    s.metrics
+                        .records_combined
+                        .inc_by(encoded.inputs() - encoded.len() as u64);
                     b
                 }
                 false => compiled.read(*p, at, &mut batch, max)?,
