@@ -207,8 +207,7 @@ impl Job {
             }
             checkpoint::finish_cut(op, &mut taken).await;
             let ack = checkpoint::upload_cut(
-                taken.groups,
-                taken.codec,
+                taken.into_upload(),
                 writer,
                 base.as_ref(),
                 policy,

@@ -348,7 +348,7 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
     fn id(e: &Event) -> &str {
         &e.id
     }
-    through_rescales_and_a_killed_worker(
+    let (last, _) = through_rescales_and_a_killed_worker(
         dir.path(),
         &input,
         "dedup",
@@ -368,6 +368,23 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
         want.len()
     );
     programs_support::assert_published::<Event>(&out, &want);
+
+    // The subtasks' counts of dropped duplicates (operator state, split over the rescales 2 -> 3
+    // and 3 -> 2, restored after the kill) in the last savepoint: one section per subtask of
+    // its run, adding up to every duplicate, each once.
+    let (store, snapshot_dir, manifest) = keyshift::snapshot::open_snapshot(&last.url)
+        .await
+        .expect("the last savepoint opens");
+    assert_eq!(manifest.operator_state.len(), 2, "one section per subtask");
+    let sections =
+        keyshift::snapshot::read_operator_state(store.as_ref(), &snapshot_dir, &manifest)
+            .await
+            .expect("the sections read back");
+    let sections: Vec<&[u8]> = sections.iter().map(|b| b.as_ref()).collect();
+    assert_eq!(
+        dedup::dropped_in_sections(&sections).expect("the sections decode"),
+        (n - want.len()) as u64
+    );
 }
 
 /// The `sessions` program (gap-based session windows per user, merged when a click bridges two)

@@ -76,11 +76,10 @@ async fn checkpoint_subtask(
     let writer = SnapshotWriter::new(store.clone(), &dir, assignment, subtask)?;
     let started = Instant::now();
     let cut = step.cut();
-    let taken = checkpoint::take_program_cut(step, base)?;
+    let taken = checkpoint::take_program_cut(step, base, (subtask, assignment.parallelism()))?;
     let held = started.elapsed();
     let ack = checkpoint::upload_cut(
-        taken.groups,
-        taken.codec,
+        taken.into_upload(),
         writer,
         base,
         ChainPolicy::default().for_checkpoint(false, assignment.max_parallelism()),

@@ -70,8 +70,7 @@ pub(super) async fn checkpoint_subtask(
     checkpoint::finish_cut(&mut agg, &mut taken).await;
     drop(agg);
     let ack = checkpoint::upload_cut(
-        taken.groups,
-        taken.codec,
+        taken.into_upload(),
         writer,
         base.as_ref(),
         policy,

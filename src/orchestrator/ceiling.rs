@@ -164,6 +164,7 @@ mod tests {
             stats: Default::default(),
             files: Vec::new(),
             key_groups: Vec::new(),
+            operator_state: Vec::new(),
         };
         m.stats.total_keys = keys;
         m

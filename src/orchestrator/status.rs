@@ -687,6 +687,7 @@ mod tests {
             watermark: None,
             stats: Stats::default(),
             files: Vec::new(),
+            operator_state: Vec::new(),
             key_groups: groups
                 .iter()
                 .enumerate()

@@ -25,6 +25,7 @@ pub mod keygroup;
 pub mod positions;
 pub mod reason;
 pub mod record_key;
+pub mod redistribution;
 pub mod rules;
 pub mod spec;
 pub mod step;

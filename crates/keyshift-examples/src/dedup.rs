@@ -1,6 +1,8 @@
 //! Deduplication by event id with a TTL: emits an event the first time its id is seen, and
 //! again once `ttl` of event time has passed since the id was last emitted (the `seen` state
-//! expires).
+//! expires). Each subtask also counts the duplicates it dropped in an operator list state
+//! (`dropped`, split at a rescale: its entries add up to every duplicate the job dropped,
+//! whatever the parallelism).
 
 use crate::input::{Rng, jitter};
 use keyshift_sdk::prelude::*;
@@ -27,24 +29,61 @@ impl KeyedProcessFunction for Dedup {
     type Key = String;
     type In = Event;
     type Out = Event;
-    type State = ValueHandle<bool>;
+    type State = (ValueHandle<bool>, OperatorListHandle<u64>);
 
     fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
-        states.value(ValueStateDescriptor::new("seen").ttl(Ttl::event_time(self.ttl)))
+        Ok((
+            states.value(ValueStateDescriptor::new("seen").ttl(Ttl::event_time(self.ttl)))?,
+            states.operator_list(OperatorListStateDescriptor::new(DROPPED).split())?,
+        ))
     }
 
     fn process(
         &mut self,
         event: Event,
-        seen: &Self::State,
+        (seen, dropped): &Self::State,
         ctx: &mut Context<'_, String, Event>,
     ) -> keyshift_sdk::Result<()> {
         if ctx.value(seen).get()?.is_none() {
             ctx.value(seen).set(true)?;
             ctx.emit(event);
+        } else {
+            // One running count per subtask; a subtask that took over several after a
+            // rescale adds to the last.
+            let mut counts = ctx.operator_list(dropped).get()?;
+            match counts.last_mut() {
+                Some(n) => *n += 1,
+                None => counts.push(1),
+            }
+            ctx.operator_list(dropped).update(&counts)?;
         }
         Ok(())
     }
+}
+
+/// The operator state in which each subtask counts the duplicates it dropped.
+pub const DROPPED: &str = "dropped";
+
+/// The duplicates the `dropped` entries count (each a subtask's running count, postcard).
+pub fn dropped_total(entries: &[Vec<u8>]) -> Result<u64, keyshift_sdk::serializer::SerializeError> {
+    let counts = Postcard::<u64>::default();
+    entries.iter().map(|e| counts.deserialize(e)).sum()
+}
+
+/// The duplicates a snapshot's operator-state `sections` (one per subtask of the run that wrote
+/// them) say the job dropped.
+pub fn dropped_in_sections(sections: &[&[u8]]) -> Result<u64, String> {
+    let mut total = 0;
+    for s in sections {
+        let section =
+            keyshift_sdk::operator_state::OperatorStates::decode(s).map_err(|e| e.to_string())?;
+        for (decl, entries) in &section.states {
+            if decl.name == DROPPED {
+                total += dropped_total(entries).map_err(|e| e.to_string())?;
+            }
+        }
+    }
+    Ok(total)
 }
 
 /// The whole job: JSON events from source `events`, deduplicated by id, to sink `unique`.

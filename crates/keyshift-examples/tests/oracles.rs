@@ -173,6 +173,7 @@ fn dedup_through_every_path(sorted_backend: bool) {
     assert!(records.len() > 2_000, "{} records", records.len());
     let expected = dedup::expected(&records, ttl.as_millis() as i64);
     assert!(expected.len() < records.len(), "the traffic has duplicates");
+    let duplicates = (records.len() - expected.len()) as u64;
     let h = Harness::new(
         "dedup",
         move || Dedup { ttl },
@@ -182,7 +183,18 @@ fn dedup_through_every_path(sorted_backend: bool) {
         traffic.max_out_of_orderness,
     )
     .unwrap();
-    committed_as_expected(h, sorted_backend, &expected);
+    let h = committed_as_expected(h, sorted_backend, &expected);
+    // The subtasks' counts of dropped duplicates (operator state, split at every rescale and
+    // carried through the ceiling change) add up to every duplicate, each counted once.
+    let dropped: u64 = h
+        .subtasks()
+        .iter()
+        .map(|s| {
+            let entries = s.operator_states().raw(dedup::DROPPED).unwrap_or_default();
+            dedup::dropped_total(entries).unwrap()
+        })
+        .sum();
+    assert_eq!(dropped, duplicates);
 }
 
 #[test]

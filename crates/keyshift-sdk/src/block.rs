@@ -69,7 +69,7 @@ pub struct Block {
     pub entries: Vec<(Vec<u8>, Option<Vec<u8>>)>,
 }
 
-fn crc(data: &[u8]) -> u32 {
+pub(crate) fn crc(data: &[u8]) -> u32 {
     crc_fast::checksum(crc_fast::CrcAlgorithm::Crc32IsoHdlc, data) as u32
 }
 
@@ -197,13 +197,21 @@ impl BlockWriter {
     }
 }
 
-struct Reader<'a> {
+pub(crate) struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
 }
 
 impl<'a> Reader<'a> {
-    fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], BlockError> {
+    /// A reader of `buf` from `pos`.
+    pub(crate) fn new(buf: &'a [u8], pos: usize) -> Self {
+        Reader { buf, pos }
+    }
+    /// Whether every byte was read.
+    pub(crate) fn at_end(&self) -> bool {
+        self.pos == self.buf.len()
+    }
+    pub(crate) fn take(&mut self, n: usize, what: &'static str) -> Result<&'a [u8], BlockError> {
         let end = self.pos.checked_add(n).ok_or(BlockError::Malformed(what))?;
         let b = self
             .buf
@@ -212,15 +220,18 @@ impl<'a> Reader<'a> {
         self.pos = end;
         Ok(b)
     }
-    fn u8(&mut self, what: &'static str) -> Result<u8, BlockError> {
+    pub(crate) fn u8(&mut self, what: &'static str) -> Result<u8, BlockError> {
         Ok(self.take(1, what)?[0])
     }
-    fn array<const N: usize>(&mut self, what: &'static str) -> Result<[u8; N], BlockError> {
+    pub(crate) fn array<const N: usize>(
+        &mut self,
+        what: &'static str,
+    ) -> Result<[u8; N], BlockError> {
         self.take(N, what)?
             .try_into()
             .map_err(|_| BlockError::Malformed(what))
     }
-    fn varint(&mut self, what: &'static str) -> Result<u64, BlockError> {
+    pub(crate) fn varint(&mut self, what: &'static str) -> Result<u64, BlockError> {
         let rest = self
             .buf
             .get(self.pos..)
@@ -229,11 +240,11 @@ impl<'a> Reader<'a> {
         self.pos += n;
         Ok(v)
     }
-    fn bytes(&mut self, what: &'static str) -> Result<&'a [u8], BlockError> {
+    pub(crate) fn bytes(&mut self, what: &'static str) -> Result<&'a [u8], BlockError> {
         let n = usize::try_from(self.varint(what)?).map_err(|_| BlockError::Malformed(what))?;
         self.take(n, what)
     }
-    fn string(&mut self, what: &'static str) -> Result<String, BlockError> {
+    pub(crate) fn string(&mut self, what: &'static str) -> Result<String, BlockError> {
         std::str::from_utf8(self.bytes(what)?)
             .map(str::to_owned)
             .map_err(|_| BlockError::Malformed(what))

@@ -2,6 +2,7 @@
 
 use crate::key::KeyDecodeError;
 use crate::serializer::SerializeError;
+use keyshift_core::redistribution::RedistributionError;
 
 /// A state access that failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -107,6 +108,15 @@ pub enum BlockError {
     Undecodable(String),
     #[error("a delta block came first for group {0}: a chain starts with a full block")]
     DeltaFirst(u32),
+    /// The operator state cannot be given to this run (see [`RedistributionError`]).
+    #[error(transparent)]
+    Redistribution(#[from] RedistributionError),
+    /// The snapshot's operator-state sections are not one per subtask of one run, as
+    /// (subtask, parallelism).
+    #[error(
+        "the snapshot's operator-state sections are {found:?} (subtask, parallelism): a snapshot holds one section for every subtask of the run that wrote it"
+    )]
+    OperatorStateSections { found: Vec<(u32, u32)> },
 }
 
 impl BlockError {
@@ -122,7 +132,8 @@ impl BlockError {
             | BlockError::KeyType { .. }
             | BlockError::UndeclaredState { .. }
             | BlockError::StateChanged { .. }
-            | BlockError::Undecodable(_) => true,
+            | BlockError::Undecodable(_)
+            | BlockError::Redistribution(_) => true,
             BlockError::TooShort { .. }
             | BlockError::BadMagic { .. }
             | BlockError::Checksum { .. }
@@ -131,7 +142,8 @@ impl BlockError {
             | BlockError::Key { .. }
             | BlockError::WrongGroup { .. }
             | BlockError::KeyInWrongGroup { .. }
-            | BlockError::DeltaFirst(_) => false,
+            | BlockError::DeltaFirst(_)
+            | BlockError::OperatorStateSections { .. } => false,
         }
     }
 }

@@ -3,6 +3,9 @@
 
 use crate::error::{Error, Result, StateError};
 use crate::key::{RecordKey, StreamKey};
+use crate::operator_state::{
+    Broadcast, BroadcastHandle, OperatorList, OperatorListHandle, OperatorStates,
+};
 use crate::state::{
     AggregateFunction, AggregatingHandle, AggregatingState, DeclarationError, Declarations,
     KeyScope, ListHandle, ListState, MapHandle, MapState, ReducingHandle, ReducingState,
@@ -72,6 +75,8 @@ pub struct Context<'a, K, O> {
     pub(crate) key: KeyArg<'a, K>,
     pub(crate) timers: &'a mut Timers,
     pub(crate) out: &'a mut Vec<(i64, O)>,
+    /// The subtask's operator state (whatever key is in scope).
+    pub(crate) operator: &'a mut OperatorStates,
 }
 
 /// The key a [`Context`] is for: built already, or built from the record's key the first time
@@ -167,6 +172,23 @@ impl<'a, K, O> Context<'a, K, O> {
     ) -> AggregatingState<'s, 'a, A> {
         AggregatingState {
             scope: &mut self.scope,
+            handle: h,
+        }
+    }
+
+    /// The subtask's operator list state (not the key's: every key of the subtask sees the
+    /// same entries; see [`crate::operator_state`]).
+    pub fn operator_list<'s, T>(&'s mut self, h: &'s OperatorListHandle<T>) -> OperatorList<'s, T> {
+        OperatorList {
+            states: self.operator,
+            handle: h,
+        }
+    }
+
+    /// The subtask's copy of a broadcast state.
+    pub fn broadcast<'s, T>(&'s mut self, h: &'s BroadcastHandle<T>) -> Broadcast<'s, T> {
+        Broadcast {
+            states: self.operator,
             handle: h,
         }
     }

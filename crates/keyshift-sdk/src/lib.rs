@@ -62,6 +62,7 @@ pub mod function;
 pub mod join;
 pub mod key;
 pub mod operator;
+pub mod operator_state;
 pub mod serializer;
 pub mod state;
 pub mod step;
@@ -80,6 +81,10 @@ pub mod prelude {
     pub use crate::function::{Context, KeyedProcessFunction, Timer};
     pub use crate::join::{IntervalJoin, JoinInput, TemporalJoin};
     pub use crate::operator::KeyedOperator;
+    pub use crate::operator_state::{
+        BroadcastHandle, BroadcastStateDescriptor, OperatorListHandle, OperatorListStateDescriptor,
+        Redistribution,
+    };
     pub use crate::serializer::{Json, Postcard, Serializer};
     pub use crate::state::{
         AggregateFunction, AggregatingHandle, AggregatingStateDescriptor, DeclarationError,

@@ -7,6 +7,7 @@ use crate::block::{self, BlockHeader, BlockKind, BlockWriter, EncodedBlock};
 use crate::error::{BlockError, Error, Result, StateError};
 use crate::function::{Context, KeyArg, KeyedProcessFunction, Timer};
 use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key, key_type_of};
+use crate::operator_state::OperatorStates;
 use crate::state::backend::{Change, GroupMode, StateBackend};
 use crate::state::heap::{HeapStore, ReadAhead};
 use crate::state::{
@@ -48,6 +49,8 @@ pub struct KeyedOperator<F: KeyedProcessFunction> {
     range: KeyGroupRange,
     backend: Backend<F::Key>,
     timers: Timers,
+    /// The subtask's operator state ([`crate::operator_state`]).
+    operator_states: OperatorStates,
     watermark: i64,
     processing_time: i64,
     out: Vec<(i64, F::Out)>,
@@ -113,6 +116,8 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         let mut declarations = Declarations::default();
         let state = function.declare(&mut declarations)?;
         let heap = HeapStore::new(range.len() as usize, declarations.codecs);
+        let operator_states =
+            OperatorStates::new(declarations.operator, declarations.dropped.clone());
         let evolution = Evolution {
             migrations: declarations.migrations,
             dropped: declarations.dropped,
@@ -121,7 +126,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             uid.into(),
             function,
             state,
-            (declarations.list, evolution),
+            (declarations.list, evolution, operator_states),
             max_parallelism,
             range,
             Backend::Heap(heap),
@@ -138,6 +143,8 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     ) -> Result<Self, DeclarationError> {
         let mut declarations = Declarations::default();
         let state = function.declare(&mut declarations)?;
+        let operator_states =
+            OperatorStates::new(declarations.operator, declarations.dropped.clone());
         let evolution = Evolution {
             migrations: declarations.migrations,
             dropped: declarations.dropped,
@@ -146,7 +153,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             uid.into(),
             function,
             state,
-            (declarations.list, evolution),
+            (declarations.list, evolution, operator_states),
             max_parallelism,
             range,
             Backend::Bytes(backend),
@@ -157,7 +164,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         uid: String,
         function: F,
         state: F::State,
-        (declarations, evolution): (Vec<Declaration>, Evolution),
+        (declarations, evolution, operator_states): (Vec<Declaration>, Evolution, OperatorStates),
         max_parallelism: u32,
         range: KeyGroupRange,
         backend: Backend<F::Key>,
@@ -172,10 +179,35 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             range,
             backend,
             timers: Timers::default(),
+            operator_states,
             watermark: MIN_WATERMARK,
             processing_time: 0,
             out: Vec::new(),
         }
+    }
+
+    /// The subtask's operator state.
+    pub fn operator_states(&self) -> &OperatorStates {
+        &self.operator_states
+    }
+
+    /// The section a snapshot keeps of this subtask's operator state, as subtask `subtask` of
+    /// `parallelism` (`None`: the step declares none; [`OperatorStates::encode`]).
+    pub fn encode_operator_state(&self, subtask: u32, parallelism: u32) -> Option<Vec<u8>> {
+        self.operator_states.encode(&self.uid, subtask, parallelism)
+    }
+
+    /// Replaces the operator state with this subtask's share of a snapshot's `sections` (one
+    /// per subtask of the run that wrote them), as subtask `subtask` of `parallelism`
+    /// ([`OperatorStates::restore`]): nothing is replaced on an error.
+    pub fn restore_operator_state(
+        &mut self,
+        sections: &[&[u8]],
+        subtask: u32,
+        parallelism: u32,
+    ) -> Result<(), BlockError> {
+        self.operator_states
+            .restore(&self.uid, sections, subtask, parallelism)
     }
 
     /// The step's uid.
@@ -295,6 +327,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             key,
             timers: &mut self.timers,
             out: &mut self.out,
+            operator: &mut self.operator_states,
         };
         let r = call(&mut self.function, &self.state, &mut ctx);
         let (empty, first_change) = match &ctx.scope.store {

@@ -8,6 +8,7 @@ use crate::error::{BlockError, Error, Result};
 use crate::function::KeyedProcessFunction;
 use crate::key::{RecordKey, StreamKey};
 use crate::operator::{KeyedOperator, READ_AHEAD};
+use crate::operator_state::OperatorStates;
 use crate::serializer::{Postcard, Serializer};
 use crate::state::backend::GroupMode;
 use crate::state::heap::ReadAhead;
@@ -73,6 +74,17 @@ pub trait KeyedStep: Send {
     fn group_entries(&self, group: u32) -> usize;
     /// See [`KeyedOperator::encoded_group_entries`].
     fn encoded_group_entries(&self, group: u32) -> usize;
+    /// See [`KeyedOperator::operator_states`].
+    fn operator_states(&self) -> &OperatorStates;
+    /// See [`KeyedOperator::encode_operator_state`].
+    fn encode_operator_state(&self, subtask: u32, parallelism: u32) -> Option<Vec<u8>>;
+    /// See [`KeyedOperator::restore_operator_state`].
+    fn restore_operator_state(
+        &mut self,
+        sections: &[&[u8]],
+        subtask: u32,
+        parallelism: u32,
+    ) -> Result<(), BlockError>;
 }
 
 /// A [`KeyedOperator`] as a [`KeyedStep`]: records deserialized with [`Postcard`].
@@ -188,6 +200,21 @@ where
     }
     fn entries(&self) -> usize {
         self.op.entries()
+    }
+    fn operator_states(&self) -> &OperatorStates {
+        self.op.operator_states()
+    }
+    fn encode_operator_state(&self, subtask: u32, parallelism: u32) -> Option<Vec<u8>> {
+        self.op.encode_operator_state(subtask, parallelism)
+    }
+    fn restore_operator_state(
+        &mut self,
+        sections: &[&[u8]],
+        subtask: u32,
+        parallelism: u32,
+    ) -> Result<(), BlockError> {
+        self.op
+            .restore_operator_state(sections, subtask, parallelism)
     }
 }
 

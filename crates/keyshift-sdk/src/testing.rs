@@ -28,6 +28,11 @@ pub enum HarnessError {
         #[source]
         source: BlockError,
     },
+    #[error("restoring the operator state: {source}")]
+    OperatorState {
+        #[source]
+        source: BlockError,
+    },
     #[error("no checkpoint has been taken yet")]
     NoCheckpoint,
 }
@@ -48,6 +53,9 @@ pub struct Snapshot {
     pub bytes_written: u64,
     /// Bytes of every group's chain (what a restore reads).
     pub bytes_total: u64,
+    /// Each subtask's operator-state section, in subtask order (empty: the step declares no
+    /// operator state).
+    pub operator: Vec<Vec<u8>>,
 }
 
 /// A delta chain longer than this is written in full at the next checkpoint.
@@ -221,7 +229,10 @@ where
         let mut cuts = Vec::with_capacity(self.subtasks.len());
         let mut bytes_written = 0u64;
         let mut watermark = i64::MAX;
-        for s in &mut self.subtasks {
+        let parallelism = self.assignment.parallelism();
+        let mut operator = Vec::new();
+        for (i, s) in self.subtasks.iter_mut().enumerate() {
+            operator.extend(s.encode_operator_state(i as u32, parallelism));
             let cut = s.cut();
             let since = self
                 .last
@@ -262,6 +273,7 @@ where
             processing_time: self.processing_time,
             bytes_written,
             bytes_total,
+            operator,
         };
         self.committed.append(&mut self.pending);
         self.last = Some((snap.clone(), cuts));
@@ -289,6 +301,9 @@ where
                         .map_err(|source| HarnessError::Restore { group: g, source })?;
                 }
             }
+            let sections: Vec<&[u8]> = snapshot.operator.iter().map(Vec::as_slice).collect();
+            op.restore_operator_state(&sections, s, parallelism)
+                .map_err(|source| HarnessError::OperatorState { source })?;
             op.restore_watermark(snapshot.watermark);
             op.restore_processing_time(snapshot.processing_time);
             subtasks.push(op);

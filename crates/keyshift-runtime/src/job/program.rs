@@ -103,6 +103,14 @@ pub enum ProgramError {
         #[source]
         source: BlockError,
     },
+    /// The snapshot's operator state cannot be given to this subtask: damaged, declared
+    /// otherwise, or a rescale its redistribution refuses.
+    #[error("program {program:?}, operator state: {source}")]
+    OperatorState {
+        program: String,
+        #[source]
+        source: BlockError,
+    },
     /// The step declares its state inconsistently.
     #[error("program {program:?}: {message}")]
     Declaration { program: String, message: String },
@@ -114,7 +122,9 @@ impl ProgramError {
     /// than a damaged block or a failure of the function.
     pub fn refuses_the_job(&self) -> bool {
         match self {
-            ProgramError::Block { source, .. } => source.refuses_the_job(),
+            ProgramError::Block { source, .. } | ProgramError::OperatorState { source, .. } => {
+                source.refuses_the_job()
+            }
             ProgramError::Declaration { .. } => true,
             ProgramError::Step { .. } => false,
         }
@@ -336,6 +346,34 @@ impl ProgramStep {
     pub fn clear_group(&mut self, group: u32) {
         self.step.clear_group(group);
     }
+
+    /// The step's operator-state section as `subtask` of `parallelism` (`None`: it declares
+    /// no operator state).
+    pub fn encode_operator_state(&self, subtask: u32, parallelism: u32) -> Option<Vec<u8>> {
+        self.step.encode_operator_state(subtask, parallelism)
+    }
+
+    /// Replaces the step's operator state with `subtask`'s share (of `parallelism`) of a
+    /// snapshot's sections; nothing is replaced on an error (a changed declaration or a
+    /// rescale the state's redistribution refuses: [`ProgramError::refuses_the_job`]).
+    pub fn restore_operator_state(
+        &mut self,
+        sections: &[&[u8]],
+        subtask: u32,
+        parallelism: u32,
+    ) -> Result<(), ProgramError> {
+        self.step
+            .restore_operator_state(sections, subtask, parallelism)
+            .map_err(|source| ProgramError::OperatorState {
+                program: self.name.clone(),
+                source,
+            })
+    }
+
+    /// Entries of the step's operator state.
+    pub fn operator_state_entries(&self) -> usize {
+        self.step.operator_states().entries()
+    }
 }
 
 #[cfg(test)]
@@ -428,6 +466,84 @@ mod tests {
             .collect();
         assert_eq!(n as usize, got.len());
         got
+    }
+
+    /// Keeps a per-subtask list of the pings it saw, declaring no redistribution.
+    struct Seen;
+
+    impl KeyedProcessFunction for Seen {
+        type Key = String;
+        type In = Ping;
+        type Out = String;
+        type State = OperatorListHandle<i64>;
+
+        fn declare(&self, s: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            s.operator_list(OperatorListStateDescriptor::new("seen"))
+        }
+
+        fn process(
+            &mut self,
+            p: Ping,
+            seen: &Self::State,
+            ctx: &mut Context<'_, String, String>,
+        ) -> keyshift_sdk::Result<()> {
+            ctx.operator_list(seen).add(&p.ts)?;
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn operator_state_without_a_redistribution_restores_in_place_and_refuses_a_rescale() {
+        let programs = Programs::new()
+            .with(
+                "seen",
+                Job::json_lines::<Ping>("seen", "in", |p| p.ts)
+                    .key_by(|p| p.user.clone())
+                    .process("seen", || Seen)
+                    .to_json_lines("out"),
+            )
+            .unwrap();
+        let program = programs.get("seen").unwrap();
+        let halves = [
+            KeyGroupRange { start: 0, end: 63 },
+            KeyGroupRange {
+                start: 64,
+                end: 127,
+            },
+        ];
+        let mut sections = Vec::new();
+        for (i, range) in halves.into_iter().enumerate() {
+            let mut step = ProgramStep::new("seen", program.clone(), 128, range).unwrap();
+            let user = (0..100)
+                .map(|u| format!("u{u}"))
+                .find(|u| range.contains(RecordKey::string(u.as_str()).key_group(128)))
+                .unwrap();
+            let line = format!(r#"{{"user":"{user}","ts":{i}}}"#);
+            step.process(&batch(&program, &[&line])).unwrap();
+            assert_eq!(step.operator_state_entries(), 1);
+            sections.push(step.encode_operator_state(i as u32, 2).unwrap());
+        }
+        let sections: Vec<&[u8]> = sections.iter().map(Vec::as_slice).collect();
+        // The same parallelism: each subtask its own entries.
+        let mut again = ProgramStep::new("seen", program.clone(), 128, halves[1]).unwrap();
+        again.restore_operator_state(&sections, 1, 2).unwrap();
+        assert_eq!(again.operator_state_entries(), 1);
+        // Another: refused for good, naming the state and the choices.
+        let mut third =
+            ProgramStep::new("seen", program, 128, KeyGroupRange { start: 0, end: 42 }).unwrap();
+        let e = third.restore_operator_state(&sections, 0, 3).unwrap_err();
+        assert!(e.refuses_the_job(), "{e}");
+        let msg = e.to_string();
+        for word in [
+            "\"seen\"",
+            "split",
+            "union",
+            "broadcast",
+            "parallelism at 2",
+        ] {
+            assert!(msg.contains(word), "{msg}");
+        }
+        assert_eq!(third.operator_state_entries(), 0);
     }
 
     #[test]

@@ -332,6 +332,7 @@ mod tests {
                 })
                 .collect(),
             key_groups,
+            operator_state: Vec::new(),
         }
     }
 

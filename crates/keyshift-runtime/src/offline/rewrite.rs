@@ -577,6 +577,10 @@ struct Layout {
     current: u32,
     writer: Option<SnapshotWriter>,
     acks: Vec<SubtaskSnapshot>,
+    /// The source's operator-state sections (subtask, its run's parallelism, bytes), carried
+    /// over unchanged: the section of old subtask `i` goes after the groups of new subtask
+    /// `i % parallelism` (a restore reads them all, wherever they lie).
+    sections: Vec<(u32, u32, Bytes)>,
 }
 
 impl Layout {
@@ -590,15 +594,36 @@ impl Layout {
             current: 0,
             writer: Some(writer),
             acks: Vec::new(),
+            sections: Vec::new(),
         })
+    }
+
+    /// Carries the source's operator-state `sections` into the new files.
+    fn with_operator_state(mut self, sections: Vec<(u32, u32, Bytes)>) -> Self {
+        self.sections = sections;
+        self
+    }
+
+    /// Writes the sections that go after the current subtask's groups, and finishes its file.
+    async fn close_current(&mut self) -> Result<()> {
+        let Some(mut w) = self.writer.take() else {
+            return Ok(());
+        };
+        let p = self.assignment.parallelism();
+        for (subtask, parallelism, bytes) in &self.sections {
+            if subtask % p == self.current {
+                w.write_operator_state(*subtask, *parallelism, bytes.clone())
+                    .await?;
+            }
+        }
+        self.acks.push(w.finish().await?);
+        Ok(())
     }
 
     /// Finishes subtasks up to (excluding) `subtask` and opens its writer.
     async fn advance_to(&mut self, subtask: u32) -> Result<()> {
         while self.current < subtask {
-            if let Some(w) = self.writer.take() {
-                self.acks.push(w.finish().await?);
-            }
+            self.close_current().await?;
             self.current += 1;
             self.writer = Some(
                 SnapshotWriter::new(
@@ -624,9 +649,7 @@ impl Layout {
     async fn finish(mut self) -> Result<Vec<SubtaskSnapshot>> {
         let last = self.assignment.parallelism() - 1;
         self.advance_to(last).await?;
-        if let Some(w) = self.writer.take() {
-            self.acks.push(w.finish().await?);
-        }
+        self.close_current().await?;
         Ok(self.acks)
     }
 }
@@ -1057,7 +1080,14 @@ async fn rewrite_program(
     .map_err(ToolError::ProgramRewrite)?;
     let scatter_secs = started.elapsed().as_secs_f64();
     let assemble_started = Instant::now();
-    let mut layout = Layout::new(dst.clone(), assignment, DEFAULT_PART_SIZE)?;
+    let sections = crate::snapshot::read_operator_state(src.store.as_ref(), &src.dir, &manifest)
+        .await?
+        .into_iter()
+        .zip(&manifest.operator_state)
+        .map(|(bytes, o)| (o.subtask, o.parallelism, bytes))
+        .collect();
+    let mut layout =
+        Layout::new(dst.clone(), assignment, DEFAULT_PART_SIZE)?.with_operator_state(sections);
     let mut keys = 0u64;
     let written: Result<Vec<SubtaskSnapshot>> = async {
         for (group, block) in groups {

@@ -132,7 +132,40 @@ pub struct Cut {
     pub rows: u64,
     /// Whether some deltas are still being copied ([`finish_cut`] completes them).
     pub capturing: bool,
+    /// A program's operator state, encoded at the barrier (written after the groups).
+    pub operator_state: Option<OperatorSection>,
     updates: Updates,
+}
+
+/// What [`upload_cut`] writes of a [`Cut`]: its groups, how they are encoded, and a program's
+/// operator state.
+#[derive(Debug)]
+pub struct Upload {
+    pub groups: Vec<CutGroup>,
+    pub codec: Codec,
+    pub operator_state: Option<OperatorSection>,
+}
+
+impl Cut {
+    /// What [`upload_cut`] writes of the cut.
+    pub fn into_upload(self) -> Upload {
+        Upload {
+            groups: self.groups,
+            codec: self.codec,
+            operator_state: self.operator_state,
+        }
+    }
+}
+
+/// A subtask's operator-state section ([`keyshift_sdk::operator_state`]), encoded at the
+/// barrier: the state a program's step keeps per subtask, written whole with every snapshot.
+#[derive(Debug, Clone)]
+pub struct OperatorSection {
+    /// The subtask that wrote it.
+    pub subtask: u32,
+    /// The parallelism of its run.
+    pub parallelism: u32,
+    pub bytes: Bytes,
 }
 
 /// One group of a [`Cut`]: the aggregation's entries copied out at the barrier (encoded by
@@ -219,7 +252,13 @@ impl Cut {
 /// `base` writes it (or whole without one), on the calling thread. Its output is not part of
 /// the cut: the program emits as it processes, and the caller stages what it emitted before
 /// the barrier.
-pub fn take_program_cut(step: &mut ProgramStep, base: Option<&Base>) -> Result<Cut, ProgramError> {
+/// The cut of a program's step, `subtask` of a run of `parallelism`: every owned group encoded
+/// (in full, as a delta over `base`, or not at all when unchanged) and its operator state.
+pub fn take_program_cut(
+    step: &mut ProgramStep,
+    base: Option<&Base>,
+    (subtask, parallelism): (u32, u32),
+) -> Result<Cut, ProgramError> {
     let range = step.range();
     let mut groups = Vec::with_capacity(range.len() as usize);
     for g in range.iter() {
@@ -237,12 +276,20 @@ pub fn take_program_cut(step: &mut ProgramStep, base: Option<&Base>) -> Result<C
             keys: step.encoded_group_entries(g),
         }));
     }
+    let operator_state = step
+        .encode_operator_state(subtask, parallelism)
+        .map(|bytes| OperatorSection {
+            subtask,
+            parallelism,
+            bytes: Bytes::from(bytes),
+        });
     Ok(Cut {
         groups,
         codec: Codec::Program,
         lines: Vec::new(),
         rows: 0,
         capturing: false,
+        operator_state,
         updates: Updates::Skip,
     })
 }
@@ -307,6 +354,7 @@ pub async fn take_cut(
         lines,
         rows,
         capturing: capturing && agg.capturing(),
+        operator_state: None,
         updates,
     }
 }
@@ -338,8 +386,11 @@ pub async fn finish_cut(agg: &mut KeyedAggregator, cut: &mut Cut) -> (Vec<u8>, u
 /// ([`Base::compacts`]) is merged here with the group's chain, read back from `store` (`dir` is
 /// the new snapshot's directory), and written as the whole group.
 pub async fn upload_cut(
-    groups: Vec<CutGroup>,
-    codec: Codec,
+    Upload {
+        groups,
+        codec,
+        operator_state,
+    }: Upload,
     mut writer: SnapshotWriter,
     base: Option<&Base>,
     policy: CutPolicy,
@@ -352,6 +403,14 @@ pub async fn upload_cut(
             let _ = writer.abort().await;
             return Err(err);
         }
+    }
+    if let Some(o) = operator_state
+        && let Err(err) = writer
+            .write_operator_state(o.subtask, o.parallelism, o.bytes)
+            .await
+    {
+        let _ = writer.abort().await;
+        return Err(err);
     }
     writer.finish().await
 }

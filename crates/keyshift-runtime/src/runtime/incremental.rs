@@ -515,6 +515,7 @@ mod tests {
             },
             groups,
             referenced: vec![],
+            operator_state: vec![],
         }
     }
 

@@ -431,6 +431,7 @@ mod tests {
             stats: Default::default(),
             files: vec![],
             key_groups: groups,
+            operator_state: Vec::new(),
         }
     }
 

@@ -206,6 +206,26 @@ async fn restore_program(
     Ok(out)
 }
 
+/// Gives `keyed` (a program's step; the aggregation keeps no operator state) its share of the
+/// operator state of the snapshot in `dir`, as `subtask` of `parallelism`: every section is
+/// read and checked before the step takes any ([`ProgramStep::restore_operator_state`]). A
+/// snapshot without sections leaves the step's operator state empty.
+pub async fn restore_operator_state(
+    keyed: &mut Keyed,
+    store: &dyn ObjectStore,
+    dir: &Path,
+    manifest: &Manifest,
+    (subtask, parallelism): (u32, u32),
+) -> Result<(), RestoreError> {
+    let Keyed::Program(step) = keyed else {
+        return Ok(());
+    };
+    let sections = crate::snapshot::read_operator_state(store, dir, manifest).await?;
+    let sections: Vec<&[u8]> = sections.iter().map(|b| b.as_ref()).collect();
+    step.restore_operator_state(&sections, subtask, parallelism)?;
+    Ok(())
+}
+
 /// [`restore_state`], counting what it has read so far into `progress`.
 pub async fn restore_state_reporting(
     agg: &mut KeyedAggregator,

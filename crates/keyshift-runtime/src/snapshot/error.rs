@@ -163,6 +163,16 @@ pub enum SnapshotError {
         next: u32,
     },
 
+    /// An operator-state section read back shorter, longer or other than its checksum says.
+    #[error(
+        "state file {path}: the operator state of subtask {subtask} {reason} (truncated or corrupted)"
+    )]
+    OperatorStateDamaged {
+        path: String,
+        subtask: u32,
+        reason: String,
+    },
+
     /// A writer is used after one of its operations failed.
     #[error("the writer of {path} already failed: write the state file again from the start")]
     WriterFailed { path: String },
@@ -226,6 +236,7 @@ impl SnapshotError {
                     | SnapshotError::BlockChecksum { .. }
                     | SnapshotError::FileChecksum { .. }
                     | SnapshotError::ChainUnreadable { .. }
+                    | SnapshotError::OperatorStateDamaged { .. }
             )
     }
 

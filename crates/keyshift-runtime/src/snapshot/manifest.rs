@@ -19,6 +19,9 @@ use std::ops::Range;
 pub const FORMAT_VERSION: u32 = 2;
 /// The format of a self-contained manifest (every block in its own files, no deltas).
 pub const FULL_FORMAT_VERSION: u32 = 1;
+/// The format of a manifest with operator-state sections ([`Manifest::operator_state`]); a
+/// build that does not know them refuses it instead of restoring without them.
+pub const OPERATOR_STATE_FORMAT_VERSION: u32 = 3;
 /// The checksum algorithm of every block and file checksum in a v1 manifest.
 pub const CHECKSUM_ALGORITHM: &str = "crc32c";
 
@@ -287,6 +290,27 @@ pub struct Stats {
     pub extra: BTreeMap<String, serde_json::Value>,
 }
 
+/// Where one subtask's operator-state section lies: the state a program's keyed step keeps per
+/// subtask rather than per key ([`keyshift_sdk::operator_state`]), written whole with every
+/// snapshot after the subtask's key groups, in a state file of the snapshot itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OperatorStateEntry {
+    /// The subtask that wrote it.
+    pub subtask: u32,
+    /// The parallelism of the run that wrote it (a rewrite keeps the sections of the run it
+    /// read, whatever its own parallelism).
+    pub parallelism: u32,
+    /// The state file it lies in (one of this snapshot's own).
+    pub file: String,
+    /// Byte offset in the file.
+    pub offset: u64,
+    /// Length in bytes.
+    pub length: u64,
+    /// CRC32C of the section's bytes.
+    pub checksum: Crc32c,
+}
+
 /// The manifest of a committed snapshot. Its presence is what makes a snapshot exist.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -325,6 +349,11 @@ pub struct Manifest {
     pub files: Vec<FileEntry>,
     /// Every key group `0..maxParallelism`, in group order.
     pub key_groups: Vec<GroupEntry>,
+    /// One operator-state section per subtask of the run that wrote them, in subtask order;
+    /// empty when the job keeps no operator state. A manifest with sections is
+    /// [`OPERATOR_STATE_FORMAT_VERSION`], so a build that cannot restore them refuses it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub operator_state: Vec<OperatorStateEntry>,
 }
 
 /// What the coordinator knows about a snapshot besides the subtasks' files.
@@ -368,6 +397,10 @@ pub struct SubtaskSnapshot {
     /// [`referenced_file_name`] says, with their size and checksum.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub referenced: Vec<FileEntry>,
+    /// The operator-state sections it wrote after its groups (one for a worker's own; a
+    /// rewrite may place several in one file).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub operator_state: Vec<OperatorStateEntry>,
 }
 
 impl SubtaskSnapshot {
@@ -404,6 +437,7 @@ pub(crate) struct FileLayout {
     file_checksum: Crc32c,
     groups: Vec<GroupEntry>,
     referenced: BTreeMap<String, FileEntry>,
+    operator_state: Vec<OperatorStateEntry>,
 }
 
 impl FileLayout {
@@ -426,6 +460,7 @@ impl FileLayout {
             file_checksum: Crc32c::EMPTY,
             groups: Vec::with_capacity(range.len() as usize),
             referenced: BTreeMap::new(),
+            operator_state: Vec::new(),
         })
     }
 
@@ -516,6 +551,28 @@ impl FileLayout {
         Ok(())
     }
 
+    /// Records an operator-state section written by `subtask` of `parallelism` at the next
+    /// offset. The groups not pushed yet are empty: none may follow.
+    pub(crate) fn push_operator_state(
+        &mut self,
+        subtask: u32,
+        parallelism: u32,
+        length: u64,
+        checksum: Crc32c,
+    ) {
+        self.fill_empty_until(self.range.end + 1);
+        self.operator_state.push(OperatorStateEntry {
+            subtask,
+            parallelism,
+            file: self.file.clone(),
+            offset: self.offset,
+            length,
+            checksum,
+        });
+        self.offset += length;
+        self.file_checksum = self.file_checksum.combine(checksum, length);
+    }
+
     fn fill_empty_until(&mut self, group: u32) {
         while self.next_group < group {
             self.groups.push(GroupEntry {
@@ -545,6 +602,7 @@ impl FileLayout {
             },
             groups: self.groups,
             referenced: self.referenced.into_values().collect(),
+            operator_state: self.operator_state,
         }
     }
 }
@@ -600,7 +658,9 @@ impl Manifest {
         let mut files = Vec::with_capacity(subtasks.len());
         let mut key_groups = Vec::with_capacity(max_p as usize);
         let mut referenced: BTreeMap<String, FileEntry> = BTreeMap::new();
+        let mut operator_state = Vec::new();
         for s in subtasks {
+            operator_state.extend(s.operator_state);
             files.push(s.file);
             key_groups.extend(s.groups);
             for f in s.referenced {
@@ -633,8 +693,11 @@ impl Manifest {
             written_bytes: incremental.then_some(written),
             extra: BTreeMap::new(),
         };
+        operator_state.sort_by_key(|o: &OperatorStateEntry| o.subtask);
         let manifest = Manifest {
-            format_version: if incremental {
+            format_version: if !operator_state.is_empty() {
+                OPERATOR_STATE_FORMAT_VERSION
+            } else if incremental {
                 FORMAT_VERSION
             } else {
                 FULL_FORMAT_VERSION
@@ -653,6 +716,7 @@ impl Manifest {
             stats,
             files,
             key_groups,
+            operator_state,
         };
         manifest.check().map_err(SnapshotError::Assemble)?;
         Ok(manifest)
@@ -672,7 +736,7 @@ impl Manifest {
         };
         let probe: Probe = serde_json::from_slice(bytes).map_err(corrupt)?;
         match probe.format_version {
-            Some(FULL_FORMAT_VERSION | FORMAT_VERSION) => {}
+            Some(FULL_FORMAT_VERSION | FORMAT_VERSION | OPERATOR_STATE_FORMAT_VERSION) => {}
             Some(found) => {
                 return Err(SnapshotError::UnsupportedFormat {
                     path: path.to_owned(),
@@ -771,10 +835,24 @@ impl Manifest {
     /// each file's blocks tile it exactly in group order (so they are inside it and never overlap);
     /// the file checksum equals the combination of its block checksums; the stats add up.
     pub fn check(&self) -> std::result::Result<(), String> {
-        if self.format_version != FORMAT_VERSION && self.format_version != FULL_FORMAT_VERSION {
+        if ![
+            FULL_FORMAT_VERSION,
+            FORMAT_VERSION,
+            OPERATOR_STATE_FORMAT_VERSION,
+        ]
+        .contains(&self.format_version)
+        {
             return Err(format!(
-                "formatVersion {} is not {FULL_FORMAT_VERSION} or {FORMAT_VERSION}",
+                "formatVersion {} is not {FULL_FORMAT_VERSION}, {FORMAT_VERSION} or {OPERATOR_STATE_FORMAT_VERSION}",
                 self.format_version
+            ));
+        }
+        if self.operator_state.is_empty() == (self.format_version == OPERATOR_STATE_FORMAT_VERSION)
+        {
+            return Err(format!(
+                "formatVersion {} with {} operator-state sections: formatVersion {OPERATOR_STATE_FORMAT_VERSION} is exactly the manifests with sections",
+                self.format_version,
+                self.operator_state.len()
             ));
         }
         if self.checksum_algorithm != CHECKSUM_ALGORITHM {
@@ -911,6 +989,43 @@ impl Manifest {
                     *crc = crc.combine(checksum, length);
                 }
             }
+        }
+        // Operator-state sections: one per subtask of one run, each after the groups of one of
+        // the snapshot's own files, tiling on from them.
+        let from = self.operator_state.first().map_or(0, |o| o.parallelism);
+        for (i, o) in self.operator_state.iter().enumerate() {
+            if o.subtask != i as u32 || o.parallelism != from {
+                return Err(format!(
+                    "operatorState entry {i} is subtask {} of {}: the entries must be subtasks 0..{from} of one run, in order",
+                    o.subtask, o.parallelism
+                ));
+            }
+            let Some((pos, crc)) = cursor
+                .get_mut(o.file.as_str())
+                .filter(|_| !is_referenced_file(&o.file))
+            else {
+                return Err(format!(
+                    "the operator state of subtask {} names file {:?}, which is not one of the snapshot's own files",
+                    o.subtask, o.file
+                ));
+            };
+            if o.offset != *pos {
+                return Err(format!(
+                    "the operator state of subtask {} starts at offset {} of {}, expected {pos} (after the file's blocks, without gaps)",
+                    o.subtask, o.offset, o.file
+                ));
+            }
+            *pos = o
+                .offset
+                .checked_add(o.length)
+                .ok_or_else(|| format!("the operator state of subtask {} overflows", o.subtask))?;
+            *crc = crc.combine(o.checksum, o.length);
+        }
+        if self.operator_state.len() as u32 != from {
+            return Err(format!(
+                "operatorState has {} entries for a run of {from} subtasks",
+                self.operator_state.len()
+            ));
         }
         for f in &self.files {
             let (end, crc) = cursor[f.name.as_str()];
@@ -1077,6 +1192,71 @@ mod tests {
         assert!(text.contains("\"jobFingerprint\": \"fp\""));
         let back = Manifest::from_json(&json, "x/_manifest.json").unwrap();
         assert_eq!(back, m);
+    }
+
+    /// A snapshot of 3 subtasks, each with groups and then an operator-state section of
+    /// `sections[i]` bytes written by subtask `i` of `from`.
+    fn with_sections(from: u32, sections: &[u64]) -> Result<Manifest> {
+        let a = Assignment::new(3, 8).unwrap();
+        let lengths = [5, 0, 7, 1, 0, 0, 9, 2];
+        let subtasks = (0..3)
+            .map(|i| {
+                let mut layout = FileLayout::new(a, i).unwrap();
+                for g in a.range(i).iter().filter(|g| lengths[*g as usize] > 0) {
+                    let bytes = vec![g as u8; lengths[g as usize] as usize];
+                    layout
+                        .push(g, bytes.len() as u64, Crc32c::of(&bytes), 1)
+                        .unwrap();
+                }
+                if let Some(len) = sections.get(i as usize) {
+                    let bytes = vec![0xAB; *len as usize];
+                    layout.push_operator_state(i, from, *len, Crc32c::of(&bytes));
+                }
+                layout.finish()
+            })
+            .collect();
+        Manifest::assemble(meta(1), a, subtasks)
+    }
+
+    #[test]
+    fn operator_state_sections_follow_the_groups_and_need_the_newer_format() {
+        let m = with_sections(3, &[4, 0, 6]).unwrap();
+        assert_eq!(m.format_version, OPERATOR_STATE_FORMAT_VERSION);
+        assert_eq!(m.operator_state.len(), 3);
+        assert_eq!(m.files[0].size, 5 + 7 + 4, "groups, then the section");
+        assert_eq!(m.operator_state[0].offset, 12);
+        assert_eq!(m.stats.total_bytes, 24, "sections are not key-group bytes");
+        let json = m.to_json().unwrap();
+        assert!(String::from_utf8_lossy(&json).contains("\"operatorState\""));
+        assert_eq!(Manifest::from_json(&json, "x").unwrap(), m);
+        // Without sections nothing changes: the format stays the older one.
+        assert_eq!(
+            with_sections(3, &[]).unwrap().format_version,
+            FULL_FORMAT_VERSION
+        );
+
+        // A run's sections are all or nothing, of one run, and tile their files.
+        let err = with_sections(3, &[4, 4]).unwrap_err().to_string();
+        assert!(err.contains("2 entries for a run of 3"), "{err}");
+        let mut bad = m.clone();
+        bad.operator_state[1].parallelism = 2;
+        assert!(bad.check().unwrap_err().contains("one run"));
+        let mut bad = m.clone();
+        bad.operator_state[2].offset += 1;
+        assert!(bad.check().unwrap_err().contains("after the file's blocks"));
+        let mut bad = m.clone();
+        bad.operator_state[0].checksum = Crc32c(7);
+        assert!(
+            bad.check()
+                .unwrap_err()
+                .contains("checksum of state-0-of-3.bin")
+        );
+        let mut bad = m.clone();
+        bad.format_version = FORMAT_VERSION;
+        assert!(bad.check().unwrap_err().contains("operator-state sections"));
+        let mut bad = m;
+        bad.operator_state.clear();
+        assert!(bad.check().is_err(), "format 3 without sections");
     }
 
     #[test]

@@ -101,8 +101,9 @@ pub use layout::{
 };
 pub use manifest::{
     CHECKSUM_ALGORITHM, DeltaBlock, FORMAT_VERSION, FULL_FORMAT_VERSION, FileEntry, GroupEntry,
-    JobIdentity, LayoutChange, Manifest, ReadRequest, SnapshotMeta, StateLayout, Stats,
-    SubtaskSnapshot, is_referenced_file, referenced_file_name, split_referenced_file,
+    JobIdentity, LayoutChange, Manifest, OPERATOR_STATE_FORMAT_VERSION, OperatorStateEntry,
+    ReadRequest, SnapshotMeta, StateLayout, Stats, SubtaskSnapshot, is_referenced_file,
+    referenced_file_name, split_referenced_file,
 };
 pub use object_store::ObjectStore;
 pub use object_store::path::Path;
@@ -110,7 +111,8 @@ pub use reader::{
     MANIFEST_CHECKSUM_FIELD, MAX_MANIFEST_BYTES, Restore, RestoredChunk, RestoredGroup,
     STREAM_REQUEST_BYTES, VerifyReport, check_files_present, commit_manifest, fetch_deltas,
     open_snapshot, open_snapshot_dir, parse_manifest, plan_stream_reads, read_chain, read_groups,
-    read_groups_stream, read_manifest, sealed_manifest_json, verify, verify_written,
+    read_groups_stream, read_manifest, read_operator_state, sealed_manifest_json, verify,
+    verify_written,
 };
 pub use store::open_store;
 pub use writer::{DEFAULT_PART_SIZE, DEFAULT_PARTS_IN_FLIGHT, SnapshotWriter, write_subtask_state};

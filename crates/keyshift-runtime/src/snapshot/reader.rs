@@ -3,7 +3,9 @@
 use super::checksum::{Crc32c, Crc32cHasher};
 use super::error::{Result, SnapshotError};
 use super::layout::{SnapshotKind, file_path, manifest_path, parse_snapshot_dir_name};
-use super::manifest::{DeltaBlock, FileEntry, GroupEntry, Manifest, is_referenced_file};
+use super::manifest::{
+    DeltaBlock, FileEntry, GroupEntry, Manifest, OperatorStateEntry, is_referenced_file,
+};
 use super::store::open_store;
 use bytes::{Buf, Bytes};
 use futures::{StreamExt, TryStreamExt};
@@ -557,6 +559,47 @@ fn check_block(path: &Path, g: &GroupEntry, actual: Crc32c) -> Result<()> {
     Ok(())
 }
 
+/// Every operator-state section of the snapshot in `dir` ([`Manifest::operator_state`]), in
+/// subtask order, each checked against its length and checksum before any is returned.
+pub async fn read_operator_state(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    manifest: &Manifest,
+) -> Result<Vec<Bytes>> {
+    let mut out = Vec::with_capacity(manifest.operator_state.len());
+    for chunk in manifest.operator_state.chunks(SECTIONS_AT_ONCE) {
+        let reads: Vec<_> = chunk
+            .iter()
+            .map(|o| read_operator_section(store, dir, o))
+            .collect();
+        out.extend(futures::future::try_join_all(reads).await?);
+    }
+    Ok(out)
+}
+
+/// Operator-state sections read at once (small: one per old subtask).
+const SECTIONS_AT_ONCE: usize = 16;
+
+async fn read_operator_section(
+    store: &dyn ObjectStore,
+    dir: &Path,
+    o: &OperatorStateEntry,
+) -> Result<Bytes> {
+    let path = file_path(dir, &o.file);
+    let bytes = get_one_range(store, &path, o.offset..o.offset + o.length)
+        .await
+        .map_err(|e| SnapshotError::store("read", &path, e))?;
+    let part = Part::OperatorState(o.subtask);
+    if bytes.len() as u64 != o.length {
+        return Err(part.length_error(&path, o.length, bytes.len() as u64));
+    }
+    let actual = Crc32c::of(&bytes);
+    if actual != o.checksum {
+        return Err(part.checksum_error(&path, o.checksum, actual));
+    }
+    Ok(bytes)
+}
+
 /// What [`verify`] checked.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VerifyReport {
@@ -650,16 +693,33 @@ async fn verify_file(
     if meta.size != f.size {
         return Err(size_mismatch(meta.size));
     }
-    // Every block in this file, in file order (group order, a group's deltas in their order).
-    let blocks: Vec<(u32, u64, u64, Crc32c)> = manifest
+    // Every block in this file, in file order (group order, a group's deltas in their order),
+    // then the operator-state sections that follow them.
+    let mut blocks: Vec<(Part, u64, u64, Crc32c)> = manifest
         .key_groups
         .iter()
         .flat_map(|g| {
             g.blocks()
                 .filter(|(file, _, length, _)| *file == f.name && *length > 0)
-                .map(|(_, offset, length, checksum)| (g.group, offset, length, checksum))
+                .map(|(_, offset, length, checksum)| {
+                    (Part::Group(g.group), offset, length, checksum)
+                })
         })
         .collect();
+    blocks.extend(
+        manifest
+            .operator_state
+            .iter()
+            .filter(|o| o.file == f.name && o.length > 0)
+            .map(|o| {
+                (
+                    Part::OperatorState(o.subtask),
+                    o.offset,
+                    o.length,
+                    o.checksum,
+                )
+            }),
+    );
     if is_referenced_file(&f.name) {
         // A file of an earlier snapshot: only the blocks this one uses are checked (the rest
         // may be state that later blocks replaced).
@@ -669,21 +729,11 @@ async fn verify_file(
                 .await
                 .map_err(|e| SnapshotError::store("read", &path, e))?;
             if buf.len() as u64 != length {
-                return Err(SnapshotError::BlockLength {
-                    path: path.to_string(),
-                    group,
-                    expected: length,
-                    actual: buf.len() as u64,
-                });
+                return Err(group.length_error(&path, length, buf.len() as u64));
             }
             let actual = Crc32c::of(&buf);
             if actual != checksum {
-                return Err(SnapshotError::BlockChecksum {
-                    path: path.to_string(),
-                    group,
-                    expected: checksum.to_string(),
-                    actual: actual.to_string(),
-                });
+                return Err(group.checksum_error(&path, checksum, actual));
             }
             checked += length;
         }
@@ -718,12 +768,7 @@ async fn verify_file(
             if block_hash.bytes_hashed() == length {
                 let crc = block_hash.finish();
                 if crc != checksum {
-                    return Err(SnapshotError::BlockChecksum {
-                        path: path.to_string(),
-                        group,
-                        expected: checksum.to_string(),
-                        actual: crc.to_string(),
-                    });
+                    return Err(group.checksum_error(&path, checksum, crc));
                 }
                 file_crc = file_crc.combine(crc, length);
                 block_hash = Crc32cHasher::new();
@@ -746,6 +791,49 @@ async fn verify_file(
         });
     }
     Ok(pos)
+}
+
+/// What a stretch of a state file holds, for the errors of [`verify`].
+#[derive(Debug, Clone, Copy)]
+enum Part {
+    /// A block of this key group.
+    Group(u32),
+    /// The operator-state section of this subtask.
+    OperatorState(u32),
+}
+
+impl Part {
+    fn checksum_error(self, path: &Path, expected: Crc32c, actual: Crc32c) -> SnapshotError {
+        match self {
+            Part::Group(group) => SnapshotError::BlockChecksum {
+                path: path.to_string(),
+                group,
+                expected: expected.to_string(),
+                actual: actual.to_string(),
+            },
+            Part::OperatorState(subtask) => SnapshotError::OperatorStateDamaged {
+                path: path.to_string(),
+                subtask,
+                reason: format!("has checksum {actual}, the manifest says {expected}"),
+            },
+        }
+    }
+
+    fn length_error(self, path: &Path, expected: u64, actual: u64) -> SnapshotError {
+        match self {
+            Part::Group(group) => SnapshotError::BlockLength {
+                path: path.to_string(),
+                group,
+                expected,
+                actual,
+            },
+            Part::OperatorState(subtask) => SnapshotError::OperatorStateDamaged {
+                path: path.to_string(),
+                subtask,
+                reason: format!("read {actual} bytes, the manifest says {expected}"),
+            },
+        }
+    }
 }
 
 /// One range of an object, through `get_ranges` (which the `file://` store implements without

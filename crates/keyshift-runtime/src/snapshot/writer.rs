@@ -146,6 +146,33 @@ impl SnapshotWriter {
     }
 
     /// Passes a block on, gathering small ones into larger buffers first (order is kept).
+    /// Writes an operator-state section of `subtask` of a run of `parallelism` after the
+    /// groups (no group may follow): a worker's own, or one a rewrite carries over.
+    pub async fn write_operator_state(
+        &mut self,
+        subtask: u32,
+        parallelism: u32,
+        bytes: Bytes,
+    ) -> Result<()> {
+        if matches!(self.sink, Sink::Failed) {
+            return Err(self.failed());
+        }
+        self.layout.push_operator_state(
+            subtask,
+            parallelism,
+            bytes.len() as u64,
+            Crc32c::of(&bytes),
+        );
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        if let Err(e) = self.gather(bytes).await {
+            self.abort_quietly().await;
+            return Err(e);
+        }
+        Ok(())
+    }
+
     async fn gather(&mut self, bytes: Bytes) -> Result<()> {
         if bytes.len() < SMALL_BLOCK {
             if self.gathered.capacity() == 0 {

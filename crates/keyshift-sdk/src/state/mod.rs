@@ -387,6 +387,8 @@ pub struct Declarations {
     pub(crate) migrations: BTreeMap<StateId, Vec<Migration>>,
     /// States of earlier releases this one no longer declares, whose entries a restore drops.
     pub(crate) dropped: Vec<String>,
+    /// Operator states ([`crate::operator_state`]), in declaration order.
+    pub(crate) operator: Vec<crate::operator_state::OperatorDeclaration>,
 }
 
 /// Converts a value written under an older version of a state (its payload, the serializer's
@@ -507,6 +509,11 @@ pub enum DeclarationError {
 }
 
 impl Declarations {
+    /// Whether a keyed or an operator state is declared as `name`.
+    pub(crate) fn is_declared(&self, name: &str) -> bool {
+        self.list.iter().any(|d| d.name == name) || self.operator.iter().any(|d| d.name == name)
+    }
+
     /// Adds a declaration and the codec of its values (same index: the state's id).
     fn add<T: Send + 'static>(
         &mut self,
@@ -517,7 +524,7 @@ impl Declarations {
         if decl.name.is_empty() {
             return Err(DeclarationError::EmptyName);
         }
-        if self.list.iter().any(|d| d.name == decl.name) {
+        if self.is_declared(&decl.name) {
             return Err(DeclarationError::Duplicate(decl.name.clone()));
         }
         if self.list.len() >= MAX_STATES {
@@ -638,7 +645,7 @@ impl Declarations {
     /// entries behind instead of refusing a state the function no longer declares.
     pub fn drop_state(&mut self, name: impl Into<String>) -> Result<(), DeclarationError> {
         let name = name.into();
-        if self.list.iter().any(|d| d.name == name) {
+        if self.is_declared(&name) {
             return Err(DeclarationError::DropDeclared(name));
         }
         self.dropped.push(name);

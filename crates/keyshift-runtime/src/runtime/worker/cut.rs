@@ -86,9 +86,12 @@ pub(super) async fn snapshot(
         // a stop snapshot (nothing flows after it).
         let mut taken = match &mut sub.keyed {
             Keyed::Aggregate(agg) => checkpoint::take_cut(agg, base.as_ref(), updates, !stop).await,
-            Keyed::Program(step) => {
-                checkpoint::take_program_cut(step, base.as_ref()).map_err(job::JobError::from)?
-            }
+            Keyed::Program(step) => checkpoint::take_program_cut(
+                step,
+                base.as_ref(),
+                (sub.subtask, sub.assignment.parallelism()),
+            )
+            .map_err(job::JobError::from)?,
         };
         s.metrics.records_out.inc_by(taken.rows);
         emit_lines(
@@ -248,22 +251,15 @@ pub(super) async fn complete_cut(
         policy,
         taken,
     } = cut;
-    let (groups, codec) = (taken.groups, taken.codec);
+    let upload = taken.into_upload();
     let source_partitions = sub.source_partitions.clone();
     let shared = s.clone();
     let store = sub.store.clone();
     let task = tokio::spawn(async move {
         let result: Result<Option<SubtaskAck>, WorkerError> = async {
-            let snapshot = checkpoint::upload_cut(
-                groups,
-                codec,
-                writer,
-                base.as_ref(),
-                policy,
-                store.as_ref(),
-                &dir,
-            )
-            .await?;
+            let snapshot =
+                checkpoint::upload_cut(upload, writer, base.as_ref(), policy, store.as_ref(), &dir)
+                    .await?;
             if let Some((store, sink_base, output)) = &output {
                 stage_output(store.as_ref(), sink_base, id, output).await?;
             }

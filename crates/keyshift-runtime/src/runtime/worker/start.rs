@@ -569,6 +569,18 @@ pub(super) async fn start_subtask(
             resp.groups_restored = restored.groups;
             resp.bytes_read = restored.bytes_read;
         }
+        // A program's operator state: this subtask's share of every subtask's section (a
+        // pre-staged worker takes it from the stop checkpoint, as its last deltas).
+        if delta.is_some() || manifest.state_schema == keyed.schema() {
+            restore::restore_operator_state(
+                &mut keyed,
+                rstore.as_ref(),
+                &dir,
+                &manifest,
+                (req.subtask, req.parallelism),
+            )
+            .await?;
+        }
         // One of the job's own checkpoints: the next checkpoint may build on it.
         let own = crate::snapshot::snapshot_url(
             &req.storage,
