@@ -385,6 +385,66 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
         dedup::dropped_in_sections(&sections).expect("the sections decode"),
         (n - want.len()) as u64
     );
+    // `keyshift savepoint inspect` shows it by its declared name.
+    let shown = std::process::Command::new(bin())
+        .args(["savepoint", "inspect", &last.url])
+        .output()
+        .expect("keyshift savepoint inspect runs");
+    let table = String::from_utf8_lossy(&shown.stdout);
+    assert!(shown.status.success(), "{table}");
+    assert!(
+        table.contains("operator state:   1 states")
+            && table.contains("dropped  operator list, redistribution split"),
+        "{table}"
+    );
+    let verified = std::process::Command::new(bin())
+        .args(["savepoint", "verify", &last.url])
+        .output()
+        .expect("keyshift savepoint verify runs");
+    assert!(
+        verified.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&verified.stdout),
+        String::from_utf8_lossy(&verified.stderr)
+    );
+    // A ceiling change (rewritten to 256 key groups at parallelism 3) carries the sections of
+    // the run that wrote them; a restore at any parallelism splits them from there.
+    let target = dir.path().join("rewritten").join("sp-9");
+    let target = format!("file://{}", target.display());
+    let rewrite = std::process::Command::new(bin())
+        .args([
+            "savepoint",
+            "rewrite",
+            &last.url,
+            "--max-parallelism",
+            "256",
+        ])
+        .args(["--parallelism", "3", "--to", &target])
+        .output()
+        .expect("keyshift savepoint rewrite runs");
+    assert!(
+        rewrite.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rewrite.stderr)
+    );
+    let (store, rewritten_dir, rewritten) = keyshift::snapshot::open_snapshot(&target)
+        .await
+        .expect("the rewritten savepoint opens");
+    assert_eq!((rewritten.max_parallelism, rewritten.parallelism), (256, 3));
+    assert_eq!(
+        rewritten.operator_state.len(),
+        2,
+        "the sections of the run of 2"
+    );
+    let sections =
+        keyshift::snapshot::read_operator_state(store.as_ref(), &rewritten_dir, &rewritten)
+            .await
+            .expect("the rewritten sections read back");
+    let sections: Vec<&[u8]> = sections.iter().map(|b| b.as_ref()).collect();
+    assert_eq!(
+        dedup::dropped_in_sections(&sections).expect("the sections decode"),
+        (n - want.len()) as u64
+    );
 }
 
 /// The `sessions` program (gap-based session windows per user, merged when a click bridges two)

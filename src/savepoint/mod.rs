@@ -687,6 +687,26 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
         r.non_empty_groups,
         r.max_parallelism
     );
+    if !r.operator_state.is_empty() {
+        let _ = writeln!(
+            s,
+            "operator state:   {} states (entries per subtask of the run that wrote them)",
+            r.operator_state.len()
+        );
+        for o in &r.operator_state {
+            let per: Vec<String> = o.entries.iter().map(u64::to_string).collect();
+            let _ = writeln!(
+                s,
+                "  {}  {}, redistribution {}, {} entries [{}], {}",
+                o.name,
+                o.kind,
+                o.redistribution,
+                o.entries.iter().sum::<u64>(),
+                per.join(" "),
+                human_bytes(o.bytes)
+            );
+        }
+    }
     if let Some(from) = r.notes.get("rewrittenFrom") {
         let _ = writeln!(
             s,

@@ -47,6 +47,14 @@ pub enum ToolError {
         source: keyshift_sdk::BlockError,
     },
 
+    /// A program's operator-state section does not decode.
+    #[error("the operator state of subtask {subtask}: {source}")]
+    OperatorState {
+        subtask: u32,
+        #[source]
+        source: keyshift_sdk::BlockError,
+    },
+
     /// A program's state could not be re-bucketed (a block that does not decode, or blocks
     /// that disagree on the step or its states).
     #[error("rewriting a program's state: {0}")]

@@ -107,6 +107,22 @@ impl Spread {
     }
 }
 
+/// One operator state of a program's snapshot, as `inspect` reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OperatorStateSummary {
+    /// The state's declared name.
+    pub name: String,
+    /// `operator list` or `broadcast`.
+    pub kind: String,
+    /// `split`, `union`, `broadcast`, or `none` (a rescale is refused).
+    pub redistribution: String,
+    /// Its entries on each subtask of the run that wrote it, in subtask order.
+    pub entries: Vec<u64>,
+    /// Bytes of its entries, over every subtask.
+    pub bytes: u64,
+}
+
 /// Everything `inspect` reports.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -161,6 +177,49 @@ pub struct InspectReport {
     pub largest_keys: Vec<KeyStat>,
     /// The keys with the largest aggregate (count and sum jobs; empty otherwise).
     pub top_keys_by_value: Vec<KeyStat>,
+    /// A program's operator states (what its step keeps per subtask), by declared name.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub operator_state: Vec<OperatorStateSummary>,
+}
+
+/// The operator states in a snapshot's sections, summed up by name in declaration order.
+async fn operator_states(
+    loc: &SnapshotLocation,
+    manifest: &crate::snapshot::Manifest,
+) -> Result<Vec<OperatorStateSummary>> {
+    let sections =
+        crate::snapshot::read_operator_state(loc.store.as_ref(), &loc.dir, manifest).await?;
+    let from = sections.len();
+    let mut out: Vec<OperatorStateSummary> = Vec::new();
+    for (i, bytes) in sections.iter().enumerate() {
+        let section =
+            keyshift_sdk::operator_state::OperatorStates::decode(bytes).map_err(|source| {
+                ToolError::OperatorState {
+                    subtask: i as u32,
+                    source,
+                }
+            })?;
+        for (decl, entries) in section.states {
+            let at = match out.iter().position(|o| o.name == decl.name) {
+                Some(at) => at,
+                None => {
+                    out.push(OperatorStateSummary {
+                        name: decl.name.clone(),
+                        kind: decl.kind.to_string(),
+                        redistribution: decl
+                            .redistribution
+                            .map_or_else(|| "none".to_owned(), |r| r.to_string()),
+                        entries: vec![0; from],
+                        bytes: 0,
+                    });
+                    out.len() - 1
+                }
+            };
+            out[at].entries[i] = entries.len() as u64;
+            out[at].bytes += entries.iter().map(|e| e.len() as u64).sum::<u64>();
+        }
+    }
+    Ok(out)
 }
 
 /// Bounded "largest N" collector.
@@ -433,6 +492,7 @@ pub async fn inspect(loc: &SnapshotLocation, top: usize) -> Result<InspectReport
         largest_groups,
         largest_keys: c.by_bytes.into_sorted(),
         top_keys_by_value: c.by_value.into_sorted(),
+        operator_state: operator_states(loc, &manifest).await?,
     })
 }
 

@@ -37,7 +37,7 @@ pub mod verify;
 pub use blocks::blocking;
 pub use dump::{DumpLine, DumpSummary, dump_with_progress, parse_key_groups};
 pub use error::{Result, ToolError};
-pub use inspect::{GroupSize, InspectReport, KeyStat, SubtaskShare};
+pub use inspect::{GroupSize, InspectReport, KeyStat, OperatorStateSummary, SubtaskShare};
 pub use location::{SnapshotLocation, open_location, open_location_for_write, split_snapshot_url};
 pub use retention::{
     DisposeOptions, DisposeReport, IN_USE_FILE, InUseEntry, InUseMarker, InUseReason, JobListing,

@@ -741,7 +741,7 @@ impl Manifest {
                 return Err(SnapshotError::UnsupportedFormat {
                     path: path.to_owned(),
                     found,
-                    supported: FORMAT_VERSION,
+                    supported: OPERATOR_STATE_FORMAT_VERSION,
                 });
             }
             None => {
@@ -1441,10 +1441,10 @@ mod tests {
             "{err:?}"
         );
         assert!(err.to_string().contains("a/_manifest.json"));
-        let err = Manifest::from_json(b"{\"formatVersion\": 3}", "a/_manifest.json").unwrap_err();
+        let err = Manifest::from_json(b"{\"formatVersion\": 4}", "a/_manifest.json").unwrap_err();
         assert!(matches!(
             err,
-            SnapshotError::UnsupportedFormat { found: 3, .. }
+            SnapshotError::UnsupportedFormat { found: 4, .. }
         ));
     }
 
