@@ -746,6 +746,118 @@ mod count_at_version_2 {
     }
 }
 
+/// The `count` program as a release that also counts, per subtask, the records it saw in an
+/// operator list state that declares no redistribution.
+mod count_with_unsplittable_totals {
+    use keyshift_examples::count::Keyed;
+    use keyshift_sdk::prelude::*;
+
+    struct Count;
+
+    impl KeyedProcessFunction for Count {
+        type Key = String;
+        type In = Keyed;
+        type Out = (String, u64);
+        type State = (ValueHandle<u64>, OperatorListHandle<u64>);
+
+        fn declare(&self, states: &mut Declarations) -> Result<Self::State, DeclarationError> {
+            Ok((
+                states.value(ValueStateDescriptor::new("count"))?,
+                states.operator_list(OperatorListStateDescriptor::new("totals"))?,
+            ))
+        }
+
+        fn process(
+            &mut self,
+            _record: Keyed,
+            (count, totals): &Self::State,
+            ctx: &mut Context<'_, String, (String, u64)>,
+        ) -> keyshift_sdk::Result<()> {
+            let n = ctx.value(count).get()?.unwrap_or(0) + 1;
+            ctx.value(count).set(n)?;
+            let seen = ctx
+                .operator_list(totals)
+                .get()?
+                .first()
+                .copied()
+                .unwrap_or(0);
+            ctx.operator_list(totals).update(&[seen + 1])?;
+            Ok(())
+        }
+    }
+
+    pub fn job() -> Job {
+        Job::json_lines::<Keyed>("count", "records", |r| r.ts)
+            .key_by(|r| r.key.clone())
+            .process("count", || Count)
+            .to_json_lines("counts")
+    }
+}
+
+/// A rescale of a program whose operator state declares no redistribution: the new run's
+/// workers refuse its state, the rescale rolls back to the old parallelism (the job runs on),
+/// and the job is Stalled naming the state and the choices, with no second attempt while the
+/// spec stays; setting the replicas back clears it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rescale_the_operator_state_cannot_follow_rolls_back_and_stalls_naming_the_state() {
+    bounded(async {
+        let name = "unsplittable";
+        let mut d = Driver::new(name, 2, "1h");
+        d.spec = count_program_spec(name, 2);
+        d.workers.set_spec_hash(settings::spec_hash(&d.spec));
+        d.workers
+            .set_programs(image_with_count(count_with_unsplittable_totals::job()));
+        d.until_running(2).await;
+        d.assert_processing().await;
+
+        d.spec.replicas = 3;
+        d.until("rolled back and stalled", Duration::from_secs(30), |d| {
+            d.running_at(2)
+                && d.condition("Stalled")
+                    .is_some_and(|(r, _)| r == "StartRefused")
+        })
+        .await;
+        let (_, message) = d.condition("Stalled").expect("Stalled");
+        for needle in [
+            "operator state \"totals\" declares no redistribution",
+            "split",
+            "union",
+            "broadcast",
+            "keep the parallelism at 2",
+            "runs on at parallelism 2",
+        ] {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+        assert_eq!(
+            d.events_named("RescaleRollingBack").len(),
+            1,
+            "{}",
+            d.event_log()
+        );
+        // Past the rescale's backoff: not tried again, and the job keeps processing.
+        d.for_a_while(Duration::from_secs(12), |d| {
+            assert_eq!(
+                d.events_named("RescaleStarted").len(),
+                1,
+                "{}",
+                d.event_log()
+            );
+            assert!(d.workers.live().len() == 2);
+        })
+        .await;
+        d.assert_processing().await;
+
+        // The replicas set back: the stall clears, the job runs at 2.
+        d.spec.replicas = 2;
+        d.until("no longer stalled", Duration::from_secs(20), |d| {
+            d.running_at(2) && d.condition("Stalled").is_none()
+        })
+        .await;
+        d.assert_processing().await;
+    })
+    .await;
+}
+
 /// An image carrying `count` as `job` builds it.
 fn image_with_count(job: keyshift_sdk::dataflow::Job) -> keyshift::job::Programs {
     keyshift::job::Programs::new()

@@ -89,13 +89,23 @@ pub fn decide_with(
         };
     }
     // A start of this spec was refused for good: nothing is started until the spec changes
-    // (a retry would be refused the same way). A suspend is a change of the spec too.
+    // (a retry would be refused the same way), except the rollback of a rescale whose new run
+    // was refused (the old parallelism restores). A suspend is a change of the spec too.
     if obs.active.is_none()
-        && let Some((reason, message)) = &obs.start_refused
+        && let Some(refusal) = &obs.start_refused
+        && !status
+            .rescale
+            .as_ref()
+            .is_some_and(|r| r.step.active() && r.rolled_back.is_some())
+        && refusal.refuses(recovery_parallelism(
+            status,
+            settings.desired_parallelism,
+            pending.is_some(),
+        ))
     {
         return Action::Stall {
-            reason: *reason,
-            message: message.clone(),
+            reason: refusal.reason,
+            message: refusal.message.clone(),
         };
     }
     if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {
@@ -152,7 +162,14 @@ pub fn decide_with(
                 },
             };
         }
-        if desired != active.parallelism {
+        // A change to a parallelism whose start was refused for good is not begun again while
+        // the spec stays (the pass reports the stall; the running job goes on).
+        if desired != active.parallelism
+            && !obs
+                .start_refused
+                .as_ref()
+                .is_some_and(|r| r.refuses(desired))
+        {
             if let Some(requeue) = backoff {
                 return Action::Idle { requeue };
             }

@@ -80,9 +80,27 @@ pub struct Observed {
     /// (reason, message; see [`run::restore_refusal`](super::run::restore_refusal)): the
     /// upgrade is not begun, and the job keeps running and checkpointing under its old logic.
     pub upgrade_refused: Option<(Reason, String)>,
-    /// Why the last start of this very spec was refused for good (reason, message): no run is
-    /// started until the spec changes (the shell forgets the refusal then).
-    pub start_refused: Option<(Reason, String)>,
+    /// Why the last start of this very spec was refused for good: no run is started until the
+    /// spec changes (the shell forgets the refusal then), or, for a refusal of one parallelism
+    /// (a rescale that rolled back), no run at that parallelism.
+    pub start_refused: Option<StartRefusal>,
+}
+
+/// A start refused for good ([`Observed::start_refused`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StartRefusal {
+    pub reason: Reason,
+    pub message: String,
+    /// The parallelism refused (a rescale's new one: the job runs on at its old one), or `None`:
+    /// any start.
+    pub parallelism: Option<u32>,
+}
+
+impl StartRefusal {
+    /// Whether it refuses a start at `parallelism`.
+    pub fn refuses(&self, parallelism: u32) -> bool {
+        self.parallelism.is_none_or(|p| p == parallelism)
+    }
 }
 
 /// A spec.restoreFrom the job has not been started from yet.

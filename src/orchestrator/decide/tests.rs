@@ -365,10 +365,11 @@ fn a_failed_worker_restarts_the_run_and_backoff_delays_it() {
 #[test]
 fn a_start_refused_for_good_stalls_instead_of_starting_again() {
     let s = spec(4);
-    let refusal = (
-        Reason::StartRefused,
-        "worker 0 refused: spec.job.program.name \"nope\"".to_owned(),
-    );
+    let refusal = StartRefusal {
+        reason: Reason::StartRefused,
+        message: "worker 0 refused: spec.job.program.name \"nope\"".to_owned(),
+        parallelism: None,
+    };
     // Without the refusal, a job with no run brings workers up; with it, it stalls and starts
     // nothing, backoff or not, and also in the middle of a rescale whose new run was refused.
     let fresh = decide(&s, &status(), &obs(vec![], None));
@@ -376,8 +377,8 @@ fn a_start_refused_for_good_stalls_instead_of_starting_again() {
     let mut o = obs(vec![], None);
     o.start_refused = Some(refusal.clone());
     let stalled = Action::Stall {
-        reason: refusal.0,
-        message: refusal.1.clone(),
+        reason: refusal.reason,
+        message: refusal.message.clone(),
     };
     assert_eq!(decide(&s, &status(), &o), stalled);
     let mut rescaling = status();
@@ -394,6 +395,54 @@ fn a_start_refused_for_good_stalls_instead_of_starting_again() {
     up.start_refused = Some(refusal);
     let a = decide(&s, &status(), &up);
     assert!(!matches!(a, Action::Stall { .. }), "{a:?}");
+}
+
+#[test]
+fn a_rescale_refused_for_good_is_not_begun_again_and_the_old_parallelism_still_recovers() {
+    // Spec 4; the rescale 2 -> 4 rolled back (its new run refused the state for good).
+    let s = spec(4);
+    let mut rolled_back = status();
+    rolled_back.replicas = Some(2);
+    rolled_back.rescale = Some(RescaleStatus {
+        from: 2,
+        to: 4,
+        step: Step::RolledBack,
+        rolled_back: Some("refused".into()),
+        ..Default::default()
+    });
+    let refusal = StartRefusal {
+        reason: Reason::StartRefused,
+        message: "operator state \"totals\" declares no redistribution".to_owned(),
+        parallelism: Some(4),
+    };
+    // Running at 2: without the refusal the rescale begins again; with it, it does not, and
+    // the job goes on (a checkpoint is due).
+    let running = pods("r", 2, PodPhase::Running, Some(WorkerState::Running));
+    let mut up = obs(running.clone(), Some(("r", 2)));
+    assert!(matches!(
+        decide(&s, &rolled_back, &up),
+        Action::BeginRescale { from: 2, to: 4, .. }
+    ));
+    up.start_refused = Some(refusal.clone());
+    let a = decide(&s, &rolled_back, &up);
+    assert!(
+        !matches!(a, Action::BeginRescale { .. } | Action::Stall { .. }),
+        "{a:?}"
+    );
+    // The old run lost: it is brought back at 2, not stalled.
+    let mut down = obs(vec![], None);
+    down.start_refused = Some(refusal.clone());
+    let a = decide(&s, &rolled_back, &down);
+    assert!(!matches!(a, Action::Stall { .. }), "{a:?}");
+    // A refusal of the parallelism it would start at stalls.
+    down.start_refused = Some(StartRefusal {
+        parallelism: Some(2),
+        ..refusal
+    });
+    assert!(matches!(
+        decide(&s, &rolled_back, &down),
+        Action::Stall { .. }
+    ));
 }
 
 #[test]

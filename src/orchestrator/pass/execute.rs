@@ -1474,6 +1474,25 @@ impl Pass<'_> {
                     if let Some(r) = self.rescale_mut() {
                         r.rolled_back = Some(why.clone());
                     }
+                    // Refused for good (the state cannot go to that parallelism, say): the job
+                    // runs on at the old one, and the change is not tried again until the spec
+                    // changes.
+                    if e.refuses_for_good() {
+                        let reason = match &e {
+                            StartError::Refused { reason, .. } => *reason,
+                            _ => Reason::StartRefused,
+                        };
+                        self.mem.start_refused = Some((
+                            super::refusal_key(self.spec),
+                            decide::StartRefusal {
+                                reason,
+                                message: format!(
+                                    "{message}. The job runs on at parallelism {old}; no retry can change that: it changes again once its spec changes"
+                                ),
+                                parallelism: Some(parallelism),
+                            },
+                        ));
+                    }
                     self.fail(Reason::RescaleRolledBack, why.clone());
                     self.event(true, Reason::RescaleRollingBack, why);
                     return Ok(requeue::AFTER_FAILURE);
@@ -1506,8 +1525,14 @@ impl Pass<'_> {
                     let message = format!(
                         "{message}. No retry can change that: the job starts again once its spec changes"
                     );
-                    self.mem.start_refused =
-                        Some((super::refusal_key(self.spec), reason, message.clone()));
+                    self.mem.start_refused = Some((
+                        super::refusal_key(self.spec),
+                        decide::StartRefusal {
+                            reason,
+                            message: message.clone(),
+                            parallelism: None,
+                        },
+                    ));
                     self.stall(reason, message);
                     return Ok(requeue::STALLED);
                 }

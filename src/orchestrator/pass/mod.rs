@@ -97,9 +97,9 @@ pub struct JobMemory {
     /// Periodic checkpoints of the current run that failed in a row, and the last error.
     checkpoint_failures: Option<(u32, String)>,
     /// A start refused for good ([`StartError::refuses_for_good`]): the spec it was refused for
-    /// ([`refusal_key`]), the reason and the message. No run is started again until the spec
-    /// changes.
-    start_refused: Option<(String, Reason, String)>,
+    /// ([`refusal_key`]) and the refusal. No run (or none at the refused parallelism) is started
+    /// again until the spec changes.
+    start_refused: Option<(String, decide::StartRefusal)>,
     /// Snapshots of the job's own history that a restore found it cannot restore (a block that
     /// does not match its checksum, which no listing can tell), by URL, with why: later resumes
     /// pass over them ([`run::latest_restorable`]). A new leader tries each once more.
@@ -294,10 +294,7 @@ pub async fn run_pass(
         mem.start_refused = None;
     }
     let obs = decide::Observed {
-        start_refused: mem
-            .start_refused
-            .as_ref()
-            .map(|(_, reason, message)| (*reason, message.clone())),
+        start_refused: mem.start_refused.as_ref().map(|(_, r)| r.clone()),
         name: name.to_owned(),
         pending_restore,
         upgrade_refused: upgrade_refused.clone(),
@@ -368,6 +365,13 @@ pub async fn run_pass(
         .or_else(|| upgrade_refusal(spec, pass.settings, pass.mem, (namespace, name)))
     {
         pass.stall(reason, message);
+    }
+    // A rescale refused for good that rolled back: the job runs at the old parallelism and is
+    // stalled on the new one until the spec changes.
+    if pass.mem.coordinating()
+        && let Some((_, refusal)) = pass.mem.start_refused.clone()
+    {
+        pass.stall(refusal.reason, refusal.message);
     }
     let mut requeue = requeue?;
     // A running Kafka source's lag reaches status at least this often.
