@@ -800,18 +800,35 @@ mod count_with_unsplittable_totals {
 /// spec stays; setting the replicas back clears it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rescale_the_operator_state_cannot_follow_rolls_back_and_stalls_naming_the_state() {
+    unsplittable_rescale(false).await;
+}
+
+/// The same rescale pre-staged: the new workers refuse the state while they load it, before
+/// the old run stops (no savepoint, no rollback); the rescale is abandoned and the job runs on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_the_operator_state_cannot_follow_is_refused_before_the_job_stops() {
+    unsplittable_rescale(true).await;
+}
+
+async fn unsplittable_rescale(prestage: bool) {
     bounded(async {
-        let name = "unsplittable";
+        let name = if prestage {
+            "unsplittable-prestaged"
+        } else {
+            "unsplittable"
+        };
         let mut d = Driver::new(name, 2, "1h");
         d.spec = count_program_spec(name, 2);
-        d.workers.set_spec_hash(settings::spec_hash(&d.spec));
+        if prestage {
+            d.spec.rescale_strategy = keyshift::crd::RescaleStrategy::Prestage;
+        }
         d.workers
             .set_programs(image_with_count(count_with_unsplittable_totals::job()));
         d.until_running(2).await;
         d.assert_processing().await;
 
         d.spec.replicas = 3;
-        d.until("rolled back and stalled", Duration::from_secs(30), |d| {
+        d.until("refused and stalled", Duration::from_secs(30), |d| {
             d.running_at(2)
                 && d.condition("Stalled")
                     .is_some_and(|(r, _)| r == "StartRefused")
@@ -828,20 +845,23 @@ async fn a_rescale_the_operator_state_cannot_follow_rolls_back_and_stalls_naming
         ] {
             assert!(message.contains(needle), "{needle:?} in {message}");
         }
-        assert_eq!(
-            d.events_named("RescaleRollingBack").len(),
-            1,
-            "{}",
-            d.event_log()
-        );
-        // Past the rescale's backoff: not tried again, and the job keeps processing.
-        d.for_a_while(Duration::from_secs(12), |d| {
+        if prestage {
+            // Refused while the old run went on: it never stopped.
+            assert_eq!(d.events_named("RescaleAbandoned").len(), 1, "{}", d.event_log());
+            assert!(d.events_named("SavepointTaken").is_empty(), "{}", d.event_log());
+            assert!(d.events_named("RescaleRollingBack").is_empty(), "{}", d.event_log());
+            assert_eq!(d.events_named("Started").len(), 1, "{}", d.event_log());
+        } else {
             assert_eq!(
-                d.events_named("RescaleStarted").len(),
+                d.events_named("RescaleRollingBack").len(),
                 1,
                 "{}",
                 d.event_log()
             );
+        }
+        // Past the rescale's backoff: not tried again, and the job keeps processing.
+        d.for_a_while(Duration::from_secs(12), |d| {
+            assert_eq!(d.events_named("RescaleStarted").len(), 1, "{}", d.event_log());
             assert!(d.workers.live().len() == 2);
         })
         .await;

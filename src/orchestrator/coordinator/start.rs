@@ -280,6 +280,13 @@ impl Coordinator {
                         let reason = st
                             .last_start_error
                             .unwrap_or_else(|| "the worker is idle (it restarted?)".into());
+                        if st.last_start_refused {
+                            return Err(CoordinatorError::Refused {
+                                subtask: i,
+                                url: self.workers[i].control.clone(),
+                                reason,
+                            });
+                        }
                         return Err(self.fail(i, format!("/v1/prestage: {reason}")));
                     }
                     other => {

@@ -263,7 +263,7 @@ impl Pass<'_> {
             }
             (BackgroundWork::Prestage { run, parallelism }, Some(Ended::Prestage(done))) => {
                 let (old, result) = *done;
-                self.prestage_done(&run, parallelism, old, result)
+                self.prestage_done(&run, parallelism, old, result).await
             }
             (BackgroundWork::Verify { url }, Some(Ended::Verify(result))) => {
                 match result {
@@ -282,7 +282,7 @@ impl Pass<'_> {
                         );
                     }
                     Err(e) => {
-                        self.abandon(format!("savepoint {url} failed verification: {e}"))
+                        self.abandon(format!("savepoint {url} failed verification: {e}"), true)
                             .await?;
                     }
                 }

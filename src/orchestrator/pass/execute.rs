@@ -102,7 +102,7 @@ impl Pass<'_> {
                 Ok(short)
             }
             Action::Abandon { message } => {
-                self.abandon(message).await?;
+                self.abandon(message, true).await?;
                 Ok(short)
             }
             Action::CreatePods {
@@ -787,7 +787,7 @@ impl Pass<'_> {
     }
 
     /// Records how pre-staging ended: step Savepointing with what was loaded, or a fallback.
-    pub(super) fn prestage_done(
+    pub(super) async fn prestage_done(
         &mut self,
         run_id: &str,
         parallelism: u32,
@@ -821,6 +821,24 @@ impl Pass<'_> {
                     ),
                 );
                 Ok(requeue::RECORDED)
+            }
+            // The new workers refused the state for good (it cannot go to that parallelism):
+            // the old run has not stopped, and goes on; the rescale is not tried again until
+            // the spec changes.
+            Err(e @ CoordinatorError::Refused { .. }) => {
+                let message = format!(
+                    "pre-staging the new workers at parallelism {parallelism} was refused: {e}. The job runs on at parallelism {old_parallelism}; no retry can change that: it changes again once its spec changes"
+                );
+                self.mem.start_refused = Some((
+                    super::refusal_key(self.spec),
+                    decide::StartRefusal {
+                        reason: Reason::StartRefused,
+                        message: message.clone(),
+                        parallelism: Some(parallelism),
+                    },
+                ));
+                self.abandon(message, false).await?;
+                Ok(requeue::SOON)
             }
             Err(e) => {
                 self.fall_back(format!("pre-staging the new workers failed: {e}"))?;
@@ -862,7 +880,13 @@ impl Pass<'_> {
         requeue::WORKERS_CHANGING
     }
 
-    pub(super) async fn abandon(&mut self, message: String) -> Result<(), PassError> {
+    /// Gives the rescale up while the old run goes on; it is retried with backoff when
+    /// `retried` (else a refusal holds it until the spec changes).
+    pub(super) async fn abandon(
+        &mut self,
+        message: String,
+        retried: bool,
+    ) -> Result<(), PassError> {
         self.transition(Outcome::GaveUp)?;
         if let Some(run) = &self.mem.run {
             run.coordinator.resume().await;
@@ -870,8 +894,12 @@ impl Pass<'_> {
             let parallelism = run.parallelism;
             self.set_running(parallelism)?;
         }
-        self.fail(Reason::RescaleAbandoned, message.clone());
-        self.event(true, Reason::RescaleAbandoned, format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
+        if retried {
+            self.fail(Reason::RescaleAbandoned, message.clone());
+            self.event(true, Reason::RescaleAbandoned, format!("{message}; the job keeps running at its old parallelism and the rescale is retried with backoff"));
+        } else {
+            self.event(true, Reason::RescaleAbandoned, message);
+        }
         Ok(())
     }
 
@@ -1010,7 +1038,7 @@ impl Pass<'_> {
             }
             Err(e) => {
                 self.record_snapshot(&labels, None);
-                self.abandon(format!("savepoint failed: {e}")).await?;
+                self.abandon(format!("savepoint failed: {e}"), true).await?;
                 Ok(requeue::WORKERS_CHANGING)
             }
         }

@@ -27,6 +27,14 @@ pub enum RestoreError {
     Program(#[from] ProgramError),
 }
 
+impl RestoreError {
+    /// Whether the snapshot's state does not fit the job's program (a changed declaration, a
+    /// rescale its operator state refuses): no retry from any snapshot of it can succeed.
+    pub fn refuses_the_job(&self) -> bool {
+        matches!(self, RestoreError::Program(p) if p.refuses_the_job())
+    }
+}
+
 /// What [`restore_state`] restored.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Restored {

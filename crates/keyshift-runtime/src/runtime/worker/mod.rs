@@ -100,7 +100,7 @@ impl WorkerError {
             WorkerError::BadStart(_) => true,
             WorkerError::Job(j) => j.refuses_for_good(),
             // Found while restoring: the snapshot's state does not fit the job's program.
-            WorkerError::Restore(restore::RestoreError::Program(p)) => p.refuses_the_job(),
+            WorkerError::Restore(r) => r.refuses_the_job(),
             _ => false,
         }
     }

@@ -276,9 +276,21 @@ pub(super) async fn prestage_handler(
             let mut keyed = pre.keyed;
             let result = match snap {
                 Some((rstore, dir, manifest)) => {
-                    prestage::apply(&mut keyed, rstore.as_ref(), &dir, &plan, Some(&progress))
+                    let applied =
+                        prestage::apply(&mut keyed, rstore.as_ref(), &dir, &plan, Some(&progress))
+                            .await;
+                    match applied {
+                        Ok(a) => restore::restore_operator_state(
+                            &mut keyed,
+                            rstore.as_ref(),
+                            &dir,
+                            &manifest,
+                            (req.subtask, req.parallelism),
+                        )
                         .await
-                        .map(|a| (a, manifest))
+                        .map(|()| (a, manifest)),
+                        Err(e) => Err(e),
+                    }
                 }
                 None => Err(restore::RestoreError::Decoder("no snapshot".into())),
             };
@@ -308,16 +320,31 @@ pub(super) async fn prestage_handler(
             _ => None,
         };
         let result = match snap {
-            Some((rstore, dir, manifest)) => restore::restore_keyed(
-                &mut keyed,
-                rstore.as_ref(),
-                &dir,
-                &manifest,
-                RestoreOptions::default(),
-                Some(&progress),
-            )
-            .await
-            .map(|r| (r, manifest)),
+            Some((rstore, dir, manifest)) => {
+                // The operator state too: a rescale it cannot follow is refused here, before
+                // the old run stops (the start takes it again from the stop checkpoint).
+                let restored = restore::restore_keyed(
+                    &mut keyed,
+                    rstore.as_ref(),
+                    &dir,
+                    &manifest,
+                    RestoreOptions::default(),
+                    Some(&progress),
+                )
+                .await;
+                match restored {
+                    Ok(r) => restore::restore_operator_state(
+                        &mut keyed,
+                        rstore.as_ref(),
+                        &dir,
+                        &manifest,
+                        (req.subtask, req.parallelism),
+                    )
+                    .await
+                    .map(|()| (r, manifest)),
+                    Err(e) => Err(e),
+                }
+            }
             None => Err(restore::RestoreError::Decoder("no snapshot".into())),
         };
         prestaged(&s2, req, keyed, compiled, result, started, &progress).await;
@@ -372,6 +399,9 @@ pub(super) async fn prestaged(
             let mut st = s.status.lock().await;
             st.state = WorkerState::Idle;
             st.last_start_error = Some(format!("pre-stage: {e}"));
+            // The state does not fit the job at this parallelism: the rescale is refused before
+            // the old run stops.
+            st.last_start_refused = e.refuses_the_job();
             s.prestaging.store(false, Ordering::Release);
         }
     }
