@@ -1475,6 +1475,107 @@ fn wait_stalled(ns: &str, name: &str, reason: &str, log: &std::path::Path) -> St
     )
 }
 
+/// Going back past published output, on the real node: a job with the object-store sink takes
+/// two savepoints (its sink publishes output after the first); a spec.restoreFrom of the first
+/// is refused before anything stops (Stalled OutputWouldRepeat, naming the snapshot, the sink
+/// and the one edit that confirms it; the same worker pods run on and nothing more is
+/// published from the old history than before); with spec.allowRepublishingOutput the job
+/// restores it.
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn a_restore_from_older_than_the_published_output_is_refused_until_confirmed() {
+    let _plane = shared_plane();
+    let (ns, dir, mut op) = setup("e2e-op-going-back", "going-back");
+    let ns = &ns.0;
+    let log = op.log.clone();
+    let name = "going-back";
+    let sink = format!("{}-sink/{name}", op.storage);
+    let r = apply(ns, &sink_job_yaml(name, &sink, false, S3_SECRET));
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+
+    let mut savepoints = Vec::new();
+    for nonce in [1, 2] {
+        patch_spec(ns, name, &format!("{{\"savepointTriggerNonce\":{nonce}}}"));
+        wait_for(Duration::from_secs(60), || {
+            get(ns, name, "{.status.lastSavepointNonce}") == nonce.to_string()
+        });
+        savepoints.push(get(ns, name, "{.status.lastSavepoint.path}"));
+        if nonce == 1 {
+            // Output published after the first savepoint: checkpoints commit and publish.
+            let first = checkpoint_id(ns, name);
+            wait_for(Duration::from_secs(60), || {
+                checkpoint_id(ns, name) >= first + 2
+            });
+        }
+    }
+    let first_id: u64 = savepoints[0]
+        .rsplit("sp-")
+        .next()
+        .and_then(|id| id.parse().ok())
+        .expect("a savepoint id");
+    let published = |sink: &str| -> Vec<u64> {
+        let mut ids: Vec<u64> = published_parts(sink)
+            .into_iter()
+            .map(|(id, ..)| id)
+            .collect();
+        ids.dedup();
+        ids
+    };
+    let before = published(&sink);
+    assert!(
+        before.iter().any(|id| *id > first_id),
+        "output published after sp-{first_id}: {before:?}"
+    );
+
+    // Back to the first savepoint: refused, and nothing stops.
+    let pods = worker_pods(ns, name);
+    patch_spec(
+        ns,
+        name,
+        &format!("{{\"restoreFrom\":\"{}\"}}", savepoints[0]),
+    );
+    let message = wait_stalled(ns, name, "OutputWouldRepeat", &log);
+    for needle in [
+        savepoints[0].as_str(),
+        sink.as_str(),
+        "nothing was stopped",
+        "allowRepublishingOutput: true",
+    ] {
+        assert!(message.contains(needle), "{needle:?} in {message}");
+    }
+    std::thread::sleep(Duration::from_secs(3));
+    assert_eq!(worker_pods(ns, name), pods, "the job ran on");
+    assert_eq!(
+        get(ns, name, "{.status.restoredFrom}"),
+        "",
+        "nothing was restored"
+    );
+
+    // Confirmed: the job goes back.
+    patch_spec(ns, name, "{\"allowRepublishingOutput\":true}");
+    wait_for(Duration::from_secs(120), || {
+        get(ns, name, "{.status.restoredFrom}") == savepoints[0]
+    });
+    wait_ready(ns, name, &log);
+    assert_ne!(
+        worker_pods(ns, name),
+        pods,
+        "a new run from the first savepoint"
+    );
+    assert_ne!(
+        get(
+            ns,
+            name,
+            "{.status.conditions[?(@.type==\"Stalled\")].status}"
+        ),
+        "True"
+    );
+    delete_job(ns, name, &log);
+    op.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// The operator's allow-lists refuse a job whose spec.image or serviceAccountName is outside
 /// them before any pod exists, naming the field and the fix; the fixed job runs, behind the
 /// NetworkPolicy the operator applied before its pods (this operator is a host process that does

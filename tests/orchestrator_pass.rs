@@ -847,9 +847,22 @@ async fn unsplittable_rescale(prestage: bool) {
         }
         if prestage {
             // Refused while the old run went on: it never stopped.
-            assert_eq!(d.events_named("RescaleAbandoned").len(), 1, "{}", d.event_log());
-            assert!(d.events_named("SavepointTaken").is_empty(), "{}", d.event_log());
-            assert!(d.events_named("RescaleRollingBack").is_empty(), "{}", d.event_log());
+            assert_eq!(
+                d.events_named("RescaleAbandoned").len(),
+                1,
+                "{}",
+                d.event_log()
+            );
+            assert!(
+                d.events_named("SavepointTaken").is_empty(),
+                "{}",
+                d.event_log()
+            );
+            assert!(
+                d.events_named("RescaleRollingBack").is_empty(),
+                "{}",
+                d.event_log()
+            );
             assert_eq!(d.events_named("Started").len(), 1, "{}", d.event_log());
         } else {
             assert_eq!(
@@ -861,7 +874,12 @@ async fn unsplittable_rescale(prestage: bool) {
         }
         // Past the rescale's backoff: not tried again, and the job keeps processing.
         d.for_a_while(Duration::from_secs(12), |d| {
-            assert_eq!(d.events_named("RescaleStarted").len(), 1, "{}", d.event_log());
+            assert_eq!(
+                d.events_named("RescaleStarted").len(),
+                1,
+                "{}",
+                d.event_log()
+            );
             assert!(d.workers.live().len() == 2);
         })
         .await;
