@@ -326,6 +326,21 @@ async fn through_rescales_and_a_killed_worker<T: serde::Serialize>(
     )
 }
 
+/// The manifest of the snapshot at `url`, and the duplicates its operator-state sections say
+/// the `dedup` program dropped (each section read back against its checksum).
+async fn dropped_in(url: &str) -> (keyshift::snapshot::Manifest, u64) {
+    let (store, dir, manifest) = keyshift::snapshot::open_snapshot(url)
+        .await
+        .expect("the snapshot opens");
+    let sections = keyshift::snapshot::read_operator_state(store.as_ref(), &dir, &manifest)
+        .await
+        .expect("the sections read back");
+    let sections: Vec<&[u8]> = sections.iter().map(|b| b.as_ref()).collect();
+    let dropped =
+        keyshift_examples::dedup::dropped_in_sections(&sections).expect("the sections decode");
+    (manifest, dropped)
+}
+
 /// The `dedup` program (each event id's first delivery, again once its TTL of event time has run
 /// out) through a rescale up, a killed worker and a pre-staged rescale down: every first
 /// delivery published once, against the oracle.
@@ -372,19 +387,9 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
     // The subtasks' counts of dropped duplicates (operator state, split over the rescales 2 -> 3
     // and 3 -> 2, restored after the kill) in the last savepoint: one section per subtask of
     // its run, adding up to every duplicate, each once.
-    let (store, snapshot_dir, manifest) = keyshift::snapshot::open_snapshot(&last.url)
-        .await
-        .expect("the last savepoint opens");
+    let (manifest, dropped) = dropped_in(&last.url).await;
     assert_eq!(manifest.operator_state.len(), 2, "one section per subtask");
-    let sections =
-        keyshift::snapshot::read_operator_state(store.as_ref(), &snapshot_dir, &manifest)
-            .await
-            .expect("the sections read back");
-    let sections: Vec<&[u8]> = sections.iter().map(|b| b.as_ref()).collect();
-    assert_eq!(
-        dedup::dropped_in_sections(&sections).expect("the sections decode"),
-        (n - want.len()) as u64
-    );
+    assert_eq!(dropped, (n - want.len()) as u64);
     // `keyshift savepoint inspect` shows it by its declared name.
     let shown = std::process::Command::new(bin())
         .args(["savepoint", "inspect", &last.url])
@@ -427,24 +432,14 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
         "{}",
         String::from_utf8_lossy(&rewrite.stderr)
     );
-    let (store, rewritten_dir, rewritten) = keyshift::snapshot::open_snapshot(&target)
-        .await
-        .expect("the rewritten savepoint opens");
+    let (rewritten, dropped) = dropped_in(&target).await;
     assert_eq!((rewritten.max_parallelism, rewritten.parallelism), (256, 3));
     assert_eq!(
         rewritten.operator_state.len(),
         2,
         "the sections of the run of 2"
     );
-    let sections =
-        keyshift::snapshot::read_operator_state(store.as_ref(), &rewritten_dir, &rewritten)
-            .await
-            .expect("the rewritten sections read back");
-    let sections: Vec<&[u8]> = sections.iter().map(|b| b.as_ref()).collect();
-    assert_eq!(
-        dedup::dropped_in_sections(&sections).expect("the sections decode"),
-        (n - want.len()) as u64
-    );
+    assert_eq!(dropped, (n - want.len()) as u64);
 }
 
 /// The `sessions` program (gap-based session windows per user, merged when a click bridges two)

@@ -203,10 +203,6 @@ pub(crate) struct Reader<'a> {
 }
 
 impl<'a> Reader<'a> {
-    /// A reader of `buf` from `pos`.
-    pub(crate) fn new(buf: &'a [u8], pos: usize) -> Self {
-        Reader { buf, pos }
-    }
     /// Whether every byte was read.
     pub(crate) fn at_end(&self) -> bool {
         self.pos == self.buf.len()
@@ -251,18 +247,19 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// Checks the container (length, magic, checksum, version, schema) and reads the header;
-/// returns it and a reader at the entry count.
-fn open(block: &[u8]) -> Result<(BlockHeader, Reader<'_>), BlockError> {
-    if block.len() < 12 {
-        return Err(BlockError::TooShort { len: block.len() });
+/// The SDK's container, as its blocks and operator-state sections share it: at least `min`
+/// bytes, `magic` first and a CRC-32 of the rest last. Returns a reader of the body after the
+/// magic (the trailer left out).
+pub(crate) fn checked(bytes: &[u8], magic: [u8; 4], min: usize) -> Result<Reader<'_>, BlockError> {
+    if bytes.len() < min.max(8) {
+        return Err(BlockError::TooShort { len: bytes.len() });
     }
     let mut found = [0u8; 4];
-    found.copy_from_slice(&block[..4]);
-    if found != BLOCK_MAGIC {
+    found.copy_from_slice(&bytes[..4]);
+    if found != magic {
         return Err(BlockError::BadMagic { found });
     }
-    let (body, trailer) = block.split_at(block.len() - 4);
+    let (body, trailer) = bytes.split_at(bytes.len() - 4);
     let mut stored = [0u8; 4];
     stored.copy_from_slice(trailer);
     let stored = u32::from_le_bytes(stored);
@@ -270,7 +267,13 @@ fn open(block: &[u8]) -> Result<(BlockHeader, Reader<'_>), BlockError> {
     if stored != computed {
         return Err(BlockError::Checksum { stored, computed });
     }
-    let mut r = Reader { buf: body, pos: 4 };
+    Ok(Reader { buf: body, pos: 4 })
+}
+
+/// Checks the container (length, magic, checksum, version, schema) and reads the header;
+/// returns it and a reader at the entry count.
+fn open(block: &[u8]) -> Result<(BlockHeader, Reader<'_>), BlockError> {
+    let mut r = checked(block, BLOCK_MAGIC, 12)?;
     let version = u16::from_le_bytes(r.array("format version")?);
     if version != FORMAT_VERSION {
         return Err(BlockError::UnsupportedVersion(version));

@@ -23,7 +23,7 @@
 //! the job no longer declares is refused by name, as keyed state is (`Declarations::drop_state`
 //! drops one).
 
-use crate::block::{Reader, crc};
+use crate::block::{checked, crc};
 use crate::error::{BlockError, StateError};
 use crate::key::put_varint;
 use crate::serializer::{Postcard, Serializer};
@@ -356,23 +356,7 @@ impl OperatorStates {
 
     /// Decodes a section, checking its magic, checksum and version.
     pub fn decode(section: &[u8]) -> Result<OperatorSection, BlockError> {
-        if section.len() < 10 {
-            return Err(BlockError::TooShort { len: section.len() });
-        }
-        let mut found = [0u8; 4];
-        found.copy_from_slice(&section[..4]);
-        if found != OPERATOR_STATE_MAGIC {
-            return Err(BlockError::BadMagic { found });
-        }
-        let (body, trailer) = section.split_at(section.len() - 4);
-        let mut stored = [0u8; 4];
-        stored.copy_from_slice(trailer);
-        let stored = u32::from_le_bytes(stored);
-        let computed = crc(body);
-        if stored != computed {
-            return Err(BlockError::Checksum { stored, computed });
-        }
-        let mut r = Reader::new(body, 4);
+        let mut r = checked(section, OPERATOR_STATE_MAGIC, 10)?;
         let version = u16::from_le_bytes(r.array("operator-state format version")?);
         if version != FORMAT_VERSION {
             return Err(BlockError::UnsupportedVersion(version));

@@ -106,14 +106,7 @@ impl SnapshotWriter {
         let checksum = Crc32c::of(&bytes);
         self.layout
             .push(group, bytes.len() as u64, checksum, entries)?;
-        if bytes.is_empty() {
-            return Ok(());
-        }
-        if let Err(e) = self.gather(bytes).await {
-            self.abort_quietly().await;
-            return Err(e);
-        }
-        Ok(())
+        self.append(bytes).await
     }
 
     /// Records a group that builds on an earlier snapshot's blocks (incremental checkpoints):
@@ -136,13 +129,10 @@ impl SnapshotWriter {
             .as_ref()
             .map(|(bytes, entries)| (bytes.len() as u64, Crc32c::of(bytes), *entries));
         self.layout.push_on(prior, described, keys, files)?;
-        if let Some((bytes, _)) = delta.filter(|(b, _)| !b.is_empty())
-            && let Err(e) = self.gather(bytes).await
-        {
-            self.abort_quietly().await;
-            return Err(e);
+        match delta {
+            Some((bytes, _)) => self.append(bytes).await,
+            None => Ok(()),
         }
-        Ok(())
     }
 
     /// Passes a block on, gathering small ones into larger buffers first (order is kept).
@@ -163,6 +153,12 @@ impl SnapshotWriter {
             bytes.len() as u64,
             Crc32c::of(&bytes),
         );
+        self.append(bytes).await
+    }
+
+    /// Appends `bytes` (recorded in the layout already) to the file; a failure aborts the
+    /// upload.
+    async fn append(&mut self, bytes: Bytes) -> Result<()> {
         if bytes.is_empty() {
             return Ok(());
         }

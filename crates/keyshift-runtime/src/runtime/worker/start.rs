@@ -276,21 +276,16 @@ pub(super) async fn prestage_handler(
             let mut keyed = pre.keyed;
             let result = match snap {
                 Some((rstore, dir, manifest)) => {
-                    let applied =
-                        prestage::apply(&mut keyed, rstore.as_ref(), &dir, &plan, Some(&progress))
-                            .await;
-                    match applied {
-                        Ok(a) => restore::restore_operator_state(
-                            &mut keyed,
-                            rstore.as_ref(),
-                            &dir,
-                            &manifest,
-                            (req.subtask, req.parallelism),
-                        )
-                        .await
-                        .map(|()| (a, manifest)),
-                        Err(e) => Err(e),
+                    async {
+                        let store = rstore.as_ref();
+                        let a = prestage::apply(&mut keyed, store, &dir, &plan, Some(&progress))
+                            .await?;
+                        let at = (req.subtask, req.parallelism);
+                        restore::restore_operator_state(&mut keyed, store, &dir, &manifest, at)
+                            .await?;
+                        Ok((a, manifest))
                     }
+                    .await
                 }
                 None => Err(restore::RestoreError::Decoder("no snapshot".into())),
             };
@@ -320,30 +315,26 @@ pub(super) async fn prestage_handler(
             _ => None,
         };
         let result = match snap {
+            // The operator state too: a rescale it cannot follow is refused here, before the
+            // old run stops (the start takes it again from the stop checkpoint).
             Some((rstore, dir, manifest)) => {
-                // The operator state too: a rescale it cannot follow is refused here, before
-                // the old run stops (the start takes it again from the stop checkpoint).
-                let restored = restore::restore_keyed(
-                    &mut keyed,
-                    rstore.as_ref(),
-                    &dir,
-                    &manifest,
-                    RestoreOptions::default(),
-                    Some(&progress),
-                )
-                .await;
-                match restored {
-                    Ok(r) => restore::restore_operator_state(
+                async {
+                    let store = rstore.as_ref();
+                    let options = RestoreOptions::default();
+                    let r = restore::restore_keyed(
                         &mut keyed,
-                        rstore.as_ref(),
+                        store,
                         &dir,
                         &manifest,
-                        (req.subtask, req.parallelism),
+                        options,
+                        Some(&progress),
                     )
-                    .await
-                    .map(|()| (r, manifest)),
-                    Err(e) => Err(e),
+                    .await?;
+                    let at = (req.subtask, req.parallelism);
+                    restore::restore_operator_state(&mut keyed, store, &dir, &manifest, at).await?;
+                    Ok((r, manifest))
                 }
+                .await
             }
             None => Err(restore::RestoreError::Decoder("no snapshot".into())),
         };
