@@ -405,3 +405,138 @@ spec:
     op.kill();
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A join on the real node: keyshift's own image runs the example `order-payments` program
+/// (orders joined with their payments by order id: an interval join whose buffers of both
+/// sides are keyed state and move together with their order's key group) over a Kafka topic
+/// under the operator, through a pre-staged rescale up, a killed worker and a rescale down with
+/// events arriving throughout; a final savepoint, then the published output holds every
+/// (order, payment) pair of the oracle exactly once (a buffer split from its other side, or
+/// lost, would miss pairs; a replay past published output would repeat them).
+#[test]
+#[ignore = "needs the test control plane, the keyshift image and the Kafka test broker (hack/test.sh)"]
+fn a_join_of_orders_and_payments_publishes_each_pair_once_through_rescales_and_a_killed_worker() {
+    use keyshift_examples::orders::{self, Event, Paid, Shop};
+    let _plane = shared_plane();
+    let (host, pods, username, password) = broker();
+    let (ns, dir, mut op) = setup("e2e-join", "join");
+    let ns = &ns.0;
+    let log = op.log.clone();
+    let name = "orders";
+    credentials_secret(ns, &username, &password);
+    let input = unique("e2e-orders");
+    let rt = tokio::runtime::Runtime::new().expect("runtime");
+    rt.block_on(create_topic(&host, &input));
+    let sink = format!("{}-sink/{name}", op.storage);
+    let creds = format!("{{secretName: {CREDENTIALS}, sasl: {{mechanism: PLAIN}}}}");
+    let manifest = format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+spec:
+  replicas: 2
+  maxParallelism: 64
+  job:
+    program: {{name: order-payments, maxOutOfOrderness: 2s}}
+    source:
+      kafka: {{bootstrapServers: '{pods}', topics: [{input}], credentials: {creds}}}
+    sink: {{type: objectStore, url: '{sink}'}}
+  state:
+    checkpointInterval: 3s
+    credentialsSecret: {S3_SECRET}
+  resources:
+    requests: {{cpu: 5m, memory: 32Mi}}
+"
+    );
+
+    let window_ms = keyshift_examples::PAYMENT_WINDOW.as_millis() as i64;
+    let shop = Shop {
+        orders: 1_500,
+        customers: 50,
+        step_ms: 400,
+        window_ms,
+        tier_every_ms: 40_000,
+        max_out_of_orderness: 2_000,
+        seed: 29,
+    };
+    let events: Vec<(i64, Event)> = shop
+        .events()
+        .into_iter()
+        .filter(|(_, e)| !matches!(e, Event::Tier(_)))
+        .collect();
+    // An order and its payments in one partition (by the order's id), in arrival order.
+    let records: Vec<(String, String, i32)> = events
+        .iter()
+        .map(|(_, e)| {
+            let order = match e {
+                Event::Order(o) => o.id.clone(),
+                Event::Payment(p) => p.order.clone(),
+                Event::Tier(t) => t.customer.clone(),
+            };
+            let payload = serde_json::to_string(e).expect("an event serializes");
+            let partition = java_partition(&order);
+            (order, payload, partition)
+        })
+        .collect();
+    let n = records.len();
+    let phase = |i: usize| &records[i * n / 5..(i + 1) * n / 5];
+
+    produce_keyed(&host, &input, phase(0));
+    let r = apply(ns, &manifest);
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &log);
+
+    // Up, pre-staged, while events arrive.
+    produce_keyed(&host, &input, phase(1));
+    scale(ns, name, 3, &log);
+    assert!(
+        !get(ns, name, "{.status.rescale.prestage.run}").is_empty(),
+        "the rescale to 3 was pre-staged"
+    );
+    assert_eq!(get(ns, name, "{.status.rescale.fallback}"), "");
+    produce_keyed(&host, &input, phase(2));
+
+    // A killed worker: the job restarts from its last checkpoint at the same parallelism.
+    kill_a_worker(ns, name, &log);
+    produce_keyed(&host, &input, phase(3));
+
+    // Down to 2 while events arrive.
+    scale(ns, name, 2, &log);
+    produce_keyed(&host, &input, phase(4));
+
+    wait_read_all(&host, ns, name, &input, n as u64, &log);
+    set_suspend(ns, name, true, &log);
+
+    let mut got: Vec<Paid> = published_parts(&sink)
+        .iter()
+        .flat_map(|(_, _, text)| {
+            text.lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| serde_json::from_str::<Paid>(l).expect("a published pair"))
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    got.sort();
+    let want = orders::expected_paid(&events, window_ms);
+    assert!(
+        want.len() > 700,
+        "only {} pairs: too few to prove much",
+        want.len()
+    );
+    let missing: Vec<_> = want
+        .iter()
+        .filter(|p| got.binary_search(p).is_err())
+        .take(3)
+        .collect();
+    assert!(
+        got == want,
+        "{} pairs expected, {} published; missing e.g. {missing:?}",
+        want.len(),
+        got.len()
+    );
+    eprintln!("{n} events in, {} pairs out", want.len());
+    delete_job(ns, name, &log);
+    op.kill();
+    let _ = std::fs::remove_dir_all(&dir);
+}
