@@ -402,6 +402,31 @@ async fn a_dedup_program_publishes_each_first_delivery_once_through_rescales_and
             && table.contains("dropped  operator list, redistribution split"),
         "{table}"
     );
+    // `keyshift savepoint dump` lists its entries by name, beside the keys' state.
+    let dumped = std::process::Command::new(bin())
+        .args(["savepoint", "dump", &last.url])
+        .output()
+        .expect("keyshift savepoint dump runs");
+    assert!(dumped.status.success());
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&dumped.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("a JSON line"))
+        .collect();
+    let counts: Vec<&serde_json::Value> = lines
+        .iter()
+        .filter(|v| v["operatorState"] == "dropped")
+        .collect();
+    assert!(
+        counts.len() >= 2
+            && counts
+                .iter()
+                .all(|v| v["kind"] == "operator list" && v["valueHex"].is_string()),
+        "{counts:?}"
+    );
+    assert!(
+        lines.iter().any(|v| v["state"] == "seen"),
+        "the keyed state too"
+    );
     let verified = std::process::Command::new(bin())
         .args(["savepoint", "verify", &last.url])
         .output()

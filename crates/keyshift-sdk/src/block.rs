@@ -376,13 +376,20 @@ pub struct EntryView {
     pub value_hex: Option<String>,
 }
 
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write as _;
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {
         let _ = write!(s, "{b:02x}");
     }
     s
+}
+
+/// A value as JSON, when its serializer wrote JSON (else the tools show it in hex).
+pub(crate) fn as_json(serializer: &str, bytes: &[u8]) -> Option<serde_json::Value> {
+    (serializer == "json")
+        .then(|| serde_json::from_slice(bytes).ok())
+        .flatten()
 }
 
 /// A block's header and its entries as people read them ([`EntryView`]), in block order.
@@ -436,9 +443,7 @@ pub fn describe(block: &[u8]) -> Result<(BlockHeader, Vec<EntryView>), BlockErro
                     }
                     None => (None, value.as_slice()),
                 };
-                let json = (d.serializer == "json")
-                    .then(|| serde_json::from_slice(bytes).ok())
-                    .flatten();
+                let json = as_json(&d.serializer, bytes);
                 EntryView {
                     key,
                     state: d.name.clone(),

@@ -502,6 +502,49 @@ impl OperatorStates {
     }
 }
 
+/// One entry of a snapshot's operator state as people read it (`keyshift savepoint dump`).
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct OperatorEntryView {
+    /// The state's declared name.
+    pub operator_state: String,
+    /// `operator list` or `broadcast`.
+    pub kind: String,
+    /// The subtask that wrote it, of `parallelism`.
+    pub subtask: u32,
+    pub parallelism: u32,
+    /// Its position in the subtask's list.
+    pub index: u64,
+    /// The value, for a state serialized as JSON.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value: Option<serde_json::Value>,
+    /// The value as stored (hex), for any other serializer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub value_hex: Option<String>,
+}
+
+impl OperatorSection {
+    /// Every entry, by state and position.
+    pub fn describe(&self) -> Vec<OperatorEntryView> {
+        let mut out = Vec::new();
+        for (d, entries) in &self.states {
+            for (i, e) in entries.iter().enumerate() {
+                let value = crate::block::as_json(&d.serializer, e);
+                out.push(OperatorEntryView {
+                    operator_state: d.name.clone(),
+                    kind: d.kind.to_string(),
+                    subtask: self.subtask,
+                    parallelism: self.parallelism,
+                    index: i as u64,
+                    value_hex: value.is_none().then(|| crate::block::hex(e)),
+                    value,
+                });
+            }
+        }
+        out
+    }
+}
+
 /// A subtask's operator list state, in a function's [`Context`](crate::Context).
 pub struct OperatorList<'s, T> {
     pub(crate) states: &'s mut OperatorStates,
@@ -672,6 +715,17 @@ mod tests {
         );
         assert_eq!(section.states.len(), 1);
         assert_eq!(section.states[0].1.len(), 3);
+        let views = section.describe();
+        assert_eq!(views.len(), 3);
+        assert_eq!(
+            (views[2].operator_state.as_str(), views[2].index),
+            ("totals", 2)
+        );
+        assert_eq!(
+            views[2].value_hex.as_deref(),
+            Some("03"),
+            "postcard 3, in hex"
+        );
         for i in 0..bytes.len() {
             let mut bad = bytes.clone();
             bad[i] ^= 0x40;

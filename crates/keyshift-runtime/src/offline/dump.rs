@@ -102,6 +102,8 @@ pub struct DumpSummary {
     pub keys: u64,
     /// Groups with state read.
     pub groups: u32,
+    /// Operator-state entries written (a program's, in a dump of every group).
+    pub operator_entries: u64,
     /// Whether the output was closed early (e.g. `| head`); not an error.
     pub output_closed: bool,
 }
@@ -260,6 +262,34 @@ pub async fn dump_with_progress(
                 done: u64::from(summary.groups).min(total),
                 total,
             });
+        }
+    }
+    // A program's operator state belongs to no key group: a dump of every group shows it too.
+    if range == all && !manifest.operator_state.is_empty() {
+        let sections =
+            crate::snapshot::read_operator_state(loc.store.as_ref(), &loc.dir, &manifest).await?;
+        let mut text = Vec::new();
+        for (i, bytes) in sections.iter().enumerate() {
+            let section =
+                keyshift_sdk::operator_state::OperatorStates::decode(bytes).map_err(|source| {
+                    ToolError::OperatorState {
+                        subtask: i as u32,
+                        source,
+                    }
+                })?;
+            for view in section.describe() {
+                if serde_json::to_writer(&mut text, &view).is_ok() {
+                    text.push(b'\n');
+                    summary.operator_entries += 1;
+                }
+            }
+        }
+        if let Err(e) = out.write_all(&text) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                summary.output_closed = true;
+                return Ok(summary);
+            }
+            return Err(ToolError::Output(e));
         }
     }
     match out.flush() {
