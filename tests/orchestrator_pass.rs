@@ -105,7 +105,7 @@ fn check_change(
             // A key-group change of a stopped job starts by verifying its newest snapshot.
             let first = match a.upgrade_mode {
                 _ if a.rewrites() && a.step == Step::Verifying => Step::Verifying,
-                None if a.prestage.is_some() => Step::Prestaging,
+                _ if a.prestage.is_some() => Step::Prestaging,
                 None => Step::Savepointing,
                 Some(mode) => step::Step::first_of_upgrade(mode),
             };
@@ -891,6 +891,85 @@ async fn unsplittable_rescale(prestage: bool) {
             d.running_at(2) && d.condition("Stalled").is_none()
         })
         .await;
+        d.assert_processing().await;
+    })
+    .await;
+}
+
+/// An upgrade through a savepoint is pre-staged (the default strategy): the new spec's workers
+/// load the state while the job runs. A new image whose program cannot read the state (its
+/// `count` declared at version 2 without a migration) is refused while they load, before the job
+/// stops: no savepoint, the same workers run on, Stalled StartRefused naming the state, and no
+/// second attempt while the spec stays. A compatible image then upgrades, pre-staged, and the
+/// job runs on exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_upgrade_whose_image_cannot_read_the_state_is_refused_before_the_job_stops() {
+    bounded(async {
+        let name = "upgrade-checked";
+        let mut d = Driver::new(name, 2, "1h");
+        d.spec = count_program_spec(name, 2);
+        d.spec.rescale_strategy = keyshift::crd::RescaleStrategy::Prestage;
+        d.workers
+            .set_programs(image_with_count(keyshift_examples::count::job()));
+        d.until_running(2).await;
+        d.assert_processing().await;
+        let workers = d.workers.names();
+
+        // The next image's `count` reads its state at version 2 and declares no migration.
+        d.workers
+            .set_programs(image_with_count(count_at_version_2::job()));
+        d.spec.image = Some("keyshift:next".into());
+        d.until("refused and stalled", Duration::from_secs(30), |d| {
+            d.running_at(2)
+                && d.condition("Stalled")
+                    .is_some_and(|(r, _)| r == "StartRefused")
+        })
+        .await;
+        let (_, message) = d.condition("Stalled").expect("Stalled");
+        for needle in ["state \"count\" changed", "runs on at parallelism 2"] {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+        assert_eq!(
+            d.events_named("UpgradeStarted").len(),
+            1,
+            "{}",
+            d.event_log()
+        );
+        assert_eq!(
+            d.events_named("RescaleAbandoned").len(),
+            1,
+            "{}",
+            d.event_log()
+        );
+        assert!(
+            d.events_named("SavepointTaken").is_empty(),
+            "{}",
+            d.event_log()
+        );
+        assert_eq!(d.workers.names(), workers, "the job never stopped");
+        d.for_a_while(Duration::from_secs(12), |d| {
+            assert_eq!(
+                d.events_named("UpgradeStarted").len(),
+                1,
+                "{}",
+                d.event_log()
+            );
+        })
+        .await;
+        d.assert_processing().await;
+
+        // A compatible image: the upgrade goes through, pre-staged.
+        d.workers
+            .set_programs(image_with_count(keyshift_examples::count::job()));
+        d.spec.image = Some("keyshift:fixed".into());
+        d.until("upgraded", Duration::from_secs(60), |d| {
+            d.step() == Some(Step::Done) && d.running_at(2) && d.condition("Stalled").is_none()
+        })
+        .await;
+        let r = d.rescale();
+        assert!(r.prestaged().is_some(), "the upgrade was pre-staged: {r:?}");
+        assert_eq!(r.fallback, None);
+        assert_eq!(d.events_named("Upgraded").len(), 1, "{}", d.event_log());
         d.assert_processing().await;
     })
     .await;

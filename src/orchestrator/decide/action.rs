@@ -31,8 +31,14 @@ pub enum Action {
     /// pre-staged rescale: the old workers go, the new ones stay).
     DeleteAllBut { keep: String },
     /// spec.job or spec.image changed: record an upgrade at the same parallelism in status
-    /// (step Savepointing for `savepoint`, Stopping otherwise).
-    BeginUpgrade { parallelism: u32, mode: UpgradeMode },
+    /// (step Savepointing for `savepoint`, Stopping otherwise), pre-staged by the new run
+    /// `prestage` when one is named (step Prestaging: the new workers, of the new spec, load
+    /// the state while the job runs, and refuse it before the job stops if it does not fit).
+    BeginUpgrade {
+        parallelism: u32,
+        mode: UpgradeMode,
+        prestage: Option<String>,
+    },
     /// spec.restoreFrom changed on a running job: record a transition (step Savepointing, so
     /// the current state is kept in a savepoint) whose new run restores `url` at `to`, under
     /// `max_parallelism` key groups.

@@ -183,6 +183,10 @@ pub fn decide_with(
         }
         let want = &settings.spec_hash;
         if obs.upgrade_refused.is_none()
+            && !obs
+                .start_refused
+                .as_ref()
+                .is_some_and(|r| r.refuses(active.parallelism))
             && obs.pods.iter().any(|p| {
                 p.run == active.run && p.spec_hash.as_deref().is_some_and(|h| h != want.as_str())
             })
@@ -190,9 +194,16 @@ pub fn decide_with(
             if let Some(requeue) = backoff {
                 return Action::Idle { requeue };
             }
+            // An upgrade through a savepoint is pre-staged like a rescale: the new spec's workers
+            // are up and have checked the state (a refusal leaves the job running) before the
+            // job stops with its savepoint.
+            let prestage = (spec.rescale_strategy == RescaleStrategy::Prestage
+                && spec.upgrade_mode == UpgradeMode::Savepoint)
+                .then(|| obs.new_run.clone());
             return Action::BeginUpgrade {
                 parallelism: active.parallelism,
                 mode: spec.upgrade_mode,
+                prestage,
             };
         }
         if let Some(nonce) = spec.savepoint_trigger_nonce

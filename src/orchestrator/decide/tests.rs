@@ -818,8 +818,37 @@ fn a_changed_job_or_image_upgrades_in_the_spec_upgrade_mode() {
             decide(&s, &status(), &obs(running.clone(), Some(("r", 4)))),
             Action::BeginUpgrade {
                 parallelism: 4,
-                mode
+                mode,
+                prestage: None,
             }
+        );
+        // Pre-staged (the default strategy) when it goes through a savepoint: the new spec's
+        // workers load the state before the job stops.
+        let mut pre = s.clone();
+        pre.rescale_strategy = RescaleStrategy::Prestage;
+        let o = obs(running.clone(), Some(("r", 4)));
+        assert_eq!(
+            decide(&pre, &status(), &o),
+            Action::BeginUpgrade {
+                parallelism: 4,
+                mode,
+                prestage: (mode == UpgradeMode::Savepoint).then(|| o.new_run.clone()),
+            }
+        );
+        // Refused for good at this parallelism (its state does not fit the new spec): not
+        // begun again while the spec stays.
+        let mut refused = o.clone();
+        refused.start_refused = Some(StartRefusal {
+            reason: Reason::StartRefused,
+            message: "state \"count\" changed".into(),
+            parallelism: Some(4),
+        });
+        assert!(
+            !matches!(
+                decide(&pre, &status(), &refused),
+                Action::BeginUpgrade { .. }
+            ),
+            "{mode:?}"
         );
     }
     // Backoff after a failed attempt delays the next one.

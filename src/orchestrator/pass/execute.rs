@@ -31,7 +31,11 @@ impl Pass<'_> {
                 url,
                 max_parallelism,
             } => self.begin_restore(from, to, url, max_parallelism),
-            Action::BeginUpgrade { parallelism, mode } => self.begin_upgrade(parallelism, mode),
+            Action::BeginUpgrade {
+                parallelism,
+                mode,
+                prestage,
+            } => self.begin_upgrade(parallelism, mode, prestage),
             Action::Savepoint => self.savepoint().await,
             Action::Prestage { run, parallelism } => self.prestage(run, parallelism).await,
             Action::FallBack { message } => {
@@ -215,19 +219,35 @@ impl Pass<'_> {
         &mut self,
         parallelism: u32,
         mode: UpgradeMode,
+        prestage: Option<String>,
     ) -> Result<Duration, PassError> {
         let short = requeue::SOON;
         let p = parallelism as i32;
+        let now = Utc::now().to_rfc3339();
+        let prestage = prestage.map(|run| crate::crd::PrestageStatus {
+            run,
+            since: now.clone(),
+            ..Default::default()
+        });
+        let prestaging = prestage.is_some();
         self.begin(RescaleStatus {
             from: p,
             to: p,
-            step: Step::first_of_upgrade(mode),
-            started: Utc::now().to_rfc3339(),
+            step: if prestaging {
+                Step::Prestaging
+            } else {
+                Step::first_of_upgrade(mode)
+            },
+            started: now,
             groups_moved: Some(0),
             upgrade_mode: Some(mode),
+            prestage,
             ..Default::default()
         });
         let how = match mode {
+            crate::crd::UpgradeMode::Savepoint if prestaging => {
+                "pre-stage workers of the new spec beside the running job (they check the state fits it), stop with a savepoint, verify, start them from it"
+            }
             crate::crd::UpgradeMode::Savepoint => {
                 "stop with a savepoint, verify, restart with the new spec from it"
             }
@@ -977,11 +997,18 @@ impl Pass<'_> {
     }
 
     /// What a transition's stop takes: a savepoint, or for a pre-staged rescale an incremental
-    /// checkpoint (the delta since what the new workers loaded).
+    /// checkpoint (the delta since what the new workers loaded). A pre-staged upgrade through a
+    /// savepoint stops with the savepoint it promises (its new workers checked the state and
+    /// were up before the stop; they read the savepoint whole).
     fn stop_kind(&self) -> SnapshotKind {
-        match self.status.rescale.as_ref().and_then(|r| r.prestaged()) {
-            Some(_) => SnapshotKind::Checkpoint,
-            None => SnapshotKind::Savepoint,
+        match self.status.rescale.as_ref() {
+            Some(r)
+                if r.prestaged().is_some()
+                    && r.upgrade_mode != Some(crate::crd::UpgradeMode::Savepoint) =>
+            {
+                SnapshotKind::Checkpoint
+            }
+            _ => SnapshotKind::Savepoint,
         }
     }
 
@@ -1465,7 +1492,7 @@ impl Pass<'_> {
                             (false, Some(_)) => Reason::Upgraded,
                         },
                         format!(
-                            "{}{} -> {} {}: {} key groups moved, {} bytes read; {}",
+                            "{}{} -> {} {}: {} key groups moved, {} bytes read; {}{}",
                             r.upgrade_mode
                                 .map_or(String::new(), |m| format!("upgrade ({m:?}), ")),
                             r.from,
@@ -1477,7 +1504,8 @@ impl Pass<'_> {
                             },
                             r.groups_moved.unwrap_or_default(),
                             bytes,
-                            step_times(&r)
+                            step_times(&r),
+                            prestage_summary(&r)
                         ),
                     );
                 }
@@ -1581,6 +1609,10 @@ impl Pass<'_> {
 fn prestage_summary(r: &RescaleStatus) -> String {
     match (&r.prestage, &r.fallback) {
         (Some(_), Some(why)) => format!("; fell back to stop-and-restore ({why})"),
+        (Some(p), None) if r.upgrade_mode.is_some() => format!(
+            "; pre-staged: the new spec's workers loaded {} bytes of state while the job ran (it fits the new spec) and started from the savepoint",
+            p.loaded_bytes.unwrap_or_default()
+        ),
         (Some(p), None) => format!(
             "; pre-staged: {} bytes loaded while the job ran, {} bytes written by the stop checkpoint",
             p.loaded_bytes.unwrap_or_default(),
