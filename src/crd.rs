@@ -86,8 +86,11 @@ pub struct StreamJobSpec {
     pub state: StateSpec,
 
     /// How a change of image or job is rolled out: `savepoint` (default: stop with a savepoint
-    /// and restore from it), `last-state` (restore from the latest checkpoint, no new savepoint)
-    /// or `stateless` (start empty; existing state is not used).
+    /// and restore from it; with rescaleStrategy `Prestage`, the default, workers of the new
+    /// spec first come up beside the running job and load its newest checkpoint, so a state the
+    /// new image cannot read is refused before the job stops, and the ready workers start from
+    /// the savepoint), `last-state` (restore from the latest checkpoint, no new savepoint) or
+    /// `stateless` (start empty; existing state is not used).
     #[serde(default)]
     pub upgrade_mode: UpgradeMode,
 
@@ -100,8 +103,12 @@ pub struct StreamJobSpec {
     /// the new workers are not ready within spec.state.prestageTimeout, the rescale falls back
     /// to stop-and-restore (a condition and an Event say so). `StopAndRestore`: the job stops
     /// with a savepoint of its whole state and the new workers read it back (no second set of
-    /// workers; the pause grows with the state). Suspends, upgrades, restores and key-group
-    /// changes always stop and restore.
+    /// workers; the pause grows with the state). Suspends, restores and key-group changes always
+    /// stop and restore; an upgrade through a savepoint pre-stages its new workers (see
+    /// upgradeMode) and then restores its savepoint. A rescale or upgrade whose new workers
+    /// refuse the state for good (an operator state that declares no redistribution, a state
+    /// declaration the new image cannot read) is abandoned before the job stops: it runs on,
+    /// Stalled with the reason, until the spec changes.
     #[serde(default, skip_serializing_if = "RescaleStrategy::is_default")]
     pub rescale_strategy: RescaleStrategy,
 
