@@ -28,76 +28,17 @@ use crate::error::{BlockError, StateError};
 use crate::key::put_varint;
 use crate::serializer::{Postcard, Serializer};
 use crate::state::{DeclarationError, Declarations, MAX_STATES};
+pub use crate::state::{OperatorDeclaration, OperatorStateKind};
 pub use keyshift_core::redistribution::{Redistribution, RedistributionError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::fmt;
+
 use std::sync::Arc;
 
 /// The first bytes of a subtask's operator-state section.
 pub const OPERATOR_STATE_MAGIC: [u8; 4] = *b"KSOS";
 /// The section's format version.
 const FORMAT_VERSION: u16 = 1;
-
-/// The kinds of operator state.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum OperatorStateKind {
-    /// A list of entries per subtask.
-    List,
-    /// One value, the same on every subtask.
-    Broadcast,
-}
-
-impl OperatorStateKind {
-    fn code(self) -> u8 {
-        match self {
-            OperatorStateKind::List => 0,
-            OperatorStateKind::Broadcast => 1,
-        }
-    }
-
-    fn from_code(code: u8) -> Option<Self> {
-        match code {
-            0 => Some(OperatorStateKind::List),
-            1 => Some(OperatorStateKind::Broadcast),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for OperatorStateKind {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            OperatorStateKind::List => "operator list",
-            OperatorStateKind::Broadcast => "broadcast",
-        })
-    }
-}
-
-/// An operator state's identity, as snapshots record it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct OperatorDeclaration {
-    /// Unique among the function's states (keyed and operator).
-    pub name: String,
-    pub kind: OperatorStateKind,
-    /// The author's version of the entries' type.
-    pub version: u32,
-    /// The serializer's name.
-    pub serializer: String,
-    /// How the entries go to a run at another parallelism (`None`: a rescale is refused).
-    pub redistribution: Option<Redistribution>,
-}
-
-impl OperatorDeclaration {
-    /// What must stay the same for a snapshot's entries to be read by this declaration (the
-    /// redistribution may change: it is the new release's that applies).
-    fn compatibility(&self) -> String {
-        format!(
-            "{} state, version {}, serializer {}",
-            self.kind, self.version, self.serializer
-        )
-    }
-}
 
 fn declaration(name: String, kind: OperatorStateKind, serializer: &str) -> OperatorDeclaration {
     OperatorDeclaration {

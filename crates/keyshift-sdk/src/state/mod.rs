@@ -74,6 +74,66 @@ impl fmt::Display for StateKind {
     }
 }
 
+/// The kinds of operator state ([`crate::operator_state`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OperatorStateKind {
+    /// A list of entries per subtask.
+    List,
+    /// One value, the same on every subtask.
+    Broadcast,
+}
+
+impl OperatorStateKind {
+    pub(crate) fn code(self) -> u8 {
+        match self {
+            OperatorStateKind::List => 0,
+            OperatorStateKind::Broadcast => 1,
+        }
+    }
+
+    pub(crate) fn from_code(code: u8) -> Option<Self> {
+        match code {
+            0 => Some(OperatorStateKind::List),
+            1 => Some(OperatorStateKind::Broadcast),
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Display for OperatorStateKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            OperatorStateKind::List => "operator list",
+            OperatorStateKind::Broadcast => "broadcast",
+        })
+    }
+}
+
+/// An operator state's identity, as snapshots record it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OperatorDeclaration {
+    /// Unique among the function's states (keyed and operator).
+    pub name: String,
+    pub kind: OperatorStateKind,
+    /// The author's version of the entries' type.
+    pub version: u32,
+    /// The serializer's name.
+    pub serializer: String,
+    /// How the entries go to a run at another parallelism (`None`: a rescale is refused).
+    pub redistribution: Option<keyshift_core::redistribution::Redistribution>,
+}
+
+impl OperatorDeclaration {
+    /// What must stay the same for a snapshot's entries to be read by this declaration (the
+    /// redistribution may change: it is the new release's that applies).
+    pub(crate) fn compatibility(&self) -> String {
+        format!(
+            "{} state, version {}, serializer {}",
+            self.kind, self.version, self.serializer
+        )
+    }
+}
+
 /// The two clocks of a job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TimeDomain {
@@ -388,7 +448,7 @@ pub struct Declarations {
     /// States of earlier releases this one no longer declares, whose entries a restore drops.
     pub(crate) dropped: Vec<String>,
     /// Operator states ([`crate::operator_state`]), in declaration order.
-    pub(crate) operator: Vec<crate::operator_state::OperatorDeclaration>,
+    pub(crate) operator: Vec<OperatorDeclaration>,
 }
 
 /// Converts a value written under an older version of a state (its payload, the serializer's
