@@ -1,6 +1,6 @@
 //! A job's dataflow, written with types and kept without them: a source of JSON lines,
 //! stateless steps (`map`, `filter`, `flat_map`), keyed steps (`key_by` then `process`: a
-//! shuffle by key group, then a [`KeyedProcessFunction`]), and a JSON-lines sink.
+//! shuffle by key group, then a [`KeyedProcessFunction`](crate::KeyedProcessFunction)), and a JSON-lines sink.
 //!
 //! ```
 //! use keyshift_sdk::dataflow::Job;

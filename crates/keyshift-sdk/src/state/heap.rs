@@ -186,7 +186,7 @@ fn recount(live: &mut usize, ks: &mut KeyStates) {
     ks.counted = n;
 }
 
-/// What a read-ahead ([`HeapStore::touch`]) learnt of a key: where its entry is, so that
+/// What a read-ahead (`HeapStore::touch`) learnt of a key: where its entry is, so that
 /// processing the record finds it without a second probe (a hint: checked against the key).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct ReadAhead(Option<usize>);
