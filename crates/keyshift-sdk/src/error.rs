@@ -97,7 +97,7 @@ pub enum BlockError {
     )]
     UndeclaredState { name: String },
     #[error(
-        "state {name:?} changed: the snapshot has {block}, this job declares {job}; a state's kind and TTL must stay, and another version or serializer needs a migration from it (Declarations::migrate) or a new name"
+        "state {name:?} changed: the snapshot has {block}, this job declares {job}; a state's kind and TTL must stay, and another version or serializer needs a migration from it (Declarations::migrate, or migrate_operator for an operator state) or a new name"
     )]
     StateChanged {
         name: String,

@@ -115,9 +115,8 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     ) -> Result<Self, DeclarationError> {
         let mut declarations = Declarations::default();
         let state = function.declare(&mut declarations)?;
+        let operator_states = OperatorStates::new(&declarations);
         let heap = HeapStore::new(range.len() as usize, declarations.codecs);
-        let operator_states =
-            OperatorStates::new(declarations.operator, declarations.dropped.clone());
         let evolution = Evolution {
             migrations: declarations.migrations,
             dropped: declarations.dropped,
@@ -143,8 +142,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     ) -> Result<Self, DeclarationError> {
         let mut declarations = Declarations::default();
         let state = function.declare(&mut declarations)?;
-        let operator_states =
-            OperatorStates::new(declarations.operator, declarations.dropped.clone());
+        let operator_states = OperatorStates::new(&declarations);
         let evolution = Evolution {
             migrations: declarations.migrations,
             dropped: declarations.dropped,

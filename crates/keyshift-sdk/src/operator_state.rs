@@ -27,11 +27,12 @@ use crate::block::{checked, crc};
 use crate::error::{BlockError, StateError};
 use crate::key::put_varint;
 use crate::serializer::{Postcard, Serializer};
-use crate::state::{DeclarationError, Declarations, MAX_STATES};
+use crate::state::{DeclarationError, Declarations, MAX_STATES, Migration};
 pub use crate::state::{OperatorDeclaration, OperatorStateKind};
 pub use keyshift_core::redistribution::{Redistribution, RedistributionError};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
+use std::collections::BTreeMap;
 
 use std::sync::Arc;
 
@@ -193,15 +194,97 @@ impl Declarations {
     pub fn operator_states(&self) -> &[OperatorDeclaration] {
         &self.operator
     }
+
+    /// Reads snapshots written under version `from_version` of the operator state `handle`
+    /// declares (its entries then postcard-serialized `O`s) by converting each entry with
+    /// `convert`, as [`Declarations::migrate`] does for keyed state. Its kind cannot change
+    /// this way; a version no migration reads is refused, naming both.
+    pub fn migrate_operator<H, O>(
+        &mut self,
+        handle: &H,
+        from_version: u32,
+        convert: impl Fn(O) -> H::Value + Send + Sync + 'static,
+    ) -> Result<(), DeclarationError>
+    where
+        H: OperatorStateHandle,
+        H::Value: 'static,
+        O: DeserializeOwned + 'static,
+    {
+        let at = handle.declared_index();
+        let Some(decl) = self.operator.get(at) else {
+            return Err(DeclarationError::NotDeclared);
+        };
+        if decl.version == from_version {
+            return Err(DeclarationError::MigrationFromItself {
+                name: decl.name.clone(),
+                version: from_version,
+            });
+        }
+        self.operator_migrations
+            .entry(at)
+            .or_default()
+            .push(Migration::from_postcard(
+                handle.value_serializer(),
+                from_version,
+                convert,
+            ));
+        Ok(())
+    }
+}
+
+/// A handle of a declared operator state: its index, and the serializer of its entries (what a
+/// migration writes).
+pub trait OperatorStateHandle {
+    /// The type of the state's entries.
+    type Value;
+    #[doc(hidden)]
+    fn declared_index(&self) -> usize;
+    #[doc(hidden)]
+    fn value_serializer(&self) -> Arc<dyn Serializer<Self::Value>>;
+}
+
+impl<T> OperatorStateHandle for OperatorListHandle<T> {
+    type Value = T;
+    fn declared_index(&self) -> usize {
+        self.id
+    }
+    fn value_serializer(&self) -> Arc<dyn Serializer<T>> {
+        self.ser.clone()
+    }
+}
+
+impl<T> OperatorStateHandle for BroadcastHandle<T> {
+    type Value = T;
+    fn declared_index(&self) -> usize {
+        self.id
+    }
+    fn value_serializer(&self) -> Arc<dyn Serializer<T>> {
+        self.ser.clone()
+    }
 }
 
 /// One subtask's operator states: each declared state's entries, serialized.
-#[derive(Debug, Clone, Default)]
+#[derive(Clone, Default)]
 pub struct OperatorStates {
     decls: Vec<OperatorDeclaration>,
     entries: Vec<Vec<Vec<u8>>>,
     /// States of earlier releases a restore leaves behind (`Declarations::drop_state`).
     dropped: Vec<String>,
+    /// How older versions are read, by state index (`Declarations::migrate_operator`).
+    migrations: BTreeMap<usize, Vec<Migration>>,
+}
+
+impl std::fmt::Debug for OperatorStates {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OperatorStates")
+            .field("decls", &self.decls)
+            .field(
+                "entries",
+                &self.entries.iter().map(Vec::len).collect::<Vec<_>>(),
+            )
+            .field("dropped", &self.dropped)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A subtask's operator-state section, decoded.
@@ -227,14 +310,14 @@ fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
 }
 
 impl OperatorStates {
-    /// The states `declarations` declares, empty; `dropped` names states of earlier releases a
-    /// restore leaves behind.
-    pub fn new(declarations: Vec<OperatorDeclaration>, dropped: Vec<String>) -> Self {
-        let entries = vec![Vec::new(); declarations.len()];
+    /// The operator states `declarations` declares, empty (with the migrations and the dropped
+    /// states it declares).
+    pub fn new(declarations: &Declarations) -> Self {
         OperatorStates {
-            decls: declarations,
-            entries,
-            dropped,
+            decls: declarations.operator.clone(),
+            entries: vec![Vec::new(); declarations.operator.len()],
+            dropped: declarations.dropped.clone(),
+            migrations: declarations.operator_migrations.clone(),
         }
     }
 
@@ -390,24 +473,47 @@ impl OperatorStates {
                 found: decoded.iter().map(|s| (s.subtask, s.parallelism)).collect(),
             });
         }
-        // Every state of the snapshot is declared (or dropped), the same way.
-        if let Some(first) = decoded.first() {
-            for (d, _) in &first.states {
-                match self.decls.iter().find(|o| o.name == d.name) {
-                    None if self.dropped.contains(&d.name) => {}
-                    None => {
-                        return Err(BlockError::UndeclaredState {
-                            name: d.name.clone(),
-                        });
-                    }
-                    Some(o) if o.compatibility() != d.compatibility() => {
-                        return Err(BlockError::StateChanged {
-                            name: d.name.clone(),
-                            block: d.compatibility(),
-                            job: o.compatibility(),
-                        });
-                    }
-                    Some(_) => {}
+        // Every state of the snapshot is declared (or dropped), the same way or through a
+        // migration the job declares, which converts its entries.
+        let mut migrate: Vec<(String, &Migration)> = Vec::new();
+        for (d, _) in decoded.first().map_or(&[][..], |s| s.states.as_slice()) {
+            let Some(at) = self.decls.iter().position(|o| o.name == d.name) else {
+                if self.dropped.contains(&d.name) {
+                    continue;
+                }
+                return Err(BlockError::UndeclaredState {
+                    name: d.name.clone(),
+                });
+            };
+            let o = &self.decls[at];
+            if o.compatibility() == d.compatibility() {
+                continue;
+            }
+            let migration = self.migrations.get(&at).and_then(|ms| {
+                ms.iter()
+                    .find(|m| m.from_version == d.version && m.from_serializer == d.serializer)
+            });
+            match migration.filter(|_| o.kind == d.kind) {
+                Some(m) => migrate.push((d.name.clone(), m)),
+                None => {
+                    return Err(BlockError::StateChanged {
+                        name: d.name.clone(),
+                        block: d.compatibility(),
+                        job: o.compatibility(),
+                    });
+                }
+            }
+        }
+        for (name, m) in migrate {
+            let states = decoded.iter_mut().flat_map(|s| s.states.iter_mut());
+            for (_, entries) in states.filter(|(d, _)| d.name == name) {
+                for e in entries.iter_mut() {
+                    *e = (m.convert)(e).map_err(|why| {
+                        BlockError::Undecodable(format!(
+                            "migrating operator state {name:?} from version {}: {why}",
+                            m.from_version
+                        ))
+                    })?;
                 }
             }
         }
@@ -618,7 +724,7 @@ mod tests {
             _ => desc,
         };
         let h = d.operator_list(desc).unwrap();
-        (OperatorStates::new(d.operator.clone(), Vec::new()), h)
+        (OperatorStates::new(&d), h)
     }
 
     fn with(values: &[u64], redistribution: Option<Redistribution>) -> OperatorStates {
@@ -741,23 +847,26 @@ mod tests {
             Err(BlockError::Operator { .. })
         ));
         // A state the job no longer declares, unless dropped.
-        let mut none = OperatorStates::new(Vec::new(), Vec::new());
+        let mut none = OperatorStates::new(&Declarations::default());
         assert!(matches!(
             none.restore("u", &[&one], 0, 1),
             Err(BlockError::UndeclaredState { name }) if name == "totals"
         ));
-        let mut dropping = OperatorStates::new(Vec::new(), vec!["totals".into()]);
+        let mut dropper = Declarations::default();
+        dropper.drop_state("totals").unwrap();
+        let mut dropping = OperatorStates::new(&dropper);
         dropping.restore("u", &[&one], 0, 1).unwrap();
         // Another version.
         let mut d = Declarations::default();
         d.operator_list(OperatorListStateDescriptor::<u64>::new("totals").version(2))
             .unwrap();
-        let mut v2 = OperatorStates::new(d.operator, Vec::new());
+        let mut v2 = OperatorStates::new(&d);
         let e = v2.restore("u", &[&one], 0, 1).unwrap_err();
         assert!(
             e.to_string().contains("version 1") && e.to_string().contains("version 2"),
             "{e}"
         );
+        assert!(e.refuses_the_job());
         // One subtask's section of two missing.
         let half = with(&[1], Some(Redistribution::Split))
             .encode("u", 0, 2)
@@ -767,6 +876,73 @@ mod tests {
             !e.refuses_the_job(),
             "a damaged snapshot, not a changed job: {e}"
         );
+    }
+
+    #[test]
+    fn a_changed_version_restores_through_the_migration_the_job_declares() {
+        // Release 1 kept each subtask's totals as u32s; release 2 keeps (count, label) pairs.
+        let old: Vec<Vec<u8>> = (0..2u32)
+            .map(|i| {
+                let mut d = Declarations::default();
+                let h = d
+                    .operator_list(OperatorListStateDescriptor::<u32>::new("totals").split())
+                    .unwrap();
+                let mut s = OperatorStates::new(&d);
+                OperatorList {
+                    states: &mut s,
+                    handle: &h,
+                }
+                .update(&[10 + i, 20 + i])
+                .unwrap();
+                s.encode("u", i, 2).unwrap()
+            })
+            .collect();
+        let refs: Vec<&[u8]> = old.iter().map(Vec::as_slice).collect();
+        let release2 = |migrate: bool| {
+            let mut d = Declarations::default();
+            let h = d
+                .operator_list(
+                    OperatorListStateDescriptor::<(u64, String)>::new("totals")
+                        .split()
+                        .version(2),
+                )
+                .unwrap();
+            if migrate {
+                d.migrate_operator(&h, 1, |n: u32| (u64::from(n), "v1".to_owned()))
+                    .unwrap();
+                assert!(matches!(
+                    d.migrate_operator(&h, 2, |n: u32| (u64::from(n), String::new())),
+                    Err(DeclarationError::MigrationFromItself { .. })
+                ));
+            }
+            (OperatorStates::new(&d), h)
+        };
+        // Without the migration: refused, naming both versions.
+        let (mut s, _) = release2(false);
+        let e = s.restore("u", &refs, 0, 3).unwrap_err();
+        assert!(
+            e.refuses_the_job() && e.to_string().contains("version 2"),
+            "{e}"
+        );
+        // With it: every entry converted, then split over 3.
+        let mut all = Vec::new();
+        for sub in 0..3 {
+            let (mut s, h) = release2(true);
+            s.restore("u", &refs, sub, 3).unwrap();
+            all.extend(
+                OperatorList {
+                    states: &mut s,
+                    handle: &h,
+                }
+                .get()
+                .unwrap(),
+            );
+        }
+        let want: Vec<(u64, String)> = [10, 20, 11, 21]
+            .into_iter()
+            .map(|n| (n, "v1".to_owned()))
+            .collect();
+        assert_eq!(all, want);
     }
 
     #[test]
@@ -796,10 +972,9 @@ mod tests {
         let h = d
             .broadcast(BroadcastStateDescriptor::<String>::new("rules"))
             .unwrap();
-        let decls = d.operator.clone();
         let sections: Vec<Vec<u8>> = (0..3)
             .map(|i| {
-                let mut s = OperatorStates::new(decls.clone(), Vec::new());
+                let mut s = OperatorStates::new(&d);
                 Broadcast {
                     states: &mut s,
                     handle: &h,
@@ -811,7 +986,7 @@ mod tests {
             .collect();
         let refs: Vec<&[u8]> = sections.iter().map(Vec::as_slice).collect();
         for sub in 0..5 {
-            let mut s = OperatorStates::new(decls.clone(), Vec::new());
+            let mut s = OperatorStates::new(&d);
             s.restore("u", &refs, sub, 5).unwrap();
             assert_eq!(
                 Broadcast {

@@ -449,6 +449,8 @@ pub struct Declarations {
     pub(crate) dropped: Vec<String>,
     /// Operator states ([`crate::operator_state`]), in declaration order.
     pub(crate) operator: Vec<OperatorDeclaration>,
+    /// How snapshots of older versions of an operator state are read: by its index.
+    pub(crate) operator_migrations: BTreeMap<usize, Vec<Migration>>,
 }
 
 /// Converts a value written under an older version of a state (its payload, the serializer's
@@ -463,6 +465,29 @@ pub(crate) struct Migration {
     /// The serializer the older version was written with.
     pub(crate) from_serializer: &'static str,
     pub(crate) convert: ConvertFn,
+}
+
+impl Migration {
+    /// Reads values of version `from_version`, postcard-serialized `O`s, as `convert` makes
+    /// them into values `ser` writes.
+    pub(crate) fn from_postcard<V: 'static, O: DeserializeOwned + 'static>(
+        ser: Arc<dyn Serializer<V>>,
+        from_version: u32,
+        convert: impl Fn(O) -> V + Send + Sync + 'static,
+    ) -> Migration {
+        let convert: ConvertFn = Arc::new(move |bytes: &[u8]| {
+            let value: O = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
+            let mut out = Vec::new();
+            ser.serialize(&convert(value), &mut out)
+                .map_err(|e| e.to_string())?;
+            Ok(out)
+        });
+        Migration {
+            from_version,
+            from_serializer: "postcard",
+            convert,
+        }
+    }
 }
 
 /// A handle of a declared state: its id, and the serializer of its values (what a migration
@@ -685,19 +710,14 @@ impl Declarations {
                 version: from_version,
             });
         }
-        let ser = handle.value_serializer();
-        let convert: ConvertFn = Arc::new(move |bytes: &[u8]| {
-            let value: O = postcard::from_bytes(bytes).map_err(|e| e.to_string())?;
-            let mut out = Vec::new();
-            ser.serialize(&convert(value), &mut out)
-                .map_err(|e| e.to_string())?;
-            Ok(out)
-        });
-        self.migrations.entry(id).or_default().push(Migration {
-            from_version,
-            from_serializer: "postcard",
-            convert,
-        });
+        self.migrations
+            .entry(id)
+            .or_default()
+            .push(Migration::from_postcard(
+                handle.value_serializer(),
+                from_version,
+                convert,
+            ));
         Ok(())
     }
 
