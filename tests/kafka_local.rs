@@ -1220,3 +1220,89 @@ spec:
     );
     programs_support::assert_alerts(&[&out], &records, fleet.silence_ms, watermark);
 }
+
+/// Records a partition's retention deleted before the job read them are said, never skipped
+/// silently: a job stops with a savepoint, more records arrive, the earliest of them on
+/// partition 0 are deleted (as retention would), and the job resumes from the savepoint. Its
+/// source starts partition 0 at the earliest record left; the start reports the lost offsets
+/// (`records_expired`, which the operator turns into a SourceRecordsExpired Event), and the
+/// state counts every record but those, each once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn records_deleted_before_the_job_read_them_are_reported_not_skipped_silently() {
+    let Some(bootstrap) = bootstrap() else { return };
+    let _one = ONE_AT_A_TIME.lock().await;
+    let topic = unique_topic("expired");
+    create_topic(&bootstrap, &topic, PARTITIONS).await;
+    let mut produced = Produced::default();
+    let mut seq = 0;
+    produce(&bootstrap, &topic, &mut seq, 2_000, &mut produced);
+    let (dir, mut local) =
+        launch_at_2("expired", &bootstrap, &topic, "{function: count}", "").await;
+    checkpoint_when_caught_up(&mut local, &topic, &produced, Duration::from_secs(60)).await;
+    let stopped = local.shutdown().await.expect("stop with a savepoint");
+    let (_, at_stop) = snapshot(&stopped.url, &topic).await;
+
+    // More records, then the first 100 of them on partition 0 deleted.
+    produce(&bootstrap, &topic, &mut seq, 2_000, &mut produced);
+    let from = at_stop[&0];
+    let to = from + 100;
+    assert!(
+        produced.ends()[&0] > to,
+        "partition 0 has records past the deleted ones"
+    );
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", &bootstrap)
+        .create()
+        .expect("admin client");
+    let mut deleted = rdkafka::TopicPartitionList::new();
+    deleted
+        .add_partition_offset(&topic, 0, rdkafka::Offset::Offset(to as i64))
+        .expect("partition offset");
+    let r = admin
+        .delete_records(
+            &deleted,
+            &AdminOptions::new().operation_timeout(Some(Duration::from_secs(30))),
+        )
+        .await
+        .expect("delete records");
+    for t in r.elements() {
+        assert!(t.error().is_ok(), "records deleted: {t:?}");
+    }
+
+    let storage = format!("file://{}", dir.path().join("state").display());
+    let spec = job_yaml("expired", &bootstrap, &topic, 2, "{function: count}", "");
+    let mut resumed = LocalJob::new(&spec, storage, bin(), dir.path().join("logs2"))
+        .await
+        .expect("job prepares");
+    resumed
+        .launch(2, Some(stopped.url.clone()))
+        .await
+        .expect("resume from the savepoint");
+    let expired: Vec<_> = resumed
+        .status()
+        .await
+        .expect("status")
+        .into_iter()
+        .flat_map(|s| s.started.map(|r| r.records_expired).unwrap_or_default())
+        .collect();
+    assert_eq!(expired.len(), 1, "{expired:?}");
+    assert_eq!(
+        (
+            expired[0].partition.as_str(),
+            expired[0].from,
+            expired[0].to
+        ),
+        (format!("{topic}/0").as_str(), from, to)
+    );
+    let url =
+        checkpoint_when_caught_up(&mut resumed, &topic, &produced, Duration::from_secs(60)).await;
+    let (values, _) = snapshot(&url, &topic).await;
+    let counted: i64 = values.values().sum();
+    let all: u64 = produced.ends().values().sum();
+    assert_eq!(
+        counted as u64,
+        all - 100,
+        "every record but the 100 deleted, once"
+    );
+    drop(resumed.shutdown().await);
+}

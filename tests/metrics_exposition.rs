@@ -178,6 +178,7 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
         ("keyshift_worker_last_checkpoint_size_bytes", "gauge"),
         ("keyshift_worker_source_lag_records", "gauge"),
         ("keyshift_worker_source_lag_seconds", "gauge"),
+        ("keyshift_worker_source_records_expired", "counter"),
         ("keyshift_build", "info"),
     ] {
         assert_eq!(
@@ -186,7 +187,7 @@ async fn a_worker_endpoint_parses_and_follows_the_conventions() {
             "{name}: {families:?}"
         );
     }
-    assert_eq!(families.len(), 15, "{families:?}");
+    assert_eq!(families.len(), 16, "{families:?}");
     let text = keyshift::runtime::metrics::WorkerMetrics::new()
         .encode()
         .expect("encodes");

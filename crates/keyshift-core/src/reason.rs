@@ -127,6 +127,9 @@ reasons! {
     SavepointVerified,
     CheckpointFailed,
     SinkPublishBehind,
+    /// A run started from a snapshot whose Kafka offsets lay below a partition's earliest
+    /// record: retention deleted records the job had not read.
+    SourceRecordsExpired,
     Deleted,
 }
 

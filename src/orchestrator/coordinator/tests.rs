@@ -83,6 +83,7 @@ fn start_progress_sums_what_each_worker_accepted_reported_and_restored() {
             keys_restored: 10,
             bytes_read: 60,
             restore_ms: 1,
+            ..Default::default()
         }),
         None,
     ];

@@ -1411,6 +1411,30 @@ impl Pass<'_> {
             Ok(responses) => {
                 let bytes: u64 = responses.iter().map(|r| r.bytes_read).sum();
                 let groups: u32 = responses.iter().map(|r| r.groups_restored).sum();
+                let expired: Vec<String> = responses
+                    .iter()
+                    .flat_map(|r| &r.records_expired)
+                    .map(|e| {
+                        format!(
+                            "{} offsets {}..{} ({} records)",
+                            e.partition,
+                            e.from,
+                            e.to,
+                            e.to - e.from
+                        )
+                    })
+                    .collect();
+                if !expired.is_empty() {
+                    self.event(
+                        true,
+                        Reason::SourceRecordsExpired,
+                        format!(
+                            "run {run} started from {}, but the topic's retention deleted records the job had not read: {}; the source goes on from each partition's earliest record",
+                            restore_from.as_deref().unwrap_or("its snapshot"),
+                            expired.join("; ")
+                        ),
+                    );
+                }
                 if from_restore_from {
                     let g = key_groups as i32;
                     let from_spec = restored_source.is_some()

@@ -35,6 +35,9 @@ pub struct WorkerMetrics {
     pub source_lag_records: Gauge,
     /// A Kafka source's seconds behind (the most of this subtask's partitions).
     pub source_lag_seconds: FloatGauge,
+    /// Source records deleted (by a Kafka partition's retention) before the job read them,
+    /// found at a start.
+    pub source_records_expired: Counter,
 }
 
 impl Default for WorkerMetrics {
@@ -83,6 +86,7 @@ impl WorkerMetrics {
             checkpoint_bytes: Gauge::default(),
             source_lag_records: Gauge::default(),
             source_lag_seconds: FloatGauge::default(),
+            source_records_expired: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -154,6 +158,11 @@ impl WorkerMetrics {
             "source_lag_seconds",
             "How far a Kafka source is behind in time: the most of this subtask's partitions, each 0 when read to its end, else now minus the later of the newest read record's timestamp and when it was last read to its end (0 for other sources)",
             m.source_lag_seconds.clone(),
+        );
+        registry.register(
+            "source_records_expired",
+            "Source records this subtask can no longer read: a Kafka partition's retention deleted them before the job read them (found when a run starts from a snapshot; the source goes on from the earliest record left)",
+            m.source_records_expired.clone(),
         );
         WorkerMetrics {
             registry: root,

@@ -259,6 +259,23 @@ pub struct StartResponse {
     pub bytes_read: u64,
     /// Milliseconds spent restoring.
     pub restore_ms: u64,
+    /// Source records the job can no longer read: a Kafka partition's restored offset lay
+    /// below the earliest record the partition still holds (its retention deleted them before
+    /// the job read them), so the source starts at that earliest record.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub records_expired: Vec<ExpiredRecords>,
+}
+
+/// Records of a source partition deleted before the job read them: offsets `from..to`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExpiredRecords {
+    /// The partition (`topic/partition`).
+    pub partition: String,
+    /// The offset the snapshot had it at.
+    pub from: u64,
+    /// The earliest offset the partition still holds, where the source starts.
+    pub to: u64,
 }
 
 /// The answer to an accepted `/v1/start`: the restore runs on.

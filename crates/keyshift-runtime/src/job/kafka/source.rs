@@ -58,6 +58,7 @@
 use super::{Credentials, Role, consumer_properties, default_group_id, redacted};
 use crate::job::file_source::{FieldMapping, parse_line};
 use crate::job::record::{Record, RecordKey};
+use crate::runtime::protocol::ExpiredRecords;
 use keyshift_core::keygroup::KeyType;
 use keyshift_core::spec::{KafkaKeyFrom, KafkaSource, KafkaStartingPosition};
 use rdkafka::ClientContext;
@@ -400,6 +401,14 @@ pub fn past_end(position: u64, high: i64) -> bool {
     position > u64::try_from(high.max(0)).unwrap_or(0)
 }
 
+/// Where a restored position `position` starts when the partition's earliest record is at
+/// `low` (its low watermark): `Some(low)` when retention deleted records the position had not
+/// reached, `None` when the position is still there. Pure.
+pub fn below_start(position: u64, low: i64) -> Option<u64> {
+    let low = u64::try_from(low.max(0)).unwrap_or(0);
+    (position < low).then_some(low)
+}
+
 /// Turns one Kafka record into a keyed record. Pure.
 pub fn to_record(
     key: Option<&[u8]>,
@@ -638,14 +647,17 @@ impl KafkaSourceReader {
     }
 
     /// Resolves where each of `mine` starts ([`start_at`]), assigns them to the consumer at those
-    /// offsets and splits their queues. Returns every partition's starting offset. Blocking.
+    /// offsets and splits their queues. Returns every partition's starting offset, and the
+    /// records of restored partitions that were deleted before the job read them (a restored
+    /// offset below the partition's earliest: the partition starts there, and says so). Blocking.
     pub fn assign(
         &self,
         mine: &[u32],
         restored: &BTreeMap<u32, u64>,
         from_snapshot: bool,
-    ) -> Result<BTreeMap<u32, u64>, KafkaSourceError> {
+    ) -> Result<(BTreeMap<u32, u64>, Vec<ExpiredRecords>), KafkaSourceError> {
         let mut starts = BTreeMap::new();
+        let mut expired = Vec::new();
         let mut by_time = TopicPartitionList::new();
         let mut timed = Vec::new();
         for &p in mine {
@@ -655,7 +667,7 @@ impl KafkaSourceReader {
                 Ok(o) => {
                     // A restored position the partition does not reach: the consumer would
                     // reset it (auto.offset.reset) and read the partition again.
-                    let (_, high) = self.start_watermarks(tp)?;
+                    let (low, high) = self.start_watermarks(tp)?;
                     if past_end(o, high) {
                         return Err(KafkaSourceError::PastEnd {
                             partition: name(),
@@ -663,7 +675,20 @@ impl KafkaSourceReader {
                             end: high,
                         });
                     }
-                    o
+                    // Below the earliest record the partition still holds: its retention
+                    // deleted the records in between before the job read them. The source
+                    // starts at the earliest, and the start reports what was lost.
+                    match below_start(o, low) {
+                        Some(earliest) => {
+                            expired.push(ExpiredRecords {
+                                partition: name(),
+                                from: o,
+                                to: earliest,
+                            });
+                            earliest
+                        }
+                        None => o,
+                    }
                 }
                 Err(StartAt::Timestamp(ts)) => {
                     by_time
@@ -743,7 +768,7 @@ impl KafkaSourceReader {
             }
             tracing::info!(partition = %self.names[*p as usize], offset = o, "Kafka partition assigned");
         }
-        Ok(starts)
+        Ok((starts, expired))
     }
 
     /// Reads up to `max` records of partition `p` that are already fetched (never waits), from
@@ -1151,6 +1176,20 @@ mod tests {
             value_field: None,
             timestamp_field: None,
         }
+    }
+
+    /// A restored position below a partition's earliest record (retention deleted records the
+    /// job had not read) starts at the earliest, and the start says so.
+    #[test]
+    fn a_position_below_the_earliest_record_starts_there_and_says_so() {
+        assert_eq!(below_start(5, 0), None);
+        assert_eq!(
+            below_start(5, 5),
+            None,
+            "the earliest record is the next to read"
+        );
+        assert_eq!(below_start(3, 8), Some(8));
+        assert_eq!(below_start(0, -1), None, "an empty partition");
     }
 
     /// A restored position at or before a partition's end is read from; one past it (a topic

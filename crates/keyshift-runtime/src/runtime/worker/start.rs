@@ -361,6 +361,7 @@ pub(super) async fn prestaged(
                 keys_restored: r.keys,
                 bytes_read: r.bytes_read,
                 restore_ms: started.elapsed().as_millis() as u64,
+                records_expired: Vec::new(),
             };
             tracing::info!(
                 subtask = req.subtask,
@@ -856,13 +857,24 @@ pub(super) async fn start_subtask(
     let positions = match &compiled.source {
         job::SourceKind::Kafka(k) => {
             let (k2, mine) = (k.clone(), my_partitions.clone());
-            let resolved =
+            let (resolved, expired) =
                 tokio::task::spawn_blocking(move || k2.assign(&mine, &positions, from_snapshot))
                     .await
                     .map_err(|e| {
                         WorkerError::Fatal(format!("assigning the Kafka partitions: {e}"))
                     })?
                     .map_err(job::JobError::from)?;
+            for e in &expired {
+                tracing::warn!(
+                    partition = %e.partition,
+                    from = e.from,
+                    to = e.to,
+                    records = e.to - e.from,
+                    "the partition's retention deleted records the job had not read: reading on from its earliest record"
+                );
+                s.metrics.source_records_expired.inc_by(e.to - e.from);
+            }
+            resp.records_expired = expired;
             spawn_kafka_partition_watch(s.clone(), k.clone());
             spawn_kafka_lag(s.clone(), k.clone());
             resolved
