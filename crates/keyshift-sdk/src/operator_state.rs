@@ -211,23 +211,9 @@ impl Declarations {
         O: DeserializeOwned + 'static,
     {
         let at = handle.declared_index();
-        let Some(decl) = self.operator.get(at) else {
-            return Err(DeclarationError::NotDeclared);
-        };
-        if decl.version == from_version {
-            return Err(DeclarationError::MigrationFromItself {
-                name: decl.name.clone(),
-                version: from_version,
-            });
-        }
-        self.operator_migrations
-            .entry(at)
-            .or_default()
-            .push(Migration::from_postcard(
-                handle.value_serializer(),
-                from_version,
-                convert,
-            ));
+        let decl = self.operator.get(at).map(|d| (&*d.name, d.version));
+        let m = Migration::checked(decl, handle.value_serializer(), from_version, convert)?;
+        self.operator_migrations.entry(at).or_default().push(m);
         Ok(())
     }
 }

@@ -468,6 +468,26 @@ pub(crate) struct Migration {
 }
 
 impl Migration {
+    /// [`Migration::from_postcard`] for the state declared as `decl` (its name and version):
+    /// refused when it is not declared, or already of `from_version`.
+    pub(crate) fn checked<V: 'static, O: DeserializeOwned + 'static>(
+        decl: Option<(&str, u32)>,
+        ser: Arc<dyn Serializer<V>>,
+        from_version: u32,
+        convert: impl Fn(O) -> V + Send + Sync + 'static,
+    ) -> Result<Migration, DeclarationError> {
+        let Some((name, version)) = decl else {
+            return Err(DeclarationError::NotDeclared);
+        };
+        if version == from_version {
+            return Err(DeclarationError::MigrationFromItself {
+                name: name.to_owned(),
+                version: from_version,
+            });
+        }
+        Ok(Migration::from_postcard(ser, from_version, convert))
+    }
+
     /// Reads values of version `from_version`, postcard-serialized `O`s, as `convert` makes
     /// them into values `ser` writes.
     pub(crate) fn from_postcard<V: 'static, O: DeserializeOwned + 'static>(
@@ -701,23 +721,12 @@ impl Declarations {
         O: DeserializeOwned + 'static,
     {
         let id = handle.declared_id();
-        let Some(decl) = self.list.get(usize::from(id)) else {
-            return Err(DeclarationError::NotDeclared);
-        };
-        if decl.version == from_version {
-            return Err(DeclarationError::MigrationFromItself {
-                name: decl.name.clone(),
-                version: from_version,
-            });
-        }
-        self.migrations
-            .entry(id)
-            .or_default()
-            .push(Migration::from_postcard(
-                handle.value_serializer(),
-                from_version,
-                convert,
-            ));
+        let decl = self
+            .list
+            .get(usize::from(id))
+            .map(|d| (&*d.name, d.version));
+        let m = Migration::checked(decl, handle.value_serializer(), from_version, convert)?;
+        self.migrations.entry(id).or_default().push(m);
         Ok(())
     }
 
