@@ -257,6 +257,6 @@ mod tests {
                 assert!(text.contains(&format!("\n{family}_total ")), "{family}");
             }
         }
-        assert_eq!(counters, 6, "{text}");
+        assert_eq!(counters, 7, "{text}");
     }
 }
