@@ -366,10 +366,12 @@ pub async fn run_pass(
     {
         pass.stall(reason, message);
     }
-    // A rescale refused for good that rolled back: the job runs at the old parallelism and is
-    // stalled on the new one until the spec changes.
+    // A rescale or upgrade refused for good while the job ran (rolled back or abandoned): the
+    // job runs on and is stalled on the change until the spec changes. (A refusal of any start
+    // leaves a run that is up, an adopted one, alone.)
     if pass.mem.coordinating()
         && let Some((_, refusal)) = pass.mem.start_refused.clone()
+        && refusal.parallelism.is_some()
     {
         pass.stall(refusal.reason, refusal.message);
     }
