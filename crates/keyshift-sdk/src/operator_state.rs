@@ -584,60 +584,59 @@ pub struct OperatorList<'s, T> {
     pub(crate) handle: &'s OperatorListHandle<T>,
 }
 
-impl<T> OperatorList<'_, T> {
-    fn ser_err(&self, e: crate::serializer::SerializeError) -> StateError {
-        StateError::Serialize {
-            state: self.handle.name.to_string(),
-            source: e,
-        }
-    }
+/// One entry of the operator state `name` in its serializer's bytes.
+fn encode<T>(name: &str, ser: &dyn Serializer<T>, value: &T) -> Result<Vec<u8>, StateError> {
+    let mut b = Vec::new();
+    ser.serialize(value, &mut b)
+        .map_err(|source| StateError::Serialize {
+            state: name.to_owned(),
+            source,
+        })?;
+    Ok(b)
+}
 
+/// One entry of the operator state `name`, read back.
+fn decode<T>(name: &str, ser: &dyn Serializer<T>, bytes: &[u8]) -> Result<T, StateError> {
+    ser.deserialize(bytes)
+        .map_err(|source| StateError::Serialize {
+            state: name.to_owned(),
+            source,
+        })
+}
+
+impl<T> OperatorList<'_, T> {
     /// The subtask's entries, in order.
     pub fn get(&mut self) -> Result<Vec<T>, StateError> {
         let h = self.handle;
         let slot = self.states.slot(h.id, &h.name)?;
-        let mut out = Vec::with_capacity(slot.len());
-        for e in slot.iter() {
-            out.push(h.ser.deserialize(e).map_err(|e| StateError::Serialize {
-                state: h.name.to_string(),
-                source: e,
-            })?);
-        }
-        Ok(out)
+        slot.iter()
+            .map(|e| decode(&h.name, h.ser.as_ref(), e))
+            .collect()
     }
 
     /// Appends an entry.
     pub fn add(&mut self, value: &T) -> Result<(), StateError> {
-        let mut b = Vec::new();
-        self.handle
-            .ser
-            .serialize(value, &mut b)
-            .map_err(|e| self.ser_err(e))?;
-        let (id, name) = (self.handle.id, self.handle.name.clone());
-        self.states.slot(id, &name)?.push(b);
+        let h = self.handle;
+        let b = encode(&h.name, h.ser.as_ref(), value)?;
+        self.states.slot(h.id, &h.name)?.push(b);
         Ok(())
     }
 
     /// Replaces the entries.
     pub fn update(&mut self, values: &[T]) -> Result<(), StateError> {
-        let mut encoded = Vec::with_capacity(values.len());
-        for v in values {
-            let mut b = Vec::new();
-            self.handle
-                .ser
-                .serialize(v, &mut b)
-                .map_err(|e| self.ser_err(e))?;
-            encoded.push(b);
-        }
-        let (id, name) = (self.handle.id, self.handle.name.clone());
-        *self.states.slot(id, &name)? = encoded;
+        let h = self.handle;
+        let encoded = values
+            .iter()
+            .map(|v| encode(&h.name, h.ser.as_ref(), v))
+            .collect::<Result<Vec<_>, _>>()?;
+        *self.states.slot(h.id, &h.name)? = encoded;
         Ok(())
     }
 
     /// The number of entries.
     pub fn len(&mut self) -> Result<usize, StateError> {
-        let (id, name) = (self.handle.id, self.handle.name.clone());
-        Ok(self.states.slot(id, &name)?.len())
+        let h = self.handle;
+        Ok(self.states.slot(h.id, &h.name)?.len())
     }
 
     /// Whether there are no entries.
@@ -647,8 +646,8 @@ impl<T> OperatorList<'_, T> {
 
     /// Removes every entry.
     pub fn clear(&mut self) -> Result<(), StateError> {
-        let (id, name) = (self.handle.id, self.handle.name.clone());
-        self.states.slot(id, &name)?.clear();
+        let h = self.handle;
+        self.states.slot(h.id, &h.name)?.clear();
         Ok(())
     }
 }
@@ -665,12 +664,7 @@ impl<T> Broadcast<'_, T> {
         let h = self.handle;
         let slot = self.states.slot(h.id, &h.name)?;
         slot.first()
-            .map(|b| {
-                h.ser.deserialize(b).map_err(|e| StateError::Serialize {
-                    state: h.name.to_string(),
-                    source: e,
-                })
-            })
+            .map(|b| decode(&h.name, h.ser.as_ref(), b))
             .transpose()
     }
 
@@ -678,13 +672,7 @@ impl<T> Broadcast<'_, T> {
     /// differ.
     pub fn set(&mut self, value: &T) -> Result<(), StateError> {
         let h = self.handle;
-        let mut b = Vec::new();
-        h.ser
-            .serialize(value, &mut b)
-            .map_err(|e| StateError::Serialize {
-                state: h.name.to_string(),
-                source: e,
-            })?;
+        let b = encode(&h.name, h.ser.as_ref(), value)?;
         *self.states.slot(h.id, &h.name)? = vec![b];
         Ok(())
     }
