@@ -164,12 +164,7 @@ pub fn decide_with(
         }
         // A change to a parallelism whose start was refused for good is not begun again while
         // the spec stays (the pass reports the stall; the running job goes on).
-        if desired != active.parallelism
-            && !obs
-                .start_refused
-                .as_ref()
-                .is_some_and(|r| r.refuses(desired))
-        {
+        if desired != active.parallelism && !obs.refuses_start_at(desired) {
             if let Some(requeue) = backoff {
                 return Action::Idle { requeue };
             }
@@ -183,10 +178,7 @@ pub fn decide_with(
         }
         let want = &settings.spec_hash;
         if obs.upgrade_refused.is_none()
-            && !obs
-                .start_refused
-                .as_ref()
-                .is_some_and(|r| r.refuses(active.parallelism))
+            && !obs.refuses_start_at(active.parallelism)
             && obs.pods.iter().any(|p| {
                 p.run == active.run && p.spec_hash.as_deref().is_some_and(|h| h != want.as_str())
             })

@@ -96,6 +96,15 @@ pub struct StartRefusal {
     pub parallelism: Option<u32>,
 }
 
+impl Observed {
+    /// Whether a start at `parallelism` was refused for good under this spec.
+    pub fn refuses_start_at(&self, parallelism: u32) -> bool {
+        self.start_refused
+            .as_ref()
+            .is_some_and(|r| r.refuses(parallelism))
+    }
+}
+
 impl StartRefusal {
     /// Whether it refuses a start at `parallelism`.
     pub fn refuses(&self, parallelism: u32) -> bool {

@@ -153,6 +153,14 @@ pub(super) enum StartError {
 }
 
 impl StartError {
+    /// The reason a refusal stalls the job with: the one the refusal carries, or StartRefused.
+    pub(super) fn reason(&self) -> Reason {
+        match self {
+            StartError::Refused { reason, .. } => *reason,
+            _ => Reason::StartRefused,
+        }
+    }
+
     /// Whether no retry of the same start can succeed (a refusal by the orchestration or by the
     /// workers, [`CoordinatorError::Refused`]): only a changed spec or image can help. A job
     /// whose recorded snapshots cannot be found is retried: the fix (restoring the snapshots)

@@ -849,14 +849,7 @@ impl Pass<'_> {
                 let message = format!(
                     "pre-staging the new workers at parallelism {parallelism} was refused: {e}. The job runs on at parallelism {old_parallelism}; no retry can change that: it changes again once its spec changes"
                 );
-                self.mem.start_refused = Some((
-                    super::refusal_key(self.spec),
-                    decide::StartRefusal {
-                        reason: Reason::StartRefused,
-                        message: message.clone(),
-                        parallelism: Some(parallelism),
-                    },
-                ));
+                self.remember_refusal(Reason::StartRefused, message.clone(), Some(parallelism));
                 self.abandon(message, false).await?;
                 Ok(requeue::SOON)
             }
@@ -898,6 +891,19 @@ impl Pass<'_> {
             format!("deleting {}", text::count(n as u64, "worker")),
         ));
         requeue::WORKERS_CHANGING
+    }
+
+    /// Remembers a start refused for good, of `parallelism` (a change of the running job) or
+    /// of any start (`None`), until the spec changes.
+    fn remember_refusal(&mut self, reason: Reason, message: String, parallelism: Option<u32>) {
+        self.mem.start_refused = Some((
+            super::refusal_key(self.spec),
+            decide::StartRefusal {
+                reason,
+                message,
+                parallelism,
+            },
+        ));
     }
 
     /// Gives the rescale up while the old run goes on; it is retried with backoff when
@@ -1558,20 +1564,13 @@ impl Pass<'_> {
                     // runs on at the old one, and the change is not tried again until the spec
                     // changes.
                     if e.refuses_for_good() {
-                        let reason = match &e {
-                            StartError::Refused { reason, .. } => *reason,
-                            _ => Reason::StartRefused,
-                        };
-                        self.mem.start_refused = Some((
-                            super::refusal_key(self.spec),
-                            decide::StartRefusal {
-                                reason,
-                                message: format!(
-                                    "{message}. The job runs on at parallelism {old}; no retry can change that: it changes again once its spec changes"
-                                ),
-                                parallelism: Some(parallelism),
-                            },
-                        ));
+                        self.remember_refusal(
+                            e.reason(),
+                            format!(
+                                "{message}. The job runs on at parallelism {old}; no retry can change that: it changes again once its spec changes"
+                            ),
+                            Some(parallelism),
+                        );
                     }
                     self.fail(Reason::RescaleRolledBack, why.clone());
                     self.event(true, Reason::RescaleRollingBack, why);
@@ -1598,21 +1597,11 @@ impl Pass<'_> {
                     intact = false;
                 }
                 if e.refuses_for_good() {
-                    let reason = match &e {
-                        StartError::Refused { reason, .. } => *reason,
-                        _ => Reason::StartRefused,
-                    };
+                    let reason = e.reason();
                     let message = format!(
                         "{message}. No retry can change that: the job starts again once its spec changes"
                     );
-                    self.mem.start_refused = Some((
-                        super::refusal_key(self.spec),
-                        decide::StartRefusal {
-                            reason,
-                            message: message.clone(),
-                            parallelism: None,
-                        },
-                    ));
+                    self.remember_refusal(reason, message.clone(), None);
                     self.stall(reason, message);
                     return Ok(requeue::STALLED);
                 }
