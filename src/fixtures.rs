@@ -2,6 +2,15 @@
 
 use crate::crd::{StreamJob, StreamJobSpec};
 
+/// The repository root. `cargo test` (and hack/test.sh) set `CARGO_MANIFEST_DIR` when they run
+/// a test, so a test executable that cargo reused from another checkout's build (CI keeps one
+/// build directory for every clone) reads this checkout's files, not the one it was built in.
+pub(crate) fn repo_root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 /// A valid job named `clicks` in namespace `ns`.
 pub(crate) fn job() -> StreamJob {
     let spec: StreamJobSpec = serde_yaml::from_str(

@@ -32,10 +32,16 @@ fn config(cases: u32) -> ProptestConfig {
     ProptestConfig {
         cases,
         failure_persistence: Some(Box::new(
-            proptest::test_runner::FileFailurePersistence::Direct(concat!(
-                env!("CARGO_MANIFEST_DIR"),
-                "/tests/fuzz.proptest-regressions"
-            )),
+            proptest::test_runner::FileFailurePersistence::Direct(
+                // Leaked once per config: the persistence wants a `&'static str`.
+                Box::leak(
+                    root()
+                        .join("tests/fuzz.proptest-regressions")
+                        .to_string_lossy()
+                        .into_owned()
+                        .into_boxed_str(),
+                ),
+            ),
         )),
         ..ProptestConfig::default()
     }
@@ -266,8 +272,16 @@ fn mapping(key_type: KeyType) -> FieldMapping {
     }
 }
 
+/// The repository root: the `CARGO_MANIFEST_DIR` the test runs with (a test executable reused
+/// from another checkout's build reads this checkout's files), else the one it was built in.
+fn root() -> std::path::PathBuf {
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")))
+}
+
 fn corpus_files() -> Vec<Vec<u8>> {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/fuzz");
+    let dir = root().join("tests/data/fuzz");
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .expect("tests/data/fuzz")
         .map(|e| e.expect("entry").path())

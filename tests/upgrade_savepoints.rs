@@ -17,7 +17,10 @@ fn bin() -> PathBuf {
 }
 
 fn fixtures(release: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
+    // The checkout the test runs in (a reused test executable reads this checkout's fixtures).
+    std::env::var_os("CARGO_MANIFEST_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")))
         .join("tests/data/savepoints")
         .join(release)
 }

@@ -140,9 +140,9 @@ spec:
 
     #[test]
     fn every_sample_is_declared() {
-        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/config/samples");
+        let dir = crate::fixtures::repo_root().join("config/samples");
         let mut seen = 0;
-        for entry in std::fs::read_dir(dir).unwrap() {
+        for entry in std::fs::read_dir(&dir).unwrap() {
             let path = entry.unwrap().path();
             let text = std::fs::read_to_string(&path).unwrap();
             for doc in serde_yaml::Deserializer::from_str(&text) {

@@ -958,10 +958,8 @@ mod tests {
             .filter(|l| !l.starts_with('#') && !l.is_empty())
             .count();
         assert_eq!(series, 500 * max_series_per_job() + operator_series());
-        let docs = std::fs::read_to_string(
-            std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/operations.md"),
-        )
-        .expect("docs/operations.md");
+        let docs = std::fs::read_to_string(crate::fixtures::repo_root().join("docs/operations.md"))
+            .expect("docs/operations.md");
         let stated = format!("500 jobs make at most {series} series");
         assert!(
             docs.contains(&stated),
@@ -1023,7 +1021,7 @@ mod tests {
             text.push_str(n);
             text.push('\n');
         }
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let root = crate::fixtures::repo_root();
         let path = root.join("tests/monitoring/metric-names.txt");
         if std::env::var_os("KEYSHIFT_BLESS").is_some() {
             std::fs::write(&path, &text).expect("writes the names");
