@@ -86,11 +86,13 @@ pub struct StreamJobSpec {
     pub state: StateSpec,
 
     /// How a change of image or job is rolled out: `savepoint` (default: stop with a savepoint
-    /// and restore from it; with rescaleStrategy `Prestage`, the default, workers of the new
-    /// spec first come up beside the running job and load its newest checkpoint, so a state the
-    /// new image cannot read is refused before the job stops, and the ready workers start from
-    /// the savepoint), `last-state` (restore from the latest checkpoint, no new savepoint) or
-    /// `stateless` (start empty; existing state is not used).
+    /// and restore from it), `last-state` (restore from the latest checkpoint, no new
+    /// savepoint) or `stateless` (start empty; existing state is not used). With
+    /// rescaleStrategy `Prestage`, the default, `savepoint` and `last-state` upgrades first
+    /// bring workers of the new spec up beside the running job to load its newest checkpoint,
+    /// so a state the new image cannot read is refused before the job stops; the ready workers
+    /// then start from the savepoint (`savepoint`) or from a stop checkpoint that writes only
+    /// what changed since they loaded (`last-state`).
     #[serde(default)]
     pub upgrade_mode: UpgradeMode,
 
@@ -104,8 +106,8 @@ pub struct StreamJobSpec {
     /// to stop-and-restore (a condition and an Event say so). `StopAndRestore`: the job stops
     /// with a savepoint of its whole state and the new workers read it back (no second set of
     /// workers; the pause grows with the state). Suspends, restores and key-group changes always
-    /// stop and restore; an upgrade through a savepoint pre-stages its new workers (see
-    /// upgradeMode) and then restores its savepoint. A rescale or upgrade whose new workers
+    /// stop and restore; an upgrade that keeps the state pre-stages its new workers (see
+    /// upgradeMode). A rescale or upgrade whose new workers
     /// refuse the state for good (an operator state that declares no redistribution, a state
     /// declaration the new image cannot read) is abandoned before the job stops: it runs on,
     /// Stalled with the reason, until the spec changes.

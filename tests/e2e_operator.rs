@@ -582,10 +582,16 @@ fn upgrade_image_with_savepoint_last_state_and_stateless_keeps_exact_totals() {
         get(ns, name, "{.status.lastCheckpoint.time}") > get(ns, name, "{.status.rescale.started}")
     });
     upgrade(ns, name, "last-state", "example.test/keyshift:v3", &log);
-    assert_eq!(
-        get(ns, name, "{.status.rescale.savepoint}"),
-        "",
-        "last-state takes no savepoint"
+    // last-state takes no savepoint: pre-staged (the default strategy), the job stops with a
+    // checkpoint of what changed since the new workers loaded, and they start from it.
+    let stop = get(ns, name, "{.status.rescale.savepoint}");
+    assert!(
+        stop.contains("/checkpoints/chk-"),
+        "a pre-staged last-state upgrade stops with a checkpoint, not a savepoint: {stop:?}"
+    );
+    assert!(
+        !get(ns, name, "{.status.rescale.prestage.run}").is_empty(),
+        "the last-state upgrade was pre-staged"
     );
     // Neither upgrade lost or double-counted a record.
     set_suspend(ns, name, true, &log);

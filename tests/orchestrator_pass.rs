@@ -896,19 +896,35 @@ async fn unsplittable_rescale(prestage: bool) {
     .await;
 }
 
-/// An upgrade through a savepoint is pre-staged (the default strategy): the new spec's workers
-/// load the state while the job runs. A new image whose program cannot read the state (its
-/// `count` declared at version 2 without a migration) is refused while they load, before the job
-/// stops: no savepoint, the same workers run on, Stalled StartRefused naming the state, and no
-/// second attempt while the spec stays. A compatible image then upgrades, pre-staged, and the
-/// job runs on exact.
+/// An upgrade that keeps the state (`savepoint` or `last-state`) is pre-staged (the default
+/// strategy): the new spec's workers load the state while the job runs. A new image whose
+/// program cannot read the state (its `count` declared at version 2 without a migration) is
+/// refused while they load, before the job stops: no snapshot, the same workers run on, Stalled
+/// StartRefused naming the state, and no second attempt while the spec stays. A compatible image
+/// then upgrades, pre-staged, and the job runs on exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prestaged_upgrade_whose_image_cannot_read_the_state_is_refused_before_the_job_stops() {
+    prestaged_upgrade_refused_then_fixed(keyshift::crd::UpgradeMode::Savepoint).await;
+}
+
+/// The same for a `last-state` upgrade: it stops with a checkpoint of what changed since the
+/// new workers loaded, never a savepoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_last_state_upgrade_whose_image_cannot_read_the_state_is_refused_before_the_job_stops()
+ {
+    prestaged_upgrade_refused_then_fixed(keyshift::crd::UpgradeMode::LastState).await;
+}
+
+async fn prestaged_upgrade_refused_then_fixed(mode: keyshift::crd::UpgradeMode) {
     bounded(async {
-        let name = "upgrade-checked";
+        let name = match mode {
+            keyshift::crd::UpgradeMode::LastState => "upgrade-checked-last",
+            _ => "upgrade-checked",
+        };
         let mut d = Driver::new(name, 2, "1h");
         d.spec = count_program_spec(name, 2);
         d.spec.rescale_strategy = keyshift::crd::RescaleStrategy::Prestage;
+        d.spec.upgrade_mode = mode;
         d.workers
             .set_programs(image_with_count(keyshift_examples::count::job()));
         d.until_running(2).await;
@@ -969,6 +985,26 @@ async fn a_prestaged_upgrade_whose_image_cannot_read_the_state_is_refused_before
         let r = d.rescale();
         assert!(r.prestaged().is_some(), "the upgrade was pre-staged: {r:?}");
         assert_eq!(r.fallback, None);
+        assert_eq!(r.upgrade_mode, Some(mode));
+        // A savepoint upgrade keeps its savepoint; a last-state one took none (its stop
+        // snapshot is a checkpoint, and the new workers started from it).
+        assert_eq!(
+            d.status.last_savepoint.is_some(),
+            mode == keyshift::crd::UpgradeMode::Savepoint,
+            "{:?} / {:?}",
+            d.status.last_savepoint,
+            r.savepoint
+        );
+        if mode == keyshift::crd::UpgradeMode::LastState {
+            let stop = r
+                .savepoint
+                .clone()
+                .expect("the stop checkpoint was recorded");
+            assert_eq!(
+                d.status.last_checkpoint.as_ref().map(|c| c.path.as_str()),
+                Some(stop.as_str())
+            );
+        }
         assert_eq!(d.events_named("Upgraded").len(), 1, "{}", d.event_log());
         d.assert_processing().await;
     })

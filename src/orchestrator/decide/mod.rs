@@ -186,11 +186,12 @@ pub fn decide_with(
             if let Some(requeue) = backoff {
                 return Action::Idle { requeue };
             }
-            // An upgrade through a savepoint is pre-staged like a rescale: the new spec's workers
-            // are up and have checked the state (a refusal leaves the job running) before the
-            // job stops with its savepoint.
+            // An upgrade that keeps the state is pre-staged like a rescale: the new spec's
+            // workers are up and have checked the state (a refusal leaves the job running)
+            // before the job stops, with its savepoint (`savepoint`) or with a checkpoint that
+            // writes only what changed since they loaded (`last-state`).
             let prestage = (spec.rescale_strategy == RescaleStrategy::Prestage
-                && spec.upgrade_mode == UpgradeMode::Savepoint)
+                && spec.upgrade_mode != UpgradeMode::Stateless)
                 .then(|| obs.new_run.clone());
             return Action::BeginUpgrade {
                 parallelism: active.parallelism,

@@ -201,7 +201,8 @@ pub(super) fn rescale_step(
                     Restore::Url(r.rewritten.clone().unwrap_or_default())
                 }
                 (_, Some(UpgradeMode::Stateless)) => Restore::Empty,
-                (_, Some(UpgradeMode::LastState)) => Restore::Latest,
+                // A `last-state` upgrade took no savepoint: the latest checkpoint, unless it was
+                // pre-staged (its stop checkpoint, recorded like a savepoint, is that one).
                 (Some(url), _) => Restore::Url(url.clone()),
                 (None, _) => Restore::Latest,
             };

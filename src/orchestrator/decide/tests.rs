@@ -822,8 +822,8 @@ fn a_changed_job_or_image_upgrades_in_the_spec_upgrade_mode() {
                 prestage: None,
             }
         );
-        // Pre-staged (the default strategy) when it goes through a savepoint: the new spec's
-        // workers load the state before the job stops.
+        // Pre-staged (the default strategy) whenever it keeps the state: the new spec's
+        // workers load it before the job stops.
         let mut pre = s.clone();
         pre.rescale_strategy = RescaleStrategy::Prestage;
         let o = obs(running.clone(), Some(("r", 4)));
@@ -832,7 +832,7 @@ fn a_changed_job_or_image_upgrades_in_the_spec_upgrade_mode() {
             Action::BeginUpgrade {
                 parallelism: 4,
                 mode,
-                prestage: (mode == UpgradeMode::Savepoint).then(|| o.new_run.clone()),
+                prestage: (mode != UpgradeMode::Stateless).then(|| o.new_run.clone()),
             }
         );
         // Refused for good at this parallelism (its state does not fit the new spec): not
@@ -870,6 +870,16 @@ fn a_changed_job_or_image_upgrades_in_the_spec_upgrade_mode() {
         (
             upgrading(UpgradeMode::LastState, Step::Restoring, None),
             Restore::Latest,
+        ),
+        // A pre-staged last-state upgrade recorded its stop checkpoint: that one, not
+        // whichever checkpoint is newest by then.
+        (
+            upgrading(
+                UpgradeMode::LastState,
+                Step::Restoring,
+                Some("file:///s/ck-7"),
+            ),
+            Restore::Url("file:///s/ck-7".into()),
         ),
         (
             upgrading(UpgradeMode::Stateless, Step::Restoring, None),

@@ -251,6 +251,9 @@ impl Pass<'_> {
             crate::crd::UpgradeMode::Savepoint => {
                 "stop with a savepoint, verify, restart with the new spec from it"
             }
+            crate::crd::UpgradeMode::LastState if prestaging => {
+                "pre-stage workers of the new spec beside the running job from its latest checkpoint (they check the state fits it), stop with a checkpoint of what changed since, start them from it"
+            }
             crate::crd::UpgradeMode::LastState => {
                 "stop, restart with the new spec from the latest checkpoint"
             }
