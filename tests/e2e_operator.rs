@@ -1481,6 +1481,112 @@ fn wait_stalled(ns: &str, name: &str, reason: &str, log: &std::path::Path) -> St
     )
 }
 
+/// One job's sink never writes where another's does, on the real API server: a job whose
+/// object-store sink directory lies inside a running job's, or whose exactly-once Kafka sink
+/// has the transactional id an older job uses on the same brokers, is refused before it gets
+/// a pod (Stalled SinkInUse, naming the older job and the field to change); the older job runs
+/// on, and once the newer one names a place of its own it proceeds.
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn a_job_whose_sink_writes_where_an_older_jobs_does_is_refused_before_any_pod() {
+    let _plane = shared_plane();
+    let (ns, _dir, op) = setup("e2e-op-sinks", "sinks");
+    let ns = &ns.0;
+    let log = op.log.clone();
+    let out = format!("{}-sink", op.storage);
+
+    // Object-store sinks: the first job runs; the second's directory lies inside its own.
+    let r = apply(
+        ns,
+        &sink_job_yaml("first", &format!("{out}/first"), false, S3_SECRET),
+    );
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, "first", &log);
+    let r = apply(
+        ns,
+        &sink_job_yaml("second", &format!("{out}/first/late"), false, S3_SECRET),
+    );
+    assert!(r.ok, "{}", r.stderr);
+    let message = wait_stalled(ns, "second", "SinkInUse", &log);
+    for needle in [
+        "spec.job.sink.url",
+        &format!("{ns}/first"),
+        "an output directory of its own",
+    ] {
+        assert!(message.contains(needle), "{needle:?} in {message}");
+    }
+    assert!(
+        worker_pods(ns, "second").is_empty(),
+        "refused before any pod"
+    );
+    let first_pods = worker_pods(ns, "first");
+    assert_eq!(first_pods.len(), 2, "{first_pods:?}");
+    // A place of its own: it runs beside the first, whose pods were never touched.
+    patch_spec(
+        ns,
+        "second",
+        &format!("{{\"job\":{{\"sink\":{{\"url\":\"{out}/second\"}}}}}}"),
+    );
+    wait_ready(ns, "second", &log);
+    assert_eq!(worker_pods(ns, "first"), first_pods);
+
+    // Exactly-once Kafka sinks (suspended: they never reach a broker): a shared prefix on one
+    // cluster is refused; another prefix is not.
+    let kafka = |name: &str, prefix: &str| {
+        format!(
+            "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+spec:
+  replicas: 1
+  suspend: true
+  job:
+    source:
+      generator: {{partitions: 1, keys: 10}}
+    key: {{field: key, type: string}}
+    aggregation: {{function: count}}
+    sink:
+      type: kafka
+      kafka: {{bootstrapServers: 'kafka-a.invalid:9092,kafka-b.invalid:9092', topic: out, transactionalIdPrefix: {prefix}}}
+  state:
+    credentialsSecret: {S3_SECRET}
+"
+        )
+    };
+    let r = apply(ns, &kafka("orders", "team.shared"));
+    assert!(r.ok, "{}", r.stderr);
+    wait_for(Duration::from_secs(60), || {
+        get(
+            ns,
+            "orders",
+            "{.status.conditions[?(@.type==\"Stalled\")].status}",
+        ) == "False"
+    });
+    let r = apply(ns, &kafka("payments", "team.shared"));
+    assert!(r.ok, "{}", r.stderr);
+    let message = wait_stalled(ns, "payments", "SinkInUse", &log);
+    for needle in [
+        "`team.shared.sink`",
+        &format!("{ns}/orders"),
+        "transactionalIdPrefix",
+    ] {
+        assert!(message.contains(needle), "{needle:?} in {message}");
+    }
+    let r = apply(ns, &kafka("payments", "team.payments"));
+    assert!(r.ok, "{}", r.stderr);
+    wait_for(Duration::from_secs(60), || {
+        get(
+            ns,
+            "payments",
+            "{.status.conditions[?(@.type==\"Stalled\")].status}",
+        ) == "False"
+    });
+    for name in ["first", "second"] {
+        delete_job(ns, name, &log);
+    }
+}
+
 /// Going back past published output, on the real node: a job with the object-store sink takes
 /// two savepoints (its sink publishes output after the first); a spec.restoreFrom of the first
 /// is refused before anything stops (Stalled OutputWouldRepeat, naming the snapshot, the sink

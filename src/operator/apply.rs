@@ -60,6 +60,21 @@ pub(super) async fn apply(
         return Ok(Requeue::requeue(requeue::STALLED));
     }
 
+    // A sink that would write where an older job's writes (one transactional id, one output
+    // directory) gets no pod either: its workers would fence or overwrite the other job's.
+    if let Err(shared) = ctx.check_sink_isolation(&job) {
+        let status = pass::stalled_status(
+            spec,
+            job.metadata.generation,
+            &status0,
+            shared.reason(),
+            &shared.to_string(),
+        );
+        write_status(&api, &name, &status0, &status).await?;
+        ctx.metrics.observe_status(&ns, &name, spec, &status);
+        return Ok(Requeue::requeue(requeue::STALLED));
+    }
+
     let Some(storage) = spec
         .state
         .storage

@@ -65,6 +65,9 @@ pub struct Context {
     /// Per controller (its namespace, or `None` for all): wakes a job whose background step
     /// ended.
     pub(super) wakers: std::sync::Mutex<Vec<(Option<String>, Waker)>>,
+    /// Per controller: its watch cache of StreamJobs, to check one job against the others
+    /// (their sinks) without a request.
+    pub(super) job_stores: std::sync::Mutex<Vec<kube::runtime::reflector::Store<StreamJob>>>,
 }
 
 pub(super) type Waker = futures::channel::mpsc::UnboundedSender<ObjectRef<StreamJob>>;
@@ -90,6 +93,7 @@ impl Context {
             recorder,
             jobs: std::sync::Mutex::new(HashMap::new()),
             wakers: std::sync::Mutex::new(Vec::new()),
+            job_stores: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -143,5 +147,33 @@ impl Context {
         for e in events {
             self.event(job, e.warning, &e.reason, e.note).await;
         }
+    }
+}
+
+impl Context {
+    /// Whether `job`'s sink may write where it is set to: refused when an older job this
+    /// operator watches writes there (`validation::check_sink_isolation`). Jobs outside the
+    /// operator's namespaces are not seen; their workers' publish still refuses a marker
+    /// another job wrote.
+    pub(super) fn check_sink_isolation(
+        &self,
+        job: &StreamJob,
+    ) -> Result<(), crate::validation::SharedSink> {
+        let stores = self
+            .job_stores
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let others: Vec<Arc<StreamJob>> = stores.iter().flat_map(|s| s.state()).collect();
+        crate::validation::check_sink_isolation(&identity(job), others.iter().map(|o| identity(o)))
+    }
+}
+
+fn identity(job: &StreamJob) -> crate::validation::JobIdentity<'_> {
+    crate::validation::JobIdentity {
+        namespace: job.metadata.namespace.as_deref().unwrap_or_default(),
+        name: job.metadata.name.as_deref().unwrap_or_default(),
+        created: job.metadata.creation_timestamp.as_ref().map(|t| t.0),
+        spec: &job.spec,
     }
 }

@@ -112,7 +112,12 @@ pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
             ctx.metrics
                 .ready
                 .store(true, std::sync::atomic::Ordering::Relaxed);
-            Controller::new(jobs, watch_config())
+            let controller = Controller::new(jobs, watch_config());
+            ctx.job_stores
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(controller.store());
+            controller
                 .owns(pods, watch_config().labels(desired::LABEL_JOB))
                 .reconcile_on(woken)
                 .with_config(

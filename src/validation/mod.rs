@@ -30,6 +30,7 @@ pub use keyshift_core::rules::*;
 mod analysis;
 mod cel;
 mod guidance;
+mod isolation;
 mod policy;
 #[cfg(test)]
 mod tests;
@@ -37,6 +38,7 @@ mod tests;
 pub use self::analysis::*;
 use self::cel::*;
 pub use self::guidance::*;
+pub use self::isolation::*;
 pub use self::policy::*;
 
 /// Object store URL schemes `object_store` understands.

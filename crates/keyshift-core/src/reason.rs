@@ -74,6 +74,9 @@ reasons! {
     NoStorage,
     ImageNotAllowed,
     ServiceAccountNotAllowed,
+    /// Stalled: the job's sink would write where an older job's sink writes (one exactly-once
+    /// Kafka transactional id on the same cluster, or one object-store output directory).
+    SinkInUse,
     // Failures being retried (Reconciling, and a warning Event).
     WorkerFailed,
     StartFailed,

@@ -462,7 +462,8 @@ pub struct SinkSpec {
     /// (records of the topic in `kafka`).
     #[serde(default, rename = "type")]
     pub sink_type: SinkType,
-    /// Object store URL results are written under (for `objectStore`).
+    /// Object store URL results are written under (for `objectStore`). One job's own: a URL
+    /// that is, contains or lies inside an older job's is refused (Stalled, reason SinkInUse).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     /// The Kafka topic results are written to (for `kafka`).
@@ -491,7 +492,8 @@ pub struct KafkaSink {
     pub delivery_guarantee: KafkaDeliveryGuarantee,
     /// Prefix of the job's transactional id (exactlyOnce): the job writes as `<prefix>.sink`,
     /// which is also the consumer group recording the newest checkpoint written. Default
-    /// `keyshift.<namespace>.<job name>`. Two jobs must never share it.
+    /// `keyshift.<namespace>.<job name>`. Two jobs must never share it: a job whose id an older
+    /// job's sink uses on the same brokers is refused (Stalled, reason SinkInUse).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transactional_id_prefix: Option<String>,
     /// Further librdkafka producer properties (e.g. `compression.type`, `linger.ms`,
@@ -504,6 +506,41 @@ pub struct KafkaSink {
     /// TLS and SASL credentials from a Secret in the job's namespace.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials: Option<KafkaCredentials>,
+}
+
+impl KafkaSink {
+    /// The transactional id (and bookkeeping group) this sink writes with as job `job` of
+    /// `namespace` when it is exactly once: [`transactional_id`].
+    pub fn transactional_id(&self, namespace: &str, job: &str) -> String {
+        transactional_id(namespace, job, self.transactional_id_prefix.as_deref())
+    }
+
+    /// The brokers it bootstraps from, trimmed, without empty entries and duplicates, sorted:
+    /// two sinks that share one of them write to the same cluster.
+    pub fn brokers(&self) -> std::collections::BTreeSet<&str> {
+        self.bootstrap_servers
+            .split(',')
+            .map(str::trim)
+            .filter(|b| !b.is_empty())
+            .collect()
+    }
+}
+
+/// The default transactional id prefix of a job's sink, `keyshift.<namespace>.<job>`.
+pub fn default_transactional_id_prefix(namespace: &str, job: &str) -> String {
+    format!("keyshift.{namespace}.{job}")
+}
+
+/// The transactional id (and bookkeeping group) of a job's exactly-once Kafka sink: the sink's
+/// `transactionalIdPrefix` (default [`default_transactional_id_prefix`]) with `.sink` appended.
+/// One per job, whatever its parallelism. A namespace holds no `.`, so two jobs' default ids
+/// never collide; a prefix set by hand can, which the operator refuses
+/// (`TransactionalIdInUse`).
+pub fn transactional_id(namespace: &str, job: &str, prefix: Option<&str>) -> String {
+    match prefix {
+        Some(p) if !p.is_empty() => format!("{p}.sink"),
+        _ => format!("{}.sink", default_transactional_id_prefix(namespace, job)),
+    }
 }
 
 /// Properties neither Kafka client may take from spec.job.*.kafka.properties: secrets.

@@ -293,10 +293,7 @@ pub fn default_group_id(namespace: &str, name: &str) -> String {
     format!("keyshift.{namespace}.{name}")
 }
 
-/// The default transactional id prefix of a job's sink.
-pub fn default_transactional_id_prefix(namespace: &str, name: &str) -> String {
-    format!("keyshift.{namespace}.{name}")
-}
+pub use keyshift_core::spec::default_transactional_id_prefix;
 
 /// The source consumer's properties. The consumer is assigned partitions by hand and seeks to
 /// the snapshot's offsets, so the group is used only to commit offsets after checkpoints:

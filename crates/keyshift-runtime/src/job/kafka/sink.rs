@@ -85,20 +85,7 @@ pub fn staging_base(job_dir: &crate::snapshot::Path) -> crate::snapshot::Path {
     job_dir.clone().join(STAGING_FOLDER)
 }
 
-/// The transactional id (and bookkeeping group) of a job's exactly-once Kafka sink: the sink's
-/// `transactionalIdPrefix` (default `keyshift.<namespace>.<job>`,
-/// [`super::default_transactional_id_prefix`]) with `.sink` appended. One per job, whatever its
-/// parallelism: only the job's publisher writes to Kafka. A namespace holds no `.`, so two jobs'
-/// default ids never collide.
-pub fn transactional_id(namespace: &str, job: &str, prefix: Option<&str>) -> String {
-    match prefix {
-        Some(p) if !p.is_empty() => format!("{p}.sink"),
-        _ => format!(
-            "{}.sink",
-            super::default_transactional_id_prefix(namespace, job)
-        ),
-    }
-}
+pub use keyshift_core::spec::transactional_id;
 
 /// Whether a job's sink stages its output for the coordinator to publish: a Kafka sink with
 /// `deliveryGuarantee: exactlyOnce` (the default).
