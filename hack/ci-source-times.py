@@ -15,8 +15,9 @@ contents. `restore` reads that record and removes it at once (a run that fails o
 leaves no record, and the next run rebuilds from scratch as before); then every tracked file
 whose content is the recorded one gets a modification time in the past, and every file that
 changed, or is new, keeps the time of the clone, so cargo rebuilds exactly what depends on it.
-If a script that decides which cargo commands CI runs changed, nothing is restored: a build unit
-the recorded run did not use may be older than the record.
+If a cargo command line in the scripts that run cargo for CI changed (another feature set, a new
+target), nothing is restored: a build unit the recorded run did not use may be older than the
+record. Other edits of those scripts (the order of the tests) keep the restore.
 """
 
 import json
@@ -28,8 +29,37 @@ from pathlib import Path
 RECORD = "keyshift-ci-sources.json"
 # 2001-01-01T00:00:00Z: older than any build in the directory.
 PAST = 978307200
-# Files that decide which cargo commands (and so which build units) a CI run uses.
+# Files whose cargo command lines decide which build units a CI run uses.
 TOOLING = (".ci/run", "hack/test.sh", "hack/build-image.sh", "hack/testenv.sh", "hack/lab-test.sh")
+
+
+def cargo_lines(text: str) -> list[str]:
+    """The lines of a script that name cargo (its commands and their arguments), trimmed."""
+    return sorted(
+        line.strip()
+        for line in text.splitlines()
+        if "cargo " in line and not line.strip().startswith("#")
+    )
+
+
+def blob_text(blob: str | None) -> str | None:
+    """A blob's text from this clone's object database (None when it is not there)."""
+    if blob is None:
+        return None
+    out = subprocess.run(["git", "cat-file", "blob", blob], capture_output=True)
+    return out.stdout.decode("utf-8", "replace") if out.returncode == 0 else None
+
+
+def tooling_changed(before: dict[str, str], now: dict[str, str]) -> list[str]:
+    """The tooling files whose cargo command lines differ from the recorded run's."""
+    changed = []
+    for path in TOOLING:
+        if now.get(path) == before.get(path):
+            continue
+        old, new = blob_text(before.get(path)), blob_text(now.get(path))
+        if old is None or new is None or cargo_lines(old) != cargo_lines(new):
+            changed.append(path)
+    return changed
 
 
 def tracked() -> dict[str, str]:
@@ -63,9 +93,9 @@ def restore(target: Path) -> int:
         return 0
     before = recorded["files"]
     now = tracked()
-    changed_tooling = [p for p in TOOLING if now.get(p) != before.get(p)]
+    changed_tooling = tooling_changed(before, now)
     if changed_tooling:
-        print(f"ci-source-times: {', '.join(changed_tooling)} changed since the recorded run; every file keeps the time of the clone")
+        print(f"ci-source-times: the cargo commands of {', '.join(changed_tooling)} changed since the recorded run; every file keeps the time of the clone")
         return 0
     same = [p for p, blob in now.items() if before.get(p) == blob]
     for path in same:

@@ -229,6 +229,18 @@ await_testenv() {
 }
 
 # lane NAME BODY: BODY (a function) in the background, its jobs one after another.
+# Clippy records the workspace's Cargo.toml by its absolute path in every member crate's
+# fingerprint (the member crates lie outside the root package), so a check made in another
+# clone counts as stale once that clone is gone: with a build directory shared by clones
+# (.ci/run), clippy reads the workspace through a link in that directory, re-pointed at this
+# checkout, and what it checked in an earlier clone stays fresh (hack/ci-source-times.py).
+CLIPPY_MANIFEST=()
+if [[ -n "${CARGO_TARGET_DIR:-}" ]]; then
+  mkdir -p "$CARGO_TARGET_DIR"
+  ln -sfn "$PWD" "$CARGO_TARGET_DIR/checkout"
+  CLIPPY_MANIFEST=(--manifest-path "$CARGO_TARGET_DIR/checkout/Cargo.toml")
+fi
+
 LANE_PIDS=()
 lane() {
   local name="$1" body="$2"
@@ -249,8 +261,8 @@ unit_and_light() {
   # default one is the product build, where code left behind by a gated-out feature (an unused
   # import or helper) fails. In a lane, not before the build: no other cargo runs here (the lanes
   # run the built executables), and the e2e tier's waits leave the cores room for it.
-  job clippy-all-features nice -n 15 cargo clippy --workspace --all-targets --all-features --locked -- -D warnings
-  job clippy-default-features nice -n 15 cargo clippy --workspace --all-targets --locked -- -D warnings
+  job clippy-all-features nice -n 15 cargo clippy "${CLIPPY_MANIFEST[@]}" --workspace --all-targets --all-features --locked -- -D warnings
+  job clippy-default-features nice -n 15 cargo clippy "${CLIPPY_MANIFEST[@]}" --workspace --all-targets --locked -- -D warnings
   touch "$LANES_DIR/clippy.done"
   local label
   for label in $(cut -f1 "$LANES_DIR/binaries.tsv" | sort); do
