@@ -255,6 +255,12 @@ pub struct StreamJobStatus {
     /// The metadata.generation this status describes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub observed_generation: Option<i64>,
+    /// A start the workers refused for good (their image cannot run the spec, or cannot read
+    /// the state at the asked parallelism), kept so that no operator process (after a restart,
+    /// or a new leader) tries it again until the spec changes. The Stalled condition says why
+    /// and what to do.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_refused: Option<StartRefusedStatus>,
     /// Lifecycle phase: Pending, Running, Rescaling, Upgrading, Suspended or Failed.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub phase: Option<Phase>,
@@ -585,6 +591,22 @@ pub struct RescaleStatus {
     /// were removed; the rescale goes on by the savepoint's steps.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fallback: Option<String>,
+}
+
+/// A start refused for good (status.startRefused).
+#[derive(Deserialize, Serialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct StartRefusedStatus {
+    /// A hash of the spec it was refused for: any edit of the spec ends the refusal.
+    pub spec_hash: String,
+    /// The reason of the Stalled condition it sets (e.g. StartRefused).
+    pub reason: String,
+    /// The workers' message: what they refused, and the fix.
+    pub message: String,
+    /// The parallelism of the refused change of a running job (the job runs on at its own);
+    /// unset when any start is refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parallelism: Option<i32>,
 }
 
 /// The new workers of a pre-staged rescale (status.rescale.prestage).

@@ -884,6 +884,32 @@ async fn unsplittable_rescale(prestage: bool) {
         })
         .await;
         d.assert_processing().await;
+        let kept = d.status.start_refused.clone().expect("status.startRefused");
+        assert_eq!(
+            (kept.reason.as_str(), kept.parallelism),
+            ("StartRefused", Some(3))
+        );
+
+        // A new operator process (a restart, another leader) reads the refusal from status:
+        // it adopts the running job and does not try the change again either.
+        d.restart();
+        d.for_a_while(Duration::from_secs(12), |d| {
+            assert_eq!(
+                d.events_named("RescaleStarted").len(),
+                1,
+                "{}",
+                d.event_log()
+            );
+            assert!(d.workers.live().len() == 2);
+        })
+        .await;
+        assert!(
+            d.condition("Stalled")
+                .is_some_and(|(r, m)| r == "StartRefused" && m.contains("\"totals\"")),
+            "{:?}",
+            d.condition("Stalled")
+        );
+        d.assert_processing().await;
 
         // The replicas set back: the stall clears, the job runs at 2.
         d.spec.replicas = 2;
@@ -891,6 +917,7 @@ async fn unsplittable_rescale(prestage: bool) {
             d.running_at(2) && d.condition("Stalled").is_none()
         })
         .await;
+        assert_eq!(d.status.start_refused, None);
         d.assert_processing().await;
     })
     .await;

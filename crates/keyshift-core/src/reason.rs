@@ -17,6 +17,11 @@ macro_rules! reasons {
             /// Every reason, in declaration order.
             pub const ALL: &'static [Reason] = &[$(Reason::$name,)+];
 
+            /// The reason a condition or Event wrote as `s` (`None`: not one of ours).
+            pub fn parse(s: &str) -> Option<Reason> {
+                Reason::ALL.iter().copied().find(|r| r.as_str() == s)
+            }
+
             /// The string written into conditions and Events.
             pub const fn as_str(self) -> &'static str {
                 match self {

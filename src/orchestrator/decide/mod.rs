@@ -103,6 +103,14 @@ pub fn decide_with(
             pending.is_some(),
         ))
     {
+        // A run still up at a parallelism the refusal leaves alone (the job ran on while its
+        // change was refused, and this process is new: a restart, another leader): it is
+        // coordinated again and runs on, Stalled on the change.
+        if let Some((run, parallelism)) = adoptable(&obs.pods)
+            && !refusal.refuses(parallelism)
+        {
+            return Action::Adopt { run, parallelism };
+        }
         return Action::Stall {
             reason: refusal.reason,
             message: refusal.message.clone(),

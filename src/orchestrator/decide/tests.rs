@@ -446,6 +446,42 @@ fn a_rescale_refused_for_good_is_not_begun_again_and_the_old_parallelism_still_r
 }
 
 #[test]
+fn a_new_process_adopts_the_run_a_refused_change_left_running() {
+    // Spec 4; the pre-staged rescale 2 -> 4 was abandoned (its new workers refused the state)
+    // and the old run goes on. A new operator process reads the refusal from status: it
+    // coordinates the running workers again rather than stalling with them uncoordinated,
+    // and begins no rescale.
+    let s = spec(4);
+    let mut abandoned = status();
+    abandoned.replicas = Some(2);
+    abandoned.rescale = Some(RescaleStatus {
+        from: 2,
+        to: 4,
+        step: Step::Abandoned,
+        ..Default::default()
+    });
+    let mut o = obs(
+        pods("r", 2, PodPhase::Running, Some(WorkerState::Running)),
+        None,
+    );
+    o.start_refused = Some(StartRefusal {
+        reason: Reason::StartRefused,
+        message: "operator state \"totals\" declares no redistribution".to_owned(),
+        parallelism: Some(4),
+    });
+    assert_eq!(
+        decide(&s, &abandoned, &o),
+        Action::Adopt {
+            run: "r".into(),
+            parallelism: 2
+        }
+    );
+    // Workers at the refused parallelism are not adopted into a refused start.
+    o.pods = pods("n", 4, PodPhase::Running, Some(WorkerState::Running));
+    assert!(matches!(decide(&s, &abandoned, &o), Action::Stall { .. }));
+}
+
+#[test]
 fn above_the_pinned_ceiling_stalls_without_touching_workers() {
     let s = spec(200);
     let st = StreamJobStatus {

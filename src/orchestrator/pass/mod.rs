@@ -106,6 +106,30 @@ pub struct JobMemory {
     unrestorable: std::collections::BTreeMap<String, String>,
 }
 
+/// A refusal as status.startRefused keeps it (`None` for a reason this build does not know).
+fn refusal_from_status(
+    s: &crate::crd::StartRefusedStatus,
+) -> Option<(String, decide::StartRefusal)> {
+    Some((
+        s.spec_hash.clone(),
+        decide::StartRefusal {
+            reason: Reason::parse(&s.reason)?,
+            message: s.message.clone(),
+            parallelism: s.parallelism.and_then(|p| u32::try_from(p).ok()),
+        },
+    ))
+}
+
+/// status.startRefused for a remembered refusal.
+fn refusal_status((key, r): &(String, decide::StartRefusal)) -> crate::crd::StartRefusedStatus {
+    crate::crd::StartRefusedStatus {
+        spec_hash: key.clone(),
+        reason: r.reason.as_str().to_owned(),
+        message: r.message.clone(),
+        parallelism: r.parallelism.and_then(|p| i32::try_from(p).ok()),
+    }
+}
+
 /// What a refusal is remembered for: the whole spec (any edit of it ends the refusal, the
 /// edit that fixes it or any other: a retry then tells).
 fn refusal_key(spec: &StreamJobSpec) -> String {
@@ -286,6 +310,11 @@ pub async fn run_pass(
         decide::last_snapshot_at(&status0, mem.run.as_ref().map(|r| r.started), now);
     let pending_restore = pending_restore(spec, &status0, mem, (&storage, namespace, name)).await;
     let upgrade_refused = upgrade_refusal(spec, &settings, mem, (namespace, name));
+    // A refusal recorded in status by an earlier process (a restart, another leader) holds as
+    // if this process had seen it.
+    if mem.start_refused.is_none() {
+        mem.start_refused = status0.start_refused.as_ref().and_then(refusal_from_status);
+    }
     if mem
         .start_refused
         .as_ref()
@@ -391,6 +420,7 @@ pub async fn run_pass(
     pass.pin_in_use().await;
     pass.observe_sink();
     pass.observe_kafka(&lags, recording);
+    pass.status.start_refused = pass.mem.start_refused.as_ref().map(refusal_status);
     let mut status = pass.status;
     let progress = pass.progress;
     let events = pass.events;
