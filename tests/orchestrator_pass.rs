@@ -911,6 +911,26 @@ async fn unsplittable_rescale(prestage: bool) {
         );
         d.assert_processing().await;
 
+        // The old run dies: it comes back at 2 (the parallelism it ran at), not at the refused
+        // 3, and the job is Stalled on the change as before.
+        let before = d.workers.names();
+        d.workers.kill(0).expect("worker 0 exists");
+        d.until("back at 2", Duration::from_secs(30), |d| {
+            d.running_at(2)
+                && d.workers.names() != before
+                && d.condition("Stalled").is_some_and(|(r, m)| {
+                    r == "StartRefused" && m.contains("runs on at parallelism 2")
+                })
+        })
+        .await;
+        assert_eq!(
+            d.events_named("RescaleStarted").len(),
+            1,
+            "{}",
+            d.event_log()
+        );
+        d.assert_processing().await;
+
         // The replicas set back: the stall clears, the job runs at 2.
         d.spec.replicas = 2;
         d.until("no longer stalled", Duration::from_secs(20), |d| {

@@ -111,9 +111,19 @@ pub fn decide_with(
         {
             return Action::Adopt { run, parallelism };
         }
+        // The run the refused change left running has ended since: it comes back at the
+        // parallelism it ran at (status.replicas), from its newest snapshot, unless that one is
+        // refused too (an upgrade's, at the same parallelism).
+        if let Some(ran) = status.replicas.and_then(|r| u32::try_from(r).ok())
+            && ran > 0
+            && pending.is_none()
+            && !refusal.refuses(ran)
+        {
+            return bring_up(&obs.pods, ran, Restore::Latest, &obs.new_run, obs.now);
+        }
         return Action::Stall {
             reason: refusal.reason,
-            message: refusal.message.clone(),
+            message: refusal.stopped_message(),
         };
     }
     if let Some(r) = status.rescale.as_ref().filter(|r| r.step.active()) {

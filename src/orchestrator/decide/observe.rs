@@ -110,6 +110,27 @@ impl StartRefusal {
     pub fn refuses(&self, parallelism: u32) -> bool {
         self.parallelism.is_none_or(|p| p == parallelism)
     }
+
+    /// The Stalled message while the job runs on at `running` (the refused change's old
+    /// parallelism, or an upgrade's).
+    pub fn running_message(&self, running: u32) -> String {
+        format!(
+            "{}. The job runs on at parallelism {running}; no retry can change that: it changes again once its spec changes",
+            self.message
+        )
+    }
+
+    /// The Stalled message once no run is up: for a refused change of a running job, its run
+    /// has ended since, and the start it would need is the refused one.
+    pub fn stopped_message(&self) -> String {
+        match self.parallelism {
+            Some(p) => format!(
+                "{}. The job's run has ended since, and a start at parallelism {p} is refused the same way: no retry can change that; it starts again once its spec changes",
+                self.message
+            ),
+            None => self.message.clone(),
+        }
+    }
 }
 
 /// A spec.restoreFrom the job has not been started from yet.

@@ -476,9 +476,46 @@ fn a_new_process_adopts_the_run_a_refused_change_left_running() {
             parallelism: 2
         }
     );
-    // Workers at the refused parallelism are not adopted into a refused start.
+    // Workers at the refused parallelism are not adopted into a refused start: they go, and
+    // the job comes back at the parallelism it ran at.
     o.pods = pods("n", 4, PodPhase::Running, Some(WorkerState::Running));
-    assert!(matches!(decide(&s, &abandoned, &o), Action::Stall { .. }));
+    let a = decide(&s, &abandoned, &o);
+    assert!(
+        matches!(a, Action::DeletePods { .. } | Action::DeleteRun { .. }),
+        "{a:?}"
+    );
+    // The run ended since: it comes back at the parallelism it ran at, from its newest
+    // snapshot (and is then Stalled on the change as before).
+    o.pods.clear();
+    assert_eq!(
+        decide(&s, &abandoned, &o),
+        Action::CreatePods {
+            run: o.new_run.clone(),
+            parallelism: 2,
+            subtasks: vec![0, 1],
+        }
+    );
+    // An upgrade refused at the parallelism the job ran at: nothing to come back at; the
+    // stall no longer says the job runs on.
+    let s = spec(2);
+    abandoned.rescale = Some(RescaleStatus {
+        from: 2,
+        to: 2,
+        step: Step::Abandoned,
+        upgrade_mode: Some(UpgradeMode::Savepoint),
+        ..Default::default()
+    });
+    o.start_refused = o.start_refused.take().map(|r| StartRefusal {
+        parallelism: Some(2),
+        ..r
+    });
+    match decide(&s, &abandoned, &o) {
+        Action::Stall { message, .. } => {
+            assert!(message.contains("has ended since"), "{message}");
+            assert!(!message.contains("runs on"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
 }
 
 #[test]

@@ -849,10 +849,15 @@ impl Pass<'_> {
             // the old run has not stopped, and goes on; the rescale is not tried again until
             // the spec changes.
             Err(e @ CoordinatorError::Refused { .. }) => {
-                let message = format!(
-                    "pre-staging the new workers at parallelism {parallelism} was refused: {e}. The job runs on at parallelism {old_parallelism}; no retry can change that: it changes again once its spec changes"
-                );
-                self.remember_refusal(Reason::StartRefused, message.clone(), Some(parallelism));
+                let refusal = decide::StartRefusal {
+                    reason: Reason::StartRefused,
+                    message: format!(
+                        "pre-staging the new workers at parallelism {parallelism} was refused: {e}"
+                    ),
+                    parallelism: Some(parallelism),
+                };
+                let message = refusal.running_message(old_parallelism);
+                self.remember_refusal(refusal);
                 self.abandon(message, false).await?;
                 Ok(requeue::SOON)
             }
@@ -898,15 +903,8 @@ impl Pass<'_> {
 
     /// Remembers a start refused for good, of `parallelism` (a change of the running job) or
     /// of any start (`None`), until the spec changes.
-    fn remember_refusal(&mut self, reason: Reason, message: String, parallelism: Option<u32>) {
-        self.mem.start_refused = Some((
-            super::refusal_key(self.spec),
-            decide::StartRefusal {
-                reason,
-                message,
-                parallelism,
-            },
-        ));
+    fn remember_refusal(&mut self, refusal: decide::StartRefusal) {
+        self.mem.start_refused = Some((super::refusal_key(self.spec), refusal));
     }
 
     /// Gives the rescale up while the old run goes on; it is retried with backoff when
@@ -1567,13 +1565,11 @@ impl Pass<'_> {
                     // runs on at the old one, and the change is not tried again until the spec
                     // changes.
                     if e.refuses_for_good() {
-                        self.remember_refusal(
-                            e.reason(),
-                            format!(
-                                "{message}. The job runs on at parallelism {old}; no retry can change that: it changes again once its spec changes"
-                            ),
-                            Some(parallelism),
-                        );
+                        self.remember_refusal(decide::StartRefusal {
+                            reason: e.reason(),
+                            message: message.clone(),
+                            parallelism: Some(parallelism),
+                        });
                     }
                     self.fail(Reason::RescaleRolledBack, why.clone());
                     self.event(true, Reason::RescaleRollingBack, why);
@@ -1604,7 +1600,11 @@ impl Pass<'_> {
                     let message = format!(
                         "{message}. No retry can change that: the job starts again once its spec changes"
                     );
-                    self.remember_refusal(reason, message.clone(), None);
+                    self.remember_refusal(decide::StartRefusal {
+                        reason,
+                        message: message.clone(),
+                        parallelism: None,
+                    });
                     self.stall(reason, message);
                     return Ok(requeue::STALLED);
                 }

@@ -398,11 +398,11 @@ pub async fn run_pass(
     // A rescale or upgrade refused for good while the job ran (rolled back or abandoned): the
     // job runs on and is stalled on the change until the spec changes. (A refusal of any start
     // leaves a run that is up, an adopted one, alone.)
-    if pass.mem.coordinating()
+    if let Some(running) = pass.mem.run.as_ref().map(|r| r.parallelism)
         && let Some((_, refusal)) = pass.mem.start_refused.clone()
         && refusal.parallelism.is_some()
     {
-        pass.stall(refusal.reason, refusal.message);
+        pass.stall(refusal.reason, refusal.running_message(running));
     }
     let mut requeue = requeue?;
     // A running Kafka source's lag reaches status at least this often.
