@@ -277,15 +277,18 @@ unit_and_light() {
 local_heavy() {
   eval "$S3_OTHERS_ENV"
   job runtime_local t runtime_local
+  touch "$LANES_DIR/runtime-local.done"
   job programs_local t programs_local
   job orchestrator_pass t orchestrator_pass
   job faults t faults
 }
 kafka_suites() {
   eval "$S3_OTHERS_ENV"
-  # Not beside clippy's burst on both cores: beside it, tests/kafka_local.rs's source once missed
-  # its 90 s catch-up deadline after a broker restart.
+  # Not beside clippy's burst on both cores, nor beside runtime_local's worker processes: beside
+  # either, tests/kafka_local.rs's source once missed its catch-up deadline after a broker
+  # restart (with nothing to rebuild, everything else starts at once).
   await_file "$LANES_DIR/clippy.done"
+  await_file "$LANES_DIR/runtime-local.done"
   job kafka_local t kafka_local
   job kafka_sink t kafka_sink
   await_testenv || { echo e2e_kafka >>"$LANES_DIR/failed"; return; }

@@ -882,8 +882,9 @@ async fn a_source_that_cannot_reach_its_brokers_says_so_and_recovers_when_they_r
         if o.is_empty() {
             break;
         }
+        // The broker's JVM starts slowly on a loaded machine: a bound for a hang, not a speed.
         assert!(
-            start.elapsed() < Duration::from_secs(60),
+            start.elapsed() < Duration::from_secs(120),
             "still unreachable after the broker returned: {o:?}"
         );
         tokio::time::sleep(Duration::from_millis(300)).await;
