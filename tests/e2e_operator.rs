@@ -1507,14 +1507,20 @@ fn a_job_whose_sink_writes_where_an_older_jobs_does_is_refused_before_any_pod() 
         &sink_job_yaml("second", &format!("{out}/first/late"), false, S3_SECRET),
     );
     assert!(r.ok, "{}", r.stderr);
-    let message = wait_stalled(ns, "second", "SinkInUse", &log);
-    for needle in [
-        "spec.job.sink.url",
-        &format!("{ns}/first"),
-        "an output directory of its own",
-    ] {
-        assert!(message.contains(needle), "{needle:?} in {message}");
-    }
+    let refused_naming = |name: &str, needles: &[&str]| {
+        let message = wait_stalled(ns, name, "SinkInUse", &log);
+        for needle in needles {
+            assert!(message.contains(needle), "{needle:?} in {message}");
+        }
+    };
+    refused_naming(
+        "second",
+        &[
+            "spec.job.sink.url",
+            &format!("{ns}/first"),
+            "an output directory of its own",
+        ],
+    );
     assert!(
         worker_pods(ns, "second").is_empty(),
         "refused before any pod"
@@ -1554,34 +1560,31 @@ spec:
 "
         )
     };
+    let not_stalled = |name: &str| {
+        wait_for(Duration::from_secs(60), || {
+            get(
+                ns,
+                name,
+                "{.status.conditions[?(@.type==\"Stalled\")].status}",
+            ) == "False"
+        })
+    };
     let r = apply(ns, &kafka("orders", "team.shared"));
     assert!(r.ok, "{}", r.stderr);
-    wait_for(Duration::from_secs(60), || {
-        get(
-            ns,
-            "orders",
-            "{.status.conditions[?(@.type==\"Stalled\")].status}",
-        ) == "False"
-    });
+    not_stalled("orders");
     let r = apply(ns, &kafka("payments", "team.shared"));
     assert!(r.ok, "{}", r.stderr);
-    let message = wait_stalled(ns, "payments", "SinkInUse", &log);
-    for needle in [
-        "`team.shared.sink`",
-        &format!("{ns}/orders"),
-        "transactionalIdPrefix",
-    ] {
-        assert!(message.contains(needle), "{needle:?} in {message}");
-    }
+    refused_naming(
+        "payments",
+        &[
+            "`team.shared.sink`",
+            &format!("{ns}/orders"),
+            "transactionalIdPrefix",
+        ],
+    );
     let r = apply(ns, &kafka("payments", "team.payments"));
     assert!(r.ok, "{}", r.stderr);
-    wait_for(Duration::from_secs(60), || {
-        get(
-            ns,
-            "payments",
-            "{.status.conditions[?(@.type==\"Stalled\")].status}",
-        ) == "False"
-    });
+    not_stalled("payments");
     for name in ["first", "second"] {
         delete_job(ns, name, &log);
     }

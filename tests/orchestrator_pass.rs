@@ -873,7 +873,7 @@ async fn unsplittable_rescale(prestage: bool) {
             );
         }
         // Past the rescale's backoff: not tried again, and the job keeps processing.
-        d.for_a_while(Duration::from_secs(12), |d| {
+        let not_tried_again = |d: &Driver| {
             assert_eq!(
                 d.events_named("RescaleStarted").len(),
                 1,
@@ -881,8 +881,9 @@ async fn unsplittable_rescale(prestage: bool) {
                 d.event_log()
             );
             assert!(d.workers.live().len() == 2);
-        })
-        .await;
+        };
+        d.for_a_while(Duration::from_secs(12), not_tried_again)
+            .await;
         d.assert_processing().await;
         let kept = d.status.start_refused.clone().expect("status.startRefused");
         assert_eq!(
@@ -893,16 +894,8 @@ async fn unsplittable_rescale(prestage: bool) {
         // A new operator process (a restart, another leader) reads the refusal from status:
         // it adopts the running job and does not try the change again either.
         d.restart();
-        d.for_a_while(Duration::from_secs(12), |d| {
-            assert_eq!(
-                d.events_named("RescaleStarted").len(),
-                1,
-                "{}",
-                d.event_log()
-            );
-            assert!(d.workers.live().len() == 2);
-        })
-        .await;
+        d.for_a_while(Duration::from_secs(12), not_tried_again)
+            .await;
         assert!(
             d.condition("Stalled")
                 .is_some_and(|(r, m)| r == "StartRefused" && m.contains("\"totals\"")),
