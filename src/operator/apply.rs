@@ -48,31 +48,29 @@ pub(super) async fn apply(
     if let Err(refused) =
         validation::check_pod_policy(spec, &ctx.config.pod_policy, &ctx.config.worker_image)
     {
-        let status = pass::stalled_status(
-            spec,
-            job.metadata.generation,
+        return stalled(
+            &ctx,
+            &api,
+            &job,
             &status0,
             refused.reason(),
             &refused.to_string(),
-        );
-        write_status(&api, &name, &status0, &status).await?;
-        ctx.metrics.observe_status(&ns, &name, spec, &status);
-        return Ok(Requeue::requeue(requeue::STALLED));
+        )
+        .await;
     }
 
     // A sink that would write where an older job's writes (one transactional id, one output
     // directory) gets no pod either: its workers would fence or overwrite the other job's.
     if let Err(shared) = ctx.check_sink_isolation(&job) {
-        let status = pass::stalled_status(
-            spec,
-            job.metadata.generation,
+        return stalled(
+            &ctx,
+            &api,
+            &job,
             &status0,
             shared.reason(),
             &shared.to_string(),
-        );
-        write_status(&api, &name, &status0, &status).await?;
-        ctx.metrics.observe_status(&ns, &name, spec, &status);
-        return Ok(Requeue::requeue(requeue::STALLED));
+        )
+        .await;
     }
 
     let Some(storage) = spec
@@ -81,16 +79,15 @@ pub(super) async fn apply(
         .clone()
         .or_else(|| ctx.config.default_storage.clone())
     else {
-        let status = pass::stalled_status(
-            spec,
-            job.metadata.generation,
+        return stalled(
+            &ctx,
+            &api,
+            &job,
             &status0,
             Reason::NoStorage,
             "no snapshot storage: set spec.state.storage, or start the operator with --default-storage",
-        );
-        write_status(&api, &name, &status0, &status).await?;
-        ctx.metrics.observe_status(&ns, &name, spec, &status);
-        return Ok(Requeue::requeue(requeue::STALLED));
+        )
+        .await;
     };
     let mut list = ListParams::default().labels(&desired::selector(&name));
     // A consistent LIST waits for the API server's watch cache to catch up with etcd (~60-80 ms
@@ -139,6 +136,24 @@ pub(super) async fn apply(
     }
     ctx.metrics.observe_status(&ns, &name, spec, &status);
     Ok(Requeue::requeue(out.requeue))
+}
+
+/// A job refused before anything acts (the operator's policy, a sink another job holds, no
+/// storage): it gets no pod; its status says Stalled with `reason` and `message` until its spec
+/// (or the operator's settings) changes, and it is looked at again now and then.
+async fn stalled(
+    ctx: &Context,
+    api: &Api<StreamJob>,
+    job: &StreamJob,
+    status0: &StreamJobStatus,
+    reason: Reason,
+    message: &str,
+) -> Result<Requeue, OperatorError> {
+    let (ns, name) = desired::job_key(job)?;
+    let status = pass::stalled_status(&job.spec, job.metadata.generation, status0, reason, message);
+    write_status(api, &name, status0, &status).await?;
+    ctx.metrics.observe_status(&ns, &name, &job.spec, &status);
+    Ok(Requeue::requeue(requeue::STALLED))
 }
 
 /// Writes the status when it changed; returns the job's resourceVersion after the write.
