@@ -57,6 +57,25 @@ s3_stop() {
   return $rc
 }
 S3_STATES=()
+# The GCS and Azure Blob test servers start in the background (a first run builds fake-gcs-server
+# from its Go module and installs Azurite from npm); each one's starter is a process group of its
+# own, stopped first, and the server then by its state dir.
+BLOB_SERVERS=(gcs azure)
+BLOB_STARTERS=()
+blob_stop() {
+  local rc=0 name pid
+  for pid in "${BLOB_STARTERS[@]}"; do
+    kill -TERM -- "-$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+  done
+  for name in "${BLOB_SERVERS[@]}"; do
+    local state_var="KEYSHIFT_${name^^}_STATE"
+    [[ -n "${!state_var:-}" ]] || continue
+    hack/$name-server.sh stop || rc=1
+    rm -rf -- "${!state_var}"
+  done
+  return $rc
+}
 KAFKA_STARTED=""
 KAFKA_STATE_OWNED=""
 kafka_stop() {
@@ -75,6 +94,7 @@ cleanup() {
   local rc=$?
   kafka_stop || rc=1
   s3_stop || rc=1
+  blob_stop || rc=1
   testenv_stop || rc=1
   # Nothing may outlive the suite.
   if pgrep -f "$KEYSHIFT_TESTENV_DIR" >/dev/null; then
@@ -139,6 +159,32 @@ S3_STATES_OWNED+=("$S3_OTHERS_STATE")
 S3_STATES=("$KEYSHIFT_S3_STATE" "$S3_OTHERS_STATE")
 eval "$(hack/s3-server.sh start)"
 S3_OTHERS_ENV="$(KEYSHIFT_S3_STATE="$S3_OTHERS_STATE" hack/s3-server.sh start)"
+
+step "GCS and Azure Blob test servers (fake-gcs-server with hack/gcs-xml-adapter.py; Azurite), started in the background"
+# Each with a state dir of this run's own; their variables are taken before the tests start
+# (await_blob_servers). They serve tests/snapshot.rs and tests/runtime_local.rs (docs/storage.md).
+for name in "${BLOB_SERVERS[@]}"; do
+  blob_state="$(mktemp -d "/tmp/keyshift-$name.XXXXXX")"
+  export "KEYSHIFT_${name^^}_STATE=$blob_state"
+  setsid bash -c 'hack/$1-server.sh start >"$2/$1.env.new" 2>"$2/$1.log"
+    echo $? >"$2/$1.rc.new" && mv "$2/$1.rc.new" "$2/$1.rc"' \
+    blob-start "$name" "$LANES_DIR" </dev/null &
+  BLOB_STARTERS+=($!)
+done
+# await_blob_servers: waits for both, fails the suite if either did not start, takes their
+# variables (GOOGLE_SERVICE_ACCOUNT_KEY, AZURE_STORAGE_*, KEYSHIFT_TEST_{GCS,AZURE}_URL).
+await_blob_servers() {
+  local name
+  for name in "${BLOB_SERVERS[@]}"; do
+    await_file "$LANES_DIR/$name.rc"
+    cat "$LANES_DIR/$name.log" >&2
+    if [[ "$(cat "$LANES_DIR/$name.rc")" != 0 ]]; then
+      echo "hack/$name-server.sh start failed" >&2
+      return 1
+    fi
+    eval "$(cat "$LANES_DIR/$name.env.new")"
+  done
+}
 
 step "Kafka broker (hack/kafka.sh: Apache Kafka, KRaft, one node) for the Kafka tests"
 # Its own state dir too; the tests restart it mid-run through hack/kafka.sh (KEYSHIFT_KAFKA_STATE),
@@ -254,6 +300,7 @@ lane() {
 # away holds it alone). Jobs that share a server run in one lane: the three Kafka suites (they
 # restart the broker), and the e2e operator suite has the S3 server it pauses to itself.
 step "tests: the cluster-free tiers and the e2e suites, side by side (each job's output follows it whole)"
+await_blob_servers
 
 unit_and_light() {
   eval "$S3_OTHERS_ENV"

@@ -155,18 +155,22 @@ async fn rescale_4_8_3_1_7_keeps_every_key_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rescale_on_s3() {
-    match std::env::var("KEYSHIFT_TEST_S3_URL") {
-        Ok(url) => {
-            let unique = format!(
-                "{}/runtime-{}",
-                url.trim_end_matches('/'),
-                std::process::id()
-            );
-            rescale_chain(Some(unique)).await;
-        }
-        Err(_) => eprintln!(
-            "SKIPPED rescale_on_s3: set KEYSHIFT_TEST_S3_URL (hack/test.sh starts an S3 server)"
-        ),
+    if let Some(url) = cloud_url(S3, "rescale") {
+        rescale_chain(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rescale_on_gcs() {
+    if let Some(url) = cloud_url(GCS, "rescale") {
+        rescale_chain(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rescale_on_azure() {
+    if let Some(url) = cloud_url(AZURE, "rescale") {
+        rescale_chain(Some(url)).await;
     }
 }
 
@@ -239,9 +243,34 @@ async fn hot_key_and_refused_parallelism() {
     assert!(e.to_string().contains("ceiling 10"), "{e}");
 }
 
-/// The S3 server's URL (hack/test.sh starts one), unique per test, or `None` (with a message).
-fn s3_url(test: &str) -> Option<String> {
-    match std::env::var("KEYSHIFT_TEST_S3_URL") {
+/// A cloud protocol's test server (hack/test.sh starts one of each): its label and the variable
+/// that holds its base URL.
+#[derive(Clone, Copy)]
+struct Cloud {
+    label: &'static str,
+    url_var: &'static str,
+}
+
+/// S3 (moto, hack/s3-server.sh).
+const S3: Cloud = Cloud {
+    label: "S3",
+    url_var: "KEYSHIFT_TEST_S3_URL",
+};
+/// GCS (fake-gcs-server, hack/gcs-server.sh).
+const GCS: Cloud = Cloud {
+    label: "GCS",
+    url_var: "KEYSHIFT_TEST_GCS_URL",
+};
+/// Azure Blob (Azurite, hack/azure-server.sh).
+const AZURE: Cloud = Cloud {
+    label: "Azure",
+    url_var: "KEYSHIFT_TEST_AZURE_URL",
+};
+
+/// A URL of its own on `cloud`'s test server for `test` (unique per test process), or `None`
+/// (with a message) when the server is not running.
+fn cloud_url(cloud: Cloud, test: &str) -> Option<String> {
+    match std::env::var(cloud.url_var) {
         Ok(url) => Some(format!(
             "{}/{test}-{}",
             url.trim_end_matches('/'),
@@ -249,7 +278,8 @@ fn s3_url(test: &str) -> Option<String> {
         )),
         Err(_) => {
             eprintln!(
-                "SKIPPED {test} on S3: set KEYSHIFT_TEST_S3_URL (hack/test.sh starts an S3 server)"
+                "SKIPPED {test} on {}: set {} (hack/test.sh starts the server)",
+                cloud.label, cloud.url_var
             );
             None
         }
@@ -263,7 +293,21 @@ async fn a_killed_worker_restarts_from_the_last_checkpoint() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_worker_restarts_from_the_last_checkpoint_on_s3() {
-    if let Some(url) = s3_url("crash") {
+    if let Some(url) = cloud_url(S3, "crash") {
+        crash_and_recover(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_restarts_from_the_last_checkpoint_on_gcs() {
+    if let Some(url) = cloud_url(GCS, "crash") {
+        crash_and_recover(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_worker_restarts_from_the_last_checkpoint_on_azure() {
+    if let Some(url) = cloud_url(AZURE, "crash") {
         crash_and_recover(Some(url)).await;
     }
 }
@@ -555,34 +599,52 @@ async fn snapshot_state_windows(
     (s.windows(), s.positions, s.manifest)
 }
 
-/// Published (committed) sink output under `out`: per key and window start, failing on a window
-/// published twice.
-fn published_windows(out: &std::path::Path) -> (BTreeMap<Key, BTreeMap<i64, i64>>, Vec<u64>) {
+/// `file://` URL of a local directory.
+fn file_url(dir: &std::path::Path) -> String {
+    format!("file://{}", dir.display())
+}
+
+/// Published (committed) sink output under the object-store sink's URL `sink`: per key and
+/// window start, failing on a window published twice; and the snapshot ids that published.
+async fn published_windows(sink: &str) -> (BTreeMap<Key, BTreeMap<i64, i64>>, Vec<u64>) {
+    use futures::TryStreamExt;
+    use object_store::ObjectStoreExt;
+    let (store, base) = snapshot::open_store(sink).expect("sink store");
+    let objects: Vec<_> = store
+        .list(Some(&base))
+        .try_collect()
+        .await
+        .expect("list the sink's output");
     let mut rows: BTreeMap<Key, BTreeMap<i64, i64>> = BTreeMap::new();
     let mut ids = Vec::new();
-    for entry in std::fs::read_dir(out).expect("sink dir") {
-        let dir = entry.expect("entry").path();
-        let Some(id) = dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix("snap-"))
-            .and_then(|n| n.parse::<u64>().ok())
+    for object in objects {
+        let mut parts = object.location.prefix_match(&base).expect("under the sink");
+        let Some(id) = parts
+            .next()
+            .and_then(|dir| dir.as_ref().strip_prefix("snap-")?.parse::<u64>().ok())
         else {
-            continue;
+            continue; // `_staging/` and anything else beside the published output
         };
-        ids.push(id);
-        for part in std::fs::read_dir(&dir).expect("parts") {
-            let text = std::fs::read_to_string(part.expect("part").path()).expect("read part");
-            for line in text.lines() {
-                let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
-                let key = Key::String(v["key"].as_str().expect("key").to_owned());
-                let start = v["window"]["start"].as_i64().expect("window");
-                let prev = rows
-                    .entry(key.clone())
-                    .or_default()
-                    .insert(start, v["value"].as_i64().expect("value"));
-                assert!(prev.is_none(), "window {start} of {key:?} published twice");
-            }
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+        let bytes = store
+            .get(&object.location)
+            .await
+            .expect("get part")
+            .bytes()
+            .await
+            .expect("read part");
+        let text = std::str::from_utf8(&bytes).expect("UTF-8 part");
+        for line in text.lines() {
+            let v: serde_json::Value = serde_json::from_str(line).expect("JSON line");
+            let key = Key::String(v["key"].as_str().expect("key").to_owned());
+            let start = v["window"]["start"].as_i64().expect("window");
+            let prev = rows
+                .entry(key.clone())
+                .or_default()
+                .insert(start, v["value"].as_i64().expect("value"));
+            assert!(prev.is_none(), "window {start} of {key:?} published twice");
         }
     }
     ids.sort_unstable();
@@ -613,8 +675,8 @@ fn staged_files(out: &std::path::Path) -> Vec<(u64, PathBuf)> {
     found
 }
 
-/// A windowed sum at parallelism 3 whose results go to an object-store sink in `out`.
-fn windowed_sink_job(name: &str, seed: u64, window: &str, out: &std::path::Path) -> StreamJob {
+/// A windowed sum at parallelism 3 whose results go to an object-store sink at URL `sink`.
+fn windowed_sink_job(name: &str, seed: u64, window: &str, sink: &str) -> StreamJob {
     job(&format!(
         "apiVersion: keyshift.dev/v1alpha1
 kind: StreamJob
@@ -628,19 +690,47 @@ spec:
     key: {{field: key}}
     aggregation: {{function: sum, field: value}}
     window: {{size: {window}}}
-    sink: {{type: objectStore, url: 'file://{}'}}
+    sink: {{type: objectStore, url: '{sink}'}}
   state:
     checkpointInterval: 1h
-",
-        out.display()
+"
     ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale() {
-    let env = env(None);
-    let out = env._dir.path().join("out");
-    let spec = windowed_sink_job("sink", 11, "500ms", &out);
+    sink_exactly_once(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale_on_s3() {
+    if let Some(url) = cloud_url(S3, "sink") {
+        sink_exactly_once(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale_on_gcs() {
+    if let Some(url) = cloud_url(GCS, "sink") {
+        sink_exactly_once(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale_on_azure() {
+    if let Some(url) = cloud_url(AZURE, "sink") {
+        sink_exactly_once(Some(url)).await;
+    }
+}
+
+/// A windowed sum publishing to an object-store sink through a killed worker's recovery and a
+/// rescale: only committed snapshots publish, and every window once. On `cloud` (a base URL) the
+/// state and the sink both live there, the sink under `<cloud>/out`; else on the local disk.
+async fn sink_exactly_once(cloud: Option<String>) {
+    let sink = cloud.as_ref().map(|url| format!("{url}/out"));
+    let env = env(cloud.map(|url| format!("{url}/state")));
+    let sink = sink.unwrap_or_else(|| file_url(&env._dir.path().join("out")));
+    let spec = windowed_sink_job("sink", 11, "500ms", &sink);
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
         .expect("job prepares");
@@ -658,7 +748,7 @@ async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale() {
     tokio::time::sleep(Duration::from_millis(800)).await;
     let sp = local.shutdown().await.expect("stop");
 
-    let (seen, ids) = published_windows(&out);
+    let (seen, ids) = published_windows(&sink).await;
     assert!(!seen.is_empty(), "output was published");
     // Only committed snapshots published output.
     let (store, base) = snapshot::open_store(&env.storage).expect("store");
@@ -687,7 +777,7 @@ async fn object_store_sink_is_exactly_once_across_a_crash_and_a_rescale() {
 async fn sink_output_of_checkpoints_that_failed_on_one_subtask_rides_with_the_next_commit() {
     let env = env(None);
     let out = env._dir.path().join("out");
-    let spec = windowed_sink_job("carry", 5, "300ms", &out);
+    let spec = windowed_sink_job("carry", 5, "300ms", &file_url(&out));
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
         .expect("job prepares");
@@ -727,7 +817,7 @@ async fn sink_output_of_checkpoints_that_failed_on_one_subtask_rides_with_the_ne
     tokio::time::sleep(Duration::from_millis(700)).await;
     let sp = local.shutdown().await.expect("stop");
 
-    let (seen, ids) = published_windows(&out);
+    let (seen, ids) = published_windows(&file_url(&out)).await;
     assert!(
         !ids.contains(&n) && !ids.contains(&(n + 1)),
         "failed checkpoints publish nothing: {ids:?}"
@@ -1630,7 +1720,7 @@ async fn a_trigger_that_reached_some_workers_is_superseded_by_the_next_checkpoin
 async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
     let env = env(None);
     let out = env._dir.path().join("out");
-    let spec = windowed_sink_job("aborted", 9, "300ms", &out);
+    let spec = windowed_sink_job("aborted", 9, "300ms", &file_url(&out));
     let mut run = OwnRun::start(&spec, &env).await;
     tokio::time::sleep(Duration::from_millis(1000)).await;
     let first = run
@@ -1683,7 +1773,7 @@ async fn a_checkpoint_that_failed_on_one_subtask_is_aborted_on_every_worker() {
         .await
         .expect("stop with a savepoint");
     run.workers.stop_all().await;
-    let (seen, ids) = published_windows(&out);
+    let (seen, ids) = published_windows(&file_url(&out)).await;
     assert!(
         !ids.contains(&n),
         "the aborted checkpoint published nothing: {ids:?}"
@@ -2015,7 +2105,21 @@ async fn a_prestaged_rescale_up_and_down_is_exact() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prestaged_rescale_up_and_down_is_exact_on_s3() {
-    if let Some(url) = s3_url("prestaged") {
+    if let Some(url) = cloud_url(S3, "prestaged") {
+        prestaged_chain(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_up_and_down_is_exact_on_gcs() {
+    if let Some(url) = cloud_url(GCS, "prestaged") {
+        prestaged_chain(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prestaged_rescale_up_and_down_is_exact_on_azure() {
+    if let Some(url) = cloud_url(AZURE, "prestaged") {
         prestaged_chain(Some(url)).await;
     }
 }

@@ -1,5 +1,7 @@
-//! The snapshot storage layer end to end on `memory://`, `file://` and — when
-//! `KEYSHIFT_TEST_S3_URL` is set (see `hack/s3-server.sh`) — a real S3-protocol server.
+//! The snapshot storage layer end to end on `memory://`, `file://` and, when their URLs are set,
+//! real servers of each cloud protocol: S3 (`KEYSHIFT_TEST_S3_URL`, `hack/s3-server.sh`), GCS
+//! (`KEYSHIFT_TEST_GCS_URL`, `hack/gcs-server.sh`) and Azure Blob (`KEYSHIFT_TEST_AZURE_URL`,
+//! `hack/azure-server.sh`).
 
 use bytes::Bytes;
 use chrono::Utc;
@@ -97,12 +99,41 @@ fn file() -> Backend {
     }
 }
 
-fn s3() -> Option<Backend> {
-    let Ok(url) = std::env::var("KEYSHIFT_TEST_S3_URL") else {
+/// A cloud protocol's test server: the variable holding its base URL and the script that starts
+/// it (and prints that variable).
+#[derive(Clone, Copy)]
+struct Cloud {
+    label: &'static str,
+    url_var: &'static str,
+    script: &'static str,
+}
+
+const S3: Cloud = Cloud {
+    label: "s3",
+    url_var: "KEYSHIFT_TEST_S3_URL",
+    script: "hack/s3-server.sh",
+};
+const GCS: Cloud = Cloud {
+    label: "gcs",
+    url_var: "KEYSHIFT_TEST_GCS_URL",
+    script: "hack/gcs-server.sh",
+};
+const AZURE: Cloud = Cloud {
+    label: "azure",
+    url_var: "KEYSHIFT_TEST_AZURE_URL",
+    script: "hack/azure-server.sh",
+};
+
+/// A fresh prefix on `cloud`'s test server, or `None` (with a message) when it is not running.
+fn cloud(cloud: Cloud) -> Option<Backend> {
+    let Ok(url) = std::env::var(cloud.url_var) else {
         // Written straight to stderr so it shows even when the test harness captures output.
         let _ = writeln!(
             std::io::stderr(),
-            "SKIPPED S3 snapshot tests: KEYSHIFT_TEST_S3_URL is not set (start a server with `eval \"$(hack/s3-server.sh start)\"`)"
+            "SKIPPED {} snapshot tests: {} is not set (start a server with `eval \"$({} start)\"`)",
+            cloud.label,
+            cloud.url_var,
+            cloud.script,
         );
         return None;
     };
@@ -111,7 +142,7 @@ fn s3() -> Option<Backend> {
     Some(Backend {
         store,
         base,
-        label: "s3",
+        label: cloud.label,
         _tmp: None,
     })
 }
@@ -794,17 +825,35 @@ async fn memory_urls_share_one_store() {
     assert_eq!(again, m);
 }
 
-/// Every scenario against a real S3-protocol server (moto or s3s-fs; see hack/s3-server.sh).
+/// Every scenario against a cloud protocol's test server.
+async fn all_scenarios(c: Cloud) {
+    let Some(_) = cloud(c) else { return };
+    let fresh = || cloud(c).expect("the server's URL is set");
+    round_trip(&fresh()).await;
+    create_only(&fresh()).await;
+    corruption(&fresh()).await;
+    retention(&fresh()).await;
+    unreadable_manifests(&fresh()).await;
+    // S3 and GCS (XML API) parts must be at least 5 MiB (all but the last).
+    multipart(&fresh(), 5 * 1024 * 1024).await;
+}
+
+/// Every scenario against a real S3-protocol server (moto; see hack/s3-server.sh).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn s3_all_scenarios() {
-    let Some(_) = s3() else { return };
-    round_trip(&s3().unwrap()).await;
-    create_only(&s3().unwrap()).await;
-    corruption(&s3().unwrap()).await;
-    retention(&s3().unwrap()).await;
-    unreadable_manifests(&s3().unwrap()).await;
-    // S3 parts must be at least 5 MiB (all but the last).
-    multipart(&s3().unwrap(), 5 * 1024 * 1024).await;
+    all_scenarios(S3).await;
+}
+
+/// Every scenario against a real GCS-protocol server (fake-gcs-server; see hack/gcs-server.sh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gcs_all_scenarios() {
+    all_scenarios(GCS).await;
+}
+
+/// Every scenario against a real Azure Blob server (Azurite; see hack/azure-server.sh).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn azure_all_scenarios() {
+    all_scenarios(AZURE).await;
 }
 
 /// Throughput of the write and range-read paths on file:// against raw `std::fs` with fsync, for

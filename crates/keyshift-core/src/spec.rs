@@ -616,8 +616,12 @@ pub struct StateSpec {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub savepoint_timeout: Option<String>,
     /// Name of a Secret in the job's namespace whose keys are passed to the workers as
-    /// environment variables (e.g. `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
-    /// `AWS_ENDPOINT`, `GOOGLE_SERVICE_ACCOUNT`, `AZURE_STORAGE_ACCOUNT_KEY`).
+    /// environment variables: for `s3://` `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`,
+    /// `AWS_REGION` (and `AWS_ENDPOINT` for an S3-compatible server); for `gs://`
+    /// `GOOGLE_SERVICE_ACCOUNT_KEY`, the service account key's JSON itself (the
+    /// `GOOGLE_SERVICE_ACCOUNT` variable is a key file's path, not its content); for `az://`
+    /// `AZURE_STORAGE_ACCOUNT_NAME` and `AZURE_STORAGE_ACCOUNT_KEY` (or `AZURE_STORAGE_SAS_KEY`).
+    /// docs/storage.md lists what each store reads.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub credentials_secret: Option<String>,
     /// How long starting a run may take, from the start requests until every worker has

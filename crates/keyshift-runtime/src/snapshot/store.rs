@@ -13,7 +13,7 @@ use std::sync::{Arc, LazyLock, Mutex};
 use url::Url;
 
 const S3_HINT: &str = "For S3 set AWS_REGION and credentials (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, or a role); for an S3-compatible server also AWS_ENDPOINT=http://host:port and AWS_ALLOW_HTTP=true";
-const GCS_HINT: &str = "For GCS set GOOGLE_SERVICE_ACCOUNT (a key file path) or GOOGLE_APPLICATION_CREDENTIALS, or run with workload identity";
+const GCS_HINT: &str = "For GCS set GOOGLE_SERVICE_ACCOUNT_KEY (the service account key's JSON), GOOGLE_SERVICE_ACCOUNT (a key file's path) or GOOGLE_APPLICATION_CREDENTIALS, or run with workload identity";
 const AZURE_HINT: &str = "For Azure set AZURE_STORAGE_ACCOUNT_NAME and AZURE_STORAGE_ACCOUNT_KEY (or a SAS token / workload identity); az://container/prefix or abfss://container@account.dfs.core.windows.net/prefix";
 const FILE_HINT: &str = "Use file:///absolute/path/to/dir (three slashes, absolute path)";
 const MEMORY_HINT: &str = "Use memory://name/prefix (tests only; stores sharing a name share data)";
