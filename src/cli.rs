@@ -400,7 +400,7 @@ pub fn main() -> ExitCode {
     let cli = Cli::parse();
     telemetry::init(cli.log_format);
     telemetry::install_crypto_provider();
-    match run(cli.command) {
+    match run(cli.command, cli.log_format) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
@@ -409,7 +409,7 @@ pub fn main() -> ExitCode {
     }
 }
 
-fn run(command: Command) -> Result<(), CliError> {
+fn run(command: Command, log_format: LogFormat) -> Result<(), CliError> {
     let stdout = std::io::stdout();
     let mut out = stdout.lock();
     match command {
@@ -469,6 +469,7 @@ fn run(command: Command) -> Result<(), CliError> {
                 default_storage: args.default_storage,
                 metrics_addr: args.metrics_addr,
                 worker_image: args.worker_image,
+                worker_log_format: log_format,
                 max_concurrent_reconciles: args.max_concurrent_reconciles,
                 pod_policy: crate::validation::PodPolicy {
                     allowed_image_prefixes: list_items(args.allowed_image_prefixes),

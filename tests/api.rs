@@ -464,7 +464,15 @@ fn restricted_s3_sample_uses_the_pod_template() {
     job.metadata.namespace = Some("streaming".into());
     job.metadata.uid = Some("u-1".into());
     let a = keyshift::keygroup::Assignment::new(4, 128).unwrap();
-    let pod = keyshift::operator::desired::pod(&job, "r1", 0, a, "keyshift:dev").unwrap();
+    let pod = keyshift::operator::desired::pod(
+        &job,
+        "r1",
+        0,
+        a,
+        "keyshift:dev",
+        keyshift::telemetry::LogFormat::Text,
+    )
+    .unwrap();
     let ps = pod.spec.unwrap();
     assert_eq!(ps.priority_class_name.as_deref(), Some("streaming"));
     assert_eq!(ps.volumes.unwrap().len(), 2);

@@ -1251,7 +1251,10 @@ fn monitoring_objects_are_opt_in_and_select_the_workers() {
                 "KeyshiftRescaleStuck",
                 "KeyshiftJobRestartLoop",
                 "KeyshiftJobStalled",
-                "KeyshiftSourceLagging"
+                "KeyshiftSourceLagging",
+                "KeyshiftCheckpointsFailing",
+                "KeyshiftKafkaUnreachable",
+                "KeyshiftSinkBehind",
             ]
         );
         let cm = one(&docs, "ConfigMap");

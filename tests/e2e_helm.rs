@@ -886,6 +886,34 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     wait_for(Duration::from_secs(180), || job_ready_at(jobs, "8"));
     let rescale = "{.status.rescale.from}->{.status.rescale.to} {.status.rescale.step}";
     assert_eq!(jsonpath(jobs, "sj/clicks", rescale), "4->8 Done");
+    // The chart's logFormat is the workers' too: every worker pod is told the operator's.
+    let workers: serde_json::Value = serde_json::from_str(&kubectl_ok(&[
+        "-n",
+        jobs,
+        "get",
+        "pods",
+        "-l",
+        "keyshift.dev/job=clicks",
+        "-o",
+        "json",
+    ]))
+    .expect("pod list JSON");
+    let formats: Vec<Option<&str>> = workers["items"]
+        .as_array()
+        .expect("items")
+        .iter()
+        .map(|p| {
+            p["spec"]["containers"][0]["env"]
+                .as_array()?
+                .iter()
+                .find(|e| e["name"] == "KEYSHIFT_LOG_FORMAT")?["value"]
+                .as_str()
+        })
+        .collect();
+    assert!(
+        !formats.is_empty() && formats.iter().all(|f| *f == Some("text")),
+        "{formats:?}"
+    );
 
     // Two replicas: one leads. Deleting the leader's pod hands over (it releases the Lease on
     // SIGTERM) and the new leader reconciles the next rescale.

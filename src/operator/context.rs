@@ -25,6 +25,8 @@ pub struct OperatorConfig {
     pub metrics_addr: SocketAddr,
     /// Worker image for jobs without spec.image.
     pub worker_image: String,
+    /// The workers' log format: the operator's own, so that one setting governs both.
+    pub worker_log_format: crate::telemetry::LogFormat,
     /// Reconcile passes that may run at once per controller (0: unbounded).
     pub max_concurrent_reconciles: u16,
     /// Leader election (None: this process reconciles unconditionally).

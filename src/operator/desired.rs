@@ -2,6 +2,7 @@
 //! NetworkPolicy in front of its workers), built from its spec and the run being started. No I/O.
 
 use crate::crd::StreamJob;
+use crate::telemetry::LogFormat;
 use k8s_openapi::api::core::v1::{
     Capabilities, Container, ContainerPort, EmptyDirVolumeSource, EnvFromSource, EnvVar,
     EnvVarSource, HTTPGetAction, Pod, PodSecurityContext, PodSpec, Probe, ResourceRequirements,
@@ -35,8 +36,8 @@ pub const ANNOTATION_KEY_GROUPS: &str = "keyshift.dev/key-groups";
 /// Key of the control token in the job's Secret.
 pub const TOKEN_KEY: &str = "token";
 pub use keyshift_core::worker_pod::{
-    CONTROL_PORT, DATA_PORT, ENV_POD_IP, ENV_SUBTASK, ENV_TOKEN, RESERVED_ENV, SCRATCH_PATH,
-    SCRATCH_VOLUME,
+    CONTROL_PORT, DATA_PORT, ENV_LOG_FORMAT, ENV_POD_IP, ENV_SUBTASK, ENV_TOKEN, RESERVED_ENV,
+    SCRATCH_PATH, SCRATCH_VOLUME,
 };
 /// The non-root UID and GID the workers run as (the image's user, 65532 as in distroless).
 pub const WORKER_UID: i64 = 65532;
@@ -210,6 +211,7 @@ pub fn pod(
     subtask: u32,
     assignment: Assignment,
     image: &str,
+    log_format: LogFormat,
 ) -> Result<Pod, DesiredError> {
     let (ns, name) = job_key(job)?;
     let spec = &job.spec;
@@ -306,6 +308,20 @@ pub fn pod(
                 ..Default::default()
             });
         }
+    }
+    // The operator's log format, unless the job sets the workers' own.
+    if !overrides.env.iter().any(|e| e.name == ENV_LOG_FORMAT) {
+        env.push(EnvVar {
+            name: ENV_LOG_FORMAT.into(),
+            value: Some(
+                match log_format {
+                    LogFormat::Json => "json",
+                    LogFormat::Text => "text",
+                }
+                .into(),
+            ),
+            ..Default::default()
+        });
     }
     // The user's extra variables come after the operator's (validation refuses reserved
     // names), so their values may reference $(POD_IP).
@@ -464,7 +480,7 @@ mod tests {
     fn pod_carries_identity_token_ports_probe_and_owner() {
         let j = job();
         let a = Assignment::new(4, 128).unwrap();
-        let p = pod(&j, "r1", 2, a, "keyshift:dev").unwrap();
+        let p = pod(&j, "r1", 2, a, "keyshift:dev", LogFormat::Text).unwrap();
         assert_eq!(p.metadata.name.as_deref(), Some("clicks-r1-2"));
         let labels = p.metadata.labels.clone().unwrap();
         assert_eq!(labels[LABEL_JOB], "clicks");
@@ -519,7 +535,7 @@ mod tests {
     fn worker_runs_the_image_entrypoint_under_restricted_pod_security() {
         let j = job();
         let a = Assignment::new(4, 128).unwrap();
-        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let p = pod(&j, "r1", 0, a, "keyshift:dev", LogFormat::Text).unwrap();
         let spec = p.spec.unwrap();
         let c = &spec.containers[0];
         // The image's ENTRYPOINT (/keyshift) runs: a bare `keyshift` is not on any PATH of a
@@ -571,10 +587,19 @@ mod tests {
         assert_eq!(requests["cpu"].0, "100m");
         assert_eq!(requests["memory"].0, "128Mi");
         assert_eq!(resources.limits, None);
-        // Only the operator's variables, each of them reserved.
+        // Only the operator's variables: the reserved ones, then the log format (which a job may
+        // set for its workers instead).
         let names: Vec<&str> = c.env.iter().flatten().map(|e| e.name.as_str()).collect();
-        assert_eq!(names, ["POD_IP", "KEYSHIFT_TOKEN", "KEYSHIFT_SUBTASK"]);
-        assert!(names.iter().all(|n| RESERVED_ENV.contains(n)));
+        assert_eq!(
+            names,
+            [
+                "POD_IP",
+                "KEYSHIFT_TOKEN",
+                "KEYSHIFT_SUBTASK",
+                "KEYSHIFT_LOG_FORMAT"
+            ]
+        );
+        assert!(names[..3].iter().all(|n| RESERVED_ENV.contains(n)));
         for unset in [
             spec.tolerations.is_some(),
             spec.affinity.is_some(),
@@ -597,7 +622,7 @@ mod tests {
             .unwrap(),
         );
         let a = Assignment::new(4, 128).unwrap();
-        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let p = pod(&j, "r1", 0, a, "keyshift:dev", LogFormat::Text).unwrap();
         let env = p.spec.unwrap().containers[0].env.clone().unwrap();
         let refs: Vec<(String, String, String)> = env
             .iter()
@@ -626,15 +651,47 @@ mod tests {
         j.spec.resources =
             Some(serde_yaml::from_str("{requests: {cpu: '2'}, limits: {memory: 1Gi}}").unwrap());
         let a = Assignment::new(4, 128).unwrap();
-        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let p = pod(&j, "r1", 0, a, "keyshift:dev", LogFormat::Text).unwrap();
         let r = p.spec.unwrap().containers[0].resources.clone().unwrap();
         assert_eq!(r.requests.unwrap()["cpu"].0, "2");
         assert_eq!(r.limits.unwrap()["memory"].0, "1Gi");
         // `resources: {}` asks for none.
         j.spec.resources = Some(Default::default());
-        let p = pod(&j, "r1", 0, a, "keyshift:dev").unwrap();
+        let p = pod(&j, "r1", 0, a, "keyshift:dev", LogFormat::Text).unwrap();
         let r = p.spec.unwrap().containers[0].resources.clone().unwrap();
         assert_eq!((r.requests, r.limits), (None, None));
+    }
+
+    #[test]
+    fn workers_log_in_the_operators_format_unless_the_job_sets_theirs() {
+        let env_of = |p: Pod| -> Vec<(String, Option<String>)> {
+            p.spec.unwrap().containers[0]
+                .env
+                .clone()
+                .unwrap_or_default()
+                .into_iter()
+                .filter(|e| e.name == ENV_LOG_FORMAT)
+                .map(|e| (e.name, e.value))
+                .collect()
+        };
+        let a = Assignment::new(4, 128).unwrap();
+        let mut j = job();
+        for (format, value) in [(LogFormat::Json, "json"), (LogFormat::Text, "text")] {
+            let p = pod(&j, "r1", 0, a, "keyshift:dev", format).unwrap();
+            assert_eq!(
+                env_of(p),
+                [(ENV_LOG_FORMAT.to_owned(), Some(value.to_owned()))]
+            );
+        }
+        // The job's own setting is the one the worker sees (once, not beside the operator's).
+        j.spec.pod_template = Some(
+            serde_yaml::from_str("{env: [{name: KEYSHIFT_LOG_FORMAT, value: text}]}").unwrap(),
+        );
+        let p = pod(&j, "r1", 0, a, "keyshift:dev", LogFormat::Json).unwrap();
+        assert_eq!(
+            env_of(p),
+            [(ENV_LOG_FORMAT.to_owned(), Some("text".to_owned()))]
+        );
     }
 
     #[test]
@@ -675,7 +732,7 @@ imagePullSecrets:
             .unwrap(),
         );
         let a = Assignment::new(4, 128).unwrap();
-        let p = pod(&j, "r1", 1, a, "keyshift:dev").unwrap();
+        let p = pod(&j, "r1", 1, a, "keyshift:dev", LogFormat::Text).unwrap();
         let spec = p.spec.unwrap();
         let volumes: Vec<&str> = spec
             .volumes
@@ -712,7 +769,7 @@ imagePullSecrets:
             .map(|e| (e.name.as_str(), e.value.as_deref()))
             .collect();
         assert_eq!(
-            env[3..],
+            env[4..],
             [
                 ("SSL_CERT_FILE", Some("/etc/corp-ca/ca.crt")),
                 ("KEYSHIFT_ENCODE_THREADS", Some("2"))
@@ -801,7 +858,15 @@ imagePullSecrets:
         let job_only = vec![("keyshift.dev/job".to_owned(), "clicks".to_owned())];
         // Every worker pod of the job, whatever its run: the pods carry this label.
         assert_eq!(match_labels(&spec.pod_selector), job_only);
-        let pod = pod(&j, "r1", 0, Assignment::new(4, 128).unwrap(), "img").unwrap();
+        let pod = pod(
+            &j,
+            "r1",
+            0,
+            Assignment::new(4, 128).unwrap(),
+            "img",
+            LogFormat::Text,
+        )
+        .unwrap();
         assert_eq!(pod.metadata.labels.unwrap()[LABEL_JOB], "clicks");
         assert_eq!(
             spec.policy_types.as_deref(),

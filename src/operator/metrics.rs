@@ -5,7 +5,8 @@
 //! Unix seconds (`_timestamp_seconds`). `keyshift_operator_*` describe the operator's own work;
 //! `keyshift_job_*` describe one StreamJob each. Per-job series are labelled `namespace` and
 //! `streamjob` (not `job`, which Prometheus gives every series as the scrape job's name) and at
-//! most one typed label more: a [`Step`], a [`SnapshotKind`], an [`ErrorKind`] or a [`Phase`].
+//! most one typed label more: a [`Step`], a [`SnapshotKind`], an [`ErrorKind`], a [`Phase`] or
+//! a condition type (one of [`ALL_CONDITIONS`]).
 //! A job therefore has at most [`max_series_per_job`] series, and
 //! [`OperatorMetrics::forget_job`] removes every one of them when the job is deleted or replaced
 //! by a new object of the same name (docs/operations.md, "Metrics", has the table and the count).
@@ -13,6 +14,7 @@
 use crate::crd::{Phase, StreamJobSpec, StreamJobStatus};
 use crate::orchestrator::pass::error::ErrorKind;
 use crate::orchestrator::settings;
+use crate::orchestrator::status::ALL_CONDITIONS;
 use crate::snapshot::SnapshotKind;
 use keyshift_core::step::{ALL_STEPS, Step};
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -92,6 +94,14 @@ impl EncodeLabelValue for Phase {
     }
 }
 
+/// A job's series for one of its conditions (a type of [`ALL_CONDITIONS`]).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConditionLabels {
+    pub namespace: String,
+    pub streamjob: String,
+    pub condition: &'static str,
+}
+
 /// Every phase, in lifecycle order (the `phase` label's values).
 pub const ALL_PHASES: [Phase; 6] = [
     Phase::Pending,
@@ -155,6 +165,7 @@ pub fn max_series_per_job() -> usize {
         + 1 // checkpoint_interval_seconds
         + ALL_PHASES.len() // phase
         + 2 // ready, stalled
+        + ALL_CONDITIONS.len() // condition
         + 2 // parallelism, desired_parallelism
         + 2 // source_lag_records, source_lag_seconds
 }
@@ -184,6 +195,7 @@ pub struct OperatorMetrics {
     phase: Family<PhaseLabels, Gauge>,
     job_ready: Family<JobLabels, Gauge>,
     job_stalled: Family<JobLabels, Gauge>,
+    condition: Family<ConditionLabels, Gauge>,
     parallelism: Family<JobLabels, Gauge>,
     desired_parallelism: Family<JobLabels, Gauge>,
     source_lag_records: Family<JobLabels, Gauge>,
@@ -224,6 +236,7 @@ impl OperatorMetrics {
             phase: Family::default(),
             job_ready: Family::default(),
             job_stalled: Family::default(),
+            condition: Family::default(),
             parallelism: Family::default(),
             desired_parallelism: Family::default(),
             source_lag_records: Family::default(),
@@ -319,6 +332,11 @@ impl OperatorMetrics {
             m.job_stalled.clone(),
         );
         job.register(
+            "condition",
+            "1 while the job's condition named by the condition label (Ready, Reconciling, Stalled, KeyGroupsBalanced, AllSubtasksHavePartitions, SinkPublished, NewestSnapshotRestored, CheckpointsHealthy, KafkaReachable) is True, 0 while it is False; absent while it is Unknown or not set",
+            m.condition.clone(),
+        );
+        job.register(
             "parallelism",
             "The parallelism the job runs at (status.replicas)",
             m.parallelism.clone(),
@@ -370,6 +388,14 @@ impl OperatorMetrics {
             namespace: namespace.to_owned(),
             streamjob: job.to_owned(),
             kind: Shown(kind),
+        }
+    }
+
+    pub fn condition(namespace: &str, job: &str, condition: &'static str) -> ConditionLabels {
+        ConditionLabels {
+            namespace: namespace.to_owned(),
+            streamjob: job.to_owned(),
+            condition,
         }
     }
 
@@ -439,6 +465,15 @@ impl OperatorMetrics {
         self.job_stalled
             .get_or_create(&labels)
             .set(i64::from(condition("Stalled")));
+        for kind in ALL_CONDITIONS {
+            let l = Self::condition(namespace, job, kind);
+            let status = status.conditions.iter().find(|c| c.type_ == kind);
+            match status.map(|c| c.status.as_str()) {
+                Some("True") => drop(self.condition.get_or_create(&l).set(1)),
+                Some("False") => drop(self.condition.get_or_create(&l).set(0)),
+                _ => drop(self.condition.remove(&l)),
+            }
+        }
         self.parallelism
             .get_or_create(&labels)
             .set(i64::from(status.replicas.unwrap_or(0)));
@@ -591,6 +626,10 @@ impl OperatorMetrics {
                 phase,
             });
         }
+        for kind in ALL_CONDITIONS {
+            self.condition
+                .remove(&Self::condition(namespace, job, kind));
+        }
     }
 }
 
@@ -694,7 +733,7 @@ mod tests {
     }
 
     /// A status with every status-derived series present: both snapshots, a rescale in
-    /// `step`, Ready.
+    /// `step`, every condition set (Ready, and Stalled False).
     fn busy_status(step: Step) -> StreamJobStatus {
         StreamJobStatus {
             phase: Some(Phase::Rescaling),
@@ -705,7 +744,10 @@ mod tests {
                 step,
                 ..Default::default()
             }),
-            conditions: vec![condition("Ready", "True"), condition("Stalled", "False")],
+            conditions: ALL_CONDITIONS
+                .iter()
+                .map(|&c| condition(c, if c == "Stalled" { "False" } else { "True" }))
+                .collect(),
             source: Some(crate::crd::SourceStatus {
                 lag: Some(crate::crd::SourceLagStatus {
                     records: 1200,
@@ -751,6 +793,47 @@ mod tests {
             .filter(|l| !l.starts_with('#') && l.contains(&needle))
             .map(str::to_owned)
             .collect()
+    }
+
+    #[test]
+    fn every_condition_is_a_gauge_while_it_is_true_or_false() {
+        let m = OperatorMetrics::new();
+        let mut status = busy_status(Step::Done);
+        status.conditions = vec![
+            condition("KafkaReachable", "False"),
+            condition("SinkPublished", "True"),
+            condition("CheckpointsHealthy", "Unknown"),
+        ];
+        m.observe_status("ns", "j", &spec(), &status);
+        let series = |c: &str| {
+            format!("keyshift_job_condition{{namespace=\"ns\",streamjob=\"j\",condition=\"{c}\"}}")
+        };
+        let text = m.encode();
+        assert!(
+            text.contains(&format!("{} 0", series("KafkaReachable"))),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("{} 1", series("SinkPublished"))),
+            "{text}"
+        );
+        assert!(
+            !text.contains(&series("CheckpointsHealthy")),
+            "Unknown has no series: {text}"
+        );
+        assert!(
+            !text.contains(&series("Ready")),
+            "nor has a condition not set: {text}"
+        );
+        // The broker is reached again and the sink condition goes: the series follow.
+        status.conditions = vec![condition("KafkaReachable", "True")];
+        m.observe_status("ns", "j", &spec(), &status);
+        let text = m.encode();
+        assert!(
+            text.contains(&format!("{} 1", series("KafkaReachable"))),
+            "{text}"
+        );
+        assert!(!text.contains(&series("SinkPublished")), "{text}");
     }
 
     #[test]

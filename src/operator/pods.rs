@@ -233,8 +233,15 @@ impl Workers for PodWorkers<'_> {
         // The pods read the token from the job's Secret (`token` ensured it exists).
         for i in subtasks {
             let pod_name = desired::pod_name(self.name, run, *i);
-            let pod = desired::pod(self.job, run, *i, assignment, &self.ctx.config.worker_image)
-                .map_err(|e| PortError::new(format!("building pod {pod_name}"), e, false))?;
+            let pod = desired::pod(
+                self.job,
+                run,
+                *i,
+                assignment,
+                &self.ctx.config.worker_image,
+                self.ctx.config.worker_log_format,
+            )
+            .map_err(|e| PortError::new(format!("building pod {pod_name}"), e, false))?;
             let written = self
                 .api
                 .patch(

@@ -14,6 +14,10 @@ pub const ENV_POD_IP: &str = "POD_IP";
 pub const ENV_TOKEN: &str = "KEYSHIFT_TOKEN";
 /// The worker container's subtask-index variable.
 pub const ENV_SUBTASK: &str = "KEYSHIFT_SUBTASK";
+/// The worker's log format, `json` or `text` (the default): the operator sets it to its own
+/// (`--log-format`, the chart's `logFormat`), so one setting governs the operator's and the
+/// workers' lines, unless spec.podTemplate.env sets it for the job.
+pub const ENV_LOG_FORMAT: &str = "KEYSHIFT_LOG_FORMAT";
 /// Every environment variable the operator sets on the worker container: refused in
 /// spec.podTemplate.env.
 pub const RESERVED_ENV: &[&str] = &[ENV_POD_IP, ENV_TOKEN, ENV_SUBTASK];

@@ -366,7 +366,8 @@ pub fn main(programs: Programs) -> std::process::ExitCode {
         println!("{}", version_line(&programs));
         return std::process::ExitCode::SUCCESS;
     }
-    let json = std::env::var("KEYSHIFT_LOG_FORMAT").is_ok_and(|f| f.eq_ignore_ascii_case("json"));
+    let json = std::env::var(keyshift_core::worker_pod::ENV_LOG_FORMAT)
+        .is_ok_and(|f| f.eq_ignore_ascii_case("json"));
     crate::telemetry::init(json);
     let result =
         worker_config(&args, std::env::var("KEYSHIFT_TOKEN").ok(), programs).and_then(|config| {
