@@ -848,31 +848,120 @@ async fn sink_output_of_checkpoints_that_failed_on_one_subtask_rides_with_the_ne
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_file_source_resumes_at_exact_byte_offsets_across_a_rescale() {
-    let env = env(None);
-    let input = env._dir.path().join("input");
-    std::fs::create_dir_all(&input).expect("input dir");
-    // Three partitions of JSON lines; long keys, values to sum.
-    let write = |from: i64, to: i64| {
-        for p in 0..3i64 {
-            use std::io::Write;
-            let mut f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(input.join(format!("part-{p}.jsonl")))
-                .expect("open");
-            for i in from..to {
-                writeln!(
-                    f,
-                    "{{\"account\":{},\"amount\":{},\"ts\":{}}}",
-                    (i * 7 + p) % 50,
-                    i % 13,
-                    i
-                )
-                .expect("write");
+    file_source_rescale(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_source_on_s3_resumes_at_exact_byte_offsets_across_a_rescale() {
+    if let Some(url) = cloud_url(S3, "file-source") {
+        file_source_rescale(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_source_on_gcs_resumes_at_exact_byte_offsets_across_a_rescale() {
+    if let Some(url) = cloud_url(GCS, "file-source") {
+        file_source_rescale(Some(url)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_file_source_on_azure_resumes_at_exact_byte_offsets_across_a_rescale() {
+    if let Some(url) = cloud_url(AZURE, "file-source") {
+        file_source_rescale(Some(url)).await;
+    }
+}
+
+/// Where a file source's partitions are written: files in a local directory (appended to), or
+/// objects under an object-store URL (each rewritten whole, longer, as an object grows).
+enum Input {
+    Dir(PathBuf),
+    Objects {
+        store: std::sync::Arc<dyn object_store::ObjectStore>,
+        prefix: object_store::path::Path,
+        contents: Vec<String>,
+    },
+}
+
+impl Input {
+    /// Lines `from..to` of every one of `partitions` partitions: long keys, values to sum.
+    async fn write(&mut self, partitions: i64, from: i64, to: i64) {
+        for p in 0..partitions {
+            let lines: String = (from..to)
+                .map(|i| {
+                    format!(
+                        "{{\"account\":{},\"amount\":{},\"ts\":{}}}\n",
+                        (i * 7 + p) % 50,
+                        i % 13,
+                        i
+                    )
+                })
+                .collect();
+            let name = format!("part-{p}.jsonl");
+            match self {
+                Input::Dir(dir) => {
+                    use std::io::Write;
+                    std::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(dir.join(&name))
+                        .expect("open")
+                        .write_all(lines.as_bytes())
+                        .expect("write");
+                }
+                Input::Objects {
+                    store,
+                    prefix,
+                    contents,
+                } => {
+                    use object_store::ObjectStoreExt;
+                    let all = &mut contents[p as usize];
+                    all.push_str(&lines);
+                    let path = object_store::path::Path::from(format!("{prefix}/{name}"));
+                    store
+                        .put(&path, all.clone().into_bytes().into())
+                        .await
+                        .expect("put");
+                }
             }
         }
+    }
+
+    /// Partition `p`'s length.
+    fn len(&self, p: u32) -> u64 {
+        match self {
+            Input::Dir(dir) => std::fs::metadata(dir.join(format!("part-{p}.jsonl")))
+                .expect("file")
+                .len(),
+            Input::Objects { contents, .. } => contents[p as usize].len() as u64,
+        }
+    }
+}
+
+/// A sum over three growing partitions of JSON lines, read from a local directory or, given a
+/// cloud base URL, from objects there: rescaled 2 -> 3 and stopped, each snapshot's state is
+/// exactly the records before its positions, and every line is read once.
+async fn file_source_rescale(cloud: Option<String>) {
+    let env = env(None);
+    let (mut input, url) = match cloud {
+        None => {
+            let dir = env._dir.path().join("input");
+            std::fs::create_dir_all(&dir).expect("input dir");
+            (Input::Dir(dir.clone()), file_url(&dir))
+        }
+        Some(base) => {
+            let url = format!("{base}/input");
+            let (store, prefix) = snapshot::open_store(&url).expect("input store");
+            let contents = vec![String::new(); 3];
+            let input = Input::Objects {
+                store,
+                prefix,
+                contents,
+            };
+            (input, url)
+        }
     };
-    write(0, 2000);
+    input.write(3, 0, 2000).await;
     let spec = job(&format!(
         "apiVersion: keyshift.dev/v1alpha1
 kind: StreamJob
@@ -882,13 +971,12 @@ spec:
   maxParallelism: 64
   job:
     source:
-      file: {{path: 'file://{}'}}
+      file: {{path: '{url}'}}
     key: {{field: account, type: long}}
     aggregation: {{function: sum, field: amount}}
   state:
     checkpointInterval: 1h
-",
-        input.display()
+"
     ));
     let mut local = LocalJob::new(&spec, env.storage.clone(), bin(), env.logs.clone())
         .await
@@ -903,18 +991,16 @@ spec:
         panic!("global");
     };
     assert_eq!(state, expected);
-    // The files grow while the job runs: the new lines are read exactly once.
-    write(2000, 3000);
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // The partitions grow while the job runs: the new lines are read exactly once (an object's
+    // size is asked for about once a second while it is at its end).
+    input.write(3, 2000, 3000).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
     let sp = local.shutdown().await.expect("stop");
     let (state, positions, _) = snapshot_state(&sp.url).await;
     for p in 0..3u32 {
-        let len = std::fs::metadata(input.join(format!("part-{p}.jsonl")))
-            .expect("file")
-            .len();
         assert_eq!(
             positions.get(&p),
-            Some(&len),
+            Some(&input.len(p)),
             "partition {p} was read to its end"
         );
     }

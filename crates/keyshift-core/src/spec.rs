@@ -320,7 +320,11 @@ pub enum KeyDistribution {
 #[derive(Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct FileSource {
-    /// Directory (or object store URL) holding the partition files.
+    /// Where the partition files are: a local directory every worker can read (a path or
+    /// `file:///dir`, e.g. a volume), or an object-store URL (`s3://bucket/dir`,
+    /// `gs://bucket/dir`, `az://container/dir`) whose objects directly under the prefix are the
+    /// partitions, read with the job's storage credentials (spec.state.credentialsSecret). Files
+    /// may only grow (an object grows by being rewritten longer); the lines added are read on.
     pub path: String,
     /// Record field holding the event time (milliseconds since the epoch); needed only with a
     /// window.

@@ -2,7 +2,9 @@
 //!
 //! A directory holds one file per partition; partition `i` is the `i`-th regular, non-hidden
 //! file (or symlink to one, as in a ConfigMap volume) in byte-wise name order, and its identity
-//! is its file name ([`FileSourceReader::names`]).
+//! is its file name ([`FileSourceReader::names`]). The directory may also be an object-store URL
+//! (`s3://bucket/in`, `gs://`, `az://`): its partitions are then the objects directly under the
+//! prefix, read by range, with the same positions and rules ([`super::object_files`]).
 //! A position is a byte offset into the partition's file, always at the start of a line, so a
 //! restored position resumes exactly: no record is read twice or lost.
 //!
@@ -34,12 +36,14 @@
 //! JSON integer (or a float with no fractional part); `count` jobs read no value (0). The
 //! timestamp field, when configured, must be an integer (ms); without it `ts` is 0.
 
+use super::object_files::ObjectFiles;
 use super::record::{Record, RecordKey};
 use keyshift_core::keygroup::KeyType;
 use serde_json::Value;
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Errors of the file source.
 #[derive(Debug, thiserror::Error)]
@@ -72,6 +76,17 @@ pub enum FileSourceError {
         offset: u64,
         reason: String,
     },
+}
+
+/// Why a file source on an object-store URL could not be opened.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenObjectsError {
+    /// The URL names no store this build can open (no retry helps).
+    #[error("{0}")]
+    Url(String),
+    /// Listing failed, or found nothing (a retry may).
+    #[error(transparent)]
+    Read(FileSourceError),
 }
 
 /// Which JSON fields make a record.
@@ -110,6 +125,8 @@ pub struct FileSourceReader {
     /// How a line becomes a record of the built-in aggregation (`None`: a program's source,
     /// read line by line with [`FileSourceReader::read_lines`]).
     fields: Option<FieldMapping>,
+    /// The objects when `dir` is an object-store URL (`files` then shows each object's URL).
+    objects: Option<Arc<ObjectFiles>>,
 }
 
 const CHUNK: usize = 256 * 1024;
@@ -151,6 +168,32 @@ impl FileSourceReader {
             files,
             names,
             fields,
+            objects: None,
+        })
+    }
+
+    /// Lists the partition objects directly under an object-store URL, as [`Self::open`] lists a
+    /// directory's files.
+    pub fn open_objects(url: &str, fields: Option<FieldMapping>) -> Result<Self, OpenObjectsError> {
+        let (objects, found) = ObjectFiles::open(url).map_err(|e| match e {
+            super::object_files::ObjectFilesError::Open(reason) => OpenObjectsError::Url(reason),
+            e => OpenObjectsError::Read(FileSourceError::Io {
+                path: PathBuf::from(url),
+                source: e.into(),
+            }),
+        })?;
+        if found.is_empty() {
+            return Err(OpenObjectsError::Read(FileSourceError::NoFiles {
+                path: PathBuf::from(url),
+            }));
+        }
+        let (names, files) = found.into_iter().unzip();
+        Ok(FileSourceReader {
+            dir: PathBuf::from(url),
+            files,
+            names,
+            fields,
+            objects: Some(Arc::new(objects)),
         })
     }
 
@@ -187,12 +230,14 @@ impl FileSourceReader {
     /// ([`FileSourceError::Shrunk`] otherwise).
     pub fn check_position(&self, partition: u32, offset: u64) -> Result<(), FileSourceError> {
         let path = self.path(partition)?;
-        let size = std::fs::metadata(path)
-            .map_err(|source| FileSourceError::Io {
-                path: path.clone(),
-                source,
-            })?
-            .len();
+        let io = |source| FileSourceError::Io {
+            path: path.clone(),
+            source,
+        };
+        let size = match &self.objects {
+            None => std::fs::metadata(path).map_err(io)?.len(),
+            Some(o) => o.size(partition as usize).map_err(|e| io(e.into()))?,
+        };
         check_size(path, offset, size)
     }
 
@@ -237,9 +282,28 @@ impl FileSourceReader {
             path: path.clone(),
             source,
         };
-        let mut file = File::open(path).map_err(io)?;
-        check_size(path, offset, file.metadata().map_err(io)?.len())?;
-        file.seek(SeekFrom::Start(offset)).map_err(io)?;
+        let mut source: Box<dyn Read + '_> = match &self.objects {
+            None => {
+                let mut file = File::open(path).map_err(io)?;
+                check_size(path, offset, file.metadata().map_err(io)?.len())?;
+                file.seek(SeekFrom::Start(offset)).map_err(io)?;
+                Box::new(file)
+            }
+            Some(o) => {
+                let p = partition as usize;
+                let Some(size) = o.size_to_read(p, offset).map_err(|e| io(e.into()))? else {
+                    // At its end a moment ago: not asked again yet.
+                    return Ok(FileBatch {
+                        records: 0,
+                        next_offset: offset,
+                        at_end: true,
+                        partial_tail_bytes: 0,
+                    });
+                };
+                check_size(path, offset, size)?;
+                Box::new(o.reader(p, offset, size))
+            }
+        };
         let mut buf: Vec<u8> = Vec::with_capacity(CHUNK);
         let mut base = offset; // file offset of buf[0]
         let mut pos = 0usize; // start of the next unconsumed line in buf
@@ -272,11 +336,14 @@ impl FileSourceReader {
             pos = 0;
             let start = buf.len();
             buf.resize(start + CHUNK, 0);
-            let n = read_full(&mut file, &mut buf[start..]).map_err(io)?;
+            let n = read_full(&mut source, &mut buf[start..]).map_err(io)?;
             buf.truncate(start + n);
             eof = n == 0;
         }
         let at_end = eof && memchr::memchr(b'\n', &buf[pos..]).is_none();
+        if let (Some(o), true) = (&self.objects, at_end) {
+            o.reached_end(partition as usize, base + pos as u64);
+        }
         Ok(FileBatch {
             records,
             next_offset: base + pos as u64,
@@ -297,7 +364,7 @@ fn check_size(path: &Path, offset: u64, size: u64) -> Result<(), FileSourceError
     Ok(())
 }
 
-fn read_full(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+fn read_full(file: &mut dyn Read, buf: &mut [u8]) -> std::io::Result<usize> {
     let mut n = 0;
     while n < buf.len() {
         match file.read(&mut buf[n..]) {
@@ -424,6 +491,79 @@ mod tests {
         let b = src.read_batch(1, 0, &mut out, 10).unwrap();
         assert_eq!((b.records, out[0].value), (1, 1));
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The same partitions as objects under a URL: listed directly under the prefix (hidden
+    /// names and deeper objects are not partitions), read by range from any offset, read on as
+    /// an object grows (asked for its size at most once per poll), refused by name when it
+    /// shrinks below a position.
+    #[test]
+    fn objects_under_a_url_are_partitions_read_like_files() {
+        use object_store::{ObjectStoreExt, PutPayload};
+        let url = format!("memory://file-source-{}/in", std::process::id());
+        let (store, prefix) = crate::snapshot::open_store(&url).unwrap();
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        let put = |name: &str, text: String| {
+            let path = object_store::path::Path::from(format!("{prefix}/{name}"));
+            rt.block_on(store.put(&path, PutPayload::from(text.into_bytes())))
+                .unwrap();
+        };
+        let a: String = (0..3).map(line).collect();
+        let partial = "{\"user\":\"u1\",\"amo";
+        put("b.jsonl", format!("{a}{partial}"));
+        put("a.jsonl", line(9));
+        put(".hidden", line(1));
+        put("deeper/c.jsonl", line(1));
+        let src = FileSourceReader::open_objects(&url, Some(fields(KeyType::String))).unwrap();
+        assert_eq!(src.names(), ["a.jsonl", "b.jsonl"]);
+        assert_eq!(src.file(1), Some(Path::new(&format!("{url}/b.jsonl"))));
+        // Every batch size resumes exactly; the unterminated line waits.
+        for max in [1, 2, 10] {
+            let (mut out, mut at) = (Vec::new(), 0);
+            loop {
+                let b = src.read_batch(1, at, &mut out, max).unwrap();
+                at = b.next_offset;
+                if b.at_end {
+                    assert_eq!(b.partial_tail_bytes, partial.len() as u64);
+                    break;
+                }
+            }
+            assert_eq!(out.iter().map(|r| r.value).collect::<Vec<_>>(), [0, 1, 2]);
+            assert_eq!(at, a.len() as u64);
+            std::thread::sleep(super::super::object_files::GROWTH_POLL);
+        }
+        // The object grows (rewritten longer): nothing new is asked for within the poll, then
+        // the completed line and the next are read.
+        let at = a.len() as u64;
+        let mut out = Vec::new();
+        let b = src.read_batch(1, at, &mut out, 10).unwrap();
+        assert!(b.at_end && b.partial_tail_bytes > 0, "{b:?}");
+        put(
+            "b.jsonl",
+            format!("{a}{partial}unt\":5,\"ts\":50}}\n{}", line(6)),
+        );
+        let b = src.read_batch(1, at, &mut out, 10).unwrap();
+        assert_eq!((b.records, b.next_offset), (0, at), "within the poll");
+        std::thread::sleep(super::super::object_files::GROWTH_POLL);
+        let b = src.read_batch(1, at, &mut out, 10).unwrap();
+        assert_eq!(out.iter().map(|r| r.value).collect::<Vec<_>>(), [5, 6]);
+        assert!(b.at_end);
+        // Shorter than a position: refused, naming the object.
+        put("b.jsonl", line(0));
+        let e = src.check_position(1, at).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{url}/b.jsonl")) && e.contains("shrank"),
+            "{e}"
+        );
+        // A URL no store serves is told apart from a listing that fails.
+        assert!(matches!(
+            FileSourceReader::open_objects("ftp://host/in", None),
+            Err(OpenObjectsError::Url(_))
+        ));
+        assert!(matches!(
+            FileSourceReader::open_objects(&format!("{url}/empty"), None),
+            Err(OpenObjectsError::Read(FileSourceError::NoFiles { .. }))
+        ));
     }
 
     #[test]

@@ -32,6 +32,7 @@ pub mod file_source;
 pub mod generator;
 pub mod kafka;
 pub mod keyed;
+pub mod object_files;
 pub mod oracle;
 pub mod program;
 pub use keyshift_core::positions;
@@ -109,9 +110,9 @@ pub enum JobError {
     )]
     TimestampField,
     #[error(
-        "spec.job.source.file.path {0:?} must be a local directory (a path or file:///dir) that every worker can read; object-store file sources are not supported yet"
+        "spec.job.source.file.path {path:?} must be a local directory (a path or file:///dir) that every worker can read, or an object-store URL (s3://bucket/dir, gs://bucket/dir, az://container/dir): {reason}"
     )]
-    FileSourceLocation(String),
+    FileSourceLocation { path: String, reason: String },
     #[error("max parallelism {0} is outside 1..={UPPER_BOUND_MAX_PARALLELISM}")]
     MaxParallelism(u32),
     #[error(transparent)]
@@ -163,7 +164,7 @@ impl JobError {
             | JobError::OutOfOrderness(_)
             | JobError::AggregationField
             | JobError::TimestampField
-            | JobError::FileSourceLocation(_)
+            | JobError::FileSourceLocation { .. }
             | JobError::MaxParallelism(_)
             | JobError::Generator(_)
             | JobError::Aggregate(_)
@@ -300,9 +301,7 @@ pub fn compile_for(
                     probe_generator(&p.name, &program, &generator)?;
                     SourceKind::Generator(generator)
                 }
-                (None, Some(f), None) => {
-                    SourceKind::File(FileSourceReader::open(file_dir(f)?, None)?)
-                }
+                (None, Some(f), None) => SourceKind::File(open_file_source(f, None)?),
                 #[cfg(feature = "kafka")]
                 (None, None, Some(k)) => {
                     let job = kafka::source::JobIdentity {
@@ -415,7 +414,7 @@ pub fn compile_for(
                 },
                 timestamp_field: f.timestamp_field.clone(),
             };
-            SourceKind::File(FileSourceReader::open(file_dir(f)?, Some(fields))?)
+            SourceKind::File(open_file_source(f, Some(fields))?)
         }
         _ => return Err(JobError::SourceOneOf),
     };
@@ -430,13 +429,23 @@ pub fn compile_for(
     })
 }
 
-/// A file source's local directory (a path or a file:// URL).
-fn file_dir(f: &keyshift_core::spec::FileSource) -> Result<&str, JobError> {
+/// A file source's partitions: a local directory (a path or a `file://` URL) or the objects
+/// under an object-store URL.
+fn open_file_source(
+    f: &keyshift_core::spec::FileSource,
+    fields: Option<FieldMapping>,
+) -> Result<FileSourceReader, JobError> {
     let dir = f.path.strip_prefix("file://").unwrap_or(&f.path);
-    if dir.contains("://") {
-        return Err(JobError::FileSourceLocation(f.path.clone()));
+    if !dir.contains("://") {
+        return Ok(FileSourceReader::open(dir, fields)?);
     }
-    Ok(dir)
+    FileSourceReader::open_objects(&f.path, fields).map_err(|e| match e {
+        file_source::OpenObjectsError::Url(reason) => JobError::FileSourceLocation {
+            path: f.path.clone(),
+            reason,
+        },
+        file_source::OpenObjectsError::Read(e) => JobError::File(e),
+    })
 }
 
 /// Refuses a program that cannot read the generator's records (its first record, as the JSON

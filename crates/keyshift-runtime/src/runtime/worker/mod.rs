@@ -567,7 +567,10 @@ mod tests {
                 name: "nope".into(),
                 available: "count".into(),
             }),
-            WorkerError::Job(job::JobError::FileSourceLocation("s3://b/in".into())),
+            WorkerError::Job(job::JobError::FileSourceLocation {
+                path: "ftp://b/in".into(),
+                reason: "unsupported scheme".into(),
+            }),
         ];
         let for_now = [
             WorkerError::Job(job::JobError::File(job::FileSourceError::NoFiles {
