@@ -4,6 +4,7 @@
 #
 #   eval "$(hack/azure-server.sh start)"   # installs it if needed, starts it, creates the
 #                                          # container, prints the env exports (stdout)
+#   hack/azure-server.sh install           # only installs it (prints its path)
 #   cargo test --test snapshot             # the Azure scenarios now run against it
 #   hack/azure-server.sh stop
 #
@@ -28,6 +29,10 @@ BIN="$PREFIX/node_modules/.bin/azurite-blob"
 # Azurite's development account (public, the same in every Azurite and in Microsoft's docs).
 ACCOUNT=devstoreaccount1
 KEY='Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=='
+PIDS=(pid)
+PREPARE=install
+# shellcheck source=hack/test-server-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/test-server-lib.sh"
 
 log() { printf 'azure-server: %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -41,10 +46,6 @@ export AZURE_STORAGE_USE_EMULATOR=true
 export AZURITE_BLOB_STORAGE_URL=http://${host}:${port}
 export KEYSHIFT_TEST_AZURE_URL=az://${container}/keyshift-tests
 EOF
-}
-
-running() {
-  [[ -f "$state/pid" ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null
 }
 
 install() {
@@ -64,17 +65,16 @@ install() {
   log "installed in $((SECONDS - start)) s"
 }
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-# HTTP status of a Shared Key signed request to the Blob service: method, path (after the
-# account), query (without '?'). Enough of the signing scheme for container calls without a body.
+# blob METHOD PORT PATH QUERY: the HTTP status of a Shared Key signed request to the Blob
+# service (PATH after the account, QUERY without '?').
 blob() {
-  python3 - "$1" "http://${host}:$2" "$3" "$4" "$ACCOUNT" "$KEY" <<'EOF'
-import base64, hashlib, hmac, sys, urllib.error, urllib.request
+  local method="$1" port="$2" path="$3" query="$4" headers
+  # The Shared Key signature of the request (enough of the scheme for container calls without
+  # a body): its headers, one "Name: value" per line.
+  headers="$(python3 - "$method" "$path" "$query" "$ACCOUNT" "$KEY" <<'EOF'
+import base64, hashlib, hmac, sys
 from email.utils import formatdate
-method, base, path, query, account, key = sys.argv[1:7]
+method, path, query, account, key = sys.argv[1:6]
 headers = {"x-ms-date": formatdate(usegmt=True), "x-ms-version": "2021-08-06"}
 resource = f"/{account}/{account}/{path}"
 for pair in sorted(p for p in query.split("&") if p):
@@ -84,27 +84,17 @@ canonical = "".join(f"{k}:{v}\n" for k, v in sorted(headers.items()))
 sign = "\n".join([method] + [""] * 11) + "\n" + canonical + resource
 mac = hmac.new(base64.b64decode(key), sign.encode(), hashlib.sha256).digest()
 headers["Authorization"] = f"SharedKey {account}:{base64.b64encode(mac).decode()}"
-url = f"{base}/{account}/{path}" + (f"?{query}" if query else "")
-req = urllib.request.Request(url, method=method, headers=headers)
-if method == "PUT":
-    req.add_header("Content-Length", "0")
-try:
-    with urllib.request.urlopen(req, timeout=5) as r:
-        print(r.status)
-except urllib.error.HTTPError as e:
-    print(e.code)
-except Exception:
-    print(0)
+print("\n".join(f"{k}: {v}" for k, v in headers.items()))
 EOF
+)"
+  local args=()
+  mapfile -t args <<<"$headers"
+  http_status "$method" "http://${host}:${port}/${ACCOUNT}/${path}${query:+?$query}" "" "${args[@]}"
 }
 
 start() {
   mkdir -p "$state"
-  if running; then
-    log "already running (pid $(cat "$state/pid"), port $(cat "$state/port"))"
-    exports "$(cat "$state/port")"
-    return
-  fi
+  reuse && return
   install
   local port="${KEYSHIFT_AZURE_PORT:-$(free_port)}"
   # setsid: its own session, so the caller's job control or Ctrl-C does not take it down.
@@ -114,21 +104,8 @@ start() {
     >"$state/server.log" 2>&1 </dev/null &
   echo $! >"$state/pid"
   echo "$port" >"$state/port"
-  local deadline=$((SECONDS + 60))
   # Listing containers answers 200 once the server is up and our signature is accepted.
-  until [[ "$(blob GET "$port" "" "comp=list")" == 200 ]]; do
-    if ! running; then
-      log "Azurite exited; log follows"
-      cat "$state/server.log" >&2
-      exit 1
-    fi
-    if ((SECONDS > deadline)); then
-      log "Azurite did not answer on ${host}:${port} within 60 s; log in $state/server.log"
-      stop
-      exit 1
-    fi
-    sleep 0.3
-  done
+  await_up "Azurite on ${host}:${port}" lists "$port"
   local code
   code="$(blob PUT "$port" "$container" "restype=container")"
   if [[ "$code" != 201 && "$code" != 409 ]]; then
@@ -140,31 +117,14 @@ start() {
   exports "$port"
 }
 
-stop() {
-  if running; then
-    local pid
-    pid="$(cat "$state/pid")"
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    kill -9 "$pid" 2>/dev/null || true
-    log "stopped (pid $pid)"
-  fi
-  rm -f "$state/pid" "$state/port"
+# lists PORT: whether a signed listing of the containers answers 200.
+lists() {
+  [[ "$(blob GET "$1" "" "comp=list")" == 200 ]]
 }
 
-case "${1:-}" in
-  install) install; echo "AZURITE_BLOB=$BIN" ;;
-  start) start ;;
-  stop) stop ;;
-  env)
-    running || { log "not running"; exit 1; }
-    exports "$(cat "$state/port")"
-    ;;
-  *)
-    echo "usage: $0 install|start|stop|env" >&2
-    exit 2
-    ;;
-esac
+prepare() {
+  install
+  echo "AZURITE_BLOB=$BIN"
+}
+
+server_main "$@"

@@ -7,6 +7,7 @@
 #
 #   eval "$(hack/gcs-server.sh start)"   # builds it if needed, starts it, creates the bucket,
 #                                        # prints the env exports (stdout) for the tests
+#   hack/gcs-server.sh build             # only builds it (prints its path)
 #   cargo test --test snapshot           # the GCS scenarios now run against it
 #   hack/gcs-server.sh stop
 #
@@ -28,6 +29,10 @@ bucket="${KEYSHIFT_GCS_BUCKET:-keyshift-test}"
 host=127.0.0.1
 CACHE="${KEYSHIFT_CACHE:-$HOME/.cache/keyshift}"
 BIN="$CACHE/bin/fake-gcs-server-$VERSION/fake-gcs-server"
+PIDS=(pid adapter.pid)
+PREPARE=build
+# shellcheck source=hack/test-server-lib.sh
+source "$ROOT/hack/test-server-lib.sh"
 
 log() { printf 'gcs-server: %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -38,11 +43,6 @@ exports() {
 export GOOGLE_SERVICE_ACCOUNT_KEY='{"gcs_base_url": "http://${host}:${port}", "disable_oauth": true, "client_email": "", "private_key": "", "private_key_id": ""}'
 export KEYSHIFT_TEST_GCS_URL=gs://${bucket}/keyshift-tests
 EOF
-}
-
-running() {
-  [[ -f "$state/pid" && -f "$state/adapter.pid" ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null \
-    && kill -0 "$(cat "$state/adapter.pid")" 2>/dev/null
 }
 
 build() {
@@ -62,34 +62,14 @@ build() {
   log "built in $((SECONDS - start)) s"
 }
 
-free_port() {
-  python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
-}
-
-# HTTP status of a request (method, url, optional JSON body).
-http() {
-  python3 - "$@" <<'EOF'
-import sys, urllib.request, urllib.error
-body = sys.argv[3].encode() if len(sys.argv) > 3 else None
-req = urllib.request.Request(sys.argv[2], data=body, method=sys.argv[1],
-                             headers={"Content-Type": "application/json"} if body else {})
-try:
-    with urllib.request.urlopen(req, timeout=5) as r:
-        print(r.status)
-except urllib.error.HTTPError as e:
-    print(e.code)
-except Exception:
-    print(0)
-EOF
+prepare() {
+  build
+  echo "FAKE_GCS_SERVER=$BIN"
 }
 
 start() {
   mkdir -p "$state"
-  if running; then
-    log "already running (pid $(cat "$state/pid"), port $(cat "$state/port"))"
-    exports "$(cat "$state/port")"
-    return
-  fi
+  reuse && return
   build
   local port="${KEYSHIFT_GCS_PORT:-$(free_port)}" inner
   inner="$(free_port)"
@@ -102,25 +82,11 @@ start() {
     >"$state/adapter.log" 2>&1 </dev/null &
   echo $! >"$state/adapter.pid"
   echo "$port" >"$state/port"
-  local deadline=$((SECONDS + 60))
-  until [[ "$(http GET "http://${host}:${port}/storage/v1/b")" == 200 ]]; do
-    if ! running; then
-      log "fake-gcs-server or its adapter exited; logs follow"
-      cat "$state/server.log" "$state/adapter.log" >&2
-      stop
-      exit 1
-    fi
-    if ((SECONDS > deadline)); then
-      log "fake-gcs-server did not answer on ${host}:${port} within 60 s; log in $state/server.log"
-      stop
-      exit 1
-    fi
-    sleep 0.3
-  done
+  await_up "fake-gcs-server on ${host}:${port}" answers "http://${host}:${port}/storage/v1/b"
   local code
-  code="$(http POST "http://${host}:${port}/storage/v1/b" "{\"name\": \"${bucket}\"}")"
+  code="$(http_status POST "http://${host}:${port}/storage/v1/b" "{\"name\": \"${bucket}\"}")"
   if [[ "$code" != 200 && "$code" != 409 ]]; then
-    log "creating bucket ${bucket} failed (HTTP ${code}); log in $state/server.log"
+    log "creating bucket ${bucket} failed (HTTP ${code}); logs in $state"
     stop
     exit 1
   fi
@@ -128,34 +94,4 @@ start() {
   exports "$port"
 }
 
-stop() {
-  local f pid
-  for f in pid adapter.pid; do
-    [[ -f "$state/$f" ]] || continue
-    pid="$(cat "$state/$f")"
-    if kill -0 "$pid" 2>/dev/null; then
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 50); do
-        kill -0 "$pid" 2>/dev/null || break
-        sleep 0.1
-      done
-      kill -9 "$pid" 2>/dev/null || true
-      log "stopped (pid $pid)"
-    fi
-  done
-  rm -f "$state/pid" "$state/adapter.pid" "$state/port"
-}
-
-case "${1:-}" in
-  build) build; echo "FAKE_GCS_SERVER=$BIN" ;;
-  start) start ;;
-  stop) stop ;;
-  env)
-    running || { log "not running"; exit 1; }
-    exports "$(cat "$state/port")"
-    ;;
-  *)
-    echo "usage: $0 build|start|stop|env" >&2
-    exit 2
-    ;;
-esac
+server_main "$@"

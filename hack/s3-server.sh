@@ -17,6 +17,9 @@ state="${KEYSHIFT_S3_STATE:-${TMPDIR:-/tmp}/keyshift-s3}"
 bucket="${KEYSHIFT_S3_BUCKET:-keyshift-test}"
 host="${KEYSHIFT_S3_HOST:-127.0.0.1}"
 python="${PYTHON:-python3}"
+PIDS=(pid)
+# shellcheck source=hack/test-server-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/test-server-lib.sh"
 
 log() { printf 's3-server: %s\n' "$*" >&2; }
 
@@ -32,10 +35,6 @@ export KEYSHIFT_TEST_S3_URL=s3://${bucket}/keyshift-tests
 EOF
 }
 
-running() {
-  [[ -f "$state/pid" ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null
-}
-
 ensure_moto() {
   if "$python" -c 'import moto.server, flask, flask_cors' 2>/dev/null; then
     return
@@ -44,55 +43,18 @@ ensure_moto() {
   "$python" -m pip install --quiet --disable-pip-version-check 'moto[server]' >&2
 }
 
-free_port() {
-  "$python" -c 'import socket, sys; s=socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$host"
-}
-
-# HTTP status of a request to the server (no signing: moto accepts unsigned requests).
-http() {
-  local method="$1" url="$2"
-  "$python" - "$method" "$url" <<'EOF'
-import sys, urllib.request, urllib.error
-req = urllib.request.Request(sys.argv[2], method=sys.argv[1])
-try:
-    with urllib.request.urlopen(req, timeout=5) as r:
-        print(r.status)
-except urllib.error.HTTPError as e:
-    print(e.code)
-except Exception:
-    print(0)
-EOF
-}
-
 start() {
   mkdir -p "$state"
-  if running; then
-    log "already running (pid $(cat "$state/pid"), port $(cat "$state/port"))"
-    exports "$(cat "$state/port")"
-    return
-  fi
+  reuse && return
   ensure_moto
-  local port="${KEYSHIFT_S3_PORT:-$(free_port)}"
+  local port="${KEYSHIFT_S3_PORT:-$(free_port "$host")}"
   # setsid: its own session, so the caller's job control or Ctrl-C does not take it down.
   setsid "$python" -m moto.server -H "$host" -p "$port" >"$state/server.log" 2>&1 < /dev/null &
   echo $! >"$state/pid"
   echo "$port" >"$state/port"
-  local deadline=$((SECONDS + 60))
-  until [[ "$(http GET "http://${host}:${port}/")" == 200 ]]; do
-    if ! running; then
-      log "moto server exited; log follows"
-      cat "$state/server.log" >&2
-      exit 1
-    fi
-    if ((SECONDS > deadline)); then
-      log "moto server did not answer on ${host}:${port} within 60 s; log in $state/server.log"
-      stop
-      exit 1
-    fi
-    sleep 0.3
-  done
+  await_up "moto server on ${host}:${port}" answers "http://${host}:${port}/"
   local code
-  code="$(http PUT "http://${host}:${port}/${bucket}")"
+  code="$(http_status PUT "http://${host}:${port}/${bucket}")"
   if [[ "$code" != 200 && "$code" != 409 ]]; then
     log "creating bucket ${bucket} failed (HTTP ${code}); log in $state/server.log"
     stop
@@ -102,30 +64,4 @@ start() {
   exports "$port"
 }
 
-stop() {
-  if running; then
-    local pid
-    pid="$(cat "$state/pid")"
-    kill "$pid" 2>/dev/null || true
-    for _ in $(seq 50); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    kill -9 "$pid" 2>/dev/null || true
-    log "stopped (pid $pid)"
-  fi
-  rm -f "$state/pid" "$state/port"
-}
-
-case "${1:-}" in
-  start) start ;;
-  stop) stop ;;
-  env)
-    running || { log "not running"; exit 1; }
-    exports "$(cat "$state/port")"
-    ;;
-  *)
-    echo "usage: $0 start|stop|env" >&2
-    exit 2
-    ;;
-esac
+server_main "$@"
