@@ -384,6 +384,14 @@ echo >&2
 echo "time per job (longest first):" >&2
 sort -rn "$LANES_DIR/times" >&2
 if [[ -s "$LANES_DIR/failed" ]]; then
+  # Each failed job's panics again, short, at the end: a long log is often read from its tail.
+  while read -r name; do
+    log="$LANES_DIR/job-$name.log"
+    [[ -f "$log" ]] || continue
+    echo "--- why $name failed (its panics; the whole output is above):" >&2
+    panics="$(grep -A 4 "panicked at" "$log" | head -n 60 || true)"
+    if [[ -n "$panics" ]]; then echo "$panics" >&2; else tail -n 20 "$log" >&2; fi
+  done <"$LANES_DIR/failed"
   echo "FAILED: $(tr '\n' ' ' <"$LANES_DIR/failed")" >&2
   exit 1
 fi

@@ -279,11 +279,34 @@ pub fn helm(args: &[&str]) -> Kubectl {
     finish(out)
 }
 
-/// Runs helm and panics with its output unless it succeeds.
+/// What the API server answers when it could not finish a request in time (a loaded test
+/// machine): nothing was done, and the same request may be sent again.
+const API_SERVER_TIMEOUTS: [&str; 3] = [
+    "Timeout: request did not complete within requested timeout",
+    "the server was unable to return a response in the time allotted",
+    "etcdserver: request timed out",
+];
+
+/// Runs helm and panics with its output unless it succeeds. A command the API server timed out
+/// is sent again (up to three times in all), as a user would: the timeout says nothing of the
+/// chart, and helm installs CRDs before it records a release, so an install that timed out
+/// there left no release behind.
 pub fn helm_ok(args: &[&str]) -> String {
-    let r = helm(args);
-    assert!(r.ok, "helm {args:?} failed: {}{}", r.stdout, r.stderr);
-    r.stdout
+    let mut attempts = Vec::new();
+    loop {
+        let r = helm(args);
+        if r.ok {
+            return r.stdout;
+        }
+        let timed_out = API_SERVER_TIMEOUTS.iter().any(|t| r.stderr.contains(t));
+        attempts.push(format!("{}{}", r.stdout, r.stderr));
+        assert!(
+            timed_out && attempts.len() < 3,
+            "helm {args:?} failed: {}",
+            attempts.join("\n-- then --\n")
+        );
+        std::thread::sleep(Duration::from_secs(5));
+    }
 }
 
 /// `keyshift savepoint rewrite SP --max-parallelism G --to TARGET`, which must succeed.
