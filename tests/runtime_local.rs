@@ -7,6 +7,8 @@
 mod snapshot_support;
 mod support;
 
+use support::{AZURE, GCS, S3, cloud_url};
+
 use keyshift::crd::StreamJob;
 use keyshift::job::{self, AccValue, Expected};
 use keyshift::keygroup::Key;
@@ -241,49 +243,6 @@ async fn hot_key_and_refused_parallelism() {
         .err()
         .expect("refused");
     assert!(e.to_string().contains("ceiling 10"), "{e}");
-}
-
-/// A cloud protocol's test server (hack/test.sh starts one of each): its label and the variable
-/// that holds its base URL.
-#[derive(Clone, Copy)]
-struct Cloud {
-    label: &'static str,
-    url_var: &'static str,
-}
-
-/// S3 (moto, hack/s3-server.sh).
-const S3: Cloud = Cloud {
-    label: "S3",
-    url_var: "KEYSHIFT_TEST_S3_URL",
-};
-/// GCS (fake-gcs-server, hack/gcs-server.sh).
-const GCS: Cloud = Cloud {
-    label: "GCS",
-    url_var: "KEYSHIFT_TEST_GCS_URL",
-};
-/// Azure Blob (Azurite, hack/azure-server.sh).
-const AZURE: Cloud = Cloud {
-    label: "Azure",
-    url_var: "KEYSHIFT_TEST_AZURE_URL",
-};
-
-/// A URL of its own on `cloud`'s test server for `test` (unique per test process), or `None`
-/// (with a message) when the server is not running.
-fn cloud_url(cloud: Cloud, test: &str) -> Option<String> {
-    match std::env::var(cloud.url_var) {
-        Ok(url) => Some(format!(
-            "{}/{test}-{}",
-            url.trim_end_matches('/'),
-            std::process::id()
-        )),
-        Err(_) => {
-            eprintln!(
-                "SKIPPED {test} on {}: set {} (hack/test.sh starts the server)",
-                cloud.label, cloud.url_var
-            );
-            None
-        }
-    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,6 +3,8 @@
 //! (`KEYSHIFT_TEST_GCS_URL`, `hack/gcs-server.sh`) and Azure Blob (`KEYSHIFT_TEST_AZURE_URL`,
 //! `hack/azure-server.sh`).
 
+mod support;
+
 use bytes::Bytes;
 use chrono::Utc;
 use keyshift::keygroup::{Assignment, KeyGroupRange};
@@ -12,6 +14,7 @@ use std::collections::BTreeMap;
 use std::io::Write;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use support::{AZURE, Cloud, GCS, S3, cloud_url};
 
 const MAX_P: u32 = 128;
 
@@ -99,45 +102,9 @@ fn file() -> Backend {
     }
 }
 
-/// A cloud protocol's test server: the variable holding its base URL and the script that starts
-/// it (and prints that variable).
-#[derive(Clone, Copy)]
-struct Cloud {
-    label: &'static str,
-    url_var: &'static str,
-    script: &'static str,
-}
-
-const S3: Cloud = Cloud {
-    label: "s3",
-    url_var: "KEYSHIFT_TEST_S3_URL",
-    script: "hack/s3-server.sh",
-};
-const GCS: Cloud = Cloud {
-    label: "gcs",
-    url_var: "KEYSHIFT_TEST_GCS_URL",
-    script: "hack/gcs-server.sh",
-};
-const AZURE: Cloud = Cloud {
-    label: "azure",
-    url_var: "KEYSHIFT_TEST_AZURE_URL",
-    script: "hack/azure-server.sh",
-};
-
 /// A fresh prefix on `cloud`'s test server, or `None` (with a message) when it is not running.
 fn cloud(cloud: Cloud) -> Option<Backend> {
-    let Ok(url) = std::env::var(cloud.url_var) else {
-        // Written straight to stderr so it shows even when the test harness captures output.
-        let _ = writeln!(
-            std::io::stderr(),
-            "SKIPPED {} snapshot tests: {} is not set (start a server with `eval \"$({} start)\"`)",
-            cloud.label,
-            cloud.url_var,
-            cloud.script,
-        );
-        return None;
-    };
-    let url = format!("{}/{}", url.trim_end_matches('/'), unique("run"));
+    let url = cloud_url(cloud, &unique("run"))?;
     let (store, base) = open_store(&url).unwrap();
     Some(Backend {
         store,

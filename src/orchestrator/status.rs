@@ -151,12 +151,12 @@ pub fn state_distribution(m: &crate::snapshot::Manifest) -> Option<StateDistribu
     let summary = format!(
         "snapshot {}: {} in {} keys over {p} subtasks; busiest subtask {busiest} holds {} in {} keys ({skew:.2}x the mean of {}); largest key group {lg}: {} in {} key{}",
         m.snapshot_id,
-        human_bytes(total_bytes),
+        keyshift_core::text::bytes(total_bytes),
         total_keys,
-        human_bytes(bytes[busiest]),
+        keyshift_core::text::bytes(bytes[busiest]),
         keys[busiest],
-        human_bytes(mean_bytes.round() as u64),
-        human_bytes(lg_bytes),
+        keyshift_core::text::bytes(mean_bytes.round() as u64),
+        keyshift_core::text::bytes(lg_bytes),
         lg_keys,
         if lg_keys == 1 { "" } else { "s" },
     );
@@ -179,21 +179,6 @@ pub fn state_distribution(m: &crate::snapshot::Manifest) -> Option<StateDistribu
     })
 }
 
-/// Bytes in binary units with one decimal (`512 B`, `1.5 KiB`, `979.0 MiB`).
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["KiB", "MiB", "GiB", "TiB", "PiB"];
-    if n < 1024 {
-        return format!("{n} B");
-    }
-    let mut v = n as f64 / 1024.0;
-    let mut unit = 0;
-    while v >= 1024.0 && unit + 1 < UNITS.len() {
-        v /= 1024.0;
-        unit += 1;
-    }
-    format!("{v:.1} {}", UNITS[unit])
-}
-
 /// status.restore for a start's restore `progress` (of `snapshot`, begun at `started`). Pure.
 pub fn restore_status(
     progress: &StartProgress,
@@ -203,8 +188,8 @@ pub fn restore_status(
     let i = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
     let summary = format!(
         "restoring: {} of {} read ({} of {} key groups), {}/{} subtasks done",
-        human_bytes(progress.bytes_read),
-        human_bytes(progress.bytes_total),
+        keyshift_core::text::bytes(progress.bytes_read),
+        keyshift_core::text::bytes(progress.bytes_total),
         progress.groups_read,
         progress.groups_total,
         progress.subtasks_done,
@@ -749,8 +734,8 @@ mod tests {
         // Empty state.
         let d = state_distribution(&manifest(&[(0, 0); 8])).unwrap();
         assert_eq!((d.total_bytes, d.bytes_skew.as_str()), (0, "1.00"));
-        assert_eq!(human_bytes(1023), "1023 B");
-        assert_eq!(human_bytes(3 * 1024 * 1024 / 2), "1.5 MiB");
+        assert_eq!(keyshift_core::text::bytes(1023), "1023 B");
+        assert_eq!(keyshift_core::text::bytes(3 * 1024 * 1024 / 2), "1.5 MiB");
     }
 
     fn cond<'a>(s: &'a StreamJobStatus, t: &str) -> &'a Condition {

@@ -491,7 +491,11 @@ fn plain_progress(label: &str, unit: Unit, a: crate::offline::Advance) -> String
         a.done as f64 * 100.0 / a.total as f64
     };
     let amount = match unit {
-        Unit::Bytes => format!("{} of {}", human_bytes(a.done), human_bytes(a.total)),
+        Unit::Bytes => format!(
+            "{} of {}",
+            keyshift_core::text::bytes(a.done),
+            keyshift_core::text::bytes(a.total)
+        ),
         Unit::KeyGroups => format!("{} of {} key groups", a.done, a.total),
     };
     format!("{label}: {pct:.1}% ({amount})")
@@ -552,28 +556,12 @@ fn progress_printer() -> Arc<dyn Fn(&Progress) + Send + Sync> {
         let _ = writeln!(
             std::io::stderr(),
             "{phase}: {pct:5.1}%  {} of {}  {}  [{:.0}s elapsed]",
-            human_bytes(p.done),
-            human_bytes(p.total),
+            keyshift_core::text::bytes(p.done),
+            keyshift_core::text::bytes(p.total),
             keyshift_core::text::count(p.keys, "key"),
             secs
         );
     })
-}
-
-/// `1.5 GiB`, `12.0 MiB`, `512 B`.
-pub fn human_bytes(n: u64) -> String {
-    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
-    let mut v = n as f64;
-    let mut u = 0;
-    while v >= 1024.0 && u < UNITS.len() - 1 {
-        v /= 1024.0;
-        u += 1;
-    }
-    if u == 0 {
-        format!("{n} B")
-    } else {
-        format!("{v:.1} {}", UNITS[u])
-    }
 }
 
 fn list_table(l: &JobListing) -> String {
@@ -600,7 +588,8 @@ fn list_table(l: &JobListing) -> String {
                 ),
                 opt(r.parallelism.map(u64::from)),
                 opt(r.max_parallelism.map(u64::from)),
-                r.bytes.map_or_else(|| "?".to_owned(), human_bytes),
+                r.bytes
+                    .map_or_else(|| "?".to_owned(), keyshift_core::text::bytes),
                 opt(r.keys),
                 if used.is_empty() {
                     "-".to_owned()
@@ -683,7 +672,7 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
         s,
         "total:            {} keys, {} in {} of {} key groups",
         r.total_keys,
-        human_bytes(r.total_bytes),
+        keyshift_core::text::bytes(r.total_bytes),
         r.non_empty_groups,
         r.max_parallelism
     );
@@ -703,7 +692,7 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
                 o.redistribution,
                 o.entries.iter().sum::<u64>(),
                 per.join(" "),
-                human_bytes(o.bytes)
+                keyshift_core::text::bytes(o.bytes)
             );
         }
     }
@@ -729,7 +718,7 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
             t.index,
             format!("{}-{}", t.key_groups[0], t.key_groups[1]),
             t.keys,
-            human_bytes(t.bytes),
+            keyshift_core::text::bytes(t.bytes),
             t.file
         );
     }
@@ -737,9 +726,9 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
     let _ = writeln!(
         s,
         "per key group: bytes min {} / median {} / max {} (max {:.2}x the mean); keys min {} / median {} / max {}",
-        human_bytes(r.group_bytes.min),
-        human_bytes(r.group_bytes.median),
-        human_bytes(r.group_bytes.max),
+        keyshift_core::text::bytes(r.group_bytes.min),
+        keyshift_core::text::bytes(r.group_bytes.median),
+        keyshift_core::text::bytes(r.group_bytes.max),
         r.group_bytes.max_over_mean,
         r.group_keys.min,
         r.group_keys.median,
@@ -755,7 +744,7 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
                 "{:>9}  {:>10}  {:>10}",
                 g.key_group,
                 g.keys,
-                human_bytes(g.bytes)
+                keyshift_core::text::bytes(g.bytes)
             );
         }
     }
@@ -813,7 +802,7 @@ fn verify_table(v: &VerifyOutcome) -> String {
                     s,
                     "  ok    {}  {}, {} blocks, {} keys",
                     f.name,
-                    human_bytes(f.size),
+                    keyshift_core::text::bytes(f.size),
                     f.blocks_checked,
                     f.keys_checked
                 );
@@ -838,7 +827,7 @@ fn verify_table(v: &VerifyOutcome) -> String {
             s,
             "OK: {} files, {} and {} keys checked",
             v.files.len(),
-            human_bytes(v.bytes_checked),
+            keyshift_core::text::bytes(v.bytes_checked),
             v.keys_checked
         );
     } else {
@@ -868,11 +857,11 @@ fn rewrite_table(r: &RewriteReport) -> String {
         s,
         "{} keys, {} read, {} written, {} spilled in {} buckets (largest {})",
         r.keys,
-        human_bytes(r.bytes_read),
-        human_bytes(r.bytes_written),
-        human_bytes(r.spill_bytes),
+        keyshift_core::text::bytes(r.bytes_read),
+        keyshift_core::text::bytes(r.bytes_written),
+        keyshift_core::text::bytes(r.spill_bytes),
         r.buckets,
-        human_bytes(r.largest_bucket_bytes)
+        keyshift_core::text::bytes(r.largest_bucket_bytes)
     );
     let _ = writeln!(
         s,
@@ -909,7 +898,7 @@ fn dispose_text(r: &DisposeReport) -> String {
             "uncommitted"
         },
         keyshift_core::text::count(r.objects as u64, "object"),
-        human_bytes(r.bytes),
+        keyshift_core::text::bytes(r.bytes),
         if r.committed { ", manifest first" } else { "" }
     );
     if r.kept_referenced > 0 {
@@ -938,7 +927,7 @@ fn bench_text(b: &BenchReport) -> String {
     let _ = writeln!(
         s,
         "state:   {} ({} bytes) in {} files, {} keys x ~{} B (payload {} B); built in {:.1}s",
-        human_bytes(b.state_bytes),
+        keyshift_core::text::bytes(b.state_bytes),
         b.state_bytes,
         b.files,
         b.keys,
@@ -978,7 +967,7 @@ fn bench_text(b: &BenchReport) -> String {
             t.write,
             r.commit_secs,
             r.buckets,
-            human_bytes(r.spill_bytes)
+            keyshift_core::text::bytes(r.spill_bytes)
         );
     }
     let _ = writeln!(
@@ -1015,8 +1004,8 @@ mod tests {
 
     #[test]
     fn bytes_are_human() {
-        assert_eq!(human_bytes(512), "512 B");
-        assert_eq!(human_bytes(1536), "1.5 KiB");
-        assert_eq!(human_bytes(1 << 30), "1.0 GiB");
+        assert_eq!(keyshift_core::text::bytes(512), "512 B");
+        assert_eq!(keyshift_core::text::bytes(1536), "1.5 KiB");
+        assert_eq!(keyshift_core::text::bytes(1 << 30), "1.0 GiB");
     }
 }

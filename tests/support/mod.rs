@@ -431,11 +431,58 @@ pub fn s3_secret_with_endpoint(ns: &str, name: &str, endpoint: &str) {
     kubectl_ok(&args);
 }
 
+/// A cloud protocol's test server (hack/test.sh starts one of each): its label, the variable
+/// that holds its base URL, and the script that starts it (and prints that variable).
+#[derive(Clone, Copy)]
+pub struct Cloud {
+    pub label: &'static str,
+    pub url_var: &'static str,
+    pub script: &'static str,
+}
+
+/// S3 (moto).
+pub const S3: Cloud = Cloud {
+    label: "S3",
+    url_var: "KEYSHIFT_TEST_S3_URL",
+    script: "hack/s3-server.sh",
+};
+/// GCS (fake-gcs-server behind our XML-upload adapter).
+pub const GCS: Cloud = Cloud {
+    label: "GCS",
+    url_var: "KEYSHIFT_TEST_GCS_URL",
+    script: "hack/gcs-server.sh",
+};
+/// Azure Blob (Azurite).
+pub const AZURE: Cloud = Cloud {
+    label: "Azure",
+    url_var: "KEYSHIFT_TEST_AZURE_URL",
+    script: "hack/azure-server.sh",
+};
+
+/// A URL of its own on `cloud`'s test server for `tag` (unique per test process), or `None`
+/// (with a message naming the server to start) when the server is not running.
+pub fn cloud_url(cloud: Cloud, tag: &str) -> Option<String> {
+    let Ok(url) = std::env::var(cloud.url_var) else {
+        // Straight to stderr, so that it shows even when the test harness captures output.
+        let _ = writeln!(
+            std::io::stderr(),
+            "SKIPPED {tag} on {}: {} is not set (start the server with `eval \"$({} start)\"`; hack/test.sh starts it)",
+            cloud.label,
+            cloud.url_var,
+            cloud.script,
+        );
+        return None;
+    };
+    Some(format!(
+        "{}/{tag}-{}",
+        url.trim_end_matches('/'),
+        std::process::id()
+    ))
+}
+
 /// A storage URL of its own on the S3 test server for `tag` (unique per test process).
 pub fn s3_storage(tag: &str) -> String {
-    let s3 =
-        std::env::var("KEYSHIFT_TEST_S3_URL").expect("KEYSHIFT_TEST_S3_URL (hack/s3-server.sh)");
-    format!("{s3}/{tag}-{}", std::process::id())
+    cloud_url(S3, tag).expect("the S3 test server (hack/s3-server.sh)")
 }
 
 /// The runtime's ID of a pod's first container (`containerd://ID` in its status).

@@ -166,8 +166,11 @@ impl ObjectFiles {
         partition: usize,
         offset: u64,
     ) -> Result<Option<u64>, ObjectFilesError> {
-        let known = self.known().get(partition).cloned().unwrap_or_default();
-        match (known.at_end, known.size) {
+        let (at_end, size) = self
+            .known()
+            .get(partition)
+            .map_or((None, None), |k| (k.at_end, k.size));
+        match (at_end, size) {
             // At the end a moment ago: not asked for again yet; a while ago: asked for.
             (Some((end, when)), _) if end == offset => match when.elapsed() < GROWTH_POLL {
                 true => Ok(None),
