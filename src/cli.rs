@@ -1,9 +1,9 @@
 //! The `keyshift` command line. Rendering is kept in pure functions so tests can check the
 //! machine-readable contract without spawning the binary.
 
-use crate::output::{Output, yaml};
+use crate::output::{Output, PlanOutput, yaml};
 use crate::telemetry::{self, LogFormat};
-use clap::{CommandFactory, Parser, Subcommand, ValueEnum};
+use clap::{CommandFactory, Parser, Subcommand};
 use keyshift_core::keygroup::{
     self, Assignment, BoundsError, Key, KeyType, RescalePlan, Skew, key_group_for_key,
 };
@@ -24,7 +24,7 @@ use std::process::ExitCode;
 )]
 pub struct Cli {
     /// Log line format (logs go to stderr).
-    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "KEYSHIFT_LOG_FORMAT")]
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = keyshift_core::worker_pod::ENV_LOG_FORMAT)]
     pub log_format: LogFormat,
 
     #[command(subcommand)]
@@ -72,7 +72,22 @@ pub enum Command {
     /// every ready pod behind a Service: the chart's `helm test` runs it against the operator.
     #[command(after_help = PROBE_EXAMPLES)]
     Probe(ProbeArgs),
+    /// Act on a StreamJob in the cluster: status, savepoint, suspend, resume, scale, plan,
+    /// version. kubectl runs the same commands as `kubectl keyshift ...` when this binary is on
+    /// the PATH as `kubectl-keyshift`.
+    #[command(after_help = JOB_EXAMPLES)]
+    Job(crate::client::JobArgs),
 }
+
+const JOB_EXAMPLES: &str = "Examples:
+  # The job on one screen
+  keyshift job status clicks -n team-a
+  # As a kubectl plugin: the same binary under the plugin's name, on the PATH
+  ln -s \"$(command -v keyshift)\" ~/.local/bin/kubectl-keyshift
+  kubectl keyshift savepoint clicks -n team-a
+  kubectl keyshift scale clicks -n team-a --replicas 6 --wait
+  # Completion of `kubectl keyshift ...` (kubectl 1.26 or later) runs this name
+  ln -s \"$(command -v keyshift)\" ~/.local/bin/kubectl_complete-keyshift";
 
 /// `keyshift probe`.
 #[derive(clap::Args, Debug)]
@@ -297,21 +312,6 @@ pub struct WorkerArgs {
     pub token: String,
 }
 
-/// Output formats of `keyshift plan`: [`Output`]'s and a picture.
-#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
-pub enum PlanOutput {
-    /// A table for people.
-    #[default]
-    Table,
-    /// One JSON object, for programs.
-    Json,
-    /// The same document as `json`, as YAML.
-    Yaml,
-    /// An SVG picture: each subtask's range in its own colour, the old strip above the new one
-    /// with the groups that change owner marked (with --from-parallelism), groups per subtask.
-    Svg,
-}
-
 #[derive(clap::Args, Debug)]
 pub struct PlanArgs {
     /// Parallelism (number of subtasks) to plan for.
@@ -390,6 +390,8 @@ pub enum CliError {
     Savepoint(#[from] crate::offline::ToolError),
     #[error("probe: {0}")]
     Probe(#[from] crate::probe::ProbeError),
+    #[error("{0}")]
+    Job(#[from] crate::client::ClientError),
     #[cfg(feature = "bench")]
     #[error("bench: {0:#}")]
     Bench(anyhow::Error),
@@ -397,7 +399,18 @@ pub enum CliError {
 
 /// Entry point of the binary.
 pub fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let args: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    let program = args
+        .first()
+        .map(std::path::Path::new)
+        .and_then(std::path::Path::file_name)
+        .and_then(|n| n.to_str())
+        .unwrap_or_default()
+        .to_owned();
+    if program == crate::client::PLUGIN_COMPLETION_NAME {
+        return complete_plugin(args.get(1..).unwrap_or_default());
+    }
+    let cli = Cli::parse_from(plugin_args(&program, args));
     telemetry::init(cli.log_format);
     telemetry::install_crypto_provider();
     match run(cli.command, cli.log_format) {
@@ -526,12 +539,69 @@ fn run(command: Command, log_format: LogFormat) -> Result<(), CliError> {
             text.push('\n');
             out.write_all(text.as_bytes()).map_err(CliError::Stdout)
         }
+        Command::Job(args) => {
+            let render_plan = |live: crate::client::LivePlan, output| {
+                plan(&PlanArgs {
+                    parallelism: live.to,
+                    max_parallelism: Some(live.max_parallelism),
+                    from_parallelism: Some(live.from),
+                    output,
+                    state_mib: live.state_bytes.map(|b| b >> 20),
+                })
+                .map_err(|e| crate::client::ClientError::Refused(e.to_string()))
+            };
+            tokio_runtime()?.block_on(crate::client::run(
+                &args.cluster,
+                args.command,
+                render_plan,
+                &mut out,
+            ))?;
+            Ok(())
+        }
         #[cfg(feature = "bench")]
         Command::Bench(args) => {
             drop(out);
             crate::bench::run(args).map_err(CliError::Bench)
         }
     }
+}
+
+/// The command line as `keyshift` reads it: run as `kubectl-keyshift` (kubectl's plugin),
+/// `kubectl keyshift status X` is `keyshift job status X`.
+fn plugin_args(program: &str, mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    if program == crate::client::PLUGIN_NAME {
+        args.insert(1.min(args.len()), "job".into());
+    }
+    args
+}
+
+/// Answers kubectl's completion request for `kubectl keyshift ...` (cobra's protocol: one
+/// candidate per line, then `:<directive>`).
+fn complete_plugin(words: &[std::ffi::OsString]) -> ExitCode {
+    let words: Vec<String> = words
+        .iter()
+        .map(|w| w.to_string_lossy().into_owned())
+        .collect();
+    let mut command = Cli::command();
+    let Some(job) = command.find_subcommand_mut("job") else {
+        return ExitCode::FAILURE;
+    };
+    let job = job.clone();
+    let answer = match crate::client::complete::need(&job, &words) {
+        crate::client::complete::Need::Candidates(c) => c,
+        crate::client::complete::Need::Jobs { cluster, prefix } => {
+            let names = tokio_runtime()
+                .ok()
+                .and_then(|rt| {
+                    rt.block_on(crate::client::complete::job_names(&cluster))
+                        .ok()
+                })
+                .unwrap_or_default();
+            crate::client::complete::starting_with(names, &prefix)
+        }
+    };
+    print!("{}", crate::client::complete::cobra_answer(&answer));
+    ExitCode::SUCCESS
 }
 
 fn tokio_runtime() -> Result<tokio::runtime::Runtime, CliError> {

@@ -20,6 +20,7 @@ pub mod bench;
 pub use keyshift_runtime::{backoff, failpoints, job, offline, runtime, sink, snapshot};
 
 pub mod cli;
+pub mod client;
 pub mod crd;
 #[cfg(test)]
 pub(crate) mod fixtures;

@@ -20,3 +20,18 @@ pub enum Output {
 pub fn yaml<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_yaml::Error> {
     serde_yaml::to_string(value)
 }
+
+/// Output formats of `keyshift plan`: [`Output`]'s and a picture.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
+pub enum PlanOutput {
+    /// A table for people.
+    #[default]
+    Table,
+    /// One JSON object, for programs.
+    Json,
+    /// The same document as `json`, as YAML.
+    Yaml,
+    /// An SVG picture: each subtask's range in its own colour, the old strip above the new one
+    /// with the groups that change owner marked (with --from-parallelism), groups per subtask.
+    Svg,
+}

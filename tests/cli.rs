@@ -583,3 +583,51 @@ fn probe_passes_only_when_every_url_answers() {
         text(&out.stderr)
     );
 }
+
+/// The binary under kubectl's plugin names: `kubectl-keyshift ARGS` is `keyshift job ARGS`, and
+/// `kubectl_complete-keyshift WORDS` answers in cobra's completion protocol. Without a cluster,
+/// a job command fails with one line that says it found none.
+#[test]
+fn the_kubectl_plugin_names() {
+    let dir = std::env::temp_dir().join(format!("keyshift-cli-plugin-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let run = |name: &str, args: &[&str]| {
+        let link = dir.join(name);
+        let _ = std::fs::remove_file(&link);
+        std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_keyshift"), &link).unwrap();
+        Command::new(&link)
+            .args(args)
+            .env("KUBECONFIG", dir.join("no-such-kubeconfig"))
+            .env_remove("KUBERNETES_SERVICE_HOST")
+            .output()
+            .unwrap()
+    };
+    let help = run("kubectl-keyshift", &["--help"]);
+    assert!(help.status.success(), "{}", text(&help.stderr));
+    let help = text(&help.stdout);
+    for sub in [
+        "status",
+        "savepoint",
+        "suspend",
+        "resume",
+        "scale",
+        "plan",
+        "version",
+    ] {
+        assert!(help.contains(sub), "plugin help lacks {sub}: {help}");
+    }
+    let complete = run("kubectl_complete-keyshift", &["s"]);
+    assert!(complete.status.success());
+    let complete = text(&complete.stdout);
+    assert!(complete.starts_with("status\t"), "{complete}");
+    assert!(complete.ends_with("\n:4\n"), "{complete}");
+    let failed = run("kubectl-keyshift", &["status", "clicks"]);
+    assert_eq!(failed.status.code(), Some(1));
+    let stderr = text(&failed.stderr);
+    assert!(
+        stderr.starts_with("error: ") && stderr.contains("kubeconfig"),
+        "{stderr}"
+    );
+    assert!(failed.stdout.is_empty());
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,6 +3,7 @@
 //! rules, the scale subresource, and the keyshift image running under Pod Security `restricted`. Run by `hack/test.sh`; by hand: `eval "$(hack/testenv.sh up)"` then
 //! `cargo test --test e2e_cluster -- --ignored`.
 
+mod operator_support;
 mod support;
 
 use keyshift::validation::*;
@@ -470,4 +471,159 @@ fn the_real_node_runs_the_image_under_restricted_pod_security() {
         .parse::<u32>()
         .is_ok_and(|n| n >= 1)
     });
+}
+
+/// The kubectl plugin against a live job, each command as a user types it: status (text and
+/// JSON), a savepoint that prints the path status records, plan against the live job, scale
+/// with --wait, suspend and resume with --wait, version, completion of job names, and the errors
+/// a user meets (a job that does not exist, a scale the API server refuses).
+#[test]
+#[ignore = "needs the test control plane (hack/test.sh starts it)"]
+fn kubectl_keyshift_drives_a_live_job() {
+    use operator_support::*;
+    let _plane = shared_plane();
+    let (ns, dir, op) = setup("e2e-plugin", "plugin");
+    let ns = ns.0.as_str();
+    let name = "plug";
+    let job = count_job_yaml(
+        name,
+        2,
+        "\n  maxParallelism: 128",
+        "partitions: 4, keys: 500, seed: 3, recordsPerSecond: 500",
+    );
+    let r = apply(ns, &job);
+    assert!(r.ok, "{}", r.stderr);
+    wait_ready(ns, name, &op.log);
+
+    let version = plugin_ok(&["keyshift", "version"]);
+    assert!(
+        version.starts_with(&format!("client: keyshift {}", env!("CARGO_PKG_VERSION"))),
+        "{version}"
+    );
+
+    let status = plugin_ok(&["keyshift", "status", name, "-n", ns]);
+    assert!(
+        status.contains(&format!("{name} (namespace {ns})")),
+        "{status}"
+    );
+    assert!(
+        status.contains("Running: 2 workers running; 128 key groups"),
+        "{status}"
+    );
+    assert!(status.contains("Ready:             True"), "{status}");
+    let json: serde_json::Value = serde_json::from_str(&plugin_ok(&[
+        "keyshift", "status", name, "-n", ns, "-o", "json",
+    ]))
+    .expect("status -o json is JSON");
+    assert_eq!(json["phase"], "Running");
+    assert_eq!(json["running"], 2);
+    assert_eq!(json["maxParallelism"], 128);
+
+    // A savepoint: the path printed is the one status records, taken for this request.
+    let before = get(ns, name, "{.status.lastSavepointNonce}");
+    let path = plugin_ok(&["keyshift", "savepoint", name, "-n", ns, "--timeout", "3m"]);
+    let path = path.trim();
+    assert!(path.contains("/savepoints/sp-"), "{path}");
+    assert_eq!(path, get(ns, name, "{.status.lastSavepoint.path}"));
+    assert_ne!(get(ns, name, "{.status.lastSavepointNonce}"), before);
+
+    // plan against the live job is `keyshift plan` with the job's own numbers.
+    let live = plugin_ok(&[
+        "keyshift", "plan", name, "-n", ns, "--to", "3", "-o", "json",
+    ]);
+    let offline = std::process::Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args([
+            "plan",
+            "-p",
+            "3",
+            "--from-parallelism",
+            "2",
+            "-g",
+            "128",
+            "-o",
+            "json",
+        ])
+        .output()
+        .expect("keyshift plan");
+    assert_eq!(live, String::from_utf8_lossy(&offline.stdout));
+
+    // Refusals a user meets, with what they say.
+    let r = kubectl_plugin(&["keyshift", "status", "nope", "-n", ns]);
+    assert!(!r.ok);
+    assert!(
+        r.stderr
+            .contains(&format!("streamjob nope not found in namespace {ns}")),
+        "{}",
+        r.stderr
+    );
+    let r = kubectl_plugin(&["keyshift", "scale", name, "-n", ns, "--replicas", "500"]);
+    assert!(!r.ok, "a scale past the key-group count is refused");
+    assert!(
+        r.stderr.contains("patching streamjob plug: "),
+        "{}",
+        r.stderr
+    );
+    assert!(
+        r.stderr.contains("128"),
+        "the refusal names the ceiling: {}",
+        r.stderr
+    );
+    assert_eq!(get(ns, name, "{.spec.replicas}"), "2");
+
+    // Scale and wait: what moves is printed first, and the job is Ready at 3 when it returns.
+    let out = plugin_ok(&[
+        "keyshift",
+        "scale",
+        name,
+        "-n",
+        ns,
+        "--replicas",
+        "3",
+        "--wait",
+        "--timeout",
+        "4m",
+    ]);
+    assert!(out.contains("2 -> 3 workers: "), "{out}");
+    assert!(
+        out.contains(&format!("streamjob {name} Ready at 3 workers")),
+        "{out}"
+    );
+    assert_eq!(get(ns, name, "{.status.replicas}"), "3");
+
+    let out = plugin_ok(&[
+        "keyshift",
+        "suspend",
+        name,
+        "-n",
+        ns,
+        "--wait",
+        "--timeout",
+        "3m",
+    ]);
+    assert!(out.contains("suspended"), "{out}");
+    assert_eq!(get(ns, name, "{.status.phase}"), "Suspended");
+    let r = kubectl_plugin(&["keyshift", "savepoint", name, "-n", ns]);
+    assert!(!r.ok && r.stderr.contains("is suspended"), "{}", r.stderr);
+    let out = plugin_ok(&[
+        "keyshift",
+        "resume",
+        name,
+        "-n",
+        ns,
+        "--wait",
+        "--timeout",
+        "4m",
+    ]);
+    assert!(out.contains("resumed and Ready"), "{out}");
+    assert_eq!(get(ns, name, "{.status.phase}"), "Running");
+
+    // kubectl's own completion of the plugin's words asks kubectl_complete-keyshift.
+    let out = plugin_ok(&["__complete", "keyshift", "status", "-n", ns, "pl"]);
+    assert!(out.lines().any(|l| l == name), "{out}");
+    let out = plugin_ok(&["__complete", "keyshift", "sus"]);
+    assert!(out.lines().any(|l| l.starts_with("suspend")), "{out}");
+
+    delete_job(ns, name, &op.log);
+    drop(op);
+    let _ = std::fs::remove_dir_all(&dir);
 }

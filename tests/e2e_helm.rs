@@ -876,6 +876,21 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
         "--timeout=120s",
     ];
     kubectl_ok(&rollout);
+    // The kubectl plugin finds the chart's operator and its version.
+    let versions: serde_json::Value =
+        serde_json::from_str(&plugin_ok(&["keyshift", "version", "-o", "json"]))
+            .expect("version -o json is JSON");
+    let operators = versions["operators"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    let ours = operators
+        .iter()
+        .find(|o| o["namespace"] == system && o["name"] == "ks-full-keyshift")
+        .unwrap_or_else(|| panic!("the chart's operator among {versions}"));
+    assert_eq!(ours["version"], env!("CARGO_PKG_VERSION"), "{ours}");
+    assert_eq!(ours["readyReplicas"], 1, "{ours}");
+    assert_eq!(versions["client"]["version"], env!("CARGO_PKG_VERSION"));
 
     // A sample job becomes Ready, then rescales 4 -> 8 through a savepoint.
     let r = apply(jobs, &sample_job());

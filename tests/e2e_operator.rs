@@ -31,31 +31,6 @@ fn job_yaml(name: &str, replicas: i32) -> String {
     )
 }
 
-/// A keyed count over a generator (`generator` is its flow mapping's fields), checkpointing
-/// every 2 s; `spec_extra` goes right after `replicas`.
-fn count_job_yaml(name: &str, replicas: i32, spec_extra: &str, generator: &str) -> String {
-    format!(
-        "apiVersion: keyshift.dev/v1alpha1
-kind: StreamJob
-metadata:
-  name: {name}
-spec:
-  replicas: {replicas}{spec_extra}
-  job:
-    source:
-      generator: {{{generator}}}
-    key: {{field: key, type: string}}
-    aggregation: {{function: count}}
-  state:
-    checkpointInterval: 2s
-    credentialsSecret: {S3_SECRET}
-  # The test node has 2 CPUs for up to 200 workers at once: requests far below the default.
-  resources:
-    requests: {{cpu: 5m, memory: 32Mi}}
-"
-    )
-}
-
 /// Per-key values of a snapshot, decoded from its state files; and its source positions.
 fn snapshot_values(url: &str) -> (BTreeMap<Key, i64>, BTreeMap<u32, u64>) {
     let s = snapshot_support::read_state_blocking(url);

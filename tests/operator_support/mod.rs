@@ -280,3 +280,28 @@ pub fn setup(namespace: &str, tag: &str) -> (Namespace, std::path::PathBuf, Oper
     let op = Operator::start(&ns.0, &dir);
     (ns, dir, op)
 }
+
+/// A keyed count over a generator (`generator` is its flow mapping's fields), checkpointing
+/// every 2 s; `spec_extra` goes right after `replicas`.
+pub fn count_job_yaml(name: &str, replicas: i32, spec_extra: &str, generator: &str) -> String {
+    format!(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJob
+metadata:
+  name: {name}
+spec:
+  replicas: {replicas}{spec_extra}
+  job:
+    source:
+      generator: {{{generator}}}
+    key: {{field: key, type: string}}
+    aggregation: {{function: count}}
+  state:
+    checkpointInterval: 2s
+    credentialsSecret: {S3_SECRET}
+  # The test node has 2 CPUs for up to 200 workers at once: requests far below the default.
+  resources:
+    requests: {{cpu: 5m, memory: 32Mi}}
+"
+    )
+}

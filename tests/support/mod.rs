@@ -287,6 +287,43 @@ const API_SERVER_TIMEOUTS: [&str; 3] = [
     "etcdserver: request timed out",
 ];
 
+/// `kubectl ARGS` with this build's binary on the PATH as the plugin (`kubectl-keyshift`) and as
+/// its completion (`kubectl_complete-keyshift`), as a user installs it.
+pub fn kubectl_plugin(args: &[&str]) -> Kubectl {
+    static DIR: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let dir = std::env::var_os("KEYSHIFT_TESTENV_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir)
+            .join(format!("keyshift-plugin-bin-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("plugin dir");
+        for name in ["kubectl-keyshift", "kubectl_complete-keyshift"] {
+            let link = dir.join(name);
+            let _ = std::fs::remove_file(&link);
+            std::os::unix::fs::symlink(env!("CARGO_BIN_EXE_keyshift"), &link).expect("link");
+        }
+        dir
+    });
+    let path = format!(
+        "{}:{}",
+        dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new("kubectl")
+        .args(args)
+        .env("PATH", path)
+        .env("KUBECONFIG", kubeconfig())
+        .output()
+        .expect("kubectl runs");
+    finish(out)
+}
+
+pub fn plugin_ok(args: &[&str]) -> String {
+    let r = kubectl_plugin(args);
+    assert!(r.ok, "kubectl {args:?} failed: {}{}", r.stdout, r.stderr);
+    r.stdout
+}
+
 /// Runs helm and panics with its output unless it succeeds. A command the API server timed out
 /// is sent again (up to three times in all), as a user would: the timeout says nothing of the
 /// chart, and helm installs CRDs before it records a release, so an install that timed out
