@@ -108,6 +108,15 @@ fn install_upgrade_uninstall() {
         out.contains("kubectl -n e2e-helm-a wait --for=condition=Ready streamjob/clicks"),
         "NOTES: {out}"
     );
+    // Real commands only: no placeholder a user would have to guess (`<repository>`).
+    assert!(
+        !out.contains("<repository>") && !out.contains("<new version>"),
+        "NOTES: {out}"
+    );
+    assert!(
+        out.contains("kubectl keyshift -n e2e-helm-a status clicks"),
+        "NOTES: {out}"
+    );
 
     // The CRD: created by the install unless it was there already; established either way.
     kubectl_ok(&["wait", "--for=condition=Established", crd, "--timeout=60s"]);
