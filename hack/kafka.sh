@@ -40,6 +40,9 @@ pod_host="${KEYSHIFT_KAFKA_POD_HOST:-}"
 java="${JAVA:-java}"
 mvn="${MVN:-mvn}"
 heap="${KEYSHIFT_KAFKA_HEAP:-512m}"
+PIDS=(pid)
+# shellcheck source=hack/test-server-lib.sh
+source "$(dirname "${BASH_SOURCE[0]}")/test-server-lib.sh"
 
 log() { printf 'kafka: %s\n' "$*" >&2; }
 die() { log "ERROR: $*"; exit 1; }
@@ -116,13 +119,6 @@ EOF
 
 classpath() { printf '%s/*' "$JARS"; }
 
-running() {
-  [[ -f "$state/pid" ]] && kill -0 "$(cat "$state/pid")" 2>/dev/null
-}
-
-free_port() {
-  python3 -c 'import socket, sys; s=socket.socket(); s.bind((sys.argv[1], 0)); print(s.getsockname()[1])' "$host"
-}
 
 # Writes server.properties for the ports (client port, controller port, pod listener port or
 # empty).
@@ -248,12 +244,12 @@ start() {
       pod_host="$(cut -d: -f1 "$state/pod-bootstrap")"
     fi
   else
-    port="${KEYSHIFT_KAFKA_PORT:-$(free_port)}"
-    cport="$(free_port)"
-    while [[ "$cport" == "$port" ]]; do cport="$(free_port)"; done
+    port="${KEYSHIFT_KAFKA_PORT:-$(free_port "$host")}"
+    cport="$(free_port "$host")"
+    while [[ "$cport" == "$port" ]]; do cport="$(free_port "$host")"; done
     if [[ -n "$pod_host" ]]; then
-      pport="$(free_port)"
-      while [[ "$pport" == "$port" || "$pport" == "$cport" ]]; do pport="$(free_port)"; done
+      pport="$(free_port "$host")"
+      while [[ "$pport" == "$port" || "$pport" == "$cport" ]]; do pport="$(free_port "$host")"; done
       echo "${pod_host}:${pport}" >"$state/pod-bootstrap"
     fi
     echo "$port $cport $pport" >"$state/ports"
@@ -282,25 +278,10 @@ start() {
   exports "$port"
 }
 
-# stop [--kill]: SIGTERM (a clean shutdown, which may take a few seconds) or SIGKILL.
-stop_process() {
-  local sig="$1"
-  if running; then
-    local pid
-    pid="$(cat "$state/pid")"
-    kill "-$sig" "$pid" 2>/dev/null || true
-    for _ in $(seq 300); do
-      kill -0 "$pid" 2>/dev/null || break
-      sleep 0.1
-    done
-    kill -9 "$pid" 2>/dev/null || true
-    log "stopped (pid $pid, SIG$sig)"
-  fi
-  rm -f "$state/pid" "$state/port"
-}
-
-stop() {
-  stop_process TERM
+# stop_kafka [--wipe]: SIGTERM (a clean shutdown, which may take a few seconds; KILL after 30 s),
+# and with --wipe its data too.
+stop_kafka() {
+  stop_with TERM 30
   if [[ "${1:-}" == "--wipe" ]]; then
     rm -rf -- "$state/data" "$state/ports"
   fi
@@ -309,10 +290,10 @@ stop() {
 case "${1:-}" in
   fetch) ( fetch ); log "jars in $JARS" ;;
   start) start ;;
-  stop) shift; stop "$@" ;;
-  kill) stop_process KILL ;;
+  stop) shift; stop_kafka "$@" ;;
+  kill) stop_with KILL 30 ;;
   restart)
-    stop_process TERM
+    stop_with TERM 30
     start
     ;;
   env)

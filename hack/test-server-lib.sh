@@ -1,5 +1,5 @@
 # Sourced by the test servers' scripts (hack/s3-server.sh, hack/gcs-server.sh,
-# hack/azure-server.sh): what every one of them does alike. A script sets `state` (its state
+# hack/azure-server.sh, hack/kafka.sh): what every one of them does alike. A script sets `state` (its state
 # dir), `PIDS` (the pid files there, one per process it starts, "pid" first) and defines `log`,
 # `exports PORT` (the variables it prints for the tests) and `start`; it may set `PREPARE` to a
 # command name that runs its `prepare` (building or installing the server) alone.
@@ -76,24 +76,30 @@ await_up() {
   done
 }
 
-# stop: stops every recorded process (TERM, KILL after 5 s) and forgets it.
-stop() {
-  local f pid
+# stop_with SIGNAL SECONDS: stops every recorded process (SIGNAL, then KILL after SECONDS) and
+# forgets it.
+stop_with() {
+  local sig="$1" seconds="$2" f pid
   for f in "${PIDS[@]}"; do
     [[ -f "$state/$f" ]] || continue
     pid="$(cat "$state/$f")"
     if kill -0 "$pid" 2>/dev/null; then
-      kill "$pid" 2>/dev/null || true
-      for _ in $(seq 50); do
+      kill "-$sig" "$pid" 2>/dev/null || true
+      for _ in $(seq $((seconds * 10))); do
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.1
       done
       kill -9 "$pid" 2>/dev/null || true
-      log "stopped (pid $pid)"
+      log "stopped (pid $pid, SIG$sig)"
     fi
     rm -f "$state/$f"
   done
   rm -f "$state/port"
+}
+
+# stop: stop_with TERM 5.
+stop() {
+  stop_with TERM 5
 }
 
 # server_main "$@": the script's command line: start | stop | env [| $PREPARE].
