@@ -86,7 +86,7 @@ fn meta(id: u64, kind: SnapshotKind) -> SnapshotMeta {
         },
         snapshot_id: id,
         kind,
-        completed_at: chrono::Utc::now(),
+        completed_at: jiff::Timestamp::now(),
         state_schema: keyshift::job::AGG_SCHEMA.into(),
         source_positions: BTreeMap::new(),
         source_partitions: BTreeMap::new(),

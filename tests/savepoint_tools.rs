@@ -364,7 +364,7 @@ async fn forge_wrong_group_snapshot(job_url: &str) -> String {
     w.write_group(0, block.into(), n).await.unwrap();
     let ack = w.finish().await.unwrap();
     let m = Manifest::assemble(
-        meta(SnapshotKind::Savepoint, 1, chrono::Utc::now()),
+        meta(SnapshotKind::Savepoint, 1, jiff::Timestamp::now()),
         a,
         vec![ack],
     )
@@ -519,10 +519,10 @@ async fn dump_restricts_to_key_groups_and_verify_reports_per_file() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dispose_refuses_what_the_job_needs_and_removes_the_rest() {
-    use chrono::{Duration, Utc};
+    use jiff::{SignedDuration, Timestamp};
     let (_tmp, job) = file_job();
     let (ops, positions, wm) = run_job(&JobShape::default());
-    let t0 = Utc::now() - Duration::hours(1);
+    let t0 = Timestamp::now() - SignedDuration::from_hours(1);
     let mut urls = HashMap::new();
     for (kind, id, mins) in [
         (SnapshotKind::Checkpoint, 1, 0),
@@ -535,7 +535,7 @@ async fn dispose_refuses_what_the_job_needs_and_removes_the_rest() {
             &job,
             kind,
             id,
-            t0 + Duration::minutes(mins),
+            t0 + SignedDuration::from_mins(mins),
             &ops,
             &positions,
             wm,
@@ -672,7 +672,7 @@ async fn list_shows_unreadable_manifests_instead_of_failing() {
         &job,
         SnapshotKind::Checkpoint,
         4,
-        chrono::Utc::now(),
+        jiff::Timestamp::now(),
         &run_job(&JobShape::default()).0,
         &src.manifest.source_positions,
         None,
@@ -713,7 +713,7 @@ async fn an_empty_snapshot_rewrites_inspects_and_dumps() {
         &job,
         SnapshotKind::Checkpoint,
         3,
-        chrono::Utc::now(),
+        jiff::Timestamp::now(),
         &ops,
         &Default::default(),
         None,

@@ -6,7 +6,7 @@
 mod support;
 
 use bytes::Bytes;
-use chrono::Utc;
+use jiff::Timestamp;
 use keyshift::keygroup::{Assignment, KeyGroupRange};
 use keyshift::snapshot::*;
 use object_store::{ObjectStoreExt, PutPayload};
@@ -50,7 +50,7 @@ fn meta(id: u64, kind: SnapshotKind) -> SnapshotMeta {
         },
         snapshot_id: id,
         kind,
-        completed_at: Utc::now(),
+        completed_at: Timestamp::now(),
         state_schema: "keyshift.agg.v1".into(),
         source_positions: BTreeMap::from([(0, 1000 + id), (1, 2000 + id), (2, 3)]),
         source_partitions: BTreeMap::from([
@@ -76,7 +76,7 @@ fn unique(tag: &str) -> String {
     format!(
         "{tag}-{}-{n}-{}",
         std::process::id(),
-        Utc::now().timestamp_micros()
+        Timestamp::now().as_microsecond()
     )
 }
 

@@ -1061,7 +1061,7 @@ spec:
     // The rescale: kubectl scale, then poll until Ready at the new parallelism.
     let load_before = loadavg();
     let (_, op_rss_before) = memory_kib(op.pid());
-    let wall0 = chrono::Utc::now();
+    let wall0 = jiff::Timestamp::now();
     let t0 = Instant::now();
     kubectl_scale(&ns, name, args.to)?;
     let kubectl_took = t0.elapsed();
@@ -1084,9 +1084,11 @@ spec:
         .and_then(|s| s.size_bytes)
         .unwrap_or_default()
         .max(0) as u64;
-    let reaction = chrono::DateTime::parse_from_rfc3339(&r.started)
+    let reaction = r
+        .started
+        .parse::<jiff::Timestamp>()
         .ok()
-        .and_then(|s| (s.with_timezone(&chrono::Utc) - wall0).to_std().ok());
+        .and_then(|s| Duration::try_from(s.duration_since(wall0)).ok());
     let after = worker_status(&client, &http, &ns, name).await?;
     let keys_after: u64 = after.iter().map(|s| s.keys).sum();
     let (op_hwm, _) = memory_kib(op.pid());

@@ -240,7 +240,7 @@ pub(super) async fn rescale_bench(args: RescaleBench) -> Result<()> {
             command: std::env::args()
                 .skip(1)
                 .fold("keyshift".to_owned(), |acc, a| acc + " " + &a),
-            recorded_at: chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+            recorded_at: format!("{:.0}", jiff::Timestamp::now()),
             machine: format!("{ctx_start}; load average {} at the end", loadavg()),
             release_build: !cfg!(debug_assertions),
             from: report.from,

@@ -308,7 +308,7 @@ pub(super) fn meta(id: u64) -> SnapshotMeta {
         },
         snapshot_id: id,
         kind: SnapshotKind::Checkpoint,
-        completed_at: chrono::Utc::now(),
+        completed_at: jiff::Timestamp::now(),
         state_schema: crate::job::AGG_SCHEMA.into(),
         source_positions: Default::default(),
         source_partitions: Default::default(),

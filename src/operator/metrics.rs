@@ -484,9 +484,10 @@ impl OperatorMetrics {
             .get_or_create(&labels)
             .set(settings::checkpoint_interval(spec).as_secs_f64());
         let completed = |r: &crate::crd::SnapshotRef| {
-            chrono::DateTime::parse_from_rfc3339(&r.time)
+            r.time
+                .parse::<jiff::Timestamp>()
                 .ok()
-                .map(|t| (t.timestamp_millis() as f64 / 1000.0, r.size_bytes))
+                .map(|t| (t.as_millisecond() as f64 / 1000.0, r.size_bytes))
         };
         let checkpoint = status.last_checkpoint.as_ref().and_then(completed);
         let savepoint = status.last_savepoint.as_ref().and_then(completed);

@@ -9,7 +9,6 @@ use crate::orchestrator::coordinator::WorkerEndpoint;
 use crate::orchestrator::decide::{ObservedPod, PodPhase};
 use crate::orchestrator::port::{Listed, PortError, Waker, Workers};
 use crate::orchestrator::run;
-use chrono::DateTime;
 use k8s_openapi::api::core::v1::{Pod, Secret};
 use k8s_openapi::api::networking::v1::NetworkPolicy;
 use keyshift_core::keygroup::Assignment;
@@ -85,9 +84,7 @@ fn listed(p: &Pod) -> Option<Listed> {
             phase,
             ip,
             deleting: p.metadata.deletion_timestamp.is_some(),
-            grace_deadline: p.metadata.deletion_timestamp.as_ref().and_then(|t| {
-                DateTime::from_timestamp(t.0.as_second(), t.0.subsec_nanosecond().max(0) as u32)
-            }),
+            grace_deadline: p.metadata.deletion_timestamp.as_ref().map(|t| t.0),
             worker: None,
             spec_hash: p.labels().get(desired::LABEL_SPEC_HASH).cloned(),
             unschedulable: unschedulable(p),

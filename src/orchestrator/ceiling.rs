@@ -153,7 +153,7 @@ mod tests {
             },
             snapshot_id: 3,
             kind: SnapshotKind::Savepoint,
-            completed_at: chrono::DateTime::UNIX_EPOCH,
+            completed_at: jiff::Timestamp::UNIX_EPOCH,
             max_parallelism: groups,
             parallelism,
             state_schema: "s1".into(),

@@ -662,7 +662,7 @@ mod tests {
             },
             snapshot_id: 7,
             kind: SnapshotKind::Checkpoint,
-            completed_at: chrono::Utc::now(),
+            completed_at: Timestamp::now(),
             max_parallelism: groups.len() as u32,
             parallelism: 2,
             state_schema: "s".into(),

@@ -24,7 +24,7 @@ use crate::snapshot::{
     snapshot_dir,
 };
 use bytes::Bytes;
-use chrono::Utc;
+use jiff::Timestamp;
 use keyshift_core::keygroup::{Assignment, KeyType};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -240,7 +240,7 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
         None => std::env::temp_dir().join(format!(
             "keyshift-bench-rewrite-{}-{}",
             std::process::id(),
-            Utc::now().timestamp_micros()
+            Timestamp::now().as_microsecond()
         )),
     };
     std::fs::create_dir_all(&base).map_err(ToolError::spill(&base))?;
@@ -289,7 +289,7 @@ pub async fn bench_rewrite(opts: BenchOptions) -> Result<BenchReport> {
         },
         snapshot_id: 1,
         kind: SnapshotKind::Savepoint,
-        completed_at: Utc::now(),
+        completed_at: Timestamp::now(),
         state_schema: crate::job::AGG_SCHEMA.to_owned(),
         source_positions: positions,
         source_partitions: Default::default(),

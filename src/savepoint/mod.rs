@@ -582,10 +582,8 @@ fn list_table(l: &JobListing) -> String {
                 "{:<10}  {:>6}  {:<24}  {:>4}  {:>5}  {:>10}  {:>10}  {}",
                 r.kind.to_string(),
                 r.id,
-                r.completed_at.map_or_else(
-                    || "?".to_owned(),
-                    |t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
-                ),
+                r.completed_at
+                    .map_or_else(|| "?".to_owned(), |t| format!("{t:.0}")),
                 opt(r.parallelism.map(u64::from)),
                 opt(r.max_parallelism.map(u64::from)),
                 r.bytes
@@ -616,12 +614,7 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
         r.kind, r.snapshot_id, r.job.namespace, r.job.name
     );
     let _ = writeln!(s, "url:              {}", r.url);
-    let _ = writeln!(
-        s,
-        "completed:        {}",
-        r.completed_at
-            .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
-    );
+    let _ = writeln!(s, "completed:        {:.3}", r.completed_at);
     let _ = writeln!(s, "max parallelism:  {}", r.max_parallelism);
     let _ = writeln!(s, "parallelism:      {}", r.parallelism);
     let state = match (r.function, r.window_size_ms) {
@@ -636,8 +629,8 @@ fn inspect_table(r: &InspectReport, all_groups: bool) -> String {
     let wm = r.watermark.map_or_else(
         || "none".to_owned(),
         |w| {
-            chrono::DateTime::from_timestamp_millis(w)
-                .map_or_else(|| w.to_string(), |t| format!("{w} ({})", t.to_rfc3339()))
+            jiff::Timestamp::from_millisecond(w)
+                .map_or_else(|_| w.to_string(), |t| format!("{w} ({t})"))
         },
     );
     let _ = writeln!(s, "watermark:        {wm}");

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 use bytes::Bytes;
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use keyshift::crd::{
     AggregateFunction, AggregationSpec, GeneratorSource, JobSpec, KeyDistribution, KeySpec,
     SourceSpec, WindowSpec,
@@ -167,7 +167,7 @@ pub fn state_of(ops: &[KeyedAggregator]) -> HashMap<Key, StateValue> {
     out
 }
 
-pub fn meta(kind: SnapshotKind, id: u64, completed_at: DateTime<Utc>) -> SnapshotMeta {
+pub fn meta(kind: SnapshotKind, id: u64, completed_at: Timestamp) -> SnapshotMeta {
     SnapshotMeta {
         job: JobIdentity {
             namespace: "team-a".into(),
@@ -191,7 +191,7 @@ pub async fn write_snapshot(
     job_url: &str,
     kind: SnapshotKind,
     id: u64,
-    completed_at: DateTime<Utc>,
+    completed_at: Timestamp,
     ops: &[KeyedAggregator],
     positions: &BTreeMap<u32, u64>,
     watermark: Option<i64>,
@@ -237,7 +237,7 @@ pub async fn build(job_url: &str, shape: JobShape) -> Built {
         job_url,
         SnapshotKind::Savepoint,
         1,
-        Utc::now(),
+        Timestamp::now(),
         &ops,
         &positions,
         watermark,

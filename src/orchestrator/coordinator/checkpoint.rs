@@ -301,7 +301,7 @@ impl Coordinator {
             job: self.identity.clone(),
             snapshot_id: id,
             kind,
-            completed_at: Utc::now(),
+            completed_at: Timestamp::now(),
             state_schema: crate::orchestrator::settings::state_schema(&self.identity).to_owned(),
             source_positions: positions,
             source_partitions: names,

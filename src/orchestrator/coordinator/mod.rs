@@ -30,8 +30,8 @@ use crate::snapshot::{
     self, JobIdentity, Manifest, ObjectStore, Path, SnapshotKind, SnapshotMeta, is_committed,
     snapshot_ids, snapshot_url,
 };
-use chrono::Utc;
 use futures::future::try_join_all;
+use jiff::Timestamp;
 use keyshift_core::keygroup::Assignment;
 use object_store::ObjectStoreExt;
 use std::collections::{BTreeMap, BTreeSet};

@@ -135,7 +135,7 @@ pub(crate) async fn commit(
         job: job.clone(),
         snapshot_id: id,
         kind,
-        completed_at: Utc::now(),
+        completed_at: Timestamp::now(),
         state_schema: crate::job::AGG_SCHEMA.into(),
         source_positions: Default::default(),
         source_partitions: Default::default(),

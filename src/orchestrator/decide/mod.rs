@@ -10,7 +10,7 @@ use crate::crd::{RescaleStatus, RescaleStrategy, StreamJobSpec, StreamJobStatus,
 use crate::orchestrator::settings::JobSettings;
 use crate::runtime::protocol::WorkerState;
 use crate::validation::{self, Analysis};
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use keyshift_core::reason::Reason;
 use keyshift_core::step::{Outcome, Step};
 use std::collections::BTreeMap;
@@ -136,8 +136,7 @@ pub fn decide_with(
 
     let desired = settings.desired_parallelism;
     let backoff = obs.backoff_until.filter(|t| *t > obs.now).map(|t| {
-        (t - obs.now)
-            .to_std()
+        Duration::try_from(t.duration_since(obs.now))
             .unwrap_or(Duration::from_secs(1))
             .max(Duration::from_millis(100))
     });
@@ -225,13 +224,16 @@ pub fn decide_with(
         }
         let interval = settings.checkpoint_interval;
         let due = obs.last_snapshot_at.map_or(obs.now, |t| {
-            t + chrono::Duration::from_std(interval).unwrap_or_default()
+            t.saturating_add(jiff::SignedDuration::try_from(interval).unwrap_or_default())
+                .unwrap_or(jiff::Timestamp::MAX)
         });
         if due <= obs.now {
             return Action::Checkpoint;
         }
         return Action::Idle {
-            requeue: (due - obs.now).to_std().unwrap_or(interval).min(interval),
+            requeue: Duration::try_from(due.duration_since(obs.now))
+                .unwrap_or(interval)
+                .min(interval),
         };
     }
 
@@ -317,7 +319,7 @@ fn bring_up(
     parallelism: u32,
     restore: Restore,
     new_run: &str,
-    now: DateTime<Utc>,
+    now: Timestamp,
 ) -> Action {
     if pods.iter().any(|p| p.deleting) {
         return Action::Wait {

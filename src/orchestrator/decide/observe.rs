@@ -37,7 +37,7 @@ pub struct ObservedPod {
     pub deleting: bool,
     /// The deletion timestamp: when the pod's grace period ends and its kubelet must have
     /// stopped it.
-    pub grace_deadline: Option<DateTime<Utc>>,
+    pub grace_deadline: Option<Timestamp>,
     /// The worker's own state from its control API; `None` when it was not asked or did not
     /// answer.
     pub worker: Option<WorkerState>,
@@ -58,16 +58,16 @@ pub struct ActiveRun {
 /// Everything a decision depends on besides spec and status.
 #[derive(Debug, Clone)]
 pub struct Observed {
-    pub now: DateTime<Utc>,
+    pub now: Timestamp,
     pub pods: Vec<ObservedPod>,
     pub active: Option<ActiveRun>,
     /// When the latest snapshot of the running job completed, or the run started.
-    pub last_snapshot_at: Option<DateTime<Utc>>,
+    pub last_snapshot_at: Option<Timestamp>,
     /// No new attempt (restart, rescale) before this time (backoff after a failure).
-    pub backoff_until: Option<DateTime<Utc>>,
+    pub backoff_until: Option<Timestamp>,
     /// No new attempt at a key-group change before this time (one rolled back: a rewrite
     /// costs the whole state, and what made it fail rarely goes away at once).
-    pub change_retry_at: Option<DateTime<Utc>>,
+    pub change_retry_at: Option<Timestamp>,
     /// A fresh run id, used when new pods must be created and no run exists.
     pub new_run: String,
     /// metadata.name of the job (for messages that name commands).
@@ -224,12 +224,12 @@ pub(super) const OVERDUE_SECONDS: i64 = 30;
 /// The wait for terminating pods, naming the one furthest past its grace period when that is
 /// over [`OVERDUE_SECONDS`]: a pod whose node is down stays terminating until someone removes
 /// it, and the operator never force-deletes (the pod's process may still run).
-pub(super) fn waiting_for_termination(pods: &[ObservedPod], now: DateTime<Utc>) -> String {
+pub(super) fn waiting_for_termination(pods: &[ObservedPod], now: Timestamp) -> String {
     let terminating: Vec<&ObservedPod> = pods.iter().filter(|p| p.deleting).collect();
     let mut reason = format!("waiting for {} old pod(s) to terminate", terminating.len());
     let overdue = terminating
         .iter()
-        .filter_map(|p| Some((p, (now - p.grace_deadline?).num_seconds())))
+        .filter_map(|p| Some((p, now.duration_since(p.grace_deadline?).as_secs())))
         .filter(|(_, late)| *late >= OVERDUE_SECONDS)
         .max_by_key(|(_, late)| *late);
     if let Some((p, late)) = overdue {

@@ -145,13 +145,15 @@ pub(super) fn prestage_ready(pods: &[ObservedPod], run: &str, to: u32) -> Readin
 pub(super) fn prestage_overdue(
     timeout: Duration,
     p: &crate::crd::PrestageStatus,
-    now: DateTime<Utc>,
+    now: Timestamp,
     why: &str,
 ) -> Option<String> {
-    let since = DateTime::parse_from_rfc3339(&p.since)
-        .ok()?
-        .with_timezone(&Utc);
-    let deadline = since + chrono::Duration::from_std(timeout).unwrap_or_default();
+    let since = p.since.parse::<Timestamp>().ok()?;
+    let deadline = since
+        .saturating_add(
+            jiff::SignedDuration::try_from(timeout).unwrap_or(jiff::SignedDuration::MAX),
+        )
+        .unwrap_or(Timestamp::MAX);
     (now >= deadline).then(|| {
         format!(
             "the new workers were not ready within spec.state.prestageTimeout ({}s): {why} (no room on the nodes, or a quota? `kubectl describe pod` the new workers)",

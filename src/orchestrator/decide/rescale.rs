@@ -37,10 +37,9 @@ pub fn ceiling_change(spec: &StreamJobSpec, status: &StreamJobStatus) -> Option<
 pub(super) fn change_wait(change: &CeilingChange, obs: &Observed) -> Option<Duration> {
     match change {
         CeilingChange::Revert { .. } => None,
-        CeilingChange::Rewrite { .. } => obs
-            .change_retry_at
-            .filter(|t| *t > obs.now)
-            .map(|t| (t - obs.now).to_std().unwrap_or(Duration::from_secs(1))),
+        CeilingChange::Rewrite { .. } => obs.change_retry_at.filter(|t| *t > obs.now).map(|t| {
+            Duration::try_from(t.duration_since(obs.now)).unwrap_or(Duration::from_secs(1))
+        }),
     }
 }
 
@@ -168,7 +167,8 @@ pub(super) fn rescale_step(
                 && let Some(t) = obs.backoff_until.filter(|t| *t > obs.now)
             {
                 return Action::Idle {
-                    requeue: (t - obs.now).to_std().unwrap_or(Duration::from_secs(1)),
+                    requeue: Duration::try_from(t.duration_since(obs.now))
+                        .unwrap_or(Duration::from_secs(1)),
                 };
             }
             if obs

@@ -52,14 +52,10 @@ pub fn check_spec(
 /// this clock caught up with it. `run_started` is this process's own clock.
 pub fn last_snapshot_at(
     status: &StreamJobStatus,
-    run_started: Option<DateTime<Utc>>,
-    now: DateTime<Utc>,
-) -> Option<DateTime<Utc>> {
-    let parse = |t: &str| {
-        DateTime::parse_from_rfc3339(t)
-            .ok()
-            .map(|t| t.with_timezone(&Utc))
-    };
+    run_started: Option<Timestamp>,
+    now: Timestamp,
+) -> Option<Timestamp> {
+    let parse = |t: &str| t.parse::<Timestamp>().ok();
     [
         status.last_checkpoint.as_ref().and_then(|c| parse(&c.time)),
         status.last_savepoint.as_ref().and_then(|c| parse(&c.time)),

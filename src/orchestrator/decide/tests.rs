@@ -17,8 +17,8 @@ fn status() -> StreamJobStatus {
     }
 }
 
-fn now() -> DateTime<Utc> {
-    DateTime::from_timestamp(1_000_000, 0).unwrap()
+fn now() -> Timestamp {
+    Timestamp::from_second(1_000_000).unwrap()
 }
 
 fn obs(pods: Vec<ObservedPod>, active: Option<(&str, u32)>) -> Observed {
@@ -180,7 +180,7 @@ fn running_job_checkpoints_when_due_and_idles_otherwise() {
     let mut o = obs(running, Some(("r", 4)));
     let a = decide(&s, &status(), &o);
     assert!(matches!(a, Action::Idle { requeue } if requeue <= Duration::from_secs(30)));
-    o.last_snapshot_at = Some(now() - chrono::Duration::seconds(31));
+    o.last_snapshot_at = Some(now() - jiff::SignedDuration::from_secs(31));
     assert_eq!(decide(&s, &status(), &o), Action::Checkpoint);
 }
 
@@ -193,20 +193,20 @@ fn a_snapshot_time_from_a_clock_ahead_of_ours_does_not_hold_checkpoints_back() {
         id: 7,
         path: "file:///s/chk-7".into(),
         // A previous leader's clock, an hour ahead.
-        time: (now() + chrono::Duration::hours(1)).to_rfc3339(),
+        time: (now() + jiff::SignedDuration::from_hours(1)).to_string(),
         parallelism: 4,
         size_bytes: None,
         source_partitions: None,
     });
-    let started = now() - chrono::Duration::seconds(40);
+    let started = now() - jiff::SignedDuration::from_secs(40);
     let mut o = obs(running, Some(("r", 4)));
     o.last_snapshot_at = last_snapshot_at(&st, Some(started), now());
     assert_eq!(o.last_snapshot_at, Some(started));
     assert_eq!(decide(&s, &st, &o), Action::Checkpoint);
     // A time in the past is used as it is.
-    let recent = now() - chrono::Duration::seconds(5);
+    let recent = now() - jiff::SignedDuration::from_secs(5);
     if let Some(c) = st.last_checkpoint.as_mut() {
-        c.time = recent.to_rfc3339();
+        c.time = recent.to_string();
     }
     o.last_snapshot_at = last_snapshot_at(&st, Some(started), now());
     assert_eq!(o.last_snapshot_at, Some(recent));
@@ -280,14 +280,14 @@ fn a_scale_begins_a_rescale_and_each_step_follows_from_status() {
     for (i, p) in going.iter_mut().enumerate() {
         p.deleting = true;
         // Grace periods ending 20 s ago (pod 0) to 5 s from now (pod 3).
-        p.grace_deadline = Some(now() - chrono::Duration::seconds(20 - 8 * i as i64));
+        p.grace_deadline = Some(now() - jiff::SignedDuration::from_secs(20 - 8 * i as i64));
     }
     let Action::Wait { reason } = decide(&spec(8), &st, &obs(going.clone(), None)) else {
         panic!("terminating pods are waited for");
     };
     assert_eq!(reason, "waiting for 4 old pod(s) to terminate");
     // A pod 45 s past its grace period (its node is gone, say) is named, with the way out.
-    going[2].grace_deadline = Some(now() - chrono::Duration::seconds(45));
+    going[2].grace_deadline = Some(now() - jiff::SignedDuration::from_secs(45));
     let Action::Wait { reason } = decide(&spec(8), &st, &obs(going, None)) else {
         panic!("terminating pods are waited for");
     };
@@ -351,7 +351,7 @@ fn a_failed_worker_restarts_the_run_and_backoff_delays_it() {
     let a = decide(&s, &status(), &obs(running, Some(("r", 4))));
     assert!(matches!(a, Action::Recover { .. }), "{a:?}");
     let mut o = obs(vec![], None);
-    o.backoff_until = Some(now() + chrono::Duration::seconds(4));
+    o.backoff_until = Some(now() + jiff::SignedDuration::from_secs(4));
     assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
     // Stopped pods of a broken run are removed before a new run is created.
     let mut broken = pods("r", 4, PodPhase::Running, Some(WorkerState::Idle));
@@ -839,7 +839,7 @@ fn a_new_savepoint_nonce_takes_one_savepoint_without_stopping() {
     assert_eq!(decide(&s, &done, &o), Action::TriggerSavepoint { nonce: 8 });
     // After a failed attempt, the retry waits for the backoff.
     let mut later = o.clone();
-    later.backoff_until = Some(now() + chrono::Duration::seconds(2));
+    later.backoff_until = Some(now() + jiff::SignedDuration::from_secs(2));
     assert!(matches!(decide(&s, &done, &later), Action::Idle { .. }));
     // A rescale takes precedence (its savepoint is newer anyway).
     let o8 = obs(running, Some(("r", 4)));
@@ -926,7 +926,7 @@ fn a_changed_job_or_image_upgrades_in_the_spec_upgrade_mode() {
     }
     // Backoff after a failed attempt delays the next one.
     let mut o = obs(running.clone(), Some(("r", 4)));
-    o.backoff_until = Some(now() + chrono::Duration::seconds(2));
+    o.backoff_until = Some(now() + jiff::SignedDuration::from_secs(2));
     assert!(matches!(decide(&s, &status(), &o), Action::Idle { .. }));
 
     // Each mode restores from its own source once the old pods are gone.
@@ -1178,7 +1178,7 @@ fn prestaging(step: Step) -> StreamJobStatus {
     if let Some(r) = st.rescale.as_mut() {
         r.prestage = Some(crate::crd::PrestageStatus {
             run: "new".into(),
-            since: now().to_rfc3339(),
+            since: now().to_string(),
             ..Default::default()
         });
     }
@@ -1192,7 +1192,7 @@ fn prestage_spec() -> StreamJobSpec {
 }
 
 fn later(mut o: Observed, secs: i64) -> Observed {
-    o.now += chrono::Duration::seconds(secs);
+    o.now += jiff::SignedDuration::from_secs(secs);
     o
 }
 

@@ -115,7 +115,7 @@ pub(super) struct StartWork {
     /// With `restored_source`: the largest id of the job's own snapshots before this run (the
     /// history the restore replaces).
     pub(super) replaced_up_to: Option<u64>,
-    pub(super) run_started: DateTime<Utc>,
+    pub(super) run_started: Timestamp,
     pub(super) started: Instant,
     /// The spec hash its workers are created for.
     pub(super) spec_hash: String,

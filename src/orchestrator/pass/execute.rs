@@ -4,7 +4,7 @@
 use super::*;
 
 /// The least time before a rolled-back key-group change is tried again.
-const KEY_GROUP_CHANGE_RETRY: chrono::Duration = chrono::Duration::minutes(5);
+const KEY_GROUP_CHANGE_RETRY: jiff::SignedDuration = jiff::SignedDuration::from_mins(5);
 
 impl Pass<'_> {
     pub(super) async fn execute(&mut self, action: Action) -> Result<Duration, PassError> {
@@ -170,7 +170,7 @@ impl Pass<'_> {
                 .map(|p| p.moved_groups as i32),
             _ => None,
         };
-        let now = Utc::now().to_rfc3339();
+        let now = Timestamp::now().to_string();
         let prestage = prestage.map(|run| crate::crd::PrestageStatus {
             run,
             since: now.clone(),
@@ -223,7 +223,7 @@ impl Pass<'_> {
     ) -> Result<Duration, PassError> {
         let short = requeue::SOON;
         let p = parallelism as i32;
-        let now = Utc::now().to_rfc3339();
+        let now = Timestamp::now().to_string();
         let prestage = prestage.map(|run| crate::crd::PrestageStatus {
             run,
             since: now.clone(),
@@ -336,7 +336,7 @@ impl Pass<'_> {
             run: run.clone(),
             parallelism,
             coordinator,
-            started: Utc::now(),
+            started: Timestamp::now(),
             spec_hash,
         });
         let rescaling = self
@@ -403,7 +403,7 @@ impl Pass<'_> {
             from: from as i32,
             to: to as i32,
             step: Step::Savepointing,
-            started: Utc::now().to_rfc3339(),
+            started: Timestamp::now().to_string(),
             restore_from: Some(url.clone()),
             max_parallelism: Some(max_parallelism as i32),
             ..Default::default()
@@ -525,10 +525,10 @@ impl Pass<'_> {
             // block) rarely goes away by itself: it waits longer (other transitions, a suspend
             // say, do not).
             if self.status.rescale.as_ref().is_some_and(|r| r.rewrites()) {
-                self.mem.change_retry_at = Some(Utc::now() + KEY_GROUP_CHANGE_RETRY);
+                self.mem.change_retry_at = Some(Timestamp::now() + KEY_GROUP_CHANGE_RETRY);
             }
-            let retry = backoff(self.mem.failures).max(chrono::Duration::seconds(10));
-            self.mem.backoff_until = Some(Utc::now() + retry);
+            let retry = backoff(self.mem.failures).max(jiff::SignedDuration::from_secs(10));
+            self.mem.backoff_until = Some(Timestamp::now() + retry);
             if let Some((reason, message)) = self.mem.last_failure.clone() {
                 self.progress.failure = Some((reason, message));
             }
@@ -554,7 +554,7 @@ impl Pass<'_> {
             from: from as i32,
             to: to as i32,
             step: Step::Savepointing,
-            started: Utc::now().to_rfc3339(),
+            started: Timestamp::now().to_string(),
             max_parallelism: Some(groups as i32),
             from_max_parallelism: Some(old),
             ..Default::default()
@@ -645,7 +645,7 @@ impl Pass<'_> {
             from_replicas: r.from,
             original_savepoint: r.savepoint.clone().unwrap_or_default(),
             rewritten_savepoint: r.rewritten.clone().unwrap_or_default(),
-            finished: Utc::now().to_rfc3339(),
+            finished: Timestamp::now().to_string(),
             point_of_no_return: None,
             point_of_no_return_time: None,
             message: String::new(),
@@ -676,7 +676,7 @@ impl Pass<'_> {
             return;
         }
         change.point_of_no_return = Some(c.id as i64);
-        change.point_of_no_return_time = Some(Utc::now().to_rfc3339());
+        change.point_of_no_return_time = Some(Timestamp::now().to_string());
         change.message = crate::orchestrator::ceiling::change_message(change);
         let note = change.message.clone();
         self.event(false, Reason::KeyGroupChangeIrreversible, note);
@@ -1171,7 +1171,7 @@ impl Pass<'_> {
             Err(e) => {
                 // Try again after a fraction of the interval; a dead worker shows up as a pod
                 // exit and restarts the job.
-                run.started = Utc::now();
+                run.started = Timestamp::now();
                 self.record_snapshot(&labels, None);
                 let failed = self.mem.checkpoint_failures.take().map_or(0, |(n, _)| n) + 1;
                 self.mem.checkpoint_failures = Some((failed, e.to_string()));
@@ -1218,9 +1218,9 @@ impl Pass<'_> {
         };
         let from_restore_from = restored_source.is_some();
         let run_started = if restore == Restore::Empty || (from_restore_from && !rewrite) {
-            DateTime::UNIX_EPOCH
+            Timestamp::UNIX_EPOCH
         } else {
-            Utc::now()
+            Timestamp::now()
         };
         let resumes_history = restore == Restore::Latest;
         // The job identity the snapshot records, when known without reading its manifest again.
@@ -1386,7 +1386,7 @@ impl Pass<'_> {
             bg.restore = Some(RestoreView {
                 progress,
                 snapshot,
-                started: Utc::now().to_rfc3339(),
+                started: Timestamp::now().to_string(),
                 began: Instant::now(),
                 pass: None,
                 shown: None,

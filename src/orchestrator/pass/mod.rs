@@ -27,8 +27,7 @@ use crate::runtime::protocol::{StartResponse, WorkerState, WorkerStatus};
 use crate::snapshot::{self, JobIdentity, SnapshotKind};
 use crate::snapshot::{InUseEntry, InUseMarker};
 use crate::validation;
-use chrono::{DateTime, Utc};
-use k8s_openapi::jiff::Timestamp;
+use k8s_openapi::jiff::{SignedDuration, Timestamp};
 use keyshift_core::keygroup::{self, Assignment};
 use keyshift_core::reason::Reason;
 use keyshift_core::step::{self, Outcome, Step};
@@ -68,7 +67,7 @@ pub struct RunHandle {
     run: String,
     parallelism: u32,
     coordinator: Coordinator,
-    started: DateTime<Utc>,
+    started: Timestamp,
     /// The spec hash ([`settings::spec_hash`]) its workers were created for, when known.
     spec_hash: Option<String>,
 }
@@ -79,9 +78,9 @@ pub struct RunHandle {
 pub struct JobMemory {
     run: Option<RunHandle>,
     failures: u32,
-    backoff_until: Option<DateTime<Utc>>,
+    backoff_until: Option<Timestamp>,
     /// No key-group rewrite before this time (one rolled back).
-    change_retry_at: Option<DateTime<Utc>>,
+    change_retry_at: Option<Timestamp>,
     last_failure: Option<(String, String)>,
     step_started: Option<(Step, Instant)>,
     /// The key-group count of a spec.restoreFrom snapshot, by URL (read once: committed
@@ -305,7 +304,7 @@ pub async fn run_pass(
         .collect();
     pods.sort_by(|a, b| (a.run.as_str(), a.subtask).cmp(&(b.run.as_str(), b.subtask)));
 
-    let now = Utc::now();
+    let now = Timestamp::now();
     let last_snapshot_at =
         decide::last_snapshot_at(&status0, mem.run.as_ref().map(|r| r.started), now);
     let pending_restore = pending_restore(spec, &status0, mem, (&storage, namespace, name)).await;
@@ -628,7 +627,7 @@ fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
     SnapshotRef {
         id: c.id as i64,
         path: c.url.clone(),
-        time: Utc::now().to_rfc3339(),
+        time: Timestamp::now().to_string(),
         parallelism: parallelism as i32,
         size_bytes: Some(c.manifest.stats.total_bytes as i64),
         source_partitions: (!c.manifest.source_partitions.is_empty())
@@ -638,9 +637,9 @@ fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
 
 /// How long the job waits after `failures` failed passes in a row: [`crate::backoff::pass_failure`]
 /// (1 s doubling to 64 s, jittered), as a time to add to now.
-fn backoff(failures: u32) -> chrono::Duration {
+fn backoff(failures: u32) -> SignedDuration {
     let wait = crate::backoff::pass_failure(failures);
-    chrono::Duration::from_std(wait).unwrap_or(chrono::Duration::seconds(128))
+    SignedDuration::try_from(wait).unwrap_or(SignedDuration::from_secs(128))
 }
 
 /// Why restoring the job's own snapshot at `url` would go back past sink output already
@@ -827,7 +826,7 @@ impl<'a> Pass<'a> {
 
     fn fail(&mut self, reason: Reason, message: String) {
         self.mem.failures += 1;
-        self.mem.backoff_until = Some(Utc::now() + backoff(self.mem.failures));
+        self.mem.backoff_until = Some(Timestamp::now() + backoff(self.mem.failures));
         self.mem.last_failure = Some((reason.into(), message.clone()));
         self.progress.failure = Some((reason.into(), message));
     }

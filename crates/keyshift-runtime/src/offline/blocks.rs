@@ -314,7 +314,7 @@ mod tests {
             },
             snapshot_id: 1,
             kind: SnapshotKind::Savepoint,
-            completed_at: chrono::Utc::now(),
+            completed_at: jiff::Timestamp::now(),
             max_parallelism: lengths.len() as u32,
             parallelism: 2,
             state_schema: "s".into(),

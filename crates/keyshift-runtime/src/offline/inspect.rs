@@ -12,7 +12,7 @@ use super::location::SnapshotLocation;
 use crate::job::state_codec::{self, AccValue, StateValue};
 use crate::job::{KeyRef, RecordKey};
 use crate::snapshot::{JobIdentity, Manifest, SnapshotKind, read_manifest};
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use keyshift_core::keygroup::{Key, KeyGroupRange, KeyType};
 use keyshift_core::spec::AggregateFunction;
 use serde::Serialize;
@@ -136,7 +136,7 @@ pub struct InspectReport {
     /// The snapshot id.
     pub snapshot_id: u64,
     /// When it was completed.
-    pub completed_at: DateTime<Utc>,
+    pub completed_at: Timestamp,
     /// The key-group count.
     pub max_parallelism: u32,
     /// The parallelism it was taken at.

@@ -56,8 +56,8 @@ use crate::snapshot::{
     Manifest, ObjectStore, Path, SnapshotError, SnapshotKind, manifest_path, open_store,
     parse_snapshot_dir_name, read_manifest,
 };
-use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
+use jiff::Timestamp;
 use object_store::ObjectStoreExt;
 use serde::Serialize;
 
@@ -74,7 +74,7 @@ pub struct Listed {
     /// The snapshot's URL.
     pub url: String,
     /// When it was completed (absent when the manifest is unreadable).
-    pub completed_at: Option<DateTime<Utc>>,
+    pub completed_at: Option<Timestamp>,
     /// Parallelism.
     pub parallelism: Option<u32>,
     /// Key-group count.
@@ -420,7 +420,7 @@ mod tests {
             id,
             url: format!("x/{path}"),
             path,
-            completed_at: DateTime::from_timestamp(secs, 0),
+            completed_at: Timestamp::from_second(secs).ok(),
             parallelism: Some(1),
             max_parallelism: Some(128),
             bytes: Some(0),

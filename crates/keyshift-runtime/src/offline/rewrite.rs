@@ -39,7 +39,7 @@ use crate::snapshot::{
     SubtaskSnapshot, commit_manifest, manifest_path, read_manifest, state_file_name,
 };
 use bytes::Bytes;
-use chrono::Utc;
+use jiff::Timestamp;
 use keyshift_core::keygroup::{Assignment, KeyGroupRange};
 use object_store::ObjectStoreExt;
 use serde::Serialize;
@@ -210,7 +210,7 @@ impl SpillDir {
         let name = format!(
             "keyshift-rewrite-{}-{}-{}",
             std::process::id(),
-            Utc::now().timestamp_micros(),
+            Timestamp::now().as_microsecond(),
             SPILL_COUNTER.fetch_add(1, Ordering::Relaxed)
         );
         let dir = parent.join(name);
@@ -994,7 +994,7 @@ async fn commit(
         job: manifest.job.clone(),
         snapshot_id,
         kind: SnapshotKind::Savepoint,
-        completed_at: Utc::now(),
+        completed_at: Timestamp::now(),
         state_schema: manifest.state_schema.clone(),
         source_positions: manifest.source_positions.clone(),
         source_partitions: manifest.source_partitions.clone(),

@@ -1079,7 +1079,7 @@ mod tests {
             },
             snapshot_id: 1,
             kind: SnapshotKind::Checkpoint,
-            completed_at: chrono::Utc::now(),
+            completed_at: jiff::Timestamp::now(),
             state_schema: crate::job::AGG_SCHEMA.into(),
             source_positions: Default::default(),
             source_partitions: Default::default(),

@@ -420,7 +420,7 @@ mod tests {
             },
             snapshot_id: id,
             kind: SnapshotKind::Checkpoint,
-            completed_at: chrono::Utc::now(),
+            completed_at: jiff::Timestamp::now(),
             max_parallelism: 4,
             parallelism: 1,
             state_schema: "s".into(),

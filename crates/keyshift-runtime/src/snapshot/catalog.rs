@@ -10,8 +10,8 @@ use super::layout::{
 use super::manifest::{JobIdentity, Manifest, is_referenced_file};
 use super::reader::{check_files_present, open_snapshot, read_manifest};
 use super::store::open_store;
-use chrono::{DateTime, Utc};
 use futures::{StreamExt, TryStreamExt};
+use jiff::Timestamp;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt};
 use std::collections::{BTreeMap, BTreeSet};
@@ -29,7 +29,7 @@ pub struct SnapshotInfo {
     /// Its directory in the store.
     pub dir: Path,
     /// When it was completed.
-    pub completed_at: DateTime<Utc>,
+    pub completed_at: Timestamp,
     /// The parallelism it was taken at.
     pub parallelism: u32,
     /// The key-group count.
@@ -622,7 +622,7 @@ mod tests {
             kind: SnapshotKind::Checkpoint,
             id,
             dir: format!("ns/j/checkpoints/chk-{id}").into(),
-            completed_at: chrono::Utc::now(),
+            completed_at: Timestamp::now(),
             parallelism: 2,
             max_parallelism: groups,
             total_bytes: 0,

@@ -5,7 +5,7 @@
 
 use super::error::{Result, SnapshotError};
 use super::layout::SnapshotKind;
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use object_store::path::Path;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 use serde::{Deserialize, Serialize};
@@ -40,7 +40,7 @@ pub struct InUseMarker {
     pub snapshots: Vec<InUseEntry>,
     /// When the writer last updated it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub updated_at: Option<DateTime<Utc>>,
+    pub updated_at: Option<Timestamp>,
 }
 
 impl InUseMarker {
@@ -49,7 +49,7 @@ impl InUseMarker {
         InUseMarker {
             format_version: IN_USE_FORMAT_VERSION,
             snapshots,
-            updated_at: Some(Utc::now()),
+            updated_at: Some(Timestamp::now()),
         }
     }
 

@@ -7,7 +7,7 @@
 use super::checksum::Crc32c;
 use super::error::{Result, SnapshotError};
 use super::layout::{MANIFEST_FILE, SnapshotKind, state_file_name};
-use chrono::{DateTime, Utc};
+use jiff::Timestamp;
 use keyshift_core::keygroup::{Assignment, KeyGroupRange};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -324,7 +324,7 @@ pub struct Manifest {
     /// Checkpoint or savepoint.
     pub kind: SnapshotKind,
     /// When the coordinator completed the snapshot (RFC 3339, UTC).
-    pub completed_at: DateTime<Utc>,
+    pub completed_at: Timestamp,
     /// The key-group count.
     pub max_parallelism: u32,
     /// The parallelism the snapshot was taken at (one state file per subtask).
@@ -365,8 +365,8 @@ pub struct SnapshotMeta {
     pub snapshot_id: u64,
     /// Checkpoint or savepoint.
     pub kind: SnapshotKind,
-    /// Completion time (usually `Utc::now()` when the last ack arrived).
-    pub completed_at: DateTime<Utc>,
+    /// Completion time (usually `Timestamp::now()` when the last ack arrived).
+    pub completed_at: Timestamp,
     /// Identity of the state encoding, e.g. `keyshift.agg.v1`.
     pub state_schema: String,
     /// Per source partition, the position to resume from.
@@ -1144,9 +1144,7 @@ mod tests {
             },
             snapshot_id: id,
             kind: SnapshotKind::Checkpoint,
-            completed_at: DateTime::parse_from_rfc3339("2025-01-02T03:04:05.678Z")
-                .unwrap()
-                .with_timezone(&Utc),
+            completed_at: "2025-01-02T03:04:05.678Z".parse().unwrap(),
             state_schema: "keyshift.agg.v1".into(),
             source_positions: BTreeMap::from([(0, 10), (1, 20)]),
             source_partitions: BTreeMap::from([(0, "a.jsonl".into()), (1, "b.jsonl".into())]),

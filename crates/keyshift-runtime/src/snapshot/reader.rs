@@ -882,7 +882,7 @@ mod tests {
             },
             snapshot_id: 7,
             kind: SnapshotKind::Savepoint,
-            completed_at: chrono::Utc::now(),
+            completed_at: jiff::Timestamp::now(),
             state_schema: "keyshift.agg.v1".into(),
             source_positions: BTreeMap::from([(0, 10), (1, 20)]),
             source_partitions: BTreeMap::new(),
