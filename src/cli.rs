@@ -31,6 +31,25 @@ pub struct Cli {
     pub command: Command,
 }
 
+/// The command line run as `kubectl-keyshift` (kubectl's plugin): the `job` commands at the top,
+/// so `kubectl keyshift status X` is `keyshift job status X`.
+#[derive(Parser, Debug)]
+#[command(
+    name = "kubectl keyshift",
+    bin_name = "kubectl keyshift",
+    version,
+    about = "Act on keyshift StreamJobs in the cluster: status, savepoint, suspend, resume, scale, plan, version",
+    after_help = JOB_EXAMPLES
+)]
+pub struct PluginCli {
+    /// Log line format (logs go to stderr).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = keyshift_core::worker_pod::ENV_LOG_FORMAT)]
+    pub log_format: LogFormat,
+
+    #[command(flatten)]
+    pub job: crate::client::JobArgs,
+}
+
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Show the key-group assignment and skew for a parallelism, and what a rescale moves.
@@ -410,7 +429,15 @@ pub fn main() -> ExitCode {
     if program == crate::client::PLUGIN_COMPLETION_NAME {
         return complete_plugin(args.get(1..).unwrap_or_default());
     }
-    let cli = Cli::parse_from(plugin_args(&program, args));
+    let cli = if program == crate::client::PLUGIN_NAME {
+        let plugin = PluginCli::parse_from(args);
+        Cli {
+            log_format: plugin.log_format,
+            command: Command::Job(plugin.job),
+        }
+    } else {
+        Cli::parse_from(args)
+    };
     telemetry::init(cli.log_format);
     telemetry::install_crypto_provider();
     match run(cli.command, cli.log_format) {
@@ -564,15 +591,6 @@ fn run(command: Command, log_format: LogFormat) -> Result<(), CliError> {
             crate::bench::run(args).map_err(CliError::Bench)
         }
     }
-}
-
-/// The command line as `keyshift` reads it: run as `kubectl-keyshift` (kubectl's plugin),
-/// `kubectl keyshift status X` is `keyshift job status X`.
-fn plugin_args(program: &str, mut args: Vec<std::ffi::OsString>) -> Vec<std::ffi::OsString> {
-    if program == crate::client::PLUGIN_NAME {
-        args.insert(1.min(args.len()), "job".into());
-    }
-    args
 }
 
 /// Answers kubectl's completion request for `kubectl keyshift ...` (cobra's protocol: one

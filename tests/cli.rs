@@ -605,6 +605,10 @@ fn the_kubectl_plugin_names() {
     let help = run("kubectl-keyshift", &["--help"]);
     assert!(help.status.success(), "{}", text(&help.stderr));
     let help = text(&help.stdout);
+    assert!(
+        help.contains("Usage: kubectl keyshift [OPTIONS] <COMMAND>"),
+        "{help}"
+    );
     for sub in [
         "status",
         "savepoint",

@@ -75,6 +75,7 @@ pub enum JobCommand {
     /// waits for it and prints its path.
     #[command(after_help = SAVEPOINT_EXAMPLES)]
     Savepoint {
+        /// The StreamJob.
         name: String,
         /// Output format of the savepoint taken: its path (table), or its status.lastSavepoint
         /// entry (json, yaml).
@@ -88,6 +89,7 @@ pub enum JobCommand {
     },
     /// Stop the job with a savepoint (spec.suspend: true); its pods go, its state stays.
     Suspend {
+        /// The StreamJob.
         name: String,
         /// Wait until the job is Suspended.
         #[arg(long)]
@@ -97,6 +99,7 @@ pub enum JobCommand {
     },
     /// Start a suspended job again from its savepoint (spec.suspend: false).
     Resume {
+        /// The StreamJob.
         name: String,
         /// Wait until the job is Ready.
         #[arg(long)]
@@ -107,6 +110,7 @@ pub enum JobCommand {
     /// Rescale the job (spec.replicas): prints what moves, then the operator moves it.
     #[command(after_help = SCALE_EXAMPLES)]
     Scale {
+        /// The StreamJob.
         name: String,
         /// The new parallelism.
         #[arg(long)]
@@ -120,6 +124,7 @@ pub enum JobCommand {
     /// `keyshift plan` against the live job: its key-group count, the parallelism it runs at and
     /// its state size, to --to (default: spec.replicas).
     Plan {
+        /// The StreamJob.
         name: String,
         /// The parallelism to plan for.
         #[arg(long)]
