@@ -8,6 +8,10 @@
 mod background;
 pub mod error;
 mod execute;
+mod key_group_change;
+mod prestage;
+mod snapshots;
+mod start;
 
 use background::{Background, BackgroundWork, Ended, RestoreView, StartError, StartWork};
 pub use error::{ErrorKind, PassError};
