@@ -22,6 +22,9 @@ use std::time::Duration;
 use support::*;
 
 const CHART: &str = "charts/keyshift";
+/// The chart as it last shipped (version 0.1.0, packaged from the landed main of 2026-12-07): the
+/// chart users upgrade from.
+const PREVIOUS_CHART: &str = "tests/fixtures/charts/keyshift-0.1.0.tgz";
 
 /// `--set` arguments pointing the chart at the image the test node holds.
 fn image_values() -> Vec<String> {
@@ -751,6 +754,15 @@ fn operator_logs(ns: &str, release: &str) -> Vec<(String, String)> {
 }
 
 /// `sj/clicks` runs at `replicas`, is Ready, and the operator has seen its latest spec.
+/// The `helm.sh/chart` label of the release `ks-full`'s operator Deployment (`keyshift-VERSION`).
+fn chart_label(ns: &str) -> String {
+    jsonpath(
+        ns,
+        "deployment/ks-full-keyshift",
+        "{.metadata.labels.helm\\.sh/chart}",
+    )
+}
+
 fn job_ready_at(ns: &str, replicas: &str) -> bool {
     let generation = jsonpath(ns, "sj/clicks", "{.metadata.generation}");
     jsonpath(
@@ -863,7 +875,9 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     let extra_env = format!("extraEnv={}", serde_json::Value::Array(s3_env));
     let watch = format!(r#"watchNamespaces=["{jobs}"]"#);
     let image_args = image_values();
-    let mut args = vec!["install", release, CHART, "-n", system];
+    // Installed from the previous chart release, then upgraded to this chart while a job runs
+    // (below), as docs/upgrading.md says.
+    let mut args = vec!["install", release, PREVIOUS_CHART, "-n", system];
     args.extend(image_args.iter().map(String::as_str));
     args.extend_from_slice(&[
         "--set-json",
@@ -885,6 +899,41 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
         "--timeout=120s",
     ];
     kubectl_ok(&rollout);
+    assert_eq!(chart_label(system), "keyshift-0.1.0");
+    // A sample job becomes Ready under the previous chart's operator.
+    let r = apply(jobs, &sample_job());
+    assert!(r.ok, "{}", r.stderr);
+    wait_for(Duration::from_secs(180), || job_ready_at(jobs, "4"));
+    // The upgrade as documented: the new CRD first, then the chart with --reset-then-reuse-values.
+    kubectl_ok(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        "charts/keyshift/crds/",
+    ]);
+    helm_ok(&[
+        "upgrade",
+        release,
+        CHART,
+        "-n",
+        system,
+        "--reset-then-reuse-values",
+    ]);
+    kubectl_ok(&rollout);
+    let chart_yaml =
+        std::fs::read_to_string(root().join("charts/keyshift/Chart.yaml")).expect("Chart.yaml");
+    let version = chart_yaml
+        .lines()
+        .find_map(|l| l.strip_prefix("version: "))
+        .expect("the chart's version");
+    assert_ne!(
+        version, "0.1.0",
+        "bump the chart's version on a chart change"
+    );
+    assert_eq!(chart_label(system), format!("keyshift-{version}"));
+    // The new operator takes the running job over and reconciles it (the rescale below), with
+    // the values set at install (the S3 storage and credentials, the namespaces it watches).
     // The kubectl plugin finds the chart's operator and its version.
     let versions: serde_json::Value =
         serde_json::from_str(&plugin_ok(&["keyshift", "version", "-o", "json"]))
@@ -901,9 +950,7 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     assert_eq!(ours["readyReplicas"], 1, "{ours}");
     assert_eq!(versions["client"]["version"], env!("CARGO_PKG_VERSION"));
 
-    // A sample job becomes Ready, then rescales 4 -> 8 through a savepoint.
-    let r = apply(jobs, &sample_job());
-    assert!(r.ok, "{}", r.stderr);
+    // The job, now reconciled by this chart's operator, rescales 4 -> 8 through a savepoint.
     wait_for(Duration::from_secs(180), || job_ready_at(jobs, "4"));
     assert_network_policy(jobs, system, release);
     kubectl_ok(&["-n", jobs, "scale", "sj/clicks", "--replicas=8"]);
