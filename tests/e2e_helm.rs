@@ -876,8 +876,18 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     let watch = format!(r#"watchNamespaces=["{jobs}"]"#);
     let image_args = image_values();
     // Installed from the previous chart release, then upgraded to this chart while a job runs
-    // (below), as docs/upgrading.md says.
-    let mut args = vec!["install", release, PREVIOUS_CHART, "-n", system];
+    // (below), as docs/upgrading.md says. The shared test cluster holds this chart's CRD
+    // already, newer than the previous chart's: Helm 4 would server-side apply the older one
+    // over it and stop on the conflict, so the install skips CRDs, as the chart README says for
+    // a cluster whose CRD is newer than the chart's.
+    let mut args = vec![
+        "install",
+        release,
+        PREVIOUS_CHART,
+        "-n",
+        system,
+        "--skip-crds",
+    ];
     args.extend(image_args.iter().map(String::as_str));
     args.extend_from_slice(&[
         "--set-json",
