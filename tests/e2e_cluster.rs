@@ -518,6 +518,15 @@ fn kubectl_keyshift_drives_a_live_job() {
     assert_eq!(json["phase"], "Running");
     assert_eq!(json["running"], 2);
     assert_eq!(json["maxParallelism"], 128);
+    // Without a name: every job of the namespace, a line each.
+    let table = plugin_ok(&["keyshift", "status", "-n", ns]);
+    assert!(table.starts_with("NAME "), "{table}");
+    assert!(
+        table.lines().any(|l| l.starts_with(&format!("{name} "))
+            && l.contains(" Running ")
+            && l.contains(" 2/2 ")),
+        "{table}"
+    );
 
     // A savepoint: the path printed is the one status records, taken for this request.
     let before = get(ns, name, "{.status.lastSavepointNonce}");

@@ -4,9 +4,7 @@
 //! only job names are read from the cluster.
 
 use super::{ClientError, Cluster, ClusterArgs};
-use crate::crd::StreamJob;
 use clap::Command;
-use kube::api::{Api, ListParams};
 
 /// What a completion needs.
 #[derive(Debug, PartialEq, Eq)]
@@ -151,14 +149,8 @@ pub fn cobra_answer(candidates: &[(String, String)]) -> String {
 
 /// The names of the StreamJobs in the namespace `cluster` names, with no description.
 pub async fn job_names(cluster: &ClusterArgs) -> Result<Vec<(String, String)>, ClientError> {
-    let cluster = Cluster::connect(cluster).await?;
-    let jobs: Api<StreamJob> = Api::namespaced(cluster.client, &cluster.namespace);
-    let list = jobs
-        .list_metadata(&ListParams::default())
-        .await
-        .map_err(|e| super::api_error("listing", "*", e))?;
-    Ok(list
-        .items
+    let jobs = Cluster::connect(cluster).await?.all_jobs().await?;
+    Ok(jobs
         .into_iter()
         .filter_map(|j| j.metadata.name)
         .map(|n| (n, String::new()))

@@ -65,8 +65,8 @@ pub enum JobCommand {
     /// rescale in progress (or the last), how its state is spread and its source's lag.
     #[command(after_help = STATUS_EXAMPLES)]
     Status {
-        /// The StreamJob.
-        name: String,
+        /// The StreamJob (none: every StreamJob of the namespace, a line each).
+        name: Option<String>,
         /// Output format.
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
         output: Output,
@@ -144,6 +144,8 @@ pub enum JobCommand {
 
 const STATUS_EXAMPLES: &str = "Examples:
   kubectl keyshift status clicks -n team-a
+  # Every job of the namespace, a line each
+  kubectl keyshift status -n team-a
   # The same as a document for programs
   kubectl keyshift status clicks -n team-a -o json";
 
@@ -179,6 +181,8 @@ pub enum ClientError {
         name: String,
         message: String,
     },
+    #[error("listing streamjobs in namespace {namespace}: {message}")]
+    List { namespace: String, message: String },
     #[error("{0}")]
     Refused(String),
     #[error(
@@ -238,6 +242,19 @@ impl Cluster {
                 namespace: self.namespace.clone(),
                 name: name.to_owned(),
             })
+    }
+
+    /// Every StreamJob of the namespace.
+    pub async fn all_jobs(&self) -> Result<Vec<StreamJob>, ClientError> {
+        let list = self
+            .jobs()
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| ClientError::List {
+                namespace: self.namespace.clone(),
+                message: api_message(e),
+            })?;
+        Ok(list.items)
     }
 
     /// Merge-patches the job's spec; the job as the API server stored it.
@@ -312,14 +329,18 @@ impl Cluster {
 }
 
 fn api_error(action: &'static str, name: &str, e: kube::Error) -> ClientError {
-    let message = match e {
-        kube::Error::Api(status) => status.message,
-        e => e.to_string(),
-    };
     ClientError::Api {
         action,
         name: name.to_owned(),
-        message,
+        message: api_message(e),
+    }
+}
+
+/// What the API server said (its Status message), or the error.
+fn api_message(e: kube::Error) -> String {
+    match e {
+        kube::Error::Api(status) => status.message,
+        e => e.to_string(),
     }
 }
 
@@ -434,10 +455,7 @@ async fn operators(cluster: &Cluster) -> (Vec<OperatorVersion>, Option<String>) 
         Err(_) => Api::<Deployment>::namespaced(cluster.client.clone(), &cluster.namespace)
             .list(&lp)
             .await
-            .map_err(|e| match e {
-                kube::Error::Api(s) => s.message,
-                e => e.to_string(),
-            }),
+            .map_err(api_message),
     };
     match listed {
         Ok(list) => {
@@ -520,11 +538,25 @@ pub async fn run(
 ) -> Result<(), ClientError> {
     let cluster = Cluster::connect(cluster).await?;
     match command {
-        JobCommand::Status { name, output } => {
+        JobCommand::Status {
+            name: Some(name),
+            output,
+        } => {
             let job = cluster.job(&name).await?;
             let now = Timestamp::now();
             let view = view::JobView::new(&job, now);
             out.write_all(render(&view, output, || view.text(now))?.as_bytes())?;
+        }
+        JobCommand::Status { name: None, output } => {
+            let jobs = cluster.all_jobs().await?;
+            let now = Timestamp::now();
+            let views: Vec<view::JobView<'_>> =
+                jobs.iter().map(|j| view::JobView::new(j, now)).collect();
+            let table = || match views.is_empty() {
+                true => format!("no StreamJobs in namespace {}\n", cluster.namespace),
+                false => view::jobs_table(&views, now),
+            };
+            out.write_all(render(&views, output, table)?.as_bytes())?;
         }
         JobCommand::Savepoint {
             name,

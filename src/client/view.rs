@@ -201,6 +201,59 @@ impl<'a> JobView<'a> {
     }
 }
 
+/// The jobs of a namespace, a line each (`status` without a name): what `status NAME` shows
+/// first, in columns.
+pub fn jobs_table(views: &[JobView<'_>], now: Timestamp) -> String {
+    let mut rows = vec![[
+        "NAME".to_owned(),
+        "PHASE".to_owned(),
+        "WORKERS".to_owned(),
+        "STEP".to_owned(),
+        "READY".to_owned(),
+        "CHECKPOINT".to_owned(),
+        "LAG".to_owned(),
+    ]];
+    for v in views {
+        let ready = v
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .map_or("Unknown", |c| c.status);
+        let checkpoint = v
+            .last_checkpoint
+            .and_then(|r| r.time.parse::<Timestamp>().ok())
+            .map_or_else(
+                || "-".to_owned(),
+                |t| format!("{} ago", age(now.duration_since(t).as_secs())),
+            );
+        rows.push([
+            v.name.to_owned(),
+            v.phase.clone(),
+            format!("{}/{}", v.running.unwrap_or(0), v.replicas),
+            v.step.clone().unwrap_or_else(|| "-".to_owned()),
+            ready.to_owned(),
+            checkpoint,
+            v.lag.map_or_else(
+                || "-".to_owned(),
+                |l| text::count(l.records.max(0) as u64, "record"),
+            ),
+        ]);
+    }
+    let widths: Vec<usize> = (0..7)
+        .map(|i| rows.iter().map(|r| r[i].len()).max().unwrap_or(0))
+        .collect();
+    let mut s = String::new();
+    for r in &rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(&widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        let _ = writeln!(s, "{}", line.join("  ").trim_end());
+    }
+    s
+}
+
 /// `  Label:  value`, labels in one column.
 fn line(s: &mut String, label: &str, value: &str) {
     let _ = writeln!(s, "  {:<19}{value}", format!("{label}:"));
@@ -327,6 +380,21 @@ status:
         assert_eq!(json["conditions"][0]["type"], "Ready");
         assert_eq!(json["rescale"]["groupsMoved"], 64);
         assert_eq!(json["running"], 4);
+    }
+
+    #[test]
+    fn the_namespace_table_has_a_line_per_job() {
+        let running = job(RUNNING);
+        let mut new = job(RUNNING);
+        new.metadata.name = Some("sessions".into());
+        new.status = None;
+        let views = [JobView::new(&running, now()), JobView::new(&new, now())];
+        assert_eq!(
+            jobs_table(&views, now()),
+            "NAME      PHASE    WORKERS  STEP  READY    CHECKPOINT  LAG\n\
+             clicks    Running  4/4      -     True     7 s ago     1234 records\n\
+             sessions  Pending  0/4      -     Unknown  -           -\n"
+        );
     }
 
     #[test]
