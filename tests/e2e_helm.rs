@@ -467,36 +467,25 @@ fn install_upgrade_uninstall() {
     }
 
     // The documented CRD upgrade step works on a Helm-installed CRD.
-    kubectl_ok(&[
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        "charts/keyshift/crds/",
-    ]);
+    apply_new_crd();
 
     // ---- upgrade: all namespaces, two replicas, a default storage. The image changes to one
     // the node does not have (and cannot pull): an operator watching every namespace must not
     // reconcile the other tests' StreamJobs in this shared cluster (its pods are still created).
-    let mut args = vec![
-        "upgrade",
+    upgrade(
         release,
-        CHART,
-        "-n",
         system,
-        "--reset-then-reuse-values",
-    ];
-    args.extend_from_slice(&[
-        "--set-json",
-        "watchNamespaces=[]",
-        "--set",
-        "replicas=2",
-        "--set",
-        "defaultStorage=file:///tmp/keyshift-state",
-        "--set",
-        "image.repository=localhost/not-run-here",
-    ]);
-    helm_ok(&args);
+        &[
+            "--set-json",
+            "watchNamespaces=[]",
+            "--set",
+            "replicas=2",
+            "--set",
+            "defaultStorage=file:///tmp/keyshift-state",
+            "--set",
+            "image.repository=localhost/not-run-here",
+        ],
+    );
     assert_eq!(
         jsonpath(system, "deployment/ks-keyshift", "{.spec.replicas}"),
         "2"
@@ -754,6 +743,32 @@ fn operator_logs(ns: &str, release: &str) -> Vec<(String, String)> {
 }
 
 /// `sj/clicks` runs at `replicas`, is Ready, and the operator has seen its latest spec.
+/// The documented first step of an upgrade: this chart's CRD, server-side applied.
+fn apply_new_crd() {
+    kubectl_ok(&[
+        "apply",
+        "--server-side",
+        "--force-conflicts",
+        "-f",
+        "charts/keyshift/crds/",
+    ]);
+}
+
+/// `helm upgrade RELEASE` to this chart as documented (`--reset-then-reuse-values`), with `extra`
+/// arguments.
+fn upgrade(release: &str, ns: &str, extra: &[&str]) {
+    let mut args = vec![
+        "upgrade",
+        release,
+        CHART,
+        "-n",
+        ns,
+        "--reset-then-reuse-values",
+    ];
+    args.extend_from_slice(extra);
+    helm_ok(&args);
+}
+
 /// The `helm.sh/chart` label of the release `ks-full`'s operator Deployment (`keyshift-VERSION`).
 fn chart_label(ns: &str) -> String {
     jsonpath(
@@ -915,21 +930,8 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
     assert!(r.ok, "{}", r.stderr);
     wait_for(Duration::from_secs(180), || job_ready_at(jobs, "4"));
     // The upgrade as documented: the new CRD first, then the chart with --reset-then-reuse-values.
-    kubectl_ok(&[
-        "apply",
-        "--server-side",
-        "--force-conflicts",
-        "-f",
-        "charts/keyshift/crds/",
-    ]);
-    helm_ok(&[
-        "upgrade",
-        release,
-        CHART,
-        "-n",
-        system,
-        "--reset-then-reuse-values",
-    ]);
+    apply_new_crd();
+    upgrade(release, system, &[]);
     kubectl_ok(&rollout);
     let chart_yaml =
         std::fs::read_to_string(root().join("charts/keyshift/Chart.yaml")).expect("Chart.yaml");
@@ -998,16 +1000,7 @@ fn chart_runs_the_operator_install_ready_scale_handover() {
 
     // Two replicas: one leads. Deleting the leader's pod hands over (it releases the Lease on
     // SIGTERM) and the new leader reconciles the next rescale.
-    helm_ok(&[
-        "upgrade",
-        release,
-        CHART,
-        "-n",
-        system,
-        "--reset-then-reuse-values",
-        "--set",
-        "replicas=2",
-    ]);
+    upgrade(release, system, &["--set", "replicas=2"]);
     kubectl_ok(&rollout);
     let leader = holder_pod(system);
     assert!(
