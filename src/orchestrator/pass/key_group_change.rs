@@ -102,19 +102,7 @@ impl Pass<'_> {
             ..Default::default()
         };
         if !running {
-            let found = run::latest_restorable(
-                self.spec,
-                &self.storage,
-                &self.ns,
-                &self.name,
-                old as u32,
-                self.status
-                    .replaced_history_up_to
-                    .and_then(|b| u64::try_from(b).ok()),
-                &self.mem.unrestorable,
-            )
-            .await
-            .map_err(PassError::FindSnapshot)?;
+            let found = self.latest_restorable(old as u32).await?;
             let Some(url) = found.url else {
                 self.status.max_parallelism = Some(groups as i32);
                 self.status.max_parallelism_origin = Some(validation::ceiling_origin(

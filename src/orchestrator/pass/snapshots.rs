@@ -4,6 +4,28 @@
 use super::*;
 
 impl Pass<'_> {
+    /// The job's newest snapshot that can be restored at `max_parallelism` key groups, passing
+    /// over the history a restore replaced and the snapshots found unrestorable.
+    // `&mut self` for the future's sake: a `Pass` is Send but not Sync.
+    pub(super) async fn latest_restorable(
+        &mut self,
+        max_parallelism: u32,
+    ) -> Result<run::Restorable, PassError> {
+        run::latest_restorable(
+            self.spec,
+            &self.storage,
+            &self.ns,
+            &self.name,
+            max_parallelism,
+            self.status
+                .replaced_history_up_to
+                .and_then(|b| u64::try_from(b).ok()),
+            &self.mem.unrestorable,
+        )
+        .await
+        .map_err(PassError::FindSnapshot)
+    }
+
     pub(super) fn kind_labels(&self, kind: SnapshotKind) -> SnapshotLabels {
         OperatorMetrics::snapshot(&self.ns, &self.name, kind)
     }

@@ -82,19 +82,7 @@ impl Pass<'_> {
             // before a restore from a rewritten savepoint have another count and are skipped),
             // else the snapshot it was restored from.
             Restore::Latest => {
-                let found = run::latest_restorable(
-                    self.spec,
-                    &self.storage,
-                    &self.ns,
-                    &self.name,
-                    self.max_parallelism(),
-                    self.status
-                        .replaced_history_up_to
-                        .and_then(|b| u64::try_from(b).ok()),
-                    &self.mem.unrestorable,
-                )
-                .await
-                .map_err(PassError::FindSnapshot)?;
+                let found = self.latest_restorable(self.max_parallelism()).await?;
                 let newest = match found.skipped.is_empty() {
                     true => Ok(()),
                     false => {
