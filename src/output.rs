@@ -21,6 +21,28 @@ pub fn yaml<T: Serialize + ?Sized>(value: &T) -> Result<String, serde_yaml::Erro
     serde_yaml::to_string(value)
 }
 
+/// Why a report could not be rendered as a document.
+#[derive(Debug, thiserror::Error)]
+pub enum RenderError {
+    #[error("rendering JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("rendering YAML: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+}
+
+/// A report as `output` asks: `table` of it for people, or the document as (pretty) JSON or YAML.
+pub fn render<T: Serialize>(
+    report: &T,
+    output: Output,
+    table: impl FnOnce(&T) -> String,
+) -> Result<String, RenderError> {
+    Ok(match output {
+        Output::Table => table(report),
+        Output::Json => serde_json::to_string_pretty(report)? + "\n",
+        Output::Yaml => yaml(report)?,
+    })
+}
+
 /// Output formats of `keyshift plan`: [`Output`]'s and a picture.
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq, ValueEnum)]
 pub enum PlanOutput {

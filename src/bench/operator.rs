@@ -18,6 +18,7 @@
 use super::measure::{context_line, cpu_time, filler, loadavg, memory_kib, raw_read, raw_write};
 use crate::crd::StreamJob;
 use crate::operator::desired;
+use crate::orchestrator::status::reports_ready;
 use crate::runtime::protocol::WorkerStatus;
 use anyhow::{Context as _, Result, bail};
 use clap::{Args, Subcommand};
@@ -390,18 +391,6 @@ fn testenv_pid(name: &str) -> Option<u32> {
     text.split_whitespace().next()?.parse().ok()
 }
 
-fn is_ready(job: &StreamJob) -> bool {
-    let generation = job.metadata.generation;
-    job.status.as_ref().is_some_and(|s| {
-        s.observed_generation == generation
-            && s.conditions.iter().any(|c| {
-                c.type_ == crate::orchestrator::status::READY
-                    && c.status == "True"
-                    && c.observed_generation == generation
-            })
-    })
-}
-
 /// Runs an API call, retrying what a loaded test control plane fails with a 5xx or 429 (e.g.
 /// "resource quota evaluation timed out") up to 4 times, after 0.5 s, 1 s, 2 s and 4 s, each
 /// jittered (backon).
@@ -566,7 +555,7 @@ async fn wait_all_reconciled(
         op.check_alive()?;
         let list = jobs.list(&ListParams::default()).await?;
         let done = list.items.iter().filter(|j| is_reconciled(j)).count();
-        let ready = list.items.iter().filter(|j| is_ready(j)).count();
+        let ready = list.items.iter().filter(|j| reports_ready(j)).count();
         if done >= n {
             println!(
                 "  all {n} reconciled after {:.1} s ({ready} Ready=True; phases {:?})",
@@ -1028,7 +1017,7 @@ spec:
     let timeout = Duration::from_secs(args.timeout);
     let from = args.from as i32;
     wait_job(&mut op, &api, name, timeout, |j| {
-        is_ready(j) && j.status.as_ref().and_then(|s| s.replicas) == Some(from)
+        reports_ready(j) && j.status.as_ref().and_then(|s| s.replicas) == Some(from)
     })
     .await?;
 
@@ -1068,7 +1057,7 @@ spec:
     let to = args.to as i32;
     let done = wait_job(&mut op, &api, name, timeout, |j| {
         let s = j.status.as_ref();
-        is_ready(j)
+        reports_ready(j)
             && s.and_then(|s| s.replicas) == Some(to)
             && s.and_then(|s| s.rescale.as_ref())
                 .is_some_and(|r| r.step == keyshift_core::step::Step::Done && r.to == to)

@@ -10,7 +10,8 @@ pub mod complete;
 pub mod view;
 
 use crate::crd::{Phase, StreamJob};
-use crate::output::{Output, PlanOutput};
+use crate::orchestrator::status::reports_ready;
+use crate::output::{Output, PlanOutput, render};
 use clap::Subcommand;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
@@ -196,8 +197,8 @@ pub enum ClientError {
     },
     #[error("writing output: {0}")]
     Output(#[from] std::io::Error),
-    #[error("rendering output: {0}")]
-    Render(String),
+    #[error(transparent)]
+    Render(#[from] crate::output::RenderError),
 }
 
 /// The cluster client and the namespace the commands act in.
@@ -496,28 +497,6 @@ fn operator_version(d: &Deployment) -> OperatorVersion {
     }
 }
 
-fn render<T: Serialize>(
-    value: &T,
-    output: Output,
-    table: impl FnOnce() -> String,
-) -> Result<String, ClientError> {
-    match output {
-        Output::Table => Ok(table()),
-        Output::Json => serde_json::to_string_pretty(value)
-            .map(|s| s + "\n")
-            .map_err(|e| ClientError::Render(e.to_string())),
-        Output::Yaml => crate::output::yaml(value).map_err(|e| ClientError::Render(e.to_string())),
-    }
-}
-
-fn ready(job: &StreamJob) -> bool {
-    job.status.as_ref().is_some_and(|s| {
-        s.conditions
-            .iter()
-            .any(|c| c.type_ == "Ready" && c.status == "True")
-    })
-}
-
 /// Whether the operator has acted on the spec of `generation`.
 fn observed(job: &StreamJob, generation: Option<i64>) -> bool {
     let seen = job.status.as_ref().and_then(|s| s.observed_generation);
@@ -545,16 +524,16 @@ pub async fn run(
             let job = cluster.job(&name).await?;
             let now = Timestamp::now();
             let view = view::JobView::new(&job, now);
-            out.write_all(render(&view, output, || view.text(now))?.as_bytes())?;
+            out.write_all(render(&view, output, |v| v.text(now))?.as_bytes())?;
         }
         JobCommand::Status { name: None, output } => {
             let jobs = cluster.all_jobs().await?;
             let now = Timestamp::now();
             let views: Vec<view::JobView<'_>> =
                 jobs.iter().map(|j| view::JobView::new(j, now)).collect();
-            let table = || match views.is_empty() {
+            let table = |views: &Vec<view::JobView<'_>>| match views.is_empty() {
                 true => format!("no StreamJobs in namespace {}\n", cluster.namespace),
-                false => view::jobs_table(&views, now),
+                false => view::jobs_table(views, now),
             };
             out.write_all(render(&views, output, table)?.as_bytes())?;
         }
@@ -587,7 +566,7 @@ pub async fn run(
                         .and_then(|s| s.last_savepoint.clone()))
                 })
                 .await?;
-            out.write_all(render(&taken, output, || format!("{}\n", taken.path))?.as_bytes())?;
+            out.write_all(render(&taken, output, |t| format!("{}\n", t.path))?.as_bytes())?;
         }
         JobCommand::Suspend {
             name,
@@ -620,7 +599,7 @@ pub async fn run(
         } => {
             let spec = serde_json::json!({ "suspend": false });
             let line = match cluster
-                .change(&name, spec, wait, ("Ready", &wait_args), ready)
+                .change(&name, spec, wait, ("Ready", &wait_args), reports_ready)
                 .await?
             {
                 true => format!("streamjob {name} resumed and Ready"),
@@ -639,7 +618,7 @@ pub async fn run(
                 writeln!(out, "streamjob {name}: {summary}")?;
             }
             let at_replicas = |job: &StreamJob| {
-                ready(job) && job.status.as_ref().and_then(|s| s.replicas) == Some(replicas)
+                reports_ready(job) && job.status.as_ref().and_then(|s| s.replicas) == Some(replicas)
             };
             let spec = serde_json::json!({ "replicas": replicas });
             let what = ("Ready at the new parallelism", &wait_args);
@@ -665,7 +644,7 @@ pub async fn run(
                 operators,
                 operators_note,
             };
-            out.write_all(render(&versions, output, || versions.text())?.as_bytes())?;
+            out.write_all(render(&versions, output, Versions::text)?.as_bytes())?;
         }
     }
     Ok(())

@@ -217,7 +217,7 @@ pub fn jobs_table(views: &[JobView<'_>], now: Timestamp) -> String {
         let ready = v
             .conditions
             .iter()
-            .find(|c| c.type_ == "Ready")
+            .find(|c| c.type_ == crate::orchestrator::status::READY)
             .map_or("Unknown", |c| c.status);
         let checkpoint = v
             .last_checkpoint

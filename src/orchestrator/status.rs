@@ -221,6 +221,19 @@ pub fn is_ready(spec: &StreamJobSpec, status: &StreamJobStatus, progress: &Progr
     }
 }
 
+/// Whether a StreamJob as read from the API server reports Ready for the spec as it stands: its
+/// status and its Ready condition observed the object's generation, and the condition is True
+/// (what `kubectl wait --for=condition=Ready` and kstatus read).
+pub fn reports_ready(job: &crate::crd::StreamJob) -> bool {
+    let generation = job.metadata.generation;
+    job.status.as_ref().is_some_and(|s| {
+        s.observed_generation == generation
+            && s.conditions.iter().any(|c| {
+                c.type_ == READY && c.status == "True" && c.observed_generation == generation
+            })
+    })
+}
+
 /// Fills observedGeneration, phase and conditions.
 pub fn finish(
     spec: &StreamJobSpec,
@@ -785,6 +798,38 @@ mod tests {
             Timestamp::now(),
         );
         assert_eq!(cond(&st, SINK_PUBLISHED).status, "True");
+    }
+
+    #[test]
+    fn a_job_reports_ready_only_for_the_generation_it_stands_at() {
+        let doc = |generation: i64,
+                   observed: i64,
+                   condition: i64,
+                   ready: &str|
+         -> crate::crd::StreamJob {
+            serde_yaml::from_str(&format!(
+                "metadata: {{name: j, generation: {generation}}}
+spec:
+  replicas: 1
+  job: {{source: {{generator: {{partitions: 1, keys: 1}}}}, key: {{field: key}}, aggregation: {{function: count}}, sink: {{type: log}}}}
+status:
+  observedGeneration: {observed}
+  conditions:
+  - {{type: Ready, status: '{ready}', reason: Running, message: '', observedGeneration: {condition}, lastTransitionTime: '2026-12-07T10:00:00Z'}}
+"
+            ))
+            .unwrap()
+        };
+        assert!(reports_ready(&doc(3, 3, 3, "True")));
+        assert!(!reports_ready(&doc(3, 3, 3, "False")));
+        assert!(
+            !reports_ready(&doc(4, 3, 3, "True")),
+            "a spec change not yet observed"
+        );
+        assert!(
+            !reports_ready(&doc(3, 3, 2, "True")),
+            "a condition from an older spec"
+        );
     }
 
     #[test]

@@ -16,7 +16,7 @@ use crate::offline::rewrite::{
 };
 use crate::offline::verify::{VerifyOutcome, verify_keys_with_progress};
 use crate::offline::{Result, ToolError};
-use crate::output::{Output, yaml};
+use crate::output::Output;
 use clap::{Args, Subcommand};
 use std::fmt::Write as _;
 use std::io::Write;
@@ -303,22 +303,13 @@ fn emit(out: &mut dyn Write, text: &str) -> Result<()> {
     out.write_all(text.as_bytes()).map_err(ToolError::Output)
 }
 
-fn json<T: serde::Serialize>(v: &T) -> String {
-    // Plain data with string keys always serialises.
-    serde_json::to_string_pretty(v).unwrap_or_default() + "\n"
-}
-
-/// A report as `output` asks: `table` for people, or the document as JSON or YAML.
+/// A report as `output` asks (`crate::output::render`).
 fn render<T: serde::Serialize>(
     report: &T,
     output: Output,
     table: impl FnOnce(&T) -> String,
 ) -> Result<String> {
-    Ok(match output {
-        Output::Table => table(report),
-        Output::Json => json(report),
-        Output::Yaml => yaml(report).map_err(|e| ToolError::Yaml(e.to_string()))?,
-    })
+    crate::output::render(report, output, table).map_err(|e| ToolError::Render(e.to_string()))
 }
 
 async fn dispatch(command: SavepointCommand, out: &mut dyn Write) -> Result<()> {

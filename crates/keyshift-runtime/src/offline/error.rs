@@ -195,9 +195,9 @@ pub enum ToolError {
     #[error("writing output: {0}")]
     Output(#[source] std::io::Error),
 
-    /// A report could not be rendered as YAML.
-    #[error("rendering YAML: {0}")]
-    Yaml(String),
+    /// A report could not be rendered as a document (`rendering JSON: ...`, `rendering YAML: ...`).
+    #[error("{0}")]
+    Render(String),
 
     /// The async runtime could not start.
     #[error("cannot start the async runtime: {0}")]
