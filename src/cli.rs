@@ -58,9 +58,9 @@ pub enum Command {
     /// Show which key group (and subtask) keys land in.
     #[command(after_help = KEYGROUP_EXAMPLES)]
     Keygroup(KeygroupArgs),
-    /// Print the StreamJob CustomResourceDefinition as YAML.
+    /// Print the CustomResourceDefinitions (StreamJob, StreamJobSnapshot) as YAML.
     #[command(after_help = CRD_EXAMPLES)]
-    Crd,
+    Crd(CrdArgs),
     /// Offline tools for checkpoints and savepoints: list, inspect, verify, dump, rewrite,
     /// dispose.
     #[command(
@@ -161,8 +161,26 @@ const KEYGROUP_EXAMPLES: &str = "Examples:
   keyshift keygroup -g 128 --key-type long 42 -7";
 
 const CRD_EXAMPLES: &str = "Examples:
-  # Install or update the CRD
-  keyshift crd | kubectl apply -f -";
+  # Install or update the CRDs
+  keyshift crd | kubectl apply --server-side -f -
+  # Only the StreamJobSnapshot CRD
+  keyshift crd streamjobsnapshot";
+
+#[derive(clap::Args, Debug)]
+pub struct CrdArgs {
+    /// Only this CRD (default: both, as one YAML stream).
+    #[arg(value_enum)]
+    pub kind: Option<CrdKind>,
+}
+
+/// One of keyshift's CustomResourceDefinitions.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrdKind {
+    /// `streamjobs.keyshift.dev` (crds/streamjob.yaml).
+    Streamjob,
+    /// `streamjobsnapshots.keyshift.dev` (crds/streamjobsnapshot.yaml).
+    Streamjobsnapshot,
+}
 
 const LOCAL_EXAMPLES: &str = "Examples:
   # Run the sample job; edit `replicas` in the file to rescale, Ctrl-C to stop with a savepoint
@@ -458,8 +476,16 @@ fn run(command: Command, log_format: LogFormat) -> Result<(), CliError> {
             out.write_all(text.as_bytes()).map_err(CliError::Stdout)
         }
         Command::Keygroup(args) => keygroup_cmd(&args, &mut out),
-        Command::Crd => {
-            let yaml = crate::validation::crd_yaml()?;
+        Command::Crd(args) => {
+            let yaml = match args.kind {
+                Some(CrdKind::Streamjob) => crate::validation::crd_yaml()?,
+                Some(CrdKind::Streamjobsnapshot) => crate::validation::snapshot_crd_yaml()?,
+                None => format!(
+                    "{}---\n{}",
+                    crate::validation::crd_yaml()?,
+                    crate::validation::snapshot_crd_yaml()?
+                ),
+            };
             out.write_all(yaml.as_bytes()).map_err(CliError::Stdout)
         }
         Command::Local(args) => {

@@ -32,7 +32,13 @@ fn committed_crd_matches_the_generated_one() {
     let generated = crd_yaml().unwrap();
     assert!(
         committed == generated,
-        "crds/streamjob.yaml is stale: run `cargo run -- crd > crds/streamjob.yaml && cp crds/streamjob.yaml charts/keyshift/crds/`"
+        "crds/streamjob.yaml is stale: run `cargo run -- crd streamjob > crds/streamjob.yaml && cp crds/streamjob.yaml charts/keyshift/crds/`"
+    );
+    let committed = std::fs::read_to_string(root().join("crds/streamjobsnapshot.yaml"))
+        .expect("crds/streamjobsnapshot.yaml exists");
+    assert!(
+        committed == snapshot_crd_yaml().unwrap(),
+        "crds/streamjobsnapshot.yaml is stale: run `cargo run -- crd streamjobsnapshot > crds/streamjobsnapshot.yaml && cp crds/streamjobsnapshot.yaml charts/keyshift/crds/`"
     );
 }
 
@@ -68,6 +74,20 @@ fn undescribed(schema: &serde_json::Value, path: &str, out: &mut Vec<String>) {
 /// API server serves) has a description. A field without a doc comment fails here by its path.
 #[test]
 fn kubectl_explain_describes_every_property() {
+    let text = std::fs::read_to_string(root().join("crds/streamjobsnapshot.yaml")).expect("crd");
+    let crd: serde_json::Value = serde_yaml::from_str(&text).expect("the CRD is YAML");
+    let schema = &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"];
+    assert!(
+        schema["description"]
+            .as_str()
+            .is_some_and(|d| !d.is_empty())
+    );
+    let mut missing = Vec::new();
+    undescribed(schema, "streamjobsnapshot", &mut missing);
+    assert!(
+        missing.is_empty(),
+        "`kubectl explain` shows no description for {missing:?}; add a doc comment to each field in src/crd/snapshot.rs"
+    );
     let text = std::fs::read_to_string(root().join("crds/streamjob.yaml")).expect("crd");
     let crd: serde_json::Value = serde_yaml::from_str(&text).expect("the CRD is YAML");
     let versions = crd["spec"]["versions"].as_array().expect("versions");
@@ -84,7 +104,7 @@ fn kubectl_explain_describes_every_property() {
         undescribed(schema, "streamjob", &mut missing);
         assert!(
             missing.is_empty(),
-            "`kubectl explain` shows no description for {} propert{} of {}: {missing:?}; add a doc comment to each field in src/crd.rs and regenerate with `cargo run -- crd > crds/streamjob.yaml && cp crds/streamjob.yaml charts/keyshift/crds/`",
+            "`kubectl explain` shows no description for {} propert{} of {}: {missing:?}; add a doc comment to each field in src/crd/mod.rs and regenerate with `cargo run -- crd streamjob > crds/streamjob.yaml && cp crds/streamjob.yaml charts/keyshift/crds/`",
             missing.len(),
             if missing.len() == 1 { "y" } else { "ies" },
             v["name"]
@@ -240,6 +260,8 @@ fn crd_has_scale_status_and_every_rule() {
         MSG_STRICT_DIVISOR,
         MSG_STORAGE_URL,
         MSG_RESTORE_URL,
+        MSG_RETENTION_KEEP,
+        MSG_RETENTION_MAX_AGE,
         MSG_CHECKPOINT_INTERVAL,
         MSG_WINDOW_SIZE,
         MSG_OUT_OF_ORDERNESS,
@@ -555,6 +577,29 @@ fn each_rule_refuses_with_its_message() {
     let mut s = base();
     s.restore_from = Some("savepoints/sp-1".into());
     fails_with(&s, None, MSG_RESTORE_URL);
+    for bad in ["Before", "-x", "a..b", "x_y"] {
+        s.restore_from = Some(bad.into());
+        fails_with(&s, None, MSG_RESTORE_URL);
+    }
+    // A StreamJobSnapshot's name.
+    s.restore_from = Some("before-upgrade.v2".into());
+    validate(&s, None).unwrap();
+    let mut s = base();
+    s.snapshot_retention = Some(keyshift::crd::SnapshotRetention {
+        keep: Some(0),
+        max_age: None,
+    });
+    fails_with(&s, None, MSG_RETENTION_KEEP);
+    s.snapshot_retention = Some(keyshift::crd::SnapshotRetention {
+        keep: Some(1),
+        max_age: Some("7d".into()),
+    });
+    fails_with(&s, None, MSG_RETENTION_MAX_AGE);
+    s.snapshot_retention = Some(keyshift::crd::SnapshotRetention {
+        keep: Some(3),
+        max_age: Some("168h".into()),
+    });
+    validate(&s, None).unwrap();
 
     for bad in ["", "10", "5 s", "1d", "s", "-5s", "1.5s"] {
         let mut s = base();

@@ -163,6 +163,17 @@ fn workload_rules() -> Rules {
         ),
         ("keyshift.dev", "streamjobs/finalizers", &["update"]),
         (
+            "keyshift.dev",
+            "streamjobsnapshots",
+            &["get", "list", "watch", "patch", "update", "delete"],
+        ),
+        (
+            "keyshift.dev",
+            "streamjobsnapshots/status",
+            &["get", "patch", "update"],
+        ),
+        ("keyshift.dev", "streamjobsnapshots/finalizers", &["update"]),
+        (
             "",
             "pods",
             &["get", "list", "watch", "create", "delete", "patch"],
@@ -213,14 +224,31 @@ fn env<'a>(docs: &'a [Value], var: &str) -> &'a Value {
 
 #[test]
 fn chart_crd_is_the_committed_crd_and_versions_match() {
-    let committed = std::fs::read_to_string(root().join("crds/streamjob.yaml")).expect("crd");
-    let in_chart =
-        std::fs::read_to_string(root().join("charts/keyshift/crds/streamjob.yaml")).expect("crd");
-    assert!(
-        committed == in_chart,
-        "charts/keyshift/crds/streamjob.yaml differs from crds/streamjob.yaml: \
-         run `cp crds/streamjob.yaml charts/keyshift/crds/` (and read the CRD upgrade notes in charts/keyshift/README.md)"
+    let files = |dir: &str| -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(root().join(dir))
+            .expect("crds dir")
+            .filter_map(|e| e.ok())
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    };
+    assert_eq!(
+        files("crds"),
+        ["streamjob.yaml", "streamjobsnapshot.yaml"],
+        "the committed CRDs"
     );
+    assert_eq!(files("charts/keyshift/crds"), files("crds"));
+    for file in files("crds") {
+        let committed = std::fs::read_to_string(root().join("crds").join(&file)).expect("crd");
+        let in_chart =
+            std::fs::read_to_string(root().join("charts/keyshift/crds").join(&file)).expect("crd");
+        assert!(
+            committed == in_chart,
+            "charts/keyshift/crds/{file} differs from crds/{file}: \
+             run `cp crds/{file} charts/keyshift/crds/` (and read the CRD upgrade notes in charts/keyshift/README.md)"
+        );
+    }
     let chart: Value = serde_yaml::from_str(
         &std::fs::read_to_string(root().join("charts/keyshift/Chart.yaml")).expect("Chart.yaml"),
     )
@@ -254,12 +282,18 @@ fn values_schema_accepts_the_storage_schemes_the_crd_does() {
 fn rendered_crd_equals_the_committed_crd() {
     with_helm(|helm| {
         let docs = render_ok(helm, &["--include-crds"]);
-        let crd = one(&docs, "CustomResourceDefinition");
-        let committed: Value = serde_yaml::from_str(
-            &std::fs::read_to_string(root().join("crds/streamjob.yaml")).expect("crd"),
-        )
-        .expect("crd parses");
-        assert!(*crd == committed, "helm renders the committed CRD");
+        let crds = of_kind(&docs, "CustomResourceDefinition");
+        assert_eq!(crds.len(), 2, "StreamJob and StreamJobSnapshot");
+        for file in ["streamjob.yaml", "streamjobsnapshot.yaml"] {
+            let committed: Value = serde_yaml::from_str(
+                &std::fs::read_to_string(root().join("crds").join(file)).expect("crd"),
+            )
+            .expect("crd parses");
+            assert!(
+                crds.iter().any(|c| **c == committed),
+                "helm renders the committed {file}"
+            );
+        }
         // Without --include-crds the CRD is not a template: Helm never upgrades or deletes it.
         assert!(of_kind(&defaults(helm), "CustomResourceDefinition").is_empty());
     });
@@ -867,6 +901,16 @@ fn aggregated_roles_add_streamjobs_to_view_edit_and_admin() {
                         "streamjobs/scale",
                         &["get", "list", "watch"]
                     ),
+                    (
+                        "keyshift.dev",
+                        "streamjobsnapshots",
+                        &["get", "list", "watch"]
+                    ),
+                    (
+                        "keyshift.dev",
+                        "streamjobsnapshots/status",
+                        &["get", "list", "watch"]
+                    ),
                 ])
             );
             let edit = aggregated_role(&docs, "-streamjobs-edit");
@@ -881,6 +925,11 @@ fn aggregated_roles_add_streamjobs_to_view_edit_and_admin() {
                     (
                         "keyshift.dev",
                         "streamjobs",
+                        &["create", "update", "patch", "delete", "deletecollection"]
+                    ),
+                    (
+                        "keyshift.dev",
+                        "streamjobsnapshots",
                         &["create", "update", "patch", "delete", "deletecollection"]
                     ),
                     ("keyshift.dev", "streamjobs/scale", &["update", "patch"]),

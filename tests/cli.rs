@@ -173,7 +173,25 @@ fn bench_and_test_only_commands_exist_only_with_their_features() {
 fn crd_prints_yaml() {
     let out = keyshift(&["crd"], None);
     assert!(out.status.success());
-    assert!(text(&out.stdout).starts_with("apiVersion: apiextensions.k8s.io/v1"));
+    let both = text(&out.stdout);
+    assert!(both.starts_with("apiVersion: apiextensions.k8s.io/v1"));
+    let names: Vec<String> = serde_yaml::Deserializer::from_str(&both)
+        .map(|d| {
+            let v = <serde_json::Value as serde::Deserialize>::deserialize(d).expect("YAML");
+            v["metadata"]["name"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(
+        names,
+        ["streamjobs.keyshift.dev", "streamjobsnapshots.keyshift.dev"]
+    );
+    let one = keyshift(&["crd", "streamjobsnapshot"], None);
+    assert!(one.status.success());
+    assert!(text(&one.stdout).contains("name: streamjobsnapshots.keyshift.dev"));
+    assert!(!text(&one.stdout).contains("name: streamjobs.keyshift.dev"));
 }
 
 /// A worker stops at once on SIGTERM and exits 0, as a container's PID 1 must (the kernel gives

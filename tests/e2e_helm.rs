@@ -209,6 +209,18 @@ fn install_upgrade_uninstall() {
     for ns in [a, b] {
         assert_can(sa, &["list", "streamjobs.keyshift.dev", "-n", ns]);
         assert_can(sa, &["watch", "streamjobs.keyshift.dev", "-n", ns]);
+        assert_can(sa, &["watch", "streamjobsnapshots.keyshift.dev", "-n", ns]);
+        assert_can(sa, &["delete", "streamjobsnapshots.keyshift.dev", "-n", ns]);
+        assert_can(
+            sa,
+            &[
+                "patch",
+                "streamjobsnapshots.keyshift.dev",
+                "--subresource=status",
+                "-n",
+                ns,
+            ],
+        );
         assert_can(
             sa,
             &[

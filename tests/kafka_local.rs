@@ -943,6 +943,7 @@ async fn the_pass_writes_the_lag_to_status_and_the_job_series() {
                         status: status.clone(),
                         storage: storage.clone(),
                         generation: None,
+                        savepoint_request: None,
                     },
                     &mut mem,
                     Shell {

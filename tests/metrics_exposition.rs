@@ -63,6 +63,7 @@ async fn the_operator_endpoint_parses_and_follows_the_conventions() {
         parallelism: 2,
         size_bytes: Some(4096),
         source_partitions: None,
+        snapshot: None,
     };
     let status = StreamJobStatus {
         phase: Some(Phase::Rescaling),

@@ -306,6 +306,7 @@ impl Driver {
                 status: before.clone(),
                 storage: self.storage.clone(),
                 generation: None,
+                savepoint_request: None,
             },
             &mut self.mem,
             Shell {

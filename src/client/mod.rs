@@ -2,20 +2,24 @@
 //! `kubectl-keyshift`): a live StreamJob's status on one screen, a savepoint, suspend, resume,
 //! scale and plan against the job as it runs, and the client's and operators' versions.
 //!
-//! Every command acts through the StreamJob's spec, as `kubectl patch` would (the operator does
-//! the work and reports in status), so nothing here needs more rights than editing the job.
+//! Every command acts through the StreamJob's spec, as `kubectl patch` would, or, for a
+//! savepoint, by creating a StreamJobSnapshot (the operator does the work and reports in
+//! status), so nothing here needs more rights than editing the job and creating snapshots.
 //! What is shown is built by pure functions ([`view`], [`complete`]); this module holds the I/O.
 
 pub mod complete;
 pub mod view;
 
-use crate::crd::{Phase, StreamJob};
+use crate::crd::{
+    Phase, SnapshotPhase, StreamJob, StreamJobSnapshot, StreamJobSnapshotSpec,
+    StreamJobSnapshotStatus,
+};
 use crate::orchestrator::status::reports_ready;
 use crate::output::{Output, PlanOutput, render};
 use clap::Subcommand;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::jiff::Timestamp;
-use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::api::{Api, ListParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Client, Config};
 use serde::Serialize;
@@ -72,14 +76,17 @@ pub enum JobCommand {
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
         output: Output,
     },
-    /// Take a savepoint of the running job without stopping it (spec.savepointTriggerNonce);
-    /// waits for it and prints its path.
+    /// Take a savepoint of the running job without stopping it: creates a StreamJobSnapshot
+    /// (its spec is not edited), waits for it and prints its path.
     #[command(after_help = SAVEPOINT_EXAMPLES)]
     Savepoint {
         /// The StreamJob.
         name: String,
-        /// Output format of the savepoint taken: its path (table), or its status.lastSavepoint
-        /// entry (json, yaml).
+        /// Name of the StreamJobSnapshot (default: generated, `<job>-<random>`).
+        #[arg(long)]
+        snapshot: Option<String>,
+        /// Output format of the savepoint taken: its path (table), or the StreamJobSnapshot's
+        /// status (json, yaml).
         #[arg(long, short = 'o', value_enum, default_value_t = Output::Table)]
         output: Output,
         /// Wait for the savepoint (`--wait=false`: only ask for it).
@@ -153,8 +160,8 @@ const STATUS_EXAMPLES: &str = "Examples:
 const SAVEPOINT_EXAMPLES: &str = "Examples:
   # Take a savepoint and print its path
   kubectl keyshift savepoint clicks -n team-a
-  # Ask for one and return at once (status.lastSavepoint shows it when taken)
-  kubectl keyshift savepoint clicks -n team-a --wait=false";
+  # Ask for one, named, and return at once (`kubectl get sjsnap` shows it when taken)
+  kubectl keyshift savepoint clicks -n team-a --snapshot before-upgrade --wait=false";
 
 const SCALE_EXAMPLES: &str = "Examples:
   # Rescale to 6 workers and wait until the job is Ready at 6
@@ -289,6 +296,70 @@ impl Cluster {
             .await?;
         }
         Ok(wait)
+    }
+
+    /// Creates a StreamJobSnapshot of job `job` (named `name`, else `<job>-<random>`); its name.
+    async fn create_snapshot(&self, job: &str, name: Option<&str>) -> Result<String, ClientError> {
+        let mut snapshot = StreamJobSnapshot::new(
+            name.unwrap_or_default(),
+            StreamJobSnapshotSpec {
+                job_name: job.to_owned(),
+                path: None,
+                deletion_policy: None,
+            },
+        );
+        if name.is_none() {
+            snapshot.metadata.name = None;
+            snapshot.metadata.generate_name = Some(format!("{job}-"));
+        }
+        let api: Api<StreamJobSnapshot> = Api::namespaced(self.client.clone(), &self.namespace);
+        let created = api
+            .create(&PostParams::default(), &snapshot)
+            .await
+            .map_err(|e| api_error("creating a StreamJobSnapshot of", job, e))?;
+        Ok(created.metadata.name.unwrap_or_default())
+    }
+
+    /// Polls the StreamJobSnapshot `name` every second until it is Ready (its status) or Failed
+    /// (an error with its message), printing each new message to stderr.
+    async fn wait_snapshot(
+        &self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<StreamJobSnapshotStatus, ClientError> {
+        let api: Api<StreamJobSnapshot> = Api::namespaced(self.client.clone(), &self.namespace);
+        let start = Instant::now();
+        let mut shown = String::new();
+        loop {
+            let snapshot = api
+                .get(name)
+                .await
+                .map_err(|e| api_error("reading the StreamJobSnapshot", name, e))?;
+            let status = snapshot.status.unwrap_or_default();
+            let message = status.message.clone().unwrap_or_default();
+            match status.phase {
+                Some(SnapshotPhase::Ready) => return Ok(status),
+                Some(SnapshotPhase::Failed) => {
+                    return Err(ClientError::Refused(format!(
+                        "streamjobsnapshot {name} failed: {message}"
+                    )));
+                }
+                _ => {}
+            }
+            if message != shown && !message.is_empty() {
+                eprintln!("{name}: {message}");
+                shown = message;
+            }
+            if start.elapsed() >= timeout {
+                return Err(ClientError::Timeout {
+                    name: name.to_owned(),
+                    what: "the savepoint",
+                    seconds: timeout.as_secs(),
+                    message: shown,
+                });
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+        }
     }
 
     /// Polls the job every second until `done` says it is there (`Some(result)`), printing each
@@ -539,6 +610,7 @@ pub async fn run(
         }
         JobCommand::Savepoint {
             name,
+            snapshot,
             output,
             wait,
             wait_args,
@@ -550,23 +622,22 @@ pub async fn run(
                     "streamjob {name} is suspended: it was stopped with a savepoint (status.lastSavepoint); resume it to take another"
                 )));
             }
-            let nonce = next_nonce(&job);
-            cluster
-                .patch_spec(&name, serde_json::json!({ "savepointTriggerNonce": nonce }))
-                .await?;
+            let created = cluster.create_snapshot(&name, snapshot.as_deref()).await?;
+            eprintln!("streamjobsnapshot/{created} created");
             if !wait {
-                writeln!(out, "streamjob {name}: savepoint {nonce} requested")?;
+                writeln!(
+                    out,
+                    "streamjobsnapshot/{created}: savepoint of {name} requested"
+                )?;
                 return Ok(());
             }
-            let taken = cluster
-                .wait(&name, "the savepoint", wait_args.timeout, |job| {
-                    let status = job.status.as_ref();
-                    Ok(status
-                        .filter(|s| s.last_savepoint_nonce == Some(nonce))
-                        .and_then(|s| s.last_savepoint.clone()))
-                })
-                .await?;
-            out.write_all(render(&taken, output, |t| format!("{}\n", t.path))?.as_bytes())?;
+            let taken = cluster.wait_snapshot(&created, wait_args.timeout).await?;
+            out.write_all(
+                render(&taken, output, |t| {
+                    format!("{}\n", t.path.as_deref().unwrap_or_default())
+                })?
+                .as_bytes(),
+            )?;
         }
         JobCommand::Suspend {
             name,
@@ -650,18 +721,6 @@ pub async fn run(
     Ok(())
 }
 
-/// The nonce that asks for a new savepoint: above both the spec's and the one last acted on.
-/// Pure.
-pub fn next_nonce(job: &StreamJob) -> i64 {
-    let spec = job.spec.savepoint_trigger_nonce.unwrap_or(0);
-    let acted = job
-        .status
-        .as_ref()
-        .and_then(|s| s.last_savepoint_nonce)
-        .unwrap_or(0);
-    spec.max(acted).saturating_add(1)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -684,16 +743,6 @@ status: {status}
 "#
         ))
         .unwrap()
-    }
-
-    #[test]
-    fn the_next_nonce_is_above_the_spec_and_the_last_acted_on() {
-        assert_eq!(next_nonce(&job("", "{}")), 1);
-        assert_eq!(next_nonce(&job("savepointTriggerNonce: 7", "{}")), 8);
-        assert_eq!(
-            next_nonce(&job("savepointTriggerNonce: 7", "{lastSavepointNonce: 9}")),
-            10
-        );
     }
 
     #[test]

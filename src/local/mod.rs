@@ -485,6 +485,7 @@ pub async fn run_cli(opts: LocalOptions) -> Result<(), LocalError> {
                 status: status.clone(),
                 storage: storage.clone(),
                 generation: None,
+                savepoint_request: None,
             },
             &mut mem,
             Shell {

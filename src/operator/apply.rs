@@ -6,7 +6,8 @@ use super::context::Context;
 use super::desired::{self, MANAGER};
 use super::error::OperatorError;
 use super::pods::PodWorkers;
-use crate::crd::{StreamJob, StreamJobStatus};
+use super::snapshot;
+use crate::crd::{SnapshotPhase, StreamJob, StreamJobSnapshot, StreamJobSpec, StreamJobStatus};
 use crate::orchestrator::pass::{self, PassInput, Shell, requeue};
 use crate::validation;
 use keyshift_core::reason::Reason;
@@ -106,6 +107,12 @@ pub(super) async fn apply(
             .at(version)
             .matching(kube::api::VersionMatch::NotOlderThan);
     }
+    // Dereferenced for the pass: the StreamJobSnapshot spec.restoreFrom names, and the one
+    // waiting for a savepoint.
+    let snapshots = ctx.snapshots_in(&ns);
+    let resolved = resolve_restore_from(spec, &status0, &snapshots);
+    let spec = resolved.as_ref().unwrap_or(spec);
+    let savepoint_request = snapshot::savepoint_request(&job, snapshots.iter().map(|s| &**s));
     let entry = &mut *entry;
     let mut workers = PodWorkers::new(&ctx, &job, &ns, &name, list, &mut entry.pods_version);
     let out = pass::run_pass(
@@ -116,6 +123,7 @@ pub(super) async fn apply(
             status: status0.clone(),
             storage,
             generation: job.metadata.generation,
+            savepoint_request,
         },
         &mut entry.orchestration,
         Shell {
@@ -127,6 +135,14 @@ pub(super) async fn apply(
     .await?;
     let mut status = out.status;
     status.selector = Some(desired::selector(&name));
+    // Which resource the restored URL came from.
+    if let Some(named) = job.spec.restore_from.as_deref()
+        && let validation::RestoreSource::Snapshot(named) = validation::restore_source(named)
+        && status.restored_from.is_some()
+        && status.restored_from == spec.restore_from
+    {
+        status.restored_from_snapshot = Some(named.to_owned());
+    }
     let (written, ()) = tokio::join!(
         write_status(&api, &name, &status0, &status),
         ctx.publish(&job, out.events),
@@ -136,6 +152,36 @@ pub(super) async fn apply(
     }
     ctx.metrics.observe_status(&ns, &name, spec, &status);
     Ok(Requeue::requeue(out.requeue))
+}
+
+/// The spec with spec.restoreFrom's StreamJobSnapshot name replaced by that snapshot's URL,
+/// when it names a Ready one (`None`: nothing to replace). A name that names none stays: the
+/// pass reports it (Stalled, SnapshotNotReady) and stops nothing.
+fn resolve_restore_from(
+    spec: &StreamJobSpec,
+    status: &StreamJobStatus,
+    snapshots: &[Arc<StreamJobSnapshot>],
+) -> Option<StreamJobSpec> {
+    let validation::RestoreSource::Snapshot(wanted) =
+        validation::restore_source(spec.restore_from.as_deref()?)
+    else {
+        return None;
+    };
+    let ready = snapshots
+        .iter()
+        .find(|s| s.name_any() == wanted)
+        .and_then(|s| s.status.as_ref())
+        .filter(|st| st.phase == Some(SnapshotPhase::Ready))
+        .and_then(|st| st.path.clone());
+    // Restored from it already: the resource may be gone since.
+    let done = status
+        .restored_from
+        .clone()
+        .filter(|_| status.restored_from_snapshot.as_deref() == Some(wanted));
+    let url = ready.or(done)?;
+    let mut spec = spec.clone();
+    spec.restore_from = Some(url);
+    Some(spec)
 }
 
 /// A job refused before anything acts (the operator's policy, a sink another job holds, no

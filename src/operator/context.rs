@@ -3,7 +3,7 @@
 
 use super::desired::MANAGER;
 use super::metrics::OperatorMetrics;
-use crate::crd::StreamJob;
+use crate::crd::{StreamJob, StreamJobSnapshot};
 use crate::orchestrator::pass::{JobMemory, PendingEvent};
 use kube::Client;
 use kube::Resource;
@@ -70,6 +70,10 @@ pub struct Context {
     /// Per controller: its watch cache of StreamJobs, to check one job against the others
     /// (their sinks) without a request.
     pub(super) job_stores: std::sync::Mutex<Vec<kube::runtime::reflector::Store<StreamJob>>>,
+    /// Per snapshot controller: its watch cache of StreamJobSnapshots, for the job passes to
+    /// find the snapshots that wait for a savepoint and the one spec.restoreFrom names.
+    pub(super) snapshot_stores:
+        std::sync::Mutex<Vec<kube::runtime::reflector::Store<StreamJobSnapshot>>>,
 }
 
 pub(super) type Waker = futures::channel::mpsc::UnboundedSender<ObjectRef<StreamJob>>;
@@ -96,6 +100,7 @@ impl Context {
             jobs: std::sync::Mutex::new(HashMap::new()),
             wakers: std::sync::Mutex::new(Vec::new()),
             job_stores: std::sync::Mutex::new(Vec::new()),
+            snapshot_stores: std::sync::Mutex::new(Vec::new()),
         }
     }
 
@@ -127,7 +132,28 @@ impl Context {
         jobs.remove(&(ns.to_owned(), name.to_owned()));
     }
 
-    pub(super) async fn event(&self, job: &StreamJob, warning: bool, reason: &str, note: String) {
+    /// Publishes an Event about `object` (a StreamJob or a StreamJobSnapshot).
+    pub(super) async fn event<K: Resource<DynamicType = ()>>(
+        &self,
+        object: &K,
+        warning: bool,
+        reason: &str,
+        note: String,
+    ) {
+        self.event_on(object.object_ref(&()), warning, reason, note)
+            .await;
+    }
+
+    /// Publishes an Event about the object `reference` names. Boxed as a `Send` future with
+    /// concrete lifetimes: the recorder's own future is not `Send` for every lifetime, which a
+    /// controller's reconciler (the StreamJobSnapshot's) must be.
+    pub(super) fn event_on(
+        &self,
+        reference: k8s_openapi::api::core::v1::ObjectReference,
+        warning: bool,
+        reason: &str,
+        note: String,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send + '_>> {
         let ev = Event {
             type_: if warning {
                 EventType::Warning
@@ -139,9 +165,11 @@ impl Context {
             action: reason.into(),
             secondary: None,
         };
-        if let Err(e) = self.recorder.publish(&ev, &job.object_ref(&())).await {
-            tracing::warn!(error = %e, reason, "publishing an Event failed");
-        }
+        Box::pin(async move {
+            if let Err(e) = self.recorder.publish(&ev, &reference).await {
+                tracing::warn!(error = %e, reason = %ev.reason, "publishing an Event failed");
+            }
+        })
     }
 
     /// A pass's Events, in the order they were recorded.
@@ -168,6 +196,36 @@ impl Context {
             .clone();
         let others: Vec<Arc<StreamJob>> = stores.iter().flat_map(|s| s.state()).collect();
         crate::validation::check_sink_isolation(&identity(job), others.iter().map(|o| identity(o)))
+    }
+}
+
+impl Context {
+    /// The StreamJobSnapshots of namespace `ns` in the watch caches.
+    pub(super) fn snapshots_in(&self, ns: &str) -> Vec<Arc<StreamJobSnapshot>> {
+        let stores = self
+            .snapshot_stores
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        stores
+            .iter()
+            .flat_map(|s| s.state())
+            .filter(|s| s.metadata.namespace.as_deref() == Some(ns))
+            .collect()
+    }
+
+    /// The StreamJobs of namespace `ns` in the watch caches.
+    pub(super) fn jobs_in(&self, ns: &str) -> Vec<Arc<StreamJob>> {
+        let stores = self
+            .job_stores
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        stores
+            .iter()
+            .flat_map(|s| s.state())
+            .filter(|j| j.metadata.namespace.as_deref() == Some(ns))
+            .collect()
     }
 }
 

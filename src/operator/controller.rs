@@ -94,6 +94,10 @@ pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
         image = %ctx.config.worker_image,
         "keyshift operator starting"
     );
+    let snapshot_controllers = scopes
+        .clone()
+        .into_iter()
+        .map(|ns| super::snapshot::run(ctx.clone(), ns, watch_config()));
     let controllers = scopes.into_iter().map(|ns| {
         let (jobs, pods): (Api<StreamJob>, Api<Pod>) = match &ns {
             Some(ns) => (
@@ -135,7 +139,11 @@ pub async fn run_controllers(ctx: Arc<Context>) -> Result<(), OperatorError> {
                 .await;
         }
     });
-    futures::future::join_all(controllers).await;
+    futures::future::join(
+        futures::future::join_all(controllers),
+        futures::future::join_all(snapshot_controllers),
+    )
+    .await;
     Ok(())
 }
 
@@ -293,7 +301,7 @@ async fn cleanup(job: Arc<StreamJob>, ctx: Arc<Context>) -> Result<Requeue, Oper
     // The job's series go with it (a deleted job's last values are no one's business).
     ctx.metrics.forget_job(&ns, &name);
     ctx.event(
-        &job,
+        &*job,
         false,
         Reason::Deleted.as_str(),
         "worker pods removed; snapshots are kept in storage".into(),

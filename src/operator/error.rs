@@ -33,6 +33,12 @@ pub enum OperatorError {
     },
     #[error("leader election: {0}")]
     Leader(#[from] crate::leader::LeaderError),
+    #[error("StreamJobSnapshot: {0}: {1}")]
+    SnapshotApi(&'static str, #[source] kube::Error),
+    #[error("StreamJobSnapshot: reading the snapshot: {0}")]
+    SnapshotTask(String),
+    #[error("StreamJobSnapshot storage: {0}")]
+    SnapshotStorage(#[source] crate::offline::ToolError),
 }
 
 impl OperatorError {
@@ -41,6 +47,7 @@ impl OperatorError {
         match self {
             OperatorError::Pass(e) => e.kind(),
             OperatorError::Identify(_) => ErrorKind::Config,
+            OperatorError::SnapshotStorage(_) => ErrorKind::Storage,
             _ => ErrorKind::Platform,
         }
     }

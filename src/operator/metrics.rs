@@ -717,6 +717,7 @@ mod tests {
             parallelism: 4,
             size_bytes: Some(size),
             source_partitions: None,
+            snapshot: None,
         }
     }
 

@@ -11,7 +11,8 @@
 //!   the job's NetworkPolicy (applied before a run's pods);
 //! - [`desired`]: the pods, Secret and NetworkPolicy a job owns (pure);
 //! - [`error`]: the one error type, with a kind per failure;
-//! - [`metrics`]: Prometheus metrics and the `/metrics` server.
+//! - [`metrics`]: Prometheus metrics and the `/metrics` server;
+//! - [`snapshot`]: the StreamJobSnapshot controller (records, in-use, retention, disposal).
 //!
 //! The transition protocol (a state machine whose step lives in `status.rescale.step` and is
 //! written before the step acts) is described in `docs/architecture.md`. A restarted operator
@@ -26,6 +27,7 @@ pub mod desired;
 pub mod error;
 pub mod metrics;
 pub mod pods;
+pub mod snapshot;
 
 pub use context::{Context, OperatorConfig};
 pub use controller::{run, run_controllers};

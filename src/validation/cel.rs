@@ -74,8 +74,23 @@ pub(super) fn rules() -> Vec<CelRule> {
         ),
         r(
             &["spec", "restoreFrom"],
-            &format!("self.matches('{}')", url_rule()),
+            &format!(
+                "self.matches('{}') || (size(self) <= 253 && self.matches('{OBJECT_NAME_RE}'))",
+                url_rule()
+            ),
             MSG_RESTORE_URL,
+            None,
+        ),
+        r(
+            &["spec", "snapshotRetention", "keep"],
+            "self >= 1",
+            MSG_RETENTION_KEEP,
+            None,
+        ),
+        r(
+            &["spec", "snapshotRetention", "maxAge"],
+            &format!("self.matches('{DURATION_RE}')"),
+            MSG_RETENTION_MAX_AGE,
             None,
         ),
         r(
@@ -406,7 +421,56 @@ pub(super) fn schema_at<'a>(
 /// Attaches the CEL rules and string and list bounds to a StreamJob root schema. Panics in tests (not at
 /// run time) if a path is missing: the rule table and the Rust types must agree.
 pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
-    for rule in rules() {
+    attach(root, rules(), BOUNDED_STRINGS, BOUNDED_LISTS, BOUNDED_MAPS);
+}
+
+/// The StreamJobSnapshot's rules: its spec names a job and a snapshot, both fixed once created.
+fn snapshot_rules() -> Vec<CelRule> {
+    let r = |path, rule: String, message| CelRule {
+        path,
+        rule,
+        message,
+        field_path: None,
+        message_expression: None,
+    };
+    vec![
+        r(
+            &["spec", "jobName"],
+            format!("self.matches('{OBJECT_NAME_RE}')"),
+            MSG_SNAPSHOT_JOB_NAME,
+        ),
+        r(
+            &["spec", "path"],
+            format!("self.matches('{}')", url_rule()),
+            MSG_SNAPSHOT_PATH,
+        ),
+        r(
+            &["spec"],
+            "self.jobName == oldSelf.jobName && has(self.path) == has(oldSelf.path) && (!has(self.path) || self.path == oldSelf.path)".to_owned(),
+            MSG_SNAPSHOT_FIXED,
+        ),
+    ]
+}
+
+/// Attaches the StreamJobSnapshot's rules and length bounds to its CRD's root schema.
+pub(crate) fn attach_snapshot_rules(root: &mut JSONSchemaProps) {
+    attach(
+        root,
+        snapshot_rules(),
+        &[(&["spec", "jobName"], 253), (&["spec", "path"], 2048)],
+        &[],
+        &[],
+    );
+}
+
+fn attach(
+    root: &mut JSONSchemaProps,
+    rules: Vec<CelRule>,
+    strings: &[(&[&str], i64)],
+    lists: &[(&[&str], i64)],
+    maps: &[(&[&str], i64)],
+) {
+    for rule in rules {
         let node = schema_at(root, rule.path);
         debug_assert!(node.is_some(), "no schema at {:?}", rule.path);
         if let Some(node) = node {
@@ -431,7 +495,7 @@ pub(crate) fn attach_cel_rules(root: &mut JSONSchemaProps) {
             }
         }
     };
-    set(BOUNDED_STRINGS, |n| &mut n.max_length);
-    set(BOUNDED_LISTS, |n| &mut n.max_items);
-    set(BOUNDED_MAPS, |n| &mut n.max_properties);
+    set(strings, |n| &mut n.max_length);
+    set(lists, |n| &mut n.max_items);
+    set(maps, |n| &mut n.max_properties);
 }

@@ -51,6 +51,7 @@ pub const STORAGE_SCHEMES: &[&str] = &[
 const BOUNDED_STRINGS: &[(&[&str], i64)] = &[
     (&["spec", "state", "storage"], 2048),
     (&["spec", "restoreFrom"], 2048),
+    (&["spec", "snapshotRetention", "maxAge"], 64),
     (&["spec", "state", "checkpointInterval"], 64),
     (&["spec", "state", "checkpointTimeout"], 64),
     (&["spec", "state", "savepointTimeout"], 64),
@@ -187,6 +188,37 @@ fn pod_template_rules(t: &PodTemplateOverrides, fail: &mut impl FnMut(&str)) {
     }
 }
 
+/// A Kubernetes object name (a DNS subdomain: lowercase alphanumerics, `-` and `.`, at most
+/// 253 characters), as [`OBJECT_NAME_RE`] matches it.
+pub fn is_object_name(s: &str) -> bool {
+    let label = |l: &str| {
+        !l.is_empty()
+            && l.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+    };
+    s.len() <= 253 && s.split('.').all(label)
+}
+
+/// How spec.restoreFrom names its snapshot: a URL, or a StreamJobSnapshot by name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RestoreSource<'a> {
+    /// The snapshot directory's URL.
+    Url(&'a str),
+    /// A StreamJobSnapshot in the job's namespace.
+    Snapshot(&'a str),
+}
+
+/// What spec.restoreFrom's `value` names: a StreamJobSnapshot when it has no `://`.
+pub fn restore_source(value: &str) -> RestoreSource<'_> {
+    if value.contains("://") {
+        RestoreSource::Url(value)
+    } else {
+        RestoreSource::Snapshot(value)
+    }
+}
+
 fn valid_url(url: &str) -> bool {
     url.split_once("://")
         .is_some_and(|(scheme, rest)| STORAGE_SCHEMES.contains(&scheme) && !rest.is_empty())
@@ -248,8 +280,21 @@ pub fn validate(
     }
     if let Some(restore) = &spec.restore_from
         && !valid_url(restore)
+        && !is_object_name(restore)
     {
         fail(MSG_RESTORE_URL);
+    }
+    if let Some(retention) = &spec.snapshot_retention {
+        if retention.keep.is_some_and(|k| k < 1) {
+            fail(MSG_RETENTION_KEEP);
+        }
+        if retention
+            .max_age
+            .as_ref()
+            .is_some_and(|a| a.len() > 64 || parse_duration(a).is_none())
+        {
+            fail(MSG_RETENTION_MAX_AGE);
+        }
     }
     if spec.state.checkpoint_interval.len() > 64
         || parse_duration(&spec.state.checkpoint_interval).is_none()
@@ -339,4 +384,24 @@ pub fn crd() -> CustomResourceDefinition {
 /// The CRD as YAML, as `keyshift crd` prints it and `crds/` holds it.
 pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
     serde_yaml::to_string(&crd())
+}
+
+/// The StreamJobSnapshot CRD, with its CEL rules attached.
+pub fn snapshot_crd() -> CustomResourceDefinition {
+    let mut crd = crate::crd::StreamJobSnapshot::crd();
+    for version in &mut crd.spec.versions {
+        if let Some(schema) = version
+            .schema
+            .as_mut()
+            .and_then(|s| s.open_api_v3_schema.as_mut())
+        {
+            attach_snapshot_rules(schema);
+        }
+    }
+    crd
+}
+
+/// The StreamJobSnapshot CRD as YAML (`crds/streamjobsnapshot.yaml`).
+pub fn snapshot_crd_yaml() -> Result<String, serde_yaml::Error> {
+    serde_yaml::to_string(&snapshot_crd())
 }

@@ -82,6 +82,17 @@ watched namespace
 - apiGroups: ["keyshift.dev"]
   resources: ["streamjobs/finalizers"]
   verbs: ["update"]
+# StreamJobSnapshots: their status, their file-disposing finalizer, and deleting those a job's
+# spec.snapshotRetention retires.
+- apiGroups: ["keyshift.dev"]
+  resources: ["streamjobsnapshots"]
+  verbs: ["get", "list", "watch", "patch", "update", "delete"]
+- apiGroups: ["keyshift.dev"]
+  resources: ["streamjobsnapshots/status"]
+  verbs: ["get", "patch", "update"]
+- apiGroups: ["keyshift.dev"]
+  resources: ["streamjobsnapshots/finalizers"]
+  verbs: ["update"]
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list", "watch", "create", "delete", "patch"]

@@ -67,6 +67,8 @@ reasons! {
     InvalidSpec,
     RestoreFromKeyGroupMismatch,
     RestoreFromUnusable,
+    /// Stalled: spec.restoreFrom names a StreamJobSnapshot that does not exist or is not Ready.
+    SnapshotNotReady,
     SnapshotOfAnotherJob,
     StateLayoutChanged,
     /// Stalled: the restore would go back past sink output already published (its results
@@ -139,6 +141,22 @@ reasons! {
     /// record: retention deleted records the job had not read.
     SourceRecordsExpired,
     Deleted,
+    // A StreamJobSnapshot's Ready condition and Events.
+    /// Ready False: the snapshot waits for its job to take it.
+    SnapshotPending,
+    /// Ready True: the snapshot exists and can be restored (taken, or recorded from spec.path).
+    SnapshotReady,
+    /// Ready False, phase Failed: spec.path names no committed snapshot, or one that does not
+    /// check out.
+    SnapshotUnusable,
+    /// Event: the deleted snapshot's files were disposed of.
+    SnapshotDisposed,
+    /// Event: the deleted snapshot's files were kept (spec.deletionPolicy Retain).
+    SnapshotRetained,
+    /// Event: the deletion waits, the job still needs the snapshot.
+    SnapshotInUse,
+    /// Event: spec.snapshotRetention of its job deleted the snapshot.
+    SnapshotRetired,
 }
 
 impl fmt::Display for Reason {

@@ -18,7 +18,16 @@ pub const MSG_REPLICAS_LE_MAXP: &str = "spec.replicas must not exceed spec.maxPa
 pub const MSG_REPLICAS_LE_PINNED: &str = "spec.replicas must not exceed status.maxParallelism, the key-group ceiling pinned at the job's first snapshot: lower replicas, or raise the ceiling in the same change by setting spec.maxParallelism to the new key-group count (keyshift then takes a savepoint, rewrites it to the new count, verifies it and restores it; the original savepoint is kept)";
 pub const MSG_STRICT_DIVISOR: &str = "spec.replicas must divide the key-group count (maxParallelism) evenly because spec.keyGroupPolicy is Strict: choose a divisor (`keyshift plan` lists the nearest ones) or set keyGroupPolicy: Warn to accept the skew";
 pub const MSG_STORAGE_URL: &str = "spec.state.storage must be an object store URL: file:///path, s3://bucket/prefix, gs://bucket/prefix or az://container/prefix (also abfs://, abfss://, memory://, http(s)://)";
-pub const MSG_RESTORE_URL: &str = "spec.restoreFrom must be the object store URL of a snapshot directory, e.g. s3://bucket/prefix/ns/job/savepoints/sp-7 or file:///path/savepoints/sp-7";
+pub const MSG_RESTORE_URL: &str = "spec.restoreFrom must be the object store URL of a snapshot directory, e.g. s3://bucket/prefix/ns/job/savepoints/sp-7 or file:///path/savepoints/sp-7, or the name of a StreamJobSnapshot in the job's namespace";
+pub const MSG_RETENTION_KEEP: &str = "spec.snapshotRetention.keep must be at least 1: the newest snapshot is always kept (remove snapshotRetention to keep every snapshot)";
+pub const MSG_RETENTION_MAX_AGE: &str =
+    "spec.snapshotRetention.maxAge must be a duration such as 168h or 30m (units: ms, s, m, h)";
+pub const MSG_SNAPSHOT_JOB_NAME: &str = "spec.jobName must name a StreamJob of the snapshot's namespace (a Kubernetes object name: lowercase letters, digits, '-' and '.')";
+pub const MSG_SNAPSHOT_PATH: &str = "spec.path must be the object store URL of a committed snapshot directory, e.g. s3://bucket/prefix/ns/job/savepoints/sp-7";
+pub const MSG_SNAPSHOT_FIXED: &str = "spec.jobName and spec.path of a StreamJobSnapshot are fixed once it is created: create another StreamJobSnapshot instead";
+/// A Kubernetes object name (DNS subdomain): how spec.restoreFrom names a StreamJobSnapshot.
+pub const OBJECT_NAME_RE: &str =
+    "^[a-z0-9]([-a-z0-9]*[a-z0-9])?([.][a-z0-9]([-a-z0-9]*[a-z0-9])?)*$";
 pub const MSG_CHECKPOINT_TIMEOUT: &str = "spec.state.checkpointTimeout must be a duration between 1s and 24h, such as 2m (units: ms, s, m, h)";
 pub const MSG_PRESTAGE_TIMEOUT: &str = "spec.state.prestageTimeout must be a duration between 1s and 24h, such as 2m (units: ms, s, m, h)";
 pub const MSG_SAVEPOINT_TIMEOUT: &str = "spec.state.savepointTimeout must be a duration between 1s and 24h, such as 5m (units: ms, s, m, h)";

@@ -105,11 +105,31 @@ pub enum Action {
     FinishRescale,
     /// Take a periodic checkpoint.
     Checkpoint,
-    /// spec.savepointTriggerNonce differs from status.lastSavepointNonce: take a savepoint
-    /// without stopping the job, then record the nonce.
-    TriggerSavepoint { nonce: i64 },
+    /// A savepoint asked for while the job runs (spec.savepointTriggerNonce, or a
+    /// StreamJobSnapshot): take it without stopping the job, then record who asked.
+    TriggerSavepoint { trigger: SavepointTrigger },
     /// spec.suspend and nothing runs: record phase Suspended at parallelism 0.
     MarkSuspended,
     /// Nothing to do until this much time has passed (or something changes).
     Idle { requeue: Duration },
+}
+
+/// Who asked for a savepoint of the running job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SavepointTrigger {
+    /// spec.savepointTriggerNonce differs from status.lastSavepointNonce: recorded there once
+    /// taken.
+    Nonce(i64),
+    /// A StreamJobSnapshot of this name waits for its savepoint: recorded in
+    /// status.lastSavepoint.snapshot once taken.
+    Snapshot(String),
+}
+
+impl std::fmt::Display for SavepointTrigger {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SavepointTrigger::Nonce(n) => write!(f, "savepointTriggerNonce {n}"),
+            SavepointTrigger::Snapshot(name) => write!(f, "StreamJobSnapshot {name}"),
+        }
+    }
 }

@@ -216,11 +216,19 @@ pub fn decide_with(
                 prestage,
             };
         }
-        if let Some(nonce) = spec.savepoint_trigger_nonce
-            && status.last_savepoint_nonce != Some(nonce)
-            && backoff.is_none()
-        {
-            return Action::TriggerSavepoint { nonce };
+        if backoff.is_none() {
+            if let Some(nonce) = spec.savepoint_trigger_nonce
+                && status.last_savepoint_nonce != Some(nonce)
+            {
+                return Action::TriggerSavepoint {
+                    trigger: SavepointTrigger::Nonce(nonce),
+                };
+            }
+            if let Some(name) = &obs.savepoint_request {
+                return Action::TriggerSavepoint {
+                    trigger: SavepointTrigger::Snapshot(name.clone()),
+                };
+            }
         }
         let interval = settings.checkpoint_interval;
         let due = obs.last_snapshot_at.map_or(obs.now, |t| {

@@ -84,6 +84,10 @@ pub struct Observed {
     /// spec changes (the shell forgets the refusal then), or, for a refusal of one parallelism
     /// (a rescale that rolled back), no run at that parallelism.
     pub start_refused: Option<StartRefusal>,
+    /// A StreamJobSnapshot (its name) waiting for a savepoint of the running job: the
+    /// platform's oldest such request, `None` when there is none (or no such resource, as in
+    /// local mode).
+    pub savepoint_request: Option<String>,
 }
 
 /// A start refused for good ([`Observed::start_refused`]).

@@ -37,6 +37,7 @@ fn obs(pods: Vec<ObservedPod>, active: Option<(&str, u32)>) -> Observed {
         pending_restore: None,
         upgrade_refused: None,
         start_refused: None,
+        savepoint_request: None,
     }
 }
 
@@ -197,6 +198,7 @@ fn a_snapshot_time_from_a_clock_ahead_of_ours_does_not_hold_checkpoints_back() {
         parallelism: 4,
         size_bytes: None,
         source_partitions: None,
+        snapshot: None,
     });
     let started = now() - jiff::SignedDuration::from_secs(40);
     let mut o = obs(running, Some(("r", 4)));
@@ -827,7 +829,9 @@ fn a_new_savepoint_nonce_takes_one_savepoint_without_stopping() {
     s.savepoint_trigger_nonce = Some(7);
     assert_eq!(
         decide(&s, &status(), &o),
-        Action::TriggerSavepoint { nonce: 7 }
+        Action::TriggerSavepoint {
+            trigger: SavepointTrigger::Nonce(7)
+        }
     );
     // Recorded: nothing more until the nonce changes.
     let done = StreamJobStatus {
@@ -836,7 +840,12 @@ fn a_new_savepoint_nonce_takes_one_savepoint_without_stopping() {
     };
     assert!(matches!(decide(&s, &done, &o), Action::Idle { .. }));
     s.savepoint_trigger_nonce = Some(8);
-    assert_eq!(decide(&s, &done, &o), Action::TriggerSavepoint { nonce: 8 });
+    assert_eq!(
+        decide(&s, &done, &o),
+        Action::TriggerSavepoint {
+            trigger: SavepointTrigger::Nonce(8)
+        }
+    );
     // After a failed attempt, the retry waits for the backoff.
     let mut later = o.clone();
     later.backoff_until = Some(now() + jiff::SignedDuration::from_secs(2));
@@ -851,6 +860,44 @@ fn a_new_savepoint_nonce_takes_one_savepoint_without_stopping() {
             prestage: None
         }
     );
+}
+
+#[test]
+fn a_snapshot_resource_takes_a_savepoint_after_the_nonce_and_only_while_the_job_runs() {
+    let mut s = spec(4);
+    let running = pods("r", 4, PodPhase::Running, Some(WorkerState::Running));
+    let mut o = obs(running.clone(), Some(("r", 4)));
+    o.savepoint_request = Some("before-upgrade".into());
+    assert_eq!(
+        decide(&s, &status(), &o),
+        Action::TriggerSavepoint {
+            trigger: SavepointTrigger::Snapshot("before-upgrade".into())
+        }
+    );
+    // A nonce not yet acted on goes first; the request waits for the next pass.
+    s.savepoint_trigger_nonce = Some(3);
+    assert_eq!(
+        decide(&s, &status(), &o),
+        Action::TriggerSavepoint {
+            trigger: SavepointTrigger::Nonce(3)
+        }
+    );
+    // After a failure, the request waits for the backoff like the nonce.
+    s.savepoint_trigger_nonce = None;
+    let mut later = o.clone();
+    later.backoff_until = Some(now() + jiff::SignedDuration::from_secs(2));
+    assert!(matches!(decide(&s, &status(), &later), Action::Idle { .. }));
+    // A rescale goes first; nothing is taken for the request while no run is coordinated.
+    assert!(matches!(
+        decide(&spec(8), &status(), &o),
+        Action::BeginRescale { .. }
+    ));
+    let mut stopped = obs(Vec::new(), None);
+    stopped.savepoint_request = Some("before-upgrade".into());
+    assert!(!matches!(
+        decide(&s, &status(), &stopped),
+        Action::TriggerSavepoint { .. }
+    ));
 }
 
 fn upgrading(mode: UpgradeMode, step: Step, savepoint: Option<&str>) -> StreamJobStatus {

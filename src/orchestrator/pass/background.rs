@@ -73,10 +73,10 @@ pub(super) enum BackgroundWork {
     Savepoint {
         parallelism: u32,
     },
-    /// A savepoint for spec.savepointTriggerNonce (the job keeps running).
+    /// A savepoint asked for while the job runs (the job keeps running).
     TriggeredSavepoint {
         parallelism: u32,
-        nonce: i64,
+        trigger: decide::SavepointTrigger,
     },
     Verify {
         url: String,
@@ -261,9 +261,12 @@ impl Pass<'_> {
                 self.savepoint_done(parallelism, *done).await
             }
             (
-                BackgroundWork::TriggeredSavepoint { parallelism, nonce },
+                BackgroundWork::TriggeredSavepoint {
+                    parallelism,
+                    trigger,
+                },
                 Some(Ended::Snapshot(done)),
-            ) => Ok(self.triggered_savepoint_done(parallelism, nonce, *done)),
+            ) => Ok(self.triggered_savepoint_done(parallelism, trigger, *done)),
             (BackgroundWork::Start(work), Some(Ended::Start(done))) => {
                 let (coordinator, result) = *done;
                 self.start_done(*work, coordinator, result.map_err(StartError::from))

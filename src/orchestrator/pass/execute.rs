@@ -143,7 +143,7 @@ impl Pass<'_> {
             }
             Action::FinishRescale => self.finish_rescale(),
             Action::Checkpoint => Ok(self.checkpoint()),
-            Action::TriggerSavepoint { nonce } => Ok(self.triggered_savepoint(nonce)),
+            Action::TriggerSavepoint { trigger } => Ok(self.triggered_savepoint(trigger)),
             Action::MarkSuspended => {
                 self.progress.phase = Some(Phase::Suspended);
                 self.status.replicas = Some(0);

@@ -181,6 +181,9 @@ pub struct PassInput<'a> {
     pub storage: String,
     /// metadata.generation (observedGeneration in status).
     pub generation: Option<i64>,
+    /// A StreamJobSnapshot (its name) waiting for a savepoint of the running job
+    /// ([`decide::Observed::savepoint_request`]).
+    pub savepoint_request: Option<String>,
 }
 
 /// What a pass leaves for the platform to record.
@@ -214,6 +217,7 @@ pub async fn run_pass(
         status: status0,
         storage,
         generation,
+        savepoint_request,
     } = input;
     let Shell {
         workers,
@@ -327,6 +331,7 @@ pub async fn run_pass(
     }
     let obs = decide::Observed {
         start_refused: mem.start_refused.as_ref().map(|(_, r)| r.clone()),
+        savepoint_request: savepoint_request.clone(),
         name: name.to_owned(),
         pending_restore,
         upgrade_refused: upgrade_refused.clone(),
@@ -636,6 +641,7 @@ fn snapshot_ref(c: &Completed, parallelism: u32) -> SnapshotRef {
         size_bytes: Some(c.manifest.stats.total_bytes as i64),
         source_partitions: (!c.manifest.source_partitions.is_empty())
             .then(|| i32::try_from(c.manifest.source_partitions.len()).unwrap_or(i32::MAX)),
+        snapshot: None,
     }
 }
 
@@ -695,6 +701,16 @@ async fn pending_restore(
     let url = spec.restore_from.as_ref()?;
     if status.restored_from.as_ref() == Some(url) {
         return None;
+    }
+    // The platform puts a StreamJobSnapshot's URL in place of its name once it is Ready; a
+    // name left here names none that is.
+    if let validation::RestoreSource::Snapshot(snapshot) = validation::restore_source(url) {
+        return Some(Err((
+            Reason::SnapshotNotReady,
+            format!(
+                "spec.restoreFrom names the StreamJobSnapshot {snapshot}, which does not exist or is not Ready (`kubectl get streamjobsnapshot {snapshot}` says why); the job restores from it once it is Ready; nothing was stopped"
+            ),
+        )));
     }
     let cached = mem
         .restore_source

@@ -174,14 +174,15 @@ impl Pass<'_> {
         }
     }
 
-    /// A savepoint asked for with spec.savepointTriggerNonce: the job keeps running.
-    pub(super) fn triggered_savepoint(&mut self, nonce: i64) -> Duration {
+    /// A savepoint asked for while the job runs (spec.savepointTriggerNonce or a
+    /// StreamJobSnapshot): the job keeps running.
+    pub(super) fn triggered_savepoint(&mut self, trigger: decide::SavepointTrigger) -> Duration {
         let Some(run) = self.mem.run.take() else {
             return requeue::SOON;
         };
         let work = BackgroundWork::TriggeredSavepoint {
             parallelism: run.parallelism,
-            nonce,
+            trigger,
         };
         self.snapshot_in_background(
             work,
@@ -196,7 +197,7 @@ impl Pass<'_> {
     pub(super) fn triggered_savepoint_done(
         &mut self,
         parallelism: u32,
-        nonce: i64,
+        trigger: decide::SavepointTrigger,
         (run, result): (RunHandle, Result<Completed, CoordinatorError>),
     ) -> Duration {
         let labels = self.kind_labels(SnapshotKind::Savepoint);
@@ -204,14 +205,22 @@ impl Pass<'_> {
         match result {
             Ok(c) => {
                 self.record_snapshot(&labels, Some(&c));
-                self.status.last_savepoint = Some(snapshot_ref(&c, parallelism));
-                self.status.last_savepoint_nonce = Some(nonce);
+                let mut taken = snapshot_ref(&c, parallelism);
+                match &trigger {
+                    decide::SavepointTrigger::Nonce(nonce) => {
+                        self.status.last_savepoint_nonce = Some(*nonce);
+                    }
+                    decide::SavepointTrigger::Snapshot(name) => {
+                        taken.snapshot = Some(name.clone());
+                    }
+                }
+                self.status.last_savepoint = Some(taken);
                 self.succeeded();
                 self.event(
                     false,
                     Reason::SavepointTaken,
                     format!(
-                        "savepoint {} ({} bytes) in {} ms for savepointTriggerNonce {nonce}; the job keeps running",
+                        "savepoint {} ({} bytes) in {} ms for {trigger}; the job keeps running",
                         c.url,
                         c.manifest.stats.total_bytes,
                         c.duration.as_millis()
@@ -221,9 +230,7 @@ impl Pass<'_> {
             }
             Err(e) => {
                 self.record_snapshot(&labels, None);
-                let message = format!(
-                    "savepoint for savepointTriggerNonce {nonce} failed: {e}; retrying with backoff"
-                );
+                let message = format!("savepoint for {trigger} failed: {e}; retrying with backoff");
                 self.fail(Reason::SavepointFailed, message.clone());
                 self.event(true, Reason::SavepointFailed, message);
                 requeue::AFTER_FAILURE

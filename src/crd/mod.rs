@@ -17,6 +17,9 @@ use std::collections::BTreeMap;
 
 pub use keyshift_core::keygroup::KeyType;
 
+mod snapshot;
+pub use snapshot::*;
+
 /// The desired state of a keyed stream job: what it computes, at which parallelism, and where its
 /// state lives.
 #[derive(CustomResource, Deserialize, Serialize, Clone, Debug, PartialEq, JsonSchema)]
@@ -120,18 +123,30 @@ pub struct StreamJobSpec {
     pub suspend: bool,
 
     /// Change this to any new value to take a savepoint of the running job without stopping it.
+    /// A StreamJobSnapshot does the same without editing the job (so a GitOps tool sees no
+    /// drift) and keeps the savepoint as a resource to list, restore from and delete.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub savepoint_trigger_nonce: Option<i64>,
 
     /// Start the job from this snapshot instead of its own latest state: the URL of a savepoint
-    /// or checkpoint directory, e.g. `s3://bucket/prefix/ns/job/savepoints/sp-7`. Acted on once
-    /// per value (recorded in status.restoredFrom): setting a new value on a running job takes a
+    /// or checkpoint directory, e.g. `s3://bucket/prefix/ns/job/savepoints/sp-7`, or the name
+    /// of a Ready StreamJobSnapshot in the job's namespace (a value without `://`; the job
+    /// waits, Stalled with reason SnapshotNotReady, while it is missing or not Ready, and that
+    /// snapshot counts as in use). Acted on once per snapshot URL (recorded in
+    /// status.restoredFrom): setting a new value on a running job takes a
     /// savepoint of the current state, stops the workers and restarts them from this snapshot; on
     /// a suspended job it applies at resume. A snapshot rewritten to a larger key-group count
     /// (`keyshift savepoint rewrite --max-parallelism G`) raises the job's ceiling: set
     /// maxParallelism to G in the same change.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restore_from: Option<String>,
+
+    /// How many of the job's StreamJobSnapshots to keep: the oldest Ready ones beyond
+    /// `keep`, and those older than `maxAge`, are deleted (their files disposed of or kept as
+    /// each one's spec.deletionPolicy says), except any the job still needs. Unset: every one
+    /// is kept until deleted by hand.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot_retention: Option<SnapshotRetention>,
 
     /// Allow restoring from a snapshot that holds state this job does not declare (it is
     /// dropped). Off by default, so a mistaken job change does not silently lose state.
@@ -282,6 +297,11 @@ pub struct StreamJobStatus {
     /// from it is a request to restart from that snapshot.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub restored_from: Option<String>,
+    /// The StreamJobSnapshot spec.restoreFrom named when the job was started from
+    /// status.restoredFrom (its URL), so that the job does not wait for that resource again
+    /// once it is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restored_from_snapshot: Option<String>,
     /// Set when the job was started from spec.restoreFrom: the largest id among the job's own
     /// snapshots at that moment. Those snapshots hold the history the restore replaced; the job
     /// never resumes from them (a crash before the restored run's first checkpoint restores
@@ -520,6 +540,9 @@ pub struct SnapshotRef {
     /// reported them): the partition count behind AllSubtasksHavePartitions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_partitions: Option<i32>,
+    /// The StreamJobSnapshot this savepoint was taken for, when one asked for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub snapshot: Option<String>,
 }
 
 /// Progress of a rescale or stateful upgrade.
