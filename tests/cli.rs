@@ -320,6 +320,41 @@ fn local_refuses_unknown_fields_like_the_api_server() {
     }
 }
 
+/// `keyshift local` refuses a spec.restoreFrom that names a StreamJobSnapshot (a cluster's
+/// resource), saying to give the snapshot's URL; nothing starts.
+#[test]
+fn local_refuses_a_restore_from_a_snapshot_resource() {
+    let dir = tempfile::tempdir().unwrap();
+    let manifest = dir.path().join("job.yaml");
+    let state = dir.path().join("state");
+    std::fs::write(
+        &manifest,
+        LOCAL_MANIFEST.replace(
+            "  replicas: 2",
+            "  replicas: 2\n  restoreFrom: before-upgrade",
+        ),
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args([
+            "local",
+            manifest.to_str().unwrap(),
+            "--state-dir",
+            state.to_str().unwrap(),
+        ])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("spec.restoreFrom names the StreamJobSnapshot before-upgrade")
+            && err.contains("the snapshot's URL"),
+        "{err}"
+    );
+    assert!(!state.exists(), "nothing started: {err}");
+}
+
 /// What a worker writes to stderr from its start to its stop on SIGTERM, with stderr on a
 /// terminal (a pseudo-terminal) or a pipe, and `NO_COLOR` as given.
 fn worker_stderr(no_color: Option<&str>, terminal: bool) -> Vec<u8> {

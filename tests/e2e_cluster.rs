@@ -580,6 +580,11 @@ fn kubectl_keyshift_drives_a_live_job() {
         generation,
         "the job's spec is not edited"
     );
+    let status = plugin_ok(&["keyshift", "status", name, "-n", ns]);
+    assert!(
+        status.contains("Snapshots:") && status.contains("plug-sp Ready"),
+        "{status}"
+    );
 
     // plan against the live job is `keyshift plan` with the job's own numbers.
     let live = plugin_ok(&[

@@ -265,6 +265,19 @@ impl Cluster {
         Ok(list.items)
     }
 
+    /// Every StreamJobSnapshot of the namespace.
+    pub async fn snapshots(&self) -> Result<Vec<StreamJobSnapshot>, ClientError> {
+        let api: Api<StreamJobSnapshot> = Api::namespaced(self.client.clone(), &self.namespace);
+        let list = api
+            .list(&ListParams::default())
+            .await
+            .map_err(|e| ClientError::List {
+                namespace: self.namespace.clone(),
+                message: api_message(e),
+            })?;
+        Ok(list.items)
+    }
+
     /// Merge-patches the job's spec; the job as the API server stored it.
     async fn patch_spec(
         &self,
@@ -594,7 +607,14 @@ pub async fn run(
         } => {
             let job = cluster.job(&name).await?;
             let now = Timestamp::now();
-            let view = view::JobView::new(&job, now);
+            let snapshots = match cluster.snapshots().await {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("(the job's StreamJobSnapshots are not shown: {e})");
+                    Vec::new()
+                }
+            };
+            let view = view::JobView::new(&job, now).with_snapshots(&snapshots, now);
             out.write_all(render(&view, output, |v| v.text(now))?.as_bytes())?;
         }
         JobCommand::Status { name: None, output } => {

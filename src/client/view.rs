@@ -1,7 +1,7 @@
 //! `keyshift job status`: one screen of a live StreamJob, built from the object alone (pure), so
 //! what the command prints is tested without a cluster.
 
-use crate::crd::{SnapshotRef, SourceLagStatus, StateDistribution, StreamJob};
+use crate::crd::{SnapshotRef, SourceLagStatus, StateDistribution, StreamJob, StreamJobSnapshot};
 use k8s_openapi::jiff::Timestamp;
 use keyshift_core::text;
 use serde::Serialize;
@@ -40,7 +40,30 @@ pub struct JobView<'a> {
     pub state: Option<&'a StateDistribution>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub lag: Option<&'a SourceLagStatus>,
+    /// The job's StreamJobSnapshots, newest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub snapshots: Vec<SnapshotView<'a>>,
 }
+
+/// One StreamJobSnapshot of the job.
+#[derive(Serialize, Debug, PartialEq)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotView<'a> {
+    pub name: &'a str,
+    /// Pending, Ready or Failed.
+    pub phase: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub size_bytes: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub in_use: Option<bool>,
+    /// Seconds since it was created.
+    pub age_seconds: u64,
+}
+
+/// How many snapshots the screen lists (the JSON document has them all).
+const SNAPSHOT_LINES: usize = 5;
 
 /// One condition: type, status, reason, message and how long it has held.
 #[derive(Serialize, Debug, PartialEq)]
@@ -122,7 +145,43 @@ impl<'a> JobView<'a> {
             lag: status
                 .and_then(|s| s.source.as_ref())
                 .and_then(|s| s.lag.as_ref()),
+            snapshots: Vec::new(),
         }
+    }
+
+    /// With the job's StreamJobSnapshots among `snapshots` (those of other jobs are left out),
+    /// newest first.
+    pub fn with_snapshots(mut self, snapshots: &'a [StreamJobSnapshot], now: Timestamp) -> Self {
+        let mut mine: Vec<&StreamJobSnapshot> = snapshots
+            .iter()
+            .filter(|s| s.spec.job_name == self.name)
+            .collect();
+        mine.sort_by(|a, b| {
+            b.metadata
+                .creation_timestamp
+                .cmp(&a.metadata.creation_timestamp)
+        });
+        self.snapshots = mine
+            .into_iter()
+            .map(|s| {
+                let st = s.status.as_ref();
+                SnapshotView {
+                    name: s.metadata.name.as_deref().unwrap_or_default(),
+                    phase: st
+                        .and_then(|st| st.phase)
+                        .map_or_else(|| "Pending".to_owned(), |p| p.to_string()),
+                    path: st.and_then(|st| st.path.as_deref()),
+                    size_bytes: st.and_then(|st| st.size_bytes),
+                    in_use: st.and_then(|st| st.in_use),
+                    age_seconds: s
+                        .metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .map_or(0, |t| now.duration_since(t.0).as_secs().max(0) as u64),
+                }
+            })
+            .collect();
+        self
     }
 
     /// The screen people read.
@@ -165,6 +224,30 @@ impl<'a> JobView<'a> {
         ] {
             let v = snapshot.map_or_else(|| "none yet".to_owned(), |r| snapshot_line(r, now));
             line(&mut s, label, &v);
+        }
+        for (i, snap) in self.snapshots.iter().take(SNAPSHOT_LINES).enumerate() {
+            let mut v = format!("{} {}", snap.name, snap.phase);
+            if let Some(b) = snap.size_bytes {
+                let _ = write!(v, ", {}", text::bytes(b.max(0) as u64));
+            }
+            if snap.in_use == Some(true) {
+                v.push_str(", in use");
+            }
+            let _ = write!(v, ", created {} ago", age(snap.age_seconds as i64));
+            if let Some(p) = snap.path {
+                let _ = write!(v, ": {p}");
+            }
+            line(&mut s, if i == 0 { "Snapshots" } else { "" }, &v);
+        }
+        if self.snapshots.len() > SNAPSHOT_LINES {
+            line(
+                &mut s,
+                "",
+                &format!(
+                    "and {} more (kubectl get streamjobsnapshots)",
+                    self.snapshots.len() - SNAPSHOT_LINES
+                ),
+            );
         }
         if let Some(r) = &self.rescale {
             let mut v = format!("{} -> {}, {}", r.from, r.to, r.step);
@@ -255,8 +338,14 @@ pub fn jobs_table(views: &[JobView<'_>], now: Timestamp) -> String {
 }
 
 /// `  Label:  value`, labels in one column.
+/// `  Label:            value`; an empty label continues the line above.
 fn line(s: &mut String, label: &str, value: &str) {
-    let _ = writeln!(s, "  {:<19}{value}", format!("{label}:"));
+    let label = if label.is_empty() {
+        String::new()
+    } else {
+        format!("{label}:")
+    };
+    let _ = writeln!(s, "  {label:<19}{value}");
 }
 
 /// `chk-12 s3://b/j/checkpoints/chk-12, 4 subtasks, 1.2 MiB, 7 s ago`.
@@ -348,6 +437,44 @@ status:
             assert!(t.contains(want), "missing {want:?} in\n{t}");
         }
         assert!(!t.contains("Step:"), "no step while none runs:\n{t}");
+    }
+
+    #[test]
+    fn the_jobs_snapshots_are_listed_newest_first() {
+        let j = job(RUNNING);
+        let snap = |name: &str, job: &str, created: &str, status: &str| -> StreamJobSnapshot {
+            serde_yaml::from_str(&format!(
+                "apiVersion: keyshift.dev/v1alpha1\nkind: StreamJobSnapshot\nmetadata: {{name: {name}, creationTimestamp: '{created}'}}\nspec: {{jobName: {job}}}\nstatus: {status}\n"
+            ))
+            .unwrap()
+        };
+        let all = [
+            snap(
+                "old",
+                "clicks",
+                "2026-12-07T09:00:07Z",
+                "{phase: Ready, path: 's3://b/j/savepoints/sp-3', sizeBytes: 2048, inUse: false}",
+            ),
+            snap(
+                "other-job",
+                "sessions",
+                "2026-12-07T09:59:07Z",
+                "{phase: Ready}",
+            ),
+            snap("new", "clicks", "2026-12-07T09:59:07Z", "{}"),
+        ];
+        let v = JobView::new(&j, now()).with_snapshots(&all, now());
+        let names: Vec<&str> = v.snapshots.iter().map(|s| s.name).collect();
+        assert_eq!(names, ["new", "old"]);
+        let t = v.text(now());
+        assert!(
+            t.contains(
+                "  Snapshots:         new Pending, created 60 s ago\n                     old Ready, 2.0 KiB, created 60 min ago: s3://b/j/savepoints/sp-3\n"
+            ),
+            "{t}"
+        );
+        let json = serde_json::to_value(&v).unwrap();
+        assert_eq!(json["snapshots"][1]["sizeBytes"], 2048);
     }
 
     #[test]

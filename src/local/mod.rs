@@ -93,6 +93,19 @@ pub fn load_manifest(path: &Path) -> Result<StreamJob, LocalError> {
         path: path.to_owned(),
         errors: e.to_string(),
     })?;
+    if let Some(validation::RestoreSource::Snapshot(name)) = job
+        .spec
+        .restore_from
+        .as_deref()
+        .map(validation::restore_source)
+    {
+        return Err(LocalError::Invalid {
+            path: path.to_owned(),
+            errors: format!(
+                "spec.restoreFrom names the StreamJobSnapshot {name}, a resource only a cluster has: give keyshift local the snapshot's URL instead (on the cluster: kubectl get streamjobsnapshot {name} -o jsonpath='{{.status.path}}')"
+            ),
+        });
+    }
     Ok(job)
 }
 
