@@ -2,7 +2,6 @@
 //! adopting and deleting workers, abandoning, falling back); each kind of step has its own
 //! module for how it begins and how its outcome is recorded.
 
-use super::prestage::prestage_summary;
 use super::*;
 
 impl Pass<'_> {
@@ -341,25 +340,13 @@ impl Pass<'_> {
             self.set_running(to)?;
         }
         let r = self.status.rescale.clone().unwrap_or_default();
-        self.event(
+        let (reason, message) = transition_finished(
+            &r,
             rolled_back,
-            if to == 0 {
-                Reason::Suspended
-            } else if rolled_back {
-                Reason::RescaleRolledBack
-            } else {
-                Reason::Rescaled
-            },
-            format!(
-                "{} -> {} done: {} key groups moved, {} bytes read; {}{}",
-                r.from,
-                r.to,
-                r.groups_moved.unwrap_or_default(),
-                r.bytes_to_read.unwrap_or_default(),
-                step_times(&r),
-                prestage_summary(&r)
-            ),
+            to == 0,
+            r.bytes_to_read.unwrap_or_default(),
         );
+        self.event(rolled_back, reason, message);
         Ok(short)
     }
 

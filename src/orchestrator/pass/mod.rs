@@ -569,6 +569,39 @@ pub fn step_times(r: &RescaleStatus) -> String {
     }
 }
 
+/// The Event of a transition whose new run is up: its reason (`suspended`: the run is a
+/// suspend's, with no workers) and its message, what moved and how long each step took.
+fn transition_finished(
+    r: &RescaleStatus,
+    rolled_back: bool,
+    suspended: bool,
+    bytes_read: i64,
+) -> (Reason, String) {
+    let reason = match (suspended, rolled_back, r.upgrade_mode) {
+        (true, ..) => Reason::Suspended,
+        (false, true, _) => Reason::RescaleRolledBack,
+        (false, false, None) => Reason::Rescaled,
+        (false, false, Some(_)) => Reason::Upgraded,
+    };
+    let message = format!(
+        "{}{} -> {} {}: {} key groups moved, {} bytes read; {}{}",
+        r.upgrade_mode
+            .map_or(String::new(), |m| format!("upgrade ({m:?}), ")),
+        r.from,
+        r.to,
+        if rolled_back {
+            "rolled back (running at the old parallelism)"
+        } else {
+            "done"
+        },
+        r.groups_moved.unwrap_or_default(),
+        bytes_read,
+        step_times(r),
+        prestage::prestage_summary(r)
+    );
+    (reason, message)
+}
+
 struct Pass<'a> {
     workers: &'a mut dyn Workers,
     metrics: &'a OperatorMetrics,

@@ -1,7 +1,6 @@
 //! Starting a run in a pass: restoring its snapshot at its parallelism, and recording how the
 //! start ended (running, a rescale done or rolled back, a refusal).
 
-use super::prestage::prestage_summary;
 use super::*;
 
 /// The least time before a rolled-back key-group change is tried again.
@@ -351,30 +350,13 @@ impl Pass<'_> {
                 );
                 if restoring {
                     let r = self.status.rescale.clone().unwrap_or_default();
-                    self.event(
+                    let (reason, message) = transition_finished(
+                        &r,
                         rolled_back,
-                        match (rolled_back, r.upgrade_mode) {
-                            (true, _) => Reason::RescaleRolledBack,
-                            (false, None) => Reason::Rescaled,
-                            (false, Some(_)) => Reason::Upgraded,
-                        },
-                        format!(
-                            "{}{} -> {} {}: {} key groups moved, {} bytes read; {}{}",
-                            r.upgrade_mode
-                                .map_or(String::new(), |m| format!("upgrade ({m:?}), ")),
-                            r.from,
-                            r.to,
-                            if rolled_back {
-                                "rolled back (running at the old parallelism)"
-                            } else {
-                                "done"
-                            },
-                            r.groups_moved.unwrap_or_default(),
-                            bytes,
-                            step_times(&r),
-                            prestage_summary(&r)
-                        ),
+                        false,
+                        i64::try_from(bytes).unwrap_or(i64::MAX),
                     );
+                    self.event(rolled_back, reason, message);
                 }
                 Ok(requeue::SOON)
             }
