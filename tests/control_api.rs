@@ -419,6 +419,67 @@ async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
     assert_eq!(r.status().as_u16(), 409);
 }
 
+/// `GET /v1/checkpoints/{id}?waitMs=N` holds its answer until the snapshot is done: one
+/// request right after the trigger gets the acknowledgement; a done or unknown id is answered
+/// at once.
+#[tokio::test]
+async fn a_long_poll_answers_once_the_snapshot_is_done() {
+    use keyshift::runtime::protocol::CheckpointStatus;
+    let (url, data) = worker().await;
+    let c = http();
+    let r = c
+        .post(format!("{url}/v1/start"))
+        .bearer_auth(TOKEN)
+        .json(&start_request(&data))
+        .send()
+        .await
+        .expect("start answered");
+    assert_eq!(r.status().as_u16(), 202);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = c
+            .post(format!("{url}/v1/checkpoints"))
+            .bearer_auth(TOKEN)
+            .json(&serde_json::json!({"id": 1, "kind": "checkpoint"}))
+            .send()
+            .await
+            .expect("trigger answered");
+        if r.status().as_u16() == 202 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let poll = |id: u64, wait_ms: u64| {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            let asked = std::time::Instant::now();
+            let status = c
+                .get(format!("{url}/v1/checkpoints/{id}?waitMs={wait_ms}"))
+                .bearer_auth(TOKEN)
+                .send()
+                .await
+                .expect("status answered")
+                .json::<CheckpointStatus>()
+                .await
+                .expect("a status");
+            (status, asked.elapsed())
+        }
+    };
+    let (status, _) = poll(1, 8000).await;
+    assert!(
+        matches!(status, CheckpointStatus::Completed(_)),
+        "one long poll gets the acknowledgement: {status:?}"
+    );
+    // Done, or never seen: no reason to hold the answer (the client's timeout is 10 s).
+    for id in [1, 99] {
+        let (status, took) = poll(id, 60_000).await;
+        assert!(!matches!(status, CheckpointStatus::Pending), "{status:?}");
+        assert!(took < Duration::from_secs(5), "{id}: held {took:?}");
+    }
+}
+
 /// A start request's dataflow is checked by the CRD's rules, as a manifest is: one the API
 /// server would refuse is refused with 422 and the API server's message naming the field (before,
 /// a generator with 70000 partitions or 10^13 keys, or an object-store sink without a URL, was

@@ -2106,6 +2106,55 @@ async fn failing_checkpoints_show_in_a_condition_and_the_job_keeps_running() {
     .await;
 }
 
+/// The coordinator's traffic grows with the workers, not with time: each checkpoint's
+/// acknowledgements cost about one long poll per worker, also when a subtask takes 400 ms to
+/// write its state (test hooks; before, every worker was asked every 20 ms until it answered:
+/// some 20 requests per such checkpoint).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_checkpoint_costs_about_one_status_request_per_worker() {
+    bounded(async {
+        let mut d = Driver::new("cp-polls", 3, "1s");
+        keyshift::failpoints::slow_snapshots_of(
+            NS,
+            "cp-polls",
+            1,
+            Some(Duration::from_millis(400)),
+        );
+        d.until_running(3).await;
+        d.until("checkpointed", Duration::from_secs(20), |d| {
+            d.status.last_checkpoint.is_some()
+        })
+        .await;
+        let first = d.status.last_checkpoint.as_ref().map_or(0, |c| c.id);
+        let before = d.workers.faults().status_requests;
+        d.until("five more checkpoints", Duration::from_secs(30), |d| {
+            d.status
+                .last_checkpoint
+                .as_ref()
+                .is_some_and(|c| c.id >= first + 5)
+        })
+        .await;
+        let last = d.status.last_checkpoint.as_ref().map_or(0, |c| c.id);
+        let (all, long_polls) = {
+            let f = d.workers.faults();
+            (f.status_requests, f.status_long_polls)
+        };
+        let requests = all - before;
+        let checkpoints = u64::try_from(last - first).unwrap_or(0);
+        assert!(checkpoints >= 5);
+        assert_eq!(all, long_polls, "every one a long poll");
+        // One per worker and checkpoint, and at most one more for a checkpoint in flight.
+        assert!(
+            requests <= 3 * (checkpoints + 1),
+            "{requests} status requests for {checkpoints} checkpoints of 3 workers"
+        );
+        assert!(requests >= 3 * checkpoints, "{requests} for {checkpoints}");
+        keyshift::failpoints::slow_snapshots_of(NS, "cp-polls", 1, None);
+        d.suspend_and_check().await;
+    })
+    .await;
+}
+
 /// A checkpoint trigger that reaches only some workers (the proxy of subtask 1 refuses it) is
 /// aborted on every worker: no keyed operator keeps aligning it (before, the next trigger made
 /// every operator fail and the job restart), the job keeps running on the same workers, every

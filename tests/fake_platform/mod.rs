@@ -62,6 +62,10 @@ pub struct Faults {
     pub pods_pending: bool,
     /// Creating workers is refused for good while this is set (a ResourceQuota, say).
     pub refuse_creates: bool,
+    /// `GET /v1/checkpoints/{id}` requests the workers got (the coordinator asking for
+    /// acknowledgements), and how many of them were long polls (`?waitMs=`).
+    pub status_requests: u64,
+    pub status_long_polls: u64,
 }
 
 /// One in-process worker: its runtime (its tasks and sockets live and die with it).
@@ -432,9 +436,19 @@ async fn forward(
             );
         }
     }
-    if !post
-        && let Some(id) = path.strip_prefix("/v1/checkpoints/")
-        && let Ok(id) = id.parse::<u64>()
+    let status_of = (!post)
+        .then(|| path.strip_prefix("/v1/checkpoints/"))
+        .flatten()
+        .and_then(|rest| rest.split('?').next())
+        .and_then(|id| id.parse::<u64>().ok());
+    if status_of.is_some() {
+        let mut f = p.faults.lock().expect("faults lock");
+        f.status_requests += 1;
+        if path.contains("?waitMs=") {
+            f.status_long_polls += 1;
+        }
+    }
+    if let Some(id) = status_of
         && p.failing.lock().expect("failing lock").contains(&id)
     {
         return json(

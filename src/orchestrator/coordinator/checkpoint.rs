@@ -2,6 +2,17 @@
 //! commit the manifest (create-only, last), abort on failure, resume stopped sources.
 
 use super::*;
+use futures::StreamExt;
+
+/// The longest a long poll for a subtask's acknowledgement holds (less when the per-request
+/// timeout is short).
+const LONGEST_ACK_POLL: Duration = Duration::from_secs(5);
+/// Long polls for acknowledgements in flight at once, over a run's workers.
+const ACK_POLLS_IN_FLIGHT: usize = 64;
+/// The pause before asking again a worker that does not hold a long poll.
+const SHORT_POLL: Duration = Duration::from_millis(20);
+/// The pause before asking again after a failed request.
+const RETRY_AFTER_FAILED_POLL: Duration = Duration::from_millis(200);
 
 impl Coordinator {
     /// Takes a checkpoint or savepoint (optionally stopping the sources at the barrier) and
@@ -239,51 +250,31 @@ impl Coordinator {
         }))
         .await?;
         let deadline = Instant::now() + timeout;
+        // Every worker's acknowledgement, long-polled: about one request per worker and
+        // snapshot, at most ACK_POLLS_IN_FLIGHT at once; the first failure ends the wait.
+        let mut waits = futures::stream::iter(
+            (0..self.workers.len())
+                .map(|i| async move { self.await_ack(i, id, deadline).await.map(|ack| (i, ack)) }),
+        )
+        .buffer_unordered(ACK_POLLS_IN_FLIGHT);
         let mut acks: Vec<Option<SubtaskAck>> = vec![None; self.workers.len()];
-        loop {
-            for (i, slot) in acks.iter_mut().enumerate() {
-                if slot.is_some() {
-                    continue;
-                }
-                match self
-                    .get::<CheckpointStatus>(i, &format!("/v1/checkpoints/{id}"))
-                    .await?
-                {
-                    CheckpointStatus::Completed(ack) => *slot = Some(*ack),
-                    CheckpointStatus::Failed { error } => {
-                        return Err(CoordinatorError::SnapshotFailed {
-                            id,
-                            subtask: i,
-                            error,
-                        });
-                    }
-                    CheckpointStatus::Unknown => {
-                        return Err(CoordinatorError::SnapshotFailed {
-                            id,
-                            subtask: i,
-                            error: "the worker lost the trigger (restarted?)".into(),
-                        });
-                    }
-                    CheckpointStatus::Pending => {}
-                }
-            }
-            if acks.iter().all(Option::is_some) {
-                break;
-            }
-            if Instant::now() > deadline {
-                let missing = acks
-                    .iter()
-                    .enumerate()
-                    .filter(|(_, a)| a.is_none())
-                    .map(|(i, _)| i)
-                    .collect();
-                return Err(CoordinatorError::SnapshotTimeout {
-                    id,
-                    secs: timeout.as_secs(),
-                    missing,
-                });
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        while let Some(answer) = waits.next().await {
+            let (i, ack) = answer?;
+            acks[i] = ack;
+        }
+        drop(waits);
+        let missing: Vec<usize> = acks
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.is_none())
+            .map(|(i, _)| i)
+            .collect();
+        if !missing.is_empty() {
+            return Err(CoordinatorError::SnapshotTimeout {
+                id,
+                secs: timeout.as_secs(),
+                missing,
+            });
         }
         let acks: Vec<SubtaskAck> = acks.into_iter().flatten().collect();
         let mut positions = BTreeMap::new();
@@ -332,6 +323,56 @@ impl Coordinator {
             }
         }
         Ok(manifest)
+    }
+
+    /// Subtask `subtask`'s acknowledgement of snapshot `id`, long-polled
+    /// (`GET /v1/checkpoints/{id}?waitMs=N`: the worker answers when it is done, or after N ms
+    /// with `pending`); `None` once `deadline` passed without one. One failed request is
+    /// retried (a dropped connection, a busy worker); a second in a row fails the wait, as does
+    /// the subtask's report that the snapshot failed or that it does not know it.
+    pub(super) async fn await_ack(
+        &self,
+        subtask: usize,
+        id: u64,
+        deadline: Instant,
+    ) -> Result<Option<SubtaskAck>, CoordinatorError> {
+        let longest = (self.request_timeout / 2).min(LONGEST_ACK_POLL);
+        let mut failed_before = false;
+        loop {
+            let now = Instant::now();
+            if now > deadline {
+                return Ok(None);
+            }
+            let wait = longest.min(deadline - now).max(Duration::from_millis(1));
+            let path = format!("/v1/checkpoints/{id}?waitMs={}", wait.as_millis());
+            match self.get::<CheckpointStatus>(subtask, &path).await {
+                Ok(CheckpointStatus::Completed(ack)) => return Ok(Some(*ack)),
+                Ok(CheckpointStatus::Failed { error }) => {
+                    return Err(CoordinatorError::SnapshotFailed { id, subtask, error });
+                }
+                Ok(CheckpointStatus::Unknown) => {
+                    return Err(CoordinatorError::SnapshotFailed {
+                        id,
+                        subtask,
+                        error: "the worker lost the trigger (restarted?)".into(),
+                    });
+                }
+                Ok(CheckpointStatus::Pending) => {
+                    failed_before = false;
+                    // A worker that answers a long poll at once (one of an older release, which
+                    // does not hold it) is asked again after a short pause, as it used to be.
+                    if now.elapsed() < wait / 2 {
+                        tokio::time::sleep(SHORT_POLL).await;
+                    }
+                }
+                Err(e) if failed_before => return Err(e),
+                Err(e) => {
+                    tracing::debug!(id, subtask, error = %e, "asking a worker for its acknowledgement failed; asking again");
+                    failed_before = true;
+                    tokio::time::sleep(RETRY_AFTER_FAILED_POLL).await;
+                }
+            }
+        }
     }
 
     /// Abandons snapshot `id` on every worker (`POST /v1/checkpoints/{id}/abort`), because of

@@ -139,6 +139,8 @@ pub struct Completed {
 /// Coordinates one run of a job (one set of workers at one parallelism).
 pub struct Coordinator {
     http: reqwest::Client,
+    /// The per-request timeout of `http`: a long poll holds less than half of it.
+    request_timeout: Duration,
     token: String,
     workers: Vec<WorkerEndpoint>,
     store: Arc<dyn ObjectStore>,
@@ -196,10 +198,9 @@ impl Coordinator {
                 break;
             }
         }
+        let request_timeout = crate::failpoints::control_request_timeout(CONTROL_REQUEST_TIMEOUT);
         let http = reqwest::Client::builder()
-            .timeout(crate::failpoints::control_request_timeout(
-                CONTROL_REQUEST_TIMEOUT,
-            ))
+            .timeout(request_timeout)
             .build()
             .map_err(|e| CoordinatorError::Worker {
                 subtask: 0,
@@ -208,6 +209,7 @@ impl Coordinator {
             })?;
         Ok(Coordinator {
             http,
+            request_timeout,
             token,
             workers,
             store,

@@ -483,3 +483,124 @@ async fn a_worker_answer_larger_than_the_bound_is_refused_unread() {
         );
     }
 }
+
+/// What a scripted worker does with one request.
+#[derive(Clone)]
+enum Scripted {
+    /// Closes the connection without an answer.
+    Drop,
+    /// Answers this status at once.
+    Answer(CheckpointStatus),
+}
+
+/// A worker that answers its requests in turn as `script` says (one connection each; the last
+/// entry repeats), recording the request lines.
+async fn scripted_worker(script: Vec<Scripted>) -> (String, Arc<std::sync::Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let log = seen.clone();
+    tokio::spawn(async move {
+        for n in 0.. {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            let mut request = [0u8; 4096];
+            let read = conn.read(&mut request).await.unwrap_or(0);
+            let line = String::from_utf8_lossy(&request[..read])
+                .lines()
+                .next()
+                .unwrap_or_default()
+                .to_owned();
+            log.lock().unwrap().push(line);
+            match script[n.min(script.len() - 1)].clone() {
+                Scripted::Drop => drop(conn),
+                Scripted::Answer(status) => {
+                    let body = serde_json::to_vec(&status).unwrap();
+                    let head = format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                        body.len()
+                    );
+                    let _ = conn.write_all(head.as_bytes()).await;
+                    let _ = conn.write_all(&body).await;
+                }
+            }
+        }
+    });
+    (format!("http://{addr}"), seen)
+}
+
+async fn one_worker_coordinator(storage: &str, control: String) -> Coordinator {
+    Coordinator::new(
+        storage,
+        identity("acks"),
+        Assignment::new(1, 128).unwrap(),
+        vec![WorkerEndpoint {
+            control,
+            data: "127.0.0.1:1".into(),
+        }],
+        "token".into(),
+        2,
+    )
+    .await
+    .unwrap()
+}
+
+/// A subtask's acknowledgement is long-polled (`waitMs` on every request); one failed request
+/// is asked again, a second in a row fails the wait; a worker that answers `pending` at once (an
+/// older one, which does not hold the poll) is asked again; a deadline passed is no answer.
+#[tokio::test]
+async fn acknowledgements_are_long_polled_and_survive_one_failed_request() {
+    let dir = tempfile::tempdir().unwrap();
+    let storage = format!("file://{}", dir.path().display());
+    let failed = || {
+        Scripted::Answer(CheckpointStatus::Failed {
+            error: "disk full".into(),
+        })
+    };
+    let pending = Scripted::Answer(CheckpointStatus::Pending);
+    let far = Instant::now() + Duration::from_secs(30);
+
+    // One dropped request, then the worker's answer: the answer counts.
+    let (url, seen) = scripted_worker(vec![Scripted::Drop, failed()]).await;
+    let c = one_worker_coordinator(&storage, url).await;
+    match c.await_ack(0, 7, far).await {
+        Err(CoordinatorError::SnapshotFailed { id, subtask, error }) => {
+            assert_eq!((id, subtask, error.as_str()), (7, 0, "disk full"));
+        }
+        other => panic!("{other:?}"),
+    }
+    let lines = seen.lock().unwrap().clone();
+    assert_eq!(lines.len(), 2, "{lines:?}");
+    assert!(
+        lines
+            .iter()
+            .all(|l| l.starts_with("GET /v1/checkpoints/7?waitMs=")),
+        "{lines:?}"
+    );
+
+    // Two in a row: the transport's error.
+    let (url, seen) = scripted_worker(vec![Scripted::Drop]).await;
+    let c = one_worker_coordinator(&storage, url).await;
+    match c.await_ack(0, 7, far).await {
+        Err(CoordinatorError::Worker { subtask: 0, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(seen.lock().unwrap().len(), 2);
+
+    // Pending at once, twice, then done: asked three times.
+    let (url, seen) = scripted_worker(vec![pending.clone(), pending.clone(), failed()]).await;
+    let c = one_worker_coordinator(&storage, url).await;
+    assert!(matches!(
+        c.await_ack(0, 7, far).await,
+        Err(CoordinatorError::SnapshotFailed { .. })
+    ));
+    assert_eq!(seen.lock().unwrap().len(), 3);
+
+    // Pending until the deadline: no acknowledgement, and no error.
+    let (url, _) = scripted_worker(vec![pending]).await;
+    let c = one_worker_coordinator(&storage, url).await;
+    let soon = Instant::now() + Duration::from_millis(200);
+    assert!(matches!(c.await_ack(0, 7, soon).await, Ok(None)));
+}

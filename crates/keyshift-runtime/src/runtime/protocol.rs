@@ -8,7 +8,7 @@
 //! | `POST /v1/start` | [`StartRequest`] | 202 [`StartAccepted`] once the request is checked; the restore runs on |
 //! | `POST /v1/prestage` | [`StartRequest`] naming one of the job's checkpoints | 202 [`StartAccepted`]; the worker loads its key groups from it and holds them (`prestaged`), reading no source and connecting to no peer, until a `/v1/start` that then reads only what changed since ([`super::prestage`]); a second one naming a later checkpoint catches up the same way |
 //! | `POST /v1/checkpoints` | [`CheckpointRequest`] | 202; the barrier is injected at the sources |
-//! | `GET /v1/checkpoints/{id}` | - | [`CheckpointStatus`]: the subtask's acknowledgement |
+//! | `GET /v1/checkpoints/{id}[?waitMs=N]` | - | [`CheckpointStatus`]: the subtask's acknowledgement; with `waitMs`, a long poll: answered once the status is no longer pending, or after N ms (at most [`MAX_CHECKPOINT_WAIT_MS`]) with `pending` |
 //! | `POST /v1/checkpoints/{id}/abort` | - | 200 [`CheckpointStatus`] (now failed); idempotent: the snapshot is abandoned |
 //! | `POST /v1/resume` | - | 200; sources stopped by a savepoint read again |
 //! | `GET /v1/status` | - | [`WorkerStatus`] |
@@ -43,6 +43,20 @@ use crate::snapshot::{SnapshotKind, SubtaskSnapshot};
 use keyshift_core::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
+
+/// The longest `GET /v1/checkpoints/{id}?waitMs=N` holds its answer while the snapshot is
+/// pending: a larger N is cut to it.
+pub const MAX_CHECKPOINT_WAIT_MS: u64 = 10_000;
+
+/// The query of `GET /v1/checkpoints/{id}`.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointStatusQuery {
+    /// Hold the answer while the snapshot is pending, at most this many milliseconds (absent:
+    /// answer at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
+}
 
 /// The version of the control protocol between the orchestration (operator, `keyshift local`)
 /// and a worker: a start request carries the sender's, and a worker refuses a start of another

@@ -97,12 +97,26 @@ pub(super) async fn status(State(s): State<Arc<Shared>>) -> Response {
     Json(st).into_response()
 }
 
+/// Snapshot `id`'s status; with `waitMs`, held while it is pending (a long poll), so the
+/// coordinator asks once per snapshot instead of every few milliseconds.
 pub(super) async fn checkpoint_status(
     State(s): State<Arc<Shared>>,
     Path(id): Path<u64>,
+    Query(query): Query<CheckpointStatusQuery>,
 ) -> Response {
-    let st = s.ledger.lock().await.status(id);
-    Json(st).into_response()
+    let wait = Duration::from_millis(query.wait_ms.unwrap_or(0).min(MAX_CHECKPOINT_WAIT_MS));
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        // Registered before the status is read, so a change in between is not missed.
+        let changed = s.ledger_changed.notified();
+        tokio::pin!(changed);
+        changed.as_mut().enable();
+        let st = s.ledger.lock().await.status(id);
+        if !matches!(st, CheckpointStatus::Pending) || tokio::time::Instant::now() >= deadline {
+            return Json(st).into_response();
+        }
+        let _ = tokio::time::timeout_at(deadline, changed).await;
+    }
 }
 
 /// Abandons snapshot `id` (idempotent): it is reported failed, its cut is dropped, and the keyed

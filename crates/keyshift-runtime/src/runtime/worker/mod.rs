@@ -26,7 +26,7 @@ use super::shuffle::{self, BATCH, CHANNEL_BATCHES, Msg};
 use crate::job::WatermarkTracker;
 use crate::job::{self, CompiledJob, JobOptions, Keyed, PartitionWatermark, Programs, Record};
 use crate::snapshot::{self, ObjectStore, Path as StorePath, SnapshotWriter};
-use axum::extract::{Path, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
@@ -152,6 +152,9 @@ struct Shared {
     /// Every snapshot's status, and what the source recorded at each barrier (picked up by the
     /// operator); bounded.
     ledger: Mutex<Ledger>,
+    /// Wakes the long polls of `GET /v1/checkpoints/{id}?waitMs=N` whenever a snapshot's status
+    /// in the ledger changes.
+    ledger_changed: tokio::sync::Notify,
     /// [`Ledger::aborted_through`], for the keyed operator: it stops aligning an id at or below
     /// it, and ignores such barriers.
     aborted: watch::Sender<u64>,
@@ -193,6 +196,14 @@ impl Shared {
         });
     }
 
+    /// Records how snapshot `id` ended (see [`Ledger::finish`]) and wakes the long polls of its
+    /// status. False when it had been aborted meanwhile (it stays aborted).
+    async fn finish(&self, id: u64, status: CheckpointStatus) -> bool {
+        let finished = self.ledger.lock().await.finish(id, status);
+        self.ledger_changed.notify_waiters();
+        finished
+    }
+
     /// Aborts snapshot `id` (and the pending ones below it) in the ledger and tells the keyed
     /// operator.
     async fn abort(&self, id: u64, reason: &str) -> CheckpointStatus {
@@ -201,6 +212,7 @@ impl Shared {
             let through = ledger.abort(id, reason);
             (through, ledger.status(id))
         };
+        self.ledger_changed.notify_waiters();
         self.aborted.send_if_modified(|w| {
             let raise = through > *w;
             *w = (*w).max(through);
@@ -425,6 +437,7 @@ impl BoundWorker {
             stopped: AtomicBool::new(false),
             run: Mutex::new(None),
             ledger: Mutex::new(Ledger::new()),
+            ledger_changed: tokio::sync::Notify::new(),
             aborted: watch::channel(0).0,
             status: Mutex::new(WorkerStatus {
                 state: WorkerState::Idle,

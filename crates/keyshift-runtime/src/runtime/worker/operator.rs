@@ -212,12 +212,13 @@ pub(super) async fn settle(
             return Ok(None);
         }
         Err(e) if e.stops_the_worker() => {
-            s.ledger.lock().await.finish(
+            s.finish(
                 id,
                 CheckpointStatus::Failed {
                     error: e.to_string(),
                 },
-            );
+            )
+            .await;
             return Err(e);
         }
         Err(e) => {
@@ -231,7 +232,7 @@ pub(super) async fn settle(
         CheckpointStatus::Completed(ack) => Some(ack.snapshot.clone()),
         _ => None,
     };
-    if !s.ledger.lock().await.finish(id, status) {
+    if !s.finish(id, status).await {
         tracing::info!(
             id,
             "snapshot written after it was aborted: it stays aborted"
