@@ -79,8 +79,15 @@ pub async fn run(ctx: Arc<Context>, ns: Option<String>, watch: watcher::Config) 
 
 fn error_policy(snap: Arc<StreamJobSnapshot>, error: &OperatorError, ctx: Arc<Context>) -> Requeue {
     let kind = error.kind();
+    // Counted with its job's series, while the operator tracks that job (a snapshot of a job
+    // that is gone adds no series).
+    ctx.metrics.record_error(
+        &snap.namespace().unwrap_or_default(),
+        &snap.spec.job_name,
+        true,
+        kind,
+    );
     tracing::warn!(snapshot = %snap.name_any(), error = %error, kind = kind.label(), "snapshot reconcile failed; retrying");
-    let _ = ctx;
     Requeue::requeue(crate::backoff::jittered(kind.retry_after()))
 }
 

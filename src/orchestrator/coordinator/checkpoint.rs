@@ -2,12 +2,13 @@
 //! commit the manifest (create-only, last), abort on failure, resume stopped sources.
 
 use super::*;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 
 /// The longest a long poll for a subtask's acknowledgement holds (less when the per-request
 /// timeout is short).
 const LONGEST_ACK_POLL: Duration = Duration::from_secs(5);
-/// Long polls for acknowledgements in flight at once, over a run's workers.
+/// Requests to a run's workers in flight at once for one snapshot (its triggers, then the long
+/// polls for its acknowledgements).
 const ACK_POLLS_IN_FLIGHT: usize = 64;
 /// The pause before asking again a worker that does not hold a long poll.
 const SHORT_POLL: Duration = Duration::from_millis(20);
@@ -244,10 +245,12 @@ impl Coordinator {
             stop,
             last_committed: Some(self.last_committed),
         };
-        try_join_all((0..self.workers.len()).map(|i| async move {
+        futures::stream::iter((0..self.workers.len()).map(|i| async move {
             self.post::<_, serde_json::Value>(i, "/v1/checkpoints", req)
                 .await
         }))
+        .buffer_unordered(ACK_POLLS_IN_FLIGHT)
+        .try_collect::<Vec<_>>()
         .await?;
         let deadline = Instant::now() + timeout;
         // Every worker's acknowledgement, long-polled: about one request per worker and
