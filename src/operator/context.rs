@@ -74,6 +74,8 @@ pub struct Context {
     /// find the snapshots that wait for a savepoint and the one spec.restoreFrom names.
     pub(super) snapshot_stores:
         std::sync::Mutex<Vec<kube::runtime::reflector::Store<StreamJobSnapshot>>>,
+    /// When each StreamJobSnapshot's storage was last read, by (namespace, name, what for).
+    snapshot_checked: std::sync::Mutex<HashMap<(String, String, &'static str), std::time::Instant>>,
 }
 
 pub(super) type Waker = futures::channel::mpsc::UnboundedSender<ObjectRef<StreamJob>>;
@@ -101,6 +103,7 @@ impl Context {
             wakers: std::sync::Mutex::new(Vec::new()),
             job_stores: std::sync::Mutex::new(Vec::new()),
             snapshot_stores: std::sync::Mutex::new(Vec::new()),
+            snapshot_checked: std::sync::Mutex::new(HashMap::new()),
         }
     }
 
@@ -212,6 +215,39 @@ impl Context {
             .flat_map(|s| s.state())
             .filter(|s| s.metadata.namespace.as_deref() == Some(ns))
             .collect()
+    }
+
+    /// Whether the storage of snapshot `ns/name` may be read `what` for now: not within `every`
+    /// of the last time it was (which this records).
+    pub(super) fn snapshot_due(
+        &self,
+        ns: &str,
+        name: &str,
+        what: &'static str,
+        every: Duration,
+    ) -> bool {
+        let mut checked = self
+            .snapshot_checked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let now = std::time::Instant::now();
+        let key = (ns.to_owned(), name.to_owned(), what);
+        if checked
+            .get(&key)
+            .is_some_and(|t| now.duration_since(*t) < every)
+        {
+            return false;
+        }
+        checked.insert(key, now);
+        true
+    }
+
+    /// Forgets a deleted snapshot's [`Self::snapshot_due`] times.
+    pub(super) fn forget_snapshot(&self, ns: &str, name: &str) {
+        self.snapshot_checked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|(n, s, _), _| !(n == ns && s == name));
     }
 
     /// The StreamJobs of namespace `ns` in the watch caches.

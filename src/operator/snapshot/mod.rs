@@ -36,6 +36,11 @@ pub const FINALIZER: &str = "keyshift.dev/snapshot-files";
 const REFRESH: Duration = Duration::from_secs(300);
 /// How often a deletion waiting for its job to stop needing the snapshot is retried.
 const IN_USE_RETRY: Duration = Duration::from_secs(30);
+/// The least time between two reads of a Ready snapshot's storage (its in-use check and its
+/// job's retention), however often the job changes.
+const REFRESH_AT_MOST: Duration = Duration::from_secs(60);
+/// The least time between two in-use checks of a deletion that waits.
+const IN_USE_CHECK_AT_MOST: Duration = Duration::from_secs(10);
 /// How often a Pending snapshot is looked at without a change of its own or of its job.
 const PENDING: Duration = Duration::from_secs(30);
 
@@ -111,11 +116,19 @@ async fn reconcile(
         // The patch's watch event brings the snapshot back with it.
         return Ok(Requeue::await_change());
     }
-    let jobs: Api<StreamJob> = Api::namespaced(ctx.client.clone(), &ns);
-    let job = jobs
-        .get_opt(&snap.spec.job_name)
-        .await
-        .map_err(|e| OperatorError::SnapshotApi("reading its StreamJob", e))?;
+    // The job as the watch cache holds it (every change of it brings its snapshots here);
+    // read from the API server only when the cache does not hold it (yet).
+    let cached = ctx
+        .jobs_in(&ns)
+        .into_iter()
+        .find(|j| j.name_any() == snap.spec.job_name);
+    let job = match cached {
+        Some(job) => Some((*job).clone()),
+        None => Api::<StreamJob>::namespaced(ctx.client.clone(), &ns)
+            .get_opt(&snap.spec.job_name)
+            .await
+            .map_err(|e| OperatorError::SnapshotApi("reading its StreamJob", e))?,
+    };
     let before = snap.status.clone().unwrap_or_default();
     let generation = snap.metadata.generation;
     let (mut status, requeue) = match next(&snap, job.as_ref()) {
@@ -145,6 +158,11 @@ async fn reconcile(
             (status, REFRESH)
         }
         Next::Refresh { url } => {
+            // Every change of the job (each checkpoint) brings its snapshots here: their
+            // storage is read at most once per REFRESH_AT_MOST.
+            if !ctx.snapshot_due(&ns, &snap.name_any(), "refresh", REFRESH_AT_MOST) {
+                return Ok(Requeue::requeue(REFRESH));
+            }
             let mut status = before.clone();
             refresh_in_use(&mut status, &ns, &snap, &url, &ctx).await;
             if let Some(job) = &job {
@@ -428,6 +446,9 @@ async fn delete(
     let policy = snap.spec.effective_deletion_policy();
     match (policy, url) {
         (DeletionPolicy::Delete, Some(url)) => {
+            if !ctx.snapshot_due(&ns, &snap.name_any(), "delete", IN_USE_CHECK_AT_MOST) {
+                return Ok(Requeue::requeue(IN_USE_CHECK_AT_MOST));
+            }
             let mut reasons = needed_by(&ns, snap, &url, ctx).await?;
             let mut disposed = None;
             if reasons.is_empty() {
@@ -507,6 +528,7 @@ async fn delete(
         .cloned()
         .collect();
     patch_finalizers(api, snap, finalizers).await?;
+    ctx.forget_snapshot(&ns, &snap.name_any());
     Ok(Requeue::await_change())
 }
 
