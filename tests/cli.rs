@@ -250,13 +250,53 @@ spec:
     sink: {type: log}
 ";
 
+/// Runs `keyshift local` on `manifest` (the text), which it must refuse: it exits 1 within
+/// 20 s and starts nothing (its state directory is not created). Its stderr.
+fn local_refusal(manifest: &str) -> String {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("job.yaml");
+    let state = dir.path().join("state");
+    std::fs::write(&path, manifest).unwrap();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_keyshift"))
+        .args([
+            "local",
+            path.to_str().unwrap(),
+            "--state-dir",
+            state.to_str().unwrap(),
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let start = std::time::Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if start.elapsed() > std::time::Duration::from_secs(20) {
+            // SIGTERM twice: `keyshift local` stops its workers at once.
+            for _ in 0..2 {
+                // SAFETY: kill(2) on the child this test started.
+                unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+                std::thread::sleep(std::time::Duration::from_millis(500));
+            }
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "the job started despite the refusal:\n{manifest}\n{}",
+                text(&out.stdout)
+            );
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let err = text(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{manifest}\n{err}");
+    assert!(!state.exists(), "nothing started: {err}");
+    err
+}
+
 /// `keyshift local` refuses a manifest with fields the CRD does not declare, as `kubectl apply`
 /// does (strict field validation), naming every one by its path; nothing starts.
 #[test]
 fn local_refuses_unknown_fields_like_the_api_server() {
-    let dir = tempfile::tempdir().unwrap();
-    let manifest = dir.path().join("job.yaml");
-    let state = dir.path().join("state");
     for (edit, fields) in [
         (
             ("kind: StreamJob", "kind: StreamJob\nspce: {replicas: 2}"),
@@ -272,39 +312,7 @@ fn local_refuses_unknown_fields_like_the_api_server() {
             vec!["spec.job.source.generator.sed", "spec.job.windw"],
         ),
     ] {
-        std::fs::write(&manifest, LOCAL_MANIFEST.replace(edit.0, edit.1)).unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_keyshift"))
-            .args([
-                "local",
-                manifest.to_str().unwrap(),
-                "--state-dir",
-                state.to_str().unwrap(),
-            ])
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let start = std::time::Instant::now();
-        while child.try_wait().unwrap().is_none() {
-            if start.elapsed() > std::time::Duration::from_secs(20) {
-                // SIGTERM twice: `keyshift local` stops its workers at once.
-                for _ in 0..2 {
-                    // SAFETY: kill(2) on the child this test started.
-                    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
-                    std::thread::sleep(std::time::Duration::from_millis(500));
-                }
-                let out = child.wait_with_output().unwrap();
-                panic!(
-                    "{edit:?}: the job started despite the unknown fields: {}",
-                    text(&out.stdout)
-                );
-            }
-            std::thread::sleep(std::time::Duration::from_millis(50));
-        }
-        let out = child.wait_with_output().unwrap();
-        let err = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{edit:?}: {err}");
+        let err = local_refusal(&LOCAL_MANIFEST.replace(edit.0, edit.1));
         let listed: Vec<String> = fields
             .iter()
             .map(|f| format!("unknown field \"{f}\""))
@@ -316,7 +324,6 @@ fn local_refuses_unknown_fields_like_the_api_server() {
             )),
             "{edit:?}: {err}"
         );
-        assert!(!state.exists(), "nothing started: {err}");
     }
 }
 
@@ -324,35 +331,15 @@ fn local_refuses_unknown_fields_like_the_api_server() {
 /// resource), saying to give the snapshot's URL; nothing starts.
 #[test]
 fn local_refuses_a_restore_from_a_snapshot_resource() {
-    let dir = tempfile::tempdir().unwrap();
-    let manifest = dir.path().join("job.yaml");
-    let state = dir.path().join("state");
-    std::fs::write(
-        &manifest,
-        LOCAL_MANIFEST.replace(
-            "  replicas: 2",
-            "  replicas: 2\n  restoreFrom: before-upgrade",
-        ),
-    )
-    .unwrap();
-    let out = Command::new(env!("CARGO_BIN_EXE_keyshift"))
-        .args([
-            "local",
-            manifest.to_str().unwrap(),
-            "--state-dir",
-            state.to_str().unwrap(),
-        ])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    let err = text(&out.stderr);
-    assert_eq!(out.status.code(), Some(1), "{err}");
+    let err = local_refusal(&LOCAL_MANIFEST.replace(
+        "  replicas: 2",
+        "  replicas: 2\n  restoreFrom: before-upgrade",
+    ));
     assert!(
         err.contains("spec.restoreFrom names the StreamJobSnapshot before-upgrade")
             && err.contains("the snapshot's URL"),
         "{err}"
     );
-    assert!(!state.exists(), "nothing started: {err}");
 }
 
 /// What a worker writes to stderr from its start to its stop on SIGTERM, with stderr on a

@@ -333,6 +333,26 @@ async fn absurd_start_requests_are_refused_naming_the_field_and_the_bound() {
     assert_eq!(r.status().as_u16(), 202, "a valid start after the refusals");
 }
 
+/// Triggers checkpoint `id` as soon as the worker at `url` runs (its trigger is refused until
+/// then), within 30 s.
+async fn trigger_once_running(c: &reqwest::Client, url: &str, id: u64) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let r = c
+            .post(format!("{url}/v1/checkpoints"))
+            .bearer_auth(TOKEN)
+            .json(&serde_json::json!({"id": id, "kind": "checkpoint"}))
+            .send()
+            .await
+            .expect("trigger answered");
+        if r.status().as_u16() == 202 {
+            return;
+        }
+        assert!(std::time::Instant::now() < deadline, "never started");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 /// `POST /v1/checkpoints/{id}/abort` is idempotent and makes the id report failed (aborted),
 /// also on a worker that never saw its trigger; a trigger of it afterwards injects nothing.
 #[tokio::test]
@@ -362,20 +382,7 @@ async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
     }
     // Wait until the worker runs, then trigger 7 (ignored) and 8 (taken).
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let r = c
-            .post(format!("{url}/v1/checkpoints"))
-            .bearer_auth(TOKEN)
-            .json(&serde_json::json!({"id": 7, "kind": "checkpoint"}))
-            .send()
-            .await
-            .expect("trigger answered");
-        if r.status().as_u16() == 202 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "never started");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    trigger_once_running(&c, &url, 7).await;
     let r = c
         .post(format!("{url}/v1/checkpoints"))
         .bearer_auth(TOKEN)
@@ -435,21 +442,7 @@ async fn a_long_poll_answers_once_the_snapshot_is_done() {
         .await
         .expect("start answered");
     assert_eq!(r.status().as_u16(), 202);
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let r = c
-            .post(format!("{url}/v1/checkpoints"))
-            .bearer_auth(TOKEN)
-            .json(&serde_json::json!({"id": 1, "kind": "checkpoint"}))
-            .send()
-            .await
-            .expect("trigger answered");
-        if r.status().as_u16() == 202 {
-            break;
-        }
-        assert!(std::time::Instant::now() < deadline, "never started");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    trigger_once_running(&c, &url, 1).await;
     let poll = |id: u64, wait_ms: u64| {
         let c = c.clone();
         let url = url.clone();

@@ -189,8 +189,12 @@ pub enum ClientError {
         name: String,
         message: String,
     },
-    #[error("listing streamjobs in namespace {namespace}: {message}")]
-    List { namespace: String, message: String },
+    #[error("listing {what} in namespace {namespace}: {message}")]
+    List {
+        what: &'static str,
+        namespace: String,
+        message: String,
+    },
     #[error("{0}")]
     Refused(String),
     #[error(
@@ -252,26 +256,30 @@ impl Cluster {
             })
     }
 
+    fn snapshot_api(&self) -> Api<StreamJobSnapshot> {
+        Api::namespaced(self.client.clone(), &self.namespace)
+    }
+
     /// Every StreamJob of the namespace.
     pub async fn all_jobs(&self) -> Result<Vec<StreamJob>, ClientError> {
-        let list = self
-            .jobs()
-            .list(&ListParams::default())
-            .await
-            .map_err(|e| ClientError::List {
-                namespace: self.namespace.clone(),
-                message: api_message(e),
-            })?;
-        Ok(list.items)
+        self.list(self.jobs(), "streamjobs").await
     }
 
     /// Every StreamJobSnapshot of the namespace.
     pub async fn snapshots(&self) -> Result<Vec<StreamJobSnapshot>, ClientError> {
-        let api: Api<StreamJobSnapshot> = Api::namespaced(self.client.clone(), &self.namespace);
+        self.list(self.snapshot_api(), "streamjobsnapshots").await
+    }
+
+    /// Every object `api` lists (`what` names them in an error).
+    async fn list<K>(&self, api: Api<K>, what: &'static str) -> Result<Vec<K>, ClientError>
+    where
+        K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+    {
         let list = api
             .list(&ListParams::default())
             .await
             .map_err(|e| ClientError::List {
+                what,
                 namespace: self.namespace.clone(),
                 message: api_message(e),
             })?;
@@ -325,8 +333,8 @@ impl Cluster {
             snapshot.metadata.name = None;
             snapshot.metadata.generate_name = Some(format!("{job}-"));
         }
-        let api: Api<StreamJobSnapshot> = Api::namespaced(self.client.clone(), &self.namespace);
-        let created = api
+        let created = self
+            .snapshot_api()
             .create(&PostParams::default(), &snapshot)
             .await
             .map_err(|e| api_error("creating a StreamJobSnapshot of", job, e))?;
@@ -340,7 +348,7 @@ impl Cluster {
         name: &str,
         timeout: Duration,
     ) -> Result<StreamJobSnapshotStatus, ClientError> {
-        let api: Api<StreamJobSnapshot> = Api::namespaced(self.client.clone(), &self.namespace);
+        let api = self.snapshot_api();
         let start = Instant::now();
         let mut shown = String::new();
         loop {

@@ -205,16 +205,7 @@ impl Context {
 impl Context {
     /// The StreamJobSnapshots of namespace `ns` in the watch caches.
     pub(super) fn snapshots_in(&self, ns: &str) -> Vec<Arc<StreamJobSnapshot>> {
-        let stores = self
-            .snapshot_stores
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        stores
-            .iter()
-            .flat_map(|s| s.state())
-            .filter(|s| s.metadata.namespace.as_deref() == Some(ns))
-            .collect()
+        in_namespace(&self.snapshot_stores, ns)
     }
 
     /// Whether the storage of snapshot `ns/name` may be read `what` for now: not within `every`
@@ -252,17 +243,25 @@ impl Context {
 
     /// The StreamJobs of namespace `ns` in the watch caches.
     pub(super) fn jobs_in(&self, ns: &str) -> Vec<Arc<StreamJob>> {
-        let stores = self
-            .job_stores
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .clone();
-        stores
-            .iter()
-            .flat_map(|s| s.state())
-            .filter(|j| j.metadata.namespace.as_deref() == Some(ns))
-            .collect()
+        in_namespace(&self.job_stores, ns)
     }
+}
+
+/// The objects of namespace `ns` in the watch caches `stores` (one per controller).
+fn in_namespace<K>(
+    stores: &std::sync::Mutex<Vec<kube::runtime::reflector::Store<K>>>,
+    ns: &str,
+) -> Vec<Arc<K>>
+where
+    K: Resource + Clone + 'static,
+    K::DynamicType: std::hash::Hash + Eq + Clone,
+{
+    let stores = stores.lock().unwrap_or_else(|p| p.into_inner()).clone();
+    stores
+        .iter()
+        .flat_map(|s| s.state())
+        .filter(|o| o.meta().namespace.as_deref() == Some(ns))
+        .collect()
 }
 
 fn identity(job: &StreamJob) -> crate::validation::JobIdentity<'_> {

@@ -210,20 +210,14 @@ async fn record(
                 manifest.stats.total_keys,
                 manifest.max_parallelism
             );
-            status.message = Some(message.clone());
             status.conditions = before.conditions.clone();
-            condition(
+            announce(
+                ctx,
+                snap,
                 &mut status,
-                true,
                 Reason::SnapshotReady,
-                &message,
-                generation,
-            );
-            ctx.event_on(
-                snap.object_ref(&()),
-                false,
-                Reason::SnapshotReady.as_str(),
                 message,
+                generation,
             )
             .await;
             status
@@ -238,22 +232,16 @@ async fn record(
                 phase: Some(SnapshotPhase::Failed),
                 path: Some(url.to_owned()),
                 verified: Some(false),
-                message: Some(message.clone()),
                 conditions: before.conditions.clone(),
                 ..Default::default()
             };
-            condition(
+            announce(
+                ctx,
+                snap,
                 &mut status,
-                false,
                 Reason::SnapshotUnusable,
-                &message,
-                generation,
-            );
-            ctx.event_on(
-                snap.object_ref(&()),
-                true,
-                Reason::SnapshotUnusable.as_str(),
                 message,
+                generation,
             )
             .await;
             status
@@ -585,6 +573,23 @@ async fn write_status(
         Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
         Err(e) => Err(OperatorError::SnapshotApi("writing its status", e)),
     }
+}
+
+/// The snapshot became Ready (`SnapshotReady`) or Failed: its message and Ready condition say
+/// so, and an Event (a warning when it failed).
+async fn announce(
+    ctx: &Context,
+    snap: &StreamJobSnapshot,
+    status: &mut StreamJobSnapshotStatus,
+    reason: Reason,
+    message: String,
+    generation: Option<i64>,
+) {
+    let ready = reason == Reason::SnapshotReady;
+    status.message = Some(message.clone());
+    condition(status, ready, reason, &message, generation);
+    ctx.event_on(snap.object_ref(&()), !ready, reason.as_str(), message)
+        .await;
 }
 
 /// Sets the Ready condition.
