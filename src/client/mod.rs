@@ -198,9 +198,10 @@ pub enum ClientError {
     #[error("{0}")]
     Refused(String),
     #[error(
-        "streamjob {name}: {what} not reached within {seconds} s; the job says: {message} (see `kubectl describe streamjob {name}`)"
+        "{kind} {name}: {what} not reached within {seconds} s; it says: {message} (see `kubectl describe {kind} {name}`)"
     )]
     Timeout {
+        kind: &'static str,
         name: String,
         what: &'static str,
         seconds: u64,
@@ -349,9 +350,7 @@ impl Cluster {
         timeout: Duration,
     ) -> Result<StreamJobSnapshotStatus, ClientError> {
         let api = self.snapshot_api();
-        let start = Instant::now();
-        let mut shown = String::new();
-        loop {
+        let fetch = async || {
             let snapshot = api
                 .get(name)
                 .await
@@ -359,28 +358,14 @@ impl Cluster {
             let status = snapshot.status.unwrap_or_default();
             let message = status.message.clone().unwrap_or_default();
             match status.phase {
-                Some(SnapshotPhase::Ready) => return Ok(status),
-                Some(SnapshotPhase::Failed) => {
-                    return Err(ClientError::Refused(format!(
-                        "streamjobsnapshot {name} failed: {message}"
-                    )));
-                }
-                _ => {}
+                Some(SnapshotPhase::Ready) => Ok(Polled::Done(status)),
+                Some(SnapshotPhase::Failed) => Err(ClientError::Refused(format!(
+                    "streamjobsnapshot {name} failed: {message}"
+                ))),
+                _ => Ok(Polled::Waiting(message)),
             }
-            if message != shown && !message.is_empty() {
-                eprintln!("{name}: {message}");
-                shown = message;
-            }
-            if start.elapsed() >= timeout {
-                return Err(ClientError::Timeout {
-                    name: name.to_owned(),
-                    what: "the savepoint",
-                    seconds: timeout.as_secs(),
-                    message: shown,
-                });
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
-        }
+        };
+        poll(("streamjobsnapshot", name), "the savepoint", timeout, fetch).await
     }
 
     /// Polls the job every second until `done` says it is there (`Some(result)`), printing each
@@ -392,32 +377,59 @@ impl Cluster {
         timeout: Duration,
         mut done: impl FnMut(&StreamJob) -> Result<Option<T>, ClientError>,
     ) -> Result<T, ClientError> {
-        let start = Instant::now();
-        let mut shown = String::new();
-        loop {
+        let fetch = async || {
             let job = self.job(name).await?;
-            if let Some(result) = done(&job)? {
-                return Ok(result);
+            Ok(match done(&job)? {
+                Some(result) => Polled::Done(result),
+                None => Polled::Waiting(
+                    job.status
+                        .as_ref()
+                        .and_then(|s| s.message.clone())
+                        .unwrap_or_default(),
+                ),
+            })
+        };
+        poll(("streamjob", name), what, timeout, fetch).await
+    }
+}
+
+/// One look at what [`poll`] waits for.
+enum Polled<T> {
+    Done(T),
+    /// Not yet; what the object says.
+    Waiting(String),
+}
+
+/// Calls `fetch` every second until it is [`Polled::Done`] (or fails), printing each new message
+/// of `object` (its kind and name) to stderr, or fails after `timeout` with its last message.
+async fn poll<T>(
+    (kind, name): (&'static str, &str),
+    what: &'static str,
+    timeout: Duration,
+    mut fetch: impl AsyncFnMut() -> Result<Polled<T>, ClientError>,
+) -> Result<T, ClientError> {
+    let start = Instant::now();
+    let mut shown = String::new();
+    loop {
+        match fetch().await? {
+            Polled::Done(result) => return Ok(result),
+            Polled::Waiting(message) => {
+                if message != shown && !message.is_empty() {
+                    eprintln!("{name}: {message}");
+                    shown = message;
+                }
             }
-            let message = job
-                .status
-                .as_ref()
-                .and_then(|s| s.message.clone())
-                .unwrap_or_default();
-            if message != shown && !message.is_empty() {
-                eprintln!("{name}: {message}");
-                shown = message;
-            }
-            if start.elapsed() >= timeout {
-                return Err(ClientError::Timeout {
-                    name: name.to_owned(),
-                    what,
-                    seconds: timeout.as_secs(),
-                    message: shown,
-                });
-            }
-            tokio::time::sleep(Duration::from_secs(1)).await;
         }
+        if start.elapsed() >= timeout {
+            return Err(ClientError::Timeout {
+                kind,
+                name: name.to_owned(),
+                what,
+                seconds: timeout.as_secs(),
+                message: shown,
+            });
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -771,6 +783,42 @@ status: {status}
 "#
         ))
         .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_poll_ends_when_done_or_names_the_object_and_its_last_words_at_the_timeout() {
+        let mut looks = 0;
+        let done = poll(
+            ("streamjob", "clicks"),
+            "Ready",
+            Duration::from_secs(30),
+            async || {
+                looks += 1;
+                Ok(if looks < 2 {
+                    Polled::Waiting("starting".into())
+                } else {
+                    Polled::Done(looks)
+                })
+            },
+        )
+        .await;
+        assert!(matches!(done, Ok(2)), "{done:?}");
+        let late = poll(
+            ("streamjobsnapshot", "before-upgrade"),
+            "the savepoint",
+            Duration::ZERO,
+            async || {
+                Ok(Polled::<()>::Waiting(
+                    "waiting for the StreamJob clicks".into(),
+                ))
+            },
+        )
+        .await
+        .map_err(|e| e.to_string());
+        assert_eq!(
+            late,
+            Err("streamjobsnapshot before-upgrade: the savepoint not reached within 0 s; it says: waiting for the StreamJob clicks (see `kubectl describe streamjobsnapshot before-upgrade`)".to_owned())
+        );
     }
 
     #[test]
