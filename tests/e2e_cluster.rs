@@ -897,16 +897,41 @@ fn streamjob_snapshots_are_taken_retired_restored_recorded_and_disposed_of() {
     );
     kubectl_ok(&["delete", "-n", ns, "sjsnap/missing", "--timeout=60s"]);
 
-    delete_job(ns, name, &op.log);
-    kubectl_ok(&[
-        "delete",
-        "-n",
+    // The savepoint a suspended job resumes from is its newest snapshot: recorded as a resource
+    // that disposes of its files on delete, its deletion waits while the job exists, and goes
+    // through once the job is deleted.
+    set_suspend(ns, name, true, &op.log);
+    let resume_point = get(ns, name, "{.status.lastSavepoint.path}");
+    let r = apply(
         ns,
-        "sjsnap",
-        "--all",
-        "--timeout=60s",
-        "--wait=false",
-    ]);
+        &snapshot_yaml(
+            "resume-point",
+            &format!("  jobName: snap\n  path: {resume_point}\n  deletionPolicy: Delete"),
+        ),
+    );
+    assert!(r.ok, "{}", r.stderr);
+    wait_snapshot_ready(ns, "resume-point", &op.log);
+    assert_eq!(field("resume-point", "{.status.inUse}"), "true");
+    kubectl_ok(&["delete", "-n", ns, "sjsnap/resume-point", "--wait=false"]);
+    wait_for(Duration::from_secs(60), || {
+        !snapshot_events(ns, "resume-point", "SnapshotInUse").is_empty()
+    });
+    assert!(!snapshot_gone(ns, "resume-point"));
+    assert!(
+        committed(&resume_point),
+        "the suspended job's resume point is kept"
+    );
+    delete_job(ns, name, &op.log);
+    wait_for(Duration::from_secs(90), || {
+        snapshot_gone(ns, "resume-point")
+    });
+    assert!(
+        !committed(&resume_point),
+        "disposed of once its job is gone"
+    );
+    // What is left goes with its files while the operator runs (their job is gone).
+    kubectl_ok(&["delete", "-n", ns, "sjsnap", "--all", "--timeout=90s"]);
+    assert!(!committed(&second));
     drop(op);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -117,9 +117,10 @@ pub struct StreamJobSnapshotStatus {
     /// names (checked once, when it became Ready).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub verified: Option<bool>,
-    /// Whether its job still needs it (it is the job's newest checkpoint or snapshot, the job's
-    /// spec.restoreFrom, or pinned by a transition in flight): such a snapshot is neither
-    /// disposed of nor retired by spec.snapshotRetention. Refreshed every few minutes.
+    /// Whether a job still needs it (it is its job's newest checkpoint or snapshot or pinned by
+    /// a transition in flight, while that job exists, or a StreamJob's spec.restoreFrom names
+    /// it): such a snapshot is neither disposed of nor retired by spec.snapshotRetention.
+    /// Refreshed every few minutes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub in_use: Option<bool>,
     /// Why the job still needs it, in words (empty when it does not).

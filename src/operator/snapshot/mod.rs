@@ -261,29 +261,68 @@ fn unreachable(e: &ToolError) -> bool {
     )
 }
 
-/// Why the snapshot at `url` is still needed: by its job's storage (the newest checkpoint or
-/// snapshot, the in-use marker) and by any StreamJob of the namespace whose spec.restoreFrom
-/// names it (by resource name or URL). `Err` when the storage cannot be read.
+/// Why the snapshot at `url` is still needed: by any StreamJob of the namespace whose
+/// spec.restoreFrom names it (by resource name or URL), and by the job whose directory holds it
+/// (its newest checkpoint or snapshot, its in-use marker) while that job exists.
+#[derive(Debug, Default)]
+struct Needed {
+    reasons: Vec<String>,
+    /// The StreamJob whose directory holds the snapshot is gone (deleted): its storage's
+    /// "newest snapshot" rules no longer protect anything, so a disposal overrides them.
+    owner_gone: bool,
+}
+
+/// [`Needed`] for the snapshot at `url`. `Err` when the storage (or the API server, asked
+/// whether the owning job still exists) cannot be read.
 async fn needed_by(
     ns: &str,
     snap: &StreamJobSnapshot,
     url: &str,
     ctx: &Context,
-) -> Result<Vec<String>, OperatorError> {
-    let mut reasons = named_by_restore_from(&ctx.jobs_in(ns), &snap.name_any(), url);
-    if let Some((job_url, kind, id)) = offline::split_snapshot_url(url) {
-        let listing = off_task(move || async move { offline::list_job(&job_url).await })
-            .await?
-            .map_err(OperatorError::SnapshotStorage)?;
-        let relative = format!("{}/{}{id}", kind.folder(), kind.dir_prefix());
-        if let Some(listed) = listing.snapshots.iter().find(|l| l.path == relative) {
-            reasons.extend(listed.in_use.iter().map(|u| u.detail.clone()));
-        }
-        if let Some(e) = listing.marker_error {
-            reasons.push(e);
-        }
+) -> Result<Needed, OperatorError> {
+    let mut needed = Needed {
+        reasons: named_by_restore_from(&ctx.jobs_in(ns), &snap.name_any(), url),
+        owner_gone: false,
+    };
+    let Some((job_url, kind, id)) = offline::split_snapshot_url(url) else {
+        return Ok(needed);
+    };
+    // `<storage>/<namespace>/<job>`: a job of this namespace that is gone needs nothing (one of
+    // another namespace is taken to exist: this controller may not read it).
+    let mut segments = job_url.trim_end_matches('/').rsplit('/');
+    if let (Some(owner), Some(owner_ns)) = (segments.next(), segments.next())
+        && owner_ns == ns
+        && !job_exists(ctx, ns, owner).await?
+    {
+        needed.owner_gone = true;
+        return Ok(needed);
     }
-    Ok(reasons)
+    let listing = off_task(move || async move { offline::list_job(&job_url).await })
+        .await?
+        .map_err(OperatorError::SnapshotStorage)?;
+    let relative = format!("{}/{}{id}", kind.folder(), kind.dir_prefix());
+    if let Some(listed) = listing.snapshots.iter().find(|l| l.path == relative) {
+        needed
+            .reasons
+            .extend(listed.in_use.iter().map(|u| u.detail.clone()));
+    }
+    if let Some(e) = listing.marker_error {
+        needed.reasons.push(e);
+    }
+    Ok(needed)
+}
+
+/// Whether StreamJob `ns/name` exists: from the watch cache, else (a cache that does not hold it
+/// may not have caught up) from the API server.
+async fn job_exists(ctx: &Context, ns: &str, name: &str) -> Result<bool, OperatorError> {
+    if ctx.jobs_in(ns).iter().any(|j| j.name_any() == name) {
+        return Ok(true);
+    }
+    Api::<StreamJob>::namespaced(ctx.client.clone(), ns)
+        .get_opt(name)
+        .await
+        .map(|j| j.is_some())
+        .map_err(|e| OperatorError::SnapshotApi("reading the StreamJob that holds it", e))
 }
 
 /// The StreamJobs among `jobs` whose spec.restoreFrom names the snapshot `name` at `url`.
@@ -309,7 +348,7 @@ async fn refresh_in_use(
     ctx: &Context,
 ) {
     match needed_by(ns, snap, url, ctx).await {
-        Ok(reasons) => {
+        Ok(Needed { reasons, .. }) => {
             status.in_use = Some(!reasons.is_empty());
             status.in_use_reasons = reasons;
         }
@@ -345,7 +384,7 @@ async fn retain(
         let Some(url) = s.status.as_ref().and_then(|st| st.path.clone()) else {
             continue;
         };
-        let in_use = !needed_by(&ns, s, &url, ctx).await?.is_empty();
+        let in_use = !needed_by(&ns, s, &url, ctx).await?.reasons.is_empty();
         if let Some(k) = kept.iter_mut().find(|k| k.name == name) {
             k.in_use = in_use;
         }
@@ -437,14 +476,22 @@ async fn delete(
             if !ctx.snapshot_due(&ns, &snap.name_any(), "delete", IN_USE_CHECK_AT_MOST) {
                 return Ok(Requeue::requeue(IN_USE_CHECK_AT_MOST));
             }
-            let mut reasons = needed_by(&ns, snap, &url, ctx).await?;
+            let Needed {
+                mut reasons,
+                owner_gone,
+            } = needed_by(&ns, snap, &url, ctx).await?;
             let mut disposed = None;
             if reasons.is_empty() {
                 let owned = url.clone();
-                let disposed_now = off_task(move || async move {
-                    offline::dispose(&owned, DisposeOptions::default()).await
-                })
-                .await?;
+                // The tool's own rules (newest snapshot, marker) are the owning job's: with the
+                // job gone they protect nothing.
+                let options = DisposeOptions {
+                    force: owner_gone,
+                    dry_run: false,
+                };
+                let disposed_now =
+                    off_task(move || async move { offline::dispose(&owned, options).await })
+                        .await?;
                 match disposed_now {
                     Ok(report) => disposed = Some(report),
                     Err(ToolError::NothingThere { .. }) => {}
