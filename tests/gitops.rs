@@ -307,3 +307,66 @@ fn the_docs_argocd_cm_snippet_is_the_shipped_script() {
         "docs/gitops.md's argocd-cm snippet differs from docs/gitops/streamjob-health.lua"
     );
 }
+
+/// A StreamJobSnapshot's health by the same tools, its conditions set by the snapshot
+/// controller's own code (`operator::snapshot::set_conditions`) and Argo CD running the same
+/// check as for a StreamJob: in progress as created (the CRD's default status) and while it
+/// waits for its job, current once Ready, failed when it cannot become Ready.
+#[test]
+fn a_snapshot_is_in_progress_until_ready_and_failed_when_it_cannot_be() {
+    use keyshift::crd::{SnapshotPhase, StreamJobSnapshot, StreamJobSnapshotStatus};
+    use keyshift::operator::snapshot::set_conditions;
+    let crd = keyshift::validation::snapshot_crd();
+    let default = crd.spec.versions[0]
+        .schema
+        .as_ref()
+        .and_then(|s| s.open_api_v3_schema.as_ref())
+        .and_then(|s| s.properties.as_ref()?.get("status")?.default.clone())
+        .expect("the CRD defaults status");
+    let mut snap: StreamJobSnapshot = serde_yaml::from_str(
+        "apiVersion: keyshift.dev/v1alpha1
+kind: StreamJobSnapshot
+metadata: {name: before-upgrade, namespace: gitops, generation: 1}
+spec: {jobName: clicks}
+",
+    )
+    .expect("a StreamJobSnapshot");
+    let health = |snap: &StreamJobSnapshot| {
+        gitops_health_of_json(&serde_json::to_string(snap).expect("JSON"))
+    };
+    let expect = |h: &GitopsHealth, kstatus: &str, argocd: &str, message: &str| {
+        assert_gitops_health(h, "StreamJobSnapshot", kstatus, argocd, message);
+    };
+    snap.status = Some(serde_json::from_value(default.0).expect("a status"));
+    expect(
+        &health(&snap),
+        "InProgress",
+        "Progressing",
+        "Waiting for the keyshift operator",
+    );
+    let now = Timestamp::now();
+    let mut status = StreamJobSnapshotStatus {
+        phase: Some(SnapshotPhase::Pending),
+        ..Default::default()
+    };
+    let waiting = "waiting for the StreamJob clicks to take the savepoint";
+    set_conditions(&mut status, Reason::SnapshotPending, waiting, Some(1), now);
+    snap.status = Some(status.clone());
+    expect(&health(&snap), "InProgress", "Progressing", waiting);
+    status.phase = Some(SnapshotPhase::Ready);
+    let taken = "savepoint taken by StreamJob clicks";
+    set_conditions(&mut status, Reason::SnapshotReady, taken, Some(1), now);
+    snap.status = Some(status.clone());
+    expect(&health(&snap), "Current", "Healthy", taken);
+    status.phase = Some(SnapshotPhase::Failed);
+    let unusable = "s3://b/ns/clicks/savepoints/sp-9 cannot be restored";
+    set_conditions(
+        &mut status,
+        Reason::SnapshotUnusable,
+        unusable,
+        Some(1),
+        now,
+    );
+    snap.status = Some(status);
+    expect(&health(&snap), "Failed", "Degraded", unusable);
+}

@@ -14,6 +14,7 @@ mod snapshot_support;
 
 use fake_platform::FakeWorkers;
 use keyshift::crd::{Phase, RescaleStatus, StreamJob, StreamJobSpec, StreamJobStatus};
+#[cfg(feature = "test-hooks")]
 use keyshift::failpoints;
 use keyshift::job::{self, Expected};
 use keyshift::keygroup::Key;
@@ -2878,6 +2879,7 @@ async fn a_restart_after_an_unrecorded_rewrite_resumes_the_key_group_change() {
 /// A rewrite that fails (its memory budget, or a corrupt rewritten block found by the
 /// verification) rolls the change back: the original savepoint is restored at the old
 /// parallelism under the old key-group count, exactly, and status says why.
+#[cfg(feature = "test-hooks")]
 async fn a_failed_rewrite_rolls_back(name: &str, fault: failpoints::RewriteFault, why: &str) {
     bounded(async {
         failpoints::rewrite_fault_of(NS, name, Some(fault));
@@ -2921,6 +2923,7 @@ async fn a_failed_rewrite_rolls_back(name: &str, fault: failpoints::RewriteFault
     .await;
 }
 
+#[cfg(feature = "test-hooks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rewrite_over_its_memory_budget_rolls_back() {
     a_failed_rewrite_rolls_back(
@@ -2931,6 +2934,7 @@ async fn a_rewrite_over_its_memory_budget_rolls_back() {
     .await;
 }
 
+#[cfg(feature = "test-hooks")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_corrupt_rewrite_fails_verification_and_rolls_back() {
     a_failed_rewrite_rolls_back(

@@ -1,5 +1,6 @@
--- Argo CD health check for keyshift.dev/StreamJob (argocd-cm key
--- resource.customizations.health.keyshift.dev_StreamJob; docs/gitops.md).
+-- Argo CD health check for keyshift.dev/StreamJob and keyshift.dev/StreamJobSnapshot (argocd-cm
+-- keys resource.customizations.health.keyshift.dev_StreamJob and ..._StreamJobSnapshot;
+-- docs/gitops.md).
 -- It reads the status the way kstatus (Flux) does, so both tools agree:
 --   observedGeneration behind metadata.generation -> Progressing (kstatus InProgress)
 --   Stalled=True                                  -> Degraded    (kstatus Failed)

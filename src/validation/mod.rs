@@ -362,7 +362,6 @@ pub fn validate(
 /// The StreamJob CRD, with the CEL validation rules attached and `status` defaulted to
 /// `{observedGeneration: UNOBSERVED_GENERATION}`.
 pub fn crd() -> CustomResourceDefinition {
-    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON;
     let mut crd = StreamJob::crd();
     for version in &mut crd.spec.versions {
         if let Some(schema) = version
@@ -371,11 +370,7 @@ pub fn crd() -> CustomResourceDefinition {
             .and_then(|s| s.open_api_v3_schema.as_mut())
         {
             attach_cel_rules(schema);
-            if let Some(status) = schema.properties.as_mut().and_then(|p| p.get_mut("status")) {
-                status.default = Some(JSON(
-                    serde_json::json!({ "observedGeneration": UNOBSERVED_GENERATION }),
-                ));
-            }
+            default_status(schema);
         }
     }
     crd
@@ -386,7 +381,8 @@ pub fn crd_yaml() -> Result<String, serde_yaml::Error> {
     serde_yaml::to_string(&crd())
 }
 
-/// The StreamJobSnapshot CRD, with its CEL rules attached.
+/// The StreamJobSnapshot CRD, with its CEL rules attached and `status` defaulted as the
+/// StreamJob's is (so kstatus reads a new snapshot as in progress, not current).
 pub fn snapshot_crd() -> CustomResourceDefinition {
     let mut crd = crate::crd::StreamJobSnapshot::crd();
     for version in &mut crd.spec.versions {
@@ -396,9 +392,21 @@ pub fn snapshot_crd() -> CustomResourceDefinition {
             .and_then(|s| s.open_api_v3_schema.as_mut())
         {
             attach_snapshot_rules(schema);
+            default_status(schema);
         }
     }
     crd
+}
+
+/// Defaults `status` to `{observedGeneration: UNOBSERVED_GENERATION}`: until the operator
+/// writes one, kstatus (Flux) and the Argo CD check read the object as in progress.
+fn default_status(schema: &mut JSONSchemaProps) {
+    use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::JSON;
+    if let Some(status) = schema.properties.as_mut().and_then(|p| p.get_mut("status")) {
+        status.default = Some(JSON(
+            serde_json::json!({ "observedGeneration": UNOBSERVED_GENERATION }),
+        ));
+    }
 }
 
 /// The StreamJobSnapshot CRD as YAML (`crds/streamjobsnapshot.yaml`).

@@ -8,7 +8,7 @@
 
 mod plan;
 
-pub use plan::{Kept, Next, next, ready_status, retire, savepoint_request};
+pub use plan::{Kept, Next, next, ready_status, retire, savepoint_request, set_conditions};
 
 use super::context::Context;
 use super::desired::MANAGER;
@@ -17,7 +17,6 @@ use crate::crd::{
     DeletionPolicy, SnapshotPhase, StreamJob, StreamJobSnapshot, StreamJobSnapshotStatus,
 };
 use crate::offline::{self, DisposeOptions, ToolError};
-use crate::orchestrator::status::set_condition;
 use crate::snapshot::SnapshotError;
 use futures::StreamExt;
 use keyshift_core::reason::Reason;
@@ -144,12 +143,12 @@ async fn reconcile(
                 conditions: before.conditions.clone(),
                 ..Default::default()
             };
-            condition(
+            set_conditions(
                 &mut status,
-                false,
                 Reason::SnapshotPending,
                 &message,
                 generation,
+                jiff::Timestamp::now(),
             );
             (status, PENDING)
         }
@@ -634,28 +633,9 @@ async fn announce(
 ) {
     let ready = reason == Reason::SnapshotReady;
     status.message = Some(message.clone());
-    condition(status, ready, reason, &message, generation);
+    set_conditions(status, reason, &message, generation, jiff::Timestamp::now());
     ctx.event_on(snap.object_ref(&()), !ready, reason.as_str(), message)
         .await;
-}
-
-/// Sets the Ready condition.
-fn condition(
-    status: &mut StreamJobSnapshotStatus,
-    ready: bool,
-    reason: Reason,
-    message: &str,
-    generation: Option<i64>,
-) {
-    set_condition(
-        &mut status.conditions,
-        crate::orchestrator::status::READY,
-        ready,
-        reason.as_str(),
-        message,
-        generation,
-        jiff::Timestamp::now(),
-    );
 }
 
 /// Runs the future `make` builds on a blocking thread of the runtime. The snapshot tools'

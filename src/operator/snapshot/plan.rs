@@ -169,6 +169,38 @@ pub fn retire(kept: &[Kept], retention: &SnapshotRetention, now: Timestamp) -> V
         .collect()
 }
 
+/// Sets the snapshot's conditions for its phase (set first) in the kstatus convention, as a
+/// StreamJob's: `Ready` True once Ready; `Reconciling` True while Pending; `Stalled` True once
+/// Failed (a recorded path that is no snapshot cannot become Ready). Flux and `kubectl wait`
+/// read them, and Argo CD through docs/gitops/streamjob-health.lua.
+pub fn set_conditions(
+    status: &mut StreamJobSnapshotStatus,
+    reason: Reason,
+    message: &str,
+    generation: Option<i64>,
+    now: Timestamp,
+) {
+    use crate::orchestrator::status::{READY, RECONCILING, STALLED, set_condition};
+    for (kind, holds) in [
+        (READY, SnapshotPhase::Ready),
+        (RECONCILING, SnapshotPhase::Pending),
+        (STALLED, SnapshotPhase::Failed),
+    ] {
+        let on = status.phase == Some(holds);
+        let words = if on || kind == READY { message } else { "" };
+        set_condition(
+            &mut status.conditions,
+            kind,
+            on,
+            reason.as_str(),
+            words,
+            generation,
+            now,
+        );
+    }
+    status.observed_generation = generation;
+}
+
 /// The Ready status of a snapshot read from its manifest (`verified`: every file checked out).
 pub fn ready_status(url: &str, manifest: &Manifest, verified: bool) -> StreamJobSnapshotStatus {
     StreamJobSnapshotStatus {
@@ -331,6 +363,43 @@ mod tests {
             time: now - SignedDuration::from_hours(age_h),
             in_use,
         }
+    }
+
+    #[test]
+    fn conditions_follow_the_phase_in_the_kstatus_convention() {
+        let now = Timestamp::from_second(1_800_000_000).unwrap_or(Timestamp::UNIX_EPOCH);
+        let of = |st: &StreamJobSnapshotStatus, kind: &str| {
+            st.conditions
+                .iter()
+                .find(|c| c.type_ == kind)
+                .map(|c| (c.status.clone(), c.reason.clone()))
+        };
+        let t = |r: Reason| Some(("True".to_owned(), r.as_str().to_owned()));
+        let f = |r: Reason| Some(("False".to_owned(), r.as_str().to_owned()));
+        let mut st = StreamJobSnapshotStatus {
+            phase: Some(SnapshotPhase::Pending),
+            ..Default::default()
+        };
+        set_conditions(&mut st, Reason::SnapshotPending, "waiting", Some(1), now);
+        assert_eq!(of(&st, "Ready"), f(Reason::SnapshotPending));
+        assert_eq!(of(&st, "Reconciling"), t(Reason::SnapshotPending));
+        assert_eq!(of(&st, "Stalled"), f(Reason::SnapshotPending));
+        assert_eq!(st.observed_generation, Some(1));
+        st.phase = Some(SnapshotPhase::Ready);
+        set_conditions(&mut st, Reason::SnapshotReady, "taken", Some(1), now);
+        assert_eq!(of(&st, "Ready"), t(Reason::SnapshotReady));
+        assert_eq!(of(&st, "Reconciling"), f(Reason::SnapshotReady));
+        st.phase = Some(SnapshotPhase::Failed);
+        set_conditions(
+            &mut st,
+            Reason::SnapshotUnusable,
+            "no manifest",
+            Some(2),
+            now,
+        );
+        assert_eq!(of(&st, "Ready"), f(Reason::SnapshotUnusable));
+        assert_eq!(of(&st, "Stalled"), t(Reason::SnapshotUnusable));
+        assert_eq!(st.conditions.len(), 3);
     }
 
     #[test]
