@@ -685,7 +685,7 @@ fn kubectl_keyshift_drives_a_live_job() {
     delete_job(ns, name, &op.log);
     // The savepoint's resource goes with its files (its job is gone) while the operator runs.
     kubectl_ok(&["delete", "-n", ns, "sjsnap/plug-sp", "--timeout=90s"]);
-    assert!(!committed(&path), "{path} disposed of");
+    assert!(!committed(path), "{path} disposed of");
     drop(op);
     let _ = std::fs::remove_dir_all(&dir);
 }
