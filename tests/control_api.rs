@@ -311,26 +311,54 @@ async fn absurd_start_requests_are_refused_naming_the_field_and_the_bound() {
     for (edit, message) in cases {
         let mut req = start_request(&data);
         edit(&mut req);
-        let r = c
-            .post(format!("{url}/v1/start"))
-            .bearer_auth(TOKEN)
-            .json(&req)
-            .send()
-            .await
-            .expect("start answered");
+        let r = post_start(&c, &url, &req).await;
         let status = r.status().as_u16();
         let body = r.text().await.expect("body");
         assert_eq!(status, 422, "{message}: {body}");
         assert!(body.contains(&message), "{body} does not say {message}");
     }
-    let r = c
-        .post(format!("{url}/v1/start"))
+    let r = post_start(&c, &url, &start_request(&data)).await;
+    assert_eq!(r.status().as_u16(), 202, "a valid start after the refusals");
+}
+
+/// `GET /v1/checkpoints/{id}{query}` of the worker at `url`.
+async fn checkpoint_status(
+    c: &reqwest::Client,
+    url: &str,
+    id: u64,
+    query: &str,
+) -> keyshift::runtime::protocol::CheckpointStatus {
+    c.get(format!("{url}/v1/checkpoints/{id}{query}"))
         .bearer_auth(TOKEN)
-        .json(&start_request(&data))
         .send()
         .await
-        .expect("start answered");
-    assert_eq!(r.status().as_u16(), 202, "a valid start after the refusals");
+        .expect("status answered")
+        .json()
+        .await
+        .expect("a status")
+}
+
+/// A serving worker that accepted a valid start: its control URL and a client.
+async fn started_worker() -> (String, reqwest::Client) {
+    let (url, data) = worker().await;
+    let c = http();
+    let r = post_start(&c, &url, &start_request(&data)).await;
+    assert_eq!(r.status().as_u16(), 202);
+    (url, c)
+}
+
+/// `POST /v1/start` with `req` to the worker at `url`, as the coordinator sends it.
+async fn post_start(
+    c: &reqwest::Client,
+    url: &str,
+    req: &keyshift::runtime::protocol::StartRequest,
+) -> reqwest::Response {
+    c.post(format!("{url}/v1/start"))
+        .bearer_auth(TOKEN)
+        .json(req)
+        .send()
+        .await
+        .expect("start answered")
 }
 
 /// Triggers checkpoint `id` as soon as the worker at `url` runs (its trigger is refused until
@@ -358,16 +386,7 @@ async fn trigger_once_running(c: &reqwest::Client, url: &str, id: u64) {
 #[tokio::test]
 async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
     use keyshift::runtime::protocol::CheckpointStatus;
-    let (url, data) = worker().await;
-    let c = http();
-    let r = c
-        .post(format!("{url}/v1/start"))
-        .bearer_auth(TOKEN)
-        .json(&start_request(&data))
-        .send()
-        .await
-        .expect("start answered");
-    assert_eq!(r.status().as_u16(), 202);
+    let (url, c) = started_worker().await;
     let aborted = |s: &CheckpointStatus| matches!(s, CheckpointStatus::Failed { error } if error.starts_with("aborted"));
     for _ in 0..2 {
         let r = c
@@ -394,16 +413,7 @@ async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
     let status = |id: u64| {
         let c = c.clone();
         let url = url.clone();
-        async move {
-            c.get(format!("{url}/v1/checkpoints/{id}"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .expect("status answered")
-                .json::<CheckpointStatus>()
-                .await
-                .expect("a status")
-        }
+        async move { checkpoint_status(&c, &url, id, "").await }
     };
     loop {
         match status(8).await {
@@ -432,31 +442,14 @@ async fn an_abort_marks_the_snapshot_failed_and_is_idempotent() {
 #[tokio::test]
 async fn a_long_poll_answers_once_the_snapshot_is_done() {
     use keyshift::runtime::protocol::CheckpointStatus;
-    let (url, data) = worker().await;
-    let c = http();
-    let r = c
-        .post(format!("{url}/v1/start"))
-        .bearer_auth(TOKEN)
-        .json(&start_request(&data))
-        .send()
-        .await
-        .expect("start answered");
-    assert_eq!(r.status().as_u16(), 202);
+    let (url, c) = started_worker().await;
     trigger_once_running(&c, &url, 1).await;
     let poll = |id: u64, wait_ms: u64| {
         let c = c.clone();
         let url = url.clone();
         async move {
             let asked = std::time::Instant::now();
-            let status = c
-                .get(format!("{url}/v1/checkpoints/{id}?waitMs={wait_ms}"))
-                .bearer_auth(TOKEN)
-                .send()
-                .await
-                .expect("status answered")
-                .json::<CheckpointStatus>()
-                .await
-                .expect("a status");
+            let status = checkpoint_status(&c, &url, id, &format!("?waitMs={wait_ms}")).await;
             (status, asked.elapsed())
         }
     };
@@ -515,25 +508,13 @@ async fn a_start_request_s_job_is_checked_by_the_crd_rules() {
             Err(vec![message.to_owned()]),
             "{yaml}"
         );
-        let r = c
-            .post(format!("{url}/v1/start"))
-            .bearer_auth(TOKEN)
-            .json(&req)
-            .send()
-            .await
-            .expect("start answered");
+        let r = post_start(&c, &url, &req).await;
         let status = r.status().as_u16();
         let body = r.text().await.expect("body");
         assert_eq!(status, 422, "{yaml}: {body}");
         assert!(body.contains(message), "{body} does not say {message}");
     }
-    let r = c
-        .post(format!("{url}/v1/start"))
-        .bearer_auth(TOKEN)
-        .json(&start_request(&data))
-        .send()
-        .await
-        .expect("start answered");
+    let r = post_start(&c, &url, &start_request(&data)).await;
     assert_eq!(r.status().as_u16(), 202, "a valid start after the refusals");
 }
 
