@@ -29,7 +29,7 @@ impl SnapshotLocation {
     /// The snapshot directory relative to its job directory (`savepoints/sp-7`), if known.
     pub fn relative(&self) -> Option<String> {
         let (kind, id) = self.named?;
-        Some(format!("{}/{}{id}", kind.folder(), kind.dir_prefix()))
+        Some(kind.relative_dir(id))
     }
 
     /// Whether the manifest exists (the snapshot is committed).

@@ -150,7 +150,7 @@ async fn list_in(store: &dyn ObjectStore, job_dir: &Path, job_url: &str) -> Resu
         dirs.sort_by_key(|(id, _)| *id);
         let rows: Vec<Option<Listed>> = futures::stream::iter(dirs)
             .map(|(id, dir)| async move {
-                let path = format!("{}/{}{id}", kind.folder(), kind.dir_prefix());
+                let path = kind.relative_dir(id);
                 let mut row = Listed {
                     kind,
                     id,
@@ -414,7 +414,7 @@ mod tests {
     use super::*;
 
     fn row(kind: SnapshotKind, id: u64, secs: i64) -> Listed {
-        let path = format!("{}/{}{id}", kind.folder(), kind.dir_prefix());
+        let path = kind.relative_dir(id);
         Listed {
             kind,
             id,

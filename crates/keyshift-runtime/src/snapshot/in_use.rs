@@ -62,7 +62,7 @@ impl InUseMarker {
 
     /// Whether snapshot `id` of `kind` is pinned.
     pub fn pins_snapshot(&self, kind: SnapshotKind, id: u64) -> bool {
-        let relative = format!("{}/{}{id}", kind.folder(), kind.dir_prefix());
+        let relative = kind.relative_dir(id);
         self.pins(&relative).next().is_some()
     }
 }

@@ -46,6 +46,12 @@ impl SnapshotKind {
             SnapshotKind::Savepoint => "sp-",
         }
     }
+
+    /// Snapshot `id`'s directory relative to its job directory: `checkpoints/chk-<id>` or
+    /// `savepoints/sp-<id>` (the in-use marker's and the listings' paths).
+    pub fn relative_dir(self, id: u64) -> String {
+        format!("{}/{}{id}", self.folder(), self.dir_prefix())
+    }
 }
 
 impl fmt::Display for SnapshotKind {

@@ -256,7 +256,7 @@ pub fn referenced_file_name(kind: SnapshotKind, id: u64, file: &str) -> String {
     if is_referenced_file(file) {
         return file.to_owned();
     }
-    format!("{}/{}{id}/{file}", kind.folder(), kind.dir_prefix())
+    format!("{}/{file}", kind.relative_dir(id))
 }
 
 /// One state file of the snapshot.
