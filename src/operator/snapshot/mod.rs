@@ -115,19 +115,7 @@ async fn reconcile(
         // The patch's watch event brings the snapshot back with it.
         return Ok(Requeue::await_change());
     }
-    // The job as the watch cache holds it (every change of it brings its snapshots here);
-    // read from the API server only when the cache does not hold it (yet).
-    let cached = ctx
-        .jobs_in(&ns)
-        .into_iter()
-        .find(|j| j.name_any() == snap.spec.job_name);
-    let job = match cached {
-        Some(job) => Some((*job).clone()),
-        None => Api::<StreamJob>::namespaced(ctx.client.clone(), &ns)
-            .get_opt(&snap.spec.job_name)
-            .await
-            .map_err(|e| OperatorError::SnapshotApi("reading its StreamJob", e))?,
-    };
+    let job = job_of(&ctx, &ns, &snap.spec.job_name).await?;
     let before = snap.status.clone().unwrap_or_default();
     let generation = snap.metadata.generation;
     let (mut status, requeue) = match next(&snap, job.as_ref()) {
@@ -154,6 +142,14 @@ async fn reconcile(
         }
         Next::Record { url, taken } => {
             let status = record(&snap, &url, taken, generation, &before, &ctx).await?;
+            // Recording read the storage (in use) just now: it counts as this snapshot's
+            // refresh, retention included.
+            ctx.snapshot_due(&ns, &snap.name_any(), "refresh", REFRESH_AT_MOST);
+            if let Some(job) = &job
+                && status.phase == Some(SnapshotPhase::Ready)
+            {
+                retain(&ctx, &api, job, &snap, &status).await?;
+            }
             (status, REFRESH)
         }
         Next::Refresh { url } => {
@@ -291,7 +287,7 @@ async fn needed_by(
     let mut segments = job_url.trim_end_matches('/').rsplit('/');
     if let (Some(owner), Some(owner_ns)) = (segments.next(), segments.next())
         && owner_ns == ns
-        && !job_exists(ctx, ns, owner).await?
+        && job_of(ctx, ns, owner).await?.is_none()
     {
         needed.owner_gone = true;
         return Ok(needed);
@@ -299,7 +295,7 @@ async fn needed_by(
     let listing = off_task(move || async move { offline::list_job(&job_url).await })
         .await?
         .map_err(OperatorError::SnapshotStorage)?;
-    let relative = format!("{}/{}{id}", kind.folder(), kind.dir_prefix());
+    let relative = kind.relative_dir(id);
     if let Some(listed) = listing.snapshots.iter().find(|l| l.path == relative) {
         needed
             .reasons
@@ -311,17 +307,17 @@ async fn needed_by(
     Ok(needed)
 }
 
-/// Whether StreamJob `ns/name` exists: from the watch cache, else (a cache that does not hold it
-/// may not have caught up) from the API server.
-async fn job_exists(ctx: &Context, ns: &str, name: &str) -> Result<bool, OperatorError> {
-    if ctx.jobs_in(ns).iter().any(|j| j.name_any() == name) {
-        return Ok(true);
+/// StreamJob `ns/name` as the watch cache holds it (every change of it brings its snapshots
+/// here), else (a cache that does not hold it may not have caught up) as the API server does;
+/// `None` when it does not exist.
+async fn job_of(ctx: &Context, ns: &str, name: &str) -> Result<Option<StreamJob>, OperatorError> {
+    if let Some(job) = ctx.jobs_in(ns).into_iter().find(|j| j.name_any() == name) {
+        return Ok(Some((*job).clone()));
     }
     Api::<StreamJob>::namespaced(ctx.client.clone(), ns)
         .get_opt(name)
         .await
-        .map(|j| j.is_some())
-        .map_err(|e| OperatorError::SnapshotApi("reading the StreamJob that holds it", e))
+        .map_err(|e| OperatorError::SnapshotApi("reading a StreamJob", e))
 }
 
 /// The StreamJobs among `jobs` whose spec.restoreFrom names the snapshot `name` at `url`.
