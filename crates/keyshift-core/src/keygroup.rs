@@ -41,6 +41,7 @@ pub enum BoundsError {
 
 /// Flink's `MathUtils.murmurHash(int)`: the murmur3 mixing of one 32-bit block with its finaliser,
 /// folded to a non-negative value.
+#[inline]
 pub fn murmur_hash(code: i32) -> i32 {
     let mut h = code;
     h = h.wrapping_mul(0xcc9e_2d51_u32 as i32);
@@ -183,6 +184,7 @@ impl fmt::Display for Key {
 /// Flink's `computeKeyGroupForKeyHash`: `murmur(hash) % maxParallelism`.
 ///
 /// `max_parallelism` must be at least 1 (see [`Assignment`] for a validated pair).
+#[inline]
 pub fn key_group_for_hash(hash: i32, max_parallelism: u32) -> u32 {
     debug_assert!(max_parallelism >= 1);
     // murmur_hash is non-negative, so the remainder is too.

@@ -111,6 +111,7 @@ impl RecordKey {
     }
 
     /// The key's type.
+    #[inline]
     pub fn key_type(&self) -> KeyType {
         match &self.0 {
             Repr::Long(_) => KeyType::Long,

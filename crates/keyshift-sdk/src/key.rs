@@ -11,15 +11,6 @@ pub use keyshift_core::record_key::{KeyRef, RecordKey};
 use std::fmt;
 use std::hash::Hash;
 
-/// The key type of a [`RecordKey`].
-pub(crate) fn key_type_of(key: &RecordKey) -> KeyType {
-    match key.view() {
-        KeyRef::Long(_) => KeyType::Long,
-        KeyRef::Int(_) => KeyType::Int,
-        KeyRef::Str(_) => KeyType::String,
-    }
-}
-
 /// A type a stream can be keyed by (`key_by`): `i64`, `i32` or `String`.
 pub trait StreamKey: Clone + Eq + Hash + fmt::Debug + Send + 'static {
     /// The key type recorded in snapshots (a restore under another key type is refused).

@@ -6,7 +6,7 @@
 use crate::block::{self, BlockHeader, BlockKind, BlockWriter, EncodedBlock};
 use crate::error::{BlockError, Error, Result, StateError};
 use crate::function::{Context, KeyArg, KeyedProcessFunction, Timer};
-use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key, key_type_of};
+use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key};
 use crate::operator_state::OperatorStates;
 use crate::state::backend::{Change, GroupMode, StateBackend};
 use crate::state::heap::{HeapStore, ReadAhead};
@@ -291,10 +291,10 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         let mut key_epoch = 0;
         // The heap keeps the key's states by its hash (released below if the call left them
         // empty); a byte store addresses them by the key's byte form.
-        let (store, key_bytes, hash) = match &mut self.backend {
+        let (store, key_bytes) = match &mut self.backend {
             Backend::Heap(h) => {
                 let epoch = h.epoch();
-                let (states, hash) = h.key_mut(index, rk, ahead).ok_or_else(|| {
+                let states = h.key_mut(index, rk, ahead).ok_or_else(|| {
                     StateError::Backend(format!("group index {index} is not owned"))
                 })?;
                 key_epoch = states.epoch;
@@ -303,14 +303,14 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                     epoch,
                     declared,
                 };
-                (store, KeyBytes::Lazy(&lazy), Some(hash))
+                (store, KeyBytes::Lazy(&lazy))
             }
             Backend::Bytes(b) => {
                 ready = lazy();
                 let store = Store::Bytes {
                     backend: b.as_mut(),
                 };
-                (store, KeyBytes::Ready(&ready), None)
+                (store, KeyBytes::Ready(&ready))
             }
         };
         let mut ctx = Context {
@@ -332,12 +332,12 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             Store::Heap { states, .. } => (states.is_empty(), states.epoch != key_epoch),
             Store::Bytes { .. } => (false, false),
         };
-        if let (Some(hash), Backend::Heap(h)) = (hash, &mut self.backend) {
+        if let Backend::Heap(h) = &mut self.backend {
             if empty {
-                h.release(index, rk, hash);
+                h.release(index, rk, h.hash(rk));
             } else if first_change {
                 // The key's first change in this epoch: a delta visits it.
-                h.touched(index, hash);
+                h.touched(index, h.hash(rk));
             }
         }
         r
@@ -399,7 +399,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         timestamp: i64,
         value: F::In,
     ) -> Result<bool> {
-        if !F::Key::BUILT_ON_DEMAND || key_type_of(record_key) != F::Key::KEY_TYPE {
+        if !F::Key::BUILT_ON_DEMAND || record_key.key_type() != F::Key::KEY_TYPE {
             let Some(key) = F::Key::from_record_key(record_key) else {
                 return Ok(false);
             };
@@ -440,12 +440,14 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     }
 
     /// A hint that a record of `record_key` (of key group `group`) is about to be processed:
-    /// reads the key's state entry (making an empty one for a key without state, which the
-    /// process call drops again if it leaves it empty), so that the process call finds it in
-    /// cache. Called over [`READ_AHEAD`] records before they are processed, the memory reads
-    /// of many keys overlap, where one record's would otherwise wait for the last's (with state
-    /// larger than the CPU's caches, most of a record's time is that wait). Only the heap
-    /// backend reads ahead. What it returns tells the process call where the entry is.
+    /// finds where the key's state entry is from the hash table's control bytes alone (making
+    /// an empty one for a key without state, which the process call drops again if it leaves
+    /// it empty) and has the CPU fetch it without waiting for it, so that the process call
+    /// finds it in cache. Called over [`READ_AHEAD`] records before they are processed, the
+    /// memory reads of many keys overlap, where one record's would otherwise wait for the
+    /// last's (with state larger than the CPU's caches, most of a record's time is that wait).
+    /// Only the heap backend reads ahead. What it returns tells the process call where the
+    /// entry is (a hint, checked against the key).
     pub fn prefetch(&mut self, group: u32, record_key: &RecordKey) -> ReadAhead {
         match (self.group_index(group), &mut self.backend) {
             (Some(index), Backend::Heap(h)) => h.touch(index, record_key),

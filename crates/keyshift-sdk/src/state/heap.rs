@@ -59,6 +59,7 @@ pub(crate) struct KeyStates {
 }
 
 /// The slot of state `id` among `states` declared states.
+#[inline]
 pub(crate) fn slot_of(id: StateId, states: usize) -> usize {
     match id {
         super::EVENT_TIMERS => states,
@@ -80,14 +81,22 @@ fn id_of(slot: usize, states: usize) -> StateId {
 
 impl KeyStates {
     /// The slot, created (and every slot before it) if missing.
+    #[inline]
     pub(crate) fn slot(&mut self, slot: usize) -> &mut Slot {
         if self.slots.len() <= slot {
-            self.slots.resize_with(slot + 1, Slot::default);
+            self.grow(slot);
         }
         &mut self.slots[slot]
     }
 
+    /// Adds empty slots up to `slot` (kept out of [`Self::slot`], which is inlined).
+    #[cold]
+    fn grow(&mut self, slot: usize) {
+        self.slots.resize_with(slot + 1, Slot::default);
+    }
+
     /// Whether nothing live or deleted is left (the key can leave the map).
+    #[inline]
     pub(crate) fn is_empty(&self) -> bool {
         self.slots.iter().all(|s| match s {
             Slot::Empty => true,
@@ -186,6 +195,32 @@ fn recount(live: &mut usize, ks: &mut KeyStates) {
     ks.counted = n;
 }
 
+/// Asks the CPU to fetch the memory of `value` into its caches without waiting for it: a hint
+/// that reads nothing and never faults (a no-op where no prefetch instruction is known).
+#[inline(always)]
+fn prefetch<T>(value: &T) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_MM_HINT_T0, _mm_prefetch};
+        let start = std::ptr::from_ref(value).cast::<i8>();
+        let size = size_of::<T>();
+        let mut offset = 0;
+        // SAFETY: a prefetch is a hint: it reads no memory, cannot fault (whatever the address)
+        // and changes no state a program can observe; SSE, which it needs, is part of every
+        // x86_64 CPU (the target's baseline).
+        unsafe {
+            while offset < size {
+                _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(offset));
+                offset += 64;
+            }
+            // The line of the last byte, where the value does not start on a line's boundary.
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(size.saturating_sub(1)));
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = value;
+}
+
 /// What a read-ahead (`HeapStore::touch`) learnt of a key: where its entry is, so that
 /// processing the record finds it without a second probe (a hint: checked against the key).
 #[derive(Debug, Clone, Copy, Default)]
@@ -264,19 +299,19 @@ impl<K: StreamKey> HeapStore<K> {
     }
 
     /// The states of `key` in group `group` (created empty if it has none; where the
-    /// read-ahead `ahead` found them, else by one probe), the key's hash for [`Self::release`],
-    /// and the group marked changed (the caller is about to run a function on it).
+    /// read-ahead `ahead` found them, else by one probe), and the group marked changed (the
+    /// caller is about to run a function on it).
+    #[inline]
     pub(crate) fn key_mut(
         &mut self,
         group: usize,
         key: &RecordKey,
         ahead: ReadAhead,
-    ) -> Option<(&mut KeyStates, u64)> {
+    ) -> Option<&mut KeyStates> {
         let epoch = self.epoch;
-        let hasher = self.hasher.clone();
+        let hasher = &self.hasher;
         let g = self.groups.get_mut(group)?;
         g.changed = epoch;
-        let hash = hasher.hash_one(key);
         // Where the read-ahead found the key, if nothing has moved it since (checked by the key:
         // a resize, or a released key's bucket taken by another, moves or replaces it).
         let found = ahead
@@ -284,41 +319,57 @@ impl<K: StreamKey> HeapStore<K> {
             .filter(|&i| g.keys.get_bucket(i).is_some_and(|(k, _)| k == key));
         let at = match found {
             Some(i) => i,
-            None => match g
-                .keys
-                .entry(hash, |(k, _)| k == key, |(k, _)| hasher.hash_one(k))
-            {
+            None => match g.keys.entry(
+                hasher.hash_one(key),
+                |(k, _)| k == key,
+                |(k, _)| hasher.hash_one(k),
+            ) {
                 Entry::Occupied(o) => o.bucket_index(),
                 Entry::Vacant(v) => v.insert((key.clone(), KeyStates::default())).bucket_index(),
             },
         };
         let (_, states) = g.keys.get_bucket_mut(at)?;
-        Some((states, hash))
+        Some(states)
     }
 
-    /// Reads the entry of `key` in group `group` (see
-    /// [`crate::operator::KeyedOperator::prefetch`]), and says where it is.
+    /// The hash `key`'s entry is kept by ([`Self::release`], [`Self::touched`]).
+    pub(crate) fn hash(&self, key: &RecordKey) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// Finds where the entry of `key` in group `group` likely is, and asks the CPU to fetch it
+    /// (see [`crate::operator::KeyedOperator::prefetch`]).
     ///
-    /// A key without an entry gets an empty one here, so that the process call finds its slot
-    /// in cache too (a new key's insert is as costly as a read of a key in state): the call
-    /// that follows drops it again if it leaves it empty ([`Self::release`]), and an empty
-    /// entry holds no state (no snapshot, count or visit sees it).
+    /// Only the group's control bytes are read (small, and in cache): the first entry whose
+    /// control byte matches the key's hash is the key's own unless another key shares those
+    /// seven bits of hash (about 1 in 128 per entry probed), so it is taken as the hint and its
+    /// memory fetched without waiting for it. The process call checks the hint against the key
+    /// and probes again if it was wrong.
+    ///
+    /// Where no control byte matches, the key has no entry: it gets an empty one here, so that
+    /// the process call finds its slot in cache too (a new key's insert is as costly as a read
+    /// of a key in state). The call that follows drops it again if it leaves it empty
+    /// ([`Self::release`]), and an empty entry holds no state (no snapshot, count or visit sees
+    /// it).
     pub(crate) fn touch(&mut self, group: usize, key: &RecordKey) -> ReadAhead {
         let hasher = &self.hasher;
         let Some(g) = self.groups.get_mut(group) else {
             return ReadAhead::default();
         };
         let hash = hasher.hash_one(key);
-        let entry = g
-            .keys
-            .entry(hash, |(k, _)| k == key, |(k, _)| hasher.hash_one(k))
-            .or_insert_with(|| (key.clone(), KeyStates::default()));
-        let at = entry.bucket_index();
-        std::hint::black_box(entry.get().1.epoch);
-        ReadAhead(Some(at))
+        let entry = match g.keys.find_entry(hash, |_| true) {
+            Ok(entry) => entry,
+            Err(absent) => absent.into_table().insert_unique(
+                hash,
+                (key.clone(), KeyStates::default()),
+                |(k, _)| hasher.hash_one(k),
+            ),
+        };
+        prefetch(entry.get());
+        ReadAhead(Some(entry.bucket_index()))
     }
 
-    /// Drops `key`'s entry (its hash from [`Self::key_mut`]), which the caller found empty.
+    /// Drops `key`'s entry (its hash from [`Self::hash`]), which the caller found empty.
     pub(crate) fn release(&mut self, group: usize, key: &RecordKey, hash: u64) {
         if let Some(g) = self.groups.get_mut(group) {
             g.drop_empty(hash, Some(key));
@@ -640,7 +691,7 @@ mod tests {
 
     /// Gives `key` a value state holding `v` (slot 0).
     fn set(store: &mut HeapStore<String>, k: &str, ahead: ReadAhead, v: u64) {
-        let (states, _) = store.key_mut(0, &key(k), ahead).unwrap();
+        let states = store.key_mut(0, &key(k), ahead).unwrap();
         *states.slot(0) = Slot::One(Cell {
             value: Some(object(v)),
             expiry: None,
@@ -650,7 +701,7 @@ mod tests {
 
     /// The value state of `key` (slot 0), found through `ahead`.
     fn get(store: &mut HeapStore<String>, k: &str, ahead: ReadAhead) -> Option<u64> {
-        let (states, _) = store.key_mut(0, &key(k), ahead).unwrap();
+        let states = store.key_mut(0, &key(k), ahead).unwrap();
         match states.slots.first() {
             Some(Slot::One(c)) => c.value.as_ref()?.downcast_ref::<u64>().copied(),
             _ => None,
@@ -697,8 +748,9 @@ mod tests {
         let mut store = HeapStore::<String>::new(1, Vec::new());
         store.touch(0, &key("a"));
         assert_eq!(store.len(0), 0);
-        let (states, hash) = store.key_mut(0, &key("a"), ReadAhead::default()).unwrap();
+        let states = store.key_mut(0, &key("a"), ReadAhead::default()).unwrap();
         assert!(states.is_empty());
+        let hash = store.hash(&key("a"));
         store.release(0, &key("a"), hash);
         assert_eq!(store.groups[0].keys.len(), 0);
     }

@@ -822,6 +822,7 @@ impl KeyScope<'_> {
     }
 
     /// The time an entry's expiry is compared with (see [`Ttl::event_time`]).
+    #[inline]
     fn now(&self, ttl: &Ttl) -> i64 {
         match ttl.domain {
             TimeDomain::EventTime => self
@@ -832,6 +833,7 @@ impl KeyScope<'_> {
     }
 
     /// The expiry of an entry written now.
+    #[inline]
     fn expiry(&self, ttl: Option<&Ttl>) -> Option<i64> {
         ttl.map(|t| {
             let at = match t.domain {
@@ -842,6 +844,7 @@ impl KeyScope<'_> {
         })
     }
 
+    #[inline]
     fn alive(&self, expiry: Option<i64>, ttl: Option<&Ttl>) -> bool {
         match (expiry, ttl) {
             (Some(e), Some(t)) => e > self.now(t),
@@ -873,6 +876,7 @@ impl KeyScope<'_> {
         }
     }
 
+    #[inline]
     fn slot_index(id: StateId, declared: usize) -> usize {
         heap::slot_of(id, declared)
     }
