@@ -117,6 +117,10 @@ pub enum BlockError {
         "the snapshot's operator-state sections are {found:?} (subtask, parallelism): a snapshot holds one section for every subtask of the run that wrote it"
     )]
     OperatorStateSections { found: Vec<(u32, u32)> },
+    /// The state backend failed while installing the group (a disk backend's I/O): the block
+    /// is sound, a retry may succeed.
+    #[error("installing the group's state: {0}")]
+    Backend(StateError),
 }
 
 impl BlockError {
@@ -143,7 +147,8 @@ impl BlockError {
             | BlockError::WrongGroup { .. }
             | BlockError::KeyInWrongGroup { .. }
             | BlockError::DeltaFirst(_)
-            | BlockError::OperatorStateSections { .. } => false,
+            | BlockError::OperatorStateSections { .. }
+            | BlockError::Backend(_) => false,
         }
     }
 }

@@ -645,7 +645,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
                 h.install(index, entries, &ttl)
                     .map_err(|e| BlockError::Undecodable(e.to_string()))?;
             }
-            Backend::Bytes(b) => b.install(index, entries),
+            Backend::Bytes(b) => b.install(index, entries).map_err(BlockError::Backend)?,
         }
         Ok(())
     }
@@ -690,7 +690,7 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
             };
         }
         if let Backend::Bytes(b) = &mut self.backend {
-            b.apply(index, changes);
+            b.apply(index, changes).map_err(BlockError::Backend)?;
         }
         Ok(())
     }
@@ -814,13 +814,14 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
     }
 
     /// Drops `group`'s state and timers (it moved to another subtask).
-    pub fn clear_group(&mut self, group: u32) {
+    pub fn clear_group(&mut self, group: u32) -> Result<(), StateError> {
         if let Some(index) = self.group_index(group) {
             self.timers.forget_group(index);
             match &mut self.backend {
                 Backend::Heap(h) => h.clear(index),
-                Backend::Bytes(b) => b.clear(index),
+                Backend::Bytes(b) => b.clear(index)?,
             }
         }
+        Ok(())
     }
 }

@@ -4,7 +4,7 @@
 //! stage of the dataflow takes.
 
 use crate::block::EncodedBlock;
-use crate::error::{BlockError, Error, Result};
+use crate::error::{BlockError, Error, Result, StateError};
 use crate::function::KeyedProcessFunction;
 use crate::key::{RecordKey, StreamKey};
 use crate::operator::{KeyedOperator, READ_AHEAD};
@@ -63,7 +63,7 @@ pub trait KeyedStep: Send {
     /// See [`KeyedOperator::apply_deltas`].
     fn apply_deltas(&mut self, group: u32, deltas: &[&[u8]]) -> Result<(), BlockError>;
     /// See [`KeyedOperator::clear_group`].
-    fn clear_group(&mut self, group: u32);
+    fn clear_group(&mut self, group: u32) -> Result<(), StateError>;
     /// See [`KeyedOperator::restore_watermark`].
     fn restore_watermark(&mut self, watermark: i64);
     /// See [`KeyedOperator::restore_processing_time`].
@@ -183,7 +183,7 @@ where
     fn apply_deltas(&mut self, group: u32, deltas: &[&[u8]]) -> Result<(), BlockError> {
         self.op.apply_deltas(group, deltas)
     }
-    fn clear_group(&mut self, group: u32) {
+    fn clear_group(&mut self, group: u32) -> Result<(), StateError> {
         self.op.clear_group(group)
     }
     fn restore_watermark(&mut self, watermark: i64) {

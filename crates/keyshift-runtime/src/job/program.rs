@@ -343,8 +343,10 @@ impl ProgramStep {
     }
 
     /// Drops `group`'s state and timers.
-    pub fn clear_group(&mut self, group: u32) {
-        self.step.clear_group(group);
+    pub fn clear_group(&mut self, group: u32) -> Result<(), ProgramError> {
+        self.step
+            .clear_group(group)
+            .map_err(|e| self.step_error(e.into()))
     }
 
     /// The step's operator-state section as `subtask` of `parallelism` (`None`: it declares

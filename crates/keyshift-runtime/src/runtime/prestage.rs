@@ -269,7 +269,7 @@ async fn apply_program_batch(
         let blocks = blocks.remove(&g.group).unwrap_or_default();
         let chain: Vec<&[u8]> = blocks.iter().map(|b| b.as_ref()).collect();
         if g.replace && chain.is_empty() {
-            step.clear_group(g.group);
+            step.clear_group(g.group)?;
         } else {
             step.apply_blocks(g.group, &chain, g.replace)?;
         }

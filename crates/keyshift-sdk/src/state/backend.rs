@@ -69,13 +69,21 @@ pub trait StateBackend: Send {
         f: &mut dyn FnMut(Change<'_>),
     ) -> Result<(), StateError>;
     /// Replaces the group's state with `entries` (a restore: not a change).
-    fn install(&mut self, group: usize, entries: BTreeMap<Vec<u8>, Vec<u8>>);
+    fn install(
+        &mut self,
+        group: usize,
+        entries: BTreeMap<Vec<u8>, Vec<u8>>,
+    ) -> Result<(), StateError>;
     /// Applies a restore's later deltas onto the group's installed state: each entry written
     /// (`Some`) or deleted (`None`). Like [`Self::install`], not a change (epoch 0): a disk engine
     /// applies it as one write batch, and the work is the deltas', not the group's.
-    fn apply(&mut self, group: usize, changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>);
+    fn apply(
+        &mut self,
+        group: usize,
+        changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    ) -> Result<(), StateError>;
     /// Drops the group's state (a change: the next snapshot writes it in full).
-    fn clear(&mut self, group: usize);
+    fn clear(&mut self, group: usize) -> Result<(), StateError>;
     /// Number of entries in the group.
     fn len(&self, group: usize) -> usize;
 }
@@ -269,42 +277,48 @@ impl StateBackend for SortedBackend {
         Ok(())
     }
 
-    fn install(&mut self, group: usize, entries: BTreeMap<Vec<u8>, Vec<u8>>) {
-        if let Some(g) = self.groups.get_mut(group) {
-            *g = Group {
-                entries: entries
-                    .into_iter()
-                    .map(|(k, value)| (k, Entry { value, epoch: 0 }))
-                    .collect(),
-                ..Group::default()
-            };
-        }
+    fn install(
+        &mut self,
+        group: usize,
+        entries: BTreeMap<Vec<u8>, Vec<u8>>,
+    ) -> Result<(), StateError> {
+        *self.group_mut(group)? = Group {
+            entries: entries
+                .into_iter()
+                .map(|(k, value)| (k, Entry { value, epoch: 0 }))
+                .collect(),
+            ..Group::default()
+        };
+        Ok(())
     }
 
-    fn apply(&mut self, group: usize, changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>) {
-        if let Some(g) = self.groups.get_mut(group) {
-            for (key, value) in changes {
-                match value {
-                    Some(value) => {
-                        g.entries.insert(key, Entry { value, epoch: 0 });
-                    }
-                    None => {
-                        g.entries.remove(&key);
-                    }
+    fn apply(
+        &mut self,
+        group: usize,
+        changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    ) -> Result<(), StateError> {
+        let g = self.group_mut(group)?;
+        for (key, value) in changes {
+            match value {
+                Some(value) => {
+                    g.entries.insert(key, Entry { value, epoch: 0 });
+                }
+                None => {
+                    g.entries.remove(&key);
                 }
             }
         }
+        Ok(())
     }
 
-    fn clear(&mut self, group: usize) {
+    fn clear(&mut self, group: usize) -> Result<(), StateError> {
         let epoch = self.epoch;
-        if let Some(g) = self.groups.get_mut(group) {
-            *g = Group {
-                changed: epoch,
-                reset: epoch,
-                ..Group::default()
-            };
-        }
+        *self.group_mut(group)? = Group {
+            changed: epoch,
+            reset: epoch,
+            ..Group::default()
+        };
+        Ok(())
     }
 
     fn len(&self, group: usize) -> usize {
@@ -368,7 +382,7 @@ mod tests {
         assert_eq!(b.last_key(1, b"k").unwrap(), Some(b"k\x02".to_vec()));
         assert_eq!(b.last_key(1, b"j\xff").unwrap(), Some(b"j\xff".to_vec()));
         let cut = b.cut();
-        b.clear(1);
+        b.clear(1).unwrap();
         assert_eq!(b.group_mode(1, cut), GroupMode::Full);
         assert_eq!(b.group_mode(0, cut), GroupMode::Unchanged);
         assert_eq!(b.len(1), 0);
