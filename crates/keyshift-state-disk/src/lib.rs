@@ -1,0 +1,425 @@
+//! Keyed state on local disk: the SDK's byte-addressed [`StateBackend`] on an embedded
+//! log-structured merge tree ([fjall]), for state larger than a worker's memory.
+//!
+//! The worker's memory is bounded by the engine's block cache and write buffer
+//! ([`DiskConfig`]); the state lives in a directory of the worker's local volume, which is
+//! scratch space: a worker that restarts restores from the object store, never from it (the
+//! directory is removed when the backend is dropped).
+//!
+//! The layout is the interface's own (`crate::state::backend` of the SDK): one sorted key space,
+//! every entry key prefixed by its key group's index among the owned groups (4 bytes,
+//! big-endian), so a group's entries are one contiguous range and a key's one range inside it.
+//!
+//! Snapshots are the same key-group blocks as the heap backend's: [`StateBackend::visit`]
+//! writes a group in full from a scan, or as a delta from the keys changed since the cut it
+//! builds on. Those keys are tracked in memory per group, with whether each held an entry
+//! before its first tracked change (so the group's entry count stays exact without a count of
+//! the store). A group whose tracked keys outgrow [`DiskConfig::max_tracked_keys`] forgets them
+//! and is written in full by the next snapshot: the tracking's memory stays bounded whatever
+//! the rate of change.
+//!
+//! [fjall]: https://crates.io/crates/fjall
+
+use fjall::{Database, Keyspace, KeyspaceCreateOptions};
+use keyshift_sdk::StateError;
+use keyshift_sdk::state::backend::{Change, Entries, GroupMode, StateBackend};
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// How much memory the engine may use, and how many changed keys a group tracks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DiskConfig {
+    /// The block cache: recently read blocks of the store's files, in bytes.
+    pub cache_bytes: u64,
+    /// The write buffer (the memtable) before it is flushed to a file, in bytes (at least 1
+    /// MiB).
+    pub write_buffer_bytes: u64,
+    /// Changed keys a group tracks for its next delta; past it, the next snapshot writes the
+    /// group in full instead.
+    pub max_tracked_keys: usize,
+}
+
+impl Default for DiskConfig {
+    fn default() -> Self {
+        DiskConfig {
+            cache_bytes: 64 << 20,
+            write_buffer_bytes: 64 << 20,
+            max_tracked_keys: 1 << 20,
+        }
+    }
+}
+
+/// The store could not be opened.
+#[derive(Debug, thiserror::Error)]
+#[error("opening the disk state store in {dir}: {source}")]
+pub struct OpenError {
+    dir: PathBuf,
+    #[source]
+    source: fjall::Error,
+}
+
+/// An engine failure as the SDK's state error (a disk's I/O, a corrupt file).
+fn engine(e: fjall::Error) -> StateError {
+    StateError::Backend(format!("disk state store: {e}"))
+}
+
+/// A key tracked for the next delta: the epoch of its last change, and whether it held an entry
+/// before its first tracked change and holds one now.
+#[derive(Debug, Clone, Copy)]
+struct Tracked {
+    epoch: u32,
+    was: bool,
+    now: bool,
+}
+
+#[derive(Debug, Default)]
+struct Group {
+    /// Keys changed since the oldest cut a delta may still build on.
+    tracked: BTreeMap<Vec<u8>, Tracked>,
+    /// Entries, not counting what the tracked keys changed.
+    base_len: usize,
+    /// Epoch of the last change.
+    changed: u32,
+    /// Epoch the group was last cleared, or its tracking dropped (a delta cannot say that).
+    reset: u32,
+    /// Changes at or before this epoch are no longer tracked: a delta since an earlier cut is
+    /// written in full.
+    forgotten_through: u32,
+}
+
+impl Group {
+    fn len(&self) -> usize {
+        let (added, removed) =
+            self.tracked
+                .values()
+                .fold((0usize, 0usize), |(a, r), t| match (t.was, t.now) {
+                    (false, true) => (a + 1, r),
+                    (true, false) => (a, r + 1),
+                    _ => (a, r),
+                });
+        (self.base_len + added).saturating_sub(removed)
+    }
+
+    /// Stops tracking the keys changed at or before `epoch`, their effect kept in the count.
+    fn forget_through(&mut self, epoch: u32) {
+        let mut base = self.base_len as isize;
+        self.tracked.retain(|_, t| {
+            if t.epoch > epoch {
+                return true;
+            }
+            base += isize::from(t.now) - isize::from(t.was);
+            false
+        });
+        self.base_len = base.max(0) as usize;
+    }
+}
+
+/// Keyed state of one subtask's key groups in an LSM tree on local disk.
+pub struct DiskBackend {
+    /// Dropped after the keyspace (declaration order): the database removes its directory.
+    keyspace: Keyspace,
+    db: Database,
+    groups: Vec<Group>,
+    epoch: u32,
+    max_tracked: usize,
+}
+
+impl std::fmt::Debug for DiskBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DiskBackend")
+            .field("groups", &self.groups.len())
+            .field("epoch", &self.epoch)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The store's key of entry `key` of group index `group`.
+fn store_key(group: usize, key: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(4 + key.len());
+    k.extend_from_slice(&(group as u32).to_be_bytes());
+    k.extend_from_slice(key);
+    k
+}
+
+impl DiskBackend {
+    /// An empty store for `groups` owned key groups in the new directory `dir` (removed again
+    /// when the backend is dropped).
+    pub fn open(dir: &Path, groups: usize, config: DiskConfig) -> Result<Self, OpenError> {
+        let open_error = |source| OpenError {
+            dir: dir.to_owned(),
+            source,
+        };
+        let db = Database::builder(dir)
+            .cache_size(config.cache_bytes)
+            // Scratch space: the snapshots in the object store are what survives a restart, so
+            // nothing is synced.
+            .manual_journal_persist(true)
+            .temporary(true)
+            .open()
+            .map_err(open_error)?;
+        let keyspace = db
+            .keyspace("state", || {
+                KeyspaceCreateOptions::default()
+                    .max_memtable_size(config.write_buffer_bytes.max(1 << 20))
+                    .manual_journal_persist(true)
+            })
+            .map_err(open_error)?;
+        Ok(DiskBackend {
+            keyspace,
+            db,
+            groups: (0..groups).map(|_| Group::default()).collect(),
+            epoch: 1,
+            max_tracked: config.max_tracked_keys.max(1),
+        })
+    }
+
+    /// Bytes the store takes on disk (its files and journal).
+    pub fn disk_bytes(&self) -> Result<u64, StateError> {
+        self.db.disk_space().map_err(engine)
+    }
+
+    fn group(&self, group: usize) -> Result<&Group, StateError> {
+        self.groups
+            .get(group)
+            .ok_or_else(|| StateError::Backend(format!("group index {group} is not owned")))
+    }
+
+    fn check(&self, group: usize) -> Result<(), StateError> {
+        self.group(group).map(|_| ())
+    }
+
+    /// Records that `key` of `group` holds an entry (`now`) or none after a change in this
+    /// epoch; returns whether it held one before.
+    fn track(&mut self, group: usize, key: &[u8], now: bool) -> Result<bool, StateError> {
+        let epoch = self.epoch;
+        let known = self.groups[group].tracked.get(key).map(|t| t.now);
+        let was = match known {
+            Some(was) => was,
+            None => self
+                .keyspace
+                .contains_key(store_key(group, key))
+                .map_err(engine)?,
+        };
+        let max = self.max_tracked;
+        let g = &mut self.groups[group];
+        if !was && !now {
+            // A key that holds nothing deleted: no change.
+            return Ok(false);
+        }
+        g.changed = epoch;
+        match g.tracked.get_mut(key) {
+            Some(t) => {
+                t.now = now;
+                t.epoch = epoch;
+            }
+            None => {
+                g.tracked.insert(key.to_vec(), Tracked { epoch, was, now });
+            }
+        }
+        if g.tracked.len() > max {
+            // Too many to track: the next snapshot writes the group in full.
+            g.forget_through(u32::MAX);
+            g.reset = epoch;
+        }
+        Ok(was)
+    }
+
+    /// Every (store key, value) of `group` whose entry key starts with `prefix`, in order.
+    fn range(
+        &self,
+        group: usize,
+        prefix: &[u8],
+    ) -> impl DoubleEndedIterator<Item = Result<(Vec<u8>, Vec<u8>), StateError>> + '_ {
+        self.keyspace.prefix(store_key(group, prefix)).map(|guard| {
+            let (k, v) = guard.into_inner().map_err(engine)?;
+            Ok((k[4..].to_vec(), v.to_vec()))
+        })
+    }
+
+    /// Deletes every entry of `group` from the store, untracked.
+    fn wipe(&mut self, group: usize) -> Result<(), StateError> {
+        let keys: Vec<Vec<u8>> = self
+            .range(group, &[])
+            .map(|r| r.map(|(k, _)| k))
+            .collect::<Result<_, _>>()?;
+        let mut batch = self.db.batch();
+        for k in keys {
+            batch.remove(&self.keyspace, store_key(group, &k));
+        }
+        batch.commit().map_err(engine)
+    }
+}
+
+impl StateBackend for DiskBackend {
+    fn get(&self, group: usize, key: &[u8]) -> Result<Option<Cow<'_, [u8]>>, StateError> {
+        self.check(group)?;
+        Ok(self
+            .keyspace
+            .get(store_key(group, key))
+            .map_err(engine)?
+            .map(|v| Cow::Owned(v.to_vec())))
+    }
+
+    fn put(&mut self, group: usize, key: &[u8], value: Vec<u8>) -> Result<(), StateError> {
+        self.check(group)?;
+        self.track(group, key, true)?;
+        self.keyspace
+            .insert(store_key(group, key), value)
+            .map_err(engine)
+    }
+
+    fn delete(&mut self, group: usize, key: &[u8]) -> Result<(), StateError> {
+        self.check(group)?;
+        if self.track(group, key, false)? {
+            self.keyspace
+                .remove(store_key(group, key))
+                .map_err(engine)?;
+        }
+        Ok(())
+    }
+
+    fn scan(&self, group: usize, prefix: &[u8]) -> Result<Entries, StateError> {
+        self.check(group)?;
+        self.range(group, prefix).collect()
+    }
+
+    fn last_key(&self, group: usize, prefix: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
+        self.check(group)?;
+        self.range(group, prefix)
+            .next_back()
+            .transpose()
+            .map(|e| e.map(|(k, _)| k))
+    }
+
+    fn delete_prefix(&mut self, group: usize, prefix: &[u8]) -> Result<(), StateError> {
+        self.check(group)?;
+        let keys: Vec<Vec<u8>> = self
+            .range(group, prefix)
+            .map(|r| r.map(|(k, _)| k))
+            .collect::<Result<_, _>>()?;
+        for k in keys {
+            self.delete(group, &k)?;
+        }
+        Ok(())
+    }
+
+    fn cut(&mut self) -> u32 {
+        let e = self.epoch;
+        self.epoch = self.epoch.wrapping_add(1).max(1);
+        e
+    }
+
+    fn group_mode(&self, group: usize, since: u32) -> GroupMode {
+        match self.groups.get(group) {
+            None => GroupMode::Full,
+            Some(g) if g.reset > since || since < g.forgotten_through => GroupMode::Full,
+            Some(g) if g.changed <= since => GroupMode::Unchanged,
+            Some(_) => GroupMode::Delta { since },
+        }
+    }
+
+    fn visit(
+        &mut self,
+        group: usize,
+        mode: GroupMode,
+        f: &mut dyn FnMut(Change<'_>),
+    ) -> Result<(), StateError> {
+        self.check(group)?;
+        match mode {
+            GroupMode::Unchanged => {}
+            GroupMode::Full => {
+                for entry in self.range(group, &[]) {
+                    let (k, v) = entry?;
+                    f(Change::Put(&k, &v));
+                }
+            }
+            GroupMode::Delta { since } => {
+                let g = &self.groups[group];
+                for (k, t) in g.tracked.iter().filter(|(_, t)| t.epoch > since) {
+                    if !t.now {
+                        f(Change::Delete(k));
+                        continue;
+                    }
+                    let value = self
+                        .keyspace
+                        .get(store_key(group, k))
+                        .map_err(engine)?
+                        .ok_or_else(|| {
+                            StateError::Backend(
+                                "disk state store: a tracked entry is missing from the store"
+                                    .into(),
+                            )
+                        })?;
+                    f(Change::Put(k, &value));
+                }
+                let g = &mut self.groups[group];
+                g.forget_through(since);
+                g.forgotten_through = g.forgotten_through.max(since);
+            }
+        }
+        Ok(())
+    }
+
+    fn install(
+        &mut self,
+        group: usize,
+        entries: BTreeMap<Vec<u8>, Vec<u8>>,
+    ) -> Result<(), StateError> {
+        self.check(group)?;
+        self.wipe(group)?;
+        let len = entries.len();
+        let mut batch = self.db.batch();
+        for (k, v) in entries {
+            batch.insert(&self.keyspace, store_key(group, &k), v);
+        }
+        batch.commit().map_err(engine)?;
+        self.groups[group] = Group {
+            base_len: len,
+            ..Group::default()
+        };
+        Ok(())
+    }
+
+    fn apply(
+        &mut self,
+        group: usize,
+        changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
+    ) -> Result<(), StateError> {
+        self.check(group)?;
+        // Not a change (epoch 0); the count follows what each key held before.
+        let mut batch = self.db.batch();
+        for (k, v) in changes {
+            let key = store_key(group, &k);
+            let now = v.is_some();
+            // An applied key is restored state, not a change: it leaves the tracking.
+            let had = match self.groups[group].tracked.remove(&k) {
+                Some(t) => t.was,
+                None => self.keyspace.contains_key(&key).map_err(engine)?,
+            };
+            let g = &mut self.groups[group];
+            g.base_len = (g.base_len + usize::from(now)).saturating_sub(usize::from(had));
+            match v {
+                Some(v) => batch.insert(&self.keyspace, key, v),
+                None => batch.remove(&self.keyspace, key),
+            }
+        }
+        batch.commit().map_err(engine)
+    }
+
+    fn clear(&mut self, group: usize) -> Result<(), StateError> {
+        self.check(group)?;
+        self.wipe(group)?;
+        let epoch = self.epoch;
+        self.groups[group] = Group {
+            changed: epoch,
+            reset: epoch,
+            ..Group::default()
+        };
+        Ok(())
+    }
+
+    fn len(&self, group: usize) -> usize {
+        self.groups.get(group).map_or(0, Group::len)
+    }
+}
