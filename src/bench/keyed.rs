@@ -13,6 +13,7 @@ use keyshift_runtime::job::{AggConfig, KeyedAggregator, Record, RecordKey};
 use keyshift_sdk::key::StreamKey;
 use keyshift_sdk::operator::READ_AHEAD;
 use keyshift_sdk::prelude::*;
+use keyshift_state_disk::{DiskBackend, DiskConfig};
 use std::time::{Duration, Instant};
 
 const GROUPS: u32 = 128;
@@ -136,6 +137,51 @@ fn flush(
     Ok(())
 }
 
+/// [`sdk`] with the operator's state on disk ([`DiskBackend`]): no read-ahead (the heap's alone),
+/// each record's state read from and written to the store.
+fn sdk_disk(
+    keys: &[(String, u32, RecordKey)],
+    records: u64,
+    first: u64,
+    dir: &std::path::Path,
+    config: DiskConfig,
+) -> Result<(Duration, usize, u64)> {
+    let range = KeyGroupRange {
+        start: 0,
+        end: GROUPS - 1,
+    };
+    let backend = DiskBackend::open(dir, range.len() as usize, config)?;
+    let mut op = KeyedOperator::with_backend("count", Count, GROUPS, range, Box::new(backend))?;
+    let n = keys.len() as u64;
+    let run = |op: &mut KeyedOperator<Count>, from: u64, count: u64| -> Result<()> {
+        for i in from..from + count {
+            let (key, group, rk) = &keys[key_index(i, n)];
+            op.process_routed(*group, rk, key, 0, 1)?;
+        }
+        Ok(())
+    };
+    run(&mut op, 0, n)?;
+    let t = Instant::now();
+    run(&mut op, first, records)?;
+    let elapsed = t.elapsed();
+    let on_disk = dir_bytes(dir);
+    Ok((elapsed, op.entries(), on_disk))
+}
+
+/// Bytes of the files under `dir` (0 if it cannot be read).
+fn dir_bytes(dir: &std::path::Path) -> u64 {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .map(|e| match e.file_type() {
+            Ok(t) if t.is_dir() => dir_bytes(&e.path()),
+            _ => e.metadata().map_or(0, |m| m.len()),
+        })
+        .sum()
+}
+
 /// The SDK's keyed step as the worker runtime drives it: its types erased
 /// (`keyshift_sdk::step::KeyedStep`), each record serialized (postcard) as it crosses the shuffle,
 /// in batches of [`BATCH`] routed records. On top of [`sdk`], each record is deserialized and its
@@ -184,8 +230,19 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub(super) fn keyed_bench(args: KeyedBench) -> Result<()> {
     println!("# keyshift bench keyed ({})", context_line());
     println!(
-        "| keys | built-in M records/s | SDK M records/s | SDK / built-in | SDK step from bytes M records/s | step / built-in | rounds |\n|---|---|---|---|---|---|---|"
+        "| keys | built-in M records/s | SDK M records/s | SDK / built-in | SDK step from bytes M records/s | step / built-in | SDK on disk M records/s | disk / heap | rounds |\n|---|---|---|---|---|---|---|---|---|"
     );
+    let disk = args.disk.as_ref().map(|base| {
+        let config = DiskConfig {
+            cache_bytes: args.disk_cache_mib << 20,
+            write_buffer_bytes: args.disk_write_buffer_mib << 20,
+            ..DiskConfig::default()
+        };
+        (
+            base.join(format!("keyshift-bench-keyed-{}", std::process::id())),
+            config,
+        )
+    });
     for &n in &args.keys {
         if n == 0 {
             bail!("--keys must be positive");
@@ -202,7 +259,7 @@ pub(super) fn keyed_bench(args: KeyedBench) -> Result<()> {
                 (s.clone(), rk.key_group(GROUPS), rk)
             })
             .collect();
-        let (mut b, mut s, mut e) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut b, mut s, mut e, mut d) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for round in 0..args.rounds.max(1) {
             let first = 1_000_000_007 * u64::from(round + 1);
             let (tb, kb) = builtin(&record_keys, args.records, first)?;
@@ -213,13 +270,30 @@ pub(super) fn keyed_bench(args: KeyedBench) -> Result<()> {
                     "state holds {kb} (built-in), {ks} (SDK) and {ke} (SDK step) keys, expected {n}"
                 );
             }
+            if let Some((dir, config)) = &disk {
+                let (td, kd, bytes) = sdk_disk(&sdk_keys, args.records, first, dir, *config)?;
+                if kd != n as usize {
+                    bail!("state on disk holds {kd} keys, expected {n}");
+                }
+                eprintln!(
+                    "  keys {n}, round {round}: disk store {:.1} MiB",
+                    bytes as f64 / (1 << 20) as f64
+                );
+                d.push(args.records as f64 / td.as_secs_f64() / 1e6);
+            }
             b.push(args.records as f64 / tb.as_secs_f64() / 1e6);
             s.push(args.records as f64 / ts.as_secs_f64() / 1e6);
             e.push(args.records as f64 / te.as_secs_f64() / 1e6);
         }
         let (mb, ms, me) = (median(b), median(s), median(e));
+        let (disk_rate, disk_ratio) = if d.is_empty() {
+            ("-".to_owned(), "-".to_owned())
+        } else {
+            let md = median(d);
+            (format!("{md:.2}"), format!("{:.2}x", md / ms))
+        };
         println!(
-            "| {n} | {mb:.2} | {ms:.2} | {:.2}x | {me:.2} | {:.2}x | {} |",
+            "| {n} | {mb:.2} | {ms:.2} | {:.2}x | {me:.2} | {:.2}x | {disk_rate} | {disk_ratio} | {} |",
             ms / mb,
             me / mb,
             args.rounds.max(1)

@@ -223,6 +223,16 @@ pub struct KeyedBench {
     /// Measurements per side, alternating built-in and SDK; the median is reported.
     #[arg(long, default_value_t = 3)]
     pub rounds: u32,
+    /// Also the SDK operator with its state on disk (keyshift-state-disk), its store in a
+    /// new directory under this one (removed afterwards).
+    #[arg(long)]
+    pub disk: Option<std::path::PathBuf>,
+    /// The disk backend's block cache, in MiB.
+    #[arg(long, default_value_t = 64)]
+    pub disk_cache_mib: u64,
+    /// The disk backend's write buffer (memtable), in MiB (at least 1).
+    #[arg(long, default_value_t = 64)]
+    pub disk_write_buffer_mib: u64,
 }
 
 #[derive(Args, Debug)]
