@@ -22,7 +22,9 @@
 
 use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use keyshift_sdk::StateError;
-use keyshift_sdk::state::backend::{Change, Entries, GroupMode, StateBackend};
+use keyshift_sdk::state::backend::{
+    Change, Entries, GroupEpochs, GroupMode, StateBackend, next_epoch,
+};
 use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -79,13 +81,9 @@ struct Group {
     tracked: BTreeMap<Vec<u8>, Tracked>,
     /// Entries, not counting what the tracked keys changed.
     base_len: usize,
-    /// Epoch of the last change.
-    changed: u32,
-    /// Epoch the group was last cleared, or its tracking dropped (a delta cannot say that).
-    reset: u32,
-    /// Changes at or before this epoch are no longer tracked: a delta since an earlier cut is
-    /// written in full.
-    forgotten_through: u32,
+    /// Its changes' epochs (`reset` also when its tracking was dropped; `forgotten_through`:
+    /// changes at or before it are no longer tracked).
+    epochs: GroupEpochs,
 }
 
 impl Group {
@@ -207,7 +205,7 @@ impl DiskBackend {
             // A key that holds nothing deleted: no change.
             return Ok(false);
         }
-        g.changed = epoch;
+        g.epochs.changed = epoch;
         match g.tracked.get_mut(key) {
             Some(t) => {
                 t.now = now;
@@ -220,7 +218,7 @@ impl DiskBackend {
         if g.tracked.len() > max {
             // Too many to track: the next snapshot writes the group in full.
             g.forget_through(u32::MAX);
-            g.reset = epoch;
+            g.epochs.reset = epoch;
         }
         Ok(was)
     }
@@ -306,17 +304,14 @@ impl StateBackend for DiskBackend {
 
     fn cut(&mut self) -> u32 {
         let e = self.epoch;
-        self.epoch = self.epoch.wrapping_add(1).max(1);
+        self.epoch = next_epoch(e);
         e
     }
 
     fn group_mode(&self, group: usize, since: u32) -> GroupMode {
-        match self.groups.get(group) {
-            None => GroupMode::Full,
-            Some(g) if g.reset > since || since < g.forgotten_through => GroupMode::Full,
-            Some(g) if g.changed <= since => GroupMode::Unchanged,
-            Some(_) => GroupMode::Delta { since },
-        }
+        self.groups
+            .get(group)
+            .map_or(GroupMode::Full, |g| g.epochs.mode(since))
     }
 
     fn visit(
@@ -355,7 +350,7 @@ impl StateBackend for DiskBackend {
                 }
                 let g = &mut self.groups[group];
                 g.forget_through(since);
-                g.forgotten_through = g.forgotten_through.max(since);
+                g.epochs.forget_through(since);
             }
         }
         Ok(())
@@ -412,8 +407,7 @@ impl StateBackend for DiskBackend {
         self.wipe(group)?;
         let epoch = self.epoch;
         self.groups[group] = Group {
-            changed: epoch,
-            reset: epoch,
+            epochs: GroupEpochs::cleared(epoch),
             ..Group::default()
         };
         Ok(())

@@ -38,6 +38,53 @@ pub enum Change<'a> {
 /// Entries as (entry key, value), in key order.
 pub type Entries = Vec<(Vec<u8>, Vec<u8>)>;
 
+/// The cut epochs of one key group that say how a snapshot must write it ([`Self::mode`]):
+/// every backend keeps them the same way.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GroupEpochs {
+    /// Epoch of the last change.
+    pub changed: u32,
+    /// Epoch the group was last cleared (a delta cannot say that).
+    pub reset: u32,
+    /// Changes at or before this epoch can no longer be told apart (a delta forgot its
+    /// deletions): a delta since an earlier cut is written in full.
+    pub forgotten_through: u32,
+}
+
+impl GroupEpochs {
+    /// A group cleared in `epoch`: written in full by the next snapshot.
+    pub fn cleared(epoch: u32) -> Self {
+        GroupEpochs {
+            changed: epoch,
+            reset: epoch,
+            forgotten_through: 0,
+        }
+    }
+
+    /// How a snapshot building on the one taken at cut `since` must write the group: in full
+    /// if it was cleared since (or `since` is older than what it can tell apart), not at all if
+    /// nothing changed, else a delta.
+    pub fn mode(&self, since: u32) -> GroupMode {
+        if self.reset > since || since < self.forgotten_through {
+            GroupMode::Full
+        } else if self.changed <= since {
+            GroupMode::Unchanged
+        } else {
+            GroupMode::Delta { since }
+        }
+    }
+
+    /// A delta since `since` was written: what changed at or before it is forgotten.
+    pub fn forget_through(&mut self, since: u32) {
+        self.forgotten_through = self.forgotten_through.max(since);
+    }
+}
+
+/// The cut epoch after `epoch` (0, the epoch of restored state, is never reused).
+pub fn next_epoch(epoch: u32) -> u32 {
+    epoch.wrapping_add(1).max(1)
+}
+
 /// The keyed state of one subtask's key groups. Every method takes the group's index among the
 /// owned groups (0-based), not the group number.
 pub trait StateBackend: Send {
@@ -100,12 +147,7 @@ struct Group {
     entries: BTreeMap<Vec<u8>, Entry>,
     /// Keys deleted, and the epoch of the deletion (deltas must say so).
     deleted: BTreeMap<Vec<u8>, u32>,
-    /// Epoch of the last change.
-    changed: u32,
-    /// Epoch the group was last cleared (a delta cannot say that).
-    reset: u32,
-    /// Deletions at or before this epoch are forgotten: a delta since an earlier cut is full.
-    forgotten_through: u32,
+    epochs: GroupEpochs,
 }
 
 /// A byte-addressed backend in memory: one sorted map per owned key group, the layout a disk
@@ -170,7 +212,7 @@ impl StateBackend for SortedBackend {
     fn put(&mut self, group: usize, key: &[u8], value: Vec<u8>) -> Result<(), StateError> {
         let epoch = self.epoch;
         let g = self.group_mut(group)?;
-        g.changed = epoch;
+        g.epochs.changed = epoch;
         match g.entries.get_mut(key) {
             Some(e) => {
                 e.value = value;
@@ -188,7 +230,7 @@ impl StateBackend for SortedBackend {
         let epoch = self.epoch;
         let g = self.group_mut(group)?;
         if g.entries.remove(key).is_some() {
-            g.changed = epoch;
+            g.epochs.changed = epoch;
             g.deleted.insert(key.to_vec(), epoch);
         }
         Ok(())
@@ -221,7 +263,7 @@ impl StateBackend for SortedBackend {
             .map(|(k, _)| k.clone())
             .collect();
         if !keys.is_empty() {
-            g.changed = epoch;
+            g.epochs.changed = epoch;
         }
         for k in keys {
             g.entries.remove(&k);
@@ -232,17 +274,14 @@ impl StateBackend for SortedBackend {
 
     fn cut(&mut self) -> u32 {
         let e = self.epoch;
-        self.epoch = self.epoch.wrapping_add(1).max(1);
+        self.epoch = next_epoch(e);
         e
     }
 
     fn group_mode(&self, group: usize, since: u32) -> GroupMode {
-        match self.groups.get(group) {
-            None => GroupMode::Full,
-            Some(g) if g.reset > since || since < g.forgotten_through => GroupMode::Full,
-            Some(g) if g.changed <= since => GroupMode::Unchanged,
-            Some(_) => GroupMode::Delta { since },
-        }
+        self.groups
+            .get(group)
+            .map_or(GroupMode::Full, |g| g.epochs.mode(since))
     }
 
     fn visit(
@@ -271,7 +310,7 @@ impl StateBackend for SortedBackend {
                     }
                 }
                 g.deleted.retain(|_, epoch| *epoch > since);
-                g.forgotten_through = g.forgotten_through.max(since);
+                g.epochs.forget_through(since);
             }
         }
         Ok(())
@@ -314,8 +353,7 @@ impl StateBackend for SortedBackend {
     fn clear(&mut self, group: usize) -> Result<(), StateError> {
         let epoch = self.epoch;
         *self.group_mut(group)? = Group {
-            changed: epoch,
-            reset: epoch,
+            epochs: GroupEpochs::cleared(epoch),
             ..Group::default()
         };
         Ok(())
@@ -338,6 +376,25 @@ mod tests {
         })
         .unwrap();
         out
+    }
+
+    #[test]
+    fn a_group_s_epochs_say_full_unchanged_or_delta() {
+        let mut e = GroupEpochs {
+            changed: 5,
+            ..GroupEpochs::default()
+        };
+        assert_eq!(e.mode(5), GroupMode::Unchanged);
+        assert_eq!(e.mode(6), GroupMode::Unchanged);
+        assert_eq!(e.mode(4), GroupMode::Delta { since: 4 });
+        e.forget_through(3);
+        assert_eq!(e.mode(2), GroupMode::Full, "older than what it tells apart");
+        assert_eq!(e.mode(3), GroupMode::Delta { since: 3 });
+        let c = GroupEpochs::cleared(7);
+        assert_eq!(c.mode(6), GroupMode::Full);
+        assert_eq!(c.mode(7), GroupMode::Unchanged);
+        assert_eq!(next_epoch(1), 2);
+        assert_eq!(next_epoch(u32::MAX), 1, "0 is the restored state's");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! (into the same key-group blocks, and the same entry keys, as the byte-addressed
 //! [`super::backend::StateBackend`] a disk engine implements).
 
-use super::backend::{Change, GroupMode};
+use super::backend::{Change, GroupEpochs, GroupMode, next_epoch};
 use super::{Codec, StateId};
 use crate::error::StateError;
 use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key};
@@ -230,9 +230,7 @@ struct Group {
     /// Each key with its states, by the key's cached hash (nothing is hashed per record, and a
     /// short string key is compared inline).
     keys: HashTable<(RecordKey, KeyStates)>,
-    changed: u32,
-    reset: u32,
-    forgotten_through: u32,
+    epochs: GroupEpochs,
     /// (epoch, key hash) of each key's first change in an epoch, in epoch order: what a delta
     /// visits instead of every key.
     touched: Vec<(u32, u64)>,
@@ -261,9 +259,7 @@ impl Default for Group {
     fn default() -> Self {
         Group {
             keys: HashTable::new(),
-            changed: 0,
-            reset: 0,
-            forgotten_through: 0,
+            epochs: GroupEpochs::default(),
             touched: Vec::new(),
             tracked_from: 0,
             live: 0,
@@ -311,7 +307,7 @@ impl<K: StreamKey> HeapStore<K> {
         let epoch = self.epoch;
         let hasher = &self.hasher;
         let g = self.groups.get_mut(group)?;
-        g.changed = epoch;
+        g.epochs.changed = epoch;
         // Where the read-ahead found the key, if nothing has moved it since (checked by the key:
         // a resize, or a released key's bucket taken by another, moves or replaces it).
         let found = ahead
@@ -378,17 +374,14 @@ impl<K: StreamKey> HeapStore<K> {
 
     pub(crate) fn cut(&mut self) -> u32 {
         let e = self.epoch;
-        self.epoch = self.epoch.wrapping_add(1).max(1);
+        self.epoch = next_epoch(self.epoch);
         e
     }
 
     pub(crate) fn group_mode(&self, group: usize, since: u32) -> GroupMode {
-        match self.groups.get(group) {
-            None => GroupMode::Full,
-            Some(g) if g.reset > since || since < g.forgotten_through => GroupMode::Full,
-            Some(g) if g.changed <= since => GroupMode::Unchanged,
-            Some(_) => GroupMode::Delta { since },
-        }
+        self.groups
+            .get(group)
+            .map_or(GroupMode::Full, |g| g.epochs.mode(since))
     }
 
     /// Visits the group as `mode` says, values serialized (an expiry first, with a TTL), like
@@ -525,7 +518,7 @@ impl<K: StreamKey> HeapStore<K> {
                 }
             }
             g.touched.retain(|(e, _)| *e > since);
-            g.forgotten_through = g.forgotten_through.max(since);
+            g.epochs.forget_through(since);
         }
         Ok(())
     }
@@ -660,8 +653,7 @@ impl<K: StreamKey> HeapStore<K> {
         let epoch = self.epoch;
         if let Some(g) = self.groups.get_mut(group) {
             *g = Group {
-                changed: epoch,
-                reset: epoch,
+                epochs: GroupEpochs::cleared(epoch),
                 ..Group::default()
             };
         }
