@@ -1,8 +1,8 @@
 //! Keyed state on local disk: the SDK's byte-addressed [`StateBackend`] on an embedded
 //! log-structured merge tree ([fjall]), for state larger than a worker's memory.
 //!
-//! The worker's memory is bounded by the engine's block cache and write buffer
-//! ([`DiskConfig`]); the state lives in a directory of the worker's local volume, which is
+//! The worker's memory is bounded by the engine's block cache and write buffer and by a
+//! write-back cache of recently used entries in front of it ([`DiskConfig`]); the state lives in a directory of the worker's local volume, which is
 //! scratch space: a worker that restarts restores from the object store, never from it (the
 //! directory is removed when the backend is dropped).
 //!
@@ -26,7 +26,8 @@ use keyshift_sdk::state::backend::{
     Change, Entries, GroupEpochs, GroupMode, StateBackend, next_epoch,
 };
 use std::borrow::Cow;
-use std::collections::BTreeMap;
+use std::cell::RefCell;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 /// How much memory the engine may use, and how many changed keys a group tracks.
@@ -40,6 +41,10 @@ pub struct DiskConfig {
     /// Changed keys a group tracks for its next delta; past it, the next snapshot writes the
     /// group in full instead.
     pub max_tracked_keys: usize,
+    /// The write-back cache of recently used entries in front of the store, in bytes: a key
+    /// read and written again and again (a counter) reaches the store once per flush, not per
+    /// record. Flushed in one batch when full and before every scan or snapshot.
+    pub write_cache_bytes: usize,
 }
 
 impl Default for DiskConfig {
@@ -48,6 +53,7 @@ impl Default for DiskConfig {
             cache_bytes: 64 << 20,
             write_buffer_bytes: 64 << 20,
             max_tracked_keys: 1 << 20,
+            write_cache_bytes: 64 << 20,
         }
     }
 }
@@ -113,11 +119,56 @@ impl Group {
     }
 }
 
+/// An entry in the write-back cache: its value (`None`: no entry), and whether the store has
+/// it yet.
+#[derive(Debug)]
+struct Cached {
+    value: Option<Vec<u8>>,
+    dirty: bool,
+}
+
+/// What an entry costs the cache beyond its key's and value's bytes (the map's slot, the two
+/// vectors' headers).
+const CACHED_OVERHEAD: usize = 64;
+
+/// Recently used entries by store key, bounded by bytes.
+#[derive(Debug, Default)]
+struct WriteCache {
+    entries: HashMap<Vec<u8>, Cached>,
+    bytes: usize,
+    dirty: usize,
+}
+
+impl WriteCache {
+    fn cost(key: &[u8], value: &Option<Vec<u8>>) -> usize {
+        key.len() + value.as_ref().map_or(0, Vec::len) + CACHED_OVERHEAD
+    }
+
+    fn insert(&mut self, key: Vec<u8>, value: Option<Vec<u8>>, dirty: bool) {
+        self.bytes += Self::cost(&key, &value);
+        if dirty {
+            self.dirty += 1;
+        }
+        if let Some(old) = self.entries.insert(key, Cached { value, dirty }) {
+            // The key's bytes were counted twice: once is taken off with the old value.
+            self.bytes = self
+                .bytes
+                .saturating_sub(old.value.as_ref().map_or(0, Vec::len) + CACHED_OVERHEAD);
+            if old.dirty {
+                self.dirty -= 1;
+            }
+        }
+    }
+}
+
 /// Keyed state of one subtask's key groups in an LSM tree on local disk.
 pub struct DiskBackend {
     /// Dropped after the keyspace (declaration order): the database removes its directory.
     keyspace: Keyspace,
     db: Database,
+    /// Behind a `RefCell`: reads (`&self`) fill it and scans flush it.
+    cache: RefCell<WriteCache>,
+    cache_limit: usize,
     groups: Vec<Group>,
     epoch: u32,
     max_tracked: usize,
@@ -166,6 +217,8 @@ impl DiskBackend {
         Ok(DiskBackend {
             keyspace,
             db,
+            cache: RefCell::new(WriteCache::default()),
+            cache_limit: config.write_cache_bytes,
             groups: (0..groups).map(|_| Group::default()).collect(),
             epoch: 1,
             max_tracked: config.max_tracked_keys.max(1),
@@ -187,6 +240,67 @@ impl DiskBackend {
         self.group(group).map(|_| ())
     }
 
+    /// The entry at store key `sk`: from the cache, else from the store (then cached).
+    fn read(&self, sk: Vec<u8>) -> Result<Option<Vec<u8>>, StateError> {
+        if let Some(c) = self.cache.borrow().entries.get(&sk) {
+            return Ok(c.value.clone());
+        }
+        let value = self.keyspace.get(&sk).map_err(engine)?.map(|v| v.to_vec());
+        self.cache.borrow_mut().insert(sk, value.clone(), false);
+        self.bound()?;
+        Ok(value)
+    }
+
+    /// Whether store key `sk` holds an entry.
+    fn present(&self, sk: &[u8]) -> Result<bool, StateError> {
+        if let Some(c) = self.cache.borrow().entries.get(sk) {
+            return Ok(c.value.is_some());
+        }
+        self.keyspace.contains_key(sk).map_err(engine)
+    }
+
+    /// Writes (`Some`) or deletes the entry at store key `sk`, in the cache.
+    fn write(&self, sk: Vec<u8>, value: Option<Vec<u8>>) -> Result<(), StateError> {
+        self.cache.borrow_mut().insert(sk, value, true);
+        self.bound()
+    }
+
+    /// Writes the cache's dirty entries to the store in one batch (they stay cached).
+    fn flush(&self) -> Result<(), StateError> {
+        let mut cache = self.cache.borrow_mut();
+        if cache.dirty == 0 {
+            return Ok(());
+        }
+        let mut batch = self.db.batch();
+        for (k, c) in cache.entries.iter_mut().filter(|(_, c)| c.dirty) {
+            match &c.value {
+                Some(v) => batch.insert(&self.keyspace, k.as_slice(), v.as_slice()),
+                None => batch.remove(&self.keyspace, k.as_slice()),
+            }
+            c.dirty = false;
+        }
+        cache.dirty = 0;
+        batch.commit().map_err(engine)
+    }
+
+    /// Flushes the cache and empties it: when it is full, and before the store is written
+    /// around it (a restore, a clear).
+    fn empty_cache(&self) -> Result<(), StateError> {
+        self.flush()?;
+        let mut cache = self.cache.borrow_mut();
+        cache.entries.clear();
+        cache.bytes = 0;
+        Ok(())
+    }
+
+    /// Keeps the cache within its bound.
+    fn bound(&self) -> Result<(), StateError> {
+        if self.cache.borrow().bytes > self.cache_limit {
+            self.empty_cache()?;
+        }
+        Ok(())
+    }
+
     /// Records that `key` of `group` holds an entry (`now`) or none after a change in this
     /// epoch; returns whether it held one before.
     fn track(&mut self, group: usize, key: &[u8], now: bool) -> Result<bool, StateError> {
@@ -194,10 +308,7 @@ impl DiskBackend {
         let known = self.groups[group].tracked.get(key).map(|t| t.now);
         let was = match known {
             Some(was) => was,
-            None => self
-                .keyspace
-                .contains_key(store_key(group, key))
-                .map_err(engine)?,
+            None => self.present(&store_key(group, key))?,
         };
         let max = self.max_tracked;
         let g = &mut self.groups[group];
@@ -223,7 +334,8 @@ impl DiskBackend {
         Ok(was)
     }
 
-    /// Every (store key, value) of `group` whose entry key starts with `prefix`, in order.
+    /// Every (entry key, value) of `group` whose entry key starts with `prefix`, in order, as
+    /// the store has them (flush the cache first).
     fn range(
         &self,
         group: usize,
@@ -237,6 +349,7 @@ impl DiskBackend {
 
     /// Deletes every entry of `group` from the store, untracked.
     fn wipe(&mut self, group: usize) -> Result<(), StateError> {
+        self.empty_cache()?;
         let keys: Vec<Vec<u8>> = self
             .range(group, &[])
             .map(|r| r.map(|(k, _)| k))
@@ -252,38 +365,32 @@ impl DiskBackend {
 impl StateBackend for DiskBackend {
     fn get(&self, group: usize, key: &[u8]) -> Result<Option<Cow<'_, [u8]>>, StateError> {
         self.check(group)?;
-        Ok(self
-            .keyspace
-            .get(store_key(group, key))
-            .map_err(engine)?
-            .map(|v| Cow::Owned(v.to_vec())))
+        Ok(self.read(store_key(group, key))?.map(Cow::Owned))
     }
 
     fn put(&mut self, group: usize, key: &[u8], value: Vec<u8>) -> Result<(), StateError> {
         self.check(group)?;
         self.track(group, key, true)?;
-        self.keyspace
-            .insert(store_key(group, key), value)
-            .map_err(engine)
+        self.write(store_key(group, key), Some(value))
     }
 
     fn delete(&mut self, group: usize, key: &[u8]) -> Result<(), StateError> {
         self.check(group)?;
         if self.track(group, key, false)? {
-            self.keyspace
-                .remove(store_key(group, key))
-                .map_err(engine)?;
+            self.write(store_key(group, key), None)?;
         }
         Ok(())
     }
 
     fn scan(&self, group: usize, prefix: &[u8]) -> Result<Entries, StateError> {
         self.check(group)?;
+        self.flush()?;
         self.range(group, prefix).collect()
     }
 
     fn last_key(&self, group: usize, prefix: &[u8]) -> Result<Option<Vec<u8>>, StateError> {
         self.check(group)?;
+        self.flush()?;
         self.range(group, prefix)
             .next_back()
             .transpose()
@@ -292,6 +399,7 @@ impl StateBackend for DiskBackend {
 
     fn delete_prefix(&mut self, group: usize, prefix: &[u8]) -> Result<(), StateError> {
         self.check(group)?;
+        self.flush()?;
         let keys: Vec<Vec<u8>> = self
             .range(group, prefix)
             .map(|r| r.map(|(k, _)| k))
@@ -321,6 +429,7 @@ impl StateBackend for DiskBackend {
         f: &mut dyn FnMut(Change<'_>),
     ) -> Result<(), StateError> {
         self.check(group)?;
+        self.flush()?;
         match mode {
             GroupMode::Unchanged => {}
             GroupMode::Full => {
@@ -382,6 +491,7 @@ impl StateBackend for DiskBackend {
         changes: BTreeMap<Vec<u8>, Option<Vec<u8>>>,
     ) -> Result<(), StateError> {
         self.check(group)?;
+        self.empty_cache()?;
         // Not a change (epoch 0); the count follows what each key held before.
         let mut batch = self.db.batch();
         for (k, v) in changes {

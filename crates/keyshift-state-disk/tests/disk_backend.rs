@@ -26,9 +26,15 @@ fn changes(b: &mut dyn StateBackend, group: usize, mode: GroupMode) -> Changes {
     out
 }
 
-fn disk(dir: &tempfile::TempDir, groups: usize, max_tracked_keys: usize) -> DiskBackend {
+fn disk(
+    dir: &tempfile::TempDir,
+    groups: usize,
+    max_tracked_keys: usize,
+    write_cache_bytes: usize,
+) -> DiskBackend {
     let config = DiskConfig {
         max_tracked_keys,
+        write_cache_bytes,
         ..DiskConfig::default()
     };
     DiskBackend::open(&dir.path().join("state"), groups, config).unwrap()
@@ -168,10 +174,12 @@ proptest! {
     fn the_disk_backend_reads_counts_and_snapshots_as_the_reference_does(
         ops in prop::collection::vec(op(), 1..60),
         max_tracked in prop_oneof![Just(1usize << 20), Just(3usize)],
+        // A cache that holds everything, and one that flushes and empties every few writes.
+        write_cache in prop_oneof![Just(64usize << 20), Just(300usize)],
     ) {
         let dir = tempfile::tempdir().unwrap();
         let mut reference = SortedBackend::new(GROUPS);
-        let mut on_disk = disk(&dir, GROUPS, max_tracked);
+        let mut on_disk = disk(&dir, GROUPS, max_tracked, write_cache);
         let mut cuts = Vec::new();
         for op in &ops {
             run(op, &mut reference, &mut on_disk, &mut cuts);
@@ -215,7 +223,7 @@ fn a_delta_carries_the_changes_since_its_base_and_the_store_leaves_with_the_back
 #[test]
 fn a_group_past_its_tracking_bound_is_written_in_full() {
     let dir = tempfile::tempdir().unwrap();
-    let mut b = disk(&dir, 1, 4);
+    let mut b = disk(&dir, 1, 4, 64 << 20);
     let base = b.cut();
     for i in 0u8..10 {
         b.put(0, &[i], vec![i]).unwrap();
