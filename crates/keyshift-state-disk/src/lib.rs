@@ -2,9 +2,10 @@
 //! log-structured merge tree ([fjall]), for state larger than a worker's memory.
 //!
 //! The worker's memory is bounded by the engine's block cache and write buffer and by a
-//! write-back cache of recently used entries in front of it ([`DiskConfig`]); the state lives in a directory of the worker's local volume, which is
-//! scratch space: a worker that restarts restores from the object store, never from it (the
-//! directory is removed when the backend is dropped).
+//! write-back cache of recently used entries in front of it ([`DiskConfig`]); the state lives
+//! in a directory of the worker's local volume, which is scratch space: a worker that restarts
+//! restores from the object store, never from it (the directory is removed when the backend is
+//! dropped).
 //!
 //! The layout is the interface's own (`crate::state::backend` of the SDK): one sorted key space,
 //! every entry key prefixed by its key group's index among the owned groups (4 bytes,
