@@ -135,7 +135,7 @@ const CACHED_OVERHEAD: usize = 64;
 /// Recently used entries by store key, bounded by bytes.
 #[derive(Debug, Default)]
 struct WriteCache {
-    entries: HashMap<Vec<u8>, Cached>,
+    entries: HashMap<Vec<u8>, Cached, foldhash::fast::RandomState>,
     bytes: usize,
     dirty: usize,
 }
