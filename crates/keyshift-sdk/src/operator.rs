@@ -334,10 +334,10 @@ impl<F: KeyedProcessFunction> KeyedOperator<F> {
         };
         if let Backend::Heap(h) = &mut self.backend {
             if empty {
-                h.release(index, rk, h.hash(rk));
+                h.release(index, rk);
             } else if first_change {
                 // The key's first change in this epoch: a delta visits it.
-                h.touched(index, h.hash(rk));
+                h.touched(index, rk);
             }
         }
         r

@@ -80,9 +80,12 @@ impl GroupEpochs {
     }
 }
 
-/// The cut epoch after `epoch` (0, the epoch of restored state, is never reused).
-pub fn next_epoch(epoch: u32) -> u32 {
-    epoch.wrapping_add(1).max(1)
+/// Ends the current cut epoch (`StateBackend::cut`): returns it and moves `epoch` to the next
+/// one (0, the epoch of restored state, is never reused).
+pub fn end_epoch(epoch: &mut u32) -> u32 {
+    let ended = *epoch;
+    *epoch = ended.wrapping_add(1).max(1);
+    ended
 }
 
 /// The keyed state of one subtask's key groups. Every method takes the group's index among the
@@ -273,9 +276,7 @@ impl StateBackend for SortedBackend {
     }
 
     fn cut(&mut self) -> u32 {
-        let e = self.epoch;
-        self.epoch = next_epoch(e);
-        e
+        end_epoch(&mut self.epoch)
     }
 
     fn group_mode(&self, group: usize, since: u32) -> GroupMode {
@@ -393,8 +394,12 @@ mod tests {
         let c = GroupEpochs::cleared(7);
         assert_eq!(c.mode(6), GroupMode::Full);
         assert_eq!(c.mode(7), GroupMode::Unchanged);
-        assert_eq!(next_epoch(1), 2);
-        assert_eq!(next_epoch(u32::MAX), 1, "0 is the restored state's");
+        let mut epoch = 1;
+        assert_eq!(end_epoch(&mut epoch), 1);
+        assert_eq!(epoch, 2);
+        let mut epoch = u32::MAX;
+        assert_eq!(end_epoch(&mut epoch), u32::MAX);
+        assert_eq!(epoch, 1, "0 is the restored state's");
     }
 
     #[test]

@@ -4,7 +4,7 @@
 //! (into the same key-group blocks, and the same entry keys, as the byte-addressed
 //! [`super::backend::StateBackend`] a disk engine implements).
 
-use super::backend::{Change, GroupEpochs, GroupMode, next_epoch};
+use super::backend::{Change, GroupEpochs, GroupMode, end_epoch};
 use super::{Codec, StateId};
 use crate::error::StateError;
 use crate::key::{RecordKey, StreamKey, decode_key, encode_record_key};
@@ -328,11 +328,6 @@ impl<K: StreamKey> HeapStore<K> {
         Some(states)
     }
 
-    /// The hash `key`'s entry is kept by ([`Self::release`], [`Self::touched`]).
-    pub(crate) fn hash(&self, key: &RecordKey) -> u64 {
-        self.hasher.hash_one(key)
-    }
-
     /// Finds where the entry of `key` in group `group` likely is, and asks the CPU to fetch it
     /// (see [`crate::operator::KeyedOperator::prefetch`]).
     ///
@@ -365,17 +360,16 @@ impl<K: StreamKey> HeapStore<K> {
         ReadAhead(Some(entry.bucket_index()))
     }
 
-    /// Drops `key`'s entry (its hash from [`Self::hash`]), which the caller found empty.
-    pub(crate) fn release(&mut self, group: usize, key: &RecordKey, hash: u64) {
+    /// Drops `key`'s entry, which the caller found empty.
+    pub(crate) fn release(&mut self, group: usize, key: &RecordKey) {
+        let hash = self.hasher.hash_one(key);
         if let Some(g) = self.groups.get_mut(group) {
             g.drop_empty(hash, Some(key));
         }
     }
 
     pub(crate) fn cut(&mut self) -> u32 {
-        let e = self.epoch;
-        self.epoch = next_epoch(self.epoch);
-        e
+        end_epoch(&mut self.epoch)
     }
 
     pub(crate) fn group_mode(&self, group: usize, since: u32) -> GroupMode {
@@ -523,10 +517,11 @@ impl<K: StreamKey> HeapStore<K> {
         Ok(())
     }
 
-    /// Records that the key of `hash` in group `group` changed in the current epoch (its first
-    /// change in it), so that a delta visits it without a pass over every key. Past twice the
-    /// group's keys the record is dropped: deltas since earlier epochs visit every key again.
-    pub(crate) fn touched(&mut self, group: usize, hash: u64) {
+    /// Records that `key` in group `group` changed in the current epoch (its first change in
+    /// it), so that a delta visits it without a pass over every key. Past twice the group's keys
+    /// the record is dropped: deltas since earlier epochs visit every key again.
+    pub(crate) fn touched(&mut self, group: usize, key: &RecordKey) {
+        let hash = self.hasher.hash_one(key);
         let epoch = self.epoch;
         if let Some(g) = self.groups.get_mut(group) {
             if g.touched.len() > 2 * g.keys.len() + 1024 {
@@ -720,8 +715,7 @@ mod tests {
         // A key read ahead, then released empty, its bucket taken by another key: the stale
         // hint leads to neither the other key's state nor a second entry of its own.
         let ahead_b = store.touch(0, &key("b"));
-        let hash = store.hasher.hash_one(key("b"));
-        store.release(0, &key("b"), hash);
+        store.release(0, &key("b"));
         let ahead_c = store.touch(0, &key("c"));
         set(&mut store, "c", ahead_c, 7);
         assert_eq!(get(&mut store, "b", ahead_b), None);
@@ -742,8 +736,7 @@ mod tests {
         assert_eq!(store.len(0), 0);
         let states = store.key_mut(0, &key("a"), ReadAhead::default()).unwrap();
         assert!(states.is_empty());
-        let hash = store.hash(&key("a"));
-        store.release(0, &key("a"), hash);
+        store.release(0, &key("a"));
         assert_eq!(store.groups[0].keys.len(), 0);
     }
 }
