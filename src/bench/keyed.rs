@@ -100,6 +100,17 @@ fn sdk(keys: &[(String, u32, RecordKey)], records: u64, first: u64) -> Result<(D
         end: GROUPS - 1,
     };
     let mut op = KeyedOperator::new("count", Count, GROUPS, range)?;
+    sdk_on(&mut op, keys, records, first)
+}
+
+/// Runs [`sdk`]'s records through `op` (on either backend): the warm-up, then the measured
+/// records; their time, and the state's entries after them.
+fn sdk_on(
+    op: &mut KeyedOperator<Count>,
+    keys: &[(String, u32, RecordKey)],
+    records: u64,
+    first: u64,
+) -> Result<(Duration, usize)> {
     let n = keys.len() as u64;
     let mut batch: Vec<(u32, RecordKey, &String)> = Vec::with_capacity(BATCH);
     let mut run = |op: &mut KeyedOperator<Count>, from: u64, count: u64| -> Result<()> {
@@ -113,9 +124,9 @@ fn sdk(keys: &[(String, u32, RecordKey)], records: u64, first: u64) -> Result<(D
         flush(op, &mut batch)?;
         Ok(())
     };
-    run(&mut op, 0, n)?;
+    run(op, 0, n)?;
     let t = Instant::now();
-    run(&mut op, first, records)?;
+    run(op, first, records)?;
     Ok((t.elapsed(), op.entries()))
 }
 
@@ -137,8 +148,8 @@ fn flush(
     Ok(())
 }
 
-/// [`sdk`] with the operator's state on disk ([`DiskBackend`]): no read-ahead (the heap's alone),
-/// each record's state read from and written to the store.
+/// [`sdk`] with the operator's state on disk ([`DiskBackend`]), driven the same way (its
+/// read-ahead does nothing: only the heap reads ahead); also the bytes the store takes on disk.
 fn sdk_disk(
     keys: &[(String, u32, RecordKey)],
     records: u64,
@@ -152,20 +163,8 @@ fn sdk_disk(
     };
     let backend = DiskBackend::open(dir, range.len() as usize, config)?;
     let mut op = KeyedOperator::with_backend("count", Count, GROUPS, range, Box::new(backend))?;
-    let n = keys.len() as u64;
-    let run = |op: &mut KeyedOperator<Count>, from: u64, count: u64| -> Result<()> {
-        for i in from..from + count {
-            let (key, group, rk) = &keys[key_index(i, n)];
-            op.process_routed(*group, rk, key, 0, 1)?;
-        }
-        Ok(())
-    };
-    run(&mut op, 0, n)?;
-    let t = Instant::now();
-    run(&mut op, first, records)?;
-    let elapsed = t.elapsed();
-    let on_disk = dir_bytes(dir);
-    Ok((elapsed, op.entries(), on_disk))
+    let (elapsed, entries) = sdk_on(&mut op, keys, records, first)?;
+    Ok((elapsed, entries, dir_bytes(dir)))
 }
 
 /// Bytes of the files under `dir` (0 if it cannot be read).

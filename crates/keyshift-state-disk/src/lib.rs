@@ -24,7 +24,7 @@
 use fjall::{Database, Keyspace, KeyspaceCreateOptions};
 use keyshift_sdk::StateError;
 use keyshift_sdk::state::backend::{
-    Change, Entries, GroupEpochs, GroupMode, StateBackend, next_epoch,
+    Change, Entries, GroupEpochs, GroupMode, StateBackend, end_epoch,
 };
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -107,7 +107,7 @@ impl Group {
     }
 
     /// Stops tracking the keys changed at or before `epoch`, their effect kept in the count.
-    fn forget_through(&mut self, epoch: u32) {
+    fn untrack_through(&mut self, epoch: u32) {
         let mut base = self.base_len as isize;
         self.tracked.retain(|_, t| {
             if t.epoch > epoch {
@@ -226,19 +226,15 @@ impl DiskBackend {
         })
     }
 
-    /// Bytes the store takes on disk (its files and journal).
-    pub fn disk_bytes(&self) -> Result<u64, StateError> {
-        self.db.disk_space().map_err(engine)
-    }
-
-    fn group(&self, group: usize) -> Result<&Group, StateError> {
-        self.groups
-            .get(group)
-            .ok_or_else(|| StateError::Backend(format!("group index {group} is not owned")))
-    }
-
+    /// Refuses a group index this subtask does not own.
     fn check(&self, group: usize) -> Result<(), StateError> {
-        self.group(group).map(|_| ())
+        if group < self.groups.len() {
+            Ok(())
+        } else {
+            Err(StateError::Backend(format!(
+                "group index {group} is not owned"
+            )))
+        }
     }
 
     /// The entry at store key `sk`: from the cache, else from the store (then cached).
@@ -302,14 +298,20 @@ impl DiskBackend {
         Ok(())
     }
 
-    /// Records that `key` of `group` holds an entry (`now`) or none after a change in this
-    /// epoch; returns whether it held one before.
-    fn track(&mut self, group: usize, key: &[u8], now: bool) -> Result<bool, StateError> {
+    /// Records that `key` of `group` (at store key `sk`) holds an entry (`now`) or none after a
+    /// change in this epoch; returns whether it held one before.
+    fn track(
+        &mut self,
+        group: usize,
+        key: &[u8],
+        sk: &[u8],
+        now: bool,
+    ) -> Result<bool, StateError> {
         let epoch = self.epoch;
         let known = self.groups[group].tracked.get(key).map(|t| t.now);
         let was = match known {
             Some(was) => was,
-            None => self.present(&store_key(group, key))?,
+            None => self.present(sk)?,
         };
         let max = self.max_tracked;
         let g = &mut self.groups[group];
@@ -329,7 +331,7 @@ impl DiskBackend {
         }
         if g.tracked.len() > max {
             // Too many to track: the next snapshot writes the group in full.
-            g.forget_through(u32::MAX);
+            g.untrack_through(u32::MAX);
             g.epochs.reset = epoch;
         }
         Ok(was)
@@ -348,13 +350,17 @@ impl DiskBackend {
         })
     }
 
+    /// The entry keys of `group` that start with `prefix`, in order, as the store has them.
+    fn keys(&self, group: usize, prefix: &[u8]) -> Result<Vec<Vec<u8>>, StateError> {
+        self.range(group, prefix)
+            .map(|r| r.map(|(k, _)| k))
+            .collect()
+    }
+
     /// Deletes every entry of `group` from the store, untracked.
     fn wipe(&mut self, group: usize) -> Result<(), StateError> {
         self.empty_cache()?;
-        let keys: Vec<Vec<u8>> = self
-            .range(group, &[])
-            .map(|r| r.map(|(k, _)| k))
-            .collect::<Result<_, _>>()?;
+        let keys = self.keys(group, &[])?;
         let mut batch = self.db.batch();
         for k in keys {
             batch.remove(&self.keyspace, store_key(group, &k));
@@ -371,14 +377,16 @@ impl StateBackend for DiskBackend {
 
     fn put(&mut self, group: usize, key: &[u8], value: Vec<u8>) -> Result<(), StateError> {
         self.check(group)?;
-        self.track(group, key, true)?;
-        self.write(store_key(group, key), Some(value))
+        let sk = store_key(group, key);
+        self.track(group, key, &sk, true)?;
+        self.write(sk, Some(value))
     }
 
     fn delete(&mut self, group: usize, key: &[u8]) -> Result<(), StateError> {
         self.check(group)?;
-        if self.track(group, key, false)? {
-            self.write(store_key(group, key), None)?;
+        let sk = store_key(group, key);
+        if self.track(group, key, &sk, false)? {
+            self.write(sk, None)?;
         }
         Ok(())
     }
@@ -401,20 +409,14 @@ impl StateBackend for DiskBackend {
     fn delete_prefix(&mut self, group: usize, prefix: &[u8]) -> Result<(), StateError> {
         self.check(group)?;
         self.flush()?;
-        let keys: Vec<Vec<u8>> = self
-            .range(group, prefix)
-            .map(|r| r.map(|(k, _)| k))
-            .collect::<Result<_, _>>()?;
-        for k in keys {
+        for k in self.keys(group, prefix)? {
             self.delete(group, &k)?;
         }
         Ok(())
     }
 
     fn cut(&mut self) -> u32 {
-        let e = self.epoch;
-        self.epoch = next_epoch(e);
-        e
+        end_epoch(&mut self.epoch)
     }
 
     fn group_mode(&self, group: usize, since: u32) -> GroupMode {
@@ -459,7 +461,7 @@ impl StateBackend for DiskBackend {
                     f(Change::Put(k, &value));
                 }
                 let g = &mut self.groups[group];
-                g.forget_through(since);
+                g.untrack_through(since);
                 g.epochs.forget_through(since);
             }
         }
